@@ -1,0 +1,12 @@
+"""rawkv: NVFP4 and DeepSeek-V4 compressed-KV-cache kernels for PyTorch.
+
+Kernels are CUDA C++ (rawkv/cu), compiled at run time with NVRTC, cached on
+disk and launched through CuPy on torch's current stream. `import rawkv`
+needs only numpy: no GPU, driver, CuPy or torch. CPU tensors and numpy arrays
+run the numpy reference (rawkv.reference), which defines every op.
+"""
+__version__ = "0.1.0"
+
+from . import fp8, fused, kvcache, nvfp4, reference  # noqa: E402,F401
+from .errors import CaptureError, CompileError, GpuUnavailableError, RawkvError  # noqa: E402,F401
+from .runtime import get_runtime, warmup  # noqa: E402,F401

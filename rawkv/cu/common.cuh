@@ -1,0 +1,89 @@
+// common.cuh: element formats and vector access shared by every rawkv kernel.
+//
+// docs/format.md is the contract; rawkv/reference/formats.py is its numpy
+// twin. Everything here must give the same bits as that reference, which is
+// why the runtime compiles with --fmad=false --ftz=false --prec-div=true.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+namespace rkv {
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+constexpr float kE4M3Max = 448.0f;
+constexpr u8 kE4M3NaN = 0x7F;
+
+// ---- E4M3 ------------------------------------------------------------------
+// RNE, satfinite (+-Inf and |x| > 448 -> +-448), subnormals kept, NaN -> 0x7F.
+// The clamp is exact for every non-NaN input (anything past 448 saturates
+// anyway) and makes Inf handling independent of the conversion path.
+__device__ __forceinline__ u8 e4m3_encode(float x) {
+    if (isnan(x)) return kE4M3NaN;
+    x = fminf(fmaxf(x, -kE4M3Max), kE4M3Max);
+    return (u8)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+}
+
+// Every E4M3 value is exact in FP16, so the decode goes through it losslessly.
+__device__ __forceinline__ float e4m3_decode(u8 b) {
+    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3);
+    return __half2float(__half(h));
+}
+
+// ---- E2M1 ------------------------------------------------------------------
+// RNE with saturation at 6; alternating strict/non-strict thresholds send the
+// ties 0.25, 1.25, 2.5, 5 down and 0.75, 1.75, 3.5 up: always to the even code.
+__device__ __forceinline__ u32 e2m1_encode(float v) {
+    float a = fabsf(v);
+    u32 idx = (u32)(a > 0.25f) + (u32)(a >= 0.75f) + (u32)(a > 1.25f) + (u32)(a >= 1.75f)
+            + (u32)(a > 2.5f) + (u32)(a >= 3.5f) + (u32)(a > 5.0f);
+    return idx | (signbit(v) ? 8u : 0u);
+}
+
+// Twice the E2M1 magnitudes {0,1,2,3,4,6,8,12}, one per byte: a shift instead
+// of a table in local memory.
+constexpr u64 kE2M1Twice = 0x0C08060403020100ull;
+
+__device__ __forceinline__ float e2m1_decode(u32 code) {
+    float mag = (float)((kE2M1Twice >> ((code & 7u) * 8u)) & 0xFFu) * 0.5f;
+    return (code & 8u) ? -mag : mag;
+}
+
+// ---- element I/O -------------------------------------------------------------
+template <typename T> __device__ __forceinline__ float to_f32(T v);
+template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// A 16-byte vector of T, loaded and stored as one uint4.
+template <typename T>
+struct Vec16 {
+    static constexpr int N = 16 / sizeof(T);
+    union { uint4 raw; T v[N]; };
+};
+
+template <typename T>
+__device__ __forceinline__ Vec16<T> load16(const T* p) {
+    Vec16<T> r; r.raw = *reinterpret_cast<const uint4*>(p); return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void store16(T* p, const Vec16<T>& r) {
+    *reinterpret_cast<uint4*>(p) = r.raw;
+}
+
+// Grid-stride loop helpers (64-bit indices: tensors past 2^31 elements exist).
+__device__ __forceinline__ i64 global_thread() { return (i64)blockIdx.x * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ i64 grid_threads() { return (i64)gridDim.x * blockDim.x; }
+
+}  // namespace rkv

@@ -1,0 +1,79 @@
+"""E4M3 (float8_e4m3fn) encode and decode of whole tensors (docs/format.md, 1).
+
+    codes = rawkv.fp8.e4m3_encode(x)            # float32/float16/bfloat16 -> E4M3 bytes
+    y = rawkv.fp8.e4m3_decode(codes, dtype=torch.bfloat16)
+
+CUDA tensors run the kernels of rawkv/cu/fp8.cu; numpy arrays and CPU tensors
+run rawkv.reference.formats, which defines the result bit for bit.
+"""
+from __future__ import annotations
+
+from . import _tensors as T
+from .reference import formats as ref
+from .runtime import get_runtime, register_kernels
+
+_FILE = "fp8.cu"
+_CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+register_kernels(_FILE, [f"rkv_e4m3_{op}<{c}, {v}>" for op in ("encode", "decode")
+                         for c in _CTYPES.values() for v in ("true", "false")])
+
+_VEC_BYTES = 16   # one 16-byte store of codes per thread per iteration
+
+
+def _float_dtypes(torch):
+    return (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _dtype_name(torch_dtype) -> str:
+    return str(torch_dtype).replace("torch.", "")
+
+
+def e4m3_encode(x, *, out=None, stream=None):
+    """E4M3 codes of `x` (any shape): RNE, satfinite to +-448, NaN -> 0x7F.
+    Returns a float8_e4m3fn tensor (or `out`, uint8 or float8_e4m3fn)."""
+    if T.placement(("x", x), ("out", out)) == "cpu":
+        codes = ref.e4m3_encode(T.to_numpy(x, "x"))
+        return T.from_numpy(codes, x, torch_dtype="float8_e4m3fn", out=out)
+    import torch
+    x = T.as_cuda_tensor(x, "x")
+    T.check_tensor(x, "x", _float_dtypes(torch))
+    if out is None:
+        out = get_runtime(x.device).empty(x.shape, torch.float8_e4m3fn)
+    else:
+        out = T.as_cuda_tensor(out, "out")
+        T.check_tensor(out, "out", T.byte_dtypes(torch)[:2], shape=x.shape, device=x.device)
+    _launch("encode", x.dtype, x, out, x.numel(), stream)
+    return out
+
+
+def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
+    """Values of E4M3 `codes` (uint8 or float8_e4m3fn) as `dtype`
+    (float32 default; float16 or bfloat16 are exact since every E4M3 value is)."""
+    if T.placement(("codes", codes), ("out", out)) == "cpu":
+        name = _dtype_name(dtype) if dtype is not None else "float32"
+        vals = ref.round_to_dtype(ref.e4m3_decode(T.to_numpy(codes, "codes")), name)
+        return T.from_numpy(vals, codes, torch_dtype=dtype, out=out)
+    import torch
+    codes = T.as_cuda_tensor(codes, "codes")
+    T.check_tensor(codes, "codes", T.byte_dtypes(torch)[:2])
+    dtype = dtype or (out.dtype if out is not None else torch.float32)
+    if dtype not in _float_dtypes(torch):
+        raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+    if out is None:
+        out = get_runtime(codes.device).empty(codes.shape, dtype)
+    else:
+        out = T.as_cuda_tensor(out, "out")
+        T.check_tensor(out, "out", (dtype,), shape=codes.shape, device=codes.device)
+    _launch("decode", dtype, codes, out, codes.numel(), stream)
+    return out
+
+
+def _launch(op, float_dtype, src, dst, n, stream):
+    if n == 0:
+        return
+    rt = get_runtime(src.device)
+    vec = "true" if T.aligned16(src, dst) else "false"
+    fn = rt.function(_FILE, f"rkv_e4m3_{op}<{_CTYPES[_dtype_name(float_dtype)]}, {vec}>")
+    grid, block = rt.grid_stride(-(-n // _VEC_BYTES))
+    rt.launch(fn, (grid,), (block,), (src.data_ptr(), dst.data_ptr(), n), stream)
+

@@ -1,0 +1,99 @@
+"""NVFP4 quantize / dequantize reference (docs/format.md, section 2).
+
+Shapes: x (..., N) with N % 16 == 0 -> q (..., N/2) uint8, sf (..., N/16)
+uint8 (UE4M3), gs float32: shape () for scope 'tensor' / 'given' / 'none',
+x.shape[:-1] for scope 'row'.
+
+Every step is float32 IEEE arithmetic in the order of the spec:
+  1. amax over the scope (finite elements only); gs = amax / 2688 (1 if 0)
+  2. sf = e4m3(bmax / (gs * 6))
+  3. es = float(sf) * gs; es == 0 -> all codes 0
+  4. code = e2m1(x / es)
+  5. a block holding NaN/Inf -> sf = 0x7F, codes 0
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .formats import e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, round_to_dtype
+
+BLOCK = 16
+SCOPES = ("tensor", "row", "given", "none")
+F32 = np.float32
+
+
+def check_last_dim(n: int, name: str = "x") -> None:
+    if n % BLOCK != 0:
+        raise ValueError(f"{name}: the last dimension ({n}) must be a multiple of {BLOCK} "
+                         "for NVFP4 (no silent padding)")
+
+
+def global_scale(x: np.ndarray, scope: str, gs=None) -> np.ndarray:
+    """The float32 decode scale gs for `x` under `scope` (step 1)."""
+    x = np.asarray(x, dtype=F32)
+    if scope == "none":
+        return F32(1.0)
+    if scope == "given":
+        if gs is None:
+            raise ValueError("gs: scope 'given' needs a global scale")
+        return F32(np.asarray(gs, dtype=F32).reshape(()))
+    finite_abs = np.where(np.isfinite(x), np.abs(x), F32(0))
+    if scope == "tensor":
+        amax = finite_abs.max() if x.size else F32(0)
+    elif scope == "row":
+        amax = finite_abs.max(axis=-1) if x.shape[-1] else np.zeros(x.shape[:-1], F32)
+    else:
+        raise ValueError(f"scope: expected one of {SCOPES}, got {scope!r}")
+    amax = np.asarray(amax, dtype=F32)
+    return np.where(amax == 0, F32(1.0), amax / F32(2688.0)).astype(F32)
+
+
+def quantize(x, scope: str = "tensor", gs=None):
+    """NVFP4-encode `x` -> (q, sf, gs). See the module docstring."""
+    x = np.asarray(x, dtype=F32)
+    check_last_dim(x.shape[-1])
+    g = global_scale(x, scope, gs)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    # per-block gs: scalar, or one per row broadcast over the row's blocks
+    gb = np.asarray(g, dtype=F32)[..., None] if np.ndim(g) else g
+    bad = ~np.isfinite(blocks).all(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        bmax = np.abs(blocks).max(axis=-1)
+        sf = e4m3_encode(bmax / (gb * F32(6.0)))                      # step 2
+        es = (e4m3_decode(sf) * gb).astype(F32)                       # step 3
+        codes = e2m1_encode(blocks / es[..., None])                   # step 4
+    codes = np.where((es == 0)[..., None] | bad[..., None], np.uint8(0), codes)
+    sf = np.where(bad, np.uint8(0x7F), sf).astype(np.uint8)           # step 5
+    return pack_nibbles(codes.reshape(x.shape)), sf, np.asarray(g, dtype=F32)
+
+
+def dequantize(q, sf, gs=1.0, dtype: str = "bfloat16") -> np.ndarray:
+    """y = e2m1[code] * (float(sf) * gs) in float32, rounded to `dtype`
+    ('bfloat16' returns float32 holding BF16 values, 'float16', 'float32').
+    gs: scalar, or one per row (shape q.shape[:-1])."""
+    q = np.asarray(q, dtype=np.uint8)
+    sf = np.asarray(sf, dtype=np.uint8)
+    codes = unpack_nibbles(q)
+    n = codes.shape[-1]
+    if sf.shape != (*q.shape[:-1], n // BLOCK):
+        raise ValueError(f"sf: expected shape {(*q.shape[:-1], n // BLOCK)}, got {sf.shape}")
+    g = np.asarray(gs, dtype=F32)
+    g = g[..., None] if g.ndim else g
+    es = (e4m3_decode(sf) * g).astype(F32)
+    vals = e2m1_decode(codes).reshape(*codes.shape[:-1], n // BLOCK, BLOCK) * es[..., None]
+    return round_to_dtype(vals.reshape(codes.shape).astype(F32), dtype)
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """(..., N) 4-bit codes -> (..., N/2) bytes; element 2j in the low nibble."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_nibbles(q: np.ndarray) -> np.ndarray:
+    """(..., N/2) bytes -> (..., N) 4-bit codes."""
+    q = np.asarray(q, dtype=np.uint8)
+    out = np.empty((*q.shape[:-1], q.shape[-1] * 2), dtype=np.uint8)
+    out[..., 0::2] = q & 0xF
+    out[..., 1::2] = q >> 4
+    return out

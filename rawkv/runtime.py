@@ -1,0 +1,293 @@
+"""The rawkv runtime: one `Runtime` per CUDA device.
+
+It owns everything between a kernel source in rawkv/cu/ and a launch:
+
+* compilation (NVRTC, for the device's own architecture) and the module cache
+  (in memory, and on disk through rawkv._cache);
+* launching on PyTorch's current stream (or a stream the caller passes), so
+  rawkv kernels order with torch work and are captured by torch.cuda.graph;
+* the capture rules: nothing is compiled, loaded or allocated while the stream
+  is capturing (CaptureError instead); `warmup()` loads everything first;
+* launch geometry, derived from the problem size and the device's properties.
+
+Ops never import CuPy or torch themselves at module import time: `import
+rawkv` touches no CUDA API and works on a machine with no GPU.
+
+Launch cost: kernels are CuPy `Function`s called with plain Python ints (device
+pointers and 64-bit sizes; kernels take `long long` and `double` scalars so
+that no numpy scalar has to be built per call) on a cached CuPy view of the
+torch stream. A torch tensor is never converted through DLPack on this path.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+from . import _cache
+from .errors import CaptureError, GpuUnavailableError
+
+# ---------------------------------------------------------------------------
+# Kernel registry: which name expressions each .cu file provides. Op modules
+# declare their kernels at import (plain Python, no CUDA), so warmup() and the
+# compile-check know the complete list.
+# ---------------------------------------------------------------------------
+_REGISTRY: dict[str, list[str]] = {}
+
+
+def register_kernels(filename: str, names: Iterable[str]) -> None:
+    """Declare that rawkv/cu/<filename> provides the kernels `names`
+    (NVRTC name expressions, e.g. 'rkv_e4m3_encode<float, true>')."""
+    lst = _REGISTRY.setdefault(filename, [])
+    for n in names:
+        if n not in lst:
+            lst.append(n)
+
+
+def registered_kernels() -> dict[str, tuple[str, ...]]:
+    """{filename: name expressions} for every kernel rawkv declares."""
+    from . import ops  # noqa: F401  (importing the ops fills the registry)
+    return {f: tuple(n) for f, n in _REGISTRY.items()}
+
+
+# ---------------------------------------------------------------------------
+# Lazy imports of the GPU stack, with one clear error when it is missing.
+# ---------------------------------------------------------------------------
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise GpuUnavailableError(
+            "rawkv GPU ops need CuPy: pip install 'rawkv[cu12]' (or [cu13]). "
+            "CPU tensors and numpy arrays run the numpy reference instead.") from exc
+    return cupy
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:
+        raise GpuUnavailableError("rawkv GPU ops take PyTorch tensors: pip install torch") from exc
+    return torch
+
+
+class _StreamHandle:
+    """Minimal CUDA stream protocol object for cupy.cuda.Stream.from_external."""
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _cupy_stream(cupy, ptr: int):
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr)  # CuPy < 14
+
+
+_runtimes: dict[int, "Runtime"] = {}
+_runtimes_lock = threading.Lock()
+
+
+def get_runtime(device=None) -> "Runtime":
+    """The Runtime of a CUDA device (an index, a torch.device, or None for
+    torch's current device). Created on first use."""
+    if device is None:
+        index = _torch().cuda.current_device()
+    elif isinstance(device, int):
+        index = device
+    else:
+        index = getattr(device, "index", None)
+        if index is None:
+            index = _torch().cuda.current_device()
+    rt = _runtimes.get(index)
+    if rt is None:
+        with _runtimes_lock:
+            rt = _runtimes.get(index)
+            if rt is None:
+                rt = _runtimes[index] = Runtime(index)
+    return rt
+
+
+def warmup(device=None, files: Iterable[str] | None = None) -> "Runtime":
+    """Compile (or load from the disk cache) every rawkv kernel for a device,
+    so that nothing has to be compiled while a CUDA graph is being captured."""
+    rt = get_runtime(device)
+    rt.warmup(files)
+    return rt
+
+
+class Runtime:
+    """Compilation, module cache, streams, capture rules and launch geometry
+    for one CUDA device. Use `get_runtime()`; do not construct directly."""
+
+    def __init__(self, device_index: int):
+        cupy = _cupy()
+        torch = _torch()
+        if not torch.cuda.is_available():
+            raise GpuUnavailableError("rawkv: torch reports no CUDA device")
+        self._cupy = cupy
+        self._torch = torch
+        self.device_index = int(device_index)
+        props = cupy.cuda.runtime.getDeviceProperties(self.device_index)
+        self.name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.compute_capability = (int(props["major"]), int(props["minor"]))
+        self.arch = "sm_%d%d" % self.compute_capability
+        self.sm_count = int(props["multiProcessorCount"])
+        self.max_threads_per_sm = int(props["maxThreadsPerMultiProcessor"])
+        self.l2_bytes = int(props["l2CacheSize"])
+        self.stats = {"compiles": 0, "disk_hits": 0, "damaged": 0, "modules": 0}
+        self._modules: dict[str, object] = {}
+        self._lowered: dict[str, dict[str, str]] = {}
+        self._functions: dict[tuple[str, str], object] = {}
+        self._streams: dict[int, object] = {}
+        self._lock = threading.Lock()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            self._current_stream_ptr = lambda: raw(self.device_index)
+        else:
+            self._current_stream_ptr = lambda: torch.cuda.current_stream(self.device_index).cuda_stream
+
+    def __repr__(self):
+        return f"<rawkv.Runtime cuda:{self.device_index} {self.name} {self.arch} SMs={self.sm_count}>"
+
+    # -- compilation and module cache ------------------------------------
+    def function(self, filename: str, name: str):
+        """The CuPy Function for kernel `name` of rawkv/cu/<filename>."""
+        fn = self._functions.get((filename, name))
+        if fn is None:
+            fn = self._load_function(filename, name)
+        return fn
+
+    def _load_function(self, filename: str, name: str):
+        if self.is_capturing():
+            raise CaptureError(
+                f"rawkv: kernel {name!r} ({filename}) is not loaded yet and the stream is "
+                "capturing a CUDA graph; call rawkv.warmup() before capture")
+        with self._lock:
+            if filename not in self._modules:
+                self._load_module(filename)
+            lowered = self._lowered[filename].get(name)
+            if lowered is None:
+                raise KeyError(f"rawkv: kernel {name!r} is not registered for {filename}")
+            fn = self._modules[filename].get_function(lowered).kernel
+            self._functions[(filename, name)] = fn
+            return fn
+
+    def _load_module(self, filename: str) -> None:
+        names = _REGISTRY.get(filename)
+        if not names:
+            raise KeyError(f"rawkv: no kernels are registered for {filename}")
+        result, path = _cache.load_or_compile(filename, self.arch, names, stats=self.stats)
+        cupy = self._cupy
+        with cupy.cuda.Device(self.device_index):
+            if path is not None:
+                module = cupy.RawModule(path=str(path))
+            else:  # disk cache off or unwritable: load the image from memory
+                module = _InMemoryModule(cupy, result.cubin)
+        self._modules[filename] = module
+        self._lowered[filename] = result.lowered
+        self.stats["modules"] += 1
+
+    def warmup(self, files: Iterable[str] | None = None) -> None:
+        registry = registered_kernels()
+        for filename in (files if files is not None else registry):
+            for name in registry[filename]:
+                self.function(filename, name)
+        self.stream()  # the current stream's CuPy handle, too
+
+    # -- streams and capture ------------------------------------------------
+    def stream_ptr(self, stream=None) -> int:
+        """Raw cudaStream_t of `stream` (a torch/CuPy stream or an int), or of
+        torch's current stream on this device."""
+        if stream is None:
+            return self._current_stream_ptr()
+        if isinstance(stream, int):
+            return stream
+        for attr in ("cuda_stream", "ptr"):
+            if hasattr(stream, attr):
+                return int(getattr(stream, attr))
+        raise TypeError(f"stream: expected a torch.cuda.Stream, cupy Stream or int, got {type(stream).__name__}")
+
+    def stream(self, stream=None):
+        ptr = self.stream_ptr(stream)
+        s = self._streams.get(ptr)
+        if s is None:
+            s = self._streams[ptr] = _cupy_stream(self._cupy, ptr)
+        return s
+
+    def is_capturing(self, stream=None) -> bool:
+        if stream is None:
+            with self._torch.cuda.device(self.device_index):
+                return bool(self._torch.cuda.is_current_stream_capturing())
+        status = self._cupy.cuda.runtime.streamIsCapturing(self.stream_ptr(stream))
+        return bool(status)
+
+    # -- launch -------------------------------------------------------------
+    def launch(self, fn, grid, block, args, stream=None, shared_mem: int = 0) -> None:
+        """Launch `fn` on torch's current stream (or `stream`). Scalars in
+        `args` must be Python ints (pointers, int64) or floats (double)."""
+        s = self._streams.get(self._current_stream_ptr() if stream is None else self.stream_ptr(stream))
+        if s is None:
+            s = self.stream(stream)
+        cur = self._cupy.cuda.runtime.getDevice()
+        if cur == self.device_index:
+            fn(grid, block, args, shared_mem=shared_mem, stream=s)
+        else:
+            self._cupy.cuda.runtime.setDevice(self.device_index)
+            try:
+                fn(grid, block, args, shared_mem=shared_mem, stream=s)
+            finally:
+                self._cupy.cuda.runtime.setDevice(cur)
+
+    def memset(self, ptr: int, value: int, nbytes: int, stream=None) -> None:
+        """cudaMemsetAsync on the launch stream (capturable as a memset node)."""
+        self._cupy.cuda.runtime.memsetAsync(ptr, value, nbytes, self.stream_ptr(stream))
+
+    # -- allocation ---------------------------------------------------------
+    def empty(self, shape, dtype):
+        """A new torch tensor on this device; refused while capturing, since a
+        captured step must write into buffers the caller owns (out=)."""
+        if self.is_capturing():
+            raise CaptureError(
+                "rawkv: this op would allocate its output while the stream is capturing "
+                "a CUDA graph; pass out= buffers allocated before capture")
+        return self._torch.empty(tuple(shape), dtype=dtype, device=f"cuda:{self.device_index}")
+
+    # -- launch geometry ----------------------------------------------------
+    def resident_blocks(self, block: int) -> int:
+        """How many blocks of `block` threads fill every SM once (by threads)."""
+        return self.sm_count * max(1, self.max_threads_per_sm // block)
+
+    def grid_stride(self, work_items: int, block: int = 256, waves: int = 2) -> tuple[int, int]:
+        """(grid, block) for a grid-stride loop over `work_items`, one item per
+        thread per iteration: enough blocks to fill the device `waves` times,
+        never more than there is work."""
+        blocks = -(-max(int(work_items), 1) // block)
+        return min(blocks, self.resident_blocks(block) * waves), block
+
+    def rows(self, n_rows: int, threads_per_row: int, block: int = 256) -> tuple[int, int, int]:
+        """(grid, block, rows_per_block) when each row is handled by a group of
+        `threads_per_row` threads (a power of two <= block)."""
+        threads_per_row = min(threads_per_row, block)
+        rows_per_block = block // threads_per_row
+        grid = -(-max(int(n_rows), 1) // rows_per_block)
+        return grid, block, rows_per_block
+
+
+class _InMemoryModule:
+    """A module loaded from cubin bytes, for when no cache file exists."""
+
+    def __init__(self, cupy, cubin: bytes):
+        self._module = cupy.cuda.function.Module()
+        self._module.load(cubin)
+
+    def get_function(self, name):
+        fn = self._module.get_function(name)
+
+        class _Wrapped:  # same shape as RawKernel: .kernel is the Function
+            kernel = fn
+        return _Wrapped
