@@ -1,0 +1,107 @@
+"""Compile every rawkv kernel with NVRTC for several architectures, no GPU needed.
+
+    python -m rawkv.tools.nvrtc_check [--arch sm_90 ...] [--max-spill-bytes 0]
+
+For each .cu file and architecture: compiles all registered kernels (exactly
+as the runtime does, plus -Xptxas=-v) and prints, per kernel, the registers,
+shared memory, stack frame and spill bytes that ptxas reports, or the
+compiler error with file and line. Exits 1 on any compile error or on spills
+above --max-spill-bytes; 2 when NVRTC itself is unavailable.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+DEFAULT_ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100a", "sm_120")
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
+    """{mangled name: {registers, smem, stack, spill_stores, spill_loads}}."""
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        m = _ENTRY.search(line)
+        if m:
+            current = out.setdefault(m.group(1), {"registers": 0, "smem": 0, "stack": 0,
+                                                  "spill_stores": 0, "spill_loads": 0})
+            continue
+        if current is None:
+            continue
+        m = _FRAME.search(line)
+        if m:
+            current["stack"], current["spill_stores"], current["spill_loads"] = map(int, m.groups())
+        m = _USED.search(line)
+        if m:
+            current["registers"] = int(m.group(1))
+            s = _SMEM.search(line)
+            current["smem"] = int(s.group(1)) if s else 0
+    return out
+
+
+def check(archs, max_spill_bytes: int, files=None, jobs: int = 2, out=sys.stdout) -> int:
+    from .. import _nvrtc
+    from ..errors import CompileError, GpuUnavailableError
+    from ..runtime import registered_kernels
+
+    try:
+        major, minor = _nvrtc.nvrtc_version()
+        _nvrtc.cuda_include_dirs()
+    except GpuUnavailableError as exc:
+        print(f"nvrtc_check: {exc}", file=out)
+        return 2
+    registry = registered_kernels()
+    if files:
+        registry = {f: n for f, n in registry.items() if f in files}
+    print(f"NVRTC {major}.{minor}; {sum(map(len, registry.values()))} kernels in "
+          f"{len(registry)} files; archs {' '.join(archs)}", file=out)
+
+    def one(job):
+        filename, arch = job
+        source = (_nvrtc.CU_DIR / filename).read_text()
+        try:
+            res = _nvrtc.compile_cu(source, filename, arch, registry[filename], verbose_ptxas=True)
+            return filename, arch, res, None
+        except CompileError as exc:
+            return filename, arch, None, str(exc)
+
+    jobs_list = [(f, a) for f in registry for a in archs]
+    failures = 0
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for filename, arch, res, err in pool.map(one, jobs_list):
+            if err is not None:
+                failures += 1
+                print(f"FAIL {filename} [{arch}]\n{err}", file=out)
+                continue
+            stats = parse_ptxas(res.log)
+            demangled = {v: k for k, v in res.lowered.items()}
+            for mangled, st in sorted(stats.items(), key=lambda kv: demangled.get(kv[0], kv[0])):
+                spills = st["spill_stores"] + st["spill_loads"]
+                bad = spills > max_spill_bytes
+                failures += bad
+                print(f"{'FAIL' if bad else 'ok  '} {filename} [{arch}] {demangled.get(mangled, mangled)}: "
+                      f"{st['registers']} regs, {st['smem']} B smem, {st['stack']} B stack, "
+                      f"{spills} B spills", file=out)
+    print(f"nvrtc_check: {'FAILED (' + str(failures) + ')' if failures else 'all ok'}", file=out)
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rawkv-nvrtc-check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", action="append", help=f"architecture (repeatable); default {' '.join(DEFAULT_ARCHS)}")
+    p.add_argument("--file", action="append", help="only this .cu file (repeatable)")
+    p.add_argument("--max-spill-bytes", type=int, default=0, help="fail above this many spill bytes (default 0)")
+    p.add_argument("--jobs", type=int, default=2, help="parallel compiles (default 2)")
+    a = p.parse_args(argv)
+    return check(tuple(a.arch or DEFAULT_ARCHS), a.max_spill_bytes, a.file, a.jobs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""E4M3 encode/decode: the reference against independent oracles, exhaustively,
+and the CUDA kernels against the reference bit for bit."""
+import numpy as np
+import pytest
+
+import rawkv
+from rawkv.reference import formats as ref
+
+torch = pytest.importorskip("torch")
+
+ALL_BF16 = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+ALL_FP16 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
+def brute_force_e4m3(x: np.ndarray) -> np.ndarray:
+    """Nearest finite E4M3 value by search over the 254 finite codes, ties to
+    the even code, |x| > 448 saturating, NaN -> 0x7F. Independent of ref."""
+    codes = np.array([c for c in range(256) if (c & 0x7F) != 0x7F], dtype=np.uint8)
+    vals = ref.e4m3_decode(codes).astype(np.float64)
+    out = np.empty(x.shape, np.uint8)
+    for i, v in enumerate(x.astype(np.float64)):
+        if np.isnan(v):
+            out[i] = 0x7F
+            continue
+        v = float(np.clip(v, -448.0, 448.0))
+        d = np.abs(vals - v)
+        best = np.flatnonzero(d == d.min())
+        # among equal distances: same value (+0/-0) -> keep v's sign; else even mantissa
+        same_sign = [c for c in best if (codes[c] >> 7) == (1 if np.signbit(v) else 0)]
+        cands = same_sign or list(best)
+        even = [c for c in cands if codes[c] % 2 == 0]
+        out[i] = codes[(even or cands)[0]]
+    return out
+
+
+def test_encode_matches_brute_force_on_a_sample_of_all_bf16(rng):
+    idx = rng.choice(ALL_BF16.size, 6000, replace=False)
+    sample = ALL_BF16[idx]
+    assert np.array_equal(ref.e4m3_encode(sample), brute_force_e4m3(sample))
+
+
+def test_encode_all_bf16_matches_torch_where_torch_saturates_the_same():
+    ours = ref.e4m3_encode(ALL_BF16)
+    theirs = torch.from_numpy(ALL_BF16.copy()).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    in_range = np.abs(ALL_BF16) < 448  # torch maps overflow to NaN, the spec saturates
+    assert np.array_equal(ours[in_range], theirs[in_range])
+    big = np.isfinite(ALL_BF16) & (np.abs(ALL_BF16) >= 448) | np.isinf(ALL_BF16)
+    assert set(ours[big].tolist()) == {0x7E, 0xFE}
+    assert np.all(ours[np.isnan(ALL_BF16)] == 0x7F)
+
+
+def test_ties_round_to_even():
+    # midpoints between consecutive E4M3 values, normal and subnormal
+    lo = ref.e4m3_decode(np.arange(0, 0x7D, dtype=np.uint8)).astype(np.float64)
+    hi = ref.e4m3_decode(np.arange(1, 0x7E, dtype=np.uint8)).astype(np.float64)
+    mid = ((lo + hi) / 2).astype(np.float32)
+    assert np.array_equal(mid.astype(np.float64), (lo + hi) / 2)  # exact in float32
+    got = ref.e4m3_encode(mid)
+    expect = np.where(np.arange(0, 0x7D) % 2 == 0, np.arange(0, 0x7D), np.arange(1, 0x7E))
+    assert np.array_equal(got, expect.astype(np.uint8))
+    assert np.array_equal(ref.e4m3_encode(-mid), expect.astype(np.uint8) | 0x80)
+
+
+def test_decode_all_bytes_matches_torch():
+    mine = ref.e4m3_decode(np.arange(256))
+    theirs = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(mine, theirs, equal_nan=True)
+    assert np.isnan(mine[0x7F]) and np.isnan(mine[0xFF]) and np.isnan(mine).sum() == 2
+
+
+def test_cpu_op_types_and_out():
+    x = torch.tensor([1.0, -2.0, 0.3], dtype=torch.bfloat16)
+    codes = rawkv.fp8.e4m3_encode(x)
+    assert codes.dtype == torch.float8_e4m3fn
+    out = torch.full((3,), 7, dtype=torch.uint8)
+    assert rawkv.fp8.e4m3_encode(x, out=out) is out
+    assert out.tolist() == codes.view(torch.uint8).tolist()
+    y = rawkv.fp8.e4m3_decode(codes, dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and y.tolist() == [1.0, -2.0, 0.3125]
+    arr = rawkv.fp8.e4m3_encode(np.array([0.5], np.float32))
+    assert isinstance(arr, np.ndarray) and arr.tolist() == [0x30]
+
+
+def test_cpu_out_shape_is_checked():
+    with pytest.raises(ValueError, match="out"):
+        rawkv.fp8.e4m3_encode(np.zeros(4, np.float32), out=np.zeros(5, np.uint8))
+
+
+# ---- GPU -------------------------------------------------------------------------
+def _gpu_encode(x_np, dtype):
+    return rawkv.fp8.e4m3_encode(torch.from_numpy(x_np).to(dtype).cuda()).view(torch.uint8).cpu().numpy()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_gpu_encode_exhaustive(cuda, dtype):
+    src = ALL_FP16 if dtype == "float16" else ALL_BF16
+    tdtype = getattr(torch, dtype)
+    got = _gpu_encode(src, tdtype)
+    assert np.array_equal(got, ref.e4m3_encode(src)), np.flatnonzero(got != ref.e4m3_encode(src))[:10]
+
+
+def test_gpu_encode_random_float32_and_specials(cuda, rng):
+    x = (rng.standard_normal(1 << 20) * np.exp2(rng.integers(-20, 12, 1 << 20))).astype(np.float32)
+    x[:8] = [np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, 464.0, -463.99]
+    assert np.array_equal(_gpu_encode(x, torch.float32), ref.e4m3_encode(x))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_gpu_decode_all_bytes(cuda, dtype):
+    codes = torch.arange(256, dtype=torch.uint8).repeat(33).cuda()   # 8448: vector + tail
+    got = rawkv.fp8.e4m3_decode(codes, dtype=getattr(torch, dtype)).float().cpu().numpy()
+    assert np.array_equal(got, np.tile(ref.e4m3_decode(np.arange(256)), 33), equal_nan=True)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 4097])
+def test_gpu_unaligned_views_and_tails(cuda, rng, n):
+    base = torch.from_numpy(rng.standard_normal(n + 3).astype(np.float32)).cuda()
+    x = base[3:]                                   # 12-byte offset: scalar path
+    got = rawkv.fp8.e4m3_encode(x).view(torch.uint8).cpu().numpy()
+    assert np.array_equal(got, ref.e4m3_encode(x.cpu().numpy()))
+
+
+def test_gpu_bad_arguments_write_nothing(cuda):
+    x = torch.randn(64, 2, device="cuda")
+    out = torch.full((64, 2), 0xAB, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="^x: must be contiguous"):
+        rawkv.fp8.e4m3_encode(x.t(), out=out.t().contiguous())
+    with pytest.raises(ValueError, match="^out: expected shape"):
+        rawkv.fp8.e4m3_encode(x, out=out[:10])
+    with pytest.raises(TypeError, match="^x: dtype int32"):
+        rawkv.fp8.e4m3_encode(x.int(), out=out)
+    with pytest.raises(ValueError, match="^out: is on cpu"):
+        rawkv.fp8.e4m3_encode(x, out=out.cpu())
+    torch.cuda.synchronize()
+    assert (out == 0xAB).all()
+
+
+def test_gpu_cupy_input_through_dlpack(cuda):
+    cupy = pytest.importorskip("cupy")
+    x = cupy.asarray(np.linspace(-500, 500, 1000, dtype=np.float32))
+    got = rawkv.fp8.e4m3_encode(x).view(torch.uint8).cpu().numpy()
+    assert np.array_equal(got, ref.e4m3_encode(cupy.asnumpy(x)))

@@ -1,0 +1,85 @@
+"""Runtime behaviour on a GPU: streams, graph capture rules, disk cache."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import rawkv
+from rawkv.reference import formats as ref
+
+torch = pytest.importorskip("torch")
+
+
+def test_runtime_describes_the_device(cuda):
+    assert cuda.arch.startswith("sm_") and cuda.sm_count > 0
+    grid, block = cuda.grid_stride(10 ** 9)
+    assert block == 256 and grid == cuda.resident_blocks(256) * 2
+    assert cuda.grid_stride(5) == (1, 256)
+
+
+def test_launch_orders_with_torch_work_on_a_side_stream(cuda):
+    s = torch.cuda.Stream()
+    x = torch.empty(1 << 22, device="cuda")
+    out = torch.empty(1 << 22, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(s):
+        x.fill_(3.0)                       # torch work on s ...
+        rawkv.fp8.e4m3_encode(x, out=out)  # ... then rawkv on the same stream
+        x.fill_(100.0)
+    torch.cuda.current_stream().wait_stream(s)
+    assert (out == ref.e4m3_encode(np.float32(3.0))).all()
+
+
+def test_graph_replay_gives_eager_bits(cuda, rng):
+    rawkv.warmup()
+    x = torch.from_numpy(rng.standard_normal(1 << 16).astype(np.float32)).cuda()
+    out = torch.empty(x.shape, dtype=torch.uint8, device="cuda")
+    back = torch.empty(x.shape, dtype=torch.bfloat16, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        rawkv.fp8.e4m3_encode(x, out=out)
+        rawkv.fp8.e4m3_decode(out, out=back)
+    x.copy_(torch.from_numpy(rng.standard_normal(1 << 16).astype(np.float32)))
+    g.replay()
+    torch.cuda.synchronize()
+    eager = rawkv.fp8.e4m3_encode(x).view(torch.uint8)
+    assert torch.equal(out, eager)
+    assert torch.equal(back, rawkv.fp8.e4m3_decode(eager, dtype=torch.bfloat16))
+
+
+def test_allocation_during_capture_is_refused(cuda):
+    rawkv.warmup()
+    x = torch.randn(1024, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(rawkv.CaptureError, match="out="):
+        with torch.cuda.graph(g):
+            rawkv.fp8.e4m3_encode(x)      # no out=: would allocate
+
+
+def test_unloaded_kernel_during_capture_is_refused(cuda, monkeypatch):
+    rt = rawkv.get_runtime(0)
+    rawkv.warmup()
+    monkeypatch.setattr(rt, "_functions", {})   # as if warmup() had never run
+    x = torch.randn(1024, device="cuda")
+    out = torch.empty(1024, dtype=torch.uint8, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(rawkv.CaptureError, match="warmup"):
+        with torch.cuda.graph(g):
+            rawkv.fp8.e4m3_encode(x, out=out)
+
+
+def test_second_process_loads_from_disk_without_compiling(cuda, tmp_path):
+    code = ("import json, torch, rawkv; rt = rawkv.warmup(0); "
+            "x = torch.ones(64, device='cuda'); "
+            "assert rawkv.fp8.e4m3_encode(x).view(torch.uint8).eq(0x38).all(); "
+            "print(json.dumps(rt.stats))")
+    env = dict(os.environ, RAWKV_CACHE_DIR=str(tmp_path))
+    stats = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        stats.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert stats[0]["compiles"] == stats[0]["modules"] > 0
+    assert stats[1]["compiles"] == 0 and stats[1]["disk_hits"] == stats[1]["modules"]

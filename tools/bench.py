@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""rawkv benchmarks (GPU machine). Writes one JSON file per group in the
+shape of BENCH.md: {device, torch, cupy, commit, copy_GBps, results: [...]}.
+
+    PYTHONPATH=. python3 tools/bench.py --out bench/results [--only core,nvfp4] [--quick]
+
+Groups: core (copy bandwidth, host launch overhead) and every
+tools/bench_<group>.py that exposes run(rt, results, quick).
+Timing: CUDA events around each call, median over many repetitions after
+warm-up, inputs rotated across several buffers when they would fit in L2.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+GROUPS = ("core", "nvfp4", "fused", "kvcache")
+
+
+# ---- timing helpers (used by the bench_<group>.py modules too) ---------------
+def cuda_time_us(fn, reps: int = 50, warmup: int = 5) -> float:
+    """Median device time of fn(i) in microseconds, each call bracketed by CUDA
+    events on the current stream; i is the repetition index (for rotating
+    buffers)."""
+    import torch
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        fn(i)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def graph_time_us(fn, reps: int = 200, warmup: int = 3) -> float:
+    """Median time of one replay of a CUDA graph capturing fn() once."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return cuda_time_us(lambda i: g.replay(), reps=reps, warmup=warmup)
+
+
+def rotation(nbytes_per_set: int, l2_bytes: int) -> int:
+    """How many input sets to rotate so that repeated calls miss in L2."""
+    return 1 if nbytes_per_set >= 4 * l2_bytes else max(2, -(-4 * l2_bytes // max(nbytes_per_set, 1)))
+
+
+def entry(op, shape, dtype, us, nbytes, copy_GBps, baseline=None, baseline_us=None, **extra):
+    gbps = nbytes / (us * 1e-6) / 1e9 if us > 0 else 0.0
+    r = {"op": op, "shape": list(shape), "dtype": dtype, "us": round(us, 2),
+         "GBps": round(gbps, 1), "frac_of_copy": round(gbps / copy_GBps, 3) if copy_GBps else None}
+    if baseline is not None:
+        r.update(baseline=baseline, baseline_us=round(baseline_us, 2),
+                 speedup=round(baseline_us / us, 2) if us > 0 else None)
+    r.update(extra)
+    return r
+
+
+# ---- core group ------------------------------------------------------------------
+def copy_bandwidth_GBps(nbytes: int = 1 << 30) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
+    dst = torch.empty_like(src)
+    us = cuda_time_us(lambda i: dst.copy_(src), reps=30, warmup=3)
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def host_us_per_call(fn, calls: int = 2000, repeats: int = 5) -> float:
+    """Median over `repeats` of host time per call for `calls` back-to-back
+    calls (GPU work per call is tiny, so the host is what is measured)."""
+    import torch
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    per = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per)
+
+
+def run_core(rt, results, quick=False):
+    import cupy
+    import torch
+    import rawkv
+    n = 4096
+    x = torch.randn(n, device="cuda")
+    y = torch.randn(n, device="cuda")
+    out = torch.empty(n, dtype=torch.uint8, device="cuda")
+    calls = 500 if quick else 3000
+    rawkv_us = host_us_per_call(lambda: rawkv.fp8.e4m3_encode(x, out=out), calls)
+    add_us = host_us_per_call(lambda: x.add_(y), calls)
+    # The prior approach: wrap both tensors with cupy.from_dlpack on every call.
+    fn = rt.function("fp8.cu", "rkv_e4m3_encode<float, true>")
+
+    def dlpack_launch():
+        cx, co = cupy.from_dlpack(x), cupy.from_dlpack(out)
+        fn((1,), (256,), (cx, co, n), stream=rt.stream())
+    dl_us = host_us_per_call(dlpack_launch, calls)
+    results.append({"op": "launch_overhead/e4m3_encode", "shape": [n], "dtype": "float32",
+                    "host_us": round(rawkv_us, 2), "torch_add_us": round(add_us, 2),
+                    "ratio_vs_add": round(rawkv_us / add_us, 2),
+                    "baseline": "cupy.from_dlpack per tensor per call", "baseline_us": round(dl_us, 2),
+                    "speedup": round(dl_us / rawkv_us, 2)})
+    # E4M3 encode / decode bandwidth on a large tensor.
+    m = 1 << 28
+    xb = torch.randn(m, device="cuda", dtype=torch.bfloat16)
+    cb = torch.empty(m, dtype=torch.uint8, device="cuda")
+    yb = torch.empty(m, dtype=torch.bfloat16, device="cuda")
+    us = cuda_time_us(lambda i: rawkv.fp8.e4m3_encode(xb, out=cb), reps=20)
+    base = cuda_time_us(lambda i: cb.copy_(xb.to(torch.float8_e4m3fn).view(torch.uint8)), reps=20)
+    results.append(entry("e4m3_encode", [m], "bfloat16", us, 3 * m, COPY["GBps"],
+                         "torch .to(float8_e4m3fn) + copy", base))
+    us = cuda_time_us(lambda i: rawkv.fp8.e4m3_decode(cb, out=yb), reps=20)
+    base = cuda_time_us(lambda i: yb.copy_(cb.view(torch.float8_e4m3fn).to(torch.bfloat16)), reps=20)
+    results.append(entry("e4m3_decode", [m], "bfloat16", us, 3 * m, COPY["GBps"],
+                         "torch .to(bfloat16) + copy", base))
+
+
+COPY = {"GBps": 0.0}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:  # the GPU machine's copy of the tree may have no .git
+        return os.environ.get("RAWKV_COMMIT", "unknown")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench/results", help="folder for the JSON files")
+    p.add_argument("--only", default=",".join(GROUPS), help="comma-separated groups")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
+    a = p.parse_args(argv)
+    import cupy
+    import torch
+    import rawkv
+    rt = rawkv.warmup(0)
+    COPY["GBps"] = copy_bandwidth_GBps()
+    dev = torch.cuda.get_device_name(0)
+    short = "h200" if "H200" in dev else "h100" if "H100" in dev else dev.split()[-1].lower()
+    date = datetime.date.today().isoformat()
+    os.makedirs(a.out, exist_ok=True)
+    status = 0
+    for group in a.only.split(","):
+        results: list = []
+        try:
+            if group == "core":
+                run_core(rt, results, a.quick)
+            else:
+                mod = importlib.import_module(f"bench_{group}")
+                mod.run(rt, results, a.quick)
+        except ModuleNotFoundError as exc:
+            print(f"[bench] {group}: skipped ({exc})")
+            continue
+        except Exception as exc:  # report and go on with the other groups
+            import traceback
+            traceback.print_exc()
+            results.append({"op": f"{group}/error", "error": repr(exc)})
+            status = 1
+        doc = {"device": dev, "torch": torch.__version__, "cupy": cupy.__version__,
+               "commit": _commit(), "copy_GBps": round(COPY["GBps"], 1), "results": results}
+        path = os.path.join(a.out, f"{date}-{short}-{group}.json")
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"[bench] {group} -> {path}")
+        for r in results:
+            print("  ", json.dumps(r))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

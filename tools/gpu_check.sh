@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One command for the GPU machine: compile-check, the GPU test suite and the
+# benchmarks, run from the source tree (no install, no network needed).
+#
+#   bash tools/gpu_check.sh                 # everything
+#   RAWKV_TESTS="tests/test_fp8.py" RAWKV_BENCH=core bash tools/gpu_check.sh
+#   RAWKV_BENCH=none ... (tests only)       RAWKV_QUICK=1 ... (short benchmarks)
+#
+# Writes under $OUT (default ./gpu-out): nvrtc_check.log, pytest.log,
+# bench.log and bench/<date>-<device>-<group>.json (BENCH.md's shape).
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT/bench"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export RAWKV_CACHE_DIR=${RAWKV_CACHE_DIR:-/tmp/rawkv-cache}
+TESTS=${RAWKV_TESTS:-tests}
+BENCH=${RAWKV_BENCH:-core,nvfp4,fused,kvcache}
+status=0
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
+
+echo "== compile-check (sm_90, what the runtime builds here) =="
+python3 -m rawkv.tools.nvrtc_check --arch sm_90 > "$OUT/nvrtc_check.log" 2>&1 || status=1
+tail -n 1 "$OUT/nvrtc_check.log"
+
+echo "== tests: $TESTS =="
+# shellcheck disable=SC2086
+python3 -m pytest -q -rs -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/pytest.log" || status=1
+
+if [ "$BENCH" != none ]; then
+  echo "== benchmarks: $BENCH =="
+  python3 tools/bench.py --out "$OUT/bench" --only "$BENCH" ${RAWKV_QUICK:+--quick} 2>&1 \
+    | tee "$OUT/bench.log" || status=1
+fi
+echo "gpu_check: exit $status"
+exit $status
