@@ -13,7 +13,7 @@ It owns everything between a kernel source in rawkv/cu/ and a launch:
 Ops never import CuPy or torch themselves at module import time: `import
 rawkv` touches no CUDA API and works on a machine with no GPU.
 
-Launch cost: kernels are CuPy `Function`s called with plain Python ints (device
+Launch cost: kernels are CuPy `Function`s (loaded from the verified cubin bytes) called with plain Python ints (device
 pointers and 64-bit sizes; kernels take `long long` and `double` scalars so
 that no numpy scalar has to be built per call) on a cached CuPy view of the
 torch stream. A torch tensor is never converted through DLPack on this path.
@@ -173,7 +173,7 @@ class Runtime:
             lowered = self._lowered[filename].get(name)
             if lowered is None:
                 raise KeyError(f"rawkv: kernel {name!r} is not registered for {filename}")
-            fn = self._modules[filename].get_function(lowered).kernel
+            fn = self._modules[filename].get_function(lowered)
             self._functions[(filename, name)] = fn
             return fn
 
@@ -181,13 +181,14 @@ class Runtime:
         names = _REGISTRY.get(filename)
         if not names:
             raise KeyError(f"rawkv: no kernels are registered for {filename}")
-        result, path = _cache.load_or_compile(filename, self.arch, names, stats=self.stats)
+        result, _ = _cache.load_or_compile(filename, self.arch, names, stats=self.stats)
         cupy = self._cupy
+        # The cache file is a checksummed container, not a bare cubin: load
+        # the verified image bytes through CuPy's module loader (the one
+        # RawModule uses underneath).
         with cupy.cuda.Device(self.device_index):
-            if path is not None:
-                module = cupy.RawModule(path=str(path))
-            else:  # disk cache off or unwritable: load the image from memory
-                module = _InMemoryModule(cupy, result.cubin)
+            module = cupy.cuda.function.Module()
+            module.load(result.cubin)
         self._modules[filename] = module
         self._lowered[filename] = result.lowered
         self.stats["modules"] += 1
@@ -277,17 +278,3 @@ class Runtime:
         grid = -(-max(int(n_rows), 1) // rows_per_block)
         return grid, block, rows_per_block
 
-
-class _InMemoryModule:
-    """A module loaded from cubin bytes, for when no cache file exists."""
-
-    def __init__(self, cupy, cubin: bytes):
-        self._module = cupy.cuda.function.Module()
-        self._module.load(cubin)
-
-    def get_function(self, name):
-        fn = self._module.get_function(name)
-
-        class _Wrapped:  # same shape as RawKernel: .kernel is the Function
-            kernel = fn
-        return _Wrapped

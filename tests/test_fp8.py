@@ -18,7 +18,9 @@ def brute_force_e4m3(x: np.ndarray) -> np.ndarray:
     codes = np.array([c for c in range(256) if (c & 0x7F) != 0x7F], dtype=np.uint8)
     vals = ref.e4m3_decode(codes).astype(np.float64)
     out = np.empty(x.shape, np.uint8)
-    for i, v in enumerate(x.astype(np.float64)):
+    with np.errstate(invalid="ignore"):   # signalling NaNs among the bf16 patterns
+        x64 = x.astype(np.float64)
+    for i, v in enumerate(x64):
         if np.isnan(v):
             out[i] = 0x7F
             continue
