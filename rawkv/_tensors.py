@@ -51,7 +51,7 @@ def placement(*named) -> str:
 def as_cuda_tensor(x, name: str):
     """A torch CUDA tensor for `x`: torch tensors as they are, any other DLPack
     device array (CuPy, JAX, ...) wrapped zero-copy."""
-    if is_torch(x):
+    if getattr(x, "is_cuda", None) is not None and is_torch(x):
         return x
     try:
         import torch
@@ -63,9 +63,15 @@ def as_cuda_tensor(x, name: str):
         raise TypeError(f"{name}: could not be wrapped through DLPack: {exc}") from exc
 
 
+def is_cuda_tensor(x) -> bool:
+    """Fast test for the hot path: a torch CUDA tensor."""
+    return getattr(x, "is_cuda", False) is True
+
+
 def check_tensor(x, name: str, dtypes, *, shape=None, ndim=None, device=None,
                  contiguous: bool = True) -> None:
-    """Check a CUDA tensor argument; `dtypes` is a tuple of torch dtypes."""
+    """Check a CUDA tensor argument; `dtypes` is a tuple of torch dtypes,
+    `device` the CUDA device index the op runs on."""
     if x.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name}: dtype {str(x.dtype).replace('torch.', '')} is not supported "
@@ -74,8 +80,8 @@ def check_tensor(x, name: str, dtypes, *, shape=None, ndim=None, device=None,
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
     if shape is not None and tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
-    if device is not None and x.device != device:
-        raise ValueError(f"{name}: is on {x.device} but the op runs on {device}")
+    if device is not None and x.get_device() != device:
+        raise ValueError(f"{name}: is on {x.device} but the op runs on cuda:{device}")
     if contiguous and not x.is_contiguous():
         raise ValueError(f"{name}: must be contiguous (got strides {tuple(x.stride())}); "
                          "call .contiguous() first")
@@ -100,6 +106,28 @@ def to_numpy(x, name: str) -> np.ndarray:
             return x.detach().view(torch.uint8).numpy()
         return x.detach().numpy()
     return np.from_dlpack(x)
+
+
+class _TorchDtypes:
+    """torch dtype groups and names, built once (rebuilding them per call
+    costs microseconds on the launch path)."""
+
+    def __init__(self, torch):
+        self.floats = (torch.float32, torch.float16, torch.bfloat16)
+        self.bytes = byte_dtypes(torch)
+        self.fp8 = tuple(d for d in self.bytes[:2])          # uint8, float8_e4m3fn
+        self.name = {d: str(d).replace("torch.", "") for d in (*self.floats, *self.bytes)}
+
+
+_DTYPES = None
+
+
+def dtypes() -> _TorchDtypes:
+    global _DTYPES
+    if _DTYPES is None:
+        import torch
+        _DTYPES = _TorchDtypes(torch)
+    return _DTYPES
 
 
 def byte_dtypes(torch) -> tuple:

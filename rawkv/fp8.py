@@ -14,34 +14,34 @@ from .runtime import get_runtime, register_kernels
 
 _FILE = "fp8.cu"
 _CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-register_kernels(_FILE, [f"rkv_e4m3_{op}<{c}, {v}>" for op in ("encode", "decode")
-                         for c in _CTYPES.values() for v in ("true", "false")])
+# (op, dtype name, vectorized) -> kernel name, built once (no f-strings per call)
+_KERNEL = {(op, d, vec): f"rkv_e4m3_{op}<{c}, {'true' if vec else 'false'}>"
+           for op in ("encode", "decode") for d, c in _CTYPES.items() for vec in (True, False)}
+register_kernels(_FILE, _KERNEL.values())
 
 _VEC_BYTES = 16   # one 16-byte store of codes per thread per iteration
 
 
-def _float_dtypes(torch):
-    return (torch.float32, torch.float16, torch.bfloat16)
-
-
 def _dtype_name(torch_dtype) -> str:
-    return str(torch_dtype).replace("torch.", "")
+    return T.dtypes().name[torch_dtype]
 
 
 def e4m3_encode(x, *, out=None, stream=None):
     """E4M3 codes of `x` (any shape): RNE, satfinite to +-448, NaN -> 0x7F.
     Returns a float8_e4m3fn tensor (or `out`, uint8 or float8_e4m3fn)."""
-    if T.placement(("x", x), ("out", out)) == "cpu":
-        codes = ref.e4m3_encode(T.to_numpy(x, "x"))
-        return T.from_numpy(codes, x, torch_dtype="float8_e4m3fn", out=out)
-    import torch
-    x = T.as_cuda_tensor(x, "x")
-    T.check_tensor(x, "x", _float_dtypes(torch))
+    if not T.is_cuda_tensor(x):
+        if T.placement(("x", x), ("out", out)) == "cpu":
+            codes = ref.e4m3_encode(T.to_numpy(x, "x"))
+            return T.from_numpy(codes, x, torch_dtype="float8_e4m3fn", out=out)
+        x = T.as_cuda_tensor(x, "x")
+    dt = T.dtypes()
+    T.check_tensor(x, "x", dt.floats)
+    dev = x.get_device()
     if out is None:
-        out = get_runtime(x.device).empty(x.shape, torch.float8_e4m3fn)
+        out = get_runtime(dev).empty(x.shape, dt.fp8[-1])
     else:
         out = T.as_cuda_tensor(out, "out")
-        T.check_tensor(out, "out", T.byte_dtypes(torch)[:2], shape=x.shape, device=x.device)
+        T.check_tensor(out, "out", dt.fp8, shape=x.shape, device=dev)
     _launch("encode", x.dtype, x, out, x.numel(), stream)
     return out
 
@@ -49,21 +49,23 @@ def e4m3_encode(x, *, out=None, stream=None):
 def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
     """Values of E4M3 `codes` (uint8 or float8_e4m3fn) as `dtype`
     (float32 default; float16 or bfloat16 are exact since every E4M3 value is)."""
-    if T.placement(("codes", codes), ("out", out)) == "cpu":
-        name = _dtype_name(dtype) if dtype is not None else "float32"
-        vals = ref.round_to_dtype(ref.e4m3_decode(T.to_numpy(codes, "codes")), name)
-        return T.from_numpy(vals, codes, torch_dtype=dtype, out=out)
-    import torch
-    codes = T.as_cuda_tensor(codes, "codes")
-    T.check_tensor(codes, "codes", T.byte_dtypes(torch)[:2])
-    dtype = dtype or (out.dtype if out is not None else torch.float32)
-    if dtype not in _float_dtypes(torch):
+    if not T.is_cuda_tensor(codes):
+        if T.placement(("codes", codes), ("out", out)) == "cpu":
+            name = _dtype_name(dtype) if dtype is not None else "float32"
+            vals = ref.round_to_dtype(ref.e4m3_decode(T.to_numpy(codes, "codes")), name)
+            return T.from_numpy(vals, codes, torch_dtype=dtype, out=out)
+        codes = T.as_cuda_tensor(codes, "codes")
+    dt = T.dtypes()
+    T.check_tensor(codes, "codes", dt.fp8)
+    dev = codes.get_device()
+    dtype = dtype or (out.dtype if out is not None else dt.floats[0])
+    if dtype not in dt.floats:
         raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
     if out is None:
-        out = get_runtime(codes.device).empty(codes.shape, dtype)
+        out = get_runtime(dev).empty(codes.shape, dtype)
     else:
         out = T.as_cuda_tensor(out, "out")
-        T.check_tensor(out, "out", (dtype,), shape=codes.shape, device=codes.device)
+        T.check_tensor(out, "out", (dtype,), shape=codes.shape, device=dev)
     _launch("decode", dtype, codes, out, codes.numel(), stream)
     return out
 
@@ -71,9 +73,8 @@ def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
 def _launch(op, float_dtype, src, dst, n, stream):
     if n == 0:
         return
-    rt = get_runtime(src.device)
-    vec = "true" if T.aligned16(src, dst) else "false"
-    fn = rt.function(_FILE, f"rkv_e4m3_{op}<{_CTYPES[_dtype_name(float_dtype)]}, {vec}>")
+    rt = get_runtime(src.get_device())
+    fn = rt.function(_FILE, _KERNEL[op, _dtype_name(float_dtype), T.aligned16(src, dst)])
     grid, block = rt.grid_stride(-(-n // _VEC_BYTES))
     rt.launch(fn, (grid,), (block,), (src.data_ptr(), dst.data_ptr(), n), stream)
 

@@ -95,6 +95,9 @@ _runtimes_lock = threading.Lock()
 def get_runtime(device=None) -> "Runtime":
     """The Runtime of a CUDA device (an index, a torch.device, or None for
     torch's current device). Created on first use."""
+    rt = _runtimes.get(device) if type(device) is int else None
+    if rt is not None:          # the hot path: ops pass x.get_device()
+        return rt
     if device is None:
         index = _torch().cuda.current_device()
     elif isinstance(device, int):

@@ -122,11 +122,17 @@ def run_core(rt, results, quick=False):
         cx, co = cupy.from_dlpack(x), cupy.from_dlpack(out)
         fn((1,), (256,), (cx, co, n), stream=rt.stream())
     dl_us = host_us_per_call(dlpack_launch, calls)
+    # The floor under rawkv's own Python: the bare CuPy launch with fixed args.
+    s = rt.stream()
+    xp, op = x.data_ptr(), out.data_ptr()
+    bare_us = host_us_per_call(lambda: fn((1,), (256,), (xp, op, n), shared_mem=0, stream=s), calls)
+    empty_us = host_us_per_call(lambda: torch.empty(n, device="cuda"), calls)
     results.append({"op": "launch_overhead/e4m3_encode", "shape": [n], "dtype": "float32",
                     "host_us": round(rawkv_us, 2), "torch_add_us": round(add_us, 2),
                     "ratio_vs_add": round(rawkv_us / add_us, 2),
                     "baseline": "cupy.from_dlpack per tensor per call", "baseline_us": round(dl_us, 2),
-                    "speedup": round(dl_us / rawkv_us, 2)})
+                    "speedup": round(dl_us / rawkv_us, 2),
+                    "bare_cupy_launch_us": round(bare_us, 2), "torch_empty_us": round(empty_us, 2)})
     # E4M3 encode / decode bandwidth on a large tensor.
     m = 1 << 28
     xb = torch.randn(m, device="cuda", dtype=torch.bfloat16)
