@@ -23,7 +23,9 @@ from __future__ import annotations
 import threading
 from typing import Iterable
 
-from . import _cache
+import os
+
+from . import _cache, _launch
 from .errors import CaptureError, GpuUnavailableError
 
 # ---------------------------------------------------------------------------
@@ -148,6 +150,7 @@ class Runtime:
         self._functions: dict[tuple[str, str], object] = {}
         self._streams: dict[int, object] = {}
         self._lock = threading.Lock()
+        self.set_launcher(os.environ.get("RAWKV_LAUNCHER", "driver"))
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
             self._current_stream_ptr = lambda: raw(self.device_index)
@@ -201,7 +204,8 @@ class Runtime:
         for filename in (files if files is not None else registry):
             for name in registry[filename]:
                 self.function(filename, name)
-        self.stream()  # the current stream's CuPy handle, too
+        if self._launcher.name == "cupy":
+            self.stream()  # the current stream's CuPy handle, too
 
     # -- streams and capture ------------------------------------------------
     def stream_ptr(self, stream=None) -> int:
@@ -217,11 +221,30 @@ class Runtime:
         raise TypeError(f"stream: expected a torch.cuda.Stream, cupy Stream or int, got {type(stream).__name__}")
 
     def stream(self, stream=None):
-        ptr = self.stream_ptr(stream)
+        """The CuPy stream object for `stream` (default: torch's current)."""
+        return self.cupy_stream(self.stream_ptr(stream))
+
+    def cupy_stream(self, ptr: int):
         s = self._streams.get(ptr)
         if s is None:
             s = self._streams[ptr] = _cupy_stream(self._cupy, ptr)
         return s
+
+    def set_launcher(self, name: str) -> None:
+        """'driver' (cuLaunchKernel through ctypes) or 'cupy' (CuPy Function)."""
+        if name == "driver":
+            try:
+                self._launcher = _launch.DriverLauncher()
+                return
+            except (OSError, AttributeError):
+                name = "cupy"       # no libcuda through ctypes: fall back
+        if name != "cupy":
+            raise ValueError(f"launcher: expected 'driver' or 'cupy', got {name!r}")
+        self._launcher = _launch.CupyLauncher(self)
+
+    @property
+    def launcher(self) -> str:
+        return self._launcher.name
 
     def is_capturing(self, stream=None) -> bool:
         if stream is None:
@@ -234,16 +257,14 @@ class Runtime:
     def launch(self, fn, grid, block, args, stream=None, shared_mem: int = 0) -> None:
         """Launch `fn` on torch's current stream (or `stream`). Scalars in
         `args` must be Python ints (pointers, int64) or floats (double)."""
-        s = self._streams.get(self._current_stream_ptr() if stream is None else self.stream_ptr(stream))
-        if s is None:
-            s = self.stream(stream)
+        ptr = self._current_stream_ptr() if stream is None else self.stream_ptr(stream)
         cur = self._cupy.cuda.runtime.getDevice()
         if cur == self.device_index:
-            fn(grid, block, args, shared_mem=shared_mem, stream=s)
-        else:
+            self._launcher(fn, grid, block, args, shared_mem, ptr)
+        else:   # the kernel lives in this device's context: make it current
             self._cupy.cuda.runtime.setDevice(self.device_index)
             try:
-                fn(grid, block, args, shared_mem=shared_mem, stream=s)
+                self._launcher(fn, grid, block, args, shared_mem, ptr)
             finally:
                 self._cupy.cuda.runtime.setDevice(cur)
 

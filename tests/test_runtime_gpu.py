@@ -83,3 +83,23 @@ def test_second_process_loads_from_disk_without_compiling(cuda, tmp_path):
         stats.append(json.loads(r.stdout.strip().splitlines()[-1]))
     assert stats[0]["compiles"] == stats[0]["modules"] > 0
     assert stats[1]["compiles"] == 0 and stats[1]["disk_hits"] == stats[1]["modules"]
+
+
+@pytest.mark.parametrize("launcher", ["driver", "cupy"])
+def test_both_launchers_give_the_same_bits_on_the_current_stream(cuda, rng, launcher):
+    rt = rawkv.get_runtime(0)
+    before = rt.launcher
+    rt.set_launcher(launcher)
+    try:
+        assert rt.launcher == launcher
+        x = torch.from_numpy(rng.standard_normal(3 << 16).astype(np.float32)).cuda()
+        s = torch.cuda.Stream()
+        out = torch.empty(x.shape, dtype=torch.uint8, device="cuda")
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(2_000_000)          # keep s busy: a launch elsewhere would race ahead
+            rawkv.fp8.e4m3_encode(x, out=out)
+            x.mul_(1000.0)
+        torch.cuda.synchronize()
+        assert np.array_equal(out.cpu().numpy(), ref.e4m3_encode((x / 1000.0).cpu().numpy()))
+    finally:
+        rt.set_launcher(before)
