@@ -1,8 +1,9 @@
 """Kernel launchers: the Python -> cuLaunchKernel step, kept as cheap as possible.
 
 Two interchangeable implementations, chosen by the Runtime (`RAWKV_LAUNCHER`
-= driver | cupy; default driver, falling back to cupy if libcuda cannot be
-opened through ctypes):
+= cupy | driver; default cupy, which measured faster on an H100 host: see
+bench results `launch_overhead`; driver falls back to cupy if libcuda cannot
+be opened through ctypes):
 
 * `DriverLauncher` calls libcuda's cuLaunchKernel through ctypes with
   parameter slots built once per thread: each argument is written into a
@@ -75,5 +76,4 @@ class CupyLauncher:
         self._rt = runtime
 
     def __call__(self, fn, grid, block, args, shared_mem, stream_ptr):
-        fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem,
-           stream=self._rt.cupy_stream(stream_ptr))
+        fn(grid, block, args, shared_mem, self._rt.cupy_stream(stream_ptr))

@@ -51,7 +51,7 @@ def placement(*named) -> str:
 def as_cuda_tensor(x, name: str):
     """A torch CUDA tensor for `x`: torch tensors as they are, any other DLPack
     device array (CuPy, JAX, ...) wrapped zero-copy."""
-    if getattr(x, "is_cuda", None) is not None and is_torch(x):
+    if getattr(x, "is_cuda", False) is True or is_torch(x):
         return x
     try:
         import torch
@@ -78,7 +78,7 @@ def check_tensor(x, name: str, dtypes, *, shape=None, ndim=None, device=None,
                         f"(expected {allowed})")
     if ndim is not None and x.dim() != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
-    if shape is not None and tuple(x.shape) != tuple(shape):
+    if shape is not None and x.shape != shape and tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
     if device is not None and x.get_device() != device:
         raise ValueError(f"{name}: is on {x.device} but the op runs on cuda:{device}")
@@ -89,7 +89,10 @@ def check_tensor(x, name: str, dtypes, *, shape=None, ndim=None, device=None,
 
 def aligned16(*tensors) -> bool:
     """True if every tensor's data pointer is 16-byte aligned (vector path)."""
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
+    acc = 0
+    for t in tensors:
+        acc |= t.data_ptr()
+    return acc & 15 == 0
 
 
 # ---- CPU side: numpy in, numpy or CPU torch out ------------------------------

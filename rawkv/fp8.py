@@ -40,7 +40,8 @@ def e4m3_encode(x, *, out=None, stream=None):
     if out is None:
         out = get_runtime(dev).empty(x.shape, dt.fp8[-1])
     else:
-        out = T.as_cuda_tensor(out, "out")
+        if not T.is_cuda_tensor(out):
+            out = T.as_cuda_tensor(out, "out")
         T.check_tensor(out, "out", dt.fp8, shape=x.shape, device=dev)
     _launch("encode", x.dtype, x, out, x.numel(), stream)
     return out
@@ -64,7 +65,8 @@ def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
     if out is None:
         out = get_runtime(dev).empty(codes.shape, dtype)
     else:
-        out = T.as_cuda_tensor(out, "out")
+        if not T.is_cuda_tensor(out):
+            out = T.as_cuda_tensor(out, "out")
         T.check_tensor(out, "out", (dtype,), shape=codes.shape, device=dev)
     _launch("decode", dtype, codes, out, codes.numel(), stream)
     return out

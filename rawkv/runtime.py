@@ -150,7 +150,8 @@ class Runtime:
         self._functions: dict[tuple[str, str], object] = {}
         self._streams: dict[int, object] = {}
         self._lock = threading.Lock()
-        self.set_launcher(os.environ.get("RAWKV_LAUNCHER", "driver"))
+        self._get_device = cupy.cuda.runtime.getDevice
+        self.set_launcher(os.environ.get("RAWKV_LAUNCHER", "cupy"))
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
             self._current_stream_ptr = lambda: raw(self.device_index)
@@ -243,6 +244,10 @@ class Runtime:
         self._launcher = _launch.CupyLauncher(self)
 
     @property
+    def _direct(self) -> bool:
+        return self._launcher.name == "cupy"
+
+    @property
     def launcher(self) -> str:
         return self._launcher.name
 
@@ -258,8 +263,12 @@ class Runtime:
         """Launch `fn` on torch's current stream (or `stream`). Scalars in
         `args` must be Python ints (pointers, int64) or floats (double)."""
         ptr = self._current_stream_ptr() if stream is None else self.stream_ptr(stream)
-        cur = self._cupy.cuda.runtime.getDevice()
-        if cur == self.device_index:
+        cur = self._get_device()
+        if cur == self.device_index and self._direct:
+            # The common case, inlined: a CuPy Function call on a cached stream.
+            s = self._streams.get(ptr) or self.cupy_stream(ptr)
+            fn(grid, block, args, shared_mem, s)
+        elif cur == self.device_index:
             self._launcher(fn, grid, block, args, shared_mem, ptr)
         else:   # the kernel lives in this device's context: make it current
             self._cupy.cuda.runtime.setDevice(self.device_index)
