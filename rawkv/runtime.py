@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Iterable
 
+import functools
 import os
 
 from . import _cache, _launch
@@ -154,7 +155,7 @@ class Runtime:
         self.set_launcher(os.environ.get("RAWKV_LAUNCHER", "cupy"))
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
-            self._current_stream_ptr = lambda: raw(self.device_index)
+            self._current_stream_ptr = functools.partial(raw, self.device_index)  # C-level call
         else:
             self._current_stream_ptr = lambda: torch.cuda.current_stream(self.device_index).cuda_stream
 
@@ -233,6 +234,7 @@ class Runtime:
 
     def set_launcher(self, name: str) -> None:
         """'driver' (cuLaunchKernel through ctypes) or 'cupy' (CuPy Function)."""
+        self._direct = False
         if name == "driver":
             try:
                 self._launcher = _launch.DriverLauncher()
@@ -242,10 +244,7 @@ class Runtime:
         if name != "cupy":
             raise ValueError(f"launcher: expected 'driver' or 'cupy', got {name!r}")
         self._launcher = _launch.CupyLauncher(self)
-
-    @property
-    def _direct(self) -> bool:
-        return self._launcher.name == "cupy"
+        self._direct = True          # launch() calls the CuPy Function inline
 
     @property
     def launcher(self) -> str:
