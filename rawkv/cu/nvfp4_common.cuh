@@ -1,0 +1,94 @@
+// nvfp4_common.cuh: NVFP4 block quantize / dequantize device functions
+// (docs/format.md "NVFP4"; /work/shared/SPEC.md section 2). Include this from
+// any kernel that produces or consumes NVFP4 (fused RMSNorm/SwiGLU+quantize,
+// KV flush, ...): it is the single device-side definition of the encoding and
+// matches rawkv/reference/nvfp4.py bit for bit when compiled with the runtime's
+// options (--fmad=false --ftz=false --prec-div=true).
+#pragma once
+#include "common.cuh"
+
+namespace rkv {
+
+constexpr float kNvfp4GsDivisor = 2688.0f;   // 6 * 448
+
+// Step 1 (finishing part): the decode global scale from an amax over the
+// scope's finite elements. amax == 0 -> 1.
+__device__ __forceinline__ float nvfp4_global_scale(float amax) {
+    return amax == 0.0f ? 1.0f : amax / kNvfp4GsDivisor;
+}
+
+// |x| if finite, else 0: the per-scope amax ignores NaN / Inf (step 1).
+__device__ __forceinline__ float nvfp4_finite_abs(float x) {
+    float a = fabsf(x);
+    return a <= 3.402823466e38f ? a : 0.0f;   // false for NaN and Inf
+}
+
+// Steps 2-5 for one block of 16 consecutive elements.
+//   v      : the 16 input values, already converted to float32 (element 0 first)
+//   gs     : the float32 decode global scale of the block's scope (1 for
+//            one-level NVFP4)
+//   packed : out, the 8 code bytes as two u32 words, little endian: byte j
+//            (bits 8j..8j+7 of packed.x for j<4, of packed.y for j>=4) holds
+//            element 2j in its low nibble and element 2j+1 in its high nibble,
+//            i.e. store `packed` as one uint2 at q + block*8.
+//   return : the UE4M3 block-scale byte (0x7F when the block holds NaN/Inf;
+//            its codes are then all 0).
+// Order of float32 operations (do not change: it is what makes the kernels
+// and the numpy reference agree):
+//   bmax = max|v|;  sf = e4m3(bmax / (gs * 6));  es = float(sf) * gs;
+//   code = es == 0 ? 0 : e2m1(v / es).
+//
+// Speed (quantize is instruction-bound, not memory-bound, with a plain IEEE
+// division per element): the 16 quotients v / es share es, so one correctly
+// rounded reciprocal y = RN(1/es) per block and Markstein's correction
+//   q = RN(v*y); r = v - q*es (exact, by FMA); q' = RN(q + r*y)
+// give exactly RN(v / es) in three instructions, provided nothing underflows
+// or overflows. The guard keeps every quotient near the E2M1 thresholds far
+// from both (es >= 2^-60, |v|*y < 2^100); other blocks (only possible with a
+// caller-given gs) take the plain division. es > 0, so the quotient's sign is
+// v's sign (copysignf keeps -0, which the FMA steps would turn into +0).
+__device__ __forceinline__ u8 nvfp4_quantize_block(const float (&v)[16], float gs, uint2& packed) {
+    // max of the magnitude bits: finite magnitudes order like their bits, and
+    // anything >= 0x7F800000 is an Inf or a NaN.
+    u32 umax = 0u;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) umax = max(umax, __float_as_uint(v[i]) & 0x7FFFFFFFu);
+    const bool bad = umax >= 0x7F800000u;
+    const float bmax = __uint_as_float(umax);
+    const u8 sf = e4m3_encode(bmax / (gs * 6.0f));
+    const float es = e4m3_decode(sf) * gs;
+    if (bad || es == 0.0f) {                     // steps 3 and 5: all codes 0
+        packed = make_uint2(0u, 0u);
+        return bad ? kE4M3NaN : sf;
+    }
+    u32 w[2] = {0u, 0u};
+    const float y = __frcp_rn(es);
+    if (es >= 0x1p-60f && __fmul_rn(bmax, y) < 0x1p100f) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            float q = __fmul_rn(v[i], y);
+            const float r = __fmaf_rn(-q, es, v[i]);
+            q = __fmaf_rn(r, y, q);
+            w[i >> 3] |= e2m1_encode(copysignf(q, v[i])) << ((i & 7) * 4);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            w[i >> 3] |= e2m1_encode(v[i] / es) << ((i & 7) * 4);
+    }
+    packed = make_uint2(w[0], w[1]);
+    return sf;
+}
+
+// Decode one block: out[i] = lut[code_i] * (float(sf) * gs), float32.
+// `packed` as produced by nvfp4_quantize_block.
+__device__ __forceinline__ void nvfp4_dequantize_block(uint2 packed, u8 sf, float gs, float (&out)[16]) {
+    const float es = e4m3_decode(sf) * gs;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const u32 word = (i < 8) ? packed.x : packed.y;
+        out[i] = e2m1_decode((word >> ((i & 7) * 4)) & 0xFu) * es;
+    }
+}
+
+}  // namespace rkv
