@@ -1,0 +1,230 @@
+"""CPU tests of rawkv.fused: the numpy reference against float64 compositions,
+the CPU dispatch of the public ops, and argument errors (docs/fused.md)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rawkv import fused as F
+from rawkv.reference import fused as R
+from rawkv.reference import nvfp4 as RN
+from rawkv.reference.formats import bf16_round
+
+torch = pytest.importorskip("torch")
+
+F32 = np.float32
+
+
+def _ulps(a, b):
+    """|a - b| in float32 ulps of b (a, b float32, finite)."""
+    a = np.asarray(a, np.float64)
+    b32 = np.asarray(b, np.float32)
+    return np.abs(a - b32.astype(np.float64)) / np.spacing(np.abs(b32)).astype(np.float64)
+
+
+# ---- reference building blocks ---------------------------------------------------------
+def test_exp_f32_accuracy_and_constants():
+    assert R.EXP_COEF == tuple(F32(1.0 / k) for k in (5040, 720, 120, 24, 6))
+    assert R.EXP_LOG2E == F32(np.log2(np.e))
+    assert R.EXP_LN2_HI + np.float64(R.EXP_LN2_LO) == pytest.approx(np.log(2), abs=1e-12)
+    x = np.linspace(-87.0, 88.7, 400_001).astype(F32)
+    e = R.exp_f32(x)
+    assert _ulps(e, np.exp(x.astype(np.float64)).astype(F32)).max() <= 2.0
+    sp = R.exp_f32(np.array([np.inf, -np.inf, 89.0, -104.0, 0.0, np.nan], F32))
+    assert sp[0] == np.inf and sp[1] == 0 and sp[2] == np.inf and sp[3] == 0 and sp[4] == 1
+    assert np.isfinite(sp[5])          # NaN -> -104 (NaN-ignoring clamp, as CUDA fmaxf)
+
+
+def test_silu_matches_float64(rng):
+    a = (rng.standard_normal(100_000) * 8).astype(F32)
+    s = R.silu(a)
+    s64 = a.astype(np.float64) / (1 + np.exp(-a.astype(np.float64)))
+    ok = np.abs(s64) > 1e-30
+    assert np.max(np.abs(s[ok] - s64[ok]) / np.abs(s64[ok])) < 5e-7
+    sp = R.silu(np.array([np.nan, np.inf, -np.inf, -0.0, 1000.0, -1000.0], F32))
+    assert np.isnan(sp[0]) and sp[1] == np.inf and np.isnan(sp[2])
+    assert sp[3] == 0 and np.signbit(sp[3]) and sp[4] == 1000 and sp[5] == 0
+
+
+def test_rms_inv_matches_float64(rng):
+    x = bf16_round(rng.standard_normal((64, 7168)).astype(F32) * rng.uniform(0.01, 100, (64, 1)))
+    inv = R.rms_inv(x, 1e-6)
+    exact = 1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1) + np.float64(F32(1e-6)))
+    assert _ulps(inv, exact.astype(F32)).max() <= 1.0          # two float32 roundings
+
+
+def test_rmsnorm_matches_float64(rng):
+    x = bf16_round(rng.standard_normal((33, 2048)).astype(F32))
+    w = (rng.standard_normal(2048) * 0.5 + 1).astype(F32)
+    y, inv = R.rmsnorm(x, w, 1e-6, "bfloat16")
+    x64 = x.astype(np.float64)
+    y64 = x64 / np.sqrt(np.mean(x64 ** 2, -1, keepdims=True) + 1e-6) * w
+    # y is BF16: within one BF16 rounding (2^-8 relative) plus float32 noise
+    assert np.all(np.abs(y - y64) <= np.abs(y64) * 2.0 ** -8 * 1.001 + 1e-30)
+    assert np.array_equal(y, bf16_round(y))
+    y32, _ = R.rmsnorm(x, w, 1e-6, "float32")
+    assert np.all(np.abs(y32 - y64) <= np.abs(y64) * 4e-7 + 1e-30)
+
+
+def test_mhc_mix_matches_float64(rng):
+    X = bf16_round(rng.standard_normal((17, 4, 256)).astype(F32))
+    A = rng.random((17, 4)).astype(F32)
+    m = R.mhc_mix(X, A, "bfloat16")
+    m64 = np.einsum("mh,mhn->mn", A.astype(np.float64), X.astype(np.float64))
+    assert np.all(np.abs(m - m64) <= np.abs(m64) * 2.0 ** -8 * 1.001 + 1e-6)
+    # h == 0 is a product, not 0 + product: -0 stays -0
+    z = R.mhc_mix(np.full((1, 1, 16), -0.0, F32), np.ones((1, 1), F32), "float32")
+    assert np.all(np.signbit(z))
+
+
+@pytest.mark.parametrize("g", [1, 2, 4, 8, 16, 32])
+def test_deinterleave_indexing(g):
+    inter = 64
+    h = np.arange(2 * inter, dtype=F32)[None, :]
+    gate, up = R.deinterleave(h, g)
+    for i in range(inter):
+        assert gate[0, i] == (i // g) * 2 * g + i % g
+        assert up[0, i] == (i // g) * 2 * g + g + i % g
+
+
+def test_swiglu_matches_float64(rng):
+    h = bf16_round(rng.standard_normal((9, 512)).astype(F32) * 3)
+    y = R.swiglu(h, 8, "bfloat16")
+    gate, up = R.deinterleave(h.astype(np.float64), 8)
+    y64 = gate / (1 + np.exp(-gate)) * up
+    assert np.all(np.abs(y - y64) <= np.abs(y64) * 2.0 ** -8 * 1.001 + 1e-30)
+
+
+def test_rmsnorm_quantize_composes_reference(rng):
+    x = bf16_round(rng.standard_normal((7, 512)).astype(F32))
+    w = rng.random(512).astype(F32) + 0.5
+    q, sf, gs, inv = R.rmsnorm_quantize(x, w, 1e-6, "row")
+    y, inv2 = R.rmsnorm(x, w, 1e-6, "bfloat16")
+    q2, sf2, gs2 = RN.quantize(y, "row")
+    assert np.array_equal(q, q2) and np.array_equal(sf, sf2) and np.array_equal(gs, gs2)
+    assert np.array_equal(inv, inv2)
+    # and the decoded values approximate the float64 RMSNorm: NVFP4 error bound
+    # per element <= (half the widest E2M1 gap = 1) * es, and es <= bmax / 6 * (1 + 2^-4)
+    deq = RN.dequantize(q, sf, gs, "float32")
+    bmax = np.abs(y).reshape(7, 32, 16).max(-1, keepdims=True)
+    err = np.abs(deq - y).reshape(7, 32, 16)
+    assert np.all(err <= bmax / 6 * (1 + 2.0 ** -4) + 1e-30)
+
+
+def test_pack_scales_layout():
+    sf = np.arange(16, dtype=np.uint8).reshape(2, 8)
+    w = R.pack_scales_i32(sf)
+    assert w.dtype == np.int32 and w.shape == (2, 2)
+    assert w.view(np.uint32)[0, 0] == 0x03020100 and w.view(np.uint32)[1, 1] == 0x0F0E0D0C
+    assert np.array_equal(R.unpack_scales_i32(w), sf)
+
+
+def test_moe_stage_reference(rng):
+    x = bf16_round(rng.standard_normal((5, 256)).astype(F32))
+    x[1, 16:32] = np.nan
+    ids = rng.integers(0, 64, (5, 6)).astype(np.int32)
+    wts = rng.random((5, 6)).astype(F32)
+    q, sf32, ids64, w = R.moe_stage(x, ids, wts)
+    q2, sf2, _ = RN.quantize(x, "none")
+    assert np.array_equal(q, q2) and np.array_equal(R.unpack_scales_i32(sf32), sf2)
+    assert sf2[1, 1] == 0x7F and np.all(RN.unpack_nibbles(q)[1, 16:32] == 0)
+    assert ids64.dtype == np.int64 and np.array_equal(ids64, ids) and np.array_equal(w, wts)
+    # RNE ties (not the seed's round up): 0.25 * es -> 0, 2.5 * es -> 2
+    t = np.zeros((1, 128), F32)
+    t[0, :3] = [6.0, 0.25, 2.5]                     # bmax 6 -> sf = 1.0, es = 1
+    codes = RN.unpack_nibbles(R.moe_stage(t, ids[:1], wts[:1])[0])
+    assert list(codes[0, :3]) == [7, 0, 4]
+
+
+# ---- public ops on CPU -------------------------------------------------------------------
+def test_ops_cpu_dispatch_torch_and_numpy(rng):
+    xn = bf16_round(rng.standard_normal((3, 5, 64)).astype(F32))
+    w = rng.random(64).astype(F32)
+    xt = torch.from_numpy(xn).bfloat16()
+    qa = F.rmsnorm_quantize(xt, torch.from_numpy(w))
+    q, sf, gs, inv = R.rmsnorm_quantize(xn.reshape(15, 64), w, 1e-6, "row", None, "bfloat16")
+    assert isinstance(qa, F.QuantizedActivation)
+    assert qa.q.shape == (3, 5, 32) and qa.sf.shape == (3, 5, 4) and qa.gs.shape == (3, 5)
+    assert np.array_equal(qa.q.view(torch.uint8).numpy().reshape(15, 32), q)
+    assert np.array_equal(qa.inv_rms.numpy().reshape(15), inv)
+    # numpy float32 input: no rounding of the intermediate (dtype float32)
+    qn = F.rmsnorm_quantize(xn[0], w, scope="tensor")
+    q2, sf2, gs2, _ = R.rmsnorm_quantize(xn[0], w, 1e-6, "tensor", None, "float32")
+    assert isinstance(qn.q, np.ndarray) and np.array_equal(qn.q, q2) and qn.gs.shape == ()
+    # dequantize through the result object
+    d = qa.dequantize()
+    assert d.dtype == torch.bfloat16 and d.shape == (3, 5, 64)
+    # out= (torch CPU buffers, fp8 view for sf) is filled and returned
+    out = (torch.empty(3, 5, 32, dtype=torch.uint8), torch.empty(3, 5, 4, dtype=torch.float8_e4m3fn),
+           torch.empty(3, 5), torch.empty(3, 5))
+    r = F.rmsnorm_quantize(xt, torch.from_numpy(w), out=out)
+    assert r.q is out[0] and r.sf is out[1]
+    assert np.array_equal(out[1].view(torch.uint8).numpy().reshape(15, 4), sf)
+
+
+def test_mhc_and_swiglu_and_moe_cpu(rng):
+    X = torch.randn(4, 3, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
+    A = torch.rand(4, 3)
+    qa = F.mhc_rmsnorm_quantize(X, A, torch.ones(32))
+    ref = R.mhc_rmsnorm_quantize(X.float().numpy(), A.numpy(), np.ones(32, F32))
+    assert np.array_equal(qa.q.view(torch.uint8).numpy(), ref[0]) and np.array_equal(qa.gs.numpy(), ref[2])
+    h = torch.randn(2, 3, 128).half()
+    for g in (8, 4):
+        qs = F.swiglu_quantize(h, g, scope="given", gs=0.01)
+        rs = R.swiglu_quantize(h.float().numpy().reshape(6, 128), g, "given", 0.01, "float16")
+        assert np.array_equal(qs.q.view(torch.uint8).numpy().reshape(6, 32), rs[0]) and qs.inv_rms is None
+        assert float(qs.gs) == float(F32(0.01))
+    st = F.moe_stage(torch.randn(3, 256).bfloat16(), torch.randint(0, 8, (3, 2), dtype=torch.int32),
+                     torch.rand(3, 2).bfloat16())
+    assert st.q.dtype == torch.uint8 and st.sf.dtype == torch.int32 and st.sf.shape == (3, 4)
+    assert st.topk_ids.dtype == torch.int64 and st.topk_weights.dtype == torch.bfloat16
+
+
+def test_zero_rows_and_empty():
+    qa = F.rmsnorm_quantize(np.zeros((2, 32), F32), np.ones(32, F32))
+    assert np.all(qa.q == 0) and np.all(qa.sf == 0) and np.all(qa.gs == 1)
+    assert np.allclose(qa.inv_rms, 1 / np.sqrt(F32(1e-6)))
+    qe = F.swiglu_quantize(np.zeros((0, 64), F32))
+    assert qe.q.shape == (0, 16) and qe.gs.shape == (0,)
+
+
+# ---- argument errors (shape checks run before any placement-specific work) ---------------
+def _x(*s):
+    return np.zeros(s, F32)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda: F.rmsnorm_quantize(_x(2, 24), _x(24)), "x"),
+    (lambda: F.rmsnorm_quantize(_x(2, 32), _x(16)), "weight"),
+    (lambda: F.rmsnorm_quantize(_x(2, 32), _x(32), eps=-1.0), "eps"),
+    (lambda: F.rmsnorm_quantize(_x(2, 32), _x(32), scope="blocks"), "scope"),
+    (lambda: F.rmsnorm_quantize(_x(2, 32), _x(32), scope="given"), "gs"),
+    (lambda: F.rmsnorm_quantize(_x(2, 32), _x(32), scope="row", gs=1.0), "gs"),
+    (lambda: F.rmsnorm_quantize(_x(2, 32), _x(32), out=(_x(2, 16),)), "out"),
+    (lambda: F.rmsnorm_quantize(_x(2, 32), _x(32), out=(np.zeros((2, 8), np.uint8), None, None)), "out"),
+    (lambda: F.mhc_rmsnorm_quantize(_x(2, 5, 32), _x(2, 5), _x(32)), "x"),
+    (lambda: F.mhc_rmsnorm_quantize(_x(2, 3, 32), _x(2, 4), _x(32)), "mix"),
+    (lambda: F.mhc_rmsnorm_quantize(_x(32), _x(1), _x(32)), "x"),
+    (lambda: F.swiglu_quantize(_x(2, 40)), "h"),
+    (lambda: F.swiglu_quantize(_x(2, 33)), "h"),
+    (lambda: F.swiglu_quantize(_x(2, 64), 3), "granularity"),
+    (lambda: F.swiglu_quantize(_x(2, 64), 0), "granularity"),
+    (lambda: F.moe_stage(_x(2, 192), np.zeros((2, 4), np.int32), _x(2, 4)), "hidden"),
+    (lambda: F.moe_stage(_x(2, 2, 128), np.zeros((2, 4), np.int32), _x(2, 4)), "hidden"),
+    (lambda: F.moe_stage(_x(2, 128), np.zeros((3, 4), np.int32), _x(3, 4)), "topk_ids"),
+    (lambda: F.moe_stage(_x(2, 128), np.zeros((2, 4), np.int32), _x(2, 3)), "topk_weights"),
+    (lambda: F.moe_stage(_x(2, 128), _x(2, 4), _x(2, 4)), "topk_ids"),
+])
+def test_argument_errors_name_the_argument(call, arg):
+    with pytest.raises((ValueError, TypeError)) as ei:
+        call()
+    assert str(ei.value).startswith(arg), str(ei.value)
+
+
+def test_bad_out_writes_nothing():
+    q = np.full((2, 16), 0xAB, np.uint8)
+    sf = np.full((2, 3), 0xAB, np.uint8)        # wrong shape: (2, 2) expected
+    gs = np.full((2,), 7.0, F32)
+    with pytest.raises(ValueError, match="^out.sf"):
+        F.rmsnorm_quantize(np.ones((2, 32), F32), np.ones(32, F32), out=(q, sf, gs, None))
+    assert np.all(q == 0xAB) and np.all(gs == 7.0)
