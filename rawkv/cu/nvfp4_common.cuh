@@ -23,6 +23,28 @@ __device__ __forceinline__ float nvfp4_finite_abs(float x) {
     return a <= 3.402823466e38f ? a : 0.0f;   // false for NaN and Inf
 }
 
+// E2M1 magnitude index (0..7) of a = |v / es|, for a never NaN (Inf is fine).
+// Same result as e2m1_encode's threshold compares, but on the FMA pipe: the
+// magic number 2^23 rounds (ties to even) at each E2M1 step size, 0.5 on
+// [0,2), 1 on [2,4), 2 above, with the segment's first index added as an
+// even offset (so ties still go to the even code); rounding is monotonic, so
+// the right segment's candidate is the smallest of the three, and 7
+// saturates. Checked against the reference on every BF16 magnitude and a
+// dense sweep of [0, 8) (tests compare the kernels bit for bit).
+__device__ __forceinline__ u32 e2m1_index_fast(float a) {
+    const float t0 = __fmaf_rn(a, 2.0f, 0x1p23f);
+    const float t1 = __fadd_rn(a, 0x1p23f + 2.0f);
+    const float t2 = __fmaf_rn(a, 0.5f, 0x1p23f + 4.0f);
+    const float t = fminf(fminf(t0, t1), fminf(t2, 0x1p23f + 7.0f));
+    return __float_as_uint(t) - 0x4B000000u;
+}
+
+// 4-bit code of v / es given the (correctly rounded) quotient q: the sign is
+// v's (es > 0; keeps -0, which the FMA steps would turn into +0).
+__device__ __forceinline__ u32 e2m1_code_of_quotient(float q, float v) {
+    return e2m1_index_fast(fabsf(q)) | ((__float_as_uint(v) >> 28) & 8u);
+}
+
 // Steps 2-5 for one block of 16 consecutive elements.
 //   v      : the 16 input values, already converted to float32 (element 0 first)
 //   gs     : the float32 decode global scale of the block's scope (1 for
@@ -45,8 +67,7 @@ __device__ __forceinline__ float nvfp4_finite_abs(float x) {
 // give exactly RN(v / es) in three instructions, provided nothing underflows
 // or overflows. The guard keeps every quotient near the E2M1 thresholds far
 // from both (es >= 2^-60, |v|*y < 2^100); other blocks (only possible with a
-// caller-given gs) take the plain division. es > 0, so the quotient's sign is
-// v's sign (copysignf keeps -0, which the FMA steps would turn into +0).
+// caller-given gs) take the plain division.
 __device__ __forceinline__ u8 nvfp4_quantize_block(const float (&v)[16], float gs, uint2& packed) {
     // max of the magnitude bits: finite magnitudes order like their bits, and
     // anything >= 0x7F800000 is an Inf or a NaN.
@@ -69,12 +90,12 @@ __device__ __forceinline__ u8 nvfp4_quantize_block(const float (&v)[16], float g
             float q = __fmul_rn(v[i], y);
             const float r = __fmaf_rn(-q, es, v[i]);
             q = __fmaf_rn(r, y, q);
-            w[i >> 3] |= e2m1_encode(copysignf(q, v[i])) << ((i & 7) * 4);
+            w[i >> 3] |= e2m1_code_of_quotient(q, v[i]) << ((i & 7) * 4);
         }
     } else {
 #pragma unroll
         for (int i = 0; i < 16; ++i)
-            w[i >> 3] |= e2m1_encode(v[i] / es) << ((i & 7) * 4);
+            w[i >> 3] |= e2m1_code_of_quotient(v[i] / es, v[i]) << ((i & 7) * 4);
     }
     packed = make_uint2(w[0], w[1]);
     return sf;
