@@ -24,6 +24,13 @@ def placement(*named) -> str:
     """'cpu' if the arrays are numpy arrays / CPU tensors, 'cuda' if they are
     CUDA tensors or other DLPack device arrays; mixing the two is an error.
     `named` is pairs (name, array); None entries are ignored."""
+    # Fast path (the hot path): only CUDA tensors, numbers and Nones.
+    for _, x in named:
+        if not (x is None or getattr(x, "is_cuda", False) is True or isinstance(x, (int, float))):
+            break
+    else:
+        if any(getattr(x, "is_cuda", False) is True for _, x in named):
+            return "cuda"
     where = None
     first = None
     for name, x in named:
@@ -119,6 +126,8 @@ class _TorchDtypes:
         self.floats = (torch.float32, torch.float16, torch.bfloat16)
         self.bytes = byte_dtypes(torch)
         self.fp8 = tuple(d for d in self.bytes[:2])          # uint8, float8_e4m3fn
+        self.e4m3 = getattr(torch, "float8_e4m3fn", None)      # typed views, where torch has them
+        self.e2m1x2 = getattr(torch, "float4_e2m1fn_x2", None)
         self.name = {d: str(d).replace("torch.", "") for d in (*self.floats, *self.bytes)}
 
 

@@ -56,7 +56,7 @@ def _torch():
 
 
 def _name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
+    return T.dtypes().name.get(dtype) or str(dtype).replace("torch.", "")
 
 
 def _q_dtype_name():
@@ -70,17 +70,17 @@ def _sf_dtype_name():
 
 
 def _as_q(t):
-    torch = _torch()
-    return t.view(torch.float4_e2m1fn_x2) if hasattr(torch, "float4_e2m1fn_x2") else t
+    d = T.dtypes().e2m1x2
+    return t if d is None or t.dtype is d else t.view(d)
 
 
 def _as_sf(t):
-    torch = _torch()
-    return t.view(torch.float8_e4m3fn) if hasattr(torch, "float8_e4m3fn") else t
+    d = T.dtypes().e4m3
+    return t if d is None or t.dtype is d else t.view(d)
 
 
 def _byte_dtypes():
-    return T.byte_dtypes(_torch())
+    return T.dtypes().bytes
 
 
 def _is_number(v) -> bool:
