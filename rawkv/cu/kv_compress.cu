@@ -1,0 +1,423 @@
+// kv_compress.cu: the DeepSeek-V4 KV compressor, one launch from token rows
+// (or the decode tail state) to quantized entries in the paged pool
+// (docs/kvcache.md "Compressor kernel"; reference: rawkv/reference/kvcache.py).
+//
+//   rkv_kv_compress<T, I, DECODE, OVERLAP, RG>
+//
+// One CTA per (entry, part): blockIdx.x = entry (prefill) or batch row
+// (decode); blockIdx.y = 0 the attention entry (d = head_dim, <= 512),
+// blockIdx.y = 1 the CSA indexer key (d = 128). The CTA has 128 * RG threads:
+// channel-thread tc = threadIdx.x % 128 owns channels c = tc + 128 k (k < d/128,
+// so every load of a warp is 32 consecutive elements), row group rg =
+// threadIdx.x / 128 owns a contiguous slice of the pooled rows.
+//
+//   1. pooling, per channel, over R = m (HCA) or 2m (CSA: b-half of window
+//      i-1, then a-half of window i) rows, z += ape[row] in prefill:
+//        CSA (OVERLAP, R = 2m <= 8, RG == 1): two passes over registers in the
+//          reference's order: mx = max z; e_j = expf(z_j - mx); S = sum e_j
+//          (row order); out = sum (e_j / S) * v_j (row order). Only expf
+//          differs from the reference (exp in float64, rounded once).
+//        HCA: online softmax in chunks of 8 rows per row group
+//          (running max, S and A = sum e v rescaled by expf(M_old - M_new)
+//          when the max grows), row groups combined through shared memory,
+//          out = A / S.
+//   2. RMSNorm: float64 block sum of squares, r = (float)(1 / sqrt(ms + eps))
+//      (float64, as the reference), y = (x * r) * w in float32.
+//   3. RoPE on the last rope_dim dims, interleaved pairs, from the host-built
+//      table cos/sin[entry] (position entry * m), partner through shfl_xor 1.
+//   4. indexer only: Walsh-Hadamard in float64 in shared memory, * 1/sqrt(d),
+//      rounded to float32.
+//   5. one BF16 rounding, then quantize: attention entry -> E4M3 codes of the
+//      non-RoPE dims + FP32 scale amax/448 + BF16 RoPE dims; indexer key ->
+//      one-level NVFP4 (nvfp4_quantize_block, gs = 1).
+//   6. scatter through block_table[row][entry / epb]; an entry id past the
+//      table or the RoPE table, or a physical block outside [0, num_blocks),
+//      is skipped and counted in *errors (by part 0 only, once per entry).
+//      Decode: rows with valid_mask false, or whose window is not complete
+//      (count[slot] != m), are skipped silently; an out-of-range slot or a
+//      negative position is counted.
+//
+// Compiled with --fmad=false --ftz=false --prec-div=true --prec-sqrt=true.
+#include "common.cuh"
+#include "nvfp4_common.cuh"
+using namespace rkv;
+
+namespace {
+
+constexpr int kCT = 128;        // channel threads per row group
+constexpr int kMaxCPT = 4;      // channels per thread: d <= 512
+constexpr int kMaxD = kCT * kMaxCPT;
+constexpr int kChunk = 8;       // rows held in registers per pass
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+template <typename T>
+__device__ __forceinline__ float ld(const T* p) { return to_f32<T>(*p); }
+
+// Arguments of one part (attention entry or indexer key). Row r of the
+// a-stream of this work item is a_kv[r * a_stride + c] (already offset to the
+// a-half); row r of the b-stream is b_kv[r * b_stride + c]; ape_a / ape_b are
+// the matching ape rows (prefill) or null (decode: the state holds z + ape).
+template <typename T>
+struct Src {
+    const T* a_kv; const T* a_z; const T* b_kv; const T* b_z;
+    const float* ape_a; const float* ape_b;
+    i64 a_stride, b_stride, ape_stride;
+    bool has_b;
+};
+
+template <typename T>
+__device__ __forceinline__ void load_row(const Src<T>& s, int r, int mb, int c, float& v, float& z) {
+    if (r < mb) {                                   // b-stream row
+        if (s.has_b) {
+            v = ld(s.b_kv + r * s.b_stride + c);
+            z = ld(s.b_z + r * s.b_stride + c);
+            if (s.ape_b) z = z + s.ape_b[r * s.ape_stride + c];
+        } else {
+            v = 0.0f; z = neg_inf();
+        }
+    } else {                                        // a-stream row
+        const int ra = r - mb;
+        v = ld(s.a_kv + ra * s.a_stride + c);
+        z = ld(s.a_z + ra * s.a_stride + c);
+        if (s.ape_a) z = z + s.ape_a[ra * s.ape_stride + c];
+    }
+}
+
+// ---- block reductions (all threads of the CTA call them) -----------------------
+__device__ __forceinline__ double block_sum_d(double v, double* sh) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[w] = v;
+    __syncthreads();
+    double t = 0.0;
+    for (int i = 0; i < nw; ++i) t += sh[i];
+    return t;
+}
+
+__device__ __forceinline__ float block_max_f(float v, float* sh) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[w] = v;
+    __syncthreads();
+    float t = 0.0f;
+    for (int i = 0; i < nw; ++i) t = fmaxf(t, sh[i]);
+    return t;
+}
+
+__device__ __forceinline__ bool block_any(bool p) {
+    return __syncthreads_or(p ? 1 : 0) != 0;
+}
+
+}  // namespace
+
+template <typename T, typename I, bool DECODE, bool OVERLAP, int RG>
+__global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
+    // part 0: attention entry
+    const T* __restrict__ kv0, const T* __restrict__ z0,
+    const T* __restrict__ kvb0, const T* __restrict__ zb0,
+    const float* __restrict__ ape0, const float* __restrict__ w0, const int* __restrict__ count0,
+    u8* __restrict__ out_fp8, float* __restrict__ out_scale, __nv_bfloat16* __restrict__ out_rope,
+    long long d0,
+    // part 1: CSA indexer key (null pointers when absent)
+    const T* __restrict__ kv1, const T* __restrict__ z1,
+    const T* __restrict__ kvb1, const T* __restrict__ zb1,
+    const float* __restrict__ ape1, const float* __restrict__ w1, const int* __restrict__ count1,
+    u8* __restrict__ out_iq, u8* __restrict__ out_isf,
+    long long d1,
+    // RoPE table (n_tab, 2, rope_dim / 2) float32: cos, sin of entry e at position e * m
+    const float* __restrict__ rope_tab, long long n_tab, long long rope_dim,
+    // paged pool geometry
+    const int* __restrict__ block_table, long long bt_stride, long long num_blocks,
+    long long epb, long long m,
+    // decode: batch rows
+    const u8* __restrict__ valid, const I* __restrict__ slots, const I* __restrict__ positions,
+    long long n_slots,
+    // prefill: block-table row, first entry id, context windows before the first entry
+    long long slot, long long start_entry, long long pre,
+    int* __restrict__ errors, double eps)
+{
+    static_assert(!OVERLAP || RG == 1, "CSA pools 2m <= 8 rows per thread, one row group");
+    __shared__ float sh_part[RG > 1 ? RG - 1 : 1][3][kMaxD];
+    __shared__ double sh_red[(kCT * RG) / 32];
+    __shared__ float sh_redf[(kCT * RG) / 32];
+    __shared__ double sh_had[kCT];
+    __shared__ float sh_key[kCT];
+
+    const int part = blockIdx.y;
+    const bool count_errors = part == 0;
+    const int tc = threadIdx.x % kCT;
+    const int rg = threadIdx.x / kCT;
+    const i64 n = blockIdx.x;
+
+    const i64 d = part == 0 ? d0 : d1;
+    const int cpt = (int)(d / kCT);
+    const i64 w = OVERLAP ? 2 * d : d;              // width of a token row / a-stream row
+    const i64 off_a = OVERLAP ? d : 0;              // a-half offset in a row
+
+    // ---- which entry, from where, to where (uniform over the CTA) ----
+    i64 row, e;
+    Src<T> src;
+    src.ape_stride = w;
+    if constexpr (DECODE) {
+        if (!valid[n]) return;
+        const i64 s = (i64)slots[n];
+        if (s < 0 || s >= n_slots) {
+            if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
+            return;
+        }
+        const int* cnt = part == 0 ? count0 : count1;
+        if ((i64)cnt[s] != m) return;               // window not complete: nothing to flush
+        const i64 pos = (i64)positions[n];
+        if (pos < 0) {
+            if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
+            return;
+        }
+        row = s;
+        e = pos / m;
+        const T* kv = part == 0 ? kv0 : kv1;
+        const T* z = part == 0 ? z0 : z1;
+        src.a_kv = kv + s * m * w + off_a;
+        src.a_z = z + s * m * w + off_a;
+        src.a_stride = w;
+        src.b_kv = (part == 0 ? kvb0 : kvb1) + s * m * d;
+        src.b_z = (part == 0 ? zb0 : zb1) + s * m * d;
+        src.b_stride = d;
+        src.has_b = OVERLAP;
+        src.ape_a = nullptr;
+        src.ape_b = nullptr;
+    } else {
+        row = slot;
+        e = start_entry + n;
+        const T* kv = part == 0 ? kv0 : kv1;
+        const T* z = part == 0 ? z0 : z1;
+        const float* ape = part == 0 ? ape0 : ape1;
+        const i64 wa = n + pre;                     // window of the a-rows, in kv rows / m
+        src.a_kv = kv + wa * m * w + off_a;
+        src.a_z = z + wa * m * w + off_a;
+        src.a_stride = w;
+        src.has_b = OVERLAP && wa >= 1;
+        src.b_kv = kv + (wa - 1) * m * w;           // b-half = [0:d] of the previous window
+        src.b_z = z + (wa - 1) * m * w;
+        src.b_stride = w;
+        src.ape_a = ape ? ape + off_a : nullptr;
+        src.ape_b = ape;
+    }
+    const i64 lb = e / epb;
+    if (e >= n_tab || lb >= bt_stride) {
+        if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
+        return;
+    }
+    const i64 blk = (i64)block_table[row * bt_stride + lb];
+    if (blk < 0 || blk >= num_blocks) {
+        if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
+        return;
+    }
+    const i64 dest = blk * epb + (e - lb * epb);
+
+    // ---- 1. softmax pooling ----
+    const int mb = OVERLAP ? (int)m : 0;
+    const int R = mb + (int)m;
+    float x[kMaxCPT];
+#pragma unroll
+    for (int k = 0; k < kMaxCPT; ++k) x[k] = 0.0f;
+
+    if constexpr (OVERLAP) {
+        // CSA (R = 2m <= 8, checked on the host): two passes over registers, in
+        // the reference's order
+        float zv[kChunk][kMaxCPT], vv[kChunk][kMaxCPT];
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j)
+#pragma unroll
+            for (int k = 0; k < kMaxCPT; ++k)
+                if (j < R && k < cpt) load_row(src, j, mb, tc + kCT * k, vv[j][k], zv[j][k]);
+#pragma unroll
+        for (int k = 0; k < kMaxCPT; ++k) {
+            if (k >= cpt) continue;
+            float mx = neg_inf();
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) if (j < R) mx = fmaxf(mx, zv[j][k]);
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j)
+                if (j < R) { zv[j][k] = expf(zv[j][k] - mx); s = s + zv[j][k]; }
+            float acc = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j)
+                if (j < R) acc = acc + (zv[j][k] / s) * vv[j][k];
+            x[k] = acc;
+        }
+    } else {
+        // online softmax over this row group's slice, 8 rows per pass
+        const int per = (R + RG - 1) / RG;
+        const int r0 = rg * per;
+        const int r1 = min(R, r0 + per);
+        float M[kMaxCPT], S[kMaxCPT], A[kMaxCPT];
+#pragma unroll
+        for (int k = 0; k < kMaxCPT; ++k) { M[k] = neg_inf(); S[k] = 0.0f; A[k] = 0.0f; }
+        for (int rb = r0; rb < r1; rb += kChunk) {
+            float zv[kChunk][kMaxCPT], vv[kChunk][kMaxCPT];
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j)
+#pragma unroll
+                for (int k = 0; k < kMaxCPT; ++k) {
+                    if (rb + j < r1 && k < cpt) load_row(src, rb + j, mb, tc + kCT * k, vv[j][k], zv[j][k]);
+                    else { vv[j][k] = 0.0f; zv[j][k] = neg_inf(); }
+                }
+#pragma unroll
+            for (int k = 0; k < kMaxCPT; ++k) {
+                float mx = M[k];
+#pragma unroll
+                for (int j = 0; j < kChunk; ++j) mx = fmaxf(mx, zv[j][k]);
+                if (mx == neg_inf()) continue;          // nothing but empty rows so far
+                if (mx != M[k]) {
+                    const float f = M[k] == neg_inf() ? 0.0f : expf(M[k] - mx);
+                    S[k] = S[k] * f;
+                    A[k] = A[k] * f;
+                    M[k] = mx;
+                }
+#pragma unroll
+                for (int j = 0; j < kChunk; ++j) {
+                    const float ej = expf(zv[j][k] - mx);   // empty rows: expf(-inf) = 0
+                    S[k] = S[k] + ej;
+                    A[k] = A[k] + ej * vv[j][k];
+                }
+            }
+        }
+        if (RG > 1) {
+            if (rg > 0) {
+#pragma unroll
+                for (int k = 0; k < kMaxCPT; ++k) {
+                    if (k >= cpt) continue;
+                    sh_part[rg - 1][0][tc + kCT * k] = M[k];
+                    sh_part[rg - 1][1][tc + kCT * k] = S[k];
+                    sh_part[rg - 1][2][tc + kCT * k] = A[k];
+                }
+            }
+            __syncthreads();
+            if (rg == 0) {
+#pragma unroll
+                for (int k = 0; k < kMaxCPT; ++k) {
+                    if (k >= cpt) continue;
+                    const int c = tc + kCT * k;
+                    float mt = M[k];
+                    for (int g = 0; g < RG - 1; ++g) mt = fmaxf(mt, sh_part[g][0][c]);
+                    float st = 0.0f, at = 0.0f;
+                    if (mt != neg_inf()) {
+                        if (M[k] != neg_inf()) {
+                            const float f = expf(M[k] - mt);
+                            st = S[k] * f; at = A[k] * f;
+                        }
+                        for (int g = 0; g < RG - 1; ++g) {
+                            const float mg = sh_part[g][0][c];
+                            if (mg == neg_inf()) continue;
+                            const float f = expf(mg - mt);
+                            st = st + sh_part[g][1][c] * f;
+                            at = at + sh_part[g][2][c] * f;
+                        }
+                    }
+                    S[k] = st; A[k] = at;
+                }
+            }
+        }
+        if (rg == 0) {
+#pragma unroll
+            for (int k = 0; k < kMaxCPT; ++k) x[k] = k < cpt ? A[k] / S[k] : 0.0f;
+        }
+    }
+
+    // ---- 2. RMSNorm (only rg == 0 holds channels; the others add 0) ----
+    const float* wt = part == 0 ? w0 : w1;
+    double ss = 0.0;
+#pragma unroll
+    for (int k = 0; k < kMaxCPT; ++k)
+        if (rg == 0 && k < cpt) ss += (double)x[k] * (double)x[k];
+    ss = block_sum_d(ss, sh_red);
+    const float r = (float)(1.0 / sqrt(ss / (double)d + eps));
+#pragma unroll
+    for (int k = 0; k < kMaxCPT; ++k)
+        if (rg == 0 && k < cpt) x[k] = (x[k] * r) * wt[tc + kCT * k];
+
+    // ---- 3. RoPE on the last rope_dim dims (pairs live in lanes tc, tc ^ 1) ----
+    const i64 rbase = d - rope_dim;
+    const i64 half = rope_dim / 2;
+#pragma unroll
+    for (int k = 0; k < kMaxCPT; ++k) {
+        const float other = __shfl_xor_sync(0xffffffffu, x[k], 1);
+        const i64 c = tc + kCT * k;
+        if (rg == 0 && k < cpt && c >= rbase) {
+            const i64 p = (c - rbase) >> 1;
+            const float cs = rope_tab[(e * 2) * half + p];
+            const float sn = rope_tab[(e * 2 + 1) * half + p];
+            if (((c - rbase) & 1) == 0) x[k] = x[k] * cs - other * sn;   // even' = e cos - o sin
+            else x[k] = x[k] * cs + other * sn;                            // odd'  = o cos + e sin
+        }
+    }
+
+    if (part == 0) {
+        // ---- 5. one BF16 rounding; FP8 entry ----
+        const i64 nope = d - rope_dim;
+        float amax = 0.0f;
+        bool bad = false;
+#pragma unroll
+        for (int k = 0; k < kMaxCPT; ++k) {
+            x[k] = __bfloat162float(__float2bfloat16_rn(x[k]));
+            const i64 c = tc + kCT * k;
+            if (rg == 0 && k < cpt && c < nope) {
+                const float a = fabsf(x[k]);
+                if (a <= 3.402823466e38f) amax = fmaxf(amax, a);
+                else bad = true;
+            }
+        }
+        amax = block_max_f(amax, sh_redf);
+        bad = block_any(bad);
+        const float s = bad ? __int_as_float(0x7fc00000) : (amax == 0.0f ? 1.0f : amax / kE4M3Max);
+        if (rg == 0) {
+#pragma unroll
+            for (int k = 0; k < kMaxCPT; ++k) {
+                const i64 c = tc + kCT * k;
+                if (k >= cpt) continue;
+                if (c < nope) out_fp8[dest * nope + c] = bad ? (u8)0 : e4m3_encode(x[k] / s);
+                else out_rope[dest * rope_dim + (c - nope)] = __float2bfloat16_rn(x[k]);
+            }
+            if (tc == 0) out_scale[dest] = s;
+        }
+    } else {
+        // ---- 4. Hadamard (float64), 5. BF16, one-level NVFP4 ----
+        // part 1 has d == 128 == kCT, RG == 1: one channel per thread.
+        sh_had[tc] = (double)x[0];
+        __syncthreads();
+        for (int len = 1; len < kCT; len <<= 1) {
+            if (tc < kCT / 2) {
+                const int i = (tc / len) * 2 * len + (tc % len);
+                const double a = sh_had[i], b = sh_had[i + len];
+                sh_had[i] = a + b;
+                sh_had[i + len] = a - b;
+            }
+            __syncthreads();
+        }
+        const float y = (float)(sh_had[tc] * (1.0 / sqrt((double)kCT)));
+        sh_key[tc] = __bfloat162float(__float2bfloat16_rn(y));
+        __syncthreads();
+        if (tc < kCT / 16) {
+            float v[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) v[i] = sh_key[tc * 16 + i];
+            uint2 packed;
+            const u8 sf = nvfp4_quantize_block(v, 1.0f, packed);
+            u8* q = out_iq + dest * (kCT / 2) + tc * 8;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                q[i] = (u8)(packed.x >> (8 * i));
+                q[4 + i] = (u8)(packed.y >> (8 * i));
+            }
+            out_isf[dest * (kCT / 16) + tc] = sf;
+        }
+    }
+}
+
+// Instantiations are named by the Python side (rawkv/kvcache/compress.py).

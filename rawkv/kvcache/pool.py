@@ -1,0 +1,337 @@
+"""The paged pool of one compressed KV layer (DeepSeek-V4 CSA or HCA).
+
+    pool = PagedKVPool("csa", num_blocks=1024, entries_per_block=64,
+                       max_requests=64, max_blocks_per_request=256)
+    slot = pool.add_request()
+    pool.prepare_step([slot], [position])     # host side, before a (captured) step
+    ...                                       # flush_write / gather_* (rawkv.kvcache.ops)
+    pool.free_request(slot)
+
+Device buffers (allocated once, in the constructor; docs/kvcache.md, "Paged
+pool and kernels"):
+
+    fp8         (num_blocks, epb, head_dim - rope_dim) uint8    E4M3 codes
+    scale       (num_blocks, epb)                      float32  decode scale
+    rope        (num_blocks, epb, rope_dim)            bfloat16 RoPE dims
+    index_q     (num_blocks, epb, index_head_dim // 2) uint8    CSA only
+    index_sf    (num_blocks, epb, index_head_dim // 16) uint8   CSA only
+    block_table (max_requests, max_blocks_per_request) int32    -1 = no block
+    errors      (1,) int32: kernels atomically add the rows they skipped
+
+The free list and the per-slot bookkeeping live on the host. Entry e of the
+request in slot s is block_table[s, e // epb], row e % epb, with e = position // m.
+
+device="cpu" keeps every buffer as a numpy array (rope as float32 holding
+BF16 values, like rawkv.reference.kvcache.PagedPoolRef) and every op runs the
+numpy reference on it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CaptureError
+from ..reference import kvcache as ref
+
+KINDS = {"csa": ref.CSA_RATIO, "hca": ref.HCA_RATIO}
+_DEFAULT = object()
+
+
+def _pos_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if v <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {v}")
+    return int(v)
+
+
+def _kind(kind) -> int:
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected 'csa' or 'hca', got {kind!r}")
+    return KINDS[kind]
+
+
+def resolve_device(device):
+    """(is_cuda, torch device index or None) of "cpu", "cuda", "cuda:N", an
+    int or a torch.device."""
+    if isinstance(device, str) and device == "cpu":
+        return False, None
+    import torch
+    if isinstance(device, bool):
+        raise TypeError(f"device: expected 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(f"device: {device!r} is not a device ({exc})") from exc
+    if dev.type == "cpu":
+        return False, None
+    if dev.type != "cuda":
+        raise ValueError(f"device: rawkv runs on 'cpu' or 'cuda', got {dev}")
+    return True, (dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def host_ints(name: str, x) -> np.ndarray:
+    """1-D int64 numpy array of a host-side index argument (int, list, numpy
+    array, CPU tensor). CUDA tensors are refused: reading them would
+    synchronize the host."""
+    if getattr(x, "is_cuda", False) is True:
+        raise TypeError(f"{name}: expected host ints (list, numpy array or CPU tensor), got a CUDA "
+                        "tensor; reading it would synchronize the host")
+    if hasattr(x, "detach"):
+        x = x.detach().numpy()
+    a = np.asarray(x)
+    if a.dtype == np.bool_ or a.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integers, got dtype {a.dtype}")
+    if a.ndim == 0:
+        a = a.reshape(1)
+    if a.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {a.shape}")
+    return a.astype(np.int64)
+
+
+def capturing(device_index) -> bool:
+    import torch
+    with torch.cuda.device(device_index):
+        return bool(torch.cuda.is_current_stream_capturing())
+
+
+class PagedKVPool:
+    """Paged pool of compressed KV entries of one layer (see module doc).
+
+    kind: 'csa' (m = 4, with a CSA indexer key per entry unless
+    index_head_dim=None) or 'hca' (m = 128, no indexer key).
+    """
+
+    def __init__(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
+                 *, head_dim=ref.HEAD_DIM, rope_dim=ref.ROPE_DIM, index_head_dim=_DEFAULT,
+                 device="cuda"):
+        self.kind = kind
+        self.m = _kind(kind)
+        self.num_blocks = _pos_int("num_blocks", num_blocks)
+        self.entries_per_block = _pos_int("entries_per_block", entries_per_block)
+        self.max_requests = _pos_int("max_requests", max_requests)
+        self.max_blocks_per_request = _pos_int("max_blocks_per_request", max_blocks_per_request)
+        self.head_dim = _pos_int("head_dim", head_dim)
+        if isinstance(rope_dim, bool) or not isinstance(rope_dim, (int, np.integer)):
+            raise TypeError(f"rope_dim: expected an int, got {type(rope_dim).__name__}")
+        self.rope_dim = int(rope_dim)
+        if self.rope_dim < 0 or self.rope_dim % 8:
+            raise ValueError(f"rope_dim: expected a non-negative multiple of 8, got {rope_dim}")
+        self.nope_dim = self.head_dim - self.rope_dim
+        if self.nope_dim <= 0 or self.nope_dim % 16:
+            raise ValueError(f"head_dim: head_dim - rope_dim must be a positive multiple of 16 "
+                             f"(the FP8 part), got {head_dim} - {rope_dim}")
+        if index_head_dim is _DEFAULT:
+            index_head_dim = ref.INDEX_HEAD_DIM if kind == "csa" else None
+        if index_head_dim is not None:
+            if kind != "csa":
+                raise ValueError("index_head_dim: only a CSA pool has indexer keys (pass None for HCA)")
+            index_head_dim = _pos_int("index_head_dim", index_head_dim)
+            if index_head_dim % ref.NVFP4_BLOCK:
+                raise ValueError(f"index_head_dim: expected a multiple of 16, got {index_head_dim}")
+        self.index_head_dim = index_head_dim
+        if self.max_blocks_per_request * self.entries_per_block >= 2 ** 31 or \
+                self.num_blocks * self.entries_per_block >= 2 ** 31:
+            raise ValueError("entries_per_block: num_blocks and max_blocks_per_request times "
+                             "entries_per_block must stay below 2^31 entries")
+        self.is_cuda, self.device_index = resolve_device(device)
+
+        nb, epb = self.num_blocks, self.entries_per_block
+        R, MB = self.max_requests, self.max_blocks_per_request
+        # host-side bookkeeping
+        self._table = np.full((R, MB), -1, np.int32)     # host mirror of block_table
+        self._free = list(range(nb - 1, -1, -1))          # pop() hands out block 0 first
+        self._active = np.zeros(R, bool)
+        self._nblocks = np.zeros(R, np.int64)             # logical blocks held per slot
+        self._n_entries = np.zeros(R, np.int64)
+        self._staging = None
+        if self.is_cuda:
+            import torch
+            dev = torch.device("cuda", self.device_index)
+            self.device = dev
+            self.fp8 = torch.zeros((nb, epb, self.nope_dim), dtype=torch.uint8, device=dev)
+            self.scale = torch.zeros((nb, epb), dtype=torch.float32, device=dev)
+            self.rope = torch.zeros((nb, epb, self.rope_dim), dtype=torch.bfloat16, device=dev)
+            if index_head_dim is not None:
+                self.index_q = torch.zeros((nb, epb, index_head_dim // 2), dtype=torch.uint8, device=dev)
+                self.index_sf = torch.zeros((nb, epb, index_head_dim // 16), dtype=torch.uint8,
+                                            device=dev)
+            else:
+                self.index_q = self.index_sf = None
+            self.block_table = torch.full((R, MB), -1, dtype=torch.int32, device=dev)
+            self.errors = torch.zeros(1, dtype=torch.int32, device=dev)
+        else:
+            self.device = "cpu"
+            r = ref.PagedPoolRef.create(nb, epb, self.m, self.head_dim, self.rope_dim, index_head_dim)
+            self.fp8, self.scale, self.rope = r.kv_fp8, r.kv_scale, r.kv_rope
+            self.index_q, self.index_sf = r.idx_q, r.idx_sf
+            self.block_table = self._table          # the mirror is the table
+            self.errors = np.zeros(1, np.int32)
+
+    def __repr__(self):
+        return (f"<PagedKVPool {self.kind} m={self.m} blocks={self.num_blocks}x{self.entries_per_block} "
+                f"requests={self.max_requests}x{self.max_blocks_per_request} head_dim={self.head_dim} "
+                f"index_head_dim={self.index_head_dim} device={self.device}>")
+
+    @property
+    def has_index(self) -> bool:
+        return self.index_head_dim is not None
+
+    # -- requests -----------------------------------------------------------
+    def _check_host_time(self, what: str) -> None:
+        if self.is_cuda and capturing(self.device_index):
+            raise CaptureError(f"PagedKVPool.{what}: host-side bookkeeping with a host->device copy; "
+                               "call it before capturing / replaying the step, not during capture")
+
+    def _slot(self, slot, active: bool = True) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
+            raise TypeError(f"slot: expected an int, got {type(slot).__name__}")
+        if not 0 <= slot < self.max_requests:
+            raise ValueError(f"slot: {slot} is out of range [0, {self.max_requests})")
+        if active and not self._active[slot]:
+            raise ValueError(f"slot: {slot} holds no request (add_request() first)")
+        return int(slot)
+
+    def add_request(self) -> int:
+        """A free request slot (the lowest); its block-table row is all -1 and
+        it holds no entries. RuntimeError when every slot is taken."""
+        free = np.flatnonzero(~self._active)
+        if free.size == 0:
+            raise RuntimeError(f"PagedKVPool: all {self.max_requests} request slots are taken")
+        s = int(free[0])
+        self._active[s] = True
+        self._nblocks[s] = 0
+        self._n_entries[s] = 0
+        return s
+
+    def free_request(self, slot) -> None:
+        """Return the blocks of `slot` to the free list and set its block-table
+        row to -1 (one device fill on the current stream). The stale entries
+        stay in the blocks until a new owner overwrites them."""
+        s = self._slot(slot)
+        self._check_host_time("free_request")
+        n = int(self._nblocks[s])
+        blocks = self._table[s, :n].tolist()
+        self._free.extend(reversed(blocks))          # LIFO: the next request reuses them first
+        self._table[s] = -1
+        if self.is_cuda:
+            self.block_table[s].fill_(-1)
+        self._active[s] = False
+        self._nblocks[s] = 0
+        self._n_entries[s] = 0
+
+    def n_entries(self, slot) -> int:
+        """Complete entries of `slot` once the steps prepared so far have run:
+        (highest prepared position + 1) // m."""
+        return int(self._n_entries[self._slot(slot)])
+
+    def blocks_of(self, slot) -> list:
+        """Physical blocks of `slot`, in logical order (host copy)."""
+        s = self._slot(slot)
+        return self._table[s, : int(self._nblocks[s])].tolist()
+
+    def capacity(self) -> int:
+        """Entries the pool holds in all: num_blocks * entries_per_block."""
+        return self.num_blocks * self.entries_per_block
+
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def active_slots(self) -> list:
+        return np.flatnonzero(self._active).tolist()
+
+    def block_table_host(self) -> np.ndarray:
+        """Copy of the host mirror of block_table (no device access)."""
+        return self._table.copy()
+
+    # -- step preparation -----------------------------------------------------
+    def prepare_step(self, slots, positions) -> int:
+        """Host side, before a (captured) step runs: for every (slot, position)
+        that the step will process, make sure entry position // m has a
+        physical block (every logical block up to it is allocated), and
+        record n_entries. New block-table rows go to the device in ONE
+        host->device copy on the current stream (none when nothing changed).
+
+        slots, positions: host ints (lists, numpy arrays, CPU tensors) of one
+        shape; a slot may repeat (a prefill chunk: its highest position
+        counts). All-or-nothing: an inactive/out-of-range slot, a negative
+        position or one past max_blocks_per_request raises ValueError, and
+        running out of blocks raises RuntimeError naming the slot, before
+        anything is written. Refused (CaptureError) while capturing.
+        Returns the number of blocks allocated."""
+        sl = host_ints("slots", slots)
+        ps = host_ints("positions", positions)
+        if sl.shape != ps.shape:
+            raise ValueError(f"positions: expected shape {sl.shape} (one per slot), got {ps.shape}")
+        self._check_host_time("prepare_step")
+        last = {}
+        for s, p in zip(sl.tolist(), ps.tolist()):
+            if not 0 <= s < self.max_requests:
+                raise ValueError(f"slots: slot {s} is out of range [0, {self.max_requests})")
+            if not self._active[s]:
+                raise ValueError(f"slots: slot {s} holds no request (add_request() first)")
+            if p < 0:
+                raise ValueError(f"positions: position {p} of slot {s} is negative")
+            last[s] = max(last.get(s, -1), p)
+        need = {}
+        for s, p in last.items():
+            lb = (p // self.m) // self.entries_per_block
+            if lb >= self.max_blocks_per_request:
+                raise ValueError(f"positions: slot {s} at position {p} needs logical block {lb}, but "
+                                 f"max_blocks_per_request is {self.max_blocks_per_request}")
+            need[s] = max(0, lb + 1 - int(self._nblocks[s]))
+        total, avail = 0, len(self._free)
+        for s, k in need.items():
+            total += k
+            if total > avail:
+                raise RuntimeError(f"PagedKVPool: out of blocks: slot {s} needs {k} more block(s) "
+                                   f"({total} for this step) but only {avail} of {self.num_blocks} "
+                                   "are free; nothing was allocated")
+        lo, hi = self.max_requests, -1
+        for s, k in need.items():
+            if k:
+                n0 = int(self._nblocks[s])
+                for i in range(k):
+                    self._table[s, n0 + i] = self._free.pop()
+                self._nblocks[s] = n0 + k
+                lo, hi = min(lo, s), max(hi, s)
+        for s, p in last.items():
+            self._n_entries[s] = max(int(self._n_entries[s]), (p + 1) // self.m)
+        if hi >= 0 and self.is_cuda:
+            import torch
+            self._staging = torch.from_numpy(self._table[lo:hi + 1].copy())
+            self.block_table[lo:hi + 1].copy_(self._staging, non_blocking=True)
+        return total
+
+    # -- error counter --------------------------------------------------------
+    def read_errors(self) -> int:
+        """Rows the kernels skipped since the last reset_errors(). Synchronizes
+        the host with the device: for tests and checks, not the hot path."""
+        if self.is_cuda:
+            self._check_host_time("read_errors")
+            return int(self.errors.item())
+        return int(self.errors[0])
+
+    def reset_errors(self) -> None:
+        """errors[0] = 0 (a device memset on the current stream; capturable)."""
+        if self.is_cuda:
+            self.errors.zero_()
+        else:
+            self.errors[0] = 0
+
+    # -- reference views ------------------------------------------------------
+    def to_reference(self) -> ref.PagedPoolRef:
+        """A rawkv.reference.kvcache.PagedPoolRef holding a host copy of the
+        pool (rope as float32). On CUDA this synchronizes: tests only."""
+        if not self.is_cuda:
+            return self.reference_view().copy()
+        c = lambda t: None if t is None else t.cpu().numpy()  # noqa: E731
+        return ref.PagedPoolRef(self.m, c(self.fp8), c(self.scale), self.rope.float().cpu().numpy(),
+                                c(self.index_q), c(self.index_sf))
+
+    def reference_view(self) -> ref.PagedPoolRef:
+        """CPU pools: a PagedPoolRef sharing this pool's arrays."""
+        if self.is_cuda:
+            raise ValueError("pool: reference_view() is for CPU pools; use to_reference()")
+        return ref.PagedPoolRef(self.m, self.fp8, self.scale, self.rope, self.index_q, self.index_sf)

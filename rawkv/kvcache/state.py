@@ -1,0 +1,99 @@
+"""Per-request decode state (tail buffers) of one compressor.
+
+    state = DecodeState("csa", max_requests=64)          # head_dim=512
+    rawkv.kvcache.state_append(state, kv, z, valid, slots, ape=ape)
+    ...  flush_write(...); csa_rotate(state, valid, slots)
+
+float32 buffers, laid out as rawkv.reference.kvcache.DecodeStateRef:
+
+    kv_a, z_a (max_requests, m, coff*head_dim)  the full rows of the window in
+                                                progress (z with ape added)
+    kv_b, z_b (max_requests, m, head_dim)       CSA only: b-half of the
+                                                previous window
+    count     (max_requests,) int32             rows of the a-stream filled
+    errors    (1,) int32                        rows the state kernels skipped
+
+Empty rows hold kv = 0 and z = -inf (docs/kvcache.md, decision 4); every slot
+starts empty. device="cpu" keeps numpy arrays and runs the reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..reference import kvcache as ref
+from .pool import _kind, _pos_int, capturing, resolve_device
+from ..errors import CaptureError
+
+
+class DecodeState:
+    """Tail buffers of the CSA (m = 4, two streams) or HCA (m = 128) compressor."""
+
+    def __init__(self, kind, max_requests, head_dim=ref.HEAD_DIM, *, device="cuda"):
+        self.kind = kind
+        self.m = _kind(kind)
+        self.max_requests = _pos_int("max_requests", max_requests)
+        self.head_dim = _pos_int("head_dim", head_dim)
+        if self.head_dim % 4:
+            raise ValueError(f"head_dim: expected a multiple of 4, got {head_dim}")
+        self.coff = 2 if kind == "csa" else 1
+        self.width = self.coff * self.head_dim
+        self.is_cuda, self.device_index = resolve_device(device)
+        R, m, w, d = self.max_requests, self.m, self.width, self.head_dim
+        if self.is_cuda:
+            import torch
+            dev = torch.device("cuda", self.device_index)
+            self.device = dev
+            f32 = torch.float32
+            self.kv_a = torch.zeros((R, m, w), dtype=f32, device=dev)
+            self.z_a = torch.full((R, m, w), float("-inf"), dtype=f32, device=dev)
+            if kind == "csa":
+                self.kv_b = torch.zeros((R, m, d), dtype=f32, device=dev)
+                self.z_b = torch.full((R, m, d), float("-inf"), dtype=f32, device=dev)
+            else:
+                self.kv_b = self.z_b = None
+            self.count = torch.zeros(R, dtype=torch.int32, device=dev)
+            self.errors = torch.zeros(1, dtype=torch.int32, device=dev)
+        else:
+            self.device = "cpu"
+            st = ref.DecodeStateRef.create(kind, R, d)
+            self.kv_a, self.z_a, self.count = st.a_kv, st.a_z, st.count
+            self.kv_b, self.z_b = st.b_kv, st.b_z
+            self.errors = np.zeros(1, np.int32)
+
+    def __repr__(self):
+        return (f"<DecodeState {self.kind} m={self.m} requests={self.max_requests} "
+                f"head_dim={self.head_dim} device={self.device}>")
+
+    @property
+    def overlap(self) -> bool:
+        return self.kind == "csa"
+
+    def read_errors(self) -> int:
+        """Rows the state kernels skipped since reset_errors(). Synchronizes
+        the host: tests and checks, not the hot path."""
+        if self.is_cuda:
+            if capturing(self.device_index):
+                raise CaptureError("DecodeState.read_errors: would synchronize during capture")
+            return int(self.errors.item())
+        return int(self.errors[0])
+
+    def reset_errors(self) -> None:
+        if self.is_cuda:
+            self.errors.zero_()
+        else:
+            self.errors[0] = 0
+
+    def to_reference(self) -> ref.DecodeStateRef:
+        """Host copy as a DecodeStateRef (CUDA: synchronizes; tests only)."""
+        if not self.is_cuda:
+            return self.reference_view().copy()
+        c = lambda t: None if t is None else t.cpu().numpy()  # noqa: E731
+        return ref.DecodeStateRef(self.m, self.head_dim, c(self.kv_a), c(self.z_a), c(self.count),
+                                  c(self.kv_b), c(self.z_b))
+
+    def reference_view(self) -> ref.DecodeStateRef:
+        """CPU states: a DecodeStateRef sharing this state's arrays."""
+        if self.is_cuda:
+            raise ValueError("state: reference_view() is for CPU states; use to_reference()")
+        return ref.DecodeStateRef(self.m, self.head_dim, self.kv_a, self.z_a, self.count,
+                                  self.kv_b, self.z_b)

@@ -1,0 +1,354 @@
+"""DeepSeek-V4 compressed-KV benchmarks, each beside an all-torch
+implementation of the same math written here (timed in the same run):
+
+* decode_step/csa, decode_step/hca: one decode step for 64 requests at 64K
+  context replayed as ONE CUDA graph. CSA: flush_write + csa_rotate (entry
+  and indexer states) + gather_topk of 2048 entries per request (DeepSeek-V4
+  index_topk); HCA: flush_write + hca_reset + gather_dense_batch of
+  64K/128 = 512 entries per request. decode_step/*+compress: the same with
+  compress_decode (pool the tail state -> finish -> quantize -> scatter) as
+  the flush. Baseline: the same step in torch ops, also one CUDA graph.
+* compress/csa, compress/hca: prefill compression of 128K tokens of one
+  request (float32 rows), compress_prefill vs torch ops.
+* kv_gather/topk, kv_gather/dense: gather bandwidth (fewest bytes: codes +
+  scale + rope read, BF16 rows written) as a fraction of copy (goal >= 0.70).
+* kv_flush: flush_write of 64 entries vs torch.
+
+Entry point: run(rt, results, quick=False) (called by tools/bench.py).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+D, DI, ROPE = 512, 128, 64
+NOPE = D - ROPE
+
+
+# ---------------------------------------------------------------------------
+# all-torch implementation of the same math (the baseline)
+# ---------------------------------------------------------------------------
+def torch_pool_rows(kv, z, ape, m, kind):
+    """Softmax pooling of whole windows: (T, coff*d) -> (T//m, d) float32."""
+    import torch
+    T, w = kv.shape
+    n = T // m
+    if ape is not None:
+        z = z[: n * m] + ape.repeat(n, 1)
+    kv, z = kv[: n * m].float().view(n, m, w), z[: n * m].float().view(n, m, w)
+    if kind == "hca":
+        return (torch.softmax(z, dim=1) * kv).sum(1)
+    d = w // 2
+    bkv = torch.zeros((n, m, d), device=kv.device)
+    bz = torch.full((n, m, d), float("-inf"), device=kv.device)
+    bkv[1:], bz[1:] = kv[:-1, :, :d], z[:-1, :, :d]
+    vals = torch.cat([bkv, kv[:, :, d:]], 1)
+    sc = torch.cat([bz, z[:, :, d:]], 1)
+    return (torch.softmax(sc, dim=1) * vals).sum(1)
+
+
+def torch_finish(x, weight, tab, ids, hadamard=None, eps=1e-6):
+    """RMSNorm, RoPE (interleaved, from the table), [Hadamard], BF16."""
+    import torch
+    r = torch.rsqrt(x.double().square().mean(-1, keepdim=True) + eps).float()
+    y = (x * r) * weight
+    cs, sn = tab[ids, 0], tab[ids, 1]
+    ev, od = y[:, -ROPE::2], y[:, -ROPE + 1::2]
+    rot = torch.stack([ev * cs - od * sn, od * cs + ev * sn], -1).flatten(1)
+    y = torch.cat([y[:, :-ROPE], rot], 1)
+    if hadamard is not None:
+        y = (y.double() @ hadamard).float()
+    return y.to(torch.bfloat16)
+
+
+def torch_fp8_entry(ent):
+    import torch
+    x = ent[:, :NOPE].float()
+    amax = x.abs().amax(1)
+    s = torch.where(amax == 0, torch.ones_like(amax), amax / 448.0)
+    codes = (x / s[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    return codes, s, ent[:, NOPE:]
+
+
+_E2M1_EDGES = None
+
+
+def torch_nvfp4(key):
+    """One-level NVFP4 of (n, 128) BF16 keys -> (q (n, 64), sf (n, 8))."""
+    import torch
+    global _E2M1_EDGES
+    x = key.float().view(key.shape[0], -1, 16)
+    sf = (x.abs().amax(-1) / 6.0).to(torch.float8_e4m3fn)
+    es = sf.float()
+    v = (x / torch.where(es == 0, torch.ones_like(es), es)[..., None]).abs()
+    if _E2M1_EDGES is None or _E2M1_EDGES.device != v.device:
+        _E2M1_EDGES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=v.device)
+    idx = torch.bucketize(v, _E2M1_EDGES)       # ties: approximate (baseline timing only)
+    code = (idx | ((x < 0).to(torch.int64) << 3)).to(torch.uint8).view(key.shape[0], -1)
+    q = code[:, 0::2] | (code[:, 1::2] << 4)
+    return q, sf.view(torch.uint8)
+
+
+def torch_scatter(pool, slots, ids, codes, scale, rope, iq=None, isf=None):
+    epb = pool.entries_per_block
+    blk = pool.block_table[slots.long(), (ids // epb).long()].long()
+    row = (ids % epb).long()
+    pool.fp8[blk, row] = codes
+    pool.scale[blk, row] = scale
+    pool.rope[blk, row] = rope
+    if iq is not None:
+        pool.index_q[blk, row] = iq
+        pool.index_sf[blk, row] = isf
+
+
+def torch_gather(pool, slots, ids, out):
+    """out (B, K, D) bf16 = decoded entries ids (B, K) of requests slots (B,)."""
+    import torch
+    epb = pool.entries_per_block
+    blk = torch.gather(pool.block_table[slots.long()], 1, (ids // epb).long()).long()
+    row = (ids % epb).long()
+    codes = pool.fp8[blk, row].view(torch.float8_e4m3fn).float()
+    out[..., :NOPE] = (codes * pool.scale[blk, row][..., None]).to(torch.bfloat16)
+    out[..., NOPE:] = pool.rope[blk, row]
+
+
+def torch_rotate(state, mask, slots):
+    import torch
+    s = slots.long()
+    d = state.head_dim
+    mk = mask[:, None, None]
+    state.kv_b[s] = torch.where(mk, state.kv_a[s, :, :d], state.kv_b[s])
+    state.z_b[s] = torch.where(mk, state.z_a[s, :, :d], state.z_b[s])
+    state.kv_a[s] = torch.where(mk, 0.0, state.kv_a[s])
+    state.z_a[s] = torch.where(mk, float("-inf"), state.z_a[s])
+    state.count[s] = torch.where(mask, 0, state.count[s])
+
+
+def hadamard(n, device):
+    import torch
+    i = np.arange(n)
+    bits = np.bitwise_and(i[:, None], i[None, :])
+    par = np.zeros_like(bits)
+    while bits.any():
+        par ^= bits & 1
+        bits >>= 1
+    h = np.where(par == 1, -1.0, 1.0) / math.sqrt(n)
+    return torch.from_numpy(h).to(device)
+
+
+# ---------------------------------------------------------------------------
+def _fill_pool(pool, B, n_entries):
+    """Requests 0..B-1 with n_entries each; random but valid entries."""
+    import torch
+    for _ in range(B):
+        pool.add_request()
+    pool.prepare_step(list(range(B)), [n_entries * pool.m - 1] * B)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pool.fp8.copy_(torch.randint(0, 126, pool.fp8.shape, device="cuda", dtype=torch.uint8, generator=g))
+    pool.scale.uniform_(0.001, 0.01)
+    pool.rope.normal_()
+    if pool.index_q is not None:
+        pool.index_q.copy_(torch.randint(0, 255, pool.index_q.shape, device="cuda",
+                                         dtype=torch.uint8, generator=g))
+        pool.index_sf.fill_(0x38)
+
+
+def _copy_GBps():
+    """The copy bandwidth measured by tools/bench.py (run as __main__, so its
+    COPY lives in __main__, not in a fresh `import bench`); measured here if
+    neither has it."""
+    import __main__
+    c = getattr(__main__, "COPY", None)
+    if isinstance(c, dict) and c.get("GBps"):
+        return c["GBps"]
+    import bench
+    if not bench.COPY["GBps"]:
+        bench.COPY["GBps"] = bench.copy_bandwidth_GBps()
+    return bench.COPY["GBps"]
+
+
+def run(rt, results, quick=False):
+    import torch
+    import bench
+    import rawkv
+    from rawkv import kvcache as kvc
+
+    copy = _copy_GBps()
+    dev = "cuda"
+    B = 64
+    ctx = 16384 if quick else 65536
+    topk = 2048
+    ebytes = NOPE + 4 + 2 * ROPE                          # stored entry bytes read by a gather
+
+    # ---------------- decode step, CSA ----------------
+    n_csa = ctx // 4
+    epb = 64
+    csa = kvc.PagedKVPool("csa", B * (n_csa // epb + 1), epb, B, n_csa // epb + 1, device=dev)
+    _fill_pool(csa, B, n_csa)
+    st = kvc.DecodeState("csa", B, device=dev)
+    ist = kvc.DecodeState("csa", B, DI, device=dev)
+    st.count.fill_(4)
+    ist.count.fill_(4)
+    st.kv_a.normal_()
+    st.z_a.normal_()
+    ist.kv_a.normal_()
+    ist.z_a.normal_()
+    slots = torch.arange(B, dtype=torch.int32, device=dev)
+    valid = torch.ones(B, dtype=torch.bool, device=dev)
+    pos = torch.full((B,), ctx - 1, dtype=torch.int32, device=dev)
+    ents = torch.randn((B, D), device=dev).to(torch.bfloat16)
+    keys = torch.randn((B, DI), device=dev).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n_csa, device=dev)[:topk] for _ in range(B)]).to(torch.int32)
+    ne = torch.full((B,), n_csa, dtype=torch.int32, device=dev)
+    out = torch.empty((B, topk, D), dtype=torch.bfloat16, device=dev)
+    w = torch.ones(D, device=dev)
+    iw = torch.ones(DI, device=dev)
+    kvc.compress_decode(csa, st, w, valid, slots, pos, index=(ist, iw))   # table + kernel load
+
+    def step_csa():
+        kvc.flush_write(csa, ents, valid, slots, pos, index_keys=keys)
+        kvc.csa_rotate(st, valid, slots)
+        kvc.csa_rotate(ist, valid, slots)
+        kvc.gather_topk(csa, slots, ids, n_entries=ne, out=out)
+
+    def step_csa_compress():
+        kvc.compress_decode(csa, st, w, valid, slots, pos, index=(ist, iw))
+        kvc.csa_rotate(st, valid, slots)
+        kvc.csa_rotate(ist, valid, slots)
+        kvc.gather_topk(csa, slots, ids, n_entries=ne, out=out)
+
+    ids_e = (pos // 4).long()
+
+    def torch_step_csa():
+        c, s, r = torch_fp8_entry(ents)
+        q, sf = torch_nvfp4(keys)
+        torch_scatter(csa, slots, ids_e, c, s, r, q, sf)
+        torch_rotate(st, valid, slots)
+        torch_rotate(ist, valid, slots)
+        torch_gather(csa, slots, ids, out)
+
+    gbytes = B * topk * (ebytes + 2 * D)
+    us = bench.graph_time_us(step_csa)
+    base = bench.graph_time_us(torch_step_csa)
+    results.append(bench.entry("decode_step/csa", [B, ctx, topk], "bfloat16", us, gbytes, copy,
+                               "torch ops (same step, one CUDA graph)", base,
+                               note="flush_write + csa_rotate x2 + gather_topk; bytes = gather"))
+    us2 = bench.graph_time_us(step_csa_compress)
+    results.append(bench.entry("decode_step/csa+compress", [B, ctx, topk], "bfloat16", us2, gbytes,
+                               copy, "torch ops (same step, one CUDA graph)", base,
+                               note="compress_decode + csa_rotate x2 + gather_topk"))
+    # gather alone: bandwidth vs copy
+    us = bench.cuda_time_us(lambda i: kvc.gather_topk(csa, slots, ids, n_entries=ne, out=out))
+    base = bench.cuda_time_us(lambda i: torch_gather(csa, slots, ids, out))
+    results.append(bench.entry("kv_gather/topk", [B, topk, D], "bfloat16", us, gbytes, copy,
+                               "torch advanced indexing", base))
+    # flush alone
+    us = bench.cuda_time_us(lambda i: kvc.flush_write(csa, ents, valid, slots, pos, index_keys=keys))
+    fbytes = B * (2 * D + 2 * DI + ebytes + DI // 2 + DI // 16)
+
+    def torch_flush(i):
+        c, s, r = torch_fp8_entry(ents)
+        q, sf = torch_nvfp4(keys)
+        torch_scatter(csa, slots, ids_e, c, s, r, q, sf)
+    base = bench.cuda_time_us(torch_flush)
+    results.append(bench.entry("kv_flush/csa", [B, D], "bfloat16", us, fbytes, copy, "torch ops", base))
+    del out, csa, st, ist
+    torch.cuda.empty_cache()
+
+    # ---------------- decode step, HCA ----------------
+    n_hca = ctx // 128
+    epb = 32
+    hca = kvc.PagedKVPool("hca", B * (n_hca // epb + 1), epb, B, n_hca // epb + 1, device=dev)
+    _fill_pool(hca, B, n_hca)
+    hs = kvc.DecodeState("hca", B, device=dev)
+    hs.count.fill_(128)
+    hs.kv_a.normal_()
+    hs.z_a.normal_()
+    ne_h = torch.full((B,), n_hca, dtype=torch.int32, device=dev)
+    out_h = torch.empty((B, n_hca, D), dtype=torch.bfloat16, device=dev)
+    kvc.compress_decode(hca, hs, w, valid, slots, pos)
+    dense_ids = torch.arange(n_hca, dtype=torch.int32, device=dev)[None].repeat(B, 1)
+    ids_h = (pos // 128).long()
+
+    def step_hca():
+        kvc.flush_write(hca, ents, valid, slots, pos)
+        kvc.hca_reset(hs, valid, slots)
+        kvc.gather_dense_batch(hca, slots, ne_h, out=out_h)
+
+    def step_hca_compress():
+        kvc.compress_decode(hca, hs, w, valid, slots, pos)
+        kvc.hca_reset(hs, valid, slots)
+        kvc.gather_dense_batch(hca, slots, ne_h, out=out_h)
+
+    def torch_step_hca():
+        c, s, r = torch_fp8_entry(ents)
+        torch_scatter(hca, slots, ids_h, c, s, r)
+        sl = slots.long()
+        hs.kv_a[sl] = torch.where(valid[:, None, None], 0.0, hs.kv_a[sl])
+        hs.z_a[sl] = torch.where(valid[:, None, None], float("-inf"), hs.z_a[sl])
+        hs.count[sl] = torch.where(valid, 0, hs.count[sl])
+        torch_gather(hca, slots, dense_ids, out_h)
+
+    hbytes = B * n_hca * (ebytes + 2 * D)
+    us = bench.graph_time_us(step_hca)
+    base = bench.graph_time_us(torch_step_hca)
+    results.append(bench.entry("decode_step/hca", [B, ctx, n_hca], "bfloat16", us, hbytes, copy,
+                               "torch ops (same step, one CUDA graph)", base,
+                               note="flush_write + hca_reset + gather_dense_batch; bytes = gather"))
+    us2 = bench.graph_time_us(step_hca_compress)
+    results.append(bench.entry("decode_step/hca+compress", [B, ctx, n_hca], "bfloat16", us2,
+                               hbytes + B * 128 * D * 8, copy,
+                               "torch ops (same step, one CUDA graph)", base,
+                               note="compress_decode + hca_reset + gather_dense_batch; bytes + state read"))
+    us = bench.cuda_time_us(lambda i: kvc.gather_dense_batch(hca, slots, ne_h, out=out_h))
+    base = bench.cuda_time_us(lambda i: torch_gather(hca, slots, dense_ids, out_h))
+    results.append(bench.entry("kv_gather/dense", [B, n_hca, D], "bfloat16", us, hbytes, copy,
+                               "torch advanced indexing", base))
+    del hca, hs, out_h
+    torch.cuda.empty_cache()
+
+    # ---------------- prefill compression of 128K tokens ----------------
+    T = 32768 if quick else 131072
+    for kind, m in (("csa", 4), ("hca", 128)):
+        coff = 2 if kind == "csa" else 1
+        n = T // m
+        epb = 64
+        pool = kvc.PagedKVPool(kind, n // epb + 1, epb, 1, n // epb + 1, device=dev)
+        s0 = pool.add_request()
+        pool.prepare_step([s0], [T - 1])
+        kv = torch.randn((T, coff * D), device=dev)
+        z = torch.randn((T, coff * D), device=dev)
+        ape = torch.randn((m, coff * D), device=dev)
+        idx = None
+        nbytes = 2 * kv.numel() * 4 + n * ebytes
+        if kind == "csa":
+            idx = (torch.randn((T, 2 * DI), device=dev), torch.randn((T, 2 * DI), device=dev),
+                   torch.randn((m, 2 * DI), device=dev), iw)
+            nbytes += 2 * T * 2 * DI * 4 + n * (DI // 2 + DI // 16)
+        tab = kvc.rope_table(pool)
+        H = hadamard(DI, dev)
+        eids = torch.arange(n, device=dev)
+        sl0 = torch.zeros(n, dtype=torch.int32, device=dev)
+
+        def torch_prefill(i):
+            e = torch_finish(torch_pool_rows(kv, z, ape, m, kind), w, tab, eids)
+            c, s, r = torch_fp8_entry(e)
+            q = sf = None
+            if idx is not None:
+                k = torch_finish(torch_pool_rows(idx[0], idx[1], idx[2], m, "csa"), iw, tab, eids, H)
+                q, sf = torch_nvfp4(k)
+            torch_scatter(pool, sl0, eids, c, s, r, q, sf)
+
+        us = bench.cuda_time_us(lambda i: kvc.compress_prefill(pool, kv, z, ape, w, s0, index=idx),
+                                reps=20)
+        base = bench.cuda_time_us(torch_prefill, reps=5, warmup=1)
+        results.append(bench.entry(f"compress/{kind}", [T, coff * D], "float32", us, nbytes, copy,
+                                   "torch ops (softmax pool, RMSNorm, RoPE, quantize, scatter)", base,
+                                   entries=n))
+        del pool, kv, z, idx
+        torch.cuda.empty_cache()
