@@ -13,10 +13,13 @@ It owns everything between a kernel source in rawkv/cu/ and a launch:
 Ops never import CuPy or torch themselves at module import time: `import
 rawkv` touches no CUDA API and works on a machine with no GPU.
 
-Launch cost: kernels are CuPy `Function`s (loaded from the verified cubin bytes) called with plain Python ints (device
-pointers and 64-bit sizes; kernels take `long long` and `double` scalars so
-that no numpy scalar has to be built per call) on a cached CuPy view of the
-torch stream. A torch tensor is never converted through DLPack on this path.
+Launch cost: kernels are CuPy `Function`s (loaded from the verified cubin
+bytes); their arguments are plain Python ints (device pointers and 64-bit
+sizes) and floats (kernels take `long long` and `double` scalars). The default
+launcher packs them into a per-thread parameter array with one struct call
+and calls cuLaunchKernel through CuPy's Cython driver binding on the raw
+stream handle (rawkv._launch). A torch tensor is never converted through
+DLPack on this path.
 """
 from __future__ import annotations
 
@@ -152,7 +155,7 @@ class Runtime:
         self._streams: dict[int, object] = {}
         self._lock = threading.Lock()
         self._get_device = cupy.cuda.runtime.getDevice
-        self.set_launcher(os.environ.get("RAWKV_LAUNCHER", "cupy"))
+        self.set_launcher(os.environ.get("RAWKV_LAUNCHER") or _launch.DEFAULT)
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
             self._current_stream_ptr = functools.partial(raw, self.device_index)  # C-level call
@@ -206,8 +209,7 @@ class Runtime:
         for filename in (files if files is not None else registry):
             for name in registry[filename]:
                 self.function(filename, name)
-        if self._launcher.name == "cupy":
-            self.stream()  # the current stream's CuPy handle, too
+        self.stream()  # the current stream's CuPy handle too (CuPy launches and fallbacks)
 
     # -- streams and capture ------------------------------------------------
     def stream_ptr(self, stream=None) -> int:
@@ -233,18 +235,18 @@ class Runtime:
         return s
 
     def set_launcher(self, name: str) -> None:
-        """'driver' (cuLaunchKernel through ctypes) or 'cupy' (CuPy Function)."""
-        self._direct = False
-        if name == "driver":
-            try:
-                self._launcher = _launch.DriverLauncher()
-                return
-            except (OSError, AttributeError):
-                name = "cupy"       # no libcuda through ctypes: fall back
-        if name != "cupy":
-            raise ValueError(f"launcher: expected 'driver' or 'cupy', got {name!r}")
-        self._launcher = _launch.CupyLauncher(self)
-        self._direct = True          # launch() calls the CuPy Function inline
+        """One of rawkv._launch.LAUNCHERS: 'cupy-driver', 'cuda-bindings',
+        'driver' (ctypes) or 'cupy' (CuPy Function call). A launcher whose
+        library cannot be loaded falls back to 'cupy'."""
+        if name not in _launch.LAUNCHERS:
+            raise ValueError(f"launcher: expected one of {', '.join(_launch.LAUNCHERS)}, got {name!r}")
+        try:
+            launcher = _launch.make(name, self)
+        except (OSError, ImportError, AttributeError):
+            launcher = _launch.make("cupy", self)
+        self._launcher = launcher
+        self._launch_call = launcher.__call__    # bound method: cheaper than calling the instance
+        self._direct = launcher.name == "cupy"   # launch() calls the CuPy Function inline
 
     @property
     def launcher(self) -> str:
@@ -263,12 +265,13 @@ class Runtime:
         `args` must be Python ints (pointers, int64) or floats (double)."""
         ptr = self._current_stream_ptr() if stream is None else self.stream_ptr(stream)
         cur = self._get_device()
-        if cur == self.device_index and self._direct:
-            # The common case, inlined: a CuPy Function call on a cached stream.
-            s = self._streams.get(ptr) or self.cupy_stream(ptr)
-            fn(grid, block, args, shared_mem, s)
-        elif cur == self.device_index:
-            self._launcher(fn, grid, block, args, shared_mem, ptr)
+        if cur == self.device_index:
+            if self._direct:
+                # CuPy Function call, inlined, on a cached CuPy stream
+                s = self._streams.get(ptr) or self.cupy_stream(ptr)
+                fn(grid, block, args, shared_mem, s)
+            else:
+                self._launch_call(fn, grid, block, args, shared_mem, ptr)
         else:   # the kernel lives in this device's context: make it current
             self._cupy.cuda.runtime.setDevice(self.device_index)
             try:
