@@ -150,54 +150,97 @@ def copy_bandwidth_GBps(nbytes: int = 1 << 30) -> float:
 def host_us_per_call(fn, calls: int = 2000, repeats: int = 5) -> float:
     """Median over `repeats` of host time per call for `calls` back-to-back
     calls (GPU work per call is tiny, so the host is what is measured)."""
+    return host_us_interleaved({"fn": fn}, calls, repeats)["fn"][0]
+
+
+def host_us_interleaved(fns: dict, calls: int = 2000, rounds: int = 9) -> dict:
+    """{name: (median, min)} of host us per call for several functions timed
+    in turn, `rounds` times over, in a rotating order: drift of the machine
+    (clocks, other tenants) hits every function alike, so their ratios are
+    comparable. A value may be (setup, fn): setup() runs untimed before each
+    of fn's blocks (e.g. to switch the launcher)."""
     import torch
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    per = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(per)
+    items = [(k, v if isinstance(v, tuple) else (None, v)) for k, v in fns.items()]
+    per: dict = {k: [] for k, _ in items}
+    for r in range(rounds + 1):                      # round 0 warms up, untimed
+        k0 = r % len(items)
+        for name, (setup, fn) in items[k0:] + items[:k0]:
+            if setup is not None:
+                setup()
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            dt = (time.perf_counter() - t0) / calls * 1e6
+            torch.cuda.synchronize()                 # drain the queue between blocks
+            if r:
+                per[name].append(dt)
+    return {k: (statistics.median(v), min(v)) for k, v in per.items()}
 
 
 def run_core(rt, results, quick=False):
     import cupy
     import torch
     import rawkv
+    from rawkv import _launch
     n = 4096
     x = torch.randn(n, device="cuda")
     y = torch.randn(n, device="cuda")
     out = torch.empty(n, dtype=torch.uint8, device="cuda")
-    calls = 500 if quick else 3000
+    calls = 500 if quick else 2000
     launcher = rt.launcher
-    rawkv_us = host_us_per_call(lambda: rawkv.fp8.e4m3_encode(x, out=out), calls)
-    rt.set_launcher("driver")
-    rawkv_driver_us = host_us_per_call(lambda: rawkv.fp8.e4m3_encode(x, out=out), calls)
-    rt.set_launcher(launcher)
-    add_us = host_us_per_call(lambda: x.add_(y), calls)
     # The prior approach: wrap both tensors with cupy.from_dlpack on every call.
     fn = rt.function("fp8.cu", "rkv_e4m3_encode<float, true>")
+    s = rt.stream()
 
     def dlpack_launch():
         cx, co = cupy.from_dlpack(x), cupy.from_dlpack(out)
         fn((1,), (256,), (cx, co, n), stream=rt.stream())
-    dl_us = host_us_per_call(dlpack_launch, calls)
-    # The floor under rawkv's own Python: the bare CuPy launch with fixed args.
-    s = rt.stream()
+
+    def encode():
+        rawkv.fp8.e4m3_encode(x, out=out)
+
+    def use(name):
+        return (lambda: rt.set_launcher(name)), encode
+
     xp, op = x.data_ptr(), out.data_ptr()
-    bare_us = host_us_per_call(lambda: fn((1,), (256,), (xp, op, n), shared_mem=0, stream=s), calls)
-    empty_us = host_us_per_call(lambda: torch.empty(n, device="cuda"), calls)
-    results.append({"op": "launch_overhead/e4m3_encode", "shape": [n], "dtype": "float32",
-                    "launcher": launcher, "host_us": round(rawkv_us, 2),
-                    "host_us_driver_launcher": round(rawkv_driver_us, 2), "torch_add_us": round(add_us, 2),
-                    "ratio_vs_add": round(rawkv_us / add_us, 2),
-                    "baseline": "cupy.from_dlpack per tensor per call", "baseline_us": round(dl_us, 2),
-                    "speedup": round(dl_us / rawkv_us, 2),
-                    "bare_cupy_launch_us": round(bare_us, 2), "torch_empty_us": round(empty_us, 2)})
+    fns = {"rawkv": use(launcher), "add_": lambda: x.add_(y),
+           # the floor under rawkv's own Python: the bare CuPy launch with fixed args
+           "bare_cupy": lambda: fn((1,), (256,), (xp, op, n), shared_mem=0, stream=s),
+           "empty": lambda: torch.empty(n, device="cuda")}
+    for name in _launch.LAUNCHERS:
+        if name != launcher:
+            fns["rawkv_" + name] = use(name)
+    drv = cupy.cuda.driver.launchKernel
+    packed = _launch.make("cupy-driver", rt)
+    packed(fn, (1,), (256,), (xp, op, n), 0, s.ptr)       # builds its slots and layout
+    slots = packed._tls.slots
+    sp = s.ptr
+    # the floor of the packed launchers: the raw call alone, parameters already in place
+    fns["bare_cupy_driver"] = lambda: drv(fn.ptr, 1, 1, 1, 256, 1, 1, 0, sp, slots[1], 0)
+    rounds = 5 if quick else 9
+    t = host_us_interleaved(fns, calls, rounds)
+    dl_us = host_us_interleaved({"dl": dlpack_launch}, calls // 4, 3)["dl"][0]
+    rt.set_launcher(launcher)
+    med = {k: v[0] for k, v in t.items()}
+    rawkv_us, add_us = med["rawkv"], med["add_"]
+    row = {"op": "launch_overhead/e4m3_encode", "shape": [n], "dtype": "float32",
+           "launcher": launcher, "host_us": round(rawkv_us, 2),
+           "host_us_driver_launcher": round(med.get("rawkv_driver", rawkv_us), 2),
+           "torch_add_us": round(add_us, 2),
+           "ratio_vs_add": round(rawkv_us / add_us, 2),
+           "baseline": "cupy.from_dlpack per tensor per call", "baseline_us": round(dl_us, 2),
+           "speedup": round(dl_us / rawkv_us, 2),
+           "bare_cupy_launch_us": round(med["bare_cupy"], 2), "torch_empty_us": round(med["empty"], 2),
+           "timing": f"median of {rounds} interleaved rounds of {calls} calls",
+           "ratio_vs_add_min": round(t["rawkv"][1] / t["add_"][1], 2),
+           "bare_cupy_driver_launch_us": round(med["bare_cupy_driver"], 2)}
+    for name in _launch.LAUNCHERS:
+        if name not in (launcher, "driver"):
+            row["host_us_" + name.replace("-", "_")] = round(med["rawkv_" + name], 2)
+    results.append(row)
     # E4M3 encode / decode bandwidth on a large tensor.
     m = 1 << 28
     xb = torch.randn(m, device="cuda", dtype=torch.bfloat16)
@@ -217,11 +260,15 @@ COPY = {"GBps": 0.0}
 
 
 def _commit() -> str:
+    """RAWKV_COMMIT when set (tools/gpu_check.sh runs on a copy of the tree
+    whose .git, if any, may not be the code measured), else git's HEAD."""
+    if os.environ.get("RAWKV_COMMIT"):
+        return os.environ["RAWKV_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
-    except Exception:  # the GPU machine's copy of the tree may have no .git
-        return os.environ.get("RAWKV_COMMIT", "unknown")
+    except Exception:
+        return "unknown"
 
 
 def main(argv=None) -> int:
