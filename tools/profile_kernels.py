@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Run the main large-size kernels a few times each, for Nsight Compute:
+"""Run the main large-size kernels once each, for Nsight Compute:
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy \\
-        --section WarpStateStats -k regex:rkv_ -c 12 python3 tools/profile_kernels.py
+        --section WarpStateStats -k regex:rkv_ python3 tools/profile_kernels.py [group ...]
 
-(no timing here: ncu measures; see tools/bench.py for the benchmarks)."""
+groups: nvfp4, fused (default: both). No timing here: ncu measures;
+see tools/bench.py for the benchmarks."""
 import os
 import sys
 
@@ -14,20 +15,37 @@ import torch  # noqa: E402
 
 import rawkv  # noqa: E402
 
+M, N = 16384, 7168
+
+
+def nvfp4():
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    for scope in ("none", "row"):
+        q, sf, gs = rawkv.nvfp4.quantize(x, scope=scope)
+    rawkv.nvfp4.dequantize(q, sf, gs)
+
+
+def fused():
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(N, device="cuda", dtype=torch.float32) + 0.5
+    rawkv.fused.rmsnorm_quantize(x, w)
+    x4 = torch.randn(M // 4, 4, N, device="cuda", dtype=torch.bfloat16)
+    mix = torch.rand(M // 4, 4, device="cuda", dtype=torch.float32)
+    rawkv.fused.mhc_rmsnorm_quantize(x4, mix, w)
+    h = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    rawkv.fused.swiglu_quantize(h)
+    ids = torch.randint(0, 256, (M, 8), device="cuda", dtype=torch.int32)
+    rawkv.fused.moe_stage(x, ids, torch.rand(M, 8, device="cuda"))
+
+
 
 def main():
     rawkv.warmup()
-    M, N = 16384, 7168
-    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(N, device="cuda", dtype=torch.float32) + 0.5
-    for scope in ("none", "row"):
-        q, sf, gs = rawkv.nvfp4.quantize(x, scope=scope)
-    y = rawkv.nvfp4.dequantize(q, sf, gs)
-    rawkv.fused.rmsnorm_quantize(x, w)
-    h = torch.randn(M, 2 * 3584, device="cuda", dtype=torch.bfloat16)
-    rawkv.fused.swiglu_quantize(h)
+    groups = sys.argv[1:] or ["nvfp4", "fused"]
+    for g in groups:
+        globals()[g]()
     torch.cuda.synchronize()
-    print("done", y.shape)
+    print("done", groups)
 
 
 if __name__ == "__main__":

@@ -6,84 +6,46 @@
 //
 // Row kernels: one CTA per row. Each thread owns up to REG chunks of 16
 // elements (one NVFP4 block each: chunk c = tid + r * blockDim), held in
-// registers in the input dtype T, so the input is read from memory once:
-//   phase 0  load (and mix / de-interleave + silu*up), round to T
-//   phase 1  (RMSNorm) float64 block sum of squares -> inv_rms; y = round_T(x*inv*w)
+// registers as packed T (two per word), so the input is read from memory once:
+//   phase 0  load (raw bits; or mix / de-interleave + silu*up, rounded to T)
+//   phase 1  (RMSNorm) float64 sum of squares -> inv_rms; y = round_T(x*inv*w)
+//            each chunk's max |y| from the packed bits (two halves per instruction)
 //   phase 2  (run-time `mode`) gs: row amax (MODE_ROW), amax of the tensor (MODE_AMAX: first of
 //            two launches), the value MODE_AMAX left (MODE_TENSOR), or given
-//   phase 3  quantize each chunk (nvfp4_quantize_block) and store 8 code
+//   phase 3  quantize each chunk (nvfp4_quantize_block_max) and store 8 code
 //            bytes + 1 scale byte
-// Rows longer than REG * blockDim chunks (N > 32768 at 512 threads) recompute the extra
-// chunks from global memory in each phase (a second read, from L2).
+// REG = 2: a 224-thread CTA per row (N = 7168) of at most 64 registers per
+// thread, 4 CTAs per SM. Rows longer than REG * blockDim chunks (N > 32768)
+// recompute the extra chunks from global memory in each phase (a second
+// read, from L2).
 //
 // Numerics follow rawkv/reference/fused.py operation by operation; the
 // runtime compiles with --fmad=false --ftz=false --prec-div=true --prec-sqrt=true.
-#include "common.cuh"
-#include "nvfp4_common.cuh"
+#include "packed16.cuh"
 using namespace rkv;
 
 namespace {
 
-constexpr int REG = 4;                  // register-held chunks per thread
-constexpr int kMaxBlock = 512;          // threads per CTA at most (128 registers each)
+// REG (template): register-held chunks per thread, 2 or 4. A CTA has at most
+// kMaxThreads / REG threads: 64 registers per thread for REG = 2, 128 for 4
+// (the mHC kernel: half the threads, twice the registers; it spills in 64).
+constexpr int kMaxThreads = 2048;
 constexpr int MODE_ROW = 0;             // gs per row, from the row amax
 constexpr int MODE_AMAX = 1;            // tensor scope, launch 1: atomicMax of the amax
 constexpr int MODE_TENSOR = 2;          // tensor scope, launch 2: quantize with it
 constexpr int MODE_FIXED = 3;           // gs given (device pointer or value; 1 = one-level)
 constexpr u32 kAmaxFlag = 0x80000000u;  // marks "gs word still holds the amax"
 
-// ---- packing a 16-element chunk in T ------------------------------------------
-template <typename T> struct Pack {
-    static constexpr int W = 16 * (int)sizeof(T) / 4;   // u32 words per chunk
-};
-
-template <typename T> __device__ __forceinline__ u32 t_bits(T v);
-template <> __device__ __forceinline__ u32 t_bits<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
-template <> __device__ __forceinline__ u32 t_bits<__half>(__half v) { return __half_as_ushort(v); }
-
-// Round 16 floats to T and pack them (element 0 in the low half of word 0).
-template <typename T>
-__device__ __forceinline__ void pack_chunk(u32 (&w)[Pack<T>::W], const float (&v)[16]) {
-    if constexpr (sizeof(T) == 4) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = __float_as_uint(v[i]);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            w[i] = t_bits<T>(from_f32<T>(v[2 * i])) | (t_bits<T>(from_f32<T>(v[2 * i + 1])) << 16);
-    }
-}
-
-template <typename T> __device__ __forceinline__ float bits_f32(u32 b);
-template <> __device__ __forceinline__ float bits_f32<__nv_bfloat16>(u32 b) { return __uint_as_float(b << 16); }
-template <> __device__ __forceinline__ float bits_f32<__half>(u32 b) { return __half2float(__ushort_as_half((unsigned short)b)); }
-
-template <typename T>
-__device__ __forceinline__ void unpack_chunk(const u32 (&w)[Pack<T>::W], float (&v)[16]) {
-    if constexpr (sizeof(T) == 4) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = __uint_as_float(w[i]);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            v[2 * i] = bits_f32<T>(w[i] & 0xFFFFu);
-            v[2 * i + 1] = bits_f32<T>(w[i] >> 16);
-        }
-    }
-}
-
 template <typename T> __device__ __forceinline__ float round_t(float v) { return to_f32<T>(from_f32<T>(v)); }
 
-// 8 consecutive T (16-byte aligned; 32 for float) -> float.
+// 8 consecutive T (16-byte aligned) -> float.
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float* v) {
-    constexpr int N = Vec16<T>::N;
-#pragma unroll
-    for (int h = 0; h < 8 / N; ++h) {
-        Vec16<T> a = load16(p + h * N);
-#pragma unroll
-        for (int j = 0; j < N; ++j) v[h * N + j] = to_f32(a.v[j]);
-    }
+    const uint4 a = *reinterpret_cast<const uint4*>(p);
+    word_f32<T>(a.x, v[0], v[1]);
+    word_f32<T>(a.y, v[2], v[3]);
+    word_f32<T>(a.z, v[4], v[5]);
+    word_f32<T>(a.w, v[6], v[7]);
 }
 
 // A value of a small per-row / per-column parameter of run-time dtype
@@ -116,7 +78,10 @@ __device__ __forceinline__ void load_weights16(const void* w, int kind, i64 c, f
 // ---- deterministic float32 exp / silu (rawkv.reference.fused.exp_f32) ----------
 __device__ __forceinline__ float exp_f32(float x) {
     const float xc = fminf(fmaxf(x, -104.0f), 89.0f);   // NaN -> -104, as np.fmax/np.fmin
-    const float n = rintf(xc * __uint_as_float(0x3FB8AA3Bu));
+    // rint by the magic number 1.5 * 2^23 (RNE, exact for |y| < 2^22; here
+    // |y| <= 151), and the integer read off its bits: no conversion-pipe ops.
+    const float t = __fadd_rn(__fmul_rn(xc, __uint_as_float(0x3FB8AA3Bu)), 0x1.8p23f);
+    const float n = __fsub_rn(t, 0x1.8p23f);
     float r = xc - n * __uint_as_float(0x3F317200u);
     r = r - n * __uint_as_float(0x35BFBE8Eu);
     float p = __uint_as_float(0x39500D01u);
@@ -127,8 +92,10 @@ __device__ __forceinline__ float exp_f32(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    const int ni = (int)n;
-    const int n1 = ni / 2, n2 = ni - n1;
+    const int ni = (int)(__float_as_uint(t) - 0x4B400000u);
+    // Any split n1 + n2 = ni gives the reference's bits: p * 2^n1 is exact
+    // (|n1| <= 76) and the second product rounds once, as p * 2^ni would.
+    const int n1 = ni >> 1, n2 = ni - n1;
     return (p * __uint_as_float((u32)(n1 + 127) << 23)) * __uint_as_float((u32)(n2 + 127) << 23);
 }
 
@@ -162,8 +129,8 @@ __device__ __forceinline__ float block_max(float v, float* sh) {
 }
 
 // ---- producers: what one row chunk of 16 values is --------------------------
-// load(c, v): the 16 values of chunk c before normalization, rounded to T.
-// NORM producers also provide norm(c, v, inv): v = round_T((v * inv) * w).
+// load(c, w): chunk c before normalization, rounded to T and packed.
+// NORM producers also provide norm(c, w, inv): w = round_T((x * inv) * weight).
 
 template <typename T, bool MIX>
 struct RmsProducer {
@@ -175,12 +142,11 @@ struct RmsProducer {
     i64 n;             // row length N
     float a[4];
 
-    __device__ __forceinline__ void load(i64 c, float (&v)[16]) const {
+    __device__ __forceinline__ void load(i64 c, u32 (&w)[8]) const {
         if constexpr (!MIX) {
-            load8(x + c * 16, v);
-            load8(x + c * 16 + 8, v + 8);
+            load_chunk(x + c * 16, w);             // raw bits: already T
         } else {
-            float t[16];
+            float v[16], t[16];
             load8(x + c * 16, v);
             load8(x + c * 16 + 8, v + 8);
 #pragma unroll
@@ -194,16 +160,17 @@ struct RmsProducer {
                     for (int i = 0; i < 16; ++i) v[i] = v[i] + a[h] * t[i];
                 }
             }
-#pragma unroll
-            for (int i = 0; i < 16; ++i) v[i] = round_t<T>(v[i]);
+            pack_chunk<T>(w, v);
         }
     }
 
-    __device__ __forceinline__ void norm(i64 c, float (&v)[16], float inv) const {
-        float wv[16];
-        load_weights16(w, w_kind, c, wv);
+    __device__ __forceinline__ void norm(i64 c, u32 (&w)[8], float inv) const {
+        float v[16], wv[16];
+        unpack_chunk<T>(w, v);
+        load_weights16(this->w, w_kind, c, wv);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = round_t<T>((v[i] * inv) * wv[i]);
+        for (int i = 0; i < 16; ++i) v[i] = (v[i] * inv) * wv[i];
+        pack_chunk<T>(w, v);
     }
 };
 
@@ -215,9 +182,10 @@ struct SwigluProducer {
 
     // Output element i is gate column (i / g) * 2g + i % g and the up column g
     // after it. One 32-bit division per chunk; then a counter walks the row.
-    __device__ __forceinline__ void load(i64 c, float (&v)[16]) const {
+    __device__ __forceinline__ void load(i64 c, u32 (&w)[8]) const {
         const u32 i0 = (u32)c * 16u;
         u32 grp = i0 / g, off = i0 - grp * g;
+        float v[16];
         if constexpr (VEC) {            // g % 8 == 0: each run of 8 outputs is contiguous
             float gt[8], up[8];
 #pragma unroll
@@ -226,7 +194,7 @@ struct SwigluProducer {
                 load8(h + col, gt);
                 load8(h + col + g, up);
 #pragma unroll
-                for (int j = 0; j < 8; ++j) v[k * 8 + j] = round_t<T>(silu_f32(gt[j]) * up[j]);
+                for (int j = 0; j < 8; ++j) v[k * 8 + j] = silu_f32(gt[j]) * up[j];
                 off += 8u;
                 if (off == g) { off = 0u; ++grp; }
             }
@@ -234,19 +202,47 @@ struct SwigluProducer {
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
                 const u32 col = grp * 2u * g + off;
-                v[j] = round_t<T>(silu_f32(to_f32(h[col])) * to_f32(h[col + g]));
+                v[j] = silu_f32(to_f32(h[col])) * to_f32(h[col + g]);
                 if (++off == g) { off = 0u; ++grp; }
             }
         }
+        pack_chunk<T>(w, v);
     }
 
-    __device__ __forceinline__ void norm(i64, float (&)[16], float) const {}
+    __device__ __forceinline__ void norm(i64, u32 (&)[8], float) const {}
 };
 
 // ---- the row kernel body ---------------------------------------------------------
-template <typename T, class P>
-__device__ __forceinline__ void row_quantize(const P& p, const int mode, i64 row, i64 C, float eps, i64 n,
-                                             u8* __restrict__ q, u8* __restrict__ sf,
+// A chunk's max |y| bits and whether it holds an Inf/NaN; `fin`: its max
+// finite |y| bits (what the row amax takes).
+template <typename T>
+__device__ __forceinline__ u32 chunk_max(const u32 (&w)[8], u32& fin) {
+    const u32 m = chunk_absmax_bits(w);
+    fin = m < Bits<T>::kInf ? m : chunk_finite_absmax_bits<T>(w);
+    return m;
+}
+
+template <typename T>
+__device__ __forceinline__ void quantize_store(const u32 (&w)[8], u32 bmax_bits, float gs, u8* q, u8* sf) {
+    uint2 packed;
+    *sf = quantize_chunk<T>(w, bmax_bits, gs, packed);
+    *reinterpret_cast<uint2*>(q) = packed;
+}
+
+// Phase 0: this thread's register-held chunks of the row p points at.
+template <int REG, class P>
+__device__ __forceinline__ void load_row(const P& p, i64 C, u32 (&st)[REG][8]) {
+#pragma unroll
+    for (int r = 0; r < REG; ++r) {
+        const i64 c = threadIdx.x + r * (i64)blockDim.x;
+        if (c < C) p.load(c, st[r]);
+    }
+}
+
+// Phases 1-3 of one row whose register-held chunks `st` are loaded.
+template <typename T, int REG, class P>
+__device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], const int mode, i64 row, i64 C,
+                                             float eps, i64 n, u8* __restrict__ q, u8* __restrict__ sf,
                                              float* gs_out, float* __restrict__ inv_out,
                                              const float* gs_in, float gs_val) {
     __shared__ double sh_d[32];
@@ -254,20 +250,10 @@ __device__ __forceinline__ void row_quantize(const P& p, const int mode, i64 row
     __shared__ float sh_gs;
     const int tid = threadIdx.x;
     const i64 B = blockDim.x;
-    u32 st[REG][Pack<T>::W];
+    u32 bm[REG];         // the chunks' max |y| bits
+    u32 fin = 0u;        // max finite |y| bits over this thread's chunks
 
-    // phase 0: load
-#pragma unroll
-    for (int r = 0; r < REG; ++r) {
-        const i64 c = tid + r * B;
-        if (c < C) {
-            float v[16];
-            p.load(c, v);
-            pack_chunk<T>(st[r], v);
-        }
-    }
-
-    // phase 1: RMSNorm
+    // phase 1: RMSNorm. Each square is exact in float64, so fma == mul + add.
     float inv = 1.0f;
     if constexpr (P::NORM) {
         double ss = 0.0;
@@ -275,55 +261,54 @@ __device__ __forceinline__ void row_quantize(const P& p, const int mode, i64 row
         for (int r = 0; r < REG; ++r) {
             const i64 c = tid + r * B;
             if (c < C) {
-                float v[16];
-                unpack_chunk<T>(st[r], v);
 #pragma unroll
-                for (int i = 0; i < 16; ++i) ss += (double)v[i] * (double)v[i];
+                for (int i = 0; i < 8; ++i) {
+                    float lo, hi;
+                    word_f32<T>(st[r][i], lo, hi);
+                    ss = __fma_rn((double)lo, (double)lo, ss);
+                    ss = __fma_rn((double)hi, (double)hi, ss);
+                }
             }
         }
         for (i64 c = tid + REG * B; c < C; c += B) {
-            float v[16];
-            p.load(c, v);
+            u32 w[8];
+            p.load(c, w);
 #pragma unroll
-            for (int i = 0; i < 16; ++i) ss += (double)v[i] * (double)v[i];
+            for (int i = 0; i < 8; ++i) {
+                float lo, hi;
+                word_f32<T>(w[i], lo, hi);
+                ss = __fma_rn((double)lo, (double)lo, ss);
+                ss = __fma_rn((double)hi, (double)hi, ss);
+            }
         }
         ss = block_sum(ss, sh_d);
         const float ms = (float)(ss / (double)n);
         inv = 1.0f / sqrtf(ms + eps);
+    }
+
+    // y and its block maxima (the register-held chunks)
 #pragma unroll
-        for (int r = 0; r < REG; ++r) {
-            const i64 c = tid + r * B;
-            if (c < C) {
-                float v[16];
-                unpack_chunk<T>(st[r], v);
-                p.norm(c, v, inv);
-                pack_chunk<T>(st[r], v);
-            }
+    for (int r = 0; r < REG; ++r) {
+        const i64 c = tid + r * B;
+        if (c < C) {
+            if constexpr (P::NORM) p.norm(c, st[r], inv);
+            u32 f;
+            bm[r] = chunk_max<T>(st[r], f);
+            fin = max(fin, f);
         }
     }
 
     // phase 2: the global scale
     float gs;
     if (mode == MODE_ROW || mode == MODE_AMAX) {
-        float amax = 0.0f;
-#pragma unroll
-        for (int r = 0; r < REG; ++r) {
-            const i64 c = tid + r * B;
-            if (c < C) {
-                float v[16];
-                unpack_chunk<T>(st[r], v);
-#pragma unroll
-                for (int i = 0; i < 16; ++i) amax = fmaxf(amax, nvfp4_finite_abs(v[i]));
-            }
+        for (i64 c = tid + REG * B; c < C; c += B) {     // chunks past the registers
+            u32 w[8], f;
+            p.load(c, w);
+            p.norm(c, w, inv);
+            chunk_max<T>(w, f);
+            fin = max(fin, f);
         }
-        for (i64 c = tid + REG * B; c < C; c += B) {
-            float v[16];
-            p.load(c, v);
-            p.norm(c, v, inv);
-#pragma unroll
-            for (int i = 0; i < 16; ++i) amax = fmaxf(amax, nvfp4_finite_abs(v[i]));
-        }
-        amax = block_max(amax, sh_f);
+        const float amax = block_max(bits_f32<T>(fin), sh_f);
         if (mode == MODE_AMAX) {
             if (tid == 0) atomicMax(reinterpret_cast<u32*>(gs_out), kAmaxFlag | __float_as_uint(amax));
             return;
@@ -354,23 +339,13 @@ __device__ __forceinline__ void row_quantize(const P& p, const int mode, i64 row
 #pragma unroll
     for (int r = 0; r < REG; ++r) {
         const i64 c = tid + r * B;
-        if (c < C) {
-            float v[16];
-            unpack_chunk<T>(st[r], v);
-            uint2 packed;
-            const u8 s = nvfp4_quantize_block(v, gs, packed);
-            *reinterpret_cast<uint2*>(qrow + c * 8) = packed;
-            sfrow[c] = s;
-        }
+        if (c < C) quantize_store<T>(st[r], bm[r], gs, qrow + c * 8, sfrow + c);
     }
     for (i64 c = tid + REG * B; c < C; c += B) {
-        float v[16];
-        p.load(c, v);
-        p.norm(c, v, inv);
-        uint2 packed;
-        const u8 s = nvfp4_quantize_block(v, gs, packed);
-        *reinterpret_cast<uint2*>(qrow + c * 8) = packed;
-        sfrow[c] = s;
+        u32 w[8], f;
+        p.load(c, w);
+        p.norm(c, w, inv);
+        quantize_store<T>(w, chunk_max<T>(w, f), gs, qrow + c * 8, sfrow + c);
     }
     if (tid == 0) {
         if (mode == MODE_ROW) gs_out[row] = gs;
@@ -384,8 +359,11 @@ __device__ __forceinline__ void row_quantize(const P& p, const int mode, i64 row
 // x: (M, N) or, with MIX, X: (M, n_hc, N); mix: (M, n_hc) of mix_kind; w: (N,) of w_kind.
 // q (M, N/2), sf (M, N/16), gs_out (M,) for MODE_ROW else one float, inv_out (M,) or null.
 // gs_in: a device float (MODE_FIXED) or null, then gs_val.
-template <typename T, bool MIX>
-__global__ void __launch_bounds__(kMaxBlock, 1) rkv_fused_rms(
+// x: (M, N) or, with MIX, X: (M, n_hc, N); mix: (M, n_hc) of mix_kind; w: (N,) of w_kind.
+// q (M, N/2), sf (M, N/16), gs_out (M,) for MODE_ROW else one float, inv_out (M,) or null.
+// gs_in: a device float (MODE_FIXED) or null, then gs_val. One CTA per row.
+template <typename T, bool MIX, int REG>
+__global__ void __launch_bounds__(kMaxThreads / REG / (MIX ? 2 : 1), 1) rkv_fused_rms(
         const T* __restrict__ x, const void* __restrict__ mix, long long mix_kind, long long n_hc,
         const void* __restrict__ w, long long w_kind, double eps, long long n,
         u8* __restrict__ q, u8* __restrict__ sf, float* gs_out, float* __restrict__ inv_out,
@@ -400,12 +378,15 @@ __global__ void __launch_bounds__(kMaxBlock, 1) rkv_fused_rms(
 #pragma unroll
     for (int h = 0; h < 4; ++h)
         p.a[h] = (MIX && h < n_hc) ? load_kind(mix, row * n_hc + h, (int)mix_kind) : 0.0f;
-    row_quantize<T>(p, (int)mode, row, n / 16, (float)eps, n, q, sf, gs_out, inv_out, gs_in, (float)gs_val);
+    u32 st[REG][8];
+    load_row<REG>(p, n / 16, st);
+    row_quantize<T, REG>(p, st, (int)mode, row, n / 16, (float)eps, n, q, sf, gs_out, inv_out, gs_in,
+                         (float)gs_val);
 }
 
 // h: (M, 2I) with columns alternating g gate and g up; q (M, I/2), sf (M, I/16).
-template <typename T, bool VEC>
-__global__ void __launch_bounds__(kMaxBlock, 1) rkv_fused_swiglu(
+template <typename T, bool VEC, int REG>
+__global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu(
         const T* __restrict__ h, long long inter, long long g,
         u8* __restrict__ q, u8* __restrict__ sf, float* gs_out,
         const float* gs_in, double gs_val, long long mode) {
@@ -413,7 +394,10 @@ __global__ void __launch_bounds__(kMaxBlock, 1) rkv_fused_swiglu(
     SwigluProducer<T, VEC> p;
     p.h = h + row * 2 * inter;
     p.g = (u32)g;
-    row_quantize<T>(p, (int)mode, row, inter / 16, 0.0f, inter, q, sf, gs_out, nullptr, gs_in, (float)gs_val);
+    u32 st[REG][8];
+    load_row<REG>(p, inter / 16, st);
+    row_quantize<T, REG>(p, st, (int)mode, row, inter / 16, 0.0f, inter, q, sf, gs_out, nullptr, gs_in,
+                         (float)gs_val);
 }
 
 // MoE input staging, one launch: hidden (M, K) -> one-level NVFP4 codes
@@ -422,7 +406,7 @@ __global__ void __launch_bounds__(kMaxBlock, 1) rkv_fused_swiglu(
 // Each thread handles 64 consecutive elements (4 blocks -> 32 code bytes and
 // one scale word); K % 64 == 0 keeps units inside rows, so no row math.
 template <typename T, typename ID>
-__global__ void __launch_bounds__(256) rkv_moe_stage(
+__global__ void __launch_bounds__(256, 1) rkv_moe_stage(
         const T* __restrict__ x, long long n_units, u8* __restrict__ q, u32* __restrict__ sf,
         const ID* __restrict__ ids, long long n_ids, long long* __restrict__ ids_out,
         const u8* __restrict__ wts, long long w_bytes, u8* __restrict__ wts_out) {
@@ -432,10 +416,9 @@ __global__ void __launch_bounds__(256) rkv_moe_stage(
         uint2 codes[4];
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
-            float v[16];
-            load8(src + b * 16, v);
-            load8(src + b * 16 + 8, v + 8);
-            scales |= (u32)nvfp4_quantize_block(v, 1.0f, codes[b]) << (8 * b);
+            u32 w[8];
+            load_chunk(src + b * 16, w);
+            scales |= (u32)quantize_chunk<T>(w, chunk_absmax_bits(w), 1.0f, codes[b]) << (8 * b);
         }
         uint4* dst = reinterpret_cast<uint4*>(q + u * 32);
         dst[0] = make_uint4(codes[0].x, codes[0].y, codes[1].x, codes[1].y);

@@ -13,7 +13,7 @@
 //
 // Pointers: x rows are `ldx` elements apart (row-strided 2-D views), q / sf /
 // out are dense. The host checks 16-byte alignment of every vector access.
-#include "nvfp4_common.cuh"
+#include "packed16.cuh"
 using namespace rkv;
 
 namespace {
@@ -31,11 +31,30 @@ struct XUnit {
         for (int k = 0; k < NV; ++k) v[k] = load16(p + k * PER);
     }
     __device__ __forceinline__ float at(int e) const { return to_f32(v[e / PER].v[e % PER]); }
+    // Block b (16-bit T) as 8 packed words.
+    __device__ __forceinline__ void words(int b, u32 (&w)[8]) const {
+        const uint4 a = v[2 * b].raw, c = v[2 * b + 1].raw;
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+        w[4] = c.x; w[5] = c.y; w[6] = c.z; w[7] = c.w;
+    }
+    // Max finite |x| of the unit (the amax of scopes 'row' and 'tensor').
     __device__ __forceinline__ float amax() const {
-        float m = 0.0f;
+        if constexpr (sizeof(T) == 2) {          // on the packed bits, 2 per instruction
+            u32 m = 0u;
 #pragma unroll
-        for (int e = 0; e < 16 * BPT; ++e) m = fmaxf(m, nvfp4_finite_abs(at(e)));
-        return m;
+            for (int b = 0; b < BPT; ++b) {
+                u32 w[8];
+                words(b, w);
+                const u32 bm = chunk_absmax_bits(w);
+                m = max(m, bm < Bits<T>::kInf ? bm : chunk_finite_absmax_bits<T>(w));
+            }
+            return bits_f32<T>(m);
+        } else {
+            float m = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 16 * BPT; ++e) m = fmaxf(m, nvfp4_finite_abs(at(e)));
+            return m;
+        }
     }
 };
 
@@ -46,10 +65,16 @@ __device__ __forceinline__ void quantize_unit(const XUnit<T, BPT>& u, float gs, 
     u8 s[BPT];
 #pragma unroll
     for (int b = 0; b < BPT; ++b) {
-        float f[16];
+        if constexpr (sizeof(T) == 2) {
+            u32 w[8];
+            u.words(b, w);
+            s[b] = quantize_chunk<T>(w, chunk_absmax_bits(w), gs, p[b]);
+        } else {
+            float f[16];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) f[i] = u.at(b * 16 + i);
-        s[b] = nvfp4_quantize_block(f, gs, p[b]);
+            for (int i = 0; i < 16; ++i) f[i] = u.at(b * 16 + i);
+            s[b] = nvfp4_quantize_block(f, gs, p[b]);
+        }
     }
     if constexpr (BPT == 2) {
         *reinterpret_cast<uint4*>(q) = make_uint4(p[0].x, p[0].y, p[1].x, p[1].y);
@@ -166,23 +191,17 @@ __global__ void __launch_bounds__(1024) rkv_nvfp4_quantize_rows(const T* __restr
     __shared__ float smem[32];
     const int tpr = (int)tpr_;
     const int gpc = blockDim.x / tpr, g = threadIdx.x / tpr, l = threadIdx.x % tpr;
-    constexpr int RR = R > 0 ? R : 1;
+    const bool mine = l < upr;                 // R == 1: this lane's unit exists
     for (i64 base = (i64)blockIdx.x * gpc; base < M; base += (i64)gridDim.x * gpc) {
         const i64 r = base + g;                    // the loop is uniform over the CTA
         const bool live = r < M;
         const T* xr = x + r * ldx;
-        XUnit<T, BPT> u[RR];
+        XUnit<T, BPT> u;
         float m = 0.0f;
-        if (live) {
-            if (R > 0) {
-#pragma unroll
-                for (int k = 0; k < RR; ++k) {
-                    const i64 c = l + (i64)k * tpr;
-                    if (c < upr) { u[k].load(xr + c * (16 * BPT)); m = fmaxf(m, u[k].amax()); }
-                }
-            } else {
-                for (i64 c = l; c < upr; c += tpr) { u[0].load(xr + c * (16 * BPT)); m = fmaxf(m, u[0].amax()); }
-            }
+        if (R > 0) {
+            if (live && mine) { u.load(xr + (i64)l * (16 * BPT)); m = u.amax(); }
+        } else if (live) {
+            for (i64 c = l; c < upr; c += tpr) { u.load(xr + c * (16 * BPT)); m = fmaxf(m, u.amax()); }
         }
         const float gs = nvfp4_global_scale(group_max(m, tpr, smem));
         if (!live) continue;
@@ -190,15 +209,11 @@ __global__ void __launch_bounds__(1024) rkv_nvfp4_quantize_rows(const T* __restr
         u8* qr = q + r * upr * (8 * BPT);
         u8* sr = sf + r * upr * BPT;
         if (R > 0) {
-#pragma unroll
-            for (int k = 0; k < RR; ++k) {
-                const i64 c = l + (i64)k * tpr;
-                if (c < upr) quantize_unit(u[k], gs, qr + c * (8 * BPT), sr + c * BPT);
-            }
+            if (mine) quantize_unit(u, gs, qr + (i64)l * (8 * BPT), sr + (i64)l * BPT);
         } else {
             for (i64 c = l; c < upr; c += tpr) {
-                u[0].load(xr + c * (16 * BPT));
-                quantize_unit(u[0], gs, qr + c * (8 * BPT), sr + c * BPT);
+                u.load(xr + c * (16 * BPT));
+                quantize_unit(u, gs, qr + c * (8 * BPT), sr + c * BPT);
             }
         }
     }

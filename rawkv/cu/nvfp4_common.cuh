@@ -45,7 +45,10 @@ __device__ __forceinline__ u32 e2m1_code_of_quotient(float q, float v) {
     return e2m1_index_fast(fabsf(q)) | ((__float_as_uint(v) >> 28) & 8u);
 }
 
-// Steps 2-5 for one block of 16 consecutive elements.
+// Steps 2-5 for one block of 16 consecutive elements (nvfp4_quantize_block),
+// or, from nvfp4_quantize_block_max, with the block's max magnitude `bmax`
+// and "holds a NaN/Inf" flag `bad` computed by the caller (e.g. on packed
+// 16-bit inputs, two elements per instruction).
 //   v      : the 16 input values, already converted to float32 (element 0 first)
 //   gs     : the float32 decode global scale of the block's scope (1 for
 //            one-level NVFP4)
@@ -68,19 +71,17 @@ __device__ __forceinline__ u32 e2m1_code_of_quotient(float q, float v) {
 // or overflows. The guard keeps every quotient near the E2M1 thresholds far
 // from both (es >= 2^-60, |v|*y < 2^100); other blocks (only possible with a
 // caller-given gs) take the plain division.
-__device__ __forceinline__ u8 nvfp4_quantize_block(const float (&v)[16], float gs, uint2& packed) {
-    // max of the magnitude bits: finite magnitudes order like their bits, and
-    // anything >= 0x7F800000 is an Inf or a NaN.
-    u32 umax = 0u;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) umax = max(umax, __float_as_uint(v[i]) & 0x7FFFFFFFu);
-    const bool bad = umax >= 0x7F800000u;
-    const float bmax = __uint_as_float(umax);
+__device__ __forceinline__ u8 nvfp4_quantize_block_max(const float (&v)[16], float bmax, bool bad, float gs,
+                                                       uint2& packed) {
+    if (bad) {                                   // step 5: flagged block, all codes 0
+        packed = make_uint2(0u, 0u);
+        return kE4M3NaN;
+    }
     const u8 sf = e4m3_encode(bmax / (gs * 6.0f));
     const float es = e4m3_decode(sf) * gs;
-    if (bad || es == 0.0f) {                     // steps 3 and 5: all codes 0
+    if (es == 0.0f) {                            // step 3: all codes 0
         packed = make_uint2(0u, 0u);
-        return bad ? kE4M3NaN : sf;
+        return sf;
     }
     u32 w[2] = {0u, 0u};
     const float y = __frcp_rn(es);
@@ -99,6 +100,15 @@ __device__ __forceinline__ u8 nvfp4_quantize_block(const float (&v)[16], float g
     }
     packed = make_uint2(w[0], w[1]);
     return sf;
+}
+
+__device__ __forceinline__ u8 nvfp4_quantize_block(const float (&v)[16], float gs, uint2& packed) {
+    // max of the magnitude bits: finite magnitudes order like their bits, and
+    // anything >= 0x7F800000 is an Inf or a NaN.
+    u32 umax = 0u;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) umax = max(umax, __float_as_uint(v[i]) & 0x7FFFFFFFu);
+    return nvfp4_quantize_block_max(v, __uint_as_float(umax), umax >= 0x7F800000u, gs, packed);
 }
 
 // Decode one block: out[i] = lut[code_i] * (float(sf) * gs), float32.
