@@ -37,7 +37,7 @@ _CT = {"bfloat16": "__nv_bfloat16", "float16": "__half"}
 # Register-held chunks per thread (fused.cu REG). 2 measured best on an H100:
 # 4 (fewer, fatter threads) was as fast for RMSNorm and 28% slower for SwiGLU.
 _REG = 2
-_MAX_BLOCK = 2048 // _REG   # fused.cu kMaxThreads / REG
+_MAX_BLOCK = 1536 // _REG   # fused.cu kMaxThreads / REG on every arch (sm_100+: 1536)
 register_kernels(_FILE, [f"rkv_fused_rms<{c}, {m}, {_REG}>" for c in _CT.values() for m in ("false", "true")]
                  + [f"rkv_fused_swiglu<{c}, {v}, {_REG}>" for c in _CT.values() for v in ("true", "false")]
                  + [f"rkv_moe_stage<{c}, {i}>" for c in _CT.values() for i in ("int", "long long")])

@@ -27,9 +27,16 @@ using namespace rkv;
 namespace {
 
 // REG (template): register-held chunks per thread, 2 or 4. A CTA has at most
-// kMaxThreads / REG threads: 64 registers per thread for REG = 2, 128 for 4
-// (the mHC kernel: half the threads, twice the registers; it spills in 64).
+// kMaxThreads / REG threads: 64 registers per thread for REG = 2 and 128 for
+// 4 up to sm_90; sm_100 / sm_120 code needs a few more (ptxas spills in 64),
+// so there the bound is 768 threads (80 registers). The host never launches
+// more than 1536 / REG threads (rawkv/fused.py _MAX_BLOCK). The mHC kernel:
+// half the threads, twice the registers (it spills in 64 everywhere).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+constexpr int kMaxThreads = 1536;
+#else
 constexpr int kMaxThreads = 2048;
+#endif
 constexpr int MODE_ROW = 0;             // gs per row, from the row amax
 constexpr int MODE_AMAX = 1;            // tensor scope, launch 1: atomicMax of the amax
 constexpr int MODE_TENSOR = 2;          // tensor scope, launch 2: quantize with it
