@@ -381,9 +381,7 @@ def _rms_common(x, mix, weight, eps, scope, gs, out, stream, mixed):
     fn = rt.function(_FILE, f"rkv_fused_rms<{_CT[_dtype_name(x.dtype)]}, {'true' if mixed else 'false'}, {_REG}>")
     pre = (x.data_ptr(), mix.data_ptr() if mixed else 0, kinds[mix.dtype] if mixed else 0, n_hc,
            weight.data_ptr(), kinds[weight.dtype], float(eps), n, q.data_ptr(), sf.data_ptr())
-    # the mHC kernel has half the threads (fused.cu launch bounds)
-    _run_rows(rt, fn, rows, n // 16, scope, gs, g, pre, (inv.data_ptr(),), stream,
-              _MAX_BLOCK // 2 if mixed else _MAX_BLOCK)
+    _run_rows(rt, fn, rows, n // 16, scope, gs, g, pre, (inv.data_ptr(),), stream)
     return QuantizedActivation(q, sf, g, inv)
 
 

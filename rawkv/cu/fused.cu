@@ -30,8 +30,8 @@ namespace {
 // kMaxThreads / REG threads: 64 registers per thread for REG = 2 and 128 for
 // 4 up to sm_90; sm_100 / sm_120 code needs a few more (ptxas spills in 64),
 // so there the bound is 768 threads (80 registers). The host never launches
-// more than 1536 / REG threads (rawkv/fused.py _MAX_BLOCK). The mHC kernel:
-// half the threads, twice the registers (it spills in 64 everywhere).
+// more than 1536 / REG threads (rawkv/fused.py _MAX_BLOCK). The mHC kernel
+// fits only with its rare Inf/NaN path as a call (CALL_SLOW_PATH).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 constexpr int kMaxThreads = 1536;
 #else
@@ -142,6 +142,7 @@ __device__ __forceinline__ float block_max(float v, float* sh) {
 template <typename T, bool MIX>
 struct RmsProducer {
     static constexpr bool NORM = true;
+    static constexpr bool CALL_SLOW_PATH = MIX;   // mHC: 64 registers only this way
     const T* x;        // row start: x + row*N (MIX: X + row*n_hc*N)
     const void* w;
     int w_kind;
@@ -184,6 +185,7 @@ struct RmsProducer {
 template <typename T, bool VEC>
 struct SwigluProducer {
     static constexpr bool NORM = false;
+    static constexpr bool CALL_SLOW_PATH = false;
     const T* h;        // row start: h + row*2I
     u32 g;             // interleave granularity (the host checks 2I < 2^31)
 
@@ -222,10 +224,11 @@ struct SwigluProducer {
 // ---- the row kernel body ---------------------------------------------------------
 // A chunk's max |y| bits and whether it holds an Inf/NaN; `fin`: its max
 // finite |y| bits (what the row amax takes).
-template <typename T>
+template <typename T, bool CALL = false>
 __device__ __forceinline__ u32 chunk_max(const u32 (&w)[8], u32& fin) {
     const u32 m = chunk_absmax_bits(w);
-    fin = m < Bits<T>::kInf ? m : chunk_finite_absmax_bits<T>(w);
+    if (m < Bits<T>::kInf) fin = m;
+    else fin = CALL ? chunk_finite_absmax_bits_call<T>(w) : chunk_finite_absmax_bits<T>(w);
     return m;
 }
 
@@ -300,7 +303,7 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
         if (c < C) {
             if constexpr (P::NORM) p.norm(c, st[r], inv);
             u32 f;
-            bm[r] = chunk_max<T>(st[r], f);
+            bm[r] = chunk_max<T, P::CALL_SLOW_PATH>(st[r], f);
             fin = max(fin, f);
         }
     }
@@ -312,7 +315,7 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
             u32 w[8], f;
             p.load(c, w);
             p.norm(c, w, inv);
-            chunk_max<T>(w, f);
+            chunk_max<T, P::CALL_SLOW_PATH>(w, f);
             fin = max(fin, f);
         }
         const float amax = block_max(bits_f32<T>(fin), sh_f);
@@ -352,7 +355,7 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
         u32 w[8], f;
         p.load(c, w);
         p.norm(c, w, inv);
-        quantize_store<T>(w, chunk_max<T>(w, f), gs, qrow + c * 8, sfrow + c);
+        quantize_store<T>(w, chunk_max<T, P::CALL_SLOW_PATH>(w, f), gs, qrow + c * 8, sfrow + c);
     }
     if (tid == 0) {
         if (mode == MODE_ROW) gs_out[row] = gs;
@@ -370,7 +373,7 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
 // q (M, N/2), sf (M, N/16), gs_out (M,) for MODE_ROW else one float, inv_out (M,) or null.
 // gs_in: a device float (MODE_FIXED) or null, then gs_val. One CTA per row.
 template <typename T, bool MIX, int REG>
-__global__ void __launch_bounds__(kMaxThreads / REG / (MIX ? 2 : 1), 1) rkv_fused_rms(
+__global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms(
         const T* __restrict__ x, const void* __restrict__ mix, long long mix_kind, long long n_hc,
         const void* __restrict__ w, long long w_kind, double eps, long long n,
         u8* __restrict__ q, u8* __restrict__ sf, float* gs_out, float* __restrict__ inv_out,

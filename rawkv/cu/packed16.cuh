@@ -82,6 +82,13 @@ __device__ __forceinline__ u32 chunk_finite_absmax_bits(const u32 (&w)[8]) {
     return m;
 }
 
+// The same as a call: code that is short of registers (the mHC kernel)
+// keeps the rare path out of its register allocation.
+template <typename T>
+__device__ __noinline__ u32 chunk_finite_absmax_bits_call(const u32 (&w)[8]) {
+    return chunk_finite_absmax_bits<T>(w);
+}
+
 // NVFP4 of a packed chunk whose max |x| bits are bmax_bits: the code bytes
 // into `packed`, the scale byte returned.
 template <typename T>
