@@ -141,7 +141,6 @@ def _rawkv_quantize():
 # ---- the benchmark -----------------------------------------------------------------
 def run(rt, results, quick=False):
     import torch
-    import rawkv
     from rawkv import fused as F
     copy = _copy_gbps()
     rq, base_name = _rawkv_quantize()

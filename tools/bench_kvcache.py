@@ -175,7 +175,6 @@ def _copy_GBps():
 def run(rt, results, quick=False):
     import torch
     import bench
-    import rawkv
     from rawkv import kvcache as kvc
 
     copy = _copy_GBps()

@@ -396,7 +396,6 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
                              f"{_np(norm_weight, 'norm_weight').shape}")
         return _cpu_prefill(pool, kv, z, ape, norm_weight, slot, start_entry, index, eps, theta, yarn)
 
-    import torch
     dev = pool.fp8.get_device()
     _check_rows("kv", kv, coff * d, dev)
     _check_rows("z", z, coff * d, dev)

@@ -28,7 +28,7 @@ import numpy as np
 from .. import _tensors as T
 from ..reference import kvcache as ref
 from ..runtime import get_runtime, register_kernels
-from .pool import PagedKVPool, host_ints
+from .pool import PagedKVPool
 from .state import DecodeState
 
 _FILE = "kv_cache.cu"

@@ -96,7 +96,29 @@ def capturing(device_index) -> bool:
         return bool(torch.cuda.is_current_stream_capturing())
 
 
-class PagedKVPool:
+class ErrorCounter:
+    """The skipped-row counter of a pool or decode state: `errors` is a
+    1-element int32 buffer the kernels atomically add to (torch on CUDA,
+    numpy on CPU); `is_cuda` and `device_index` say where it lives."""
+
+    def read_errors(self) -> int:
+        """Rows the kernels skipped since the last reset_errors(). Synchronizes
+        the host with the device: for tests and checks, not the hot path."""
+        if self.is_cuda:
+            if capturing(self.device_index):
+                raise CaptureError(f"{type(self).__name__}.read_errors: would synchronize during capture")
+            return int(self.errors.item())
+        return int(self.errors[0])
+
+    def reset_errors(self) -> None:
+        """errors[0] = 0 (a device memset on the current stream; capturable)."""
+        if self.is_cuda:
+            self.errors.zero_()
+        else:
+            self.errors[0] = 0
+
+
+class PagedKVPool(ErrorCounter):
     """Paged pool of compressed KV entries of one layer (see module doc).
 
     kind: 'csa' (m = 4, with a CSA indexer key per entry unless
@@ -303,22 +325,6 @@ class PagedKVPool:
             self._staging = torch.from_numpy(self._table[lo:hi + 1].copy())
             self.block_table[lo:hi + 1].copy_(self._staging, non_blocking=True)
         return total
-
-    # -- error counter --------------------------------------------------------
-    def read_errors(self) -> int:
-        """Rows the kernels skipped since the last reset_errors(). Synchronizes
-        the host with the device: for tests and checks, not the hot path."""
-        if self.is_cuda:
-            self._check_host_time("read_errors")
-            return int(self.errors.item())
-        return int(self.errors[0])
-
-    def reset_errors(self) -> None:
-        """errors[0] = 0 (a device memset on the current stream; capturable)."""
-        if self.is_cuda:
-            self.errors.zero_()
-        else:
-            self.errors[0] = 0
 
     # -- reference views ------------------------------------------------------
     def to_reference(self) -> ref.PagedPoolRef:

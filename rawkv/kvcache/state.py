@@ -21,11 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..reference import kvcache as ref
-from .pool import _kind, _pos_int, capturing, resolve_device
-from ..errors import CaptureError
+from .pool import ErrorCounter, _kind, _pos_int, resolve_device
 
 
-class DecodeState:
+class DecodeState(ErrorCounter):
     """Tail buffers of the CSA (m = 4, two streams) or HCA (m = 128) compressor."""
 
     def __init__(self, kind, max_requests, head_dim=ref.HEAD_DIM, *, device="cuda"):
@@ -67,21 +66,6 @@ class DecodeState:
     @property
     def overlap(self) -> bool:
         return self.kind == "csa"
-
-    def read_errors(self) -> int:
-        """Rows the state kernels skipped since reset_errors(). Synchronizes
-        the host: tests and checks, not the hot path."""
-        if self.is_cuda:
-            if capturing(self.device_index):
-                raise CaptureError("DecodeState.read_errors: would synchronize during capture")
-            return int(self.errors.item())
-        return int(self.errors[0])
-
-    def reset_errors(self) -> None:
-        if self.is_cuda:
-            self.errors.zero_()
-        else:
-            self.errors[0] = 0
 
     def to_reference(self) -> ref.DecodeStateRef:
         """Host copy as a DecodeStateRef (CUDA: synchronizes; tests only)."""
