@@ -121,6 +121,24 @@ def test_quantize_large_tensor_scope_multi_kernel_path(cuda, rng):
     assert_q_equal(rawkv.nvfp4.quantize(x), ref_of(x, "tensor"))
 
 
+@pytest.mark.parametrize("xname", ["bfloat16", "float16"])
+@pytest.mark.parametrize("n", [7168, 2048, 48])
+def test_row_scope_many_rows(cuda, rng, xname, n):
+    # More rows than one wave of row groups (each CTA loops over rows), an odd
+    # count; Inf / NaN / all-zero / tiny rows and blocks check the packed-bit
+    # block maxima and the finite row amax.
+    m = 4 * rawkv.get_runtime().sm_count + 3
+    xs = rng.standard_normal((m, n)).astype(np.float32) * rng.uniform(1e-3, 1e3, (m, 1)).astype(np.float32)
+    xs[5, 17] = np.inf
+    xs[6, 3] = -np.inf
+    xs[7, 40] = np.nan
+    xs[8] = 0.0
+    xs[9] *= 1e-6
+    xs[m - 1, :16] = 0.0
+    x = torch.from_numpy(xs).to(DTYPES[xname]).cuda()
+    assert_q_equal(rawkv.nvfp4.quantize(x, scope="row"), ref_of(x, "row"))
+
+
 def test_given_gs_device_tensor_no_sync(cuda, rng):
     x = torch.from_numpy(rng.standard_normal((9, 256)).astype(np.float32)).cuda()
     g = torch.tensor([0.0123], device="cuda")
