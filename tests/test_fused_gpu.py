@@ -183,10 +183,13 @@ def test_swiglu_quantize_row(cuda, rng, dtype, m, inter, g):
     assert qa.inv_rms is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scope", ["tensor", "given_float", "given_tensor", "none"])
 @pytest.mark.parametrize("edge", [None, "zero_row", "nan", "huge", "tiny"])
-def test_swiglu_quantize_scopes_edges(cuda, rng, scope, edge):
-    h = _rand(rng, (11, 1024), torch.bfloat16, 2.0)
+def test_swiglu_quantize_scopes_edges(cuda, rng, scope, edge, dtype):
+    # FP16 too: its Inf/NaN test on the packed bits is against 0x7C00, and
+    # silu*up overflowing FP16 gives Inf blocks that also hold finite values.
+    h = _rand(rng, (11, 1024), dtype, 2.0)
     if edge:
         h = _with_edges(h, edge)
     gsv = 0.0021
@@ -194,10 +197,73 @@ def test_swiglu_quantize_scopes_edges(cuda, rng, scope, edge):
           "given_tensor": dict(gs=torch.tensor(gsv, device="cuda")), "none": dict(scope="none")}[scope]
     qa = F.swiglu_quantize(h, **kw)
     sc = {"given_float": "given", "given_tensor": "given"}.get(scope, scope)
-    q, sf, gs = R.swiglu_quantize(_np(h), 8, sc, gsv if sc == "given" else None, "bfloat16")
+    q, sf, gs = R.swiglu_quantize(_np(h), 8, sc, gsv if sc == "given" else None, _dt(h))
     _assert_equal("q", _np(qa.q), q)
     _assert_equal("sf", _np(qa.sf), sf)
     _assert_equal("gs", _np(qa.gs), np.asarray(gs, F32))
+
+
+# ---- long rows (chunks past REG * blockDim are recomputed from memory) with
+# Inf/NaN blocks that also hold finite values, in both ranges ------------------------
+_LONG = 40960            # 2560 chunks; 3 rows get 768-thread CTAs, 2 chunks each in registers
+
+
+_BIG_COLS = (100, 103, 30001, 30007, _LONG - 2)    # chunks 6, 6, 1875, 1875, 2559
+
+
+def _huge_weight(rng, x, dtype):
+    """RMSNorm weight (float32) whose few huge entries overflow y in T where
+    x is set to 8 (columns 100, 30001, n-2): Inf elements next to finite ones
+    (huge or not) in register-held and recomputed blocks."""
+    w = rng.random(_LONG).astype(F32) + 0.5
+    big = 1e38 if dtype == torch.bfloat16 else 1e6
+    for c in _BIG_COLS:
+        w[c] = big
+    for c in _BIG_COLS[::2]:
+        x[..., c] = 8.0
+    return torch.from_numpy(w).cuda()
+
+
+@pytest.mark.parametrize("scope", ["row", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rmsnorm_quantize_long_rows_inf_blocks(cuda, rng, dtype, scope):
+    assert F._block_for(cuda, 3, _LONG // 16) * F._REG * 16 < 30000   # the recompute path runs
+    x = _rand(rng, (3, _LONG), dtype)
+    w = _huge_weight(rng, x, dtype)
+    x[1, 35000] = float("inf")                      # row 1: inv 0, a NaN block, zeros elsewhere
+    qa = F.rmsnorm_quantize(x, w, scope=scope)
+    _check_rms(qa, lambda inv: R.rmsnorm_quantize(_np(x), _np(w), 1e-6, scope, None, _dt(x), inv), 3, (3,))
+    sf = _np(qa.sf)
+    assert sf[0, 6] == 0x7F and sf[0, 1875] == 0x7F and sf[0, 2559] == 0x7F and sf[0, 5] != 0x7F
+
+
+@pytest.mark.parametrize("scope", ["row", "tensor"])
+def test_mhc_rmsnorm_quantize_long_rows_inf_blocks(cuda, rng, scope):
+    # the mHC kernel takes the finite block max as a call (CALL_SLOW_PATH)
+    X = _rand(rng, (3, 2, _LONG), torch.float16)
+    A = torch.from_numpy(rng.random((3, 2)).astype(F32) + 0.5).cuda()
+    w = _huge_weight(rng, X, torch.float16)
+    qa = F.mhc_rmsnorm_quantize(X, A, w, scope=scope)
+    _check_rms(qa, lambda inv: R.mhc_rmsnorm_quantize(_np(X), _np(A), _np(w), 1e-6, scope, None,
+                                                      "float16", inv), 3, (3,))
+
+
+@pytest.mark.parametrize("scope", ["row", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swiglu_quantize_long_rows_inf_blocks(cuda, rng, dtype, scope):
+    h = _rand(rng, (3, 2 * _LONG), dtype, 3.0)
+    h[0, 2 * _LONG - 3] = float("nan")              # last chunk (recomputed)
+    h[1, 60000] = float("inf")                      # gate of output 30000 (recomputed)
+    h[1, 200] = float("-inf")                       # up of output 96 (in registers)
+    big = 3.0e38 if dtype == torch.bfloat16 else 60000.0
+    h[2, 60008:60012] = big                         # up of outputs 30000..: silu*up overflows T
+    h[2, 60000:60004] = 10.0
+    qa = F.swiglu_quantize(h, 8, scope=scope)
+    q, sf, gs = R.swiglu_quantize(_np(h), 8, scope, None, _dt(h))
+    _assert_equal("q", _np(qa.q), q)
+    _assert_equal("sf", _np(qa.sf), sf)
+    _assert_equal("gs", _np(qa.gs), np.asarray(gs, F32))
+    assert (sf[2, 1875] == 0x7F) and (sf[1, 1875] == 0x7F) and (sf[0, -1] == 0x7F)
 
 
 def test_swiglu_tensor_scope_repeated_reuses_out(cuda, rng):

@@ -80,6 +80,22 @@ def test_all_bf16_values_packed(cuda, scope):
     assert_q_equal(got, ref_of(x, scope))
 
 
+@pytest.mark.parametrize("scope", ["none", "row", "tensor"])
+@pytest.mark.parametrize("shape", [(512, 128), (1, 1 << 16)])
+def test_all_fp16_values_packed(cuda, scope, shape):
+    # every FP16 bit pattern (subnormals, -0, Inf, NaN; 0x7C00 is the Inf/NaN
+    # bound of the packed block max). (1, 65536): a row longer than 1024
+    # units, read twice (rkv_nvfp4_quantize_rows<..., 0>).
+    x = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).reshape(shape).cuda()
+    assert_q_equal(rawkv.nvfp4.quantize(x, scope=scope), ref_of(x, scope))
+
+
+@pytest.mark.parametrize("scope", ["none", "row"])
+def test_all_bf16_values_one_long_row(cuda, scope):
+    assert_q_equal(rawkv.nvfp4.quantize(all_bf16_cuda().reshape(1, -1), scope=scope),
+                   ref_of(all_bf16_cuda().reshape(1, -1), scope))
+
+
 @pytest.mark.parametrize("name", list(DTYPES))
 def test_decode_every_scale_byte_and_code(cuda, name):
     # row r: all 32 blocks scaled by E4M3 byte r; the 256 bytes of q hold every code pair

@@ -15,7 +15,7 @@
 //   phase 3  quantize each chunk (nvfp4_quantize_block_max) and store 8 code
 //            bytes + 1 scale byte
 // REG = 2: a 224-thread CTA per row (N = 7168) of at most 64 registers per
-// thread, 4 CTAs per SM. Rows longer than REG * blockDim chunks (N > 32768)
+// thread, 4 CTAs per SM. Rows longer than REG * blockDim chunks (N > 24576 at 768 threads)
 // recompute the extra chunks from global memory in each phase (a second
 // read, from L2).
 //
@@ -366,9 +366,6 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
 
 }  // namespace
 
-// x: (M, N) or, with MIX, X: (M, n_hc, N); mix: (M, n_hc) of mix_kind; w: (N,) of w_kind.
-// q (M, N/2), sf (M, N/16), gs_out (M,) for MODE_ROW else one float, inv_out (M,) or null.
-// gs_in: a device float (MODE_FIXED) or null, then gs_val.
 // x: (M, N) or, with MIX, X: (M, n_hc, N); mix: (M, n_hc) of mix_kind; w: (N,) of w_kind.
 // q (M, N/2), sf (M, N/16), gs_out (M,) for MODE_ROW else one float, inv_out (M,) or null.
 // gs_in: a device float (MODE_FIXED) or null, then gs_val. One CTA per row.

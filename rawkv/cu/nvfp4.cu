@@ -188,6 +188,7 @@ __global__ void __launch_bounds__(1024) rkv_nvfp4_quantize_small(const T* __rest
 template <typename T, int BPT, int R>
 __global__ void __launch_bounds__(1024) rkv_nvfp4_quantize_rows(const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ sf,
                                         float* __restrict__ gs_out, i64 M, i64 upr, i64 ldx, i64 tpr_) {
+    static_assert(R == 0 || R == 1, "R: 1 (one unit per lane, the host keeps upr <= tpr) or 0");
     __shared__ float smem[32];
     const int tpr = (int)tpr_;
     const int gpc = blockDim.x / tpr, g = threadIdx.x / tpr, l = threadIdx.x % tpr;
