@@ -22,8 +22,6 @@ import math
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 D, DI, ROPE = 512, 128, 64
@@ -117,28 +115,32 @@ def torch_gather(pool, slots, ids, out):
     out[..., NOPE:] = pool.rope[blk, row]
 
 
+def torch_reset(state, mask, slots):
+    """hca_reset: a emptied (kv 0, z -inf), count 0 where mask."""
+    import torch
+    s = slots.long()
+    mk = mask[:, None, None]
+    state.kv_a[s] = torch.where(mk, 0.0, state.kv_a[s])
+    state.z_a[s] = torch.where(mk, float("-inf"), state.z_a[s])
+    state.count[s] = torch.where(mask, 0, state.count[s])
+
+
 def torch_rotate(state, mask, slots):
+    """csa_rotate: b <- a[:, :, :d], then torch_reset."""
     import torch
     s = slots.long()
     d = state.head_dim
     mk = mask[:, None, None]
     state.kv_b[s] = torch.where(mk, state.kv_a[s, :, :d], state.kv_b[s])
     state.z_b[s] = torch.where(mk, state.z_a[s, :, :d], state.z_b[s])
-    state.kv_a[s] = torch.where(mk, 0.0, state.kv_a[s])
-    state.z_a[s] = torch.where(mk, float("-inf"), state.z_a[s])
-    state.count[s] = torch.where(mask, 0, state.count[s])
+    torch_reset(state, mask, slots)
 
 
 def hadamard(n, device):
+    """H_n / sqrt(n), float64 (rawkv.reference.kvcache.hadamard_matrix)."""
     import torch
-    i = np.arange(n)
-    bits = np.bitwise_and(i[:, None], i[None, :])
-    par = np.zeros_like(bits)
-    while bits.any():
-        par ^= bits & 1
-        bits >>= 1
-    h = np.where(par == 1, -1.0, 1.0) / math.sqrt(n)
-    return torch.from_numpy(h).to(device)
+    from rawkv.reference.kvcache import hadamard_matrix
+    return torch.from_numpy(hadamard_matrix(n) / math.sqrt(n)).to(device)
 
 
 # ---------------------------------------------------------------------------
@@ -170,6 +172,22 @@ def _copy_GBps():
     if not bench.COPY["GBps"]:
         bench.COPY["GBps"] = bench.copy_bandwidth_GBps()
     return bench.COPY["GBps"]
+
+
+_STEP_BASELINE = "torch ops (same step, one CUDA graph)"
+
+
+def _decode_step_entries(bench, results, kind, shape, copy, step, torch_step, step_compress,
+                         nbytes, compress_nbytes, note, compress_note):
+    """decode_step/<kind> and decode_step/<kind>+compress, both against the
+    torch step (timed once, between the two)."""
+    us = bench.graph_time_us(step)
+    base = bench.graph_time_us(torch_step)
+    results.append(bench.entry(f"decode_step/{kind}", shape, "bfloat16", us, nbytes, copy,
+                               _STEP_BASELINE, base, note=note))
+    us2 = bench.graph_time_us(step_compress)
+    results.append(bench.entry(f"decode_step/{kind}+compress", shape, "bfloat16", us2,
+                               compress_nbytes, copy, _STEP_BASELINE, base, note=compress_note))
 
 
 def run(rt, results, quick=False):
@@ -232,15 +250,10 @@ def run(rt, results, quick=False):
         torch_gather(csa, slots, ids, out)
 
     gbytes = B * topk * (ebytes + 2 * D)
-    us = bench.graph_time_us(step_csa)
-    base = bench.graph_time_us(torch_step_csa)
-    results.append(bench.entry("decode_step/csa", [B, ctx, topk], "bfloat16", us, gbytes, copy,
-                               "torch ops (same step, one CUDA graph)", base,
-                               note="flush_write + csa_rotate x2 + gather_topk; bytes = gather"))
-    us2 = bench.graph_time_us(step_csa_compress)
-    results.append(bench.entry("decode_step/csa+compress", [B, ctx, topk], "bfloat16", us2, gbytes,
-                               copy, "torch ops (same step, one CUDA graph)", base,
-                               note="compress_decode + csa_rotate x2 + gather_topk"))
+    _decode_step_entries(bench, results, "csa", [B, ctx, topk], copy, step_csa, torch_step_csa,
+                         step_csa_compress, gbytes, gbytes,
+                         "flush_write + csa_rotate x2 + gather_topk; bytes = gather",
+                         "compress_decode + csa_rotate x2 + gather_topk")
     # gather alone: bandwidth vs copy
     us = bench.cuda_time_us(lambda i: kvc.gather_topk(csa, slots, ids, n_entries=ne, out=out))
     base = bench.cuda_time_us(lambda i: torch_gather(csa, slots, ids, out))
@@ -287,23 +300,14 @@ def run(rt, results, quick=False):
     def torch_step_hca():
         c, s, r = torch_fp8_entry(ents)
         torch_scatter(hca, slots, ids_h, c, s, r)
-        sl = slots.long()
-        hs.kv_a[sl] = torch.where(valid[:, None, None], 0.0, hs.kv_a[sl])
-        hs.z_a[sl] = torch.where(valid[:, None, None], float("-inf"), hs.z_a[sl])
-        hs.count[sl] = torch.where(valid, 0, hs.count[sl])
+        torch_reset(hs, valid, slots)
         torch_gather(hca, slots, dense_ids, out_h)
 
     hbytes = B * n_hca * (ebytes + 2 * D)
-    us = bench.graph_time_us(step_hca)
-    base = bench.graph_time_us(torch_step_hca)
-    results.append(bench.entry("decode_step/hca", [B, ctx, n_hca], "bfloat16", us, hbytes, copy,
-                               "torch ops (same step, one CUDA graph)", base,
-                               note="flush_write + hca_reset + gather_dense_batch; bytes = gather"))
-    us2 = bench.graph_time_us(step_hca_compress)
-    results.append(bench.entry("decode_step/hca+compress", [B, ctx, n_hca], "bfloat16", us2,
-                               hbytes + B * 128 * D * 8, copy,
-                               "torch ops (same step, one CUDA graph)", base,
-                               note="compress_decode + hca_reset + gather_dense_batch; bytes + state read"))
+    _decode_step_entries(bench, results, "hca", [B, ctx, n_hca], copy, step_hca, torch_step_hca,
+                         step_hca_compress, hbytes, hbytes + B * 128 * D * 8,
+                         "flush_write + hca_reset + gather_dense_batch; bytes = gather",
+                         "compress_decode + hca_reset + gather_dense_batch; bytes + state read")
     us = bench.cuda_time_us(lambda i: kvc.gather_dense_batch(hca, slots, ne_h, out=out_h))
     base = bench.cuda_time_us(lambda i: torch_gather(hca, slots, dense_ids, out_h))
     results.append(bench.entry("kv_gather/dense", [B, n_hca, D], "bfloat16", us, hbytes, copy,
