@@ -104,10 +104,13 @@ def compile_cu(source: str, filename: str, arch: str, name_expressions,
             _ok(nvrtc.nvrtcAddNameExpression(prog, n.encode())[0], f"add name {n}")
         opts = [o.encode() for o in options]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        # NVRTC writes into the buffers it is given: they must be mutable.
+        # (b" " * n would hand it CPython's shared one-byte b" " when n == 1,
+        # the size of an empty log, and corrupt that constant process-wide.)
         _, log_size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log_buf = b" " * log_size
+        log_buf = bytearray(log_size)
         nvrtc.nvrtcGetProgramLog(prog, log_buf)
-        log = log_buf.decode(errors="replace").rstrip("\x00 \n")
+        log = bytes(log_buf).decode(errors="replace").rstrip("\x00 \n")
         if int(res[0]) != 0:
             raise CompileError(f"{filename} failed to compile for {arch}:\n{log}")
         lowered = {}
@@ -116,7 +119,7 @@ def compile_cu(source: str, filename: str, arch: str, name_expressions,
             _ok(err, f"lowered name of {n}")
             lowered[n] = sym.decode()
         _, size = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * size
+        cubin = bytearray(size)
         _ok(nvrtc.nvrtcGetCUBIN(prog, cubin)[0], "get cubin", log)
         return CompileResult(bytes(cubin), lowered, log, arch, options)
     finally:

@@ -185,3 +185,23 @@ def _as_torch(arr: np.ndarray, torch_dtype):
     if t.dtype == torch.uint8 and torch_dtype.itemsize == 1:
         return t.view(torch_dtype)
     return t.to(torch_dtype)
+
+
+def is_number(v) -> bool:
+    """A Python or numpy real scalar (not a bool, not an array)."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_scale_value(gs, name: str = "gs") -> float:
+    """A global decode scale given as a number: the kernels read it as float32,
+    so it must be finite and > 0 *as a float32* (1e39 would become inf, 1e-46
+    would become 0). Returns it as a Python float."""
+    if isinstance(gs, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a float, got {gs!r}")
+    with np.errstate(over="ignore", under="ignore"):
+        g32 = np.float32(gs)
+    if not (np.isfinite(g32) and g32 > 0):
+        raise ValueError(f"{name}: must be a finite positive float32 "
+                         f"(between {np.finfo(np.float32).smallest_subnormal:.3g} and "
+                         f"{np.finfo(np.float32).max:.4g}), got {gs!r}")
+    return float(gs)

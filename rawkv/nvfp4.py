@@ -83,8 +83,7 @@ def _byte_dtypes():
     return T.dtypes().bytes
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+_is_number = T.is_number
 
 
 def _check_scope(scope, gs):
@@ -94,8 +93,8 @@ def _check_scope(scope, gs):
         raise ValueError("gs: scope 'given' needs a global scale (a float or a 1-element float32 tensor)")
     if scope != "given" and gs is not None:
         raise ValueError(f"gs: only scope 'given' takes a global scale (scope is {scope!r})")
-    if _is_number(gs) and not (math.isfinite(gs) and gs > 0):
-        raise ValueError(f"gs: must be a finite positive float, got {gs!r}")
+    if _is_number(gs) or isinstance(gs, (bool, np.bool_)):
+        T.check_scale_value(gs, "gs")
 
 
 def _out_dtype(dtype, default_name="bfloat16"):

@@ -166,15 +166,17 @@ class Runtime:
         return f"<rawkv.Runtime cuda:{self.device_index} {self.name} {self.arch} SMs={self.sm_count}>"
 
     # -- compilation and module cache ------------------------------------
-    def function(self, filename: str, name: str):
-        """The CuPy Function for kernel `name` of rawkv/cu/<filename>."""
+    def function(self, filename: str, name: str, stream=None):
+        """The CuPy Function for kernel `name` of rawkv/cu/<filename>.
+        `stream` is the stream the op will launch on: loading is refused
+        while it (or torch's current stream) is capturing."""
         fn = self._functions.get((filename, name))
         if fn is None:
-            fn = self._load_function(filename, name)
+            fn = self._load_function(filename, name, stream)
         return fn
 
-    def _load_function(self, filename: str, name: str):
-        if self.is_capturing():
+    def _load_function(self, filename: str, name: str, stream=None):
+        if self.capturing(stream):
             raise CaptureError(
                 f"rawkv: kernel {name!r} ({filename}) is not loaded yet and the stream is "
                 "capturing a CUDA graph; call rawkv.warmup() before capture")
@@ -252,6 +254,13 @@ class Runtime:
     def launcher(self) -> str:
         return self._launcher.name
 
+    def capturing(self, stream=None) -> bool:
+        """True if torch's current stream or `stream` (the one an op was
+        given) is capturing a CUDA graph: the capture rules look at both."""
+        if self.is_capturing():
+            return True
+        return stream is not None and self.is_capturing(stream)
+
     def is_capturing(self, stream=None) -> bool:
         if stream is None:
             with self._torch.cuda.device(self.device_index):
@@ -284,10 +293,11 @@ class Runtime:
         self._cupy.cuda.runtime.memsetAsync(ptr, value, nbytes, self.stream_ptr(stream))
 
     # -- allocation ---------------------------------------------------------
-    def empty(self, shape, dtype):
-        """A new torch tensor on this device; refused while capturing, since a
-        captured step must write into buffers the caller owns (out=)."""
-        if self.is_capturing():
+    def empty(self, shape, dtype, stream=None):
+        """A new torch tensor on this device; refused while capturing (torch's
+        current stream or `stream`), since a captured step must write into
+        buffers the caller owns (out=)."""
+        if self.capturing(stream):
             raise CaptureError(
                 "rawkv: this op would allocate its output while the stream is capturing "
                 "a CUDA graph; pass out= buffers allocated before capture")

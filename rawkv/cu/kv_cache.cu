@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(128, 8) rkv_kv_flush_write(
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
     bad = __any_sync(kFull, bad);
-    const float s = bad ? f32_qnan() : (amax == 0.0f ? 1.0f : amax / kE4M3Max);
+    const float s = bad ? f32_qnan() : fp8_entry_scale(amax);
     if (lane == 0) scale[r] = s;
 
     // 2. E4M3 codes (the row is L1/L2-resident: read again rather than hold it).

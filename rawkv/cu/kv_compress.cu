@@ -375,7 +375,7 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
         }
         amax = block_max_f(amax, sh_redf);
         bad = block_any(bad);
-        const float s = bad ? __int_as_float(0x7fc00000) : (amax == 0.0f ? 1.0f : amax / kE4M3Max);
+        const float s = bad ? __int_as_float(0x7fc00000) : fp8_entry_scale(amax);
         if (rg == 0) {
 #pragma unroll
             for (int k = 0; k < kMaxCPT; ++k) {

@@ -12,9 +12,20 @@ namespace rkv {
 constexpr float kNvfp4GsDivisor = 2688.0f;   // 6 * 448
 
 // Step 1 (finishing part): the decode global scale from an amax over the
-// scope's finite elements. amax == 0 -> 1.
+// scope's finite elements. A scale of 0 (amax == 0, or an amax so small,
+// below 2688 * 2^-150, that the division underflows) becomes 1: a zero gs
+// would turn the zero blocks' sf into NaN (0 / 0).
 __device__ __forceinline__ float nvfp4_global_scale(float amax) {
-    return amax == 0.0f ? 1.0f : amax / kNvfp4GsDivisor;
+    const float gs = amax / kNvfp4GsDivisor;
+    return gs == 0.0f ? 1.0f : gs;
+}
+
+// Step 3's guard: codes are computed only for a positive finite es. es == 0
+// is the spec's case (sf rounded to 0); a negative, infinite or NaN es comes
+// only from a caller-given device gs that is not a positive finite float
+// (the host cannot check a device value without a sync), and gives codes 0.
+__device__ __forceinline__ bool nvfp4_es_usable(float es) {
+    return es > 0.0f && es <= 3.402823466e38f;   // false for NaN
 }
 
 // |x| if finite, else 0: the per-scope amax ignores NaN / Inf (step 1).
@@ -61,7 +72,7 @@ __device__ __forceinline__ u32 e2m1_code_of_quotient(float q, float v) {
 // Order of float32 operations (do not change: it is what makes the kernels
 // and the numpy reference agree):
 //   bmax = max|v|;  sf = e4m3(bmax / (gs * 6));  es = float(sf) * gs;
-//   code = es == 0 ? 0 : e2m1(v / es).
+//   code = es usable (positive, finite) ? e2m1(v / es) : 0.
 //
 // Speed (quantize is instruction-bound, not memory-bound, with a plain IEEE
 // division per element): the 16 quotients v / es share es, so one correctly
@@ -79,7 +90,7 @@ __device__ __forceinline__ u8 nvfp4_quantize_block_max(const float (&v)[16], flo
     }
     const u8 sf = e4m3_encode(bmax / (gs * 6.0f));
     const float es = e4m3_decode(sf) * gs;
-    if (es == 0.0f) {                            // step 3: all codes 0
+    if (!nvfp4_es_usable(es)) {                  // step 3: all codes 0
         packed = make_uint2(0u, 0u);
         return sf;
     }

@@ -322,7 +322,8 @@ def fp8_entry_quantize(entry, rope_dim: int = ROPE_DIM):
     """entry (..., D) float32 -> (codes, scale, rope).
 
     codes: (..., D - rope_dim) uint8 E4M3 of the non-RoPE dims,
-    scale: (...,) float32 decode scale s = amax / 448.0f (1.0 if amax == 0),
+    scale: (...,) float32 decode scale s = amax / 448.0f (1.0 if that is 0:
+           amax == 0, or an amax so small that the division underflows),
     rope:  (..., rope_dim) float32 holding the BF16-rounded RoPE dims.
     q = e4m3(x / s), float32 IEEE division, RNE, satfinite.
     An entry whose non-RoPE dims hold NaN or +-Inf gets s = NaN and codes 0
@@ -334,7 +335,9 @@ def fp8_entry_quantize(entry, rope_dim: int = ROPE_DIM):
     nope = entry[..., : entry.shape[-1] - rope_dim]
     bad = ~np.isfinite(nope).all(axis=-1)
     amax = np.abs(np.where(np.isfinite(nope), nope, np.float32(0))).max(axis=-1)
-    s = np.where(amax == 0, np.float32(1.0), amax / np.float32(FP8_MAX)).astype(np.float32)
+    with np.errstate(under="ignore"):
+        s = (amax / np.float32(FP8_MAX)).astype(np.float32)
+    s = np.where(s == 0, np.float32(1.0), s).astype(np.float32)
     s = np.where(bad, np.float32(np.nan), s).astype(np.float32)
     with np.errstate(invalid="ignore"):
         codes = e4m3_encode(nope / s[..., None])

@@ -5,9 +5,11 @@ uint8 (UE4M3), gs float32: shape () for scope 'tensor' / 'given' / 'none',
 x.shape[:-1] for scope 'row'.
 
 Every step is float32 IEEE arithmetic in the order of the spec:
-  1. amax over the scope (finite elements only); gs = amax / 2688 (1 if 0)
+  1. amax over the scope (finite elements only); gs = amax / 2688, and 1 if
+     that is 0 (amax == 0, or the division underflows)
   2. sf = e4m3(bmax / (gs * 6))
-  3. es = float(sf) * gs; es == 0 -> all codes 0
+  3. es = float(sf) * gs; es == 0 -> all codes 0 (so is any es that is not
+     positive and finite: only a caller-given gs can cause that)
   4. code = e2m1(x / es)
   5. a block holding NaN/Inf -> sf = 0x7F, codes 0
 """
@@ -44,8 +46,11 @@ def global_scale(x: np.ndarray, scope: str, gs=None) -> np.ndarray:
         amax = finite_abs.max(axis=-1) if x.shape[-1] else np.zeros(x.shape[:-1], F32)
     else:
         raise ValueError(f"scope: expected one of {SCOPES}, got {scope!r}")
-    amax = np.asarray(amax, dtype=F32)
-    return np.where(amax == 0, F32(1.0), amax / F32(2688.0)).astype(F32)
+    with np.errstate(under="ignore"):
+        g = (np.asarray(amax, dtype=F32) / F32(2688.0)).astype(F32)
+    # gs == 0 (amax == 0, or an amax whose division underflows) -> 1: a zero
+    # gs would make the zero blocks' sf NaN (0 / 0).
+    return np.where(g == 0, F32(1.0), g).astype(F32)
 
 
 def quantize(x, scope: str = "tensor", gs=None):
@@ -62,7 +67,10 @@ def quantize(x, scope: str = "tensor", gs=None):
         sf = e4m3_encode(bmax / (gb * F32(6.0)))                      # step 2
         es = (e4m3_decode(sf) * gb).astype(F32)                       # step 3
         codes = e2m1_encode(blocks / es[..., None])                   # step 4
-    codes = np.where((es == 0)[..., None] | bad[..., None], np.uint8(0), codes)
+    # codes only for a positive finite es: es == 0 is step 3; a negative /
+    # Inf / NaN es comes only from a caller's gs that is not positive finite
+    usable = (es > 0) & np.isfinite(es)
+    codes = np.where((~usable)[..., None] | bad[..., None], np.uint8(0), codes)
     sf = np.where(bad, np.uint8(0x7F), sf).astype(np.uint8)           # step 5
     return pack_nibbles(codes.reshape(x.shape)), sf, np.asarray(g, dtype=F32)
 
