@@ -12,8 +12,12 @@ def main(argv=None) -> int:
         from .tools.nvrtc_check import main as check_main
         return check_main(argv)
     if cmd == "warmup":
-        from . import warmup
-        rt = warmup()
+        from . import GpuUnavailableError, warmup
+        try:
+            rt = warmup()
+        except GpuUnavailableError as exc:   # an expected state, not a crash: no traceback
+            print(f"rawkv warmup: {exc}", file=sys.stderr)
+            return 2
         print(rt, rt.stats)
         return 0
     print(__doc__)

@@ -5,12 +5,16 @@ A cache file holds one module's cubin and the mangled names of its kernels:
     b"RAWKV-CUBIN-1\\n" | u32 header length | JSON header | cubin | sha256 of all before
 
 The key covers everything that changes the binary: rawkv's version, the NVRTC
-version, the architecture, the compile options, the name expressions and the
-text of every file under rawkv/cu (so editing a shared header invalidates
-every module that might include it). Files are written to a temporary name
-and renamed into place (atomic on POSIX), so a crash or a concurrent writer
-never leaves half a file under the final name; a file that fails its checksum
-is deleted and recompiled, never trusted.
+version, the full compile options (architecture, numeric flags, -I include
+directories), the identity (path, size, mtime) of the CUDA headers rawkv
+includes, the name expressions and the text of every file under rawkv/cu (so
+editing a shared header invalidates every module that might include it).
+Files are written to a temporary name and renamed into place (atomic on
+POSIX), so a crash or a concurrent writer never leaves half a file under the
+final name. A file that fails its checksum is never trusted: the module is
+recompiled and the rename replaces the file (it is not deleted first: another
+process may have just renamed a good one into place). Every filesystem step
+is guarded: a bad or unwritable cache directory only costs a recompile.
 
 The directory is $RAWKV_CACHE_DIR, else $XDG_CACHE_HOME/rawkv, else
 ~/.cache/rawkv. RAWKV_CACHE_DIR=off disables the disk cache.
@@ -45,11 +49,30 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
+# The CUDA headers rawkv's sources include (through common.cuh).
+CUDA_HEADERS = tuple(f"cuda_{t}.{ext}" for t in ("fp8", "bf16", "fp16") for ext in ("h", "hpp"))
+
+
+def _headers_identity() -> str:
+    """Path, size and mtime of each CUDA header in the include directories:
+    a different or updated CUDA runtime package gives a different key."""
+    parts = []
+    for d in _nvrtc.cuda_include_dirs():
+        for name in CUDA_HEADERS:
+            p = os.path.join(d, name)
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            parts.append(f"{p}:{st.st_size}:{st.st_mtime_ns}")
+    return "\n".join(parts)
+
+
 def cache_key(filename: str, arch: str, names, extra_options=()) -> str:
     from . import __version__
     h = hashlib.sha256()
     parts = [__version__, repr(_nvrtc.nvrtc_version()), arch, filename,
-             repr(_nvrtc.NUMERIC_OPTIONS), repr(tuple(extra_options)),
+             repr(_nvrtc.compile_options(arch, tuple(extra_options))), _headers_identity(),
              repr(tuple(names)), _sources_digest()]
     for part in parts:
         h.update(part.encode() + b"\0")
@@ -95,19 +118,20 @@ def load_or_compile(filename: str, arch: str, names, extra_options=(), stats=Non
     names = tuple(names)
     key = cache_key(filename, arch, names, extra_options)
     path = path_for(filename, arch, key)
-    if path is not None and path.is_file():
+    blob = None
+    if path is not None:
         try:
-            cached = _decode(path.read_bytes())
-        except OSError:
-            cached = None
+            blob = path.read_bytes()
+        except OSError:   # missing, or a bad directory (too long a name, not a directory...)
+            pass
+    if blob is not None:
+        cached = _decode(blob)
         if cached is not None and set(cached.lowered) == set(names):
             stats["disk_hits"] = stats.get("disk_hits", 0) + 1
             return cached, path
+        # Not deleted: the atomic write below replaces it, and an unlink here
+        # could remove a good file another process has just renamed into place.
         stats["damaged"] = stats.get("damaged", 0) + 1
-        try:
-            path.unlink()
-        except OSError:
-            pass
     source = (_nvrtc.CU_DIR / filename).read_text()
     result = _nvrtc.compile_cu(source, filename, arch, names, extra_options)
     stats["compiles"] = stats.get("compiles", 0) + 1

@@ -34,7 +34,7 @@ def placement(*named) -> str:
     where = None
     first = None
     for name, x in named:
-        if x is None or isinstance(x, (int, float)):
+        if x is None or is_number(x):      # scalars (numpy ones too) live nowhere
             continue
         if isinstance(x, np.ndarray):
             w = "cpu"

@@ -7,7 +7,8 @@ class RawkvError(RuntimeError):
 
 
 class GpuUnavailableError(RawkvError):
-    """A GPU op was called but CUDA, CuPy, cuda-python or torch is missing."""
+    """A GPU op was called but CuPy, cuda-python, torch, a CUDA build of torch
+    or a CUDA device is missing; the message lists what."""
 
 
 class CompileError(RawkvError):

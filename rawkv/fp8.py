@@ -20,21 +20,63 @@ _KERNEL = {(op, d, vec): f"rkv_e4m3_{op}<{c}, {'true' if vec else 'false'}>"
 register_kernels(_FILE, _KERNEL.values())
 
 _VEC_BYTES = 16   # one 16-byte store of codes per thread per iteration
+_FLOATS = tuple(_CTYPES)                  # what x / decoded values may be
+_CODES = ("uint8", "float8_e4m3fn")       # what codes may be
 
 
 def _dtype_name(torch_dtype) -> str:
     return T.dtypes().name[torch_dtype]
 
 
+def _name_of(dtype) -> str:
+    """'float32' for torch.float32, numpy's float32 dtype or 'float32'."""
+    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+
+
+def _check_cpu(a, name, allowed, shape=None) -> None:
+    """The CUDA path's dtype and shape checks, for a numpy array or CPU tensor
+    (without importing torch for numpy arguments)."""
+    d = _name_of(a.dtype)
+    if d not in allowed:
+        raise TypeError(f"{name}: dtype {d} is not supported (expected {', '.join(allowed)})")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+
+
+def _decode_dtype(dtype, out) -> str:
+    """Name of the decoded dtype: `dtype`, else out's when it is a float
+    dtype (out itself is checked against it), else float32."""
+    if dtype is not None:
+        name = _name_of(dtype)
+        if name not in _FLOATS:
+            raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+        return name
+    out_name = _name_of(getattr(out, "dtype", None))
+    return out_name if out_name in _FLOATS else "float32"
+
+
 # (device, x dtype, out dtype) -> (Runtime, (unaligned, vector) kernel keys,
-# grid cap); filled by the checked path, read by the fast path.
+# the device's _GRIDS dict); filled by the checked path, read by the fast path.
 _ENCODE_FAST: dict = {}
+# device -> {n: grid}: launch geometry depends only on the device and n.
+_GRIDS: dict = {}
 _BLOCK = 256
 
 
+def _grid(rt, grids, n) -> int:
+    """rt.grid_stride's grid for n elements (one 16-byte chunk of codes per
+    thread per iteration), remembered per n so the fast path does no
+    arithmetic; the dict is dropped if it ever grows large."""
+    if len(grids) > 4096:
+        grids.clear()
+    g = grids[n] = rt.grid_stride(-(-n // _VEC_BYTES), _BLOCK)[0]
+    return g
+
+
 def e4m3_encode(x, *, out=None, stream=None):
-    """E4M3 codes of `x` (any shape): RNE, satfinite to +-448, NaN -> 0x7F.
-    Returns a float8_e4m3fn tensor (or `out`, uint8 or float8_e4m3fn)."""
+    """E4M3 codes of `x` (float32/float16/bfloat16, any shape): RNE, satfinite
+    to +-448, NaN -> 0x7F. Returns a float8_e4m3fn tensor (or `out`, uint8 or
+    float8_e4m3fn, of x's shape)."""
     # Fast path (a decode step: CUDA tensors, out= given): the same checks as
     # below, inlined; whatever fails them takes the checked path, which
     # raises the error naming the argument.
@@ -48,16 +90,19 @@ def e4m3_encode(x, *, out=None, stream=None):
         if ent is not None and out.get_device() == dev and out.shape == x.shape:
             n = x.numel()
             if n:
-                rt = ent[0]
+                rt, keys, grids = ent
                 xp, op = x.data_ptr(), out.data_ptr()
-                key = ent[1][((xp | op) & 15) == 0]
+                key = keys[((xp | op) & 15) == 0]
                 # not cached: rt.function raises CaptureError while capturing
-                fn = rt._functions.get(key) or rt.function(*key)
-                g = (n + 16 * _BLOCK - 1) // (16 * _BLOCK)
-                rt.launch(fn, (g if g < ent[2] else ent[2],), (_BLOCK,), (xp, op, n), stream)
+                fn = rt._functions.get(key) or rt.function(*key, stream=stream)
+                g = grids.get(n) or _grid(rt, grids, n)
+                rt.launch(fn, (g,), (_BLOCK,), (xp, op, n), stream)
             return out
     if not T.is_cuda_tensor(x):
         if T.placement(("x", x), ("out", out)) == "cpu":
+            _check_cpu(x, "x", _FLOATS)
+            if out is not None:
+                _check_cpu(out, "out", _CODES, shape=x.shape)
             codes = ref.e4m3_encode(T.to_numpy(x, "x"))
             return T.from_numpy(codes, x, torch_dtype="float8_e4m3fn", out=out)
         x = T.as_cuda_tensor(x, "x")
@@ -65,7 +110,7 @@ def e4m3_encode(x, *, out=None, stream=None):
     T.check_tensor(x, "x", dt.floats)
     dev = x.get_device()
     if out is None:
-        out = get_runtime(dev).empty(x.shape, dt.fp8[-1])
+        out = get_runtime(dev).empty(x.shape, dt.fp8[-1], stream=stream)
     else:
         if not T.is_cuda_tensor(out):
             out = T.as_cuda_tensor(out, "out")
@@ -76,41 +121,44 @@ def e4m3_encode(x, *, out=None, stream=None):
         name = _dtype_name(x.dtype)
         _ENCODE_FAST[dev, x.dtype, out.dtype] = (
             rt, ((_FILE, _KERNEL["encode", name, False]), (_FILE, _KERNEL["encode", name, True])),
-            rt.resident_blocks(_BLOCK) * 2)
+            _GRIDS.setdefault(dev, {}))
     return out
 
 
 def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
     """Values of E4M3 `codes` (uint8 or float8_e4m3fn) as `dtype`
-    (float32 default; float16 or bfloat16 are exact since every E4M3 value is)."""
+    (float32 default, else out's dtype; float16 or bfloat16 are exact since
+    every E4M3 value is)."""
+    name = _decode_dtype(dtype, out)
     if not T.is_cuda_tensor(codes):
         if T.placement(("codes", codes), ("out", out)) == "cpu":
-            name = _dtype_name(dtype) if dtype is not None else "float32"
+            _check_cpu(codes, "codes", _CODES)
+            if out is not None:
+                _check_cpu(out, "out", (name,), shape=codes.shape)
             vals = ref.round_to_dtype(ref.e4m3_decode(T.to_numpy(codes, "codes")), name)
-            return T.from_numpy(vals, codes, torch_dtype=dtype, out=out)
+            return T.from_numpy(vals, codes, torch_dtype=name, out=out)
         codes = T.as_cuda_tensor(codes, "codes")
+    import torch
     dt = T.dtypes()
     T.check_tensor(codes, "codes", dt.fp8)
     dev = codes.get_device()
-    dtype = dtype or (out.dtype if out is not None else dt.floats[0])
-    if dtype not in dt.floats:
-        raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+    tdtype = getattr(torch, name)
     if out is None:
-        out = get_runtime(dev).empty(codes.shape, dtype)
+        out = get_runtime(dev).empty(codes.shape, tdtype, stream=stream)
     else:
         if not T.is_cuda_tensor(out):
             out = T.as_cuda_tensor(out, "out")
-        T.check_tensor(out, "out", (dtype,), shape=codes.shape, device=dev)
-    _launch("decode", dtype, codes, out, codes.numel(), stream)
+        T.check_tensor(out, "out", (tdtype,), shape=codes.shape, device=dev)
+    _launch("decode", tdtype, codes, out, codes.numel(), stream)
     return out
 
 
 def _launch(op, float_dtype, src, dst, n, stream):
     if n == 0:
         return
-    rt = get_runtime(src.get_device())
+    dev = src.get_device()
+    rt = get_runtime(dev)
     sp, dp = src.data_ptr(), dst.data_ptr()
-    fn = rt.function(_FILE, _KERNEL[op, _dtype_name(float_dtype), (sp | dp) & 15 == 0])
-    grid, block = rt.grid_stride(-(-n // _VEC_BYTES), _BLOCK)
-    rt.launch(fn, (grid,), (block,), (sp, dp, n), stream)
-
+    fn = rt.function(_FILE, _KERNEL[op, _dtype_name(float_dtype), (sp | dp) & 15 == 0], stream=stream)
+    grids = _GRIDS.setdefault(dev, {})
+    rt.launch(fn, (grids.get(n) or _grid(rt, grids, n),), (_BLOCK,), (sp, dp, n), stream)

@@ -23,11 +23,12 @@ DLPack on this path.
 """
 from __future__ import annotations
 
+import functools
+import numbers
+import os
+import re
 import threading
 from typing import Iterable
-
-import functools
-import os
 
 from . import _cache, _launch
 from .errors import CaptureError, GpuUnavailableError
@@ -56,24 +57,44 @@ def registered_kernels() -> dict[str, tuple[str, ...]]:
 
 
 # ---------------------------------------------------------------------------
-# Lazy imports of the GPU stack, with one clear error when it is missing.
+# The GPU stack, imported lazily, with one clear error when any of it is missing.
 # ---------------------------------------------------------------------------
-def _cupy():
+def _gpu_stack():
+    """(cupy, torch), once both import and torch sees a CUDA device. Otherwise
+    one GpuUnavailableError listing everything that is missing: this runs
+    before any torch.cuda call, since those fail with a bare AssertionError on
+    a CPU-only torch."""
+    problems = []
     try:
         import cupy
-    except ImportError as exc:
-        raise GpuUnavailableError(
-            "rawkv GPU ops need CuPy: pip install 'rawkv[cu12]' (or [cu13]). "
-            "CPU tensors and numpy arrays run the numpy reference instead.") from exc
-    return cupy
-
-
-def _torch():
+    except ImportError:
+        cupy = None
+        problems.append("CuPy is not installed (pip install 'rawkv[cu12]' or 'rawkv[cu13]')")
     try:
         import torch
-    except ImportError as exc:
-        raise GpuUnavailableError("rawkv GPU ops take PyTorch tensors: pip install torch") from exc
-    return torch
+    except ImportError:
+        torch = None
+        problems.append("PyTorch is not installed (pip install torch)")
+    else:
+        if torch.version.cuda is None:
+            problems.append(f"torch {torch.__version__} was built without CUDA "
+                            "(install a CUDA build of torch)")
+        elif not torch.cuda.is_available():
+            problems.append(f"torch {torch.__version__} (CUDA {torch.version.cuda}) "
+                            "finds no CUDA GPU or driver")
+    if problems:
+        raise GpuUnavailableError(
+            "rawkv GPU ops cannot run: " + "; ".join(problems) +
+            ". CPU tensors and numpy arrays run the numpy reference instead.")
+    return cupy, torch
+
+
+def arch_for(compute_capability) -> str:
+    """The architecture the runtime compiles for on a GPU of this compute
+    capability: sm_<major><minor> (sm_100 on a B200). The compile-check
+    includes every arch this gives on the GPUs rawkv supports."""
+    major, minor = compute_capability
+    return "sm_%d%d" % (major, minor)
 
 
 class _StreamHandle:
@@ -98,26 +119,50 @@ _runtimes: dict[int, "Runtime"] = {}
 _runtimes_lock = threading.Lock()
 
 
+def _device_index(device):
+    """The CUDA device index `device` names: an int, 'cuda' / 'cuda:N', or a
+    torch.device of type cuda; None (and 'cuda' without an index) means
+    torch's current device. Anything else is refused, naming the argument."""
+    if device is None:
+        return None
+    typ = getattr(device, "type", None)
+    if isinstance(typ, str):                    # torch.device
+        if typ != "cuda":
+            raise ValueError(f"device: rawkv GPU ops run on a CUDA device, got {device}")
+        return device.index
+    if isinstance(device, numbers.Integral) and not isinstance(device, bool):
+        if device < 0:
+            raise ValueError(f"device: expected a CUDA device index >= 0, got {device}")
+        return int(device)
+    if isinstance(device, str):
+        m = re.fullmatch(r"cuda(?::(\d+))?", device.strip())
+        if m is None:
+            raise ValueError(f"device: expected 'cuda' or 'cuda:N', got {device!r}")
+        return None if m.group(1) is None else int(m.group(1))
+    raise TypeError(f"device: expected an int, 'cuda:N' or a torch.device, got {type(device).__name__}")
+
+
 def get_runtime(device=None) -> "Runtime":
-    """The Runtime of a CUDA device (an index, a torch.device, or None for
-    torch's current device). Created on first use."""
+    """The Runtime of a CUDA device (an index, 'cuda:N', a torch.device, or
+    None for torch's current device). Created on first use; raises
+    GpuUnavailableError when the GPU stack is missing."""
     rt = _runtimes.get(device) if type(device) is int else None
     if rt is not None:          # the hot path: ops pass x.get_device()
         return rt
-    if device is None:
-        index = _torch().cuda.current_device()
-    elif isinstance(device, int):
-        index = device
-    else:
-        index = getattr(device, "index", None)
-        if index is None:
-            index = _torch().cuda.current_device()
-    rt = _runtimes.get(index)
-    if rt is None:
-        with _runtimes_lock:
-            rt = _runtimes.get(index)
-            if rt is None:
-                rt = _runtimes[index] = Runtime(index)
+    index = _device_index(device)
+    rt = _runtimes.get(index) if index is not None else None
+    if rt is not None:
+        return rt
+    torch = _gpu_stack()[1]
+    if index is None:
+        index = torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"device: cuda:{index} does not exist ({count} CUDA device(s))")
+    with _runtimes_lock:
+        rt = _runtimes.get(index)
+        if rt is None:
+            rt = _runtimes[index] = Runtime(index)
     return rt
 
 
@@ -134,17 +179,14 @@ class Runtime:
     for one CUDA device. Use `get_runtime()`; do not construct directly."""
 
     def __init__(self, device_index: int):
-        cupy = _cupy()
-        torch = _torch()
-        if not torch.cuda.is_available():
-            raise GpuUnavailableError("rawkv: torch reports no CUDA device")
+        cupy, torch = _gpu_stack()
         self._cupy = cupy
         self._torch = torch
         self.device_index = int(device_index)
         props = cupy.cuda.runtime.getDeviceProperties(self.device_index)
         self.name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.compute_capability = (int(props["major"]), int(props["minor"]))
-        self.arch = "sm_%d%d" % self.compute_capability
+        self.arch = arch_for(self.compute_capability)
         self.sm_count = int(props["multiProcessorCount"])
         self.max_threads_per_sm = int(props["maxThreadsPerMultiProcessor"])
         self.l2_bytes = int(props["l2CacheSize"])
@@ -226,6 +268,16 @@ class Runtime:
                 return int(getattr(stream, attr))
         raise TypeError(f"stream: expected a torch.cuda.Stream, cupy Stream or int, got {type(stream).__name__}")
 
+    def torch_stream(self, stream=None):
+        """`stream` as a torch stream, for torch ops that must run on an op's
+        stream (`with torch.cuda.stream(...)`): None stays None (torch's
+        current stream), a torch stream as it is, a CuPy stream or raw handle
+        wrapped as a torch.cuda.ExternalStream of this device."""
+        torch = self._torch
+        if stream is None or isinstance(stream, torch.cuda.Stream):
+            return stream
+        return torch.cuda.ExternalStream(self.stream_ptr(stream), device=f"cuda:{self.device_index}")
+
     def stream(self, stream=None):
         """The CuPy stream object for `stream` (default: torch's current)."""
         return self.cupy_stream(self.stream_ptr(stream))
@@ -289,8 +341,19 @@ class Runtime:
                 self._cupy.cuda.runtime.setDevice(cur)
 
     def memset(self, ptr: int, value: int, nbytes: int, stream=None) -> None:
-        """cudaMemsetAsync on the launch stream (capturable as a memset node)."""
-        self._cupy.cuda.runtime.memsetAsync(ptr, value, nbytes, self.stream_ptr(stream))
+        """cudaMemsetAsync on the launch stream (capturable as a memset node),
+        with this device current, as launch() does."""
+        sptr = self.stream_ptr(stream)
+        memset = self._cupy.cuda.runtime.memsetAsync
+        cur = self._get_device()
+        if cur == self.device_index:
+            memset(ptr, value, nbytes, sptr)
+            return
+        self._cupy.cuda.runtime.setDevice(self.device_index)
+        try:
+            memset(ptr, value, nbytes, sptr)
+        finally:
+            self._cupy.cuda.runtime.setDevice(cur)
 
     # -- allocation ---------------------------------------------------------
     def empty(self, shape, dtype, stream=None):
@@ -301,7 +364,14 @@ class Runtime:
             raise CaptureError(
                 "rawkv: this op would allocate its output while the stream is capturing "
                 "a CUDA graph; pass out= buffers allocated before capture")
-        return self._torch.empty(tuple(shape), dtype=dtype, device=f"cuda:{self.device_index}")
+        device = f"cuda:{self.device_index}"
+        if stream is not None and self.stream_ptr(stream) != self._current_stream_ptr():
+            # The caching allocator ties a block to the stream current at
+            # allocation: allocate on the op's stream, so the block is not
+            # handed to other work while the kernel may still write it.
+            with self._torch.cuda.stream(self.torch_stream(stream)):
+                return self._torch.empty(tuple(shape), dtype=dtype, device=device)
+        return self._torch.empty(tuple(shape), dtype=dtype, device=device)
 
     # -- launch geometry ----------------------------------------------------
     def resident_blocks(self, block: int) -> int:
@@ -314,12 +384,3 @@ class Runtime:
         never more than there is work."""
         blocks = -(-max(int(work_items), 1) // block)
         return min(blocks, self.resident_blocks(block) * waves), block
-
-    def rows(self, n_rows: int, threads_per_row: int, block: int = 256) -> tuple[int, int, int]:
-        """(grid, block, rows_per_block) when each row is handled by a group of
-        `threads_per_row` threads (a power of two <= block)."""
-        threads_per_row = min(threads_per_row, block)
-        rows_per_block = block // threads_per_row
-        grid = -(-max(int(n_rows), 1) // rows_per_block)
-        return grid, block, rows_per_block
-

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rawkv import _cache, runtime
+from rawkv import _cache, _nvrtc, runtime
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python is not installed")
 
@@ -44,8 +44,22 @@ def test_key_depends_on_arch_and_names(cache_dir):
     assert k == _cache.cache_key(FILE, "sm_90", _names())
 
 
+def test_key_covers_include_dirs_and_cuda_headers(tmp_path, monkeypatch):
+    k = _cache.cache_key(FILE, "sm_90", _names())
+    inc = tmp_path / "include"
+    inc.mkdir()
+    header = inc / "cuda_fp8.h"
+    header.write_text("// another CUDA's header\n")
+    monkeypatch.setattr(_nvrtc, "cuda_include_dirs", lambda: (str(inc),))
+    k_other_dir = _cache.cache_key(FILE, "sm_90", _names())
+    assert k_other_dir != k
+    st = header.stat()
+    os.utime(header, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))    # the header was updated
+    assert _cache.cache_key(FILE, "sm_90", _names()) != k_other_dir
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "garbage"])
-def test_damaged_file_is_recompiled(cache_dir, damage):
+def test_damaged_file_is_recompiled(cache_dir, damage, monkeypatch):
     _, path = _cache.load_or_compile(FILE, "sm_90", _names())
     blob = bytearray(path.read_bytes())
     if damage == "flip":
@@ -57,24 +71,37 @@ def test_damaged_file_is_recompiled(cache_dir, damage):
     else:
         blob = bytearray(b"RAWKV-CUBIN-1\n" + os.urandom(200))
     path.write_bytes(bytes(blob))
+    # The damaged file is replaced by the atomic rename, never unlinked first
+    # (that could delete a good file another process has just put there).
+    unlinked = []
+    real_unlink = os.unlink
+    monkeypatch.setattr(os, "unlink", lambda p, *a, **k: (unlinked.append(str(p)), real_unlink(p, *a, **k)))
     stats = {}
     res, path2 = _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
+    assert str(path) not in unlinked
     assert stats == {"damaged": 1, "compiles": 1}
     assert _cache._decode(path2.read_bytes()) is not None and res.cubin[:4] == b"\x7fELF"
 
 
-def test_cache_off_and_unwritable(tmp_path, monkeypatch):
+def test_cache_off(monkeypatch):
     monkeypatch.setenv("RAWKV_CACHE_DIR", "off")
-    res, path = _cache.load_or_compile(FILE, "sm_90", _names())
-    assert path is None and res.cubin
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    monkeypatch.setenv("RAWKV_CACHE_DIR", str(ro / "sub"))
-    if os.access(ro, os.W_OK):  # running as root: permissions are not enforced
-        pytest.skip("directory permissions are not enforced for this user")
-    res, path = _cache.load_or_compile(FILE, "sm_90", _names())
-    assert path is None and res.cubin
+    stats = {}
+    res, path = _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
+    assert path is None and res.cubin and stats == {"compiles": 1}
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "name_too_long"])
+def test_unusable_cache_dir_costs_only_a_recompile(tmp_path, monkeypatch, where):
+    if where == "under_a_file":      # a path component is a regular file (fails even as root)
+        (tmp_path / "file").write_text("")
+        d = tmp_path / "file" / "sub"
+    else:                            # ENAMETOOLONG from the first stat/open
+        d = tmp_path / ("x" * 300)
+    monkeypatch.setenv("RAWKV_CACHE_DIR", str(d))
+    for _ in range(2):
+        stats = {}
+        res, path = _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
+        assert path is None and res.cubin[:4] == b"\x7fELF" and stats == {"compiles": 1}
 
 
 def test_second_process_loads_without_compiling(cache_dir):

@@ -88,6 +88,47 @@ def test_cpu_out_shape_is_checked():
         rawkv.fp8.e4m3_encode(np.zeros(4, np.float32), out=np.zeros(5, np.uint8))
 
 
+def test_cpu_bad_arguments_are_refused_and_write_nothing():
+    """The CUDA path's dtype and shape checks hold for numpy arrays and CPU
+    tensors too; each case's own out buffer (all 7) is checked afterwards."""
+    enc, dec = rawkv.fp8.e4m3_encode, rawkv.fp8.e4m3_decode
+    x_t, x_np = torch.ones(4), np.ones(4, np.float32)
+    c_t, c_np = torch.full((4,), 0x38, dtype=torch.uint8), np.full(4, 0x38, np.uint8)
+    cases = [
+        (lambda out: enc(x_t, out=out), torch.full((4,), 7.0), TypeError, "^out: dtype float32"),
+        (lambda out: enc(x_np, out=out), np.full(4, 7.0, np.float32), TypeError, "^out: dtype float32"),
+        (lambda out: enc(x_t, out=out), torch.full((4,), 7, dtype=torch.int32), TypeError,
+         "^out: dtype int32"),
+        (lambda out: enc(x_np, out=out), np.full(5, 7, np.uint8), ValueError, "^out: expected shape"),
+        (lambda out: enc(x_t.int(), out=out), torch.full((4,), 7, dtype=torch.uint8), TypeError,
+         "^x: dtype int32"),
+        (lambda out: enc(x_np.astype(np.float64), out=out), np.full(4, 7, np.uint8), TypeError,
+         "^x: dtype float64"),
+        (lambda out: dec(c_t, dtype=torch.int32, out=out), None, TypeError, "^dtype: "),
+        (lambda out: dec(c_t.float(), out=out), torch.full((4,), 7.0), TypeError, "^codes: dtype float32"),
+        (lambda out: dec(c_np.astype(np.float32), out=out), None, TypeError, "^codes: dtype float32"),
+        (lambda out: dec(c_t, out=out), torch.full((4,), 7, dtype=torch.int32), TypeError,
+         "^out: dtype int32"),
+        (lambda out: dec(c_np, out=out), np.full(4, 7, np.int32), TypeError, "^out: dtype int32"),
+        (lambda out: dec(c_t, dtype=torch.float16, out=out), torch.full((4,), 7.0), TypeError,
+         "^out: dtype float32"),
+        (lambda out: dec(c_np, out=out), np.full(3, 7.0, np.float32), ValueError, "^out: expected shape"),
+    ]
+    for call, out, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            call(out)
+        assert out is None or (out == 7).all(), msg
+
+
+def test_cpu_decode_dtype_follows_out():
+    codes = np.array([0x38, 0x31], np.uint8)          # 1.0, 0.5625
+    out = np.zeros(2, np.float16)
+    assert rawkv.fp8.e4m3_decode(codes, out=out) is out and out.tolist() == [1.0, 0.5625]
+    t = torch.zeros(2, dtype=torch.bfloat16)
+    assert rawkv.fp8.e4m3_decode(torch.from_numpy(codes).view(torch.float8_e4m3fn), out=t) is t
+    assert t.tolist() == [1.0, 0.5625]
+
+
 # ---- GPU -------------------------------------------------------------------------
 def _gpu_encode(x_np, dtype):
     return rawkv.fp8.e4m3_encode(torch.from_numpy(x_np).to(dtype).cuda()).view(torch.uint8).cpu().numpy()
@@ -108,33 +149,68 @@ def test_gpu_encode_random_float32_and_specials(cuda, rng):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_gpu_decode_all_bytes(cuda, dtype):
-    codes = torch.arange(256, dtype=torch.uint8).repeat(33).cuda()   # 8448: vector + tail
-    got = rawkv.fp8.e4m3_decode(codes, dtype=getattr(torch, dtype)).float().cpu().numpy()
-    assert np.array_equal(got, np.tile(ref.e4m3_decode(np.arange(256)), 33), equal_nan=True)
+@pytest.mark.parametrize("n, offset", [(8448, 0), (8453, 0), (8453, 3)],
+                         ids=["vector", "vector+tail", "unaligned"])
+def test_gpu_decode_all_bytes(cuda, dtype, n, offset):
+    # 8448 = 528 chunks of 16; 8453 leaves a 5-code tail; a 3-byte offset
+    # makes the codes unaligned, which runs the scalar kernel
+    codes = np.resize(np.arange(256, dtype=np.uint8), n + offset)
+    view = torch.from_numpy(codes).cuda()[offset:]
+    got = rawkv.fp8.e4m3_decode(view, dtype=getattr(torch, dtype)).float().cpu().numpy()
+    assert np.array_equal(got, ref.e4m3_decode(codes[offset:]), equal_nan=True)
 
 
+@pytest.mark.parametrize("offset", [0, 3], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 4097])
-def test_gpu_unaligned_views_and_tails(cuda, rng, n):
-    base = torch.from_numpy(rng.standard_normal(n + 3).astype(np.float32)).cuda()
-    x = base[3:]                                   # 12-byte offset: scalar path
+def test_gpu_views_and_tails(cuda, rng, n, offset):
+    base = torch.from_numpy(rng.standard_normal(n + offset).astype(np.float32)).cuda()
+    x = base[offset:]              # offset 3 = 12 bytes: scalar kernel; 0: vector kernel + tail
     got = rawkv.fp8.e4m3_encode(x).view(torch.uint8).cpu().numpy()
     assert np.array_equal(got, ref.e4m3_encode(x.cpu().numpy()))
 
 
+def test_gpu_launch_geometry_is_the_runtimes(cuda, monkeypatch):
+    """The checked path and the fast path (out= given, second call) both
+    launch rt.grid_stride's geometry: one 16-byte chunk per thread."""
+    launches = []
+    real = cuda.launch
+
+    def record(fn, grid, block, args, stream=None, shared_mem=0):
+        launches.append((grid, block))
+        real(fn, grid, block, args, stream, shared_mem)
+    monkeypatch.setattr(cuda, "launch", record)
+    for n in (1, 4096, 4097, 1 << 24):
+        x = torch.zeros(n, device="cuda")
+        out = torch.empty(n, dtype=torch.uint8, device="cuda")
+        rawkv.fp8.e4m3_encode(x, out=out)
+        rawkv.fp8.e4m3_encode(x, out=out)
+        grid, block = cuda.grid_stride(-(-n // 16), 256)
+        assert launches[-2:] == [((grid,), (block,))] * 2, n
+
+
 def test_gpu_bad_arguments_write_nothing(cuda):
     x = torch.randn(64, 2, device="cuda")
-    out = torch.full((64, 2), 0xAB, dtype=torch.uint8, device="cuda")
-    with pytest.raises(ValueError, match="^x: must be contiguous"):
-        rawkv.fp8.e4m3_encode(x.t(), out=out.t().contiguous())
-    with pytest.raises(ValueError, match="^out: expected shape"):
-        rawkv.fp8.e4m3_encode(x, out=out[:10])
-    with pytest.raises(TypeError, match="^x: dtype int32"):
-        rawkv.fp8.e4m3_encode(x.int(), out=out)
-    with pytest.raises(ValueError, match="^out: is on cpu"):
-        rawkv.fp8.e4m3_encode(x, out=out.cpu())
+    codes = torch.zeros(64, 2, dtype=torch.uint8, device="cuda")
+
+    def u8(*shape, device="cuda"):
+        return torch.full(shape, 0xAB, dtype=torch.uint8, device=device)
+    # each case gets its own buffer, and that very buffer is checked afterwards
+    cases = [
+        (lambda out: rawkv.fp8.e4m3_encode(x.t(), out=out), u8(2, 64), ValueError, "^x: must be contiguous"),
+        (lambda out: rawkv.fp8.e4m3_encode(x, out=out), u8(10, 2), ValueError, "^out: expected shape"),
+        (lambda out: rawkv.fp8.e4m3_encode(x.int(), out=out), u8(64, 2), TypeError, "^x: dtype int32"),
+        (lambda out: rawkv.fp8.e4m3_encode(x, out=out), u8(64, 2, device="cpu"), ValueError,
+         "^out: is on cpu"),
+        (lambda out: rawkv.fp8.e4m3_decode(codes, out=out), u8(64, 2), TypeError, "^out: dtype uint8"),
+        (lambda out: rawkv.fp8.e4m3_decode(codes.float(), out=out), u8(64, 2), TypeError,
+         "^codes: dtype float32"),
+    ]
+    for call, out, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            call(out)
     torch.cuda.synchronize()
-    assert (out == 0xAB).all()
+    for _, out, _, msg in cases:
+        assert (out == 0xAB).all(), msg
 
 
 def test_gpu_cupy_input_through_dlpack(cuda):

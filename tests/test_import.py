@@ -3,6 +3,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 BLOCKER = textwrap.dedent("""
     import importlib.abc, sys
     class Block(importlib.abc.MetaPathFinder):
@@ -44,3 +46,41 @@ def test_gpu_op_without_cupy_says_what_is_missing():
     """)
     assert r.returncode == 0, r.stderr
     assert "CuPy" in r.stdout and "pip install" in r.stdout, r.stdout
+
+
+def _cpu_only_torch():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return not torch.cuda.is_available()
+
+
+def test_without_a_cuda_torch_every_entry_point_says_what_is_missing():
+    """With a CPU-only torch (as in CI) torch.cuda calls fail with a bare
+    AssertionError; rawkv must raise its own error before making any."""
+    if not _cpu_only_torch():
+        pytest.skip("needs torch without a usable CUDA device")
+    import rawkv
+    for call in (rawkv.get_runtime, rawkv.warmup, lambda: rawkv.get_runtime(0),
+                 lambda: rawkv.get_runtime("cuda:0"), lambda: rawkv.warmup("cuda")):
+        with pytest.raises(rawkv.GpuUnavailableError, match="CUDA"):
+            call()
+    r = subprocess.run([sys.executable, "-m", "rawkv", "warmup"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "rawkv warmup:" in r.stderr and "CUDA" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_device_argument_is_parsed_or_refused():
+    from rawkv.runtime import _device_index
+    assert _device_index(None) is None and _device_index("cuda") is None
+    assert _device_index(3) == 3 and _device_index("cuda:12") == 12
+    for bad, exc in (("cuda:x", ValueError), ("cpu", ValueError), ("cuda:0:1", ValueError),
+                     (-1, ValueError), (1.0, TypeError), (True, TypeError), ([0], TypeError)):
+        with pytest.raises(exc, match="^device: "):
+            _device_index(bad)
+    torch = pytest.importorskip("torch")
+    assert _device_index(torch.device("cuda:2")) == 2 and _device_index(torch.device("cuda")) is None
+    with pytest.raises(ValueError, match="^device: .*cpu"):
+        _device_index(torch.device("cpu"))

@@ -2,6 +2,7 @@
 fallbacks on the CPU, identical results and graph capture on a GPU."""
 import ctypes
 import struct
+import types
 
 import numpy as np
 import pytest
@@ -77,6 +78,27 @@ def test_packed_launcher_falls_back_to_cupy_for_other_arguments():
 def test_unknown_launcher_is_refused():
     with pytest.raises(ValueError, match="launcher"):
         _launch.make("nope", None)
+
+
+def test_memset_makes_its_device_current_like_launch():
+    """Runtime.memset and Runtime.launch both run with the runtime's device
+    current (restoring the caller's), on the stream given."""
+    from rawkv.runtime import Runtime
+    calls = []
+    rt = Runtime.__new__(Runtime)            # no GPU: only the attributes these two use
+    rt.device_index = 1
+    rt._cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
+        setDevice=lambda d: calls.append(("setDevice", d)),
+        memsetAsync=lambda *a: calls.append(("memsetAsync", *a)))))
+    rt._launcher = lambda fn, grid, block, args, shm, stream: calls.append(("launch", stream))
+    rt._launch_call, rt._direct = rt._launcher, False
+    for current in (1, 0):
+        rt._get_device = lambda: current
+        calls.clear()
+        rt.memset(0x1000, 0, 64, stream=77)
+        rt.launch(None, (1,), (32,), (), stream=77)
+        on, off = ([], []) if current == 1 else ([("setDevice", 1)], [("setDevice", 0)])
+        assert calls == [*on, ("memsetAsync", 0x1000, 0, 64, 77), *off, *on, ("launch", 77), *off]
 
 
 # ---- GPU ---------------------------------------------------------------------------

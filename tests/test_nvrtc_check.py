@@ -6,10 +6,13 @@ import pytest
 from rawkv import _nvrtc, runtime
 from rawkv.tools import nvrtc_check
 
-pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python is not installed")
+
+def _needs_nvrtc():
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python is not installed")
 
 
 def test_reports_resources_for_every_kernel():
+    _needs_nvrtc()
     buf = io.StringIO()
     assert nvrtc_check.check(("sm_90",), 0, files=["fp8.cu"], out=buf) == 0
     text = buf.getvalue()
@@ -19,6 +22,7 @@ def test_reports_resources_for_every_kernel():
 
 
 def test_compile_error_names_file_and_line(tmp_path, monkeypatch):
+    _needs_nvrtc()
     (tmp_path / "broken.cu").write_text('#include "common.cuh"\n__global__ void k() {\n  int x = ;\n}\n')
     (tmp_path / "common.cuh").write_text((_nvrtc.CU_DIR / "common.cuh").read_text())
     monkeypatch.setattr(_nvrtc, "CU_DIR", tmp_path)
@@ -29,10 +33,84 @@ def test_compile_error_names_file_and_line(tmp_path, monkeypatch):
     assert "FAIL broken.cu [sm_80]" in text and "broken.cu(3)" in text
 
 
-def test_spill_threshold_and_parser():
-    log = ("ptxas info    : Compiling entry function '_Z1kv' for 'sm_90'\n"
-           "ptxas info    : Function properties for _Z1kv\n"
-           "ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
-           "ptxas info    : Used 255 registers, 1024 bytes smem, 380 bytes cmem[0]\n")
-    st = nvrtc_check.parse_ptxas(log)["_Z1kv"]
+def test_compiling_leaves_the_shared_one_byte_bytes_intact():
+    """NVRTC writes into the log buffer it is given; an empty log is 1 byte,
+    and b" " * 1 is CPython's shared b" " object, which it used to overwrite
+    with a NUL for the whole process."""
+    _needs_nvrtc()
+    source = (_nvrtc.CU_DIR / "fp8.cu").read_text()
+    res = _nvrtc.compile_cu(source, "fp8.cu", "sm_90", ["rkv_e4m3_encode<float, true>"])
+    assert res.cubin[:4] == b"\x7fELF"
+    assert b" " == bytes([32]) and list(b" ") == [32]
+    assert b"a b".split(b" ") == [b"a", b"b"]
+
+
+# ---- the pass/fail decisions, on a fake compiler (no NVRTC needed) -----------------
+K1 = "_Z2k1v"
+PTXAS_K1_SPILLS = (
+    f"ptxas info    : Compiling entry function '{K1}' for 'sm_90'\n"
+    f"ptxas info    : Function properties for {K1}\n"
+    "ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+    "ptxas info    : Used 255 registers, 1024 bytes smem, 380 bytes cmem[0]\n")
+PTXAS_K2_CLEAN = (
+    "ptxas info    : Compiling entry function '_Z2k2v' for 'sm_90'\n"
+    "ptxas info    : Function properties for _Z2k2v\n"
+    "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+    "ptxas info    : Used 20 registers, 380 bytes cmem[0]\n")
+
+
+@pytest.fixture
+def fake_compiler(tmp_path, monkeypatch):
+    """fake.cu with kernels k1, k2; compile_cu returns the log set in `logs`."""
+    (tmp_path / "fake.cu").write_text("// compiled by the fake compiler\n")
+    monkeypatch.setattr(_nvrtc, "CU_DIR", tmp_path)
+    monkeypatch.setattr(_nvrtc, "nvrtc_version", lambda: (12, 9))
+    monkeypatch.setattr(_nvrtc, "cuda_include_dirs", lambda: ("/nowhere",))
+    monkeypatch.setitem(runtime._REGISTRY, "fake.cu", ["k1", "k2"])
+    logs = {"log": ""}
+
+    def compile_cu(source, filename, arch, names, extra_options=(), verbose_ptxas=False):
+        return _nvrtc.CompileResult(b"\x7fELF", {"k1": K1, "k2": "_Z2k2v"}, logs["log"], arch)
+    monkeypatch.setattr(_nvrtc, "compile_cu", compile_cu)
+    return logs
+
+
+def test_spill_threshold_decides_the_exit_code(fake_compiler):
+    fake_compiler["log"] = PTXAS_K1_SPILLS + PTXAS_K2_CLEAN
+    buf = io.StringIO()
+    assert nvrtc_check.check(("sm_90",), 11, files=["fake.cu"], out=buf) == 1
+    text = buf.getvalue()
+    assert "FAIL fake.cu [sm_90] k1: 255 regs, 1024 B smem, 16 B stack, 12 B spills" in text
+    assert "ok   fake.cu [sm_90] k2: 20 regs, 0 B smem, 0 B stack, 0 B spills" in text
+    assert "FAILED (1)" in text
+    buf = io.StringIO()
+    assert nvrtc_check.check(("sm_90",), 12, files=["fake.cu"], out=buf) == 0
+    assert "all ok" in buf.getvalue()
+
+
+def test_a_kernel_without_ptxas_stats_fails(fake_compiler):
+    fake_compiler["log"] = PTXAS_K2_CLEAN          # nothing reported for k1
+    buf = io.StringIO()
+    assert nvrtc_check.check(("sm_90",), 0, files=["fake.cu"], out=buf) == 1
+    text = buf.getvalue()
+    assert "FAIL fake.cu [sm_90] k1: no ptxas report" in text and "FAILED (1)" in text
+
+
+def test_unknown_file_fails_naming_it(fake_compiler, capsys):
+    buf = io.StringIO()
+    assert nvrtc_check.check(("sm_90",), 0, files=["nope.cu"], out=buf) == 1
+    assert "nope.cu" in buf.getvalue() and "all ok" not in buf.getvalue()
+    assert nvrtc_check.main(["--arch", "sm_90", "--file", "nope.cu"]) == 1
+    assert "nope.cu" in capsys.readouterr().out
+
+
+def test_parser():
+    st = nvrtc_check.parse_ptxas(PTXAS_K1_SPILLS)[K1]
     assert st == {"registers": 255, "smem": 1024, "stack": 16, "spill_stores": 8, "spill_loads": 4}
+
+
+def test_default_archs_include_what_the_runtime_builds():
+    # A100, L40, H100, B200, RTX 5090: the runtime compiles arch_for(capability)
+    for cc in ((8, 0), (8, 9), (9, 0), (10, 0), (12, 0)):
+        assert runtime.arch_for(cc) in nvrtc_check.DEFAULT_ARCHS
+    assert runtime.arch_for((10, 0)) == "sm_100" and "sm_100a" in nvrtc_check.DEFAULT_ARCHS

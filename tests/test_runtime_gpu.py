@@ -9,12 +9,14 @@ import pytest
 
 import rawkv
 from rawkv.reference import formats as ref
+from rawkv.runtime import arch_for
 
 torch = pytest.importorskip("torch")
 
 
 def test_runtime_describes_the_device(cuda):
-    assert cuda.arch.startswith("sm_") and cuda.sm_count > 0
+    assert cuda.arch == arch_for(torch.cuda.get_device_capability(0)) and cuda.sm_count > 0
+    assert rawkv.get_runtime("cuda:0") is cuda and rawkv.get_runtime(torch.device("cuda:0")) is cuda
     grid, block = cuda.grid_stride(10 ** 9)
     assert block == 256 and grid == cuda.resident_blocks(256) * 2
     assert cuda.grid_stride(5) == (1, 256)
@@ -70,6 +72,26 @@ def test_unloaded_kernel_during_capture_is_refused(cuda, monkeypatch):
             rawkv.fp8.e4m3_encode(x, out=out)
 
 
+def test_unloaded_kernel_on_a_capturing_side_stream_is_refused(cuda, monkeypatch):
+    """stream=s while s (not the current stream) is capturing: the capture
+    rules look at the op's stream too."""
+    rawkv.warmup()
+    x = torch.randn(1024, device="cuda")
+    out = torch.empty(1024, dtype=torch.uint8, device="cuda")
+    monkeypatch.setattr(cuda, "_functions", {})   # as if warmup() had never run
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g.capture_begin()
+    try:
+        assert not torch.cuda.is_current_stream_capturing()
+        with pytest.raises(rawkv.CaptureError, match="warmup"):
+            rawkv.fp8.e4m3_encode(x, out=out, stream=s)
+    finally:
+        with torch.cuda.stream(s):
+            g.capture_end()
+
+
 def test_second_process_loads_from_disk_without_compiling(cuda, tmp_path):
     code = ("import json, torch, rawkv; rt = rawkv.warmup(0); "
             "x = torch.ones(64, device='cuda'); "
@@ -87,21 +109,27 @@ def test_second_process_loads_from_disk_without_compiling(cuda, tmp_path):
 
 @pytest.mark.parametrize("launcher", ["driver", "cupy"])
 def test_both_launchers_give_the_same_bits_on_the_current_stream(cuda, rng, launcher):
+    """On side stream s: a long sleep, then x gets new values, then the
+    encode. Launched on s it sees the new values; launched on any other
+    stream it would run during the sleep and encode the old ones."""
     rt = rawkv.get_runtime(0)
     before = rt.launcher
+    rawkv.warmup()                       # nothing to compile while s sleeps
     rt.set_launcher(launcher)
     try:
         assert rt.launcher == launcher
-        x0 = rng.standard_normal(3 << 16).astype(np.float32)
-        x = torch.from_numpy(x0).cuda()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
+        x = torch.from_numpy(rng.standard_normal(3 << 16).astype(np.float32)).cuda()
         out = torch.empty(x.shape, dtype=torch.uint8, device="cuda")
-        with torch.cuda.stream(s):
-            torch.cuda._sleep(2_000_000)          # keep s busy: a launch elsewhere would race ahead
-            rawkv.fp8.e4m3_encode(x, out=out)
-            x.mul_(1000.0)
-        torch.cuda.synchronize()
-        assert np.array_equal(out.cpu().numpy(), ref.e4m3_encode(x0))
+        for _ in range(2):               # the second call takes the fast path (out= given)
+            new = rng.standard_normal(x.numel()).astype(np.float32)
+            new_dev = torch.from_numpy(new).cuda()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(10_000_000)     # ~5 ms of GPU clock cycles
+                x.copy_(new_dev)
+                rawkv.fp8.e4m3_encode(x, out=out)
+            torch.cuda.synchronize()
+            assert np.array_equal(out.cpu().numpy(), ref.e4m3_encode(new))
     finally:
         rt.set_launcher(before)

@@ -20,9 +20,14 @@ status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 
-echo "== compile-check (sm_90, what the runtime builds here) =="
-python3 -m rawkv.tools.nvrtc_check --arch sm_90 > "$OUT/nvrtc_check.log" 2>&1 || status=1
-tail -n 1 "$OUT/nvrtc_check.log"
+# The local GPU's architecture, chosen exactly as the runtime chooses it.
+ARCH=$(python3 -c "import torch; from rawkv.runtime import arch_for; print(arch_for(torch.cuda.get_device_capability()))") \
+  || { echo "gpu_check: could not read the local GPU's architecture"; ARCH=""; status=1; }
+if [ -n "$ARCH" ]; then
+  echo "== compile-check ($ARCH, what the runtime builds here) =="
+  python3 -m rawkv.tools.nvrtc_check --arch "$ARCH" > "$OUT/nvrtc_check.log" 2>&1 || status=1
+  tail -n 1 "$OUT/nvrtc_check.log"
+fi
 
 echo "== tests: $TESTS =="
 # shellcheck disable=SC2086

@@ -5,8 +5,10 @@
 For each .cu file and architecture: compiles all registered kernels (exactly
 as the runtime does, plus -Xptxas=-v) and prints, per kernel, the registers,
 shared memory, stack frame and spill bytes that ptxas reports, or the
-compiler error with file and line. Exits 1 on any compile error or on spills
-above --max-spill-bytes; 2 when NVRTC itself is unavailable.
+compiler error with file and line. Exits 1 on any compile error, on a
+registered kernel ptxas reported nothing for, on spills above
+--max-spill-bytes, or when there is nothing to check (an unknown --file);
+2 when NVRTC itself is unavailable.
 """
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-DEFAULT_ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100a", "sm_120")
+# What the runtime builds on each GPU rawkv supports (runtime.arch_for:
+# A100, L40/RTX 4090, H100/H200, B200, RTX 5090), plus sm_100a (B200 with
+# its arch-specific features).
+DEFAULT_ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100", "sm_100a", "sm_120")
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -46,20 +51,41 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def check(archs, max_spill_bytes: int, files=None, jobs: int = 2, out=sys.stdout) -> int:
+def kernel_line(filename: str, arch: str, name: str, st, max_spill_bytes: int) -> tuple[bool, str]:
+    """(ok, report line) for one kernel; `st` is its parse_ptxas entry, or
+    None when ptxas reported nothing for it (a failure: nothing was checked)."""
+    where = f"{filename} [{arch}] {name}"
+    if st is None:
+        return False, f"FAIL {where}: no ptxas report for this kernel (was it compiled?)"
+    spills = st["spill_stores"] + st["spill_loads"]
+    ok = spills <= max_spill_bytes
+    return ok, (f"{'ok  ' if ok else 'FAIL'} {where}: {st['registers']} regs, {st['smem']} B smem, "
+                f"{st['stack']} B stack, {spills} B spills")
+
+
+def check(archs, max_spill_bytes: int, files=None, jobs: int = 2, out=None) -> int:
+    out = out or sys.stdout     # looked up per call, so a redirected stdout is honoured
     from .. import _nvrtc
     from ..errors import CompileError, GpuUnavailableError
     from ..runtime import registered_kernels
 
+    registry = registered_kernels()
+    if files:
+        unknown = [f for f in files if f not in registry]
+        if unknown:
+            print(f"nvrtc_check: no kernels are registered for {', '.join(unknown)} "
+                  f"(known: {', '.join(sorted(registry))})", file=out)
+            return 1
+        registry = {f: n for f, n in registry.items() if f in files}
+    if not registry or not archs:
+        print("nvrtc_check: nothing to check", file=out)
+        return 1
     try:
         major, minor = _nvrtc.nvrtc_version()
         _nvrtc.cuda_include_dirs()
     except GpuUnavailableError as exc:
         print(f"nvrtc_check: {exc}", file=out)
         return 2
-    registry = registered_kernels()
-    if files:
-        registry = {f: n for f, n in registry.items() if f in files}
     print(f"NVRTC {major}.{minor}; {sum(map(len, registry.values()))} kernels in "
           f"{len(registry)} files; archs {' '.join(archs)}", file=out)
 
@@ -81,14 +107,14 @@ def check(archs, max_spill_bytes: int, files=None, jobs: int = 2, out=sys.stdout
                 print(f"FAIL {filename} [{arch}]\n{err}", file=out)
                 continue
             stats = parse_ptxas(res.log)
-            demangled = {v: k for k, v in res.lowered.items()}
-            for mangled, st in sorted(stats.items(), key=lambda kv: demangled.get(kv[0], kv[0])):
-                spills = st["spill_stores"] + st["spill_loads"]
-                bad = spills > max_spill_bytes
-                failures += bad
-                print(f"{'FAIL' if bad else 'ok  '} {filename} [{arch}] {demangled.get(mangled, mangled)}: "
-                      f"{st['registers']} regs, {st['smem']} B smem, {st['stack']} B stack, "
-                      f"{spills} B spills", file=out)
+            # Every registered kernel must have a report; kernels of the file
+            # that are not registered are reported too (they are in the cubin).
+            lines = [(name, stats.pop(res.lowered.get(name), None)) for name in registry[filename]]
+            lines += sorted(stats.items())
+            for name, st in lines:
+                ok, line = kernel_line(filename, arch, name, st, max_spill_bytes)
+                failures += not ok
+                print(line, file=out)
     print(f"nvrtc_check: {'FAILED (' + str(failures) + ')' if failures else 'all ok'}", file=out)
     return 1 if failures else 0
 
