@@ -87,6 +87,8 @@ _is_number = T.is_number
 
 
 def _check_scope(scope, gs):
+    """The encode gs as the op uses it: a number (Python or numpy scalar)
+    checked as a float32 and returned as a Python float, else as given."""
     if scope not in SCOPES:
         raise ValueError(f"scope: expected one of {SCOPES}, got {scope!r}")
     if scope == "given" and gs is None:
@@ -94,7 +96,16 @@ def _check_scope(scope, gs):
     if scope != "given" and gs is not None:
         raise ValueError(f"gs: only scope 'given' takes a global scale (scope is {scope!r})")
     if _is_number(gs) or isinstance(gs, (bool, np.bool_)):
-        T.check_scale_value(gs, "gs")
+        # a Python float from here on: T.placement and the kernel launch
+        # take Python numbers, not numpy scalars
+        return T.check_scale_value(gs, "gs")
+    return gs
+
+
+def _decode_gs(gs):
+    """A decode gs given as a number (numpy scalars included) as a Python
+    float, so that it flows like one through placement and the launch."""
+    return float(gs) if _is_number(gs) else gs
 
 
 def _out_dtype(dtype, default_name="bfloat16"):
@@ -133,11 +144,20 @@ def _row_view(x, name):
                      "(e.g. a row slice of a 2-D tensor); call .contiguous() first")
 
 
-def _check_aligned(name, *ptr_and_bytes):
+def _check_aligned(name, *ptr_and_bytes, align=16):
+    """ValueError naming `name` unless every address / byte stride given is a
+    multiple of `align` (the widest load or store the kernel makes on it)."""
     for p in ptr_and_bytes:
-        if p % 16:
-            raise ValueError(f"{name}: data pointer and row stride must be 16-byte aligned "
-                             "(a view starting mid-row?); call .contiguous() first")
+        if p % align:
+            raise ValueError(f"{name}: address or row stride {p} is not a multiple of {align} bytes "
+                             f"(the kernel accesses it {align} bytes at a time; a view starting "
+                             "mid-row?); call .clone() first")
+
+
+# rkv_nvfp4_gather loads the codes of q as 4-byte words; q rows are n/2
+# bytes (a multiple of 8) apart, so the data pointer decides. sf is read
+# byte by byte (any address); out is written with 16-byte stores.
+_Q_ALIGN = 4
 
 
 _GATHER_UNROLL = 4   # kGatherUnroll in nvfp4.cu: units each thread keeps in flight
@@ -193,13 +213,15 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, stream=None):
     """NVFP4-encode x (..., N), N % 16 == 0 -> (q (..., N/2), sf (..., N/16), gs).
 
     scope: 'tensor' (gs = amax(x)/2688, shape ()), 'row' (one gs per row,
-    shape x.shape[:-1]), 'given' (gs: a Python float, or a 1-element float32
-    tensor read on the device), 'none' (gs = 1). q is returned as
+    shape x.shape[:-1]), 'given' (gs: a number, Python or numpy, that must be
+    finite and > 0 as a float32, or a 1-element float32 tensor read on the
+    device), 'none' (gs = 1). q is returned as
     torch.float4_e2m1fn_x2 and sf as torch.float8_e4m3fn where torch has
     them. out=(q, sf, gs) buffers (uint8 or those dtypes; gs float32) are
-    written and returned; for scope 'given' with a device gs and no out gs,
-    the given tensor itself is returned as gs."""
-    _check_scope(scope, gs)
+    written and returned (all three are checked before any is written); for
+    scope 'given' with a device gs and no out gs, the given tensor itself is
+    returned as gs."""
+    gs = _check_scope(scope, gs)
     if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 3):
         raise TypeError("out: expected a tuple (q, sf, gs) of buffers (entries may be None)")
     oq, osf, ogs = out if out is not None else (None, None, None)
@@ -242,14 +264,14 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, stream=None):
             _check_aligned(nm, t.data_ptr())
     # -- everything is checked: allocate and launch ----------------------------
     rt = get_runtime(dev)
-    q = oq if oq is not None else rt.empty((*lead, n // 2), torch.uint8)
-    sf = osf if osf is not None else rt.empty((*lead, n // BLOCK), torch.uint8)
+    q = oq if oq is not None else rt.empty((*lead, n // 2), torch.uint8, stream=stream)
+    sf = osf if osf is not None else rt.empty((*lead, n // BLOCK), torch.uint8, stream=stream)
     if ogs is not None:
         g = ogs
     elif gs_kind == "tensor":
         g = gs_in.reshape(())
     else:
-        g = rt.empty(gs_shape, torch.float32)
+        g = rt.empty(gs_shape, torch.float32, stream=stream)
     _launch_quantize(rt, x, q, sf, g, m, n, ldx, scope, gs_kind, gs_in, ogs is not None, stream)
     return _as_q(q), _as_sf(sf), g
 
@@ -260,10 +282,12 @@ def _launch_quantize(rt, x, q, sf, g, m, n, ldx, scope, gs_kind, gs_in, own_gs, 
     upr = n // (BLOCK * bpt)
     xp, qp, sp, gp = x.data_ptr(), q.data_ptr(), sf.data_ptr(), g.data_ptr()
     if m * n == 0:
-        if scope == "row" and g.numel():   # rows of no elements: amax 0 -> gs 1
-            g.fill_(1.0)
-        elif scope != "row" and g.numel():   # empty tensor: amax 0 -> gs 1
-            if gs_kind == "tensor":
+        # No elements: only gs is written, with torch ops on the op's stream
+        # (not torch's current one), ordered like every other write.
+        with _torch().cuda.stream(rt.torch_stream(stream)):
+            if scope in ("row", "tensor"):          # amax 0 -> gs 1
+                g.fill_(1.0)
+            elif gs_kind == "tensor":
                 if own_gs:
                     g.copy_(gs_in.reshape(()))
             else:
@@ -272,24 +296,26 @@ def _launch_quantize(rt, x, q, sf, g, m, n, ldx, scope, gs_kind, gs_in, own_gs, 
     if scope == "row":
         r = 1 if upr <= 1024 else 0
         tpr, block, gpc = _groups(upr, cap=1024 if r else _BLOCK_THREADS)
-        fn = rt.function(_FILE, f"rkv_nvfp4_quantize_rows<{ct}, {bpt}, {r}>")
+        fn = rt.function(_FILE, f"rkv_nvfp4_quantize_rows<{ct}, {bpt}, {r}>", stream=stream)
         rt.launch(fn, (_grid(rt, m, block, gpc),), (block,), (xp, qp, sp, gp, m, upr, ldx, tpr), stream)
         return
     if scope == "tensor":
         if m * n <= SMALL_NUMEL:
             units = m * upr
             grid = max(1, min(-(-units // _BLOCK_THREADS), _SMALL_MAX_CTAS))
-            fn = rt.function(_FILE, f"rkv_nvfp4_quantize_small<{ct}, {bpt}>")
+            fn = rt.function(_FILE, f"rkv_nvfp4_quantize_small<{ct}, {bpt}>", stream=stream)
             rt.launch(fn, (grid,), (_BLOCK_THREADS,), (xp, qp, sp, m, upr, ldx, gp), stream)
             return
         rt.memset(gp, 0, 4, stream)
         vecs = m * n * x.element_size() // 16
         grid, block = rt.grid_stride(vecs, _BLOCK_THREADS, waves=1)
-        rt.launch(rt.function(_FILE, f"rkv_nvfp4_amax<{ct}>"), (grid,), (block,), (xp, m, n, ldx, gp), stream)
+        fn = rt.function(_FILE, f"rkv_nvfp4_amax<{ct}>", stream=stream)
+        rt.launch(fn, (grid,), (block,), (xp, m, n, ldx, gp), stream)
         tpr, block, gpc = _groups(upr)
-        fn = rt.function(_FILE, f"rkv_nvfp4_quantize<{ct}, {bpt}, 1>")
+        fn = rt.function(_FILE, f"rkv_nvfp4_quantize<{ct}, {bpt}, 1>", stream=stream)
         rt.launch(fn, (_grid(rt, m, block, gpc),), (block,), (xp, qp, sp, m, upr, ldx, tpr, gp, 0.0, 0), stream)
-        rt.launch(rt.function(_FILE, "rkv_nvfp4_finalize_gs"), (1,), (32,), (gp,), stream)
+        fn = rt.function(_FILE, "rkv_nvfp4_finalize_gs", stream=stream)
+        rt.launch(fn, (1,), (32,), (gp,), stream)
         return
     # 'given' / 'none'
     if gs_kind == "tensor":
@@ -299,7 +325,7 @@ def _launch_quantize(rt, x, q, sf, g, m, n, ldx, scope, gs_kind, gs_in, own_gs, 
         gs_ptr, gs_val = 0, (gs_in if gs_kind == "value" else 1.0)
         gs_out = gp
     tpr, block, gpc = _groups(upr)
-    fn = rt.function(_FILE, f"rkv_nvfp4_quantize<{ct}, {bpt}, 0>")
+    fn = rt.function(_FILE, f"rkv_nvfp4_quantize<{ct}, {bpt}, 0>", stream=stream)
     rt.launch(fn, (_grid(rt, m, block, gpc),), (block,),
               (xp, qp, sp, m, upr, ldx, tpr, gs_ptr, gs_val, gs_out), stream)
 
@@ -311,6 +337,11 @@ def _quantize_cpu(x, scope, gs, oq, osf, ogs):
     if xa.dtype not in (np.float32, np.float16, np.float64):
         raise TypeError(f"x: dtype {xa.dtype} is not supported (expected a float dtype)")
     ref.check_last_dim(xa.shape[-1], "x")
+    lead, n = xa.shape[:-1], xa.shape[-1]
+    # every out part is checked before the first one is written
+    _check_out_cpu(oq, "out[0]", (*lead, n // 2), byte=True)
+    _check_out_cpu(osf, "out[1]", (*lead, n // BLOCK), byte=True)
+    _check_out_cpu(ogs, "out[2]", lead if scope == "row" else (), byte=False)
     gsv = None
     if gs is not None:
         gsv = np.asarray(T.to_numpy(gs, "gs") if not _is_number(gs) else gs, dtype=np.float32)
@@ -320,6 +351,24 @@ def _quantize_cpu(x, scope, gs, oq, osf, ogs):
     return (T.from_numpy(q, x, torch_dtype=_q_dtype_name(), out=oq),
             T.from_numpy(sf, x, torch_dtype=_sf_dtype_name(), out=osf),
             _gs_from_numpy(np.asarray(g, dtype=np.float32), x, ogs))
+
+
+def _check_out_cpu(t, name, shape, byte):
+    """A CPU out buffer: uint8 bytes (torch: also the FP8/FP4 byte views) or
+    float32 (gs), of `shape`."""
+    if t is None:
+        return
+    if isinstance(t, np.ndarray):
+        ok = t.dtype == (np.uint8 if byte else np.float32)
+    elif T.is_torch(t):
+        ok = t.dtype in (_byte_dtypes() if byte else (_torch().float32,))
+    else:
+        raise TypeError(f"{name}: expected a numpy array or a CPU torch tensor, got {type(t).__name__}")
+    if not ok:
+        want = "uint8 (or a float8/float4 byte view)" if byte else "float32"
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported (expected {want})")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
 def _gs_from_numpy(g, like, out):
@@ -353,14 +402,20 @@ def _check_q_sf(q, sf):
     n = q.shape[-1] * 2
     ref.check_last_dim(n, "q (2 elements per byte)")
     T.check_tensor(sf, "sf", _byte_dtypes(), shape=(*q.shape[:-1], n // BLOCK), device=_index(q.device))
+    if q.numel():
+        _check_aligned("q", q.data_ptr(), align=_Q_ALIGN)
     return q.view(torch.uint8), sf.view(torch.uint8), n
 
 
-def dequantize(q, sf, gs, *, dtype=None, out=None, stream=None):
+def dequantize(q, sf=None, gs=None, *, dtype=None, out=None, stream=None):
     """y (..., N) = e2m1[q] * (float(sf) * gs), rounded to `dtype` (bfloat16
     default, float16, float32). gs: a float, a 1-element float32 tensor, or
-    one per row (shape q.shape[:-1])."""
+    one per row (shape q.shape[:-1]). q may instead be a
+    rawkv.fused.QuantizedActivation, with sf and gs left out."""
+    if sf is None or gs is None:
+        q, sf, gs = _activation_parts(q, sf, gs)
     name, tdt = _out_dtype(dtype if dtype is not None else (out.dtype if out is not None else None))
+    gs = _decode_gs(gs)
     where = T.placement(("q", q), ("sf", sf), ("gs", gs), ("out", out))
     if where == "cpu":
         qa, sfa = T.to_numpy(q, "q"), T.to_numpy(sf, "sf")
@@ -380,10 +435,19 @@ def dequantize(q, sf, gs, *, dtype=None, out=None, stream=None):
             _check_aligned("out", out.data_ptr())
     rt = get_runtime(q8.device)
     if out is None:
-        out = rt.empty((*lead, n), tdt)
+        out = rt.empty((*lead, n), tdt, stream=stream)
     m = math.prod(lead)
     _launch_gather(rt, q8, sf8, kind, gsv, None, out, None, m, m, n, stream)
     return out
+
+
+def _activation_parts(q, sf, gs):
+    """(q, sf, gs) for dequantize(qa): a rawkv.fused.QuantizedActivation, sf and gs left out."""
+    from .fused import QuantizedActivation     # here: rawkv.fused is imported after this module
+    if not isinstance(q, QuantizedActivation) or sf is not None or gs is not None:
+        raise TypeError("sf, gs: both required, unless q is a rawkv.fused.QuantizedActivation "
+                        f"(then neither); got q of type {type(q).__name__}")
+    return q.q, q.sf, q.gs
 
 
 def gather(q, sf, gs, indices, *, dtype=None, out=None, errors=None, stream=None):
@@ -397,6 +461,7 @@ def gather(q, sf, gs, indices, *, dtype=None, out=None, errors=None, stream=None
     counted). On CPU, errors (a numpy array / CPU tensor) is added to the same
     way. gs: a float, a 1-element float32 tensor, or one per source row."""
     name, tdt = _out_dtype(dtype if dtype is not None else (out.dtype if out is not None else None))
+    gs = _decode_gs(gs)
     where = T.placement(("q", q), ("sf", sf), ("gs", gs), ("indices", indices), ("out", out),
                         ("errors", errors))
     if where == "cpu":
@@ -419,7 +484,7 @@ def gather(q, sf, gs, indices, *, dtype=None, out=None, errors=None, stream=None
             raise ValueError("errors: expected an int32 tensor with at least 1 element")
     rt = get_runtime(q8.device)
     if out is None:
-        out = rt.empty((*idx.shape, n), tdt)
+        out = rt.empty((*idx.shape, n), tdt, stream=stream)
         if out.numel():
             rt.memset(out.data_ptr(), 0, out.numel() * out.element_size(), stream)
     _launch_gather(rt, q8, sf8, kind, gsv, idx, out, errors, math.prod(lead), rows_out, n, stream)
@@ -436,7 +501,7 @@ def _launch_gather(rt, q8, sf8, kind, gsv, idx, out, errors, m, rows_out, n, str
     gs_ptr = gsv.data_ptr() if kind in ("row", "scalar") else 0
     gs_val = gsv if kind == "value" else 0.0
     tpr, block, gpc = _groups(-(-n8 // _GATHER_UNROLL))
-    fn = rt.function(_FILE, f"rkv_nvfp4_gather<{ct}, {it}, {rowgs}>")
+    fn = rt.function(_FILE, f"rkv_nvfp4_gather<{ct}, {it}, {rowgs}>", stream=stream)
     rt.launch(fn, (_grid(rt, rows_out, block, gpc),), (block,),
               (q8.data_ptr(), sf8.data_ptr(), gs_ptr, gs_val,
                idx.data_ptr() if idx is not None else 0, out.data_ptr(),
@@ -509,11 +574,11 @@ def swizzle_scales(sf, *, out=None, stream=None):
             _check_aligned("out", out.data_ptr())
     rt = get_runtime(sf.device)
     if out is None:
-        out = rt.empty((size,), torch.uint8)
+        out = rt.empty((size,), torch.uint8, stream=stream)
     if size:
         nwords = size // 4
         grid, block = rt.grid_stride(nwords, _BLOCK_THREADS)
-        rt.launch(rt.function(_FILE, "rkv_nvfp4_swizzle"), (grid,), (block,),
+        rt.launch(rt.function(_FILE, "rkv_nvfp4_swizzle", stream=stream), (grid,), (block,),
                   (sf.data_ptr(), out.data_ptr(), rows, cols, -(-cols // 4), nwords), stream)
     return _as_sf(out)
 
@@ -543,11 +608,11 @@ def unswizzle_scales(sw, shape, *, out=None, stream=None):
         out = _check_out(out, "out", _byte_dtypes(), shape, sw.device)
     rt = get_runtime(sw.device)
     if out is None:
-        out = rt.empty(shape, torch.uint8)
+        out = rt.empty(shape, torch.uint8, stream=stream)
     if rows * cols:
         ncb = -(-cols // 4)
         grid, block = rt.grid_stride(rows * ncb, _BLOCK_THREADS)
-        rt.launch(rt.function(_FILE, "rkv_nvfp4_unswizzle"), (grid,), (block,),
+        rt.launch(rt.function(_FILE, "rkv_nvfp4_unswizzle", stream=stream), (grid,), (block,),
                   (sw.data_ptr(), out.data_ptr(), rows, cols, ncb), stream)
     return _as_sf(out)
 

@@ -68,9 +68,23 @@ def test_all_bf16_values_as_single_element_blocks(cuda, scope):
     x = torch.zeros((1 << 16, 16), dtype=torch.bfloat16, device="cuda")
     x[:, 0] = v
     x[:, 5] = v * 0.37       # a second value in the block: exercises e2m1 below bmax
-    gs = 0.25 if scope == "given" else None
-    got = rawkv.nvfp4.quantize(x, scope=scope, gs=gs)
-    assert_q_equal(got, ref_of(x, scope, gs))
+    if scope != "tensor":
+        gs = 0.25 if scope == "given" else None
+        got = rawkv.nvfp4.quantize(x, scope=scope, gs=gs)
+        assert_q_equal(got, ref_of(x, scope, gs))
+        return
+    # One tensor of every BF16 value has amax ~3.4e38, so gs ~1.3e35 and 93%
+    # of the blocks quantize to zero. Instead each window of 2048 consecutive
+    # bit patterns (16 binades of one sign; Inf and the NaNs in the last
+    # window of each sign) is its own tensor, its amax near its values.
+    nonzero = 0
+    for w in range(0, 1 << 16, 2048):
+        xw = x[w:w + 2048]
+        want = ref_of(xw, "tensor")
+        assert_q_equal(rawkv.nvfp4.quantize(xw), want)
+        nonzero += int(((R.unpack_nibbles(want[0])[:, 0] & 7) != 0).sum())
+    vals = v.float().cpu().numpy()
+    assert nonzero > 0.99 * int((np.isfinite(vals) & (vals != 0)).sum())     # not vacuous
 
 
 @pytest.mark.parametrize("scope", ["none", "row", "tensor"])
@@ -182,6 +196,48 @@ def test_special_values(cuda, rng):
     assert u8(sf)[4, 0] == 0x7E and u8(sf)[1, 0] == 0x7F
 
 
+@pytest.mark.parametrize("xname", list(DTYPES))
+def test_large_tensor_scope_with_nan_inf(cuda, rng, xname):
+    # > SMALL_NUMEL: amax by atomicMax on float bits, which must skip NaN
+    # (whose bits are above every finite value) and Inf, of either sign
+    xs = rng.standard_normal((300, 7168)).astype(np.float32)
+    xs[3, 5] = np.nan
+    xs[5, 7] = -np.nan
+    xs[17, 100] = np.inf
+    xs[299, 7167] = -np.inf
+    xs[150, :16] = np.nan                   # a whole block
+    xs[42, 42] = -900.0                     # the finite amax (exact in BF16 / FP16)
+    x = torch.from_numpy(xs).to(DTYPES[xname]).cuda()
+    assert x.numel() > rawkv.nvfp4.SMALL_NUMEL
+    got = rawkv.nvfp4.quantize(x)
+    want = ref_of(x, "tensor")
+    assert_q_equal(got, want)
+    assert want[2] == np.float32(900) / np.float32(2688)
+    assert_decoded_equal(rawkv.nvfp4.dequantize(*got), R.dequantize(*want, "bfloat16"), "bfloat16")
+
+
+def test_3d_strided_views(cuda, rng):
+    # leading dims that collapse into one evenly strided row index (_row_view)
+    base = torch.from_numpy(rng.standard_normal((4, 6, 96)).astype(np.float32)).to(torch.bfloat16).cuda()
+    big = torch.from_numpy(rng.standard_normal((40, 30, 96)).astype(np.float32)).cuda()
+    views = [base[:, :, 32:96],            # 24 rows, 96 elements apart
+             base[1:3, :, :64],            # starts at row 6
+             base[:, 2:3, 32:96],          # a size-1 dim: rows 576 elements apart
+             base.view(2, 2, 6, 96)[:, :, :, 16:48],   # 4-D
+             big[:, :, 32:96]]             # > SMALL_NUMEL: the multi-kernel tensor path
+    assert views[-1].numel() > rawkv.nvfp4.SMALL_NUMEL
+    for v in views:
+        assert not v.is_contiguous()
+        for scope, gs in (("tensor", None), ("row", None), ("none", None), ("given", 0.03)):
+            got = rawkv.nvfp4.quantize(v, scope=scope, gs=gs)
+            assert got[0].shape == (*v.shape[:-1], v.shape[-1] // 2)
+            assert_q_equal(got, ref_of(v, scope, gs))
+    for bad in (base[:, 1:5, 16:80],       # rows 96 apart inside a 576 step: not even
+                base.transpose(0, 1)[..., :64]):
+        with pytest.raises(ValueError, match="^x:"):
+            rawkv.nvfp4.quantize(bad)
+
+
 def test_row_strided_view_and_refusals(cuda, rng):
     base = torch.from_numpy(rng.standard_normal((12, 96)).astype(np.float32)).to(torch.bfloat16).cuda()
     v = base[::2, 32:96]                           # row-strided 2-D view
@@ -197,6 +253,145 @@ def test_zero_rows(cuda):
     x = torch.empty((0, 32), device="cuda")
     q, sf, gs = rawkv.nvfp4.quantize(x)
     assert q.shape == (0, 16) and float(gs) == 1.0
+
+
+@pytest.mark.parametrize("as_int", [False, True])            # a torch stream or a raw handle
+@pytest.mark.parametrize("shape", [(3, 0), (0, 32), (3, 32)])
+@pytest.mark.parametrize("scope", ["tensor", "row", "given", "given-device", "none"])
+def test_gs_written_on_the_stream_argument(cuda, scope, shape, as_int):
+    # Stream s first sleeps, then sets gs to 7. quantize(..., stream=s) must
+    # write its gs after that, on s; written at once on torch's current
+    # stream (as the empty-input path once did) it would end up 7.
+    x = torch.zeros(shape, device="cuda")
+    gs_out = torch.zeros(shape[:-1] if scope == "row" else (), device="cuda")
+    given = {"given": 0.5, "given-device": torch.tensor([0.25], device="cuda")}.get(scope)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())          # x, gs_out, given are ready on s
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(100_000_000)                  # tens of milliseconds of GPU time
+        gs_out.fill_(7.0)
+    rawkv.nvfp4.quantize(x, scope=scope.split("-")[0], gs=given, out=(None, None, gs_out),
+                         stream=s.cuda_stream if as_int else s)
+    torch.cuda.synchronize()
+    want = {"given": 0.5, "given-device": 0.25}.get(scope, 1.0)    # x is all zero: amax 0 -> 1
+    assert (gs_out.cpu() == want).all()
+
+
+def test_allocation_refused_while_the_stream_argument_captures(cuda):
+    # torch's current stream is not capturing, the op's stream is: an op
+    # without out= must refuse to allocate (Runtime.empty gets the stream)
+    rawkv.warmup()
+    x = torch.randn(4, 64, device="cuda")
+    q, sf, gs = rawkv.nvfp4.quantize(x)
+    idx = torch.zeros(2, dtype=torch.int32, device="cuda")
+    sw = rawkv.nvfp4.swizzle_scales(sf)
+    s, other = torch.cuda.Stream(), torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    other.wait_stream(torch.cuda.current_stream())
+    ops = [lambda: rawkv.nvfp4.quantize(x, stream=s),
+           lambda: rawkv.nvfp4.dequantize(q, sf, gs, stream=s),
+           lambda: rawkv.nvfp4.gather(q, sf, gs, idx, stream=s),
+           lambda: rawkv.nvfp4.swizzle_scales(sf, stream=s),
+           lambda: rawkv.nvfp4.unswizzle_scales(sw, sf.shape, stream=s)]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s, capture_error_mode="relaxed"):
+        with torch.cuda.stream(other):
+            assert not torch.cuda.is_current_stream_capturing()
+            for op in ops:
+                with pytest.raises(rawkv.CaptureError, match="out="):
+                    op()
+    torch.cuda.synchronize()
+
+
+# ---- zero and bad global scales ---------------------------------------------------------
+@pytest.mark.parametrize("scope", ["tensor", "row"])
+@pytest.mark.parametrize("shape", [(3, 32), (520, 128)])       # tensor scope: small, large path
+def test_tiny_amax_gives_gs_one(cuda, scope, shape):
+    # amax ~1e-43: amax / 2688 underflows to 0 in float32, so gs must be 1
+    # (not 0, which would make every zero block's sf NaN)
+    xs = np.zeros(shape, np.float32)
+    xs[0, 0] = 1e-43
+    xs[1, 20] = -1e-43
+    xs[-1, -1] = 3e-43
+    x = torch.from_numpy(xs).cuda()
+    if scope == "tensor" and shape[0] > 3:
+        assert x.numel() > rawkv.nvfp4.SMALL_NUMEL
+    got = rawkv.nvfp4.quantize(x, scope=scope)
+    want = ref_of(x, scope)
+    assert_q_equal(got, want)
+    assert (want[2] == 1).all() and not want[0].any()
+    y = rawkv.nvfp4.dequantize(*got, dtype=torch.float32)
+    assert_decoded_equal(y, R.dequantize(*want, "float32"), "float32")
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("g", [0.0, -1.0, float("inf"), float("nan")])
+@pytest.mark.parametrize("xname", list(DTYPES))
+def test_given_device_gs_not_positive_finite(cuda, rng, g, xname):
+    # a device gs is not range-checked (no host sync): kernels and reference
+    # agree on what the formula gives (codes 0 where es is not positive finite)
+    xs = rng.standard_normal((5, 64)).astype(np.float32)
+    xs[1, :16] = 0
+    xs[2, 17] = np.nan
+    xs[3, 40] = np.inf
+    x = torch.from_numpy(xs).to(DTYPES[xname]).cuda()
+    gdev = torch.tensor([g], device="cuda")
+    want = ref_of(x, "given", gdev)
+    assert_q_equal(rawkv.nvfp4.quantize(x, scope="given", gs=gdev), want)
+    ogs = torch.zeros((), device="cuda")
+    got = rawkv.nvfp4.quantize(x, scope="given", gs=gdev, out=(None, None, ogs))
+    assert_q_equal(got, want)
+    with np.errstate(invalid="ignore"):
+        ref_y = R.dequantize(*want, "float32")
+    assert_decoded_equal(rawkv.nvfp4.dequantize(*got, dtype=torch.float32), ref_y, "float32")
+
+
+def test_numpy_scalar_gs(cuda, rng):
+    x = torch.from_numpy(rng.standard_normal((6, 64)).astype(np.float32)).cuda()
+    g32 = np.float32(0.0123)
+    want = ref_of(x, "given", float(g32))
+    for g in (g32, np.float64(g32), float(g32)):
+        assert_q_equal(rawkv.nvfp4.quantize(x, scope="given", gs=g), want)
+        y = rawkv.nvfp4.dequantize(want_q(want[0]), want_q(want[1]), g, dtype=torch.float32)
+        assert_decoded_equal(y, R.dequantize(want[0], want[1], g32, "float32"), "float32")
+        idx = torch.tensor([5, 0], device="cuda")
+        y = rawkv.nvfp4.gather(want_q(want[0]), want_q(want[1]), g, idx, dtype=torch.float32)
+        assert_decoded_equal(y, R.dequantize(want[0], want[1], g32, "float32")[[5, 0]], "float32")
+    with pytest.raises(ValueError, match="^gs:"):
+        rawkv.nvfp4.quantize(x, scope="given", gs=np.float64(1e39))
+
+
+def want_q(a):
+    """A reference byte array as a CUDA uint8 tensor."""
+    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+
+# ---- exact E2M1 ties ----------------------------------------------------------------------
+TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+TIE_CODES = np.array([0, 2, 2, 4, 4, 6, 6, 7], np.uint8)    # the even neighbour; 6 is bmax
+TIE_SCALES = [1.0, 0.5, 1.5, 0.875, 3.5, 448.0, 2.0 ** -9, 7 * 2.0 ** -9]   # E4M3 values
+
+
+@pytest.mark.parametrize("gs", [None, 0.375, 1.25, "device"])
+@pytest.mark.parametrize("n", [16, 32])                    # one block per unit, two
+@pytest.mark.parametrize("xname", list(DTYPES))
+def test_e2m1_ties_go_to_even(cuda, xname, n, gs):
+    # Block i: [+-t * s_i * gs for t in TIES]. bmax = 6 * s_i * gs, so sf =
+    # s_i, es = s_i * gs (not a power of two for gs 0.375, 1.25) and
+    # x / es = +-t exactly: every t but 6 is an E2M1 tie. All values are
+    # exact in BF16 and FP16 (tests/test_nvfp4_reference.py checks that).
+    gsv = {None: 1.0, "device": 0.375}.get(gs, gs)
+    t = np.concatenate([TIES, -TIES])
+    xs = (np.stack([t * s for s in TIE_SCALES]) * gsv).astype(np.float32).reshape(-1, n)
+    x = torch.from_numpy(xs).to(DTYPES[xname]).cuda()
+    assert np.array_equal(x.float().cpu().numpy(), xs)
+    scope = "none" if gs is None else "given"
+    g_arg = torch.tensor([gsv], device="cuda") if gs == "device" else gs
+    got = rawkv.nvfp4.quantize(x, scope=scope, gs=g_arg)
+    want = ref_of(x, scope, None if gs is None else gsv)
+    assert_q_equal(got, want)
+    codes = R.unpack_nibbles(u8(got[0])).reshape(-1, 16)
+    assert (codes == np.concatenate([TIE_CODES, TIE_CODES | 8])).all()
 
 
 # ---- gather -------------------------------------------------------------------------
@@ -259,6 +454,12 @@ def test_bad_arguments_write_nothing(cuda):
         rawkv.nvfp4.quantize(torch.ones(4, 64, dtype=torch.int32, device="cuda"), out=(q, sf, gs))
     with pytest.raises(ValueError, match="^gs:"):
         rawkv.nvfp4.quantize(x, scope="given", gs=torch.ones(2, device="cuda"), out=(q, sf, gs))
+    with pytest.raises(TypeError, match=r"^out\[0\]:"):
+        rawkv.nvfp4.quantize(x, out=(torch.zeros(4, 32, device="cuda"), sf, gs))     # float32 q
+    with pytest.raises(ValueError, match=r"^out\[2\]:"):
+        rawkv.nvfp4.quantize(x, out=(q, sf, torch.zeros(4, device="cuda")))          # gs shape
+    with pytest.raises(ValueError, match=r"^out\[2\]:"):
+        rawkv.nvfp4.quantize(x, scope="row", out=(q, sf, gs))                         # gs shape
     assert (u8(q) == 0xAB).all() and (u8(sf) == 0xAB).all() and float(gs) == 5.0
     out = torch.full((4, 64), 3.0, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="^sf:"):
@@ -277,6 +478,32 @@ def test_bad_arguments_write_nothing(cuda):
     assert (out.float() == 3.0).all()
     with pytest.raises(ValueError, match="^sw:"):
         rawkv.nvfp4.unswizzle_scales(torch.zeros(100, dtype=torch.uint8, device="cuda"), (4, 4))
+
+
+def test_misaligned_q_refused(cuda, rng):
+    # rkv_nvfp4_gather loads q as 4-byte words: q must be 4-byte aligned
+    # (ValueError naming q, nothing written); sf may sit at any byte
+    x = torch.from_numpy(rng.standard_normal((8, 64)).astype(np.float32)).cuda()
+    q, sf, gs = rawkv.nvfp4.quantize(x)
+    idx = torch.tensor([7, 0, 3], device="cuda")
+    buf = torch.zeros(8 * 32 + 16, dtype=torch.uint8, device="cuda")
+    out = torch.full((8, 64), 3.0, dtype=torch.bfloat16, device="cuda")
+    for off in (1, 2, 3, 6):
+        qm = buf[off:off + 8 * 32].view(8, 32)
+        qm.copy_(q.view(torch.uint8))
+        with pytest.raises(ValueError, match="^q:"):
+            rawkv.nvfp4.dequantize(qm, sf, gs, out=out)
+        with pytest.raises(ValueError, match="^q:"):
+            rawkv.nvfp4.gather(qm, sf, gs, idx, out=out[:3])
+    assert (out.float() == 3.0).all()
+    q4 = buf[4:4 + 8 * 32].view(8, 32)               # 4-byte aligned: what the kernel needs
+    q4.copy_(q.view(torch.uint8))
+    sfb = torch.zeros(8 * 4 + 1, dtype=torch.uint8, device="cuda")
+    sf1 = sfb[1:].view(8, 4)                          # odd address
+    sf1.copy_(sf.view(torch.uint8))
+    want = R.dequantize(u8(q), u8(sf), gs.cpu().numpy(), "float32")
+    assert_decoded_equal(rawkv.nvfp4.dequantize(q4, sf1, gs, dtype=torch.float32), want, "float32")
+    assert_decoded_equal(rawkv.nvfp4.gather(q4, sf1, gs, idx, dtype=torch.float32), want[[7, 0, 3]], "float32")
 
 
 # ---- CUDA graph capture ----------------------------------------------------------------------

@@ -3,6 +3,8 @@ checked exhaustively against independent brute-force searches, the encoding
 steps of docs/format.md, gather and the scale swizzle."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -114,17 +116,32 @@ def test_e4m3_every_tie_goes_to_even():
 
 
 # ---- quantize: the steps of the spec -------------------------------------------------
+def spec_gs(values, scope_gs=None):
+    """Spec section 2 step 1 for one scope's values, with Python scalars
+    (independent of R.global_scale): amax over the finite elements, gs =
+    amax / 2688 in float32, 1 where that is 0. scope_gs: a given gs."""
+    f = np.float32
+    if scope_gs is not None:
+        return f(scope_gs)
+    amax = max((abs(float(a)) for a in np.ravel(values) if math.isfinite(a)), default=0.0)
+    with np.errstate(under="ignore"):
+        g = f(amax) / f(2688.0)
+    return f(1.0) if g == 0 else g
+
+
 def spec_block(v, gs):
     """Spec section 2 steps 2-5 for one block, written with Python scalars and
-    float32 numpy scalars one operation at a time (independent of R.quantize)."""
+    float32 numpy scalars one operation at a time (independent of R.quantize).
+    Step 3 as docs/format.md decides: codes only for a positive finite es."""
     f = np.float32
     v = [f(a) for a in v]
     if not all(np.isfinite(a) for a in v):
         return [0] * 16, 0x7F
     bmax = max(abs(a) for a in v)
-    sf = int(F.e4m3_encode(f(bmax) / (f(gs) * f(6.0))))
-    es = f(F.e4m3_decode(sf)) * f(gs)
-    if es == 0:
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        sf = int(F.e4m3_encode(f(bmax) / (f(gs) * f(6.0))))
+        es = f(F.e4m3_decode(sf)) * f(gs)
+    if not (es > 0 and np.isfinite(es)):
         return [0] * 16, sf
     return [int(F.e2m1_encode(a / es)) for a in v], sf
 
@@ -139,10 +156,130 @@ def test_quantize_matches_blockwise_spec(rng):
         q, sf, gs = R.quantize(x, scope, gs_in)
         codes = R.unpack_nibbles(q)
         for r in range(5):
-            g = gs[r] if scope == "row" else gs
+            # step 1 computed here, not taken from R.quantize
+            if scope == "row":
+                g = spec_gs(x[r])
+            elif scope == "tensor":
+                g = spec_gs(x)
+            else:
+                g = spec_gs(None, gs_in if scope == "given" else 1.0)
+            assert (gs[r] if scope == "row" else gs) == g
             for b in range(4):
                 want_c, want_sf = spec_block(x[r, b * 16:(b + 1) * 16], g)
                 assert sf[r, b] == want_sf and list(codes[r, b * 16:(b + 1) * 16]) == want_c
+
+
+@pytest.mark.parametrize("scope", ["tensor", "row"])
+def test_tiny_amax_gives_gs_one_and_zero_codes(scope):
+    # amax ~1e-43 (float32 subnormal): amax / 2688 underflows to 0, so gs
+    # must become 1 (a zero gs would make a zero block's sf 0/0 = NaN)
+    x = np.zeros((3, 32), np.float32)
+    x[0, 0] = 1e-43
+    x[1, 20] = -1e-43                  # rows 0/1: a tiny block and a zero block
+    x[2, :] = 0                        # row 2: all zero (amax == 0)
+    assert np.float32(1e-43) / np.float32(2688) == 0
+    q, sf, gs = R.quantize(x, scope)
+    assert (gs == 1).all() and gs.shape == (() if scope == "tensor" else (3,))
+    assert not R.unpack_nibbles(q).any() and not sf.any()
+    y = R.dequantize(q, sf, gs, "float32")
+    assert np.isfinite(y).all() and not y.any()
+    got = rawkv.nvfp4.quantize(x, scope=scope)         # the CPU op path
+    assert np.array_equal(got[0], q) and np.array_equal(got[1], sf) and np.array_equal(got[2], gs)
+
+
+@pytest.mark.parametrize("g", [0.0, -1.0, np.inf, np.nan])
+def test_given_tensor_gs_not_positive_finite(g):
+    """A given gs as a tensor is not range-checked (on a GPU it lives on the
+    device): the result is what the formula gives, with codes only where
+    es = float(sf) * gs is positive and finite. gs 0, Inf, NaN: every code 0.
+    gs -1: sf = e4m3(bmax / -6) is negative, so es = sf * gs is positive and
+    the codes are those of x / es (decoding with gs = -1 gives x back)."""
+    torch = pytest.importorskip("torch")
+    x = np.zeros((2, 32), np.float32)
+    x[0, :16] = np.linspace(-3, 3, 16)
+    x[1, 16:] = 0.01                       # row 0 block 1 / row 1 block 0: zero blocks
+    q, sf, gs = R.quantize(x, "given", np.float32(g))
+    codes = R.unpack_nibbles(q)
+    for r in range(2):
+        for b in range(2):
+            want_c, want_sf = spec_block(x[r, b * 16:(b + 1) * 16], g)
+            assert sf[r, b] == want_sf and list(codes[r, b * 16:(b + 1) * 16]) == want_c
+    if g != -1.0:
+        assert not codes.any()
+    else:
+        assert codes[0].any() and (sf[0] & 0x80).all()
+    # the op's CPU path, gs as a CPU tensor (a number gs would be refused)
+    q2, sf2, gs2 = rawkv.nvfp4.quantize(torch.from_numpy(x), scope="given", gs=torch.tensor(g))
+    assert np.array_equal(q2.view(torch.uint8).numpy(), q)
+    assert np.array_equal(sf2.view(torch.uint8).numpy(), sf)
+    assert np.array_equal(gs2.numpy(), np.float32(g), equal_nan=True)
+
+
+@pytest.mark.parametrize("g", [1e39, -1e39, 1e-46, 0.0, -0.0, -1.0, float("nan"), float("inf"),
+                               np.float64(1e39), np.float32(0.0), np.float32(np.nan), np.int64(0)])
+def test_number_gs_checked_as_float32(g):
+    x = np.ones((2, 16), np.float32)
+    with pytest.raises(ValueError, match="^gs:"):
+        rawkv.nvfp4.quantize(x, scope="given", gs=g)
+
+
+def as_bytes(t):
+    """uint8 numpy bytes of a numpy array or a CPU torch byte tensor."""
+    if isinstance(t, np.ndarray):
+        return t
+    import torch
+    return t.view(torch.uint8).numpy()
+
+
+def test_number_gs_bool_refused_and_numpy_scalars_accepted():
+    torch = pytest.importorskip("torch")
+    x = np.linspace(-5, 5, 32, dtype=np.float32).reshape(2, 16)
+    for b in (True, np.bool_(True)):
+        with pytest.raises(TypeError, match="^gs:"):
+            rawkv.nvfp4.quantize(x, scope="given", gs=b)
+    want = R.quantize(x, "given", np.float32(0.1))
+    for g in (np.float32(0.1), float(np.float32(0.1)), np.float64(np.float32(0.1))):
+        for xs in (x, torch.from_numpy(x)):
+            q, sf, gs = rawkv.nvfp4.quantize(xs, scope="given", gs=g)
+            q, sf = as_bytes(q), as_bytes(sf)
+            assert np.array_equal(q, want[0]) and np.array_equal(sf, want[1])
+            assert np.asarray(gs, np.float32) == np.float32(0.1)
+    # 1e-45 is a float32 (the smallest subnormal): accepted
+    assert R.quantize(x, "given", np.float32(1e-45))[2] == rawkv.nvfp4.quantize(x, scope="given", gs=1e-45)[2]
+    # decode gs as numpy scalars too
+    y = rawkv.nvfp4.dequantize(want[0], want[1], np.float32(0.1), dtype="float32")
+    assert np.array_equal(y, R.dequantize(want[0], want[1], np.float32(0.1), "float32"))
+    y = rawkv.nvfp4.gather(want[0], want[1], np.float32(0.1), np.array([1, 0], np.int32), dtype="float32")
+    assert np.array_equal(y, R.dequantize(want[0], want[1], np.float32(0.1), "float32")[::-1])
+
+
+TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+TIE_CODES = np.array([0, 2, 2, 4, 4, 6, 6, 7], np.uint8)   # the even neighbour; 6 is bmax
+
+
+def tie_blocks(scales):
+    """One 16-block per E4M3 value s in `scales`: [+-t * s for t in TIES]
+    (times gs, by the caller); bmax = 6 * s * gs, so sf = s exactly and
+    x / es = +-t exactly, an E2M1 tie for every t but 6. t and s have at most
+    3 significant bits and gs at most 2, so every value is exact in BF16
+    (8 bits) and FP16."""
+    t = np.concatenate([TIES, -TIES])
+    return np.stack([t * s for s in scales]).astype(np.float32)
+
+
+TIE_SCALES = [1.0, 0.5, 1.5, 0.875, 3.5, 448.0, 2.0 ** -9, 7 * 2.0 ** -9]   # E4M3 values
+
+
+@pytest.mark.parametrize("gs", [None, 0.375, 1.25])      # given gs: es is not a power of two
+def test_quantize_ties_go_to_even(gs):
+    x = tie_blocks(TIE_SCALES) * np.float32(gs if gs else 1.0)
+    # exact in BF16 and FP16 (the GPU test sends these through 16-bit inputs)
+    assert np.array_equal(F.round_to_dtype(x, "bfloat16"), x)
+    assert np.array_equal(x.astype(np.float16).astype(np.float32), x)
+    q, sf, _ = R.quantize(x, "none" if gs is None else "given", gs)
+    assert np.array_equal(F.e4m3_decode(sf[:, 0]), np.float32(TIE_SCALES))
+    want = np.concatenate([TIE_CODES, TIE_CODES | 8])
+    assert (R.unpack_nibbles(q) == want).all()
 
 
 def test_quantize_scopes_and_gs():
@@ -219,6 +356,53 @@ def test_ops_numpy_and_torch_cpu(rng):
     res = rawkv.nvfp4.quantize(xt, scope="given", gs=0.01, out=outs)
     assert res[0].data_ptr() == outs[0].data_ptr() and float(outs[2]) == np.float32(0.01)
     assert rawkv.nvfp4.quantize(xt)[2].shape == ()
+
+
+def test_check_aligned_is_a_pure_check():
+    nv = rawkv.nvfp4
+    nv._check_aligned("x", 4096, 64 * 2)
+    nv._check_aligned("q", 4100, align=4)
+    for args, align in (((4097,), 16), ((4096, 24), 16), ((4102,), 4), ((4097,), 4)):
+        with pytest.raises(ValueError, match="^q:"):
+            nv._check_aligned("q", *args, align=align)
+
+
+def test_q_alignment_checked_by_the_cuda_argument_check():
+    # _check_q_sf is what dequantize and gather run on CUDA tensors; it only
+    # looks at shapes, dtypes and data pointers, so CPU tensors exercise it
+    torch = pytest.importorskip("torch")
+    buf = torch.zeros(4 * 8 + 4, dtype=torch.uint8)
+    sf = torch.zeros(4, 1, dtype=torch.uint8)
+    assert buf.data_ptr() % 16 == 0
+    for off in (1, 2, 3):
+        with pytest.raises(ValueError, match="^q:"):
+            rawkv.nvfp4._check_q_sf(buf[off:off + 32].view(4, 8), sf)
+    q8, sf8, n = rawkv.nvfp4._check_q_sf(buf[4:36].view(4, 8), buf[1:5].view(4, 1))   # what the kernel needs
+    assert n == 16
+
+
+@pytest.mark.parametrize("bad", ["q_shape", "q_dtype", "sf_shape", "sf_dtype", "gs_shape", "gs_dtype"])
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_quantize_cpu_out_checked_before_any_write(bad, lib):
+    torch = pytest.importorskip("torch")
+    x = np.ones((4, 64), np.float32)
+    shapes = {"q": (4, 32), "sf": (4, 4), "gs": ()}
+    dtypes = {"q": np.uint8, "sf": np.uint8, "gs": np.float32}
+    part, what = bad.split("_")
+    if what == "shape":
+        shapes[part] = (4, 3) if part != "gs" else (4,)
+    else:
+        dtypes[part] = np.float32 if part != "gs" else np.float64
+    outs = [np.full(shapes[k], 0xAB if dtypes[k] == np.uint8 else 5.0, dtypes[k]) for k in ("q", "sf", "gs")]
+    if lib == "torch":
+        outs = [torch.from_numpy(o) for o in outs]
+        x = torch.from_numpy(x)
+    before = [o.numpy().copy() if lib == "torch" else o.copy() for o in outs]
+    name = f"out[{['q', 'sf', 'gs'].index(part)}]"
+    with pytest.raises(ValueError if what == "shape" else TypeError, match="^" + name.replace("[", r"\[")):
+        rawkv.nvfp4.quantize(x, out=tuple(outs))
+    for o, b in zip(outs, before):
+        assert np.array_equal(o.numpy() if lib == "torch" else o, b)     # nothing written
 
 
 def test_bad_arguments_cpu():

@@ -12,7 +12,9 @@
 // lane l handles units l, l + tpr, ...
 //
 // Pointers: x rows are `ldx` elements apart (row-strided 2-D views), q / sf /
-// out are dense. The host checks 16-byte alignment of every vector access.
+// out are dense. The host (nvfp4.py _check_aligned) checks the alignment of
+// every vector access: 16 bytes for x, quantize's q / sf, gather's out; 4 for
+// gather's q (read as u32 words); sf is read byte by byte.
 #include "packed16.cuh"
 using namespace rkv;
 
