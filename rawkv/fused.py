@@ -13,8 +13,9 @@ to allocate them) so that a captured CUDA graph needs no allocation.
 
 Global scale (`scope`): 'row' (default: one gs per row, computed on the
 device), 'tensor' (one gs for the tensor, computed on the device: two
-launches), 'given' (`gs`: a Python float or a 1-element float32 device tensor,
-read on the device) or 'none' (one-level NVFP4, gs = 1).
+launches), 'given' (`gs`: a number, finite and > 0 as a float32, or a
+1-element float32 device tensor, read on the device) or 'none' (one-level
+NVFP4, gs = 1). rawkv.nvfp4.dequantize(qa) decodes a result.
 
 CUDA inputs are bfloat16 or float16; numpy arrays and CPU tensors run
 rawkv.reference.fused, which defines every op (float32 numpy arrays: no
@@ -22,7 +23,6 @@ rounding of the intermediates; see docs/fused.md).
 """
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -39,6 +39,7 @@ _CT = {"bfloat16": "__nv_bfloat16", "float16": "__half"}
 _REG = 2
 _MAX_BLOCK = 1536 // _REG   # fused.cu kMaxThreads / REG on every arch (sm_100+: 1536)
 register_kernels(_FILE, [f"rkv_fused_rms<{c}, {m}, {_REG}>" for c in _CT.values() for m in ("false", "true")]
+                 + ["rkv_fused_set_gs"]
                  + [f"rkv_fused_swiglu<{c}, {v}, {_REG}>" for c in _CT.values() for v in ("true", "false")]
                  + [f"rkv_moe_stage<{c}, {i}>" for c in _CT.values() for i in ("int", "long long")])
 
@@ -60,16 +61,9 @@ class QuantizedActivation(NamedTuple):
     def dequantize(self, dtype=None):
         """x ~ e2m1[q] * (float(sf) * gs), rounded to `dtype` (bfloat16
         default), through rawkv.nvfp4.dequantize (kernel on CUDA, reference
-        on CPU); without it, the reference / torch operations that follow it."""
+        on CPU). rawkv.nvfp4.dequantize(qa) is the same call."""
         from . import nvfp4
-        if getattr(nvfp4, "dequantize", None) is not None:
-            return nvfp4.dequantize(self.q, self.sf, self.gs, dtype=dtype)
-        if T.placement(("q", self.q), ("sf", self.sf), ("gs", self.gs)) == "cpu":
-            name = _dtype_name(dtype) if dtype is not None else "bfloat16"
-            vals = ref_nvfp4.dequantize(T.to_numpy(self.q, "q"), T.to_numpy(self.sf, "sf"),
-                                        np.asarray(T.to_numpy(self.gs, "gs"), np.float32), name)
-            return T.from_numpy(vals, self.q, torch_dtype=dtype or "bfloat16")
-        return _torch_dequantize(self.q, self.sf, self.gs, dtype)
+        return nvfp4.dequantize(self.q, self.sf, self.gs, dtype=dtype)
 
 
 class MoEStaged(NamedTuple):
@@ -86,13 +80,22 @@ def _dtype_name(dt) -> str:
     return str(dt).replace("torch.", "")
 
 
-def _np_dtype_name(x) -> str:
-    """Rounding dtype of the intermediates for a CPU input."""
-    if T.is_torch(x):
-        name = _dtype_name(x.dtype)
-    else:
-        name = str(np.asarray(x).dtype)
-    return name if name in ref.DTYPES else "float32"
+def _cpu_dtype_name(a, name) -> str:
+    """dtype name of a CPU array (numpy, CPU torch or DLPack), as torch spells it."""
+    return _dtype_name(a.dtype) if T.is_torch(a) else str(T.to_numpy(a, name).dtype)
+
+
+def _check_cpu_dtype(a, name, allowed):
+    """The CPU path checks dtypes as the CUDA path does (float32 inputs are
+    the reference's own precision: the intermediates are not rounded)."""
+    dt = _cpu_dtype_name(a, name)
+    if dt not in allowed:
+        raise TypeError(f"{name}: dtype {dt} is not supported (expected {', '.join(allowed)})")
+    return dt
+
+
+_CPU_X = ("bfloat16", "float16", "float32")     # x, h, hidden on CPU (CUDA: bfloat16, float16)
+_PARAM = ("float32", "bfloat16", "float16")     # weight, mix, topk_weights
 
 
 def _shape(x):
@@ -100,6 +103,9 @@ def _shape(x):
 
 
 def _resolve_scope(scope, gs):
+    """(scope, gs). A number gs comes back as a Python float, checked: the
+    kernels read it as a float32, and 0, a negative, NaN or Inf would give
+    all-zero codes or sign-bit scales instead of an error."""
     if scope is None:
         scope = "given" if gs is not None else "row"
     if scope not in _SCOPES:
@@ -108,16 +114,40 @@ def _resolve_scope(scope, gs):
         raise ValueError("gs: scope 'given' needs a global scale (a float or a 1-element tensor)")
     if scope != "given" and gs is not None:
         raise ValueError(f"gs: a global scale is only used with scope='given' (got scope={scope!r})")
-    if gs is not None and not isinstance(gs, (int, float)):
+    if T.is_number(gs) or isinstance(gs, (bool, np.bool_)):
+        gs = T.check_scale_value(gs, "gs")       # bool: TypeError
+    elif gs is not None:
         n = int(np.prod(_shape(gs))) if hasattr(gs, "shape") else -1
         if n != 1:
             raise ValueError(f"gs: expected a float or a 1-element tensor, got shape {_shape(gs)}")
-    return scope
+    return scope, gs
 
 
-def _check_eps(eps):
-    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps: expected a finite float >= 0, got {eps!r}")
+def _check_eps(eps) -> float:
+    """eps as a Python float: any real number (numpy scalars too) that is
+    finite and >= 0 as the float32 the kernel and the reference use."""
+    if T.is_number(eps):
+        with np.errstate(over="ignore"):
+            if np.isfinite(np.float32(eps)) and eps >= 0:
+                return float(eps)
+    raise ValueError(f"eps: expected a finite float >= 0, got {eps!r}")
+
+
+def _check_width(n, name):
+    """The last dimension: a positive multiple of 16 (N == 0 has no row to
+    normalize and would leave gs / inv_rms unwritten on CUDA)."""
+    if n == 0:
+        raise ValueError(f"{name}: the last dimension is 0; expected a positive multiple of 16")
+    ref_nvfp4.check_last_dim(n, name)
+
+
+def _cpu_gs(gs):
+    """A given gs for the reference: a float32 0-d array (or None). CPU
+    arrays must be float32, as on CUDA."""
+    if gs is None or isinstance(gs, float):
+        return None if gs is None else np.asarray(gs, np.float32)
+    _check_cpu_dtype(gs, "gs", ("float32",))
+    return np.asarray(T.to_numpy(gs, "gs"), np.float32).reshape(())
 
 
 def _split_out(out):
@@ -157,20 +187,6 @@ def _cpu_put(arr, like, out, torch_dtype=None):
     return out
 
 
-def _torch_dequantize(q, sf, gs, dtype):
-    import torch
-    from .reference.formats import E2M1_VALUES
-    dtype = dtype or torch.bfloat16
-    lut = torch.from_numpy(E2M1_VALUES.copy()).to(q.device)
-    qb = q.view(torch.uint8)
-    codes = torch.stack([qb & 0xF, qb >> 4], dim=-1).reshape(*qb.shape[:-1], qb.shape[-1] * 2)
-    es = sf.view(torch.uint8).view(torch.float8_e4m3fn).float()
-    g = gs.float()
-    es = es * (g[..., None] if g.dim() and g.numel() != 1 else g.reshape(()))
-    vals = lut[codes.long()].reshape(*es.shape, 16) * es[..., None]
-    return vals.reshape(codes.shape).to(dtype)
-
-
 def _block_for(rt, rows: int, chunks: int, max_block: int = _MAX_BLOCK) -> int:
     """Threads per row CTA: one 16-element chunk per thread when rows are few
     (latency), else up to REG chunks per thread (fewer, fuller threads)."""
@@ -186,19 +202,27 @@ def _torch_dt(name):
     return getattr(t, name) if t is not None else None
 
 
-def _check_cpu_outs(pairs):
-    """Check every out= buffer's shape before any is written."""
-    for name, arr, o in pairs:
-        if o is not None and tuple(o.shape) != tuple(np.shape(arr)):
+def _check_cpu_outs(specs):
+    """Check every out= buffer's dtype and shape before any is written:
+    specs are (name, result array, out or None, allowed dtype names)."""
+    for name, arr, o, dts in specs:
+        if o is None:
+            continue
+        _check_cpu_dtype(o, name, dts)
+        if tuple(o.shape) != tuple(np.shape(arr)):
             raise ValueError(f"{name}: expected shape {tuple(np.shape(arr))}, got {tuple(o.shape)}")
+
+
+_OUT_Q = ("uint8", "float4_e2m1fn_x2")
+_OUT_SF = ("uint8", "float8_e4m3fn")
 
 
 def _cpu_result(like, q, sf, g, inv, out_q, out_sf, out_gs, out_inv):
     u8 = _torch_dt("uint8")
     fp4 = _torch_dt("float4_e2m1fn_x2") or u8
     fp8 = _torch_dt("float8_e4m3fn") or u8
-    _check_cpu_outs((("out.q", q, out_q), ("out.sf", sf, out_sf), ("out.gs", g, out_gs),
-                     ("out.inv_rms", inv, out_inv)))
+    _check_cpu_outs((("out.q", q, out_q, _OUT_Q), ("out.sf", sf, out_sf, _OUT_SF),
+                     ("out.gs", g, out_gs, ("float32",)), ("out.inv_rms", inv, out_inv, ("float32",))))
     return QuantizedActivation(_cpu_put(q, like, out_q, fp4), _cpu_put(sf, like, out_sf, fp8),
                                _cpu_put(g, like, out_gs),
                                None if inv is None else _cpu_put(inv, like, out_inv))
@@ -228,7 +252,7 @@ def _check_aligned(t, name, align=16):
 def _gs_arg(gs, device):
     """(pointer, value) for a given gs: a device float32 tensor or a float."""
     import torch
-    if isinstance(gs, (int, float)):
+    if isinstance(gs, float):
         return 0, float(gs)
     g = T.as_cuda_tensor(gs, "gs")
     if g.dtype != torch.float32:
@@ -238,7 +262,7 @@ def _gs_arg(gs, device):
     return g.data_ptr(), 0.0
 
 
-def _quant_outputs(rt, lead, n, scope, device, out_q, out_sf, out_gs, out_inv, want_inv):
+def _quant_outputs(rt, lead, n, scope, device, out_q, out_sf, out_gs, out_inv, want_inv, stream):
     """Validate or allocate q, sf, gs (and inv_rms) for rows `lead` of width n."""
     import torch
     byte = T.byte_dtypes(torch)
@@ -263,13 +287,13 @@ def _quant_outputs(rt, lead, n, scope, device, out_q, out_sf, out_gs, out_inv, w
             checked.append(None)
     q, sf, gs, inv = checked
     if q is None:                # the dtypes rawkv.nvfp4.quantize returns
-        q = _as_view(rt.empty((*lead, n // 2), torch.uint8), "float4_e2m1fn_x2")
+        q = _as_view(rt.empty((*lead, n // 2), torch.uint8, stream), "float4_e2m1fn_x2")
     if sf is None:
-        sf = _as_view(rt.empty((*lead, n // 16), torch.uint8), "float8_e4m3fn")
+        sf = _as_view(rt.empty((*lead, n // 16), torch.uint8, stream), "float8_e4m3fn")
     if gs is None:
-        gs = rt.empty(gshape, torch.float32)
+        gs = rt.empty(gshape, torch.float32, stream)
     if want_inv and inv is None:
-        inv = rt.empty(lead, torch.float32)
+        inv = rt.empty(lead, torch.float32, stream)
     return q, sf, gs, inv
 
 
@@ -277,14 +301,14 @@ def _run_rows(rt, fn, rows, chunks, scope, gs_given, gs_t, args_pre, args_post, 
               max_block=_MAX_BLOCK):
     """Launch a row kernel with the gs mode(s) of `scope`. args_pre end just
     before gs_out; args_post is what follows gs_out up to gs_in."""
-    if rows == 0:                       # nothing to launch; gs still gets its value
-        if scope in ("tensor", "none"):
-            gs_t.fill_(1.0)
-        elif scope == "given":
-            if isinstance(gs_given, (int, float)):
-                gs_t.fill_(float(np.float32(gs_given)))
-            else:
-                gs_t.copy_(T.as_cuda_tensor(gs_given, "gs").reshape(gs_t.shape))
+    if rows == 0:
+        # No row CTA runs, and the row kernel is what writes gs: one thread
+        # writes it on `stream` (a torch fill_ would run on torch's current
+        # stream, out of order with the caller's `stream`). Scope 'row': no gs.
+        if scope != "row":
+            gin, gval = _gs_arg(gs_given, gs_t.device) if scope == "given" else (0, 1.0)
+            fn = rt.function(_FILE, "rkv_fused_set_gs", stream=stream)
+            rt.launch(fn, (1,), (1,), (gs_t.data_ptr(), gin, gval), stream)
         return
     block = _block_for(rt, rows, chunks, max_block)
     gptr = gs_t.data_ptr()
@@ -322,11 +346,11 @@ def mhc_rmsnorm_quantize(x, mix, weight, eps=1e-6, *, scope=None, gs=None, out=N
 
 def _rms_common(x, mix, weight, eps, scope, gs, out, stream, mixed):
     out_q, out_sf, out_gs, out_inv = _split_out(out)
-    _check_eps(eps)
-    scope = _resolve_scope(scope, gs)
+    eps = _check_eps(eps)
+    scope, gs = _resolve_scope(scope, gs)
     where = T.placement(("x", x), ("mix", mix), ("weight", weight), ("out.q", out_q),
                         ("out.sf", out_sf), ("out.gs", out_gs), ("out.inv_rms", out_inv),
-                        ("gs", gs if not isinstance(gs, (int, float)) else None))
+                        ("gs", gs if not isinstance(gs, float) else None))
     # shape checks, common to both placements
     xs = _shape(x)
     if mixed:
@@ -341,15 +365,17 @@ def _rms_common(x, mix, weight, eps, scope, gs, out, stream, mixed):
         if len(xs) < 1:
             raise ValueError("x: expected (..., N), got a 0-d array")
         lead, n_hc, n = xs[:-1], 1, xs[-1]
-    ref_nvfp4.check_last_dim(n, "x")
+    _check_width(n, "x")
     if _shape(weight) != (n,):
         raise ValueError(f"weight: expected shape ({n},), got {_shape(weight)}")
 
     if where == "cpu":
-        dt = _np_dtype_name(x)
+        dt = _check_cpu_dtype(x, "x", _CPU_X)
+        _check_cpu_dtype(weight, "weight", _PARAM)
+        if mixed:
+            _check_cpu_dtype(mix, "mix", _PARAM)
+        gsv = _cpu_gs(gs)
         xn = T.to_numpy(x, "x")
-        gsv = None if gs is None else np.asarray(T.to_numpy(gs, "gs") if not isinstance(gs, (int, float))
-                                                 else gs, np.float32)
         wn = T.to_numpy(weight, "weight")
         if mixed:
             m = int(np.prod(lead)) if lead else 1
@@ -373,12 +399,13 @@ def _rms_common(x, mix, weight, eps, scope, gs, out, stream, mixed):
     if mixed:
         mix = T.as_cuda_tensor(mix, "mix")
         T.check_tensor(mix, "mix", (torch.float32, torch.bfloat16, torch.float16), device=x.get_device())
-    if gs is not None and not isinstance(gs, (int, float)):
+    if gs is not None and not isinstance(gs, float):
         _gs_arg(gs, x.device)
     rt = get_runtime(x.device)
-    q, sf, g, inv = _quant_outputs(rt, lead, n, scope, x.device, out_q, out_sf, out_gs, out_inv, True)
-    rows = x.numel() // (n_hc * n) if n else 0
-    fn = rt.function(_FILE, f"rkv_fused_rms<{_CT[_dtype_name(x.dtype)]}, {'true' if mixed else 'false'}, {_REG}>")
+    q, sf, g, inv = _quant_outputs(rt, lead, n, scope, x.device, out_q, out_sf, out_gs, out_inv, True, stream)
+    rows = x.numel() // (n_hc * n)
+    fn = rt.function(_FILE, f"rkv_fused_rms<{_CT[_dtype_name(x.dtype)]}, {'true' if mixed else 'false'}, {_REG}>",
+                     stream=stream)
     pre = (x.data_ptr(), mix.data_ptr() if mixed else 0, kinds[mix.dtype] if mixed else 0, n_hc,
            weight.data_ptr(), kinds[weight.dtype], float(eps), n, q.data_ptr(), sf.data_ptr())
     _run_rows(rt, fn, rows, n // 16, scope, gs, g, pre, (inv.data_ptr(),), stream)
@@ -395,16 +422,18 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
     out_q, out_sf, out_gs, out_inv = _split_out(out)
     if out_inv is not None:
         raise ValueError("out.inv_rms: swiglu_quantize has no inv_rms output")
-    scope = _resolve_scope(scope, gs)
+    scope, gs = _resolve_scope(scope, gs)
     if isinstance(granularity, bool) or not isinstance(granularity, (int, np.integer)) or granularity < 1:
         raise ValueError(f"granularity: expected a positive int, got {granularity!r}")
     g_int = int(granularity)
     where = T.placement(("h", h), ("out.q", out_q), ("out.sf", out_sf), ("out.gs", out_gs),
-                        ("gs", gs if not isinstance(gs, (int, float)) else None))
+                        ("gs", gs if not isinstance(gs, float) else None))
     hs = _shape(h)
     if len(hs) < 1:
         raise ValueError("h: expected (..., 2I), got a 0-d array")
     lead, two_i = hs[:-1], hs[-1]
+    if two_i == 0:          # no row to quantize (CUDA would leave gs unwritten)
+        raise ValueError("h: the last dimension is 0; expected 2I with I a positive multiple of 16")
     if two_i % 2:
         raise ValueError(f"h: the fused width {two_i} must be even (gate and up halves)")
     inter = two_i // 2
@@ -415,9 +444,8 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
         raise ValueError(f"h: the fused width {two_i} must be < 2^31")
 
     if where == "cpu":
-        dt = _np_dtype_name(h)
-        gsv = None if gs is None else np.asarray(T.to_numpy(gs, "gs") if not isinstance(gs, (int, float))
-                                                 else gs, np.float32)
+        dt = _check_cpu_dtype(h, "h", _CPU_X)
+        gsv = _cpu_gs(gs)
         q, sf, gg = ref.swiglu_quantize(T.to_numpy(h, "h").reshape(-1, two_i), g_int, scope, gsv, dt)
         q, sf = q.reshape(*lead, inter // 2), sf.reshape(*lead, inter // 16)
         gg = np.asarray(gg, np.float32).reshape(lead if scope == "row" else ())
@@ -428,12 +456,13 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
     T.check_tensor(h, "h", (torch.bfloat16, torch.float16))
     vec = g_int % 8 == 0
     _check_aligned(h, "h", 16 if vec else 2)
-    if gs is not None and not isinstance(gs, (int, float)):
+    if gs is not None and not isinstance(gs, float):
         _gs_arg(gs, h.device)
     rt = get_runtime(h.device)
-    q, sf, g, _ = _quant_outputs(rt, lead, inter, scope, h.device, out_q, out_sf, out_gs, None, False)
-    rows = h.numel() // two_i if two_i else 0
-    fn = rt.function(_FILE, f"rkv_fused_swiglu<{_CT[_dtype_name(h.dtype)]}, {'true' if vec else 'false'}, {_REG}>")
+    q, sf, g, _ = _quant_outputs(rt, lead, inter, scope, h.device, out_q, out_sf, out_gs, None, False, stream)
+    rows = h.numel() // two_i
+    fn = rt.function(_FILE, f"rkv_fused_swiglu<{_CT[_dtype_name(h.dtype)]}, {'true' if vec else 'false'}, {_REG}>",
+                     stream=stream)
     pre = (h.data_ptr(), inter, g_int, q.data_ptr(), sf.data_ptr())
     _run_rows(rt, fn, rows, inter // 16, scope, gs, g, pre, (), stream)
     return QuantizedActivation(q, sf, g, None)
@@ -457,8 +486,8 @@ def moe_stage(hidden, topk_ids, topk_weights, *, out=None, stream=None):
     if len(hs) != 2:
         raise ValueError(f"hidden: expected (M, K), got shape {hs}")
     m, k = hs
-    if k % 128:
-        raise ValueError(f"hidden: K = {k} must be a multiple of 128 for MoE staging "
+    if k % 128 or k == 0:
+        raise ValueError(f"hidden: K = {k} must be a positive multiple of 128 for MoE staging "
                          "(NVFP4 blocks of 16, scales packed four per int32, 128-wide tiles)")
     ids_s = _shape(topk_ids)
     if len(ids_s) != 2 or ids_s[0] != m:
@@ -466,15 +495,15 @@ def moe_stage(hidden, topk_ids, topk_weights, *, out=None, stream=None):
     if _shape(topk_weights) != ids_s:
         raise ValueError(f"topk_weights: expected shape {ids_s} (as topk_ids), got {_shape(topk_weights)}")
 
-    if where == "cpu":
-        ids_np = T.to_numpy(topk_ids, "topk_ids")
-        if ids_np.dtype.kind not in "iu":
-            raise TypeError(f"topk_ids: expected an integer dtype, got {ids_np.dtype}")
-        w_np = T.to_numpy(topk_weights, "topk_weights")
-        q, sf, ids, w = ref.moe_stage(T.to_numpy(hidden, "hidden"), ids_np, w_np)
+    if where == "cpu":          # the dtypes the kernel takes (hidden: float32 too, unrounded)
+        _check_cpu_dtype(hidden, "hidden", _CPU_X)
+        _check_cpu_dtype(topk_ids, "topk_ids", ("int32", "int64"))
+        w_dt = _check_cpu_dtype(topk_weights, "topk_weights", _PARAM)
+        q, sf, ids, w = ref.moe_stage(T.to_numpy(hidden, "hidden"), T.to_numpy(topk_ids, "topk_ids"),
+                                      T.to_numpy(topk_weights, "topk_weights"))
         torch_w = topk_weights.dtype if T.is_torch(topk_weights) else None
-        _check_cpu_outs((("out.q", q, out_q), ("out.sf", sf, out_sf), ("out.topk_ids", ids, out_ids),
-                         ("out.topk_weights", w, out_w)))
+        _check_cpu_outs((("out.q", q, out_q, _OUT_Q), ("out.sf", sf, out_sf, ("int32",)),
+                         ("out.topk_ids", ids, out_ids, ("int64",)), ("out.topk_weights", w, out_w, (w_dt,))))
         return MoEStaged(_cpu_put(q, hidden, out_q, _torch_dt("uint8")),
                          _cpu_put(sf, hidden, out_sf), _cpu_put(ids, hidden, out_ids),
                          _cpu_put(w, hidden, out_w, torch_w))
@@ -495,17 +524,17 @@ def moe_stage(hidden, topk_ids, topk_weights, *, out=None, stream=None):
              (out_w, "out.topk_weights", (topk_weights.dtype,), ids_s, 1))
     chk = [None if t is None else _check_out_tensor(t, nm, dts, shp, hidden.device, al)
            for t, nm, dts, shp, al in specs]
-    q = chk[0] if chk[0] is not None else rt.empty((m, k // 2), torch.uint8)
-    sf = chk[1] if chk[1] is not None else rt.empty((m, k // 64), torch.int32)
-    ids = chk[2] if chk[2] is not None else rt.empty(ids_s, torch.int64)
-    w = chk[3] if chk[3] is not None else rt.empty(ids_s, topk_weights.dtype)
+    q = chk[0] if chk[0] is not None else rt.empty((m, k // 2), torch.uint8, stream)
+    sf = chk[1] if chk[1] is not None else rt.empty((m, k // 64), torch.int32, stream)
+    ids = chk[2] if chk[2] is not None else rt.empty(ids_s, torch.int64, stream)
+    w = chk[3] if chk[3] is not None else rt.empty(ids_s, topk_weights.dtype, stream)
     units = m * k // 64
     n_ids = topk_ids.numel()
     w_bytes = topk_weights.numel() * topk_weights.element_size()
     work = max(units, n_ids, w_bytes)
     if work:
         id_t = "int" if topk_ids.dtype == torch.int32 else "long long"
-        fn = rt.function(_FILE, f"rkv_moe_stage<{_CT[_dtype_name(hidden.dtype)]}, {id_t}>")
+        fn = rt.function(_FILE, f"rkv_moe_stage<{_CT[_dtype_name(hidden.dtype)]}, {id_t}>", stream=stream)
         grid, block = rt.grid_stride(work, block=256)
         rt.launch(fn, (grid,), (block,), (hidden.data_ptr(), units, q.data_ptr(), sf.data_ptr(),
                                           topk_ids.data_ptr(), n_ids, ids.data_ptr(),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rawkv import fused as F
+from rawkv import nvfp4 as N
 from rawkv.reference import fused as R
 from rawkv.reference import nvfp4 as RN
 from rawkv.reference.formats import bf16_round
@@ -29,6 +30,7 @@ def test_exp_f32_accuracy_and_constants():
     assert R.EXP_LN2_HI + np.float64(R.EXP_LN2_LO) == pytest.approx(np.log(2), abs=1e-12)
     x = np.linspace(-87.0, 88.7, 400_001).astype(F32)
     e = R.exp_f32(x)
+    # the bound docs/fused.md and the reference state (measured here: 1 ulp)
     assert _ulps(e, np.exp(x.astype(np.float64)).astype(F32)).max() <= 2.0
     sp = R.exp_f32(np.array([np.inf, -np.inf, 89.0, -104.0, 0.0, np.nan], F32))
     assert sp[0] == np.inf and sp[1] == 0 and sp[2] == np.inf and sp[3] == 0 and sp[4] == 1
@@ -80,9 +82,9 @@ def test_mhc_mix_matches_float64(rng):
     assert np.all(np.signbit(z))
 
 
-@pytest.mark.parametrize("g", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 6, 8, 12, 16, 32])
 def test_deinterleave_indexing(g):
-    inter = 64
+    inter = 96
     h = np.arange(2 * inter, dtype=F32)[None, :]
     gate, up = R.deinterleave(h, g)
     for i in range(inter):
@@ -90,10 +92,13 @@ def test_deinterleave_indexing(g):
         assert up[0, i] == (i // g) * 2 * g + g + i % g
 
 
-def test_swiglu_matches_float64(rng):
-    h = bf16_round(rng.standard_normal((9, 512)).astype(F32) * 3)
-    y = R.swiglu(h, 8, "bfloat16")
-    gate, up = R.deinterleave(h.astype(np.float64), 8)
+@pytest.mark.parametrize("g", [3, 6, 8, 12])      # 3, 6, 12: groups straddle 16-element chunks
+def test_swiglu_matches_float64(rng, g):
+    h = bf16_round(rng.standard_normal((9, 2 * 480)).astype(F32) * 3)
+    y = R.swiglu(h, g, "bfloat16")
+    cols = np.arange(480)
+    gate = h[:, (cols // g) * 2 * g + cols % g].astype(np.float64)       # docs/fused.md indexing
+    up = h[:, (cols // g) * 2 * g + g + cols % g].astype(np.float64)
     y64 = gate / (1 + np.exp(-gate)) * up
     assert np.all(np.abs(y - y64) <= np.abs(y64) * 2.0 ** -8 * 1.001 + 1e-30)
 
@@ -171,11 +176,11 @@ def test_mhc_and_swiglu_and_moe_cpu(rng):
     qa = F.mhc_rmsnorm_quantize(X, A, torch.ones(32))
     ref = R.mhc_rmsnorm_quantize(X.float().numpy(), A.numpy(), np.ones(32, F32))
     assert np.array_equal(qa.q.view(torch.uint8).numpy(), ref[0]) and np.array_equal(qa.gs.numpy(), ref[2])
-    h = torch.randn(2, 3, 128).half()
-    for g in (8, 4):
+    h = torch.randn(2, 3, 192).half()
+    for g in (8, 4, 3, 6, 12):
         qs = F.swiglu_quantize(h, g, scope="given", gs=0.01)
-        rs = R.swiglu_quantize(h.float().numpy().reshape(6, 128), g, "given", 0.01, "float16")
-        assert np.array_equal(qs.q.view(torch.uint8).numpy().reshape(6, 32), rs[0]) and qs.inv_rms is None
+        rs = R.swiglu_quantize(h.float().numpy().reshape(6, 192), g, "given", 0.01, "float16")
+        assert np.array_equal(qs.q.view(torch.uint8).numpy().reshape(6, 48), rs[0]) and qs.inv_rms is None
         assert float(qs.gs) == float(F32(0.01))
     st = F.moe_stage(torch.randn(3, 256).bfloat16(), torch.randint(0, 8, (3, 2), dtype=torch.int32),
                      torch.rand(3, 2).bfloat16())
@@ -189,6 +194,157 @@ def test_zero_rows_and_empty():
     assert np.allclose(qa.inv_rms, 1 / np.sqrt(F32(1e-6)))
     qe = F.swiglu_quantize(np.zeros((0, 64), F32))
     assert qe.q.shape == (0, 16) and qe.gs.shape == (0,)
+
+
+@pytest.mark.parametrize("scope, gs, want", [("row", None, None), ("tensor", None, 1.0), ("none", None, 1.0),
+                                             ("given", 0.5, 0.5)])
+def test_no_rows_every_output_defined(scope, gs, want):
+    """M == 0 (any leading dim 0): empty codes / scales / inv_rms, and a defined gs."""
+    kw = dict(scope=scope, gs=gs)
+    w = torch.ones(64)
+    for qa, lead in ((F.rmsnorm_quantize(torch.zeros(2, 0, 64).bfloat16(), w, **kw), (2, 0)),
+                     (F.mhc_rmsnorm_quantize(torch.zeros(0, 3, 64).half(), torch.ones(0, 3), w, **kw), (0,)),
+                     (F.swiglu_quantize(torch.zeros(0, 128).bfloat16(), **kw), (0,))):
+        assert qa.q.shape == (*lead, 32) and qa.sf.shape == (*lead, 4)
+        if want is None:
+            assert qa.gs.shape == lead
+        else:
+            assert qa.gs.shape == () and float(qa.gs) == want
+        assert qa.inv_rms is None or qa.inv_rms.shape == lead
+    st = F.moe_stage(torch.zeros(0, 128).bfloat16(), torch.zeros(0, 8, dtype=torch.int32), torch.zeros(0, 8))
+    assert st.q.shape == (0, 64) and st.sf.shape == (0, 2) and st.topk_ids.shape == (0, 8)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda: F.rmsnorm_quantize(_x(2, 0), _x(0)), "x"),
+    (lambda: F.mhc_rmsnorm_quantize(_x(2, 3, 0), _x(2, 3), _x(0)), "x"),
+    (lambda: F.swiglu_quantize(_x(2, 0)), "h"),
+    (lambda: F.moe_stage(_x(2, 0), np.zeros((2, 4), np.int32), _x(2, 4)), "hidden"),
+    (lambda: R.rmsnorm_quantize(_x(2, 0), _x(0)), "x"),
+    (lambda: R.swiglu_quantize(_x(2, 0)), "h"),
+])
+def test_empty_last_dim_is_an_error(call, arg):
+    """N == 0: a ValueError naming the input (CUDA would leave gs / inv_rms unwritten)."""
+    with pytest.raises(ValueError) as ei:
+        call()
+    assert str(ei.value).startswith(arg), str(ei.value)
+
+
+# ---- a number gs: checked as the float32 the kernels read ---------------------------------
+_OPS_GS = [lambda **kw: F.rmsnorm_quantize(np.ones((2, 32), F32), np.ones(32, F32), **kw),
+           lambda **kw: F.mhc_rmsnorm_quantize(np.ones((2, 2, 32), F32), np.ones((2, 2), F32), np.ones(32, F32), **kw),
+           lambda **kw: F.swiglu_quantize(np.ones((2, 64), F32), **kw)]
+
+
+@pytest.mark.parametrize("op", range(3))
+@pytest.mark.parametrize("gs", [-1.0, 0.0, float("nan"), float("inf"), 1e39, 1e-50, True, np.float32(-2.0)])
+def test_bad_number_gs_is_refused(op, gs):
+    with pytest.raises((ValueError, TypeError)) as ei:
+        _OPS_GS[op](gs=gs)
+    assert str(ei.value).startswith("gs"), str(ei.value)
+
+
+@pytest.mark.parametrize("op", range(3))
+def test_numpy_scalar_gs_and_eps_accepted(op):
+    want = _OPS_GS[op](gs=0.5)
+    for gs in (np.float32(0.5), np.float64(0.5)):
+        got = _OPS_GS[op](gs=gs)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want) if a is not None)
+    if op == 0:      # eps: numpy real scalars too, as the float32 the kernel uses
+        a = F.rmsnorm_quantize(np.ones((2, 32), F32) * 1e-3, np.ones(32, F32), eps=np.float32(1e-6))
+        b = F.rmsnorm_quantize(np.ones((2, 32), F32) * 1e-3, np.ones(32, F32), eps=float(F32(1e-6)))
+        assert np.array_equal(a.inv_rms, b.inv_rms) and np.array_equal(a.q, b.q)
+        for bad in (True, np.float32(np.nan), -1e-6, 1e39):
+            with pytest.raises(ValueError, match="^eps"):
+                F.rmsnorm_quantize(np.ones((2, 32), F32), np.ones(32, F32), eps=bad)
+
+
+# ---- QuantizedActivation into rawkv.nvfp4.dequantize ------------------------------------
+def test_dequantize_takes_a_quantized_activation(rng):
+    x = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(F32)).bfloat16()
+    for qa in (F.rmsnorm_quantize(x, torch.ones(64)),                          # gs per row
+               F.swiglu_quantize(x, scope="tensor"),                           # gs scalar
+               F.rmsnorm_quantize(x.float().numpy(), np.ones(64, F32))):      # numpy
+        for dt in (None, "float32"):
+            want = N.dequantize(qa.q, qa.sf, qa.gs, dtype=dt)
+            for got in (N.dequantize(qa, dtype=dt), qa.dequantize(dt)):
+                assert type(got) is type(want) and got.dtype == want.dtype
+                assert np.array_equal(_f32(got), _f32(want))
+    with pytest.raises(TypeError, match="^sf, gs"):
+        N.dequantize(qa.q)                              # a plain array needs sf and gs
+    with pytest.raises(TypeError, match="^sf, gs"):
+        N.dequantize(qa, qa.sf)                         # an activation takes neither
+
+
+def _f32(a):
+    return a.float().numpy() if isinstance(a, torch.Tensor) else np.asarray(a, F32)
+
+
+# ---- moe_stage: one-level NVFP4 usable range (docs/fused.md) --------------------------------
+def test_moe_stage_one_level_range():
+    """gs = 1: a block's scale is e4m3(bmax / 6), so blocks with bmax <= 6 * 2^-10
+    get scale 0 and all-zero codes; normal scales (bmax >= 6 * 2^-6) keep the
+    NVFP4 error bound."""
+    x = np.zeros((1, 128), F32)
+    x[0, :16] = np.linspace(-1e-4, 1e-4, 16)                  # bmax 1e-4: lost
+    x[0, 16:32] = np.linspace(-1.0, 1.0, 16)                  # bmax 1.0
+    x[0, 32:48] = np.linspace(-6 * 2.0**-10, 0, 16)           # bmax 6 * 2^-10: the tie rounds to 0
+    x[0, 48:64] = np.linspace(0, 0.0078125, 16)               # bmax 2^-7: a subnormal scale, not lost
+    q, sf32, _, _ = F.moe_stage(x, np.zeros((1, 1), np.int32), np.zeros((1, 1), F32))
+    sf = R.unpack_scales_i32(sf32)
+    codes = RN.unpack_nibbles(q)
+    assert sf[0, 0] == 0 and np.all(codes[0, :16] & 7 == 0)
+    assert sf[0, 2] == 0 and np.all(codes[0, 32:48] & 7 == 0)
+    assert 0 < sf[0, 3] < 8 and np.any(codes[0, 48:64] & 7)
+    d = RN.dequantize(q, sf, 1.0, "float32")
+    err = np.abs(d[0, 16:32] - x[0, 16:32])
+    assert np.all(err <= 1.0 / 6 * (1 + 2.0**-4)), err.max()     # half the widest E2M1 gap x es
+
+
+# ---- CPU dtype checks (as on CUDA) ------------------------------------------------------------
+@pytest.mark.parametrize("call, arg", [
+    (lambda: F.rmsnorm_quantize(_x(2, 32), _x(32), out=(_x(2, 16), None, None)), "out.q"),
+    (lambda: F.rmsnorm_quantize(_x(2, 32), _x(32), out=(None, _x(2, 2), None)), "out.sf"),
+    (lambda: F.rmsnorm_quantize(_x(2, 32), _x(32), out=(None, None, np.zeros(2))), "out.gs"),
+    (lambda: F.rmsnorm_quantize(_x(2, 32), _x(32), out=(None, None, None, np.zeros(2, np.float16))),
+     "out.inv_rms"),
+    (lambda: F.swiglu_quantize(_x(2, 64), out=(np.zeros((2, 16), np.int8), None, None)), "out.q"),
+    (lambda: F.rmsnorm_quantize(np.ones((2, 32), np.int32), _x(32)), "x"),
+    (lambda: F.rmsnorm_quantize(np.ones((2, 32)), _x(32)), "x"),                     # float64
+    (lambda: F.rmsnorm_quantize(_x(2, 32), np.ones(32, np.int32)), "weight"),
+    (lambda: F.mhc_rmsnorm_quantize(_x(2, 1, 32), np.ones((2, 1), np.int64), _x(32)), "mix"),
+    (lambda: F.swiglu_quantize(np.ones((2, 64), np.int16)), "h"),
+    (lambda: F.rmsnorm_quantize(_x(2, 32), _x(32), gs=np.ones(1)), "gs"),             # float64 tensor gs
+    (lambda: F.moe_stage(np.ones((2, 128), np.int32), np.zeros((2, 4), np.int32), _x(2, 4)), "hidden"),
+    (lambda: F.moe_stage(_x(2, 128), np.zeros((2, 4), np.uint8), _x(2, 4)), "topk_ids"),
+    (lambda: F.moe_stage(_x(2, 128), np.zeros((2, 4), np.int32), np.zeros((2, 4), np.int32)), "topk_weights"),
+    (lambda: F.moe_stage(_x(2, 128), np.zeros((2, 4), np.int32), np.zeros((2, 4))), "topk_weights"),
+    (lambda: F.moe_stage(_x(2, 128), np.zeros((2, 4), np.int32), _x(2, 4),
+                         out=(None, np.zeros((2, 8), np.uint8), None, None)), "out.sf"),
+    (lambda: F.moe_stage(_x(2, 128), np.zeros((2, 4), np.int32), _x(2, 4),
+                         out=(None, None, np.zeros((2, 4), np.int32), None)), "out.topk_ids"),
+    (lambda: F.moe_stage(_x(2, 128), np.zeros((2, 4), np.int32), _x(2, 4),
+                         out=(None, None, None, np.zeros((2, 4), np.float16))), "out.topk_weights"),
+    (lambda: F.moe_stage(_x(2, 128), np.zeros((2, 4), np.int32), _x(2, 4),
+                         out=(_x(2, 64), None, None, None)), "out.q"),
+])
+def test_cpu_dtype_errors(call, arg):
+    with pytest.raises(TypeError) as ei:
+        call()
+    assert str(ei.value).startswith(arg), str(ei.value)
+
+
+def test_bad_out_dtype_writes_nothing():
+    q = np.full((2, 16), 0xAB, np.uint8)
+    sf = np.full((2, 2), 7.0, F32)               # float32: refused, not cast
+    gs = np.full((2,), 7.0, F32)
+    with pytest.raises(TypeError, match="^out.sf"):
+        F.rmsnorm_quantize(np.ones((2, 32), F32), np.ones(32, F32), out=(q, sf, gs, None))
+    assert np.all(q == 0xAB) and np.all(sf == 7.0) and np.all(gs == 7.0)
+    ok = F.rmsnorm_quantize(np.ones((2, 32), F32), np.ones(32, F32),
+                            out=(torch.zeros(2, 16, dtype=torch.float4_e2m1fn_x2), torch.zeros(2, 2, dtype=torch.uint8),
+                                 None, None))
+    assert ok.q.dtype == torch.float4_e2m1fn_x2 and ok.sf.dtype == torch.uint8
 
 
 # ---- argument errors (shape checks run before any placement-specific work) ---------------

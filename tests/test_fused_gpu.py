@@ -9,11 +9,19 @@ Tolerances:
   ulp of the reference on every row (in practice equal: the float64 sums agree
   to ~1e-16 relative, so f32(ss/N) only differs when ss/N lies that close to
   a float32 rounding boundary), and the whole output must be bit-exact
-  against the reference evaluated with the kernel's own inv_rms. Codes may
-  differ from the plain reference only on rows whose inv_rms differs; the
-  test counts them and bounds the rows (<= 1% of rows, expected 0).
+  against the reference evaluated with the kernel's own inv_rms. Against the
+  plain reference, codes may differ only on rows whose inv_rms differs (scope
+  row / given / none: rows are independent; scope tensor: one such row can
+  move the shared gs, so then any row may differ). Those rows are reported (a
+  warning) and bounded: <= max(1, rows // 100). Why that bound: a row differs
+  only when ss/N lies within ~1e-16 (relative) of a float32 rounding boundary
+  (spacing 2^-24 ~ 6e-8), about 3e-9 per row, so 0 is expected; the bound lets
+  one such rare row pass and fails anything systematic (a float32 sum, another
+  eps) that would change most rows.
 """
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import pytest
@@ -84,7 +92,7 @@ def _assert_equal(name, got, want, extra=""):
     assert n == 0, f"{name}: {n} of {same.size} differ {extra}; first at {np.argwhere(~same)[:5].tolist()}"
 
 
-def _check_rms(qa, ref_fn, rows, lead):
+def _check_rms(qa, ref_fn, rows, lead, scope="row"):
     """Check a RMSNorm producer's result against the reference (see module doc)."""
     inv_k = _np(qa.inv_rms).reshape(rows)
     q0, sf0, gs0, inv0 = ref_fn(None)
@@ -93,17 +101,26 @@ def _check_rms(qa, ref_fn, rows, lead):
     assert np.array_equal(np.isfinite(inv_k), fin)
     ulp = np.abs(inv_k[fin].astype(np.float64) - inv0[fin]) / np.spacing(inv0[fin]).astype(np.float64)
     assert ulp.size == 0 or ulp.max() <= 1.0, f"inv_rms differs by {ulp.max()} ulp"
-    diff_rows = int((inv_k[fin].view(np.uint32) != inv0[fin].view(np.uint32)).sum())  # NaN rows: any NaN
-    assert diff_rows <= max(1, rows // 100), f"{diff_rows} rows have another inv_rms"
+    inv_diff = fin & (inv_k.view(np.uint32) != inv0.view(np.uint32))    # NaN rows: any NaN is equal
     # bit-exact against the reference with the kernel's inv_rms
     q1, sf1, gs1, _ = ref_fn(inv_k.reshape(lead))
     _assert_equal("q", _np(qa.q).reshape(rows, -1), q1.reshape(rows, -1))
     _assert_equal("sf", _np(qa.sf).reshape(rows, -1), sf1.reshape(rows, -1))
     _assert_equal("gs", _np(qa.gs), np.asarray(gs1, F32).reshape(_np(qa.gs).shape))
-    # and how far from the plain reference: codes differing only on diff_rows
-    nq = int((_np(qa.q).reshape(rows, -1) != q0.reshape(rows, -1)).sum())
-    if diff_rows == 0:
-        assert nq == 0
+    # against the plain reference: which rows' codes / scales differ, and why
+    code_diff = ((_np(qa.q).reshape(rows, -1) != q0.reshape(rows, -1)).any(axis=1)
+                 | (_np(qa.sf).reshape(rows, -1) != sf0.reshape(rows, -1)).any(axis=1))
+    n_inv = int(inv_diff.sum())
+    if n_inv:
+        warnings.warn(f"{n_inv} of {rows} rows have an inv_rms 1 ulp from the reference "
+                      f"(rows {np.flatnonzero(inv_diff)[:5].tolist()}); {int(code_diff.sum())} rows' "
+                      "codes differ from the plain reference")
+    assert n_inv <= max(1, rows // 100), f"{n_inv} of {rows} rows have another inv_rms (see module doc)"
+    if scope == "tensor":        # one shared gs: a changed row may move every row's codes
+        assert n_inv or not code_diff.any(), "codes differ though every inv_rms is equal"
+    else:                        # rows are independent
+        bad = np.flatnonzero(code_diff & ~inv_diff)
+        assert bad.size == 0, f"rows {bad[:5].tolist()} differ from the reference with an equal inv_rms"
 
 
 # ---- RMSNorm + quantize -------------------------------------------------------------------
@@ -144,7 +161,7 @@ def test_rmsnorm_quantize_scopes(cuda, rng, scope):
     sc = {"given_float": "given", "given_tensor": "given"}.get(scope, scope)
     assert qa.gs.shape == ()
     _check_rms(qa, lambda inv: R.rmsnorm_quantize(_np(x), _np(w), 1e-6, sc, gsv if sc == "given" else None,
-                                                  "bfloat16", inv), 65, (65,))
+                                                  "bfloat16", inv), 65, (65,), sc)
 
 
 @pytest.mark.parametrize("n_hc", [1, 2, 3, 4])
@@ -166,13 +183,15 @@ def test_mhc_rmsnorm_quantize_edges_and_tensor_scope(cuda, rng):
     for scope in ("row", "tensor"):
         qa = F.mhc_rmsnorm_quantize(X, A, w, scope=scope)
         _check_rms(qa, lambda inv: R.mhc_rmsnorm_quantize(_np(X), _np(A), _np(w), 1e-6, scope, None,
-                                                          "float16", inv), 7, (7,))
+                                                          "float16", inv), 7, (7,), scope)
 
 
 # ---- SwiGLU + quantize ---------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m, inter, g", [(1, 3584, 8), (33, 2048, 8), (5, 512, 16), (3, 96, 32),
-                                         (7, 256, 1), (4, 192, 4), (2, 48, 24), (3, 40960, 8)])
+                                         (7, 256, 1), (4, 192, 4), (2, 48, 24), (3, 40960, 8),
+                                         # scalar path, groups straddling 16-element chunks
+                                         (5, 480, 3), (3, 96, 6), (4, 1200, 12), (2, 2064, 12)])
 def test_swiglu_quantize_row(cuda, rng, dtype, m, inter, g):
     h = _rand(rng, (m, 2 * inter), dtype, 3.0)
     qa = F.swiglu_quantize(h, g)
@@ -232,7 +251,8 @@ def test_rmsnorm_quantize_long_rows_inf_blocks(cuda, rng, dtype, scope):
     w = _huge_weight(rng, x, dtype)
     x[1, 35000] = float("inf")                      # row 1: inv 0, a NaN block, zeros elsewhere
     qa = F.rmsnorm_quantize(x, w, scope=scope)
-    _check_rms(qa, lambda inv: R.rmsnorm_quantize(_np(x), _np(w), 1e-6, scope, None, _dt(x), inv), 3, (3,))
+    _check_rms(qa, lambda inv: R.rmsnorm_quantize(_np(x), _np(w), 1e-6, scope, None, _dt(x), inv), 3, (3,),
+               scope)
     sf = _np(qa.sf)
     assert sf[0, 6] == 0x7F and sf[0, 1875] == 0x7F and sf[0, 2559] == 0x7F and sf[0, 5] != 0x7F
 
@@ -245,7 +265,7 @@ def test_mhc_rmsnorm_quantize_long_rows_inf_blocks(cuda, rng, scope):
     w = _huge_weight(rng, X, torch.float16)
     qa = F.mhc_rmsnorm_quantize(X, A, w, scope=scope)
     _check_rms(qa, lambda inv: R.mhc_rmsnorm_quantize(_np(X), _np(A), _np(w), 1e-6, scope, None,
-                                                      "float16", inv), 3, (3,))
+                                                      "float16", inv), 3, (3,), scope)
 
 
 @pytest.mark.parametrize("scope", ["row", "tensor"])
@@ -264,6 +284,68 @@ def test_swiglu_quantize_long_rows_inf_blocks(cuda, rng, dtype, scope):
     _assert_equal("sf", _np(qa.sf), sf)
     _assert_equal("gs", _np(qa.gs), np.asarray(gs, F32))
     assert (sf[2, 1875] == 0x7F) and (sf[1, 1875] == 0x7F) and (sf[0, -1] == 0x7F)
+
+
+# ---- prefill launch layout: rows >= 2 x SMs switch _block_for to REG (2) chunks per
+# thread; at N = 2064 (129 chunks, 96 threads) the last thread's second chunk is
+# absent. Scope tensor: every row CTA adds to the cross-CTA atomic amax. ----------
+_PREFILL_N = [2064, 7168]
+
+
+def _prefill_rows(cuda, n):
+    """Rows that take the prefill layout on this GPU (any SM count), checked."""
+    rows = 2 * cuda.sm_count + 37
+    chunks = n // 16
+    block = F._block_for(cuda, rows, chunks)
+    assert block != F._block_for(cuda, 1, chunks)          # not the decode layout
+    assert block < chunks <= F._REG * block                 # two chunks per thread, all in registers
+    return rows
+
+
+def _plant(x):
+    """Edges in a (rows, ..., N) tensor: NaN / Inf blocks, a zero row, and a NaN in
+    the last column (the partial second chunk at N = 2064)."""
+    x = _with_edges(x, "nan")
+    x[2] = 0
+    x[3, ..., -1] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("scope", ["row", "tensor"])
+@pytest.mark.parametrize("n", _PREFILL_N)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rmsnorm_quantize_prefill_layout(cuda, rng, dtype, n, scope):
+    rows = _prefill_rows(cuda, n)
+    x = _plant(_rand(rng, (rows, n), dtype, rng.uniform(0.1, 10)))
+    w = torch.from_numpy((rng.standard_normal(n) * 0.2 + 1).astype(F32)).cuda()
+    qa = F.rmsnorm_quantize(x, w, scope=scope)
+    _check_rms(qa, lambda inv: R.rmsnorm_quantize(_np(x), _np(w), 1e-6, scope, None, _dt(x), inv),
+               rows, (rows,), scope)
+
+
+@pytest.mark.parametrize("scope", ["row", "tensor"])
+@pytest.mark.parametrize("n", _PREFILL_N)
+def test_mhc_rmsnorm_quantize_prefill_layout(cuda, rng, n, scope):
+    rows = _prefill_rows(cuda, n)
+    X = _plant(_rand(rng, (rows, 3, n), torch.bfloat16))
+    A = torch.from_numpy(rng.random((rows, 3)).astype(F32)).cuda()
+    w = torch.from_numpy((rng.standard_normal(n) * 0.1 + 1).astype(F32)).cuda()
+    qa = F.mhc_rmsnorm_quantize(X, A, w, scope=scope)
+    _check_rms(qa, lambda inv: R.mhc_rmsnorm_quantize(_np(X), _np(A), _np(w), 1e-6, scope, None,
+                                                      "bfloat16", inv), rows, (rows,), scope)
+
+
+@pytest.mark.parametrize("scope", ["row", "tensor"])
+@pytest.mark.parametrize("n, g", [(2064, 8), (2064, 12), (7168, 8)])     # n: the output width I
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swiglu_quantize_prefill_layout(cuda, rng, dtype, n, g, scope):
+    rows = _prefill_rows(cuda, n)
+    h = _plant(_rand(rng, (rows, 2 * n), dtype, 3.0))
+    qa = F.swiglu_quantize(h, g, scope=scope)
+    q, sf, gs = R.swiglu_quantize(_np(h), g, scope, None, _dt(h))
+    _assert_equal("q", _np(qa.q), q)
+    _assert_equal("sf", _np(qa.sf), sf)
+    _assert_equal("gs", _np(qa.gs), np.asarray(gs, F32))
 
 
 def test_swiglu_tensor_scope_repeated_reuses_out(cuda, rng):
@@ -338,6 +420,15 @@ def test_cuda_argument_errors_write_nothing(cuda):
         ("mix", lambda o: F.mhc_rmsnorm_quantize(x.view(4, 1, 64), torch.ones(4, 1, dtype=torch.int64,
                                                  device="cuda"), w, out=o)),
         ("h", lambda o: F.swiglu_quantize(torch.randn(4, 128, device="cuda"), out=o[:3])),
+        ("x", lambda o: F.rmsnorm_quantize(x[:, :0], w[:0], out=o)),                  # N == 0
+        ("x", lambda o: F.mhc_rmsnorm_quantize(x[:, None, :0], torch.ones(4, 1, device="cuda"), w[:0], out=o)),
+        ("h", lambda o: F.swiglu_quantize(x[:, :0], out=o[:3])),
+        ("gs", lambda o: F.rmsnorm_quantize(x, w, gs=-1.0, out=(o[0], o[1], torch.full((), 7.0, device="cuda"),
+                                                               o[3]))),
+        ("gs", lambda o: F.swiglu_quantize(x, gs=float("nan"), out=(o[0][:, :16], o[1][:, :2],
+                                                                    torch.full((), 7.0, device="cuda")))),
+        ("gs", lambda o: F.swiglu_quantize(x, gs=True, out=(o[0][:, :16], o[1][:, :2],
+                                                            torch.full((), 7.0, device="cuda")))),
         ("out.inv_rms", lambda o: F.swiglu_quantize(torch.randn(4, 128, device="cuda").bfloat16(), out=o)),
     ]
     for name, call in cases:
@@ -434,6 +525,42 @@ def test_empty_rows(cuda):
     assert qa.q.shape == (0, 32) and float(qa.gs) == 1.0
     qa = F.swiglu_quantize(torch.zeros(0, 64, dtype=torch.bfloat16, device="cuda"), gs=0.5)
     assert float(qa.gs) == 0.5
+    qa = F.mhc_rmsnorm_quantize(torch.zeros(2, 0, 3, 64, dtype=torch.float16, device="cuda"),
+                                torch.ones(2, 0, 3, device="cuda"), torch.ones(64, device="cuda"))
+    assert qa.q.shape == (2, 0, 32) and qa.gs.shape == (2, 0) and qa.inv_rms.shape == (2, 0)
     st = F.moe_stage(torch.zeros(0, 128, dtype=torch.bfloat16, device="cuda"),
                      torch.zeros(0, 8, dtype=torch.int32, device="cuda"), torch.zeros(0, 8, device="cuda"))
     assert st.q.shape == (0, 64) and st.topk_ids.shape == (0, 8)
+
+
+@pytest.mark.parametrize("scope", ["tensor", "none", "given_float", "given_tensor"])
+def test_empty_rows_gs_on_the_ops_stream(cuda, scope):
+    """With no rows, gs is still written, on the op's `stream`: captured into a
+    graph on `s` while torch's current stream is another one, the write must be
+    in the graph (a torch fill_ on the current stream would run once, eagerly)."""
+    import rawkv
+    rawkv.warmup(0, files=["fused.cu"])
+    h = torch.zeros(0, 128, dtype=torch.bfloat16, device="cuda")
+    x = torch.zeros(0, 64, dtype=torch.bfloat16, device="cuda")
+    w = torch.ones(64, device="cuda")
+    gsd = torch.tensor([0.25], device="cuda")
+    kw = {"tensor": dict(scope="tensor"), "none": dict(scope="none"), "given_float": dict(gs=0.5),
+          "given_tensor": dict(gs=gsd)}[scope]
+    want = {"tensor": 1.0, "none": 1.0, "given_float": 0.5, "given_tensor": 0.25}[scope]
+    o_sw = (torch.empty(0, 32, dtype=torch.uint8, device="cuda"), torch.empty(0, 4, dtype=torch.uint8, device="cuda"),
+            torch.full((), 7.0, device="cuda"))
+    o_rms = (torch.empty(0, 32, dtype=torch.uint8, device="cuda"), torch.empty(0, 4, dtype=torch.uint8, device="cuda"),
+             torch.full((), 7.0, device="cuda"), torch.empty(0, device="cuda"))
+    s, other = torch.cuda.Stream(), torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        with torch.cuda.stream(other):              # torch's current stream is not `s`
+            F.swiglu_quantize(h, out=o_sw, stream=s, **kw)
+            F.rmsnorm_quantize(x, w, out=o_rms, stream=s, **kw)
+    torch.cuda.synchronize()
+    o_sw[2].fill_(7.0)
+    o_rms[2].fill_(7.0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert float(o_sw[2]) == want and float(o_rms[2]) == want

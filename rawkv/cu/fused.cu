@@ -3,6 +3,7 @@
 //   rkv_fused_rms<T, MIX>           [mHC mix +] RMSNorm + NVFP4 quantize
 //   rkv_fused_swiglu<T, VEC>        SwiGLU de-interleave + silu*up + quantize
 //   rkv_moe_stage<T, ID>            one-level NVFP4 + packed scales + top-k copy
+//   rkv_fused_set_gs                gs of an op with no rows (scopes tensor / given / none)
 //
 // Row kernels: one CTA per row. Each thread owns up to REG chunks of 16
 // elements (one NVFP4 block each: chunk c = tid + r * blockDim), held in
@@ -405,6 +406,13 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu(
     load_row<REG>(p, inter / 16, st);
     row_quantize<T, REG>(p, st, (int)mode, row, inter / 16, 0.0f, inter, q, sf, gs_out, nullptr, gs_in,
                          (float)gs_val);
+}
+
+// Scope tensor / given / none with no rows: no row CTA runs, and those are
+// what write gs, so one thread gives it its value on the op's stream (gs_in:
+// a given device scale, else gs_val: the given number, or 1).
+__global__ void rkv_fused_set_gs(float* gs_out, const float* gs_in, double gs_val) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) gs_out[0] = gs_in != nullptr ? *gs_in : (float)gs_val;
 }
 
 // MoE input staging, one launch: hidden (M, K) -> one-level NVFP4 codes

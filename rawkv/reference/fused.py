@@ -36,7 +36,8 @@ DTYPES = ("bfloat16", "float16", "float32")
 # ---- deterministic float32 exp ------------------------------------------------
 # Cody-Waite range reduction + degree-7 Taylor polynomial (Horner), every step a
 # single IEEE float32 operation (no FMA), so rawkv/cu/fused.cu computes the same
-# bits. Max error about 2 ulp against the exact exp over its float32 range.
+# bits. Error <= 2 ulp against the float32-rounded exact exp (what
+# tests/test_fused.py asserts; measured: 1 ulp over [-87, 88.7]).
 _U = lambda bits: np.array(bits, dtype=np.uint32).view(np.float32)[()]  # noqa: E731
 EXP_LOG2E = _U(0x3FB8AA3B)      # f32(log2(e))
 EXP_LN2_HI = _U(0x3F317200)     # 0.693145751953125 (15 significant bits: n * hi is exact)
@@ -83,6 +84,14 @@ def silu(a) -> np.ndarray:
 
 
 # ---- unfused steps ----------------------------------------------------------------
+def _check_width(n: int, name: str) -> None:
+    """A row width: a positive multiple of 16 (an empty row has nothing to
+    normalize or quantize, and its gs / inv_rms would be undefined)."""
+    if n == 0:
+        raise ValueError(f"{name}: the last dimension is 0; expected a positive multiple of 16")
+    check_last_dim(n, name)
+
+
 def _check_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
@@ -150,7 +159,7 @@ def rmsnorm_quantize(x, weight, eps: float = 1e-6, scope: str = "row", gs=None,
                      dtype: str = "bfloat16", inv_rms=None):
     """(q, sf, gs, inv_rms) = quantize(rmsnorm(x, weight, eps), scope)."""
     x = np.asarray(x, dtype=F32)
-    check_last_dim(x.shape[-1])
+    _check_width(x.shape[-1], "x")
     y, inv = rmsnorm(x, weight, eps, dtype, inv_rms)
     q, sf, g = quantize(y, scope, gs)
     return q, sf, g, inv
@@ -160,7 +169,7 @@ def mhc_rmsnorm_quantize(X, A, weight, eps: float = 1e-6, scope: str = "row", gs
                          dtype: str = "bfloat16", inv_rms=None):
     """(q, sf, gs, inv_rms) = quantize(rmsnorm(mhc_mix(X, A)), scope)."""
     X = np.asarray(X, dtype=F32)
-    check_last_dim(X.shape[-1])
+    _check_width(X.shape[-1], "x")
     return rmsnorm_quantize(mhc_mix(X, A, dtype), weight, eps, scope, gs, dtype, inv_rms)
 
 
@@ -168,7 +177,7 @@ def swiglu_quantize(h, granularity: int = 8, scope: str = "row", gs=None,
                     dtype: str = "bfloat16"):
     """(q, sf, gs) = quantize(swiglu(h, granularity), scope)."""
     h = np.asarray(h, dtype=F32)
-    check_last_dim(h.shape[-1] // 2, "h (the intermediate width, h.shape[-1] / 2)")
+    _check_width(h.shape[-1] // 2, "h (the intermediate width, h.shape[-1] / 2)")
     return quantize(swiglu(h, granularity, dtype), scope, gs)
 
 
@@ -194,8 +203,8 @@ def moe_stage(hidden, topk_ids, topk_weights):
     (M, K), K % 128 == 0; scales packed four per int32; top-k ids widened to
     int64; top-k weights copied unchanged."""
     x = np.asarray(hidden, dtype=F32)
-    if x.ndim != 2 or x.shape[-1] % 128:
-        raise ValueError(f"hidden: expected (M, K) with K % 128 == 0, got shape {x.shape}")
+    if x.ndim != 2 or x.shape[-1] % 128 or x.shape[-1] == 0:
+        raise ValueError(f"hidden: expected (M, K) with K a positive multiple of 128, got shape {x.shape}")
     q, sf, _ = quantize(x, "none")
     return q, pack_scales_i32(sf), np.asarray(topk_ids).astype(np.int64), np.array(topk_weights)
 
