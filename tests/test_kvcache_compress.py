@@ -184,6 +184,30 @@ def test_decode_argument_errors(kind):
             compress_decode(pool, st, nw, v, s, p, index=(bad, np.ones(DI, np.float32)))
 
 
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_decode_state_rows_must_equal_pool_rows(kind):
+    """Slots index the decode state AND the pool's block table: a state with
+    more rows than the pool has request slots would let slot 5 of an
+    8-row state read past a 4-row block table. Refused before anything runs."""
+    m = M[kind]
+    pool = _pool(kind, "cpu", R=4)
+    a = pool.add_request()
+    pool.prepare_step([a], [4 * m])
+    big = DecodeState(kind, 8, device="cpu")
+    big.count[5] = m                                    # a complete window in slot 5
+    ist = DecodeState("csa", 4, DI, device="cpu") if kind == "csa" else None
+    ix = None if ist is None else (ist, np.ones(DI, np.float32))
+    v, sl, pos = np.ones(1, bool), np.array([5], np.int32), np.array([m - 1], np.int32)
+    with pytest.raises(ValueError, match="^state.*max_requests"):
+        compress_decode(pool, big, np.ones(D, np.float32), v, sl, pos, index=ix)
+    if kind == "csa":
+        st = DecodeState("csa", 4, device="cpu")
+        with pytest.raises(ValueError, match="^index.state.*max_requests"):
+            compress_decode(pool, st, np.ones(D, np.float32), v, sl, pos,
+                            index=(DecodeState("csa", 8, DI, device="cpu"), np.ones(DI, np.float32)))
+    assert not pool.fp8.any() and pool.read_errors() == 0 and not pool.written.any()
+
+
 # ---------------------------------------------------------------------------
 # CPU: the composition
 # ---------------------------------------------------------------------------
@@ -204,6 +228,63 @@ def test_cpu_prefill_is_reference_composition(rng, kind):
         exp += [want.idx_q[:2].reshape(-1, 64)[:n], want.idx_sf[:2].reshape(-1, 8)[:n]]
     assert_entries_close(got, exp, exact=True)
     assert pool.read_errors() == 0
+
+
+def _out_of_step_case(device, rng, t=lambda a: a):
+    """Main and indexer states of one CSA layer whose counts disagree (a caller
+    error): such a row writes neither the entry nor its key and counts one
+    error; rows where both are complete flush; rows where neither is are
+    skipped silently. Returns nothing; asserts."""
+    m = M["csa"]
+    pool = _pool("csa", device)
+    slots = [pool.add_request() for _ in range(4)]
+    pool.prepare_step(slots, [m - 1] * 4)
+    st = DecodeState("csa", 4, device=device)
+    ist = DecodeState("csa", 4, DI, device=device)
+    kv, z, ape, nw, idx = _inputs(rng, "csa", m)
+    for s in slots:                    # m - 1 rows of the first window in both states
+        kvc.state_seed(st, s, t(kv[:m - 1]), t(z[:m - 1]), ape=t(ape))
+        kvc.state_seed(ist, s, t(idx[0][:m - 1]), t(idx[1][:m - 1]), ape=t(idx[2]))
+    # the last row: main complete in slots 0, 1; indexer complete in slots 0, 2
+    sl = t(np.array(slots, np.int32))
+    last = lambda a: t(np.repeat(a[m - 1:m], 4, 0))  # noqa: E731
+    kvc.state_append(st, last(kv), last(z), t(np.array([True, True, False, False])), sl, ape=t(ape))
+    kvc.state_append(ist, last(idx[0]), last(idx[1]), t(np.array([True, False, True, False])), sl,
+                     ape=t(idx[2]))
+    compress_decode(pool, st, t(nw), t(np.ones(4, bool)), t(np.array(slots, np.int32)),
+                    t(np.full(4, m - 1, np.int32)), index=(ist, t(idx[3])))
+    assert pool.read_errors() == 2                       # slots[1], slots[2]
+    written = _arr(pool.written)
+    np.testing.assert_array_equal(written[slots], [1, 0, 0, 0])
+    blocks = _arr(pool.block_table)[slots, 0]
+    fp8, isf = _arr(pool.fp8), _arr(pool.index_sf)
+    assert fp8[blocks[0], 0].any() and isf[blocks[0], 0].any()       # entry and key
+    for b in blocks[1:]:
+        assert not fp8[b].any() and not isf[b].any()                  # neither part
+
+
+def test_cpu_decode_states_out_of_step_write_nothing(rng):
+    _out_of_step_case("cpu", rng)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_cpu_written_follows_compress_and_free(rng, kind):
+    """compress_prefill / compress_decode raise pool.written (the bound every
+    gather applies); free_request zeroes it, so a reused block's entries are
+    not readable by the next request."""
+    m = M[kind]
+    lengths = [3 * m + 1, 2 * m]
+    inputs = _shared_inputs(rng, kind, lengths)
+    pool, slots = _decode_run(kind, "cpu", inputs, lengths, [m, 0])
+    np.testing.assert_array_equal(pool.written[slots], [3, 2])
+    blocks_a = pool.blocks_of(slots[0])
+    pool.free_request(slots[0])
+    assert pool.written[slots[0]] == 0
+    b = pool.add_request()
+    pool.prepare_step([b], [0])
+    rows = kvc.gather_topk(pool, np.array([b], np.int32), np.array([[0, 1, 2]], np.int32))
+    assert pool.blocks_of(b) == blocks_a[:1]               # A's entries 0..2 are in it
+    assert not rows.any() and pool.read_errors() == 3     # the freed entries are not B's
 
 
 @pytest.mark.parametrize("kind", ["csa", "hca"])
@@ -233,10 +314,11 @@ def _decode_run(kind, device, rng_inputs, lengths, prefill_upto, torch_mod=None)
         if P:
             cidx = None if idx is None else tuple(conv(a) for a in _sl(idx, 0, P))
             compress_prefill(pool, conv(kv[:P]), conv(z[:P]), conv(ape), conv(nw), s, index=cidx)
-            if kind == "csa":    # the decode state's b-stream: b-half of the last prefilled window
-                for stt, a, zz, dd in ((st, kv, z, D), (ist, idx[0], idx[1], DI)):
-                    stt.kv_b[s] = conv(a[P - m:P, :dd])
-                    stt.z_b[s] = conv(zz[P - m:P, :dd] + (ape if dd == D else idx[2])[:, :dd])
+        # admission: the decode states get the tail the prompt leaves (CSA: the
+        # b-half of the last prefilled window); P = 0 just empties the slot
+        kvc.state_seed(st, s, conv(kv[:P]), conv(z[:P]), ape=conv(ape))
+        if kind == "csa":
+            kvc.state_seed(ist, s, conv(idx[0][:P]), conv(idx[1][:P]), ape=conv(idx[2]))
     B = len(lengths)
     steps = max(L - P for L, P in zip(lengths, prefill_upto))
     for t in range(steps):
@@ -341,6 +423,7 @@ def test_gpu_prefill_matches_reference(cuda, rng, kind, dt):
     assert compress_prefill(gpu, _t(kv, tdt), _t(z, tdt), _t(ape), _t(nw), sg, index=gidx) == n
     torch.cuda.synchronize()
     assert gpu.read_errors() == 0
+    assert int(gpu.written[sg]) == int(cpu.written[sc]) == n
     assert_entries_close(_entries(gpu, sg, n), _entries(cpu, sc, n))
 
 
@@ -348,9 +431,10 @@ def test_gpu_prefill_matches_reference(cuda, rng, kind, dt):
 def test_gpu_decode_equals_prefill(cuda, rng, kind):
     """Several requests of different lengths, prefilled in part, then decoded
     token by token: the cache equals the one of prefilling every whole
-    sequence (the kernel runs the same arithmetic in both modes, so this is
-    expected bit for bit; the assertion is the stated tolerance), and the
-    CPU reference run agrees within the tolerance."""
+    sequence BIT FOR BIT (the same kernel source runs in both modes on the
+    same float32 values: z + ape is one float32 add in state_append /
+    state_seed as in the prefill CTA, --fmad=false, the same reduction
+    order), and the CPU reference run agrees within the tolerance."""
     import torch
     m = M[kind]
     lengths = [9 * m + 1, 3 * m, 6 * m + 2] if kind == "csa" else [3 * m + 5, m, 2 * m]
@@ -366,7 +450,7 @@ def test_gpu_decode_equals_prefill(cuda, rng, kind):
         gidx = None if idx is None else tuple(_t(a) for a in idx)
         n = compress_prefill(full, _t(kv), _t(z), _t(ape), _t(nw), fs, index=gidx)
         torch.cuda.synchronize()
-        assert_entries_close(_entries(dec, s, n), _entries(full, fs, n))
+        assert_entries_close(_entries(dec, s, n), _entries(full, fs, n), exact=True)
         cpu = _pool(kind, "cpu")
         cs = cpu.add_request()
         cpu.prepare_step([cs], [L - 1])
@@ -428,3 +512,7 @@ def test_gpu_decode_captures_in_graph(cuda, rng, kind):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(pool.fp8, ref_fp8)
+
+
+def test_gpu_decode_states_out_of_step_write_nothing(cuda, rng):
+    _out_of_step_case("cuda", rng, _t)

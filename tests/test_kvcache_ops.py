@@ -4,7 +4,8 @@ rawkv/cu/kv_cache.cu).
 
 CPU tests: pool bookkeeping (add/free/prepare_step, out-of-blocks before any
 write, block reuse), argument errors, the CPU ops against direct reference
-calls, a small decode simulation. GPU tests (fixture `cuda`): every op
+calls, no stale entries after free + block reuse (pool.written), a small
+decode simulation. GPU tests (fixture `cuda`): every op
 against rawkv.reference.kvcache bit for bit (NaN: both NaN), poisoned
 buffers to prove that skipped rows and untouched regions are not written,
 device-side indices out of range skipped and counted, a multi-request decode
@@ -261,13 +262,15 @@ def test_cpu_ops_match_reference(kind, rng):
     kc.flush_write(p, ents, valid, sl, pos, index_keys=keys)
     assert n == 2 and p.read_errors() == 2
     assert_pool_equal(p.reference_view(), want)
-    # gathers
+    # written: 1 + the highest entry each slot's valid, in-range rows wrote
+    np.testing.assert_array_equal(p.written, [1, 4, 2, 0])
+    # gathers: ids bound by min(n_entries, written)
     p.reset_errors()
     ids = np.array([[0, -1, 3, 1], [1, -2, 0, 5]], np.int64)
     rows = kc.gather_topk(p, np.array(slots[:2], np.int32), ids, n_entries=np.array([4, 4], np.int32))
-    want_rows, werr = ref.gather_topk(want, table_rows(p.block_table, slots[:2]), ids, np.array([4, 4]))
+    want_rows, werr = ref.gather_topk(want, table_rows(p.block_table, slots[:2]), ids, np.array([1, 4]))
     assert_same(rows, want_rows, "gather_topk")
-    assert p.read_errors() == werr == 3
+    assert p.read_errors() == werr == 4          # slot 0: ids 3, 1 (not written); slot 1: -2, 5
     d = kc.gather_dense(p, slots[1], 4, dtype="float32")
     wd, _ = ref.gather_dense(want, p.block_table[slots[1]], 4, dtype="float32")
     assert_same(d, wd, "gather_dense")
@@ -275,6 +278,13 @@ def test_cpu_ops_match_reference(kind, rng):
         k = kc.gather_index_keys(p, slots[1], 4)
         wk, _ = ref.gather_index_keys(want, p.block_table[slots[1]], 4)
         assert_same(k, wk, "gather_index_keys")
+    # written is a high-water mark: slot 2 wrote entry 1 only, entry 0 lies below
+    # the mark and is read (a hole is a caller error the pool cannot see)
+    p.reset_errors()
+    d = kc.gather_dense(p, slots[2], 3)
+    wd, werr = ref.gather_dense(want, p.block_table[slots[2]], 3, written=2)
+    assert werr == 1 and p.read_errors() == 1          # entry 2: not written
+    assert_same(d, wd, "gather_dense slot 2")
     # state
     st = kc.DecodeState(kind, 4, device="cpu")
     wst = ref.DecodeStateRef.create(kind, 4, 512)
@@ -308,16 +318,18 @@ def test_cpu_batch_gathers():
     kc.flush_write(p, ents, np.ones(8, bool), np.array(slots[:2] * 4, np.int32),
                    np.array([0, 0, 4, 4, 8, 8, 12, 12], np.int32), index_keys=keys)
     assert p.read_errors() == 0
+    np.testing.assert_array_equal(p.written[slots[:2]], [4, 4])
     sl = np.array([slots[0], slots[1], -3], np.int32)
     ne = np.array([3, 7, 1], np.int32)
     out = kc.gather_dense_batch(p, sl, ne, max_entries=5, valid_mask=np.array([True, True, True]))
     assert out.shape == (3, 5, 512)
     assert_same(out[0, :3], kc.gather_dense(p, slots[0], 3))
-    assert_same(out[1], kc.gather_dense(p, slots[1], 5))
+    assert_same(out[1, :4], kc.gather_dense(p, slots[1], 4))
     assert (out[0, 3:] == 0).all() and (out[2] == 0).all() and (out[1, 4] == 0).all()
-    # errors: n=7 > K=5 (1), slot -3 -> 1 entry (1), entry 4 of slots[1] has no block (1
-    # in the batch, 1 more in the gather_dense comparison above)
-    assert p.read_errors() == 4
+    # errors: n=7 > K=5 (1), slot -3 -> 1 entry (1), entry 4 of slots[1] not written (1)
+    assert p.read_errors() == 3
+    with pytest.raises(ValueError, match="n_entries"):
+        kc.gather_dense(p, slots[1], 5)                # more than the slot holds: host-known
     ko = kc.gather_index_keys_batch(p, sl[:2], ne[:2], max_entries=4)
     assert_same(ko[1], kc.gather_index_keys(p, slots[1], 4))
 
@@ -345,6 +357,10 @@ def test_cpu_argument_errors():
         (TypeError, "dtype", lambda: kc.gather_topk(p, s, np.zeros((2, 3), np.int32), dtype="int8")),
         (ValueError, "slot", lambda: kc.gather_dense(p, 99, 3)),
         (ValueError, "n_entries", lambda: kc.gather_dense(p, 0, -1)),
+        (ValueError, "n_entries", lambda: kc.gather_dense(p, 0, p.n_entries(0) + 1)),
+        (ValueError, "n_entries", lambda: kc.gather_index_keys(p, 3, 1)),        # a free slot
+        (ValueError, "slot", lambda: kc.state_seed(kc.DecodeState("csa", 4, device="cpu"), 4,
+                                                    np.zeros((0, 1024), F32), np.zeros((0, 1024), F32))),
         (ValueError, "pool", lambda: kc.gather_index_keys(h, 0, 1)),
         (ValueError, "max_entries", lambda: kc.gather_dense_batch(p, s, s)),
     ]
@@ -361,6 +377,58 @@ def test_cpu_argument_errors():
     with pytest.raises(ValueError, match="slots"):
         kc.state_append(st, np.zeros((2, 512), F32), np.zeros((2, 512), F32), v, s[:1])
     assert (st.count == 0).all()
+
+
+def _stale_after_reuse(device, rng):
+    """Request A writes 4 entries and is freed; B gets A's block back (LIFO)
+    with A's bytes still in it. No gather may return them as B's entries:
+    every one is a zero row and counted, until B writes its own."""
+    cuda = device != "cpu"
+    if cuda:
+        torch = _torch()
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+        bf = lambda a: t(a).bfloat16()  # noqa: E731
+        host = lambda x: x.float().cpu().numpy()  # noqa: E731
+    else:
+        t = bf = host = lambda a: a  # noqa: E731
+    p = kc.PagedKVPool("csa", 4, 4, 2, 2, device=device)
+    a = p.add_request()
+    p.prepare_step([a], [15])                                  # entries 0..3: one block
+    ents, keys = bf16_values(rng, (4, 512)), bf16_values(rng, (4, 128))
+    kc.flush_write(p, bf(ents), t(np.ones(4, bool)), t(np.full(4, a, np.int32)),
+                   t(np.arange(4, dtype=np.int32) * 4), index_keys=bf(keys))
+    mine = host(kc.gather_topk(p, t(np.array([a], np.int32)), t(np.array([[1, 2, 3]], np.int32))))
+    assert mine.any() and p.read_errors() == 0                 # A reads its own entries
+    blocks = p.blocks_of(a)
+    p.free_request(a)
+    b = p.add_request()
+    p.prepare_step([b], [0])
+    assert p.blocks_of(b) == blocks                            # A's bytes are still there
+    sl = t(np.array([b], np.int32))
+    rows = host(kc.gather_topk(p, sl, t(np.array([[1, 2, 3]], np.int32))))
+    assert not rows.any() and p.read_errors() == 3
+    p.reset_errors()
+    rows = host(kc.gather_dense_batch(p, sl, t(np.array([4], np.int32)), max_entries=4))
+    assert not rows.any() and p.read_errors() == 4
+    p.reset_errors()
+    rows = host(kc.gather_index_keys_batch(p, sl, t(np.array([4], np.int32)), max_entries=4))
+    assert not rows.any() and p.read_errors() == 4
+    p.reset_errors()
+    for fn in (kc.gather_dense, kc.gather_index_keys):         # host-known length: refused
+        with pytest.raises(ValueError, match="n_entries"):
+            fn(p, b, 1)
+    # B writes entry 0: exactly that one becomes readable
+    p.prepare_step([b], [3])
+    kc.flush_write(p, bf(ents[3:]), t(np.ones(1, bool)), sl, t(np.array([3], np.int32)),
+                   index_keys=bf(keys[3:]))
+    rows = host(kc.gather_topk(p, sl, t(np.array([[0, 1]], np.int32))))
+    assert_same(rows[0, 0], mine[0, 2], "B's entry 0")         # A's entry 3 had the same input
+    assert not rows[0, 1].any() and p.read_errors() == 1
+    assert_same(host(kc.gather_dense(p, b, 1)), mine[0, 2:], "gather_dense of B")
+
+
+def test_cpu_no_stale_entries_after_free_and_reuse(rng):
+    _stale_after_reuse("cpu", rng)
 
 
 # ---------------------------------------------------------------------------
@@ -588,6 +656,14 @@ def test_gpu_flush_write_bit_exact(cuda, kind, rng):
                    index_keys=None if keys is None else torch.from_numpy(keys).cuda().bfloat16())
     assert p.read_errors() == nerr
     assert_pool_equal(p.to_reference(), want)
+    # written[slot] = 1 + the highest entry a valid, in-range row wrote (atomicMax)
+    tab = _table(p)
+    wexp = np.zeros(p.max_requests, np.int64)
+    for s_, pos_, v_ in zip(sl.tolist(), pos.tolist(), valid.tolist()):
+        if v_ and pos_ >= 0 and 0 <= s_ < p.max_requests and \
+                ref._locate(want, tab[s_], pos_ // m) is not None:
+            wexp[s_] = max(wexp[s_], pos_ // m + 1)
+    np.testing.assert_array_equal(p.written.cpu().numpy(), wexp)
     # errors= override and B = 0
     e2 = torch.zeros(1, dtype=torch.int32, device="cuda")
     kc.flush_write(p, torch.from_numpy(ents[:2]).cuda().bfloat16(), torch.ones(2, dtype=torch.bool, device="cuda"),
@@ -641,14 +717,19 @@ def test_gpu_gather_topk_bit_exact(cuda, dtype, id_dtype, rng):
     ne = rng.integers(0, hi, size=B).astype(np.int32)
     ne[0] = -1
     valid = rng.random(B) < 0.8
+    # entries written per slot: ids at or past it are errors (stale bytes)
+    wr = rng.integers(0, hi, size=p.max_requests).astype(np.int32)
+    wr[slots[1]] = hi
+    p.written.copy_(torch.from_numpy(wr))
+    wr_b = np.array([wr[x] if 0 <= x < p.max_requests else 0 for x in sl], np.int64)
     want = p.to_reference()
     for use_ne in (True, False):
         for use_valid in (True, False):
             vm = valid if use_valid else np.ones(B, bool)
             sel = np.flatnonzero(vm)
             exp = np.zeros((B, K, 512), F32)
-            r, nerr = ref.gather_topk(want, table_rows(tab, sl[sel]), ids[sel],
-                                      ne[sel] if use_ne else None, dtype=dtype)
+            lim = np.minimum(ne[sel], wr_b[sel]) if use_ne else wr_b[sel]
+            r, nerr = ref.gather_topk(want, table_rows(tab, sl[sel]), ids[sel], lim, dtype=dtype)
             exp[sel] = r
             out = torch.full((B, K, 512), float("nan"), dtype=getattr(torch, dtype), device="cuda")
             p.reset_errors()
@@ -677,6 +758,9 @@ def _cpu_twin(pool):
     if ihd:
         c.index_q[...], c.index_sf[...] = r.idx_q, r.idx_sf
     c.block_table[...] = pool.block_table.cpu().numpy()
+    c.written[...] = pool.written.cpu().numpy()
+    c._n_entries[...] = pool._n_entries      # the host counts the dense gathers check
+    c._active[...] = pool._active
     return c
 
 
@@ -685,11 +769,20 @@ def test_gpu_gather_dense_and_index_keys(cuda, dtype, rng):
     torch = _torch()
     p, slots = _gpu_pool("csa", rng)
     _fill_pool_random(p, rng)
+    # written: some slots below what they hold (their tail is an error), some at it
+    hold = np.array([p._n_entries[s] for s in range(p.max_requests)], np.int64)
+    wr = np.minimum(hold, rng.integers(0, hold.max() + 1, size=p.max_requests)).astype(np.int32)
+    wr[slots[0]] = hold[slots[0]]
+    p.written.copy_(torch.from_numpy(wr))
     twin = _cpu_twin(p)
     tdt = getattr(torch, dtype)
-    # single request: every slot, lengths past the allocated blocks
+    # single request: every slot (the last one free), lengths up to what it holds
     for s in slots + [p.max_requests - 1]:
-        for n in (0, 1, 7, p.max_blocks_per_request * p.entries_per_block):
+        have = int(hold[s])
+        for fn in (kc.gather_dense, kc.gather_index_keys):
+            with pytest.raises(ValueError, match="n_entries"):
+                fn(p, s, have + 1)
+        for n in sorted({0, min(1, have), min(7, have), have}):
             for index in (False, True):
                 fn = kc.gather_index_keys if index else kc.gather_dense
                 p.reset_errors()
@@ -874,6 +967,7 @@ def test_gpu_graph_capture_decode_step(cuda, rng):
     keys = torch.from_numpy(bf16_values(rng, (B, 128))).cuda().bfloat16()
     ids = torch.from_numpy(rng.integers(-1, 12, (B, K)).astype(np.int64)).cuda()
     ne = torch.tensor([4, 2, 8, 12, 0], dtype=torch.int32, device="cuda")
+    p.written[:len(slots)].copy_(ne[:len(slots)])       # as if those entries had been flushed
     valid = torch.empty(B, dtype=torch.bool, device="cuda")
     out = torch.empty((B, K, 512), dtype=torch.bfloat16, device="cuda")
     idx = sl.clamp(min=0).long()
@@ -884,7 +978,7 @@ def test_gpu_graph_capture_decode_step(cuda, rng):
         kc.csa_rotate(st, valid, sl)
         kc.gather_topk(p, sl, ids, n_entries=ne, out=out)
 
-    bufs = [p.fp8, p.scale, p.rope, p.index_q, p.index_sf, p.block_table, p.errors,
+    bufs = [p.fp8, p.scale, p.rope, p.index_q, p.index_sf, p.block_table, p.written, p.errors,
             st.kv_a, st.z_a, st.kv_b, st.z_b, st.count, st.errors, out]
     snap = [b.clone() for b in bufs]
 
@@ -899,7 +993,7 @@ def test_gpu_graph_capture_decode_step(cuda, rng):
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     eager = [b.clone() for b in bufs]
-    assert not torch.equal(eager[7], snap[7])          # the step did rotate something
+    assert not torch.equal(eager[8], snap[8])          # the step did rotate something (kv_a)
     restore()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -916,3 +1010,90 @@ def test_gpu_graph_capture_decode_step(cuda, rng):
         torch.cuda.synchronize()
         for b, e in zip(bufs, eager):
             assert torch.equal(b.view(torch.uint8), e.view(torch.uint8)), f"replay {replay}"
+
+
+def test_gpu_no_stale_entries_after_free_and_reuse(cuda, rng):
+    _stale_after_reuse("cuda", rng)
+
+
+def test_gpu_state_append_duplicate_slots_terminates(cuda, rng):
+    """Duplicate slots are a caller error, but the kernel must neither hang
+    (each CTA reads the count once, through shared memory) nor write outside
+    the slot's m rows. Many CTAs race on one slot; a hang shows as a timeout."""
+    import time
+    torch = _torch()
+    st = kc.DecodeState("csa", 3, device="cuda")          # 256 threads per CTA
+    m, B = st.m, 8192
+    kv = torch.randn((B, st.width), device="cuda")
+    z = torch.randn((B, st.width), device="cuda")
+    valid = torch.ones(B, dtype=torch.bool, device="cuda")
+    dup = torch.zeros(B, dtype=torch.int32, device="cuda")
+    before = st.to_reference()
+    for _ in range(10):
+        st.count.zero_()
+        st.reset_errors()
+        kc.state_append(st, kv, z, valid, dup)
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + 30
+        while not done.query():
+            assert time.monotonic() < deadline, "state_append with duplicate slots did not finish"
+            time.sleep(0.005)
+        got = st.to_reference()
+        assert 1 <= int(got.count[0]) <= m
+        assert 0 <= st.read_errors() <= B - 1
+        for a, b in zip((got.a_kv, got.a_z, got.b_kv, got.b_z), (before.a_kv, before.a_z, before.b_kv,
+                                                                  before.b_z)):
+            assert_same(a[1:], b[1:], "other slots")          # nothing outside slot 0
+        assert_same(got.b_kv[0], before.b_kv[0], "slot 0 b-stream")
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_gpu_state_seed_bit_exact_and_capturable(cuda, kind, rng):
+    torch = _torch()
+    hd = 512 if kind == "csa" else 128
+    st = kc.DecodeState(kind, 3, hd, device="cuda")
+    m, w = st.m, st.width
+    cu = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
+
+    def poison():
+        for t in (st.kv_a, st.z_a, st.kv_b, st.z_b):
+            if t is not None:
+                t.copy_(torch.from_numpy(rng.standard_normal(t.shape).astype(F32)))
+        st.count.copy_(torch.from_numpy(rng.integers(0, m + 1, 3).astype(np.int32)))
+
+    ape = rng.standard_normal((m, w)).astype(F32)
+    for T in (0, 1, m - 1, m, 3 * m + 2):
+        for dt in ("float32", "bfloat16"):
+            for with_ape in (True, False):
+                kv = rng.standard_normal((T, w)).astype(F32)
+                z = rng.standard_normal((T, w)).astype(F32)
+                if dt == "bfloat16":
+                    kv, z = bf16_round(kv), bf16_round(z)
+                poison()
+                want = st.to_reference()
+                ref.state_seed(want, 1, kv, z, ape if with_ape else None)
+                kc.state_seed(st, 1, cu(kv).to(getattr(torch, dt)), cu(z).to(getattr(torch, dt)),
+                              ape=cu(ape) if with_ape else None)
+                assert_state_equal(st.to_reference(), want, f"state_seed T={T} {dt} ape={with_ape}")
+    # captured in a CUDA graph and replayed: the same bits
+    T = 2 * m + 1
+    kv = rng.standard_normal((T, w)).astype(F32)
+    z = rng.standard_normal((T, w)).astype(F32)
+    kvt, zt, apet = cu(kv), cu(z), cu(ape)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kc.state_seed(st, 2, kvt, zt, ape=apet)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kc.state_seed(st, 2, kvt, zt, ape=apet)
+    poison()
+    torch.cuda.synchronize()
+    want = st.to_reference()
+    ref.state_seed(want, 2, kv, z, ape)
+    g.replay()
+    torch.cuda.synchronize()
+    assert_state_equal(st.to_reference(), want, "replayed state_seed")

@@ -324,6 +324,27 @@ def test_fp8_entry_zero_and_nonfinite(rng):
     assert np.isnan(kc.fp8_entry_quantize(x)[1][2])
 
 
+def test_fp8_entry_scale_that_underflows_is_one(rng):
+    """amax ~1e-44 (a float32 subnormal): amax / 448 rounds to 0, so the scale
+    is 1 rather than 0 (a 0 scale would turn x / s into Inf/NaN and decode to
+    NaN or 0 * Inf). Codes are e4m3(x / 1) = 0 and the entry decodes to
+    finite (signed) zeros: the true values are far below E4M3's 2^-9."""
+    x = np.zeros((2, 512), F32)
+    x[0, :448] = (rng.choice([-1, 1], 448) * rng.integers(1, 8, 448) * 1.4e-45).astype(F32)
+    x[0, 3] = F32(1e-44)
+    x[1, :448] = F32(-1e-44)
+    x[:, 448:] = _rows(rng, 2, 64)
+    amax = np.abs(x[:, :448]).max(1)
+    assert np.all(amax > 0) and np.all(amax / F32(448.0) == 0)     # the case: it underflows
+    codes, s, rope = kc.fp8_entry_quantize(x)
+    assert np.array_equal(s, np.ones(2, F32))
+    assert not (codes & 0x7F).any()                                  # +-0 (the sign is kept)
+    assert np.array_equal(codes >> 7, (x[:, :448] < 0).astype(np.uint8))
+    y = kc.fp8_entry_dequantize(codes, s, rope, "float32")
+    assert np.all(np.isfinite(y)) and not y[:, :448].any()
+    assert np.array_equal(y[:, 448:], bf16_round(x[:, 448:]))
+
+
 # ---------------------------------------------------------------------------
 # indexer key: one-level NVFP4
 # ---------------------------------------------------------------------------
@@ -497,6 +518,14 @@ def test_gather_out_of_range_skipped_and_counted(rng):
     assert not rows[0, [1, 3, 4, 6]].any()
     rows, err = kc.gather_topk(pool, table[None], np.array([[3, 2, 1]]), n_entries=np.array([2]))
     assert err == 2 and np.array_equal(rows[0, 2], want[1]) and not rows[0, :2].any()
+    # written: entries past what the request wrote are zero rows, one error each
+    for fn, w in ((kc.gather_dense, want), (kc.gather_index_keys, None)):
+        rows, err = fn(pool, table, 4, written=2)
+        assert err == 2 and not rows[2:].any()
+        if w is not None:
+            assert np.array_equal(rows[:2], w[:2])
+    with pytest.raises(ValueError, match="n_entries"):
+        kc.gather_index_keys(pool, table, -1)
 
 
 # ---------------------------------------------------------------------------
@@ -558,6 +587,42 @@ def test_hca_reset_exact_state(rng):
     assert _unchanged_slots(before, st, [0, 1, 3, 4])
     with pytest.raises(ValueError, match="state"):
         kc.csa_rotate(st, np.array([True]), np.array([0]))
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_state_seed_equals_token_by_token(rng, kind):
+    """state_seed(prompt) leaves exactly the state that state_clear followed by
+    state_append of every prompt row and csa_rotate / hca_reset after every
+    full window leaves, on a slot that held garbage; other slots untouched."""
+    d, S = 16, 4
+    m = kc.CSA_RATIO if kind == "csa" else kc.HCA_RATIO
+    w = 2 * d if kind == "csa" else d
+    ape = _rows(rng, m, w)
+    for T in sorted({0, 1, m - 1, m, m + 1, 2 * m, 3 * m + m // 2}):
+        kv, z = _rows(rng, T, w), _rows(rng, T, w, 2.0)
+        for use_ape in (True, False):
+            a = ape if use_ape else None
+            seeded = _random_state(rng, kind, S, d)
+            slow = seeded.copy()
+            kc.state_seed(seeded, 2, kv, z, a)
+            assert kc.state_clear(slow, np.array([2])) == 0
+            one = np.ones(1, bool)
+            for t in range(T):
+                assert kc.state_append(slow, kv[t:t + 1], z[t:t + 1], one, np.array([2]), a) == 0
+                if slow.count[2] == m:
+                    rot = kc.csa_rotate if kind == "csa" else kc.hca_reset
+                    assert rot(slow, one, np.array([2])) == 0
+            for x, y in zip(_state_arrays(seeded), _state_arrays(slow)):
+                assert np.array_equal(_bits(x), _bits(y)), (T, use_ape)
+    st = kc.DecodeStateRef.create(kind, S, d)
+    with pytest.raises(ValueError, match="slot"):
+        kc.state_seed(st, S, kv, z)
+    with pytest.raises(TypeError, match="slot"):
+        kc.state_seed(st, 1.0, kv, z)
+    with pytest.raises(ValueError, match="kv"):
+        kc.state_seed(st, 0, kv[:, :-1], z)
+    with pytest.raises(ValueError, match="ape"):
+        kc.state_seed(st, 0, kv, z, ape[:-1])
 
 
 def test_state_append_and_clear(rng):
@@ -632,14 +697,20 @@ def _simulate(rng, kind, lengths, epb=4):
         eid = np.full(R, t // m)
         entries = kc.finish_entry(p, w, eid, m)
         keys = kc.finish_index_key(kc.state_pool(ist, slots), iw, eid) if idx else None
+        snap = pool.copy()
         assert kc.flush_write(pool, entries, ready, np.full(R, t), table, keys) == 0
+        # each ready request wrote its own entry t // m in its own block, and
+        # nothing else changed (a write into another request's block fails here)
+        e = t // m
+        assert _changed(snap, pool) == {(int(table[r, e // epb]), e % epb) for r in np.flatnonzero(ready)}
         if idx:
             assert kc.csa_rotate(st, ready, slots) == 0
             assert kc.csa_rotate(ist, ready, slots) == 0
         else:
             assert kc.hca_reset(st, ready, slots) == 0
-    # nothing outside the requests' blocks was touched
-    assert all(b in set(table[table >= 0].tolist()) for b, _ in _changed(before, pool))
+    # over the whole run, request r changed exactly its entries 0 .. n_ent[r]-1
+    want = {(int(table[r, e // epb]), e % epb) for r in range(R) for e in range(n_ent[r])}
+    assert _changed(before, pool) == want
     comp = kc.compress_csa if idx else kc.compress_hca
     for r in range(R):
         n = n_ent[r]

@@ -158,6 +158,9 @@ def _fill_pool(pool, B, n_entries):
         pool.index_q.copy_(torch.randint(0, 255, pool.index_q.shape, device="cuda",
                                          dtype=torch.uint8, generator=g))
         pool.index_sf.fill_(0x38)
+    # the entries count as written (as a flush would mark them): the gathers
+    # bound ids by pool.written and would otherwise time the zero-row path
+    pool.written[:B].fill_(n_entries)
 
 
 def _copy_GBps():

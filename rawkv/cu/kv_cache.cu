@@ -9,6 +9,13 @@
 // checked: an out-of-range row is skipped (never read or written out of
 // bounds) and counted with one atomicAdd into errors[0].
 //
+// written[slot] (one int32 per request slot) is the high-water mark of the
+// entries the slot's current request has written: the flush raises it with
+// atomicMax, the host zeroes it when the slot is freed, and every gather
+// treats an entry id >= written[slot] as out of range (zero row, counted).
+// Freed blocks keep their bytes and are reused, so without this bound a
+// gather could return an earlier request's entries as if they were valid.
+//
 // Pool layout, entry row r = block * epb + (entry % epb):
 //   fp8   (num_blocks*epb, nope_dim)        E4M3 codes of the non-RoPE dims
 //   scale (num_blocks*epb)                  FP32 decode scale (SPEC 3)
@@ -113,7 +120,8 @@ template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; }
 //     NaN (and codes 0) if any non-RoPE dim is NaN/Inf; q = e4m3(x / s)
 //     16 codes per lane per step (one 16-byte store); RoPE dims copied as
 //     BF16 bits (16-byte chunks); indexer key: one NVFP4 block of 16 per lane
-//     (nvfp4_quantize_block, gs = 1), 8 code bytes + 1 scale byte.
+//     (nvfp4_quantize_block, gs = 1), 8 code bytes + 1 scale byte;
+//     written[slot] = max(written[slot], e + 1).
 // ===========================================================================
 template <bool HAS_INDEX>
 __global__ void __launch_bounds__(128, 8) rkv_kv_flush_write(
@@ -121,19 +129,24 @@ __global__ void __launch_bounds__(128, 8) rkv_kv_flush_write(
         const bool* __restrict__ valid, const int* __restrict__ slots,
         const int* __restrict__ positions, const int* __restrict__ table,
         u8* __restrict__ fp8, float* __restrict__ scale, __nv_bfloat16* __restrict__ rope,
-        u8* __restrict__ idx_q, u8* __restrict__ idx_sf, int* __restrict__ errors,
+        u8* __restrict__ idx_q, u8* __restrict__ idx_sf, int* __restrict__ written,
+        int* __restrict__ errors,
         i64 B, i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 m,
         i64 nope_dim, i64 rope_dim, i64 index_dim) {
     const int lane = threadIdx.x & 31;
     const i64 b = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b >= B || !valid[b]) return;                       // warp-uniform
     const i64 pos = positions[b];
-    const i64 r = pos < 0 ? -1 : locate(table, slots[b], (u32)pos / (u32)m, num_requests, max_blocks,
-                                        num_blocks, epb);
+    const i64 slot = slots[b];
+    const i64 e = pos < 0 ? -1 : (i64)((u32)pos / (u32)m);
+    const i64 r = e < 0 ? -1 : locate(table, slot, e, num_requests, max_blocks, num_blocks, epb);
     if (r < 0) {
         if (lane == 0) atomicAdd(errors, 1);
         return;
     }
+    // Readers run in later launches (stream order), so raising the mark
+    // before the bytes below are stored is safe.
+    if (lane == 0) atomicMax(written + slot, (int)(e + 1));
     const i64 hd = nope_dim + rope_dim;
     const __nv_bfloat16* src = entries + b * hd;
 
@@ -198,6 +211,11 @@ __global__ void __launch_bounds__(128, 8) rkv_kv_flush_write(
 // Row count[s] of the a-stream of slot s gets kv and z (+ ape[count]);
 // count += 1. Out-of-range slot or a full window (count >= m; count < 0 is
 // treated the same way) -> skipped, errors += 1.
+// count[s] is read ONCE per CTA (thread 0, through shared memory): with a
+// duplicate slot (a caller error) another CTA may bump it at any time, and
+// threads that read it separately could disagree on whether to return, so
+// some would wait at a barrier the others never reach (a hang). Duplicates
+// still race on the row they write, but always in bounds.
 // ===========================================================================
 template <typename TKV, typename TZ>
 __global__ void __launch_bounds__(256, 4) rkv_kv_state_append(
@@ -205,19 +223,21 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_state_append(
         const bool* __restrict__ valid, const int* __restrict__ slots,
         float* __restrict__ a_kv, float* __restrict__ a_z, int* __restrict__ count,
         int* __restrict__ errors, i64 S, i64 m, i64 w) {
+    __shared__ int sh_count;
     const i64 b = blockIdx.x;
-    if (!valid[b]) return;                                   // CTA-uniform
+    if (!valid[b]) return;                                   // CTA-uniform (read-only input)
     const i64 s = slots[b];
     if (s < 0 || s >= S) {
         if (threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }
-    const i64 r = count[s];
+    if (threadIdx.x == 0) sh_count = count[s];
+    __syncthreads();
+    const i64 r = sh_count;                                  // CTA-uniform by construction
     if (r < 0 || r >= m) {
         if (threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }
-    __syncthreads();                 // every thread has read count[s] before it changes
     if (threadIdx.x == 0) count[s] = (int)(r + 1);
     const TKV* src_kv = kv + b * w;
     const TZ* src_z = z + b * w;
@@ -292,11 +312,12 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_state_reset(
 // a RoPE chunk loads 8 BF16 (16-byte load); each chunk is one 16-byte store
 // (two for FP32 output).
 //   TOPK (DENSE = false): entry e = ids[b, j]; -1 -> zero row, not counted;
-//     any other e < 0, e >= n (when n_entries is given), or a bad slot/block
-//     -> zero row, errors += 1.
-//   DENSE: entry e = j; j >= n -> zero row (padding), not counted; a bad
-//     slot/block for j < n -> zero row, errors += 1; n < 0 or n > K counts
-//     one more error (at j == 0) and the first min(n, K) rows are gathered.
+//     any other e < 0, e >= n (when n_entries is given), e >= written[slot],
+//     or a bad slot/block -> zero row, errors += 1.
+//   DENSE: entry e = j; j >= n -> zero row (padding), not counted; for
+//     j < n, j >= written[slot] or a bad slot/block -> zero row, errors += 1;
+//     n < 0 or n > K counts one more error (at j == 0) and the first
+//     min(n, K) rows are gathered.
 //   valid != nullptr and valid[b] false -> zero rows, not counted.
 //   slots == nullptr: every row uses slot0; n_entries == nullptr: n = n0
 //   (TOPK: n0 < 0 means no limit).
@@ -307,7 +328,7 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_gather(
         const __nv_bfloat16* __restrict__ rope, const int* __restrict__ table,
         const int* __restrict__ slots, const TID* __restrict__ ids,
         const int* __restrict__ n_entries, const bool* __restrict__ valid,
-        TO* __restrict__ out, int* __restrict__ errors,
+        const int* __restrict__ written, TO* __restrict__ out, int* __restrict__ errors,
         i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks, i64 num_blocks,
         i64 epb, i64 nope_dim, i64 rope_dim) {
     const int lane = threadIdx.x & 31;
@@ -324,16 +345,18 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_gather(
             const i64 slot = slots != nullptr ? (i64)slots[b] : slot0;
             const bool limited = n_entries != nullptr || n0 >= 0;
             const i64 n = n_entries != nullptr ? (i64)n_entries[b] : n0;
+            // entries the request has written; a bad slot has none (locate fails too)
+            const i64 wr = (slot >= 0 && slot < num_requests) ? (i64)written[slot] : 0;
             if (DENSE) {
                 if (j == 0 && (n < 0 || n > K)) errs += 1;
                 if (j < n) {
-                    r = locate(table, slot, j, num_requests, max_blocks, num_blocks, epb);
+                    r = j < wr ? locate(table, slot, j, num_requests, max_blocks, num_blocks, epb) : -1;
                     errs += r < 0;
                 }
             } else {
                 const i64 e = (i64)ids[row];
                 if (e != -1) {
-                    r = (!limited || e < n)
+                    r = ((!limited || e < n) && e < wr)
                         ? locate(table, slot, e, num_requests, max_blocks, num_blocks, epb) : -1;
                     errs += r < 0;
                 }
@@ -390,7 +413,7 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_gather(
 }
 
 // ===========================================================================
-// Indexer-key gather (DENSE rules of rkv_kv_gather): one thread per NVFP4
+// Indexer-key gather (DENSE rules of rkv_kv_gather, written[] included): one thread per NVFP4
 // block of 16 (8-byte code load + 1 scale byte, 16 outputs: two 16-byte
 // stores for BF16/FP16, four for FP32), grid-stride over B*K*(index_dim/16).
 // ===========================================================================
@@ -399,7 +422,7 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_gather_index(
         const u8* __restrict__ idx_q, const u8* __restrict__ idx_sf,
         const int* __restrict__ table, const int* __restrict__ slots,
         const int* __restrict__ n_entries, const bool* __restrict__ valid,
-        TO* __restrict__ out, int* __restrict__ errors,
+        const int* __restrict__ written, TO* __restrict__ out, int* __restrict__ errors,
         i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks, i64 num_blocks,
         i64 epb, i64 index_dim) {
     const i64 nb = index_dim / 16;
@@ -413,8 +436,9 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_gather_index(
             const i64 slot = slots != nullptr ? (i64)slots[b] : slot0;
             const i64 n = n_entries != nullptr ? (i64)n_entries[b] : n0;
             if (j == 0 && k == 0 && (n < 0 || n > K)) errs += 1;
+            const i64 wr = (slot >= 0 && slot < num_requests) ? (i64)written[slot] : 0;
             if (j < n) {
-                r = locate(table, slot, j, num_requests, max_blocks, num_blocks, epb);
+                r = j < wr ? locate(table, slot, j, num_requests, max_blocks, num_blocks, epb) : -1;
                 errs += (r < 0 && k == 0);
             }
         }

@@ -30,12 +30,20 @@
 //   5. one BF16 rounding, then quantize: attention entry -> E4M3 codes of the
 //      non-RoPE dims + FP32 scale amax/448 + BF16 RoPE dims; indexer key ->
 //      one-level NVFP4 (nvfp4_quantize_block, gs = 1).
-//   6. scatter through block_table[row][entry / epb]; an entry id past the
-//      table or the RoPE table, or a physical block outside [0, num_blocks),
-//      is skipped and counted in *errors (by part 0 only, once per entry).
-//      Decode: rows with valid_mask false, or whose window is not complete
-//      (count[slot] != m), are skipped silently; an out-of-range slot or a
-//      negative position is counted.
+//   6. scatter through block_table[row][entry / epb]; a row outside the
+//      block table, an entry id past the table or the RoPE table, or a
+//      physical block outside [0, num_blocks), is skipped and counted in
+//      *errors; written[row] = max(written[row], entry + 1).
+//      Decode: rows with valid_mask false are skipped silently; an
+//      out-of-range slot is counted. The flush decision is taken per ROW,
+//      identically by both parts, from both states' counts: neither window
+//      complete -> skipped silently; both complete (or the one, without an
+//      indexer) -> flushed; exactly one complete (the states are out of
+//      step, a caller error) -> NOTHING written (an entry without its key,
+//      or a key without its entry, would pair new data with stale data) and
+//      counted. A flushed row with a negative position is counted.
+//      Because both parts decide alike from the same data, every error is
+//      one that part 0 meets too: part 0 counts it, once per row.
 //
 // Compiled with --fmad=false --ftz=false --prec-div=true --prec-sqrt=true.
 #include "common.cuh"
@@ -132,8 +140,8 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
     // RoPE table (n_tab, 2, rope_dim / 2) float32: cos, sin of entry e at position e * m
     const float* __restrict__ rope_tab, long long n_tab, long long rope_dim,
     // paged pool geometry
-    const int* __restrict__ block_table, long long bt_stride, long long num_blocks,
-    long long epb, long long m,
+    const int* __restrict__ block_table, long long bt_rows, long long bt_stride,
+    long long num_blocks, long long epb, long long m, int* __restrict__ written,
     // decode: batch rows
     const u8* __restrict__ valid, const I* __restrict__ slots, const I* __restrict__ positions,
     long long n_slots,
@@ -166,12 +174,21 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
     if constexpr (DECODE) {
         if (!valid[n]) return;
         const i64 s = (i64)slots[n];
-        if (s < 0 || s >= n_slots) {
+        // the host makes the states' rows equal the block table's; both bounds
+        // are checked anyway, so no slot reads past either
+        if (s < 0 || s >= n_slots || s >= bt_rows) {
             if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
             return;
         }
-        const int* cnt = part == 0 ? count0 : count1;
-        if ((i64)cnt[s] != m) return;               // window not complete: nothing to flush
+        // Nothing in this launch writes the counts: every thread of both
+        // parts reads the same values, so the decision is CTA- and part-uniform.
+        const bool full0 = (i64)count0[s] == m;
+        const bool full1 = count1 != nullptr ? (i64)count1[s] == m : full0;
+        if (!full0 && !full1) return;               // window not complete: nothing to flush
+        if (full0 != full1) {                       // states out of step: write neither part
+            if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
+            return;
+        }
         const i64 pos = (i64)positions[n];
         if (pos < 0) {
             if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
@@ -208,7 +225,7 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
         src.ape_b = ape;
     }
     const i64 lb = e / epb;
-    if (e >= n_tab || lb >= bt_stride) {
+    if (row < 0 || row >= bt_rows || e >= n_tab || lb >= bt_stride) {
         if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }
@@ -384,7 +401,12 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
                 if (c < nope) out_fp8[dest * nope + c] = bad ? (u8)0 : e4m3_encode(x[k] / s);
                 else out_rope[dest * rope_dim + (c - nope)] = __float2bfloat16_rn(x[k]);
             }
-            if (tc == 0) out_scale[dest] = s;
+            if (tc == 0) {
+                out_scale[dest] = s;
+                // part 1 writes the key of this entry in the same launch; readers
+                // come in later launches
+                atomicMax(written + row, (int)(e + 1));
+            }
         }
     } else {
         // ---- 4. Hadamard (float64), 5. BF16, one-level NVFP4 ----

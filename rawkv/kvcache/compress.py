@@ -106,12 +106,13 @@ def _on_cpu(t) -> bool:
 _TABLES: dict = {}
 
 
-def rope_table(pool, *, theta: float = ref.COMPRESS_ROPE_THETA, yarn=ref.DSV4_YARN):
+def rope_table(pool, *, theta: float = ref.COMPRESS_ROPE_THETA, yarn=ref.DSV4_YARN, stream=None):
     """(max_blocks * entries_per_block, 2, rope_dim/2) float32 device tensor:
     cos, sin of entry e at position e * m, exactly rawkv.reference.kvcache.
     rope_cos_sin (float64 angles, one rounding). Built on the host and copied
     once per (device, size, m, rope_dim, theta, yarn); call it (or any
-    compress_* op) before capturing a CUDA graph."""
+    compress_* op) before capturing a CUDA graph. `stream`: the op's stream
+    (building the table is refused while it, or the current stream, captures)."""
     nb, epb, d, rope_dim, _, max_blocks = _geom(pool)
     m = _pool_m(pool)
     n_tab = max_blocks * epb
@@ -120,7 +121,7 @@ def rope_table(pool, *, theta: float = ref.COMPRESS_ROPE_THETA, yarn=ref.DSV4_YA
     tab = _TABLES.get(key)
     if tab is None:
         import torch
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if dev.type == "cuda" and get_runtime(dev.index).capturing(stream):
             raise CaptureError("rawkv: the compressor's RoPE table is not built yet and the stream "
                                "is capturing a CUDA graph; call rope_table(pool) (or run the op "
                                "once) before capture")
@@ -166,7 +167,7 @@ def _check_eps(eps):
 
 
 def _check_pool(pool):
-    for name in ("fp8", "scale", "rope", "block_table", "errors"):
+    for name in ("fp8", "scale", "rope", "block_table", "written", "errors"):
         if getattr(pool, name, None) is None:
             raise TypeError(f"pool: expected a PagedKVPool (no .{name})")
     nb, epb, d, rope_dim, _, _ = _geom(pool)
@@ -183,6 +184,11 @@ def _check_pool(pool):
     m = _pool_m(pool)
     if _pool_kind(pool) == "csa" and m > 4:
         raise ValueError(f"pool: CSA needs m <= 4 (2m rows held in registers), got {m}")
+    max_requests = int(pool.block_table.shape[0])
+    wdt = str(pool.written.dtype).replace("torch.", "")
+    if tuple(pool.written.shape) != (max_requests,) or wdt != "int32":
+        raise ValueError(f"pool: written must be int32 of shape ({max_requests},), got "
+                         f"{pool.written.dtype} {tuple(pool.written.shape)}")
 
 
 def _check_index_arg(pool, index, cls):
@@ -265,6 +271,15 @@ def _npview(t):
     return t.detach().numpy()
 
 
+def _mark_written(pool, rpool, row: int, table_row, entry_ids) -> None:
+    """CPU twin of the kernels' atomicMax on written[row]: 1 + the highest of
+    `entry_ids` that has a block (that flush_write wrote)."""
+    ok = [int(e) for e in entry_ids if ref._locate(rpool, table_row, int(e)) is not None]
+    if ok:
+        w = _npview(pool.written)
+        w[row] = max(int(w[row]), max(ok) + 1)
+
+
 def _cpu_prefill(pool, kv, z, ape, norm_weight, slot, start_entry, index, eps, theta, yarn):
     kind = _pool_kind(pool)
     m = _pool_m(pool)
@@ -279,9 +294,10 @@ def _cpu_prefill(pool, kv, z, ape, norm_weight, slot, start_entry, index, eps, t
     if n == 0:
         return 0
     view = _RefPoolView(pool, m)
-    table = np.asarray(_npview(pool.block_table))[slot][None, :].repeat(n, axis=0)
-    err = ref.flush_write(view.ref, ent, np.ones(n, bool), ids * m, table, keys)
+    table_row = np.asarray(_npview(pool.block_table))[slot]
+    err = ref.flush_write(view.ref, ent, np.ones(n, bool), ids * m, table_row[None, :].repeat(n, 0), keys)
     view.commit(err)
+    _mark_written(pool, view.ref, slot, table_row, ids)
     return n
 
 
@@ -294,6 +310,10 @@ def _state_ref(state, m, d):
 
 
 def _cpu_decode(pool, state, norm_weight, valid_mask, slots, positions, index, eps, theta, yarn):
+    """The kernel's rules, row by row (kv_compress.cu step 6): slot out of
+    range -> counted; neither window complete -> skipped silently; exactly
+    one of the main / indexer windows complete -> nothing written, counted;
+    negative position -> counted; else entry (and key) pooled and written."""
     m = _pool_m(pool)
     _, _, d, _, _, _ = _geom(pool)
     st = _state_ref(state, m, d)
@@ -308,39 +328,32 @@ def _cpu_decode(pool, state, norm_weight, valid_mask, slots, positions, index, e
         if not valid[b]:
             continue
         s = int(sl[b])
-        if not 0 <= s < st.num_slots:
+        if not (0 <= s < st.num_slots and s < table_all.shape[0]):
             errors += 1
             continue
-        if int(st.count[s]) == m:
-            rows.append(b)
+        full0 = int(st.count[s]) == m
+        full1 = int(ist.count[s]) == m if ist is not None else full0
+        if not (full0 or full1):
+            continue
+        if full0 != full1 or pos[b] < 0:
+            errors += 1
+            continue
+        rows.append(b)
+    view = _RefPoolView(pool, m)
     if rows:
         rows = np.asarray(rows)
         e = pos[rows] // m
-        ent = ref.finish_entry(ref.state_pool(st, sl[rows]), w, np.maximum(e, 0), m,
-                               eps=eps, theta=theta, yarn=yarn)
+        ent = ref.finish_entry(ref.state_pool(st, sl[rows]), w, e, m, eps=eps, theta=theta, yarn=yarn)
         keys = None
         if ist is not None:
             keys = ref.finish_index_key(ref.state_pool(ist, sl[rows]),
                                         _np(index.norm_weight, "index.norm_weight"),
-                                        np.maximum(e, 0), m, eps=eps, theta=theta, yarn=yarn)
-            # the kernel writes a key only where the indexer window is complete, too
-            keep = np.asarray([int(ist.count[s]) == m for s in sl[rows]])
-        view = _RefPoolView(pool, m)
-        if ist is not None and not keep.all():
-            # write entries everywhere, keys only where complete
-            iq, isf = view.ref.idx_q.copy(), view.ref.idx_sf.copy()
+                                        e, m, eps=eps, theta=theta, yarn=yarn)
         errors += ref.flush_write(view.ref, ent, np.ones(len(rows), bool), pos[rows],
                                   table_all[sl[rows]], keys)
-        if ist is not None and not keep.all():
-            for j in np.nonzero(~keep)[0]:
-                loc = ref._locate(view.ref, table_all[sl[rows[j]]], int(pos[rows[j]]) // m) \
-                    if pos[rows[j]] >= 0 else None
-                if loc is not None:
-                    view.ref.idx_q[loc] = iq[loc]
-                    view.ref.idx_sf[loc] = isf[loc]
-        view.commit(errors)
-    elif errors:
-        _RefPoolView(pool, m).commit(errors)
+    view.commit(errors)
+    for b in rows:
+        _mark_written(pool, view.ref, int(sl[b]), table_all[sl[b]], [pos[b] // m])
 
 
 # ---------------------------------------------------------------------------
@@ -366,8 +379,9 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
     index:       CSA: PrefillIndex(kv, z, ape, norm_weight) of the indexer
                  (width 2*128); required iff the pool has indexer keys.
     Writes entries start_entry .. start_entry + n - 1 with n = T // m (CSA
-    with start_entry > 0: T // m - 1); a trailing partial window is left to
-    the decode state. Returns n. CPU tensors / numpy run the reference.
+    with start_entry > 0: T // m - 1) and raises pool.written[slot] to the
+    last one + 1; a trailing partial window is left to the decode state
+    (state_seed). Returns n. CPU tensors / numpy run the reference.
     """
     _check_pool(pool)
     kind = _pool_kind(pool)
@@ -419,9 +433,9 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
         _check_f32("index.norm_weight", index.norm_weight, (_INDEX_D,), dev)
     if n <= 0:
         return 0
-    tab = rope_table(pool, theta=theta, yarn=yarn)
+    tab = rope_table(pool, theta=theta, yarn=yarn, stream=stream)
     rt = get_runtime(dev)
-    fn = rt.function(_FILE, _PREFILL[str(kv.dtype).replace("torch.", ""), kind])
+    fn = rt.function(_FILE, _PREFILL[str(kv.dtype).replace("torch.", ""), kind], stream=stream)
     p = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     if index is not None:
         part1 = (p(index.kv), p(index.z), 0, 0, p(index.ape), p(index.norm_weight), 0,
@@ -432,7 +446,8 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
              pool.fp8.data_ptr(), pool.scale.data_ptr(), pool.rope.data_ptr(), d)
             + part1
             + (tab.data_ptr(), tab.shape[0], rope_dim,
-               pool.block_table.data_ptr(), max_blocks, nb, epb, m,
+               pool.block_table.data_ptr(), max_requests, max_blocks, nb, epb, m,
+               pool.written.data_ptr(),
                0, 0, 0, 0,
                slot, start_entry, pre, pool.errors.data_ptr(), float(eps)))
     rt.launch(fn, (n, 2 if index is not None else 1), (_CTHREADS * _RG[kind],), args, stream)
@@ -448,16 +463,22 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
     is complete (state.count[s] == m, read on the device; incomplete windows
     are skipped silently), pool the tail state (CSA: b-stream, then the
     a-half of the a-stream; HCA: the a-stream), finish and quantize the entry
-    e = positions[b] // m and write it through pool.block_table[s]. An
-    out-of-range slot, a negative position, or an entry outside the block
-    table / pool is skipped and counted in pool.errors. The caller then runs
-    csa_rotate / hca_reset for the rows that flushed.
+    e = positions[b] // m, write it through pool.block_table[s] and raise
+    pool.written[s] to e + 1. An out-of-range slot, a negative position, or
+    an entry outside the block table / pool is skipped and counted in
+    pool.errors. The caller then runs csa_rotate / hca_reset for the rows
+    that flushed.
 
-    state:       DecodeState of the pool's kind and head_dim (float32).
+    state:       DecodeState of the pool's kind and head_dim (float32), one
+                 row per request slot of the pool (max_requests rows: slot s
+                 of the state is slot s of the block table).
     norm_weight: (d,) float32.
     valid_mask:  (B,) bool; slots, positions: (B,) int32 or int64 (same dtype).
-    index:       CSA: DecodeIndex(index_state, index_norm_weight); the key is
-                 written where the indexer state's window is complete.
+    index:       CSA: DecodeIndex(index_state, index_norm_weight), the same
+                 number of rows. The entry and its key are one unit: a row
+                 flushes when both windows are complete; when exactly one is
+                 (the two states are out of step, a caller error) nothing is
+                 written and one error is counted.
     """
     _check_pool(pool)
     kind = _pool_kind(pool)
@@ -484,10 +505,16 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
             raise ValueError(f"{name}: expected kv_b, z_b of shape ({R}, {m}, {dd})")
         return R
 
+    # Slots index the states AND the block table: a state with more rows than
+    # the pool would let a valid state slot read past the block table.
     R = state_shapes(state, d, "state")
+    if R != max_requests:
+        raise ValueError(f"state: has {R} slots but the pool has max_requests = {max_requests}; "
+                         "a decode state must have one row per request slot of its pool")
     if index is not None:
-        if int(index.state.count.shape[0]) != R:
-            raise ValueError(f"index.state: expected {R} slots, got {int(index.state.count.shape[0])}")
+        if int(index.state.count.shape[0]) != max_requests:
+            raise ValueError(f"index.state: has {int(index.state.count.shape[0])} slots but the pool "
+                             f"has max_requests = {max_requests}")
         state_shapes(index.state, _INDEX_D, "index.state")
 
     if _on_cpu(pool.fp8):
@@ -524,9 +551,9 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
         _check_f32("index.norm_weight", index.norm_weight, (_INDEX_D,), dev)
     if B == 0:
         return None
-    tab = rope_table(pool, theta=theta, yarn=yarn)
+    tab = rope_table(pool, theta=theta, yarn=yarn, stream=stream)
     rt = get_runtime(dev)
-    fn = rt.function(_FILE, _DECODE[str(slots.dtype).replace("torch.", ""), kind])
+    fn = rt.function(_FILE, _DECODE[str(slots.dtype).replace("torch.", ""), kind], stream=stream)
     p = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     kvb = p(getattr(state, "kv_b", None)) if kind == "csa" else 0
     zb = p(getattr(state, "z_b", None)) if kind == "csa" else 0
@@ -542,7 +569,8 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
              pool.rope.data_ptr(), d)
             + part1
             + (tab.data_ptr(), tab.shape[0], rope_dim,
-               pool.block_table.data_ptr(), max_blocks, nb, epb, m,
+               pool.block_table.data_ptr(), max_requests, max_blocks, nb, epb, m,
+               pool.written.data_ptr(),
                valid_mask.data_ptr(), slots.data_ptr(), positions.data_ptr(), R,
                0, 0, 0, pool.errors.data_ptr(), float(eps)))
     rt.launch(fn, (B, 2 if index is not None else 1), (_CTHREADS * _RG[kind],), args, stream)

@@ -5,6 +5,7 @@
     rows = gather_dense(pool, slot, n)             # one request, host ints
     gather_dense_batch(pool, slots, n_entries, out=buf)
     keys = gather_index_keys(pool, slot, n)
+    state_seed(state, slot, prompt_kv, prompt_z, ape=ape)   # admission, after prefill
     state_append(state, kv, z, valid_mask, slots, ape=ape)
     csa_rotate(state, valid_mask, slots) / hca_reset(state, valid_mask, slots)
     state_clear(state, slots)
@@ -17,6 +18,9 @@ Every argument is checked (dtype, shape, device, contiguity, alignment)
 before anything is launched; the error names the argument. Device-side
 indices are bounds-checked by the kernels: a bad row is skipped and counted
 in `errors` (default: pool.errors for pool ops, state.errors for state ops).
+Every gather bounds entry ids by pool.written[slot] (the entries the slot's
+request has written; the flushes raise it, free_request zeroes it), so bytes
+an earlier request left in a reused block are never returned.
 On a CPU pool/state (device="cpu") the ops run the numpy reference in place.
 """
 from __future__ import annotations
@@ -51,8 +55,8 @@ _FLUSH_ROWS_PER_CTA = 4      # one warp per row
 _BLOCK = 256
 
 __all__ = ["flush_write", "gather_topk", "gather_dense", "gather_dense_batch",
-           "gather_index_keys", "gather_index_keys_batch", "state_append", "csa_rotate",
-           "hca_reset", "state_clear"]
+           "gather_index_keys", "gather_index_keys_batch", "state_seed", "state_append",
+           "csa_rotate", "hca_reset", "state_clear"]
 
 
 # ---------------------------------------------------------------------------
@@ -159,6 +163,14 @@ def _table_rows(pool, slots):
     return rows
 
 
+def _written_of(pool, slots):
+    """(B,) pool.written of `slots` (0 for a slot out of range, as the kernels)."""
+    ok = (slots >= 0) & (slots < pool.max_requests)
+    w = np.zeros(slots.shape[0], np.int64)
+    w[ok] = pool.written[slots[ok]]
+    return w
+
+
 def _dtype_name(dtype, out):
     if dtype is None:
         if out is not None and T.is_torch(out):
@@ -207,9 +219,10 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
     (B, index_head_dim) bfloat16, required exactly for a pool with indexer
     keys. The 448 non-RoPE dims become E4M3 with one FP32 decode scale
     (SPEC 3; NaN/Inf -> scale NaN, codes 0), the RoPE dims are stored as
-    BF16, the indexer key as one-level NVFP4. A valid row whose slot,
-    position or block is out of range writes nothing and adds 1 to errors.
-    Two valid rows aimed at one entry: undefined. One launch."""
+    BF16, the indexer key as one-level NVFP4; pool.written[slot] becomes at
+    least e + 1. A valid row whose slot, position or block is out of range
+    writes nothing and adds 1 to errors. Two valid rows aimed at one entry:
+    undefined. One launch."""
     _check_pool(pool)
     if not pool.is_cuda:
         return _flush_cpu(pool, entries, valid_mask, slots, positions, index_keys, errors)
@@ -234,12 +247,13 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
     if B == 0:
         return
     rt = get_runtime(dev)
-    fn = rt.function(_FILE, _K_FLUSH[pool.has_index])
+    fn = rt.function(_FILE, _K_FLUSH[pool.has_index], stream=stream)
     grid = -(-B // _FLUSH_ROWS_PER_CTA)
     rt.launch(fn, (grid,), (32 * _FLUSH_ROWS_PER_CTA,),
               (e.data_ptr(), _ptr(k), v.data_ptr(), s.data_ptr(), p.data_ptr(),
                pool.block_table.data_ptr(), pool.fp8.data_ptr(), pool.scale.data_ptr(),
-               pool.rope.data_ptr(), _ptr(pool.index_q), _ptr(pool.index_sf), err.data_ptr(),
+               pool.rope.data_ptr(), _ptr(pool.index_q), _ptr(pool.index_sf),
+               pool.written.data_ptr(), err.data_ptr(),
                B, *_pool_geom(pool), pool.m, pool.nope_dim, pool.rope_dim,
                pool.index_head_dim or 0), stream)
 
@@ -249,10 +263,18 @@ def _flush_cpu(pool, entries, valid_mask, slots, positions, index_keys, errors):
     B = ents.shape[0]
     sl = _np_ints("slots", slots, (B,))
     err = _errors_np(errors, pool.errors)
-    n = ref.flush_write(pool.reference_view(), ents, _np(valid_mask, "valid_mask"),
-                        _np(positions, "positions"), _table_rows(pool, sl),
-                        index_keys=_np(index_keys, "index_keys"))
+    rpool = pool.reference_view()
+    table = _table_rows(pool, sl)
+    n = ref.flush_write(rpool, ents, _np(valid_mask, "valid_mask"), _np(positions, "positions"),
+                        table, index_keys=_np(index_keys, "index_keys"))
     _add_errors(err, n)
+    # the kernel's atomicMax on written[slot], for every row it wrote
+    valid = np.asarray(_np(valid_mask, "valid_mask"))
+    pos = _np_ints("positions", positions, (B,))
+    for b in np.flatnonzero(valid):
+        e = int(pos[b]) // pool.m
+        if pos[b] >= 0 and ref._locate(rpool, table[b], e) is not None:
+            pool.written[sl[b]] = max(int(pool.written[sl[b]]), e + 1)
 
 
 # ---------------------------------------------------------------------------
@@ -264,12 +286,15 @@ def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=N
     out[b, j] = entry topk_ids[b, j] of the request in slots[b].
 
     slots (B,) int32; topk_ids (B, K) int32 or int64; n_entries (B,) int32 or
-    None (entries each request has written: ids >= n are errors);
+    None (an optional tighter bound: ids >= n_entries[b] are errors);
     valid_mask (B,) bool or None (False: zero rows, not counted);
     out (B, K, head_dim) of `dtype` (bfloat16 default, float16, float32).
     Id -1 is padding: zero row, not counted. Any other negative id, an id
-    >= n_entries, or an id mapped to an out-of-range slot/block gives a zero
-    row and adds 1 to errors (reference.gather_topk). One launch."""
+    >= n_entries, an id >= pool.written[slot] (not written by this request:
+    a reused block may hold an earlier request's entry there), or an id
+    mapped to an out-of-range slot/block gives a zero row and adds 1 to
+    errors (reference.gather_topk with n_entries = min(n_entries, written)).
+    One launch."""
     _check_pool(pool)
     name = _dtype_name(dtype, out)
     if not pool.is_cuda:
@@ -288,16 +313,17 @@ def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=N
     _check_rows("topk_ids", B * K)
     rt = get_runtime(dev)
     if out is None:
-        out = rt.empty((B, K, pool.head_dim), tdt)
+        out = rt.empty((B, K, pool.head_dim), tdt, stream=stream)
     if B * K == 0:
         return out
-    fn = rt.function(_FILE, _K_GATHER[name, "int64" if ids.dtype == torch.int64 else "int32"])
+    fn = rt.function(_FILE, _K_GATHER[name, "int64" if ids.dtype == torch.int64 else "int32"],
+                     stream=stream)
     grid, block = rt.grid_stride(B * K * 32, _BLOCK)
     rt.launch(fn, (grid,), (block,),
               (pool.fp8.data_ptr(), pool.scale.data_ptr(), pool.rope.data_ptr(),
                pool.block_table.data_ptr(), s.data_ptr(), ids.data_ptr(), _ptr(ne), _ptr(v),
-               out.data_ptr(), err.data_ptr(), B, K, 0, -1, *_pool_geom(pool),
-               pool.nope_dim, pool.rope_dim), stream)
+               pool.written.data_ptr(), out.data_ptr(), err.data_ptr(), B, K, 0, -1,
+               *_pool_geom(pool), pool.nope_dim, pool.rope_dim), stream)
     return out
 
 
@@ -315,8 +341,11 @@ def _gather_topk_cpu(pool, slots, topk_ids, n_entries, valid_mask, out, name, er
     sel = np.flatnonzero(valid)
     n = 0
     if sel.size:
+        lim = _written_of(pool, sl[sel])
+        if ne is not None:
+            lim = np.minimum(lim, ne[sel])
         rows[sel], n = ref.gather_topk(pool.reference_view(), _table_rows(pool, sl[sel]), ids[sel],
-                                       None if ne is None else ne[sel], dtype=name)
+                                       lim, dtype=name)
     _add_errors(err, n)
     return T.from_numpy(rows, topk_ids, torch_dtype=name, out=out)
 
@@ -335,21 +364,22 @@ def _dense_launch(pool, index, slots_t, ne_t, valid_t, slot0, n0, B, K, out, err
     if B * K == 0:
         return
     if index:
-        fn = rt.function(_FILE, _K_INDEX[name])
+        fn = rt.function(_FILE, _K_INDEX[name], stream=stream)
         nb = pool.index_head_dim // 16
         grid, block = rt.grid_stride(B * K * nb, _BLOCK)
         rt.launch(fn, (grid,), (block,),
                   (pool.index_q.data_ptr(), pool.index_sf.data_ptr(), pool.block_table.data_ptr(),
-                   _ptr(slots_t), _ptr(ne_t), _ptr(valid_t), out.data_ptr(), err.data_ptr(),
+                   _ptr(slots_t), _ptr(ne_t), _ptr(valid_t), pool.written.data_ptr(),
+                   out.data_ptr(), err.data_ptr(),
                    B, K, slot0, n0, *_pool_geom(pool), pool.index_head_dim), stream)
     else:
-        fn = rt.function(_FILE, _K_GATHER[name, "dense"])
+        fn = rt.function(_FILE, _K_GATHER[name, "dense"], stream=stream)
         grid, block = rt.grid_stride(B * K * 32, _BLOCK)
         rt.launch(fn, (grid,), (block,),
                   (pool.fp8.data_ptr(), pool.scale.data_ptr(), pool.rope.data_ptr(),
                    pool.block_table.data_ptr(), _ptr(slots_t), 0, _ptr(ne_t), _ptr(valid_t),
-                   out.data_ptr(), err.data_ptr(), B, K, slot0, n0, *_pool_geom(pool),
-                   pool.nope_dim, pool.rope_dim), stream)
+                   pool.written.data_ptr(), out.data_ptr(), err.data_ptr(), B, K, slot0, n0,
+                   *_pool_geom(pool), pool.nope_dim, pool.rope_dim), stream)
 
 
 def _dense_one(pool, slot, n_entries, out, dtype, errors, stream, index):
@@ -357,14 +387,23 @@ def _dense_one(pool, slot, n_entries, out, dtype, errors, stream, index):
     if index and not pool.has_index:
         raise ValueError("pool: has no indexer keys (not a CSA pool with index_head_dim)")
     slot = _host_int("slot", slot, 0, pool.max_requests)
+    # n is a host int, so it is checked against the host's count of the slot's
+    # entries (0 for a free slot); the kernel still bounds by pool.written,
+    # which also catches entries prepared but not yet flushed.
     n = _host_int("n_entries", n_entries, 0)
+    have = int(pool._n_entries[slot])
+    if n > have:
+        raise ValueError(f"n_entries: {n} entries asked of slot {slot}, which holds {have} after the "
+                         "steps prepared so far (pool.n_entries); the rest would be bytes this "
+                         "request never wrote")
     width = pool.index_head_dim if index else pool.head_dim
     name = _dtype_name(dtype, out)
     if not pool.is_cuda:
         _check_out_np(out, (n, width))
         err = _errors_np(errors, pool.errors)
         fn = ref.gather_index_keys if index else ref.gather_dense
-        rows, ne = fn(pool.reference_view(), pool.block_table[slot], n, dtype=name)
+        rows, ne = fn(pool.reference_view(), pool.block_table[slot], n, dtype=name,
+                      written=int(pool.written[slot]))
         _add_errors(err, ne)
         return T.from_numpy(rows, out, torch_dtype=name, out=out)
     torch = _torch()
@@ -374,7 +413,7 @@ def _dense_one(pool, slot, n_entries, out, dtype, errors, stream, index):
         out = _cu(out, "out", (tdt,), (n, width), dev, aligned=True)
     err = _errors_cu(errors, pool.errors, dev)
     if out is None:
-        out = get_runtime(dev).empty((n, width), tdt)
+        out = get_runtime(dev).empty((n, width), tdt, stream=stream)
     _dense_launch(pool, index, None, None, None, slot, n, 1, n, out, err, name, stream)
     return out
 
@@ -401,13 +440,15 @@ def _dense_batch(pool, slots, n_entries, max_entries, valid_mask, out, dtype, er
         err = _errors_np(errors, pool.errors)
         rows = np.zeros((B, K, width), np.float32)
         table = _table_rows(pool, sl)
+        written = _written_of(pool, sl)
         fn = ref.gather_index_keys if index else ref.gather_dense
         total = 0
         for b in np.flatnonzero(valid):
             n = int(ne[b])
             total += n < 0 or n > K
             nn = min(max(n, 0), K)
-            rows[b, :nn], e = fn(pool.reference_view(), table[b], nn, dtype=name)
+            rows[b, :nn], e = fn(pool.reference_view(), table[b], nn, dtype=name,
+                                 written=int(written[b]))
             total += e
         _add_errors(err, total)
         return T.from_numpy(rows, slots, torch_dtype=name, out=out)
@@ -428,7 +469,7 @@ def _dense_batch(pool, slots, n_entries, max_entries, valid_mask, out, dtype, er
         K = max_entries
     err = _errors_cu(errors, pool.errors, dev)
     if out is None:
-        out = get_runtime(dev).empty((B, K, width), tdt)
+        out = get_runtime(dev).empty((B, K, width), tdt, stream=stream)
     _dense_launch(pool, index, s, ne, v, 0, 0, B, K, out, err, name, stream)
     return out
 
@@ -436,8 +477,10 @@ def _dense_batch(pool, slots, n_entries, max_entries, valid_mask, out, dtype, er
 def gather_dense(pool, slot, n_entries, *, out=None, dtype=None, errors=None, stream=None):
     """Entries 0 .. n_entries-1 of the request in `slot` (host ints) as rows
     (n_entries, head_dim) of `dtype` (HCA reader; reference.gather_dense).
-    An entry whose block is out of range is a zero row and adds 1 to errors.
-    One launch, capturable with out=."""
+    n_entries > pool.n_entries(slot) (more than the prepared steps make; 0
+    for a free slot) is a ValueError. An entry >= pool.written[slot] (not
+    flushed yet) or whose block is out of range is a zero row and adds 1 to
+    errors. One launch, capturable with out=."""
     return _dense_one(pool, slot, n_entries, out, dtype, errors, stream, index=False)
 
 
@@ -447,8 +490,9 @@ def gather_dense_batch(pool, slots, n_entries, *, max_entries=None, out=None, va
     the request in slots[b] for j < n_entries[b], zero rows (not counted) for
     j >= n_entries[b]. slots, n_entries (B,) int32 on the device; out
     (B, K, head_dim) (or max_entries=K for a new one). n_entries[b] < 0 or
-    > K adds 1 to errors and gathers the first min(n, K) entries; bad
-    slots/blocks: zero rows, 1 error each. valid_mask False: zero rows."""
+    > K adds 1 to errors and gathers the first min(n, K) entries; entries
+    j >= pool.written[slot] and bad slots/blocks: zero rows, 1 error each.
+    valid_mask False: zero rows."""
     return _dense_batch(pool, slots, n_entries, max_entries, valid_mask, out, dtype, errors,
                         stream, index=False)
 
@@ -470,6 +514,65 @@ def gather_index_keys_batch(pool, slots, n_entries, *, max_entries=None, out=Non
 # ---------------------------------------------------------------------------
 # decode state
 # ---------------------------------------------------------------------------
+def state_seed(state, slot, kv, z, *, ape=None, stream=None):
+    """Admit a request into `slot` of the decode state after its prompt was
+    prefilled (reference.state_seed): the slot is emptied, then seeded with
+    the tail the prompt leaves, exactly as if every prompt token had gone
+    through state_append and every full window through csa_rotate /
+    hca_reset: with n = T // m, r = T % m, CSA's b-stream = b-half of window
+    n-1 (z + ape), a-stream rows 0..r-1 = the trailing r rows (z + ape),
+    count = r. T = 0 (a request with no prompt) just empties the slot.
+
+    slot: host int in [0, max_requests) (ValueError otherwise); kv, z
+    (T, coff*head_dim) float32 or bfloat16, row 0 at a window boundary (the
+    whole prompt, or a suffix starting at a multiple of m that holds, for
+    CSA, the last full window); ape (m, coff*head_dim) float32 or None.
+    Run it at every admission: free_request does not reset decode states.
+    CUDA: a few small torch ops (fills, copies, adds) on the current stream
+    (or `stream`): no allocation, no host synchronization, capturable."""
+    _check_state(state)
+    slot = _host_int("slot", slot, 0, state.max_requests)
+    m, d, w = state.m, state.head_dim, state.width
+    if not state.is_cuda:
+        ref.state_seed(state.reference_view(), slot, _np(kv, "kv"), _np(z, "z"), ape=_np(ape, "ape"))
+        return
+    torch = _torch()
+    dev = state.device_index
+    fl = (torch.float32, torch.bfloat16)
+    k = _cu(kv, "kv", fl, None, dev, ndim=2)
+    if k.shape[1] != w:
+        raise ValueError(f"kv: expected shape (T, {w}), got {tuple(k.shape)}")
+    zz = _cu(z, "z", fl, tuple(k.shape), dev)
+    a = None if ape is None else _cu(ape, "ape", (torch.float32,), (m, w), dev)
+    n, r = divmod(k.shape[0], m)
+    ts = get_runtime(dev).torch_stream(stream)
+    if ts is None:
+        ts = torch.cuda.current_stream(dev)
+
+    def put_z(dst, src, ape_rows):
+        # z + ape in float32 (BF16 z converts exactly): the reference's add
+        if ape_rows is None:
+            dst.copy_(src)
+        else:
+            torch.add(src, ape_rows, out=dst)
+
+    with torch.cuda.device(dev), torch.cuda.stream(ts):
+        state.kv_a[slot].zero_()
+        state.z_a[slot].fill_(float("-inf"))
+        if state.overlap:
+            if n >= 1:
+                rows = slice((n - 1) * m, n * m)
+                state.kv_b[slot].copy_(k[rows, :d])
+                put_z(state.z_b[slot], zz[rows, :d], None if a is None else a[:, :d])
+            else:
+                state.kv_b[slot].zero_()
+                state.z_b[slot].fill_(float("-inf"))
+        if r:
+            state.kv_a[slot, :r].copy_(k[n * m:])
+            put_z(state.z_a[slot, :r], zz[n * m:], None if a is None else a[:r])
+        state.count[slot:slot + 1].fill_(r)
+
+
 def state_append(state, kv, z, valid_mask, slots, *, ape=None, errors=None, stream=None):
     """Append one token row per batch row to its request's a-stream
     (reference.state_append): row count[s] of slot s = kv[b], z[b] + ape[count[s]],
@@ -507,7 +610,7 @@ def state_append(state, kv, z, valid_mask, slots, *, ape=None, errors=None, stre
     if B == 0:
         return
     rt = get_runtime(dev)
-    fn = rt.function(_FILE, _K_APPEND[str(k.dtype)[6:], str(zz.dtype)[6:]])
+    fn = rt.function(_FILE, _K_APPEND[str(k.dtype)[6:], str(zz.dtype)[6:]], stream=stream)
     rt.launch(fn, (B,), (_state_block(w),),
               (k.data_ptr(), zz.data_ptr(), _ptr(a), v.data_ptr(), s.data_ptr(),
                state.kv_a.data_ptr(), state.z_a.data_ptr(), state.count.data_ptr(), err.data_ptr(),
@@ -544,7 +647,7 @@ def _reset(state, mode, valid_mask, slots, errors, stream, what):
     if B == 0:
         return
     rt = get_runtime(dev)
-    fn = rt.function(_FILE, _K_RESET[mode])
+    fn = rt.function(_FILE, _K_RESET[mode], stream=stream)
     rt.launch(fn, (B,), (_state_block(state.m * state.width),),
               (_ptr(v), s.data_ptr(), state.kv_a.data_ptr(), state.z_a.data_ptr(),
                _ptr(state.kv_b), _ptr(state.z_b), state.count.data_ptr(), err.data_ptr(),
@@ -574,6 +677,6 @@ def hca_reset(state, valid_mask, slots, *, errors=None, stream=None):
 def state_clear(state, slots, *, valid_mask=None, errors=None, stream=None):
     """New requests in `slots`: both streams emptied, count 0
     (reference.state_clear); valid_mask None = every row. Out-of-range slot:
-    skipped, counted."""
+    skipped, counted. state_seed does this and seeds the prompt's tail."""
     _check_state(state)
     _reset(state, _RESET_CLEAR, valid_mask, slots, errors, stream, "state_clear")

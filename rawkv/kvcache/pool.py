@@ -16,6 +16,10 @@ pool and kernels"):
     index_q     (num_blocks, epb, index_head_dim // 2) uint8    CSA only
     index_sf    (num_blocks, epb, index_head_dim // 16) uint8   CSA only
     block_table (max_requests, max_blocks_per_request) int32    -1 = no block
+    written     (max_requests,) int32: entries the slot's request has written
+                (high-water mark: entry id + 1 of its highest write); every
+                gather bounds entry ids by it, so bytes left in a reused block
+                by an earlier request are never returned (docs/kvcache.md)
     errors      (1,) int32: kernels atomically add the rows they skipped
 
 The free list and the per-slot bookkeeping live on the host. Entry e of the
@@ -182,6 +186,7 @@ class PagedKVPool(ErrorCounter):
             else:
                 self.index_q = self.index_sf = None
             self.block_table = torch.full((R, MB), -1, dtype=torch.int32, device=dev)
+            self.written = torch.zeros(R, dtype=torch.int32, device=dev)
             self.errors = torch.zeros(1, dtype=torch.int32, device=dev)
         else:
             self.device = "cpu"
@@ -189,6 +194,7 @@ class PagedKVPool(ErrorCounter):
             self.fp8, self.scale, self.rope = r.kv_fp8, r.kv_scale, r.kv_rope
             self.index_q, self.index_sf = r.idx_q, r.idx_sf
             self.block_table = self._table          # the mirror is the table
+            self.written = np.zeros(R, np.int32)
             self.errors = np.zeros(1, np.int32)
 
     def __repr__(self):
@@ -228,9 +234,13 @@ class PagedKVPool(ErrorCounter):
         return s
 
     def free_request(self, slot) -> None:
-        """Return the blocks of `slot` to the free list and set its block-table
-        row to -1 (one device fill on the current stream). The stale entries
-        stay in the blocks until a new owner overwrites them."""
+        """Return the blocks of `slot` to the free list, set its block-table
+        row to -1 and its `written` count to 0 (two device fills on the
+        current stream). The stale entries stay in the blocks until a new
+        owner overwrites them; gathers never return them because they bound
+        entry ids by `written`. The decode states are not touched (the pool
+        does not know them): the next request in this slot must be admitted
+        with state_seed (or state_clear)."""
         s = self._slot(slot)
         self._check_host_time("free_request")
         n = int(self._nblocks[s])
@@ -239,6 +249,9 @@ class PagedKVPool(ErrorCounter):
         self._table[s] = -1
         if self.is_cuda:
             self.block_table[s].fill_(-1)
+            self.written[s].fill_(0)
+        else:
+            self.written[s] = 0
         self._active[s] = False
         self._nblocks[s] = 0
         self._n_entries[s] = 0

@@ -14,7 +14,10 @@ float32 buffers, laid out as rawkv.reference.kvcache.DecodeStateRef:
     errors    (1,) int32                        rows the state kernels skipped
 
 Empty rows hold kv = 0 and z = -inf (docs/kvcache.md, decision 4); every slot
-starts empty. device="cpu" keeps numpy arrays and runs the reference.
+starts empty. Slot s is the pool's slot s: a state used with a pool has
+max_requests rows (compress_decode refuses anything else). A slot is NOT reset
+when the pool frees it: admit every new request with state_seed (or
+state_clear). device="cpu" keeps numpy arrays and runs the reference.
 """
 from __future__ import annotations
 

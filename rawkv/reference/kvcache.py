@@ -574,17 +574,20 @@ def _read_entries(pool: PagedPoolRef, table_row, ids, n_entries, pad_ok: bool, d
 
 
 def gather_dense(pool: PagedPoolRef, block_table_row, n_entries: int,
-                 dtype: str = "bfloat16"):
+                 dtype: str = "bfloat16", *, written: int | None = None):
     """HCA reader: entries 0 .. n_entries-1 of one request -> (rows, errors).
 
     block_table_row: (max_blocks,) int. rows: (n_entries, head_dim) float32
     holding `dtype` values (BF16 by default). An entry whose block is out of
-    range is a zero row and counts one error.
+    range is a zero row and counts one error. written: the number of entries
+    the request has written (None: no bound); entry ids >= written would read
+    bytes the request never wrote (a previous owner's, after block reuse), so
+    they are zero rows and count one error each.
     """
     row = _ints("block_table_row", block_table_row, ndim=1)
     if n_entries < 0:
         raise ValueError(f"n_entries: expected >= 0, got {n_entries}")
-    return _read_entries(pool, row, np.arange(n_entries), None, False, dtype)
+    return _read_entries(pool, row, np.arange(n_entries), written, False, dtype)
 
 
 def gather_topk(pool: PagedPoolRef, block_table, topk_ids, n_entries=None,
@@ -618,13 +621,15 @@ def gather_topk(pool: PagedPoolRef, block_table, topk_ids, n_entries=None,
 
 
 def gather_index_keys(pool: PagedPoolRef, block_table_row, n_entries: int,
-                      dtype: str = "bfloat16"):
+                      dtype: str = "bfloat16", *, written: int | None = None):
     """CSA indexer reader: the indexer keys of entries 0 .. n_entries-1 of one
     request -> (keys (n_entries, 128), errors); same rules as gather_dense."""
     if pool.idx_q is None:
         raise ValueError("pool: has no indexer keys (not a CSA pool)")
     row = _ints("block_table_row", block_table_row, ndim=1)
-    return _read_entries(pool, row, np.arange(n_entries), None, False, dtype, index=True)
+    if n_entries < 0:
+        raise ValueError(f"n_entries: expected >= 0, got {n_entries}")
+    return _read_entries(pool, row, np.arange(n_entries), written, False, dtype, index=True)
 
 
 # ---------------------------------------------------------------------------
@@ -709,6 +714,45 @@ def state_clear(state: DecodeStateRef, slots) -> int:
             state.b_kv[s] = 0.0
             state.b_z[s] = Z_EMPTY
     return errors
+
+
+def state_seed(state: DecodeStateRef, slot: int, kv, z, ape=None) -> None:
+    """Decode state of a request admitted after prefilling its prompt.
+
+    slot: host int; kv, z (T, coff*d): the prompt's token rows, row 0 at a
+    window boundary (the whole prompt is always right; a suffix must start at
+    a multiple of m and, for CSA, hold the last full window). ape (m, coff*d)
+    or None. The slot is emptied (as state_clear), then, with n = T // m
+    full windows and r = T % m trailing rows:
+      CSA, n >= 1: b-stream = b-half [0:d] of window n-1 (z + ape[j]);
+      a-stream rows 0..r-1 = the trailing rows (z + ape[j]); count = r.
+    This is exactly the state that state_clear followed by state_append of
+    every row and csa_rotate / hca_reset after each full window leaves (the
+    tests check that). Nothing else is touched.
+    """
+    if isinstance(slot, (bool, np.bool_)) or not isinstance(slot, (int, np.integer)):
+        raise TypeError(f"slot: expected an int, got {type(slot).__name__}")
+    if not _slot_ok(state, int(slot)):
+        raise ValueError(f"slot: {slot} is out of range [0, {state.num_slots})")
+    s, m, d = int(slot), state.m, state.head_dim
+    w = state.a_kv.shape[2]
+    kv = _f32("kv", kv, last=w, ndim=2)
+    z = _f32("z", z, last=w, ndim=2)
+    if z.shape != kv.shape:
+        raise ValueError(f"z: expected the shape of kv {kv.shape}, got {z.shape}")
+    if ape is not None:
+        ape = _f32("ape", ape, ndim=2)
+        if ape.shape != (m, w):
+            raise ValueError(f"ape: expected shape ({m}, {w}), got {ape.shape}")
+    n, r = divmod(kv.shape[0], m)
+    state_clear(state, np.array([s]))
+    if state.overlap and n >= 1:
+        rows = slice((n - 1) * m, n * m)
+        state.b_kv[s] = kv[rows, :d]
+        state.b_z[s] = z[rows, :d] if ape is None else z[rows, :d] + ape[:, :d]
+    state.a_kv[s, :r] = kv[n * m:]
+    state.a_z[s, :r] = z[n * m:] if ape is None else z[n * m:] + ape[:r]
+    state.count[s] = r
 
 
 def state_append(state: DecodeStateRef, kv, z, valid_mask, slots, ape=None) -> int:
