@@ -21,9 +21,10 @@ __device__ __forceinline__ float nvfp4_global_scale(float amax) {
 }
 
 // Step 3's guard: codes are computed only for a positive finite es. es == 0
-// is the spec's case (sf rounded to 0); a negative, infinite or NaN es comes
-// only from a caller-given device gs that is not a positive finite float
-// (the host cannot check a device value without a sync), and gives codes 0.
+// is the spec's case (sf rounded to 0); an infinite or NaN es comes only
+// from a caller-given device gs that is 0, Inf or NaN (the host cannot check
+// a device value without a sync), and gives codes 0. (A negative gs gives a
+// negative sf and a positive es: the formula's result, kept.)
 __device__ __forceinline__ bool nvfp4_es_usable(float es) {
     return es > 0.0f && es <= 3.402823466e38f;   // false for NaN
 }

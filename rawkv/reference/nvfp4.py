@@ -67,8 +67,8 @@ def quantize(x, scope: str = "tensor", gs=None):
         sf = e4m3_encode(bmax / (gb * F32(6.0)))                      # step 2
         es = (e4m3_decode(sf) * gb).astype(F32)                       # step 3
         codes = e2m1_encode(blocks / es[..., None])                   # step 4
-    # codes only for a positive finite es: es == 0 is step 3; a negative /
-    # Inf / NaN es comes only from a caller's gs that is not positive finite
+    # codes only for a positive finite es: es == 0 is step 3; an Inf / NaN es
+    # comes only from a caller's device gs of 0, Inf or NaN
     usable = (es > 0) & np.isfinite(es)
     codes = np.where((~usable)[..., None] | bad[..., None], np.uint8(0), codes)
     sf = np.where(bad, np.uint8(0x7F), sf).astype(np.uint8)           # step 5
