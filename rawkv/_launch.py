@@ -25,7 +25,8 @@ import ctypes
 import struct
 import threading
 
-MAX_ARGS = 32
+# the widest kernel, rkv_kv_compress, takes 40; more would fall back to CuPy
+MAX_ARGS = 48
 
 LAUNCHERS = ("cupy-driver", "cuda-bindings", "driver", "cupy")
 DEFAULT = "cupy-driver"

@@ -15,6 +15,7 @@ def test_layout_packs_ints_as_int64_and_floats_as_double():
     assert st.format == "<qqdq" and floats == (2,)
     assert _launch.layout((np.int32(1),)) is None           # CuPy decides its width
     assert _launch.layout(tuple(range(_launch.MAX_ARGS + 1))) is None
+    assert _launch.layout(tuple(range(40))) is not None     # rkv_kv_compress: 40 parameters
 
 
 def test_dim3():

@@ -29,13 +29,17 @@ if [ -n "$ARCH" ]; then
   tail -n 1 "$OUT/nvrtc_check.log"
 fi
 
+# A hung kernel would block every later sync and the rest of the run: each
+# stage gets a time limit (seconds; the device tool allows 600 per command).
+LIMIT=${RAWKV_STAGE_TIMEOUT:-540}
+
 echo "== tests: $TESTS =="
 # shellcheck disable=SC2086
-python3 -m pytest -q -rs -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/pytest.log" || status=1
+timeout "$LIMIT" python3 -m pytest -q -rs -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/pytest.log" || status=1
 
 if [ "$BENCH" != none ]; then
   echo "== benchmarks: $BENCH =="
-  python3 tools/bench.py --out "$OUT/bench" --only "$BENCH" ${RAWKV_QUICK:+--quick} 2>&1 \
+  timeout "$LIMIT" python3 tools/bench.py --out "$OUT/bench" --only "$BENCH" ${RAWKV_QUICK:+--quick} 2>&1 \
     | tee "$OUT/bench.log" || status=1
 fi
 echo "gpu_check: exit $status"

@@ -240,7 +240,9 @@ class PagedKVPool(ErrorCounter):
         owner overwrites them; gathers never return them because they bound
         entry ids by `written`. The decode states are not touched (the pool
         does not know them): the next request in this slot must be admitted
-        with state_seed (or state_clear)."""
+        with state_seed (or state_clear). The device fills run on torch's
+        current stream, like prepare_step's table upload: an engine whose
+        kernels run on another stream must order that stream after them."""
         s = self._slot(slot)
         self._check_host_time("free_request")
         n = int(self._nblocks[s])
