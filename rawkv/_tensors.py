@@ -187,6 +187,27 @@ def _as_torch(arr: np.ndarray, torch_dtype):
     return t.to(torch_dtype)
 
 
+def cpu_dtype_name(a, name: str) -> str:
+    """dtype of a CPU array (numpy, CPU torch tensor or DLPack array) as torch
+    spells it ('float32', 'bfloat16', 'float8_e4m3fn'); numpy arrays need no torch."""
+    if isinstance(a, np.ndarray):
+        return str(a.dtype)
+    if is_torch(a):
+        return str(a.dtype).replace("torch.", "")
+    return str(to_numpy(a, name).dtype)
+
+
+def check_cpu_array(a, name: str, allowed, shape=None) -> str:
+    """The CUDA path's dtype (and shape) checks for a CPU argument, before
+    the reference runs or anything is written; returns the dtype name."""
+    d = cpu_dtype_name(a, name)
+    if d not in allowed:
+        raise TypeError(f"{name}: dtype {d} is not supported (expected {', '.join(allowed)})")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+    return d
+
+
 def is_number(v) -> bool:
     """A Python or numpy real scalar (not a bool, not an array)."""
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))

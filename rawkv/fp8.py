@@ -33,16 +33,6 @@ def _name_of(dtype) -> str:
     return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
 
 
-def _check_cpu(a, name, allowed, shape=None) -> None:
-    """The CUDA path's dtype and shape checks, for a numpy array or CPU tensor
-    (without importing torch for numpy arguments)."""
-    d = _name_of(a.dtype)
-    if d not in allowed:
-        raise TypeError(f"{name}: dtype {d} is not supported (expected {', '.join(allowed)})")
-    if shape is not None and tuple(a.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
-
-
 def _decode_dtype(dtype, out) -> str:
     """Name of the decoded dtype: `dtype`, else out's when it is a float
     dtype (out itself is checked against it), else float32."""
@@ -100,9 +90,9 @@ def e4m3_encode(x, *, out=None, stream=None):
             return out
     if not T.is_cuda_tensor(x):
         if T.placement(("x", x), ("out", out)) == "cpu":
-            _check_cpu(x, "x", _FLOATS)
+            T.check_cpu_array(x, "x", _FLOATS)
             if out is not None:
-                _check_cpu(out, "out", _CODES, shape=x.shape)
+                T.check_cpu_array(out, "out", _CODES, shape=x.shape)
             codes = ref.e4m3_encode(T.to_numpy(x, "x"))
             return T.from_numpy(codes, x, torch_dtype="float8_e4m3fn", out=out)
         x = T.as_cuda_tensor(x, "x")
@@ -132,9 +122,9 @@ def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
     name = _decode_dtype(dtype, out)
     if not T.is_cuda_tensor(codes):
         if T.placement(("codes", codes), ("out", out)) == "cpu":
-            _check_cpu(codes, "codes", _CODES)
+            T.check_cpu_array(codes, "codes", _CODES)
             if out is not None:
-                _check_cpu(out, "out", (name,), shape=codes.shape)
+                T.check_cpu_array(out, "out", (name,), shape=codes.shape)
             vals = ref.round_to_dtype(ref.e4m3_decode(T.to_numpy(codes, "codes")), name)
             return T.from_numpy(vals, codes, torch_dtype=name, out=out)
         codes = T.as_cuda_tensor(codes, "codes")

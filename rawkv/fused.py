@@ -80,20 +80,8 @@ def _dtype_name(dt) -> str:
     return str(dt).replace("torch.", "")
 
 
-def _cpu_dtype_name(a, name) -> str:
-    """dtype name of a CPU array (numpy, CPU torch or DLPack), as torch spells it."""
-    return _dtype_name(a.dtype) if T.is_torch(a) else str(T.to_numpy(a, name).dtype)
-
-
-def _check_cpu_dtype(a, name, allowed):
-    """The CPU path checks dtypes as the CUDA path does (float32 inputs are
-    the reference's own precision: the intermediates are not rounded)."""
-    dt = _cpu_dtype_name(a, name)
-    if dt not in allowed:
-        raise TypeError(f"{name}: dtype {dt} is not supported (expected {', '.join(allowed)})")
-    return dt
-
-
+# CPU dtypes, checked as the CUDA path checks (float32 inputs are the
+# reference's own precision: the intermediates are not rounded)
 _CPU_X = ("bfloat16", "float16", "float32")     # x, h, hidden on CPU (CUDA: bfloat16, float16)
 _PARAM = ("float32", "bfloat16", "float16")     # weight, mix, topk_weights
 
@@ -146,7 +134,7 @@ def _cpu_gs(gs):
     arrays must be float32, as on CUDA."""
     if gs is None or isinstance(gs, float):
         return None if gs is None else np.asarray(gs, np.float32)
-    _check_cpu_dtype(gs, "gs", ("float32",))
+    T.check_cpu_array(gs, "gs", ("float32",))
     return np.asarray(T.to_numpy(gs, "gs"), np.float32).reshape(())
 
 
@@ -208,9 +196,7 @@ def _check_cpu_outs(specs):
     for name, arr, o, dts in specs:
         if o is None:
             continue
-        _check_cpu_dtype(o, name, dts)
-        if tuple(o.shape) != tuple(np.shape(arr)):
-            raise ValueError(f"{name}: expected shape {tuple(np.shape(arr))}, got {tuple(o.shape)}")
+        T.check_cpu_array(o, name, dts, np.shape(arr))
 
 
 _OUT_Q = ("uint8", "float4_e2m1fn_x2")
@@ -370,10 +356,10 @@ def _rms_common(x, mix, weight, eps, scope, gs, out, stream, mixed):
         raise ValueError(f"weight: expected shape ({n},), got {_shape(weight)}")
 
     if where == "cpu":
-        dt = _check_cpu_dtype(x, "x", _CPU_X)
-        _check_cpu_dtype(weight, "weight", _PARAM)
+        dt = T.check_cpu_array(x, "x", _CPU_X)
+        T.check_cpu_array(weight, "weight", _PARAM)
         if mixed:
-            _check_cpu_dtype(mix, "mix", _PARAM)
+            T.check_cpu_array(mix, "mix", _PARAM)
         gsv = _cpu_gs(gs)
         xn = T.to_numpy(x, "x")
         wn = T.to_numpy(weight, "weight")
@@ -444,7 +430,7 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
         raise ValueError(f"h: the fused width {two_i} must be < 2^31")
 
     if where == "cpu":
-        dt = _check_cpu_dtype(h, "h", _CPU_X)
+        dt = T.check_cpu_array(h, "h", _CPU_X)
         gsv = _cpu_gs(gs)
         q, sf, gg = ref.swiglu_quantize(T.to_numpy(h, "h").reshape(-1, two_i), g_int, scope, gsv, dt)
         q, sf = q.reshape(*lead, inter // 2), sf.reshape(*lead, inter // 16)
@@ -496,9 +482,9 @@ def moe_stage(hidden, topk_ids, topk_weights, *, out=None, stream=None):
         raise ValueError(f"topk_weights: expected shape {ids_s} (as topk_ids), got {_shape(topk_weights)}")
 
     if where == "cpu":          # the dtypes the kernel takes (hidden: float32 too, unrounded)
-        _check_cpu_dtype(hidden, "hidden", _CPU_X)
-        _check_cpu_dtype(topk_ids, "topk_ids", ("int32", "int64"))
-        w_dt = _check_cpu_dtype(topk_weights, "topk_weights", _PARAM)
+        T.check_cpu_array(hidden, "hidden", _CPU_X)
+        T.check_cpu_array(topk_ids, "topk_ids", ("int32", "int64"))
+        w_dt = T.check_cpu_array(topk_weights, "topk_weights", _PARAM)
         q, sf, ids, w = ref.moe_stage(T.to_numpy(hidden, "hidden"), T.to_numpy(topk_ids, "topk_ids"),
                                       T.to_numpy(topk_weights, "topk_weights"))
         torch_w = topk_weights.dtype if T.is_torch(topk_weights) else None

@@ -358,17 +358,9 @@ def _check_out_cpu(t, name, shape, byte):
     float32 (gs), of `shape`."""
     if t is None:
         return
-    if isinstance(t, np.ndarray):
-        ok = t.dtype == (np.uint8 if byte else np.float32)
-    elif T.is_torch(t):
-        ok = t.dtype in (_byte_dtypes() if byte else (_torch().float32,))
-    else:
+    if not (isinstance(t, np.ndarray) or T.is_torch(t)):
         raise TypeError(f"{name}: expected a numpy array or a CPU torch tensor, got {type(t).__name__}")
-    if not ok:
-        want = "uint8 (or a float8/float4 byte view)" if byte else "float32"
-        raise TypeError(f"{name}: dtype {t.dtype} is not supported (expected {want})")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    T.check_cpu_array(t, name, ("uint8", "float8_e4m3fn", "float4_e2m1fn_x2") if byte else ("float32",), shape)
 
 
 def _gs_from_numpy(g, like, out):
