@@ -31,6 +31,7 @@ from .. import _tensors as T
 from ..errors import CaptureError
 from ..reference import kvcache as ref
 from ..runtime import get_runtime, register_kernels
+from .ops import mark_written_cpu as _mark_written
 
 __all__ = ["compress_prefill", "compress_decode", "rope_table", "PrefillIndex", "DecodeIndex",
            "reference_prefill"]
@@ -269,15 +270,6 @@ def _npview(t):
     if t.dtype not in (torch.uint8, torch.float32, torch.int32):
         t = t.view(torch.uint8)
     return t.detach().numpy()
-
-
-def _mark_written(pool, rpool, row: int, table_row, entry_ids) -> None:
-    """CPU twin of the kernels' atomicMax on written[row]: 1 + the highest of
-    `entry_ids` that has a block (that flush_write wrote)."""
-    ok = [int(e) for e in entry_ids if ref._locate(rpool, table_row, int(e)) is not None]
-    if ok:
-        w = _npview(pool.written)
-        w[row] = max(int(w[row]), max(ok) + 1)
 
 
 def _cpu_prefill(pool, kv, z, ape, norm_weight, slot, start_entry, index, eps, theta, yarn):

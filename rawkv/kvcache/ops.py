@@ -268,13 +268,20 @@ def _flush_cpu(pool, entries, valid_mask, slots, positions, index_keys, errors):
     n = ref.flush_write(rpool, ents, _np(valid_mask, "valid_mask"), _np(positions, "positions"),
                         table, index_keys=_np(index_keys, "index_keys"))
     _add_errors(err, n)
-    # the kernel's atomicMax on written[slot], for every row it wrote
     valid = np.asarray(_np(valid_mask, "valid_mask"))
     pos = _np_ints("positions", positions, (B,))
     for b in np.flatnonzero(valid):
-        e = int(pos[b]) // pool.m
-        if pos[b] >= 0 and ref._locate(rpool, table[b], e) is not None:
-            pool.written[sl[b]] = max(int(pool.written[sl[b]]), e + 1)
+        if pos[b] >= 0:
+            mark_written_cpu(pool, rpool, int(sl[b]), table[b], [int(pos[b]) // pool.m])
+
+
+def mark_written_cpu(pool, rpool, row: int, table_row, entry_ids) -> None:
+    """CPU twin of the kernels' atomicMax on pool.written[row]: 1 + the
+    highest of `entry_ids` that has a block (the ones flush_write wrote)."""
+    ok = [int(e) for e in entry_ids if ref._locate(rpool, table_row, int(e)) is not None]
+    if ok:
+        w = pool.written if isinstance(pool.written, np.ndarray) else pool.written.numpy()
+        w[row] = max(int(w[row]), max(ok) + 1)
 
 
 # ---------------------------------------------------------------------------
