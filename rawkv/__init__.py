@@ -5,7 +5,7 @@ disk and launched through CuPy on torch's current stream. `import rawkv`
 needs only numpy: no GPU, driver, CuPy or torch. CPU tensors and numpy arrays
 run the numpy reference (rawkv.reference), which defines every op.
 """
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401
 
 from . import fp8, fused, kvcache, nvfp4, reference  # noqa: E402,F401
 from .errors import CaptureError, CompileError, GpuUnavailableError, RawkvError  # noqa: E402,F401

@@ -68,10 +68,11 @@ def _headers_identity() -> str:
     return "\n".join(parts)
 
 
-def cache_key(filename: str, arch: str, names, extra_options=()) -> str:
-    from . import __version__
+def cache_key(filename: str, arch: str, names, extra_options=(), version: str = "") -> str:
+    """`version`: the package version the runtime passes in (this module
+    imports nothing of rawkv beyond NVRTC)."""
     h = hashlib.sha256()
-    parts = [__version__, repr(_nvrtc.nvrtc_version()), arch, filename,
+    parts = [version, repr(_nvrtc.nvrtc_version()), arch, filename,
              repr(_nvrtc.compile_options(arch, tuple(extra_options))), _headers_identity(),
              repr(tuple(names)), _sources_digest()]
     for part in parts:
@@ -109,14 +110,14 @@ def path_for(filename: str, arch: str, key: str) -> Path | None:
     return d / f"{Path(filename).stem}-{arch}-{key[:24]}.cubin.rkv"
 
 
-def load_or_compile(filename: str, arch: str, names, extra_options=(), stats=None
-                    ) -> tuple[_nvrtc.CompileResult, Path | None]:
+def load_or_compile(filename: str, arch: str, names, extra_options=(), stats=None,
+                    version: str = "") -> tuple[_nvrtc.CompileResult, Path | None]:
     """Return the compiled module (from disk when a valid entry exists) and
     the path of its cache file (None when the disk cache is off or failed).
     `stats`, if given, counts 'disk_hits', 'compiles' and 'damaged'."""
     stats = stats if stats is not None else {}
     names = tuple(names)
-    key = cache_key(filename, arch, names, extra_options)
+    key = cache_key(filename, arch, names, extra_options, version)
     path = path_for(filename, arch, key)
     blob = None
     if path is not None:

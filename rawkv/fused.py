@@ -294,7 +294,7 @@ def _run_rows(rt, fn, rows, chunks, scope, gs_given, gs_t, args_pre, args_post, 
         if scope != "row":
             gin, gval = _gs_arg(gs_given, gs_t.device) if scope == "given" else (0, 1.0)
             fn = rt.function(_FILE, "rkv_fused_set_gs", stream=stream)
-            rt.launch(fn, (1,), (1,), (gs_t.data_ptr(), gin, gval), stream)
+            rt.launch_args(fn, (1,), (1,), (gs_t.data_ptr(), gin, gval), stream)
         return
     block = _block_for(rt, rows, chunks, max_block)
     gptr = gs_t.data_ptr()
@@ -309,7 +309,7 @@ def _run_rows(rt, fn, rows, chunks, scope, gs_given, gs_t, args_pre, args_post, 
         gin, gval = _gs_arg(gs_given, gs_t.device)
         modes = (_MODE_FIXED,)
     for mode in modes:
-        rt.launch(fn, (rows,), (block,), (*args_pre, gptr, *args_post, gin, gval, mode), stream)
+        rt.launch_args(fn, (rows,), (block,), (*args_pre, gptr, *args_post, gin, gval, mode), stream)
 
 
 # ---- RMSNorm (+ mHC) + quantize ---------------------------------------------------------
@@ -522,7 +522,7 @@ def moe_stage(hidden, topk_ids, topk_weights, *, out=None, stream=None):
         id_t = "int" if topk_ids.dtype == torch.int32 else "long long"
         fn = rt.function(_FILE, f"rkv_moe_stage<{_CT[_dtype_name(hidden.dtype)]}, {id_t}>", stream=stream)
         grid, block = rt.grid_stride(work, block=256)
-        rt.launch(fn, (grid,), (block,), (hidden.data_ptr(), units, q.data_ptr(), sf.data_ptr(),
+        rt.launch_args(fn, (grid,), (block,), (hidden.data_ptr(), units, q.data_ptr(), sf.data_ptr(),
                                           topk_ids.data_ptr(), n_ids, ids.data_ptr(),
                                           topk_weights.data_ptr(), w_bytes, w.data_ptr()), stream)
     return MoEStaged(q, sf, ids, w)

@@ -297,25 +297,25 @@ def _launch_quantize(rt, x, q, sf, g, m, n, ldx, scope, gs_kind, gs_in, own_gs, 
         r = 1 if upr <= 1024 else 0
         tpr, block, gpc = _groups(upr, cap=1024 if r else _BLOCK_THREADS)
         fn = rt.function(_FILE, f"rkv_nvfp4_quantize_rows<{ct}, {bpt}, {r}>", stream=stream)
-        rt.launch(fn, (_grid(rt, m, block, gpc),), (block,), (xp, qp, sp, gp, m, upr, ldx, tpr), stream)
+        rt.launch_args(fn, (_grid(rt, m, block, gpc),), (block,), (xp, qp, sp, gp, m, upr, ldx, tpr), stream)
         return
     if scope == "tensor":
         if m * n <= SMALL_NUMEL:
             units = m * upr
             grid = max(1, min(-(-units // _BLOCK_THREADS), _SMALL_MAX_CTAS))
             fn = rt.function(_FILE, f"rkv_nvfp4_quantize_small<{ct}, {bpt}>", stream=stream)
-            rt.launch(fn, (grid,), (_BLOCK_THREADS,), (xp, qp, sp, m, upr, ldx, gp), stream)
+            rt.launch_args(fn, (grid,), (_BLOCK_THREADS,), (xp, qp, sp, m, upr, ldx, gp), stream)
             return
         rt.memset(gp, 0, 4, stream)
         vecs = m * n * x.element_size() // 16
         grid, block = rt.grid_stride(vecs, _BLOCK_THREADS, waves=1)
         fn = rt.function(_FILE, f"rkv_nvfp4_amax<{ct}>", stream=stream)
-        rt.launch(fn, (grid,), (block,), (xp, m, n, ldx, gp), stream)
+        rt.launch_args(fn, (grid,), (block,), (xp, m, n, ldx, gp), stream)
         tpr, block, gpc = _groups(upr)
         fn = rt.function(_FILE, f"rkv_nvfp4_quantize<{ct}, {bpt}, 1>", stream=stream)
-        rt.launch(fn, (_grid(rt, m, block, gpc),), (block,), (xp, qp, sp, m, upr, ldx, tpr, gp, 0.0, 0), stream)
+        rt.launch_args(fn, (_grid(rt, m, block, gpc),), (block,), (xp, qp, sp, m, upr, ldx, tpr, gp, 0.0, 0), stream)
         fn = rt.function(_FILE, "rkv_nvfp4_finalize_gs", stream=stream)
-        rt.launch(fn, (1,), (32,), (gp,), stream)
+        rt.launch_args(fn, (1,), (32,), (gp,), stream)
         return
     # 'given' / 'none'
     if gs_kind == "tensor":
@@ -326,7 +326,7 @@ def _launch_quantize(rt, x, q, sf, g, m, n, ldx, scope, gs_kind, gs_in, own_gs, 
         gs_out = gp
     tpr, block, gpc = _groups(upr)
     fn = rt.function(_FILE, f"rkv_nvfp4_quantize<{ct}, {bpt}, 0>", stream=stream)
-    rt.launch(fn, (_grid(rt, m, block, gpc),), (block,),
+    rt.launch_args(fn, (_grid(rt, m, block, gpc),), (block,),
               (xp, qp, sp, m, upr, ldx, tpr, gs_ptr, gs_val, gs_out), stream)
 
 
@@ -494,7 +494,7 @@ def _launch_gather(rt, q8, sf8, kind, gsv, idx, out, errors, m, rows_out, n, str
     gs_val = gsv if kind == "value" else 0.0
     tpr, block, gpc = _groups(-(-n8 // _GATHER_UNROLL))
     fn = rt.function(_FILE, f"rkv_nvfp4_gather<{ct}, {it}, {rowgs}>", stream=stream)
-    rt.launch(fn, (_grid(rt, rows_out, block, gpc),), (block,),
+    rt.launch_args(fn, (_grid(rt, rows_out, block, gpc),), (block,),
               (q8.data_ptr(), sf8.data_ptr(), gs_ptr, gs_val,
                idx.data_ptr() if idx is not None else 0, out.data_ptr(),
                errors.data_ptr() if errors is not None else 0, m, rows_out, n8, n, tpr), stream)
@@ -570,7 +570,7 @@ def swizzle_scales(sf, *, out=None, stream=None):
     if size:
         nwords = size // 4
         grid, block = rt.grid_stride(nwords, _BLOCK_THREADS)
-        rt.launch(rt.function(_FILE, "rkv_nvfp4_swizzle", stream=stream), (grid,), (block,),
+        rt.launch_args(rt.function(_FILE, "rkv_nvfp4_swizzle", stream=stream), (grid,), (block,),
                   (sf.data_ptr(), out.data_ptr(), rows, cols, -(-cols // 4), nwords), stream)
     return _as_sf(out)
 
@@ -604,7 +604,7 @@ def unswizzle_scales(sw, shape, *, out=None, stream=None):
     if rows * cols:
         ncb = -(-cols // 4)
         grid, block = rt.grid_stride(rows * ncb, _BLOCK_THREADS)
-        rt.launch(rt.function(_FILE, "rkv_nvfp4_unswizzle", stream=stream), (grid,), (block,),
+        rt.launch_args(rt.function(_FILE, "rkv_nvfp4_unswizzle", stream=stream), (grid,), (block,),
                   (sw.data_ptr(), out.data_ptr(), rows, cols, ncb), stream)
     return _as_sf(out)
 

@@ -14,36 +14,34 @@ Ops never import CuPy or torch themselves at module import time: `import
 rawkv` touches no CUDA API and works on a machine with no GPU.
 
 Launch cost: kernels are CuPy `Function`s (loaded from the verified cubin
-bytes); their arguments are plain Python ints (device pointers and 64-bit
-sizes) and floats (kernels take `long long` and `double` scalars). The default
-launcher packs them into a per-thread parameter array with one struct call
-and calls cuLaunchKernel through CuPy's Cython driver binding on the raw
-stream handle (rawkv._launch). A torch tensor is never converted through
+bytes). Each kernel's declaration (rawkv.kernels) packs its keyword
+arguments into 8-byte slots by their C types with one struct call, and the
+launcher (rawkv._launch) calls cuLaunchKernel through CuPy's Cython driver
+binding on the raw stream handle. A torch tensor is never converted through
 DLPack on this path.
 """
 from __future__ import annotations
 
 import functools
 import numbers
-import os
 import re
+import struct
 import threading
 from typing import Iterable
 
-from . import _cache, _launch
+from . import _cache, _launch, _version, kernels
 from .errors import CaptureError, GpuUnavailableError
 
 # ---------------------------------------------------------------------------
-# Kernel registry: which name expressions each .cu file provides. Op modules
-# declare their kernels at import (plain Python, no CUDA), so warmup() and the
-# compile-check know the complete list.
+# Kernel registry: rawkv.kernels declares every kernel (plain Python, no
+# CUDA); the runtime reads the declarations and imports no op module.
 # ---------------------------------------------------------------------------
+# Transitional: families not yet declared in rawkv.kernels register their
+# name expressions here and launch through Runtime.launch_args.
 _REGISTRY: dict[str, list[str]] = {}
 
 
 def register_kernels(filename: str, names: Iterable[str]) -> None:
-    """Declare that rawkv/cu/<filename> provides the kernels `names`
-    (NVRTC name expressions, e.g. 'rkv_e4m3_encode<float, true>')."""
     lst = _REGISTRY.setdefault(filename, [])
     for n in names:
         if n not in lst:
@@ -52,8 +50,16 @@ def register_kernels(filename: str, names: Iterable[str]) -> None:
 
 def registered_kernels() -> dict[str, tuple[str, ...]]:
     """{filename: name expressions} for every kernel rawkv declares."""
-    from . import ops  # noqa: F401  (importing the ops fills the registry)
-    return {f: tuple(n) for f, n in _REGISTRY.items()}
+    out = kernels.registered_kernels()
+    for f, names in _REGISTRY.items():
+        out.setdefault(f, tuple(names))
+    return out
+
+
+def kernel_options(filename: str) -> tuple[str, ...]:
+    """The extra NVRTC options of a kernel file (its shared constants)."""
+    kf = kernels.files().get(filename)
+    return kf.options() if kf is not None else ()
 
 
 # ---------------------------------------------------------------------------
@@ -197,7 +203,7 @@ class Runtime:
         self._streams: dict[int, object] = {}
         self._lock = threading.Lock()
         self._get_device = cupy.cuda.runtime.getDevice
-        self.set_launcher(os.environ.get("RAWKV_LAUNCHER") or _launch.DEFAULT)
+        self._launcher = _launch.Launcher()
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
             self._current_stream_ptr = functools.partial(raw, self.device_index)  # C-level call
@@ -233,10 +239,11 @@ class Runtime:
             return fn
 
     def _load_module(self, filename: str) -> None:
-        names = _REGISTRY.get(filename)
+        names = registered_kernels().get(filename)
         if not names:
             raise KeyError(f"rawkv: no kernels are registered for {filename}")
-        result, _ = _cache.load_or_compile(filename, self.arch, names, stats=self.stats)
+        result, _ = _cache.load_or_compile(filename, self.arch, names, kernel_options(filename),
+                                           stats=self.stats, version=_version.__version__)
         cupy = self._cupy
         # The cache file is a checksummed container, not a bare cubin: load
         # the verified image bytes through CuPy's module loader (the one
@@ -288,24 +295,6 @@ class Runtime:
             s = self._streams[ptr] = _cupy_stream(self._cupy, ptr)
         return s
 
-    def set_launcher(self, name: str) -> None:
-        """One of rawkv._launch.LAUNCHERS: 'cupy-driver', 'cuda-bindings',
-        'driver' (ctypes) or 'cupy' (CuPy Function call). A launcher whose
-        library cannot be loaded falls back to 'cupy'."""
-        if name not in _launch.LAUNCHERS:
-            raise ValueError(f"launcher: expected one of {', '.join(_launch.LAUNCHERS)}, got {name!r}")
-        try:
-            launcher = _launch.make(name, self)
-        except (OSError, ImportError, AttributeError):
-            launcher = _launch.make("cupy", self)
-        self._launcher = launcher
-        self._launch_call = launcher.__call__    # bound method: cheaper than calling the instance
-        self._direct = launcher.name == "cupy"   # launch() calls the CuPy Function inline
-
-    @property
-    def launcher(self) -> str:
-        return self._launcher.name
-
     def capturing(self, stream=None) -> bool:
         """True if torch's current stream or `stream` (the one an op was
         given) is capturing a CUDA graph: the capture rules look at both."""
@@ -321,24 +310,27 @@ class Runtime:
         return bool(status)
 
     # -- launch -------------------------------------------------------------
-    def launch(self, fn, grid, block, args, stream=None, shared_mem: int = 0) -> None:
-        """Launch `fn` on torch's current stream (or `stream`). Scalars in
-        `args` must be Python ints (pointers, int64) or floats (double)."""
+    def launch(self, fn, grid, block, st, args, stream=None, shared_mem: int = 0, what=None) -> None:
+        """Launch `fn` on torch's current stream (or `stream`) with `args`
+        packed by the struct `st` (from the kernel's declaration; `what`
+        names the kernel in errors). The device is made current if it is not."""
         ptr = self._current_stream_ptr() if stream is None else self.stream_ptr(stream)
         cur = self._get_device()
         if cur == self.device_index:
-            if self._direct:
-                # CuPy Function call, inlined, on a cached CuPy stream
-                s = self._streams.get(ptr) or self.cupy_stream(ptr)
-                fn(grid, block, args, shared_mem, s)
-            else:
-                self._launch_call(fn, grid, block, args, shared_mem, ptr)
-        else:   # the kernel lives in this device's context: make it current
-            self._cupy.cuda.runtime.setDevice(self.device_index)
-            try:
-                self._launcher(fn, grid, block, args, shared_mem, ptr)
-            finally:
-                self._cupy.cuda.runtime.setDevice(cur)
+            self._launcher(fn, grid, block, st, args, shared_mem, ptr, what)
+            return
+        # the kernel lives in this device's context: make it current
+        self._cupy.cuda.runtime.setDevice(self.device_index)
+        try:
+            self._launcher(fn, grid, block, st, args, shared_mem, ptr, what)
+        finally:
+            self._cupy.cuda.runtime.setDevice(cur)
+
+    def launch_args(self, fn, grid, block, args, stream=None, shared_mem: int = 0) -> None:
+        """Transitional launch for kernels not yet declared in rawkv.kernels:
+        ints packed as 64-bit, floats as double."""
+        st = struct.Struct("<" + "".join("d" if isinstance(a, float) else "q" for a in args))
+        self.launch(fn, grid, block, st, tuple(args), stream, shared_mem)
 
     def memset(self, ptr: int, value: int, nbytes: int, stream=None) -> None:
         """cudaMemsetAsync on the launch stream (capturable as a memset node),

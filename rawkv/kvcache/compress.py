@@ -442,7 +442,7 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
                pool.written.data_ptr(),
                0, 0, 0, 0,
                slot, start_entry, pre, pool.errors.data_ptr(), float(eps)))
-    rt.launch(fn, (n, 2 if index is not None else 1), (_CTHREADS * _RG[kind],), args, stream)
+    rt.launch_args(fn, (n, 2 if index is not None else 1), (_CTHREADS * _RG[kind],), args, stream)
     return n
 
 
@@ -565,5 +565,5 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
                pool.written.data_ptr(),
                valid_mask.data_ptr(), slots.data_ptr(), positions.data_ptr(), R,
                0, 0, 0, pool.errors.data_ptr(), float(eps)))
-    rt.launch(fn, (B, 2 if index is not None else 1), (_CTHREADS * _RG[kind],), args, stream)
+    rt.launch_args(fn, (B, 2 if index is not None else 1), (_CTHREADS * _RG[kind],), args, stream)
     return None

@@ -249,7 +249,7 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
     rt = get_runtime(dev)
     fn = rt.function(_FILE, _K_FLUSH[pool.has_index], stream=stream)
     grid = -(-B // _FLUSH_ROWS_PER_CTA)
-    rt.launch(fn, (grid,), (32 * _FLUSH_ROWS_PER_CTA,),
+    rt.launch_args(fn, (grid,), (32 * _FLUSH_ROWS_PER_CTA,),
               (e.data_ptr(), _ptr(k), v.data_ptr(), s.data_ptr(), p.data_ptr(),
                pool.block_table.data_ptr(), pool.fp8.data_ptr(), pool.scale.data_ptr(),
                pool.rope.data_ptr(), _ptr(pool.index_q), _ptr(pool.index_sf),
@@ -326,7 +326,7 @@ def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=N
     fn = rt.function(_FILE, _K_GATHER[name, "int64" if ids.dtype == torch.int64 else "int32"],
                      stream=stream)
     grid, block = rt.grid_stride(B * K * 32, _BLOCK)
-    rt.launch(fn, (grid,), (block,),
+    rt.launch_args(fn, (grid,), (block,),
               (pool.fp8.data_ptr(), pool.scale.data_ptr(), pool.rope.data_ptr(),
                pool.block_table.data_ptr(), s.data_ptr(), ids.data_ptr(), _ptr(ne), _ptr(v),
                pool.written.data_ptr(), out.data_ptr(), err.data_ptr(), B, K, 0, -1,
@@ -374,7 +374,7 @@ def _dense_launch(pool, index, slots_t, ne_t, valid_t, slot0, n0, B, K, out, err
         fn = rt.function(_FILE, _K_INDEX[name], stream=stream)
         nb = pool.index_head_dim // 16
         grid, block = rt.grid_stride(B * K * nb, _BLOCK)
-        rt.launch(fn, (grid,), (block,),
+        rt.launch_args(fn, (grid,), (block,),
                   (pool.index_q.data_ptr(), pool.index_sf.data_ptr(), pool.block_table.data_ptr(),
                    _ptr(slots_t), _ptr(ne_t), _ptr(valid_t), pool.written.data_ptr(),
                    out.data_ptr(), err.data_ptr(),
@@ -382,7 +382,7 @@ def _dense_launch(pool, index, slots_t, ne_t, valid_t, slot0, n0, B, K, out, err
     else:
         fn = rt.function(_FILE, _K_GATHER[name, "dense"], stream=stream)
         grid, block = rt.grid_stride(B * K * 32, _BLOCK)
-        rt.launch(fn, (grid,), (block,),
+        rt.launch_args(fn, (grid,), (block,),
                   (pool.fp8.data_ptr(), pool.scale.data_ptr(), pool.rope.data_ptr(),
                    pool.block_table.data_ptr(), _ptr(slots_t), 0, _ptr(ne_t), _ptr(valid_t),
                    pool.written.data_ptr(), out.data_ptr(), err.data_ptr(), B, K, slot0, n0,
@@ -618,7 +618,7 @@ def state_append(state, kv, z, valid_mask, slots, *, ape=None, errors=None, stre
         return
     rt = get_runtime(dev)
     fn = rt.function(_FILE, _K_APPEND[str(k.dtype)[6:], str(zz.dtype)[6:]], stream=stream)
-    rt.launch(fn, (B,), (_state_block(w),),
+    rt.launch_args(fn, (B,), (_state_block(w),),
               (k.data_ptr(), zz.data_ptr(), _ptr(a), v.data_ptr(), s.data_ptr(),
                state.kv_a.data_ptr(), state.z_a.data_ptr(), state.count.data_ptr(), err.data_ptr(),
                state.max_requests, state.m, w), stream)
@@ -655,7 +655,7 @@ def _reset(state, mode, valid_mask, slots, errors, stream, what):
         return
     rt = get_runtime(dev)
     fn = rt.function(_FILE, _K_RESET[mode], stream=stream)
-    rt.launch(fn, (B,), (_state_block(state.m * state.width),),
+    rt.launch_args(fn, (B,), (_state_block(state.m * state.width),),
               (_ptr(v), s.data_ptr(), state.kv_a.data_ptr(), state.z_a.data_ptr(),
                _ptr(state.kv_b), _ptr(state.z_b), state.count.data_ptr(), err.data_ptr(),
                state.max_requests, state.m, state.head_dim, state.width), stream)

@@ -1,0 +1,135 @@
+"""Argument rules shared by every public op, on CPU and CUDA alike.
+
+Every rule runs before anything is launched or written and raises a
+TypeError / ValueError whose message starts with the argument's name. An op
+checks each argument through one of these functions, so the CPU path (the
+numpy reference) and the CUDA path accept and refuse the same things.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._dispatch import byte_dtypes, is_torch, to_numpy
+
+
+def require_array(x, name: str):
+    """`x` must be an array (torch tensor, numpy array or DLPack array):
+    numbers and None passed where a tensor belongs are a TypeError naming
+    the argument. Returns x."""
+    if x is None or is_number(x) or isinstance(x, (bool, np.bool_, str, bytes)) or not (
+            isinstance(x, np.ndarray) or is_torch(x) or hasattr(x, "__dlpack__")):
+        raise TypeError(f"{name}: expected a tensor or array, got "
+                        f"{'None' if x is None else type(x).__name__}")
+    return x
+
+
+class _TorchDtypes:
+    """torch dtype groups and names, built once (rebuilding them per call
+    costs microseconds on the launch path)."""
+
+    def __init__(self, torch):
+        self.floats = (torch.float32, torch.float16, torch.bfloat16)
+        self.bytes = byte_dtypes(torch)
+        self.fp8 = tuple(d for d in self.bytes[:2])          # uint8, float8_e4m3fn
+        self.e4m3 = getattr(torch, "float8_e4m3fn", None)      # typed views, where torch has them
+        self.e2m1x2 = getattr(torch, "float4_e2m1fn_x2", None)
+        self.name = {d: str(d).replace("torch.", "") for d in (*self.floats, *self.bytes)}
+
+
+_DTYPES = None
+
+
+def dtypes() -> _TorchDtypes:
+    global _DTYPES
+    if _DTYPES is None:
+        import torch
+        _DTYPES = _TorchDtypes(torch)
+    return _DTYPES
+
+
+def check_tensor(x, name: str, dtypes, *, shape=None, ndim=None, device=None,
+                 contiguous: bool = True) -> None:
+    """Check a CUDA tensor argument; `dtypes` is a tuple of torch dtypes,
+    `device` the CUDA device index the op runs on."""
+    if x.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: dtype {str(x.dtype).replace('torch.', '')} is not supported "
+                        f"(expected {allowed})")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+    if shape is not None and x.shape != shape and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    if device is not None and x.get_device() != device:
+        raise ValueError(f"{name}: is on {x.device} but the op runs on cuda:{device}")
+    if contiguous and not x.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (got strides {tuple(x.stride())}); "
+                         "call .contiguous() first")
+
+
+def aligned16(*tensors) -> bool:
+    """True if every tensor's data pointer is 16-byte aligned (vector path)."""
+    acc = 0
+    for t in tensors:
+        acc |= t.data_ptr()
+    return acc & 15 == 0
+
+
+def check_aligned(name: str, t, align: int = 16) -> None:
+    """A CUDA tensor whose kernel loads it in `align`-byte words."""
+    if t.data_ptr() % align:
+        raise ValueError(f"{name}: data must be {align}-byte aligned for this kernel "
+                         f"(address {t.data_ptr():#x}); pass a fresh or .contiguous() tensor")
+
+
+def cpu_dtype_name(a, name: str) -> str:
+    """dtype of a CPU array (numpy, CPU torch tensor or DLPack array) as torch
+    spells it ('float32', 'bfloat16', 'float8_e4m3fn'); numpy arrays need no torch."""
+    if isinstance(a, np.ndarray):
+        return str(a.dtype)
+    if is_torch(a):
+        return str(a.dtype).replace("torch.", "")
+    return str(to_numpy(a, name).dtype)
+
+
+def check_cpu_array(a, name: str, allowed, shape=None) -> str:
+    """The CUDA path's dtype (and shape) checks for a CPU argument, before
+    the reference runs or anything is written; returns the dtype name."""
+    d = cpu_dtype_name(a, name)
+    if d not in allowed:
+        raise TypeError(f"{name}: dtype {d} is not supported (expected {', '.join(allowed)})")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+    return d
+
+
+def is_number(v) -> bool:
+    """A Python or numpy real scalar (not a bool, not an array)."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+def _positive_float32(v, name: str, what: str) -> float:
+    with np.errstate(over="ignore", under="ignore"):
+        v32 = np.float32(v)
+    if not (np.isfinite(v32) and v32 > 0):
+        raise ValueError(f"{name}: {what} must be a finite positive float32 "
+                         f"(between {np.finfo(np.float32).smallest_subnormal:.3g} and "
+                         f"{np.finfo(np.float32).max:.4g}), got {v!r}")
+    return float(v)
+
+
+def check_gs_number(gs, name: str = "gs") -> float:
+    """A global decode scale given as a number: the kernels read it as float32,
+    so it must be finite and > 0 *as a float32* (1e39 would become inf, 1e-46
+    would become 0). Returns it as a Python float."""
+    if not is_number(gs):
+        raise TypeError(f"{name}: expected a float, got {gs!r}")
+    return _positive_float32(gs, name, "a global scale")
+
+
+def check_eps(eps, name: str = "eps") -> float:
+    """An RMSNorm epsilon: a real number (Python or numpy, not a bool), finite
+    and > 0 as a float32 (eps = 0 would give NaN on an all-zero row).
+    Anything else is a ValueError naming it."""
+    if not is_number(eps):
+        raise ValueError(f"{name}: expected a positive finite number, got {eps!r}")
+    return _positive_float32(eps, name, "epsilon")

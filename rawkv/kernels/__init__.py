@@ -1,0 +1,9 @@
+"""Every kernel rawkv launches, declared once: one module per rawkv/cu/*.cu
+file (see _decl for what a declaration holds and gives).
+
+Importing this package imports the declarations only (plain Python): the
+runtime reads them to compile and warm up, ops launch through them, and
+tests/test_kernel_abi.py holds them against the CUDA sources.
+"""
+from ._decl import CTYPE, Kernel, KernelFile, TParam, files, registered_kernels  # noqa: F401
+from . import fp8  # noqa: F401,E402
