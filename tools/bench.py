@@ -184,13 +184,12 @@ def run_core(rt, results, quick=False):
     import cupy
     import torch
     import rawkv
-    from rawkv import _launch
+    from rawkv import _launch, kernels
     n = 4096
     x = torch.randn(n, device="cuda")
     y = torch.randn(n, device="cuda")
     out = torch.empty(n, dtype=torch.uint8, device="cuda")
     calls = 500 if quick else 2000
-    launcher = rt.launcher
     # The prior approach: wrap both tensors with cupy.from_dlpack on every call.
     fn = rt.function("fp8.cu", "rkv_e4m3_encode<float, true>")
     s = rt.stream()
@@ -202,33 +201,26 @@ def run_core(rt, results, quick=False):
     def encode():
         rawkv.fp8.e4m3_encode(x, out=out)
 
-    def use(name):
-        return (lambda: rt.set_launcher(name)), encode
-
     xp, op = x.data_ptr(), out.data_ptr()
-    fns = {"rawkv": use(launcher), "add_": lambda: x.add_(y),
+    fns = {"rawkv": encode, "add_": lambda: x.add_(y),
            # the floor under rawkv's own Python: the bare CuPy launch with fixed args
            "bare_cupy": lambda: fn((1,), (256,), (xp, op, n), shared_mem=0, stream=s),
            "empty": lambda: torch.empty(n, device="cuda")}
-    for name in _launch.LAUNCHERS:
-        if name != launcher:
-            fns["rawkv_" + name] = use(name)
     drv = cupy.cuda.driver.launchKernel
-    packed = _launch.make("cupy-driver", rt)
-    packed(fn, (1,), (256,), (xp, op, n), 0, s.ptr)       # builds its slots and layout
-    slots = packed._tls.slots
+    inst = kernels.fp8.ENCODE.instance("float32", True)
+    launcher = _launch.Launcher()
+    launcher(fn, (1,), (256,), inst.struct, (xp, op, n), 0, s.ptr)   # builds its slots
+    slots = launcher._tls.slots
     sp = s.ptr
-    # the floor of the packed launchers: the raw call alone, parameters already in place
+    # the floor of the launcher: the raw call alone, parameters already in place
     fns["bare_cupy_driver"] = lambda: drv(fn.ptr, 1, 1, 1, 256, 1, 1, 0, sp, slots[1], 0)
     rounds = 5 if quick else 9
     t = host_us_interleaved(fns, calls, rounds)
     dl_us = host_us_interleaved({"dl": dlpack_launch}, calls // 4, 3)["dl"][0]
-    rt.set_launcher(launcher)
     med = {k: v[0] for k, v in t.items()}
     rawkv_us, add_us = med["rawkv"], med["add_"]
     row = {"op": "launch_overhead/e4m3_encode", "shape": [n], "dtype": "float32",
-           "launcher": launcher, "host_us": round(rawkv_us, 2),
-           "host_us_driver_launcher": round(med.get("rawkv_driver", rawkv_us), 2),
+           "launcher": launcher.name, "host_us": round(rawkv_us, 2),
            "torch_add_us": round(add_us, 2),
            "ratio_vs_add": round(rawkv_us / add_us, 2),
            "baseline": "cupy.from_dlpack per tensor per call", "baseline_us": round(dl_us, 2),
@@ -237,9 +229,6 @@ def run_core(rt, results, quick=False):
            "timing": f"median of {rounds} interleaved rounds of {calls} calls",
            "ratio_vs_add_min": round(t["rawkv"][1] / t["add_"][1], 2),
            "bare_cupy_driver_launch_us": round(med["bare_cupy_driver"], 2)}
-    for name in _launch.LAUNCHERS:
-        if name not in (launcher, "driver"):
-            row["host_us_" + name.replace("-", "_")] = round(med["rawkv_" + name], 2)
     results.append(row)
     # E4M3 encode / decode bandwidth on a large tensor.
     m = 1 << 28
