@@ -175,9 +175,9 @@ def test_gpu_launch_geometry_is_the_runtimes(cuda, monkeypatch):
     launches = []
     real = cuda.launch
 
-    def record(fn, grid, block, args, stream=None, shared_mem=0):
+    def record(fn, grid, block, st, args, stream=None, shared_mem=0, what=None):
         launches.append((grid, block))
-        real(fn, grid, block, args, stream, shared_mem)
+        real(fn, grid, block, st, args, stream, shared_mem, what)
     monkeypatch.setattr(cuda, "launch", record)
     for n in (1, 4096, 4097, 1 << 24):
         x = torch.zeros(n, device="cuda")
