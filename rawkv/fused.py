@@ -30,6 +30,7 @@ import numpy as np
 from . import _tensors as T
 from .reference import fused as ref
 from .reference import nvfp4 as ref_nvfp4
+from .nvfp4.activation import QuantizedActivation  # noqa: F401  (re-exported)
 from .runtime import get_runtime, register_kernels
 
 _FILE = "fused.cu"
@@ -46,24 +47,6 @@ register_kernels(_FILE, [f"rkv_fused_rms<{c}, {m}, {_REG}>" for c in _CT.values(
 _MODE_ROW, _MODE_AMAX, _MODE_TENSOR, _MODE_FIXED = 0, 1, 2, 3
 _SCOPES = ("row", "tensor", "given", "none")
 _MAX_HC = 4
-
-
-class QuantizedActivation(NamedTuple):
-    """An NVFP4 activation: q (..., N/2) codes (torch.float4_e2m1fn_x2 view of
-    uint8 bytes where torch has it; numpy: uint8), sf (..., N/16) UE4M3 scales
-    (torch.float8_e4m3fn view; numpy: uint8), gs (the decode global scale: shape (...) for scope 'row', () else)
-    and, from the RMSNorm producers, inv_rms (...) float32."""
-    q: Any
-    sf: Any
-    gs: Any
-    inv_rms: Any = None
-
-    def dequantize(self, dtype=None):
-        """x ~ e2m1[q] * (float(sf) * gs), rounded to `dtype` (bfloat16
-        default), through rawkv.nvfp4.dequantize (kernel on CUDA, reference
-        on CPU). rawkv.nvfp4.dequantize(qa) is the same call."""
-        from . import nvfp4
-        return nvfp4.dequantize(self.q, self.sf, self.gs, dtype=dtype)
 
 
 class MoEStaged(NamedTuple):

@@ -22,10 +22,11 @@ import sys
 
 import numpy as np
 
-from . import _tensors as T
-from .reference import layouts as ref_layouts
-from .reference import nvfp4 as ref
-from .runtime import get_runtime, register_kernels
+from .activation import QuantizedActivation
+from .. import _tensors as T
+from ..reference import layouts as ref_layouts
+from ..reference import nvfp4 as ref
+from ..runtime import get_runtime, register_kernels
 
 _FILE = "nvfp4.cu"
 _CT = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -403,7 +404,7 @@ def dequantize(q, sf=None, gs=None, *, dtype=None, out=None, stream=None):
     """y (..., N) = e2m1[q] * (float(sf) * gs), rounded to `dtype` (bfloat16
     default, float16, float32). gs: a float, a 1-element float32 tensor, or
     one per row (shape q.shape[:-1]). q may instead be a
-    rawkv.fused.QuantizedActivation, with sf and gs left out."""
+    rawkv.nvfp4.QuantizedActivation, with sf and gs left out."""
     if sf is None or gs is None:
         q, sf, gs = _activation_parts(q, sf, gs)
     name, tdt = _out_dtype(dtype if dtype is not None else (out.dtype if out is not None else None))
@@ -434,10 +435,9 @@ def dequantize(q, sf=None, gs=None, *, dtype=None, out=None, stream=None):
 
 
 def _activation_parts(q, sf, gs):
-    """(q, sf, gs) for dequantize(qa): a rawkv.fused.QuantizedActivation, sf and gs left out."""
-    from .fused import QuantizedActivation     # here: rawkv.fused is imported after this module
+    """(q, sf, gs) for dequantize(qa): a rawkv.nvfp4.QuantizedActivation, sf and gs left out."""
     if not isinstance(q, QuantizedActivation) or sf is not None or gs is not None:
-        raise TypeError("sf, gs: both required, unless q is a rawkv.fused.QuantizedActivation "
+        raise TypeError("sf, gs: both required, unless q is a rawkv.nvfp4.QuantizedActivation "
                         f"(then neither); got q of type {type(q).__name__}")
     return q.q, q.sf, q.gs
 
