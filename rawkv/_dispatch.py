@@ -14,6 +14,15 @@ def _torch_or_none():
     return sys.modules.get("torch")   # torch tensors exist only if torch was imported
 
 
+def compiling() -> bool:
+    """True while torch.compile traces the caller: public ops then allocate
+    with torch.empty and call their rawkv:: operator (rawkv.library), which
+    dynamo can put in a graph; the eager path is pointer-level Python it
+    cannot trace."""
+    t = _torch_or_none()
+    return t is not None and t.compiler.is_compiling()
+
+
 def is_torch(x) -> bool:
     t = _torch_or_none()
     return t is not None and isinstance(x, t.Tensor)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from . import _args as A
 from . import _dispatch as D
+from ._opdecl import OpDecl
 from .kernels import fp8 as K
 from .reference import formats as ref
 from .runtime import get_runtime
@@ -74,6 +75,8 @@ def e4m3_encode(x, *, out=None, stream=None):
     # Fast path (CUDA tensors, out= given, a combination the checked path
     # has accepted before): the same checks, inlined; whatever fails them
     # takes the checked path, which raises the error naming the argument.
+    if D.compiling():
+        return _traced(ENCODE_OP, out, x.shape, "float8_e4m3fn", x, x=x)
     try:
         ent = _ENCODE_FAST.get((x.get_device(), x.dtype, out.dtype)) if x.is_cuda is out.is_cuda is True else None
     except AttributeError:
@@ -122,6 +125,8 @@ def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
     (float32 default, else out's dtype; float16 or bfloat16 are exact since
     every E4M3 value is)."""
     name = _decode_dtype(dtype, out)
+    if D.compiling():
+        return _traced(DECODE_OP, out, codes.shape, name, codes, codes=codes)
     if not D.is_cuda_tensor(codes):
         A.require_array(codes, "codes")
         if out is not None:
@@ -150,3 +155,17 @@ def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
         K.DECODE.launch(rt, _grid(rt, n), (_BLOCK,), tdtype, _vector(codes, out), stream=stream,
                         codes=codes, out=out, n=n)
     return out
+
+
+def _traced(op, out, shape, dtype_name, like, **inputs):
+    """Under torch.compile: allocate `out` if needed and call the rawkv::
+    operator (rawkv.library), which dynamo can trace."""
+    import torch
+    if out is None:
+        out = torch.empty(shape, dtype=getattr(torch, dtype_name), device=like.device)
+    op.call(torch, **inputs, out=out)
+    return out
+
+
+ENCODE_OP = OpDecl("e4m3_encode", e4m3_encode, "Tensor x, Tensor(a!) out")
+DECODE_OP = OpDecl("e4m3_decode", e4m3_decode, "Tensor codes, Tensor(a!) out")

@@ -1,0 +1,76 @@
+"""Op declarations: what `torch.library` needs to know of a public op,
+written once beside the op (plain Python: no torch import here).
+
+A declaration names the op, the public function that implements it, and
+its argument schema in torch's schema language with the arguments it
+writes marked `(a!)` (`out`, caches). rawkv.library turns each declaration
+into a `rawkv::<name>` custom operator: the mutating form (returns nothing,
+allocates nothing, its writes listed in mutates_args), with a fake (meta)
+implementation, on CPU (the reference) and CUDA (the kernels). The
+public functions stay the allocating API on top of it: under torch.compile
+they allocate their outputs with torch.empty and call the operator (see
+`traced`), so a compiled function that calls them has no graph break.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+_OPS: dict[str, "OpDecl"] = {}
+_ARG = re.compile(r"^\s*(?P<type>[\w\[\]?]+)(?P<alias>\([a-z]!\))?\s+(?P<name>\w+)(?:\s*=\s*(?P<default>\S+))?\s*$")
+
+
+class OpDecl:
+    """`name`: rawkv::<name>. `impl`: called with the schema's arguments as
+    keywords (the public function, or an adapter when the public signature
+    needs more than the schema can say, e.g. a gs that is a number or a
+    tensor). `schema`: 'Tensor x, Tensor(a!) out, float eps=1e-06'."""
+
+    def __init__(self, name: str, impl: Callable, schema: str):
+        self.name, self.impl, self.schema = name, impl, schema
+        self.args = []
+        for part in _split(schema):
+            m = _ARG.match(part)
+            if m is None:
+                raise ValueError(f"rawkv::{name}: cannot read schema argument {part!r}")
+            self.args.append((m["name"], m["type"], m["alias"] is not None))
+        self.mutates = tuple(n for n, _, w in self.args if w)
+        if not self.mutates:
+            raise ValueError(f"rawkv::{name}: a mutating op writes at least one argument")
+        if name in _OPS:
+            raise ValueError(f"rawkv::{name} declared twice")
+        _OPS[name] = self
+
+    def __repr__(self):
+        return f"rawkv::{self.name}({self.schema}) -> ()"
+
+    def call(self, torch, **kwargs) -> None:
+        """Call the registered operator (what a public op does under
+        torch.compile). The operators are registered by rawkv.library,
+        which `import rawkv` imports when torch is already loaded."""
+        packet = getattr(torch.ops.rawkv, self.name, None) if hasattr(torch.ops, "rawkv") else None
+        if packet is None:
+            raise RuntimeError(f"rawkv::{self.name} is not registered: import rawkv.library "
+                               "(or import torch before rawkv) before torch.compile")
+        packet(**kwargs)
+
+
+def _split(schema: str):
+    """Top-level comma split (defaults like [1, 2] stay whole)."""
+    depth, cur = 0, []
+    for ch in schema:
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        if ch == "," and depth == 0:
+            yield "".join(cur)
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        yield "".join(cur)
+
+
+def declared() -> dict[str, OpDecl]:
+    return dict(_OPS)

@@ -1,0 +1,53 @@
+"""rawkv ops as PyTorch custom operators: `import rawkv.library` registers
+every declared op (rawkv._opdecl) as `torch.ops.rawkv.<name>`.
+
+Each operator is the mutating form the engines use (vLLM, SGLang): its
+outputs are arguments listed in mutates_args, it returns nothing and
+allocates nothing, scalars are plain ints/floats/strs. It runs the numpy
+reference on CPU tensors and the kernels on CUDA tensors (the device is
+taken from the tensors), and has a fake implementation, so
+`torch.compile(fullgraph=True)` traces it and CUDA graphs capture it.
+
+Importing this module imports torch; `import rawkv` does not.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _opdecl, ops  # noqa: F401  (ops: every op module declares its operators)
+
+NAMESPACE = "rawkv"
+_LIB = torch.library.Library(NAMESPACE, "DEF")
+
+
+def _fake(*args, **kwargs):
+    """Mutating ops return nothing: shapes and dtypes are the caller's
+    buffers, so the fake implementation has nothing to compute."""
+    return None
+
+
+def _make_impl(decl: _opdecl.OpDecl):
+    names = [n for n, _, _ in decl.args]
+    impl = decl.impl
+
+    def run(*args):
+        impl(**dict(zip(names, args)))
+    run.__name__ = decl.name
+    return run
+
+
+def _register(decl: _opdecl.OpDecl) -> None:
+    _LIB.define(f"{decl.name}({decl.schema}) -> ()")
+    fn = _make_impl(decl)
+    for key in ("CPU", "CUDA"):
+        _LIB.impl(decl.name, fn, key)
+    torch.library.register_fake(f"{NAMESPACE}::{decl.name}", _fake, lib=_LIB)
+
+
+for _decl in _opdecl.declared().values():
+    _register(_decl)
+
+
+def operators() -> dict[str, object]:
+    """{name: torch.ops.rawkv.<name>} of every registered operator."""
+    return {n: getattr(torch.ops.rawkv, n) for n in _opdecl.declared()}
