@@ -1,20 +1,34 @@
 """On-disk cache of compiled kernel modules.
 
-A cache file holds one module's cubin and the mangled names of its kernels:
+A cache file holds one module's cubin, the mangled names of its kernels and
+the full cache key it was compiled for:
 
-    b"RAWKV-CUBIN-1\\n" | u32 header length | JSON header | cubin | sha256 of all before
+    b"RAWKV-CUBIN-2\\n" | u32 header length | JSON header {key, lowered, arch} | cubin
+    | sha256 of all before
 
 The key covers everything that changes the binary: rawkv's version, the NVRTC
-version, the full compile options (architecture, numeric flags, -I include
-directories), the identity (path, size, mtime) of the CUDA headers rawkv
-includes, the name expressions and the text of every file under rawkv/cu (so
-editing a shared header invalidates every module that might include it).
-Files are written to a temporary name and renamed into place (atomic on
-POSIX), so a crash or a concurrent writer never leaves half a file under the
-final name. A file that fails its checksum is never trusted: the module is
-recompiled and the rename replaces the file (it is not deleted first: another
-process may have just renamed a good one into place). Every filesystem step
-is guarded: a bad or unwritable cache directory only costs a recompile.
+version, the full compile options (architecture, numeric flags, -D constants,
+-I include directories), the identity (path, size, mtime) of the CUDA headers
+rawkv includes, the name expressions and the text of every file under rawkv/cu
+(so editing a shared header invalidates every module that might include it).
+A file is used only when its checksum holds and its header names this exact
+key and these kernels; anything else is treated as damaged: the module is
+recompiled and the new file renamed over it (it is not deleted first: another
+process may have just renamed a good one into place).
+
+The cache trusts nothing it did not write. The directory must be a real
+directory (not a symbolic link) owned by this user and writable by nobody
+else; rawkv creates it, and the parents it has to create, with mode 0700. A
+directory that fails the check is not used (a warning names the reason, and
+kernels are compiled in memory). Once checked, the directory is held open and
+every file is opened relative to that descriptor, so a parent that is or
+becomes a symbolic link cannot redirect a read or a write after the check.
+Files are opened without following links and without blocking, and only a
+regular file owned by this user is read (a FIFO, device, directory or link is
+damaged, never waited on). Writes go to a new 0600 temporary file in the same
+directory, renamed into place (atomic on POSIX), so a crash or a concurrent
+writer never leaves half a file under the final name. Every filesystem step is
+guarded: an unusable cache directory only costs a recompile.
 
 The directory is $RAWKV_CACHE_DIR, else $XDG_CACHE_HOME/rawkv, else
 ~/.cache/rawkv. RAWKV_CACHE_DIR=off disables the disk cache.
@@ -24,13 +38,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
+import stat
 import struct
-import tempfile
+import warnings
 from pathlib import Path
 
 from . import _nvrtc
 
-MAGIC = b"RAWKV-CUBIN-1\n"
+MAGIC = b"RAWKV-CUBIN-2\n"
 
 
 def cache_dir() -> Path | None:
@@ -80,14 +96,16 @@ def cache_key(filename: str, arch: str, names, extra_options=(), version: str = 
     return h.hexdigest()
 
 
-def _encode(result: _nvrtc.CompileResult) -> bytes:
-    header = json.dumps({"lowered": result.lowered, "arch": result.arch}).encode()
+def _encode(result: _nvrtc.CompileResult, key: str) -> bytes:
+    header = json.dumps({"key": key, "lowered": result.lowered, "arch": result.arch}).encode()
     body = MAGIC + struct.pack("<I", len(header)) + header + result.cubin
     return body + hashlib.sha256(body).digest()
 
 
-def _decode(blob: bytes) -> _nvrtc.CompileResult | None:
-    """Parse a cache file; None if it is damaged in any way."""
+def _decode(blob: bytes, key: str) -> _nvrtc.CompileResult | None:
+    """Parse a cache file written for `key`; None if it is damaged in any
+    way, or was written for another key (the checksum alone proves nothing:
+    anyone can recompute it)."""
     if len(blob) < len(MAGIC) + 4 + 32 or not blob.startswith(MAGIC):
         return None
     body, digest = blob[:-32], blob[-32:]
@@ -97,17 +115,145 @@ def _decode(blob: bytes) -> _nvrtc.CompileResult | None:
     start = len(MAGIC) + 4
     try:
         header = json.loads(body[start:start + hlen])
+        if header["key"] != key:
+            return None
         lowered = dict(header["lowered"])
     except (ValueError, KeyError, TypeError):
         return None
     return _nvrtc.CompileResult(body[start + hlen:], lowered, "", header.get("arch", ""))
 
 
+def _file_name(filename: str, arch: str, key: str) -> str:
+    return f"{Path(filename).stem}-{arch}-{key[:24]}.cubin.rkv"
+
+
 def path_for(filename: str, arch: str, key: str) -> Path | None:
     d = cache_dir()
     if d is None:
         return None
-    return d / f"{Path(filename).stem}-{arch}-{key[:24]}.cubin.rkv"
+    return d / _file_name(filename, arch, key)
+
+
+# Directories are opened without following a link in the last component; a
+# file without following links and without blocking (a FIFO opens at once).
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | _O_CLOEXEC
+_O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | _O_CLOEXEC
+_O_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | _O_CLOEXEC
+# Without these (not POSIX) nothing here can be opened safely: no disk cache.
+_SUPPORTED = hasattr(os, "O_NOFOLLOW") and os.open in os.supports_dir_fd
+
+
+def _make_dirs(d: str) -> None:
+    """Create `d` and the missing parents, each with mode 0700 (os.makedirs
+    gives the parents the umask's default mode)."""
+    missing = []
+    p = d
+    while not os.path.lexists(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if not parent or parent == p:
+            break
+        p = parent
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:      # another process created it first
+            pass
+
+
+def _untrusted(st: os.stat_result) -> str | None:
+    """Why a directory's stat makes it unfit to hold the cache, or None."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        return f"is owned by uid {st.st_uid}, not by this user (uid {uid})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _open_dir(d: Path) -> int | None:
+    """A descriptor of the cache directory, created if missing and checked
+    (see the module docstring); None, with a warning naming the reason, when
+    it cannot be used."""
+    if not _SUPPORTED:
+        reason = "cannot be opened safely on this platform (no O_NOFOLLOW / dir_fd)"
+    else:
+        try:
+            _make_dirs(str(d))
+            reason = _untrusted(os.lstat(d))      # names a link as a link
+            if reason is None:
+                fd = os.open(d, _O_DIR)
+                try:
+                    # The descriptor is what is used: check it, not the path.
+                    reason = _untrusted(os.fstat(fd))
+                except OSError:
+                    os.close(fd)
+                    raise
+                if reason is None:
+                    return fd
+                os.close(fd)
+        except OSError as exc:   # missing parent that cannot be created, too long a name...
+            reason = f"cannot be created or opened ({exc.strerror or exc})"
+    warnings.warn(f"rawkv: kernel cache directory {d} is not used: it {reason}; kernels are "
+                  "compiled in memory (set RAWKV_CACHE_DIR to a private directory, or to off)",
+                  RuntimeWarning, stacklevel=3)
+    return None
+
+
+def _read(dir_fd: int, name: str) -> bytes | None:
+    """The bytes of `name` if it is a regular file of this user; None when
+    it does not exist. Anything else there (a link, FIFO, device, directory,
+    a file of another user) gives b"", which never decodes: it is damaged."""
+    try:
+        fd = os.open(name, _O_READ, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError:      # ELOOP: a symbolic link; or unreadable
+        return b""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return b""
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(dir_fd: int, name: str, data: bytes) -> bool:
+    """Write `name` in the directory through a new 0600 temporary file and a
+    rename; False (nothing left behind) if any step fails."""
+    tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+    try:
+        fd = os.open(tmp, _O_NEW, 0o600, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+        return True
+    except OSError:
+        # A read-only or full cache directory (or a directory where the file
+        # should be) costs a recompile next time, never a failure now.
+        return False
 
 
 def load_or_compile(filename: str, arch: str, names, extra_options=(), stats=None,
@@ -118,47 +264,26 @@ def load_or_compile(filename: str, arch: str, names, extra_options=(), stats=Non
     stats = stats if stats is not None else {}
     names = tuple(names)
     key = cache_key(filename, arch, names, extra_options, version)
-    path = path_for(filename, arch, key)
-    blob = None
-    if path is not None:
-        try:
-            blob = path.read_bytes()
-        except OSError:   # missing, or a bad directory (too long a name, not a directory...)
-            pass
-    if blob is not None:
-        cached = _decode(blob)
-        if cached is not None and set(cached.lowered) == set(names):
-            stats["disk_hits"] = stats.get("disk_hits", 0) + 1
-            return cached, path
-        # Not deleted: the atomic write below replaces it, and an unlink here
-        # could remove a good file another process has just renamed into place.
-        stats["damaged"] = stats.get("damaged", 0) + 1
-    source = (_nvrtc.CU_DIR / filename).read_text()
-    result = _nvrtc.compile_cu(source, filename, arch, names, extra_options)
-    stats["compiles"] = stats.get("compiles", 0) + 1
-    if path is not None and _atomic_write(path, _encode(result)):
-        return result, path
-    return result, None
-
-
-def _atomic_write(path: Path, data: bytes) -> bool:
+    d = cache_dir()
+    dir_fd = _open_dir(d) if d is not None else None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        return True
-    except OSError:
-        # A read-only or full cache directory costs a recompile next time,
-        # never a failure now.
-        return False
+        name = _file_name(filename, arch, key)
+        blob = _read(dir_fd, name) if dir_fd is not None else None
+        if blob is not None:
+            cached = _decode(blob, key)
+            if cached is not None and set(cached.lowered) == set(names):
+                stats["disk_hits"] = stats.get("disk_hits", 0) + 1
+                return cached, d / name
+            # Not deleted: the atomic write below replaces it, and an unlink
+            # here could remove a good file another process has just renamed
+            # into place.
+            stats["damaged"] = stats.get("damaged", 0) + 1
+        source = (_nvrtc.CU_DIR / filename).read_text()
+        result = _nvrtc.compile_cu(source, filename, arch, names, extra_options)
+        stats["compiles"] = stats.get("compiles", 0) + 1
+        if dir_fd is not None and _atomic_write(dir_fd, name, _encode(result, key)):
+            return result, d / name
+        return result, None
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)

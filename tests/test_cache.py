@@ -1,10 +1,18 @@
-"""The on-disk kernel cache: hits, damaged files, atomic writes, opt-out.
+"""The on-disk kernel cache: hits, damaged files, atomic writes, opt-out,
+and what it refuses to trust (planted files, links, FIFOs, directories of
+others or writable by others).
 
-These compile with NVRTC (cuda-python) and need no GPU."""
+These compile with NVRTC (cuda-python) and need no GPU. The tests run as
+root here, which bypasses permission checks: they check what the cache
+checks (owner, mode, file type), not what the OS would enforce."""
+import ast
 import json
 import os
+import stat
 import subprocess
 import sys
+import threading
+import warnings
 
 import pytest
 
@@ -37,10 +45,29 @@ def test_compile_then_disk_hit(cache_dir):
     assert not [p for p in cache_dir.iterdir() if p.suffix == ".tmp"]
 
 
-def test_key_depends_on_arch_and_names(cache_dir):
+def test_created_directories_and_files_are_private(tmp_path, monkeypatch):
+    """The directory and each parent rawkv creates are 0700 whatever the
+    umask allows; a parent that already exists keeps its mode; files 0600."""
+    d = tmp_path / "a" / "b" / "kc"
+    monkeypatch.setenv("RAWKV_CACHE_DIR", str(d))
+    os.chmod(tmp_path, 0o755)
+    old = os.umask(0o022)            # would give 0755 directories and 0644 files
+    try:
+        _, path = _cache.load_or_compile(FILE, "sm_90", _names())
+    finally:
+        os.umask(old)
+    for p in (d, d.parent, d.parent.parent):
+        assert stat.S_IMODE(p.lstat().st_mode) == 0o700, p
+    assert stat.S_IMODE(tmp_path.lstat().st_mode) == 0o755
+    assert stat.S_IMODE(path.lstat().st_mode) == 0o600
+
+
+def test_key_depends_on_arch_names_options_and_version(cache_dir):
     k = _cache.cache_key(FILE, "sm_90", _names())
     assert k != _cache.cache_key(FILE, "sm_80", _names())
     assert k != _cache.cache_key(FILE, "sm_90", _names()[:-1])
+    assert k != _cache.cache_key(FILE, "sm_90", _names(), ("-DX=1",))
+    assert k != _cache.cache_key(FILE, "sm_90", _names(), version="9.9")
     assert k == _cache.cache_key(FILE, "sm_90", _names())
 
 
@@ -80,7 +107,8 @@ def test_damaged_file_is_recompiled(cache_dir, damage, monkeypatch):
     res, path2 = _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
     assert str(path) not in unlinked
     assert stats == {"damaged": 1, "compiles": 1}
-    assert _cache._decode(path2.read_bytes()) is not None and res.cubin[:4] == b"\x7fELF"
+    key = _cache.cache_key(FILE, "sm_90", _names())
+    assert _cache._decode(path2.read_bytes(), key) is not None and res.cubin[:4] == b"\x7fELF"
 
 
 def test_cache_off(monkeypatch):
@@ -100,8 +128,179 @@ def test_unusable_cache_dir_costs_only_a_recompile(tmp_path, monkeypatch, where)
     monkeypatch.setenv("RAWKV_CACHE_DIR", str(d))
     for _ in range(2):
         stats = {}
-        res, path = _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
+        with pytest.warns(RuntimeWarning, match="cannot be created or opened"):
+            res, path = _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
         assert path is None and res.cubin[:4] == b"\x7fELF" and stats == {"compiles": 1}
+
+
+# ---- what the cache refuses to trust -------------------------------------------------
+def _refused(d, match):
+    """Compile with the cache at `d`, expecting the directory to be refused
+    with a warning matching `match`: a recompile, and nothing written."""
+    before = sorted(os.listdir(d)) if d.is_dir() and not d.is_symlink() else None
+    for _ in range(2):
+        stats = {}
+        with pytest.warns(RuntimeWarning, match=match):
+            res, path = _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
+        assert path is None and stats == {"compiles": 1} and res.cubin[:4] == b"\x7fELF"
+    if before is not None:
+        assert sorted(os.listdir(d)) == before
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o730, 0o707, 0o702, 0o1777])
+def test_directory_writable_by_others_is_refused(cache_dir, mode):
+    cache_dir.mkdir()
+    _cache.load_or_compile(FILE, "sm_90", _names())           # a good entry while it was private
+    os.chmod(cache_dir, mode)
+    _refused(cache_dir, f"writable by group or others \\(mode {mode:04o}\\)")
+
+
+def test_directory_of_another_user_is_refused(cache_dir, monkeypatch):
+    cache_dir.mkdir(mode=0o700)
+    _cache.load_or_compile(FILE, "sm_90", _names())           # a good entry: still not used
+    owner = cache_dir.stat().st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)     # this process is someone else
+    _refused(cache_dir, f"owned by uid {owner}, not by this user \\(uid {owner + 1}\\)")
+
+
+def test_directory_that_is_a_link_is_refused(tmp_path, monkeypatch):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "kc"
+    link.symlink_to(real)
+    monkeypatch.setenv("RAWKV_CACHE_DIR", str(link))
+    _refused(link, "is a symbolic link")
+    assert os.listdir(real) == []
+
+
+def test_directory_that_is_a_file_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "kc").write_text("")
+    monkeypatch.setenv("RAWKV_CACHE_DIR", str(tmp_path / "kc"))
+    _refused(tmp_path / "kc", "is not a directory")
+
+
+def test_a_parent_link_is_followed_but_the_checked_directory_is_used(tmp_path, monkeypatch):
+    """A link among the parents is resolved once: the directory found there
+    is checked and then used through its descriptor."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "parent").symlink_to(real)
+    monkeypatch.setenv("RAWKV_CACHE_DIR", str(tmp_path / "parent" / "kc"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, path = _cache.load_or_compile(FILE, "sm_90", _names())
+    assert path is not None and (real / "kc" / path.name).is_file()
+    assert stat.S_IMODE((real / "kc").stat().st_mode) == 0o700
+
+
+def _encode_for(key, cubin=b"\x7fELF planted"):
+    lowered = {n: f"_Z{i}planted" for i, n in enumerate(_names())}
+    return _cache._encode(_nvrtc.CompileResult(cubin, lowered, "", "sm_90"), key)
+
+
+def test_planted_file_with_a_valid_checksum_for_another_key_is_damaged(cache_dir):
+    key = _cache.cache_key(FILE, "sm_90", _names())
+    path = _cache.path_for(FILE, "sm_90", key)
+    cache_dir.mkdir(mode=0o700)
+    path.write_bytes(_encode_for("0" * 64))     # well formed, checksum recomputed, other key
+    stats = {}
+    res, _ = _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
+    assert stats == {"damaged": 1, "compiles": 1} and b"planted" not in res.cubin
+    assert _cache._decode(path.read_bytes(), key).cubin == res.cubin       # replaced
+    # The key in the header is what refused it: the same file for this key loads.
+    path.write_bytes(_encode_for(key))
+    stats = {}
+    res, _ = _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
+    assert stats == {"disk_hits": 1} and res.cubin == b"\x7fELF planted"
+
+
+def test_file_from_another_version_is_damaged(cache_dir):
+    _, path_a = _cache.load_or_compile(FILE, "sm_90", _names(), version="1.0")
+    key_b = _cache.cache_key(FILE, "sm_90", _names(), version="2.0")
+    path_b = _cache.path_for(FILE, "sm_90", key_b)
+    path_b.write_bytes(path_a.read_bytes())     # a genuine file, under another key's name
+    stats = {}
+    _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats, version="2.0")
+    assert stats == {"damaged": 1, "compiles": 1}
+
+
+def _entry(cache_dir):
+    cache_dir.mkdir(mode=0o700, exist_ok=True)
+    return _cache.path_for(FILE, "sm_90", _cache.cache_key(FILE, "sm_90", _names()))
+
+
+def _load_in_thread(**kw):
+    """load_or_compile in a thread: a FIFO must not block it."""
+    done = {}
+    t = threading.Thread(target=lambda: done.update(
+        r=_cache.load_or_compile(FILE, "sm_90", _names(), **kw)), daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "load_or_compile blocked"
+    return done["r"]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_link_or_fifo_at_the_entry_is_damaged_and_replaced(cache_dir, tmp_path, kind):
+    path = _entry(cache_dir)
+    if kind == "symlink":          # to a genuine, valid entry: still not followed
+        good = tmp_path / "good.rkv"
+        stats = {}
+        _, p = _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
+        os.replace(p, good)
+        path.symlink_to(good)
+    else:
+        os.mkfifo(path)
+    stats = {}
+    res, path2 = _load_in_thread(stats=stats)
+    assert stats == {"damaged": 1, "compiles": 1} and path2 == path
+    st = path.lstat()
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600   # the rename replaced it
+    if kind == "symlink":
+        assert good.is_file() and not good.is_symlink()
+    assert not [p for p in cache_dir.iterdir() if p.suffix == ".tmp"]
+
+
+def test_directory_at_the_entry_is_damaged_and_left(cache_dir):
+    path = _entry(cache_dir)
+    path.mkdir()
+    stats = {}
+    res, path2 = _load_in_thread(stats=stats)
+    assert stats == {"damaged": 1, "compiles": 1} and path2 is None and res.cubin[:4] == b"\x7fELF"
+    assert path.is_dir() and not [p for p in cache_dir.iterdir() if p.suffix == ".tmp"]
+
+
+def test_file_of_another_user_is_damaged(cache_dir, monkeypatch):
+    """A regular file this user did not write (owner checked on the open
+    descriptor) is not trusted, even with the right key and checksum."""
+    _, path = _cache.load_or_compile(FILE, "sm_90", _names())
+    real_fstat = os.fstat
+
+    def fstat(fd):
+        st = real_fstat(fd)
+        if stat.S_ISREG(st.st_mode):       # as if chowned to another uid
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid + 1,
+                                   st.st_gid, st.st_size, st.st_atime, st.st_mtime, st.st_ctime))
+        return st
+    monkeypatch.setattr(os, "fstat", fstat)
+    stats = {}
+    _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
+    assert stats == {"damaged": 1, "compiles": 1}
+    monkeypatch.setattr(os, "fstat", real_fstat)
+    stats = {}
+    _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
+    assert stats == {"disk_hits": 1}
+
+
+def test_cache_module_imports_nothing_of_rawkv_but_nvrtc():
+    tree = ast.parse(open(_cache.__file__).read())
+    ours = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("rawkv")):
+            ours |= {f"{node.module or ''}.{a.name}".strip(".") for a in node.names}
+        elif isinstance(node, ast.Import):
+            ours |= {a.name for a in node.names if a.name.split(".")[0] == "rawkv"}
+    assert ours == {"_nvrtc"}
 
 
 def test_second_process_loads_without_compiling(cache_dir):
@@ -115,3 +314,51 @@ def test_second_process_loads_without_compiling(cache_dir):
         assert r.returncode == 0, r.stderr
     assert json.loads(runs[0].stdout) == {"compiles": 1}
     assert json.loads(runs[1].stdout) == {"disk_hits": 1}
+
+
+def test_processes_compiling_the_same_key_at_once(cache_dir, tmp_path):
+    """N processes all miss, compile, and write the same entry at the same
+    moment (each waits before its write until all have compiled): every one
+    succeeds, one valid file remains, no temporary file, and the next
+    processes, reading at once, all hit."""
+    n = 4
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    code = f"""
+import json, os, sys, time
+from rawkv import _cache, runtime
+gate, n = {str(gate)!r}, {n}
+real_write = _cache._atomic_write
+def write(*a):
+    open(os.path.join(gate, str(os.getpid())), "w").close()
+    t0 = time.time()
+    while len(os.listdir(gate)) < n and time.time() - t0 < 240:
+        time.sleep(0.01)
+    return real_write(*a)
+_cache._atomic_write = write
+s = {{}}
+res, path = _cache.load_or_compile({FILE!r}, "sm_90", runtime.registered_kernels()[{FILE!r}], stats=s)
+print(json.dumps([s, str(path), res.cubin.hex()]))
+"""
+    env = dict(os.environ, RAWKV_CACHE_DIR=str(cache_dir))
+
+    def run_all():
+        procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(n)]
+        outs = [p.communicate(timeout=300) for p in procs]
+        for p, (_, err) in zip(procs, outs):
+            assert p.returncode == 0, err
+        return [json.loads(o) for o, _ in outs]
+
+    first = run_all()
+    assert len(os.listdir(gate)) == n                          # all of them wrote
+    assert [s for s, _, _ in first] == [{"compiles": 1}] * n
+    entries = os.listdir(cache_dir)
+    assert len(entries) == 1 and {p for _, p, _ in first} == {str(cache_dir / entries[0])}
+    key = _cache.cache_key(FILE, "sm_90", _names())
+    on_disk = _cache._decode((cache_dir / entries[0]).read_bytes(), key)
+    assert on_disk is not None and on_disk.cubin.hex() in {c for _, _, c in first}
+    for f in os.listdir(gate):
+        os.unlink(gate / f)
+    second = run_all()
+    assert [s for s, _, _ in second] == [{"disk_hits": 1}] * n

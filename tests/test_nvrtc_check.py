@@ -4,6 +4,7 @@ import io
 import pytest
 
 from rawkv import _nvrtc, runtime
+from rawkv.kernels import KernelFile, _decl
 from rawkv.tools import nvrtc_check
 
 
@@ -21,16 +22,49 @@ def test_reports_resources_for_every_kernel():
     assert " regs, " in text and " B spills" in text and "all ok" in text
 
 
-def test_compile_error_names_file_and_line(tmp_path, monkeypatch):
+@pytest.fixture
+def declare():
+    """declare(filename, kernel names, constants) registers a fake kernel
+    file as a family module does; it is removed again after the test."""
+    made = []
+
+    def declare(filename, names, constants=None):
+        kf = KernelFile(filename, constants)
+        made.append(filename)
+        for n in names:
+            kf.kernel(n, "")
+        return kf
+    yield declare
+    for f in made:
+        _decl._FILES.pop(f, None)
+
+
+def test_compile_error_names_file_and_line(tmp_path, monkeypatch, declare):
     _needs_nvrtc()
     (tmp_path / "broken.cu").write_text('#include "common.cuh"\n__global__ void k() {\n  int x = ;\n}\n')
     (tmp_path / "common.cuh").write_text((_nvrtc.CU_DIR / "common.cuh").read_text())
     monkeypatch.setattr(_nvrtc, "CU_DIR", tmp_path)
-    monkeypatch.setitem(runtime._REGISTRY, "broken.cu", ["k"])
+    declare("broken.cu", ["k"])
     buf = io.StringIO()
     assert nvrtc_check.check(("sm_80",), 0, files=["broken.cu"], out=buf) == 1
     text = buf.getvalue()
     assert "FAIL broken.cu [sm_80]" in text and "broken.cu(3)" in text
+
+
+def test_files_constants_reach_the_compiler(tmp_path, monkeypatch, declare):
+    """A kernel file's constants are -D options of its compile, as in the
+    runtime: the source fails to compile without them."""
+    _needs_nvrtc()
+    (tmp_path / "consts.cu").write_text(
+        "#ifndef RKV_TEST_N\n#error RKV_TEST_N is not defined\n#endif\n"
+        "static_assert(RKV_TEST_N == 24, \"RKV_TEST_N\");\n"
+        'extern "C" __global__ void k(int* p) { p[0] = RKV_TEST_N; }\n')
+    monkeypatch.setattr(_nvrtc, "CU_DIR", tmp_path)
+    declare("consts.cu", ["k"], {"RKV_TEST_N": 24})
+    assert runtime.kernel_options("consts.cu") == ("-DRKV_TEST_N=24",)
+    buf = io.StringIO()
+    assert nvrtc_check.check(("sm_90",), 0, files=["consts.cu"], out=buf) == 0, buf.getvalue()
+    assert "ok   consts.cu [sm_90] k: " in buf.getvalue()
 
 
 def test_compiling_leaves_the_shared_one_byte_bytes_intact():
@@ -60,19 +94,30 @@ PTXAS_K2_CLEAN = (
 
 
 @pytest.fixture
-def fake_compiler(tmp_path, monkeypatch):
-    """fake.cu with kernels k1, k2; compile_cu returns the log set in `logs`."""
+def fake_compiler(tmp_path, monkeypatch, declare):
+    """fake.cu with kernels k1, k2 and one constant; compile_cu returns the
+    log set in `logs` and records its calls in `logs["calls"]`."""
     (tmp_path / "fake.cu").write_text("// compiled by the fake compiler\n")
     monkeypatch.setattr(_nvrtc, "CU_DIR", tmp_path)
     monkeypatch.setattr(_nvrtc, "nvrtc_version", lambda: (12, 9))
     monkeypatch.setattr(_nvrtc, "cuda_include_dirs", lambda: ("/nowhere",))
-    monkeypatch.setitem(runtime._REGISTRY, "fake.cu", ["k1", "k2"])
-    logs = {"log": ""}
+    declare("fake.cu", ["k1", "k2"], {"FAKE_N": 7})
+    logs = {"log": "", "calls": []}
 
     def compile_cu(source, filename, arch, names, extra_options=(), verbose_ptxas=False):
+        logs["calls"].append((filename, arch, tuple(names), tuple(extra_options), verbose_ptxas))
         return _nvrtc.CompileResult(b"\x7fELF", {"k1": K1, "k2": "_Z2k2v"}, logs["log"], arch)
     monkeypatch.setattr(_nvrtc, "compile_cu", compile_cu)
     return logs
+
+
+def test_compiles_with_the_runtimes_names_and_options(fake_compiler):
+    fake_compiler["log"] = PTXAS_K2_CLEAN
+    nvrtc_check.check(("sm_80", "sm_90"), 0, files=["fake.cu"], out=io.StringIO())
+    assert sorted(fake_compiler["calls"]) == [
+        ("fake.cu", arch, runtime.registered_kernels()["fake.cu"], runtime.kernel_options("fake.cu"), True)
+        for arch in ("sm_80", "sm_90")]
+    assert runtime.kernel_options("fake.cu") == ("-DFAKE_N=7",)
 
 
 def test_spill_threshold_decides_the_exit_code(fake_compiler):
@@ -107,6 +152,32 @@ def test_unknown_file_fails_naming_it(fake_compiler, capsys):
 def test_parser():
     st = nvrtc_check.parse_ptxas(PTXAS_K1_SPILLS)[K1]
     assert st == {"registers": 255, "smem": 1024, "stack": 16, "spill_stores": 8, "spill_loads": 4}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arch", "sm_75"], "argument --arch: invalid choice: 'sm_75'"),
+    (["--arch", "sm_90", "--arch", "compute_90"], "argument --arch: invalid choice: 'compute_90'"),
+    (["--max-spill-bytes", "-1"], "argument --max-spill-bytes: expected an integer >= 0, got '-1'"),
+    (["--max-spill-bytes", "many"], "argument --max-spill-bytes: expected an integer >= 0, got 'many'"),
+])
+def test_bad_command_line_is_one_line_and_exit_2(argv, message, fake_compiler, capsys):
+    with pytest.raises(SystemExit) as exc:
+        nvrtc_check.main(argv + ["--file", "fake.cu"])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"rawkv-nvrtc-check: error: {message}")
+    assert err.endswith("\n") and err.count("\n") == 1
+    assert fake_compiler["calls"] == []          # refused before compiling anything
+
+
+def test_every_known_arch_and_a_zero_threshold_are_accepted(fake_compiler):
+    fake_compiler["log"] = PTXAS_K1_SPILLS.replace("8 bytes spill stores, 4", "0 bytes spill stores, 0") \
+        + PTXAS_K2_CLEAN
+    argv = ["--file", "fake.cu", "--max-spill-bytes", "0"]
+    for arch in nvrtc_check.DEFAULT_ARCHS:
+        argv += ["--arch", arch]
+    assert nvrtc_check.main(argv) == 0
+    assert sorted(c[1] for c in fake_compiler["calls"]) == sorted(nvrtc_check.DEFAULT_ARCHS)
 
 
 def test_default_archs_include_what_the_runtime_builds():

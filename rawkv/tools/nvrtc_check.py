@@ -3,12 +3,14 @@
     python -m rawkv.tools.nvrtc_check [--arch sm_90 ...] [--max-spill-bytes 0]
 
 For each .cu file and architecture: compiles all registered kernels (exactly
-as the runtime does, plus -Xptxas=-v) and prints, per kernel, the registers,
+as the runtime does: the same options and the file's -D constants, plus
+-Xptxas=-v) and prints, per kernel, the registers,
 shared memory, stack frame and spill bytes that ptxas reports, or the
 compiler error with file and line. Exits 1 on any compile error, on a
 registered kernel ptxas reported nothing for, on spills above
 --max-spill-bytes, or when there is nothing to check (an unknown --file);
-2 when NVRTC itself is unavailable.
+2 when NVRTC itself is unavailable, and on a bad command line (an --arch not
+in the list below, a negative --max-spill-bytes).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 # What the runtime builds on each GPU rawkv supports (runtime.arch_for:
 # A100, L40/RTX 4090, H100/H200, B200, RTX 5090), plus sm_100a (B200 with
-# its arch-specific features).
+# its arch-specific features): the default, and every --arch the tool takes.
 DEFAULT_ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100", "sm_100a", "sm_120")
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
@@ -67,7 +69,7 @@ def check(archs, max_spill_bytes: int, files=None, jobs: int = 2, out=None) -> i
     out = out or sys.stdout     # looked up per call, so a redirected stdout is honoured
     from .. import _nvrtc
     from ..errors import CompileError, GpuUnavailableError
-    from ..runtime import registered_kernels
+    from ..runtime import kernel_options, registered_kernels
 
     registry = registered_kernels()
     if files:
@@ -93,7 +95,8 @@ def check(archs, max_spill_bytes: int, files=None, jobs: int = 2, out=None) -> i
         filename, arch = job
         source = (_nvrtc.CU_DIR / filename).read_text()
         try:
-            res = _nvrtc.compile_cu(source, filename, arch, registry[filename], verbose_ptxas=True)
+            res = _nvrtc.compile_cu(source, filename, arch, registry[filename],
+                                    kernel_options(filename), verbose_ptxas=True)
             return filename, arch, res, None
         except CompileError as exc:
             return filename, arch, None, str(exc)
@@ -119,11 +122,29 @@ def check(archs, max_spill_bytes: int, files=None, jobs: int = 2, out=None) -> i
     return 1 if failures else 0
 
 
+def _spill_bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """One line (no usage block) and exit code 2."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="rawkv-nvrtc-check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", action="append", help=f"architecture (repeatable); default {' '.join(DEFAULT_ARCHS)}")
+    p = _Parser(prog="rawkv-nvrtc-check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", action="append", choices=DEFAULT_ARCHS, metavar="ARCH",
+                   help=f"architecture (repeatable): one of {' '.join(DEFAULT_ARCHS)}; default all")
     p.add_argument("--file", action="append", help="only this .cu file (repeatable)")
-    p.add_argument("--max-spill-bytes", type=int, default=0, help="fail above this many spill bytes (default 0)")
+    p.add_argument("--max-spill-bytes", type=_spill_bytes, default=0,
+                   help="fail above this many spill bytes, >= 0 (default 0)")
     p.add_argument("--jobs", type=int, default=2, help="parallel compiles (default 2)")
     a = p.parse_args(argv)
     return check(tuple(a.arch or DEFAULT_ARCHS), a.max_spill_bytes, a.file, a.jobs)
