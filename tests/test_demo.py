@@ -79,6 +79,8 @@ def test_demo_cpu_reason_is_this_machines(capsys):
 
 @pytest.mark.parametrize("missing", ["torch", "cupy", "device"])
 def test_demo_cpu_reason_follows_what_is_missing(missing, monkeypatch, capsys):
+    import rawkv.runtime
+    monkeypatch.setattr(rawkv.runtime, "_runtimes", {})     # no Runtime made by earlier tests
     if missing == "device":       # a CUDA build of torch that finds no GPU
         torch = pytest.importorskip("torch")
         monkeypatch.setattr(torch.version, "cuda", "12.8")
@@ -90,6 +92,18 @@ def test_demo_cpu_reason_follows_what_is_missing(missing, monkeypatch, capsys):
     assert main(["demo", "--steps", "1"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("rawkv demo: CPU MODE") and expected in first
+
+
+def test_demo_gpu_small(cuda, capsys):
+    """On a GPU: the kernels, the decode step captured in one CUDA graph, no kernel error."""
+    assert main(["demo", "--small", "--steps", "8"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"rawkv demo: GPU {cuda.name} ({cuda.arch}): kernels, decode steps in one CUDA graph"
+    assert lines[1].startswith("config: 2 requests, prompts [250, 389] tokens, 8 decode steps")
+    acc = [ln for ln in lines if ln.startswith("accuracy")]
+    assert len(acc) == 3 and all("(ok >=" in ln for ln in acc)
+    assert re.match(r"time: [0-9.]+ us per step \(one CUDA graph replay", lines[-1])
+    assert lines[-1].endswith("kernel errors 0")
 
 
 @pytest.mark.parametrize("argv, bad", [
