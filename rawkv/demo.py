@@ -1,4 +1,4 @@
-"""python -m rawkv demo [--cpu] [--small] [--steps N]
+"""python -m rawkv demo [--cpu] [--small] [--steps N] [--seed S]
 
 A DeepSeek-V4-shaped decode simulation of one CSA layer (m = 4, 512-dim
 entries + 128-dim indexer keys) and one HCA layer (m = 128):
@@ -16,8 +16,10 @@ entries + 128-dim indexer keys) and one HCA layer (m = 128):
      accuracy of the gathered entries against the BF16 path (the numpy
      reference's BF16 entries before quantization), and the time per step.
 
-With no GPU (or --cpu) the same ops run the numpy reference on CPU pools at a
-small size, and the first line says so.
+When the GPU path cannot run (or with --cpu) the same ops run the numpy
+reference on CPU pools at a small size, and the first line says why, in the
+words of the runtime's GpuUnavailableError (a CPU-only torch, no CUDA device,
+CuPy or cuda-python missing).
 """
 from __future__ import annotations
 
@@ -33,18 +35,6 @@ D, DI, ROPE = ref.HEAD_DIM, ref.INDEX_HEAD_DIM, ref.ROPE_DIM
 ENTRY_BYTES = (D - ROPE) + 4 + 2 * ROPE          # E4M3 codes + FP32 scale + BF16 RoPE dims
 INDEX_BYTES = DI // 2 + DI // 16                 # NVFP4 codes + UE4M3 scales
 BF16_ENTRY, BF16_INDEX = 2 * D, 2 * DI
-
-
-def _gpu_available() -> bool:
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            return False
-        import cupy  # noqa: F401
-        import cuda.bindings  # noqa: F401
-        return True
-    except Exception:   # noqa: BLE001 - any missing piece means: no GPU path
-        return False
 
 
 def _bytes_lines(kinds):
@@ -89,24 +79,49 @@ def _tokens(rng, n, w):
     return kv, z
 
 
-def main(argv) -> int:
-    p = argparse.ArgumentParser(prog="python -m rawkv demo", description=__doc__.split("\n\n")[0])
+def _count(least: int):
+    """An argparse type: an int >= least (argparse names the option in its error)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}") from None
+        if v < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {v}")
+        return v
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", action="store_true", help="run the numpy reference on CPU")
     p.add_argument("--small", action="store_true", help="small sizes (the CPU default)")
-    p.add_argument("--steps", type=int, default=None, help="decode steps")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(list(argv))
-    gpu = not a.cpu and _gpu_available()
-    if gpu:
-        return _run(a, gpu=True)
-    why = "--cpu given" if a.cpu else "no CUDA GPU / CuPy / cuda-python here"
-    print(f"rawkv demo: CPU MODE ({why}): running the numpy reference at a small size, not the kernels")
-    return _run(a, gpu=False)
+    p.add_argument("--steps", type=_count(1), default=None,
+                   help="decode steps, >= 1 (default 300 on a GPU, 130 with --small or on CPU)")
+    p.add_argument("--seed", type=_count(0), default=0, help="seed of the synthetic data, >= 0")
 
 
-def _run(a, gpu: bool) -> int:
+def run(a) -> int:
+    """The demo for parsed arguments: on the GPU when the runtime can run
+    there, else on CPU with the runtime's own reason on the first line."""
+    from .errors import GpuUnavailableError
+    from .runtime import warmup
+
+    why, rt = "--cpu given", None
+    if not a.cpu:
+        try:
+            rt = warmup(0)
+        except GpuUnavailableError as exc:
+            why = str(exc)
+    if rt is not None:
+        return _run(a, rt)
+    print(f"rawkv demo: CPU MODE (the numpy reference at a small size, not the kernels): {why}")
+    return _run(a, None)
+
+
+def _run(a, rt) -> int:
     from . import kvcache as kvc
 
+    gpu = rt is not None
     rng = np.random.default_rng(a.seed)
     small = a.small or not gpu
     if small:
@@ -122,8 +137,6 @@ def _run(a, gpu: bool) -> int:
     device = "cuda" if gpu else "cpu"
     if gpu:
         import torch
-        from .runtime import warmup
-        rt = warmup(0)
         print(f"rawkv demo: GPU {rt.name} ({rt.arch}): kernels, decode steps in one CUDA graph")
     print(f"config: {B} requests, prompts {prompts} tokens, {steps} decode steps; layers CSA (m=4, "
           f"head_dim {D}, indexer {DI}, top-k {topk}) and HCA (m=128, dense)")

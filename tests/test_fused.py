@@ -137,7 +137,7 @@ def test_moe_stage_reference(rng):
     assert np.array_equal(q, q2) and np.array_equal(R.unpack_scales_i32(sf32), sf2)
     assert sf2[1, 1] == 0x7F and np.all(RN.unpack_nibbles(q)[1, 16:32] == 0)
     assert ids64.dtype == np.int64 and np.array_equal(ids64, ids) and np.array_equal(w, wts)
-    # RNE ties (not the seed's round up): 0.25 * es -> 0, 2.5 * es -> 2
+    # RNE ties (not rounding up): 0.25 * es -> 0, 2.5 * es -> 2
     t = np.zeros((1, 128), F32)
     t[0, :3] = [6.0, 0.25, 2.5]                     # bmax 6 -> sf = 1.0, es = 1
     codes = RN.unpack_nibbles(R.moe_stage(t, ids[:1], wts[:1])[0])

@@ -85,7 +85,7 @@ def bf16_values(rng, shape, scale=1.0):
 
 
 def special_entries(rng, B, hd, rope_dim=64):
-    """BF16-valued entries with the edge cases of SPEC 3 / decision 8."""
+    """BF16-valued entries with the edge cases of FP8 entries (docs/kvcache.md decision 8)."""
     e = bf16_values(rng, (B, hd), 2.0)
     nope = hd - rope_dim
     specials = [

@@ -370,7 +370,7 @@ def test_indexer_nvfp4_matches_brute_force(rng):
     want = np.where((es == 0)[..., None], 0, _e2m1_brute(v)).reshape(n, 128)
     assert np.array_equal(_unpack(q), want)
     assert sf[0, 0] == 0 and sf[0, 1] == 0 and np.count_nonzero(_unpack(q)[0, :32]) == 0
-    # negative values keep their sign (the seed lost them)
+    # negative values keep their sign (clamping at 0 would lose them)
     y = kc.indexer_key_dequantize(q, sf, "float32")
     big = np.abs(v.reshape(n, 128)) > 0.25
     assert np.all(np.sign(y[big]) == np.sign(x[big]))

@@ -117,7 +117,7 @@ def test_e4m3_every_tie_goes_to_even():
 
 # ---- quantize: the steps of the spec -------------------------------------------------
 def spec_gs(values, scope_gs=None):
-    """Spec section 2 step 1 for one scope's values, with Python scalars
+    """docs/format.md NVFP4 encoding step 1 for one scope's values, with Python scalars
     (independent of R.global_scale): amax over the finite elements, gs =
     amax / 2688 in float32, 1 where that is 0. scope_gs: a given gs."""
     f = np.float32
@@ -130,7 +130,7 @@ def spec_gs(values, scope_gs=None):
 
 
 def spec_block(v, gs):
-    """Spec section 2 steps 2-5 for one block, written with Python scalars and
+    """docs/format.md NVFP4 encoding steps 2-5 for one block, with Python scalars and
     float32 numpy scalars one operation at a time (independent of R.quantize).
     Step 3 as docs/format.md decides: codes only for a positive finite es."""
     f = np.float32
@@ -302,7 +302,7 @@ def test_quantize_extremes():
     x = np.zeros((1, 48), np.float32)
     x[0, 0] = 448 * 6                            # full range: sf 448 (0x7E), code 6 (7)
     x[0, 16] = 1e-2                              # tiny block: E4M3-subnormal scale
-    x[0, 32:48] = 2.6 * 0.5                      # seed 001 rounded 2.6 to 2; RNE gives 3
+    x[0, 32:48] = 2.6 * 0.5                      # double rounding gives 2; RNE gives 3
     x[0, 33] = 6 * 0.5
     q, sf, _ = R.quantize(x, "given", g)
     codes = R.unpack_nibbles(q)[0]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """rawkv benchmarks (GPU machine). Writes one JSON file per group in the
-shape of BENCH.md: {device, torch, cupy, commit, copy_GBps, results: [...]}.
+shape docs/benchmarks.md describes: {device, torch, cupy, commit, copy_GBps, results: [...]}.
 
     PYTHONPATH=. python3 tools/bench.py --out bench/results [--only core,nvfp4] [--quick]
 

@@ -5,7 +5,7 @@ mhc_rmsnorm_quantize, swiglu_quantize (row and tensor scope), moe_stage, at
 * baseline: the unfused rawkv path, i.e. the pre-op in torch (RMSNorm / mHC
   mix / silu*up, BF16 out) followed by rawkv.nvfp4.quantize (when rawkv.nvfp4
   has it; else the all-torch quantize below);
-* torch_baseline: all-torch, the same math op by op (pre-op, then the spec's
+* torch_baseline: all-torch, the same math op by op (pre-op, then docs/format.md's
   quantize steps as torch operations).
 
 GBps counts the fewest bytes: inputs read once, outputs written once.
@@ -87,7 +87,7 @@ def _entry(op, shape, dtype, us, nbytes, copy, base_name, base_us, torch_us, lau
 
 # ---- torch versions of the same math (for the baselines) ---------------------------
 def torch_quantize(y, per_row=True):
-    """The spec's NVFP4 steps as torch operations (gs per row or per tensor)."""
+    """The NVFP4 steps of docs/format.md as torch operations (gs per row or per tensor)."""
     import torch
     yf = y.float()
     m, n = yf.shape

@@ -1,10 +1,10 @@
 """NVFP4 benchmarks: quantize (each scope), dequantize, gather, the graph
-replay of quantize+dequantize at decode sizes, against the seeds' approaches
+replay of quantize+dequantize at decode sizes, against a prototype's approaches
 re-implemented here as baselines (timed in the same run):
 
-* seed001-torch-ops: seed 001's all-torch quantize_to_nvfp4, defects included
+* seed001-torch-ops: the prototype's all-torch quantize_to_nvfp4, defects included
   (double rounding through a half-step table, clamp(1e-8), no NaN handling);
-* seed000-dequant-kernel: seed 000's dequant kernels (one 16-thread CTA per
+* seed000-dequant-kernel: the prototype's dequant kernels (one 16-thread CTA per
   16-element block, all 16 threads computing the same 16 outputs, byte loads,
   output from torch.zeros), compiled with cupy.RawKernel.
 
@@ -55,7 +55,7 @@ extern "C" __global__ void seed_dequant_selective(const unsigned char* fp4, cons
 
 
 def seed001_quantize(x_bf16, lut, block_size=16):
-    """Seed 001's quantize_to_nvfp4, op for op (the baseline, defects included)."""
+    """The prototype's quantize_to_nvfp4, op for op (the baseline, defects included)."""
     import torch
     x_f32 = x_bf16.float()
     amax = x_f32.abs().max().clamp(min=1e-8).float()

@@ -7,7 +7,7 @@
 #   RAWKV_BENCH=none ... (tests only)       RAWKV_QUICK=1 ... (short benchmarks)
 #
 # Writes under $OUT (default ./gpu-out): nvrtc_check.log, pytest.log,
-# bench.log and bench/<date>-<device>-<group>.json (BENCH.md's shape).
+# bench.log and bench/<date>-<device>-<group>.json (shape: docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT/bench"

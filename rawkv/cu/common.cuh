@@ -29,7 +29,7 @@ __device__ __forceinline__ u8 e4m3_encode(float x) {
     return (u8)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
 }
 
-// SPEC 3: the FP32 decode scale of a per-entry FP8 vector from its finite
+// docs/format.md: the FP32 decode scale of a per-entry FP8 vector from its finite
 // amax. A scale of 0 (amax == 0, or amax below 448 * 2^-150, where the
 // division underflows) becomes 1: x / 0 would give NaN codes for zeros.
 __device__ __forceinline__ float fp8_entry_scale(float amax) {

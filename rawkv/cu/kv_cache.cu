@@ -18,7 +18,7 @@
 //
 // Pool layout, entry row r = block * epb + (entry % epb):
 //   fp8   (num_blocks*epb, nope_dim)        E4M3 codes of the non-RoPE dims
-//   scale (num_blocks*epb)                  FP32 decode scale (SPEC 3)
+//   scale (num_blocks*epb)                  FP32 decode scale (docs/format.md)
 //   rope  (num_blocks*epb, rope_dim)        BF16 RoPE dims
 //   idx_q (num_blocks*epb, index_dim/2)     CSA indexer key, E2M1 pairs
 //   idx_sf(num_blocks*epb, index_dim/16)    CSA indexer key, UE4M3 scales

@@ -1,5 +1,5 @@
 // nvfp4_common.cuh: NVFP4 block quantize / dequantize device functions
-// (docs/format.md "NVFP4"; /work/shared/SPEC.md section 2). Include this from
+// (docs/format.md "NVFP4: tensors and layouts"). Include this from
 // any kernel that produces or consumes NVFP4 (fused RMSNorm/SwiGLU+quantize,
 // KV flush, ...): it is the single device-side definition of the encoding and
 // matches rawkv/reference/nvfp4.py bit for bit when compiled with the runtime's

@@ -77,7 +77,7 @@ def _check_state(state):
 
 
 def _cu(x, name, dtypes, shape, dev, *, ndim=None, aligned=False):
-    """A CUDA tensor argument on device `dev`, checked (SPEC 4)."""
+    """A CUDA tensor argument on device `dev`, checked (docs/format.md)."""
     if x is None:
         raise TypeError(f"{name}: is required")
     if not T.is_cuda_tensor(x):
@@ -218,7 +218,7 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
     (False: skipped silently); slots, positions (B,) int32; index_keys
     (B, index_head_dim) bfloat16, required exactly for a pool with indexer
     keys. The 448 non-RoPE dims become E4M3 with one FP32 decode scale
-    (SPEC 3; NaN/Inf -> scale NaN, codes 0), the RoPE dims are stored as
+    (docs/format.md; NaN/Inf -> scale NaN, codes 0), the RoPE dims are stored as
     BF16, the indexer key as one-level NVFP4; pool.written[slot] becomes at
     least e + 1. A valid row whose slot, position or block is out of range
     writes nothing and adds 1 to errors. Two valid rows aimed at one entry:

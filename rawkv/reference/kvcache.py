@@ -1,7 +1,7 @@
 """DeepSeek-V4 compressed KV cache (CSA and HCA): the numpy reference.
 
-This module *defines* what the compressed-KV kernels compute (SPEC sections 3
-and 3a). docs/kvcache.md gives the public sources the equations were checked
+This module *defines* what the compressed-KV kernels compute (docs/format.md
+"FP8 KV entries"). docs/kvcache.md gives the public sources the equations were checked
 against and every decision taken where the sources are silent.
 
 Pipeline of one compressed entry (one layer, one request):
@@ -20,7 +20,7 @@ Conventions: float arrays are float32; "BF16" arrays are float32 arrays that
 hold exactly BF16-representable values (numpy has no bfloat16); codes and
 scale bytes are uint8. Functions that take device-style indices (block
 tables, slot ids, top-k ids) never read or write out of bounds: they skip the
-row and return an error count, like the kernels' error counters (SPEC 4).
+row and return an error count, like the kernels' error counters (docs/format.md).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ DSV4_YARN = YarnConfig(factor=16.0, original_seq_len=65536, beta_fast=32.0, beta
 
 
 # ---------------------------------------------------------------------------
-# argument checks (SPEC 4: name the argument, write nothing)
+# argument checks (docs/format.md: name the argument, write nothing)
 # ---------------------------------------------------------------------------
 def _f32(name: str, x, last: int | None = None, ndim: int | None = None) -> np.ndarray:
     a = np.asarray(x)
@@ -316,7 +316,7 @@ def finish_index_key(pooled, norm_weight, entry_ids, m: int = CSA_RATIO, *,
 
 
 # ---------------------------------------------------------------------------
-# FP8 entry (SPEC 3): 448 E4M3 + one FP32 decode scale, 64 BF16 RoPE dims
+# FP8 entry (docs/format.md): 448 E4M3 + one FP32 decode scale, 64 BF16 RoPE dims
 # ---------------------------------------------------------------------------
 def fp8_entry_quantize(entry, rope_dim: int = ROPE_DIM):
     """entry (..., D) float32 -> (codes, scale, rope).
@@ -327,7 +327,7 @@ def fp8_entry_quantize(entry, rope_dim: int = ROPE_DIM):
     rope:  (..., rope_dim) float32 holding the BF16-rounded RoPE dims.
     q = e4m3(x / s), float32 IEEE division, RNE, satfinite.
     An entry whose non-RoPE dims hold NaN or +-Inf gets s = NaN and codes 0
-    (it decodes to NaN: bad data stays visible, as SPEC 2 rule 5).
+    (it decodes to NaN: bad data stays visible, as NVFP4 encoding step 5).
     """
     entry = _f32("entry", entry)
     if entry.shape[-1] <= rope_dim:
@@ -365,13 +365,13 @@ def fp8_entry_dequantize(codes, scale, rope, dtype: str = "bfloat16") -> np.ndar
 
 
 # ---------------------------------------------------------------------------
-# CSA indexer key: one-level NVFP4 (SPEC 2 with gs = 1)
+# CSA indexer key: one-level NVFP4 (docs/format.md NVFP4 with gs = 1)
 # ---------------------------------------------------------------------------
 def _nvfp4_one_level(x: np.ndarray):
     """One-level NVFP4 encode of x (..., N), N % 16 == 0 -> (q, sf).
 
     Local stand-in for rawkv.reference.nvfp4.quantize(x, scope="none"), with
-    the same semantics (SPEC 2, gs = 1): per block of 16, bmax = max|x|,
+    the same semantics (NVFP4, gs = 1): per block of 16, bmax = max|x|,
     sf = e4m3(bmax / 6.0f), es = float(sf), code = e2m1(x / es) (es == 0 ->
     codes 0); a block holding NaN/Inf gets sf = 0x7F and codes 0.
     q: (..., N/2) uint8, element 2j in the low nibble; sf: (..., N/16) uint8.

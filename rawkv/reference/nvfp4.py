@@ -1,4 +1,4 @@
-"""NVFP4 quantize / dequantize reference (docs/format.md, section 2).
+"""NVFP4 quantize / dequantize reference (docs/format.md, "NVFP4: tensors and layouts").
 
 Shapes: x (..., N) with N % 16 == 0 -> q (..., N/2) uint8, sf (..., N/16)
 uint8 (UE4M3), gs float32: shape () for scope 'tensor' / 'given' / 'none',
