@@ -8,8 +8,7 @@ cuLaunchKernel through CuPy's Cython driver binding
 per call) on the raw stream handle, with an array of pointers to the slots as
 kernelParams. The driver copies the values at the call, so CUDA graphs
 capture them. Other ways to launch (cuda-python bindings, ctypes, CuPy's
-Function call) were measured slower and live in tools/launchers.py for
-comparison only.
+Function call) measured slower (docs/runtime.md) and are not in the product.
 """
 from __future__ import annotations
 
