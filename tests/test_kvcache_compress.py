@@ -1,4 +1,5 @@
-"""compress_prefill / compress_decode (rawkv/kvcache/compress.py, rawkv/cu/kv_compress.cu).
+"""compress_prefill / compress_decode (rawkv/kvcache/prefill.py, decode.py,
+rawkv/cu/kv_compress.cu).
 
 CPU pools run the reference composition (compress_* -> finish_entry /
 finish_index_key -> flush_write), so the CPU tests pin the API and the
@@ -182,6 +183,36 @@ def test_decode_argument_errors(kind):
         bad = DecodeState("csa", 3, DI, device="cpu")
         with pytest.raises(ValueError, match="^index.state"):
             compress_decode(pool, st, nw, v, s, p, index=(bad, np.ones(DI, np.float32)))
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_eps_follows_the_one_rule(rng, op):
+    """eps goes through rawkv._args.check_eps: <= 0 (eps = 0 would give NaN on
+    an all-zero window), non-finite, not a float32 > 0, or not a number is a
+    ValueError naming eps, before anything is written; numpy scalars count."""
+    kind = "hca"
+    m = M[kind]
+    pool = _pool(kind, "cpu")
+    s = pool.add_request()
+    pool.prepare_step([s], [2 * m - 1])
+    kv, z, ape, nw, _ = _inputs(rng, kind, 2 * m)
+    st = DecodeState(kind, 4, device="cpu")
+    st.kv_a[s], st.z_a[s], st.count[s] = kv[:m], z[:m], m    # one complete window
+    v, sl, pos = np.ones(1, bool), np.array([s], np.int32), np.array([m - 1], np.int32)
+
+    def call(eps):
+        if op == "prefill":
+            return compress_prefill(pool, kv, z, ape, nw, s, eps=eps)
+        return compress_decode(pool, st, nw, v, sl, pos, eps=eps)
+
+    for bad in (0, 0.0, -1e-6, float("inf"), float("nan"), 1e39, 1e-46, True, "1e-6", None,
+                np.zeros(1, np.float32)):
+        with pytest.raises(ValueError, match="^eps"):
+            call(bad)
+    assert not pool.fp8.any() and not pool.written.any() and pool.read_errors() == 0
+    for good in (np.float32(1e-6), 1e-5, 1):
+        call(good)
+    assert pool.written[s] == (2 if op == "prefill" else 1) and pool.read_errors() == 0
 
 
 @pytest.mark.parametrize("kind", ["csa", "hca"])

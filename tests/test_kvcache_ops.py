@@ -1,9 +1,10 @@
 """Tests of the paged KV pool, the decode state and the format kernels of the
-DeepSeek-V4 compressed KV cache (rawkv.kvcache: pool.py, state.py, ops.py,
-rawkv/cu/kv_cache.cu).
+DeepSeek-V4 compressed KV cache (rawkv.kvcache: pool.py, state.py, flush.py,
+gather.py, state_ops.py, checks.py; rawkv/cu/kv_cache.cu).
 
 CPU tests: pool bookkeeping (add/free/prepare_step, out-of-blocks before any
-write, block reuse), argument errors, the CPU ops against direct reference
+write, block reuse), argument errors (the rules CPU and CUDA share), the CPU
+ops against direct reference
 calls, no stale entries after free + block reuse (pool.written), a small
 decode simulation. GPU tests (fixture `cuda`): every op
 against rawkv.reference.kvcache bit for bit (NaN: both NaN), poisoned
@@ -379,6 +380,135 @@ def test_cpu_argument_errors():
     assert (st.count == 0).all()
 
 
+def _cpu_call_args(seed):
+    """A CSA pool and state on the CPU and arguments of two rows for them:
+    (pool, state, entries, index keys, valid_mask, slots, positions, kv)."""
+    rng = np.random.default_rng(seed)
+    p, slots = _cpu_pool_with_requests("csa", rng)
+    st = kc.DecodeState("csa", 4, device="cpu")
+    return (p, st, bf16_values(rng, (2, 512)), bf16_values(rng, (2, 128)), np.ones(2, bool),
+            np.array(slots[:2], np.int32), np.zeros(2, np.int32), np.zeros((2, 1024), F32))
+
+
+def test_cpu_scalars_and_none_passed_as_arrays_are_type_errors():
+    """A number, None, a string or a list where an array belongs: TypeError
+    naming the argument, before anything is written (the CUDA path runs the
+    same rule, rawkv._args.require_array)."""
+    p, st, ents, keys, v, s, pos, kv = _cpu_call_args(2)
+    before, sbefore = p.to_reference(), st.to_reference()
+    cases = [
+        ("entries", lambda x: kc.flush_write(p, x, v, s, pos, index_keys=keys)),
+        ("valid_mask", lambda x: kc.flush_write(p, ents, x, s, pos, index_keys=keys)),
+        ("slots", lambda x: kc.flush_write(p, ents, v, x, pos, index_keys=keys)),
+        ("positions", lambda x: kc.flush_write(p, ents, v, s, x, index_keys=keys)),
+        ("index_keys", lambda x: kc.flush_write(p, ents, v, s, pos, index_keys=x)),
+        ("topk_ids", lambda x: kc.gather_topk(p, s, x)),
+        ("slots", lambda x: kc.gather_topk(p, x, np.zeros((2, 3), np.int32))),
+        ("n_entries", lambda x: kc.gather_dense_batch(p, s, x, max_entries=3)),
+        ("kv", lambda x: kc.state_append(st, x, kv, v, s)),
+        ("z", lambda x: kc.state_seed(st, 0, kv, x)),
+        ("slots", lambda x: kc.csa_rotate(st, v, x)),
+        ("errors", lambda x: kc.state_clear(st, s, errors=x)),
+    ]
+    for name, fn in cases:
+        # None means "absent" for the optional index_keys / errors
+        for bad in (1.5, 3, "x", [0, 1]) + ((None,) if name not in ("index_keys", "errors") else ()):
+            with pytest.raises(TypeError, match=f"^{name}"):
+                fn(bad)
+    assert_pool_equal(p.reference_view(), before)
+    assert_state_equal(st.reference_view(), sbefore)
+    assert p.read_errors() == 0 and st.read_errors() == 0
+
+
+def test_cpu_dtypes_are_the_cuda_dtypes():
+    """A CPU pool refuses what a CUDA pool refuses: float64 rows, int64
+    slots / positions, a float mask, an out of the wrong dtype, an errors
+    counter that is not int32 (float32 stands for bfloat16 on the host:
+    numpy has none)."""
+    p, st, ents, keys, v, s, pos, kv = _cpu_call_args(3)
+    ids = np.zeros((2, 3), np.int64)
+    cases = [
+        ("entries", lambda: kc.flush_write(p, ents.astype(np.float64), v, s, pos, index_keys=keys)),
+        ("slots", lambda: kc.flush_write(p, ents, v, s.astype(np.int64), pos, index_keys=keys)),
+        ("positions", lambda: kc.flush_write(p, ents, v, s, pos.astype(np.int64), index_keys=keys)),
+        ("valid_mask", lambda: kc.gather_topk(p, s, ids, valid_mask=v.astype(np.uint8))),
+        ("n_entries", lambda: kc.gather_topk(p, s, ids, n_entries=pos.astype(np.int64))),
+        ("topk_ids", lambda: kc.gather_topk(p, s, ids.astype(np.int16))),
+        ("out", lambda: kc.gather_topk(p, s, ids, dtype="float16", out=np.zeros((2, 3, 512), F32))),
+        ("kv", lambda: kc.state_append(st, kv.astype(np.float64), kv, v, s)),
+        ("ape", lambda: kc.state_append(st, kv, kv, v, s, ape=np.zeros((4, 1024), np.float16))),
+        ("errors", lambda: kc.csa_rotate(st, v, s, errors=np.zeros(1, np.int64))),
+    ]
+    for name, fn in cases:
+        with pytest.raises(TypeError, match=f"^{name}"):
+            fn()
+    assert p.read_errors() == 0 and st.read_errors() == 0
+    # accepted: torch CPU tensors of the CUDA dtypes, BF16 included
+    torch = pytest.importorskip("torch")
+    kc.flush_write(p, torch.from_numpy(ents).bfloat16(), torch.from_numpy(v), torch.from_numpy(s),
+                   torch.from_numpy(pos), index_keys=torch.from_numpy(keys).bfloat16())
+    assert p.read_errors() == 0 and p.written[s[0]] == 1
+
+
+def test_pool_and_state_check_is_the_same_for_every_op():
+    """One "is this a pool" rule for the format ops and the compressor: an
+    object with a pool's buffers (here the reference pool) is not one."""
+    rng = np.random.default_rng(4)
+    p, _ = _cpu_pool_with_requests("csa", rng)
+    st = kc.DecodeState("csa", 4, device="cpu")
+    fake_pool, fake_state = p.reference_view(), st.reference_view()
+    z = np.zeros((2, 512), F32)
+    calls = [
+        lambda q: kc.flush_write(q, z, np.ones(2, bool), np.zeros(2, np.int32), np.zeros(2, np.int32)),
+        lambda q: kc.gather_topk(q, np.zeros(2, np.int32), np.zeros((2, 1), np.int32)),
+        lambda q: kc.gather_dense(q, 0, 0),
+        lambda q: kc.compress_prefill(q, z, z, None, np.ones(512, F32), 0),
+        lambda q: kc.compress_decode(q, st, np.ones(512, F32), np.ones(2, bool), np.zeros(2, np.int32),
+                                     np.zeros(2, np.int32)),
+    ]
+    msgs = set()
+    for call in calls:
+        with pytest.raises(TypeError, match="^pool: expected a rawkv.kvcache.PagedKVPool") as e:
+            call(fake_pool)
+        msgs.add(str(e.value))
+    assert msgs == {"pool: expected a rawkv.kvcache.PagedKVPool, got PagedPoolRef"}
+    for call in (lambda q: kc.state_append(q, z, z, np.ones(2, bool), np.zeros(2, np.int32)),
+                 lambda q: kc.csa_rotate(q, np.ones(2, bool), np.zeros(2, np.int32)),
+                 lambda q: kc.compress_decode(p, q, np.ones(512, F32), np.ones(2, bool),
+                                              np.zeros(2, np.int32), np.zeros(2, np.int32),
+                                              index=(st, np.ones(128, F32)))):
+        with pytest.raises(TypeError, match="^state: expected a rawkv.kvcache.DecodeState"):
+            call(fake_state)
+
+
+def _cpu_only_torch():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return not torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cpu_only_torch(), reason="needs a torch without a usable CUDA device")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0])
+def test_cuda_pool_without_cuda_raises_gpu_unavailable(device):
+    """A CUDA pool or state on a machine whose torch has no CUDA: rawkv's
+    GpuUnavailableError (as every op raises), not torch's bare AssertionError."""
+    for make in (lambda: kc.PagedKVPool("csa", 4, 4, 2, 2, device=device),
+                 lambda: kc.PagedKVPool("hca", 4, 4, 2, 2, device=device),
+                 lambda: kc.DecodeState("csa", 2, device=device)):
+        with pytest.raises(rawkv.GpuUnavailableError, match="CUDA"):
+            make()
+
+
+def test_device_argument_is_refused_by_name():
+    for bad, exc in (("meta", ValueError), ("cuda:x", ValueError), (True, TypeError), (1.0, TypeError)):
+        with pytest.raises(exc, match="^device"):
+            kc.PagedKVPool("csa", 4, 4, 2, 2, device=bad)
+        with pytest.raises(exc, match="^device"):
+            kc.DecodeState("csa", 2, device=bad)
+
+
 def _stale_after_reuse(device, rng):
     """Request A writes 4 entries and is freed; B gets A's block back (LIFO)
     with A's bytes still in it. No gather may return them as B's entries:
@@ -648,22 +778,18 @@ def test_gpu_flush_write_bit_exact(cuda, kind, rng):
     ents = special_entries(rng, B, 512)
     ents = ents[rng.permutation(B)]
     keys = special_keys(rng, B)[rng.permutation(B)] if kind == "csa" else None
-    want = p.to_reference()
-    nerr = ref.flush_write(want, ents, valid, pos, table_rows(_table(p), sl), keys)
+    want = p.to_reference()                  # with the block table and written[]
+    nerr = ref.paged_flush_write(want, ents, valid, sl, pos, keys)
     assert nerr == 10
     kc.flush_write(p, torch.from_numpy(ents).cuda().bfloat16(), torch.from_numpy(valid).cuda(),
                    torch.from_numpy(sl).cuda(), torch.from_numpy(pos).cuda(),
                    index_keys=None if keys is None else torch.from_numpy(keys).cuda().bfloat16())
     assert p.read_errors() == nerr
     assert_pool_equal(p.to_reference(), want)
-    # written[slot] = 1 + the highest entry a valid, in-range row wrote (atomicMax)
-    tab = _table(p)
-    wexp = np.zeros(p.max_requests, np.int64)
-    for s_, pos_, v_ in zip(sl.tolist(), pos.tolist(), valid.tolist()):
-        if v_ and pos_ >= 0 and 0 <= s_ < p.max_requests and \
-                ref._locate(want, tab[s_], pos_ // m) is not None:
-            wexp[s_] = max(wexp[s_], pos_ // m + 1)
-    np.testing.assert_array_equal(p.written.cpu().numpy(), wexp)
+    # written[slot] = 1 + the highest entry a valid, in-range row wrote (the
+    # kernel's atomicMax; the reference's raise_written)
+    np.testing.assert_array_equal(p.written.cpu().numpy(), want.written)
+    assert want.written.any()
     # errors= override and B = 0
     e2 = torch.zeros(1, dtype=torch.int32, device="cuda")
     kc.flush_write(p, torch.from_numpy(ents[:2]).cuda().bfloat16(), torch.ones(2, dtype=torch.bool, device="cuda"),
@@ -1018,8 +1144,11 @@ def test_gpu_no_stale_entries_after_free_and_reuse(cuda, rng):
 
 def test_gpu_state_append_duplicate_slots_terminates(cuda, rng):
     """Duplicate slots are a caller error, but the kernel must neither hang
-    (each CTA reads the count once, through shared memory) nor write outside
-    the slot's m rows. Many CTAs race on one slot; a hang shows as a timeout."""
+    (each CTA takes its row once, in thread 0, through shared memory) nor
+    write outside the slot's m rows, and its counts are the reference's:
+    the CTAs claim rows with a compare-and-swap on count, so exactly m of
+    them append (which ones is up to the scheduler) and B - m are counted.
+    Many CTAs race on one slot; a hang shows as a timeout."""
     import time
     torch = _torch()
     st = kc.DecodeState("csa", 3, device="cuda")          # 256 threads per CTA
@@ -1028,9 +1157,14 @@ def test_gpu_state_append_duplicate_slots_terminates(cuda, rng):
     z = torch.randn((B, st.width), device="cuda")
     valid = torch.ones(B, dtype=torch.bool, device="cuda")
     dup = torch.zeros(B, dtype=torch.int32, device="cuda")
-    before = st.to_reference()
-    for _ in range(10):
+    kv_h, z_h = kv.cpu().numpy(), z.cpu().numpy()
+    for start in (0, 1):                                  # an empty window, and one row in it
         st.count.zero_()
+        st.count[0] = start
+        before = st.to_reference()
+        want = before.copy()
+        nerr = ref.state_append(want, kv_h, z_h, np.ones(B, bool), np.zeros(B, np.int32))
+        assert nerr == B - (m - start)
         st.reset_errors()
         kc.state_append(st, kv, z, valid, dup)
         done = torch.cuda.Event()
@@ -1040,8 +1174,18 @@ def test_gpu_state_append_duplicate_slots_terminates(cuda, rng):
             assert time.monotonic() < deadline, "state_append with duplicate slots did not finish"
             time.sleep(0.005)
         got = st.to_reference()
-        assert 1 <= int(got.count[0]) <= m
-        assert 0 <= st.read_errors() <= B - 1
+        assert st.read_errors() == nerr
+        np.testing.assert_array_equal(got.count, want.count)
+        # rows start..m-1 of slot 0 hold distinct input rows, each whole (kv and z
+        # of the same batch row); rows below start are untouched
+        taken = []
+        for r in range(start, m):
+            hit = np.flatnonzero((kv_h == got.a_kv[0, r]).all(axis=1))
+            assert hit.size == 1, f"row {r} is not one input row"
+            assert_same(got.a_z[0, r], z_h[hit[0]], f"z of row {r}")
+            taken.append(int(hit[0]))
+        assert len(set(taken)) == m - start
+        assert_same(got.a_kv[0, :start], before.a_kv[0, :start], "rows before the window's fill")
         for a, b in zip((got.a_kv, got.a_z, got.b_kv, got.b_z), (before.a_kv, before.a_z, before.b_kv,
                                                                   before.b_z)):
             assert_same(a[1:], b[1:], "other slots")          # nothing outside slot 0

@@ -1,5 +1,5 @@
 """Tests of the numpy reference of the DeepSeek-V4 compressed KV cache
-(rawkv/reference/kvcache.py, docs/kvcache.md).
+(rawkv/reference/kvcache/, docs/kvcache.md).
 
 Every test draws a fresh seed; it is printed (pytest shows it for a failing
 test). Rerun one with RAWKV_TEST_SEED=<seed>.
@@ -526,6 +526,150 @@ def test_gather_out_of_range_skipped_and_counted(rng):
             assert np.array_equal(rows[:2], w[:2])
     with pytest.raises(ValueError, match="n_entries"):
         kc.gather_index_keys(pool, table, -1)
+
+
+# ---------------------------------------------------------------------------
+# the pool addressed by slot (block-table bounds, written[], error counts)
+# ---------------------------------------------------------------------------
+def _slot_pool(rng, nb=8, epb=2, m=4, R=3, MB=3):
+    pool = _noisy_pool(rng, nb, epb, m)
+    pool.block_table, pool.written = kc.PagedPoolRef.create(
+        1, 1, 1, max_requests=R, max_blocks_per_request=MB).block_table, np.zeros(R, np.int32)
+    pool.block_table[0, :2] = [5, 1]
+    pool.block_table[1, :3] = [2, nb, 0]          # logical block 1 maps outside the pool
+    return pool
+
+
+def test_paged_flush_write_bounds_and_written(rng):
+    m, epb = 4, 2
+    pool = _slot_pool(rng)
+    slots = np.array([0, 0, 1, 1, 2, -1, 3, 0, 1, 0], np.int32)
+    pos = np.array([1, 13, 2, 9, 0, 0, 0, -4, 4 * 3 * epb, 5], np.int32)
+    valid = np.array([True] * 9 + [False])
+    # row: 0 entry 0 ok; 1 entry 3 (block 1) ok; 2 entry 0 of slot 1 ok; 3 entry 2 -> block nb:
+    # counted; 4 slot 2 has no block: counted; 5, 6 slots out of range: counted; 7 negative
+    # position: counted; 8 past the table: counted; 9 invalid: silent
+    before = pool.copy()
+    err = kc.paged_flush_write(pool, bf16_round(_rows(rng, 10, 512)), valid, slots, pos,
+                               bf16_round(_rows(rng, 10, 128)))
+    assert err == 6
+    assert _changed(before, pool) == {(5, 0), (1, 1), (2, 0)}
+    np.testing.assert_array_equal(pool.written, [4, 1, 0])     # 1 + highest entry written
+    kc.paged_flush_write(pool, bf16_round(_rows(rng, 1, 512)), np.ones(1, bool), np.zeros(1, np.int32),
+                         np.zeros(1, np.int32), bf16_round(_rows(rng, 1, 128)))
+    np.testing.assert_array_equal(pool.written, [4, 1, 0])     # a high-water mark: never lowered
+    with pytest.raises(ValueError, match="pool: has no request table"):
+        kc.paged_flush_write(_noisy_pool(rng, 2, 2, 4), np.zeros((1, 512), np.float32), np.ones(1, bool),
+                             np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros((1, 128), np.float32))
+
+
+def test_paged_gathers_are_bounded_by_written(rng):
+    pool = _slot_pool(rng)
+    pool.written[:] = [3, 1, 0]
+    table = pool.block_table.astype(np.int64)
+    slots = np.array([0, 1, 2, 7], np.int32)
+    ids = np.array([[0, 1, 2, 3, -1], [0, 1, 2, -1, -1], [0, -1, -1, -1, -1], [0, -1, -1, -1, -1]])
+    rows, err = kc.paged_gather_topk(pool, slots, ids)
+    # slot 0: id 3 >= written 3; slot 1: ids 1, 2 >= written 1; slot 2: written 0; slot 7: no slot
+    assert err == 5
+    want, _ = kc.gather_topk(pool, table[[0, 1]], ids[:2], np.array([3, 1]))
+    assert np.array_equal(rows[:2], want, equal_nan=True) and not rows[2:].any()
+    rows, err = kc.paged_gather_topk(pool, slots, ids, n_entries=np.array([2, 9, 9, 9], np.int32),
+                                     valid_mask=np.array([True, True, False, True]))
+    assert err == 2 + 2 + 1                                    # min(n_entries, written); slot 2 masked
+    assert not rows[2].any()
+    rows, err = kc.paged_gather_dense(pool, 0, 3)
+    want, _ = kc.gather_dense(pool, table[0], 3)
+    assert err == 0 and np.array_equal(rows, want, equal_nan=True)
+    rows, err = kc.paged_gather_dense(pool, 1, 2, index=True)
+    assert err == 1 and not rows[1].any()                      # entry 1: not written
+
+
+def test_paged_gather_dense_batch_rules(rng):
+    pool = _slot_pool(rng)
+    pool.written[:] = [4, 1, 0]
+    slots = np.array([0, 0, 0, 1, 5], np.int32)
+    n = np.array([2, -1, 9, 1, 1], np.int32)
+    rows, err = kc.paged_gather_dense_batch(pool, slots, n, 3)
+    # n = -1 and n = 9 > K each count once (9: then 3 entries, 0..2, are gathered); slot 5: 1
+    assert err == 3
+    want, _ = kc.gather_dense(pool, pool.block_table[0], 3)
+    assert np.array_equal(rows[0, :2], want[:2], equal_nan=True) and not rows[0, 2:].any()
+    assert not rows[1].any() and np.array_equal(rows[2], want, equal_nan=True)
+    rows, err = kc.paged_gather_dense_batch(pool, slots, n, 3, valid_mask=np.array([1, 0, 0, 1, 0], bool))
+    assert err == 0 and not rows[[1, 2, 4]].any()
+    keys, err = kc.paged_gather_dense_batch(pool, slots[:1], n[:1], 3, index=True)
+    assert keys.shape == (1, 3, 128) and err == 0
+
+
+def test_compress_decode_flush_rule(rng):
+    """The compressor's flush decision, row by row (paged_compress_decode,
+    the rule kv_compress.cu follows)."""
+    m, d = 4, 512
+    pool = kc.PagedPoolRef.create(8, 2, m, index_head_dim=128, max_requests=4, max_blocks_per_request=2)
+    pool.block_table[:, 0] = [0, 1, 2, 3]
+    st = _random_state(rng, "csa", 4, d)
+    ist = _random_state(rng, "csa", 4, 128)
+    st.count[:] = [m, m, 1, m]
+    ist.count[:] = [m, 2, 1, m]
+    nw, iw = np.ones(d, np.float32), np.ones(128, np.float32)
+    slots = np.array([0, 1, 2, 3, 9, 0], np.int32)
+    pos = np.array([3, 3, 3, -1, 3, 7], np.int32)
+    valid = np.array([True, True, True, True, True, False])
+    before = pool.copy()
+    err = kc.paged_compress_decode(pool, st, nw, valid, slots, pos, index=(ist, iw))
+    # slot 0 flushes; slot 1: only the entry's window is complete (out of step): counted, nothing
+    # written; slot 2: neither complete, silent; slot 3: negative position, counted; slot 9: counted
+    assert err == 3
+    assert _changed(before, pool) == {(0, 0)}
+    np.testing.assert_array_equal(pool.written, [1, 0, 0, 0])
+    e = kc.finish_entry(kc.state_pool(st, [0]), nw, [0], m)
+    k = kc.finish_index_key(kc.state_pool(ist, [0]), iw, [0], m)
+    codes, scale, _ = kc.fp8_entry_quantize(e)
+    assert np.array_equal(pool.kv_fp8[0, 0], codes[0]) and pool.kv_scale[0, 0] == scale[0]
+    assert np.array_equal(pool.idx_q[0, 0], kc.indexer_key_quantize(k)[0][0])
+    # HCA (no indexer): the entry's window alone decides
+    hp = kc.PagedPoolRef.create(4, 2, 128, head_dim=128, max_requests=2, max_blocks_per_request=1)
+    hp.block_table[:, 0] = [0, 1]
+    hs = _random_state(rng, "hca", 2, 128)
+    hs.count[:] = [128, 5]
+    assert kc.paged_compress_decode(hp, hs, np.ones(128, np.float32), np.ones(2, bool),
+                                    np.array([0, 1]), np.array([127, 127])) == 0
+    np.testing.assert_array_equal(hp.written, [1, 0])
+
+
+def test_compress_prefill_into_the_pool(rng):
+    m, T = 4, 5 * 4 + 2
+    kv, z = _rows(rng, T, 1024), _rows(rng, T, 1024)
+    nw = np.ones(512, np.float32)
+    pool = kc.PagedPoolRef.create(8, 2, m, max_requests=2, max_blocks_per_request=2)
+    pool.block_table[1] = [3, 6]                   # 4 entries; entry 4 is past the table
+    n, err = kc.paged_compress_prefill(pool, "csa", 1, kv, z, None, nw)
+    assert (n, err) == (5, 1)
+    np.testing.assert_array_equal(pool.written, [0, 4])
+    ids, ent, _ = kc.reference_prefill("csa", kv, z, None, nw)
+    codes, _, _ = kc.fp8_entry_quantize(ent)
+    assert np.array_equal(pool.kv_fp8[6, 1], codes[3]) and np.array_equal(ids, np.arange(5))
+
+
+def test_state_append_duplicate_slots_take_the_rows_left(rng):
+    """Duplicate slots (a caller error): rows are appended until the window
+    is full, the rest counted. kv_cache.cu claims rows with a
+    compare-and-swap, so it appends as many and counts as many (which rows
+    land where depends on the scheduler there)."""
+    st = kc.DecodeStateRef.create("csa", 2, 8)
+    st.count[0] = 1
+    B = 9
+    err = kc.state_append(st, _rows(rng, B, 16), _rows(rng, B, 16), np.ones(B, bool), np.zeros(B, np.int32))
+    assert err == B - 3 and st.count[0] == 4 and st.count[1] == 0
+
+
+def test_state_clear_valid_mask(rng):
+    st = _random_state(rng, "csa", 4, 8)
+    before = st.copy()
+    err = kc.state_clear(st, np.array([0, 2, 9, 3]), valid_mask=np.array([True, False, True, False]))
+    assert err == 1 and st.count[0] == 0 and np.all(st.a_z[0] == -np.inf)
+    assert _unchanged_slots(before, st, [1, 2, 3])
 
 
 # ---------------------------------------------------------------------------

@@ -28,6 +28,15 @@
 #include "nvfp4_common.cuh"
 using namespace rkv;
 
+// Shared with Python: rawkv/kernels/kv_cache.py passes them as -D options.
+//   RKV_KV_BLOCK        threads per CTA of the gathers and the state kernels
+//   RKV_KV_FLUSH_ROWS   batch rows per flush CTA (one warp each)
+//   RKV_KV_RESET_HCA / _CSA / _CLEAR   the MODE values of rkv_kv_state_reset
+#if !defined(RKV_KV_BLOCK) || !defined(RKV_KV_FLUSH_ROWS) || !defined(RKV_KV_RESET_HCA) || \
+    !defined(RKV_KV_RESET_CSA) || !defined(RKV_KV_RESET_CLEAR)
+#error "kv_cache.cu needs the -D constants of rawkv/kernels/kv_cache.py"
+#endif
+
 namespace {
 
 constexpr u32 kFull = 0xffffffffu;
@@ -112,7 +121,7 @@ template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; }
 }  // namespace
 
 // ===========================================================================
-// flush_write: one warp per batch row, 4 rows per 128-thread CTA.
+// flush_write: one warp per batch row, RKV_KV_FLUSH_ROWS rows per CTA.
 //   valid_mask[b] false         -> nothing, not counted
 //   slot / position / block bad -> nothing written, errors += 1
 //   otherwise entry e = pos / m is written to row locate(slot, e):
@@ -124,7 +133,7 @@ template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; }
 //     written[slot] = max(written[slot], e + 1).
 // ===========================================================================
 template <bool HAS_INDEX>
-__global__ void __launch_bounds__(128, 8) rkv_kv_flush_write(
+__global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_write(
         const __nv_bfloat16* __restrict__ entries, const __nv_bfloat16* __restrict__ index_keys,
         const bool* __restrict__ valid, const int* __restrict__ slots,
         const int* __restrict__ positions, const int* __restrict__ table,
@@ -211,14 +220,17 @@ __global__ void __launch_bounds__(128, 8) rkv_kv_flush_write(
 // Row count[s] of the a-stream of slot s gets kv and z (+ ape[count]);
 // count += 1. Out-of-range slot or a full window (count >= m; count < 0 is
 // treated the same way) -> skipped, errors += 1.
-// count[s] is read ONCE per CTA (thread 0, through shared memory): with a
-// duplicate slot (a caller error) another CTA may bump it at any time, and
-// threads that read it separately could disagree on whether to return, so
-// some would wait at a barrier the others never reach (a hang). Duplicates
-// still race on the row they write, but always in bounds.
+// Thread 0 claims the row with a compare-and-swap on count[s] and hands it
+// to the CTA through shared memory. With a duplicate slot (a caller error)
+// the CTAs of that slot then take distinct rows: exactly m - count of them
+// append and the others are counted, the reference's count and error
+// total (only which rows land where depends on the order). One read per
+// CTA also matters: threads that read count separately could disagree on
+// whether to return, so some would wait at a barrier the others never
+// reach (a hang).
 // ===========================================================================
 template <typename TKV, typename TZ>
-__global__ void __launch_bounds__(256, 4) rkv_kv_state_append(
+__global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_append(
         const TKV* __restrict__ kv, const TZ* __restrict__ z, const float* __restrict__ ape,
         const bool* __restrict__ valid, const int* __restrict__ slots,
         float* __restrict__ a_kv, float* __restrict__ a_z, int* __restrict__ count,
@@ -231,14 +243,21 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_state_append(
         if (threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }
-    if (threadIdx.x == 0) sh_count = count[s];
+    if (threadIdx.x == 0) {
+        int c = count[s];
+        while (c >= 0 && c < m) {
+            const int seen = atomicCAS(count + s, c, c + 1);
+            if (seen == c) break;                            // row c is this CTA's
+            c = seen;
+        }
+        sh_count = c;
+    }
     __syncthreads();
     const i64 r = sh_count;                                  // CTA-uniform by construction
     if (r < 0 || r >= m) {
         if (threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }
-    if (threadIdx.x == 0) count[s] = (int)(r + 1);
     const TKV* src_kv = kv + b * w;
     const TZ* src_z = z + b * w;
     float* dkv = a_kv + (s * m + r) * w;
@@ -258,14 +277,14 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_state_append(
 
 // ===========================================================================
 // State reset: one CTA per batch row (valid == nullptr: every row).
-//   MODE 0 hca_reset : a emptied (kv 0, z -inf), count 0
-//   MODE 1 csa_rotate: b <- a[:, :, :d] (kv and z), then a emptied, count 0
-//   MODE 2 clear     : a and b (when present) emptied, count 0
-// Each float4 of the a-stream is read (MODE 1) and cleared by one thread, so
+//   MODE RKV_KV_RESET_HCA   hca_reset : a emptied (kv 0, z -inf), count 0
+//   MODE RKV_KV_RESET_CSA   csa_rotate: b <- a[:, :, :d] (kv and z), then a emptied, count 0
+//   MODE RKV_KV_RESET_CLEAR clear     : a and b (when present) emptied, count 0
+// Each float4 of the a-stream is read (csa_rotate) and cleared by one thread, so
 // no barrier is needed. Out-of-range slot: skipped, errors += 1.
 // ===========================================================================
 template <int MODE>
-__global__ void __launch_bounds__(256, 4) rkv_kv_state_reset(
+__global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_reset(
         const bool* __restrict__ valid, const int* __restrict__ slots,
         float* __restrict__ a_kv, float* __restrict__ a_z, float* __restrict__ b_kv,
         float* __restrict__ b_z, int* __restrict__ count, int* __restrict__ errors,
@@ -284,7 +303,7 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_state_reset(
     float* ak = a_kv + s * m * w;
     float* az = a_z + s * m * w;
     for (i64 c = threadIdx.x; c < m * w / 4; c += blockDim.x) {
-        if (MODE == 1) {
+        if (MODE == RKV_KV_RESET_CSA) {
             const i64 j = (u32)(c * 4) / (u32)w, col = c * 4 - j * w;
             if (col < d) {
                 const float4 k = *reinterpret_cast<const float4*>(ak + c * 4);
@@ -296,7 +315,7 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_state_reset(
         *reinterpret_cast<float4*>(ak + c * 4) = zero4;
         *reinterpret_cast<float4*>(az + c * 4) = ninf4;
     }
-    if (MODE == 2 && b_kv != nullptr) {
+    if (MODE == RKV_KV_RESET_CLEAR && b_kv != nullptr) {
         for (i64 c = threadIdx.x; c < m * d / 4; c += blockDim.x) {
             *reinterpret_cast<float4*>(b_kv + s * m * d + c * 4) = zero4;
             *reinterpret_cast<float4*>(b_z + s * m * d + c * 4) = ninf4;
@@ -306,7 +325,7 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_state_reset(
 
 // ===========================================================================
 // Entry gather: one warp per output row (B*K rows, grid-stride over warps,
-// 8 warps per 256-thread CTA). A row is (nope_dim + rope_dim)/8 chunks of 8
+// RKV_KV_BLOCK / 32 warps per CTA). A row is (nope_dim + rope_dim)/8 chunks of 8
 // output elements (512 dims: 56 + 8 = 64 chunks, 2 per lane): a non-RoPE
 // chunk loads 8 code bytes (8-byte load) and computes e4m3(q) * s in FP32,
 // a RoPE chunk loads 8 BF16 (16-byte load); each chunk is one 16-byte store
@@ -323,7 +342,7 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_state_reset(
 //   (TOPK: n0 < 0 means no limit).
 // ===========================================================================
 template <typename TO, typename TID, bool DENSE>
-__global__ void __launch_bounds__(256, 4) rkv_kv_gather(
+__global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
         const u8* __restrict__ fp8, const float* __restrict__ scale,
         const __nv_bfloat16* __restrict__ rope, const int* __restrict__ table,
         const int* __restrict__ slots, const TID* __restrict__ ids,
@@ -418,7 +437,7 @@ __global__ void __launch_bounds__(256, 4) rkv_kv_gather(
 // stores for BF16/FP16, four for FP32), grid-stride over B*K*(index_dim/16).
 // ===========================================================================
 template <typename TO>
-__global__ void __launch_bounds__(256, 4) rkv_kv_gather_index(
+__global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index(
         const u8* __restrict__ idx_q, const u8* __restrict__ idx_sf,
         const int* __restrict__ table, const int* __restrict__ slots,
         const int* __restrict__ n_entries, const bool* __restrict__ valid,

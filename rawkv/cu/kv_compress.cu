@@ -50,12 +50,17 @@
 #include "nvfp4_common.cuh"
 using namespace rkv;
 
+// Shared with Python: rawkv/kernels/kv_compress.py passes them as -D options.
+#if !defined(RKV_KVC_CHANNEL_THREADS) || !defined(RKV_KVC_MAX_CPT) || !defined(RKV_KVC_CHUNK)
+#error "kv_compress.cu needs the -D constants of rawkv/kernels/kv_compress.py"
+#endif
+
 namespace {
 
-constexpr int kCT = 128;        // channel threads per row group
-constexpr int kMaxCPT = 4;      // channels per thread: d <= 512
+constexpr int kCT = RKV_KVC_CHANNEL_THREADS;   // channel threads per row group (= indexer key width)
+constexpr int kMaxCPT = RKV_KVC_MAX_CPT;       // channels per thread: d <= kCT * kMaxCPT
 constexpr int kMaxD = kCT * kMaxCPT;
-constexpr int kChunk = 8;       // rows held in registers per pass
+constexpr int kChunk = RKV_KVC_CHUNK;          // rows held in registers per pass (CSA: 2m <= kChunk)
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -442,4 +447,4 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
     }
 }
 
-// Instantiations are named by the Python side (rawkv/kvcache/compress.py).
+// Instantiations are declared in rawkv/kernels/kv_compress.py.

@@ -10,18 +10,32 @@ format kernels and the compressor (docs/kvcache.md).
     csa_rotate(state, valid_mask, slots)
     rows = gather_topk(pool, slots, topk_ids, out=buf)
 
-Kernels: rawkv/cu/kv_cache.cu (format ops, declared in .ops) and
-rawkv/cu/kv_compress.cu (compressor, .compress). The numpy reference is
-rawkv.reference.kvcache.
-"""
-from .pool import PagedKVPool  # noqa: F401
-from .state import DecodeState  # noqa: F401
-from .ops import (  # noqa: F401
-    csa_rotate, flush_write, gather_dense, gather_dense_batch, gather_index_keys,
-    gather_index_keys_batch, gather_topk, hca_reset, state_append, state_clear, state_seed,
-)
-from . import ops as _ops
-from .compress import *  # noqa: F401,F403
-from . import compress as _compress
+On a CUDA pool / state every op is one kernel launch (kernels declared in
+rawkv.kernels.kv_cache and .kv_compress) on torch's current stream, with no
+allocation when out= is given, no host synchronization and no host branch on
+device data, so a decode step captures into one CUDA graph. On a CPU pool /
+state (device="cpu") the ops run the numpy reference, rawkv.reference.kvcache,
+which defines every result. Every argument is checked (rules in .checks)
+before anything is launched or written; the error names the argument.
+Device-side indices are bounds-checked: a bad row is skipped and counted in
+`errors` (default: pool.errors for pool ops, state.errors for state ops).
 
-__all__ = ["PagedKVPool", "DecodeState", *_ops.__all__, *getattr(_compress, "__all__", [])]
+Modules: pool, state (the objects); flush, gather, state_ops (format ops);
+prefill, decode, compressor (the compressor); checks.
+"""
+from .pool import PagedKVPool
+from .state import DecodeState
+from .flush import flush_write
+from .gather import (
+    gather_dense, gather_dense_batch, gather_index_keys, gather_index_keys_batch, gather_topk,
+)
+from .state_ops import csa_rotate, hca_reset, state_append, state_clear, state_seed
+from .compressor import DecodeIndex, PrefillIndex, rope_table
+from .prefill import compress_prefill
+from .decode import compress_decode
+from ..reference.kvcache import reference_prefill
+
+__all__ = ["PagedKVPool", "DecodeState", "flush_write", "gather_topk", "gather_dense",
+           "gather_dense_batch", "gather_index_keys", "gather_index_keys_batch", "state_seed",
+           "state_append", "csa_rotate", "hca_reset", "state_clear", "compress_prefill",
+           "compress_decode", "rope_table", "PrefillIndex", "DecodeIndex", "reference_prefill"]

@@ -4,7 +4,7 @@
                        max_requests=64, max_blocks_per_request=256)
     slot = pool.add_request()
     pool.prepare_step([slot], [position])     # host side, before a (captured) step
-    ...                                       # flush_write / gather_* (rawkv.kvcache.ops)
+    ...                                       # flush_write / gather_* (rawkv.kvcache)
     pool.free_request(slot)
 
 Device buffers (allocated once, in the constructor; docs/kvcache.md, "Paged
@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import CaptureError
 from ..reference import kvcache as ref
+from ..runtime import get_runtime
 
 KINDS = {"csa": ref.CSA_RATIO, "hca": ref.HCA_RATIO}
 _DEFAULT = object()
@@ -55,24 +56,13 @@ def _kind(kind) -> int:
 
 
 def resolve_device(device):
-    """(is_cuda, torch device index or None) of "cpu", "cuda", "cuda:N", an
-    int or a torch.device."""
-    if isinstance(device, str) and device == "cpu":
+    """(is_cuda, CUDA device index or None) of "cpu", "cuda", "cuda:N", an
+    int or a torch.device. A CUDA device needs the GPU stack: without it
+    (a CPU-only torch, no CuPy) this raises rawkv's GpuUnavailableError,
+    like every op, before any torch.cuda call."""
+    if (isinstance(device, str) and device == "cpu") or getattr(device, "type", None) == "cpu":
         return False, None
-    import torch
-    if isinstance(device, bool):
-        raise TypeError(f"device: expected 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    try:
-        dev = torch.device(device)
-    except (TypeError, RuntimeError) as exc:
-        raise ValueError(f"device: {device!r} is not a device ({exc})") from exc
-    if dev.type == "cpu":
-        return False, None
-    if dev.type != "cuda":
-        raise ValueError(f"device: rawkv runs on 'cpu' or 'cuda', got {dev}")
-    return True, (dev.index if dev.index is not None else torch.cuda.current_device())
+    return True, get_runtime(device).device_index
 
 
 def host_ints(name: str, x) -> np.ndarray:
@@ -95,9 +85,7 @@ def host_ints(name: str, x) -> np.ndarray:
 
 
 def capturing(device_index) -> bool:
-    import torch
-    with torch.cuda.device(device_index):
-        return bool(torch.cuda.is_current_stream_capturing())
+    return get_runtime(device_index).is_capturing()
 
 
 class ErrorCounter:
@@ -344,15 +332,18 @@ class PagedKVPool(ErrorCounter):
     # -- reference views ------------------------------------------------------
     def to_reference(self) -> ref.PagedPoolRef:
         """A rawkv.reference.kvcache.PagedPoolRef holding a host copy of the
-        pool (rope as float32). On CUDA this synchronizes: tests only."""
+        pool (rope as float32) with its request table (block_table, written).
+        On CUDA this synchronizes: tests only."""
         if not self.is_cuda:
             return self.reference_view().copy()
         c = lambda t: None if t is None else t.cpu().numpy()  # noqa: E731
         return ref.PagedPoolRef(self.m, c(self.fp8), c(self.scale), self.rope.float().cpu().numpy(),
-                                c(self.index_q), c(self.index_sf))
+                                c(self.index_q), c(self.index_sf), c(self.block_table), c(self.written))
 
     def reference_view(self) -> ref.PagedPoolRef:
-        """CPU pools: a PagedPoolRef sharing this pool's arrays."""
+        """CPU pools: a PagedPoolRef sharing this pool's arrays (request table
+        included): the CPU ops run the reference on it."""
         if self.is_cuda:
             raise ValueError("pool: reference_view() is for CPU pools; use to_reference()")
-        return ref.PagedPoolRef(self.m, self.fp8, self.scale, self.rope, self.index_q, self.index_sf)
+        return ref.PagedPoolRef(self.m, self.fp8, self.scale, self.rope, self.index_q, self.index_sf,
+                                self.block_table, self.written)

@@ -1,0 +1,59 @@
+"""rawkv/cu/kv_cache.cu: the format kernels of the DeepSeek-V4 compressed KV
+cache (flush into the paged pool, gathers out of it, decode-state append and
+reset). Launched by rawkv.kvcache (flush.py, gather.py, state_ops.py)."""
+from ._decl import KernelFile, TParam
+
+# Threads per CTA of the gathers and the state kernels (their
+# __launch_bounds__): the ops launch at most this many.
+BLOCK = 256
+# rkv_kv_flush_write: one warp per batch row, this many rows per CTA.
+FLUSH_ROWS = 4
+# rkv_kv_state_reset<MODE>: what the reset does.
+RESET_HCA, RESET_CSA, RESET_CLEAR = 0, 1, 2
+
+FILE = KernelFile("kv_cache.cu", constants={
+    "RKV_KV_BLOCK": BLOCK, "RKV_KV_FLUSH_ROWS": FLUSH_ROWS,
+    "RKV_KV_RESET_HCA": RESET_HCA, "RKV_KV_RESET_CSA": RESET_CSA, "RKV_KV_RESET_CLEAR": RESET_CLEAR,
+})
+
+_ROWS_IN = ("float32", "bfloat16")                 # kv / z rows of state_append
+_TO = TParam("typename", "TO", ("bfloat16", "float16", "float32"))
+_IDS = ("int32", "int64")
+
+FLUSH_WRITE = FILE.kernel(
+    "rkv_kv_flush_write",
+    "const __nv_bfloat16* entries, const __nv_bfloat16* index_keys, const bool* valid, "
+    "const int* slots, const int* positions, const int* table, u8* fp8, float* scale, "
+    "__nv_bfloat16* rope, u8* idx_q, u8* idx_sf, int* written, int* errors, "
+    "i64 B, i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 m, "
+    "i64 nope_dim, i64 rope_dim, i64 index_dim",
+    (TParam("bool", "HAS_INDEX", (True, False)),))
+
+STATE_APPEND = FILE.kernel(
+    "rkv_kv_state_append",
+    "const TKV* kv, const TZ* z, const float* ape, const bool* valid, const int* slots, "
+    "float* a_kv, float* a_z, int* count, int* errors, i64 S, i64 m, i64 w",
+    (TParam("typename", "TKV", _ROWS_IN), TParam("typename", "TZ", _ROWS_IN)))
+
+STATE_RESET = FILE.kernel(
+    "rkv_kv_state_reset",
+    "const bool* valid, const int* slots, float* a_kv, float* a_z, float* b_kv, float* b_z, "
+    "int* count, int* errors, i64 S, i64 m, i64 d, i64 w",
+    (TParam("int", "MODE", (RESET_HCA, RESET_CSA, RESET_CLEAR)),))
+
+# DENSE gathers take their entry ids from the row index: int ids only.
+GATHER = FILE.kernel(
+    "rkv_kv_gather",
+    "const u8* fp8, const float* scale, const __nv_bfloat16* rope, const int* table, "
+    "const int* slots, const TID* ids, const int* n_entries, const bool* valid, "
+    "const int* written, TO* out, int* errors, i64 B, i64 K, i64 slot0, i64 n0, "
+    "i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 nope_dim, i64 rope_dim",
+    (_TO, TParam("typename", "TID", _IDS), TParam("bool", "DENSE", (False, True))),
+    instances=[(o, i, False) for o in _TO.values for i in _IDS] + [(o, "int32", True) for o in _TO.values])
+
+GATHER_INDEX = FILE.kernel(
+    "rkv_kv_gather_index",
+    "const u8* idx_q, const u8* idx_sf, const int* table, const int* slots, const int* n_entries, "
+    "const bool* valid, const int* written, TO* out, int* errors, i64 B, i64 K, i64 slot0, i64 n0, "
+    "i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 index_dim",
+    (_TO,))

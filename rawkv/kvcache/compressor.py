@@ -1,0 +1,109 @@
+"""What compress_prefill and compress_decode share: the indexer argument
+types, the pool geometry the kernel supports, the RoPE table and the
+pool-side arguments of rkv_kv_compress."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..errors import CaptureError
+from ..kernels import kv_compress as K
+from ..reference import kvcache as ref
+from ..runtime import get_runtime
+from .checks import check_pool
+
+
+class PrefillIndex(NamedTuple):
+    """CSA indexer inputs of compress_prefill: kv, z (T, 2*128) like the
+    main rows, ape (m, 256) or None, norm_weight (128,) float32."""
+    kv: Any
+    z: Any
+    ape: Any
+    norm_weight: Any
+
+
+class DecodeIndex(NamedTuple):
+    """CSA indexer inputs of compress_decode: the indexer's DecodeState
+    (head_dim 128) and its norm_weight (128,) float32."""
+    state: Any
+    norm_weight: Any
+
+
+def check_compressible(pool) -> None:
+    """The pool geometries the kernel handles (a PagedKVPool accepts more)."""
+    d = pool.head_dim
+    if d % K.CHANNEL_THREADS or d > K.MAX_HEAD_DIM:
+        raise ValueError(f"pool: head_dim must be a multiple of {K.CHANNEL_THREADS} and "
+                         f"<= {K.MAX_HEAD_DIM} for the compressor, got {d}")
+    if pool.rope_dim % 2 or pool.rope_dim <= 0:
+        raise ValueError(f"pool: rope_dim must be even and positive for the compressor, "
+                         f"got {pool.rope_dim}")
+    if pool.has_index and pool.index_head_dim != K.INDEX_HEAD_DIM:
+        raise ValueError(f"pool: the compressor supports index_head_dim {K.INDEX_HEAD_DIM} only, "
+                         f"got {pool.index_head_dim}")
+    if pool.kind == "csa" and 2 * pool.m > K.CHUNK_ROWS:
+        raise ValueError(f"pool: CSA needs 2m <= {K.CHUNK_ROWS} (the 2m rows are held in "
+                         f"registers), got m = {pool.m}")
+
+
+def index_arg(pool, index, cls):
+    """`index` as a `cls` (PrefillIndex / DecodeIndex): required exactly for
+    a pool with indexer keys."""
+    if pool.has_index:
+        if index is None:
+            raise ValueError("index: required for a CSA pool with indexer keys "
+                             f"({cls.__name__}(...))")
+        if not isinstance(index, tuple) or len(index) != len(cls._fields):
+            raise TypeError(f"index: expected a {cls.__name__} ({', '.join(cls._fields)})")
+        return cls(*index)
+    if index is not None:
+        raise ValueError("index: only a CSA pool with indexer keys takes index inputs")
+    return None
+
+
+# (device, table rows, m, rope_dim, theta, yarn) -> the device table
+_TABLES: dict = {}
+
+
+def rope_table(pool, *, theta: float = ref.COMPRESS_ROPE_THETA, yarn=ref.DSV4_YARN, stream=None):
+    """(max_blocks * entries_per_block, 2, rope_dim/2) float32 device tensor:
+    cos, sin of entry e at position e * m, exactly rawkv.reference.kvcache.
+    rope_cos_sin (float64 angles, one rounding). Built on the host and copied
+    once per (device, size, m, rope_dim, theta, yarn); call it (or any
+    compress_* op) before capturing a CUDA graph. `stream`: the op's stream
+    (building the table is refused while it, or the current stream, captures)."""
+    check_pool(pool)
+    if not pool.is_cuda:
+        raise ValueError("pool: rope_table is the kernel's table; a CPU pool runs the reference")
+    n_tab = pool.max_blocks_per_request * pool.entries_per_block
+    key = (pool.device_index, n_tab, pool.m, pool.rope_dim, float(theta), yarn)
+    tab = _TABLES.get(key)
+    if tab is None:
+        if get_runtime(pool.device_index).capturing(stream):
+            raise CaptureError("rawkv: the compressor's RoPE table is not built yet and the stream "
+                               "is capturing a CUDA graph; call rope_table(pool) (or run the op "
+                               "once) before capture")
+        import torch
+        cos, sin = ref.rope_cos_sin(np.arange(n_tab, dtype=np.int64) * pool.m, pool.rope_dim, theta, yarn)
+        host = np.ascontiguousarray(np.stack([cos, sin], axis=1), dtype=np.float32)
+        tab = _TABLES[key] = torch.from_numpy(host).to(pool.device)
+    return tab
+
+
+def index_part(kv=None, z=None, kvb=None, zb=None, ape=None, w=None, count=None) -> dict:
+    """rkv_kv_compress's arguments of part 1, the CSA indexer key (all null
+    when the pool has no indexer keys: the launch has no part 1 then)."""
+    return dict(kv1=kv, z1=z, kvb1=kvb, zb1=zb, ape1=ape, w1=w, count1=count)
+
+
+def pool_args(pool, tab, errors, eps) -> dict:
+    """rkv_kv_compress's arguments that come from the pool (outputs, block
+    table, geometry, RoPE table) and the scalars every launch sets."""
+    return dict(
+        out_fp8=pool.fp8, out_scale=pool.scale, out_rope=pool.rope, d0=pool.head_dim,
+        out_iq=pool.index_q, out_isf=pool.index_sf, d1=K.INDEX_HEAD_DIM,
+        rope_tab=tab, n_tab=tab.shape[0], rope_dim=pool.rope_dim,
+        block_table=pool.block_table, bt_rows=pool.max_requests,
+        bt_stride=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
+        epb=pool.entries_per_block, m=pool.m, written=pool.written, errors=errors, eps=eps)

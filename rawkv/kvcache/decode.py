@@ -1,0 +1,91 @@
+"""compress_decode: the decode windows that are complete -> entries in the
+paged pool, one rkv_kv_compress launch per step (capturable;
+reference.paged_compress_decode defines the flush rule)."""
+from __future__ import annotations
+
+from .. import _args as A
+from ..kernels import kv_compress as K
+from ..reference import kvcache as ref
+from ..runtime import get_runtime
+from . import checks as C
+from .compressor import DecodeIndex, check_compressible, index_arg, index_part, pool_args, rope_table
+
+
+def _check_state_of(pool, state, name: str, kind: str, head_dim: int) -> None:
+    """A decode state that belongs to `pool`: its kind and head_dim, one row
+    per request slot of the pool (slots index the state AND the block
+    table), on the pool's device."""
+    C.check_state(state, name)
+    if state.kind != kind:
+        raise ValueError(f"{name}: is a {state.kind!r} state but the pool needs a {kind!r} one")
+    if state.head_dim != head_dim:
+        raise ValueError(f"{name}: has head_dim {state.head_dim}, expected {head_dim}")
+    if state.max_requests != pool.max_requests:
+        raise ValueError(f"{name}: has {state.max_requests} slots but the pool has max_requests = "
+                         f"{pool.max_requests}; a decode state must have one row per request slot "
+                         "of its pool")
+    if state.device_index != pool.device_index:
+        raise ValueError(f"{name}: is on {state.device} but the pool is on {pool.device}")
+
+
+def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, index=None,
+                    eps: float = ref.RMS_EPS, theta: float = ref.COMPRESS_ROPE_THETA,
+                    yarn=ref.DSV4_YARN, stream=None) -> None:
+    """Flush the decode windows that are complete, in one launch (capturable).
+
+    For each batch row b with valid_mask[b] and slot s = slots[b] whose window
+    is complete (state.count[s] == m, read on the device; incomplete windows
+    are skipped silently), pool the tail state (CSA: b-stream, then the
+    a-half of the a-stream; HCA: the a-stream), finish and quantize the entry
+    e = positions[b] // m, write it through pool.block_table[s] and raise
+    pool.written[s] to e + 1. An out-of-range slot, a negative position, or
+    an entry outside the block table / pool is skipped and counted in
+    pool.errors. The caller then runs csa_rotate / hca_reset for the rows
+    that flushed.
+
+    state:       DecodeState of the pool's kind and head_dim, one row per
+                 request slot of the pool (max_requests rows: slot s of the
+                 state is slot s of the block table).
+    norm_weight: (d,) float32.
+    valid_mask:  (B,) bool; slots, positions: (B,) int32 or int64 (same dtype).
+    index:       CSA: DecodeIndex(index_state, index_norm_weight), the same
+                 number of rows. The entry and its key are one unit: a row
+                 flushes when both windows are complete; when exactly one is
+                 (the two states are out of step, a caller error) nothing is
+                 written and one error is counted.
+    eps:         RMSNorm epsilon, a finite number > 0.
+    """
+    C.check_pool(pool)
+    check_compressible(pool)
+    eps = A.check_eps(eps)
+    index = index_arg(pool, index, DecodeIndex)
+    _check_state_of(pool, state, "state", pool.kind, pool.head_dim)
+    if index is not None:
+        _check_state_of(pool, index.state, "index.state", "csa", K.INDEX_HEAD_DIM)
+    dev = pool.device_index
+    v = C.arg(valid_mask, "valid_mask", C.BOOL, dev, ndim=1)
+    B = v.shape[0]
+    s = C.arg(slots, "slots", C.IDS, dev, shape=(B,))
+    p = C.arg(positions, "positions", (str(s.dtype).replace("torch.", ""),), dev, shape=(B,))
+    nw = C.arg(norm_weight, "norm_weight", C.F32, dev, shape=(pool.head_dim,))
+    inw = None if index is None else C.arg(index.norm_weight, "index.norm_weight", C.F32, dev,
+                                           shape=(K.INDEX_HEAD_DIM,))
+    if dev is None:
+        ix = None if index is None else (index.state.reference_view(), inw)
+        C.add_errors(pool.errors, ref.paged_compress_decode(
+            pool.reference_view(), state.reference_view(), nw, v, s, p, index=ix, eps=eps,
+            theta=theta, yarn=yarn))
+        return None
+    if B == 0:
+        return None
+    tab = rope_table(pool, theta=theta, yarn=yarn, stream=stream)
+    ist = None if index is None else index.state
+    part1 = index_part() if ist is None else index_part(ist.kv_a, ist.z_a, ist.kv_b, ist.z_b, None,
+                                                        inw, ist.count)
+    K.COMPRESS.instance(*K.targs(pool.kind, "float32", True, s.dtype)).launch(
+        get_runtime(dev), (B, 1 if index is None else 2), (K.CHANNEL_THREADS * K.ROW_GROUPS[pool.kind],),
+        stream=stream,
+        **pool_args(pool, tab, pool.errors, eps),
+        kv0=state.kv_a, z0=state.z_a, kvb0=state.kv_b, zb0=state.z_b, ape0=None, w0=nw,
+        count0=state.count, **part1, valid=v, slots=s, positions=p, n_slots=state.max_requests, slot=0, start_entry=0, pre=0)
+    return None

@@ -1,0 +1,54 @@
+"""flush_write: finished entries -> the paged pool (rkv_kv_flush_write)."""
+from __future__ import annotations
+
+from ..kernels import kv_cache as K
+from ..reference import kvcache as ref
+from ..runtime import get_runtime
+from . import checks as C
+
+
+def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None, errors=None,
+                stream=None):
+    """Quantize finished entries and scatter them into the pool: one row per
+    batch row, entry e = positions[b] // m of the request in slots[b], at
+    block_table[slot, e // epb], row e % epb (reference.paged_flush_write).
+
+    entries (B, head_dim) bfloat16 (RMSNormed + RoPEd); valid_mask (B,) bool
+    (False: skipped silently); slots, positions (B,) int32; index_keys
+    (B, index_head_dim) bfloat16, required exactly for a pool with indexer
+    keys. The non-RoPE dims become E4M3 with one FP32 decode scale
+    (docs/format.md; NaN/Inf -> scale NaN, codes 0), the RoPE dims are
+    stored as BF16, the indexer key as one-level NVFP4; pool.written[slot]
+    becomes at least e + 1. A valid row whose slot, position or block is out
+    of range writes nothing and adds 1 to errors. Two valid rows aimed at
+    one entry: undefined. One launch."""
+    C.check_pool(pool)
+    dev = pool.device_index
+    e = C.arg(entries, "entries", C.BF16, dev, ndim=2, aligned=True)
+    B = e.shape[0]
+    if e.shape[1] != pool.head_dim:
+        raise ValueError(f"entries: expected shape ({B}, {pool.head_dim}), got {tuple(e.shape)}")
+    v = C.arg(valid_mask, "valid_mask", C.BOOL, dev, shape=(B,))
+    s = C.arg(slots, "slots", C.I32, dev, shape=(B,))
+    p = C.arg(positions, "positions", C.I32, dev, shape=(B,))
+    if pool.has_index:
+        if index_keys is None:
+            raise ValueError("index_keys: required for a CSA pool with indexer keys")
+        k = C.arg(index_keys, "index_keys", C.BF16, dev, shape=(B, pool.index_head_dim), aligned=True)
+    elif index_keys is not None:
+        raise ValueError("index_keys: this pool has no indexer keys (HCA, or index_head_dim=None)")
+    else:
+        k = None
+    err = C.errors_arg(errors, pool.errors, dev)
+    if dev is None:
+        C.add_errors(err, ref.paged_flush_write(pool.reference_view(), e, v, s, p, k))
+        return
+    if B == 0:
+        return
+    K.FLUSH_WRITE.instance(pool.has_index).launch(
+        get_runtime(dev), (-(-B // K.FLUSH_ROWS),), (32 * K.FLUSH_ROWS,), stream=stream, entries=e, index_keys=k, valid=v, slots=s, positions=p,
+        table=pool.block_table, fp8=pool.fp8, scale=pool.scale, rope=pool.rope, idx_q=pool.index_q,
+        idx_sf=pool.index_sf, written=pool.written, errors=err, B=B,
+        num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request,
+        num_blocks=pool.num_blocks, epb=pool.entries_per_block, m=pool.m,
+        nope_dim=pool.nope_dim, rope_dim=pool.rope_dim, index_dim=pool.index_head_dim or 0)

@@ -1,0 +1,79 @@
+"""compress_prefill: a prompt's token rows -> its entries in the paged pool,
+one rkv_kv_compress launch (reference.paged_compress_prefill)."""
+from __future__ import annotations
+
+from .. import _args as A
+from ..kernels import kv_compress as K
+from ..reference import kvcache as ref
+from ..runtime import get_runtime
+from . import checks as C
+from .compressor import PrefillIndex, check_compressible, index_arg, index_part, pool_args, rope_table
+
+
+def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 0, index=None,
+                     eps: float = ref.RMS_EPS, theta: float = ref.COMPRESS_ROPE_THETA,
+                     yarn=ref.DSV4_YARN, stream=None) -> int:
+    """Compress a prompt of request `slot` into its pool entries, in one launch.
+
+    pool:        PagedKVPool ('csa' m = 4 or 'hca' m = 128); blocks for the
+                 entries written must be in pool.block_table[slot] (entries
+                 past the table or mapped to a block outside the pool are
+                 skipped and counted in pool.errors).
+    kv, z:       (T, coff*d) float32 or bfloat16 token rows (value, gate),
+                 coff = 2 (CSA: [b-half | a-half]) or 1 (HCA); row 0 is the
+                 token at position start_entry * m. CSA with start_entry > 0:
+                 row 0 is at (start_entry - 1) * m instead, the window before
+                 the first entry (its b-half is the first entry's overlap).
+    ape:         (m, coff*d) float32 gate position bias (added to z), or None.
+    norm_weight: (d,) float32 RMSNorm weight.
+    slot:        the request's row of pool.block_table (host int).
+    index:       CSA: PrefillIndex(kv, z, ape, norm_weight) of the indexer
+                 (width 2*128); required iff the pool has indexer keys.
+    eps:         RMSNorm epsilon, a finite number > 0.
+    Writes entries start_entry .. start_entry + n - 1 with n = T // m (CSA
+    with start_entry > 0: T // m - 1) and raises pool.written[slot] to the
+    last one + 1; a trailing partial window is left to the decode state
+    (state_seed). Returns n. A CPU pool runs the reference.
+    """
+    C.check_pool(pool)
+    check_compressible(pool)
+    d, m, dev = pool.head_dim, pool.m, pool.device_index
+    w = (2 if pool.kind == "csa" else 1) * d
+    slot = C.host_int("slot", slot, 0, pool.max_requests)
+    start_entry = C.host_int("start_entry", start_entry, 0)
+    eps = A.check_eps(eps)
+    index = index_arg(pool, index, PrefillIndex)
+    k = C.arg(kv, "kv", C.ROWS, dev, ndim=2)
+    if k.shape[1] != w:
+        raise ValueError(f"kv: expected shape (T, {w}), got {tuple(k.shape)}")
+    # z and the indexer's rows: kv's dtype
+    rows = (A.cpu_dtype_name(kv, "kv") if dev is None else str(k.dtype).replace("torch.", ""),)
+    zz = C.arg(z, "z", rows, dev, shape=tuple(k.shape))
+    a = C.opt(ape, "ape", C.F32, dev, shape=(m, w))
+    nw = C.arg(norm_weight, "norm_weight", C.F32, dev, shape=(d,))
+    if index is not None:
+        iw = 2 * K.INDEX_HEAD_DIM
+        index = PrefillIndex(C.arg(index.kv, "index.kv", rows, dev, shape=(k.shape[0], iw)),
+                             C.arg(index.z, "index.z", rows, dev, shape=(k.shape[0], iw)),
+                             C.opt(index.ape, "index.ape", C.F32, dev, shape=(m, iw)),
+                             C.arg(index.norm_weight, "index.norm_weight", C.F32, dev,
+                                   shape=(K.INDEX_HEAD_DIM,)))
+    if dev is None:
+        n, errors = ref.paged_compress_prefill(pool.reference_view(), pool.kind, slot, k, zz, a, nw,
+                                               start_entry=start_entry, index=index, eps=eps,
+                                               theta=theta, yarn=yarn)
+        C.add_errors(pool.errors, errors)
+        return n
+    pre = 1 if (pool.kind == "csa" and start_entry > 0) else 0
+    n = k.shape[0] // m - pre
+    if n <= 0:
+        return 0
+    tab = rope_table(pool, theta=theta, yarn=yarn, stream=stream)
+    part1 = index_part() if index is None else index_part(index.kv, index.z, None, None, index.ape,
+                                                          index.norm_weight)
+    K.COMPRESS.instance(*K.targs(pool.kind, k.dtype, False)).launch(
+        get_runtime(dev), (n, 1 if index is None else 2), (K.CHANNEL_THREADS * K.ROW_GROUPS[pool.kind],),
+        stream=stream, **pool_args(pool, tab, pool.errors, eps),
+        kv0=k, z0=zz, kvb0=None, zb0=None, ape0=a, w0=nw, count0=None, **part1,
+        valid=None, slots=None, positions=None, n_slots=0, slot=slot, start_entry=start_entry, pre=pre)
+    return n

@@ -1,0 +1,142 @@
+"""The paged pool as the kernels address it: by request slot.
+
+The kernels of rawkv/cu/kv_cache.cu and kv_compress.cu take slot ids and
+read the pool's block table and written[] on the device. These functions
+define what they do, on a PagedPoolRef that carries its request table
+(`block_table`, `written`; PagedPoolRef.create(..., max_requests=,
+max_blocks_per_request=), or PagedKVPool.reference_view()):
+
+* Block-table bounds. A slot outside [0, max_requests) has no blocks: it
+  acts as a block-table row of -1, so each of its rows is skipped and
+  counted. Entry ids past the row and block ids outside [0, num_blocks)
+  are skipped and counted (pool._locate).
+* written[slot] is the high-water mark of the entries the slot's current
+  request has written: every entry a flush writes raises it to e + 1 (the
+  kernels' atomicMax), and every gather treats an id >= written[slot] as out
+  of range (zero row, one error). Freed blocks keep their bytes and are
+  reused, so without this bound a gather would return an earlier request's
+  entry as if it were valid (docs/kvcache.md, "Stale entries").
+* Every function returns the number of rows it skipped and counted; the
+  ops add it to their error counter.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._checks import _ints, _mask
+from .pool import PagedPoolRef, _flush, gather_dense, gather_index_keys, gather_topk
+
+
+def _request_table(pool: PagedPoolRef):
+    if pool.block_table is None or pool.written is None:
+        raise ValueError("pool: has no request table (block_table, written); create it with "
+                         "max_requests= and max_blocks_per_request=")
+    return pool.block_table, pool.written
+
+
+def table_rows(pool: PagedPoolRef, slots) -> np.ndarray:
+    """(B, max_blocks) int64 block-table rows of `slots` (B,); a slot out of
+    range gets a row of -1 (every entry of it is then skipped and counted)."""
+    table, _ = _request_table(pool)
+    slots = _ints("slots", slots, ndim=1)
+    ok = (slots >= 0) & (slots < table.shape[0])
+    rows = np.full((slots.shape[0], table.shape[1]), -1, np.int64)
+    rows[ok] = table[slots[ok]]
+    return rows
+
+
+def written_of(pool: PagedPoolRef, slots) -> np.ndarray:
+    """(B,) int64 written[] of `slots`; 0 for a slot out of range (it has
+    written nothing)."""
+    _, written = _request_table(pool)
+    slots = _ints("slots", slots, ndim=1)
+    ok = (slots >= 0) & (slots < written.shape[0])
+    w = np.zeros(slots.shape[0], np.int64)
+    w[ok] = written[slots[ok]]
+    return w
+
+
+def raise_written(pool: PagedPoolRef, slots, entry_ids) -> None:
+    """written[slots[b]] = max(written[slots[b]], entry_ids[b] + 1) for every
+    row whose entry was written (entry id >= 0; -1 marks a row that wrote
+    nothing). The slots of written rows are in range (their entry was
+    located through their block-table row)."""
+    _, written = _request_table(pool)
+    for s, e in zip(_ints("slots", slots, ndim=1).tolist(), _ints("entry_ids", entry_ids).tolist()):
+        if e >= 0:
+            written[s] = max(int(written[s]), e + 1)
+
+
+def paged_flush_write(pool: PagedPoolRef, entries, valid_mask, slots, positions,
+                      index_keys=None) -> int:
+    """flush_write addressed by slot: row b writes entry positions[b] // m of
+    the request in slots[b] through its block-table row and raises
+    written[slots[b]]. Returns the rows skipped and counted (bad slot,
+    negative position, entry past the block table, bad block)."""
+    rows = table_rows(pool, slots)
+    errors, done = _flush(pool, entries, valid_mask, positions, rows, index_keys)
+    raise_written(pool, slots, done)
+    return errors
+
+
+def paged_gather_topk(pool: PagedPoolRef, slots, topk_ids, n_entries=None, valid_mask=None,
+                      dtype: str = "bfloat16"):
+    """gather_topk addressed by slot -> (rows (B, K, head_dim), errors).
+
+    slots (B,); topk_ids (B, K); n_entries (B,) or None: ids are bounded by
+    min(n_entries[b], written[slots[b]]). valid_mask (B,) or None: rows with
+    False are zero rows, not counted. Id -1 is padding (zero row, not
+    counted); any other id out of range is a zero row and one error."""
+    ids = _ints("topk_ids", topk_ids, ndim=2)
+    B, K = ids.shape
+    slots = _ints("slots", slots, ndim=1)
+    valid = np.ones(B, bool) if valid_mask is None else _mask("valid_mask", valid_mask, B)
+    lim = written_of(pool, slots)
+    if n_entries is not None:
+        lim = np.minimum(lim, _ints("n_entries", n_entries, ndim=1))
+    rows = np.zeros((B, K, pool.head_dim), np.float32)
+    sel = np.flatnonzero(valid)
+    errors = 0
+    if sel.size:
+        rows[sel], errors = gather_topk(pool, table_rows(pool, slots[sel]), ids[sel], lim[sel],
+                                        dtype=dtype)
+    return rows, errors
+
+
+def paged_gather_dense(pool: PagedPoolRef, slot: int, n_entries: int, dtype: str = "bfloat16", *,
+                       index: bool = False):
+    """Entries 0 .. n_entries-1 of the request in `slot` (its entries, or
+    with index=True its CSA indexer keys) -> (rows, errors): gather_dense /
+    gather_index_keys with written = written[slot]."""
+    row = table_rows(pool, [slot])[0]
+    written = int(written_of(pool, [slot])[0])
+    fn = gather_index_keys if index else gather_dense
+    return fn(pool, row, n_entries, dtype, written=written)
+
+
+def paged_gather_dense_batch(pool: PagedPoolRef, slots, n_entries, max_entries: int,
+                             valid_mask=None, dtype: str = "bfloat16", *, index: bool = False):
+    """Batched paged_gather_dense with per-row lengths -> (rows (B, K, width),
+    errors), K = max_entries: rows[b, j] = entry j of the request in
+    slots[b] for j < n_entries[b], zero rows (not counted) past it.
+    n_entries[b] < 0 or > K counts one error and gathers the first
+    min(max(n, 0), K) entries. valid_mask False: zero rows, not counted."""
+    slots = _ints("slots", slots, ndim=1)
+    B, K = slots.shape[0], int(max_entries)
+    ne = _ints("n_entries", n_entries, ndim=1)
+    if ne.shape != (B,):
+        raise ValueError(f"n_entries: expected shape ({B},), got {ne.shape}")
+    valid = np.ones(B, bool) if valid_mask is None else _mask("valid_mask", valid_mask, B)
+    width = pool.index_head_dim if index else pool.head_dim
+    rows = np.zeros((B, K, width), np.float32)
+    table = table_rows(pool, slots)
+    written = written_of(pool, slots)
+    fn = gather_index_keys if index else gather_dense
+    errors = 0
+    for b in np.flatnonzero(valid):
+        n = int(ne[b])
+        errors += n < 0 or n > K
+        nn = min(max(n, 0), K)
+        rows[b, :nn], e = fn(pool, table[b], nn, dtype, written=int(written[b]))
+        errors += e
+    return rows, errors

@@ -1,0 +1,255 @@
+"""The paged pool (entry storage) and the entry-level flush and gathers,
+addressed by block-table rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._checks import _f32, _ints, _mask
+from .constants import HEAD_DIM, NVFP4_BLOCK, ROPE_DIM
+from .quant import (
+    fp8_entry_dequantize, fp8_entry_quantize, indexer_key_dequantize, indexer_key_quantize,
+)
+
+
+@dataclass
+class PagedPoolRef:
+    """Paged pool of one compressed layer: `num_blocks` physical blocks of
+    `entries_per_block` entries. Entry e of a request lives in physical block
+    block_table[e // entries_per_block], slot e % entries_per_block, and
+    e = position // m.
+
+    kv_fp8   (num_blocks, epb, 448) uint8    E4M3 codes of the non-RoPE dims
+    kv_scale (num_blocks, epb)      float32  FP8 decode scale
+    kv_rope  (num_blocks, epb, 64)  float32  BF16 values of the RoPE dims
+    idx_q    (num_blocks, epb, 64)  uint8    CSA only: indexer key E2M1 pairs
+    idx_sf   (num_blocks, epb, 8)   uint8    CSA only: indexer UE4M3 scales
+
+    The request table, for the slot-addressed functions of .paged (None
+    when only the block-table-row functions here are used):
+
+    block_table (max_requests, max_blocks) int32  -1 = no block
+    written     (max_requests,)            int32  entries the slot's request
+                has written (high-water mark, .paged)
+    """
+    m: int
+    kv_fp8: np.ndarray
+    kv_scale: np.ndarray
+    kv_rope: np.ndarray
+    idx_q: np.ndarray | None = None
+    idx_sf: np.ndarray | None = None
+    block_table: np.ndarray | None = None
+    written: np.ndarray | None = None
+
+    @classmethod
+    def create(cls, num_blocks: int, entries_per_block: int, m: int,
+               head_dim: int = HEAD_DIM, rope_dim: int = ROPE_DIM,
+               index_head_dim: int | None = None, *, max_requests: int | None = None,
+               max_blocks_per_request: int | None = None) -> "PagedPoolRef":
+        """Zero-filled pool; pass index_head_dim=128 for a CSA layer, and
+        max_requests, max_blocks_per_request for a request table (every
+        block-table entry -1, written 0)."""
+        if num_blocks <= 0 or entries_per_block <= 0 or m <= 0:
+            raise ValueError("num_blocks, entries_per_block, m: expected positive sizes")
+        shp = (num_blocks, entries_per_block)
+        pool = cls(m=m,
+                   kv_fp8=np.zeros(shp + (head_dim - rope_dim,), np.uint8),
+                   kv_scale=np.zeros(shp, np.float32),
+                   kv_rope=np.zeros(shp + (rope_dim,), np.float32))
+        if index_head_dim is not None:
+            if index_head_dim % NVFP4_BLOCK:
+                raise ValueError(f"index_head_dim: expected a multiple of 16, got {index_head_dim}")
+            pool.idx_q = np.zeros(shp + (index_head_dim // 2,), np.uint8)
+            pool.idx_sf = np.zeros(shp + (index_head_dim // NVFP4_BLOCK,), np.uint8)
+        if (max_requests is None) != (max_blocks_per_request is None):
+            raise ValueError("max_requests, max_blocks_per_request: give both or neither")
+        if max_requests is not None:
+            if max_requests <= 0 or max_blocks_per_request <= 0:
+                raise ValueError("max_requests, max_blocks_per_request: expected positive sizes")
+            pool.block_table = np.full((max_requests, max_blocks_per_request), -1, np.int32)
+            pool.written = np.zeros(max_requests, np.int32)
+        return pool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_fp8.shape[0]
+
+    @property
+    def entries_per_block(self) -> int:
+        return self.kv_fp8.shape[1]
+
+    @property
+    def rope_dim(self) -> int:
+        return self.kv_rope.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_fp8.shape[2] + self.kv_rope.shape[2]
+
+    @property
+    def index_head_dim(self) -> int | None:
+        return None if self.idx_q is None else self.idx_q.shape[2] * 2
+
+    def copy(self) -> "PagedPoolRef":
+        c = lambda a: None if a is None else a.copy()  # noqa: E731
+        return PagedPoolRef(self.m, c(self.kv_fp8), c(self.kv_scale), c(self.kv_rope),
+                            c(self.idx_q), c(self.idx_sf), c(self.block_table), c(self.written))
+
+
+def _locate(pool: PagedPoolRef, table_row: np.ndarray, entry_id: int):
+    """(physical block, slot) of entry `entry_id`, or None when the entry id,
+    the logical block or the physical block id is out of range."""
+    if entry_id < 0:
+        return None
+    lb, slot = divmod(int(entry_id), pool.entries_per_block)
+    if lb >= table_row.shape[0]:
+        return None
+    blk = int(table_row[lb])
+    if blk < 0 or blk >= pool.num_blocks:
+        return None
+    return blk, slot
+
+
+def flush_write(pool: PagedPoolRef, entries, valid_mask, positions, block_table,
+                index_keys=None) -> int:
+    """Quantize and scatter one finished entry per batch row into the pool.
+
+    entries:     (B, head_dim) float32 (finish_entry output)
+    valid_mask:  (B,) bool; rows with False are skipped silently (no flush
+                 this step)
+    positions:   (B,) int; entry id = position // m (any position inside the
+                 window, normally its last token)
+    block_table: (B, max_blocks) int; row b is the block table of the request
+                 in batch row b
+    index_keys:  (B, index_head_dim) float32, required iff the pool is CSA
+                 (finish_index_key output)
+    Returns the number of valid rows skipped because the position is
+    negative, the logical block is past the block table, or the physical
+    block id is outside [0, num_blocks): nothing is written for them.
+    Rows are written in batch order (two rows aimed at one entry: last wins;
+    kernels leave that undefined, callers must not do it).
+    """
+    return _flush(pool, entries, valid_mask, positions, block_table, index_keys)[0]
+
+
+def _flush(pool: PagedPoolRef, entries, valid_mask, positions, block_table, index_keys):
+    """flush_write, returning (errors, entry ids written: (B,) int64, -1 for
+    a row that wrote nothing)."""
+    entries = _f32("entries", entries, last=pool.head_dim, ndim=2)
+    B = entries.shape[0]
+    valid_mask = _mask("valid_mask", valid_mask, B)
+    positions = _ints("positions", positions, ndim=1)
+    if positions.shape != (B,):
+        raise ValueError(f"positions: expected shape ({B},), got {positions.shape}")
+    block_table = _ints("block_table", block_table, ndim=2)
+    if block_table.shape[0] != B:
+        raise ValueError(f"block_table: expected {B} rows, got shape {block_table.shape}")
+    if (pool.idx_q is None) != (index_keys is None):
+        raise ValueError("index_keys: required for a CSA pool (with indexer) and only for it")
+    codes, scale, rope = fp8_entry_quantize(entries, pool.rope_dim)
+    if index_keys is not None:
+        index_keys = _f32("index_keys", index_keys, last=pool.index_head_dim, ndim=2)
+        if index_keys.shape[0] != B:
+            raise ValueError(f"index_keys: expected {B} rows, got shape {index_keys.shape}")
+        iq, isf = indexer_key_quantize(index_keys)
+    errors = 0
+    done = np.full(B, -1, np.int64)
+    for b in range(B):
+        if not valid_mask[b]:
+            continue
+        pos = int(positions[b])
+        loc = _locate(pool, block_table[b], pos // pool.m) if pos >= 0 else None
+        if loc is None:
+            errors += 1
+            continue
+        done[b] = pos // pool.m
+        pool.kv_fp8[loc] = codes[b]
+        pool.kv_scale[loc] = scale[b]
+        pool.kv_rope[loc] = rope[b]
+        if index_keys is not None:
+            pool.idx_q[loc] = iq[b]
+            pool.idx_sf[loc] = isf[b]
+    return errors, done
+
+
+def _read_entries(pool: PagedPoolRef, table_row, ids, n_entries, pad_ok: bool, dtype: str,
+                  index: bool = False):
+    """Decode entries `ids` (k,) of one request; out-of-range rows are zero.
+    Returns (rows (k, width), errors)."""
+    width = pool.index_head_dim if index else pool.head_dim
+    out = np.zeros((ids.shape[0], width), np.float32)
+    errors = 0
+    for j, e in enumerate(ids):
+        e = int(e)
+        if pad_ok and e == -1:
+            continue
+        loc = None if (n_entries is not None and e >= n_entries) else _locate(pool, table_row, e)
+        if loc is None:
+            errors += 1
+            continue
+        if index:
+            out[j] = indexer_key_dequantize(pool.idx_q[loc], pool.idx_sf[loc], dtype)
+        else:
+            out[j] = fp8_entry_dequantize(pool.kv_fp8[loc], pool.kv_scale[loc],
+                                          pool.kv_rope[loc], dtype)
+    return out, errors
+
+
+def gather_dense(pool: PagedPoolRef, block_table_row, n_entries: int,
+                 dtype: str = "bfloat16", *, written: int | None = None):
+    """HCA reader: entries 0 .. n_entries-1 of one request -> (rows, errors).
+
+    block_table_row: (max_blocks,) int. rows: (n_entries, head_dim) float32
+    holding `dtype` values (BF16 by default). An entry whose block is out of
+    range is a zero row and counts one error. written: the number of entries
+    the request has written (None: no bound); entry ids >= written would read
+    bytes the request never wrote (a previous owner's, after block reuse), so
+    they are zero rows and count one error each.
+    """
+    row = _ints("block_table_row", block_table_row, ndim=1)
+    if n_entries < 0:
+        raise ValueError(f"n_entries: expected >= 0, got {n_entries}")
+    return _read_entries(pool, row, np.arange(n_entries), written, False, dtype)
+
+
+def gather_topk(pool: PagedPoolRef, block_table, topk_ids, n_entries=None,
+                dtype: str = "bfloat16"):
+    """CSA reader: selected entry ids -> (rows, errors).
+
+    block_table: (..., max_blocks) int; topk_ids: (..., k) int with the same
+    leading shape (one row per request / query); n_entries: (...,) int or
+    None, the number of entries each request has written.
+    rows: (..., k, head_dim) float32 (`dtype` values). id -1 is padding: zero
+    row, no error. Any other id that is negative, >= n_entries, or maps to an
+    out-of-range block gives a zero row and counts one error.
+    """
+    table = _ints("block_table", block_table)
+    ids = _ints("topk_ids", topk_ids)
+    if table.ndim < 1 or ids.ndim < 1 or table.shape[:-1] != ids.shape[:-1]:
+        raise ValueError(f"block_table, topk_ids: leading shapes differ: {table.shape}, {ids.shape}")
+    lead = ids.shape[:-1]
+    ne = None
+    if n_entries is not None:
+        ne = _ints("n_entries", n_entries)
+        if ne.shape != lead:
+            raise ValueError(f"n_entries: expected shape {lead}, got {ne.shape}")
+    rows = np.zeros(ids.shape + (pool.head_dim,), np.float32)
+    errors = 0
+    for idx in np.ndindex(*lead):
+        rows[idx], e = _read_entries(pool, table[idx], ids[idx],
+                                     None if ne is None else int(ne[idx]), True, dtype)
+        errors += e
+    return rows, errors
+
+
+def gather_index_keys(pool: PagedPoolRef, block_table_row, n_entries: int,
+                      dtype: str = "bfloat16", *, written: int | None = None):
+    """CSA indexer reader: the indexer keys of entries 0 .. n_entries-1 of one
+    request -> (keys (n_entries, 128), errors); same rules as gather_dense."""
+    if pool.idx_q is None:
+        raise ValueError("pool: has no indexer keys (not a CSA pool)")
+    row = _ints("block_table_row", block_table_row, ndim=1)
+    if n_entries < 0:
+        raise ValueError(f"n_entries: expected >= 0, got {n_entries}")
+    return _read_entries(pool, row, np.arange(n_entries), written, False, dtype, index=True)
