@@ -174,6 +174,8 @@ def decode_gs_cuda(gs, lead_shape, device):
 def decode_gs(gs):
     """A decode gs: a number (Python or numpy) as a Python float, an array as
     it is; None, a bool or anything else is a TypeError naming gs."""
+    if D.is_cuda_tensor(gs):
+        return gs
     if A.is_number(gs):
         return float(gs)
     if gs is None or isinstance(gs, (bool, np.bool_)):
