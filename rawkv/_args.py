@@ -155,10 +155,13 @@ def check_scope_gs(scope, gs, scopes, default_scope: str):
         return scope, None
     if gs is None:
         raise ValueError("gs: scope 'given' needs a global scale (a float or a 1-element float32 tensor)")
-    if is_number(gs) or isinstance(gs, (bool, np.bool_)):
-        return scope, check_gs_number(gs, "gs")
-    require_array(gs, "gs")
+    if getattr(gs, "is_cuda", False) is not True:        # (a CUDA tensor: the hot path)
+        if is_number(gs) or isinstance(gs, (bool, np.bool_)):
+            return scope, check_gs_number(gs, "gs")
+        require_array(gs, "gs")
     shape = getattr(gs, "shape", None)
-    if shape is not None and int(np.prod(tuple(shape))) != 1:
-        raise ValueError(f"gs: expected a float or a 1-element tensor, got shape {tuple(shape)}")
+    if shape is not None:
+        shape = shape if isinstance(shape, tuple) else tuple(shape)
+        if shape.count(1) != len(shape):                   # some dimension is not 1
+            raise ValueError(f"gs: expected a float or a 1-element tensor, got shape {shape}")
     return scope, gs
