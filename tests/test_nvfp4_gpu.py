@@ -451,6 +451,8 @@ def test_gather_2d_indices(cuda, rng):
     assert y.shape == (3, 5, 64)
     full = rawkv.nvfp4.dequantize(q, sf, gs, dtype=torch.float16)
     assert torch.equal(y.view(torch.int16), full[idx].view(torch.int16))
+    y0 = rawkv.nvfp4.gather(q, sf, gs, idx[1, 2], dtype=torch.float16)       # a 0-d index: shape (N,)
+    assert y0.shape == (64,) and torch.equal(y0.view(torch.int16), full[idx[1, 2]].view(torch.int16))
 
 
 # ---- swizzle ------------------------------------------------------------------------

@@ -10,11 +10,11 @@ import numpy as np
 
 from .. import _args as A
 from .. import _dispatch as D
+from ..kernels.nvfp4 import FLOATS                          # x, decoded values
 from ..reference import nvfp4 as ref
 
 BLOCK = ref.BLOCK
 SCOPES = ref.SCOPES
-FLOATS = ("float32", "float16", "bfloat16")                 # x, decoded values
 BYTES = ("uint8", "float8_e4m3fn", "float4_e2m1fn_x2")       # q, sf, sw as CPU arrays
 
 
