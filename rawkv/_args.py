@@ -133,3 +133,35 @@ def check_eps(eps, name: str = "eps") -> float:
     if not is_number(eps):
         raise ValueError(f"{name}: expected a positive finite number, got {eps!r}")
     return _positive_float32(eps, name, "epsilon")
+
+
+def check_scope_gs(scope, gs, scopes, default_scope: str):
+    """(scope, gs) of an encode op with a choice of global-scale scope.
+
+    scope None means 'given' when gs is given, else `default_scope` (each
+    family passes its own documented default); any other scope must be one
+    of `scopes`. Scope 'given' needs gs and no other scope takes one. A number
+    gs (Python or numpy; a bool is a TypeError) is checked by check_gs_number
+    and returned as a Python float; anything else must be an array
+    (require_array) of one element, returned as it is: its dtype, device and
+    value are the family's to check."""
+    if scope is None:
+        scope = "given" if gs is not None else default_scope
+    if scope not in scopes:
+        raise ValueError(f"scope: expected one of {tuple(scopes)}, got {scope!r}")
+    if scope != "given":
+        if gs is not None:
+            raise ValueError(f"gs: only scope 'given' takes a global scale (scope is {scope!r})")
+        return scope, None
+    if gs is None:
+        raise ValueError("gs: scope 'given' needs a global scale (a float or a 1-element float32 tensor)")
+    if getattr(gs, "is_cuda", False) is not True:        # (a CUDA tensor: the hot path)
+        if is_number(gs) or isinstance(gs, (bool, np.bool_)):
+            return scope, check_gs_number(gs, "gs")
+        require_array(gs, "gs")
+    shape = getattr(gs, "shape", None)
+    if shape is not None:
+        shape = shape if isinstance(shape, tuple) else tuple(shape)
+        if shape.count(1) != len(shape):                   # some dimension is not 1
+            raise ValueError(f"gs: expected a float or a 1-element tensor, got shape {shape}")
+    return scope, gs

@@ -52,7 +52,7 @@ def assert_decoded_equal(y, ref, name):
 def ref_of(x_gpu, scope, gs=None):
     xs = x_gpu.float().cpu().numpy()
     g = None if gs is None else np.float32(gs if isinstance(gs, float) else gs.cpu().item())
-    return R.quantize(xs, scope, g)
+    return R.quantize(xs, scope, g, str(x_gpu.dtype).replace("torch.", ""))
 
 
 def all_bf16_cuda():
@@ -325,11 +325,17 @@ def test_tiny_amax_gives_gs_one(cuda, scope, shape):
     assert torch.isfinite(y).all()
 
 
-@pytest.mark.parametrize("g", [0.0, -1.0, float("inf"), float("nan")])
+@pytest.mark.parametrize("g", [0.0, -0.0, -1.0, float("inf"), float("-inf"), float("nan"), "limit", 2e7])
 @pytest.mark.parametrize("xname", list(DTYPES))
-def test_given_device_gs_not_positive_finite(cuda, rng, g, xname):
-    # a device gs is not range-checked (no host sync): kernels and reference
-    # agree on what the formula gives (codes 0 where es is not positive finite)
+def test_given_device_gs_unusable(cuda, rng, g, xname):
+    # a device gs is checked by the kernel (no host sync): an unusable one
+    # (R.given_gs_ok) flags every block, as the reference does, and each
+    # call is counted in error_counts()[GIVEN_GS]. 2e7 is unusable for
+    # float16 input only (its bound is 11179349), usable for the others.
+    if g == "limit":
+        g = R.given_gs_limit(xname)
+    usable = R.given_gs_ok(np.float32(g), xname)
+    assert usable == (g == 2e7 and xname != "float16")
     xs = rng.standard_normal((5, 64)).astype(np.float32)
     xs[1, :16] = 0
     xs[2, 17] = np.nan
@@ -337,13 +343,25 @@ def test_given_device_gs_not_positive_finite(cuda, rng, g, xname):
     x = torch.from_numpy(xs).to(DTYPES[xname]).cuda()
     gdev = torch.tensor([g], device="cuda")
     want = ref_of(x, "given", gdev)
+    if not usable:
+        assert not want[0].any() and (want[1] == 0x7F).all()
+    counts = rawkv.nvfp4.error_counts()
+    before = counts.clone()
     assert_q_equal(rawkv.nvfp4.quantize(x, scope="given", gs=gdev), want)
     ogs = torch.zeros((), device="cuda")
     got = rawkv.nvfp4.quantize(x, scope="given", gs=gdev, out=(None, None, ogs))
-    assert_q_equal(got, want)
+    assert_q_equal(got, want)                       # the out gs holds the given value, bit for bit
+    delta = (counts - before).tolist()
+    assert delta[rawkv.nvfp4.GIVEN_GS] == (0 if usable else 2) and delta[rawkv.nvfp4.GATHER_INDEX] == 0
     with np.errstate(invalid="ignore"):
         ref_y = R.dequantize(*want, "float32")
-    assert_decoded_equal(rawkv.nvfp4.dequantize(*got, dtype=torch.float32), ref_y, "float32")
+    y = rawkv.nvfp4.dequantize(*got, dtype=torch.float32)
+    assert_decoded_equal(y, ref_y, "float32")
+    if not usable:
+        assert torch.isnan(y).all()
+    if not usable and np.isfinite(g) and g > 0:     # the same value as a number is refused
+        with pytest.raises(ValueError, match="^gs:"):
+            rawkv.nvfp4.quantize(x, scope="given", gs=float(g))
 
 
 def test_numpy_scalar_gs(cuda, rng):
@@ -398,23 +416,31 @@ def test_e2m1_ties_go_to_even(cuda, xname, n, gs):
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("rowgs", [False, True])
 @pytest.mark.parametrize("n", [16, 512, 7168])
-def test_gather_skips_and_counts(cuda, rng, idx_dtype, rowgs, n):
+def test_gather_bad_rows_zeros_and_counted(cuda, rng, idx_dtype, rowgs, n):
     m = 333
     x = torch.from_numpy(rng.standard_normal((m, n)).astype(np.float32)).to(torch.bfloat16).cuda()
     q, sf, gs = rawkv.nvfp4.quantize(x, scope="row" if rowgs else "tensor")
     idx_np = rng.integers(0, m, 64)
     idx_np[[1, 5, 9, 60]] = [-1, m, 1 << 30, -(1 << 30)]
     idx = torch.from_numpy(idx_np).to(idx_dtype).cuda()
+    want, nerr = L.gather(u8(q), u8(sf), gs.cpu().numpy(), idx_np, "bfloat16")
+    assert nerr == 4 and not want[[1, 5, 9, 60]].any()
+    counts = rawkv.nvfp4.error_counts()
+    before = counts.clone()
     errors = torch.zeros(1, dtype=torch.int32, device="cuda")
     out = torch.full((64, n), 7.0, dtype=torch.bfloat16, device="cuda")
     rawkv.nvfp4.gather(q, sf, gs, idx, out=out, errors=errors)
-    ref_out = np.full((64, n), 7.0, np.float32)
-    want, nerr = L.gather(u8(q), u8(sf), gs.cpu().numpy(), idx_np, "bfloat16", out=ref_out)
-    assert int(errors.item()) == nerr == 4
+    assert int(errors.item()) == nerr
+    assert_decoded_equal(out, want, "bfloat16")                   # bad rows: zeros, not 7
+    assert torch.equal(counts, before)                            # counted in errors= only
+    out.fill_(7.0)
+    rawkv.nvfp4.gather(q, sf, gs, idx, out=out)                   # no errors=: the device counter
     assert_decoded_equal(out, want, "bfloat16")
-    y = rawkv.nvfp4.gather(q, sf, gs, idx, dtype=torch.float32)       # fresh output: zeros
-    want0, _ = L.gather(u8(q), u8(sf), gs.cpu().numpy(), idx_np, "float32")
-    assert_decoded_equal(y, want0, "float32")
+    y = rawkv.nvfp4.gather(q, sf, gs, idx, dtype=torch.float32)   # a fresh output: every row written
+    want32, _ = L.gather(u8(q), u8(sf), gs.cpu().numpy(), idx_np, "float32")
+    assert_decoded_equal(y, want32, "float32")
+    delta = (counts - before).tolist()
+    assert delta[rawkv.nvfp4.GATHER_INDEX] == 2 * nerr and delta[rawkv.nvfp4.GIVEN_GS] == 0
 
 
 def test_gather_2d_indices(cuda, rng):
@@ -425,6 +451,8 @@ def test_gather_2d_indices(cuda, rng):
     assert y.shape == (3, 5, 64)
     full = rawkv.nvfp4.dequantize(q, sf, gs, dtype=torch.float16)
     assert torch.equal(y.view(torch.int16), full[idx].view(torch.int16))
+    y0 = rawkv.nvfp4.gather(q, sf, gs, idx[1, 2], dtype=torch.float16)       # a 0-d index: shape (N,)
+    assert y0.shape == (64,) and torch.equal(y0.view(torch.int16), full[idx[1, 2]].view(torch.int16))
 
 
 # ---- swizzle ------------------------------------------------------------------------
@@ -478,6 +506,23 @@ def test_bad_arguments_write_nothing(cuda):
     assert (out.float() == 3.0).all()
     with pytest.raises(ValueError, match="^sw:"):
         rawkv.nvfp4.unswizzle_scales(torch.zeros(100, dtype=torch.uint8, device="cuda"), (4, 4))
+    # numbers and None where a tensor belongs: TypeError naming the argument
+    idx = torch.zeros(4, dtype=torch.int64, device="cuda")
+    for name, call in (("out[0]", lambda: rawkv.nvfp4.quantize(x, out=(1.0, sf, gs))),
+                       ("out[1]", lambda: rawkv.nvfp4.quantize(x, out=(q, 2, gs))),
+                       ("q", lambda: rawkv.nvfp4.dequantize(1.0, sf, gs, out=out)),
+                       ("out", lambda: rawkv.nvfp4.dequantize(q, sf, gs, out=3.0)),
+                       ("indices", lambda: rawkv.nvfp4.gather(q, sf, gs, 3, out=out[:1])),
+                       ("errors", lambda: rawkv.nvfp4.gather(q, sf, gs, idx, out=out, errors=0)),
+                       ("gs", lambda: rawkv.nvfp4.gather(q, sf, None, idx, out=out)),
+                       ("out", lambda: rawkv.nvfp4.swizzle_scales(sf, out=1))):
+        with pytest.raises(TypeError, match="^" + name.replace("[", r"\[")):
+            call()
+    assert (u8(q) == 0xAB).all() and (u8(sf) == 0xAB).all() and float(gs) == 5.0
+    assert (out.float() == 3.0).all()
+    with pytest.raises(ValueError, match="^gs:"):             # the float16 bound (docs/format.md)
+        rawkv.nvfp4.quantize(x.half(), scope="given", gs=2e7, out=(q, sf, gs))
+    assert (u8(q) == 0xAB).all()
 
 
 def test_misaligned_q_refused(cuda, rng):

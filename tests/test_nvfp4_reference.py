@@ -187,32 +187,57 @@ def test_tiny_amax_gives_gs_one_and_zero_codes(scope):
     assert np.array_equal(got[0], q) and np.array_equal(got[1], sf) and np.array_equal(got[2], gs)
 
 
-@pytest.mark.parametrize("g", [0.0, -1.0, np.inf, np.nan])
-def test_given_tensor_gs_not_positive_finite(g):
-    """A given gs as a tensor is not range-checked (on a GPU it lives on the
-    device): the result is what the formula gives, with codes only where
-    es = float(sf) * gs is positive and finite. gs 0, Inf, NaN: every code 0.
-    gs -1: sf = e4m3(bmax / -6) is negative, so es = sf * gs is positive and
-    the codes are those of x / es (decoding with gs = -1 gives x back)."""
+@pytest.mark.parametrize("g", [0.0, -0.0, -1.0, np.inf, -np.inf, np.nan, 6e37])
+def test_unusable_given_gs_flags_every_block(g):
+    """A given gs that given_gs_ok refuses is never used (its sign bit
+    included): the reference flags every block (sf 0x7F, codes 0), which the
+    kernels do for a device gs; the ops refuse it as a host tensor."""
     torch = pytest.importorskip("torch")
     x = np.zeros((2, 32), np.float32)
     x[0, :16] = np.linspace(-3, 3, 16)
-    x[1, 16:] = 0.01                       # row 0 block 1 / row 1 block 0: zero blocks
+    x[1, 16:] = 0.01
+    assert not R.given_gs_ok(g)
     q, sf, gs = R.quantize(x, "given", np.float32(g))
-    codes = R.unpack_nibbles(q)
-    for r in range(2):
-        for b in range(2):
-            want_c, want_sf = spec_block(x[r, b * 16:(b + 1) * 16], g)
-            assert sf[r, b] == want_sf and list(codes[r, b * 16:(b + 1) * 16]) == want_c
-    if g != -1.0:
-        assert not codes.any()
-    else:
-        assert codes[0].any() and (sf[0] & 0x80).all()
-    # the op's CPU path, gs as a CPU tensor (a number gs would be refused)
-    q2, sf2, gs2 = rawkv.nvfp4.quantize(torch.from_numpy(x), scope="given", gs=torch.tensor(g))
-    assert np.array_equal(q2.view(torch.uint8).numpy(), q)
-    assert np.array_equal(sf2.view(torch.uint8).numpy(), sf)
-    assert np.array_equal(gs2.numpy(), np.float32(g), equal_nan=True)
+    assert not q.any() and (sf == 0x7F).all()
+    assert np.array_equal(gs.view(np.uint32), np.float32(g).view(np.uint32))   # returned as given
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(R.dequantize(q, sf, gs, "float32")).all()
+    with pytest.raises(ValueError, match="^gs:"):
+        rawkv.nvfp4.quantize(torch.from_numpy(x), scope="given", gs=torch.tensor(g))
+    with pytest.raises(ValueError, match="^gs:"):
+        rawkv.nvfp4.quantize(x, scope="given", gs=np.array([g], np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_given_gs_bound(dtype):
+    """given_gs_limit is the exact float32 bound of the rule: just below it
+    the largest finite input of the dtype still gets a non-zero scale and
+    code, at it every scale (so every code) is 0; numbers and host arrays at
+    the bound are refused, just below accepted, on the op's CPU path."""
+    torch = pytest.importorskip("torch")
+    limit = np.float32(R.given_gs_limit(dtype))
+    below = np.nextafter(limit, np.float32(0))
+    assert R.given_gs_ok(below, dtype) and not R.given_gs_ok(limit, dtype)
+    big = np.float32(R.MAX_FINITE[dtype])
+    with np.errstate(over="ignore"):
+        assert F.e4m3_encode(big / (limit * np.float32(6))) == 0           # every block scale 0
+    blk = np.full(16, big, np.float32)
+    codes, sf = spec_block(blk, below)
+    assert sf != 0 and all(c != 0 for c in codes)
+    # documented values (docs/format.md)
+    assert float(limit) == {"float16": 11179349.0}.get(dtype, float.fromhex("0x1.555556p+125"))
+    # the rule is monotonic: a sample of positive float32s on each side
+    for g in np.geomspace(1e-45, float(limit) * 0.999, 50, dtype=np.float32):
+        assert R.given_gs_ok(g, dtype)
+    for g in np.geomspace(float(limit), 3e38, 20, dtype=np.float32):
+        assert not R.given_gs_ok(g, dtype)
+    x = torch.ones((2, 16), dtype=getattr(torch, dtype))
+    for g in (limit, float(limit), torch.tensor(limit)):
+        with pytest.raises(ValueError, match="^gs:"):
+            rawkv.nvfp4.quantize(x, scope="given", gs=g)
+    for g in (below, float(below), torch.tensor(below)):
+        q, sf, gs = rawkv.nvfp4.quantize(x, scope="given", gs=g)
+        assert np.array_equal(as_bytes(q), R.quantize(np.ones((2, 16), np.float32), "given", below, dtype)[0])
 
 
 @pytest.mark.parametrize("g", [1e39, -1e39, 1e-46, 0.0, -0.0, -1.0, float("nan"), float("inf"),
@@ -358,26 +383,31 @@ def test_ops_numpy_and_torch_cpu(rng):
     assert rawkv.nvfp4.quantize(xt)[2].shape == ()
 
 
-def test_check_aligned_is_a_pure_check():
-    nv = rawkv.nvfp4
-    nv._check_aligned("x", 4096, 64 * 2)
-    nv._check_aligned("q", 4100, align=4)
-    for args, align in (((4097,), 16), ((4096, 24), 16), ((4102,), 4), ((4097,), 4)):
-        with pytest.raises(ValueError, match="^q:"):
-            nv._check_aligned("q", *args, align=align)
+def test_row_view_refuses_rows_not_16_bytes_apart():
+    # _checks.row_view is what quantize runs on CUDA tensors; it only looks at
+    # shapes and strides, so CPU tensors exercise it
+    torch = pytest.importorskip("torch")
+    from rawkv.nvfp4 import _checks
+    assert _checks.row_view(torch.zeros(12, 96, dtype=torch.bfloat16)[::2, 32:96], "x") == (6, 64, 192)
+    assert _checks.row_view(torch.zeros(4, 20)[:, :16], "x") == (4, 16, 20)          # 80 bytes apart
+    with pytest.raises(ValueError, match="^x: rows are 36 bytes apart"):
+        _checks.row_view(torch.zeros(4, 18, dtype=torch.float16)[:, :16], "x")
+    with pytest.raises(ValueError, match="^x:"):
+        _checks.row_view(torch.zeros(2, 24)[:, :20], "x")                           # N % 16
 
 
 def test_q_alignment_checked_by_the_cuda_argument_check():
-    # _check_q_sf is what dequantize and gather run on CUDA tensors; it only
+    # check_q_sf is what dequantize and gather run on CUDA tensors; it only
     # looks at shapes, dtypes and data pointers, so CPU tensors exercise it
     torch = pytest.importorskip("torch")
+    from rawkv.nvfp4 import _checks
     buf = torch.zeros(4 * 8 + 4, dtype=torch.uint8)
     sf = torch.zeros(4, 1, dtype=torch.uint8)
     assert buf.data_ptr() % 16 == 0
     for off in (1, 2, 3):
         with pytest.raises(ValueError, match="^q:"):
-            rawkv.nvfp4._check_q_sf(buf[off:off + 32].view(4, 8), sf)
-    q8, sf8, n = rawkv.nvfp4._check_q_sf(buf[4:36].view(4, 8), buf[1:5].view(4, 1))   # what the kernel needs
+            _checks.check_q_sf(buf[off:off + 32].view(4, 8), sf)
+    q8, sf8, n = _checks.check_q_sf(buf[4:36].view(4, 8), buf[1:5].view(4, 1))   # what the kernel needs
     assert n == 16
 
 
@@ -423,19 +453,33 @@ def test_bad_arguments_cpu():
 
 # ---- gather ------------------------------------------------------------------------------
 @pytest.mark.parametrize("idx_dtype", [np.int32, np.int64])
-def test_gather_reference_skips_and_counts(rng, idx_dtype):
+def test_gather_bad_index_row_is_zeros_and_counted(rng, idx_dtype):
+    torch = pytest.importorskip("torch")
     x = rng.standard_normal((9, 64)).astype(np.float32)
     q, sf, gs = R.quantize(x, "row")
     idx = np.array([3, -1, 8, 9, 0, 1 << 30, 3], idx_dtype)
-    out = np.full((7, 64), 7.0, np.float32)
-    y, nerr = L.gather(q, sf, gs, idx, "float32", out=out)
+    bad = (idx < 0) | (idx >= 9)
+    y, nerr = L.gather(q, sf, gs, idx, "float32")
     assert nerr == 3
     full = R.dequantize(q, sf, gs, "float32")
-    for o, i in enumerate(idx):
-        assert np.array_equal(y[o], full[i]) if 0 <= i < 9 else (y[o] == 7.0).all()
-    err = np.zeros(1, np.int32)
-    y2 = rawkv.nvfp4.gather(q, sf, gs, idx, dtype="float32", errors=err)
-    assert err[0] == 3 and (y2[1] == 0).all() and np.array_equal(y2[0], full[3])
+    assert np.array_equal(y[~bad], full[idx[~bad]])
+    assert not y[bad].any() and not np.signbit(y[bad]).any()                   # +0.0
+    # the op: errors= given is added to; an out= buffer's bad rows become zeros
+    err = np.full(1, 5, np.int32)
+    out = np.full((7, 64), 7.0, np.float32)
+    counts = rawkv.nvfp4.error_counts("cpu")
+    before = counts.copy()
+    y2 = rawkv.nvfp4.gather(q, sf, gs, idx, dtype="float32", out=out, errors=err)
+    assert y2 is out and err[0] == 8 and np.array_equal(out, y)
+    errt = torch.zeros(2, dtype=torch.int32)
+    rawkv.nvfp4.gather(torch.from_numpy(q), torch.from_numpy(sf), torch.from_numpy(gs),
+                       torch.from_numpy(idx), errors=errt)
+    assert errt.tolist() == [3, 0]
+    assert np.array_equal(counts, before)
+    # no errors=: kept in the CPU counter the caller reads
+    rawkv.nvfp4.gather(q, sf, gs, idx, dtype="float32")
+    assert counts[rawkv.nvfp4.GATHER_INDEX] - before[rawkv.nvfp4.GATHER_INDEX] == 3
+    assert counts[rawkv.nvfp4.GIVEN_GS] == before[rawkv.nvfp4.GIVEN_GS]
 
 
 # ---- swizzle -------------------------------------------------------------------------------

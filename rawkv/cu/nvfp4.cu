@@ -12,11 +12,25 @@
 // lane l handles units l, l + tpr, ...
 //
 // Pointers: x rows are `ldx` elements apart (row-strided 2-D views), q / sf /
-// out are dense. The host (nvfp4.py _check_aligned) checks the alignment of
-// every vector access: 16 bytes for x, quantize's q / sf, gather's out; 4 for
-// gather's q (read as u32 words); sf is read byte by byte.
+// out are dense. The host (rawkv/nvfp4/_checks.py) checks the alignment of
+// every vector access: 16 bytes for x (pointer and row stride), quantize's
+// q / sf, gather's out; 4 for gather's q (read as u32 words); sf is read byte
+// by byte.
+//
+// Constants shared with the host are declared once, in rawkv/kernels/nvfp4.py,
+// and arrive here as -D macros.
 #include "packed16.cuh"
 using namespace rkv;
+
+#if !defined(RKV_NVFP4_MODE_GIVEN) || !defined(RKV_NVFP4_MODE_AMAX)
+#error "RKV_NVFP4_MODE_GIVEN / RKV_NVFP4_MODE_AMAX: compile through rawkv (rawkv/kernels/nvfp4.py)"
+#endif
+#ifndef RKV_NVFP4_GATHER_UNROLL
+#error "RKV_NVFP4_GATHER_UNROLL: compile through rawkv (rawkv/kernels/nvfp4.py)"
+#endif
+#ifndef RKV_NVFP4_MAX_BLOCK_THREADS
+#error "RKV_NVFP4_MAX_BLOCK_THREADS: compile through rawkv (rawkv/kernels/nvfp4.py)"
+#endif
 
 namespace {
 
@@ -87,6 +101,19 @@ __device__ __forceinline__ void quantize_unit(const XUnit<T, BPT>& u, float gs, 
     }
 }
 
+// A unit under an unusable given gs: every block flagged (sf 0x7F, codes 0),
+// as step 5 flags a block holding NaN / Inf, so it decodes to NaN.
+template <int BPT>
+__device__ __forceinline__ void flag_unit(u8* q, u8* sf) {
+    if constexpr (BPT == 2) {
+        *reinterpret_cast<uint4*>(q) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<u16*>(sf) = (u16)(kE4M3NaN | ((u16)kE4M3NaN << 8));
+    } else {
+        *reinterpret_cast<uint2*>(q) = make_uint2(0u, 0u);
+        *sf = kE4M3NaN;
+    }
+}
+
 // Max over the `tpr` threads of each row group (values >= 0, never NaN).
 // Every thread of the CTA must call it (it may hold __syncthreads).
 __device__ __forceinline__ float group_max(float m, int tpr, float* smem) {
@@ -129,18 +156,34 @@ __global__ void rkv_nvfp4_amax(const T* __restrict__ x, i64 M, i64 N, i64 ldx, u
     if (threadIdx.x == 0 && m > 0.0f) atomicMax(amax_bits, __float_as_uint(m));
 }
 
-// MODE 0: gs = *gs_ptr (device tensor) or gs_val (scopes 'given' and 'none');
-//         block 0 thread 0 copies it to gs_out when gs_out is not null.
-// MODE 1: *gs_ptr holds the tensor's amax (from rkv_nvfp4_amax); gs derived
+// MODE_GIVEN: gs = *gs_ptr (device tensor) or gs_val (scopes 'given' and
+//         'none'); block 0 thread 0 copies it to gs_out when gs_out is not
+//         null. A gs that nvfp4_given_gs_ok<T> refuses (only a device gs can
+//         be one: the host refuses such numbers) is never used: every block
+//         is flagged (flag_unit) and block 0 thread 0 adds 1 to *errors (when
+//         not null).
+// MODE_AMAX: *gs_ptr holds the tensor's amax (from rkv_nvfp4_amax); gs derived
 //         from it here; rkv_nvfp4_finalize_gs rewrites the buffer afterwards.
 template <typename T, int BPT, int MODE>
 __global__ void rkv_nvfp4_quantize(const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ sf,
                                    i64 M, i64 upr, i64 ldx, i64 tpr_,
-                                   const float* gs_ptr, double gs_val, float* gs_out) {
+                                   const float* gs_ptr, double gs_val, float* gs_out, int* errors) {
+    static_assert(MODE == RKV_NVFP4_MODE_GIVEN || MODE == RKV_NVFP4_MODE_AMAX, "MODE");
+    constexpr bool kAmax = MODE == RKV_NVFP4_MODE_AMAX;
     const int tpr = (int)tpr_;
     const int gpc = blockDim.x / tpr, g = threadIdx.x / tpr, l = threadIdx.x % tpr;
-    const float gs = MODE == 1 ? nvfp4_global_scale(*gs_ptr) : load_gs(gs_ptr, gs_val);
-    if (MODE == 0 && gs_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *gs_out = gs;
+    const float gs = kAmax ? nvfp4_global_scale(*gs_ptr) : load_gs(gs_ptr, gs_val);
+    const bool gs_ok = kAmax || nvfp4_given_gs_ok<T>(gs);
+    if (!kAmax && blockIdx.x == 0 && threadIdx.x == 0) {
+        if (gs_out != nullptr) *gs_out = gs;
+        if (!gs_ok && errors != nullptr) atomicAdd(errors, 1);
+    }
+    if (!gs_ok) {
+        for (i64 r = (i64)blockIdx.x * gpc + g; r < M; r += (i64)gridDim.x * gpc)
+            for (i64 c = l; c < upr; c += tpr)
+                flag_unit<BPT>(q + (r * upr + c) * (8 * BPT), sf + (r * upr + c) * BPT);
+        return;
+    }
     for (i64 r = (i64)blockIdx.x * gpc + g; r < M; r += (i64)gridDim.x * gpc) {
         const T* xr = x + r * ldx;
         u8* qr = q + r * upr * (8 * BPT);
@@ -161,7 +204,7 @@ __global__ void rkv_nvfp4_finalize_gs(float* gs) {
 // the whole (small, L2-resident) tensor itself, then quantizes its share of
 // units; CTA 0 writes gs. No cross-CTA communication, so no race.
 template <typename T, int BPT>
-__global__ void __launch_bounds__(1024) rkv_nvfp4_quantize_small(const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ sf,
+__global__ void __launch_bounds__(RKV_NVFP4_MAX_BLOCK_THREADS) rkv_nvfp4_quantize_small(const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ sf,
                                          i64 M, i64 upr, i64 ldx, float* gs_out) {
     __shared__ float smem[32];
     const u32 vpr = (u32)(upr * (16 * BPT) / Vec16<T>::N);
@@ -185,10 +228,10 @@ __global__ void __launch_bounds__(1024) rkv_nvfp4_quantize_small(const T* __rest
 }
 
 // ---- scope 'row': a row group (tpr threads) per row, the row kept in
-// registers (R == 1: one unit per thread, tpr <= 1024 threads; R == 0: the
-// row is too long for that and is read twice).
+// registers (R == 1: one unit per thread, tpr <= RKV_NVFP4_MAX_BLOCK_THREADS
+// threads; R == 0: the row is too long for that and is read twice).
 template <typename T, int BPT, int R>
-__global__ void __launch_bounds__(1024) rkv_nvfp4_quantize_rows(const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ sf,
+__global__ void __launch_bounds__(RKV_NVFP4_MAX_BLOCK_THREADS) rkv_nvfp4_quantize_rows(const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ sf,
                                         float* __restrict__ gs_out, i64 M, i64 upr, i64 ldx, i64 tpr_) {
     static_assert(R == 0 || R == 1, "R: 1 (one unit per lane, the host keeps upr <= tpr) or 0");
     __shared__ float smem[32];
@@ -223,15 +266,15 @@ __global__ void __launch_bounds__(1024) rkv_nvfp4_quantize_rows(const T* __restr
 }
 
 // ---- dequantize and gather: out row o = decode(source row idx[o]) (idx null:
-// o itself). Source rows outside [0, M) are skipped (out row untouched) and
-// counted into *errors (when not null), once per row. gs: per source row
-// (ROWGS), else *gs_ptr, else gs_val.
+// o itself). A source row outside [0, M) is not read: out row o is written
+// as zeros and counted into *errors (when not null), once per row. gs: per
+// source row (ROWGS), else *gs_ptr, else gs_val.
 //
 // Work unit: 8 elements = 4 code bytes -> one 16-byte store of BF16/FP16
 // (two for FP32), so the lanes of a warp load 128 contiguous code bytes and
 // store 512 contiguous output bytes per instruction. Each thread keeps
-// kGatherUnroll units in flight (loads first, then decode and store).
-constexpr int kGatherUnroll = 4;
+// RKV_NVFP4_GATHER_UNROLL units in flight (loads first, then decode and store).
+constexpr int kGatherUnroll = RKV_NVFP4_GATHER_UNROLL;
 
 template <typename OutT, typename IdxT, bool ROWGS>
 __global__ void rkv_nvfp4_gather(const u8* __restrict__ q, const u8* __restrict__ sf,
@@ -244,12 +287,14 @@ __global__ void rkv_nvfp4_gather(const u8* __restrict__ q, const u8* __restrict_
     const float gs_scalar = ROWGS ? 0.0f : load_gs(gs_ptr, gs_val);
     constexpr int PER = Vec16<OutT>::N;
     for (i64 o = (i64)blockIdx.x * gpc + g; o < rows_out; o += (i64)gridDim.x * gpc) {
-        const i64 r = idx ? (i64)idx[o] : o;
-        if (r < 0 || r >= M) {
+        i64 r = idx ? (i64)idx[o] : o;
+        // A bad row reads nothing: codes 0 and es = 0 * 0 decode to +0.
+        const bool ok = r >= 0 && r < M;
+        if (!ok) {
             if (l == 0 && errors) atomicAdd(errors, 1);
-            continue;
+            r = 0;
         }
-        const float gs = ROWGS ? gs_ptr[r] : gs_scalar;
+        const float gs = !ok ? 0.0f : ROWGS ? gs_ptr[r] : gs_scalar;
         const u32* qr = reinterpret_cast<const u32*>(q + r * n8 * 4);
         const u8* sr = sf + r * (n8 >> 1);
         OutT* orow = out + o * ldo;
@@ -259,7 +304,7 @@ __global__ void rkv_nvfp4_gather(const u8* __restrict__ q, const u8* __restrict_
 #pragma unroll
             for (int k = 0; k < kGatherUnroll; ++k) {
                 const i64 c = c0 + (i64)k * tpr;
-                if (c < n8) { w[k] = qr[c]; s[k] = sr[c >> 1]; }
+                if (c < n8) { w[k] = ok ? qr[c] : 0u; s[k] = ok ? sr[c >> 1] : (u8)0; }
             }
 #pragma unroll
             for (int k = 0; k < kGatherUnroll; ++k) {

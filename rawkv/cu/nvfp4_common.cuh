@@ -20,11 +20,28 @@ __device__ __forceinline__ float nvfp4_global_scale(float amax) {
     return gs == 0.0f ? 1.0f : gs;
 }
 
+// Largest finite value of an input type (the bound of a given gs).
+template <typename T> struct MaxFinite;
+template <> struct MaxFinite<float> { static constexpr float value = 0x1.fffffep127f; };
+template <> struct MaxFinite<__nv_bfloat16> { static constexpr float value = 0x1.fep127f; };
+template <> struct MaxFinite<__half> { static constexpr float value = 65504.0f; };
+
+// A caller-given decode global scale is usable when it is positive and the
+// largest finite T input still gets a non-zero block scale (step 2's
+// expression, so the same float32 operations): e4m3(max / (gs * 6)) != 0.
+// False for 0, negatives, NaN, +-Inf and every gs at or above the bound of
+// docs/format.md ("NVFP4: a given global scale"); rawkv/reference/nvfp4.py
+// given_gs_ok is its twin. Kernels that take a device gs check it with this
+// and never use a refused one (the host checks numbers and host arrays).
+template <typename T>
+__device__ __forceinline__ bool nvfp4_given_gs_ok(float gs) {
+    return gs > 0.0f && e4m3_encode(MaxFinite<T>::value / (gs * 6.0f)) != 0;
+}
+
 // Step 3's guard: codes are computed only for a positive finite es. es == 0
-// is the spec's case (sf rounded to 0); an infinite or NaN es comes only
-// from a caller-given device gs that is 0, Inf or NaN (the host cannot check
-// a device value without a sync), and gives codes 0. (A negative gs gives a
-// negative sf and a positive es: the formula's result, kept.)
+// is the spec's case (sf rounded to 0); a usable gs (nvfp4_given_gs_ok, or
+// one derived from an amax) never gives an infinite or NaN es, and the
+// guard keeps such an es from reaching e2m1(x / es) all the same.
 __device__ __forceinline__ bool nvfp4_es_usable(float es) {
     return es > 0.0f && es <= 3.402823466e38f;   // false for NaN
 }

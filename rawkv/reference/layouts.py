@@ -62,20 +62,19 @@ def unswizzle_scales(sw, rows: int, cols: int) -> np.ndarray:
     return sw[swizzle_offsets(rows, cols)]
 
 
-def gather(q, sf, gs, indices, dtype: str = "bfloat16", out=None):
+def gather(q, sf, gs, indices, dtype: str = "bfloat16"):
     """Dequantize the rows `indices` of a 2-D NVFP4 tensor (q (M, N/2),
     sf (M, N/16), gs scalar or (M,)) -> (out (len(indices), N), errors).
 
     An index outside [0, M) (negative ones included: there is no Python-style
-    wrap-around) is skipped: that output row is left untouched (zeros when
-    `out` is None) and counted in `errors` (an int)."""
+    wrap-around) is not read: that output row is zeros, and it is counted in
+    `errors` (an int)."""
     q = np.asarray(q, dtype=np.uint8)
     sf = np.asarray(sf, dtype=np.uint8)
     idx = np.asarray(indices).astype(np.int64).reshape(-1)
     m, n = q.shape[0], q.shape[1] * 2
     g = np.asarray(gs, dtype=F32)
-    if out is None:
-        out = np.zeros((idx.size, n), dtype=np.float16 if dtype == "float16" else F32)
+    out = np.zeros((idx.size, n), dtype=np.float16 if dtype == "float16" else F32)
     ok = (idx >= 0) & (idx < m)
     sel = idx[ok]
     if sel.size:

@@ -9,11 +9,17 @@ Every step is float32 IEEE arithmetic in the order of the spec:
      that is 0 (amax == 0, or the division underflows)
   2. sf = e4m3(bmax / (gs * 6))
   3. es = float(sf) * gs; es == 0 -> all codes 0 (so is any es that is not
-     positive and finite: only a caller-given gs can cause that)
+     positive and finite)
   4. code = e2m1(x / es)
   5. a block holding NaN/Inf -> sf = 0x7F, codes 0
+
+A caller-given gs that given_gs_ok refuses is never used: every block is
+flagged as in step 5 (sf = 0x7F, codes 0). The ops refuse such a number or
+host array; a device gs is checked by the kernel, which applies this rule.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -28,6 +34,42 @@ def check_last_dim(n: int, name: str = "x") -> None:
     if n % BLOCK != 0:
         raise ValueError(f"{name}: the last dimension ({n}) must be a multiple of {BLOCK} "
                          "for NVFP4 (no silent padding)")
+
+
+#: Largest finite value of each input dtype (its float32 value): it bounds a
+#: given gs. (float64 inputs are not taken: the ops read float32, float16,
+#: bfloat16.)
+MAX_FINITE = {"float32": float(np.finfo(np.float32).max), "bfloat16": float.fromhex("0x1.fep127"),
+              "float16": 65504.0}
+
+
+def given_gs_ok(gs, dtype: str = "float32") -> bool:
+    """The rule for a caller-given decode global scale: usable when it is
+    positive and the largest finite `dtype` input still gets a non-zero block
+    scale, e4m3(max / (gs * 6)) != 0 in float32 (step 2's expression). False
+    for 0, negatives, NaN, +-Inf and every gs >= given_gs_limit(dtype): with
+    such a gs every block scale, hence every code, would be 0. No positive
+    float32 gs is too small: the largest input then saturates to sf 448 and
+    code 6, with es = 448 * gs > 0."""
+    g = F32(np.asarray(gs, dtype=F32).reshape(()))
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+        return bool(g > 0 and e4m3_encode(F32(MAX_FINITE[dtype]) / (g * F32(6.0))) != 0)
+
+
+@functools.lru_cache(maxsize=None)
+def given_gs_limit(dtype: str = "float32") -> float:
+    """The smallest positive float32 that given_gs_ok(., dtype) refuses, so
+    a gs is usable exactly when 0 < float32(gs) < given_gs_limit(dtype)
+    (the rule is monotonic in gs: tests check both sides of the bound).
+    Found by bisection over the positive float32 bit patterns."""
+    lo, hi = 1, 0x7F800000                 # given_gs_ok(lo) is True, (hi = +Inf) False
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if given_gs_ok(np.uint32(mid).view(F32), dtype):
+            lo = mid
+        else:
+            hi = mid
+    return float(np.uint32(hi).view(F32))
 
 
 def global_scale(x: np.ndarray, scope: str, gs=None) -> np.ndarray:
@@ -53,11 +95,17 @@ def global_scale(x: np.ndarray, scope: str, gs=None) -> np.ndarray:
     return np.where(g == 0, F32(1.0), g).astype(F32)
 
 
-def quantize(x, scope: str = "tensor", gs=None):
-    """NVFP4-encode `x` -> (q, sf, gs). See the module docstring."""
+def quantize(x, scope: str = "tensor", gs=None, dtype: str = "float32"):
+    """NVFP4-encode `x` -> (q, sf, gs). See the module docstring. `dtype`:
+    the dtype x came in (float32, float16 or bfloat16), whose largest finite
+    value decides whether a given gs is usable (given_gs_ok)."""
     x = np.asarray(x, dtype=F32)
     check_last_dim(x.shape[-1])
     g = global_scale(x, scope, gs)
+    if scope == "given" and not given_gs_ok(g, dtype):
+        lead, n = x.shape[:-1], x.shape[-1]
+        return (np.zeros((*lead, n // 2), np.uint8), np.full((*lead, n // BLOCK), 0x7F, np.uint8),
+                np.asarray(g, dtype=F32))
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     # per-block gs: scalar, or one per row broadcast over the row's blocks
     gb = np.asarray(g, dtype=F32)[..., None] if np.ndim(g) else g
@@ -67,8 +115,8 @@ def quantize(x, scope: str = "tensor", gs=None):
         sf = e4m3_encode(bmax / (gb * F32(6.0)))                      # step 2
         es = (e4m3_decode(sf) * gb).astype(F32)                       # step 3
         codes = e2m1_encode(blocks / es[..., None])                   # step 4
-    # codes only for a positive finite es: es == 0 is step 3; an Inf / NaN es
-    # comes only from a caller's device gs of 0, Inf or NaN
+    # codes only for a positive finite es: es == 0 is step 3 (a usable gs
+    # gives no Inf / NaN es; the guard is the kernels' nvfp4_es_usable)
     usable = (es > 0) & np.isfinite(es)
     codes = np.where((~usable)[..., None] | bad[..., None], np.uint8(0), codes)
     sf = np.where(bad, np.uint8(0x7F), sf).astype(np.uint8)           # step 5
