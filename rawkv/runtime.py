@@ -56,6 +56,18 @@ def registered_kernels() -> dict[str, tuple[str, ...]]:
     return out
 
 
+# Device state an op family must have before a graph is captured (error
+# counters, say): families register a function of the Runtime here, the
+# runtime calls each from warmup() and knows nothing of what they create.
+_WARMUP_HOOKS: list = []
+
+
+def on_warmup(fn) -> None:
+    """Have `warmup()` call fn(runtime) after loading the kernels."""
+    if fn not in _WARMUP_HOOKS:
+        _WARMUP_HOOKS.append(fn)
+
+
 def kernel_options(filename: str) -> tuple[str, ...]:
     """The extra NVRTC options of a kernel file (its shared constants)."""
     kf = kernels.files().get(filename)
@@ -260,7 +272,9 @@ class Runtime:
         for filename in (files if files is not None else registry):
             for name in registry[filename]:
                 self.function(filename, name)
-        self.stream()  # the current stream's CuPy handle too (CuPy launches and fallbacks)
+        self.stream()  # the current stream's CuPy handle too
+        for hook in _WARMUP_HOOKS:
+            hook(self)
 
     # -- streams and capture ------------------------------------------------
     def stream_ptr(self, stream=None) -> int:

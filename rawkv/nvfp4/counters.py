@@ -11,8 +11,7 @@ Slots: GATHER_INDEX counts the gather output rows whose index was outside
 GIVEN_GS counts the quantize calls whose device gs the kernel found unusable
 (every block flagged). Kernels add with atomics on the op's stream; nothing
 here synchronizes on the hot path. The CUDA counter of a device is created,
-zeroed, on first use outside graph capture: call error_counts(device)
-before capturing a graph whose ops may need it.
+zeroed, by rawkv.warmup() (or on first use outside graph capture).
 """
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ import threading
 import numpy as np
 
 from ..errors import CaptureError
-from ..runtime import get_runtime
+from ..runtime import get_runtime, on_warmup
 
 GATHER_INDEX = 0
 GIVEN_GS = 1
@@ -63,8 +62,7 @@ def _create(rt, stream):
     if rt.capturing(stream):
         raise CaptureError(
             f"rawkv.nvfp4: the error counter of cuda:{rt.device_index} does not exist yet and the "
-            f"stream is capturing a CUDA graph; call rawkv.nvfp4.error_counts({rt.device_index}) "
-            "before capture")
+            "stream is capturing a CUDA graph; call rawkv.warmup() before capture")
     import torch
     with _LOCK:
         c = _CUDA.get(rt.device_index)
@@ -74,3 +72,6 @@ def _create(rt, stream):
             torch.cuda.synchronize(rt.device_index)
             _CUDA[rt.device_index] = c
     return c
+
+
+on_warmup(lambda rt: address(rt, 0))
