@@ -216,6 +216,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._get_device = cupy.cuda.runtime.getDevice
         self._launcher = _launch.Launcher()
+        self._launch_call = self._launcher.__call__   # bound method: cheaper than calling the instance
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
             self._current_stream_ptr = functools.partial(raw, self.device_index)  # C-level call
@@ -331,7 +332,7 @@ class Runtime:
         ptr = self._current_stream_ptr() if stream is None else self.stream_ptr(stream)
         cur = self._get_device()
         if cur == self.device_index:
-            self._launcher(fn, grid, block, st, args, shared_mem, ptr, what)
+            self._launch_call(fn, grid, block, st, args, shared_mem, ptr, what)
             return
         # the kernel lives in this device's context: make it current
         self._cupy.cuda.runtime.setDevice(self.device_index)

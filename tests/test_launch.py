@@ -71,7 +71,7 @@ def test_memset_and_launch_make_their_device_current():
     rt._cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
         setDevice=lambda d: calls.append(("setDevice", d)),
         memsetAsync=lambda *a: calls.append(("memsetAsync", *a)))))
-    rt._launcher = lambda fn, grid, block, st, args, shm, stream, what: calls.append(("launch", stream))
+    rt._launcher = rt._launch_call = lambda fn, grid, block, st, args, shm, stream, what: calls.append(("launch", stream))
     for current in (1, 0):
         rt._get_device = lambda: current
         calls.clear()

@@ -139,8 +139,10 @@ _FILES: dict[str, KernelFile] = {}
 
 class Instance:
     """One template instantiation: its name expression, slot layout and
-    packer. `launch` is the hot path."""
-    __slots__ = ("kernel", "file", "expr", "key", "struct", "pack")
+    packer. `launch` is the hot path: a function generated for this
+    instance (see _make_launch), so a call is one Python frame before the
+    runtime's."""
+    __slots__ = ("kernel", "file", "expr", "key", "struct", "pack", "launch")
 
     def __init__(self, kernel: "Kernel", targs: tuple):
         self.kernel = kernel
@@ -150,14 +152,10 @@ class Instance:
         self.key = (self.file, self.expr)
         self.struct = struct.Struct("<" + "".join(p.slot for p in kernel.params))
         self.pack = kernel.packer
+        self.launch = _make_launch(self)
 
-    def launch(self, rt, grid, block, *, stream=None, shared_mem: int = 0, **kw) -> None:
-        fn = rt._functions.get(self.key) or rt.function(self.file, self.expr, stream=stream)
-        try:
-            args = self.pack(**kw)
-        except TypeError as exc:
-            raise TypeError(f"{self.expr}: {exc}") from None
-        rt.launch(fn, grid, block, self.struct, args, stream, shared_mem, self)
+    def __repr__(self):
+        return f"<kernel instance {self.file}:{self.expr}>"
 
 
 class Kernel:
@@ -200,9 +198,9 @@ class Kernel:
         inst.launch(rt, grid, block, stream=stream, shared_mem=shared_mem, **kw)
 
 
-def _make_packer(kernel_name: str, params_: tuple[Param, ...]):
-    """A function taking the parameters by keyword (all required) and
-    returning them in order, pointers as int addresses."""
+def _ordered_args(params_: tuple[Param, ...]) -> tuple[str, str]:
+    """(keyword-only parameter list, tuple expression of the values in
+    order, pointers as int addresses: a tensor's data_ptr(), None -> 0)."""
     items = []
     for p in params_:
         n = p.name
@@ -210,12 +208,35 @@ def _make_packer(kernel_name: str, params_: tuple[Param, ...]):
             items.append(f"(0 if {n} is None else {n} if {n}.__class__ is int else {n}.data_ptr())")
         else:
             items.append(n)
-    arglist = ", ".join(p.name for p in params_)
-    src = (f"def pack(*, {arglist}):\n    return ({', '.join(items)}{',' if len(items) == 1 else ''})\n"
-           if params_ else "def pack():\n    return ()\n")
-    ns: dict = {}
-    exec(compile(src, f"<rawkv kernel {kernel_name}>", "exec"), ns)  # noqa: S102 - generated from declarations
-    return ns["pack"]
+    return ", ".join(p.name for p in params_), f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+
+
+def _generate(name: str, src: str, env: dict):
+    exec(compile(src, f"<rawkv kernel {name}>", "exec"), env)  # noqa: S102 - generated from declarations
+    return env[name]
+
+
+def _make_packer(kernel_name: str, params_: tuple[Param, ...]):
+    """A function taking the parameters by keyword (all required) and
+    returning them in order, pointers as int addresses."""
+    arglist, values = _ordered_args(params_)
+    star = f"*, {arglist}" if params_ else ""
+    return _generate(kernel_name, f"def {kernel_name}({star}):\n    return {values}\n", {})
+
+
+def _make_launch(inst: "Instance"):
+    """launch(rt, grid, block, *, stream=None, shared_mem=0, <parameters>):
+    the instance's function, argument order and slot struct bound as
+    constants, the parameters taken by keyword (a missing or unknown one is
+    Python's TypeError naming the kernel and the parameter)."""
+    params_ = inst.kernel.params
+    arglist, values = _ordered_args(params_)
+    name = inst.kernel.name
+    src = (f"def {name}(rt, grid, block, *, stream=None, shared_mem=0{', ' + arglist if params_ else ''}):\n"
+           f"    fn = rt._functions.get(KEY) or rt.function(FILE, EXPR, stream=stream)\n"
+           f"    rt.launch(fn, grid, block, STRUCT, {values}, stream, shared_mem, INST)\n")
+    return _generate(name, src, {"KEY": inst.key, "FILE": inst.file, "EXPR": inst.expr,
+                                 "STRUCT": inst.struct, "INST": inst})
 
 
 def files() -> dict[str, KernelFile]:
