@@ -3,6 +3,9 @@ registered as torch.ops.rawkv.<name> in mutating form and passes
 torch.library.opcheck (schema, fake tensor, autograd registration, AOT
 dispatch); torch.compile(fullgraph=True) traces the public ops with no graph
 break. CPU here; the CUDA and CUDA-graph checks are in test_library_gpu."""
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -12,25 +15,37 @@ import rawkv.library as L  # noqa: E402
 from rawkv import _opdecl  # noqa: E402
 
 
-def _fp8_samples(rng, device="cpu"):
-    x = torch.from_numpy(rng.standard_normal((3, 37)).astype(np.float32)).to(device)
-    # uint8 codes: opcheck compares buffers with allclose, which has no float8 kernel on CPU
-    codes = torch.from_numpy(rng.integers(0, 256, (3, 37), dtype=np.uint8)).to(device)
-    return {
-        "e4m3_encode": [(x, torch.empty(x.shape, dtype=torch.uint8, device=device)),
-                        (x.bfloat16(), torch.empty(x.shape, dtype=torch.uint8, device=device))],
-        "e4m3_decode": [(codes, torch.empty(codes.shape, device=device)),
-                        (codes, torch.empty(codes.shape, dtype=torch.float16, device=device))],
-    }
+def _sample_modules():
+    for path in sorted(Path(__file__).parent.glob("library_samples_*.py")):
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        yield path.name, mod
 
 
-SAMPLES = [_fp8_samples]
+def steps():
+    """[(name, make)] of every family's compiled-step checks."""
+    return [s for _, mod in _sample_modules() for s in getattr(mod, "STEPS", [])]
+
+
+def same_bits(a, b) -> bool:
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    if a is None or b is None:
+        return a is b
+    if a.dtype.itemsize == 1:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def samples(rng, device="cpu"):
+    """{op name: [argument tuples]} for opcheck, from every
+    tests/library_samples_<family>.py (each defines samples(rng, device))."""
     out = {}
-    for fn in SAMPLES:
-        out.update(fn(rng, device))
+    for name, mod in _sample_modules():
+        got = mod.samples(rng, device)
+        assert not set(got) & set(out), f"{name} samples an op another file samples"
+        out.update(got)
     return out
 
 
@@ -58,16 +73,12 @@ def test_operator_writes_what_the_public_op_returns(rng):
     assert torch.equal(out, rawkv.fp8.e4m3_encode(x).view(torch.uint8))
 
 
-def test_compile_fullgraph_traces_public_ops(rng):
+@pytest.mark.parametrize("name,make", steps(), ids=[n for n, _ in steps()])
+def test_compile_fullgraph_traces_public_ops(rng, name, make):
     torch._dynamo.reset()
-
-    def step(x):
-        codes = rawkv.fp8.e4m3_encode(x)
-        return rawkv.fp8.e4m3_decode(codes, dtype=torch.bfloat16).float() * 2
-
-    x = torch.from_numpy(rng.standard_normal((4, 64)).astype(np.float32))
+    step, args = make(rng, "cpu")
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    assert torch.equal(compiled(x), step(x))
+    assert same_bits(compiled(*args), step(*args))
 
 
 def test_schema_errors_are_caught_at_declaration():

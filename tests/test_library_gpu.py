@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 import rawkv  # noqa: E402
 import rawkv.library as L  # noqa: E402
 from rawkv import _opdecl  # noqa: E402
-from test_library import samples  # noqa: E402
+from test_library import same_bits, samples, steps  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(_opdecl.declared()))
@@ -18,29 +18,20 @@ def test_opcheck_cuda(cuda, rng, name):
         torch.library.opcheck(getattr(torch.ops.rawkv, name).default, args)
 
 
-def _fp8_step(x):
-    codes = rawkv.fp8.e4m3_encode(x)
-    return rawkv.fp8.e4m3_decode(codes, dtype=torch.bfloat16)
-
-
-STEPS = [_fp8_step]
-
-
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-@pytest.mark.parametrize("step", STEPS, ids=lambda f: f.__name__)
-def test_compiled_step_same_bits_as_eager(cuda, rng, mode, step):
+@pytest.mark.parametrize("name,make", steps(), ids=[n for n, _ in steps()])
+def test_compiled_step_same_bits_as_eager(cuda, rng, mode, name, make):
+    """Inductor, and inductor with CUDA graphs (reduce-overhead: the graph
+    is recorded on the first calls, then replayed)."""
     rawkv.warmup()
     torch._dynamo.reset()
-    x = torch.from_numpy(rng.standard_normal((8, 512)).astype(np.float32)).cuda()
-    want = step(x)
+    step, args = make(rng, "cuda")
+    want = step(*args)
     compiled = torch.compile(step, fullgraph=True, mode=mode)
-    for _ in range(3):          # reduce-overhead records, then replays the graph
-        got = compiled(x)
+    for _ in range(3):
+        got = compiled(*args)
         torch.cuda.synchronize()
-        assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got,
-                           want.view(torch.uint8) if want.dtype.itemsize == 1 else want)
-        x = x * 1.5
-        want = step(x)
+        assert same_bits(got, want)
 
 
 def test_operator_runs_on_its_tensors_device(cuda, monkeypatch):
