@@ -7,3 +7,4 @@ tests/test_kernel_abi.py holds them against the CUDA sources.
 """
 from ._decl import CTYPE, Kernel, KernelFile, TParam, files, registered_kernels  # noqa: F401
 from . import fp8  # noqa: F401,E402
+from . import fused  # noqa: F401,E402

@@ -67,7 +67,7 @@ def check(archs, max_spill_bytes: int, files=None, jobs: int = 2, out=None) -> i
     out = out or sys.stdout     # looked up per call, so a redirected stdout is honoured
     from .. import _nvrtc
     from ..errors import CompileError, GpuUnavailableError
-    from ..runtime import registered_kernels
+    from ..runtime import kernel_options, registered_kernels
 
     registry = registered_kernels()
     if files:
@@ -93,7 +93,8 @@ def check(archs, max_spill_bytes: int, files=None, jobs: int = 2, out=None) -> i
         filename, arch = job
         source = (_nvrtc.CU_DIR / filename).read_text()
         try:
-            res = _nvrtc.compile_cu(source, filename, arch, registry[filename], verbose_ptxas=True)
+            res = _nvrtc.compile_cu(source, filename, arch, registry[filename], kernel_options(filename),
+                                   verbose_ptxas=True)
             return filename, arch, res, None
         except CompileError as exc:
             return filename, arch, None, str(exc)
