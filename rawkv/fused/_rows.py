@@ -40,12 +40,14 @@ def dtypes() -> Dtypes:
     return _DT
 
 
-def check_out(t, name, dts, shape, dev, align):
-    """A given out= buffer: a CUDA tensor of one of `dts`, `shape`, on
-    device `dev`, contiguous, its data `align`-byte aligned."""
+def cuda_arg(t, name, dts, dev=None, align=0, shape=None):
+    """A CUDA tensor argument (DLPack arrays wrapped): one of dtypes `dts`,
+    on device `dev`, contiguous, of `shape` and its data `align`-byte
+    aligned where those are given."""
     t = D.as_cuda_tensor(t, name)
     A.check_tensor(t, name, dts, shape=shape, device=dev)
-    A.check_aligned(name, t, align)
+    if align:
+        A.check_aligned(name, t, align)
     return t
 
 
@@ -54,9 +56,7 @@ def gs_arg(gs, dev):
     float32 tensor, 0.0) or (None, the number)."""
     if gs.__class__ is float:
         return None, gs
-    g = D.as_cuda_tensor(gs, "gs")
-    A.check_tensor(g, "gs", dtypes().f32, device=dev)
-    return g, 0.0
+    return cuda_arg(gs, "gs", dtypes().f32, dev), 0.0
 
 
 def outputs(rt, lead, n, scope, dev, out_q, out_sf, out_gs, out_inv, want_inv, stream):
@@ -66,10 +66,10 @@ def outputs(rt, lead, n, scope, dev, out_q, out_sf, out_gs, out_inv, want_inv, s
     if out_inv is not None and not want_inv:
         raise ValueError("out.inv_rms: this op has no inv_rms output")
     gshape = R.gs_shape(scope, lead, out_gs)
-    q = None if out_q is None else check_out(out_q, "out.q", dt.q, (*lead, n // 2), dev, 8)
-    sf = None if out_sf is None else check_out(out_sf, "out.sf", dt.sf, (*lead, n // 16), dev, 1)
-    gs = None if out_gs is None else check_out(out_gs, "out.gs", dt.f32, gshape, dev, 4)
-    inv = None if out_inv is None else check_out(out_inv, "out.inv_rms", dt.f32, lead, dev, 4)
+    q = None if out_q is None else cuda_arg(out_q, "out.q", dt.q, dev, 8, (*lead, n // 2))
+    sf = None if out_sf is None else cuda_arg(out_sf, "out.sf", dt.sf, dev, 1, (*lead, n // 16))
+    gs = None if out_gs is None else cuda_arg(out_gs, "out.gs", dt.f32, dev, 4, gshape)
+    inv = None if out_inv is None else cuda_arg(out_inv, "out.inv_rms", dt.f32, dev, 4, lead)
     if q is None:
         q = rt.empty((*lead, n // 2), dt.u8, stream).view(dt.q_view)
     if sf is None:

@@ -21,6 +21,26 @@ OUT_Q = ("uint8", "float4_e2m1fn_x2")          # what out.q may be (the result: 
 OUT_SF = ("uint8", "float8_e4m3fn")            # what out.sf may be (the result: float8_e4m3fn)
 
 
+# Python floats that A.check_eps / A.check_gs_number accepted: the same
+# value passes again, and a set lookup costs nothing where the check costs
+# ~2 us of the launch path. Bounded, for callers that vary them.
+_GOOD_EPS: set = set()
+_GOOD_GS: set = set()
+
+
+def _remember(good: set, v: float) -> float:
+    if len(good) < 256:
+        good.add(v)
+    return v
+
+
+def check_eps(eps) -> float:
+    """A.check_eps, remembered for the Python floats it accepted."""
+    if eps.__class__ is float and eps in _GOOD_EPS:
+        return eps
+    return _remember(_GOOD_EPS, A.check_eps(eps))
+
+
 def parse_scope(scope, gs):
     """(scope, gs) of a producer. scope None means 'given' when gs is given,
     else 'row'. A number gs comes back as a Python float, checked as the
@@ -29,7 +49,8 @@ def parse_scope(scope, gs):
     checked where it is read: see cpu_gs and rawkv.fused._rows.gs_arg).
 
     Kept to this one function on purpose: rawkv._args is to get one scope /
-    gs parser shared with rawkv.nvfp4, which replaces it."""
+    gs parser shared with rawkv.nvfp4, which replaces it (with this default
+    scope; the _GOOD_GS memo may stay in front of its number check)."""
     if scope is None:
         scope = "given" if gs is not None else "row"
     if scope not in SCOPES:
@@ -40,8 +61,10 @@ def parse_scope(scope, gs):
         raise ValueError(f"gs: a global scale is only used with scope='given' (got scope={scope!r})")
     if gs is None:
         return scope, None
+    if gs.__class__ is float and gs in _GOOD_GS:
+        return scope, gs
     if A.is_number(gs) or isinstance(gs, (bool, np.bool_)):
-        return scope, A.check_gs_number(gs, "gs")          # bool: TypeError
+        return scope, _remember(_GOOD_GS, A.check_gs_number(gs, "gs"))   # bool: TypeError
     A.require_array(gs, "gs")
     shape = tuple(gs.shape)
     if int(np.prod(shape)) != 1:

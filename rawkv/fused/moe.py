@@ -60,20 +60,16 @@ def moe_stage(hidden, topk_ids, topk_weights, *, out=None, stream=None):
                          C.put(ids, hidden, out_ids), C.put(w, hidden, out_w, C.torch_dtype(w_dt)))
 
     dt = _rows.dtypes()
-    hidden = D.as_cuda_tensor(hidden, "hidden")
-    A.check_tensor(hidden, "hidden", dt.x)
-    A.check_aligned("hidden", hidden)
+    hidden = _rows.cuda_arg(hidden, "hidden", dt.x, align=16)
     dev = hidden.get_device()
-    topk_ids = D.as_cuda_tensor(topk_ids, "topk_ids")
-    A.check_tensor(topk_ids, "topk_ids", dt.ids, device=dev)
-    topk_weights = D.as_cuda_tensor(topk_weights, "topk_weights")
-    A.check_tensor(topk_weights, "topk_weights", dt.param, device=dev)
+    topk_ids = _rows.cuda_arg(topk_ids, "topk_ids", dt.ids, dev)
+    topk_weights = _rows.cuda_arg(topk_weights, "topk_weights", dt.param, dev)
     w_dt = topk_weights.dtype
     sf_s = (m, k // 64)                 # one int32 of four scales per 64 elements
-    q = None if out_q is None else _rows.check_out(out_q, "out.q", dt.q, (m, k // 2), dev, 16)
-    sf = None if out_sf is None else _rows.check_out(out_sf, "out.sf", dt.i32, sf_s, dev, 4)
-    ids = None if out_ids is None else _rows.check_out(out_ids, "out.topk_ids", dt.i64, ids_s, dev, 8)
-    w = None if out_w is None else _rows.check_out(out_w, "out.topk_weights", (w_dt,), ids_s, dev, 1)
+    q = None if out_q is None else _rows.cuda_arg(out_q, "out.q", dt.q, dev, 16, (m, k // 2))
+    sf = None if out_sf is None else _rows.cuda_arg(out_sf, "out.sf", dt.i32, dev, 4, sf_s)
+    ids = None if out_ids is None else _rows.cuda_arg(out_ids, "out.topk_ids", dt.i64, dev, 8, ids_s)
+    w = None if out_w is None else _rows.cuda_arg(out_w, "out.topk_weights", (w_dt,), dev, 1, ids_s)
     rt = get_runtime(dev)
     q = rt.empty((m, k // 2), dt.u8, stream) if q is None else q
     sf = rt.empty(sf_s, dt.i32[0], stream) if sf is None else sf

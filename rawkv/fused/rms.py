@@ -35,7 +35,7 @@ def mhc_rmsnorm_quantize(x, mix, weight, eps=1e-6, *, scope=None, gs=None, out=N
 
 def _rms(x, mix, weight, eps, scope, gs, out, stream, mixed):
     out_q, out_sf, out_gs, out_inv = R.split_out(out)
-    eps = A.check_eps(eps)
+    eps = R.check_eps(eps)
     scope, gs = R.parse_scope(scope, gs)
     R.require_arrays(("x", x), ("weight", weight))
     if mixed:
@@ -64,16 +64,11 @@ def _rms(x, mix, weight, eps, scope, gs, out, stream, mixed):
         return _rms_cpu(x, mix, weight, eps, scope, gs, lead, n_hc, n, out_q, out_sf, out_gs, out_inv)
 
     dt = _rows.dtypes()
-    x = D.as_cuda_tensor(x, "x")
-    A.check_tensor(x, "x", dt.x)
-    A.check_aligned("x", x)
+    x = _rows.cuda_arg(x, "x", dt.x, align=16)
     dev = x.get_device()
-    weight = D.as_cuda_tensor(weight, "weight")
-    A.check_tensor(weight, "weight", dt.param, device=dev)
-    A.check_aligned("weight", weight)
+    weight = _rows.cuda_arg(weight, "weight", dt.param, dev, 16)
     if mixed:
-        mix = D.as_cuda_tensor(mix, "mix")
-        A.check_tensor(mix, "mix", dt.param, device=dev)
+        mix = _rows.cuda_arg(mix, "mix", dt.param, dev)
     gs_in, gs_val = (None, 0.0) if gs is None else _rows.gs_arg(gs, dev)
     rt = get_runtime(dev)
     q, sf, gs_t, inv = _rows.outputs(rt, lead, n, scope, dev, out_q, out_sf, out_gs, out_inv, True, stream)

@@ -54,10 +54,8 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
         return C.activation(h, scope, q.reshape(*lead, inter // 2), sf.reshape(*lead, inter // 16), gg, None,
                             out_q, out_sf, out_gs, None)
 
-    h = D.as_cuda_tensor(h, "h")
-    A.check_tensor(h, "h", _rows.dtypes().x)
     vec = g_int % 8 == 0            # runs of 8 gate / up columns: 16-byte loads
-    A.check_aligned("h", h, 16 if vec else 2)
+    h = _rows.cuda_arg(h, "h", _rows.dtypes().x, align=16 if vec else 2)
     dev = h.get_device()
     gs_in, gs_val = (None, 0.0) if gs is None else _rows.gs_arg(gs, dev)
     rt = get_runtime(dev)
