@@ -128,3 +128,22 @@ def test_operators_run_on_their_tensors_device(cuda, rng, monkeypatch):
             getattr(ops, name)(*args)
     torch.cuda.synchronize()
     assert len(asked) >= sum(map(len, cases.values())) and set(asked) == {0}
+
+
+def _steps():
+    from library_samples_nvfp4 import STEPS
+    return STEPS
+
+
+@pytest.mark.parametrize("name,make", _steps(), ids=[n for n, _ in _steps()])
+def test_compiled_steps_return_what_eager_returns(rng, name, make):
+    """The traced branches allocate what eager returns: same dtypes (FP4 /
+    FP8 views included, which test_library's bit comparison reads as
+    uint8) and shapes; a given gs tensor is the returned gs in both."""
+    torch._dynamo.reset()
+    step, args = make(rng, "cpu")
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+    want = step(*args)
+    assert [(t.dtype, t.shape) for t in got] == [(t.dtype, t.shape) for t in want]
+    if name == "nvfp4_given_gs":
+        assert got[2].data_ptr() == want[2].data_ptr() == args[1].data_ptr()
