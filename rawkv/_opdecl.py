@@ -17,7 +17,8 @@ import re
 from typing import Callable
 
 _OPS: dict[str, "OpDecl"] = {}
-_ARG = re.compile(r"^\s*(?P<type>[\w\[\]?]+)(?P<alias>\([a-z]!\))?\s+(?P<name>\w+)(?:\s*=\s*(?P<default>\S+))?\s*$")
+_ARG = re.compile(r"^\s*(?P<type>[\w\[\]?]+)(?P<alias>\([a-z]!\))?(?P<optional>\?)?\s+(?P<name>\w+)"
+                  r"(?:\s*=\s*(?P<default>\S+))?\s*$")
 
 
 class OpDecl:
@@ -33,7 +34,8 @@ class OpDecl:
             m = _ARG.match(part)
             if m is None:
                 raise ValueError(f"rawkv::{name}: cannot read schema argument {part!r}")
-            self.args.append((m["name"], m["type"], m["alias"] is not None))
+            # 'Tensor(a!)? errors': an optional written tensor (type 'Tensor?')
+            self.args.append((m["name"], m["type"] + (m["optional"] or ""), m["alias"] is not None))
         self.mutates = tuple(n for n, _, w in self.args if w)
         if not self.mutates:
             raise ValueError(f"rawkv::{name}: a mutating op writes at least one argument")
