@@ -208,12 +208,13 @@ def _worker(a) -> int:
     t0 = time.time()
     rt = rawkv.warmup(local)
     t1 = time.time()
+    warm_stats = dict(rt.stats)            # what the warm-up compiled / loaded / found damaged
     got, errors = decode_run(make_inputs(a.seed, rank, a.steps), f"cuda:{local}", graph=True)
     every = [torch.empty_like(got) for _ in range(world)]
     dist.all_gather(every, got)
     info = {"rank": rank, "local_rank": local, "device": got.device.index,
             "current_device": torch.cuda.current_device(), "name": torch.cuda.get_device_name(local),
-            "runtime_device": rt.device_index, "arch": rt.arch, "stats": dict(rt.stats),
+            "runtime_device": rt.device_index, "arch": rt.arch, "stats": warm_stats,
             "warmup": [t0, t1], "errors": errors, "nbytes": got.numel(),
             "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
             "cache_dir": os.environ.get("RAWKV_CACHE_DIR")}
