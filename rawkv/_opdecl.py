@@ -17,7 +17,7 @@ import re
 from typing import Callable
 
 _OPS: dict[str, "OpDecl"] = {}
-_ARG = re.compile(r"^\s*(?P<type>[\w\[\]?]+)(?P<alias>\([a-z]!\))?\s+(?P<name>\w+)(?:\s*=\s*(?P<default>\S+))?\s*$")
+_ARG = re.compile(r"^\s*(?P<type>[\w\[\]?]+)(?P<alias>\([a-z]!\))?\??\s+(?P<name>\w+)(?:\s*=\s*(?P<default>\S+))?\s*$")
 
 
 class OpDecl:
