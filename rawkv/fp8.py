@@ -63,7 +63,8 @@ def _vector(*tensors) -> bool:
     return acc & 15 == 0
 
 
-# (device, x dtype, out dtype) -> (Runtime, {vector?: Instance}): filled by
+# (device, x dtype, out dtype) -> (Runtime, {vector?: Instance}, the device's
+# grids): filled by
 # the checked path, read by the fast path of a decode step.
 _ENCODE_FAST: dict = {}
 
@@ -87,8 +88,8 @@ def e4m3_encode(x, *, out=None, stream=None):
         if n:
             rt = ent[0]
             xp, op = x.data_ptr(), out.data_ptr()
-            ent[1][(xp | op) & 15 == 0].launch(rt, _GRIDS[rt.device_index].get(n) or _grid(rt, n),
-                                               (_BLOCK,), stream=stream, x=xp, out=op, n=n)
+            ent[1][(xp | op) & 15 == 0].launch(rt, ent[2].get(n) or _grid(rt, n), (_BLOCK,),
+                                               stream=stream, x=xp, out=op, n=n)
         return out
     if not D.is_cuda_tensor(x):
         A.require_array(x, "x")
@@ -116,7 +117,7 @@ def e4m3_encode(x, *, out=None, stream=None):
         K.ENCODE.launch(rt, _grid(rt, n), (_BLOCK,), x.dtype, _vector(x, out), stream=stream,
                         x=x, out=out, n=n)
         _ENCODE_FAST.setdefault((dev, x.dtype, out.dtype), (
-            rt, {v: K.ENCODE.instance(x.dtype, v) for v in (False, True)}))
+            rt, {v: K.ENCODE.instance(x.dtype, v) for v in (False, True)}, _GRIDS[rt.device_index]))
     return out
 
 

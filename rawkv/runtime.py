@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import numbers
 import re
-import struct
 import threading
 from typing import Iterable
 
@@ -36,24 +35,9 @@ from .errors import CaptureError, GpuUnavailableError
 # Kernel registry: rawkv.kernels declares every kernel (plain Python, no
 # CUDA); the runtime reads the declarations and imports no op module.
 # ---------------------------------------------------------------------------
-# Transitional: families not yet declared in rawkv.kernels register their
-# name expressions here and launch through Runtime.launch_args.
-_REGISTRY: dict[str, list[str]] = {}
-
-
-def register_kernels(filename: str, names: Iterable[str]) -> None:
-    lst = _REGISTRY.setdefault(filename, [])
-    for n in names:
-        if n not in lst:
-            lst.append(n)
-
-
 def registered_kernels() -> dict[str, tuple[str, ...]]:
     """{filename: name expressions} for every kernel rawkv declares."""
-    out = kernels.registered_kernels()
-    for f, names in _REGISTRY.items():
-        out.setdefault(f, tuple(names))
-    return out
+    return kernels.registered_kernels()
 
 
 # Device state an op family must have before a graph is captured (error
@@ -340,12 +324,6 @@ class Runtime:
             self._launcher(fn, grid, block, st, args, shared_mem, ptr, what)
         finally:
             self._cupy.cuda.runtime.setDevice(cur)
-
-    def launch_args(self, fn, grid, block, args, stream=None, shared_mem: int = 0) -> None:
-        """Transitional launch for kernels not yet declared in rawkv.kernels:
-        ints packed as 64-bit, floats as double."""
-        st = struct.Struct("<" + "".join("d" if isinstance(a, float) else "q" for a in args))
-        self.launch(fn, grid, block, st, tuple(args), stream, shared_mem)
 
     def memset(self, ptr: int, value: int, nbytes: int, stream=None) -> None:
         """cudaMemsetAsync on the launch stream (capturable as a memset node),

@@ -15,10 +15,7 @@ def _sources():
 
 
 def test_every_kernel_is_declared_as_its_source_defines_it():
-    problems = _abi.mismatches()
-    legacy = set(runtime._REGISTRY)          # families not yet moved to rawkv.kernels
-    problems = [p for p in problems if p.split(":")[0] not in legacy]
-    assert problems == []
+    assert _abi.mismatches() == []
 
 
 def test_every_cu_file_has_kernels_the_runtime_knows():

@@ -1,7 +1,7 @@
 // fused.cu: fused NVFP4 producers (docs/fused.md) and MoE input staging.
 //
-//   rkv_fused_rms<T, MIX>           [mHC mix +] RMSNorm + NVFP4 quantize
-//   rkv_fused_swiglu<T, VEC>        SwiGLU de-interleave + silu*up + quantize
+//   rkv_fused_rms<T, MIX, REG>      [mHC mix +] RMSNorm + NVFP4 quantize
+//   rkv_fused_swiglu<T, VEC, REG>   SwiGLU de-interleave + silu*up + quantize
 //   rkv_moe_stage<T, ID>            one-level NVFP4 + packed scales + top-k copy
 //   rkv_fused_set_gs                gs of an op with no rows (scopes tensor / given / none)
 //
@@ -22,26 +22,37 @@
 //
 // Numerics follow rawkv/reference/fused.py operation by operation; the
 // runtime compiles with --fmad=false --ftz=false --prec-div=true --prec-sqrt=true.
+
+// The constants fused.cu shares with the host are written once, in
+// rawkv/kernels/fused.py, and reach this file as -D options.
+#if !defined(RKV_FUSED_MODE_ROW) || !defined(RKV_FUSED_MODE_AMAX) || !defined(RKV_FUSED_MODE_TENSOR) || \
+    !defined(RKV_FUSED_MODE_FIXED) || !defined(RKV_FUSED_KIND_F32) || !defined(RKV_FUSED_KIND_BF16) || \
+    !defined(RKV_FUSED_KIND_F16) || !defined(RKV_FUSED_MAX_HC) || !defined(RKV_FUSED_MAX_THREADS) || \
+    !defined(RKV_FUSED_MAX_THREADS_SM100) || !defined(RKV_FUSED_MOE_BLOCK)
+#error "fused.cu: a shared constant is missing; compile it through rawkv (rawkv.kernels.fused passes them as -D options)"
+#endif
+
 #include "packed16.cuh"
 using namespace rkv;
 
 namespace {
 
-// REG (template): register-held chunks per thread, 2 or 4. A CTA has at most
-// kMaxThreads / REG threads: 64 registers per thread for REG = 2 and 128 for
-// 4 up to sm_90; sm_100 / sm_120 code needs a few more (ptxas spills in 64),
-// so there the bound is 768 threads (80 registers). The host never launches
-// more than 1536 / REG threads (rawkv/fused.py _MAX_BLOCK). The mHC kernel
-// fits only with its rare Inf/NaN path as a call (CALL_SLOW_PATH).
+// REG (template): register-held chunks per thread. A row CTA has at most
+// kMaxThreads / REG threads, the launch bound that sets the register budget:
+// 64 registers per thread for REG = 2 up to sm_90; sm_100 / sm_120 code
+// needs a few more (ptxas spills in 64), so there the bound is 768 threads
+// (80 registers). The host launches at most rawkv.kernels.fused.MAX_BLOCK
+// threads on every arch, within both bounds. The mHC kernel fits
+// only with its rare Inf/NaN path as a call (CALL_SLOW_PATH).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-constexpr int kMaxThreads = 1536;
+constexpr int kMaxThreads = RKV_FUSED_MAX_THREADS_SM100;
 #else
-constexpr int kMaxThreads = 2048;
+constexpr int kMaxThreads = RKV_FUSED_MAX_THREADS;
 #endif
-constexpr int MODE_ROW = 0;             // gs per row, from the row amax
-constexpr int MODE_AMAX = 1;            // tensor scope, launch 1: atomicMax of the amax
-constexpr int MODE_TENSOR = 2;          // tensor scope, launch 2: quantize with it
-constexpr int MODE_FIXED = 3;           // gs given (device pointer or value; 1 = one-level)
+constexpr int MODE_ROW = RKV_FUSED_MODE_ROW;        // gs per row, from the row amax
+constexpr int MODE_AMAX = RKV_FUSED_MODE_AMAX;      // tensor scope, launch 1: atomicMax of the amax
+constexpr int MODE_TENSOR = RKV_FUSED_MODE_TENSOR;  // tensor scope, launch 2: quantize with it
+constexpr int MODE_FIXED = RKV_FUSED_MODE_FIXED;    // gs given (device pointer or value; 1 = one-level)
 constexpr u32 kAmaxFlag = 0x80000000u;  // marks "gs word still holds the amax"
 
 template <typename T> __device__ __forceinline__ float round_t(float v) { return to_f32<T>(from_f32<T>(v)); }
@@ -57,16 +68,16 @@ __device__ __forceinline__ void load8(const T* p, float* v) {
 }
 
 // A value of a small per-row / per-column parameter of run-time dtype
-// (0 = float32, 1 = bfloat16, 2 = float16).
+// (RKV_FUSED_KIND_F32 / _BF16 / _F16).
 __device__ __forceinline__ float load_kind(const void* p, i64 i, int kind) {
-    if (kind == 1) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    if (kind == 2) return __half2float(static_cast<const __half*>(p)[i]);
+    if (kind == RKV_FUSED_KIND_BF16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    if (kind == RKV_FUSED_KIND_F16) return __half2float(static_cast<const __half*>(p)[i]);
     return static_cast<const float*>(p)[i];
 }
 
 // 16 consecutive weights starting at element c*16 (16-byte aligned).
 __device__ __forceinline__ void load_weights16(const void* w, int kind, i64 c, float (&v)[16]) {
-    if (kind == 0) {
+    if (kind == RKV_FUSED_KIND_F32) {
         const float* p = static_cast<const float*>(w) + c * 16;
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
@@ -74,7 +85,7 @@ __device__ __forceinline__ void load_weights16(const void* w, int kind, i64 c, f
 #pragma unroll
             for (int j = 0; j < 4; ++j) v[4 * h + j] = a.v[j];
         }
-    } else if (kind == 1) {
+    } else if (kind == RKV_FUSED_KIND_BF16) {
         load8(static_cast<const __nv_bfloat16*>(w) + c * 16, v);
         load8(static_cast<const __nv_bfloat16*>(w) + c * 16 + 8, v + 8);
     } else {
@@ -149,7 +160,7 @@ struct RmsProducer {
     int w_kind;
     int n_hc;
     i64 n;             // row length N
-    float a[4];
+    float a[RKV_FUSED_MAX_HC];
 
     __device__ __forceinline__ void load(i64 c, u32 (&w)[8]) const {
         if constexpr (!MIX) {
@@ -161,7 +172,7 @@ struct RmsProducer {
 #pragma unroll
             for (int i = 0; i < 16; ++i) v[i] = a[0] * v[i];
 #pragma unroll
-            for (int h = 1; h < 4; ++h) {
+            for (int h = 1; h < RKV_FUSED_MAX_HC; ++h) {
                 if (h < n_hc) {
                     load8(x + h * n + c * 16, t);
                     load8(x + h * n + c * 16 + 8, t + 8);
@@ -384,7 +395,7 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms(
     p.n_hc = (int)n_hc;
     p.n = n;
 #pragma unroll
-    for (int h = 0; h < 4; ++h)
+    for (int h = 0; h < RKV_FUSED_MAX_HC; ++h)
         p.a[h] = (MIX && h < n_hc) ? load_kind(mix, row * n_hc + h, (int)mix_kind) : 0.0f;
     u32 st[REG][8];
     load_row<REG>(p, n / 16, st);
@@ -421,7 +432,7 @@ __global__ void rkv_fused_set_gs(float* gs_out, const float* gs_in, double gs_va
 // Each thread handles 64 consecutive elements (4 blocks -> 32 code bytes and
 // one scale word); K % 64 == 0 keeps units inside rows, so no row math.
 template <typename T, typename ID>
-__global__ void __launch_bounds__(256, 1) rkv_moe_stage(
+__global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK, 1) rkv_moe_stage(
         const T* __restrict__ x, long long n_units, u8* __restrict__ q, u32* __restrict__ sf,
         const ID* __restrict__ ids, long long n_ids, long long* __restrict__ ids_out,
         const u8* __restrict__ wts, long long w_bytes, u8* __restrict__ wts_out) {

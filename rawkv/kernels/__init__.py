@@ -9,3 +9,4 @@ from ._decl import CTYPE, Kernel, KernelFile, TParam, files, registered_kernels 
 from . import fp8  # noqa: F401,E402
 from . import kv_cache, kv_compress  # noqa: F401,E402
 from . import nvfp4  # noqa: F401,E402
+from . import fused  # noqa: F401,E402

@@ -232,9 +232,15 @@ def _make_launch(inst: "Instance"):
     params_ = inst.kernel.params
     arglist, values = _ordered_args(params_)
     name = inst.kernel.name
+    # The common case (torch's current stream, the tensors' device current)
+    # goes straight to the launcher: one Python frame fewer than rt.launch,
+    # which handles the rest (a given stream, another device current).
     src = (f"def {name}(rt, grid, block, *, stream=None, shared_mem=0{', ' + arglist if params_ else ''}):\n"
            f"    fn = rt._functions.get(KEY) or rt.function(FILE, EXPR, stream=stream)\n"
-           f"    rt.launch(fn, grid, block, STRUCT, {values}, stream, shared_mem, INST)\n")
+           f"    if stream is None and rt._get_device() == rt.device_index:\n"
+           f"        rt._launch_call(fn, grid, block, STRUCT, {values}, shared_mem, rt._current_stream_ptr(), INST)\n"
+           f"    else:\n"
+           f"        rt.launch(fn, grid, block, STRUCT, {values}, stream, shared_mem, INST)\n")
     return _generate(name, src, {"KEY": inst.key, "FILE": inst.file, "EXPR": inst.expr,
                                  "STRUCT": inst.struct, "INST": inst})
 

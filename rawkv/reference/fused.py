@@ -102,7 +102,7 @@ def rms_inv(x, eps: float = 1e-6) -> np.ndarray:
     """inv_rms per row (last axis): float64 sum of squares, then float32."""
     x = np.asarray(x, dtype=F32)
     ss = np.sum(np.square(x.astype(np.float64)), axis=-1)
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         ms = (ss / np.float64(x.shape[-1])).astype(F32)
         return (F32(1.0) / np.sqrt(ms + F32(eps))).astype(F32)
 

@@ -1,0 +1,36 @@
+"""Fused NVFP4 producers and MoE input staging (docs/fused.md).
+
+    qa = rawkv.fused.rmsnorm_quantize(x, weight, eps=1e-6)          # (..., N)
+    qa = rawkv.fused.mhc_rmsnorm_quantize(X, A, weight, eps=1e-6)   # X (..., n_hc, N), A (..., n_hc)
+    qa = rawkv.fused.swiglu_quantize(h, granularity=8)              # h (..., 2I) interleaved gate/up
+    st = rawkv.fused.moe_stage(hidden, topk_ids, topk_weights)      # one-level NVFP4 + top-k copy
+
+Each reads its input once and writes NVFP4 once, in one kernel launch (two
+for scope='tensor'), with no intermediate tensor and no host sync. Results
+are `QuantizedActivation(q, sf, gs, inv_rms)` (rawkv.nvfp4.activation) /
+`MoEStaged(q, sf, topk_ids, topk_weights)` named tuples; `out=` takes the
+same tuple (entries may be None to allocate them) so that a captured CUDA
+graph needs no allocation.
+
+Global scale (`scope`): 'row' (default: one gs per row, computed on the
+device), 'tensor' (one gs for the tensor, computed on the device: two
+launches), 'given' (`gs`: a number, finite and > 0 as a float32, or a
+1-element float32 tensor, read on the device) or 'none' (one-level
+NVFP4, gs = 1). rawkv.nvfp4.dequantize(qa) decodes a result.
+
+CUDA inputs are bfloat16 or float16 and run the kernels declared in
+rawkv.kernels.fused; numpy arrays and CPU tensors run rawkv.reference.fused,
+which defines every op (float32 numpy arrays: no rounding of the
+intermediates; see docs/fused.md).
+
+Modules: rms (RMSNorm and mHC + RMSNorm), swiglu, moe; _rules (argument
+rules of the family), _rows (CUDA outputs, launch geometry, row launches),
+_cpu (CPU results and out=).
+"""
+from ..nvfp4.activation import QuantizedActivation
+from .moe import MoEStaged, moe_stage
+from .rms import mhc_rmsnorm_quantize, rmsnorm_quantize
+from .swiglu import swiglu_quantize
+
+__all__ = ["QuantizedActivation", "MoEStaged", "rmsnorm_quantize", "mhc_rmsnorm_quantize",
+           "swiglu_quantize", "moe_stage"]

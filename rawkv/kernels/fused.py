@@ -1,0 +1,79 @@
+"""rawkv/cu/fused.cu: fused NVFP4 producers (RMSNorm / mHC + RMSNorm / SwiGLU
++ quantize) and MoE input staging (docs/fused.md).
+
+The constants below are the only copy of the values fused.cu also uses: the
+runtime hands them to NVRTC as -D options and fused.cu refuses to compile
+without them.
+"""
+from ._decl import KernelFile, TParam
+
+#: The row kernels' run-time `mode` (the global scale of the row).
+MODE_ROW = 0          # gs per row, from the row's amax
+MODE_AMAX = 1         # scope 'tensor', launch 1: atomicMax of the tensor amax into gs
+MODE_TENSOR = 2       # scope 'tensor', launch 2: quantize with that amax's gs
+MODE_FIXED = 3        # gs given (device pointer or value; 1 for one-level)
+
+#: Run-time dtype codes of the small parameters (mix, weight) the row kernels
+#: read element by element.
+PARAM_KIND = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+#: Most hyper-connection streams mhc_rmsnorm_quantize mixes (x.shape[-2]).
+MAX_HC = 4
+
+#: 16-element chunks each row-kernel thread holds in registers (template REG).
+#: 2 measured best on an H100: 4 (fewer, fatter threads) was as fast for
+#: RMSNorm and 28% slower for SwiGLU.
+REG = 2
+
+#: The row kernels are compiled with __launch_bounds__(MAX_THREADS / REG, 1),
+#: which is what sets their register budget: below sm_100 1024 threads at
+#: REG 2, so 64 registers a thread; sm_100 / sm_120 code needs about 80
+#: registers (ptxas spills in 64), hence 768 threads there.
+MAX_THREADS = 2048
+MAX_THREADS_SM100 = 1536
+
+#: The most threads the host gives a row CTA, on every arch: within every
+#: arch's bound, and one launch geometry (so one float64 summation order of
+#: the RMSNorm) wherever rawkv runs.
+MAX_BLOCK = min(MAX_THREADS, MAX_THREADS_SM100) // REG
+
+#: Threads per CTA of rkv_moe_stage (its __launch_bounds__ and the launch).
+MOE_BLOCK = 256
+
+FILE = KernelFile("fused.cu", constants={
+    "RKV_FUSED_MODE_ROW": MODE_ROW, "RKV_FUSED_MODE_AMAX": MODE_AMAX,
+    "RKV_FUSED_MODE_TENSOR": MODE_TENSOR, "RKV_FUSED_MODE_FIXED": MODE_FIXED,
+    "RKV_FUSED_KIND_F32": PARAM_KIND["float32"], "RKV_FUSED_KIND_BF16": PARAM_KIND["bfloat16"],
+    "RKV_FUSED_KIND_F16": PARAM_KIND["float16"],
+    "RKV_FUSED_MAX_HC": MAX_HC,
+    "RKV_FUSED_MAX_THREADS": MAX_THREADS, "RKV_FUSED_MAX_THREADS_SM100": MAX_THREADS_SM100,
+    "RKV_FUSED_MOE_BLOCK": MOE_BLOCK,
+})
+
+_T = TParam("typename", "T", ("bfloat16", "float16"))
+_REG = TParam("int", "REG", (REG,))
+
+# [mHC mix +] RMSNorm + quantize; MIX = the mHC form (x is (rows, n_hc, N)).
+RMS = FILE.kernel(
+    "rkv_fused_rms",
+    "const T* x, const void* mix, long long mix_kind, long long n_hc, const void* w, long long w_kind, "
+    "double eps, long long n, u8* q, u8* sf, float* gs_out, float* inv_out, const float* gs_in, "
+    "double gs_val, long long mode",
+    (_T, TParam("bool", "MIX", (False, True)), _REG))
+
+# gs of an op with no rows (scopes tensor / given / none): one thread.
+SET_GS = FILE.kernel("rkv_fused_set_gs", "float* gs_out, const float* gs_in, double gs_val")
+
+# SwiGLU de-interleave + silu * up + quantize; VEC: granularity % 8 == 0 (16-byte loads).
+SWIGLU = FILE.kernel(
+    "rkv_fused_swiglu",
+    "const T* h, long long inter, long long g, u8* q, u8* sf, float* gs_out, const float* gs_in, "
+    "double gs_val, long long mode",
+    (_T, TParam("bool", "VEC", (True, False)), _REG))
+
+# One-level NVFP4 + scales packed four per int32 + top-k copy, one grid-stride launch.
+MOE_STAGE = FILE.kernel(
+    "rkv_moe_stage",
+    "const T* x, long long n_units, u8* q, u32* sf, const ID* ids, long long n_ids, long long* ids_out, "
+    "const u8* wts, long long w_bytes, u8* wts_out",
+    (_T, TParam("typename", "ID", ("int32", "int64"))))

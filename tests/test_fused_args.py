@@ -1,0 +1,232 @@
+"""rawkv.fused accepts and refuses the same arguments on CPU and on CUDA.
+
+Every case runs on torch CPU tensors (the reference path) and, where a GPU
+exists, on CUDA tensors: a refused case raises the same exception type with
+a message that names the same argument on both; an accepted variant gives
+the bits of its canonical form on both, and the CUDA result equals the CPU
+one. The one documented difference (CPU x / h / hidden may also be float32,
+the reference precision) is not in the table.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from rawkv import fused as F
+
+torch = pytest.importorskip("torch")
+
+U8, F32, BF16 = torch.uint8, torch.float32, torch.bfloat16
+FP4 = getattr(torch, "float4_e2m1fn_x2", None)
+FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+class Args:
+    """The inputs of every case, on one device. Values are small integers
+    (and their halves), so every sum of squares is exact in any order and
+    the CUDA RMSNorm gives the reference's bits."""
+
+    def __init__(self, dev):
+        g = torch.Generator().manual_seed(7)
+
+        def ints(*shape, dtype=BF16, lo=-4, hi=5):
+            return torch.randint(lo, hi, shape, generator=g).to(dtype).to(dev)
+
+        self.dev = dev
+        self.x = ints(4, 64)
+        self.w = ints(64, dtype=F32, lo=1, hi=3) / 2
+        self.X = ints(4, 2, 64)
+        self.mix = ints(4, 2, dtype=F32, lo=1, hi=3) / 2
+        self.h = ints(4, 128)
+        self.hid = ints(2, 128)
+        self.ids = ints(2, 4, dtype=torch.int32, lo=0, hi=64)
+        self.wts = ints(2, 4, dtype=F32, lo=0, hi=4) / 4
+
+    def t(self, *shape, dtype=F32, fill=0.0):
+        return torch.full(shape, fill, dtype=dtype, device=self.dev)
+
+    def t8(self, *shape, dtype=U8):
+        return torch.zeros(shape, dtype=U8, device=self.dev).view(dtype)
+
+
+_rms, _mhc, _sw, _moe = F.rmsnorm_quantize, F.mhc_rmsnorm_quantize, F.swiglu_quantize, F.moe_stage
+
+# (id, exception, argument named first, call)
+REFUSED = [
+    # dtypes of inputs, float64 included
+    ("x-float64", TypeError, "x", lambda a: _rms(a.x.double(), a.w)),
+    ("x-int32", TypeError, "x", lambda a: _rms(a.x.int(), a.w)),
+    ("weight-float64", TypeError, "weight", lambda a: _rms(a.x, a.w.double())),
+    ("weight-int32", TypeError, "weight", lambda a: _rms(a.x, a.w.int())),
+    ("mix-float64", TypeError, "mix", lambda a: _mhc(a.X, a.mix.double(), a.w)),
+    ("mix-int64", TypeError, "mix", lambda a: _mhc(a.X, a.mix.long(), a.w)),
+    ("h-float64", TypeError, "h", lambda a: _sw(a.h.double())),
+    ("hidden-float64", TypeError, "hidden", lambda a: _moe(a.hid.double(), a.ids, a.wts)),
+    ("topk_ids-uint8", TypeError, "topk_ids", lambda a: _moe(a.hid, a.ids.to(U8), a.wts)),
+    ("topk_ids-float32", TypeError, "topk_ids", lambda a: _moe(a.hid, a.ids.float(), a.wts)),
+    ("topk_weights-float64", TypeError, "topk_weights", lambda a: _moe(a.hid, a.ids, a.wts.double())),
+    ("topk_weights-int32", TypeError, "topk_weights", lambda a: _moe(a.hid, a.ids, a.wts.int())),
+    # eps: a finite number > 0 as a float32 (0 gives NaN scales on an all-zero row)
+    *[(f"eps-{v!r}", ValueError, "eps", lambda a, v=v: _rms(a.x, a.w, eps=v))
+      for v in (0.0, 0, -0.0, -1e-6, float("nan"), float("inf"), 1e39, 1e-50, True, None, "1e-6",
+                np.float32(0.0))],
+    ("eps-0-mhc", ValueError, "eps", lambda a: _mhc(a.X, a.mix, a.w, eps=0.0)),
+    ("eps-tensor", ValueError, "eps", lambda a: _rms(a.x, a.w, eps=a.t(1, fill=1e-6))),
+    # a number gs: finite and > 0 as a float32, not a bool
+    *[(f"gs-{v!r}", ValueError, "gs", lambda a, v=v: _rms(a.x, a.w, gs=v))
+      for v in (0.0, -1.0, float("nan"), float("inf"), 1e39, 1e-50, np.float32(-2.0))],
+    ("gs-True", TypeError, "gs", lambda a: _sw(a.h, gs=True)),
+    ("gs-str", TypeError, "gs", lambda a: _sw(a.h, gs="0.5")),
+    ("gs-list", TypeError, "gs", lambda a: _sw(a.h, gs=[0.5])),
+    # a tensor gs: 1 element, float32
+    ("gs-tensor-float64", TypeError, "gs", lambda a: _sw(a.h, gs=a.t(1, dtype=torch.float64, fill=0.5))),
+    ("gs-tensor-bfloat16", TypeError, "gs", lambda a: _rms(a.x, a.w, gs=a.t(1, dtype=BF16, fill=0.5))),
+    ("gs-tensor-2", ValueError, "gs", lambda a: _sw(a.h, gs=a.t(2, fill=0.5))),
+    # scope
+    ("scope-unknown", ValueError, "scope", lambda a: _rms(a.x, a.w, scope="blocks")),
+    ("scope-given-no-gs", ValueError, "gs", lambda a: _sw(a.h, scope="given")),
+    ("scope-row-with-gs", ValueError, "gs", lambda a: _sw(a.h, scope="row", gs=0.5)),
+    # out=: the dtypes the op returns (never a cast), shapes, entries
+    ("out-tensor", TypeError, "out", lambda a: _rms(a.x, a.w, out=a.t8(4, 32))),
+    ("out-2", TypeError, "out", lambda a: _rms(a.x, a.w, out=(a.t8(4, 32), a.t8(4, 4)))),
+    ("out.q-int8", TypeError, "out.q", lambda a: _rms(a.x, a.w, out=(a.t(4, 32, dtype=torch.int8), None, None))),
+    ("out.q-shape", ValueError, "out.q", lambda a: _rms(a.x, a.w, out=(a.t8(4, 16), None, None))),
+    ("out.sf-float32", TypeError, "out.sf", lambda a: _rms(a.x, a.w, out=(None, a.t(4, 4), None))),
+    ("out.sf-shape", ValueError, "out.sf", lambda a: _sw(a.h, out=(None, a.t8(4, 5), None))),
+    ("out.gs-float64", TypeError, "out.gs", lambda a: _rms(a.x, a.w, out=(None, None, a.t(4, dtype=torch.float64)))),
+    ("out.gs-shape-row", ValueError, "out.gs", lambda a: _rms(a.x, a.w, out=(None, None, a.t(3)))),
+    ("out.gs-shape-tensor", ValueError, "out.gs", lambda a: _sw(a.h, scope="tensor", out=(None, None, a.t(4)))),
+    ("out.inv_rms-float16", TypeError, "out.inv_rms",
+     lambda a: _rms(a.x, a.w, out=(None, None, None, a.t(4, dtype=torch.float16)))),
+    ("out.inv_rms-shape", ValueError, "out.inv_rms", lambda a: _mhc(a.X, a.mix, a.w, out=(None, None, None, a.t(2)))),
+    ("out.inv_rms-swiglu", ValueError, "out.inv_rms", lambda a: _sw(a.h, out=(None, None, None, a.t(4)))),
+    ("moe-out-3", TypeError, "out", lambda a: _moe(a.hid, a.ids, a.wts, out=(None, None, None))),
+    ("moe-out.q-shape", ValueError, "out.q", lambda a: _moe(a.hid, a.ids, a.wts, out=(a.t8(2, 32), None, None, None))),
+    ("moe-out.sf-uint8", TypeError, "out.sf", lambda a: _moe(a.hid, a.ids, a.wts, out=(None, a.t8(2, 8), None, None))),
+    ("moe-out.topk_ids-int32", TypeError, "out.topk_ids",
+     lambda a: _moe(a.hid, a.ids, a.wts, out=(None, None, a.t(2, 4, dtype=torch.int32), None))),
+    ("moe-out.topk_weights-float16", TypeError, "out.topk_weights",
+     lambda a: _moe(a.hid, a.ids, a.wts, out=(None, None, None, a.t(2, 4, dtype=torch.float16)))),
+    ("moe-out.topk_weights-shape", ValueError, "out.topk_weights",
+     lambda a: _moe(a.hid, a.ids, a.wts, out=(None, None, None, a.t(2, 3)))),
+    # numbers and None where a tensor belongs
+    ("x-None", TypeError, "x", lambda a: _rms(None, a.w)),
+    ("x-number", TypeError, "x", lambda a: _rms(1.5, a.w)),
+    ("weight-None", TypeError, "weight", lambda a: _rms(a.x, None)),
+    ("mix-number", TypeError, "mix", lambda a: _mhc(a.X, 0.5, a.w)),
+    ("h-None", TypeError, "h", lambda a: _sw(None)),
+    ("hidden-number", TypeError, "hidden", lambda a: _moe(3, a.ids, a.wts)),
+    ("topk_ids-None", TypeError, "topk_ids", lambda a: _moe(a.hid, None, a.wts)),
+    ("topk_weights-number", TypeError, "topk_weights", lambda a: _moe(a.hid, a.ids, 1.0)),
+    ("out.q-number", TypeError, "out.q", lambda a: _rms(a.x, a.w, out=(1.0, None, None))),
+    ("out.gs-number", TypeError, "out.gs", lambda a: _sw(a.h, out=(None, None, 2))),
+    ("moe-out.topk_ids-number", TypeError, "out.topk_ids", lambda a: _moe(a.hid, a.ids, a.wts, out=(None, None, 0, None))),
+    # shapes
+    ("x-0d", ValueError, "x", lambda a: _rms(a.x[0, 0], a.w)),
+    ("x-N24", ValueError, "x", lambda a: _rms(a.x[:, :24], a.w[:24])),
+    ("x-N0", ValueError, "x", lambda a: _rms(a.x[:, :0], a.w[:0])),
+    ("weight-shape", ValueError, "weight", lambda a: _rms(a.x, a.w[:32])),
+    ("x-n_hc-5", ValueError, "x", lambda a: _mhc(a.x.view(4, 1, 64).expand(4, 5, 64).contiguous(), a.t(4, 5), a.w)),
+    ("mix-shape", ValueError, "mix", lambda a: _mhc(a.X, a.mix[:, :1], a.w)),
+    ("h-odd", ValueError, "h", lambda a: _sw(a.h[:, :33])),
+    ("h-I-not-16", ValueError, "h", lambda a: _sw(a.h[:, :40])),
+    ("granularity-3", ValueError, "granularity", lambda a: _sw(a.h, 3)),
+    ("granularity-0", ValueError, "granularity", lambda a: _sw(a.h, 0)),
+    ("granularity-bool", ValueError, "granularity", lambda a: _sw(a.h, True)),
+    ("hidden-K192", ValueError, "hidden", lambda a: _moe(a.t(2, 192, dtype=BF16), a.ids, a.wts)),
+    ("hidden-3d", ValueError, "hidden", lambda a: _moe(a.hid.view(2, 1, 128), a.ids, a.wts)),
+    ("topk_ids-rows", ValueError, "topk_ids", lambda a: _moe(a.hid, a.ids[:1], a.wts[:1])),
+    ("topk_weights-shape", ValueError, "topk_weights", lambda a: _moe(a.hid, a.ids, a.wts[:, :3])),
+]
+if FP8 is not None:
+    REFUSED += [("out.q-float8", TypeError, "out.q", lambda a: _rms(a.x, a.w, out=(a.t8(4, 32, dtype=FP8), None, None))),
+                ("out.sf-float4", TypeError, "out.sf", lambda a: _rms(a.x, a.w, out=(None, a.t8(4, 4, dtype=FP4), None)))]
+
+
+def _names(msg: str, arg: str) -> bool:
+    """The message starts with the argument's name (then ':', ' ' or '(')."""
+    return re.match(rf"{re.escape(arg)}[:\s(]", msg) is not None
+
+
+def _device(request, dev):
+    if dev == "cuda":
+        request.getfixturevalue("cuda")       # skips without a GPU
+    return dev
+
+
+@pytest.mark.parametrize("dev", ["cpu", "cuda"])
+@pytest.mark.parametrize("case", REFUSED, ids=[c[0] for c in REFUSED])
+def test_refused_alike(request, dev, case):
+    _, exc, arg, call = case
+    a = Args(_device(request, dev))
+    with pytest.raises(Exception) as ei:
+        call(a)
+    assert type(ei.value) is exc and _names(str(ei.value), arg), (type(ei.value).__name__, str(ei.value))
+
+
+# (id, variant, canonical): the variant gives the canonical form's bits
+ACCEPTED = [
+    ("gs-np.float32", lambda a: _sw(a.h, gs=np.float32(0.5)), lambda a: _sw(a.h, gs=0.5)),
+    ("gs-np.float64", lambda a: _rms(a.x, a.w, gs=np.float64(0.5)), lambda a: _rms(a.x, a.w, gs=0.5)),
+    ("gs-int", lambda a: _sw(a.h, gs=1), lambda a: _sw(a.h, scope="given", gs=1.0)),
+    ("gs-tensor-0d", lambda a: _sw(a.h, gs=a.t(fill=0.5)), lambda a: _sw(a.h, gs=0.5)),
+    ("gs-tensor-1", lambda a: _mhc(a.X, a.mix, a.w, gs=a.t(1, fill=0.5)), lambda a: _mhc(a.X, a.mix, a.w, gs=0.5)),
+    ("eps-np.float32", lambda a: _rms(a.x, a.w, eps=np.float32(1e-6)),
+     lambda a: _rms(a.x, a.w, eps=float(np.float32(1e-6)))),
+    ("eps-int", lambda a: _rms(a.x, a.w, eps=1), lambda a: _rms(a.x, a.w, eps=1.0)),
+    ("scope-none", lambda a: _sw(a.h, scope="none"), lambda a: _sw(a.h, gs=1.0)),
+    ("out-list", lambda a: _rms(a.x, a.w, out=[None, None, None]), lambda a: _rms(a.x, a.w)),
+    ("out-activation", lambda a: _sw(a.h, out=F.QuantizedActivation(None, None, None)), lambda a: _sw(a.h)),
+    ("out.gs-(1,)", lambda a: _sw(a.h, scope="tensor", out=(None, None, a.t(1))),
+     lambda a: (lambda r: r._replace(gs=r.gs.reshape(1)))(_sw(a.h, scope="tensor"))),
+    ("out.q-uint8", lambda a: _rms(a.x, a.w, out=(a.t8(4, 32), a.t8(4, 4), None, None)), lambda a: _rms(a.x, a.w)),
+    ("granularity-np.int64", lambda a: _sw(a.h, np.int64(4)), lambda a: _sw(a.h, 4)),
+    ("mix-bfloat16", lambda a: _mhc(a.X, a.mix.to(BF16), a.w), lambda a: _mhc(a.X, a.mix, a.w)),
+    ("weight-float16", lambda a: _rms(a.x, a.w.half()), lambda a: _rms(a.x, a.w)),
+    ("moe-ids-int64", lambda a: _moe(a.hid, a.ids.long(), a.wts), lambda a: _moe(a.hid, a.ids, a.wts)),
+    ("moe-out", lambda a: _moe(a.hid, a.ids, a.wts, out=(a.t8(2, 64), a.t(2, 2, dtype=torch.int32),
+                                                           a.t(2, 4, dtype=torch.int64), a.t(2, 4))),
+     lambda a: _moe(a.hid, a.ids, a.wts)),
+]
+
+
+def _bits(result):
+    """Each entry of a result tuple as numpy bytes (None kept)."""
+    out = []
+    for t in result:
+        if t is None:
+            out.append(None)
+            continue
+        t = t.detach().cpu().contiguous()
+        out.append((tuple(t.shape), t.reshape(-1).view(U8).numpy().copy() if t.numel() else b""))
+    return out
+
+
+def _same(got, want) -> bool:
+    return len(got) == len(want) and all(
+        (g is None and w is None) or (g is not None and w is not None and g[0] == w[0] and np.array_equal(g[1], w[1]))
+        for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("dev", ["cpu", "cuda"])
+@pytest.mark.parametrize("case", ACCEPTED, ids=[c[0] for c in ACCEPTED])
+def test_accepted_alike(request, dev, case):
+    _, variant, canonical = case
+    a = Args(_device(request, dev))
+    got = _bits(variant(a))
+    assert _same(got, _bits(canonical(a)))
+    if dev == "cuda":            # and the same bits as the CPU reference
+        assert _same(got, _bits(variant(Args("cpu"))))
+
+
+def test_eps_zero_would_be_nan_on_a_zero_row():
+    """Why eps = 0 is refused: the reference's inv_rms of an all-zero row is
+    inf, y = 0 * inf is NaN, and every block is flagged (sf 0x7F)."""
+    from rawkv.reference import fused as R
+    q, sf, gs, inv = R.rmsnorm_quantize(np.zeros((1, 32), np.float32), np.ones(32, np.float32), 0.0,
+                                        "row", None, "float32")
+    assert np.isinf(inv[0]) and np.all(sf == 0x7F)
+    with pytest.raises(ValueError, match="^eps"):
+        F.rmsnorm_quantize(np.zeros((1, 32), np.float32), np.ones(32, np.float32), eps=0.0)
