@@ -265,7 +265,8 @@ def _run(a, rt) -> int:
           f"head_dim {D}, indexer {DI}, top-k {topk}) and HCA (m=128, dense)")
 
     dec = Decoder(rng, prompts, steps, topk, epb, device="cuda" if gpu else "cpu")
-    kvc, layers, toks, itoks, slots, total = dec.kvc, dec.layers, dec.toks, dec.itoks, dec.slots, dec.total
+    kvc, layers, toks, itoks = dec.kvc, dec.layers, dec.toks, dec.itoks
+    slots, total = dec.slots, dec.total
     pools, states, istate = dec.pools, dec.states, dec.istate
 
     # ---- prefill ----

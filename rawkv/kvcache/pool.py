@@ -106,10 +106,11 @@ class ErrorCounter:
         at construction when torch is already imported, else here."""
         t = self._torch
         if t is None:
-            import torch
-            as_t = (lambda a: a) if self.is_cuda else \
-                (lambda a: None if a is None else torch.from_numpy(a))  # noqa: E731
-            t = self._torch = {n: as_t(getattr(self, n)) for n in self.BUFFERS}
+            t = {n: getattr(self, n) for n in self.BUFFERS}
+            if not self.is_cuda:
+                import torch
+                t = {n: None if a is None else torch.from_numpy(a) for n, a in t.items()}
+            self._torch = t
         return t
 
     def _init_torch_buffers(self) -> None:
@@ -192,8 +193,8 @@ class PagedKVPool(ErrorCounter):
 
     def _set_geometry(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                       head_dim, rope_dim, index_head_dim) -> None:
-        """The pool's sizes, checked: the rules of the constructor and of
-        view_of (whose sizes come from its buffers' shapes)."""
+        """The pool's sizes, checked: the constructor's rules, which
+        views.pool_view applies to the sizes of its buffers' shapes."""
         self.kind = kind
         self.m = _kind(kind)
         self.num_blocks = _pos_int("num_blocks", num_blocks)

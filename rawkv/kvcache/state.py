@@ -59,7 +59,8 @@ class DecodeState(ErrorCounter):
         self._init_torch_buffers()
 
     def _set_geometry(self, kind, max_requests, head_dim) -> None:
-        """The state's sizes, checked (the constructor's rules and view_of's)."""
+        """The state's sizes, checked (the constructor's rules, and
+        views.state_view's)."""
         self.kind = kind
         self.m = _kind(kind)
         self.max_requests = _pos_int("max_requests", max_requests)

@@ -115,13 +115,13 @@ def _state_block(w):
 
 
 def _reset(state, mode, valid_mask, slots, errors, stream):
+    if valid_mask is None and mode != K.RESET_CLEAR:
+        raise TypeError("valid_mask: is required")
     if D.compiling():
         return V.call(RESET_OPS[mode], **V.state_args(state, errors), valid_mask=valid_mask, slots=slots)
     dev = state.device_index
     s = C.arg(slots, "slots", C.I32, dev, ndim=1)
     B = s.shape[0]
-    if valid_mask is None and mode != K.RESET_CLEAR:
-        raise TypeError("valid_mask: is required")
     v = C.opt(valid_mask, "valid_mask", C.BOOL, dev, shape=(B,))
     err = C.errors_arg(errors, state.errors, dev)
     if dev is None:
