@@ -173,12 +173,12 @@ def test_gpu_launch_geometry_is_the_runtimes(cuda, monkeypatch):
     """The checked path and the fast path (out= given, second call) both
     launch rt.grid_stride's geometry: one 16-byte chunk per thread."""
     launches = []
-    real = cuda.launch
+    real = cuda._launch_call       # what every launch on the current device ends in
 
-    def record(fn, grid, block, st, args, stream=None, shared_mem=0, what=None):
+    def record(fn, grid, block, st, args, shared_mem, stream_ptr, what=None):
         launches.append((grid, block))
-        real(fn, grid, block, st, args, stream, shared_mem, what)
-    monkeypatch.setattr(cuda, "launch", record)
+        real(fn, grid, block, st, args, shared_mem, stream_ptr, what)
+    monkeypatch.setattr(cuda, "_launch_call", record)
     for n in (1, 4096, 4097, 1 << 24):
         x = torch.zeros(n, device="cuda")
         out = torch.empty(n, dtype=torch.uint8, device="cuda")

@@ -65,7 +65,10 @@ def decode_dtype(dtype, out):
         raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype!r}")
     t = sys.modules.get("torch")
     hit = (name, getattr(t, name) if t is not None else None)
-    if t is not None:          # remembered once the torch dtype is known
+    # Remembered once the torch dtype is known, for None, names and torch
+    # dtypes only: torch.compile traces this lookup, and dynamo cannot hash
+    # a numpy dtype key anywhere in the dict.
+    if t is not None and (dtype is None or isinstance(dtype, (str, t.dtype))):
         _DECODE_DTYPES[dtype] = hit
     return hit
 
