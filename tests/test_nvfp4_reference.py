@@ -132,18 +132,22 @@ def spec_gs(values, scope_gs=None):
 def spec_block(v, gs):
     """Spec section 2 steps 2-5 for one block, written with Python scalars and
     float32 numpy scalars one operation at a time (independent of R.quantize).
-    Step 3 as docs/format.md decides: codes only for a positive finite es."""
+    Step 2 with ModelOpt's scale rule (r == 0 -> 1.0, else clamp to >= 2^-9);
+    step 3 as docs/format.md decides: codes only for a positive finite es;
+    step 4's sign bit iff the quotient is < 0."""
     f = np.float32
     v = [f(a) for a in v]
     if not all(np.isfinite(a) for a in v):
         return [0] * 16, 0x7F
     bmax = max(abs(a) for a in v)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        sf = int(F.e4m3_encode(f(bmax) / (f(gs) * f(6.0))))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
+        r = f(bmax) / (f(gs) * f(6.0))
+        sf = 0x38 if r == 0 else int(F.e4m3_encode(f(2.0 ** -9) if r < 2.0 ** -9 else r))
         es = f(F.e4m3_decode(sf)) * f(gs)
-    if not (es > 0 and np.isfinite(es)):
-        return [0] * 16, sf
-    return [int(F.e2m1_encode(a / es)) for a in v], sf
+        if not (es > 0 and np.isfinite(es)):
+            return [0] * 16, sf
+        t = [a / es for a in v]
+    return [int(F.e2m1_encode(abs(a))) | (8 if a < 0 else 0) for a in t], sf
 
 
 def test_quantize_matches_blockwise_spec(rng):
@@ -170,9 +174,12 @@ def test_quantize_matches_blockwise_spec(rng):
 
 
 @pytest.mark.parametrize("scope", ["tensor", "row"])
-def test_tiny_amax_gives_gs_one_and_zero_codes(scope):
+def test_tiny_amax_gives_gs_one_and_zero_magnitudes(scope):
     # amax ~1e-43 (float32 subnormal): amax / 2688 underflows to 0, so gs
-    # must become 1 (a zero gs would make a zero block's sf 0/0 = NaN)
+    # must become 1 (a zero gs would make a zero block's sf 0/0 = NaN).
+    # Under gs = 1 the tiny blocks get the smallest scale 2^-9 (0x01), the
+    # zero blocks 1.0 (0x38); every magnitude rounds to 0 and the negative
+    # value keeps its sign (its quotient -1e-43 * 2^9 is < 0).
     x = np.zeros((3, 32), np.float32)
     x[0, 0] = 1e-43
     x[1, 20] = -1e-43                  # rows 0/1: a tiny block and a zero block
@@ -180,7 +187,9 @@ def test_tiny_amax_gives_gs_one_and_zero_codes(scope):
     assert np.float32(1e-43) / np.float32(2688) == 0
     q, sf, gs = R.quantize(x, scope)
     assert (gs == 1).all() and gs.shape == (() if scope == "tensor" else (3,))
-    assert not R.unpack_nibbles(q).any() and not sf.any()
+    assert np.array_equal(sf, [[0x01, 0x38], [0x38, 0x01], [0x38, 0x38]])
+    codes = R.unpack_nibbles(q)
+    assert not (codes & 7).any() and np.array_equal(codes >> 3, (x < 0).astype(np.uint8))
     y = R.dequantize(q, sf, gs, "float32")
     assert np.isfinite(y).all() and not y.any()
     got = rawkv.nvfp4.quantize(x, scope=scope)         # the CPU op path
@@ -191,9 +200,11 @@ def test_tiny_amax_gives_gs_one_and_zero_codes(scope):
 def test_given_tensor_gs_not_positive_finite(g):
     """A given gs as a tensor is not range-checked (on a GPU it lives on the
     device): the result is what the formula gives, with codes only where
-    es = float(sf) * gs is positive and finite. gs 0, Inf, NaN: every code 0.
-    gs -1: sf = e4m3(bmax / -6) is negative, so es = sf * gs is positive and
-    the codes are those of x / es (decoding with gs = -1 gives x back)."""
+    es = float(sf) * gs is positive and finite, so every code is 0 for each
+    of these. The scales: gs 0 -> 0x7E (bmax / 0 = Inf saturates), 0x7F for
+    a zero block (0 / 0); gs -1 -> r < 0 is clamped to 2^-9 (0x01), a zero
+    block's r = -0 gives 0x38, and es = 2^-9 * -1 < 0; gs Inf -> r = 0 gives
+    0x38 everywhere, es = Inf; gs NaN -> 0x7F."""
     torch = pytest.importorskip("torch")
     x = np.zeros((2, 32), np.float32)
     x[0, :16] = np.linspace(-3, 3, 16)
@@ -204,10 +215,10 @@ def test_given_tensor_gs_not_positive_finite(g):
         for b in range(2):
             want_c, want_sf = spec_block(x[r, b * 16:(b + 1) * 16], g)
             assert sf[r, b] == want_sf and list(codes[r, b * 16:(b + 1) * 16]) == want_c
-    if g != -1.0:
-        assert not codes.any()
-    else:
-        assert codes[0].any() and (sf[0] & 0x80).all()
+    assert not codes.any()
+    want_sf = {0.0: [[0x7E, 0x7F], [0x7F, 0x7E]], -1.0: [[0x01, 0x38], [0x38, 0x01]],
+               np.inf: [[0x38, 0x38], [0x38, 0x38]]}.get(g, [[0x7F, 0x7F], [0x7F, 0x7F]])
+    assert np.array_equal(sf, want_sf)
     # the op's CPU path, gs as a CPU tensor (a number gs would be refused)
     q2, sf2, gs2 = rawkv.nvfp4.quantize(torch.from_numpy(x), scope="given", gs=torch.tensor(g))
     assert np.array_equal(q2.view(torch.uint8).numpy(), q)

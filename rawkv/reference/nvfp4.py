@@ -4,13 +4,19 @@ Shapes: x (..., N) with N % 16 == 0 -> q (..., N/2) uint8, sf (..., N/16)
 uint8 (UE4M3), gs float32: shape () for scope 'tensor' / 'given' / 'none',
 x.shape[:-1] for scope 'row'.
 
-Every step is float32 IEEE arithmetic in the order of the spec:
+Every step is float32 IEEE arithmetic in the order of the spec, with
+NVIDIA ModelOpt's rules (nvidia-modelopt 0.47.0,
+modelopt/torch/quantization/qtensor/nvfp4_tensor.py, NVFP4QTensor.quantize):
+for finite x and a positive finite gs the bytes are ModelOpt's.
   1. amax over the scope (finite elements only); gs = amax / 2688, and 1 if
      that is 0 (amax == 0, or the division underflows)
-  2. sf = e4m3(bmax / (gs * 6))
-  3. es = float(sf) * gs; es == 0 -> all codes 0 (so is any es that is not
-     positive and finite: only a caller-given gs can cause that)
-  4. code = e2m1(x / es)
+  2. r = bmax / (gs * 6); sf = 0x38 (1.0) if r == 0, else
+     e4m3(max(r, 2^-9)) (NaN kept): a block whose scale would round to 0
+     gets the smallest subnormal scale 0x01 and keeps its values
+  3. es = float(sf) * gs; codes only for a positive finite es (else all 0:
+     only a gs that is not a positive finite float can cause that)
+  4. t = x / es; code = e2m1(|t|) with the sign bit set iff t < 0 (-0.0 and
+     a negative x whose quotient underflows to -0 give code 0)
   5. a block holding NaN/Inf -> sf = 0x7F, codes 0
 """
 from __future__ import annotations
@@ -53,6 +59,21 @@ def global_scale(x: np.ndarray, scope: str, gs=None) -> np.ndarray:
     return np.where(g == 0, F32(1.0), g).astype(F32)
 
 
+SF_MIN = F32(2.0 ** -9)      # the smallest E4M3 subnormal (byte 0x01)
+SF_ONE = np.uint8(0x38)       # E4M3 1.0
+
+
+def block_scale(r) -> np.ndarray:
+    """Step 2's scale byte from r = bmax / (gs * 6), as ModelOpt computes it
+    (NVFP4QTensor.get_weights_scaling_factor: `per_block_scale[== 0] = 1.0`,
+    then _cast_per_block_scale_to_fp8: `clamp(min=2**-9, max=448)` and the
+    RNE cast): r == 0 -> 1.0 (an all-zero block); 0 < r < 2^-9, and negative
+    r (a negative gs), -> 2^-9; NaN stays NaN (0x7F)."""
+    r = np.asarray(r, dtype=F32)
+    sf = e4m3_encode(np.where(r < SF_MIN, SF_MIN, r))
+    return np.where(r == 0, SF_ONE, sf).astype(np.uint8)
+
+
 def quantize(x, scope: str = "tensor", gs=None):
     """NVFP4-encode `x` -> (q, sf, gs). See the module docstring."""
     x = np.asarray(x, dtype=F32)
@@ -62,11 +83,12 @@ def quantize(x, scope: str = "tensor", gs=None):
     # per-block gs: scalar, or one per row broadcast over the row's blocks
     gb = np.asarray(g, dtype=F32)[..., None] if np.ndim(g) else g
     bad = ~np.isfinite(blocks).all(axis=-1)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore", under="ignore"):
         bmax = np.abs(blocks).max(axis=-1)
-        sf = e4m3_encode(bmax / (gb * F32(6.0)))                      # step 2
+        sf = block_scale(bmax / (gb * F32(6.0)))                      # step 2
         es = (e4m3_decode(sf) * gb).astype(F32)                       # step 3
-        codes = e2m1_encode(blocks / es[..., None])                   # step 4
+        t = blocks / es[..., None]                                    # step 4
+        codes = (e2m1_encode(np.abs(t)) | ((t < 0).astype(np.uint8) << 3)).astype(np.uint8)
     # codes only for a positive finite es: es == 0 is step 3; an Inf / NaN es
     # comes only from a caller's device gs of 0, Inf or NaN
     usable = (es > 0) & np.isfinite(es)
