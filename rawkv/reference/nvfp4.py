@@ -13,8 +13,9 @@ for finite x and a positive finite gs the bytes are ModelOpt's.
   2. r = bmax / (gs * 6); sf = 0x38 (1.0) if r == 0, else
      e4m3(max(r, 2^-9)) (NaN kept): a block whose scale would round to 0
      gets the smallest subnormal scale 0x01 and keeps its values
-  3. es = float(sf) * gs; codes only for a positive finite es (else all 0:
-     only a gs that is not a positive finite float can cause that)
+  3. es = float(sf) * gs; codes only for a positive finite es, else all 0
+     (es underflowing to 0 under a gs below 2^-140, where ModelOpt divides
+     by 0; or a caller's device gs that is not a positive finite float)
   4. t = x / es; code = e2m1(|t|) with the sign bit set iff t < 0 (-0.0 and
      a negative x whose quotient underflows to -0 give code 0)
   5. a block holding NaN/Inf -> sf = 0x7F, codes 0
@@ -89,8 +90,7 @@ def quantize(x, scope: str = "tensor", gs=None):
         es = (e4m3_decode(sf) * gb).astype(F32)                       # step 3
         t = blocks / es[..., None]                                    # step 4
         codes = (e2m1_encode(np.abs(t)) | ((t < 0).astype(np.uint8) << 3)).astype(np.uint8)
-    # codes only for a positive finite es: es == 0 is step 3; an Inf / NaN es
-    # comes only from a caller's device gs of 0, Inf or NaN
+    # codes only for a positive finite es (step 3)
     usable = (es > 0) & np.isfinite(es)
     codes = np.where((~usable)[..., None] | bad[..., None], np.uint8(0), codes)
     sf = np.where(bad, np.uint8(0x7F), sf).astype(np.uint8)           # step 5
