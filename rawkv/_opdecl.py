@@ -17,7 +17,8 @@ import re
 from typing import Callable
 
 _OPS: dict[str, "OpDecl"] = {}
-_ARG = re.compile(r"^\s*(?P<type>[\w\[\]?]+)(?P<alias>\([a-z]!\))?\s+(?P<name>\w+)(?:\s*=\s*(?P<default>\S+))?\s*$")
+_ARG = re.compile(r"^\s*(?P<type>[\w\[\]?]+)(?P<alias>\([a-z]!\))?(?P<optional>\?)?\s+(?P<name>\w+)"
+                  r"(?:\s*=\s*(?P<default>\S+))?\s*$")
 
 
 class OpDecl:
@@ -29,11 +30,15 @@ class OpDecl:
     def __init__(self, name: str, impl: Callable, schema: str):
         self.name, self.impl, self.schema = name, impl, schema
         self.args = []
+        self.defaults = {}
         for part in _split(schema):
             m = _ARG.match(part)
             if m is None:
                 raise ValueError(f"rawkv::{name}: cannot read schema argument {part!r}")
-            self.args.append((m["name"], m["type"], m["alias"] is not None))
+            # 'Tensor(a!)? errors': an optional written tensor (type 'Tensor?')
+            self.args.append((m["name"], m["type"] + (m["optional"] or ""), m["alias"] is not None))
+            if m["default"] is not None:
+                self.defaults[m["name"]] = _literal(m["default"], name)
         self.mutates = tuple(n for n, _, w in self.args if w)
         if not self.mutates:
             raise ValueError(f"rawkv::{name}: a mutating op writes at least one argument")
@@ -70,6 +75,24 @@ def _split(schema: str):
             cur.append(ch)
     if "".join(cur).strip():
         yield "".join(cur)
+
+
+def _literal(text: str, op: str):
+    """A schema default as the Python value the dispatcher stands for."""
+    if text == "None":
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    if text[:1] in "'\"" and text[-1:] == text[:1]:
+        return text[1:-1]
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"rawkv::{op}: schema default {text!r} is not None, a bool, "
+                             "a number or a quoted string") from None
 
 
 def declared() -> dict[str, OpDecl]:

@@ -118,9 +118,134 @@ def run(a) -> int:
     return _run(a, None)
 
 
-def _run(a, rt) -> int:
-    from . import kvcache as kvc
+class Decoder:
+    """The demo's two layers at one size: weights, token rows, pools and
+    decode states (prefill), and the decode step's static buffers
+    (prepare / step). `device`: "cuda" (CUDA pools, tensors), "cpu" (CPU
+    pools; numpy arrays, or CPU torch tensors with tensors=True: what
+    torch.compile traces, tests/library_samples_kvcache.py)."""
 
+    def __init__(self, rng, prompts, steps, topk, epb, *, device="cpu", tensors=False):
+        from . import kvcache as kvc
+
+        self.kvc, self.prompts, self.topk = kvc, list(prompts), topk
+        self.torch = device != "cpu" or tensors
+        self.gpu = device != "cpu"
+        B = self.B = len(prompts)
+        self.total = [L + steps for L in prompts]
+        self.layers = {k: _Layer(rng, k) for k in ("csa", "hca")}
+        self.toks = {k: [_tokens(rng, n, self.layers[k].w) for n in self.total] for k in self.layers}
+        self.itoks = [_tokens(rng, n, 2 * DI) for n in self.total]
+        self.pools, self.states = {}, {}
+        for k in self.layers:
+            max_e = max(self.total) // M[k] + 1
+            mb = -(-max_e // epb)
+            self.pools[k] = kvc.PagedKVPool(k, B * mb, epb, B, mb, device=device)
+            self.states[k] = kvc.DecodeState(k, B, device=device)
+        self.istate = kvc.DecodeState("csa", B, DI, device=device)
+        self.slots = [self.pools["csa"].add_request() for _ in range(B)]
+        for k in self.layers:
+            if k != "csa":
+                assert [self.pools[k].add_request() for _ in range(B)] == self.slots
+        arr = self.array
+        self.W = {k: arr(self.layers[k].nw) for k in self.layers}
+        self.APE = {k: arr(self.layers[k].ape) for k in self.layers}
+        self.IW, self.IAPE = arr(self.layers["csa"].inw), arr(self.layers["csa"].iape)
+        # ---- static step buffers ----
+        self.sl = arr(np.asarray(self.slots, np.int32))
+        self.valid = arr(np.ones(B, bool))
+        self.pos = arr(np.zeros(B, np.int32))
+        self.flush = {k: arr(np.zeros(B, bool)) for k in self.layers}
+        self.x_kv = {k: arr(np.zeros((B, self.layers[k].w), np.float32)) for k in self.layers}
+        self.x_z = {k: arr(np.zeros((B, self.layers[k].w), np.float32)) for k in self.layers}
+        self.xi_kv, self.xi_z = arr(np.zeros((B, 2 * DI), np.float32)), arr(np.zeros((B, 2 * DI), np.float32))
+        self.ids = arr(np.full((B, topk), -1, np.int32))
+        self.n_csa = arr(np.zeros(B, np.int32))
+        self.n_hca = arr(np.zeros(B, np.int32))
+        self.k_hca = max(self.total) // M["hca"]
+        self.out = None           # the gathers' outputs: static buffers on the GPU, new arrays on CPU
+        if self.gpu:
+            import torch
+            self.out = {"csa": torch.empty((B, topk, D), dtype=torch.bfloat16, device="cuda"),
+                        "hca": torch.empty((B, self.k_hca, D), dtype=torch.bfloat16, device="cuda")}
+
+    def array(self, x):
+        """x (numpy) as the step's array type."""
+        if not self.torch:
+            return x
+        import torch
+        t = torch.from_numpy(np.ascontiguousarray(x))
+        return t.cuda() if self.gpu else t
+
+    def put(self, dst, arr):
+        if self.torch:
+            import torch
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(arr)), non_blocking=False)
+        else:
+            dst[...] = arr
+
+    def prefill(self):
+        """Every prompt through compress_prefill, then admission (state_seed)."""
+        kvc, arr = self.kvc, self.array
+        for i, (s, L) in enumerate(zip(self.slots, self.prompts)):
+            for k in self.layers:
+                self.pools[k].prepare_step([s], [L - 1])
+                kv, z = arr(self.toks[k][i][0][:L]), arr(self.toks[k][i][1][:L])
+                idx = None
+                if k == "csa":
+                    idx = (arr(self.itoks[i][0][:L]), arr(self.itoks[i][1][:L]), self.IAPE, self.IW)
+                    # the indexer's decode state: what its prompt rows leave
+                    kvc.state_seed(self.istate, s, idx[0], idx[1], ape=self.IAPE)
+                kvc.compress_prefill(self.pools[k], kv, z, self.APE[k], self.W[k], s, index=idx)
+                # admission: the slot's decode state is reset and seeded with the tail
+                # of the prompt (CSA: the b-half of the last window; any partial window)
+                kvc.state_seed(self.states[k], s, kv, z, ape=self.APE[k])
+
+    def prepare(self, t):
+        """Host side, before step t: blocks, and the step's inputs into the static buffers."""
+        B, put, M_ = self.B, self.put, M
+        p_ = np.asarray([L + t for L in self.prompts], np.int32)
+        for k in self.layers:
+            self.pools[k].prepare_step(self.slots, p_)
+            put(self.flush[k], (p_ + 1) % M_[k] == 0)
+            put(self.x_kv[k], np.stack([self.toks[k][i][0][p_[i]] for i in range(B)]))
+            put(self.x_z[k], np.stack([self.toks[k][i][1][p_[i]] for i in range(B)]))
+        put(self.xi_kv, np.stack([self.itoks[i][0][p_[i]] for i in range(B)]))
+        put(self.xi_z, np.stack([self.itoks[i][1][p_[i]] for i in range(B)]))
+        put(self.pos, p_)
+        nc = (p_ + 1) // M_["csa"]
+        put(self.n_csa, nc.astype(np.int32))
+        put(self.n_hca, ((p_ + 1) // M_["hca"]).astype(np.int32))
+        sel = np.full((B, self.topk), -1, np.int32)     # the most recent top-k entries ("indexer")
+        for i in range(B):
+            lo = max(0, nc[i] - self.topk)
+            sel[i, : nc[i] - lo] = np.arange(lo, nc[i])
+        put(self.ids, sel)
+
+    def step(self):
+        """One decode step of both layers (what the GPU demo captures in one
+        CUDA graph): state_append -> compress_decode -> csa_rotate /
+        hca_reset -> gather_topk (CSA) / gather_dense_batch (HCA). Returns
+        the gathered rows (CSA, HCA)."""
+        kvc, pools, states, istate = self.kvc, self.pools, self.states, self.istate
+        sl, valid = self.sl, self.valid
+        for k in self.layers:
+            kvc.state_append(states[k], self.x_kv[k], self.x_z[k], valid, sl, ape=self.APE[k])
+        kvc.state_append(istate, self.xi_kv, self.xi_z, valid, sl, ape=self.IAPE)
+        kvc.compress_decode(pools["csa"], states["csa"], self.W["csa"], valid, sl, self.pos,
+                            index=(istate, self.IW))
+        kvc.compress_decode(pools["hca"], states["hca"], self.W["hca"], valid, sl, self.pos)
+        kvc.csa_rotate(states["csa"], self.flush["csa"], sl)
+        kvc.csa_rotate(istate, self.flush["csa"], sl)
+        kvc.hca_reset(states["hca"], self.flush["hca"], sl)
+        if self.out is not None:
+            return (kvc.gather_topk(pools["csa"], sl, self.ids, n_entries=self.n_csa, out=self.out["csa"]),
+                    kvc.gather_dense_batch(pools["hca"], sl, self.n_hca, out=self.out["hca"]))
+        return (kvc.gather_topk(pools["csa"], sl, self.ids, n_entries=self.n_csa),
+                kvc.gather_dense_batch(pools["hca"], sl, self.n_hca, max_entries=self.k_hca))
+
+
+def _run(a, rt) -> int:
     gpu = rt is not None
     rng = np.random.default_rng(a.seed)
     small = a.small or not gpu
@@ -133,148 +258,57 @@ def _run(a, rt) -> int:
         steps = a.steps if a.steps is not None else 300
         topk, epb = 512, 64
     B = len(prompts)
-    total = [L + steps for L in prompts]
-    device = "cuda" if gpu else "cpu"
     if gpu:
         import torch
         print(f"rawkv demo: GPU {rt.name} ({rt.arch}): kernels, decode steps in one CUDA graph")
     print(f"config: {B} requests, prompts {prompts} tokens, {steps} decode steps; layers CSA (m=4, "
           f"head_dim {D}, indexer {DI}, top-k {topk}) and HCA (m=128, dense)")
 
-    layers = {k: _Layer(rng, k) for k in ("csa", "hca")}
-    toks = {k: [_tokens(rng, n, layers[k].w) for n in total] for k in layers}
-    itoks = [_tokens(rng, n, 2 * DI) for n in total]
-
-    def dev(x):
-        if not gpu:
-            return x
-        return torch.from_numpy(np.ascontiguousarray(x)).cuda()
-
-    pools, states, istate = {}, {}, None
-    for k in layers:
-        max_e = max(total) // M[k] + 1
-        mb = -(-max_e // epb)
-        pools[k] = kvc.PagedKVPool(k, B * mb, epb, B, mb, device=device)
-        states[k] = kvc.DecodeState(k, B, device=device)
-    istate = kvc.DecodeState("csa", B, DI, device=device)
-    slots = [pools["csa"].add_request() for _ in range(B)]
-    for k in layers:
-        if k != "csa":
-            assert [pools[k].add_request() for _ in range(B)] == slots
+    dec = Decoder(rng, prompts, steps, topk, epb, device="cuda" if gpu else "cpu")
+    kvc, layers, toks, itoks = dec.kvc, dec.layers, dec.toks, dec.itoks
+    slots, total = dec.slots, dec.total
+    pools, states, istate = dec.pools, dec.states, dec.istate
 
     # ---- prefill ----
-    W = {k: dev(layers[k].nw) for k in layers}
-    APE = {k: dev(layers[k].ape) for k in layers}
-    IW, IAPE = dev(layers["csa"].inw), dev(layers["csa"].iape)
     t0 = time.perf_counter()
-    for i, (s, L) in enumerate(zip(slots, prompts)):
-        for k, lay in layers.items():
-            pools[k].prepare_step([s], [L - 1])
-            kv, z = dev(toks[k][i][0][:L]), dev(toks[k][i][1][:L])
-            idx = None
-            if k == "csa":
-                idx = (dev(itoks[i][0][:L]), dev(itoks[i][1][:L]), IAPE, IW)
-                # the indexer's decode state: what its prompt rows leave
-                kvc.state_seed(istate, s, idx[0], idx[1], ape=IAPE)
-            kvc.compress_prefill(pools[k], kv, z, APE[k], W[k], s, index=idx)
-            # admission: the slot's decode state is reset and seeded with the tail
-            # of the prompt (CSA: the b-half of the last window; any partial window)
-            kvc.state_seed(states[k], s, kv, z, ape=APE[k])
+    dec.prefill()
     if gpu:
         torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
 
-    # ---- static step buffers ----
-    sl = dev(np.asarray(slots, np.int32))
-    valid = dev(np.ones(B, bool))
-    pos = dev(np.zeros(B, np.int32))
-    flush = {k: dev(np.zeros(B, bool)) for k in layers}
-    x_kv = {k: dev(np.zeros((B, layers[k].w), np.float32)) for k in layers}
-    x_z = {k: dev(np.zeros((B, layers[k].w), np.float32)) for k in layers}
-    xi_kv, xi_z = dev(np.zeros((B, 2 * DI), np.float32)), dev(np.zeros((B, 2 * DI), np.float32))
-    ids = dev(np.full((B, topk), -1, np.int32))
-    n_csa = dev(np.zeros(B, np.int32))
-    n_hca = dev(np.zeros(B, np.int32))
-    k_hca = max(total) // M["hca"]
-    if gpu:
-        out_csa = torch.empty((B, topk, D), dtype=torch.bfloat16, device="cuda")
-        out_hca = torch.empty((B, k_hca, D), dtype=torch.bfloat16, device="cuda")
-    gathered = {}
-
-    def step_body():
-        for k in layers:
-            kvc.state_append(states[k], x_kv[k], x_z[k], valid, sl, ape=APE[k])
-        kvc.state_append(istate, xi_kv, xi_z, valid, sl, ape=IAPE)
-        kvc.compress_decode(pools["csa"], states["csa"], W["csa"], valid, sl, pos, index=(istate, IW))
-        kvc.compress_decode(pools["hca"], states["hca"], W["hca"], valid, sl, pos)
-        kvc.csa_rotate(states["csa"], flush["csa"], sl)
-        kvc.csa_rotate(istate, flush["csa"], sl)
-        kvc.hca_reset(states["hca"], flush["hca"], sl)
-        if gpu:
-            kvc.gather_topk(pools["csa"], sl, ids, n_entries=n_csa, out=out_csa)
-            kvc.gather_dense_batch(pools["hca"], sl, n_hca, out=out_hca)
-        else:
-            gathered["csa"] = kvc.gather_topk(pools["csa"], sl, ids, n_entries=n_csa)
-            gathered["hca"] = kvc.gather_dense_batch(pools["hca"], sl, n_hca, max_entries=k_hca)
-
-    def put(dst, arr):
-        if gpu:
-            dst.copy_(torch.from_numpy(np.ascontiguousarray(arr)), non_blocking=False)
-        else:
-            dst[...] = arr
-
-    def prepare(t):
-        p_ = np.asarray([L + t for L in prompts], np.int32)
-        for k in layers:
-            pools[k].prepare_step(slots, p_)
-            put(flush[k], (p_ + 1) % M[k] == 0)
-            put(x_kv[k], np.stack([toks[k][i][0][p_[i]] for i in range(B)]))
-            put(x_z[k], np.stack([toks[k][i][1][p_[i]] for i in range(B)]))
-        put(xi_kv, np.stack([itoks[i][0][p_[i]] for i in range(B)]))
-        put(xi_z, np.stack([itoks[i][1][p_[i]] for i in range(B)]))
-        put(pos, p_)
-        nc = (p_ + 1) // M["csa"]
-        put(n_csa, nc.astype(np.int32))
-        put(n_hca, ((p_ + 1) // M["hca"]).astype(np.int32))
-        sel = np.full((B, topk), -1, np.int32)     # the most recent top-k entries ("indexer")
-        for i in range(B):
-            lo = max(0, nc[i] - topk)
-            sel[i, : nc[i] - lo] = np.arange(lo, nc[i])
-        put(ids, sel)
-
     times = []
     if gpu:
-        prepare(0)
+        dec.prepare(0)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         # capture does not run the body: step 0 runs as the first replay
         with torch.cuda.graph(g):
-            step_body()
+            dec.step()
         ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for t in range(steps):
             if t:
-                prepare(t)
+                dec.prepare(t)
             ev0.record()
             g.replay()
             ev1.record()
             ev1.synchronize()
             times.append(ev0.elapsed_time(ev1) * 1e3)
         torch.cuda.synchronize()
+        last_csa, last_hca = dec.out["csa"], dec.out["hca"]
     else:
         for t in range(steps):
-            prepare(t)
+            dec.prepare(t)
             t1 = time.perf_counter()
-            step_body()
+            last_csa, last_hca = dec.step()
             times.append((time.perf_counter() - t1) * 1e6)
 
     # ---- accuracy against the BF16 path (reference entries before quantization) ----
     # rows skipped by the pools' and states' bounds checks (0 for a correct run)
     errs = sum(x.read_errors() for x in (*pools.values(), *states.values(), istate))
     cos = {"csa": [], "hca": [], "index": []}
-    last_csa = _np_rows(out_csa if gpu else gathered["csa"])
-    last_hca = _np_rows(out_hca if gpu else gathered["hca"])
+    last_csa, last_hca = _np_rows(last_csa), _np_rows(last_hca)
     for i, s_ in enumerate(slots):
         n_tok = total[i]
         for k, lay in layers.items():

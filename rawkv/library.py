@@ -31,9 +31,12 @@ def _make_impl(decl: _opdecl.OpDecl):
     generated function with the schema's parameters passes them on by
     keyword (no per-call dict building on the hot path)."""
     names = [n for n, _, _ in decl.args]
-    src = (f"def {decl.name}({', '.join(names)}):\n"
+    # The dispatcher leaves out trailing arguments the caller did not pass
+    # and that have schema defaults: the generated function has them too.
+    params = [f"{n}=DEFAULTS[{n!r}]" if n in decl.defaults else n for n in names]
+    src = (f"def {decl.name}({', '.join(params)}):\n"
            f"    IMPL({', '.join(f'{n}={n}' for n in names)})\n")
-    env = {"IMPL": decl.impl}
+    env = {"IMPL": decl.impl, "DEFAULTS": decl.defaults}
     exec(compile(src, f"<rawkv::{decl.name}>", "exec"), env)  # noqa: S102 - generated from the declaration
     return env[decl.name]
 

@@ -199,6 +199,12 @@ class Runtime:
         self._streams: dict[int, object] = {}
         self._lock = threading.Lock()
         self._get_device = cupy.cuda.runtime.getDevice
+        # torch.cuda.device's own switch (torch >= 2.1); plain cudaSetDevice where absent
+        set_device = cupy.cuda.runtime.setDevice
+        self._exchange_device = getattr(torch.cuda, "_exchange_device", None) or (
+            lambda d: (self._get_device(), set_device(d))[0])
+        self._maybe_exchange_device = getattr(torch.cuda, "_maybe_exchange_device", None) or (
+            lambda d: (self._get_device(), set_device(d))[0])
         self._launcher = _launch.Launcher()
         self._launch_call = self._launcher.__call__   # bound method: cheaper than calling the instance
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -245,9 +251,12 @@ class Runtime:
         # The cache file is a checksummed container, not a bare cubin: load
         # the verified image bytes through CuPy's module loader (the one
         # RawModule uses underneath).
-        with cupy.cuda.Device(self.device_index):
+        prev = self._make_current()
+        try:
             module = cupy.cuda.function.Module()
             module.load(result.cubin)
+        finally:
+            self._restore_current(prev)
         self._modules[filename] = module
         self._lowered[filename] = result.lowered
         self.stats["modules"] += 1
@@ -319,11 +328,11 @@ class Runtime:
             self._launch_call(fn, grid, block, st, args, shared_mem, ptr, what)
             return
         # the kernel lives in this device's context: make it current
-        self._cupy.cuda.runtime.setDevice(self.device_index)
+        prev = self._make_current()
         try:
-            self._launcher(fn, grid, block, st, args, shared_mem, ptr, what)
+            self._launch_call(fn, grid, block, st, args, shared_mem, ptr, what)
         finally:
-            self._cupy.cuda.runtime.setDevice(cur)
+            self._restore_current(prev)
 
     def memset(self, ptr: int, value: int, nbytes: int, stream=None) -> None:
         """cudaMemsetAsync on the launch stream (capturable as a memset node),
@@ -334,11 +343,23 @@ class Runtime:
         if cur == self.device_index:
             memset(ptr, value, nbytes, sptr)
             return
-        self._cupy.cuda.runtime.setDevice(self.device_index)
+        prev = self._make_current()
         try:
             memset(ptr, value, nbytes, sptr)
         finally:
-            self._cupy.cuda.runtime.setDevice(cur)
+            self._restore_current(prev)
+
+    def _make_current(self) -> int:
+        """Make this device current for a launch, load or memset on it;
+        returns the previous device for _restore_current."""
+        return self._exchange_device(self.device_index)
+
+    def _restore_current(self, prev: int) -> None:
+        """Back to `prev` the way torch.cuda.device restores it: a device
+        whose context does not exist yet is not made current (cudaSetDevice
+        would create a context there: a worker owning GPU 1 would take
+        memory on GPU 0)."""
+        self._maybe_exchange_device(prev)
 
     # -- allocation ---------------------------------------------------------
     def empty(self, shape, dtype, stream=None):

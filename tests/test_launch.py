@@ -63,21 +63,23 @@ def test_launcher_names_an_argument_its_c_type_cannot_take():
 
 def test_memset_and_launch_make_their_device_current():
     """Runtime.memset and Runtime.launch both run with the runtime's device
-    current (restoring the caller's), on the stream given."""
+    current, on the stream given, and give the caller's device back the way
+    torch.cuda.device does (no context is created on a device that had none)."""
     from rawkv.runtime import Runtime
     calls = []
     rt = Runtime.__new__(Runtime)            # no GPU: only the attributes these two use
     rt.device_index = 1
     rt._cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
-        setDevice=lambda d: calls.append(("setDevice", d)),
         memsetAsync=lambda *a: calls.append(("memsetAsync", *a)))))
     rt._launcher = rt._launch_call = lambda fn, grid, block, st, args, shm, stream, what: calls.append(("launch", stream))
     for current in (1, 0):
         rt._get_device = lambda: current
+        rt._exchange_device = lambda d: calls.append(("exchange", d)) or current
+        rt._maybe_exchange_device = lambda d: calls.append(("maybe_exchange", d))
         calls.clear()
         rt.memset(0x1000, 0, 64, stream=77)
         rt.launch(None, (1,), (32,), struct.Struct("<"), (), stream=77)
-        on, off = ([], []) if current == 1 else ([("setDevice", 1)], [("setDevice", 0)])
+        on, off = ([], []) if current == 1 else ([("exchange", 1)], [("maybe_exchange", 0)])
         assert calls == [*on, ("memsetAsync", 0x1000, 0, 64, 77), *off, *on, ("launch", 77), *off]
 
 

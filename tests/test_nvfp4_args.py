@@ -71,6 +71,7 @@ def test_numbers_and_none_passed_as_tensors(bad):
                   ("out", lambda: nv.dequantize(q, sf, gs, out=bad)),
                   ("out", lambda: nv.gather(q, sf, gs, idx, out=bad)),
                   ("errors", lambda: nv.gather(q, sf, gs, idx, errors=bad)),
+                  ("errors", lambda: nv.quantize(x, errors=bad)),
                   ("out", lambda: nv.swizzle_scales(sf, out=bad))]
     else:
         calls += [("sf, gs", lambda: nv.dequantize(q, bad, gs)),
@@ -119,6 +120,7 @@ def test_cpu_dtypes_as_on_cuda():
         ("out", lambda: nv.dequantize(q, sf, gs, dtype="float16", out=out)),
         ("indices", lambda: nv.gather(q, sf, gs, idx.astype(np.int16), out=out)),
         ("errors", lambda: nv.gather(q, sf, gs, idx, out=out, errors=np.zeros(1, np.int64))),
+        ("errors", lambda: nv.quantize(x, out=(None, None, out[0, 0, ...]), errors=np.zeros(1, np.int64))),
         ("sf", lambda: nv.swizzle_scales(sf.astype(np.float32))),
         ("sw", lambda: nv.unswizzle_scales(np.zeros(512, np.int32), (2, 2))),
     ]
@@ -128,6 +130,8 @@ def test_cpu_dtypes_as_on_cuda():
     assert (out == 7.0).all()
     with pytest.raises(ValueError, match="^errors:"):
         nv.gather(q, sf, gs, idx, out=out, errors=np.zeros(0, np.int32))
+    with pytest.raises(ValueError, match="^errors:"):
+        nv.quantize(x, out=(None, None, out[0, 0, ...]), errors=np.zeros(0, np.int32))
     with pytest.raises(ValueError, match="^out:"):
         nv.swizzle_scales(sf, out=np.zeros(7, np.uint8))
     assert (out == 7.0).all()

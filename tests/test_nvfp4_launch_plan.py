@@ -39,6 +39,10 @@ class RecordingRuntime:
         self._functions = {}
         self.calls = []
 
+    @staticmethod
+    def _get_device():
+        return 0        # not device_index: every launch goes through launch() below
+
     def function(self, filename, name, stream=None):
         assert filename == "nvfp4.cu" and name in K.FILE.name_expressions(), name
         return name
@@ -122,6 +126,29 @@ def test_quantize_scopes(rt, dtype, n):
     rt.calls.clear()
     rawkv.nvfp4.quantize(x, scope="none")
     assert rt.calls[0][3]["gs_val"] == 1.0 and rt.calls[0][3]["gs_ptr"] == 0
+
+
+def test_quantize_errors_counter(rt):
+    """errors= takes the place of the device counter for a device gs; the
+    operator passes its buffers, the given gs is the gs (no gs_out)."""
+    import rawkv.library  # noqa: F401  (registers torch.ops.rawkv)
+    x = fake(torch.ones(2, 32))
+    gdev = fake(torch.full((1,), 0.5))
+    err = fake(torch.zeros(1, dtype=torch.int32))
+    q, sf, gs = rawkv.nvfp4.quantize(x, scope="given", gs=gdev, errors=err)
+    assert rt.calls[-1][3]["errors"] == err.data_ptr() and gs.data_ptr() == gdev.data_ptr()
+    rawkv.nvfp4.quantize(x, scope="given", gs=0.5, errors=err)       # a number: checked on the host
+    assert rt.calls[-1][3]["errors"] == 0
+    qb, sfb = fake(torch.empty(2, 16, dtype=torch.uint8)), fake(torch.empty(2, 2, dtype=torch.uint8))
+    torch.ops.rawkv.nvfp4_quantize(x, "given", gdev, None, qb, sfb, None, err)
+    a = rt.calls[-1][3]
+    assert (a["q"], a["sf"], a["gs_ptr"], a["gs_out"], a["errors"]) == (
+        qb.data_ptr(), sfb.data_ptr(), gdev.data_ptr(), 0, err.data_ptr())
+    n = len(rt.calls)
+    for bad, exc in ((err.long(), TypeError), (fake(torch.zeros(0, dtype=torch.int32)), ValueError)):
+        with pytest.raises(exc, match="^errors:"):
+            rawkv.nvfp4.quantize(x, scope="given", gs=gdev, errors=bad)
+    assert len(rt.calls) == n
 
 
 def test_quantize_long_rows_and_views(rt):

@@ -33,6 +33,7 @@ fi
 # stage gets a time limit (seconds; the device tool allows 600 per command).
 LIMIT=${RAWKV_STAGE_TIMEOUT:-540}
 
+[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && case " $TESTS " in *" tests "*|*" tests/ "*|*test_multi_gpu.py*) ;; *) TESTS="$TESTS tests/test_multi_gpu.py" ;; esac  # 2+ GPUs: the multi-GPU tests join the run, once
 echo "== tests: $TESTS =="
 # shellcheck disable=SC2086
 timeout "$LIMIT" python3 -m pytest -q -rs -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/pytest.log" || status=1

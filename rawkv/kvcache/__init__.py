@@ -20,8 +20,12 @@ before anything is launched or written; the error names the argument.
 Device-side indices are bounds-checked: a bad row is skipped and counted in
 `errors` (default: pool.errors for pool ops, state.errors for state ops).
 
+Every op is also a rawkv:: custom operator on the pool's / state's buffers
+(torch.ops.rawkv.kv_*; views), which the op calls under torch.compile.
+
 Modules: pool, state (the objects); flush, gather, state_ops (format ops);
-prefill, decode, compressor (the compressor); checks.
+prefill, decode, compressor (the compressor); checks; views (the operators'
+schemas and the pool / state views they run on).
 """
 from .pool import PagedKVPool
 from .state import DecodeState

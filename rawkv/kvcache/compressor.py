@@ -91,6 +91,22 @@ def rope_table(pool, *, theta: float = ref.COMPRESS_ROPE_THETA, yarn=ref.DSV4_YA
     return tab
 
 
+def yarn_list(yarn):
+    """A YarnConfig as the operators' `float[]? yarn`: [factor,
+    original_seq_len, beta_fast, beta_slow] (None stays None)."""
+    if yarn is None:
+        return None
+    return [float(yarn.factor), float(yarn.original_seq_len), float(yarn.beta_fast), float(yarn.beta_slow)]
+
+
+def yarn_of(values):
+    """The YarnConfig of an operator's `yarn` (yarn_list's inverse)."""
+    if values is None:
+        return None
+    factor, n, fast, slow = values
+    return ref.YarnConfig(factor, int(n) if float(n).is_integer() else n, fast, slow)
+
+
 def index_part(kv=None, z=None, kvb=None, zb=None, ape=None, w=None, count=None) -> dict:
     """rkv_kv_compress's arguments of part 1, the CSA indexer key (all null
     when the pool has no indexer keys: the launch has no part 1 then)."""

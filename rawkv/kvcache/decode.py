@@ -4,11 +4,16 @@ reference.paged_compress_decode defines the flush rule)."""
 from __future__ import annotations
 
 from .. import _args as A
+from .. import _dispatch as D
+from .._opdecl import OpDecl
 from ..kernels import kv_compress as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import checks as C
-from .compressor import DecodeIndex, check_compressible, index_arg, index_part, pool_args, rope_table
+from . import views as V
+from .compressor import (
+    DecodeIndex, check_compressible, index_arg, index_part, pool_args, rope_table, yarn_list, yarn_of,
+)
 
 
 def _check_state_of(pool, state, name: str, kind: str, head_dim: int) -> None:
@@ -57,6 +62,12 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
     """
     C.check_pool(pool)
     check_compressible(pool)
+    if D.compiling():
+        ist, inw = (None, None) if index is None else index
+        return V.call(DECODE_OP, **V.pool_args(pool), **V.state_args(state, counter=False),
+                      **V.state_args(ist, prefix="index_", counter=False), norm_weight=norm_weight,
+                      valid_mask=valid_mask, slots=slots, positions=positions, index_norm_weight=inw,
+                      eps=eps, theta=theta, yarn=yarn_list(yarn))
     eps = A.check_eps(eps)
     index = index_arg(pool, index, DecodeIndex)
     _check_state_of(pool, state, "state", pool.kind, pool.head_dim)
@@ -89,3 +100,17 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
         kv0=state.kv_a, z0=state.z_a, kvb0=state.kv_b, zb0=state.z_b, ape0=None, w0=nw,
         count0=state.count, **part1, valid=v, slots=s, positions=p, n_slots=state.max_requests, slot=0, start_entry=0, pre=0)
     return None
+
+
+def _decode_op(norm_weight, valid_mask, slots, positions, index_norm_weight, eps, theta, yarn, **kw):
+    state, ist = V.take_state(kw), V.take_state(kw, "index_")
+    index = None if ist is None and index_norm_weight is None else DecodeIndex(ist, index_norm_weight)
+    compress_decode(V.pool_view(**kw), state, norm_weight, valid_mask, slots, positions, index=index,
+                    eps=eps, theta=theta, yarn=yarn_of(yarn))
+
+
+DECODE_OP = OpDecl("kv_compress_decode", _decode_op, V.schema(
+    V.pool_schema(True), V.state_schema(False, counter=False),
+    "Tensor norm_weight, Tensor valid_mask, Tensor slots, Tensor positions",
+    V.state_schema(False, "index_", counter=False, optional=True),
+    "Tensor? index_norm_weight, float eps, float theta, float[]? yarn"))

@@ -1,10 +1,13 @@
 """flush_write: finished entries -> the paged pool (rkv_kv_flush_write)."""
 from __future__ import annotations
 
+from .. import _dispatch as D
+from .._opdecl import OpDecl
 from ..kernels import kv_cache as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import checks as C
+from . import views as V
 
 
 def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None, errors=None,
@@ -23,6 +26,9 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
     of range writes nothing and adds 1 to errors. Two valid rows aimed at
     one entry: undefined. One launch."""
     C.check_pool(pool)
+    if D.compiling():
+        return V.call(FLUSH_WRITE_OP, **V.pool_args(pool, errors), entries=entries, valid_mask=valid_mask,
+                      slots=slots, positions=positions, index_keys=index_keys)
     dev = pool.device_index
     e = C.arg(entries, "entries", C.BF16, dev, ndim=2, aligned=True)
     B = e.shape[0]
@@ -52,3 +58,12 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
         num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request,
         num_blocks=pool.num_blocks, epb=pool.entries_per_block, m=pool.m,
         nope_dim=pool.nope_dim, rope_dim=pool.rope_dim, index_dim=pool.index_head_dim or 0)
+
+
+def _flush_write_op(entries, valid_mask, slots, positions, index_keys, **pool):
+    flush_write(V.pool_view(**pool), entries, valid_mask, slots, positions, index_keys=index_keys)
+
+
+FLUSH_WRITE_OP = OpDecl("kv_flush_write", _flush_write_op, V.schema(
+    V.pool_schema(True), "Tensor entries, Tensor valid_mask, Tensor slots, Tensor positions",
+    "Tensor? index_keys"))

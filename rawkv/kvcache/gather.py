@@ -8,10 +8,12 @@ left in a reused block are never returned.
 from __future__ import annotations
 
 from .. import _dispatch as D
+from .._opdecl import OpDecl
 from ..kernels import kv_cache as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import checks as C
+from . import views as V
 
 
 def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=None, dtype=None,
@@ -29,6 +31,9 @@ def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=N
     mapped to an out-of-range slot/block gives a zero row and adds 1 to
     errors (reference.paged_gather_topk). One launch."""
     C.check_pool(pool)
+    if D.compiling():
+        return V.traced_out(GATHER_TOPK_OP, pool, out, dtype, (*topk_ids.shape, pool.head_dim), errors,
+                            slots=slots, topk_ids=topk_ids, n_entries=n_entries, valid_mask=valid_mask)
     name = C.out_dtype(dtype, out)
     dev = pool.device_index
     ids = C.arg(topk_ids, "topk_ids", C.IDS, dev, ndim=2)
@@ -97,12 +102,16 @@ def _check_index(pool, index: bool) -> int:
 def _dense_one(pool, slot, n_entries, out, dtype, errors, stream, index):
     C.check_pool(pool)
     width = _check_index(pool, index)
+    if D.compiling():
+        return V.traced_out(DENSE_OPS[index], pool, out, dtype, (n_entries, width), errors, slot=slot,
+                            n_entries=n_entries)
     slot = C.host_int("slot", slot, 0, pool.max_requests)
     # n is a host int, so it is checked against the host's count of the slot's
-    # entries (0 for a free slot); the kernel still bounds by pool.written,
-    # which also catches entries prepared but not yet flushed.
+    # entries (0 for a free slot; a view has no count: V.pool_view); the kernel
+    # still bounds by pool.written, which also catches entries prepared but
+    # not yet flushed.
     n = C.host_int("n_entries", n_entries, 0)
-    have = int(pool._n_entries[slot])
+    have = n if pool._n_entries is None else int(pool._n_entries[slot])
     if n > have:
         raise ValueError(f"n_entries: {n} entries asked of slot {slot}, which holds {have} after the "
                          "steps prepared so far (pool.n_entries); the rest would be bytes this "
@@ -124,9 +133,12 @@ def _dense_one(pool, slot, n_entries, out, dtype, errors, stream, index):
 def _dense_batch(pool, slots, n_entries, max_entries, valid_mask, out, dtype, errors, stream, index):
     C.check_pool(pool)
     width = _check_index(pool, index)
-    name = C.out_dtype(dtype, out)
     if out is None and max_entries is None:
         raise ValueError("max_entries: required when out is not given")
+    if D.compiling():
+        return V.traced_out(BATCH_OPS[index], pool, out, dtype, (slots.shape[0], max_entries, width), errors,
+                            slots=slots, n_entries=n_entries, valid_mask=valid_mask)
+    name = C.out_dtype(dtype, out)
     if max_entries is not None:
         max_entries = C.host_int("max_entries", max_entries, 0)
     dev = pool.device_index
@@ -186,3 +198,30 @@ def gather_index_keys_batch(pool, slots, n_entries, *, max_entries=None, out=Non
     out (B, K, index_head_dim)."""
     return _dense_batch(pool, slots, n_entries, max_entries, valid_mask, out, dtype, errors,
                         stream, index=True)
+
+
+def _gather_topk_op(slots, topk_ids, n_entries, valid_mask, out, **pool):
+    gather_topk(V.pool_view(**pool), slots, topk_ids, n_entries=n_entries, valid_mask=valid_mask, out=out)
+
+
+def _dense_op(index: bool):
+    def op(slot, n_entries, out, **pool):
+        _dense_one(V.pool_view(**pool), slot, n_entries, out, None, None, None, index)
+    return op
+
+
+def _batch_op(index: bool):
+    def op(slots, n_entries, valid_mask, out, **pool):
+        _dense_batch(V.pool_view(**pool), slots, n_entries, None, valid_mask, out, None, None, None, index)
+    return op
+
+
+_READ = V.pool_schema(False)
+GATHER_TOPK_OP = OpDecl("kv_gather_topk", _gather_topk_op, V.schema(
+    _READ, "Tensor slots, Tensor topk_ids, Tensor? n_entries, Tensor? valid_mask, Tensor(!) out"))
+# {index?: declaration}: the entries' and the indexer keys' gathers share their code
+DENSE_OPS = {index: OpDecl(name, _dense_op(index), V.schema(_READ, "int slot, int n_entries, Tensor(!) out"))
+             for index, name in ((False, "kv_gather_dense"), (True, "kv_gather_index_keys"))}
+BATCH_OPS = {index: OpDecl(name, _batch_op(index), V.schema(
+    _READ, "Tensor slots, Tensor n_entries, Tensor? valid_mask, Tensor(!) out"))
+    for index, name in ((False, "kv_gather_dense_batch"), (True, "kv_gather_index_keys_batch"))}

@@ -31,6 +31,8 @@ numpy reference on it.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from ..errors import CaptureError
@@ -89,9 +91,34 @@ def capturing(device_index) -> bool:
 
 
 class ErrorCounter:
-    """The skipped-row counter of a pool or decode state: `errors` is a
-    1-element int32 buffer the kernels atomically add to (torch on CUDA,
-    numpy on CPU); `is_cuda` and `device_index` say where it lives."""
+    """What a pool and a decode state share: the skipped-row counter
+    (`errors`, a 1-element int32 buffer the kernels atomically add to; torch
+    on CUDA, numpy on CPU; `is_cuda` and `device_index` say where it lives)
+    and their buffers as the rawkv:: operators take them (torch_buffers)."""
+
+    BUFFERS: tuple = ()      # the buffers' attribute names, which are the operators' argument names
+    _torch = None
+
+    def torch_buffers(self) -> dict:
+        """{name: torch tensor or None} of BUFFERS: what a public op passes to
+        its rawkv:: operator under torch.compile. A CPU object's tensors are
+        torch views of its numpy arrays (shared memory, no copy), made once:
+        at construction when torch is already imported, else here."""
+        t = self._torch
+        if t is None:
+            t = {n: getattr(self, n) for n in self.BUFFERS}
+            if not self.is_cuda:
+                import torch
+                t = {n: None if a is None else torch.from_numpy(a) for n, a in t.items()}
+            self._torch = t
+        return t
+
+    def _init_torch_buffers(self) -> None:
+        """Make torch_buffers() now when torch is loaded (always on CUDA), so
+        a function compiled later reads an attribute instead of tracing
+        torch.from_numpy."""
+        if self.is_cuda or sys.modules.get("torch") is not None:
+            self.torch_buffers()
 
     def read_errors(self) -> int:
         """Rows the kernels skipped since the last reset_errors(). Synchronizes
@@ -117,38 +144,15 @@ class PagedKVPool(ErrorCounter):
     index_head_dim=None) or 'hca' (m = 128, no indexer key).
     """
 
+    BUFFERS = ("fp8", "scale", "rope", "index_q", "index_sf", "block_table", "written", "errors")
+
     def __init__(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                  *, head_dim=ref.HEAD_DIM, rope_dim=ref.ROPE_DIM, index_head_dim=_DEFAULT,
                  device="cuda"):
-        self.kind = kind
-        self.m = _kind(kind)
-        self.num_blocks = _pos_int("num_blocks", num_blocks)
-        self.entries_per_block = _pos_int("entries_per_block", entries_per_block)
-        self.max_requests = _pos_int("max_requests", max_requests)
-        self.max_blocks_per_request = _pos_int("max_blocks_per_request", max_blocks_per_request)
-        self.head_dim = _pos_int("head_dim", head_dim)
-        if isinstance(rope_dim, bool) or not isinstance(rope_dim, (int, np.integer)):
-            raise TypeError(f"rope_dim: expected an int, got {type(rope_dim).__name__}")
-        self.rope_dim = int(rope_dim)
-        if self.rope_dim < 0 or self.rope_dim % 8:
-            raise ValueError(f"rope_dim: expected a non-negative multiple of 8, got {rope_dim}")
-        self.nope_dim = self.head_dim - self.rope_dim
-        if self.nope_dim <= 0 or self.nope_dim % 16:
-            raise ValueError(f"head_dim: head_dim - rope_dim must be a positive multiple of 16 "
-                             f"(the FP8 part), got {head_dim} - {rope_dim}")
         if index_head_dim is _DEFAULT:
             index_head_dim = ref.INDEX_HEAD_DIM if kind == "csa" else None
-        if index_head_dim is not None:
-            if kind != "csa":
-                raise ValueError("index_head_dim: only a CSA pool has indexer keys (pass None for HCA)")
-            index_head_dim = _pos_int("index_head_dim", index_head_dim)
-            if index_head_dim % ref.NVFP4_BLOCK:
-                raise ValueError(f"index_head_dim: expected a multiple of 16, got {index_head_dim}")
-        self.index_head_dim = index_head_dim
-        if self.max_blocks_per_request * self.entries_per_block >= 2 ** 31 or \
-                self.num_blocks * self.entries_per_block >= 2 ** 31:
-            raise ValueError("entries_per_block: num_blocks and max_blocks_per_request times "
-                             "entries_per_block must stay below 2^31 entries")
+        self._set_geometry(kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
+                           head_dim, rope_dim, index_head_dim)
         self.is_cuda, self.device_index = resolve_device(device)
 
         nb, epb = self.num_blocks, self.entries_per_block
@@ -167,10 +171,10 @@ class PagedKVPool(ErrorCounter):
             self.fp8 = torch.zeros((nb, epb, self.nope_dim), dtype=torch.uint8, device=dev)
             self.scale = torch.zeros((nb, epb), dtype=torch.float32, device=dev)
             self.rope = torch.zeros((nb, epb, self.rope_dim), dtype=torch.bfloat16, device=dev)
-            if index_head_dim is not None:
-                self.index_q = torch.zeros((nb, epb, index_head_dim // 2), dtype=torch.uint8, device=dev)
-                self.index_sf = torch.zeros((nb, epb, index_head_dim // 16), dtype=torch.uint8,
-                                            device=dev)
+            if self.index_head_dim is not None:
+                ih = self.index_head_dim
+                self.index_q = torch.zeros((nb, epb, ih // 2), dtype=torch.uint8, device=dev)
+                self.index_sf = torch.zeros((nb, epb, ih // 16), dtype=torch.uint8, device=dev)
             else:
                 self.index_q = self.index_sf = None
             self.block_table = torch.full((R, MB), -1, dtype=torch.int32, device=dev)
@@ -178,12 +182,46 @@ class PagedKVPool(ErrorCounter):
             self.errors = torch.zeros(1, dtype=torch.int32, device=dev)
         else:
             self.device = "cpu"
-            r = ref.PagedPoolRef.create(nb, epb, self.m, self.head_dim, self.rope_dim, index_head_dim)
+            r = ref.PagedPoolRef.create(nb, epb, self.m, self.head_dim, self.rope_dim,
+                                        self.index_head_dim)
             self.fp8, self.scale, self.rope = r.kv_fp8, r.kv_scale, r.kv_rope
             self.index_q, self.index_sf = r.idx_q, r.idx_sf
             self.block_table = self._table          # the mirror is the table
             self.written = np.zeros(R, np.int32)
             self.errors = np.zeros(1, np.int32)
+        self._init_torch_buffers()
+
+    def _set_geometry(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
+                      head_dim, rope_dim, index_head_dim) -> None:
+        """The pool's sizes, checked: the constructor's rules, which
+        views.pool_view applies to the sizes of its buffers' shapes."""
+        self.kind = kind
+        self.m = _kind(kind)
+        self.num_blocks = _pos_int("num_blocks", num_blocks)
+        self.entries_per_block = _pos_int("entries_per_block", entries_per_block)
+        self.max_requests = _pos_int("max_requests", max_requests)
+        self.max_blocks_per_request = _pos_int("max_blocks_per_request", max_blocks_per_request)
+        self.head_dim = _pos_int("head_dim", head_dim)
+        if isinstance(rope_dim, bool) or not isinstance(rope_dim, (int, np.integer)):
+            raise TypeError(f"rope_dim: expected an int, got {type(rope_dim).__name__}")
+        self.rope_dim = int(rope_dim)
+        if self.rope_dim < 0 or self.rope_dim % 8:
+            raise ValueError(f"rope_dim: expected a non-negative multiple of 8, got {rope_dim}")
+        self.nope_dim = self.head_dim - self.rope_dim
+        if self.nope_dim <= 0 or self.nope_dim % 16:
+            raise ValueError(f"head_dim: head_dim - rope_dim must be a positive multiple of 16 "
+                             f"(the FP8 part), got {head_dim} - {rope_dim}")
+        if index_head_dim is not None:
+            if kind != "csa":
+                raise ValueError("index_head_dim: only a CSA pool has indexer keys (pass None for HCA)")
+            index_head_dim = _pos_int("index_head_dim", index_head_dim)
+            if index_head_dim % ref.NVFP4_BLOCK:
+                raise ValueError(f"index_head_dim: expected a multiple of 16, got {index_head_dim}")
+        self.index_head_dim = index_head_dim
+        if self.max_blocks_per_request * self.entries_per_block >= 2 ** 31 or \
+                self.num_blocks * self.entries_per_block >= 2 ** 31:
+            raise ValueError("entries_per_block: num_blocks and max_blocks_per_request times "
+                             "entries_per_block must stay below 2^31 entries")
 
     def __repr__(self):
         return (f"<PagedKVPool {self.kind} m={self.m} blocks={self.num_blocks}x{self.entries_per_block} "

@@ -3,11 +3,16 @@ one rkv_kv_compress launch (reference.paged_compress_prefill)."""
 from __future__ import annotations
 
 from .. import _args as A
+from .. import _dispatch as D
+from .._opdecl import OpDecl
 from ..kernels import kv_compress as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import checks as C
-from .compressor import PrefillIndex, check_compressible, index_arg, index_part, pool_args, rope_table
+from . import views as V
+from .compressor import (
+    PrefillIndex, check_compressible, index_arg, index_part, pool_args, rope_table, yarn_list, yarn_of,
+)
 
 
 def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 0, index=None,
@@ -37,6 +42,8 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
     """
     C.check_pool(pool)
     check_compressible(pool)
+    if D.compiling():
+        return _traced(pool, kv, z, ape, norm_weight, slot, start_entry, index, eps, theta, yarn)
     d, m, dev = pool.head_dim, pool.m, pool.device_index
     w = (2 if pool.kind == "csa" else 1) * d
     slot = C.host_int("slot", slot, 0, pool.max_requests)
@@ -77,3 +84,28 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
         kv0=k, z0=zz, kvb0=None, zb0=None, ape0=a, w0=nw, count0=None, **part1,
         valid=None, slots=None, positions=None, n_slots=0, slot=slot, start_entry=start_entry, pre=pre)
     return n
+
+
+def _traced(pool, kv, z, ape, norm_weight, slot, start_entry, index, eps, theta, yarn) -> int:
+    """Under torch.compile: the operator, and n from the shapes (the eager
+    path's count)."""
+    ix = PrefillIndex(None, None, None, None) if index is None else PrefillIndex(*index)
+    V.call(PREFILL_OP, **V.pool_args(pool), kv=kv, z=z, ape=ape, norm_weight=norm_weight, slot=slot,
+           start_entry=start_entry, index_kv=ix.kv, index_z=ix.z, index_ape=ix.ape,
+           index_norm_weight=ix.norm_weight, eps=eps, theta=theta, yarn=yarn_list(yarn))
+    pre = 1 if (pool.kind == "csa" and start_entry > 0) else 0
+    return max(0, kv.shape[0] // pool.m - pre)
+
+
+def _prefill_op(kv, z, ape, norm_weight, slot, start_entry, index_kv, index_z, index_ape,
+                index_norm_weight, eps, theta, yarn, **pool):
+    ix = (index_kv, index_z, index_ape, index_norm_weight)
+    compress_prefill(V.pool_view(**pool), kv, z, ape, norm_weight, slot, start_entry=start_entry,
+                     index=None if all(t is None for t in ix) else PrefillIndex(*ix), eps=eps, theta=theta,
+                     yarn=yarn_of(yarn))
+
+
+PREFILL_OP = OpDecl("kv_compress_prefill", _prefill_op, V.schema(
+    V.pool_schema(True), "Tensor kv, Tensor z, Tensor? ape, Tensor norm_weight, int slot, int start_entry",
+    "Tensor? index_kv, Tensor? index_z, Tensor? index_ape, Tensor? index_norm_weight",
+    "float eps, float theta, float[]? yarn"))

@@ -30,15 +30,10 @@ from .pool import ErrorCounter, _kind, _pos_int, resolve_device
 class DecodeState(ErrorCounter):
     """Tail buffers of the CSA (m = 4, two streams) or HCA (m = 128) compressor."""
 
+    BUFFERS = ("kv_a", "z_a", "kv_b", "z_b", "count", "errors")
+
     def __init__(self, kind, max_requests, head_dim=ref.HEAD_DIM, *, device="cuda"):
-        self.kind = kind
-        self.m = _kind(kind)
-        self.max_requests = _pos_int("max_requests", max_requests)
-        self.head_dim = _pos_int("head_dim", head_dim)
-        if self.head_dim % 4:
-            raise ValueError(f"head_dim: expected a multiple of 4, got {head_dim}")
-        self.coff = 2 if kind == "csa" else 1
-        self.width = self.coff * self.head_dim
+        self._set_geometry(kind, max_requests, head_dim)
         self.is_cuda, self.device_index = resolve_device(device)
         R, m, w, d = self.max_requests, self.m, self.width, self.head_dim
         if self.is_cuda:
@@ -61,6 +56,19 @@ class DecodeState(ErrorCounter):
             self.kv_a, self.z_a, self.count = st.a_kv, st.a_z, st.count
             self.kv_b, self.z_b = st.b_kv, st.b_z
             self.errors = np.zeros(1, np.int32)
+        self._init_torch_buffers()
+
+    def _set_geometry(self, kind, max_requests, head_dim) -> None:
+        """The state's sizes, checked (the constructor's rules, and
+        views.state_view's)."""
+        self.kind = kind
+        self.m = _kind(kind)
+        self.max_requests = _pos_int("max_requests", max_requests)
+        self.head_dim = _pos_int("head_dim", head_dim)
+        if self.head_dim % 4:
+            raise ValueError(f"head_dim: expected a multiple of 4, got {head_dim}")
+        self.coff = 2 if kind == "csa" else 1
+        self.width = self.coff * self.head_dim
 
     def __repr__(self):
         return (f"<DecodeState {self.kind} m={self.m} requests={self.max_requests} "

@@ -4,10 +4,13 @@ Kernels: rkv_kv_state_append, rkv_kv_state_reset; state_seed is a few torch
 ops. reference.state_* define them."""
 from __future__ import annotations
 
+from .. import _dispatch as D
+from .._opdecl import OpDecl
 from ..kernels import kv_cache as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import checks as C
+from . import views as V
 
 
 def state_seed(state, slot, kv, z, *, ape=None, stream=None):
@@ -27,6 +30,8 @@ def state_seed(state, slot, kv, z, *, ape=None, stream=None):
     CUDA: a few small torch ops (fills, copies, adds) on the current stream
     (or `stream`): no allocation, no host synchronization, capturable."""
     C.check_state(state)
+    if D.compiling():
+        return V.call(SEED_OP, **V.state_args(state, counter=False), slot=slot, kv=kv, z=z, ape=ape)
     slot = C.host_int("slot", slot, 0, state.max_requests)
     m, d, w = state.m, state.head_dim, state.width
     dev = state.device_index
@@ -79,6 +84,9 @@ def state_append(state, kv, z, valid_mask, slots, *, ape=None, errors=None, stre
     rows as the window has left, in no defined order, and count the rest).
     One launch."""
     C.check_state(state)
+    if D.compiling():
+        return V.call(APPEND_OP, **V.state_args(state, errors), kv=kv, z=z, valid_mask=valid_mask,
+                      slots=slots, ape=ape)
     dev = state.device_index
     w = state.width
     k = C.arg(kv, "kv", C.ROWS, dev, ndim=2, aligned=True)
@@ -107,11 +115,13 @@ def _state_block(w):
 
 
 def _reset(state, mode, valid_mask, slots, errors, stream):
+    if valid_mask is None and mode != K.RESET_CLEAR:
+        raise TypeError("valid_mask: is required")
+    if D.compiling():
+        return V.call(RESET_OPS[mode], **V.state_args(state, errors), valid_mask=valid_mask, slots=slots)
     dev = state.device_index
     s = C.arg(slots, "slots", C.I32, dev, ndim=1)
     B = s.shape[0]
-    if valid_mask is None and mode != K.RESET_CLEAR:
-        raise TypeError("valid_mask: is required")
     v = C.opt(valid_mask, "valid_mask", C.BOOL, dev, shape=(B,))
     err = C.errors_arg(errors, state.errors, dev)
     if dev is None:
@@ -156,3 +166,30 @@ def state_clear(state, slots, *, valid_mask=None, errors=None, stream=None):
     skipped, counted. state_seed does this and seeds the prompt's tail."""
     C.check_state(state)
     _reset(state, K.RESET_CLEAR, valid_mask, slots, errors, stream)
+
+
+def _seed_op(slot, kv, z, ape, **state):
+    state_seed(V.state_view(**state), slot, kv, z, ape=ape)
+
+
+def _append_op(kv, z, valid_mask, slots, ape, **state):
+    state_append(V.state_view(**state), kv, z, valid_mask, slots, ape=ape)
+
+
+def _reset_op(public):
+    def op(valid_mask, slots, **state):
+        public(V.state_view(**state), valid_mask=valid_mask, slots=slots)
+    return op
+
+
+SEED_OP = OpDecl("kv_state_seed", _seed_op, V.schema(
+    V.state_schema(True, counter=False), "int slot, Tensor kv, Tensor z, Tensor? ape"))
+APPEND_OP = OpDecl("kv_state_append", _append_op, V.schema(
+    V.state_schema(True, b_writes=False), "Tensor kv, Tensor z, Tensor valid_mask, Tensor slots",
+    "Tensor? ape"))
+# mode -> declaration; state_clear's valid_mask is optional (None: every row)
+RESET_OPS = {mode: OpDecl(name, _reset_op(public),
+                          V.schema(V.state_schema(True), f"Tensor{q} valid_mask, Tensor slots"))
+             for mode, name, public, q in ((K.RESET_CSA, "kv_csa_rotate", csa_rotate, ""),
+                                          (K.RESET_HCA, "kv_hca_reset", hca_reset, ""),
+                                          (K.RESET_CLEAR, "kv_state_clear", state_clear, "?"))}

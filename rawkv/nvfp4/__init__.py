@@ -9,11 +9,15 @@
     y = rawkv.nvfp4.gather(q, sf, gs, idx, errors=err)   # rows idx of q, bounds-checked
     sw = rawkv.nvfp4.swizzle_scales(sf); sf2 = rawkv.nvfp4.unswizzle_scales(sw, sf.shape)
     errs = rawkv.nvfp4.error_counts()                    # bad inputs the kernels met
+    torch.ops.rawkv.nvfp4_quantize(x, "row", None, None, q, sf, gs, None)   # mutating form
 
 CUDA tensors run rawkv/cu/nvfp4.cu (declared in rawkv.kernels.nvfp4) on
 torch's current stream (or `stream`); numpy arrays and CPU tensors run
 rawkv.reference (nvfp4.py, layouts.py), which defines every result bit for
-bit. Every argument is checked before anything is launched or written. Every
+bit. The rawkv::nvfp4_* torch operators (rawkv.library) are the same ops in
+the mutating form engines call, and what these functions call under
+torch.compile (docs/format.md, "NVFP4: torch custom operators"). Every
+argument is checked before anything is launched or written. Every
 op takes out= buffers, so a CUDA-graph-captured step allocates nothing;
 nothing here synchronizes with the host.
 

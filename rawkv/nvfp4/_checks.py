@@ -31,6 +31,13 @@ def as_sf(t):
     return t if d is None or t.dtype is d else t.view(d)
 
 
+def cpu_result(t, view):
+    """A CPU path's q / sf result as the CUDA path returns it: a torch tensor
+    through `view` (as_q, as_sf: an out= buffer of uint8 too), a numpy
+    array as it is."""
+    return view(t) if D.is_torch(t) else t
+
+
 def cpu_byte_dtype(name: str):
     """The torch dtype name CPU results of kind `name` take ('q' or 'sf'), or
     None where torch (or its FP4 / FP8 dtype) is missing."""
@@ -148,6 +155,16 @@ def check_out(t, name, dtypes, shape, device, align=1):
     return t
 
 
+def cuda_errors(errors, device):
+    """An errors= counter on CUDA: int32, at least 1 element, on the op's
+    device (an index); the kernels add to errors[0]."""
+    errors = cuda_array(errors, "errors")
+    A.check_tensor(errors, "errors", int_dtypes()[:1], device=device)
+    if errors.numel() < 1:
+        raise ValueError("errors: expected an int32 tensor with at least 1 element")
+    return errors
+
+
 def float32_gs(gs, device):
     """A gs tensor on CUDA: float32, on the op's device (an index)."""
     gs = cuda_array(gs, "gs")
@@ -262,3 +279,23 @@ def check_cpu_errors(errors) -> None:
     A.check_cpu_array(errors, "errors", ("int32",))
     if math.prod(errors.shape) < 1:
         raise ValueError("errors: expected an int32 array with at least 1 element")
+
+
+# ---- torch custom operators (rawkv.library) ------------------------------------------
+def op_gs(gs, gs_value, required: bool):
+    """The public ops' gs from an operator's two (a schema argument has one
+    type): a tensor `gs` or a number `gs_value`, at most one of them (one
+    when `required`)."""
+    if gs is not None and gs_value is not None:
+        raise ValueError("gs: expected a gs tensor or a gs_value number, got both")
+    if gs is None and gs_value is None and required:
+        raise TypeError("gs: expected a gs tensor or a gs_value number, got neither")
+    return gs if gs is not None else gs_value
+
+
+def split_gs(gs) -> dict:
+    """The operator's (gs, gs_value) arguments of a checked public gs (a
+    number, a tensor or None)."""
+    if isinstance(gs, float):
+        return {"gs": None, "gs_value": gs}
+    return {"gs": gs, "gs_value": None}

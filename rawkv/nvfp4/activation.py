@@ -8,9 +8,10 @@ import math
 from typing import Any, NamedTuple
 
 from . import _checks as C
-from .decode import launch_decode
+from .decode import launch_decode, traced_decode
 from .. import _args as A
 from .. import _dispatch as D
+from .._opdecl import OpDecl
 from ..reference import nvfp4 as ref
 from ..runtime import get_runtime
 
@@ -40,6 +41,8 @@ def dequantize(q, sf=None, gs=None, *, dtype=None, out=None, stream=None):
     if sf is None or gs is None:
         q, sf, gs = _activation_parts(q, sf, gs)
     name, tdt = C.decode_dtype(dtype, out)
+    if D.compiling():
+        return traced_decode(DEQUANTIZE_OP, out, (*q.shape[:-1], q.shape[-1] * 2), tdt, gs, q=q, sf=sf)
     gs = C.decode_gs(gs)
     where = D.placement(("q", q), ("sf", sf), ("gs", gs), ("out", out))
     if where == "cpu":
@@ -69,3 +72,12 @@ def _activation_parts(q, sf, gs):
         raise TypeError("sf, gs: both required, unless q is a rawkv.nvfp4.QuantizedActivation "
                         f"(then neither); got q of type {type(q).__name__}")
     return q.q, q.sf, q.gs
+
+
+def _dequantize_op(q, sf, gs, gs_value, out):
+    """rawkv::nvfp4_dequantize: out's dtype is the decode dtype."""
+    dequantize(q, sf, C.op_gs(gs, gs_value, True), out=out)
+
+
+DEQUANTIZE_OP = OpDecl("nvfp4_dequantize", _dequantize_op,
+                       "Tensor q, Tensor sf, Tensor? gs, float? gs_value, Tensor(a!) out")

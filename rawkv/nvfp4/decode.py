@@ -11,6 +11,7 @@ from . import counters
 from ._geometry import grid, groups
 from .. import _args as A
 from .. import _dispatch as D
+from .._opdecl import OpDecl
 from ..kernels import nvfp4 as K
 from ..reference import layouts as ref_layouts
 from ..runtime import get_runtime
@@ -30,6 +31,19 @@ def launch_decode(rt, q8, sf8, kind, gsv, idx, out, errors, m, rows_out, n, stre
                     idx=idx, out=out, errors=errors, M=m, rows_out=rows_out, n8=n8, ldo=n, tpr_=tpr)
 
 
+def traced_decode(op, out, shape, tdt, gs, **inputs):
+    """Under torch.compile: allocate out as the eager path does (`shape`,
+    dtype `tdt`) and call the rawkv:: operator `op`, which dynamo can trace."""
+    import torch
+    # a number gs is checked when the operator runs (a float argument of the
+    # compiled function is a symbolic float here: only its type is known)
+    gs = float(gs) if A.is_number(gs) else C.decode_gs(gs)
+    if out is None:
+        out = torch.empty(shape, dtype=tdt, device=inputs["q"].device)
+    op.call(torch, **inputs, **C.split_gs(gs), out=out)
+    return out
+
+
 def gather(q, sf, gs, indices, *, dtype=None, out=None, errors=None, stream=None):
     """Dequantize the rows `indices` (int32/int64, any shape; values index the
     rows of q with its leading dims flattened) -> out (*indices.shape, N).
@@ -42,6 +56,9 @@ def gather(q, sf, gs, indices, *, dtype=None, out=None, errors=None, stream=None
     (errors=None: error_counts('cpu')). gs: a float, a 1-element float32
     tensor, or one per source row."""
     name, tdt = C.decode_dtype(dtype, out)
+    if D.compiling():
+        return traced_decode(GATHER_OP, out, (*indices.shape, q.shape[-1] * 2), tdt, gs,
+                             q=q, sf=sf, indices=indices, errors=errors)
     gs = C.decode_gs(gs)
     where = D.placement(("q", q), ("sf", sf), ("gs", gs), ("indices", indices), ("out", out),
                         ("errors", errors))
@@ -57,10 +74,7 @@ def gather(q, sf, gs, indices, *, dtype=None, out=None, errors=None, stream=None
     if out is not None:
         out = C.check_out(out, "out", (tdt,), (*idx.shape, n), dev, align=16)
     if errors is not None:
-        errors = C.cuda_array(errors, "errors")
-        A.check_tensor(errors, "errors", ints[:1], device=dev)
-        if errors.numel() < 1:
-            raise ValueError("errors: expected an int32 tensor with at least 1 element")
+        errors = C.cuda_errors(errors, dev)
     rt = get_runtime(dev)
     if out is None:
         out = rt.empty((*idx.shape, n), tdt, stream=stream)      # every row is written
@@ -88,3 +102,13 @@ def _gather_cpu(q, sf, gs, indices, name, tdt, out, errors):
         else:
             errors.reshape(-1)[0] += nerr
     return D.from_numpy(np.asarray(y).reshape(*idx.shape, n), q, torch_dtype=tdt, out=out)
+
+
+def _gather_op(q, sf, gs, gs_value, indices, out, errors):
+    """rawkv::nvfp4_gather: out's dtype is the decode dtype."""
+    gather(q, sf, C.op_gs(gs, gs_value, True), indices, out=out, errors=errors)
+
+
+GATHER_OP = OpDecl("nvfp4_gather", _gather_op,
+                   "Tensor q, Tensor sf, Tensor? gs, float? gs_value, Tensor indices, Tensor(a!) out, "
+                   "Tensor(b!)? errors")

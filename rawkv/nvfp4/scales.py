@@ -8,6 +8,7 @@ from . import _checks as C
 from ._geometry import BLOCK_THREADS
 from .. import _args as A
 from .. import _dispatch as D
+from .._opdecl import OpDecl
 from ..kernels import nvfp4 as K
 from ..reference import layouts as ref_layouts
 from ..runtime import get_runtime
@@ -21,6 +22,8 @@ def swizzled_size(rows: int, cols: int) -> int:
 def swizzle_scales(sf, *, out=None, stream=None):
     """Linear scales (..., cols) (leading dims flattened into rows) -> the 1-D
     tensor-core layout of swizzled_size(rows, cols) bytes (zero padding)."""
+    if D.compiling():
+        return _traced(SWIZZLE_OP, out, (swizzled_size(math.prod(sf.shape[:-1]), sf.shape[-1]),), sf=sf)
     where = D.placement(("sf", sf), ("out", out))
     if where == "cpu":
         A.check_cpu_array(A.require_array(sf, "sf"), "sf", C.BYTES)
@@ -29,7 +32,7 @@ def swizzle_scales(sf, *, out=None, stream=None):
             raise ValueError("sf: expected at least 1 dimension")
         C.check_cpu_out(out, "out", C.BYTES, (swizzled_size(math.prod(sfa.shape[:-1]), sfa.shape[-1]),))
         sw = ref_layouts.swizzle_scales(sfa)
-        return D.from_numpy(sw, sf, torch_dtype=C.cpu_byte_dtype("sf"), out=out)
+        return C.cpu_result(D.from_numpy(sw, sf, torch_dtype=C.cpu_byte_dtype("sf"), out=out), C.as_sf)
     dt = A.dtypes()
     sf = C.cuda_array(sf, "sf")
     A.check_tensor(sf, "sf", dt.bytes)
@@ -60,6 +63,8 @@ def unswizzle_scales(sw, shape, *, out=None, stream=None):
         raise TypeError(f"shape: expected a sequence of ints, got {shape!r}") from None
     if not shape:
         raise ValueError("shape: expected at least 1 dimension")
+    if D.compiling():
+        return _traced(UNSWIZZLE_OP, out, shape, sw=sw)
     rows, cols = math.prod(shape[:-1]), shape[-1]
     size = swizzled_size(rows, cols)
     where = D.placement(("sw", sw), ("out", out))
@@ -70,7 +75,7 @@ def unswizzle_scales(sw, shape, *, out=None, stream=None):
             raise ValueError(f"sw: expected {size} bytes for scales of shape {shape}, got {swa.size}")
         C.check_cpu_out(out, "out", C.BYTES, shape)
         lin = ref_layouts.unswizzle_scales(swa, rows, cols).reshape(shape)
-        return D.from_numpy(lin, sw, torch_dtype=C.cpu_byte_dtype("sf"), out=out)
+        return C.cpu_result(D.from_numpy(lin, sw, torch_dtype=C.cpu_byte_dtype("sf"), out=out), C.as_sf)
     dt = A.dtypes()
     sw = C.cuda_array(sw, "sw")
     A.check_tensor(sw, "sw", dt.bytes)
@@ -89,3 +94,22 @@ def unswizzle_scales(sw, shape, *, out=None, stream=None):
         grid, block = rt.grid_stride(rows * ncb, BLOCK_THREADS)
         K.UNSWIZZLE.launch(rt, (grid,), (block,), stream=stream, sw=sw, sf=out, rows=rows, cols=cols, ncb=ncb)
     return C.as_sf(out)
+
+
+def _traced(op, out, shape, **inputs):
+    """Under torch.compile: allocate out as the eager path does (uint8 bytes
+    seen as FP8 scales) and call the rawkv:: operator, which dynamo can trace."""
+    import torch
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8, device=next(iter(inputs.values())).device)
+    op.call(torch, **inputs, out=out)
+    return C.as_sf(out)
+
+
+def _unswizzle_op(sw, out):
+    """rawkv::nvfp4_unswizzle_scales: the linear shape is out's."""
+    unswizzle_scales(sw, out.shape, out=out)
+
+
+SWIZZLE_OP = OpDecl("nvfp4_swizzle_scales", swizzle_scales, "Tensor sf, Tensor(a!) out")
+UNSWIZZLE_OP = OpDecl("nvfp4_unswizzle_scales", _unswizzle_op, "Tensor sw, Tensor(a!) out")

@@ -1,0 +1,236 @@
+"""opcheck samples and compiled steps of the KV-cache operators
+(rawkv.kvcache; tests/test_library*.py collect them).
+
+The operators take a pool's / decode state's buffers (rawkv.kvcache.views):
+the samples pass real pools and states, filled by the eager ops, through
+views.pool_args / state_args, exactly what the public ops pass under
+torch.compile. The compiled steps restore every pool and state buffer from
+a snapshot first, so each call (eager or compiled, once or repeated) starts
+from the same state and the results and buffers can be compared bit for bit.
+"""
+import numpy as np
+import torch
+
+import rawkv.kvcache as kvc
+from rawkv import _opdecl
+from rawkv.kvcache import views as V
+from rawkv.reference import kvcache as ref
+
+D, DI, M = ref.HEAD_DIM, ref.INDEX_HEAD_DIM, {"csa": ref.CSA_RATIO, "hca": ref.HCA_RATIO}
+
+
+def _args(name, **kw):
+    """The operator's arguments in schema order (opcheck calls it positionally)."""
+    return tuple(kw[n] for n, _, _ in _opdecl.declared()["kv_" + name].args)
+
+
+class _Data:
+    """Random inputs on one device."""
+
+    def __init__(self, rng, device):
+        self.rng, self.device = rng, device
+
+    def t(self, a, dtype=None):
+        x = torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        return x if dtype is None else x.to(dtype)
+
+    def rows(self, *shape, dtype=None, scale=1.0):
+        return self.t((scale * self.rng.standard_normal(shape)).astype(np.float32), dtype)
+
+    def ints(self, values):
+        return self.t(np.asarray(values, np.int32))
+
+    def mask(self, values):
+        return self.t(np.asarray(values, bool))
+
+    def layer(self, kind, w):
+        """ape (m, w) and norm_weight (w / coff)."""
+        return self.rows(M[kind], w, scale=0.5), self.t((1 + 0.1 * self.rng.standard_normal(
+            w // (2 if kind == "csa" else 1))).astype(np.float32))
+
+
+def _pools(d: _Data):
+    """A CSA pool (indexer keys) and an HCA pool, two requests each, with
+    entries written by flush_write (one bad slot: one error each)."""
+    pools = {}
+    for kind, (nb, epb, mb, last) in {"csa": (8, 4, 4, [27, 13]), "hca": (6, 2, 3, [511, 300])}.items():
+        p = kvc.PagedKVPool(kind, nb, epb, 2, mb, device=d.device)
+        slots = [p.add_request(), p.add_request()]
+        p.prepare_step(slots, last)
+        n = [(x + 1) // M[kind] for x in last]
+        sl = sum(([s] * k for s, k in zip(slots, n)), []) + [-1]
+        pos = sum(([e * M[kind] for e in range(k)] for k in n), []) + [0]
+        B = len(sl)
+        keys = d.rows(B, DI, dtype=torch.bfloat16) if kind == "csa" else None
+        kvc.flush_write(p, d.rows(B, D, dtype=torch.bfloat16), d.mask([True] * B), d.ints(sl), d.ints(pos),
+                        index_keys=keys)
+        pools[kind] = p
+    return pools
+
+
+def _states(d: _Data):
+    """CSA and HCA decode states (and a CSA indexer state) whose slot 0 holds
+    a complete window and slot 1 a partial one."""
+    out = {}
+    for name, kind, hd in (("csa", "csa", D), ("hca", "hca", D), ("index", "csa", DI)):
+        st = kvc.DecodeState(kind, 2, hd, device=d.device)
+        w, m = st.width, M[kind]
+        kvc.state_seed(st, 0, d.rows(2 * m - 1, w), d.rows(2 * m - 1, w))
+        kvc.state_seed(st, 1, d.rows(m + 1, w), d.rows(m + 1, w))
+        kvc.state_append(st, d.rows(2, w), d.rows(2, w), d.mask([True, False]), d.ints([0, 1]))
+        out[name] = st
+    return out
+
+
+def samples(rng, device="cpu"):
+    d = _Data(rng, device)
+    pools, states = _pools(d), _states(d)
+    # blocks past the entries written, for the compressor's samples to raise `written`
+    pools["csa"].prepare_step([1], [23])
+    pools["hca"].prepare_step([0], [639])
+    P = {k: V.pool_args(p) for k, p in pools.items()}
+    S = {k: V.state_args(s) for k, s in states.items()}
+    bf16, f32 = torch.bfloat16, torch.float32
+    empty = lambda *shape, dtype=bf16: torch.empty(shape, dtype=dtype, device=device)  # noqa: E731
+    sl = d.ints([0, 1])
+    csa_w, hca_w = 2 * D, D
+    out = {
+        "flush_write": [
+            _args("flush_write", **P["csa"], entries=d.rows(3, D, dtype=bf16), valid_mask=d.mask([1, 0, 1]),
+                  slots=d.ints([1, 0, 7]), positions=d.ints([12, 4, 0]),
+                  index_keys=d.rows(3, DI, dtype=bf16)),
+            _args("flush_write", **P["hca"], entries=d.rows(2, D, dtype=bf16), valid_mask=d.mask([1, 1]),
+                  slots=d.ints([0, 1]), positions=d.ints([384, 128]), index_keys=None)],
+        "gather_topk": [
+            _args("gather_topk", **P["csa"], slots=sl, topk_ids=d.ints([[0, 6, -1, 3], [2, 9, 1, -1]]),
+                  n_entries=None, valid_mask=None, out=empty(2, 4, D)),
+            _args("gather_topk", **P["csa"], slots=sl, topk_ids=d.ints([[5, 1, -3], [0, 2, 3]]).long(),
+                  n_entries=d.ints([7, 2]), valid_mask=d.mask([1, 0]), out=empty(2, 3, D, dtype=f32))],
+        "gather_dense": [
+            _args("gather_dense", **P["hca"], slot=0, n_entries=4, out=empty(4, D)),
+            _args("gather_dense", **P["csa"], slot=1, n_entries=3, out=empty(3, D, dtype=f32))],
+        "gather_index_keys": [
+            _args("gather_index_keys", **P["csa"], slot=0, n_entries=7, out=empty(7, DI))],
+        "gather_dense_batch": [
+            _args("gather_dense_batch", **P["hca"], slots=sl, n_entries=d.ints([4, 3]), valid_mask=None,
+                  out=empty(2, 4, D)),
+            _args("gather_dense_batch", **P["csa"], slots=sl, n_entries=d.ints([5, 9]),
+                  valid_mask=d.mask([1, 1]), out=empty(2, 6, D, dtype=f32))],
+        "gather_index_keys_batch": [
+            _args("gather_index_keys_batch", **P["csa"], slots=sl, n_entries=d.ints([7, 2]),
+                  valid_mask=d.mask([0, 1]), out=empty(2, 7, DI))],
+        "state_append": [
+            _args("state_append", **S["csa"], kv=d.rows(2, csa_w), z=d.rows(2, csa_w, dtype=bf16),
+                  valid_mask=d.mask([1, 1]), slots=d.ints([1, 0]), ape=d.rows(M["csa"], csa_w)),
+            _args("state_append", **S["hca"], kv=d.rows(1, hca_w, dtype=bf16), z=d.rows(1, hca_w),
+                  valid_mask=d.mask([1]), slots=d.ints([1]), ape=None)],
+        "csa_rotate": [_args("csa_rotate", **S["csa"], valid_mask=d.mask([1, 1]), slots=d.ints([0, 5]))],
+        "hca_reset": [_args("hca_reset", **S["hca"], valid_mask=d.mask([0, 1]), slots=sl)],
+        "state_clear": [_args("state_clear", **S["index"], valid_mask=None, slots=d.ints([1])),
+                        _args("state_clear", **S["hca"], valid_mask=d.mask([1]), slots=d.ints([0]))],
+        "state_seed": [
+            _args("state_seed", **V.state_args(states["csa"], counter=False), slot=1, kv=d.rows(10, csa_w),
+                  z=d.rows(10, csa_w), ape=d.rows(M["csa"], csa_w)),
+            _args("state_seed", **V.state_args(states["hca"], counter=False), slot=0,
+                  kv=d.rows(5, hca_w, dtype=bf16), z=d.rows(5, hca_w, dtype=bf16), ape=None)],
+    }
+    yarn = [16.0, 65536.0, 32.0, 1.0]
+    ape, nw = d.layer("csa", csa_w)
+    iape, inw = d.layer("csa", 2 * DI)
+    out["compress_prefill"] = [
+        _args("compress_prefill", **P["csa"], kv=d.rows(24, csa_w), z=d.rows(24, csa_w), ape=ape,
+              norm_weight=nw, slot=1, start_entry=0, index_kv=d.rows(24, 2 * DI), index_z=d.rows(24, 2 * DI),
+              index_ape=iape, index_norm_weight=inw, eps=1e-6, theta=ref.COMPRESS_ROPE_THETA, yarn=yarn),
+        _args("compress_prefill", **P["hca"], kv=d.rows(130, hca_w, dtype=bf16),
+              z=d.rows(130, hca_w, dtype=bf16), ape=None, norm_weight=d.layer("hca", hca_w)[1], slot=1,
+              start_entry=2, index_kv=None, index_z=None, index_ape=None, index_norm_weight=None,
+              eps=1e-5, theta=10000.0, yarn=None)]
+    no_index = V.state_args(None, prefix="index_", counter=False)
+    out["compress_decode"] = [
+        _args("compress_decode", **P["csa"], **V.state_args(states["csa"], counter=False),
+              **V.state_args(states["index"], prefix="index_", counter=False), norm_weight=nw,
+              valid_mask=d.mask([1, 1]), slots=sl, positions=d.ints([31, 13]), index_norm_weight=inw,
+              eps=1e-6, theta=ref.COMPRESS_ROPE_THETA, yarn=yarn),
+        _args("compress_decode", **P["hca"], **V.state_args(states["hca"], counter=False), **no_index,
+              norm_weight=d.layer("hca", hca_w)[1], valid_mask=d.mask([1, 1]), slots=sl.long(),
+              positions=d.ints([639, 300]).long(), index_norm_weight=None, eps=1e-6,
+              theta=ref.COMPRESS_ROPE_THETA, yarn=yarn)]
+    return {"kv_" + k: v for k, v in out.items()}
+
+
+def _snapshot(objs, device, outs=()):
+    """(buffers, restore): every buffer of the pools / states and a function
+    that copies their snapshot back (the first thing each step does)."""
+    bufs = [t for o in objs for t in o.torch_buffers().values() if t is not None]
+    saved = [t.clone() for t in bufs]
+    if device != "cpu":
+        # the pool / state buffers and the step's outputs never move: static
+        # inputs, which CUDA graphs (mode="reduce-overhead") may write in place
+        for t in (*bufs, *outs):
+            torch._dynamo.mark_static_address(t)
+
+    def restore():
+        for dst, src in zip(bufs, saved):
+            dst.copy_(src)
+    return bufs, restore
+
+
+def _decode_step(rng, device):
+    """The decode step of rawkv/demo.py (state_append, compress_decode,
+    csa_rotate, hca_reset, gather_topk, gather_dense_batch) at a small size;
+    request 0's step flushes a CSA and an HCA entry."""
+    from rawkv.demo import Decoder
+    dec = Decoder(rng, [127, 134], 2, 8, 4, device=device, tensors=True)
+    dec.prefill()
+    dec.prepare(0)
+    bufs, restore = _snapshot([*dec.pools.values(), *dec.states.values(), dec.istate], device,
+                              (dec.out or {}).values())
+
+    def step():
+        restore()
+        rows = dec.step()
+        return (*(r.clone() for r in rows), *(t.clone() for t in bufs))
+    return step, ()
+
+
+def _prefill_step(rng, device):
+    """Admission and the format ops: compress_prefill, state_seed,
+    state_clear, flush_write, then every gather of the CSA pool."""
+    d = _Data(rng, device)
+    pool = kvc.PagedKVPool("csa", 16, 4, 2, 8, device=device)
+    state = kvc.DecodeState("csa", 2, device=device)
+    istate = kvc.DecodeState("csa", 2, DI, device=device)
+    slots = [pool.add_request(), pool.add_request()]
+    T = 22
+    pool.prepare_step(slots, [T - 1, 11])
+    ape, nw = d.layer("csa", 2 * D)
+    iape, inw = d.layer("csa", 2 * DI)
+    kv, z, ikv, iz = d.rows(T, 2 * D), d.rows(T, 2 * D), d.rows(T, 2 * DI), d.rows(T, 2 * DI)
+    ents, keys = d.rows(3, D, dtype=torch.bfloat16), d.rows(3, DI, dtype=torch.bfloat16)
+    valid, sl, pos = d.mask([1, 1, 1]), d.ints([1, 1, 1]), d.ints([0, 4, 8])
+    bslots, ne, ids = d.ints(slots), d.ints([5, 3]), d.ints([[4, 0, -1], [2, 1, 0]])
+    dense = torch.empty((T // 4, D), dtype=torch.bfloat16, device=device)
+    index_keys = torch.empty((T // 4, DI), dtype=torch.float32, device=device)
+    if device != "cpu":
+        kvc.rope_table(pool)       # the compressor's table, built before any capture
+    bufs, restore = _snapshot([pool, state, istate], device, (dense, index_keys))
+
+    def step():
+        restore()
+        kvc.state_clear(state, bslots)
+        n = kvc.compress_prefill(pool, kv, z, ape, nw, slots[0], index=kvc.PrefillIndex(ikv, iz, iape, inw))
+        kvc.state_seed(state, slots[0], kv, z, ape=ape)
+        kvc.state_seed(istate, slots[0], ikv, iz, ape=iape)
+        kvc.flush_write(pool, ents, valid, sl, pos, index_keys=keys)
+        # out= given: without it and without a tensor argument, a CPU pool's
+        # eager gather_dense returns numpy (compiled: a tensor)
+        got = (kvc.gather_dense(pool, slots[0], n, out=dense),
+               kvc.gather_index_keys(pool, slots[0], n, out=index_keys),
+               kvc.gather_dense_batch(pool, bslots, ne, max_entries=5),
+               kvc.gather_index_keys_batch(pool, bslots, ne, max_entries=5),
+               kvc.gather_topk(pool, bslots, ids, dtype="float16"))
+        return (*got, *(t.clone() for t in bufs))
+    return step, ()
+
+
+STEPS = [("kvcache_decode_step", _decode_step), ("kvcache_prefill_admission", _prefill_step)]

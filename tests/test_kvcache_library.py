@@ -1,0 +1,192 @@
+"""The KV-cache ops as rawkv:: operators (rawkv/kvcache/views.py): an
+operator called on a pool's / state's buffers does what the public op does
+on the object, the views it builds share the buffers and check them like a
+pool's constructor, and the device comes from the tensors. opcheck and the
+compiled steps: tests/test_library.py with tests/library_samples_kvcache.py."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import rawkv  # noqa: E402,F401
+import rawkv.kvcache as kvc  # noqa: E402
+import rawkv.library  # noqa: E402,F401
+from rawkv.kvcache import views as V  # noqa: E402
+from rawkv.reference import kvcache as ref  # noqa: E402
+
+D, DI = ref.HEAD_DIM, ref.INDEX_HEAD_DIM
+OPS = torch.ops.rawkv
+
+
+def _pool(kind="csa", device="cpu"):
+    p = kvc.PagedKVPool(kind, 8, 4, 2, 4, device=device)
+    for _ in range(2):
+        p.add_request()
+    p.prepare_step([0, 1], [8 * p.m - 1, 5 * p.m - 1])      # entries 0..7 and 0..4
+    return p
+
+
+def _flush_inputs(rng, kind, device="cpu"):
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    B = 6
+    ents = t(rng.standard_normal((B, D)).astype(np.float32)).bfloat16()
+    keys = t(rng.standard_normal((B, DI)).astype(np.float32)).bfloat16() if kind == "csa" else None
+    m = ref.CSA_RATIO if kind == "csa" else ref.HCA_RATIO
+    slots = t(np.array([0, 1, 0, 1, 5, 0], np.int32))          # slot 5: out of range, counted
+    pos = t(np.array([0, 4, 8, 12, 0, 28], np.int32) * (m // ref.CSA_RATIO))
+    return ents, t(np.array([1, 1, 1, 0, 1, 1], bool)), slots, pos, keys
+
+
+def _same_buffers(a, b):
+    for n in a.BUFFERS:
+        x, y = a.torch_buffers()[n], b.torch_buffers()[n]
+        assert (x is None and y is None) or torch.equal(x, y), n
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_operators_do_what_the_public_ops_do(rng, kind):
+    """flush_write, a gather and the compressor through torch.ops.rawkv on
+    the buffers of one pool, the public ops on a twin: same bytes, same
+    counters, same rows."""
+    pub, op = _pool(kind), _pool(kind)
+    ents, valid, slots, pos, keys = _flush_inputs(rng, kind)
+    kvc.flush_write(pub, ents, valid, slots, pos, index_keys=keys)
+    OPS.kv_flush_write(**V.pool_args(op), entries=ents, valid_mask=valid, slots=slots, positions=pos,
+                       index_keys=keys)
+    _same_buffers(pub, op)
+    assert op.read_errors() == pub.read_errors() == 1
+
+    ids = torch.tensor([[0, 1, 2, 7], [1, 0, -1, 3]], dtype=torch.int32)
+    sl = torch.tensor([0, 1], dtype=torch.int32)
+    want = kvc.gather_topk(pub, sl, ids)
+    out = torch.empty_like(want)
+    OPS.kv_gather_topk(**V.pool_args(op), slots=sl, topk_ids=ids, n_entries=None, valid_mask=None, out=out)
+    assert torch.equal(out, want) and want.abs().sum() > 0
+    _same_buffers(pub, op)
+    assert op.read_errors() == 2                     # id 3 of slot 1: past written[1] = 2
+
+    w = 2 * D if kind == "csa" else D
+    m = pub.m
+    st_pub, st_op = kvc.DecodeState(kind, 2, device="cpu"), kvc.DecodeState(kind, 2, device="cpu")
+    rows = torch.from_numpy(rng.standard_normal((2 * m - 1, w)).astype(np.float32))
+    nw = torch.from_numpy((1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
+    index = None
+    if kind == "csa":
+        ist = [kvc.DecodeState("csa", 2, DI, device="cpu") for _ in range(2)]
+        irows = torch.from_numpy(rng.standard_normal((2 * m - 1, 2 * DI)).astype(np.float32))
+        inw = torch.from_numpy(np.ones(DI, np.float32))
+    for st in (st_pub, st_op):
+        kvc.state_seed(st, 1, rows, rows)
+        kvc.state_append(st, rows[:2], rows[:2], torch.tensor([False, True]), torch.tensor([0, 1], dtype=torch.int32))
+    if kind == "csa":
+        for s in ist:
+            kvc.state_seed(s, 1, irows, irows)
+            OPS.kv_state_append(**V.state_args(s), kv=irows[:2], z=irows[:2], valid_mask=torch.tensor([False, True]),
+                                slots=torch.tensor([0, 1], dtype=torch.int32), ape=None)
+        _same_buffers(*ist)
+        index = (ist[0], inw)
+    p = torch.tensor([0, 4 * m - 1], dtype=torch.int32)
+    valid2 = torch.tensor([True, True])
+    kvc.compress_decode(pub, st_pub, nw, valid2, sl, p, index=index)
+    OPS.kv_compress_decode(**V.pool_args(op), **V.state_args(st_op, counter=False),
+                           **V.state_args(None if index is None else ist[1], prefix="index_", counter=False),
+                           norm_weight=nw, valid_mask=valid2, slots=sl, positions=p,
+                           index_norm_weight=None if index is None else inw, eps=ref.RMS_EPS,
+                           theta=ref.COMPRESS_ROPE_THETA, yarn=[16.0, 65536.0, 32.0, 1.0])
+    _same_buffers(pub, op)
+    assert pub.written[1] == 4 and pub.read_errors() == 2      # the flushed entry: window 3 of slot 1
+
+
+def test_views_share_the_buffers_and_keep_the_geometry():
+    p = _pool("csa")
+    v = V.pool_view(**V.pool_args(p))
+    for n in p.BUFFERS:
+        assert np.shares_memory(getattr(v, n), getattr(p, n)), n
+    for a in ("kind", "m", "num_blocks", "entries_per_block", "max_requests", "max_blocks_per_request",
+              "head_dim", "rope_dim", "nope_dim", "index_head_dim", "is_cuda", "device_index"):
+        assert getattr(v, a) == getattr(p, a), a
+    s = kvc.DecodeState("hca", 3, 64, device="cpu")
+    sv = V.state_view(**V.state_args(s))
+    assert (sv.kind, sv.m, sv.max_requests, sv.head_dim, sv.width) == ("hca", 128, 3, 64, 64)
+    assert all(np.shares_memory(getattr(sv, n), getattr(s, n)) for n in ("kv_a", "z_a", "count", "errors"))
+    # the torch buffers of a CPU pool are its arrays: what the host writes, they hold
+    p.written[1] = 7
+    assert p.torch_buffers()["written"][1] == 7
+
+
+def _bad(args, name, value):
+    return {**args, name: value}
+
+
+def test_views_refuse_what_a_pool_cannot_be():
+    good = V.pool_args(_pool("csa"))
+    f = good["fp8"]
+    for args, exc, lead in (
+            (_bad(good, "kind", "mla"), ValueError, "kind:"),
+            (_bad(good, "scale", good["scale"].double()), TypeError, "scale:"),
+            (_bad(good, "rope", good["rope"][:4]), ValueError, "rope:"),
+            (_bad(good, "rope", good["rope"].bfloat16()), TypeError, "rope:"),   # a host pool's rope is float32
+            (_bad(good, "index_sf", None), ValueError, "index_q:"),
+            (_bad(good, "index_sf", good["index_sf"][:, :, :4]), ValueError, "index_sf:"),
+            (_bad(good, "written", good["written"][:1]), ValueError, "written:"),
+            (_bad(good, "errors", None), TypeError, "errors:"),
+            (_bad(good, "errors", torch.zeros(0, dtype=torch.int32)), ValueError, "errors:"),
+            (_bad(good, "fp8", f[:, :, :100]), ValueError, "head_dim:"),
+            (_bad({**good, "index_q": None, "index_sf": None}, "kind", "csa"), None, None),
+            (_bad(good, "kind", "hca"), ValueError, "index_head_dim:")):
+        if exc is None:
+            assert V.pool_view(**args).index_head_dim is None
+            continue
+        with pytest.raises(exc) as e:
+            V.pool_view(**args)
+        assert str(e.value).startswith(lead), e.value
+    st = V.state_args(kvc.DecodeState("csa", 2, device="cpu"))
+    for args, exc, lead in ((_bad(st, "z_b", None), ValueError, "z_b:"),
+                            (_bad(_bad(st, "kv_b", None), "z_b", None), ValueError, "kv_a:"),
+                            (_bad(st, "count", st["count"].long()), TypeError, "count:"),
+                            (_bad(st, "z_a", st["z_a"][:1]), ValueError, "z_a:")):
+        with pytest.raises(exc) as e:
+            V.state_view(**args)
+        assert str(e.value).startswith(lead), e.value
+
+
+def test_operator_errors_name_the_argument(rng):
+    p = _pool("csa")
+    ids = torch.zeros((2, 3), dtype=torch.float32)
+    with pytest.raises(TypeError, match="^topk_ids:"):
+        OPS.kv_gather_topk(**V.pool_args(p), slots=torch.zeros(2, dtype=torch.int32), topk_ids=ids,
+                           n_entries=None, valid_mask=None, out=torch.empty((2, 3, D), dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="^rope:"):
+        OPS.kv_gather_dense(**{**V.pool_args(p), "rope": p.torch_buffers()["rope"].bfloat16()}, slot=0,
+                            n_entries=1, out=torch.empty((1, D), dtype=torch.bfloat16))
+
+
+def test_compiled_gather_of_a_cpu_pool_needs_out_for_the_same_type(rng):
+    """Without a tensor argument a CPU pool's eager gather_dense returns numpy
+    (the reference's arrays); compiled it returns a tensor of the same bits."""
+    p = _pool("csa")
+    ents, valid, slots, pos, keys = _flush_inputs(rng, "csa")
+    kvc.flush_write(p, ents, valid, slots, pos, index_keys=keys)
+    eager = kvc.gather_dense(p, 0, 8)
+    torch._dynamo.reset()
+    got = torch.compile(lambda: kvc.gather_dense(p, 0, 8), fullgraph=True, backend="aot_eager")()
+    assert isinstance(eager, np.ndarray) and got.dtype == torch.bfloat16
+    assert np.array_equal(got.float().numpy(), eager)
+
+
+def test_operator_runs_on_its_tensors_device(cuda, rng, monkeypatch):
+    """The device comes from the pool's tensors (the view's device_index),
+    whatever the current device is."""
+    from rawkv.kvcache import flush, gather
+    asked = []
+    for mod in (flush, gather):
+        real = mod.get_runtime
+        monkeypatch.setattr(mod, "get_runtime", lambda d=None, real=real: asked.append(d) or real(d))
+    p = _pool("csa", device="cuda:0")
+    ents, valid, slots, pos, keys = _flush_inputs(rng, "csa", "cuda:0")
+    OPS.kv_flush_write(**V.pool_args(p), entries=ents, valid_mask=valid, slots=slots, positions=pos,
+                       index_keys=keys)
+    out = torch.empty((2, D), dtype=torch.bfloat16, device="cuda:0")
+    OPS.kv_gather_dense(**V.pool_args(p), slot=0, n_entries=2, out=out)
+    torch.cuda.synchronize()
+    assert len(asked) == 2 and all(d == p.fp8.get_device() == 0 for d in asked)
+    assert p.read_errors() == 1 and out.abs().sum() > 0
