@@ -205,7 +205,7 @@ def test_mhc_and_swiglu_and_moe_cpu(rng):
 
 def test_zero_rows_and_empty():
     qa = F.rmsnorm_quantize(np.zeros((2, 32), F32), np.ones(32, F32))
-    assert np.all(qa.q == 0) and np.all(qa.sf == 0) and np.all(qa.gs == 1)
+    assert np.all(qa.q == 0) and np.all(qa.sf == 0x38) and np.all(qa.gs == 1)   # zero blocks: scale 1.0
     assert np.allclose(qa.inv_rms, 1 / np.sqrt(F32(1e-6)))
     qe = F.swiglu_quantize(np.zeros((0, 64), F32))
     assert qe.q.shape == (0, 16) and qe.gs.shape == (0,)
@@ -312,21 +312,26 @@ def _f32(a):
 
 # ---- moe_stage: one-level NVFP4 usable range (docs/fused.md) --------------------------------
 def test_moe_stage_one_level_range():
-    """gs = 1: a block's scale is e4m3(bmax / 6), so blocks with bmax <= 6 * 2^-10
-    get scale 0 and all-zero codes; normal scales (bmax >= 6 * 2^-6) keep the
-    NVFP4 error bound."""
+    """gs = 1: a block's scale is e4m3(bmax / 6), never below 2^-9 (0x01,
+    ModelOpt's clamp): a block whose scale would round to 0 keeps what E2M1
+    times 2^-9 holds (|x| > 2^-11) instead of losing everything; normal
+    scales (bmax >= 6 * 2^-6) keep the NVFP4 error bound; an all-zero block
+    gets 1.0 (0x38)."""
     x = np.zeros((1, 128), F32)
-    x[0, :16] = np.linspace(-1e-4, 1e-4, 16)                  # bmax 1e-4: lost
+    x[0, :16] = np.linspace(-1e-4, 1e-4, 16)                  # bmax 1e-4: scale 2^-9, |x| / 2^-9 < 0.25
     x[0, 16:32] = np.linspace(-1.0, 1.0, 16)                  # bmax 1.0
-    x[0, 32:48] = np.linspace(-6 * 2.0**-10, 0, 16)           # bmax 6 * 2^-10: the tie rounds to 0
+    x[0, 32:48] = np.linspace(-6 * 2.0**-10, 0, 16)           # bmax 6 * 2^-10: its tie rounded to 0 before
     x[0, 48:64] = np.linspace(0, 0.0078125, 16)               # bmax 2^-7: a subnormal scale, not lost
     q, sf32, _, _ = F.moe_stage(x, np.zeros((1, 1), np.int32), np.zeros((1, 1), F32))
     sf = R.unpack_scales_i32(sf32)
     codes = RN.unpack_nibbles(q)
-    assert sf[0, 0] == 0 and np.all(codes[0, :16] & 7 == 0)
-    assert sf[0, 2] == 0 and np.all(codes[0, 32:48] & 7 == 0)
+    assert sf[0, 0] == 0x01 and np.all(codes[0, :16] & 7 == 0)
+    assert np.array_equal(codes[0, :16] >> 3, (x[0, :16] < 0).astype(np.uint8))   # signed zeros
+    assert sf[0, 2] == 0x01 and codes[0, 32] == 0x8 | 5                          # -3 * 2^-9: kept
     assert 0 < sf[0, 3] < 8 and np.any(codes[0, 48:64] & 7)
+    assert np.all(sf[0, 4:] == 0x38) and not codes[0, 64:].any()
     d = RN.dequantize(q, sf, 1.0, "float32")
+    assert d[0, 32] == -3 * 2.0**-9
     err = np.abs(d[0, 16:32] - x[0, 16:32])
     assert np.all(err <= 1.0 / 6 * (1 + 2.0**-4)), err.max()     # half the widest E2M1 gap x es
 

@@ -33,6 +33,8 @@ from rawkv.kernels import fused as K
 from rawkv.reference import fused as R
 from rawkv.reference import nvfp4 as RN
 
+import nvfp4_edges as E
+
 torch = pytest.importorskip("torch")
 F32 = np.float32
 
@@ -381,6 +383,68 @@ def test_moe_stage_bit_exact(cuda, rng, dtype, id_dtype, w_dtype, m, k, topk):
     assert st.sf.dtype == torch.int32 and st.sf.shape == (m, k // 64)
     assert st.topk_ids.dtype == torch.int64 and torch.equal(st.topk_ids.cpu(), ids.cpu().long())
     assert st.topk_weights.dtype == w_dtype and torch.equal(st.topk_weights, wts)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_moe_stage_modelopt_edge_rules(cuda, rng, dtype):
+    """One-level NVFP4 (gs = 1) of the edge blocks (tests/nvfp4_edges.py):
+    zero blocks get scale 0x38, blocks whose scale would round to 0 get 0x01
+    and keep their values, -0 and negative values whose quotient rounds to
+    -0 give code 0."""
+    xname = _dt(torch.empty(0, dtype=dtype))
+    xs = E.as_rows(E.edge_blocks(xname, 1.0, rng), 128)
+    x = torch.from_numpy(xs).to(dtype).cuda()
+    ids = torch.zeros((xs.shape[0], 2), dtype=torch.int32, device="cuda")
+    wts = torch.ones((xs.shape[0], 2), device="cuda")
+    st = F.moe_stage(x, ids, wts)
+    q, sf, _, _ = R.moe_stage(xs, _np(ids), _np(wts))
+    hit = E.rules_hit(xs, q, R.unpack_scales_i32(sf))
+    assert hit["zero_block_scale_1"] >= 3 and hit["tiny_value_kept"] > 0
+    assert hit["negative_zero_code_8"] > 0 and hit["minus_zero_code_0"] > 0
+    _assert_equal("q", _np(st.q), q)
+    _assert_equal("sf", _np(st.sf), sf)
+
+
+@pytest.mark.parametrize("scope", ["row", "none", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rmsnorm_quantize_modelopt_edge_rules(cuda, rng, scope, dtype):
+    """Weight blocks of +0 and -0 give zero blocks holding signed zeros (the
+    signs of x): scale 0x38, codes 0. Weight 2^-20 gives blocks far below
+    every row's amax (and below 6 * 2^-10 for gs = 1): scale 0x01, the values
+    kept under row / tensor scope."""
+    n = 512
+    w = (rng.random(n) + 0.5).astype(F32)
+    w[:16], w[16:32], w[32:48] = 0.0, -0.0, 2.0 ** -20
+    wt = torch.from_numpy(w).cuda()
+    x = _rand(rng, (9, n), dtype)
+    qa = F.rmsnorm_quantize(x, wt, scope=scope)
+
+    def ref(inv):
+        return R.rmsnorm_quantize(_np(x), w, 1e-6, scope, None, _dt(x), inv)
+    _check_rms(qa, ref, 9, (9,), scope)
+    q, sf, _, _ = ref(None)
+    assert (sf[:, :2] == 0x38).all() and not RN.unpack_nibbles(q)[:, :32].any()
+    assert (sf[:, 2] == 0x01).all()
+    if scope != "none":
+        assert (RN.unpack_nibbles(q)[:, 32:48] & 7).any()
+
+
+@pytest.mark.parametrize("scope", ["none", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swiglu_quantize_modelopt_edge_rules(cuda, rng, scope, dtype):
+    """Rows scaled 0 (zero blocks), 1e-30 (silu(g) * u underflows to signed
+    zeros), 1e-3 / 1e-2 (scales that would round to 0 under gs = 1, or under
+    the tensor's gs), 1 and 30."""
+    scale = np.array([0.0, 1e-30, 1e-3, 1e-2, 1.0, 30.0], F32)[:, None]
+    hs = (rng.standard_normal((6, 1024)) * scale).astype(F32)
+    h = torch.from_numpy(hs).to(dtype).cuda()
+    qa = F.swiglu_quantize(h, scope=scope)
+    q, sf, gs = R.swiglu_quantize(_np(h), 8, scope, None, _dt(h))
+    _assert_equal("q", _np(qa.q), q)
+    _assert_equal("sf", _np(qa.sf), sf)
+    _assert_equal("gs", _np(qa.gs), np.asarray(gs, F32))
+    hit = E.rules_hit(R.swiglu(_np(h), 8, _dt(h)), q, sf)
+    assert hit["zero_block_scale_1"] > 0 and hit["tiny_scale_2^-9"] > 0 and hit["negative_zero_code_8"] > 0
 
 
 def test_moe_stage_k_not_multiple_of_128(cuda):

@@ -356,20 +356,24 @@ def test_indexer_nvfp4_matches_brute_force(rng):
     n = 40
     mag = np.exp(rng.uniform(-14, 9, (n, 8, 1)))            # per-block magnitudes
     x = (rng.standard_normal((n, 8, 16)) * mag).astype(F32)
-    x[0, 0] = 0.0                                           # bmax = 0
-    x[0, 1] = 1e-5                                          # bmax/6 rounds to E4M3 zero
+    x[0, 0] = 0.0                                           # bmax = 0: scale 1.0
+    x[0, 1] = 1e-5                                          # bmax/6 below 2^-10: scale 2^-9
+    x[0, 2] = np.linspace(-2.0**-8, 2.0**-8, 16)            # the same, values kept
     x = x.reshape(n, 128)
     q, sf = kc.indexer_key_quantize(x)
     assert q.shape == (n, 64) and sf.shape == (n, 8)
     blk = x.reshape(n, 8, 16)
     bmax = np.abs(blk).max(-1)
-    want_sf = _e4m3_brute(bmax / F32(6.0))
+    # ModelOpt's scale rule: r == 0 -> 1.0 (0x38), else at least 2^-9
+    r = bmax / F32(6.0)
+    want_sf = np.where(r == 0, np.uint8(0x38), _e4m3_brute(np.maximum(r, F32(2.0**-9))))
     assert np.array_equal(sf, want_sf)
     es = e4m3_decode(want_sf)
-    v = blk / np.where(es == 0, F32(1), es)[..., None]
-    want = np.where((es == 0)[..., None], 0, _e2m1_brute(v)).reshape(n, 128)
+    v = blk / es[..., None]
+    want = (_e2m1_brute(np.abs(v)) | ((v < 0) << 3)).reshape(n, 128)   # sign iff x / es < 0
     assert np.array_equal(_unpack(q), want)
-    assert sf[0, 0] == 0 and sf[0, 1] == 0 and np.count_nonzero(_unpack(q)[0, :32]) == 0
+    assert sf[0, 0] == 0x38 and sf[0, 1] == 0x01 and np.count_nonzero(_unpack(q)[0, :32]) == 0
+    assert sf[0, 2] == 0x01 and _unpack(q)[0, 32] == 0x8 | 4          # -2^-8 / 2^-9 = -2
     # negative values keep their sign (clamping at 0 would lose them)
     y = kc.indexer_key_dequantize(q, sf, "float32")
     big = np.abs(v.reshape(n, 128)) > 0.25

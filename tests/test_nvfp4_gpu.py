@@ -10,6 +10,8 @@ from rawkv.reference import layouts as L
 from rawkv.reference import nvfp4 as R
 from rawkv.reference.formats import bf16_bits
 
+import nvfp4_edges as E
+
 torch = pytest.importorskip("torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -319,7 +321,10 @@ def test_tiny_amax_gives_gs_one(cuda, scope, shape):
     got = rawkv.nvfp4.quantize(x, scope=scope)
     want = ref_of(x, scope)
     assert_q_equal(got, want)
-    assert (want[2] == 1).all() and not want[0].any()
+    # scale 2^-9 (0x01) for the tiny blocks, 1.0 (0x38) for the zero ones; the
+    # magnitudes round to 0, -1e-43 keeps its sign (x / 2^-9 < 0)
+    assert (want[2] == 1).all() and not (R.unpack_nibbles(want[0]) & 7).any()
+    assert set(np.unique(want[1])) == {0x01, 0x38}
     y = rawkv.nvfp4.dequantize(*got, dtype=torch.float32)
     assert_decoded_equal(y, R.dequantize(*want, "float32"), "float32")
     assert torch.isfinite(y).all()
@@ -377,6 +382,33 @@ def test_numpy_scalar_gs(cuda, rng):
         assert_decoded_equal(y, R.dequantize(want[0], want[1], g32, "float32")[[5, 0]], "float32")
     with pytest.raises(ValueError, match="^gs:"):
         rawkv.nvfp4.quantize(x, scope="given", gs=np.float64(1e39))
+
+
+# ---- ModelOpt's rules (docs/format.md, NVFP4 encoding steps 2 and 4) --------------------
+@pytest.mark.parametrize("n", [16, 32, 64])                 # one block per unit, two, rows of 4
+@pytest.mark.parametrize("xname, gs", E.EDGE_CASES)
+def test_modelopt_edge_rules(cuda, rng, xname, gs, n):
+    # zero and signed-zero blocks (scale 0x38), blocks whose scale would round
+    # to 0 (0x01, values kept), negative values whose quotient rounds to -0
+    # (code 0) or not (0x8): every path of the kernels against the reference
+    xs = E.as_rows(E.edge_blocks(xname, gs, rng), n)
+    x = torch.from_numpy(xs).to(DTYPES[xname]).cuda()
+    assert np.array_equal(x.float().cpu().numpy().view(np.uint32), xs.view(np.uint32))   # -0 too
+    want = ref_of(x, "given", gs)
+    hit = E.rules_hit(xs, want[0], want[1])
+    assert hit["zero_block_scale_1"] >= 3 and hit["tiny_scale_2^-9"] >= 2 and hit["tiny_value_kept"] > 0
+    assert hit["negative_zero_code_8"] > 0 and hit["minus_zero_code_0"] > 0
+    if E.underflow_block(xname, gs) is not None:
+        assert hit["negative_quotient_underflow_code_0"] > 0
+    for g in (gs, torch.tensor([gs], device="cuda")):
+        assert_q_equal(rawkv.nvfp4.quantize(x, scope="given", gs=g), want)
+    for scope in ("none", "row", "tensor"):
+        assert_q_equal(rawkv.nvfp4.quantize(x, scope=scope), ref_of(x, scope))
+    big = x.repeat(rawkv.nvfp4.SMALL_NUMEL // x.numel() + 1, 1)          # the multi-kernel tensor path
+    assert_q_equal(rawkv.nvfp4.quantize(big), ref_of(big, "tensor"))
+    assert_q_equal(rawkv.nvfp4.quantize(big, scope="given", gs=gs), ref_of(big, "given", gs))
+    y = rawkv.nvfp4.dequantize(want_q(want[0]), want_q(want[1]), gs, dtype=torch.float32)
+    assert_decoded_equal(y, R.dequantize(want[0], want[1], np.float32(gs), "float32"), "float32")
 
 
 def want_q(a):

@@ -132,18 +132,22 @@ def spec_gs(values, scope_gs=None):
 def spec_block(v, gs):
     """docs/format.md NVFP4 encoding steps 2-5 for one block, with Python scalars and
     float32 numpy scalars one operation at a time (independent of R.quantize).
-    Step 3 as docs/format.md decides: codes only for a positive finite es."""
+    Step 2 with ModelOpt's scale rule (r == 0 -> 1.0, else clamp to >= 2^-9);
+    step 3 as docs/format.md decides: codes only for a positive finite es;
+    step 4's sign bit iff the quotient is < 0."""
     f = np.float32
     v = [f(a) for a in v]
     if not all(np.isfinite(a) for a in v):
         return [0] * 16, 0x7F
     bmax = max(abs(a) for a in v)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        sf = int(F.e4m3_encode(f(bmax) / (f(gs) * f(6.0))))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
+        r = f(bmax) / (f(gs) * f(6.0))
+        sf = 0x38 if r == 0 else int(F.e4m3_encode(f(2.0 ** -9) if r < 2.0 ** -9 else r))
         es = f(F.e4m3_decode(sf)) * f(gs)
-    if not (es > 0 and np.isfinite(es)):
-        return [0] * 16, sf
-    return [int(F.e2m1_encode(a / es)) for a in v], sf
+        if not (es > 0 and np.isfinite(es)):
+            return [0] * 16, sf
+        t = [a / es for a in v]
+    return [int(F.e2m1_encode(abs(a))) | (8 if a < 0 else 0) for a in t], sf
 
 
 def test_quantize_matches_blockwise_spec(rng):
@@ -170,9 +174,12 @@ def test_quantize_matches_blockwise_spec(rng):
 
 
 @pytest.mark.parametrize("scope", ["tensor", "row"])
-def test_tiny_amax_gives_gs_one_and_zero_codes(scope):
+def test_tiny_amax_gives_gs_one_and_zero_magnitudes(scope):
     # amax ~1e-43 (float32 subnormal): amax / 2688 underflows to 0, so gs
-    # must become 1 (a zero gs would make a zero block's sf 0/0 = NaN)
+    # must become 1 (a zero gs would make a zero block's sf 0/0 = NaN).
+    # Under gs = 1 the tiny blocks get the smallest scale 2^-9 (0x01), the
+    # zero blocks 1.0 (0x38); every magnitude rounds to 0 and the negative
+    # value keeps its sign (its quotient -1e-43 * 2^9 is < 0).
     x = np.zeros((3, 32), np.float32)
     x[0, 0] = 1e-43
     x[1, 20] = -1e-43                  # rows 0/1: a tiny block and a zero block
@@ -180,7 +187,9 @@ def test_tiny_amax_gives_gs_one_and_zero_codes(scope):
     assert np.float32(1e-43) / np.float32(2688) == 0
     q, sf, gs = R.quantize(x, scope)
     assert (gs == 1).all() and gs.shape == (() if scope == "tensor" else (3,))
-    assert not R.unpack_nibbles(q).any() and not sf.any()
+    assert np.array_equal(sf, [[0x01, 0x38], [0x38, 0x01], [0x38, 0x38]])
+    codes = R.unpack_nibbles(q)
+    assert not (codes & 7).any() and np.array_equal(codes >> 3, (x < 0).astype(np.uint8))
     y = R.dequantize(q, sf, gs, "float32")
     assert np.isfinite(y).all() and not y.any()
     got = rawkv.nvfp4.quantize(x, scope=scope)         # the CPU op path
@@ -190,8 +199,10 @@ def test_tiny_amax_gives_gs_one_and_zero_codes(scope):
 @pytest.mark.parametrize("g", [0.0, -0.0, -1.0, np.inf, -np.inf, np.nan, 6e37])
 def test_unusable_given_gs_flags_every_block(g):
     """A given gs that given_gs_ok refuses is never used (its sign bit
-    included): the reference flags every block (sf 0x7F, codes 0), which the
-    kernels do for a device gs; the ops refuse it as a host tensor."""
+    included): the reference flags every block (sf 0x7F, codes 0) before
+    ModelOpt's scale rules, so the zero blocks get 0x7F, not 0x38, and the
+    tiny one (0.01) not the clamp's 0x01; the kernels do the same for a
+    device gs; the ops refuse it as a host tensor."""
     torch = pytest.importorskip("torch")
     x = np.zeros((2, 32), np.float32)
     x[0, :16] = np.linspace(-3, 3, 16)
@@ -212,15 +223,18 @@ def test_unusable_given_gs_flags_every_block(g):
 def test_given_gs_bound(dtype):
     """given_gs_limit is the exact float32 bound of the rule: just below it
     the largest finite input of the dtype still gets a non-zero scale and
-    code, at it every scale (so every code) is 0; numbers and host arrays at
-    the bound are refused, just below accepted, on the op's CPU path."""
+    code, at it its scale ratio rounds to 0 before ModelOpt's clamp (so
+    step 2 would give every block one scale whatever its data); numbers and
+    host arrays at the bound are refused, just below accepted, on the op's
+    CPU path."""
     torch = pytest.importorskip("torch")
     limit = np.float32(R.given_gs_limit(dtype))
     below = np.nextafter(limit, np.float32(0))
     assert R.given_gs_ok(below, dtype) and not R.given_gs_ok(limit, dtype)
     big = np.float32(R.MAX_FINITE[dtype])
     with np.errstate(over="ignore"):
-        assert F.e4m3_encode(big / (limit * np.float32(6))) == 0           # every block scale 0
+        assert F.e4m3_encode(big / (limit * np.float32(6))) == 0           # below every E4M3 scale
+        assert F.e4m3_encode(big / (below * np.float32(6))) != 0           # a scale of its own
     blk = np.full(16, big, np.float32)
     codes, sf = spec_block(blk, below)
     assert sf != 0 and all(c != 0 for c in codes)

@@ -10,6 +10,7 @@
 namespace rkv {
 
 constexpr float kNvfp4GsDivisor = 2688.0f;   // 6 * 448
+constexpr u8 kNvfp4ZeroBlockScale = 0x38;    // E4M3 1.0: an all-zero block's scale
 
 // Step 1 (finishing part): the decode global scale from an amax over the
 // scope's finite elements. A scale of 0 (amax == 0, or an amax so small,
@@ -27,21 +28,35 @@ template <> struct MaxFinite<__nv_bfloat16> { static constexpr float value = 0x1
 template <> struct MaxFinite<__half> { static constexpr float value = 65504.0f; };
 
 // A caller-given decode global scale is usable when it is positive and the
-// largest finite T input still gets a non-zero block scale (step 2's
-// expression, so the same float32 operations): e4m3(max / (gs * 6)) != 0.
-// False for 0, negatives, NaN, +-Inf and every gs at or above the bound of
-// docs/format.md ("NVFP4: a given global scale"); rawkv/reference/nvfp4.py
-// given_gs_ok is its twin. Kernels that take a device gs check it with this
-// and never use a refused one (the host checks numbers and host arrays).
+// largest finite T input still gets a non-zero block scale before ModelOpt's
+// clamp (the plain RNE cast of step 2's ratio, the same float32 operations,
+// not nvfp4_block_scale): e4m3(max / (gs * 6)) != 0. False for 0, negatives,
+// NaN, +-Inf and every gs at or above the bound of docs/format.md ("NVFP4: a
+// given global scale"); rawkv/reference/nvfp4.py given_gs_ok is its twin.
+// Kernels that take a device gs check it with this and never use a refused
+// one: every block is flagged (0x7F, codes 0) before step 2, so no ModelOpt
+// scale rule sees it (the host checks numbers and host arrays).
 template <typename T>
 __device__ __forceinline__ bool nvfp4_given_gs_ok(float gs) {
     return gs > 0.0f && e4m3_encode(MaxFinite<T>::value / (gs * 6.0f)) != 0;
 }
 
-// Step 3's guard: codes are computed only for a positive finite es. es == 0
-// is the spec's case (sf rounded to 0); a usable gs (nvfp4_given_gs_ok, or
-// one derived from an amax) never gives an infinite or NaN es, and the
-// guard keeps such an es from reaching e2m1(x / es) all the same.
+// Step 2: the block-scale byte from r = bmax / (gs * 6), with NVIDIA
+// ModelOpt's rule (nvidia-modelopt 0.47.0, qtensor/nvfp4_tensor.py:
+// `per_block_scale[per_block_scale == 0] = 1.0`, then
+// `clamp(min=2**-9, max=448).to(float8_e4m3fn)`): an all-zero block gets 1.0
+// (0x38); a scale below the smallest E4M3 subnormal gets that subnormal
+// (0x01) instead of rounding to 0 and losing the block. The compare is false
+// for NaN, so a NaN r stays NaN (0x7F), which fmaxf would not keep.
+__device__ __forceinline__ u8 nvfp4_block_scale(float r) {
+    if (r == 0.0f) return kNvfp4ZeroBlockScale;
+    return e4m3_encode(r < 0x1p-9f ? 0x1p-9f : r);
+}
+
+// Step 3's guard: codes are computed only for a positive finite es. With a
+// usable gs (nvfp4_given_gs_ok, or one derived from an amax) es is 0 only
+// when float(sf) * gs underflows (gs below 2^-140) and is never infinite or
+// NaN; the guard keeps such an es from reaching e2m1(x / es) all the same.
 __device__ __forceinline__ bool nvfp4_es_usable(float es) {
     return es > 0.0f && es <= 3.402823466e38f;   // false for NaN
 }
@@ -68,10 +83,11 @@ __device__ __forceinline__ u32 e2m1_index_fast(float a) {
     return __float_as_uint(t) - 0x4B000000u;
 }
 
-// 4-bit code of v / es given the (correctly rounded) quotient q: the sign is
-// v's (es > 0; keeps -0, which the FMA steps would turn into +0).
-__device__ __forceinline__ u32 e2m1_code_of_quotient(float q, float v) {
-    return e2m1_index_fast(fabsf(q)) | ((__float_as_uint(v) >> 28) & 8u);
+// 4-bit code of a quotient: the E2M1 index of |q| and the sign bit iff the
+// correctly rounded quotient is < 0 (ModelOpt's `sign_bit = weight < 0`):
+// -0.0, and a negative x whose quotient underflows to -0, give code 0.
+__device__ __forceinline__ u32 e2m1_code(float q, bool negative) {
+    return e2m1_index_fast(fabsf(q)) | (negative ? 8u : 0u);
 }
 
 // Steps 2-5 for one block of 16 consecutive elements (nvfp4_quantize_block),
@@ -89,8 +105,8 @@ __device__ __forceinline__ u32 e2m1_code_of_quotient(float q, float v) {
 //            its codes are then all 0).
 // Order of float32 operations (do not change: it is what makes the kernels
 // and the numpy reference agree):
-//   bmax = max|v|;  sf = e4m3(bmax / (gs * 6));  es = float(sf) * gs;
-//   code = es usable (positive, finite) ? e2m1(v / es) : 0.
+//   bmax = max|v|;  sf = nvfp4_block_scale(bmax / (gs * 6));  es = float(sf) * gs;
+//   code = es usable (positive, finite) ? e2m1(v / es) : 0, sign iff v / es < 0.
 //
 // Speed (quantize is instruction-bound, not memory-bound, with a plain IEEE
 // division per element): the 16 quotients v / es share es, so one correctly
@@ -99,14 +115,19 @@ __device__ __forceinline__ u32 e2m1_code_of_quotient(float q, float v) {
 // give exactly RN(v / es) in three instructions, provided nothing underflows
 // or overflows. The guard keeps every quotient near the E2M1 thresholds far
 // from both (es >= 2^-60, |v|*y < 2^100); other blocks (only possible with a
-// caller-given gs) take the plain division.
+// caller-given gs) take the plain division. A tiny quotient may still be
+// subnormal there, where Markstein is not exact, so the sign does not come
+// from q: RN(v / es) < 0 exactly when v < -es * 2^-150 (2^-150 is the half
+// way to the smallest subnormal, and its tie goes to 0), and v, a float,
+// passes that bound exactly when it passes RZ(es * 2^-150); es * 2^-24 is
+// exact (es >= 2^-60), so one rounding toward zero gives that bound.
 __device__ __forceinline__ u8 nvfp4_quantize_block_max(const float (&v)[16], float bmax, bool bad, float gs,
                                                        uint2& packed) {
     if (bad) {                                   // step 5: flagged block, all codes 0
         packed = make_uint2(0u, 0u);
         return kE4M3NaN;
     }
-    const u8 sf = e4m3_encode(bmax / (gs * 6.0f));
+    const u8 sf = nvfp4_block_scale(bmax / (gs * 6.0f));
     const float es = e4m3_decode(sf) * gs;
     if (!nvfp4_es_usable(es)) {                  // step 3: all codes 0
         packed = make_uint2(0u, 0u);
@@ -115,17 +136,20 @@ __device__ __forceinline__ u8 nvfp4_quantize_block_max(const float (&v)[16], flo
     u32 w[2] = {0u, 0u};
     const float y = __frcp_rn(es);
     if (es >= 0x1p-60f && __fmul_rn(bmax, y) < 0x1p100f) {
+        const float neg_bound = -__fmul_rz(__fmul_rn(es, 0x1p-24f), 0x1p-126f);
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
             float q = __fmul_rn(v[i], y);
             const float r = __fmaf_rn(-q, es, v[i]);
             q = __fmaf_rn(r, y, q);
-            w[i >> 3] |= e2m1_code_of_quotient(q, v[i]) << ((i & 7) * 4);
+            w[i >> 3] |= e2m1_code(q, v[i] < neg_bound) << ((i & 7) * 4);
         }
     } else {
 #pragma unroll
-        for (int i = 0; i < 16; ++i)
-            w[i >> 3] |= e2m1_code_of_quotient(v[i] / es, v[i]) << ((i & 7) * 4);
+        for (int i = 0; i < 16; ++i) {
+            const float q = v[i] / es;
+            w[i >> 3] |= e2m1_code(q, q < 0.0f) << ((i & 7) * 4);
+        }
     }
     packed = make_uint2(w[0], w[1]);
     return sf;

@@ -209,7 +209,8 @@ def check_given_gs_number(g: float, dtype: str) -> None:
     limit = ref.given_gs_limit(dtype)
     if not np.float32(g) < limit:
         raise ValueError(f"gs: {g!r} is too large for {dtype} input: from {limit:.9g} up, even the "
-                         f"largest {dtype} value gets a zero block scale and every code would be 0")
+                         f"largest {dtype} value falls below the range of the E4M3 block scale "
+                         "(docs/format.md)")
 
 
 def given_gs_host(gs, dtype: str) -> np.ndarray:

@@ -4,17 +4,28 @@ Shapes: x (..., N) with N % 16 == 0 -> q (..., N/2) uint8, sf (..., N/16)
 uint8 (UE4M3), gs float32: shape () for scope 'tensor' / 'given' / 'none',
 x.shape[:-1] for scope 'row'.
 
-Every step is float32 IEEE arithmetic in the order of the spec:
+Every step is float32 IEEE arithmetic in the order of the spec, with
+NVIDIA ModelOpt's rules (nvidia-modelopt 0.47.0,
+modelopt/torch/quantization/qtensor/nvfp4_tensor.py, NVFP4QTensor.quantize):
+for finite x and a usable gs (every gs rawkv computes; a given gs that
+given_gs_ok accepts) the bytes are ModelOpt's, apart from an es that
+underflows to 0 (step 3).
   1. amax over the scope (finite elements only); gs = amax / 2688, and 1 if
      that is 0 (amax == 0, or the division underflows)
-  2. sf = e4m3(bmax / (gs * 6))
-  3. es = float(sf) * gs; es == 0 -> all codes 0 (so is any es that is not
-     positive and finite)
-  4. code = e2m1(x / es)
+  2. r = bmax / (gs * 6); sf = 0x38 (1.0) if r == 0, else
+     e4m3(max(r, 2^-9)) (NaN kept): a block whose scale would round to 0
+     gets the smallest subnormal scale 0x01 and keeps its values
+  3. es = float(sf) * gs; codes only for a positive finite es, else all 0
+     (with a usable gs only es underflowing to 0, under a gs below 2^-140,
+     where ModelOpt divides by 0)
+  4. t = x / es; code = e2m1(|t|) with the sign bit set iff t < 0 (-0.0 and
+     a negative x whose quotient underflows to -0 give code 0)
   5. a block holding NaN/Inf -> sf = 0x7F, codes 0
 
 A caller-given gs that given_gs_ok refuses is never used: every block is
-flagged as in step 5 (sf = 0x7F, codes 0). The ops refuse such a number or
+flagged as in step 5 (sf = 0x7F, codes 0), before steps 2-4, so none of
+ModelOpt's scale rules applies to it (ModelOpt itself would encode with such
+a gs: docs/format.md lists the difference). The ops refuse such a number or
 host array; a device gs is checked by the kernel, which applies this rule.
 """
 from __future__ import annotations
@@ -46,11 +57,15 @@ MAX_FINITE = {"float32": float(np.finfo(np.float32).max), "bfloat16": float.from
 def given_gs_ok(gs, dtype: str = "float32") -> bool:
     """The rule for a caller-given decode global scale: usable when it is
     positive and the largest finite `dtype` input still gets a non-zero block
-    scale, e4m3(max / (gs * 6)) != 0 in float32 (step 2's expression). False
-    for 0, negatives, NaN, +-Inf and every gs >= given_gs_limit(dtype): with
-    such a gs every block scale, hence every code, would be 0. No positive
-    float32 gs is too small: the largest input then saturates to sf 448 and
-    code 6, with es = 448 * gs > 0."""
+    scale before ModelOpt's clamp, e4m3(max / (gs * 6)) != 0 in float32 (the
+    plain RNE cast of step 2's ratio, not block_scale). False for 0,
+    negatives, NaN, +-Inf and every gs >= given_gs_limit(dtype): such a gs
+    puts every input of the dtype below the range of the block scale (step
+    2 would give every block the same scale whatever its data: the clamp's
+    2^-9, or 1.0 where gs * 6 overflows and every r is 0), and it is no
+    global scale of any such input (a computed gs is at most max / 2688).
+    No positive float32 gs is too small: the largest input then saturates to
+    sf 448 and code 6, with es = 448 * gs > 0."""
     g = F32(np.asarray(gs, dtype=F32).reshape(()))
     with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
         return bool(g > 0 and e4m3_encode(F32(MAX_FINITE[dtype]) / (g * F32(6.0))) != 0)
@@ -95,6 +110,22 @@ def global_scale(x: np.ndarray, scope: str, gs=None) -> np.ndarray:
     return np.where(g == 0, F32(1.0), g).astype(F32)
 
 
+SF_MIN = F32(2.0 ** -9)      # the smallest E4M3 subnormal (byte 0x01)
+SF_ONE = np.uint8(0x38)       # E4M3 1.0
+
+
+def block_scale(r) -> np.ndarray:
+    """Step 2's scale byte from r = bmax / (gs * 6), as ModelOpt computes it
+    (NVFP4QTensor.get_weights_scaling_factor: `per_block_scale[== 0] = 1.0`,
+    then _cast_per_block_scale_to_fp8: `clamp(min=2**-9, max=448)` and the
+    RNE cast): r == 0 -> 1.0 (an all-zero block); 0 < r < 2^-9 -> 2^-9; NaN
+    stays NaN (0x7F). (A negative r needs a negative gs, which given_gs_ok
+    refuses before this step.)"""
+    r = np.asarray(r, dtype=F32)
+    sf = e4m3_encode(np.where(r < SF_MIN, SF_MIN, r))
+    return np.where(r == 0, SF_ONE, sf).astype(np.uint8)
+
+
 def quantize(x, scope: str = "tensor", gs=None, dtype: str = "float32"):
     """NVFP4-encode `x` -> (q, sf, gs). See the module docstring. `dtype`:
     the dtype x came in (float32, float16 or bfloat16), whose largest finite
@@ -110,13 +141,15 @@ def quantize(x, scope: str = "tensor", gs=None, dtype: str = "float32"):
     # per-block gs: scalar, or one per row broadcast over the row's blocks
     gb = np.asarray(g, dtype=F32)[..., None] if np.ndim(g) else g
     bad = ~np.isfinite(blocks).all(axis=-1)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore", under="ignore"):
         bmax = np.abs(blocks).max(axis=-1)
-        sf = e4m3_encode(bmax / (gb * F32(6.0)))                      # step 2
+        sf = block_scale(bmax / (gb * F32(6.0)))                      # step 2
         es = (e4m3_decode(sf) * gb).astype(F32)                       # step 3
-        codes = e2m1_encode(blocks / es[..., None])                   # step 4
-    # codes only for a positive finite es: es == 0 is step 3 (a usable gs
-    # gives no Inf / NaN es; the guard is the kernels' nvfp4_es_usable)
+        t = blocks / es[..., None]                                    # step 4
+        codes = (e2m1_encode(np.abs(t)) | ((t < 0).astype(np.uint8) << 3)).astype(np.uint8)
+    # codes only for a positive finite es (step 3; a usable gs gives no Inf /
+    # NaN es, so es == 0 by underflow is the one case; the guard is the
+    # kernels' nvfp4_es_usable)
     usable = (es > 0) & np.isfinite(es)
     codes = np.where((~usable)[..., None] | bad[..., None], np.uint8(0), codes)
     sf = np.where(bad, np.uint8(0x7F), sf).astype(np.uint8)           # step 5

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..formats import bf16_round, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, round_to_dtype
+from ..formats import bf16_round, e2m1_decode, e4m3_decode, e4m3_encode, round_to_dtype
+from ..nvfp4 import quantize as nvfp4_quantize
 from ._checks import _f32
 from .constants import FP8_MAX, NVFP4_BLOCK, ROPE_DIM
 
@@ -60,29 +61,14 @@ def fp8_entry_dequantize(codes, scale, rope, dtype: str = "bfloat16") -> np.ndar
 # CSA indexer key: one-level NVFP4 (docs/format.md NVFP4 with gs = 1)
 # ---------------------------------------------------------------------------
 def _nvfp4_one_level(x: np.ndarray):
-    """One-level NVFP4 encode of x (..., N), N % 16 == 0 -> (q, sf).
-
-    Local stand-in for rawkv.reference.nvfp4.quantize(x, scope="none"), with
-    the same semantics (NVFP4, gs = 1): per block of 16, bmax = max|x|,
-    sf = e4m3(bmax / 6.0f), es = float(sf), code = e2m1(x / es) (es == 0 ->
-    codes 0); a block holding NaN/Inf gets sf = 0x7F and codes 0.
+    """One-level NVFP4 encode of x (..., N), N % 16 == 0 -> (q, sf): the
+    NVFP4 encoder with gs = 1 (rawkv.reference.nvfp4.quantize, scope 'none'),
+    which the kernels share (nvfp4_quantize_block).
     q: (..., N/2) uint8, element 2j in the low nibble; sf: (..., N/16) uint8.
     """
-    n = x.shape[-1]
-    if n % NVFP4_BLOCK:
-        raise ValueError(f"x: last dimension must be a multiple of 16, got {n}")
-    blk = x.reshape(*x.shape[:-1], n // NVFP4_BLOCK, NVFP4_BLOCK)
-    bad = ~np.isfinite(blk).all(axis=-1)
-    bmax = np.abs(np.where(np.isfinite(blk), blk, np.float32(0))).max(axis=-1)
-    sf = e4m3_encode(bmax / np.float32(6.0))
-    es = e4m3_decode(sf)
-    safe = np.where(es == 0, np.float32(1.0), es)
-    with np.errstate(invalid="ignore"):
-        codes = e2m1_encode(blk / safe[..., None])
-    codes = np.where(((es == 0) | bad)[..., None], np.uint8(0), codes).astype(np.uint8)
-    sf = np.where(bad, np.uint8(0x7F), sf).astype(np.uint8)
-    codes = codes.reshape(*x.shape[:-1], n)
-    q = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    if x.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"x: last dimension must be a multiple of 16, got {x.shape[-1]}")
+    q, sf, _ = nvfp4_quantize(x, "none")
     return q, sf
 
 
