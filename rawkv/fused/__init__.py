@@ -14,9 +14,11 @@ graph needs no allocation.
 
 Global scale (`scope`): 'row' (default: one gs per row, computed on the
 device), 'tensor' (one gs for the tensor, computed on the device: two
-launches), 'given' (`gs`: a number, finite and > 0 as a float32, or a
-1-element float32 tensor, read on the device) or 'none' (one-level
-NVFP4, gs = 1). rawkv.nvfp4.dequantize(qa) decodes a result.
+launches), 'given' (`gs`: a number or a 1-element float32 tensor, read
+on the device, under rawkv.nvfp4's rule: 0 < gs < the bound of the input
+dtype, refused on the host for numbers and host arrays; a device gs outside
+it flags every block and is counted in rawkv.nvfp4.error_counts()) or
+'none' (one-level NVFP4, gs = 1). rawkv.nvfp4.dequantize(qa) decodes a result.
 
 CUDA inputs are bfloat16 or float16 and run the kernels declared in
 rawkv.kernels.fused; numpy arrays and CPU tensors run rawkv.reference.fused,

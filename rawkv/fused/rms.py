@@ -36,7 +36,7 @@ def mhc_rmsnorm_quantize(x, mix, weight, eps=1e-6, *, scope=None, gs=None, out=N
 def _rms(x, mix, weight, eps, scope, gs, out, stream, mixed):
     out_q, out_sf, out_gs, out_inv = R.split_out(out)
     eps = R.check_eps(eps)
-    scope, gs = R.parse_scope(scope, gs)
+    scope, gs = R.scope_gs(scope, gs)
     R.require_arrays(("x", x), ("weight", weight))
     if mixed:
         R.require_arrays(("mix", mix))
@@ -69,7 +69,7 @@ def _rms(x, mix, weight, eps, scope, gs, out, stream, mixed):
     weight = _rows.cuda_arg(weight, "weight", dt.param, dev, 16)
     if mixed:
         mix = _rows.cuda_arg(mix, "mix", dt.param, dev)
-    gs_in, gs_val = (None, 0.0) if gs is None else _rows.gs_arg(gs, dev)
+    gs_in, gs_val = (None, 0.0) if gs is None else _rows.gs_arg(gs, x.dtype, dev)
     rt = get_runtime(dev)
     q, sf, gs_t, inv = _rows.outputs(rt, lead, n, scope, dev, out_q, out_sf, out_gs, out_inv, True, stream)
     _rows.launch_rows(rt, K.RMS.instance(x.dtype, mixed, K.REG), x.numel() // (n_hc * n), n // 16, scope,
@@ -85,7 +85,7 @@ def _rms_cpu(x, mix, weight, eps, scope, gs, lead, n_hc, n, out_q, out_sf, out_g
     A.check_cpu_array(weight, "weight", R.PARAM)
     if mix is not None:
         A.check_cpu_array(mix, "mix", R.PARAM)
-    gsv = R.cpu_gs(gs)
+    gsv = R.given_gs_host(scope, gs, dt)
     xn = D.to_numpy(x, "x")
     wn = D.to_numpy(weight, "weight")
     if mix is not None:
