@@ -570,17 +570,19 @@ def test_moe_argument_errors_write_nothing(cuda):
 
 
 # ---- streams, out=, CUDA graphs, dequantize --------------------------------------------------
+def _inputs(rng, m, n, n_hc, two_i, h_dtype, topk):
+    """x (m, n), weight (n,), X (m, n_hc, n), mix (m, n_hc), h (m, two_i),
+    hidden (m, n), topk_ids (m, topk) int32 and topk_weights of every op."""
+    return (_rand(rng, (m, n), torch.bfloat16), torch.from_numpy(rng.random(n).astype(F32) + 0.5).cuda(),
+            _rand(rng, (m, n_hc, n), torch.bfloat16), torch.from_numpy(rng.random((m, n_hc)).astype(F32)).cuda(),
+            _rand(rng, (m, two_i), h_dtype), _rand(rng, (m, n), torch.bfloat16),
+            torch.zeros(m, topk, dtype=torch.int32, device="cuda"), torch.rand(m, topk, device="cuda"))
+
+
 def test_out_and_graph_capture(cuda, rng):
     import rawkv
     rawkv.warmup(0, files=["fused.cu"])
-    x = _rand(rng, (16, 7168), torch.bfloat16)
-    w = torch.from_numpy(rng.random(7168).astype(F32) + 0.5).cuda()
-    X = _rand(rng, (16, 4, 7168), torch.bfloat16)
-    A = torch.from_numpy(rng.random((16, 4)).astype(F32)).cuda()
-    h = _rand(rng, (16, 4096), torch.bfloat16)
-    hid = _rand(rng, (16, 7168), torch.bfloat16)
-    ids = torch.zeros(16, 8, dtype=torch.int32, device="cuda")
-    wts = torch.rand(16, 8, device="cuda")
+    x, w, X, A, h, hid, ids, wts = _inputs(rng, 16, 7168, 4, 4096, torch.bfloat16, 8)
     o1 = F.rmsnorm_quantize(x, w)
     o2 = F.mhc_rmsnorm_quantize(X, A, w)
     o3 = F.swiglu_quantize(h, scope="tensor")
@@ -671,3 +673,63 @@ def test_empty_rows_gs_on_the_ops_stream(cuda, scope):
     g.replay()
     torch.cuda.synchronize()
     assert float(o_sw[2]) == want and float(o_rms[2]) == want
+
+
+# ---- the rawkv:: custom operators (rawkv.library) ---------------------------------------------
+def _operator_calls(rng):
+    """(operator, inputs, outputs) of every fused operator on cuda:0."""
+    x, w, X, A, h, hid, ids, wts = _inputs(rng, 5, 512, 2, 1024, torch.float16, 4)
+    gs = torch.tensor([0.004], device="cuda")
+
+    def outs(n, gs_shape, inv=True):
+        o = (torch.empty(5, n // 2, dtype=torch.uint8, device="cuda"),
+             torch.empty(5, n // 16, dtype=torch.uint8, device="cuda"), torch.empty(gs_shape, device="cuda"))
+        return o + (torch.empty(5, device="cuda"),) if inv else o
+    ops = torch.ops.rawkv
+    moe_out = (torch.empty(5, 256, dtype=torch.uint8, device="cuda"), torch.empty(5, 8, dtype=torch.int32, device="cuda"),
+               torch.empty(5, 4, dtype=torch.int64, device="cuda"), torch.empty(5, 4, device="cuda"))
+    return [(ops.rmsnorm_quantize, (x, w, 1e-6, "row", None, None), outs(512, (5,))),
+            (ops.mhc_rmsnorm_quantize, (X, A, w, 1e-6, "given", gs, None), outs(512, (1,))),
+            (ops.swiglu_quantize, (h, 8, "tensor", None, None), outs(512, (), False)),
+            (ops.moe_stage, (hid, ids, wts), moe_out)]
+
+
+def test_operators_in_a_captured_step(cuda, rng):
+    """An engine's captured decode step calls torch.ops.rawkv.* on buffers it
+    owns: captured after warmup, each replay gives the eager operator's bits."""
+    import rawkv
+    import rawkv.library  # noqa: F401
+    rawkv.warmup(0, files=["fused.cu"])
+    calls = _operator_calls(rng)
+    for op, args, outs in calls:
+        op(*args, *outs)
+    torch.cuda.synchronize()
+    want = [[o.clone() for o in outs] for _, _, outs in calls]
+    for _, _, outs in calls:                # zeroed: the replay must write them
+        for o in outs:
+            o.zero_()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        for op, args, outs in calls:
+            op(*args, *outs)
+    g.replay()
+    torch.cuda.synchronize()
+    for (op, _, outs), wl in zip(calls, want):
+        for o, wt in zip(outs, wl):
+            assert torch.equal(o, wt), op
+
+
+def test_operators_run_on_their_tensors_device(cuda, rng, monkeypatch):
+    """Each fused operator asks for the runtime of its tensors' device index."""
+    import rawkv.library  # noqa: F401
+    from rawkv.fused import moe, rms, swiglu
+    asked = []
+    for mod in (rms, swiglu, moe):
+        real = mod.get_runtime
+        monkeypatch.setattr(mod, "get_runtime", lambda d=None, real=real: asked.append(d) or real(d))
+    calls = _operator_calls(rng)
+    for op, args, outs in calls:
+        op(*args, *outs)
+    assert len(asked) == len(calls) and all(d == 0 for d in asked)

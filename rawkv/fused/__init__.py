@@ -25,9 +25,12 @@ rawkv.kernels.fused; numpy arrays and CPU tensors run rawkv.reference.fused,
 which defines every op (float32 numpy arrays: no rounding of the
 intermediates; see docs/fused.md).
 
+Each op is also a torch custom operator, torch.ops.rawkv.<op name>
+(mutating form, declared beside the op; docs/fused.md lists the schemas).
+
 Modules: rms (RMSNorm and mHC + RMSNorm), swiglu, moe; _rules (argument
 rules of the family), _rows (CUDA outputs, launch geometry, row launches),
-_cpu (CPU results and out=).
+_cpu (CPU results and out=), _traced (the row producers under torch.compile).
 """
 from ..nvfp4.activation import QuantizedActivation
 from .moe import MoEStaged, moe_stage
