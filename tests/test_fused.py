@@ -317,8 +317,8 @@ def test_given_gs_bound_of_the_input_dtype(op):
     """A number or host array gs at or above given_gs_limit(x's dtype) is a
     ValueError naming gs (every block scale would be 0); just below it, and
     2e7 for bfloat16 / float32 input (refused for float16: its bound is
-    11179349), it is used. The fused host memo is keyed by the dtype: a
-    value accepted for bfloat16 is still refused for float16."""
+    11179349), it is used. A value accepted for bfloat16 (the fused host
+    memo has it) is still refused for float16."""
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
         name = str(dtype).replace("torch.", "")
         limit = RN.given_gs_limit(name)

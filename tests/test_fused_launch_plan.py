@@ -5,12 +5,14 @@ gs pointer, value and error counter each launch receives. What the kernels
 compute is checked on the GPU (test_fused_gpu.py)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import rawkv
 from rawkv.fused import moe, rms, swiglu
 from rawkv.kernels import fused as K
 from rawkv.nvfp4 import counters
+from rawkv.reference import nvfp4 as RN
 
 torch = pytest.importorskip("torch")
 from test_nvfp4_launch_plan import RecordingRuntime, fake  # noqa: E402
@@ -65,12 +67,20 @@ def test_given_gs_launch_arguments(rt, op, dtype):
 
 @pytest.mark.parametrize("op", ["rms", "mhc", "swiglu"])
 def test_number_gs_over_the_dtype_bound_refused_before_launch(rt, op):
-    """2e7 is over the float16 bound (11179349) and under the bfloat16 one."""
+    """2e7 is over the float16 bound (11179349) and under the bfloat16 one;
+    a number is held against the bound as the float32 it becomes."""
     with pytest.raises(ValueError, match="^gs:"):
         _calls(rt, op, torch.float16, gs=2e7)
     assert rt.calls == []
     _, launches = _calls(rt, op, torch.bfloat16, gs=2e7)
     assert len(launches) == 1 and launches[0]["gs_val"] == 2e7
-    with pytest.raises(ValueError, match="^gs:"):             # the memo is keyed by the dtype
+    with pytest.raises(ValueError, match="^gs:"):             # still refused once seen for bfloat16
         _calls(rt, op, torch.float16, gs=2e7)
     assert rt.calls == []
+    limit = RN.given_gs_limit("float16")
+    below = float(np.nextafter(np.float32(limit), np.float32(0)))
+    _, launches = _calls(rt, op, torch.float16, gs=below)
+    assert len(launches) == 1 and launches[0]["gs_val"] == below
+    for _ in range(2):                                        # as the float32 the kernel reads: the bound
+        with pytest.raises(ValueError, match="^gs:"):
+            _calls(rt, op, torch.float16, gs=limit - 1e-9)
