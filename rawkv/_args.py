@@ -165,3 +165,32 @@ def check_scope_gs(scope, gs, scopes, default_scope: str):
         if shape.count(1) != len(shape):                   # some dimension is not 1
             raise ValueError(f"gs: expected a float or a 1-element tensor, got shape {shape}")
     return scope, gs
+
+
+def op_gs(gs, gs_value):
+    """A public op's gs from its custom operator's two arguments (a schema
+    argument has one type, rawkv._opdecl): a tensor `gs` or a number
+    `gs_value`, at most one of them (None: neither)."""
+    if gs is not None and gs_value is not None:
+        raise ValueError("gs: expected a gs tensor or a gs_value number, got both")
+    return gs if gs is not None else gs_value
+
+
+def split_gs(gs, tensor_type) -> tuple:
+    """A public gs (None, a number, or a `tensor_type` tensor) as its custom
+    operator's (gs, gs_value) arguments, unchecked (the operator checks it):
+    what a public op does under torch.compile, so plain Python only (the
+    number checks use numpy, which dynamo cannot trace): anything else is a
+    number, traced_number's. (Dynamo sees a numpy scalar as a 0-d array,
+    which is_number would not take.)"""
+    if gs is None or isinstance(gs, tensor_type):
+        return gs, None
+    return None, traced_number(gs)
+
+
+def traced_number(v):
+    """A public op's number argument (eps, a gs value) as its custom
+    operator's float argument under torch.compile, unchecked: a Python
+    float, or, for None, a bool or a string, `v` as it is (the operator, or
+    torch's schema check, refuses what the eager op refuses)."""
+    return v if v is None or isinstance(v, (bool, np.bool_, str, bytes)) else float(v)

@@ -289,6 +289,85 @@ def test_numpy_scalar_gs_and_eps_accepted(op):
                 F.rmsnorm_quantize(np.ones((2, 32), F32), np.ones(32, F32), eps=bad)
 
 
+# ---- a given gs: rawkv.nvfp4's rule, bounded by the input dtype (docs/format.md) ----------
+def _op_dt(op, dtype, **kw):
+    """Producer `op` (0 rms, 1 mhc, 2 swiglu) on CPU tensors of `dtype`."""
+    t = lambda *s: torch.linspace(-3, 3, int(np.prod(s))).reshape(s).to(dtype)  # noqa: E731
+    if op == 0:
+        return F.rmsnorm_quantize(t(2, 32), torch.ones(32), **kw)
+    if op == 1:
+        return F.mhc_rmsnorm_quantize(t(2, 2, 32), torch.ones(2, 2), torch.ones(32), **kw)
+    return F.swiglu_quantize(t(2, 64), **kw)
+
+
+def _ref_dt(op, dtype, gs):
+    """The reference's (q, sf, gs) of _op_dt's inputs under scope 'given'."""
+    name = str(dtype).replace("torch.", "")
+    t = lambda *s: torch.linspace(-3, 3, int(np.prod(s))).reshape(s).to(dtype).float().numpy()  # noqa: E731
+    if op == 0:
+        return R.rmsnorm_quantize(t(2, 32), np.ones(32, F32), 1e-6, "given", gs, name)[:3]
+    if op == 1:
+        return R.mhc_rmsnorm_quantize(t(2, 2, 32), np.ones((2, 2), F32), np.ones(32, F32), 1e-6, "given",
+                                      gs, name)[:3]
+    return R.swiglu_quantize(t(2, 64), 8, "given", gs, name)
+
+
+@pytest.mark.parametrize("op", range(3))
+def test_given_gs_bound_of_the_input_dtype(op):
+    """A number or host array gs at or above given_gs_limit(x's dtype) is a
+    ValueError naming gs (every block scale would be 0); just below it, and
+    2e7 for bfloat16 / float32 input (refused for float16: its bound is
+    11179349), it is used. A value accepted for bfloat16 (the fused host
+    memo has it) is still refused for float16."""
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        name = str(dtype).replace("torch.", "")
+        limit = RN.given_gs_limit(name)
+        below = float(np.nextafter(F32(limit), F32(0)))
+        for good in (below, 2e7) if name != "float16" else (below,):
+            for gs in (good, good, np.array([good], F32), torch.tensor(good)):
+                got = _op_dt(op, dtype, gs=gs)
+                want = _ref_dt(op, dtype, good)
+                assert np.array_equal(got.q.view(torch.uint8).numpy(), want[0])
+                assert np.array_equal(got.sf.view(torch.uint8).numpy(), want[1])
+                assert not (want[1] == 0x7F).all()              # used, not flagged
+        bad = (limit, 2e7) if name == "float16" else (limit,)
+        for g in bad:
+            for gs in (g, g, np.float32(g), np.array([g], F32), torch.tensor([g])):
+                with pytest.raises(ValueError, match="^gs:"):
+                    _op_dt(op, dtype, gs=gs)
+
+
+@pytest.mark.parametrize("op", range(3))
+@pytest.mark.parametrize("g", [-0.5, -0.0, 0.0, np.nan, np.inf, -np.inf, "limit"])
+def test_reference_flags_an_unusable_given_gs(op, g):
+    """rawkv.reference.fused applies rawkv.reference.nvfp4's rule (what the
+    kernels are compared with): a gs that given_gs_ok refuses for the input
+    dtype is never used, sign bit included: every block is flagged (sf
+    0x7F, codes 0) and gs is the given value. The ops refuse it on the host."""
+    for dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype).replace("torch.", "")
+        gv = RN.given_gs_limit(name) if g == "limit" else g
+        q, sf, gs = _ref_dt(op, dtype, gv)
+        assert not q.any() and (sf == 0x7F).all()
+        assert np.asarray(gs, F32).view(np.uint32) == np.asarray(gv, F32).view(np.uint32)
+        with pytest.raises(ValueError, match="^gs:"):
+            _op_dt(op, dtype, gs=np.array([gv], F32))
+
+
+def test_scope_gs_memo_keeps_the_rules():
+    """A Python float gs accepted once takes the memo's path after: scope
+    None / 'given' only; any other scope with it is still refused."""
+    h = np.ones((2, 64), F32)
+    want = F.swiglu_quantize(h, scope="given", gs=0.375)
+    got = F.swiglu_quantize(h, gs=0.375)
+    assert all(np.array_equal(a, b) for a, b in zip(got[:3], want[:3]))
+    for scope in ("row", "tensor", "none"):
+        with pytest.raises(ValueError, match="^gs:"):
+            F.swiglu_quantize(h, scope=scope, gs=0.375)
+    with pytest.raises(ValueError, match="^scope:"):
+        F.swiglu_quantize(h, scope="blocks", gs=0.375)
+
+
 # ---- QuantizedActivation into rawkv.nvfp4.dequantize ------------------------------------
 def test_dequantize_takes_a_quantized_activation(rng):
     x = torch.from_numpy(rng.standard_normal((3, 4, 64)).astype(F32)).bfloat16()

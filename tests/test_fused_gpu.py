@@ -227,6 +227,102 @@ def test_swiglu_quantize_scopes_edges(cuda, rng, scope, edge, dtype):
     _assert_equal("gs", _np(qa.gs), np.asarray(gs, F32))
 
 
+# ---- a given device gs: rawkv.nvfp4's rule, checked by the kernel -------------------------
+_GIVEN = [0.0021, 2e7, -0.0021, 0.0, -0.0, float("nan"), float("inf"), float("-inf"), "limit"]
+
+
+def _given_call(rng, op, dtype):
+    """(call(**kw) -> QuantizedActivation, reference(gs, inv) -> its tuple, rows)
+    of producer `op` on small inputs with a NaN / Inf row and a zero row."""
+    name = _dt(torch.empty(0, dtype=dtype))
+    if op == "swiglu":
+        h = _with_edges(_with_edges(_rand(rng, (5, 512), dtype, 2.0), "nan"), "zero_row")
+        return (lambda **kw: F.swiglu_quantize(h, **kw),
+                lambda g, inv: (*R.swiglu_quantize(_np(h), 8, "given", g, name), None), 5)
+    w = torch.from_numpy(rng.random(256).astype(F32) + 0.5).cuda()
+    if op == "rms":
+        x = _with_edges(_with_edges(_rand(rng, (5, 256), dtype), "nan"), "zero_row")
+        return (lambda **kw: F.rmsnorm_quantize(x, w, **kw),
+                lambda g, inv: R.rmsnorm_quantize(_np(x), _np(w), 1e-6, "given", g, name, inv), 5)
+    X = _with_edges(_rand(rng, (5, 3, 256), dtype), "nan")
+    A = torch.from_numpy(rng.random((5, 3)).astype(F32)).cuda()
+    return (lambda **kw: F.mhc_rmsnorm_quantize(X, A, w, **kw),
+            lambda g, inv: R.mhc_rmsnorm_quantize(_np(X), _np(A), _np(w), 1e-6, "given", g, name, inv), 5)
+
+
+@pytest.mark.parametrize("g", _GIVEN, ids=[str(g) for g in _GIVEN])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", ["rms", "mhc", "swiglu"])
+def test_given_device_gs_rule(cuda, rng, op, dtype, g):
+    """A device gs is checked by the kernel (nvfp4_given_gs_ok, the twin of
+    the reference's given_gs_ok), as rawkv.nvfp4.quantize checks it: a
+    refused one is never used, its sign bit included: every block is flagged
+    (sf 0x7F, codes 0), the gs output holds the given value, inv_rms is the
+    row's, and each call counts 1 in rawkv.nvfp4.error_counts()[GIVEN_GS].
+    2e7 is refused for float16 input only (its bound is 11179349). The same
+    value as a number is a ValueError naming gs."""
+    import rawkv
+    name = _dt(torch.empty(0, dtype=dtype))
+    if g == "limit":
+        g = RN.given_gs_limit(name)
+    usable = RN.given_gs_ok(F32(g), name)
+    assert usable == (g == 0.0021 or (g == 2e7 and name != "float16"))
+    call, ref, rows = _given_call(rng, op, dtype)
+    gdev = torch.tensor([g], dtype=torch.float32, device="cuda")
+    counts = rawkv.nvfp4.error_counts()
+    before = counts.clone()
+    got = [call(gs=gdev)]
+    ogs = torch.full((1,), 7.0, device="cuda")
+    out = (None, None, ogs) + ((torch.full((rows,), 7.0, device="cuda"),) if op != "swiglu" else ())
+    got.append(call(gs=gdev, out=out))
+    delta = (counts - before).tolist()
+    assert delta[rawkv.nvfp4.GIVEN_GS] == (0 if usable else 2) and delta[rawkv.nvfp4.GATHER_INDEX] == 0
+    for qa in got:
+        _assert_equal("gs", _np(qa.gs).reshape(()), np.asarray(g, F32))     # the given bits
+        if op == "swiglu":
+            q, sf, _, _ = ref(g, None)
+            _assert_equal("q", _np(qa.q), q)
+            _assert_equal("sf", _np(qa.sf), sf)
+        else:
+            _check_rms(qa, lambda inv: ref(g, inv), rows, (rows,), "given")
+        if not usable:
+            assert not _np(qa.q).any() and (_np(qa.sf) == 0x7F).all()
+    assert got[1].gs is ogs
+    if not usable:
+        with pytest.raises(ValueError, match="^gs:"):
+            call(gs=float(g))
+
+
+def test_given_device_gs_counted_in_a_graph(cuda, rng):
+    """Captured after warmup (which creates the counter), a refused device gs
+    counts once per replay; the same graph with a usable gs counts nothing."""
+    import rawkv
+    rawkv.warmup(0, files=["fused.cu"])
+    h = _rand(rng, (4, 256), torch.bfloat16)
+    gdev = torch.tensor([-1.0], device="cuda")
+    qa = F.swiglu_quantize(h, gs=gdev)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        F.swiglu_quantize(h, gs=gdev, out=qa)
+    counts = rawkv.nvfp4.error_counts()
+    before = int(counts[rawkv.nvfp4.GIVEN_GS])
+    g.replay()
+    g.replay()
+    torch.cuda.synchronize()
+    assert int(counts[rawkv.nvfp4.GIVEN_GS]) - before == 2
+    assert (_np(qa.sf) == 0x7F).all() and not _np(qa.q).any()
+    gdev.fill_(0.0021)
+    g.replay()
+    torch.cuda.synchronize()
+    assert int(counts[rawkv.nvfp4.GIVEN_GS]) - before == 2
+    q, sf, _ = R.swiglu_quantize(_np(h), 8, "given", 0.0021, "bfloat16")
+    _assert_equal("q", _np(qa.q), q)
+    _assert_equal("sf", _np(qa.sf), sf)
+
+
 # ---- long rows (chunks past REG * blockDim are recomputed from memory) with
 # Inf/NaN blocks that also hold finite values, in both ranges ------------------------
 _LONG = 40960            # 2560 chunks; 3 rows get 768-thread CTAs, 2 chunks each in registers
@@ -538,17 +634,19 @@ def test_moe_argument_errors_write_nothing(cuda):
 
 
 # ---- streams, out=, CUDA graphs, dequantize --------------------------------------------------
+def _inputs(rng, m, n, n_hc, two_i, h_dtype, topk):
+    """x (m, n), weight (n,), X (m, n_hc, n), mix (m, n_hc), h (m, two_i),
+    hidden (m, n), topk_ids (m, topk) int32 and topk_weights of every op."""
+    return (_rand(rng, (m, n), torch.bfloat16), torch.from_numpy(rng.random(n).astype(F32) + 0.5).cuda(),
+            _rand(rng, (m, n_hc, n), torch.bfloat16), torch.from_numpy(rng.random((m, n_hc)).astype(F32)).cuda(),
+            _rand(rng, (m, two_i), h_dtype), _rand(rng, (m, n), torch.bfloat16),
+            torch.zeros(m, topk, dtype=torch.int32, device="cuda"), torch.rand(m, topk, device="cuda"))
+
+
 def test_out_and_graph_capture(cuda, rng):
     import rawkv
     rawkv.warmup(0, files=["fused.cu"])
-    x = _rand(rng, (16, 7168), torch.bfloat16)
-    w = torch.from_numpy(rng.random(7168).astype(F32) + 0.5).cuda()
-    X = _rand(rng, (16, 4, 7168), torch.bfloat16)
-    A = torch.from_numpy(rng.random((16, 4)).astype(F32)).cuda()
-    h = _rand(rng, (16, 4096), torch.bfloat16)
-    hid = _rand(rng, (16, 7168), torch.bfloat16)
-    ids = torch.zeros(16, 8, dtype=torch.int32, device="cuda")
-    wts = torch.rand(16, 8, device="cuda")
+    x, w, X, A, h, hid, ids, wts = _inputs(rng, 16, 7168, 4, 4096, torch.bfloat16, 8)
     o1 = F.rmsnorm_quantize(x, w)
     o2 = F.mhc_rmsnorm_quantize(X, A, w)
     o3 = F.swiglu_quantize(h, scope="tensor")
@@ -639,3 +737,63 @@ def test_empty_rows_gs_on_the_ops_stream(cuda, scope):
     g.replay()
     torch.cuda.synchronize()
     assert float(o_sw[2]) == want and float(o_rms[2]) == want
+
+
+# ---- the rawkv:: custom operators (rawkv.library) ---------------------------------------------
+def _operator_calls(rng):
+    """(operator, inputs, outputs) of every fused operator on cuda:0."""
+    x, w, X, A, h, hid, ids, wts = _inputs(rng, 5, 512, 2, 1024, torch.float16, 4)
+    gs = torch.tensor([0.004], device="cuda")
+
+    def outs(n, gs_shape, inv=True):
+        o = (torch.empty(5, n // 2, dtype=torch.uint8, device="cuda"),
+             torch.empty(5, n // 16, dtype=torch.uint8, device="cuda"), torch.empty(gs_shape, device="cuda"))
+        return o + (torch.empty(5, device="cuda"),) if inv else o
+    ops = torch.ops.rawkv
+    moe_out = (torch.empty(5, 256, dtype=torch.uint8, device="cuda"), torch.empty(5, 8, dtype=torch.int32, device="cuda"),
+               torch.empty(5, 4, dtype=torch.int64, device="cuda"), torch.empty(5, 4, device="cuda"))
+    return [(ops.rmsnorm_quantize, (x, w, 1e-6, "row", None, None), outs(512, (5,))),
+            (ops.mhc_rmsnorm_quantize, (X, A, w, 1e-6, "given", gs, None), outs(512, (1,))),
+            (ops.swiglu_quantize, (h, 8, "tensor", None, None), outs(512, (), False)),
+            (ops.moe_stage, (hid, ids, wts), moe_out)]
+
+
+def test_operators_in_a_captured_step(cuda, rng):
+    """An engine's captured decode step calls torch.ops.rawkv.* on buffers it
+    owns: captured after warmup, each replay gives the eager operator's bits."""
+    import rawkv
+    import rawkv.library  # noqa: F401
+    rawkv.warmup(0, files=["fused.cu"])
+    calls = _operator_calls(rng)
+    for op, args, outs in calls:
+        op(*args, *outs)
+    torch.cuda.synchronize()
+    want = [[o.clone() for o in outs] for _, _, outs in calls]
+    for _, _, outs in calls:                # zeroed: the replay must write them
+        for o in outs:
+            o.zero_()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        for op, args, outs in calls:
+            op(*args, *outs)
+    g.replay()
+    torch.cuda.synchronize()
+    for (op, _, outs), wl in zip(calls, want):
+        for o, wt in zip(outs, wl):
+            assert torch.equal(o, wt), op
+
+
+def test_operators_run_on_their_tensors_device(cuda, rng, monkeypatch):
+    """Each fused operator asks for the runtime of its tensors' device index."""
+    import rawkv.library  # noqa: F401
+    from rawkv.fused import moe, rms, swiglu
+    asked = []
+    for mod in (rms, swiglu, moe):
+        real = mod.get_runtime
+        monkeypatch.setattr(mod, "get_runtime", lambda d=None, real=real: asked.append(d) or real(d))
+    calls = _operator_calls(rng)
+    for op, args, outs in calls:
+        op(*args, *outs)
+    assert len(asked) == len(calls) and all(d == 0 for d in asked)

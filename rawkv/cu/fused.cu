@@ -12,7 +12,8 @@
 //   phase 1  (RMSNorm) float64 sum of squares -> inv_rms; y = round_T(x*inv*w)
 //            each chunk's max |y| from the packed bits (two halves per instruction)
 //   phase 2  (run-time `mode`) gs: row amax (MODE_ROW), amax of the tensor (MODE_AMAX: first of
-//            two launches), the value MODE_AMAX left (MODE_TENSOR), or given
+//            two launches), the value MODE_AMAX left (MODE_TENSOR), or given (MODE_FIXED:
+//            checked by nvfp4_given_gs_ok<T>; a refused one flags every block, is counted)
 //   phase 3  quantize each chunk (nvfp4_quantize_block_max) and store 8 code
 //            bytes + 1 scale byte
 // REG = 2: a 224-thread CTA per row (N = 7168) of at most 64 registers per
@@ -266,7 +267,7 @@ template <typename T, int REG, class P>
 __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], const int mode, i64 row, i64 C,
                                              float eps, i64 n, u8* __restrict__ q, u8* __restrict__ sf,
                                              float* gs_out, float* __restrict__ inv_out,
-                                             const float* gs_in, float gs_val) {
+                                             const float* gs_in, float gs_val, int* errors) {
     __shared__ double sh_d[32];
     __shared__ float sh_f[32];
     __shared__ float sh_gs;
@@ -352,7 +353,19 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
         __syncthreads();
         gs = sh_gs;
     } else {
+        // A given gs (a device one: the host refuses bad numbers) that
+        // nvfp4_given_gs_ok refuses is never used: the output gs keeps the
+        // given value, the call is counted once, and gs becomes NaN, which
+        // nvfp4_quantize_block_max turns into the flag for every block
+        // (sf = e4m3(NaN) = 0x7F; es = NaN is not usable, so codes 0): the
+        // reference's flagged result, with no extra register in phase 3.
         gs = gs_in != nullptr ? *gs_in : gs_val;
+        const bool ok = nvfp4_given_gs_ok<T>(gs);
+        if (tid == 0 && row == 0) {
+            gs_out[0] = gs;
+            if (!ok && errors != nullptr) atomicAdd(errors, 1);
+        }
+        if (!ok) gs = __uint_as_float(0x7FC00000u);
     }
 
     // phase 3: quantize and store
@@ -371,7 +384,6 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
     }
     if (tid == 0) {
         if (mode == MODE_ROW) gs_out[row] = gs;
-        if (mode == MODE_FIXED && row == 0) gs_out[0] = gs;
         if constexpr (P::NORM) { if (inv_out != nullptr) inv_out[row] = inv; }
     }
 }
@@ -380,13 +392,14 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
 
 // x: (M, N) or, with MIX, X: (M, n_hc, N); mix: (M, n_hc) of mix_kind; w: (N,) of w_kind.
 // q (M, N/2), sf (M, N/16), gs_out (M,) for MODE_ROW else one float, inv_out (M,) or null.
-// gs_in: a device float (MODE_FIXED) or null, then gs_val. One CTA per row.
+// gs_in: a device float (MODE_FIXED) or null, then gs_val; errors: where an
+// unusable gs_in is counted (rawkv.nvfp4's GIVEN_GS counter) or null. One CTA per row.
 template <typename T, bool MIX, int REG>
 __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms(
         const T* __restrict__ x, const void* __restrict__ mix, long long mix_kind, long long n_hc,
         const void* __restrict__ w, long long w_kind, double eps, long long n,
         u8* __restrict__ q, u8* __restrict__ sf, float* gs_out, float* __restrict__ inv_out,
-        const float* gs_in, double gs_val, long long mode) {
+        const float* gs_in, double gs_val, long long mode, int* errors) {
     const i64 row = blockIdx.x;
     RmsProducer<T, MIX> p;
     p.x = x + row * (MIX ? n_hc : 1) * n;
@@ -400,15 +413,16 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms(
     u32 st[REG][8];
     load_row<REG>(p, n / 16, st);
     row_quantize<T, REG>(p, st, (int)mode, row, n / 16, (float)eps, n, q, sf, gs_out, inv_out, gs_in,
-                         (float)gs_val);
+                         (float)gs_val, errors);
 }
 
-// h: (M, 2I) with columns alternating g gate and g up; q (M, I/2), sf (M, I/16).
+// h: (M, 2I) with columns alternating g gate and g up; q (M, I/2), sf (M, I/16);
+// gs_out, gs_in, gs_val, errors as rkv_fused_rms's.
 template <typename T, bool VEC, int REG>
 __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu(
         const T* __restrict__ h, long long inter, long long g,
         u8* __restrict__ q, u8* __restrict__ sf, float* gs_out,
-        const float* gs_in, double gs_val, long long mode) {
+        const float* gs_in, double gs_val, long long mode, int* errors) {
     const i64 row = blockIdx.x;
     SwigluProducer<T, VEC> p;
     p.h = h + row * 2 * inter;
@@ -416,7 +430,7 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu(
     u32 st[REG][8];
     load_row<REG>(p, inter / 16, st);
     row_quantize<T, REG>(p, st, (int)mode, row, inter / 16, 0.0f, inter, q, sf, gs_out, nullptr, gs_in,
-                         (float)gs_val);
+                         (float)gs_val, errors);
 }
 
 // Scope tensor / given / none with no rows: no row CTA runs, and those are

@@ -14,18 +14,23 @@ graph needs no allocation.
 
 Global scale (`scope`): 'row' (default: one gs per row, computed on the
 device), 'tensor' (one gs for the tensor, computed on the device: two
-launches), 'given' (`gs`: a number, finite and > 0 as a float32, or a
-1-element float32 tensor, read on the device) or 'none' (one-level
-NVFP4, gs = 1). rawkv.nvfp4.dequantize(qa) decodes a result.
+launches), 'given' (`gs`: a number or a 1-element float32 tensor, read
+on the device, under rawkv.nvfp4's rule: 0 < gs < the bound of the input
+dtype, refused on the host for numbers and host arrays; a device gs outside
+it flags every block and is counted in rawkv.nvfp4.error_counts()) or
+'none' (one-level NVFP4, gs = 1). rawkv.nvfp4.dequantize(qa) decodes a result.
 
 CUDA inputs are bfloat16 or float16 and run the kernels declared in
 rawkv.kernels.fused; numpy arrays and CPU tensors run rawkv.reference.fused,
 which defines every op (float32 numpy arrays: no rounding of the
 intermediates; see docs/fused.md).
 
+Each op is also a torch custom operator, torch.ops.rawkv.<op name>
+(mutating form, declared beside the op; docs/fused.md lists the schemas).
+
 Modules: rms (RMSNorm and mHC + RMSNorm), swiglu, moe; _rules (argument
 rules of the family), _rows (CUDA outputs, launch geometry, row launches),
-_cpu (CPU results and out=).
+_cpu (CPU results and out=), _traced (the row producers under torch.compile).
 """
 from ..nvfp4.activation import QuantizedActivation
 from .moe import MoEStaged, moe_stage

@@ -6,6 +6,9 @@ from __future__ import annotations
 from .. import _args as A
 from .. import _dispatch as D
 from ..kernels import fused as K
+from ..nvfp4 import _checks as NC
+from ..nvfp4 import counters
+from ..reference import nvfp4 as ref_nvfp4
 from . import _rules as R
 
 
@@ -27,6 +30,8 @@ class Dtypes:
         self.q_view = d.e2m1x2 or torch.uint8       # the dtypes rawkv.nvfp4.quantize returns
         self.sf_view = d.e4m3 or torch.uint8
         self.kind = {getattr(torch, n): k for n, k in K.PARAM_KIND.items()}
+        self.name = d.name
+        self.gs_limit = {t: ref_nvfp4.given_gs_limit(d.name[t]) for t in self.x}   # a given gs's bound
 
 
 _DT = None
@@ -51,10 +56,16 @@ def cuda_arg(t, name, dts, dev=None, align=0, shape=None):
     return t
 
 
-def gs_arg(gs, dev):
+def gs_arg(gs, x_dtype, dev):
     """(pointer, value) of a given gs for the kernels: (a 1-element device
-    float32 tensor, 0.0) or (None, the number)."""
+    float32 tensor, 0.0), which the kernel checks (launch_rows), or (None,
+    the number), checked here under the bound of x_dtype inputs (its
+    float32 value, remembered by R.scope_gs, against the bound first)."""
     if gs.__class__ is float:
+        dt = dtypes()
+        g32 = R.GOOD_GS.get(gs)
+        if g32 is None or not g32 < dt.gs_limit[x_dtype]:
+            NC.check_given_gs_number(gs, dt.name[x_dtype])     # rawkv.nvfp4's rule: raises, or a new gs
         return None, gs
     return cuda_arg(gs, "gs", dtypes().f32, dev), 0.0
 
@@ -99,7 +110,9 @@ _MODES = {"row": (K.MODE_ROW,), "tensor": (K.MODE_AMAX, K.MODE_TENSOR),
 def launch_rows(rt, inst, rows, chunks, scope, gs_in, gs_val, gs_out, stream, **kw) -> None:
     """Launch row kernel `inst` (an Instance of K.RMS or K.SWIGLU) with the
     mode(s) of `scope`; `kw` are its other parameters. (gs_in, gs_val) is
-    gs_arg's pair for scope 'given'; 'none' is the value 1."""
+    gs_arg's pair for scope 'given'; 'none' is the value 1. A device gs_in
+    that the kernel finds unusable is counted in rawkv.nvfp4's error
+    counter, slot GIVEN_GS (a number was checked on the host)."""
     if scope == "none":
         gs_val = 1.0
     if rows == 0:
@@ -113,6 +126,7 @@ def launch_rows(rt, inst, rows, chunks, scope, gs_in, gs_val, gs_out, stream, **
     block = (block_for(rt, rows, chunks),)
     if scope == "tensor":
         rt.memset(gs_out.data_ptr(), 0, 4, stream)
+    errors = None if gs_in is None else counters.address(rt, counters.GIVEN_GS, stream)
     for mode in _MODES[scope]:
         inst.launch(rt, (rows,), block, stream=stream, gs_out=gs_out, gs_in=gs_in, gs_val=gs_val,
-                    mode=mode, **kw)
+                    mode=mode, errors=errors, **kw)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _args as A
-from .. import _dispatch as D
+from ..nvfp4 import _checks as NC
 from ..reference import nvfp4 as ref_nvfp4
 
 SCOPES = ("row", "tensor", "given", "none")
@@ -21,55 +21,45 @@ OUT_Q = ("uint8", "float4_e2m1fn_x2")          # what out.q may be (the result: 
 OUT_SF = ("uint8", "float8_e4m3fn")            # what out.sf may be (the result: float8_e4m3fn)
 
 
-# Python floats that A.check_eps / A.check_gs_number accepted: the same
-# value passes again, and a set lookup costs nothing where the check costs
-# ~2 us of the launch path. Bounded, for callers that vary them.
+# Python floats that A.check_eps / A.check_gs_number accepted (a gs with
+# its float32 value, which the given-gs bound is held against): the same
+# value passes again, and a lookup costs nothing where the check costs ~2 us
+# of the launch path. Bounded, for callers that vary them.
 _GOOD_EPS: set = set()
-_GOOD_GS: set = set()
-
-
-def _remember(good: set, v: float) -> float:
-    if len(good) < 256:
-        good.add(v)
-    return v
+GOOD_GS: dict = {}
 
 
 def check_eps(eps) -> float:
     """A.check_eps, remembered for the Python floats it accepted."""
     if eps.__class__ is float and eps in _GOOD_EPS:
         return eps
-    return _remember(_GOOD_EPS, A.check_eps(eps))
+    eps = A.check_eps(eps)
+    if len(_GOOD_EPS) < 256:
+        _GOOD_EPS.add(eps)
+    return eps
 
 
-def parse_scope(scope, gs):
-    """(scope, gs) of a producer. scope None means 'given' when gs is given,
-    else 'row'. A number gs comes back as a Python float, checked as the
-    float32 the kernels read (A.check_gs_number); any other gs must be a
-    1-element array (its dtype, device and, on the host, its value are
-    checked where it is read: see cpu_gs and rawkv.fused._rows.gs_arg).
-
-    Kept to this one function on purpose: rawkv._args is to get one scope /
-    gs parser shared with rawkv.nvfp4, which replaces it (with this default
-    scope; the _GOOD_GS memo may stay in front of its number check)."""
-    if scope is None:
-        scope = "given" if gs is not None else "row"
-    if scope not in SCOPES:
-        raise ValueError(f"scope: expected one of {SCOPES}, got {scope!r}")
-    if scope == "given" and gs is None:
-        raise ValueError("gs: scope 'given' needs a global scale (a float or a 1-element tensor)")
-    if scope != "given" and gs is not None:
-        raise ValueError(f"gs: a global scale is only used with scope='given' (got scope={scope!r})")
-    if gs is None:
-        return scope, None
-    if gs.__class__ is float and gs in _GOOD_GS:
-        return scope, gs
-    if A.is_number(gs) or isinstance(gs, (bool, np.bool_)):
-        return scope, _remember(_GOOD_GS, A.check_gs_number(gs, "gs"))   # bool: TypeError
-    A.require_array(gs, "gs")
-    shape = tuple(gs.shape)
-    if int(np.prod(shape)) != 1:
-        raise ValueError(f"gs: expected a float or a 1-element tensor, got shape {shape}")
+def scope_gs(scope, gs):
+    """(scope, gs) of a producer: A.check_scope_gs with the family's default
+    scope 'row' (a number gs comes back a checked Python float; an array gs
+    is checked where it is read: given_gs_host, rawkv.fused._rows.gs_arg),
+    remembered for the Python floats it accepted (GOOD_GS)."""
+    if gs is None and scope is None:                     # the defaults
+        return "row", None
+    if gs.__class__ is float and gs in GOOD_GS and (scope is None or scope == "given"):
+        return "given", gs
+    scope, gs = A.check_scope_gs(scope, gs, SCOPES, "row")
+    if gs.__class__ is float and len(GOOD_GS) < 256:
+        GOOD_GS[gs] = float(np.float32(gs))
     return scope, gs
+
+
+def given_gs_host(scope: str, gs, dtype: str):
+    """The reference's gs on the CPU path: None unless scope is 'given';
+    then a float32 0-d array, a number or a host array (float32, one
+    element) whose value rawkv.nvfp4's rule refuses being a ValueError
+    naming gs, as on CUDA (where a device gs is checked by the kernel)."""
+    return NC.given_gs_host(gs, dtype) if scope == "given" else None
 
 
 def require_arrays(*named, optional: bool = False) -> None:
@@ -112,15 +102,3 @@ def gs_shape(scope: str, lead: tuple, out_gs) -> tuple:
     if scope == "row":
         return lead
     return (1,) if out_gs is not None and tuple(out_gs.shape) == (1,) else ()
-
-
-def cpu_gs(gs):
-    """A given gs for the reference: a float32 0-d array (or None). A host
-    array must be float32, as on CUDA, and its value is checked as a
-    number's is (it is already on the host)."""
-    if gs is None or isinstance(gs, float):
-        return None if gs is None else np.asarray(gs, np.float32)
-    A.check_cpu_array(gs, "gs", ("float32",))
-    g = np.asarray(D.to_numpy(gs, "gs"), np.float32).reshape(())
-    A.check_gs_number(g[()], "gs")
-    return g

@@ -5,6 +5,7 @@ from typing import Any, NamedTuple
 
 from .. import _args as A
 from .. import _dispatch as D
+from .._opdecl import OpDecl
 from ..kernels import fused as K
 from ..reference import fused as ref
 from ..runtime import get_runtime
@@ -30,6 +31,8 @@ def moe_stage(hidden, topk_ids, topk_weights, *, out=None, stream=None):
     UE4M3 scales packed four per int32 (M, K/64); topk_ids (M, k)
     int32/int64 -> int64 copy; topk_weights (M, k) copied (same dtype).
     Returns MoEStaged(q, sf, topk_ids, topk_weights)."""
+    if D.compiling():
+        return _traced(hidden, topk_ids, topk_weights, out)
     out_q, out_sf, out_ids, out_w = R.split_out(out, _OUT, least=4)
     R.require_arrays(("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights))
     where = D.placement(("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
@@ -85,3 +88,31 @@ def moe_stage(hidden, topk_ids, topk_weights, *, out=None, stream=None):
                            x=hidden, n_units=n_units, q=q, sf=sf, ids=topk_ids, n_ids=n_ids, ids_out=ids,
                            wts=topk_weights, w_bytes=w_bytes, wts_out=w)
     return MoEStaged(q, sf, ids, w)
+
+
+def _traced(hidden, topk_ids, topk_weights, out) -> MoEStaged:
+    """Under torch.compile: the outputs the eager path returns (out= entries
+    kept, the others allocated) written by rawkv::moe_stage, which dynamo
+    can trace. The operator checks the arguments when it runs."""
+    import torch
+    out_q, out_sf, out_ids, out_w = R.split_out(out, _OUT, least=4)
+    m, k = hidden.shape[0], hidden.shape[-1]
+    dev = hidden.device
+    q = out_q if out_q is not None else torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
+    sf = out_sf if out_sf is not None else torch.empty((m, k // 64), dtype=torch.int32, device=dev)
+    ids = out_ids if out_ids is not None else torch.empty(topk_ids.shape, dtype=torch.int64, device=dev)
+    w = out_w if out_w is not None else torch.empty(topk_weights.shape, dtype=topk_weights.dtype, device=dev)
+    MOE_STAGE_OP.call(torch, hidden=hidden, topk_ids=topk_ids, topk_weights=topk_weights, q=q, sf=sf,
+                      topk_ids_out=ids, topk_weights_out=w)
+    return MoEStaged(q, sf, ids, w)
+
+
+# ---- torch custom operator (rawkv.library): the mutating form -----------------------------
+def _moe_stage_op(hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights_out):
+    moe_stage(hidden, topk_ids, topk_weights, out=(q, sf, topk_ids_out, topk_weights_out))
+
+
+MOE_STAGE_OP = OpDecl(
+    "moe_stage", _moe_stage_op,
+    "Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor(a!) q, Tensor(b!) sf, "
+    "Tensor(c!) topk_ids_out, Tensor(d!) topk_weights_out")

@@ -6,6 +6,7 @@ import numpy as np
 
 from .. import _args as A
 from .. import _dispatch as D
+from .._opdecl import OpDecl
 from ..kernels import fused as K
 from ..nvfp4.activation import QuantizedActivation
 from ..reference import fused as ref
@@ -13,6 +14,7 @@ from ..runtime import get_runtime
 from . import _cpu as C
 from . import _rows
 from . import _rules as R
+from . import _traced as T
 
 
 def rmsnorm_quantize(x, weight, eps=1e-6, *, scope=None, gs=None, out=None, stream=None):
@@ -34,9 +36,15 @@ def mhc_rmsnorm_quantize(x, mix, weight, eps=1e-6, *, scope=None, gs=None, out=N
 
 
 def _rms(x, mix, weight, eps, scope, gs, out, stream, mixed):
+    if D.compiling():
+        if mixed:
+            return T.activation(MHC_RMSNORM_QUANTIZE_OP, x, x.shape[:-2], x.shape[-1], scope, gs, out, True,
+                                x=x, mix=mix, weight=weight, eps=A.traced_number(eps))
+        return T.activation(RMSNORM_QUANTIZE_OP, x, x.shape[:-1], x.shape[-1], scope, gs, out, True,
+                            x=x, weight=weight, eps=A.traced_number(eps))
     out_q, out_sf, out_gs, out_inv = R.split_out(out)
     eps = R.check_eps(eps)
-    scope, gs = R.parse_scope(scope, gs)
+    scope, gs = R.scope_gs(scope, gs)
     R.require_arrays(("x", x), ("weight", weight))
     if mixed:
         R.require_arrays(("mix", mix))
@@ -69,7 +77,7 @@ def _rms(x, mix, weight, eps, scope, gs, out, stream, mixed):
     weight = _rows.cuda_arg(weight, "weight", dt.param, dev, 16)
     if mixed:
         mix = _rows.cuda_arg(mix, "mix", dt.param, dev)
-    gs_in, gs_val = (None, 0.0) if gs is None else _rows.gs_arg(gs, dev)
+    gs_in, gs_val = (None, 0.0) if gs is None else _rows.gs_arg(gs, x.dtype, dev)
     rt = get_runtime(dev)
     q, sf, gs_t, inv = _rows.outputs(rt, lead, n, scope, dev, out_q, out_sf, out_gs, out_inv, True, stream)
     _rows.launch_rows(rt, K.RMS.instance(x.dtype, mixed, K.REG), x.numel() // (n_hc * n), n // 16, scope,
@@ -85,7 +93,7 @@ def _rms_cpu(x, mix, weight, eps, scope, gs, lead, n_hc, n, out_q, out_sf, out_g
     A.check_cpu_array(weight, "weight", R.PARAM)
     if mix is not None:
         A.check_cpu_array(mix, "mix", R.PARAM)
-    gsv = R.cpu_gs(gs)
+    gsv = R.given_gs_host(scope, gs, dt)
     xn = D.to_numpy(x, "x")
     wn = D.to_numpy(weight, "weight")
     if mix is not None:
@@ -96,3 +104,22 @@ def _rms_cpu(x, mix, weight, eps, scope, gs, lead, n_hc, n, out_q, out_sf, out_g
         q, sf, g, inv = ref.rmsnorm_quantize(xn.reshape(-1, n), wn, eps, scope, gsv, dt)
     return C.activation(x, scope, q.reshape(*lead, n // 2), sf.reshape(*lead, n // 16), g, inv.reshape(lead),
                         out_q, out_sf, out_gs, out_inv)
+
+
+# ---- torch custom operators (rawkv.library): the mutating forms -------------------------
+def _rmsnorm_quantize_op(x, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms):
+    rmsnorm_quantize(x, weight, eps, scope=scope, gs=A.op_gs(gs, gs_value), out=(q, sf, gs_out, inv_rms))
+
+
+def _mhc_rmsnorm_quantize_op(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms):
+    mhc_rmsnorm_quantize(x, mix, weight, eps, scope=scope, gs=A.op_gs(gs, gs_value),
+                         out=(q, sf, gs_out, inv_rms))
+
+
+_OUTS = "Tensor(a!) q, Tensor(b!) sf, Tensor(c!) gs_out, Tensor(d!) inv_rms"
+RMSNORM_QUANTIZE_OP = OpDecl(
+    "rmsnorm_quantize", _rmsnorm_quantize_op,
+    f"Tensor x, Tensor weight, float eps, str scope, Tensor? gs, float? gs_value, {_OUTS}")
+MHC_RMSNORM_QUANTIZE_OP = OpDecl(
+    "mhc_rmsnorm_quantize", _mhc_rmsnorm_quantize_op,
+    f"Tensor x, Tensor mix, Tensor weight, float eps, str scope, Tensor? gs, float? gs_value, {_OUTS}")

@@ -6,6 +6,7 @@ import numpy as np
 
 from .. import _args as A
 from .. import _dispatch as D
+from .._opdecl import OpDecl
 from ..kernels import fused as K
 from ..nvfp4.activation import QuantizedActivation
 from ..reference import fused as ref
@@ -14,6 +15,7 @@ from ..runtime import get_runtime
 from . import _cpu as C
 from . import _rows
 from . import _rules as R
+from . import _traced as T
 
 
 def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=None):
@@ -22,10 +24,13 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
     up columns; I % 16 == 0 and I % granularity == 0. silu uses rawkv's
     deterministic float32 exp (rawkv.reference.fused.exp_f32).
     Returns QuantizedActivation(q, sf, gs, None); gs per row by default."""
+    if D.compiling():
+        return T.activation(SWIGLU_QUANTIZE_OP, h, h.shape[:-1], h.shape[-1] // 2, scope, gs, out, False,
+                            h=h, granularity=granularity)
     out_q, out_sf, out_gs, out_inv = R.split_out(out)
     if out_inv is not None:
         raise ValueError("out.inv_rms: swiglu_quantize has no inv_rms output")
-    scope, gs = R.parse_scope(scope, gs)
+    scope, gs = R.scope_gs(scope, gs)
     if isinstance(granularity, bool) or not isinstance(granularity, (int, np.integer)) or granularity < 1:
         raise ValueError(f"granularity: expected a positive int, got {granularity!r}")
     g_int = int(granularity)
@@ -49,7 +54,7 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
 
     if where == "cpu":
         dt = A.check_cpu_array(h, "h", R.CPU_X)
-        gsv = R.cpu_gs(gs)
+        gsv = R.given_gs_host(scope, gs, dt)
         q, sf, gg = ref.swiglu_quantize(D.to_numpy(h, "h").reshape(-1, two_i), g_int, scope, gsv, dt)
         return C.activation(h, scope, q.reshape(*lead, inter // 2), sf.reshape(*lead, inter // 16), gg, None,
                             out_q, out_sf, out_gs, None)
@@ -57,9 +62,20 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
     vec = g_int % 8 == 0            # runs of 8 gate / up columns: 16-byte loads
     h = _rows.cuda_arg(h, "h", _rows.dtypes().x, align=16 if vec else 2)
     dev = h.get_device()
-    gs_in, gs_val = (None, 0.0) if gs is None else _rows.gs_arg(gs, dev)
+    gs_in, gs_val = (None, 0.0) if gs is None else _rows.gs_arg(gs, h.dtype, dev)
     rt = get_runtime(dev)
     q, sf, gs_t, _ = _rows.outputs(rt, lead, inter, scope, dev, out_q, out_sf, out_gs, None, False, stream)
     _rows.launch_rows(rt, K.SWIGLU.instance(h.dtype, vec, K.REG), h.numel() // two_i, inter // 16, scope,
                       gs_in, gs_val, gs_t, stream, h=h, inter=inter, g=g_int, q=q, sf=sf)
     return QuantizedActivation(q, sf, gs_t, None)
+
+
+# ---- torch custom operator (rawkv.library): the mutating form -----------------------------
+def _swiglu_quantize_op(h, granularity, scope, gs, gs_value, q, sf, gs_out):
+    swiglu_quantize(h, granularity, scope=scope, gs=A.op_gs(gs, gs_value), out=(q, sf, gs_out))
+
+
+SWIGLU_QUANTIZE_OP = OpDecl(
+    "swiglu_quantize", _swiglu_quantize_op,
+    "Tensor h, int granularity, str scope, Tensor? gs, float? gs_value, Tensor(a!) q, Tensor(b!) sf, "
+    "Tensor(c!) gs_out")

@@ -58,7 +58,7 @@ RMS = FILE.kernel(
     "rkv_fused_rms",
     "const T* x, const void* mix, long long mix_kind, long long n_hc, const void* w, long long w_kind, "
     "double eps, long long n, u8* q, u8* sf, float* gs_out, float* inv_out, const float* gs_in, "
-    "double gs_val, long long mode",
+    "double gs_val, long long mode, int* errors",
     (_T, TParam("bool", "MIX", (False, True)), _REG))
 
 # gs of an op with no rows (scopes tensor / given / none): one thread.
@@ -68,7 +68,7 @@ SET_GS = FILE.kernel("rkv_fused_set_gs", "float* gs_out, const float* gs_in, dou
 SWIGLU = FILE.kernel(
     "rkv_fused_swiglu",
     "const T* h, long long inter, long long g, u8* q, u8* sf, float* gs_out, const float* gs_in, "
-    "double gs_val, long long mode",
+    "double gs_val, long long mode, int* errors",
     (_T, TParam("bool", "VEC", (True, False)), _REG))
 
 # One-level NVFP4 + scales packed four per int32 + top-k copy, one grid-stride launch.

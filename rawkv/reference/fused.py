@@ -5,7 +5,9 @@ arithmetic in the order written here, followed by rawkv.reference.nvfp4's
 quantize. Every intermediate that an unfused pipeline would store in memory
 is rounded to the input's dtype (`dtype`: 'bfloat16', 'float16' or 'float32';
 'float32' means no rounding), exactly like the unfused BF16 pipeline
-(mix -> bf16, rmsnorm -> bf16, silu*up -> bf16, then quantize).
+(mix -> bf16, rmsnorm -> bf16, silu*up -> bf16, then quantize). quantize
+takes `dtype` too: a given gs that rawkv.reference.nvfp4.given_gs_ok refuses
+for it flags every block (sf 0x7F, codes 0), as the kernels do.
 
     rmsnorm(x, w, eps)          ss = sum(x^2) in float64; ms = f32(ss / N)
                                 inv_rms = 1 / sqrt(ms + f32(eps))   (float32)
@@ -161,7 +163,7 @@ def rmsnorm_quantize(x, weight, eps: float = 1e-6, scope: str = "row", gs=None,
     x = np.asarray(x, dtype=F32)
     _check_width(x.shape[-1], "x")
     y, inv = rmsnorm(x, weight, eps, dtype, inv_rms)
-    q, sf, g = quantize(y, scope, gs)
+    q, sf, g = quantize(y, scope, gs, dtype)
     return q, sf, g, inv
 
 
@@ -178,7 +180,7 @@ def swiglu_quantize(h, granularity: int = 8, scope: str = "row", gs=None,
     """(q, sf, gs) = quantize(swiglu(h, granularity), scope)."""
     h = np.asarray(h, dtype=F32)
     _check_width(h.shape[-1] // 2, "h (the intermediate width, h.shape[-1] / 2)")
-    return quantize(swiglu(h, granularity, dtype), scope, gs)
+    return quantize(swiglu(h, granularity, dtype), scope, gs, dtype)
 
 
 def pack_scales_i32(sf: np.ndarray) -> np.ndarray:

@@ -1,0 +1,136 @@
+"""The fused ops as torch custom operators (rawkv.library; the schemas in
+docs/fused.md): the operator writes what the public op returns, its gs
+arguments, and under torch.compile the public ops return what they return
+eagerly (types, shapes, dtypes, bits). opcheck and the compiled steps of
+every op are in test_library.py (tests/library_samples_fused.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import rawkv  # noqa: E402
+import rawkv.library  # noqa: E402,F401
+from rawkv import fused as F  # noqa: E402
+
+BF16, U8 = torch.bfloat16, torch.uint8
+OPS = torch.ops.rawkv
+
+
+def _x(rng, *shape, dtype=BF16, lo=None):
+    a = rng.standard_normal(shape) if lo is None else rng.uniform(lo, lo + 1, shape)
+    return torch.from_numpy(a.astype(np.float32)).to(dtype)
+
+
+def _same(a, b):
+    """Same structure, types, shapes, dtypes and bits."""
+    if isinstance(a, tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if a is None or b is None:
+        return a is b
+    return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.view(U8) if a.element_size() == 1 else a, b.view(U8) if b.element_size() == 1 else b))
+
+
+def _empty_like_result(r, byte_views=True):
+    """Buffers for out= / the operator: uint8 for the FP4 / FP8 parts."""
+    return tuple(None if t is None else torch.empty(t.shape, dtype=U8 if byte_views and t.element_size() == 1
+                                                    and t.dtype.is_floating_point else t.dtype) for t in r)
+
+
+def test_operators_write_what_the_public_ops_return(rng):
+    x, w = _x(rng, 3, 64), _x(rng, 64, dtype=torch.float32, lo=0.5)
+    X, mix = _x(rng, 3, 2, 64), _x(rng, 3, 2, dtype=torch.float32, lo=0.0)
+    h = _x(rng, 3, 256)
+    hid, ids, wts = _x(rng, 2, 128), torch.tensor([[3, 1], [0, 7]]), _x(rng, 2, 2, dtype=torch.float32)
+    gs = torch.tensor([0.01])
+    cases = [
+        (F.rmsnorm_quantize(x, w, 1e-5, scope="tensor"), OPS.rmsnorm_quantize, (x, w, 1e-5, "tensor", None, None)),
+        (F.rmsnorm_quantize(x, w, gs=0.02), OPS.rmsnorm_quantize, (x, w, 1e-6, "given", None, 0.02)),
+        (F.mhc_rmsnorm_quantize(X, mix, w, gs=gs), OPS.mhc_rmsnorm_quantize, (X, mix, w, 1e-6, "given", gs, None)),
+        (F.swiglu_quantize(h, 4), OPS.swiglu_quantize, (h, 4, "row", None, None)),
+        (F.moe_stage(hid, ids, wts), OPS.moe_stage, (hid, ids, wts)),
+    ]
+    for want, op, args in cases:
+        bufs = [b for b in _empty_like_result(want) if b is not None]
+        assert op(*args, *bufs) is None
+        for b, t in zip(bufs, [t for t in want if t is not None]):
+            assert torch.equal(b, t.view(U8) if b.dtype == U8 and t.dtype != U8 else t)
+
+
+def test_operator_gs_arguments():
+    """gs (a tensor) and gs_value (a number) are one public gs: at most one
+    of them, checked as the public op checks gs (rawkv.nvfp4's rule)."""
+    h = torch.ones(2, 64, dtype=BF16)
+    bufs = (torch.empty(2, 16, dtype=U8), torch.empty(2, 2, dtype=U8), torch.empty(()))
+    with pytest.raises(ValueError, match="^gs:"):
+        OPS.swiglu_quantize(h, 8, "given", torch.tensor([0.5]), 0.5, *bufs)
+    with pytest.raises(ValueError, match="^gs:"):
+        OPS.swiglu_quantize(h, 8, "given", None, None, *bufs)
+    with pytest.raises(ValueError, match="^gs:"):
+        OPS.swiglu_quantize(h.half(), 8, "given", None, 2e7, *bufs)       # over the float16 bound
+    with pytest.raises(ValueError, match="^gs:"):
+        OPS.swiglu_quantize(h, 8, "row", None, 0.5, *bufs)
+    OPS.swiglu_quantize(h, 8, "given", None, 2e7, *bufs)                   # bfloat16: usable
+    assert float(bufs[2]) == 2e7
+
+
+def test_operator_errors_name_the_argument():
+    x, w = torch.ones(2, 64, dtype=BF16), torch.ones(64)
+    bufs = (torch.empty(2, 32, dtype=U8), torch.empty(2, 4, dtype=U8), torch.empty(2), torch.empty(2))
+    with pytest.raises(ValueError, match="^eps"):
+        OPS.rmsnorm_quantize(x, w, 0.0, "row", None, None, *bufs)
+    with pytest.raises(ValueError, match="^scope"):
+        OPS.rmsnorm_quantize(x, w, 1e-6, "blocks", None, None, *bufs)
+    with pytest.raises(ValueError, match="^out.gs"):
+        OPS.rmsnorm_quantize(x, w, 1e-6, "tensor", None, None, *bufs)       # gs_out (2,): scope tensor has one
+    with pytest.raises(TypeError, match="^out.topk_ids"):
+        OPS.moe_stage(torch.ones(2, 128, dtype=BF16), torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, 4),
+                      torch.empty(2, 64, dtype=U8), torch.empty(2, 2, dtype=torch.int32),
+                      torch.empty(2, 4, dtype=torch.int32), torch.empty(2, 4))
+
+
+# (id, call(args, out) -> result, args, out): traced and eager give the same result
+def _rms_args(rng):
+    return _x(rng, 3, 2, 64), _x(rng, 64, dtype=torch.float32, lo=0.5)
+
+
+TRACED = [
+    ("rms-row", lambda a, o: F.rmsnorm_quantize(*a, out=o), _rms_args, None),
+    ("rms-tensor-out-bytes", lambda a, o: F.rmsnorm_quantize(*a, scope="tensor", out=o), _rms_args,
+     lambda: (torch.empty(3, 2, 32, dtype=U8), None, None, torch.empty(3, 2))),
+    ("rms-given-out.gs-(1,)", lambda a, o: F.rmsnorm_quantize(*a, gs=np.float32(0.03), out=o), _rms_args,
+     lambda: (None, torch.empty(3, 2, 4, dtype=torch.float8_e4m3fn), torch.empty(1), None)),
+    ("mhc-given-tensor", lambda a, o: F.mhc_rmsnorm_quantize(*a, gs=torch.tensor(0.01), out=o),
+     lambda rng: (_x(rng, 2, 3, 64), _x(rng, 2, 3, dtype=torch.float32), _x(rng, 64, lo=0.5)), None),
+    ("swiglu-none-out-list", lambda a, o: F.swiglu_quantize(*a, scope="none", out=o),
+     lambda rng: (_x(rng, 4, 96, dtype=torch.float16), 3), lambda: [None, None, torch.empty(())]),
+    ("moe-out-some", lambda a, o: F.moe_stage(*a, out=o),
+     lambda rng: (_x(rng, 3, 256), torch.zeros(3, 5, dtype=torch.int64), _x(rng, 3, 5)),
+     lambda: (None, torch.empty(3, 4, dtype=torch.int32), None, torch.empty(3, 5, dtype=BF16))),
+]
+
+
+@pytest.mark.parametrize("case", TRACED, ids=[c[0] for c in TRACED])
+def test_traced_results_are_the_eager_ones(rng, case):
+    """Under torch.compile (fullgraph, aot_eager) the public op allocates
+    what the eager path returns (FP4 / FP8 views, gs shapes by scope, out=
+    entries returned as given) and the operator writes the same bits."""
+    _, call, make_args, make_out = case
+    args = make_args(rng)
+    want = call(args, None if make_out is None else make_out())
+    torch._dynamo.reset()
+    out = None if make_out is None else make_out()
+    got = torch.compile(lambda *a: call(a, out), fullgraph=True, backend="aot_eager")(*args)
+    assert _same(got, want)
+    if out is not None:                      # the given buffers are the result's
+        assert all(g is o for g, o in zip(got, out) if o is not None)
+
+
+def test_traced_bad_argument_raises_when_the_operator_runs():
+    """The traced branch checks nothing it cannot trace: a bad eps reaches
+    the operator, which raises the eager op's error naming it."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: F.rmsnorm_quantize(x, w, 0.0), fullgraph=True, backend="aot_eager")
+    with pytest.raises(ValueError, match="^eps"):
+        f(torch.ones(2, 64, dtype=BF16), torch.ones(64))
