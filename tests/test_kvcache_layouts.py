@@ -274,15 +274,17 @@ def test_ue8m0_exponent_is_exact_on_a_whole_binade(fmax, floor, binade):
 
 def test_ue8m0_exponent_on_every_bf16_value():
     """Every positive finite BF16 amax (the layouts quantize BF16 values):
-    the exponent is exact and equals ceil(log2(.)) taken in float32, the
-    form vLLM's Triton kernels use; the range is [-22, 120] for FP8 and
-    [-126, 126] for MXFP4, so 2^-e is always a normal float32."""
+    the exponent is exact and equals ceil(log2(.)) taken in float32 (the
+    form vLLM's Triton kernels use) and DeepSeek's bit-level ceil of
+    amax * fl(1/fmax); the range is [-22, 120] for FP8 and [-126, 126] for
+    MXFP4, so 2^-e is always a normal float32."""
     a = (np.arange(1, 0x7F80, dtype=np.uint32) << 16).view(F32)
     for fmax, floor, lo, hi in ((448.0, R.FP8_AMAX_FLOOR, -22, 120), (6.0, R.MXFP4_AMAX_FLOOR, -126, 126)):
         e = R.ue8m0_exponent(a, fmax, floor)
         assert np.array_equal(e, _exact_exponent(np.maximum(a, F32(floor)), fmax))
         with np.errstate(divide="ignore"):
             assert np.array_equal(e, np.ceil(np.log2(np.maximum(a, F32(floor)) / F32(fmax))).astype(np.int64))
+        assert np.array_equal(e, R.ceil_log2(np.maximum(a, F32(floor)) * F32(1.0 / fmax)))   # DeepSeek's form
         assert e.min() == lo and e.max() == hi
 
 
@@ -654,6 +656,118 @@ def test_cpu_argument_errors_name_the_argument_and_write_nothing(rng, call, matc
     with pytest.raises((TypeError, ValueError), match=match):
         call(c, x, s)
     assert not c.any()
+
+
+# ---------------------------------------------------------------------------
+# The CUDA paths on a CPU: tensors that report is_cuda, a runtime that
+# records launches. Every launch goes through its declaration
+# (rawkv.kernels.kv_layouts), so a wrong keyword, a scalar of the wrong C type
+# or a missing argument fails here; the tests check which buffer each pointer
+# receives and the scalars. What the kernels compute: the GPU tests below.
+# ---------------------------------------------------------------------------
+class FakeCuda(torch.Tensor):
+    @property
+    def is_cuda(self):
+        return True
+
+
+def fake(t):
+    return t.as_subclass(FakeCuda)
+
+
+class Recorder:
+    device_index = -1
+    sm_count, max_threads_per_sm = 132, 2048
+
+    def __init__(self):
+        from rawkv import runtime
+        self._functions, self.calls = {}, []
+        self.grid_stride = runtime.Runtime.grid_stride.__get__(self)
+        self.resident_blocks = runtime.Runtime.resident_blocks.__get__(self)
+
+    def _get_device(self):
+        return -2                         # never "current": launches take rt.launch
+
+    def function(self, filename, name, stream=None):
+        from rawkv.kernels import kv_layouts as KL
+        assert filename == "kv_layouts.cu" and name in KL.FILE.name_expressions(), name
+        return name
+
+    def launch(self, fn, grid, block, st, args, stream=None, shared_mem=0, what=None):
+        st.pack(*args)                    # each scalar fits its C type
+        self.calls.append((fn, grid, block, dict(zip([p.name for p in what.kernel.params], args))))
+
+    def empty(self, shape, dtype, stream=None):
+        return fake(torch.zeros(tuple(shape), dtype=dtype))
+
+    def capturing(self, stream=None):
+        return False
+
+
+@pytest.fixture
+def rec(monkeypatch):
+    r = Recorder()
+    monkeypatch.setattr(kc.layouts, "get_runtime", lambda dev: r)
+    return r
+
+
+def test_launch_plan_of_the_stores(rec):
+    p, n, N = 64, 5, 70
+    cache = fake(torch.zeros((n, R.MODEL1.page_bytes(p)), dtype=torch.uint8))
+    rows = fake(torch.zeros((N, 512), dtype=torch.bfloat16))
+    slots = fake(torch.zeros(N, dtype=torch.int64))
+    err = fake(torch.zeros(1, dtype=torch.int32))
+    kc.model1_window_insert(cache, rows, slots, page_size=p, errors=err)
+    (name, grid, block, a), = rec.calls
+    assert name == "rkv_model1_store<__nv_bfloat16, long long>" and block == (256,) and grid[0] * 256 >= N * 32
+    assert (a["rows"], a["slots"], a["offsets"], a["cache"], a["errors"]) == \
+        (rows.data_ptr(), slots.data_ptr(), 0, cache.data_ptr(), err.data_ptr())
+    assert (a["N"], a["num_pages"], a["page_size"], a["page_bytes"]) == (N, n, p, 37440)
+    rec.calls.clear()
+    offs = fake(torch.zeros(N, dtype=torch.int32))
+    view = kc.flashmla_view(cache, p)
+    kc.model1_store(view, fake(torch.zeros((N, 512))), fake(torch.zeros(N, dtype=torch.int32)), page_size=p,
+                    offsets=offs)
+    (name, _, _, a), = rec.calls
+    assert name == "rkv_model1_store<float, int>" and a["offsets"] == offs.data_ptr()
+    assert a["cache"] == cache.data_ptr() and a["errors"] == 0
+    for store, lay, mx in ((kc.index_fp8_store, R.INDEX_FP8, "false"), (kc.index_mxfp4_store, R.INDEX_MXFP4, "true")):
+        rec.calls.clear()
+        c = fake(torch.zeros((n, p, 1, lay.data_bytes + lay.scale_bytes), dtype=torch.uint8))
+        keys = fake(torch.zeros((N, 128), dtype=torch.bfloat16))
+        store(c, keys, slots, page_size=p)
+        (name, _, _, a), = rec.calls
+        assert name == f"rkv_index_store<__nv_bfloat16, long long, {mx}>"
+        assert (a["rows"], a["cache"], a["page_bytes"], a["num_pages"]) == (keys.data_ptr(), c.data_ptr(),
+                                                                            lay.page_bytes(p), n)
+    rec.calls.clear()
+    kc.model1_window_insert(cache, rows[:0], slots[:0], page_size=p)          # nothing to do
+    assert rec.calls == []
+
+
+def test_launch_plan_of_the_gather_and_the_bridge(rec):
+    p, n = 64, 5
+    cache = fake(torch.zeros((n, R.MODEL1.page_bytes(p)), dtype=torch.uint8))
+    idx = fake(torch.zeros((3, 7), dtype=torch.int32))
+    out = kc.model1_gather(cache, idx, page_size=p, dtype=torch.float16)
+    (name, grid, block, a), = rec.calls
+    assert name == "rkv_model1_gather<__half>" and out.dtype == torch.float16 and out.shape == (3, 7, 512)
+    assert (a["cache"], a["indices"], a["out"], a["R"], a["num_pages"]) == \
+        (cache.data_ptr(), idx.data_ptr(), out.data_ptr(), 21, n)
+    rec.calls.clear()
+    ids = fake(torch.zeros((4, 2, 9), dtype=torch.int64))
+    table = fake(torch.zeros((6, 3), dtype=torch.int32))
+    sl = fake(torch.zeros(4, dtype=torch.int32))
+    res = kc.topk_to_kvcache_indices(ids, table, page_size=p, num_pages=n, slots=sl)
+    (name, grid, block, a), = rec.calls
+    assert name == "rkv_topk_to_kvcache<long long>" and res.dtype == torch.int32 and res.shape == (4, 2, 9)
+    assert (a["ids"], a["table"], a["slots"], a["n_entries"], a["out"]) == \
+        (ids.data_ptr(), table.data_ptr(), sl.data_ptr(), 0, res.data_ptr())
+    assert (a["B"], a["per_row"], a["table_rows"], a["max_blocks"], a["num_pages"], a["page_size"]) == \
+        (4, 18, 6, 3, n, p)
+    with pytest.raises(ValueError, match="^cache:"):                          # misaligned base
+        kc.model1_gather(fake(torch.zeros(n * R.MODEL1.page_bytes(p) + 8, dtype=torch.uint8)[8:].view(n, -1)),
+                         idx, page_size=p)
 
 
 # ---------------------------------------------------------------------------
