@@ -10,3 +10,4 @@ from . import fp8  # noqa: F401,E402
 from . import kv_cache, kv_compress  # noqa: F401,E402
 from . import nvfp4  # noqa: F401,E402
 from . import fused  # noqa: F401,E402
+from . import kv_layouts  # noqa: F401,E402

@@ -38,6 +38,10 @@ from .compressor import DecodeIndex, PrefillIndex, rope_table
 from .prefill import compress_prefill
 from .decode import compress_decode
 from ..reference.kvcache import reference_prefill
+from .layouts import (  # noqa: F401  (ecosystem layouts: FlashMLA MODEL1, DeepGEMM indexer keys)
+    deepgemm_view, flashmla_view, index_fp8_store, index_mxfp4_store, layout_page_bytes, model1_gather,
+    model1_store, model1_window_insert, new_layout_cache, topk_to_kvcache_indices,
+)
 
 __all__ = ["PagedKVPool", "DecodeState", "flush_write", "gather_topk", "gather_dense",
            "gather_dense_batch", "gather_index_keys", "gather_index_keys_batch", "state_seed",
