@@ -92,6 +92,45 @@ def test_unloaded_kernel_on_a_capturing_side_stream_is_refused(cuda, monkeypatch
             g.capture_end()
 
 
+def test_many_processes_warm_up_one_empty_cache_at_once(cuda, tmp_path):
+    """N processes (as an engine's tensor-parallel workers start) import
+    rawkv and warm up against one empty cache directory at the same moment:
+    every one gets working kernels, no module is compiled more often than
+    there are racing processes, and the directory ends with one valid file
+    per module and nothing else (a fresh process loads all of them)."""
+    n = 4
+    cache, go = tmp_path / "cache", tmp_path / "go"
+    code = ("import json, os, time, torch, rawkv\n"
+            f"while not os.path.exists({str(go)!r}): time.sleep(0.001)\n"
+            "rt = rawkv.warmup(0)\n"
+            "x = torch.ones(64, device='cuda')\n"
+            "assert rawkv.fp8.e4m3_encode(x).view(torch.uint8).eq(0x38).all()\n"
+            "print(json.dumps(rt.stats))\n")
+    env = dict(os.environ, RAWKV_CACHE_DIR=str(cache))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    go.touch()                                   # all start warming up together
+    stats = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+        stats.append(json.loads(out.strip().splitlines()[-1]))
+    modules = stats[0]["modules"]
+    assert modules == len(rawkv.runtime.registered_kernels()) and modules > 0
+    for s in stats:
+        assert s["modules"] == modules and s["compiles"] + s["disk_hits"] == modules, s
+        assert s["damaged"] == 0, s
+    # every module compiled at least once, never by more processes than raced
+    assert modules <= sum(s["compiles"] for s in stats) <= n * modules
+    files = sorted(p.name for p in cache.iterdir())
+    assert len(files) == modules and all(f.endswith(".cubin.rkv") for f in files), files
+    r = subprocess.run([sys.executable, "-c", code.split("\n", 2)[0] + "\n" + code.split("\n", 2)[2]],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    fresh = json.loads(r.stdout.strip().splitlines()[-1])
+    assert fresh["compiles"] == 0 and fresh["disk_hits"] == modules and fresh["damaged"] == 0
+
+
 def test_second_process_loads_from_disk_without_compiling(cuda, tmp_path):
     code = ("import json, torch, rawkv; rt = rawkv.warmup(0); "
             "x = torch.ones(64, device='cuda'); "
