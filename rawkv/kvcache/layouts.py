@@ -23,6 +23,10 @@ error names the argument. Device-side indices are bounds-checked: -1 is
 padding (skipped, not counted), any other bad index skips its row and adds
 1 to `errors` (an int32 array; None: not counted). Two rows aimed at one
 record: which lands is undefined (a later phase makes it deterministic).
+
+Every op is also a rawkv:: custom operator (torch.ops.rawkv.kv_<op>, the
+mutating form: the cache / out and errors are written arguments), which the
+op calls under torch.compile, allocating a missing out with torch.empty.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import numpy as np
 
 from .. import _args as A
 from .. import _dispatch as D
+from .._opdecl import OpDecl
 from ..kernels import kv_layouts as K
 from ..reference.kvcache import layouts as R
 from ..runtime import get_runtime
@@ -168,6 +173,9 @@ def model1_store(cache, entries, slots, *, page_size: int, offsets=None, errors=
     offsets[b] of page slots[b]. slots (N,) int32/int64. -1: skipped; any
     other out-of-range slot / page / offset: skipped, errors += 1. A tile
     holding NaN/Inf stores codes 0 and scale byte 0xFF (decodes to NaN)."""
+    if D.compiling():
+        return _traced(MODEL1_STORE_OP, None, cache=cache, entries=entries, slots=slots, page_size=page_size,
+                       offsets=offsets, errors=errors)
     _store(R.MODEL1, K.MODEL1_STORE, (), R.model1_write, cache, entries, slots, page_size, offsets, errors,
            stream, R.ENTRY_DIM, "entries")
 
@@ -177,6 +185,9 @@ def model1_window_insert(cache, rows, slot_mapping, *, page_size: int, errors=No
     into MODEL1 window pages by slot mapping (N,) int32/int64 (vLLM's
     slot_mapping: page * page_size + offset, -1 skipped), in the entry
     format of model1_store. One launch."""
+    if D.compiling():
+        return _traced(MODEL1_WINDOW_INSERT_OP, None, cache=cache, rows=rows, slot_mapping=slot_mapping,
+                       page_size=page_size, errors=errors)
     _store(R.MODEL1, K.MODEL1_STORE, (), R.model1_write, cache, rows, slot_mapping, page_size, None, errors,
            stream, R.ENTRY_DIM, "rows", "slot_mapping")
 
@@ -187,6 +198,9 @@ def index_fp8_store(cache, keys, slots, *, page_size: int, offsets=None, errors=
     FP32 scale 2^ceil(log2(max(amax, 1e-4) / 448)) per key (vLLM's rule).
     Addressing and errors as model1_store; a NaN/Inf key stores codes 0 and
     a NaN scale."""
+    if D.compiling():
+        return _traced(INDEX_FP8_STORE_OP, None, cache=cache, keys=keys, slots=slots, page_size=page_size,
+                       offsets=offsets, errors=errors)
     _store(R.INDEX_FP8, K.INDEX_STORE, (False,), R.index_fp8_write, cache, keys, slots, page_size, offsets,
            errors, stream, R.INDEX_DIM, "keys")
 
@@ -197,6 +211,9 @@ def index_mxfp4_store(cache, keys, slots, *, page_size: int, offsets=None, error
     with UE8M0 scales 2^ceil(log2(max(amax, 6 * 2^-126) / 6)) (DeepSeek's
     fp4_act_quant), 4 scale bytes per key in one int32. Addressing and
     errors as model1_store; a NaN/Inf block stores codes 0, scale 0xFF."""
+    if D.compiling():
+        return _traced(INDEX_MXFP4_STORE_OP, None, cache=cache, keys=keys, slots=slots, page_size=page_size,
+                       offsets=offsets, errors=errors)
     _store(R.INDEX_MXFP4, K.INDEX_STORE, (True,), R.index_mxfp4_write, cache, keys, slots, page_size,
            offsets, errors, stream, R.INDEX_DIM, "keys")
 
@@ -220,6 +237,9 @@ def model1_gather(cache, indices, *, page_size: int, out=None, dtype=None, error
     float32, RoPE dims as stored, rounded to dtype (reference.model1_gather).
     -1: zero row; an index outside [0, num_pages * page_size): zero row,
     errors += 1. One launch (one warp per row), capturable with out=."""
+    if D.compiling():
+        return _traced(MODEL1_GATHER_OP, _traced_out(out, dtype, (*indices.shape, R.ENTRY_DIM), cache),
+                       cache=cache, indices=indices, page_size=page_size, errors=errors)
     p = C.host_int("page_size", page_size, 1)
     c, n, dev = _cache_arg(cache, R.MODEL1, p)
     name = C.out_dtype(dtype, out)
@@ -256,6 +276,10 @@ def topk_to_kvcache_indices(topk_ids, block_table, *, page_size: int, num_pages:
     -1 -> -1, not counted; any other id out of range, a row outside
     [0, R) or a block id outside [0, num_pages) -> -1, errors += 1
     (reference.topk_to_kvcache_indices). One launch, capturable with out=."""
+    if D.compiling():
+        return _traced(TOPK_TO_KVCACHE_OP, _traced_out(out, "int32", topk_ids.shape, topk_ids),
+                       topk_ids=topk_ids, block_table=block_table, page_size=page_size, num_pages=num_pages,
+                       slots=slots, n_entries=n_entries, errors=errors)
     p = C.host_int("page_size", page_size, 1)
     npg = C.host_int("num_pages", num_pages, 1)
     if npg * p > R.INDEX_LIMIT:
@@ -292,3 +316,45 @@ def topk_to_kvcache_indices(topk_ids, block_table, *, page_size: int, num_pages:
             errors=err, B=B, per_row=total // B, table_rows=table.shape[0], max_blocks=table.shape[1],
             num_pages=npg, page_size=p)
     return out
+
+
+def _traced_out(out, dtype, shape, like):
+    """Under torch.compile: `out`, or a new tensor of `shape` and `dtype`
+    (bfloat16 by default, as eager) on `like`'s device."""
+    import torch
+    t = out.dtype if dtype is None and out is not None else \
+        torch.bfloat16 if dtype is None else getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if out is None:
+        return torch.empty(shape, dtype=t, device=like.device)
+    if out.dtype != t:
+        raise TypeError(f"out: dtype {out.dtype} is not the dtype asked for ({t})")
+    return out
+
+
+def _traced(op, out, **inputs):
+    """Under torch.compile: the rawkv:: operator (rawkv.library), which
+    dynamo can put in a graph; returns what the eager op returns."""
+    import torch
+    if out is None:
+        op.call(torch, **inputs)
+    else:
+        op.call(torch, **inputs, out=out)
+    return out
+
+
+# The operators. Their arguments are the public ops' keywords, so each
+# public op is its own implementation (the dtype of a gather is out's).
+_STORE = "Tensor(a!) cache, Tensor {rows}, Tensor {slots}, int page_size, {offsets}Tensor(b!)? errors"
+MODEL1_STORE_OP = OpDecl("kv_model1_store", model1_store,
+                         _STORE.format(rows="entries", slots="slots", offsets="Tensor? offsets, "))
+MODEL1_WINDOW_INSERT_OP = OpDecl("kv_model1_window_insert", model1_window_insert,
+                                 _STORE.format(rows="rows", slots="slot_mapping", offsets=""))
+INDEX_FP8_STORE_OP = OpDecl("kv_index_fp8_store", index_fp8_store,
+                            _STORE.format(rows="keys", slots="slots", offsets="Tensor? offsets, "))
+INDEX_MXFP4_STORE_OP = OpDecl("kv_index_mxfp4_store", index_mxfp4_store,
+                              _STORE.format(rows="keys", slots="slots", offsets="Tensor? offsets, "))
+MODEL1_GATHER_OP = OpDecl("kv_model1_gather", model1_gather,
+                          "Tensor cache, Tensor indices, int page_size, Tensor(a!) out, Tensor(b!)? errors")
+TOPK_TO_KVCACHE_OP = OpDecl("kv_topk_to_kvcache_indices", topk_to_kvcache_indices,
+                            "Tensor topk_ids, Tensor block_table, int page_size, int num_pages, Tensor? slots, "
+                            "Tensor? n_entries, Tensor(a!) out, Tensor(b!)? errors")
