@@ -800,13 +800,17 @@ def test_gpu_model1_store_bit_exact(cuda, rng, in_dtype, id_dtype, page_size):
     slots = rng.permutation(n * page_size)[:N].astype(np.int64)
     slots[rng.random(N) < 0.1] = -1
     slots[:3] = [n * page_size, -7, 2 ** 33 if id_dtype == "int64" else 2 ** 31 - 1]
+    # the input in its dtype, made on the host: the reference and the kernel
+    # read the same bits (a GPU float->bf16 cast would canonicalize NaNs)
+    rows_host = tt(x).to(getattr(torch, in_dtype))
+    x = rows_host.float().numpy()
     start = _poisoned(rng, R.MODEL1, n, page_size)
     want = start.copy()
     nerr = R.model1_write(want, page_size, x, slots)
     assert nerr == 3
     cache = tt(start).cuda()
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
-    rows = tt(x).cuda().to(getattr(torch, in_dtype))
+    rows = rows_host.cuda()
     kc.model1_window_insert(cache, rows, tt(slots.astype(id_dtype)).cuda(), page_size=page_size, errors=err)
     np.testing.assert_array_equal(cache.cpu().numpy(), want)
     assert int(err.item()) == nerr
@@ -836,12 +840,14 @@ def test_gpu_index_store_bit_exact(cuda, rng, name, in_dtype):
     slots = rng.permutation(n * p)[:N].astype(np.int32)
     slots[rng.random(N) < 0.1] = -1
     slots[:2] = [n * p, -3]
+    keys_host = tt(keys).to(getattr(torch, in_dtype))      # the same input bits on both sides
+    keys = keys_host.float().numpy()
     start = _poisoned(rng, lay, n, p)
     want = start.copy()
     nerr = write(want, p, keys, slots)
     cache = tt(start).cuda()
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
-    store(cache, tt(keys).cuda().to(getattr(torch, in_dtype)), tt(slots).cuda(), page_size=p, errors=err)
+    store(cache, keys_host.cuda(), tt(slots).cuda(), page_size=p, errors=err)
     np.testing.assert_array_equal(cache.cpu().numpy(), want)
     assert int(err.item()) == nerr == 2
 
