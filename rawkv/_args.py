@@ -167,12 +167,15 @@ def check_scope_gs(scope, gs, scopes, default_scope: str):
     return scope, gs
 
 
-def op_gs(gs, gs_value):
+def op_gs(gs, gs_value, required: bool = False):
     """A public op's gs from its custom operator's two arguments (a schema
     argument has one type, rawkv._opdecl): a tensor `gs` or a number
-    `gs_value`, at most one of them (None: neither)."""
+    `gs_value`, at most one of them, exactly one when `required` (else
+    None: neither)."""
     if gs is not None and gs_value is not None:
         raise ValueError("gs: expected a gs tensor or a gs_value number, got both")
+    if gs is None and gs_value is None and required:
+        raise TypeError("gs: expected a gs tensor or a gs_value number, got neither")
     return gs if gs is not None else gs_value
 
 

@@ -283,22 +283,3 @@ def check_cpu_errors(errors) -> None:
     if math.prod(errors.shape) < 1:
         raise ValueError("errors: expected an int32 array with at least 1 element")
 
-
-# ---- torch custom operators (rawkv.library) ------------------------------------------
-def op_gs(gs, gs_value, required: bool):
-    """The public ops' gs from an operator's two (a schema argument has one
-    type): a tensor `gs` or a number `gs_value`, at most one of them (one
-    when `required`)."""
-    if gs is not None and gs_value is not None:
-        raise ValueError("gs: expected a gs tensor or a gs_value number, got both")
-    if gs is None and gs_value is None and required:
-        raise TypeError("gs: expected a gs tensor or a gs_value number, got neither")
-    return gs if gs is not None else gs_value
-
-
-def split_gs(gs) -> dict:
-    """The operator's (gs, gs_value) arguments of a checked public gs (a
-    number, a tensor or None)."""
-    if isinstance(gs, float):
-        return {"gs": None, "gs_value": gs}
-    return {"gs": gs, "gs_value": None}

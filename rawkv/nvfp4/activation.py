@@ -76,7 +76,7 @@ def _activation_parts(q, sf, gs):
 
 def _dequantize_op(q, sf, gs, gs_value, out):
     """rawkv::nvfp4_dequantize: out's dtype is the decode dtype."""
-    dequantize(q, sf, C.op_gs(gs, gs_value, True), out=out)
+    dequantize(q, sf, A.op_gs(gs, gs_value, required=True), out=out)
 
 
 DEQUANTIZE_OP = OpDecl("nvfp4_dequantize", _dequantize_op,

@@ -40,7 +40,8 @@ def traced_decode(op, out, shape, tdt, gs, **inputs):
     gs = float(gs) if A.is_number(gs) else C.decode_gs(gs)
     if out is None:
         out = torch.empty(shape, dtype=tdt, device=inputs["q"].device)
-    op.call(torch, **inputs, **C.split_gs(gs), out=out)
+    gs_t, gs_v = A.split_gs(gs, torch.Tensor)
+    op.call(torch, **inputs, gs=gs_t, gs_value=gs_v, out=out)
     return out
 
 
@@ -106,7 +107,7 @@ def _gather_cpu(q, sf, gs, indices, name, tdt, out, errors):
 
 def _gather_op(q, sf, gs, gs_value, indices, out, errors):
     """rawkv::nvfp4_gather: out's dtype is the decode dtype."""
-    gather(q, sf, C.op_gs(gs, gs_value, True), indices, out=out, errors=errors)
+    gather(q, sf, A.op_gs(gs, gs_value, required=True), indices, out=out, errors=errors)
 
 
 GATHER_OP = OpDecl("nvfp4_gather", _gather_op,

@@ -192,7 +192,8 @@ def _traced(x, scope, gs, oq, osf, ogs, errors):
     sf = osf if osf is not None else torch.empty((*lead, n // BLOCK), dtype=torch.uint8, device=x.device)
     if ogs is None and (gs is None or isinstance(gs, float)):
         ogs = torch.empty(lead if scope == "row" else (), dtype=torch.float32, device=x.device)
-    QUANTIZE_OP.call(torch, x=x, scope=scope, **C.split_gs(gs), q=q, sf=sf, gs_out=ogs, errors=errors)
+    gs_t, gs_v = A.split_gs(gs, torch.Tensor)
+    QUANTIZE_OP.call(torch, x=x, scope=scope, gs=gs_t, gs_value=gs_v, q=q, sf=sf, gs_out=ogs, errors=errors)
     return C.as_q(q), C.as_sf(sf), ogs if ogs is not None else gs.reshape(())
 
 
@@ -201,7 +202,7 @@ def _quantize_op(x, scope, gs, gs_value, q, sf, gs_out, errors):
     only with a gs tensor: that is the gs) and, with a device gs, errors."""
     if gs_out is None and gs is None:
         raise ValueError("gs_out: required unless gs is a tensor (scope 'given'), which is then the gs")
-    quantize(x, scope=scope, gs=C.op_gs(gs, gs_value, False), out=(q, sf, gs_out), errors=errors)
+    quantize(x, scope=scope, gs=A.op_gs(gs, gs_value), out=(q, sf, gs_out), errors=errors)
 
 
 QUANTIZE_OP = OpDecl("nvfp4_quantize", _quantize_op,
