@@ -13,8 +13,19 @@
 // entries the slot's current request has written: the flush raises it with
 // atomicMax, the host zeroes it when the slot is freed, and every gather
 // treats an entry id >= written[slot] as out of range (zero row, counted).
-// Freed blocks keep their bytes and are reused, so without this bound a
-// gather could return an earlier request's entries as if they were valid.
+// Freed blocks keep their bytes and are reused, and a request may skip
+// entries below its mark (a prefill that starts mid-request), so the mark
+// alone does not make an entry readable: marks[row] (one byte per entry) is
+// set by every writer and cleared by the host's block allocation (a device
+// fill in stream order, PagedKVPool.prepare_step); a gather returns only
+// entries with marks[row] != 0 (zero row and counted otherwise).
+//
+// Duplicates: rows of one launch aimed at the same target (the same pool
+// entry, or the same state slot) would race. The lowest row that would write
+// the target owns it; every other is skipped and counted. Each row finds out
+// by scanning the rows below it (cheap at decode batch sizes; no scratch
+// state, nothing to reset, graph-safe), so the result never depends on the
+// order CTAs run in (reference: rawkv/reference/kvcache/paged.py, state.py).
 //
 // Pool layout, entry row r = block * epb + (entry % epb):
 //   fp8   (num_blocks*epb, nope_dim)        E4M3 codes of the non-RoPE dims
@@ -139,7 +150,7 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_write(
         const int* __restrict__ positions, const int* __restrict__ table,
         u8* __restrict__ fp8, float* __restrict__ scale, __nv_bfloat16* __restrict__ rope,
         u8* __restrict__ idx_q, u8* __restrict__ idx_sf, int* __restrict__ written,
-        int* __restrict__ errors,
+        u8* __restrict__ marks, int* __restrict__ errors,
         i64 B, i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 m,
         i64 nope_dim, i64 rope_dim, i64 index_dim) {
     const int lane = threadIdx.x & 31;
@@ -153,9 +164,12 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_write(
         if (lane == 0) atomicAdd(errors, 1);
         return;
     }
-    // Readers run in later launches (stream order), so raising the mark
+    // Readers run in later launches (stream order), so raising the marks
     // before the bytes below are stored is safe.
-    if (lane == 0) atomicMax(written + slot, (int)(e + 1));
+    if (lane == 0) {
+        atomicMax(written + slot, (int)(e + 1));
+        marks[r] = 1;
+    }
     const i64 hd = nope_dim + rope_dim;
     const __nv_bfloat16* src = entries + b * hd;
 
@@ -332,9 +346,10 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_reset(
 // (two for FP32 output).
 //   TOPK (DENSE = false): entry e = ids[b, j]; -1 -> zero row, not counted;
 //     any other e < 0, e >= n (when n_entries is given), e >= written[slot],
-//     or a bad slot/block -> zero row, errors += 1.
+//     a bad slot/block, or marks[row] == 0 -> zero row, errors += 1.
 //   DENSE: entry e = j; j >= n -> zero row (padding), not counted; for
-//     j < n, j >= written[slot] or a bad slot/block -> zero row, errors += 1;
+//     j < n, j >= written[slot], a bad slot/block or marks[row] == 0 -> zero
+//     row, errors += 1;
 //     n < 0 or n > K counts one more error (at j == 0) and the first
 //     min(n, K) rows are gathered.
 //   valid != nullptr and valid[b] false -> zero rows, not counted.
@@ -347,9 +362,9 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
         const __nv_bfloat16* __restrict__ rope, const int* __restrict__ table,
         const int* __restrict__ slots, const TID* __restrict__ ids,
         const int* __restrict__ n_entries, const bool* __restrict__ valid,
-        const int* __restrict__ written, TO* __restrict__ out, int* __restrict__ errors,
-        i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks, i64 num_blocks,
-        i64 epb, i64 nope_dim, i64 rope_dim) {
+        const int* __restrict__ written, const u8* __restrict__ marks, TO* __restrict__ out,
+        int* __restrict__ errors, i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks,
+        i64 num_blocks, i64 epb, i64 nope_dim, i64 rope_dim) {
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const i64 rows = B * K;
@@ -379,6 +394,10 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
                         ? locate(table, slot, e, num_requests, max_blocks, num_blocks, epb) : -1;
                     errs += r < 0;
                 }
+            }
+            if (r >= 0 && marks[r] == 0) {                // not written by this block's owner
+                r = -1;
+                errs += 1;
             }
         }
         TO* dst = out + row * hd;
@@ -432,7 +451,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
 }
 
 // ===========================================================================
-// Indexer-key gather (DENSE rules of rkv_kv_gather, written[] included): one thread per NVFP4
+// Indexer-key gather (DENSE rules of rkv_kv_gather, written[] and marks[] included): one thread per NVFP4
 // block of 16 (8-byte code load + 1 scale byte, 16 outputs: two 16-byte
 // stores for BF16/FP16, four for FP32), grid-stride over B*K*(index_dim/16).
 // ===========================================================================
@@ -441,9 +460,9 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index(
         const u8* __restrict__ idx_q, const u8* __restrict__ idx_sf,
         const int* __restrict__ table, const int* __restrict__ slots,
         const int* __restrict__ n_entries, const bool* __restrict__ valid,
-        const int* __restrict__ written, TO* __restrict__ out, int* __restrict__ errors,
-        i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks, i64 num_blocks,
-        i64 epb, i64 index_dim) {
+        const int* __restrict__ written, const u8* __restrict__ marks, TO* __restrict__ out,
+        int* __restrict__ errors, i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks,
+        i64 num_blocks, i64 epb, i64 index_dim) {
     const i64 nb = index_dim / 16;
     const i64 total = B * K * nb;
     for (i64 t = global_thread(); t < total; t += grid_threads()) {
@@ -458,6 +477,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index(
             const i64 wr = (slot >= 0 && slot < num_requests) ? (i64)written[slot] : 0;
             if (j < n) {
                 r = j < wr ? locate(table, slot, j, num_requests, max_blocks, num_blocks, epb) : -1;
+                if (r >= 0 && marks[r] == 0) r = -1;      // not written by this block's owner
                 errs += (r < 0 && k == 0);
             }
         }

@@ -33,7 +33,12 @@
 //   6. scatter through block_table[row][entry / epb]; a row outside the
 //      block table, an entry id past the table or the RoPE table, or a
 //      physical block outside [0, num_blocks), is skipped and counted in
-//      *errors; written[row] = max(written[row], entry + 1).
+//      *errors; written[row] = max(written[row], entry + 1) and
+//      marks[dest] = 1 (the entry is written by its block's owner: gathers
+//      read only marked entries).
+//      Decode duplicates: a lower row that writes the same pool entry owns
+//      it; this row writes nothing and is counted (every CTA scans the rows
+//      below it with the same decision, decode_target; run-order free).
 //      Decode: rows with valid_mask false are skipped silently; an
 //      out-of-range slot is counted. The flush decision is taken per ROW,
 //      identically by both parts, from both states' counts: neither window
@@ -146,7 +151,7 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
     const float* __restrict__ rope_tab, long long n_tab, long long rope_dim,
     // paged pool geometry
     const int* __restrict__ block_table, long long bt_rows, long long bt_stride,
-    long long num_blocks, long long epb, long long m, int* __restrict__ written,
+    long long num_blocks, long long epb, long long m, int* __restrict__ written, u8* __restrict__ marks,
     // decode: batch rows
     const u8* __restrict__ valid, const I* __restrict__ slots, const I* __restrict__ positions,
     long long n_slots,
@@ -411,6 +416,7 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
                 // part 1 writes the key of this entry in the same launch; readers
                 // come in later launches
                 atomicMax(written + row, (int)(e + 1));
+                marks[dest] = 1;
             }
         }
     } else {
