@@ -1,5 +1,6 @@
-"""No request reads another's entries (pool.marks; docs/kvcache.md, "Stale
-entries").
+"""No request reads another's entries (pool.marks) and duplicate targets are
+deterministic (the lowest row wins) (docs/kvcache.md, "Stale entries",
+"Duplicates").
 
 Each case runs on a CPU pool (the reference) and, with the `cuda` fixture,
 on a CUDA pool, where it must give the same bytes and the same counts.
@@ -219,3 +220,185 @@ def test_gpu_marks_match_the_reference_after_reuse(cuda, rng):
         np.testing.assert_array_equal(a.marks, b.marks, err_msg=f"step {step}")
         np.testing.assert_array_equal(a.kv_fp8, b.kv_fp8)
         np.testing.assert_array_equal(a.written, b.written)
+
+
+# ---------------------------------------------------------------------------
+# Item 6: duplicates, the lowest row wins
+# ---------------------------------------------------------------------------
+def _dup_flush_case(rng):
+    """Rows aimed at 3 entries, several rows each, interleaved with good
+    and bad rows. Returns the pool's shape and the batch."""
+    m = ref.CSA_RATIO
+    slots = np.array([0, 1, 0, 0, 1, 2, 0, 1, 9, 0], np.int32)
+    ent = np.array([0, 2, 0, 1, 2, 3, 0, 2, 0, 1])
+    pos = (ent * m + rng.integers(0, m, ent.size)).astype(np.int32)
+    valid = np.array([False, True, True, True, True, True, True, True, True, True])
+    return slots, pos, valid
+
+
+def _dup_pool(device):
+    p = kc.PagedKVPool("csa", 8, 2, 3, 2, device=device)
+    for _ in range(3):
+        p.add_request()
+    p.prepare_step([0, 1, 2], [15, 15, 15])
+    return p
+
+
+def test_cpu_flush_duplicates_lowest_row_wins(rng):
+    p = _dup_pool("cpu")
+    slots, pos, valid = _dup_flush_case(rng)
+    rows, keys = _bf16_rows(rng, slots.size, D), _bf16_rows(rng, slots.size, DI)
+    kc.flush_write(p, rows, valid, slots, pos, index_keys=keys)
+    # owners: (0, e0) row 2 (row 0 is invalid), (1, e2) row 1, (0, e1) row 3, (2, e3) row 5;
+    # rows 4, 6, 7, 9 are duplicates and row 8's slot is out of range
+    assert p.read_errors() == 5
+    got = kc.gather_topk(p, np.array([0, 1, 2], np.int32), np.array([[0, 1], [2, -1], [3, -1]], np.int32),
+                         dtype="float32")
+    want, wkeys = _decoded(rows, keys)
+    for (i, j), r in {(0, 0): 2, (0, 1): 3, (1, 0): 1, (2, 0): 5}.items():
+        np.testing.assert_array_equal(got[i, j].view(np.uint32), want[r].view(np.uint32))
+    k = kc.gather_index_keys(p, 0, 2, dtype="float32")
+    np.testing.assert_array_equal(k[0].view(np.uint32), wkeys[2].view(np.uint32))
+
+
+def test_gpu_flush_duplicates_deterministic_and_reference(cuda, rng):
+    """20 launches of a batch full of duplicates: identical bytes every time
+    (no torn entry), equal to the CPU pool's (the reference's rule)."""
+    import torch
+    slots, pos, valid = _dup_flush_case(rng)
+    rows, keys = _bf16_rows(rng, slots.size, D), _bf16_rows(rng, slots.size, DI)
+    cpu = _dup_pool("cpu")
+    kc.flush_write(cpu, rows, valid, slots, pos, index_keys=keys)
+    want = cpu.to_reference()
+    dv = _Dev("cuda")
+    args = (dv.bf(rows), dv.t(valid), dv.t(slots), dv.t(pos))
+    for run in range(20):
+        p = _dup_pool("cuda")
+        kc.flush_write(p, *args, index_keys=dv.bf(keys))
+        got = p.to_reference()
+        for name in ("kv_fp8", "kv_scale", "kv_rope", "idx_q", "idx_sf", "written", "marks"):
+            np.testing.assert_array_equal(getattr(got, name).view(np.uint8), getattr(want, name).view(np.uint8),
+                                          err_msg=f"run {run}: {name}")
+        assert p.read_errors() == cpu.read_errors() == 5
+    torch.cuda.synchronize()
+
+
+def _state_dups(device, rng, kind):
+    """state_append / csa_rotate / hca_reset / state_clear with duplicate
+    slots: the state after each op, and each op's count."""
+    dv = _Dev(device)
+    st = kc.DecodeState(kind, 3, 128, device=device)
+    w = st.width
+    slots = np.array([1, 0, 1, 1, 7, 0, 2, 1], np.int32)
+    valid = np.array([False, True, True, True, True, True, True, True])
+    out = []
+    for step in range(st.m + 1):
+        kv = rng.standard_normal((slots.size, w)).astype(F32)
+        z = rng.standard_normal((slots.size, w)).astype(F32)
+        st.reset_errors()
+        kc.state_append(st, dv.t(kv), dv.t(z), dv.t(valid), dv.t(slots))
+        out.append((st.to_reference().copy(), st.read_errors()))
+    st.reset_errors()
+    (kc.csa_rotate if kind == "csa" else kc.hca_reset)(st, dv.t(valid), dv.t(slots))
+    out.append((st.to_reference().copy(), st.read_errors()))
+    st.reset_errors()
+    kc.state_clear(st, dv.t(slots))
+    out.append((st.to_reference().copy(), st.read_errors()))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_cpu_state_duplicates_lowest_row_wins(rng, kind):
+    seed = int(rng.integers(1 << 30))
+    res = _state_dups("cpu", np.random.default_rng(seed), kind)
+    m = ref.CSA_RATIO if kind == "csa" else ref.HCA_RATIO
+    # append: rows 2 (slot 1), 1 (slot 0), 6 (slot 2) own their slots; rows 3, 5, 7 are
+    # duplicates, row 4 is out of range (rows 0: invalid)
+    st, err = res[0]
+    assert err == 4 and list(st.count) == [1, 1, 1]
+    again = np.random.default_rng(seed)
+    kv = again.standard_normal((8, res[0][0].a_kv.shape[2])).astype(F32)
+    np.testing.assert_array_equal(st.a_kv[1, 0], kv[2])
+    full, err = res[m]                                  # m appends: full windows
+    assert list(full.count) == [m, m, m]
+    st, err = res[m]
+    assert err == 4 + 3                                 # the full windows refuse the owners too
+    rot, err = res[m + 1]
+    assert err == 4 and list(rot.count) == [0, 0, 0]
+    clr, err = res[m + 2]
+    assert err == 5                                     # no valid_mask: row 0 owns slot 1 now
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_gpu_state_duplicates_match_the_reference(cuda, rng, kind):
+    """Repeated runs give the same state and counts, equal to the CPU's."""
+    seed = int(rng.integers(1 << 30))
+    want = _state_dups("cpu", np.random.default_rng(seed), kind)
+    for run in range(5):
+        got = _state_dups("cuda", np.random.default_rng(seed), kind)
+        for i, ((a, ea), (b, eb)) in enumerate(zip(got, want)):
+            assert ea == eb, f"run {run} op {i}: errors"
+            for name in ("a_kv", "a_z", "b_kv", "b_z", "count"):
+                x, y = getattr(a, name), getattr(b, name)
+                if x is not None:
+                    np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8),
+                                                  err_msg=f"run {run} op {i}: {name}")
+
+
+def _decode_dups(device, rng, kind):
+    """compress_decode with two rows on the same slot and position (the
+    same entry) and one on the same slot at another entry's position."""
+    dv = _Dev(device)
+    m = ref.CSA_RATIO if kind == "csa" else ref.HCA_RATIO
+    pool = kc.PagedKVPool(kind, 9, 2, 3, 3, device=device)
+    st = kc.DecodeState(kind, 3, device=device)
+    ist = kc.DecodeState("csa", 3, DI, device=device) if kind == "csa" else None
+    for s in range(3):
+        pool.add_request()
+    pool.prepare_step([0, 1, 2], [5 * m - 1] * 3)
+    for state in (st, ist):
+        if state is None:
+            continue
+        for s in range(3):                             # m - 1 rows of window 1
+            kv = rng.standard_normal((2 * m - 1, state.width)).astype(F32)
+            kc.state_seed(state, s, dv.t(kv), dv.t(kv * 0.5))
+        kv = rng.standard_normal((3, state.width)).astype(F32)
+        kc.state_append(state, dv.t(kv), dv.t(kv), dv.t(np.ones(3, bool)),  # its last row: complete
+                        dv.t(np.arange(3, dtype=np.int32)))
+    nw = (1 + 0.1 * rng.standard_normal(D)).astype(F32)
+    slots = np.array([1, 0, 1, 1, 2], np.int32)
+    pos = np.array([2 * m - 1, m - 1, 2 * m - 1, 3 * m - 1, 2 * m - 1], np.int32)
+    index = None if ist is None else kc.DecodeIndex(ist, dv.t((1 + 0.1 * rng.standard_normal(DI)).astype(F32)))
+    kc.compress_decode(pool, st, dv.t(nw), dv.t(np.ones(5, bool)), dv.t(slots), dv.t(pos), index=index)
+    return pool
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_cpu_compress_decode_duplicates_counted(rng, kind):
+    pool = _decode_dups("cpu", rng, kind)
+    # row 2 repeats row 0's (slot 1, entry 1): skipped and counted; row 3 is entry 2
+    assert pool.read_errors() == 1
+    np.testing.assert_array_equal(pool.written, [1, 3, 2])
+    rows = kc.gather_topk(pool, np.array([1], np.int32), np.array([[0, 1, 2]], np.int32))
+    assert pool.read_errors() == 2 and np.asarray(rows)[0, 1:].any()   # entry 0 of slot 1: not written
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_gpu_compress_decode_duplicates_deterministic(cuda, rng, kind):
+    """The kernel's bytes are those of the CPU run (compressor tolerance
+    aside, which test_kvcache_compress covers): here the same marks,
+    written[] and counts on every run, and identical bytes run to run."""
+    seed = int(rng.integers(1 << 30))
+    cpu = _decode_dups("cpu", np.random.default_rng(seed), kind).to_reference()
+    first = None
+    for run in range(10):
+        p = _decode_dups("cuda", np.random.default_rng(seed), kind)
+        got = p.to_reference()
+        assert p.read_errors() == 1
+        np.testing.assert_array_equal(got.written, cpu.written)
+        np.testing.assert_array_equal(got.marks, cpu.marks)
+        if first is None:
+            first = got
+        for name in ("kv_fp8", "kv_scale", "kv_rope"):
+            np.testing.assert_array_equal(getattr(got, name).view(np.uint8), getattr(first, name).view(np.uint8),
+                                          err_msg=f"run {run}: {name}")

@@ -67,6 +67,28 @@ __device__ __forceinline__ i64 locate(const int* __restrict__ table, i64 slot, i
     return blk * epb + (e - lb * epb);
 }
 
+// Pool row a flush row writes (valid, position -> entry, locate), or -1.
+__device__ __forceinline__ i64 flush_target(const bool* __restrict__ valid, const int* __restrict__ slots,
+                                            const int* __restrict__ positions, const int* __restrict__ table,
+                                            i64 b, i64 num_requests, i64 max_blocks, i64 num_blocks,
+                                            i64 epb, i64 m) {
+    if (!valid[b]) return -1;
+    const i64 pos = positions[b];
+    if (pos < 0) return -1;
+    return locate(table, slots[b], (i64)((u32)pos / (u32)m), num_requests, max_blocks, num_blocks, epb);
+}
+
+// Whether a valid row below b names state slot s (the duplicate rule of the
+// state kernels; valid == nullptr: every row is valid). Every thread of the
+// CTA calls it.
+__device__ __forceinline__ bool slot_taken_below(const bool* __restrict__ valid,
+                                                 const int* __restrict__ slots, i64 b, i64 s) {
+    bool hit = false;
+    for (i64 q = threadIdx.x; q < b; q += blockDim.x)
+        hit |= (valid == nullptr || valid[q]) && (i64)slots[q] == s;
+    return __syncthreads_or(hit) != 0;
+}
+
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xFFFF0000u); }
 
@@ -141,7 +163,9 @@ template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; }
 //     16 codes per lane per step (one 16-byte store); RoPE dims copied as
 //     BF16 bits (16-byte chunks); indexer key: one NVFP4 block of 16 per lane
 //     (nvfp4_quantize_block, gs = 1), 8 code bytes + 1 scale byte;
-//     written[slot] = max(written[slot], e + 1).
+//     written[slot] = max(written[slot], e + 1), marks[row] = 1.
+//   a lower row writing the same pool row -> nothing written, errors += 1
+//     (the warp scans rows 0..b-1, 32 at a time).
 // ===========================================================================
 template <bool HAS_INDEX>
 __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_write(
@@ -159,8 +183,14 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_write(
     const i64 pos = positions[b];
     const i64 slot = slots[b];
     const i64 e = pos < 0 ? -1 : (i64)((u32)pos / (u32)m);
-    const i64 r = e < 0 ? -1 : locate(table, slot, e, num_requests, max_blocks, num_blocks, epb);
-    if (r < 0) {
+    const i64 r = flush_target(valid, slots, positions, table, b, num_requests, max_blocks, num_blocks,
+                               epb, m);
+    bool dup = false;
+    if (r >= 0)
+        for (i64 q = lane; q < b; q += 32)
+            dup |= flush_target(valid, slots, positions, table, q, num_requests, max_blocks, num_blocks,
+                                epb, m) == r;
+    if (r < 0 || __any_sync(kFull, dup)) {                 // r is warp-uniform
         if (lane == 0) atomicAdd(errors, 1);
         return;
     }
@@ -232,16 +262,13 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_write(
 // ===========================================================================
 // state_append: one CTA per batch row; 4 channels per thread per step.
 // Row count[s] of the a-stream of slot s gets kv and z (+ ape[count]);
-// count += 1. Out-of-range slot or a full window (count >= m; count < 0 is
-// treated the same way) -> skipped, errors += 1.
-// Thread 0 claims the row with a compare-and-swap on count[s] and hands it
-// to the CTA through shared memory. With a duplicate slot (a caller error)
-// the CTAs of that slot then take distinct rows: exactly m - count of them
-// append and the others are counted, the reference's count and error
-// total (only which rows land where depends on the order). One read per
-// CTA also matters: threads that read count separately could disagree on
-// whether to return, so some would wait at a barrier the others never
-// reach (a hang).
+// count += 1. Out-of-range slot, a valid row below with the same slot (a
+// duplicate: the lowest row appends) or a full window (count >= m; count < 0
+// is treated the same way) -> skipped, errors += 1.
+// Thread 0 reads count[s] once and hands it to the CTA through shared
+// memory: threads that read count separately could disagree on whether to
+// return, so some would wait at a barrier the others never reach (a hang).
+// The CTA that owns the slot is the only writer of its count.
 // ===========================================================================
 template <typename TKV, typename TZ>
 __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_append(
@@ -253,17 +280,13 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_append(
     const i64 b = blockIdx.x;
     if (!valid[b]) return;                                   // CTA-uniform (read-only input)
     const i64 s = slots[b];
-    if (s < 0 || s >= S) {
+    if (s < 0 || s >= S || slot_taken_below(valid, slots, b, s)) {
         if (threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }
     if (threadIdx.x == 0) {
-        int c = count[s];
-        while (c >= 0 && c < m) {
-            const int seen = atomicCAS(count + s, c, c + 1);
-            if (seen == c) break;                            // row c is this CTA's
-            c = seen;
-        }
+        const int c = count[s];
+        if (c >= 0 && c < m) count[s] = c + 1;
         sh_count = c;
     }
     __syncthreads();
@@ -295,7 +318,8 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_append(
 //   MODE RKV_KV_RESET_CSA   csa_rotate: b <- a[:, :, :d] (kv and z), then a emptied, count 0
 //   MODE RKV_KV_RESET_CLEAR clear     : a and b (when present) emptied, count 0
 // Each float4 of the a-stream is read (csa_rotate) and cleared by one thread, so
-// no barrier is needed. Out-of-range slot: skipped, errors += 1.
+// no barrier is needed. Out-of-range slot, or a valid row below with the
+// same slot (a duplicate: the lowest row acts): skipped, errors += 1.
 // ===========================================================================
 template <int MODE>
 __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_reset(
@@ -306,7 +330,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_reset(
     const i64 b = blockIdx.x;
     if (valid != nullptr && !valid[b]) return;
     const i64 s = slots[b];
-    if (s < 0 || s >= S) {
+    if (s < 0 || s >= S || slot_taken_below(valid, slots, b, s)) {
         if (threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }

@@ -142,8 +142,9 @@ def flush_write(pool: PagedPoolRef, entries, valid_mask, positions, block_table,
     Returns the number of valid rows skipped because the position is
     negative, the logical block is past the block table, or the physical
     block id is outside [0, num_blocks): nothing is written for them.
-    Rows are written in batch order (two rows aimed at one entry: last wins;
-    kernels leave that undefined, callers must not do it).
+    Two valid rows aimed at one entry (the same physical entry): the lowest
+    row writes it, every other is skipped and counted (the kernels do the
+    same, so the result does not depend on the order rows run in).
     """
     return _flush(pool, entries, valid_mask, positions, block_table, index_keys)[0]
 
@@ -170,14 +171,16 @@ def _flush(pool: PagedPoolRef, entries, valid_mask, positions, block_table, inde
         iq, isf = indexer_key_quantize(index_keys)
     errors = 0
     done = np.full(B, -1, np.int64)
+    taken = set()
     for b in range(B):
         if not valid_mask[b]:
             continue
         pos = int(positions[b])
         loc = _locate(pool, block_table[b], pos // pool.m) if pos >= 0 else None
-        if loc is None:
+        if loc is None or loc in taken:        # bad target, or a lower row's entry
             errors += 1
             continue
+        taken.add(loc)
         done[b] = pos // pool.m
         pool.kv_fp8[loc] = codes[b]
         pool.kv_scale[loc] = scale[b]
