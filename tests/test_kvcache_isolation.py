@@ -1,6 +1,6 @@
-"""No request reads another's entries (pool.marks) and duplicate targets are
-deterministic (the lowest row wins) (docs/kvcache.md, "Stale entries",
-"Duplicates").
+"""No request reads another's entries (pool.marks), duplicate targets are
+deterministic (the lowest row wins), and a pool's buffers are checked once
+and fixed (docs/kvcache.md, "Stale entries", "Duplicates", "Pool buffers").
 
 Each case runs on a CPU pool (the reference) and, with the `cuda` fixture,
 on a CUDA pool, where it must give the same bytes and the same counts.
@@ -402,3 +402,93 @@ def test_gpu_compress_decode_duplicates_deterministic(cuda, rng, kind):
         for name in ("kv_fp8", "kv_scale", "kv_rope"):
             np.testing.assert_array_equal(getattr(got, name).view(np.uint8), getattr(first, name).view(np.uint8),
                                           err_msg=f"run {run}: {name}")
+
+
+# ---------------------------------------------------------------------------
+# Item 5: the pool's buffers are checked once and fixed
+# ---------------------------------------------------------------------------
+def test_pool_buffers_are_fixed_after_construction():
+    p = kc.PagedKVPool("csa", 4, 2, 2, 2, device="cpu")
+    for name in p.BUFFERS:
+        with pytest.raises(AttributeError, match=f"^{name}: "):
+            setattr(p, name, getattr(p, name))
+    st = kc.DecodeState("hca", 2, 128, device="cpu")
+    with pytest.raises(AttributeError, match="^count: "):
+        st.count = np.zeros(2, np.int64)
+    p.kind_note = 1                                   # other attributes stay free
+    p.fp8[...] = 0                                    # writing into a buffer is fine
+
+
+def test_ops_take_only_a_pool():
+    """A look-alike carrying the pool's buffer names is not a pool."""
+    from types import SimpleNamespace
+    p = kc.PagedKVPool("hca", 4, 2, 2, 2, device="cpu")
+    fake = SimpleNamespace(**{n: getattr(p, n) for n in p.BUFFERS}, kind="hca", m=128)
+    with pytest.raises(TypeError, match="^pool: "):
+        kc.flush_write(fake, np.zeros((1, D), F32), np.ones(1, bool), np.zeros(1, np.int32),
+                       np.zeros(1, np.int32))
+    with pytest.raises(TypeError, match="^pool: "):
+        kc.gather_topk(fake, np.zeros(1, np.int32), np.zeros((1, 1), np.int32))
+    kv = np.zeros((128, D), F32)
+    with pytest.raises(TypeError, match="^pool: "):
+        kc.compress_prefill(fake, kv, kv, None, np.ones(D, F32), 0)
+    st = kc.DecodeState("hca", 2, device="cpu")
+    with pytest.raises(TypeError, match="^pool: "):
+        kc.compress_decode(fake, st, np.ones(D, F32), np.ones(1, bool), np.zeros(1, np.int32),
+                           np.zeros(1, np.int32))
+
+
+def _view_args(kind="csa"):
+    torch = pytest.importorskip("torch")
+    from rawkv.kvcache import views as V
+    p = kc.PagedKVPool(kind, 4, 2, 3, 2, device="cpu")
+    args = dict(V.pool_args(p))
+    return torch, V, p, args
+
+
+@pytest.mark.parametrize("name, make", [
+    ("block_table", lambda t, a: a["block_table"].to(t.int64)),
+    ("scale", lambda t, a: a["scale"][:, :1].contiguous()),
+    ("scale", lambda t, a: a["scale"][:3].contiguous()),
+    ("rope", lambda t, a: a["rope"][:, :1].contiguous()),
+    ("index_sf", lambda t, a: a["index_sf"][..., :4].contiguous()),
+    ("index_q", lambda t, a: a["index_q"][:2].contiguous()),
+    ("written", lambda t, a: a["written"][:2].contiguous()),
+    ("written", lambda t, a: a["written"].to(t.int64)),
+    ("marks", lambda t, a: a["marks"][:, :1].contiguous()),
+    ("marks", lambda t, a: a["marks"].to(t.int32)),
+    ("fp8", lambda t, a: a["fp8"].to(t.int8)),
+    ("errors", lambda t, a: a["errors"].to(t.int64)),
+])
+def test_pool_view_refuses_bad_buffers_naming_them(name, make):
+    """What torch.ops.rawkv.kv_* receive is rebuilt into a pool by
+    views.pool_view, which checks it as the constructor would: a wrong dtype
+    (an int64 block table) or an undersized buffer is refused, named."""
+    torch, V, p, args = _view_args()
+    args[name] = make(torch, args)
+    with pytest.raises((TypeError, ValueError), match=f"^{name}: "):
+        V.pool_view(**args)
+    # and through the operator
+    import rawkv.library  # noqa: F401
+    ents = torch.zeros((1, D), dtype=torch.bfloat16)
+    with pytest.raises((TypeError, ValueError), match=f"{name}: "):
+        torch.ops.rawkv.kv_flush_write(**args, entries=ents, valid_mask=torch.ones(1, dtype=torch.bool),
+                                       slots=torch.zeros(1, dtype=torch.int32),
+                                       positions=torch.zeros(1, dtype=torch.int32),
+                                       index_keys=torch.zeros((1, DI), dtype=torch.bfloat16))
+    assert not p.fp8.any() and not p.written.any()     # nothing written
+
+
+def test_gpu_pool_view_refuses_buffers_on_another_device(cuda):
+    torch = pytest.importorskip("torch")
+    from rawkv.kvcache import views as V
+    p = kc.PagedKVPool("csa", 4, 2, 3, 2, device="cuda")
+    for name in ("block_table", "marks", "scale"):
+        args = dict(V.pool_args(p))
+        args[name] = args[name].cpu()
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            V.pool_view(**args)
+    args = dict(V.pool_args(p))
+    args["block_table"] = args["block_table"].long()
+    with pytest.raises(TypeError, match="^block_table: "):
+        V.pool_view(**args)

@@ -103,6 +103,22 @@ class ErrorCounter:
 
     BUFFERS: tuple = ()      # the buffers' attribute names, which are the operators' argument names
     _torch = None
+    _sealed = False
+
+    def __setattr__(self, name, value):
+        # The buffers are checked once, when the object is built (constructor or
+        # views.pool_view / state_view), and the ops trust them from then on:
+        # replacing one (an int64 block table, an undersized scale buffer) would
+        # let a kernel write out of bounds, so it is refused.
+        if self._sealed and name in self.BUFFERS:
+            raise AttributeError(f"{name}: a {type(self).__name__}'s buffers are fixed when it is built "
+                                 "(checked once, trusted by every op); write into them in place, or "
+                                 "build a new one")
+        object.__setattr__(self, name, value)
+
+    def _seal(self) -> None:
+        """The buffers are in place and checked: fix them (__setattr__)."""
+        object.__setattr__(self, "_sealed", True)
 
     def torch_buffers(self) -> dict:
         """{name: torch tensor or None} of BUFFERS: what a public op passes to
@@ -197,6 +213,7 @@ class PagedKVPool(ErrorCounter):
             self.written = np.zeros(R, np.int32)
             self.errors = np.zeros(1, np.int32)
         self._init_torch_buffers()
+        self._seal()
 
     def _set_geometry(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                       head_dim, rope_dim, index_head_dim) -> None:

@@ -155,6 +155,7 @@ def pool_view(kind, fp8, scale, rope, index_q, index_sf, block_table, written, m
     p.fp8, p.scale, p.rope, p.index_q, p.index_sf = f, s, r, iq, isf
     p.block_table, p.written, p.marks, p.errors = bt, wr, mk, err
     p._table = p._free = p._active = p._nblocks = p._n_entries = p._staging = None
+    p._seal()
     return p
 
 
@@ -186,5 +187,6 @@ def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:
     st.device = a.device if dev is not None else "cpu"
     st.kv_a, st.z_a, st.kv_b, st.z_b, st.count = a, za, kb, zb, c
     st.errors = None if errors is None else C.errors_arg(errors, None, dev)
+    st._seal()
     return st
 
