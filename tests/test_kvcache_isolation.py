@@ -201,7 +201,7 @@ def test_gpu_many_requests_read_only_their_entries(cuda, rng):
 def test_gpu_marks_match_the_reference_after_reuse(cuda, rng):
     """A CUDA pool and a CPU pool driven by the same calls hold the same
     marks (prepare_step's device reset, the writers' set) and bytes."""
-    pools = {d: kc.PagedKVPool("csa", 6, 2, 3, 3, device=d) for d in ("cpu", "cuda")}
+    pools = {d: kc.PagedKVPool("csa", 9, 2, 3, 3, device=d) for d in ("cpu", "cuda")}
     for step in range(12):
         rows, keys = _bf16_rows(rng, 3, D), _bf16_rows(rng, 3, DI)
         for dev, p in pools.items():
