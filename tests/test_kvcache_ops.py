@@ -61,6 +61,8 @@ def assert_pool_equal(a: ref.PagedPoolRef, b: ref.PagedPoolRef, what="pool"):
     if a.idx_q is not None or b.idx_q is not None:
         np.testing.assert_array_equal(a.idx_q, b.idx_q, err_msg=f"{what}.index_q")
         np.testing.assert_array_equal(a.idx_sf, b.idx_sf, err_msg=f"{what}.index_sf")
+    if a.marks is not None and b.marks is not None:
+        np.testing.assert_array_equal(a.marks, b.marks, err_msg=f"{what}.marks")
 
 
 def assert_state_equal(a: ref.DecodeStateRef, b: ref.DecodeStateRef, what="state"):
@@ -271,7 +273,9 @@ def test_cpu_ops_match_reference(kind, rng):
     rows = kc.gather_topk(p, np.array(slots[:2], np.int32), ids, n_entries=np.array([4, 4], np.int32))
     want_rows, werr = ref.gather_topk(want, table_rows(p.block_table, slots[:2]), ids, np.array([1, 4]))
     assert_same(rows, want_rows, "gather_topk")
-    assert p.read_errors() == werr == 4          # slot 0: ids 3, 1 (not written); slot 1: -2, 5
+    # slot 0: ids 3, 1 (past written); slot 1: -2, 5, and 1, 0 (below written[] = 4 but never
+    # written: slot 1 wrote entry 3 only, so its block's marks are clear there)
+    assert p.read_errors() == werr == 6
     d = kc.gather_dense(p, slots[1], 4, dtype="float32")
     wd, _ = ref.gather_dense(want, p.block_table[slots[1]], 4, dtype="float32")
     assert_same(d, wd, "gather_dense")
@@ -279,12 +283,13 @@ def test_cpu_ops_match_reference(kind, rng):
         k = kc.gather_index_keys(p, slots[1], 4)
         wk, _ = ref.gather_index_keys(want, p.block_table[slots[1]], 4)
         assert_same(k, wk, "gather_index_keys")
-    # written is a high-water mark: slot 2 wrote entry 1 only, entry 0 lies below
-    # the mark and is read (a hole is a caller error the pool cannot see)
+    # slot 2 wrote entry 1 only: entry 0 lies below the high-water mark but was
+    # never written (its block's bytes may be a previous owner's): zero row, counted
     p.reset_errors()
     d = kc.gather_dense(p, slots[2], 3)
     wd, werr = ref.gather_dense(want, p.block_table[slots[2]], 3, written=2)
-    assert werr == 1 and p.read_errors() == 1          # entry 2: not written
+    assert werr == 2 and p.read_errors() == 2          # entry 0: not marked; entry 2: past written
+    assert not np.asarray(d)[0].any() and np.asarray(d)[1].any()
     assert_same(d, wd, "gather_dense slot 2")
     # state
     st = kc.DecodeState(kind, 4, device="cpu")
@@ -611,7 +616,11 @@ class _Sim:
         slots = np.array(sorted(self.active), np.int32)
         pos = np.array([self.active[s][1] for s in slots], np.int32)
         B = slots.size
+        held = set(self.pool.block_table_host()[self.pool.block_table_host() >= 0].tolist())
         self.pool.prepare_step(slots, pos)
+        # the blocks this step allocated change owner: the reference clears their marks too
+        new = set(self.pool.block_table_host()[self.pool.block_table_host() >= 0].tolist()) - held
+        ref.reset_marks(self.rpool, sorted(new))
         kv = (self.rng.standard_normal((B, self.w))).astype(F32)
         z = (self.rng.standard_normal((B, self.w))).astype(F32)
         use_bf16 = it % 3 == 1
@@ -823,6 +832,8 @@ def _fill_pool_random(pool, rng):
         sf = rng.integers(0, 0x78, pool.index_sf.shape, dtype=np.uint8)
         sf.reshape(-1)[rng.integers(0, sf.size, 6)] = np.array([0x7F, 0xFF, 0, 0x80, 0x7E, 1], np.uint8)
         pool.index_sf.copy_(torch.from_numpy(sf))
+    # most entries marked written by their block's owner; the others must read as unwritten
+    pool.marks.copy_(torch.from_numpy((rng.random((nb, epb)) < 0.85).astype(np.uint8)))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -885,6 +896,7 @@ def _cpu_twin(pool):
         c.index_q[...], c.index_sf[...] = r.idx_q, r.idx_sf
     c.block_table[...] = pool.block_table.cpu().numpy()
     c.written[...] = pool.written.cpu().numpy()
+    c.marks[...] = pool.marks.cpu().numpy()
     c._n_entries[...] = pool._n_entries      # the host counts the dense gathers check
     c._active[...] = pool._active
     return c
@@ -1104,7 +1116,7 @@ def test_gpu_graph_capture_decode_step(cuda, rng):
         kc.csa_rotate(st, valid, sl)
         kc.gather_topk(p, sl, ids, n_entries=ne, out=out)
 
-    bufs = [p.fp8, p.scale, p.rope, p.index_q, p.index_sf, p.block_table, p.written, p.errors,
+    bufs = [p.fp8, p.scale, p.rope, p.index_q, p.index_sf, p.block_table, p.written, p.marks, p.errors,
             st.kv_a, st.z_a, st.kv_b, st.z_b, st.count, st.errors, out]
     snap = [b.clone() for b in bufs]
 
@@ -1119,7 +1131,7 @@ def test_gpu_graph_capture_decode_step(cuda, rng):
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     eager = [b.clone() for b in bufs]
-    assert not torch.equal(eager[8], snap[8])          # the step did rotate something (kv_a)
+    assert not torch.equal(eager[9], snap[9])          # the step did rotate something (kv_a)
     restore()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -1143,12 +1155,11 @@ def test_gpu_no_stale_entries_after_free_and_reuse(cuda, rng):
 
 
 def test_gpu_state_append_duplicate_slots_terminates(cuda, rng):
-    """Duplicate slots are a caller error, but the kernel must neither hang
-    (each CTA takes its row once, in thread 0, through shared memory) nor
-    write outside the slot's m rows, and its counts are the reference's:
-    the CTAs claim rows with a compare-and-swap on count, so exactly m of
-    them append (which ones is up to the scheduler) and B - m are counted.
-    Many CTAs race on one slot; a hang shows as a timeout."""
+    """Duplicate slots are a caller error; the rule is the reference's (the
+    lowest valid row of a slot appends, every other is counted), so the
+    state is the reference's bit for bit and the same on every run. Many
+    CTAs name one slot (each scans the rows below it); a hang shows as a
+    timeout."""
     import time
     torch = _torch()
     st = kc.DecodeState("csa", 3, device="cuda")          # 256 threads per CTA
@@ -1157,39 +1168,26 @@ def test_gpu_state_append_duplicate_slots_terminates(cuda, rng):
     z = torch.randn((B, st.width), device="cuda")
     valid = torch.ones(B, dtype=torch.bool, device="cuda")
     dup = torch.zeros(B, dtype=torch.int32, device="cuda")
+    dup[B // 2] = 1                                       # one row of slot 1, late in the batch
     kv_h, z_h = kv.cpu().numpy(), z.cpu().numpy()
-    for start in (0, 1):                                  # an empty window, and one row in it
-        st.count.zero_()
-        st.count[0] = start
-        before = st.to_reference()
-        want = before.copy()
-        nerr = ref.state_append(want, kv_h, z_h, np.ones(B, bool), np.zeros(B, np.int32))
-        assert nerr == B - (m - start)
-        st.reset_errors()
-        kc.state_append(st, kv, z, valid, dup)
-        done = torch.cuda.Event()
-        done.record()
-        deadline = time.monotonic() + 30
-        while not done.query():
-            assert time.monotonic() < deadline, "state_append with duplicate slots did not finish"
-            time.sleep(0.005)
-        got = st.to_reference()
-        assert st.read_errors() == nerr
-        np.testing.assert_array_equal(got.count, want.count)
-        # rows start..m-1 of slot 0 hold distinct input rows, each whole (kv and z
-        # of the same batch row); rows below start are untouched
-        taken = []
-        for r in range(start, m):
-            hit = np.flatnonzero((kv_h == got.a_kv[0, r]).all(axis=1))
-            assert hit.size == 1, f"row {r} is not one input row"
-            assert_same(got.a_z[0, r], z_h[hit[0]], f"z of row {r}")
-            taken.append(int(hit[0]))
-        assert len(set(taken)) == m - start
-        assert_same(got.a_kv[0, :start], before.a_kv[0, :start], "rows before the window's fill")
-        for a, b in zip((got.a_kv, got.a_z, got.b_kv, got.b_z), (before.a_kv, before.a_z, before.b_kv,
-                                                                  before.b_z)):
-            assert_same(a[1:], b[1:], "other slots")          # nothing outside slot 0
-        assert_same(got.b_kv[0], before.b_kv[0], "slot 0 b-stream")
+    for start in (0, 1, m):                               # an empty window, one row in it, full
+        for run in range(3):
+            st.count.zero_()
+            st.count[0] = start
+            before = st.to_reference()
+            want = before.copy()
+            nerr = ref.state_append(want, kv_h, z_h, np.ones(B, bool), dup.cpu().numpy())
+            assert nerr == B - 2 + (start == m)
+            st.reset_errors()
+            kc.state_append(st, kv, z, valid, dup)
+            done = torch.cuda.Event()
+            done.record()
+            deadline = time.monotonic() + 30
+            while not done.query():
+                assert time.monotonic() < deadline, "state_append with duplicate slots did not finish"
+                time.sleep(0.005)
+            assert st.read_errors() == nerr
+            assert_state_equal(st.to_reference(), want, f"start {start} run {run}")
 
 
 @pytest.mark.parametrize("kind", ["csa", "hca"])

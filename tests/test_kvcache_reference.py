@@ -418,6 +418,7 @@ def _noisy_pool(rng, num_blocks, epb, m, index=True):
     if index:
         pool.idx_q[:] = rng.integers(0, 256, pool.idx_q.shape)
         pool.idx_sf[:] = rng.integers(0, 256, pool.idx_sf.shape)
+    pool.marks[:] = 1         # every entry counts as written (the bounds tests' subject is elsewhere)
     return pool
 
 
@@ -656,16 +657,29 @@ def test_compress_prefill_into_the_pool(rng):
     assert np.array_equal(pool.kv_fp8[6, 1], codes[3]) and np.array_equal(ids, np.arange(5))
 
 
-def test_state_append_duplicate_slots_take_the_rows_left(rng):
-    """Duplicate slots (a caller error): rows are appended until the window
-    is full, the rest counted. kv_cache.cu claims rows with a
-    compare-and-swap, so it appends as many and counts as many (which rows
-    land where depends on the scheduler there)."""
+def test_state_ops_duplicate_slots_lowest_row_wins(rng):
+    """Duplicate slots (a caller error): the lowest valid row of a slot acts,
+    every other valid row of it is skipped and counted (kv_cache.cu does the
+    same, so the state never depends on the order CTAs run in)."""
     st = kc.DecodeStateRef.create("csa", 2, 8)
     st.count[0] = 1
     B = 9
-    err = kc.state_append(st, _rows(rng, B, 16), _rows(rng, B, 16), np.ones(B, bool), np.zeros(B, np.int32))
-    assert err == B - 3 and st.count[0] == 4 and st.count[1] == 0
+    kv, z = _rows(rng, B, 16), _rows(rng, B, 16)
+    valid = np.ones(B, bool)
+    valid[0] = False                              # an invalid row owns nothing
+    err = kc.state_append(st, kv, z, valid, np.zeros(B, np.int32))
+    assert err == B - 2 and st.count[0] == 2 and st.count[1] == 0
+    assert np.array_equal(st.a_kv[0, 1], kv[1]) and np.array_equal(st.a_z[0, 1], z[1])
+    before = st.copy()
+    # rotate: rows 1 and 3 duplicate slot 0 of row 0; row 2 is out of range
+    err = kc.csa_rotate(st, np.ones(4, bool), np.array([0, 0, 5, 0], np.int32))
+    assert err == 3 and st.count[0] == 0
+    assert np.array_equal(st.b_kv[0], before.a_kv[0, :, :8])
+    h = kc.DecodeStateRef.create("hca", 2, 8)
+    h.count[:] = [3, 2]
+    assert kc.hca_reset(h, np.ones(3, bool), np.array([1, 1, 1], np.int32)) == 2
+    assert list(h.count) == [3, 0]
+    assert kc.state_clear(h, np.array([0, 1, 0, 1], np.int32)) == 2
 
 
 def test_state_clear_valid_mask(rng):

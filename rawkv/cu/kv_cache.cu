@@ -13,8 +13,19 @@
 // entries the slot's current request has written: the flush raises it with
 // atomicMax, the host zeroes it when the slot is freed, and every gather
 // treats an entry id >= written[slot] as out of range (zero row, counted).
-// Freed blocks keep their bytes and are reused, so without this bound a
-// gather could return an earlier request's entries as if they were valid.
+// Freed blocks keep their bytes and are reused, and a request may skip
+// entries below its mark (a prefill that starts mid-request), so the mark
+// alone does not make an entry readable: marks[row] (one byte per entry) is
+// set by every writer and cleared by the host's block allocation (a device
+// fill in stream order, PagedKVPool.prepare_step); a gather returns only
+// entries with marks[row] != 0 (zero row and counted otherwise).
+//
+// Duplicates: rows of one launch aimed at the same target (the same pool
+// entry, or the same state slot) would race. The lowest row that would write
+// the target owns it; every other is skipped and counted. Each row finds out
+// by scanning the rows below it (cheap at decode batch sizes; no scratch
+// state, nothing to reset, graph-safe), so the result never depends on the
+// order CTAs run in (reference: rawkv/reference/kvcache/paged.py, state.py).
 //
 // Pool layout, entry row r = block * epb + (entry % epb):
 //   fp8   (num_blocks*epb, nope_dim)        E4M3 codes of the non-RoPE dims
@@ -54,6 +65,28 @@ __device__ __forceinline__ i64 locate(const int* __restrict__ table, i64 slot, i
     const i64 blk = table[slot * max_blocks + lb];
     if (blk < 0 || blk >= num_blocks) return -1;
     return blk * epb + (e - lb * epb);
+}
+
+// Pool row a flush row writes (valid, position -> entry, locate), or -1.
+__device__ __forceinline__ i64 flush_target(const bool* __restrict__ valid, const int* __restrict__ slots,
+                                            const int* __restrict__ positions, const int* __restrict__ table,
+                                            i64 b, i64 num_requests, i64 max_blocks, i64 num_blocks,
+                                            i64 epb, i64 m) {
+    if (!valid[b]) return -1;
+    const i64 pos = positions[b];
+    if (pos < 0) return -1;
+    return locate(table, slots[b], (i64)((u32)pos / (u32)m), num_requests, max_blocks, num_blocks, epb);
+}
+
+// Whether a valid row below b names state slot s (the duplicate rule of the
+// state kernels; valid == nullptr: every row is valid). Every thread of the
+// CTA calls it.
+__device__ __forceinline__ bool slot_taken_below(const bool* __restrict__ valid,
+                                                 const int* __restrict__ slots, i64 b, i64 s) {
+    bool hit = false;
+    for (i64 q = threadIdx.x; q < b; q += blockDim.x)
+        hit |= (valid == nullptr || valid[q]) && (i64)slots[q] == s;
+    return __syncthreads_or(hit) != 0;
 }
 
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
@@ -130,7 +163,9 @@ template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; }
 //     16 codes per lane per step (one 16-byte store); RoPE dims copied as
 //     BF16 bits (16-byte chunks); indexer key: one NVFP4 block of 16 per lane
 //     (nvfp4_quantize_block, gs = 1), 8 code bytes + 1 scale byte;
-//     written[slot] = max(written[slot], e + 1).
+//     written[slot] = max(written[slot], e + 1), marks[row] = 1.
+//   a lower row writing the same pool row -> nothing written, errors += 1
+//     (the warp scans rows 0..b-1, 32 at a time).
 // ===========================================================================
 template <bool HAS_INDEX>
 __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_write(
@@ -139,7 +174,7 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_write(
         const int* __restrict__ positions, const int* __restrict__ table,
         u8* __restrict__ fp8, float* __restrict__ scale, __nv_bfloat16* __restrict__ rope,
         u8* __restrict__ idx_q, u8* __restrict__ idx_sf, int* __restrict__ written,
-        int* __restrict__ errors,
+        u8* __restrict__ marks, int* __restrict__ errors,
         i64 B, i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 m,
         i64 nope_dim, i64 rope_dim, i64 index_dim) {
     const int lane = threadIdx.x & 31;
@@ -148,14 +183,23 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_write(
     const i64 pos = positions[b];
     const i64 slot = slots[b];
     const i64 e = pos < 0 ? -1 : (i64)((u32)pos / (u32)m);
-    const i64 r = e < 0 ? -1 : locate(table, slot, e, num_requests, max_blocks, num_blocks, epb);
-    if (r < 0) {
+    const i64 r = flush_target(valid, slots, positions, table, b, num_requests, max_blocks, num_blocks,
+                               epb, m);
+    bool dup = false;
+    if (r >= 0)
+        for (i64 q = lane; q < b; q += 32)
+            dup |= flush_target(valid, slots, positions, table, q, num_requests, max_blocks, num_blocks,
+                                epb, m) == r;
+    if (r < 0 || __any_sync(kFull, dup)) {                 // r is warp-uniform
         if (lane == 0) atomicAdd(errors, 1);
         return;
     }
-    // Readers run in later launches (stream order), so raising the mark
+    // Readers run in later launches (stream order), so raising the marks
     // before the bytes below are stored is safe.
-    if (lane == 0) atomicMax(written + slot, (int)(e + 1));
+    if (lane == 0) {
+        atomicMax(written + slot, (int)(e + 1));
+        marks[r] = 1;
+    }
     const i64 hd = nope_dim + rope_dim;
     const __nv_bfloat16* src = entries + b * hd;
 
@@ -218,16 +262,13 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_write(
 // ===========================================================================
 // state_append: one CTA per batch row; 4 channels per thread per step.
 // Row count[s] of the a-stream of slot s gets kv and z (+ ape[count]);
-// count += 1. Out-of-range slot or a full window (count >= m; count < 0 is
-// treated the same way) -> skipped, errors += 1.
-// Thread 0 claims the row with a compare-and-swap on count[s] and hands it
-// to the CTA through shared memory. With a duplicate slot (a caller error)
-// the CTAs of that slot then take distinct rows: exactly m - count of them
-// append and the others are counted, the reference's count and error
-// total (only which rows land where depends on the order). One read per
-// CTA also matters: threads that read count separately could disagree on
-// whether to return, so some would wait at a barrier the others never
-// reach (a hang).
+// count += 1. Out-of-range slot, a valid row below with the same slot (a
+// duplicate: the lowest row appends) or a full window (count >= m; count < 0
+// is treated the same way) -> skipped, errors += 1.
+// Thread 0 reads count[s] once and hands it to the CTA through shared
+// memory: threads that read count separately could disagree on whether to
+// return, so some would wait at a barrier the others never reach (a hang).
+// The CTA that owns the slot is the only writer of its count.
 // ===========================================================================
 template <typename TKV, typename TZ>
 __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_append(
@@ -239,17 +280,13 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_append(
     const i64 b = blockIdx.x;
     if (!valid[b]) return;                                   // CTA-uniform (read-only input)
     const i64 s = slots[b];
-    if (s < 0 || s >= S) {
+    if (s < 0 || s >= S || slot_taken_below(valid, slots, b, s)) {
         if (threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }
     if (threadIdx.x == 0) {
-        int c = count[s];
-        while (c >= 0 && c < m) {
-            const int seen = atomicCAS(count + s, c, c + 1);
-            if (seen == c) break;                            // row c is this CTA's
-            c = seen;
-        }
+        const int c = count[s];
+        if (c >= 0 && c < m) count[s] = c + 1;
         sh_count = c;
     }
     __syncthreads();
@@ -281,7 +318,8 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_append(
 //   MODE RKV_KV_RESET_CSA   csa_rotate: b <- a[:, :, :d] (kv and z), then a emptied, count 0
 //   MODE RKV_KV_RESET_CLEAR clear     : a and b (when present) emptied, count 0
 // Each float4 of the a-stream is read (csa_rotate) and cleared by one thread, so
-// no barrier is needed. Out-of-range slot: skipped, errors += 1.
+// no barrier is needed. Out-of-range slot, or a valid row below with the
+// same slot (a duplicate: the lowest row acts): skipped, errors += 1.
 // ===========================================================================
 template <int MODE>
 __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_reset(
@@ -292,7 +330,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_reset(
     const i64 b = blockIdx.x;
     if (valid != nullptr && !valid[b]) return;
     const i64 s = slots[b];
-    if (s < 0 || s >= S) {
+    if (s < 0 || s >= S || slot_taken_below(valid, slots, b, s)) {
         if (threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }
@@ -332,9 +370,10 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_reset(
 // (two for FP32 output).
 //   TOPK (DENSE = false): entry e = ids[b, j]; -1 -> zero row, not counted;
 //     any other e < 0, e >= n (when n_entries is given), e >= written[slot],
-//     or a bad slot/block -> zero row, errors += 1.
+//     a bad slot/block, or marks[row] == 0 -> zero row, errors += 1.
 //   DENSE: entry e = j; j >= n -> zero row (padding), not counted; for
-//     j < n, j >= written[slot] or a bad slot/block -> zero row, errors += 1;
+//     j < n, j >= written[slot], a bad slot/block or marks[row] == 0 -> zero
+//     row, errors += 1;
 //     n < 0 or n > K counts one more error (at j == 0) and the first
 //     min(n, K) rows are gathered.
 //   valid != nullptr and valid[b] false -> zero rows, not counted.
@@ -347,9 +386,9 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
         const __nv_bfloat16* __restrict__ rope, const int* __restrict__ table,
         const int* __restrict__ slots, const TID* __restrict__ ids,
         const int* __restrict__ n_entries, const bool* __restrict__ valid,
-        const int* __restrict__ written, TO* __restrict__ out, int* __restrict__ errors,
-        i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks, i64 num_blocks,
-        i64 epb, i64 nope_dim, i64 rope_dim) {
+        const int* __restrict__ written, const u8* __restrict__ marks, TO* __restrict__ out,
+        int* __restrict__ errors, i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks,
+        i64 num_blocks, i64 epb, i64 nope_dim, i64 rope_dim) {
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const i64 rows = B * K;
@@ -379,6 +418,10 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
                         ? locate(table, slot, e, num_requests, max_blocks, num_blocks, epb) : -1;
                     errs += r < 0;
                 }
+            }
+            if (r >= 0 && marks[r] == 0) {                // not written by this block's owner
+                r = -1;
+                errs += 1;
             }
         }
         TO* dst = out + row * hd;
@@ -432,7 +475,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
 }
 
 // ===========================================================================
-// Indexer-key gather (DENSE rules of rkv_kv_gather, written[] included): one thread per NVFP4
+// Indexer-key gather (DENSE rules of rkv_kv_gather, written[] and marks[] included): one thread per NVFP4
 // block of 16 (8-byte code load + 1 scale byte, 16 outputs: two 16-byte
 // stores for BF16/FP16, four for FP32), grid-stride over B*K*(index_dim/16).
 // ===========================================================================
@@ -441,9 +484,9 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index(
         const u8* __restrict__ idx_q, const u8* __restrict__ idx_sf,
         const int* __restrict__ table, const int* __restrict__ slots,
         const int* __restrict__ n_entries, const bool* __restrict__ valid,
-        const int* __restrict__ written, TO* __restrict__ out, int* __restrict__ errors,
-        i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks, i64 num_blocks,
-        i64 epb, i64 index_dim) {
+        const int* __restrict__ written, const u8* __restrict__ marks, TO* __restrict__ out,
+        int* __restrict__ errors, i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks,
+        i64 num_blocks, i64 epb, i64 index_dim) {
     const i64 nb = index_dim / 16;
     const i64 total = B * K * nb;
     for (i64 t = global_thread(); t < total; t += grid_threads()) {
@@ -458,6 +501,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index(
             const i64 wr = (slot >= 0 && slot < num_requests) ? (i64)written[slot] : 0;
             if (j < n) {
                 r = j < wr ? locate(table, slot, j, num_requests, max_blocks, num_blocks, epb) : -1;
+                if (r >= 0 && marks[r] == 0) r = -1;      // not written by this block's owner
                 errs += (r < 0 && k == 0);
             }
         }

@@ -33,7 +33,12 @@
 //   6. scatter through block_table[row][entry / epb]; a row outside the
 //      block table, an entry id past the table or the RoPE table, or a
 //      physical block outside [0, num_blocks), is skipped and counted in
-//      *errors; written[row] = max(written[row], entry + 1).
+//      *errors; written[row] = max(written[row], entry + 1) and
+//      marks[dest] = 1 (the entry is written by its block's owner: gathers
+//      read only marked entries).
+//      Decode duplicates: a lower row that writes the same pool entry owns
+//      it; this row writes nothing and is counted (every CTA scans the rows
+//      below it with the same decision, decode_target; run-order free).
 //      Decode: rows with valid_mask false are skipped silently; an
 //      out-of-range slot is counted. The flush decision is taken per ROW,
 //      identically by both parts, from both states' counts: neither window
@@ -126,6 +131,29 @@ __device__ __forceinline__ bool block_any(bool p) {
     return __syncthreads_or(p ? 1 : 0) != 0;
 }
 
+// Pool entry row that decode row q writes (the kernel's own decision: valid,
+// slot in range, both windows complete, position >= 0, entry inside the RoPE
+// table and the block table, block in range), or -1.
+template <typename I>
+__device__ __forceinline__ i64 decode_target(i64 q, const u8* __restrict__ valid, const I* __restrict__ slots,
+                                             const I* __restrict__ positions, const int* __restrict__ count0,
+                                             const int* __restrict__ count1, const int* __restrict__ block_table,
+                                             i64 n_slots, i64 bt_rows, i64 bt_stride, i64 num_blocks, i64 epb,
+                                             i64 m, i64 n_tab) {
+    if (!valid[q]) return -1;
+    const i64 s = (i64)slots[q];
+    if (s < 0 || s >= n_slots || s >= bt_rows) return -1;
+    const bool full0 = (i64)count0[s] == m;
+    const bool full1 = count1 != nullptr ? (i64)count1[s] == m : full0;
+    const i64 pos = (i64)positions[q];
+    if (!full0 || !full1 || pos < 0) return -1;
+    const i64 e = pos / m, lb = e / epb;
+    if (e >= n_tab || lb >= bt_stride) return -1;
+    const i64 blk = (i64)block_table[s * bt_stride + lb];
+    if (blk < 0 || blk >= num_blocks) return -1;
+    return blk * epb + (e - lb * epb);
+}
+
 }  // namespace
 
 template <typename T, typename I, bool DECODE, bool OVERLAP, int RG>
@@ -146,7 +174,7 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
     const float* __restrict__ rope_tab, long long n_tab, long long rope_dim,
     // paged pool geometry
     const int* __restrict__ block_table, long long bt_rows, long long bt_stride,
-    long long num_blocks, long long epb, long long m, int* __restrict__ written,
+    long long num_blocks, long long epb, long long m, int* __restrict__ written, u8* __restrict__ marks,
     // decode: batch rows
     const u8* __restrict__ valid, const I* __restrict__ slots, const I* __restrict__ positions,
     long long n_slots,
@@ -240,6 +268,16 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
         return;
     }
     const i64 dest = blk * epb + (e - lb * epb);
+    if constexpr (DECODE) {
+        bool hit = false;
+        for (i64 q = threadIdx.x; q < n; q += blockDim.x)
+            hit |= decode_target(q, valid, slots, positions, count0, count1, block_table, n_slots, bt_rows,
+                                 bt_stride, num_blocks, epb, m, n_tab) == dest;
+        if (block_any(hit)) {                       // a lower row owns this entry
+            if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
+            return;
+        }
+    }
 
     // ---- 1. softmax pooling ----
     const int mb = OVERLAP ? (int)m : 0;
@@ -411,6 +449,7 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
                 // part 1 writes the key of this entry in the same launch; readers
                 // come in later launches
                 atomicMax(written + row, (int)(e + 1));
+                marks[dest] = 1;
             }
         }
     } else {

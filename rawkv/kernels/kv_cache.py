@@ -24,7 +24,7 @@ FLUSH_WRITE = FILE.kernel(
     "rkv_kv_flush_write",
     "const __nv_bfloat16* entries, const __nv_bfloat16* index_keys, const bool* valid, "
     "const int* slots, const int* positions, const int* table, u8* fp8, float* scale, "
-    "__nv_bfloat16* rope, u8* idx_q, u8* idx_sf, int* written, int* errors, "
+    "__nv_bfloat16* rope, u8* idx_q, u8* idx_sf, int* written, u8* marks, int* errors, "
     "i64 B, i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 m, "
     "i64 nope_dim, i64 rope_dim, i64 index_dim",
     (TParam("bool", "HAS_INDEX", (True, False)),))
@@ -46,7 +46,7 @@ GATHER = FILE.kernel(
     "rkv_kv_gather",
     "const u8* fp8, const float* scale, const __nv_bfloat16* rope, const int* table, "
     "const int* slots, const TID* ids, const int* n_entries, const bool* valid, "
-    "const int* written, TO* out, int* errors, i64 B, i64 K, i64 slot0, i64 n0, "
+    "const int* written, const u8* marks, TO* out, int* errors, i64 B, i64 K, i64 slot0, i64 n0, "
     "i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 nope_dim, i64 rope_dim",
     (_TO, TParam("typename", "TID", _IDS), TParam("bool", "DENSE", (False, True))),
     instances=[(o, i, False) for o in _TO.values for i in _IDS] + [(o, "int32", True) for o in _TO.values])
@@ -54,6 +54,7 @@ GATHER = FILE.kernel(
 GATHER_INDEX = FILE.kernel(
     "rkv_kv_gather_index",
     "const u8* idx_q, const u8* idx_sf, const int* table, const int* slots, const int* n_entries, "
-    "const bool* valid, const int* written, TO* out, int* errors, i64 B, i64 K, i64 slot0, i64 n0, "
+    "const bool* valid, const int* written, const u8* marks, TO* out, int* errors, i64 B, i64 K, "
+    "i64 slot0, i64 n0, "
     "i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 index_dim",
     (_TO,))

@@ -43,7 +43,7 @@ COMPRESS = FILE.kernel(
     # RoPE table, pool geometry
     "const float* rope_tab, long long n_tab, long long rope_dim, const int* block_table, "
     "long long bt_rows, long long bt_stride, long long num_blocks, long long epb, long long m, "
-    "int* written, "
+    "int* written, u8* marks, "
     # decode batch rows; prefill slot / entries
     "const u8* valid, const I* slots, const I* positions, long long n_slots, "
     "long long slot, long long start_entry, long long pre, int* errors, double eps",

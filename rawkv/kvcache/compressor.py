@@ -122,4 +122,5 @@ def pool_args(pool, tab, errors, eps) -> dict:
         rope_tab=tab, n_tab=tab.shape[0], rope_dim=pool.rope_dim,
         block_table=pool.block_table, bt_rows=pool.max_requests,
         bt_stride=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
-        epb=pool.entries_per_block, m=pool.m, written=pool.written, errors=errors, eps=eps)
+        epb=pool.entries_per_block, m=pool.m, written=pool.written, marks=pool.marks, errors=errors,
+        eps=eps)

@@ -22,9 +22,10 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
     keys. The non-RoPE dims become E4M3 with one FP32 decode scale
     (docs/format.md; NaN/Inf -> scale NaN, codes 0), the RoPE dims are
     stored as BF16, the indexer key as one-level NVFP4; pool.written[slot]
-    becomes at least e + 1. A valid row whose slot, position or block is out
-    of range writes nothing and adds 1 to errors. Two valid rows aimed at
-    one entry: undefined. One launch."""
+    becomes at least e + 1 and the entry is marked written (pool.marks). A
+    valid row whose slot, position or block is out of range writes nothing
+    and adds 1 to errors. Two valid rows aimed at one entry: the lowest
+    writes it, the others write nothing and add 1 each. One launch."""
     C.check_pool(pool)
     if D.compiling():
         return V.call(FLUSH_WRITE_OP, **V.pool_args(pool, errors), entries=entries, valid_mask=valid_mask,
@@ -54,7 +55,7 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
     K.FLUSH_WRITE.instance(pool.has_index).launch(
         get_runtime(dev), (-(-B // K.FLUSH_ROWS),), (32 * K.FLUSH_ROWS,), stream=stream, entries=e, index_keys=k, valid=v, slots=s, positions=p,
         table=pool.block_table, fp8=pool.fp8, scale=pool.scale, rope=pool.rope, idx_q=pool.index_q,
-        idx_sf=pool.index_sf, written=pool.written, errors=err, B=B,
+        idx_sf=pool.index_sf, written=pool.written, marks=pool.marks, errors=err, B=B,
         num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request,
         num_blocks=pool.num_blocks, epb=pool.entries_per_block, m=pool.m,
         nope_dim=pool.nope_dim, rope_dim=pool.rope_dim, index_dim=pool.index_head_dim or 0)

@@ -64,7 +64,7 @@ def _gather(rt, inst, pool, slots, ids, n_entries, valid, out, err, B, Kk, slot0
     grid, block = rt.grid_stride(B * Kk * 32, K.BLOCK)
     inst.launch(rt, (grid,), (block,), stream=stream, fp8=pool.fp8, scale=pool.scale, rope=pool.rope,
                 table=pool.block_table, slots=slots, ids=ids, n_entries=n_entries, valid=valid,
-                written=pool.written, out=out, errors=err, B=B, K=Kk, slot0=slot0, n0=n0,
+                written=pool.written, marks=pool.marks, out=out, errors=err, B=B, K=Kk, slot0=slot0, n0=n0,
                 num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request,
                 num_blocks=pool.num_blocks, epb=pool.entries_per_block, nope_dim=pool.nope_dim,
                 rope_dim=pool.rope_dim)
@@ -85,7 +85,7 @@ def _dense_launch(pool, index, slots, n_entries, valid, slot0, n0, B, Kk, out, e
     K.GATHER_INDEX.instance(out.dtype).launch(
         rt, (grid,), (block,), stream=stream, idx_q=pool.index_q, idx_sf=pool.index_sf,
         table=pool.block_table, slots=slots, n_entries=n_entries, valid=valid, written=pool.written,
-        out=out, errors=err, B=B, K=Kk, slot0=slot0, n0=n0, num_requests=pool.max_requests,
+        marks=pool.marks, out=out, errors=err, B=B, K=Kk, slot0=slot0, n0=n0, num_requests=pool.max_requests,
         max_blocks=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
         epb=pool.entries_per_block, index_dim=pool.index_head_dim)
 

@@ -18,8 +18,13 @@ pool and kernels"):
     block_table (max_requests, max_blocks_per_request) int32    -1 = no block
     written     (max_requests,) int32: entries the slot's request has written
                 (high-water mark: entry id + 1 of its highest write); every
-                gather bounds entry ids by it, so bytes left in a reused block
-                by an earlier request are never returned (docs/kvcache.md)
+                gather bounds entry ids by it
+    marks       (num_blocks, epb) uint8: 1 = the entry was written since its
+                block was allocated to its request (prepare_step clears the
+                marks of the blocks it allocates, the writers set them); every
+                gather returns only marked entries, so bytes left in a reused
+                block by an earlier request are never returned, not even below
+                written[] (docs/kvcache.md, "Stale entries")
     errors      (1,) int32: kernels atomically add the rows they skipped
 
 The free list and the per-slot bookkeeping live on the host. Entry e of the
@@ -98,6 +103,22 @@ class ErrorCounter:
 
     BUFFERS: tuple = ()      # the buffers' attribute names, which are the operators' argument names
     _torch = None
+    _sealed = False
+
+    def __setattr__(self, name, value):
+        # The buffers are checked once, when the object is built (constructor or
+        # views.pool_view / state_view), and the ops trust them from then on:
+        # replacing one (an int64 block table, an undersized scale buffer) would
+        # let a kernel write out of bounds, so it is refused.
+        if self._sealed and name in self.BUFFERS:
+            raise AttributeError(f"{name}: a {type(self).__name__}'s buffers are fixed when it is built "
+                                 "(checked once, trusted by every op); write into them in place, or "
+                                 "build a new one")
+        object.__setattr__(self, name, value)
+
+    def _seal(self) -> None:
+        """The buffers are in place and checked: fix them (__setattr__)."""
+        object.__setattr__(self, "_sealed", True)
 
     def torch_buffers(self) -> dict:
         """{name: torch tensor or None} of BUFFERS: what a public op passes to
@@ -144,7 +165,8 @@ class PagedKVPool(ErrorCounter):
     index_head_dim=None) or 'hca' (m = 128, no indexer key).
     """
 
-    BUFFERS = ("fp8", "scale", "rope", "index_q", "index_sf", "block_table", "written", "errors")
+    BUFFERS = ("fp8", "scale", "rope", "index_q", "index_sf", "block_table", "written", "marks",
+               "errors")
 
     def __init__(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                  *, head_dim=ref.HEAD_DIM, rope_dim=ref.ROPE_DIM, index_head_dim=_DEFAULT,
@@ -179,17 +201,19 @@ class PagedKVPool(ErrorCounter):
                 self.index_q = self.index_sf = None
             self.block_table = torch.full((R, MB), -1, dtype=torch.int32, device=dev)
             self.written = torch.zeros(R, dtype=torch.int32, device=dev)
+            self.marks = torch.zeros((nb, epb), dtype=torch.uint8, device=dev)
             self.errors = torch.zeros(1, dtype=torch.int32, device=dev)
         else:
             self.device = "cpu"
             r = ref.PagedPoolRef.create(nb, epb, self.m, self.head_dim, self.rope_dim,
                                         self.index_head_dim)
             self.fp8, self.scale, self.rope = r.kv_fp8, r.kv_scale, r.kv_rope
-            self.index_q, self.index_sf = r.idx_q, r.idx_sf
+            self.index_q, self.index_sf, self.marks = r.idx_q, r.idx_sf, r.marks
             self.block_table = self._table          # the mirror is the table
             self.written = np.zeros(R, np.int32)
             self.errors = np.zeros(1, np.int32)
         self._init_torch_buffers()
+        self._seal()
 
     def _set_geometry(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                       head_dim, rope_dim, index_head_dim) -> None:
@@ -352,20 +376,37 @@ class PagedKVPool(ErrorCounter):
                                    f"({total} for this step) but only {avail} of {self.num_blocks} "
                                    "are free; nothing was allocated")
         lo, hi = self.max_requests, -1
+        new = []
         for s, k in need.items():
             if k:
                 n0 = int(self._nblocks[s])
                 for i in range(k):
                     self._table[s, n0 + i] = self._free.pop()
+                new.extend(self._table[s, n0:n0 + k].tolist())
                 self._nblocks[s] = n0 + k
                 lo, hi = min(lo, s), max(hi, s)
         for s, p in last.items():
             self._n_entries[s] = max(int(self._n_entries[s]), (p + 1) // self.m)
-        if hi >= 0 and self.is_cuda:
-            import torch
-            self._staging = torch.from_numpy(self._table[lo:hi + 1].copy())
-            self.block_table[lo:hi + 1].copy_(self._staging, non_blocking=True)
+        if hi >= 0:
+            self._new_owner(lo, hi, new)
         return total
+
+    def _new_owner(self, lo: int, hi: int, blocks: list) -> None:
+        """Blocks `blocks` were just allocated to the requests of slots lo..hi:
+        upload those block-table rows and clear the blocks' marks (their
+        bytes are a previous owner's), in stream order before any op of the
+        step, so no gather can return them. CUDA: one host->device copy of
+        the rows followed by the block ids, one index_fill_."""
+        if not self.is_cuda:
+            ref.reset_marks(self.reference_view(), blocks)
+            return
+        import torch
+        rows = self._table[lo:hi + 1]
+        # int64: index_fill_'s index dtype; copy_ narrows the rows to int32 on the device
+        self._staging = torch.from_numpy(np.concatenate([rows.ravel(), blocks]).astype(np.int64))
+        dev = self._staging.to(self.device, non_blocking=True)
+        self.block_table[lo:hi + 1].copy_(dev[:rows.size].view(rows.shape))
+        self.marks.index_fill_(0, dev[rows.size:], 0)
 
     # -- reference views ------------------------------------------------------
     def to_reference(self) -> ref.PagedPoolRef:
@@ -376,7 +417,8 @@ class PagedKVPool(ErrorCounter):
             return self.reference_view().copy()
         c = lambda t: None if t is None else t.cpu().numpy()  # noqa: E731
         return ref.PagedPoolRef(self.m, c(self.fp8), c(self.scale), self.rope.float().cpu().numpy(),
-                                c(self.index_q), c(self.index_sf), c(self.block_table), c(self.written))
+                                c(self.index_q), c(self.index_sf), c(self.block_table), c(self.written),
+                                c(self.marks))
 
     def reference_view(self) -> ref.PagedPoolRef:
         """CPU pools: a PagedPoolRef sharing this pool's arrays (request table
@@ -384,4 +426,4 @@ class PagedKVPool(ErrorCounter):
         if self.is_cuda:
             raise ValueError("pool: reference_view() is for CPU pools; use to_reference()")
         return ref.PagedPoolRef(self.m, self.fp8, self.scale, self.rope, self.index_q, self.index_sf,
-                                self.block_table, self.written)
+                                self.block_table, self.written, self.marks)

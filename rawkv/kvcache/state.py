@@ -57,6 +57,7 @@ class DecodeState(ErrorCounter):
             self.kv_b, self.z_b = st.b_kv, st.b_z
             self.errors = np.zeros(1, np.int32)
         self._init_torch_buffers()
+        self._seal()
 
     def _set_geometry(self, kind, max_requests, head_dim) -> None:
         """The state's sizes, checked (the constructor's rules, and

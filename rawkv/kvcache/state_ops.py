@@ -79,10 +79,9 @@ def state_append(state, kv, z, valid_mask, slots, *, ape=None, errors=None, stre
     count[s] += 1. kv, z (B, coff*head_dim) float32 or bfloat16; ape
     (m, coff*head_dim) float32 or None; valid_mask (B,) bool; slots (B,)
     int32. A valid row with an out-of-range slot or a full window
-    (count == m: a missed flush) is skipped and adds 1 to errors. Slots must
-    be distinct among valid rows (duplicates, a caller error, append as many
-    rows as the window has left, in no defined order, and count the rest).
-    One launch."""
+    (count == m: a missed flush) is skipped and adds 1 to errors. Duplicate
+    slots among valid rows (a caller error): the lowest row appends, the
+    others are skipped and add 1 each. One launch."""
     C.check_state(state)
     if D.compiling():
         return V.call(APPEND_OP, **V.state_args(state, errors), kv=kv, z=z, valid_mask=valid_mask,
@@ -143,8 +142,8 @@ def _reset(state, mode, valid_mask, slots, errors, stream):
 def csa_rotate(state, valid_mask, slots, *, errors=None, stream=None):
     """After a CSA flush, for each valid row: b <- b-half of the a rows
     (channels [0:head_dim]), a emptied (kv 0, z -inf), count 0
-    (reference.csa_rotate). Out-of-range slot: skipped, errors += 1. Slots
-    distinct among valid rows. One launch."""
+    (reference.csa_rotate). Out-of-range slot, or a duplicate of a lower
+    valid row's slot: skipped, errors += 1. One launch."""
     C.check_state(state)
     if not state.overlap:
         raise ValueError("state: csa_rotate needs a CSA state (use hca_reset for HCA)")

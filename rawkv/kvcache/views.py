@@ -36,7 +36,8 @@ def pool_schema(writes: bool) -> str:
     the ops that write entries; `errors` (the counter the op adds to) always."""
     w = "(!)" if writes else ""
     return (f"str kind, Tensor{w} fp8, Tensor{w} scale, Tensor{w} rope, Tensor{w}? index_q, "
-            f"Tensor{w}? index_sf, Tensor block_table, Tensor{w} written, Tensor(!) errors")
+            f"Tensor{w}? index_sf, Tensor block_table, Tensor{w} written, Tensor{w} marks, "
+            "Tensor(!) errors")
 
 
 _STATE = DecodeState.BUFFERS[:-1]       # a state's buffers but its counter
@@ -118,7 +119,8 @@ def _blocks_of(x, name: str, nb: int, epb: int) -> None:
         raise ValueError(f"{name}: expected shape ({nb}, {epb}, n) (fp8's blocks), got {tuple(x.shape)}")
 
 
-def pool_view(kind, fp8, scale, rope, index_q, index_sf, block_table, written, errors) -> PagedKVPool:
+def pool_view(kind, fp8, scale, rope, index_q, index_sf, block_table, written, marks,
+              errors) -> PagedKVPool:
     """A PagedKVPool over these buffers (a CUDA pool's tensors, or host
     arrays: a CPU pool's, as numpy views), geometry from their shapes and
     `kind`, checked as the constructor checks its sizes. rope is bfloat16 on
@@ -144,14 +146,16 @@ def pool_view(kind, fp8, scale, rope, index_q, index_sf, block_table, written, e
     bt = C.arg(block_table, "block_table", C.I32, dev, ndim=2)
     R, MB = bt.shape
     wr = C.arg(written, "written", C.I32, dev, shape=(R,))
+    mk = C.arg(marks, "marks", U8, dev, shape=(nb, epb))
     err = C.errors_arg(A.require_array(errors, "errors"), None, dev)
     p = PagedKVPool.__new__(PagedKVPool)
     p._set_geometry(kind, nb, epb, R, MB, nope + r.shape[2], r.shape[2], ih)
     p.is_cuda, p.device_index = dev is not None, dev
     p.device = f.device if dev is not None else "cpu"
     p.fp8, p.scale, p.rope, p.index_q, p.index_sf = f, s, r, iq, isf
-    p.block_table, p.written, p.errors = bt, wr, err
+    p.block_table, p.written, p.marks, p.errors = bt, wr, mk, err
     p._table = p._free = p._active = p._nblocks = p._n_entries = p._staging = None
+    p._seal()
     return p
 
 
@@ -183,5 +187,6 @@ def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:
     st.device = a.device if dev is not None else "cpu"
     st.kv_a, st.z_a, st.kv_b, st.z_b, st.count = a, za, kb, zb, c
     st.errors = None if errors is None else C.errors_arg(errors, None, dev)
+    st._seal()
     return st
 

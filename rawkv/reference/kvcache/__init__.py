@@ -40,7 +40,9 @@ from .finish import (  # noqa: F401
 from .quant import (  # noqa: F401
     fp8_entry_dequantize, fp8_entry_quantize, indexer_key_dequantize, indexer_key_quantize,
 )
-from .pool import PagedPoolRef, flush_write, gather_dense, gather_index_keys, gather_topk  # noqa: F401
+from .pool import (  # noqa: F401
+    PagedPoolRef, flush_write, gather_dense, gather_index_keys, gather_topk, reset_marks,
+)
 from .state import (  # noqa: F401
     DecodeStateRef, csa_rotate, hca_reset, state_append, state_clear, state_pool, state_seed,
 )

@@ -16,6 +16,14 @@ max_blocks_per_request=), or PagedKVPool.reference_view()):
   of range (zero row, one error). Freed blocks keep their bytes and are
   reused, so without this bound a gather would return an earlier request's
   entry as if it were valid (docs/kvcache.md, "Stale entries").
+* written[slot] alone does not make an entry readable: an id below the mark
+  that this request never wrote (compress_prefill starting at entry 3 of a
+  fresh request leaves 0..2 unwritten) still holds a previous owner's bytes.
+  pool.marks holds one written flag per entry: the writers set it, block
+  allocation clears it (reset_marks; PagedKVPool.prepare_step), and every
+  gather returns only marked entries (zero row, one error otherwise).
+* Duplicates: two valid rows of one batch aimed at the same physical entry
+  -> the lowest row writes it, the others are skipped and counted.
 * Every function returns the number of rows it skipped and counted; the
   ops add it to their error counter.
 """

@@ -25,6 +25,10 @@ class PagedPoolRef:
     kv_rope  (num_blocks, epb, 64)  float32  BF16 values of the RoPE dims
     idx_q    (num_blocks, epb, 64)  uint8    CSA only: indexer key E2M1 pairs
     idx_sf   (num_blocks, epb, 8)   uint8    CSA only: indexer UE4M3 scales
+    marks    (num_blocks, epb)      uint8    1: the entry was written since its
+             block was last allocated (reset_marks); every gather returns only
+             marked entries, so a reused block never shows its previous
+             owner's bytes (None: no marks, every located entry is read)
 
     The request table, for the slot-addressed functions of .paged (None
     when only the block-table-row functions here are used):
@@ -41,6 +45,7 @@ class PagedPoolRef:
     idx_sf: np.ndarray | None = None
     block_table: np.ndarray | None = None
     written: np.ndarray | None = None
+    marks: np.ndarray | None = None
 
     @classmethod
     def create(cls, num_blocks: int, entries_per_block: int, m: int,
@@ -56,7 +61,8 @@ class PagedPoolRef:
         pool = cls(m=m,
                    kv_fp8=np.zeros(shp + (head_dim - rope_dim,), np.uint8),
                    kv_scale=np.zeros(shp, np.float32),
-                   kv_rope=np.zeros(shp + (rope_dim,), np.float32))
+                   kv_rope=np.zeros(shp + (rope_dim,), np.float32),
+                   marks=np.zeros(shp, np.uint8))
         if index_head_dim is not None:
             if index_head_dim % NVFP4_BLOCK:
                 raise ValueError(f"index_head_dim: expected a multiple of 16, got {index_head_dim}")
@@ -94,7 +100,16 @@ class PagedPoolRef:
     def copy(self) -> "PagedPoolRef":
         c = lambda a: None if a is None else a.copy()  # noqa: E731
         return PagedPoolRef(self.m, c(self.kv_fp8), c(self.kv_scale), c(self.kv_rope),
-                            c(self.idx_q), c(self.idx_sf), c(self.block_table), c(self.written))
+                            c(self.idx_q), c(self.idx_sf), c(self.block_table), c(self.written),
+                            c(self.marks))
+
+
+def reset_marks(pool: PagedPoolRef, blocks) -> None:
+    """Blocks `blocks` change owner (allocated to a request): none of their
+    entries is written by the new owner yet, so every gather reads them as
+    unwritten (zero row, counted) until a flush writes them."""
+    if pool.marks is not None:
+        pool.marks[_ints("blocks", np.asarray(blocks, np.int64).reshape(-1), ndim=1)] = 0
 
 
 def _locate(pool: PagedPoolRef, table_row: np.ndarray, entry_id: int):
@@ -127,8 +142,9 @@ def flush_write(pool: PagedPoolRef, entries, valid_mask, positions, block_table,
     Returns the number of valid rows skipped because the position is
     negative, the logical block is past the block table, or the physical
     block id is outside [0, num_blocks): nothing is written for them.
-    Rows are written in batch order (two rows aimed at one entry: last wins;
-    kernels leave that undefined, callers must not do it).
+    Two valid rows aimed at one entry (the same physical entry): the lowest
+    row writes it, every other is skipped and counted (the kernels do the
+    same, so the result does not depend on the order rows run in).
     """
     return _flush(pool, entries, valid_mask, positions, block_table, index_keys)[0]
 
@@ -155,14 +171,16 @@ def _flush(pool: PagedPoolRef, entries, valid_mask, positions, block_table, inde
         iq, isf = indexer_key_quantize(index_keys)
     errors = 0
     done = np.full(B, -1, np.int64)
+    taken = set()
     for b in range(B):
         if not valid_mask[b]:
             continue
         pos = int(positions[b])
         loc = _locate(pool, block_table[b], pos // pool.m) if pos >= 0 else None
-        if loc is None:
+        if loc is None or loc in taken:        # bad target, or a lower row's entry
             errors += 1
             continue
+        taken.add(loc)
         done[b] = pos // pool.m
         pool.kv_fp8[loc] = codes[b]
         pool.kv_scale[loc] = scale[b]
@@ -170,6 +188,8 @@ def _flush(pool: PagedPoolRef, entries, valid_mask, positions, block_table, inde
         if index_keys is not None:
             pool.idx_q[loc] = iq[b]
             pool.idx_sf[loc] = isf[b]
+        if pool.marks is not None:
+            pool.marks[loc] = 1
     return errors, done
 
 
@@ -185,6 +205,8 @@ def _read_entries(pool: PagedPoolRef, table_row, ids, n_entries, pad_ok: bool, d
         if pad_ok and e == -1:
             continue
         loc = None if (n_entries is not None and e >= n_entries) else _locate(pool, table_row, e)
+        if loc is not None and pool.marks is not None and not pool.marks[loc]:
+            loc = None                           # not written since the block was allocated
         if loc is None:
             errors += 1
             continue
@@ -205,7 +227,10 @@ def gather_dense(pool: PagedPoolRef, block_table_row, n_entries: int,
     range is a zero row and counts one error. written: the number of entries
     the request has written (None: no bound); entry ids >= written would read
     bytes the request never wrote (a previous owner's, after block reuse), so
-    they are zero rows and count one error each.
+    they are zero rows and count one error each. So is an entry not marked
+    written since its block was allocated (pool.marks): below the high-water
+    mark, a request may have skipped entries (a prefill starting mid-request)
+    whose bytes are still a previous owner's.
     """
     row = _ints("block_table_row", block_table_row, ndim=1)
     if n_entries < 0:
@@ -222,7 +247,8 @@ def gather_topk(pool: PagedPoolRef, block_table, topk_ids, n_entries=None,
     None, the number of entries each request has written.
     rows: (..., k, head_dim) float32 (`dtype` values). id -1 is padding: zero
     row, no error. Any other id that is negative, >= n_entries, or maps to an
-    out-of-range block gives a zero row and counts one error.
+    out-of-range block, or is not marked written (pool.marks), gives a zero
+    row and counts one error.
     """
     table = _ints("block_table", block_table)
     ids = _ints("topk_ids", topk_ids)

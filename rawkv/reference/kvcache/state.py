@@ -76,24 +76,35 @@ def _slots_and_mask(state, valid_mask, slots):
     return _mask("valid_mask", valid_mask, slots.shape[0]), slots
 
 
-def _valid_slots(state, valid_mask, slots):
-    """(slots of the valid rows that are in range, in batch order; the
-    number of valid rows whose slot is out of range: skipped and counted)."""
-    valid_mask, slots = _slots_and_mask(state, valid_mask, slots)
-    ok, errors = [], 0
+def _owner_rows(valid_mask, slots, slot_ok):
+    """(rows that own their slot, in batch order; the number of valid rows
+    skipped and counted). The duplicate rule of every state op: among the
+    valid rows whose slot is in range, the lowest row of a slot owns it;
+    the other rows of that slot are skipped and counted, so the result
+    never depends on the order rows run in."""
+    rows, seen, errors = [], set(), 0
     for b in np.flatnonzero(valid_mask):
         s = int(slots[b])
-        if _slot_ok(state, s):
-            ok.append(s)
-        else:
+        if not slot_ok(s) or s in seen:
             errors += 1
-    return ok, errors
+            continue
+        seen.add(s)
+        rows.append(int(b))
+    return rows, errors
+
+
+def _valid_slots(state, valid_mask, slots):
+    """(slots owned by a valid row (_owner_rows), in batch order; the number
+    of valid rows skipped and counted: slot out of range or a duplicate)."""
+    valid_mask, slots = _slots_and_mask(state, valid_mask, slots)
+    rows, errors = _owner_rows(valid_mask, slots, lambda s: _slot_ok(state, s))
+    return [int(slots[b]) for b in rows], errors
 
 
 def state_clear(state: DecodeStateRef, slots, valid_mask=None) -> int:
     """New request in `slots` (B,): both streams emptied, count 0, for each
     row with valid_mask (B,) True (None: every row). Returns the number of
-    those rows whose slot is out of range (skipped)."""
+    those rows skipped: slot out of range or a duplicate."""
     slots = _ints("slots", slots, ndim=1)
     ok, errors = _valid_slots(state, np.ones(slots.shape[0], bool) if valid_mask is None else valid_mask,
                               slots)
@@ -150,8 +161,9 @@ def state_append(state: DecodeStateRef, kv, z, valid_mask, slots, ape=None) -> i
     kv, z: (B, coff*d) float32; valid_mask (B,) bool; slots (B,) int;
     ape: (m, coff*d) or None, ape[count] is added to z (count == t mod m for
     windows aligned at multiples of m). Returns the number of valid rows
-    skipped: slot out of range, or window already full (count == m: the
-    caller missed a flush).
+    skipped: slot out of range, a duplicate slot (only the lowest valid row
+    of a slot appends, _owner_rows), or window already full (count == m:
+    the caller missed a flush).
     """
     valid_mask, slots = _slots_and_mask(state, valid_mask, slots)
     w = state.a_kv.shape[2]
@@ -163,12 +175,10 @@ def state_append(state: DecodeStateRef, kv, z, valid_mask, slots, ape=None) -> i
         ape = _f32("ape", ape, ndim=2)
         if ape.shape != (state.m, w):
             raise ValueError(f"ape: expected shape ({state.m}, {w}), got {ape.shape}")
-    errors = 0
-    for b, s in enumerate(slots):
-        if not valid_mask[b]:
-            continue
-        s = int(s)
-        if not _slot_ok(state, s) or state.count[s] >= state.m:
+    rows, errors = _owner_rows(valid_mask, slots, lambda s: _slot_ok(state, s))
+    for b in rows:
+        s = int(slots[b])
+        if state.count[s] >= state.m:
             errors += 1
             continue
         r = int(state.count[s])
@@ -202,8 +212,8 @@ def state_pool(state: DecodeStateRef, slots) -> np.ndarray:
 
 def csa_rotate(state: DecodeStateRef, valid_mask, slots) -> int:
     """After a CSA flush: b <- b-half of the a rows, a emptied (kv 0, z -inf),
-    count 0, for each valid row. Returns the number of valid rows whose slot
-    is out of range (skipped). Slots must be distinct among valid rows."""
+    count 0, for each valid row. Returns the number of valid rows skipped:
+    slot out of range or a duplicate (the lowest valid row of a slot acts)."""
     if not state.overlap:
         raise ValueError("state: csa_rotate needs a CSA (overlap) state")
     ok, errors = _valid_slots(state, valid_mask, slots)
@@ -217,7 +227,8 @@ def csa_rotate(state: DecodeStateRef, valid_mask, slots) -> int:
 
 def hca_reset(state: DecodeStateRef, valid_mask, slots) -> int:
     """After an HCA flush: a emptied (kv 0, z -inf), count 0, for each valid
-    row. Returns the number of valid rows whose slot is out of range."""
+    row. Returns the number of valid rows skipped: slot out of range or a
+    duplicate (the lowest valid row of a slot acts)."""
     if state.overlap:
         raise ValueError("state: hca_reset needs an HCA state (use csa_rotate for CSA)")
     ok, errors = _valid_slots(state, valid_mask, slots)
