@@ -158,9 +158,11 @@ def _fill_pool(pool, B, n_entries):
         pool.index_q.copy_(torch.randint(0, 255, pool.index_q.shape, device="cuda",
                                          dtype=torch.uint8, generator=g))
         pool.index_sf.fill_(0x38)
-    # the entries count as written (as a flush would mark them): the gathers
-    # bound ids by pool.written and would otherwise time the zero-row path
+    # the entries count as written by their requests (as a flush would record
+    # them): the gathers bound ids by pool.written and read only marked
+    # entries, and would otherwise time the zero-row path
     pool.written[:B].fill_(n_entries)
+    pool.marks.fill_(1)
 
 
 def _copy_GBps():
