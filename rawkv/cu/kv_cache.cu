@@ -419,11 +419,11 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
                     errs += r < 0;
                 }
             }
+            if (r >= 0 && marks[r] == 0) {                // not written by this block's owner
+                r = -1;
+                errs += 1;
+            }
         }
-        // The mark (was this entry written by this block's owner?) is loaded
-        // beside the entry's data, not before it: a dependent load here would
-        // add one memory round trip to every row. A stale row is zeroed after.
-        const bool stale = r >= 0 && marks[r] == 0;
         TO* dst = out + row * hd;
         if (r < 0) {
             for (i64 q = lane; q < tc; q += 32) store8_zero(dst + q * 8);
@@ -450,9 +450,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const i64 c = q + 32 * h;
-                    if (stale) {                          // not written by this block's owner
-                        if (c < tc) store8_zero(dst + c * 8);
-                    } else if (c < nc) {
+                    if (c < nc) {
                         float v[8];
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
@@ -472,7 +470,6 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
                 }
             }
         }
-        errs += stale;
         if (lane == 0 && errs) atomicAdd(errors, errs);
     }
 }
@@ -504,6 +501,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index(
             const i64 wr = (slot >= 0 && slot < num_requests) ? (i64)written[slot] : 0;
             if (j < n) {
                 r = j < wr ? locate(table, slot, j, num_requests, max_blocks, num_blocks, epb) : -1;
+                if (r >= 0 && marks[r] == 0) r = -1;      // not written by this block's owner
                 errs += (r < 0 && k == 0);
             }
         }
@@ -512,20 +510,11 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index(
             store8_zero(dst);
             store8_zero(dst + 8);
         } else {
-            // the mark is loaded beside the data (see rkv_kv_gather); stale: zeros, counted once
-            const u8 mark = marks[r];
             const uint2 packed = *reinterpret_cast<const uint2*>(idx_q + r * (index_dim / 2) + k * 8);
-            const u8 sf = idx_sf[r * nb + k];
-            if (mark == 0) {                              // not written by this block's owner
-                store8_zero(dst);
-                store8_zero(dst + 8);
-                errs += (k == 0);
-            } else {
-                float v[16];
-                nvfp4_dequantize_block(packed, sf, 1.0f, v);
-                store8(dst, v);
-                store8(dst + 8, v + 8);
-            }
+            float v[16];
+            nvfp4_dequantize_block(packed, idx_sf[r * nb + k], 1.0f, v);
+            store8(dst, v);
+            store8(dst + 8, v + 8);
         }
         if (errs) atomicAdd(errors, errs);
     }
