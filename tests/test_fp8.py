@@ -218,3 +218,23 @@ def test_gpu_cupy_input_through_dlpack(cuda):
     x = cupy.asarray(np.linspace(-500, 500, 1000, dtype=np.float32))
     got = rawkv.fp8.e4m3_encode(x).view(torch.uint8).cpu().numpy()
     assert np.array_equal(got, ref.e4m3_encode(cupy.asnumpy(x)))
+
+
+@pytest.mark.parametrize("bad", [1.5, None, 3, "x", [1.0, 2.0]])
+def test_numbers_and_none_passed_as_tensors_are_type_errors(bad):
+    """A number, None, a string or a list where a tensor belongs: a TypeError
+    naming the argument (not an AttributeError about __dlpack__)."""
+    x = np.ones(4, np.float32)
+    with pytest.raises(TypeError, match="^x: expected a tensor or array"):
+        rawkv.fp8.e4m3_encode(bad)
+    if bad is not None:                         # out=None means: allocate
+        with pytest.raises(TypeError, match="^out: expected a tensor or array"):
+            rawkv.fp8.e4m3_encode(x, out=bad)
+    with pytest.raises(TypeError, match="^codes: expected a tensor or array"):
+        rawkv.fp8.e4m3_decode(bad)
+
+
+def test_zero_d_input_keeps_its_shape():
+    x = np.array(3.0, np.float32)
+    codes = rawkv.fp8.e4m3_encode(x)
+    assert codes.shape == () and rawkv.fp8.e4m3_decode(codes).shape == ()
