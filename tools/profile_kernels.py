@@ -4,7 +4,7 @@
     ncu --clock-control none --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats -k regex:rkv_ python3 tools/profile_kernels.py [group ...]
 
-groups: nvfp4, fused (default: both). No timing here: ncu measures;
+groups: nvfp4, fused, fp8, kvcache (default: nvfp4 and fused). No timing here: ncu measures;
 see tools/bench.py for the benchmarks."""
 import os
 import sys
@@ -37,6 +37,24 @@ def fused():
     ids = torch.randint(0, 256, (M, 8), device="cuda", dtype=torch.int32)
     rawkv.fused.moe_stage(x, ids, torch.rand(M, 8, device="cuda"))
 
+
+
+def fp8():
+    x = torch.randn(1 << 28, device="cuda", dtype=torch.bfloat16)
+    codes = rawkv.fp8.e4m3_encode(x)
+    rawkv.fp8.e4m3_decode(codes, dtype=torch.bfloat16)
+
+
+def kvcache():
+    """The top-k gather of bench kvcache: 64 requests, 2,048 of 16,384 entries each."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_kvcache import _fill_pool
+    B, n, epb, topk = 64, 16384, 64, 2048
+    pool = rawkv.kvcache.PagedKVPool("csa", B * (n // epb + 1), epb, B, n // epb + 1, device="cuda")
+    _fill_pool(pool, B, n)
+    slots = torch.arange(B, dtype=torch.int32, device="cuda")
+    ids = torch.stack([torch.randperm(n, device="cuda")[:topk] for _ in range(B)]).to(torch.int32)
+    rawkv.kvcache.gather_topk(pool, slots, ids)
 
 
 def main():
