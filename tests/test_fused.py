@@ -317,8 +317,8 @@ def test_given_gs_bound_of_the_input_dtype(op):
     """A number or host array gs at or above given_gs_limit(x's dtype) is a
     ValueError naming gs (every block scale would be 0); just below it, and
     2e7 for bfloat16 / float32 input (refused for float16: its bound is
-    11179349), it is used. A value accepted for bfloat16 (the fused host
-    memo has it) is still refused for float16."""
+    11179349), it is used. A value accepted for bfloat16 is still refused
+    for float16."""
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
         name = str(dtype).replace("torch.", "")
         limit = RN.given_gs_limit(name)
@@ -354,9 +354,9 @@ def test_reference_flags_an_unusable_given_gs(op, g):
             _op_dt(op, dtype, gs=np.array([gv], F32))
 
 
-def test_scope_gs_memo_keeps_the_rules():
-    """A Python float gs accepted once takes the memo's path after: scope
-    None / 'given' only; any other scope with it is still refused."""
+def test_scope_gs_number_keeps_the_rules():
+    """A Python float gs accepted once is accepted again with scope None /
+    'given' only; any other scope with it is still refused."""
     h = np.ones((2, 64), F32)
     want = F.swiglu_quantize(h, scope="given", gs=0.375)
     got = F.swiglu_quantize(h, gs=0.375)

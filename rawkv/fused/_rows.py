@@ -8,7 +8,6 @@ from .. import _dispatch as D
 from ..kernels import fused as K
 from ..nvfp4 import _checks as NC
 from ..nvfp4 import counters
-from ..reference import nvfp4 as ref_nvfp4
 from . import _rules as R
 
 
@@ -31,7 +30,6 @@ class Dtypes:
         self.sf_view = d.e4m3 or torch.uint8
         self.kind = {getattr(torch, n): k for n, k in K.PARAM_KIND.items()}
         self.name = d.name
-        self.gs_limit = {t: ref_nvfp4.given_gs_limit(d.name[t]) for t in self.x}   # a given gs's bound
 
 
 _DT = None
@@ -59,13 +57,9 @@ def cuda_arg(t, name, dts, dev=None, align=0, shape=None):
 def gs_arg(gs, x_dtype, dev):
     """(pointer, value) of a given gs for the kernels: (a 1-element device
     float32 tensor, 0.0), which the kernel checks (launch_rows), or (None,
-    the number), checked here under the bound of x_dtype inputs (its
-    float32 value, remembered by R.scope_gs, against the bound first)."""
+    the number), checked here under the bound of x_dtype inputs."""
     if gs.__class__ is float:
-        dt = dtypes()
-        g32 = R.GOOD_GS.get(gs)
-        if g32 is None or not g32 < dt.gs_limit[x_dtype]:
-            NC.check_given_gs_number(gs, dt.name[x_dtype])     # rawkv.nvfp4's rule: raises, or a new gs
+        NC.check_given_gs_number(gs, dtypes().name[x_dtype])     # rawkv.nvfp4's rule
         return None, gs
     return cuda_arg(gs, "gs", dtypes().f32, dev), 0.0
 

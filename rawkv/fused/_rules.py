@@ -3,8 +3,6 @@ ones are rawkv._args). Every op runs these before its CPU / CUDA branch, so
 both accept and refuse the same arguments."""
 from __future__ import annotations
 
-import numpy as np
-
 from .. import _args as A
 from ..nvfp4 import _checks as NC
 from ..reference import nvfp4 as ref_nvfp4
@@ -21,37 +19,13 @@ OUT_Q = ("uint8", "float4_e2m1fn_x2")          # what out.q may be (the result: 
 OUT_SF = ("uint8", "float8_e4m3fn")            # what out.sf may be (the result: float8_e4m3fn)
 
 
-# Python floats that A.check_eps / A.check_gs_number accepted (a gs with
-# its float32 value, which the given-gs bound is held against): the same
-# value passes again, and a lookup costs nothing where the check costs ~2 us
-# of the launch path. Bounded, for callers that vary them.
-_GOOD_EPS: set = set()
-GOOD_GS: dict = {}
-
-
-def check_eps(eps) -> float:
-    """A.check_eps, remembered for the Python floats it accepted."""
-    if eps.__class__ is float and eps in _GOOD_EPS:
-        return eps
-    eps = A.check_eps(eps)
-    if len(_GOOD_EPS) < 256:
-        _GOOD_EPS.add(eps)
-    return eps
-
-
 def scope_gs(scope, gs):
     """(scope, gs) of a producer: A.check_scope_gs with the family's default
     scope 'row' (a number gs comes back a checked Python float; an array gs
-    is checked where it is read: given_gs_host, rawkv.fused._rows.gs_arg),
-    remembered for the Python floats it accepted (GOOD_GS)."""
+    is checked where it is read: given_gs_host, rawkv.fused._rows.gs_arg)."""
     if gs is None and scope is None:                     # the defaults
         return "row", None
-    if gs.__class__ is float and gs in GOOD_GS and (scope is None or scope == "given"):
-        return "given", gs
-    scope, gs = A.check_scope_gs(scope, gs, SCOPES, "row")
-    if gs.__class__ is float and len(GOOD_GS) < 256:
-        GOOD_GS[gs] = float(np.float32(gs))
-    return scope, gs
+    return A.check_scope_gs(scope, gs, SCOPES, "row")
 
 
 def given_gs_host(scope: str, gs, dtype: str):

@@ -43,7 +43,7 @@ def _rms(x, mix, weight, eps, scope, gs, out, stream, mixed):
         return T.activation(RMSNORM_QUANTIZE_OP, x, x.shape[:-1], x.shape[-1], scope, gs, out, True,
                             x=x, weight=weight, eps=A.traced_number(eps))
     out_q, out_sf, out_gs, out_inv = R.split_out(out)
-    eps = R.check_eps(eps)
+    eps = A.check_eps(eps)
     scope, gs = R.scope_gs(scope, gs)
     R.require_arrays(("x", x), ("weight", weight))
     if mixed:
