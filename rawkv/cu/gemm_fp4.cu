@@ -1,0 +1,398 @@
+// gemm_fp4.cu: grouped GEMM with FP4 weights on mma.sync tensor cores (sm_80+).
+//
+// out[t, g, n] = sum_k x[t, g, k] * w[g, n, k]  (batched: DeepSeek-V4 wo_a)
+// out[r, n]    = sum_k x[r, k] * w[e(r), n, k]  (ragged: MoE experts, rows
+//                                               sorted by expert, offsets)
+//
+// The weight is the MMA's A operand (16 output features per m-tile) and the
+// tokens its B operand (8 per n-tile), so one token wastes 7/8 of an n-tile
+// rather than 15/16 of an m-tile. Weights come packed as docs/gemm.md gives:
+// one 16-byte load per lane per (m-tile, 64-column chunk) is that lane's
+// A fragment for the chunk's four k16 steps, and the lane's activations are
+// the 16 contiguous columns kb .. kb+15 of its token (the MMA's k index is a
+// permutation of the physical columns, the same for A and B).
+//
+// E2M1 -> 16-bit float with integer ops: the code's magnitude bits go to
+// the bottom of the exponent field, which reads as e2m1 * 2^-126 in BF16
+// (2^-14 in FP16; code 1 is a subnormal there), and one packed multiply by
+// the block scale times 2^117 (2^5 for FP16) gives e2m1 * scale * 2^-9,
+// exact (at most 6 significant bits, inside the normal range). The 2^-9 per
+// FP4 operand comes back in the FP32 epilogue with the global scales.
+//
+// Template: ACT activation kind (0 BF16, 1 FP16, 2 NVFP4 codes + E4M3
+// scales, multiplied in BF16); MT m-tiles and NT n-tiles per warp; KS warps
+// splitting K inside a block (summed through shared memory in a fixed
+// order: deterministic); RW warps along the rows; U chunks loaded ahead.
+#include "common.cuh"
+using namespace rkv;
+
+#ifndef RKV_GEMM_CHUNK
+#error "RKV_GEMM_CHUNK must come from rawkv/kernels/gemm_fp4.py"
+#endif
+#ifndef RKV_GEMM_MAX_SEGMENTS
+#error "RKV_GEMM_MAX_SEGMENTS must come from rawkv/kernels/gemm_fp4.py"
+#endif
+static_assert(RKV_GEMM_CHUNK == 64, "the packed layout is built around 64-column chunks");
+
+namespace {
+
+constexpr float kTwoPow117 = 1.6615349947311448e35f;  // 2^117
+constexpr float kTwoPow9 = 512.0f;
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1, bool f16) {
+    if (f16) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// a * b on two packed 16-bit floats, round to nearest, subnormals kept.
+__device__ __forceinline__ u32 mul2(u32 a, u32 b, bool f16) {
+    u32 d;
+    if (f16) {
+        asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    } else {
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    }
+    return d;
+}
+
+// The E2M1 codes at bits 12..15 (low half) and 28..31 (high half) of w as a
+// packed pair of e2m1 * 2^-126 (BF16) or e2m1 * 2^-14 (FP16).
+__device__ __forceinline__ u32 e2m1_pair_bits(u32 w, bool f16) {
+    return f16 ? (w & 0x80008000u) | ((w >> 3) & 0x0E000E00u)
+               : (w & 0x80008000u) | ((w >> 6) & 0x01C001C0u);
+}
+
+// Both halves of a packed pair set to the 16-bit float f.
+__device__ __forceinline__ u32 splat(float f, bool f16) {
+    u16 h = f16 ? __half_as_ushort(__float2half_rn(f)) : __bfloat16_as_ushort(__float2bfloat16_rn(f));
+    return (u32)h | ((u32)h << 16);
+}
+
+// The packed factor that turns e2m1 bits into e2m1 * scale * 2^-9:
+// NVFP4 (E4M3 byte) scale * 2^117 (BF16) / * 2^5 (FP16); MXFP4 (UE8M0 byte
+// e) 2^(e - 10) / 2^(e - 122). docs/gemm.md gives the exponent window in
+// which these are exact; loaders refuse weights outside it.
+__device__ __forceinline__ u32 scale_factor(u32 b, bool mx, bool f16) {
+    float f;
+    if (mx) f = __int_as_float((int)(b + (f16 ? 5u : 117u)) << 23);
+    else f = e4m3_decode((u8)b) * (f16 ? 32.0f : kTwoPow117);
+    return splat(f, f16);
+}
+
+// One 16-byte load that bypasses L1 allocation for data read once.
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+template <int ACT> struct ActChunk;  // one lane's activations of one chunk, one n-tile
+
+template <> struct ActChunk<0> {  // 16 x 16-bit values
+    uint4 lo, hi;
+    __device__ __forceinline__ void clear() { lo = hi = make_uint4(0, 0, 0, 0); }
+    __device__ __forceinline__ void load(const u8* row, const u8*, int kb) {
+        const uint4* p = reinterpret_cast<const uint4*>(row + 2 * (i64)kb);
+        lo = __ldg(p);
+        hi = __ldg(p + 1);
+    }
+    __device__ __forceinline__ void fragment(int s, u32& b0, u32& b1) const {
+        const uint4& v = s < 2 ? lo : hi;
+        b0 = (s & 1) ? v.z : v.x;
+        b1 = (s & 1) ? v.w : v.y;
+    }
+};
+template <> struct ActChunk<1> : ActChunk<0> {};
+
+template <> struct ActChunk<2> {  // 16 E2M1 codes + their E4M3 block scale
+    uint2 q;
+    u32 f;
+    __device__ __forceinline__ void clear() { q = make_uint2(0, 0); f = 0; }
+    __device__ __forceinline__ void load(const u8* row, const u8* sf_row, int kb) {
+        q = __ldg(reinterpret_cast<const uint2*>(row + kb / 2));
+        f = scale_factor(__ldg(sf_row + kb / 16), false, false);
+    }
+    __device__ __forceinline__ void fragment(int s, u32& b0, u32& b1) const {
+        const u32 w = s < 2 ? q.x : q.y;
+        const u32 lo = (w >> (16 * (s & 1))) & 0xFFu, hi = (w >> (16 * (s & 1) + 8)) & 0xFFu;
+        // byte * 0x01001000: its low nibble at bits 12..15, high at 28..31.
+        b0 = mul2(e2m1_pair_bits(lo * 0x01001000u, false), f, false);
+        b1 = mul2(e2m1_pair_bits(hi * 0x01001000u, false), f, false);
+    }
+};
+
+// U chunks of one warp's operands in registers: per m-tile the packed codes
+// and the two rows' scale bytes, per n-tile the lane's activations.
+template <int ACT, int MT, int NT, int U>
+struct Stage {
+    uint4 wv[U][MT];
+    u32 sv[U][MT];
+    ActChunk<ACT> av[U][NT];
+
+    __device__ __forceinline__ void load(const u8* wbase, const u8* sbase, const u8* const (&xrow)[NT],
+                                         const u8* const (&srow)[NT], int tile0, int tiles16, int chunks,
+                                         int c, int c_end, int k, int t) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int cc = c + u;
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const int tile = tile0 + i;
+                if (cc < c_end && tile < tiles16) {
+                    const i64 at = (i64)tile * chunks + cc;
+                    wv[u][i] = load_stream(wbase + at * 512);
+                    sv[u][i] = __ldg(reinterpret_cast<const u16*>(sbase + at * 64));
+                } else {
+                    wv[u][i] = make_uint4(0, 0, 0, 0);
+                    sv[u][i] = 0;
+                }
+            }
+            const int kb = cc * 64 + 16 * t;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                if (cc < c_end && xrow[j] && kb < k) av[u][j].load(xrow[j], srow[j], kb);
+                else av[u][j].clear();
+            }
+        }
+    }
+
+    __device__ __forceinline__ void compute(float (&acc)[MT][NT][4], int c, int c_end, int w_mx) const {
+        constexpr bool F16 = ACT == 1;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (c + u >= c_end) break;
+            u32 f[MT][2];
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                f[i][0] = scale_factor(sv[u][i] & 0xFFu, w_mx, F16);
+                f[i][1] = scale_factor(sv[u][i] >> 8, w_mx, F16);
+            }
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                u32 a[MT][4];
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    const u32 w = s == 0 ? wv[u][i].x : s == 1 ? wv[u][i].y : s == 2 ? wv[u][i].z : wv[u][i].w;
+                    // pair j = nibbles j and j + 4: shift nibble j to bits 12..15.
+                    a[i][0] = mul2(e2m1_pair_bits(w << 12, F16), f[i][0], F16);
+                    a[i][1] = mul2(e2m1_pair_bits(w << 8, F16), f[i][1], F16);
+                    a[i][2] = mul2(e2m1_pair_bits(w << 4, F16), f[i][0], F16);
+                    a[i][3] = mul2(e2m1_pair_bits(w, F16), f[i][1], F16);
+                }
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    u32 b0, b1;
+                    av[u][j].fragment(s, b0, b1);
+#pragma unroll
+                    for (int i = 0; i < MT; ++i) mma16816(acc[i][j], a[i], b0, b1, F16);
+                }
+            }
+        }
+    }
+};
+
+// Segment (expert, or the unowned rows before / after) and token range of
+// ragged slot `slot`; offsets are clamped as the reference does
+// (o'_e = min(max(offsets[0..e], 0), rows)) and the clamps counted once.
+__device__ void ragged_slot(const int* __restrict__ offsets, int experts, int rows, int tile, int slot,
+                            int* s_off, int& seg, int& t0, int& t1, int* errors) {
+    const int nseg = experts + 2;  // [0, o'_0), experts, [o'_E, rows)
+    for (int i = threadIdx.x; i <= experts; i += blockDim.x) s_off[i] = __ldg(offsets + i);
+    __syncthreads();
+    __shared__ int s_res[3];
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        int carry_max = 0, carry_tiles = 0, bad = 0, prev_end = 0;
+        int f_seg = -1, f_t0 = 0, f_t1 = 0;
+        for (int base = 0; base < nseg; base += 32) {
+            const int s = base + lane;
+            // segment s covers [start(s), end(s)); start(0) = 0, end(E+1) = rows,
+            // end(s) = o'_s for s <= E.
+            int raw = s <= experts ? s_off[s] : rows;
+            int m = raw;
+            for (int d = 1; d < 32; d <<= 1) {
+                int o = __shfl_up_sync(0xffffffffu, m, d);
+                if (lane >= d) m = max(m, o);
+            }
+            int end = min(max(max(m, carry_max), 0), rows);
+            if (s <= experts && s < nseg) bad += (raw != end);
+            int start = __shfl_up_sync(0xffffffffu, end, 1);
+            if (lane == 0) start = prev_end;
+            const int len = s < nseg ? end - start : 0;
+            int tiles = (len + tile - 1) / tile;
+            int cum = tiles;
+            for (int d = 1; d < 32; d <<= 1) {
+                int o = __shfl_up_sync(0xffffffffu, cum, d);
+                if (lane >= d) cum += o;
+            }
+            const int before = carry_tiles + cum - tiles;
+            if (s < nseg && slot >= before && slot < before + tiles) {
+                f_seg = s;
+                f_t0 = start + (slot - before) * tile;
+                f_t1 = min(end, f_t0 + tile);
+            }
+            carry_max = max(carry_max, __shfl_sync(0xffffffffu, m, 31));
+            carry_tiles += __shfl_sync(0xffffffffu, cum, 31);
+            prev_end = __shfl_sync(0xffffffffu, end, 31);
+        }
+        for (int d = 16; d > 0; d >>= 1) bad += __shfl_xor_sync(0xffffffffu, bad, d);
+        const unsigned hit = __ballot_sync(0xffffffffu, f_seg >= 0);
+        if (hit) {
+            const int src = __ffs(hit) - 1;
+            f_seg = __shfl_sync(0xffffffffu, f_seg, src);
+            f_t0 = __shfl_sync(0xffffffffu, f_t0, src);
+            f_t1 = __shfl_sync(0xffffffffu, f_t1, src);
+        }
+        if (lane == 0) {
+            s_res[0] = hit ? f_seg : -1;
+            s_res[1] = f_t0;
+            s_res[2] = f_t1;
+            if (bad && errors && blockIdx.x == 0 && slot == 0) atomicAdd(errors, bad);
+        }
+    }
+    __syncthreads();
+    seg = s_res[0];
+    t0 = s_res[1];
+    t1 = s_res[2];
+}
+
+}  // namespace
+
+template <int ACT, int MT, int NT, int KS, int RW, int U>
+__global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
+    const u8* __restrict__ wq, const u8* __restrict__ wsf, const float* __restrict__ wgs, int w_mx,
+    const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
+    i64 xs_t, i64 xs_g, i64 ss_t, i64 ss_g, i64 gs_t, i64 gs_g,
+    __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
+    int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    constexpr bool F16 = ACT == 1;
+    constexpr int TT = 8 * NT;  // tokens per block
+    __shared__ float s_red[KS > 1 ? (KS - 1) * RW * 32 * MT * NT * 4 : 1];
+    __shared__ int s_off[RKV_GEMM_MAX_SEGMENTS];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rw = warp % RW, ks = warp / RW;
+    const int q = lane >> 2, t = lane & 3;
+
+    int g, t0, t1;
+    if (offsets) {
+        int seg;
+        ragged_slot(offsets, experts, tokens, TT, blockIdx.y, s_off, seg, t0, t1, errors);
+        if (seg < 0) return;
+        if (seg == 0 || seg == experts + 1) {  // unowned rows: zeros
+            if (ks != 0) return;
+            const __nv_bfloat16 z = __float2bfloat16_rn(0.0f);
+            for (int i = 0; i < MT; ++i) {
+                const int row0 = ((blockIdx.x * RW + rw) * MT + i) * 16;
+                for (int e = lane; e < 16 * (t1 - t0); e += 32) {
+                    const int row = row0 + (e & 15), tok = t0 + (e >> 4);
+                    if (row < n) out[tok * os_t + row] = z;
+                }
+            }
+            return;
+        }
+        g = seg - 1;
+    } else {
+        g = blockIdx.z;
+        t0 = blockIdx.y * TT;
+        t1 = min(tokens, t0 + TT);
+    }
+
+    const int tiles16 = (n + 15) / 16, chunks = (k + 63) / 64;
+    const int tile0 = (blockIdx.x * RW + rw) * MT;
+    const int per_warp = (chunks + KS - 1) / KS;
+    const int c_beg = ks * per_warp, c_end = min(chunks, c_beg + per_warp);
+
+    // This lane's token in each n-tile (B fragment column q).
+    const u8* xrow[NT];
+    const u8* srow[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        const int tok = t0 + 8 * j + q;
+        if (tok < t1) {
+            const i64 xo = (i64)tok * xs_t + (i64)g * xs_g;
+            xrow[j] = x + (ACT == 2 ? xo : 2 * xo);
+            srow[j] = ACT == 2 ? xsf + (i64)tok * ss_t + (i64)g * ss_g : nullptr;
+        } else {
+            xrow[j] = nullptr;
+            srow[j] = nullptr;
+        }
+    }
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+
+    const u8* wbase = wq + (((i64)g * tiles16 * chunks) * 32 + lane) * 16;
+    const u8* sbase = wsf + (((i64)g * tiles16 * chunks) * 32 + lane) * 2;
+
+    // Two register stages of U chunks: the loads of one are in flight while
+    // the other is dequantized and multiplied (unrolled by two so the
+    // stages stay in place, with no register copies).
+    Stage<ACT, MT, NT, U> sa, sb;
+    sa.load(wbase, sbase, xrow, srow, tile0, tiles16, chunks, c_beg, c_end, k, t);
+    for (int c = c_beg; c < c_end; c += 2 * U) {
+        sb.load(wbase, sbase, xrow, srow, tile0, tiles16, chunks, c + U, c_end, k, t);
+        sa.compute(acc, c, c_end, w_mx);
+        sa.load(wbase, sbase, xrow, srow, tile0, tiles16, chunks, c + 2 * U, c_end, k, t);
+        sb.compute(acc, c + U, c_end, w_mx);
+    }
+
+    if (KS > 1) {
+        float* mine = s_red + ((ks - 1) * RW + rw) * 32 * MT * NT * 4;
+        if (ks > 0) {
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) mine[((i * NT + j) * 4 + r) * 32 + lane] = acc[i][j][r];
+        }
+        __syncthreads();
+        if (ks > 0) return;
+#pragma unroll
+        for (int p = 1; p < KS; ++p) {
+            const float* part = s_red + ((p - 1) * RW + rw) * 32 * MT * NT * 4;
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) acc[i][j][r] += part[((i * NT + j) * 4 + r) * 32 + lane];
+        }
+    }
+
+    // Epilogue: the 2^-9 of each FP4 operand, the weight's global scale, and
+    // (NVFP4 activations) the row's or tensor's global scale.
+    const float wscale = wgs[g] * (ACT == 2 ? kTwoPow9 * kTwoPow9 : kTwoPow9);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int tok = t0 + 8 * j + 2 * t + h;
+            if (tok >= t1) continue;
+            const float sc = ACT == 2 ? wscale * xgs[(i64)tok * gs_t + (i64)g * gs_g] : wscale;
+            __nv_bfloat16* orow = out + (i64)tok * os_t + (i64)g * os_g;
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const int row = (tile0 + i) * 16 + q;
+                if (row < n) orow[row] = __float2bfloat16_rn(acc[i][j][h] * sc);
+                if (row + 8 < n) orow[row + 8] = __float2bfloat16_rn(acc[i][j][2 + h] * sc);
+            }
+        }
+    }
+}
