@@ -76,6 +76,21 @@ def _as_groups(t, name: str, g: int, n: int, cols: int, device):
     return t.reshape(g, n, cols)
 
 
+def _checkpoint(weight, scale, scale_name: str, scale_view: str, groups, fmt: str):
+    """A checkpoint's codes and block scales (2-D stacked over `groups`, or
+    3-D) -> uint8 (G, N, K/2), (G, N, K/block), checked."""
+    block = ref.BLOCKS[fmt]
+    weight = _byte_tensor(weight, "weight", "float4_e2m1fn_x2")
+    g, n = _rows_of(weight, _check_groups(groups))
+    k = 2 * weight.shape[-1]
+    if k % block:
+        raise ValueError(f"weight: K = {k} (2 x {weight.shape[-1]} bytes per row) must be a "
+                         f"multiple of {block} for {fmt.upper()}")
+    scales = _as_groups(_byte_tensor(scale, scale_name, scale_view), scale_name, g, n, k // block,
+                        weight.device)
+    return weight.reshape(g, n, k // 2), scales
+
+
 def _per_group(v, name: str, g: int, device):
     """A float32 scale per group: a number or a float32 tensor of shape (),
     (1,), (G,) or (G, 1) -> float32 (G,) on `device` (one value: every group)."""
@@ -198,18 +213,12 @@ class Fp4Weight:
         float8_e4m3fn (or uint8) (G*N, K/16) or (G, N, K/16); weight_scale_2
         float32 () / (1,) / (G,) / (G, 1) (or a number); input_scale None or
         the same forms. groups: G for the 2-D (stacked) form."""
-        weight = _byte_tensor(weight, "weight", "float4_e2m1fn_x2")
-        g, n = _rows_of(weight, _check_groups(groups))
-        k = 2 * weight.shape[-1]
-        if k % 16:
-            raise ValueError(f"weight: K = {k} (2 x {weight.shape[-1]} bytes per row) must be a "
-                             "multiple of 16 for NVFP4")
-        scales = _as_groups(_byte_tensor(weight_scale, "weight_scale", "float8_e4m3fn"),
-                            "weight_scale", g, n, k // 16, weight.device)
-        gs = _per_group(weight_scale_2, "weight_scale_2", g, weight.device)
-        inp = None if input_scale is None else _per_group(input_scale, "input_scale", g,
-                                                          weight.device)
-        return cls._packed("nvfp4", weight.reshape(g, n, k // 2), scales, gs, inp)
+        codes, scales = _checkpoint(weight, weight_scale, "weight_scale", "float8_e4m3fn", groups,
+                                    "nvfp4")
+        g, dev = codes.shape[0], codes.device
+        gs = _per_group(weight_scale_2, "weight_scale_2", g, dev)
+        inp = None if input_scale is None else _per_group(input_scale, "input_scale", g, dev)
+        return cls._packed("nvfp4", codes, scales, gs, inp)
 
     @classmethod
     def from_mxfp4(cls, weight, scale, *, groups: int = 1) -> "Fp4Weight":
@@ -219,14 +228,7 @@ class Fp4Weight:
         kernel's dequantization is exact only inside it); exp_range records
         the bytes' range for the FP16-activation window MX_WINDOW_FP16."""
         import torch
-        weight = _byte_tensor(weight, "weight", "float4_e2m1fn_x2")
-        g, n = _rows_of(weight, _check_groups(groups))
-        k = 2 * weight.shape[-1]
-        if k % 32:
-            raise ValueError(f"weight: K = {k} (2 x {weight.shape[-1]} bytes per row) must be a "
-                             "multiple of 32 for MXFP4")
-        scales = _as_groups(_byte_tensor(scale, "scale", "float8_e8m0fnu"), "scale", g, n, k // 32,
-                            weight.device)
+        codes, scales = _checkpoint(weight, scale, "scale", "float8_e8m0fnu", groups, "mxfp4")
         if scales.numel():
             lo, hi = torch.aminmax(scales.reshape(-1))
             rng = (int(lo), int(hi))
@@ -236,8 +238,8 @@ class Fp4Weight:
             raise ValueError(f"scale: MXFP4 scale bytes must lie in [{MX_WINDOW[0]}, {MX_WINDOW[1]}] "
                              f"(2^{MX_WINDOW[0] - 127} .. 2^{MX_WINDOW[1] - 127}), where the GEMM "
                              f"dequantizes exactly; got bytes in [{rng[0]}, {rng[1]}]")
-        gs = torch.ones((g,), dtype=torch.float32, device=weight.device)
-        return cls._packed("mxfp4", weight.reshape(g, n, k // 2), scales, gs, exp_range=rng)
+        gs = torch.ones((codes.shape[0],), dtype=torch.float32, device=codes.device)
+        return cls._packed("mxfp4", codes, scales, gs, exp_range=rng)
 
     # -- back out ----------------------------------------------------------------
 
