@@ -160,6 +160,18 @@ def test_grouped_equals_loops(rng):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")     # Inf / NaN on purpose
+def test_zero_times_inf_is_nan_in_both_modes():
+    # IEEE: 0 * Inf = NaN, also where a BLAS would skip the zero weight
+    x = np.array([[np.inf, 1.0], [1.0, 2.0]])
+    w = np.array([[[0.0, 1.0], [0.0, 0.0], [2.0, 3.0]]])
+    want = np.array([[np.nan, np.nan, np.inf], [2.0, 0.0, 8.0]])
+    np.testing.assert_array_equal(R.grouped(x[:, None], w)[:, 0], want)
+    np.testing.assert_array_equal(R.ragged(x, w, [0, 2])[0], want)
+    np.testing.assert_array_equal(R.grouped(x[::-1, None].copy(), w * np.inf)[:, 0],
+                                  np.array([[np.nan, np.nan, np.inf], [np.nan, np.nan, np.inf]]))
+
+
 def clamp_by_the_rule(offsets, rows):
     """docs/gemm.md, "Ragged offsets", as written."""
     out = []

@@ -152,6 +152,21 @@ def dequantize_weight(codes, scales, gs, fmt: str) -> np.ndarray:
     return vals * sv * gsv[:, None, None]
 
 
+def _dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (M, K) . w (N, K)^T in float64, NaN / Inf propagating as IEEE does.
+    BLAS for speed, but BLAS may skip a product by a zero (reference BLAS
+    does), losing 0 * Inf = NaN: every output that meets a non-finite input
+    row is recomputed with einsum, which multiplies every pair."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = x @ w.T
+        bad_x, bad_w = ~np.isfinite(x).all(axis=1), ~np.isfinite(w).all(axis=1)
+        if bad_x.any():
+            out[bad_x] = np.einsum("mk,nk->mn", x[bad_x], w)
+        if bad_w.any():
+            out[:, bad_w] = np.einsum("mk,nk->mn", x, w[bad_w])
+    return out
+
+
 def grouped(x, w) -> np.ndarray:
     """Batched mode: x (T, G, K), w (G, N, K) -> float64 (T, G, N),
     out[t, g, n] = sum_k x[t, g, k] * w[g, n, k] in float64."""
@@ -159,8 +174,10 @@ def grouped(x, w) -> np.ndarray:
     w = np.asarray(w, dtype=np.float64)
     if x.ndim != 3 or w.ndim != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
         raise ValueError(f"x: expected (T, G, K) against w (G, N, K), got {x.shape} and {w.shape}")
-    with np.errstate(invalid="ignore", over="ignore"):      # NaN / Inf propagate as IEEE does
-        return np.einsum("tgk,gnk->tgn", x, w)
+    out = np.empty((x.shape[0], w.shape[0], w.shape[1]))
+    for g in range(w.shape[0]):
+        out[:, g] = _dot(x[:, g], w[g])
+    return out
 
 
 def clamp_offsets(offsets, rows: int) -> tuple[np.ndarray, int]:
@@ -189,9 +206,8 @@ def ragged(x, w, offsets) -> tuple[np.ndarray, int]:
         raise ValueError(f"offsets: expected shape ({w.shape[0] + 1},), got {np.shape(offsets)}")
     o, errors = clamp_offsets(offsets, x.shape[0])
     out = np.zeros((x.shape[0], w.shape[1]))
-    with np.errstate(invalid="ignore", over="ignore"):      # NaN / Inf propagate as IEEE does
-        for e in range(w.shape[0]):
-            out[o[e]:o[e + 1]] = np.einsum("rk,nk->rn", x[o[e]:o[e + 1]], w[e])
+    for e in range(w.shape[0]):
+        out[o[e]:o[e + 1]] = _dot(x[o[e]:o[e + 1]], w[e])
     return out, errors
 
 
