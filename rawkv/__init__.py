@@ -7,7 +7,7 @@ run the numpy reference (rawkv.reference), which defines every op.
 """
 from ._version import __version__  # noqa: F401
 
-from . import fp8, fused, kvcache, nvfp4, reference  # noqa: E402,F401
+from . import fp8, fused, gemm, kvcache, nvfp4, reference  # noqa: E402,F401
 from .errors import CaptureError, CompileError, GpuUnavailableError, RawkvError  # noqa: E402,F401
 from .runtime import get_runtime, warmup  # noqa: E402,F401
 

@@ -1,0 +1,16 @@
+"""Grouped FP4 GEMM (docs/gemm.md): FP4 weights packed for the kernel.
+
+    w = rawkv.gemm.Fp4Weight.from_float(weight)          # NVFP4, ModelOpt's bytes
+    w = rawkv.gemm.Fp4Weight.from_nvfp4(weight, weight_scale, weight_scale_2, groups=G)
+    w = rawkv.gemm.Fp4Weight.from_mxfp4(codes, scale)
+
+Modules: weights (Fp4Weight, load-time checks), pack (the packed layout in
+torch; rawkv.reference.gemm defines it).
+"""
+from __future__ import annotations
+
+from .pack import pack_codes, pack_scales, unpack_codes, unpack_scales
+from .weights import FORMATS, MX_WINDOW, MX_WINDOW_FP16, Fp4Weight
+
+__all__ = ["Fp4Weight", "FORMATS", "MX_WINDOW", "MX_WINDOW_FP16", "pack_codes", "pack_scales",
+           "unpack_codes", "unpack_scales"]

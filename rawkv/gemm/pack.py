@@ -1,0 +1,71 @@
+"""The packed FP4 weight layout of docs/gemm.md in torch: reshapes, permutes
+and one index_select, so the same code packs CPU and CUDA tensors (no numpy
+round trip, no host sync). rawkv.reference.gemm defines the layout with
+index formulas; tests/test_gemm_weights.py checks these equal it.
+
+Axis names used below: a padded row is 16 r + 8 j + q (row tile r, half j:
+0 for the lane's r0, 1 for r1, q = lane // 4); a padded column is 64 c +
+16 t + 4 s + p (chunk c, t = lane % 4, k-step / word s, p = the column
+within the step's 4, held by byte COL_OF_BYTE^-1[p] of the word).
+"""
+from __future__ import annotations
+
+from ..reference.gemm import CHUNK, COL_OF_BYTE, LANES, ROWS, SCALE_PAD, padded_sizes
+
+
+def _padded(t, rows: int, cols: int, fill: int):
+    """t (G, N, C') in a (G, rows, cols) tensor of `fill`, on t's device."""
+    out = t.new_full((t.shape[0], rows, cols), fill)
+    out[:, :t.shape[1], :t.shape[2]] = t
+    return out
+
+
+def pack_codes(codes):
+    """codes (G, N, K/2) uint8 -> packed (G, NP/16, C, 32, 16) uint8."""
+    import torch
+    g, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
+    npad, chunks = padded_sizes(n, k)
+    nib = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(g, n, k)
+    nib = _padded(nib, npad, chunks * CHUNK, 0)
+    # (g, r, j, q, c, t, s, p) -> (g, r, c, q, t, s, p, j)
+    v = nib.reshape(g, npad // ROWS, 2, 8, chunks, 4, 4, 4).permute(0, 1, 4, 3, 5, 6, 7, 2)
+    # byte i of a word holds column p = COL_OF_BYTE[i]
+    order = torch.as_tensor(COL_OF_BYTE, device=codes.device)
+    v = v.index_select(6, order)
+    return (v[..., 0] | (v[..., 1] << 4)).reshape(g, npad // ROWS, chunks, LANES, 16).contiguous()
+
+
+def unpack_codes(packed, n: int, k: int):
+    """packed (G, NP/16, C, 32, 16) -> codes (G, N, K/2), padding dropped."""
+    import torch
+    g = packed.shape[0]
+    npad, chunks = padded_sizes(n, k)
+    v = torch.stack((packed & 0xF, packed >> 4), dim=-1)          # (..., byte, j)
+    v = v.reshape(g, npad // ROWS, chunks, 8, 4, 4, 4, 2)         # (g, r, c, q, t, s, i, j)
+    # COL_OF_BYTE is its own inverse: byte i = COL_OF_BYTE[p]
+    v = v.index_select(6, torch.as_tensor(COL_OF_BYTE, device=packed.device))
+    nib = v.permute(0, 1, 7, 3, 2, 4, 5, 6).reshape(g, npad, chunks * CHUNK)[:, :n, :k]
+    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).contiguous()
+
+
+def pack_scales(scales, block: int):
+    """scales (G, N, K/block) uint8 -> packed (G, NP/16, C, 32, 2) uint8, padding
+    SCALE_PAD[block]."""
+    g, n = scales.shape[0], scales.shape[1]
+    k = block * scales.shape[2]
+    npad, chunks = padded_sizes(n, k)
+    # one byte per 16-column unit (an MXFP4 block covers two)
+    units = _padded(scales.repeat_interleave(block // 16, dim=-1), npad, chunks * 4, SCALE_PAD[block])
+    # (g, r, j, q, c, t) -> (g, r, c, q, t, j)
+    v = units.reshape(g, npad // ROWS, 2, 8, chunks, 4).permute(0, 1, 4, 3, 5, 2)
+    return v.reshape(g, npad // ROWS, chunks, LANES, 2).contiguous()
+
+
+def unpack_scales(packed, n: int, k: int, block: int):
+    """packed (G, NP/16, C, 32, 2) -> scales (G, N, K/block), padding dropped
+    (an MXFP4 block's first copy)."""
+    g = packed.shape[0]
+    npad, chunks = padded_sizes(n, k)
+    v = packed.reshape(g, npad // ROWS, chunks, 8, 4, 2).permute(0, 1, 5, 3, 2, 4)
+    units = v.reshape(g, npad, chunks * 4)[:, :n, :k // 16]
+    return units[..., ::block // 16].contiguous()

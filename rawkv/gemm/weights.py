@@ -1,0 +1,266 @@
+"""Fp4Weight: an FP4 weight of G groups (or experts) in the packed layout the
+grouped GEMM reads (docs/gemm.md), built once at load.
+
+    w = Fp4Weight.from_float(bf16_weight)                     # ModelOpt's NVFP4 bytes
+    w = Fp4Weight.from_nvfp4(weight, weight_scale, weight_scale_2, input_scale, groups=8)
+    w = Fp4Weight.from_mxfp4(codes, scale)                     # DeepSeek's FP4 experts
+    codes, scales, gs = w.unpack()                             # the checkpoint form back
+
+Load-time code: it may synchronize with the host (the MXFP4 window check
+reads the scale range); nothing here is on an op's hot path. Every argument
+is checked before anything is packed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._args import check_gs_number, is_number, require_array
+from .._dispatch import is_torch
+from ..reference import gemm as ref
+from . import pack
+
+FORMATS = ("nvfp4", "mxfp4")
+#: MXFP4 scale bytes the GEMM kernel dequantizes exactly (its contract,
+#: docs/gemm.md "MXFP4 exponent window"): with BF16 or NVFP4 activations, and
+#: with FP16 activations.
+MX_WINDOW = (4, 137)
+MX_WINDOW_FP16 = (113, 137)
+
+
+def _dtype_name(d) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _byte_tensor(t, name: str, view: str):
+    """`t` as uint8: a torch tensor of uint8 or of torch's `view` dtype."""
+    import torch
+    require_array(t, name)
+    if not is_torch(t):
+        raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+    allowed = [torch.uint8] + [getattr(torch, view)] * hasattr(torch, view)
+    if t.dtype not in allowed:
+        raise TypeError(f"{name}: dtype {_dtype_name(t.dtype)} is not supported "
+                        f"(expected {', '.join(_dtype_name(d) for d in allowed)})")
+    return t.view(torch.uint8)
+
+
+def _check_groups(groups) -> int:
+    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)):
+        raise TypeError(f"groups: expected an int, got {groups!r}")
+    if groups < 1:
+        raise ValueError(f"groups: must be >= 1, got {groups}")
+    return int(groups)
+
+
+def _rows_of(weight, groups: int, name: str = "weight") -> tuple[int, int]:
+    """(G, N) of a (G*N, .) or (G, N, .) weight stacked over `groups`."""
+    if weight.dim() == 2:
+        if weight.shape[0] % groups:
+            raise ValueError(f"groups: {groups} does not divide the {weight.shape[0]} rows of {name}")
+        return groups, weight.shape[0] // groups
+    if weight.dim() == 3:
+        if groups not in (1, weight.shape[0]):
+            raise ValueError(f"groups: {groups} does not match {name}'s {weight.shape[0]} groups "
+                             f"(shape {tuple(weight.shape)})")
+        return weight.shape[0], weight.shape[1]
+    raise ValueError(f"{name}: expected (G*N, K/2) or (G, N, K/2), got shape {tuple(weight.shape)}")
+
+
+def _as_groups(t, name: str, g: int, n: int, cols: int, device):
+    """t (G*N, cols) or (G, N, cols) on `device` -> (G, N, cols)."""
+    if tuple(t.shape) not in ((g * n, cols), (g, n, cols)):
+        raise ValueError(f"{name}: expected shape {(g * n, cols)} or {(g, n, cols)}, "
+                         f"got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: is on {t.device} but weight is on {device}")
+    return t.reshape(g, n, cols)
+
+
+def _checkpoint(weight, scale, scale_name: str, scale_view: str, groups, fmt: str):
+    """A checkpoint's codes and block scales (2-D stacked over `groups`, or
+    3-D) -> uint8 (G, N, K/2), (G, N, K/block), checked."""
+    block = ref.BLOCKS[fmt]
+    weight = _byte_tensor(weight, "weight", "float4_e2m1fn_x2")
+    g, n = _rows_of(weight, _check_groups(groups))
+    k = 2 * weight.shape[-1]
+    if k % block:
+        raise ValueError(f"weight: K = {k} (2 x {weight.shape[-1]} bytes per row) must be a "
+                         f"multiple of {block} for {fmt.upper()}")
+    scales = _as_groups(_byte_tensor(scale, scale_name, scale_view), scale_name, g, n, k // block,
+                        weight.device)
+    return weight.reshape(g, n, k // 2), scales
+
+
+def _per_group(v, name: str, g: int, device):
+    """A float32 scale per group: a number or a float32 tensor of shape (),
+    (1,), (G,) or (G, 1) -> float32 (G,) on `device` (one value: every group)."""
+    import torch
+    if is_number(v):
+        return torch.full((g,), float(v), dtype=torch.float32, device=device)
+    require_array(v, name)
+    if not is_torch(v):
+        raise TypeError(f"{name}: expected a number or a torch tensor, got {type(v).__name__}")
+    if v.dtype != torch.float32:
+        raise TypeError(f"{name}: dtype {_dtype_name(v.dtype)} is not supported (expected float32)")
+    if tuple(v.shape) not in ((), (1,), (g,), (g, 1)):
+        raise ValueError(f"{name}: expected shape (), (1,), ({g},) or ({g}, 1), got {tuple(v.shape)}")
+    return v.reshape(-1).to(device).expand(g).contiguous()
+
+
+def _group_gs_list(gs, g: int) -> list[float]:
+    """from_float's gs: a number, or G numbers (a sequence or tensor), each a
+    finite positive float32 (rawkv._args.check_gs_number)."""
+    if is_number(gs) or isinstance(gs, (bool, np.bool_)):
+        vals = [gs] * g
+    else:
+        try:
+            vals = gs.reshape(-1).tolist() if hasattr(gs, "reshape") else list(gs)
+        except TypeError:
+            raise TypeError(f"gs: expected a number or {g} numbers, got {type(gs).__name__}") from None
+        if len(vals) != g:
+            raise ValueError(f"gs: expected {g} values (one per group), got {len(vals)}")
+    return [check_gs_number(v, "gs") for v in vals]
+
+
+class Fp4Weight:
+    """An FP4 weight of `groups` groups, each `n x k`, packed (docs/gemm.md).
+
+    fmt: 'nvfp4' | 'mxfp4'; codes uint8 (G, NP/16, C, 32, 16), scales uint8
+    (G, NP/16, C, 32, 2): packed; gs float32 (G,) (ones for MXFP4);
+    input_scale float32 (G,) or None (ModelOpt's activation scale, carried,
+    not applied); exp_range (min, max) of the MXFP4 scale bytes (None for
+    NVFP4; (127, 127) when there are none). Build one with from_float,
+    from_nvfp4 or from_mxfp4; the constructor takes packed tensors as they
+    are and checks only their shapes."""
+
+    def __init__(self, fmt: str, n: int, k: int, codes, scales, gs, input_scale=None,
+                 exp_range=None):
+        if fmt not in FORMATS:
+            raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
+        g = codes.shape[0]
+        npad, chunks = ref.padded_sizes(n, k)
+        tile = (g, npad // ref.ROWS, chunks, ref.LANES)
+        for name, t, shape in (("codes", codes, (*tile, 16)), ("scales", scales, (*tile, 2)),
+                               ("gs", gs, (g,))):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+        if input_scale is not None and tuple(input_scale.shape) != (g,):
+            raise ValueError(f"input_scale: expected shape {(g,)}, got {tuple(input_scale.shape)}")
+        self.fmt, self.groups, self.n, self.k = fmt, g, n, k
+        self.codes, self.scales, self.gs = codes, scales, gs
+        self.input_scale = input_scale
+        self.exp_range = exp_range
+
+    @property
+    def block(self) -> int:
+        """Elements along K per block scale: 16 (NVFP4) or 32 (MXFP4)."""
+        return ref.BLOCKS[self.fmt]
+
+    @property
+    def device(self):
+        return self.codes.device
+
+    def __repr__(self) -> str:
+        extra = f", exp_range={self.exp_range}" if self.exp_range is not None else ""
+        return (f"Fp4Weight({self.fmt}, groups={self.groups}, n={self.n}, k={self.k}, "
+                f"device={self.device}{extra})")
+
+    # -- constructors ------------------------------------------------------------
+
+    @classmethod
+    def _packed(cls, fmt, codes, scales, gs, input_scale=None, exp_range=None):
+        """From the unpacked form (G, N, K/2), (G, N, K/block) on one device."""
+        n, k = codes.shape[1], 2 * codes.shape[2]
+        return cls(fmt, n, k, pack.pack_codes(codes), pack.pack_scales(scales, ref.BLOCKS[fmt]),
+                   gs, input_scale, exp_range)
+
+    @classmethod
+    def from_float(cls, w, *, gs=None) -> "Fp4Weight":
+        """Quantize w (G, N, K) or (N, K) (float32 / bfloat16 / float16, CPU
+        or CUDA) to NVFP4 along K, each group with rawkv.nvfp4.quantize: its
+        own ModelOpt global scale (scope 'tensor') when gs is None, else the
+        given one (a number for all groups, or G numbers), so the bytes are
+        ModelOpt's NVFP4QTensor.quantize bytes of each group."""
+        import torch
+
+        from .. import nvfp4
+        require_array(w, "w")
+        if not is_torch(w):
+            raise TypeError(f"w: expected a torch tensor, got {type(w).__name__}")
+        if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"w: dtype {_dtype_name(w.dtype)} is not supported "
+                            "(expected float32, bfloat16, float16)")
+        if w.dim() not in (2, 3):
+            raise ValueError(f"w: expected (G, N, K) or (N, K), got shape {tuple(w.shape)}")
+        w3 = (w if w.dim() == 3 else w.unsqueeze(0)).contiguous()
+        g, n, k = w3.shape
+        if g == 0:
+            raise ValueError(f"w: expected at least one group, got shape {tuple(w.shape)}")
+        if k % 16:
+            raise ValueError(f"w: K ({k}) must be a multiple of 16 for NVFP4 (no silent padding)")
+        given = None if gs is None else _group_gs_list(gs, g)
+        parts = [nvfp4.quantize(w3[i], scope="tensor") if given is None
+                 else nvfp4.quantize(w3[i], scope="given", gs=given[i]) for i in range(g)]
+        codes, scales = (torch.stack([p[j].view(torch.uint8) for p in parts]) for j in (0, 1))
+        gsv = torch.stack([s.reshape(()) for _, _, s in parts]).to(torch.float32)
+        return cls._packed("nvfp4", codes, scales, gsv)
+
+    @classmethod
+    def from_nvfp4(cls, weight, weight_scale, weight_scale_2, input_scale=None, *,
+                   groups: int = 1) -> "Fp4Weight":
+        """ModelOpt's NVFP4 export, bytes moved, nothing dequantized: weight
+        uint8 (or float4_e2m1fn_x2) (G*N, K/2) or (G, N, K/2); weight_scale
+        float8_e4m3fn (or uint8) (G*N, K/16) or (G, N, K/16); weight_scale_2
+        float32 () / (1,) / (G,) / (G, 1) (or a number); input_scale None or
+        the same forms. groups: G for the 2-D (stacked) form."""
+        codes, scales = _checkpoint(weight, weight_scale, "weight_scale", "float8_e4m3fn", groups,
+                                    "nvfp4")
+        g, dev = codes.shape[0], codes.device
+        gs = _per_group(weight_scale_2, "weight_scale_2", g, dev)
+        inp = None if input_scale is None else _per_group(input_scale, "input_scale", g, dev)
+        return cls._packed("nvfp4", codes, scales, gs, inp)
+
+    @classmethod
+    def from_mxfp4(cls, weight, scale, *, groups: int = 1) -> "Fp4Weight":
+        """MXFP4 as DeepSeek ships it: weight uint8 (or float4_e2m1fn_x2)
+        (G*N, K/2) or (G, N, K/2), scale uint8 (or float8_e8m0fnu) (G*N, K/32)
+        or (G, N, K/32). Scale bytes outside MX_WINDOW are refused (the
+        kernel's dequantization is exact only inside it); exp_range records
+        the bytes' range for the FP16-activation window MX_WINDOW_FP16."""
+        import torch
+        codes, scales = _checkpoint(weight, scale, "scale", "float8_e8m0fnu", groups, "mxfp4")
+        if scales.numel():
+            lo, hi = torch.aminmax(scales.reshape(-1))
+            rng = (int(lo), int(hi))
+        else:
+            rng = (127, 127)
+        if rng[0] < MX_WINDOW[0] or rng[1] > MX_WINDOW[1]:
+            raise ValueError(f"scale: MXFP4 scale bytes must lie in [{MX_WINDOW[0]}, {MX_WINDOW[1]}] "
+                             f"(2^{MX_WINDOW[0] - 127} .. 2^{MX_WINDOW[1] - 127}), where the GEMM "
+                             f"dequantizes exactly; got bytes in [{rng[0]}, {rng[1]}]")
+        gs = torch.ones((codes.shape[0],), dtype=torch.float32, device=codes.device)
+        return cls._packed("mxfp4", codes, scales, gs, exp_range=rng)
+
+    # -- back out ----------------------------------------------------------------
+
+    def unpack(self):
+        """(codes (G, N, K/2) uint8, scales (G, N, K/block) uint8, gs (G,)
+        float32) on the weight's device: the checkpoint form, exactly."""
+        return (pack.unpack_codes(self.codes, self.n, self.k),
+                pack.unpack_scales(self.scales, self.n, self.k, self.block), self.gs)
+
+    def dequantize(self):
+        """float32 (G, N, K) on the weight's device: the reference's exact
+        float64 values (rawkv.reference.gemm.dequantize_weight) rounded once
+        to float32."""
+        import torch
+        codes, scales, gs = (t.cpu().numpy() for t in self.unpack())
+        with np.errstate(over="ignore", under="ignore"):
+            w = ref.dequantize_weight(codes, scales, gs, self.fmt).astype(np.float32)
+        return torch.from_numpy(w).to(self.device)
+
+    def to(self, device) -> "Fp4Weight":
+        """A copy on `device` (the same bytes)."""
+        mv = (lambda t: None if t is None else t.to(device))
+        return Fp4Weight(self.fmt, self.n, self.k, mv(self.codes), mv(self.scales), mv(self.gs),
+                         mv(self.input_scale), self.exp_range)

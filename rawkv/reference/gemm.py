@@ -1,0 +1,231 @@
+"""Grouped FP4 GEMM reference (docs/gemm.md): the packed weight layout, exact
+weight dequantization, the float64 products of both modes, and float64 ->
+BF16 rounding.
+
+The packers here are written as index formulas, element by element of the
+packed array, straight from docs/gemm.md's table (the torch packer,
+rawkv/gemm/pack.py, uses reshapes and permutes and is tested equal to these).
+
+Unpacked ("checkpoint") form: codes (G, N, K/2) uint8, element 2j of a row in
+the low nibble of byte j; scales (G, N, K/block) uint8, block 16 (NVFP4,
+E4M3) or 32 (MXFP4, UE8M0). Packed form: codes (G, NP/16, C, 32, 16), scales
+(G, NP/16, C, 32, 2), NP = ceil(N/16)*16, C = ceil(K/64).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .formats import E2M1_VALUES, e4m3_decode
+
+ROWS = 16          # rows of a packed row tile
+CHUNK = 64         # columns of a packed chunk
+LANES = 32
+BLOCKS = {"nvfp4": 16, "mxfp4": 32}
+#: Scale byte of padding rows / columns: E4M3 0 (NVFP4), UE8M0 2^0 (MXFP4).
+SCALE_PAD = {16: 0x00, 32: 127}
+#: Column offset, within a lane's 4-column group of a k-step, of the codes in
+#: byte i of a word: byte i holds nibbles n_2i (row r0) and n_2i+1 (row r1),
+#: both of column kb + 4s + COL_OF_BYTE[i] (docs/gemm.md's table).
+COL_OF_BYTE = np.array([0, 2, 1, 3])
+
+
+def padded_sizes(n: int, k: int) -> tuple[int, int]:
+    """(NP, C): rows rounded up to the row tile, chunks of 64 along K."""
+    return -(-n // ROWS) * ROWS, -(-k // CHUNK)
+
+
+def _lane_coords(n_tiles: int, chunks: int, per_lane: int):
+    """Index grids over (row tile r, chunk c, lane l, entry e) of a packed
+    array, and each lane's rows r0, r1 and first column kb."""
+    r, c, l, e = np.indices((n_tiles, chunks, LANES, per_lane), dtype=np.int64)
+    r0 = ROWS * r + l // 4
+    kb = CHUNK * c + 16 * (l % 4)
+    return r0, r0 + 8, kb, e
+
+
+def _check_ndim(a, ndim: int, name: str) -> np.ndarray:
+    a = np.asarray(a)
+    if a.ndim != ndim or a.dtype != np.uint8:
+        raise ValueError(f"{name}: expected a {ndim}-d uint8 array, got {a.ndim}-d {a.dtype}")
+    return a
+
+
+def unpack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """(..., K/2) bytes -> (..., K) 4-bit codes (element 2j in the low nibble)."""
+    return np.stack((codes & 0xF, codes >> 4), axis=-1).reshape(*codes.shape[:-1], -1)
+
+
+def pack_codes(codes) -> np.ndarray:
+    """codes (G, N, K/2) uint8 -> packed (G, NP/16, C, 32, 16) uint8."""
+    codes = _check_ndim(codes, 3, "codes")
+    g, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
+    npad, chunks = padded_sizes(n, k)
+    nib = np.zeros((g, npad, chunks * CHUNK), np.uint8)          # padding codes are 0
+    nib[:, :n, :k] = unpack_nibbles(codes)
+    r0, r1, kb, b = _lane_coords(npad // ROWS, chunks, 16)
+    col = kb + 4 * (b // 4) + COL_OF_BYTE[b % 4]                 # word s = b // 4
+    return (nib[:, r0, col] | (nib[:, r1, col] << 4)).astype(np.uint8)
+
+
+def unpack_codes(packed, n: int, k: int) -> np.ndarray:
+    """packed (G, NP/16, C, 32, 16) -> codes (G, N, K/2), padding dropped."""
+    packed = _check_ndim(packed, 5, "packed")
+    if k % 2:
+        raise ValueError(f"k: must be even, got {k}")
+    npad, chunks = padded_sizes(n, k)
+    if packed.shape[1:] != (npad // ROWS, chunks, LANES, 16):
+        raise ValueError(f"packed: expected shape (G, {npad // ROWS}, {chunks}, {LANES}, 16) "
+                         f"for n={n}, k={k}, got {packed.shape}")
+    row, col = np.indices((n, k), dtype=np.int64)
+    q, half = row % 8, (row % ROWS) // 8                          # half 0: r0, 1: r1
+    u = col % CHUNK
+    lane = 4 * q + u // 16
+    # byte i = COL_OF_BYTE^-1[p] of word s = (u % 16) // 4; COL_OF_BYTE is its own inverse
+    byte = 4 * ((u % 16) // 4) + COL_OF_BYTE[u % 4]
+    nib = (packed[:, row // ROWS, col // CHUNK, lane, byte] >> (4 * half)) & 0xF
+    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
+
+
+def pack_scales(scales, block: int) -> np.ndarray:
+    """scales (G, N, K/block) uint8 -> packed (G, NP/16, C, 32, 2) uint8;
+    padding bytes SCALE_PAD[block]."""
+    scales = _check_ndim(scales, 3, "scales")
+    if block not in SCALE_PAD:
+        raise ValueError(f"block: expected 16 (NVFP4) or 32 (MXFP4), got {block!r}")
+    g, n, k = scales.shape[0], scales.shape[1], block * scales.shape[2]
+    npad, chunks = padded_sizes(n, k)
+    # one scale per 16-column unit (an MXFP4 block covers two), padded
+    units = np.full((g, npad, chunks * CHUNK // 16), SCALE_PAD[block], np.uint8)
+    units[:, :n, :k // 16] = np.repeat(scales, block // 16, axis=-1)
+    r0, r1, kb, half = _lane_coords(npad // ROWS, chunks, 2)
+    return units[:, np.where(half == 0, r0, r1), kb // 16]
+
+
+def unpack_scales(packed, n: int, k: int, block: int) -> np.ndarray:
+    """packed (G, NP/16, C, 32, 2) -> scales (G, N, K/block), padding dropped
+    (an MXFP4 block is stored twice, once per 16-column half: the first
+    copy is read)."""
+    packed = _check_ndim(packed, 5, "packed")
+    if block not in SCALE_PAD:
+        raise ValueError(f"block: expected 16 (NVFP4) or 32 (MXFP4), got {block!r}")
+    if k % block:
+        raise ValueError(f"k: must be a multiple of {block}, got {k}")
+    npad, chunks = padded_sizes(n, k)
+    if packed.shape[1:] != (npad // ROWS, chunks, LANES, 2):
+        raise ValueError(f"packed: expected shape (G, {npad // ROWS}, {chunks}, {LANES}, 2) "
+                         f"for n={n}, k={k}, got {packed.shape}")
+    row, blk = np.indices((n, k // block), dtype=np.int64)
+    kb = blk * block
+    lane = 4 * (row % 8) + (kb % CHUNK) // 16
+    return packed[:, row // ROWS, kb // CHUNK, lane, (row % ROWS) // 8].astype(np.uint8)
+
+
+def scale_values(scales, fmt: str) -> np.ndarray:
+    """Block scale bytes -> float64: E4M3 (0x7F / 0xFF NaN) for 'nvfp4',
+    2^(byte - 127) (255 NaN) for 'mxfp4'."""
+    scales = np.asarray(scales, dtype=np.uint8)
+    if fmt == "nvfp4":
+        return e4m3_decode(scales).astype(np.float64)
+    if fmt == "mxfp4":
+        v = np.ldexp(1.0, scales.astype(np.int64) - 127)
+        return np.where(scales == 255, np.nan, v)
+    raise ValueError(f"fmt: expected 'nvfp4' or 'mxfp4', got {fmt!r}")
+
+
+def dequantize_weight(codes, scales, gs, fmt: str) -> np.ndarray:
+    """Unpacked codes (G, N, K/2), scales (G, N, K/block), gs (G,) (None: 1)
+    -> float64 (G, N, K): e2m1(code) * scale * gs[g], exact (the product of
+    a 3-bit, a 4-bit and a 24-bit significand is a float64, and float64's
+    range holds every such product)."""
+    if fmt not in BLOCKS:
+        raise ValueError(f"fmt: expected 'nvfp4' or 'mxfp4', got {fmt!r}")
+    block = BLOCKS[fmt]
+    codes = _check_ndim(codes, 3, "codes")
+    scales = _check_ndim(scales, 3, "scales")
+    g, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
+    if k % block or scales.shape != (g, n, k // block):
+        raise ValueError(f"scales: expected shape {(g, n, k // block)} for codes {codes.shape} "
+                         f"({fmt}, K % {block} == 0), got {scales.shape}")
+    gsv = np.ones(g) if gs is None else np.asarray(gs, dtype=np.float32).reshape(g).astype(np.float64)
+    vals = E2M1_VALUES.astype(np.float64)[unpack_nibbles(codes)]
+    sv = np.repeat(scale_values(scales, fmt), block, axis=-1)
+    return vals * sv * gsv[:, None, None]
+
+
+def _dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (M, K) . w (N, K)^T in float64, NaN / Inf propagating as IEEE does.
+    BLAS for speed, but BLAS may skip a product by a zero (reference BLAS
+    does), losing 0 * Inf = NaN: every output that meets a non-finite input
+    row is recomputed with einsum, which multiplies every pair."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = x @ w.T
+        bad_x, bad_w = ~np.isfinite(x).all(axis=1), ~np.isfinite(w).all(axis=1)
+        if bad_x.any():
+            out[bad_x] = np.einsum("mk,nk->mn", x[bad_x], w)
+        if bad_w.any():
+            out[:, bad_w] = np.einsum("mk,nk->mn", x, w[bad_w])
+    return out
+
+
+def grouped(x, w) -> np.ndarray:
+    """Batched mode: x (T, G, K), w (G, N, K) -> float64 (T, G, N),
+    out[t, g, n] = sum_k x[t, g, k] * w[g, n, k] in float64."""
+    x = np.asarray(x, dtype=np.float64)
+    w = np.asarray(w, dtype=np.float64)
+    if x.ndim != 3 or w.ndim != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
+        raise ValueError(f"x: expected (T, G, K) against w (G, N, K), got {x.shape} and {w.shape}")
+    out = np.empty((x.shape[0], w.shape[0], w.shape[1]))
+    for g in range(w.shape[0]):
+        out[:, g] = _dot(x[:, g], w[g])
+    return out
+
+
+def clamp_offsets(offsets, rows: int) -> tuple[np.ndarray, int]:
+    """(o', errors): o'_0 = min(max(o_0, 0), R), o'_e = min(max(o_e,
+    o'_{e-1}), R) (non-decreasing, in [0, R]); errors = #{e : o_e != o'_e}."""
+    o = np.asarray(offsets, dtype=np.int64)
+    if o.ndim != 1 or o.size < 1:
+        raise ValueError(f"offsets: expected a 1-d array of E + 1 >= 1 entries, got shape {o.shape}")
+    c = np.empty_like(o)
+    prev = 0
+    for e, v in enumerate(o.tolist()):
+        prev = min(max(v, prev), rows)
+        c[e] = prev
+    return c, int((c != o).sum())
+
+
+def ragged(x, w, offsets) -> tuple[np.ndarray, int]:
+    """Ragged mode: x (R, K), w (E, N, K), offsets (E + 1,) -> (float64 (R,
+    N), errors). Expert e owns rows [o'_e, o'_{e+1}) of clamp_offsets; rows
+    outside [o'_0, o'_E) are zeros."""
+    x = np.asarray(x, dtype=np.float64)
+    w = np.asarray(w, dtype=np.float64)
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"x: expected (R, K) against w (E, N, K), got {x.shape} and {w.shape}")
+    if np.shape(offsets) != (w.shape[0] + 1,):
+        raise ValueError(f"offsets: expected shape ({w.shape[0] + 1},), got {np.shape(offsets)}")
+    o, errors = clamp_offsets(offsets, x.shape[0])
+    out = np.zeros((x.shape[0], w.shape[1]))
+    for e in range(w.shape[0]):
+        out[o[e]:o[e + 1]] = _dot(x[o[e]:o[e + 1]], w[e])
+    return out, errors
+
+
+def round_to_bf16(a) -> np.ndarray:
+    """float64 -> uint16 BF16 bits, rounded once to nearest, ties to even
+    (not through float32, whose rounding first can move a value onto a BF16
+    tie). Overflow per IEEE RNE: |a| >= 2^128 - 2^119 (the tie above the
+    largest finite BF16) gives Inf; subnormals kept (step 2^-133); NaN ->
+    0x7FC0 with a's sign bit."""
+    a = np.asarray(a, dtype=np.float64)
+    mag = np.abs(a)
+    finite = np.isfinite(mag)
+    m = np.where(finite, mag, 0.0)
+    _, e2 = np.frexp(np.where(m > 0, m, 1.0))                # m = f * 2^e2, f in [0.5, 1)
+    quantum = np.ldexp(1.0, np.maximum(e2 - 1, -126) - 7)    # BF16 step at m's binade
+    r = np.rint(m / quantum) * quantum                        # powers of two: exact
+    r = np.where(finite & (r < 2.0 ** 128), r, np.inf)
+    with np.errstate(over="ignore"):
+        bits = (r.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    bits = np.where(np.isnan(a), np.uint16(0x7FC0), bits)
+    return (bits | (np.signbit(a).astype(np.uint16) << 15)).astype(np.uint16)

@@ -1,0 +1,274 @@
+"""rawkv.gemm: the torch packer against the reference (rawkv.reference.gemm,
+which docs/gemm.md's table pins in tests/test_gemm_reference.py), and
+Fp4Weight's constructors: from_float follows rawkv.nvfp4.quantize per group
+(ModelOpt's rules, so ModelOpt's bytes: checked against nvidia-modelopt when
+it is installed), from_nvfp4 takes ModelOpt's export tensors as they are,
+from_mxfp4 refuses scale bytes outside the kernel's exact window
+(docs/gemm.md, "MXFP4 exponent window")."""
+from __future__ import annotations
+
+import importlib.metadata
+import warnings
+
+import numpy as np
+import pytest
+
+import rawkv
+from rawkv.gemm import MX_WINDOW, Fp4Weight, pack
+from rawkv.reference import gemm as R
+
+torch = pytest.importorskip("torch")
+
+SHAPES = [(1, 1, 16), (1, 16, 64), (3, 37, 208), (2, 50, 96), (4, 8, 320)]
+
+
+def _t(a):
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+@pytest.mark.parametrize("g,n,k", SHAPES)
+def test_torch_packer_equals_reference(rng, g, n, k):
+    codes = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
+    packed = pack.pack_codes(_t(codes))
+    np.testing.assert_array_equal(packed.numpy(), R.pack_codes(codes))
+    np.testing.assert_array_equal(pack.unpack_codes(packed, n, k).numpy(), codes)
+    for block in (16, 32):
+        if k % block:
+            continue
+        scales = rng.integers(0, 256, (g, n, k // block), dtype=np.uint8)
+        ps = pack.pack_scales(_t(scales), block)
+        np.testing.assert_array_equal(ps.numpy(), R.pack_scales(scales, block))
+        np.testing.assert_array_equal(pack.unpack_scales(ps, n, k, block).numpy(), scales)
+
+
+def _quantize_groups(w, gs=None):
+    """rawkv.nvfp4.quantize of each group, stacked: (codes, scales, gs)."""
+    parts = [rawkv.nvfp4.quantize(w[i], scope="tensor") if gs is None else
+             rawkv.nvfp4.quantize(w[i], scope="given", gs=float(gs[i])) for i in range(w.shape[0])]
+    return (torch.stack([p[0].view(torch.uint8) for p in parts]),
+            torch.stack([p[1].view(torch.uint8) for p in parts]),
+            torch.stack([p[2].reshape(()) for p in parts]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_from_float_is_quantize_per_group(rng, dtype):
+    g, n, k = 3, 21, 80
+    # groups of very different magnitudes: each gets its own gs
+    w = _t(rng.standard_normal((g, n, k)) * np.array([1e-3, 1.0, 40.0])[:, None, None]).to(dtype)
+    wt = Fp4Weight.from_float(w)
+    assert (wt.fmt, wt.groups, wt.n, wt.k, wt.block) == ("nvfp4", g, n, k, 16)
+    assert wt.exp_range is None and wt.input_scale is None
+    codes, scales, gs = wt.unpack()
+    want = _quantize_groups(w)
+    assert torch.equal(codes, want[0]) and torch.equal(scales, want[1])
+    assert gs.dtype == torch.float32 and torch.equal(gs, want[2])
+    assert len(set(gs.tolist())) == g
+    # packed as the reference packs
+    np.testing.assert_array_equal(wt.codes.numpy(), R.pack_codes(want[0].numpy()))
+    np.testing.assert_array_equal(wt.scales.numpy(), R.pack_scales(want[1].numpy(), 16))
+
+
+def test_from_float_given_gs(rng):
+    g, n, k = 2, 16, 32
+    w = _t(rng.standard_normal((g, n, k)).astype(np.float32))
+    per = [0.002, 0.0005]
+    for gs in (per, torch.tensor(per), np.array(per, np.float32)):
+        codes, scales, got = Fp4Weight.from_float(w, gs=gs).unpack()
+        want = _quantize_groups(w, per)
+        assert torch.equal(codes, want[0]) and torch.equal(scales, want[1])
+        assert torch.equal(got, torch.tensor(per, dtype=torch.float32))
+    one = Fp4Weight.from_float(w, gs=0.001)
+    assert torch.equal(one.gs, torch.full((g,), 0.001, dtype=torch.float32))
+    # (N, K): one group
+    w2 = Fp4Weight.from_float(w[1])
+    assert w2.groups == 1 and torch.equal(w2.unpack()[0][0], _quantize_groups(w[1:])[0][0])
+
+
+def test_from_float_errors():
+    w = torch.zeros(2, 8, 32)
+    with pytest.raises(ValueError, match="^w:.*multiple of 16"):
+        Fp4Weight.from_float(torch.zeros(2, 8, 40))
+    with pytest.raises(TypeError, match="^w:"):
+        Fp4Weight.from_float(w.to(torch.float64))
+    with pytest.raises(TypeError, match="^w:"):
+        Fp4Weight.from_float(w.numpy())
+    with pytest.raises(ValueError, match="^w:"):
+        Fp4Weight.from_float(torch.zeros(32))
+    with pytest.raises(ValueError, match="^gs:.*2 values"):
+        Fp4Weight.from_float(w, gs=[0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match="^gs:"):
+        Fp4Weight.from_float(w, gs=[0.1, -1.0])
+    with pytest.raises(ValueError, match="^gs:"):
+        Fp4Weight.from_float(w, gs=1e38)             # above the float32-input bound
+
+
+def _checkpoint(rng, g, n, k):
+    """ModelOpt-shaped NVFP4 export tensors of g groups stacked by rows."""
+    w = _t(rng.standard_normal((g, n, k)).astype(np.float32))
+    codes, scales, gs = _quantize_groups(w)
+    return w, codes, scales, gs
+
+
+@pytest.mark.parametrize("g,n,k", [(1, 24, 64), (3, 17, 48), (8, 32, 128)])
+def test_from_nvfp4_forms(rng, g, n, k):
+    _, codes, scales, gs = _checkpoint(rng, g, n, k)
+    ref = Fp4Weight._packed("nvfp4", codes, scales, gs)
+    e2m1, e4m3 = getattr(torch, "float4_e2m1fn_x2", torch.uint8), torch.float8_e4m3fn
+    forms = [
+        (codes.reshape(g * n, k // 2), scales.reshape(g * n, k // 16).view(e4m3), gs, g),
+        (codes.view(e2m1), scales, gs.reshape(g, 1), 1),
+        (codes.reshape(g * n, k // 2).view(e2m1), scales.reshape(g * n, k // 16), gs, g),
+    ]
+    for weight, ws, ws2, groups in forms:
+        wt = Fp4Weight.from_nvfp4(weight, ws, ws2, gs * 2, groups=groups)
+        assert (wt.groups, wt.n, wt.k) == (g, n, k)
+        assert torch.equal(wt.codes, ref.codes) and torch.equal(wt.scales, ref.scales)
+        assert torch.equal(wt.gs, gs) and torch.equal(wt.input_scale, gs * 2)
+        back = wt.unpack()
+        assert torch.equal(back[0], codes) and torch.equal(back[1], scales)
+    # one weight_scale_2 / input_scale for every group (a scalar, as ModelOpt exports per tensor)
+    wt = Fp4Weight.from_nvfp4(codes.reshape(g * n, -1), scales.reshape(g * n, -1),
+                              torch.tensor(0.5), torch.tensor([0.25]), groups=g)
+    assert torch.equal(wt.gs, torch.full((g,), 0.5)) and torch.equal(wt.input_scale, torch.full((g,), 0.25))
+
+
+def test_from_nvfp4_errors(rng):
+    g, n, k = 2, 8, 32
+    _, codes, scales, gs = _checkpoint(rng, g, n, k)
+    c2, s2 = codes.reshape(g * n, k // 2), scales.reshape(g * n, k // 16)
+    cases = [
+        ((c2.float(), s2, gs), dict(groups=g), TypeError, "^weight:"),
+        ((c2, s2.float(), gs), dict(groups=g), TypeError, "^weight_scale:"),
+        ((c2, s2, gs.double()), dict(groups=g), TypeError, "^weight_scale_2:"),
+        ((c2, s2, gs[:1].expand(3).contiguous()), dict(groups=g), ValueError, "^weight_scale_2:"),
+        ((c2, s2, gs, torch.ones(3)), dict(groups=g), ValueError, "^input_scale:"),
+        ((c2, s2, gs), dict(groups=3), ValueError, "^groups:"),
+        ((c2, s2, gs), dict(groups=0), ValueError, "^groups:"),
+        ((c2, s2, gs), dict(groups=2.0), TypeError, "^groups:"),
+        ((codes, scales, gs), dict(groups=3), ValueError, "^groups:"),
+        ((c2, s2[:, :1], gs), dict(groups=g), ValueError, "^weight_scale:"),     # K mismatch
+        ((c2, s2[:-1], gs), dict(groups=g), ValueError, "^weight_scale:"),        # rows
+        ((c2[:, :4], s2[:, :1], gs), dict(groups=g), ValueError, "^weight:.*multiple of 16"),
+        ((c2.reshape(-1), s2, gs), dict(groups=g), ValueError, "^weight:"),
+        ((c2, None, gs), dict(groups=g), TypeError, "^weight_scale:"),
+    ]
+    for args, kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            Fp4Weight.from_nvfp4(*args, **kw)
+
+
+def _mx(rng, g, n, k, lo=110, hi=135):
+    codes = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
+    scales = rng.integers(lo, hi + 1, (g, n, k // 32), dtype=np.uint8)
+    return _t(codes), _t(scales)
+
+
+def test_from_mxfp4(rng):
+    g, n, k = 3, 19, 96
+    codes, scales = _mx(rng, g, n, k)
+    wt = Fp4Weight.from_mxfp4(codes.reshape(g * n, -1), scales.reshape(g * n, -1).view(torch.float8_e8m0fnu),
+                              groups=g)
+    assert (wt.fmt, wt.block, wt.groups, wt.n, wt.k) == ("mxfp4", 32, g, n, k)
+    assert wt.exp_range == (int(scales.min()), int(scales.max()))
+    assert torch.equal(wt.gs, torch.ones(g)) and wt.input_scale is None
+    np.testing.assert_array_equal(wt.scales.numpy(), R.pack_scales(scales.numpy(), 32))
+    back = wt.unpack()
+    assert torch.equal(back[0], codes) and torch.equal(back[1], scales)
+    np.testing.assert_array_equal(
+        wt.dequantize().numpy(),
+        R.dequantize_weight(codes.numpy(), scales.numpy(), None, "mxfp4").astype(np.float32))
+
+
+def test_from_mxfp4_window(rng):
+    # docs/gemm.md, "MXFP4 exponent window": bytes in [4, 137] load; the
+    # bytes' range is recorded for the FP16-activation window.
+    codes, scales = _mx(rng, 1, 4, 64)
+    for edge in MX_WINDOW:
+        s = scales.clone()
+        s[0, 1, 1] = edge
+        assert edge in Fp4Weight.from_mxfp4(codes, s).exp_range
+    for bad in (0, 3, 138, 254, 255):
+        s = scales.clone()
+        s[0, 2, 0] = bad
+        with pytest.raises(ValueError, match=rf"^scale:.*\[4, 137\].*{bad}"):
+            Fp4Weight.from_mxfp4(codes, s)
+    with pytest.raises(ValueError, match="^weight:.*multiple of 32"):
+        Fp4Weight.from_mxfp4(codes[..., :8], scales[..., :1])
+    with pytest.raises(TypeError, match="^scale:"):
+        Fp4Weight.from_mxfp4(codes, scales.view(torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("g,n,k", SHAPES)
+def test_unpack_dequantize_to(rng, g, n, k):
+    w = _t(rng.standard_normal((g, n, k)).astype(np.float32) * 3)
+    wt = Fp4Weight.from_float(w)
+    codes, scales, gs = wt.unpack()
+    deq = wt.dequantize()
+    assert deq.dtype == torch.float32 and deq.shape == (g, n, k)
+    exact = R.dequantize_weight(codes.numpy(), scales.numpy(), gs.numpy(), "nvfp4")
+    np.testing.assert_array_equal(deq.numpy(), exact.astype(np.float32))
+    # NVFP4's error: at most half the widest E2M1 step (1, between 4 and 6)
+    # times the block's scale es <= bmax / 6 * (1 + 2^-4) (E4M3 RNE, 3
+    # mantissa bits), so <= amax * (1 + 2^-4) / 6 over the tensor
+    assert np.all(np.abs(deq.numpy() - w.numpy()) <= np.abs(w.numpy()).max() * (1 + 2 ** -4) / 6)
+    moved = wt.to("cpu")
+    assert moved is not wt and torch.equal(moved.codes, wt.codes) and moved.k == wt.k
+
+
+# -- NVIDIA ModelOpt (the `peers` extra; skipped when absent) ------------------------
+
+def _modelopt():
+    try:
+        importlib.metadata.version("nvidia-modelopt")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("nvidia-modelopt is not installed (pip install -e '.[peers]')")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+    return NVFP4QTensor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_modelopt_export_round_trips(rng, dtype):
+    # NVFP4QTensor.quantize per group, as ModelOpt quantizes each expert /
+    # wo_a group (modelopt/torch/quantization/qtensor/nvfp4_tensor.py):
+    # from_nvfp4 of its output unpacks to the same bytes, and from_float of
+    # the same weight writes them too (byte identity).
+    q4 = _modelopt()
+    g, n, k = 4, 24, 96
+    scale = np.exp(rng.uniform(-6, 6, (g, n, 1)))        # wide range across rows
+    w = _t(rng.standard_normal((g, n, k)) * scale).to(dtype)
+    qs, sfs, gss = [], [], []
+    for i in range(g):
+        qt, sf, gsi = q4.quantize(w[i].clone(), 16)
+        qs.append(qt._quantized_data)
+        sfs.append(sf)
+        gss.append(gsi.float().reshape(()))
+    weight, ws = torch.cat(qs), torch.cat(sfs)              # ModelOpt's (G*N, K/2), (G*N, K/16)
+    assert weight.dtype == torch.uint8 and ws.dtype == torch.float8_e4m3fn
+    wt = Fp4Weight.from_nvfp4(weight, ws, torch.stack(gss), groups=g)
+    codes, scales, gs = wt.unpack()
+    assert torch.equal(codes.reshape(g * n, -1), weight)
+    assert torch.equal(scales.reshape(g * n, -1), ws.view(torch.uint8))
+    ours = Fp4Weight.from_float(w)
+    assert torch.equal(ours.gs, gs)
+    assert torch.equal(ours.codes, wt.codes) and torch.equal(ours.scales, wt.scales)
+
+
+def test_gpu_packer_and_from_float_equal_cpu(cuda, rng):
+    # The packer is plain tensor indexing: on CUDA it must give the CPU bytes;
+    # from_float on CUDA runs the NVFP4 kernel, which equals the reference.
+    g, n, k = 3, 37, 208
+    w = _t(rng.standard_normal((g, n, k)).astype(np.float32))
+    cpu = Fp4Weight.from_float(w)
+    gpu = Fp4Weight.from_float(w.cuda())
+    assert gpu.device.type == "cuda"
+    assert torch.equal(gpu.codes.cpu(), cpu.codes) and torch.equal(gpu.scales.cpu(), cpu.scales)
+    assert torch.equal(gpu.gs.cpu(), cpu.gs)
+    back = gpu.unpack()
+    assert torch.equal(back[0].cpu(), cpu.unpack()[0]) and torch.equal(back[1].cpu(), cpu.unpack()[1])
+    moved = cpu.to("cuda")
+    assert torch.equal(moved.codes.cpu(), cpu.codes)
+    mx_codes, mx_scales = _mx(rng, g, n, 192)
+    mx = Fp4Weight.from_mxfp4(mx_codes.cuda(), mx_scales.cuda())
+    assert torch.equal(mx.scales.cpu(), Fp4Weight.from_mxfp4(mx_codes, mx_scales).scales)
