@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-GROUPS = ("core", "nvfp4", "fused", "kvcache")
+GROUPS = ("core", "nvfp4", "fused", "kvcache", "gemm")
 
 
 # ---- timing helpers (used by the bench_<group>.py modules too) ---------------

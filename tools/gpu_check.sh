@@ -14,7 +14,7 @@ mkdir -p "$OUT/bench"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export RAWKV_CACHE_DIR=${RAWKV_CACHE_DIR:-/tmp/rawkv-cache}
 TESTS=${RAWKV_TESTS:-tests}
-BENCH=${RAWKV_BENCH:-core,nvfp4,fused,kvcache}
+BENCH=${RAWKV_BENCH:-core,nvfp4,fused,kvcache,gemm}
 status=0
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv

@@ -5,12 +5,15 @@
     w = rawkv.gemm.Fp4Weight.from_mxfp4(codes, scale)
 
 Modules: weights (Fp4Weight, load-time checks), pack (the packed layout in
-torch; rawkv.reference.gemm defines it).
+torch; rawkv.reference.gemm defines it), linear (grouped_linear, moe_linear:
+the kernel launch or, on CPU, the reference), layer (Fp4GroupedLinear).
 """
 from __future__ import annotations
 
 from .pack import pack_codes, pack_scales, unpack_codes, unpack_scales
 from .weights import FORMATS, MX_WINDOW, MX_WINDOW_FP16, Fp4Weight
+from .linear import grouped_linear, moe_linear
+from .layer import Fp4GroupedLinear
 
-__all__ = ["Fp4Weight", "FORMATS", "MX_WINDOW", "MX_WINDOW_FP16", "pack_codes", "pack_scales",
-           "unpack_codes", "unpack_scales"]
+__all__ = ["Fp4Weight", "Fp4GroupedLinear", "grouped_linear", "moe_linear", "FORMATS", "MX_WINDOW",
+           "MX_WINDOW_FP16", "pack_codes", "pack_scales", "unpack_codes", "unpack_scales"]

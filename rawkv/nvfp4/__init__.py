@@ -28,11 +28,11 @@ counters), _checks (the family's argument rules), _geometry (launch shapes).
 from __future__ import annotations
 
 from .activation import QuantizedActivation, dequantize
-from .counters import GATHER_INDEX, GIVEN_GS, error_counts
+from .counters import GATHER_INDEX, GEMM_OFFSETS, GIVEN_GS, error_counts
 from .decode import gather
 from .encode import SCOPES, SMALL_NUMEL, quantize
 from .scales import swizzle_scales, swizzled_size, unswizzle_scales
 
 __all__ = ["quantize", "dequantize", "gather", "swizzle_scales", "unswizzle_scales",
            "swizzled_size", "SCOPES", "SMALL_NUMEL", "QuantizedActivation", "error_counts",
-           "GATHER_INDEX", "GIVEN_GS"]
+           "GATHER_INDEX", "GEMM_OFFSETS", "GIVEN_GS"]

@@ -1,15 +1,17 @@
 """Counters of bad inputs the NVFP4 ops met where no error could be raised
 (docs/format.md, "NVFP4: error counters").
 
-    errs = rawkv.nvfp4.error_counts()            # int32 CUDA tensor (2,), torch's current device
+    errs = rawkv.nvfp4.error_counts()            # int32 CUDA tensor (3,), torch's current device
     bad_rows = int(errs[rawkv.nvfp4.GATHER_INDEX])   # a host sync, when the caller chooses
     errs.zero_()
-    rawkv.nvfp4.error_counts("cpu")              # the CPU paths' counter: numpy int32 (2,)
+    rawkv.nvfp4.error_counts("cpu")              # the CPU paths' counter: numpy int32 (3,)
 
 Slots: GATHER_INDEX counts the gather output rows whose index was outside
 [0, rows) in calls that passed no errors= (rows written as zeros);
 GIVEN_GS counts the quantize calls whose device gs the kernel found unusable
-(every block flagged). Kernels add with atomics on the op's stream; nothing
+(every block flagged). GEMM_OFFSETS counts the ragged rawkv.gemm offsets that
+were out of order or out of [0, rows) (clamped, docs/gemm.md), in calls that
+passed no errors=. Kernels add with atomics on the op's stream; nothing
 here synchronizes on the hot path. The CUDA counter of a device is created,
 zeroed, by rawkv.warmup() (or on first use outside graph capture).
 """
@@ -24,7 +26,8 @@ from ..runtime import get_runtime, on_warmup
 
 GATHER_INDEX = 0
 GIVEN_GS = 1
-_SLOTS = 2
+GEMM_OFFSETS = 2
+_SLOTS = 3
 
 _CPU = np.zeros(_SLOTS, np.int32)
 _CUDA: dict = {}          # device index -> int32 tensor (_SLOTS,)
@@ -34,7 +37,7 @@ _LOCK = threading.Lock()
 def error_counts(device=None):
     """The error counters of a CUDA device (an index, 'cuda:N', a
     torch.device; None: torch's current device) as an int32 CUDA tensor of
-    2 slots (GATHER_INDEX, GIVEN_GS), or with device 'cpu' those of the CPU
+    3 slots (GATHER_INDEX, GIVEN_GS, GEMM_OFFSETS), or with device 'cpu' those of the CPU
     paths as a numpy int32 array. The caller reads and zeroes them."""
     if device == "cpu" or getattr(device, "type", None) == "cpu":
         return _CPU

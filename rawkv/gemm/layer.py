@@ -1,0 +1,65 @@
+"""rawkv.gemm.Fp4GroupedLinear: DeepSeek-V4's wo_a as one object (seed
+004's Nvfp4GroupedLinear, on every GPU from sm_80): set a BF16 weight or
+load a checkpoint once, then call it on each step. The output buffer is
+allocated once, at construction, so a call allocates nothing and can be
+captured in a CUDA graph."""
+from __future__ import annotations
+
+from .linear import grouped_linear
+from .weights import Fp4Weight
+
+
+class Fp4GroupedLinear:
+    """out (T, G, N) = x (T, G, K) . weight[g]^T per group, FP4 weights.
+
+    groups G, in_features K, out_features N per group; max_tokens bounds T
+    (the output buffer's size). Calls return a view of that buffer (rows
+    [0, T)), overwritten by the next call: copy it to keep it, or pass out=."""
+
+    def __init__(self, groups: int, in_features: int, out_features: int, *, max_tokens: int,
+                 device="cuda"):
+        import torch
+        for name, v in (("groups", groups), ("in_features", in_features), ("out_features", out_features),
+                        ("max_tokens", max_tokens)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if in_features % 16:
+            raise ValueError(f"in_features: {in_features} is not a multiple of 16 (NVFP4 blocks)")
+        self.groups, self.in_features, self.out_features = groups, in_features, out_features
+        self.max_tokens = max_tokens
+        self.weight: Fp4Weight | None = None
+        self.out = torch.empty((max_tokens, groups, out_features), dtype=torch.bfloat16, device=device)
+
+    def set_weight(self, w, *, gs=None) -> "Fp4GroupedLinear":
+        """Quantize a BF16/FP32 weight (G, N, K) to NVFP4 with ModelOpt's
+        rules (gs per group: computed as ModelOpt does, or given)."""
+        self._set(Fp4Weight.from_float(w.to(self.out.device), gs=gs), "w")
+        return self
+
+    def load_nvfp4(self, weight, weight_scale, weight_scale_2, input_scale=None) -> "Fp4GroupedLinear":
+        """A ModelOpt NVFP4 checkpoint's tensors, stacked (G*N, ...) or (G, N, ...)."""
+        w = Fp4Weight.from_nvfp4(weight, weight_scale, weight_scale_2, input_scale, groups=self.groups)
+        self._set(w.to(self.out.device), "weight")
+        return self
+
+    def load_mxfp4(self, weight, scale) -> "Fp4GroupedLinear":
+        """MXFP4 codes and UE8M0 scales as DeepSeek ships FP4 weights."""
+        self._set(Fp4Weight.from_mxfp4(weight, scale, groups=self.groups).to(self.out.device), "weight")
+        return self
+
+    def _set(self, w: Fp4Weight, name: str) -> None:
+        got = (w.groups, w.n, w.k)
+        want = (self.groups, self.out_features, self.in_features)
+        if got != want:
+            raise ValueError(f"{name}: (groups, out_features, in_features) {got}, the layer was built for {want}")
+        self.weight = w
+
+    def __call__(self, x, *, out=None, stream=None):
+        if self.weight is None:
+            raise RuntimeError("Fp4GroupedLinear: no weight yet; call set_weight / load_nvfp4 / load_mxfp4")
+        if out is None:
+            tokens = (x.q if hasattr(x, "q") else x).shape[0]
+            if tokens > self.max_tokens:
+                raise ValueError(f"x: {tokens} tokens, the layer was built for max_tokens={self.max_tokens}")
+            out = self.out[:tokens]
+        return grouped_linear(x, self.weight, out=out, stream=stream)

@@ -1,0 +1,256 @@
+"""The grouped FP4-weight GEMM (docs/gemm.md): rawkv.gemm.grouped_linear
+(every token to every group: DeepSeek-V4 wo_a) and rawkv.gemm.moe_linear
+(rows sorted by expert). On CUDA tensors one launch of rawkv/cu/gemm_fp4.cu;
+on CPU tensors the numpy reference (exact dequantization, float64 product,
+one rounding to BF16)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _args as A
+from .. import _dispatch as D
+from ..kernels import gemm_fp4 as K
+from ..nvfp4 import counters
+from ..reference import formats as F
+from ..reference import gemm as ref
+from ..runtime import get_runtime
+from .weights import MX_WINDOW_FP16
+
+
+def grouped_linear(x, weight, *, out=None, stream=None):
+    """out (T, G, N) BF16 = x[t, g, :] . weight[g, n, :] for every token t
+    and group g, accumulated in FP32.
+
+    x: (T, G, K) bfloat16 / float16, or a rawkv.nvfp4.QuantizedActivation of
+    such an x (q (T, G, K/2), sf (T, G, K/16), gs a float32 tensor of shape
+    () / (1,) or (T, G)). weight: a rawkv.gemm.Fp4Weight of G groups."""
+    act = _activation(x, weight, "x", 3)
+    t, g = act.lead
+    if g != weight.groups:
+        raise ValueError(f"x: has {g} groups, the weight {weight.groups}")
+    shape = (t, g, weight.n)
+    if act.where == "cpu":
+        y = ref.grouped(act.values(), _weight_values(weight))
+        return _cpu_out(y, shape, out)
+    out = _check_out(out, shape, act.device)
+    if t and weight.n:
+        rt = get_runtime(act.device)
+        mt, nt, ks, rw, u = _config(t)
+        rows = -(-weight.n // 16)
+        grid = (-(-rows // (mt * rw)), -(-t // (8 * nt)), g)
+        _launch(rt, act, weight, out, (mt, nt, ks, rw, u), grid, t, None, 0, None, stream)
+    return out
+
+
+def moe_linear(x, weight, offsets, *, out=None, errors=None, stream=None):
+    """out (R, N) BF16: row r of x times expert e's weight, for the rows
+    offsets[e] <= r < offsets[e+1] (rows sorted by expert).
+
+    x: (R, K) bfloat16 / float16, or a QuantizedActivation (q (R, K/2),
+    sf (R, K/16), gs () / (1,) / (R,)). offsets: int32 (E+1,) on the
+    device, E = weight.groups, read only by the kernel: out-of-order or
+    out-of-range offsets are clamped (docs/gemm.md), rows no expert owns are
+    written as zeros, and each clamp is counted in errors[0] (an int32
+    tensor) or, with errors=None, in rawkv.nvfp4.error_counts()[GEMM_OFFSETS]."""
+    act = _activation(x, weight, "x", 2)
+    (r,) = act.lead
+    shape = (r, weight.n)
+    experts = weight.groups
+    if act.where == "cpu":
+        offs = _cpu_offsets(offsets, experts)
+        y, bad = ref.ragged(act.values(), _weight_values(weight), offs)
+        if errors is not None:
+            A.require_array(errors, "errors")
+            errors[0] += bad
+        else:
+            counters.add_cpu(counters.GEMM_OFFSETS, bad)
+        return _cpu_out(y, shape, out)
+    dev = act.device
+    if not D.is_cuda_tensor(offsets):
+        A.require_array(offsets, "offsets")
+        raise ValueError("offsets: must be a CUDA tensor on the device of x (the kernel reads it)")
+    A.check_tensor(offsets, "offsets", (_torch().int32,), shape=(experts + 1,), device=dev)
+    if experts + 1 > K.MAX_SEGMENTS:
+        raise ValueError(f"weight: {experts} experts; the ragged kernel takes at most {K.MAX_SEGMENTS - 1}")
+    if errors is not None:
+        A.check_tensor(errors, "errors", (_torch().int32,), device=dev)
+        if errors.numel() < 1:
+            raise ValueError("errors: needs at least one int32 slot")
+    out = _check_out(out, shape, dev)
+    if r and weight.n:
+        rt = get_runtime(dev)
+        err_ptr = errors.data_ptr() if errors is not None else counters.address(rt, counters.GEMM_OFFSETS, stream)
+        cfg = _config(-(-r // max(1, min(experts, r))))
+        mt, nt, ks, rw, u = cfg
+        rows = -(-weight.n // 16)
+        slots = min(r, -(-r // (8 * nt)) + experts + 2)
+        grid = (-(-rows // (mt * rw)), slots, 1)
+        _launch(rt, act, weight, out, cfg, grid, r, offsets, experts, err_ptr, stream)
+    return out
+
+
+# ---- activations ------------------------------------------------------------
+
+class _Act:
+    """One activation argument, checked: kind (0 BF16, 1 FP16, 2 NVFP4),
+    its tensors and the element strides the kernel walks."""
+    __slots__ = ("kind", "where", "device", "lead", "x", "sf", "gs", "strides", "gs_strides", "source")
+
+    def values(self) -> np.ndarray:
+        """The activation as float64, exactly (CPU path)."""
+        if self.kind != 2:
+            return D.to_numpy(self.x, "x").astype(np.float64)
+        q = D.to_numpy(self.x, "x.q").astype(np.uint8)
+        codes = np.stack([q & 0xF, q >> 4], axis=-1).reshape(*q.shape[:-1], q.shape[-1] * 2)
+        sf = F.e4m3_decode(D.to_numpy(self.sf, "x.sf").astype(np.uint8)).astype(np.float64)
+        gs = D.to_numpy(self.gs, "x.gs").astype(np.float64)
+        gs = gs.reshape(()) if gs.size == 1 else gs[..., None]
+        v = F.e2m1_decode(codes).astype(np.float64) * np.repeat(sf, 16, axis=-1)
+        return v * gs
+
+
+def _activation(x, weight, name, ndim) -> _Act:
+    a = _Act()
+    k = weight.k
+    if hasattr(x, "q") and hasattr(x, "sf") and hasattr(x, "gs"):
+        q, sf, gs = x.q, x.sf, x.gs
+        A.require_array(q, f"{name}.q")
+        A.require_array(sf, f"{name}.sf")
+        A.require_array(gs, f"{name}.gs")
+        a.where = D.placement((f"{name}.q", q), (f"{name}.sf", sf), (f"{name}.gs", gs), ("weight", weight.codes))
+        a.kind = 2
+        if tuple(q.shape[-1:]) != (k // 2,) or q.dim() != ndim:
+            raise ValueError(f"{name}.q: expected shape (..., {k // 2}) with {ndim} dimensions for K = {k}, "
+                             f"got {tuple(q.shape)}")
+        lead = tuple(q.shape[:-1])
+        if tuple(sf.shape) != (*lead, k // 16):
+            raise ValueError(f"{name}.sf: expected shape {(*lead, k // 16)}, got {tuple(sf.shape)}")
+        if gs.numel() != 1 and tuple(gs.shape) != lead:
+            raise ValueError(f"{name}.gs: expected one value or shape {lead}, got {tuple(gs.shape)}")
+        a.lead, a.x, a.sf, a.gs = lead, q, sf, gs
+        if a.where == "cuda":
+            dt = A.dtypes()
+            a.device = q.get_device()
+            A.check_tensor(q, f"{name}.q", dt.bytes, device=a.device, contiguous=False)
+            A.check_tensor(sf, f"{name}.sf", dt.bytes, device=a.device, contiguous=False)
+            A.check_tensor(gs, f"{name}.gs", (_torch().float32,), device=a.device, contiguous=False)
+            _check_weight_device(weight, a.device)
+            a.x = _rows_aligned(q, 8)
+            a.sf = sf if sf.stride(-1) == 1 else sf.contiguous()
+            a.strides = _lead_strides(a.x) + _lead_strides(a.sf)
+            a.gs_strides = (0, 0) if gs.numel() == 1 else (tuple(gs.stride()) + (0,))[:2]
+        return a
+    A.require_array(x, name)
+    a.where = D.placement((name, x), ("weight", weight.codes))
+    if a.where == "cpu":
+        name_dt = A.cpu_dtype_name(x, name) if not D.is_torch(x) else str(x.dtype).replace("torch.", "")
+        if name_dt not in ("bfloat16", "float16"):
+            raise TypeError(f"{name}: dtype {name_dt} is not supported (expected bfloat16, float16)")
+        a.kind = 1 if name_dt == "float16" else 0
+    else:
+        t = _torch()
+        a.device = x.get_device()
+        A.check_tensor(x, name, (t.bfloat16, t.float16), device=a.device, contiguous=False)
+        _check_weight_device(weight, a.device)
+        a.kind = 1 if x.dtype == t.float16 else 0
+    if x.dim() != ndim or x.shape[-1] != k:
+        raise ValueError(f"{name}: expected shape (..., {k}) with {ndim} dimensions for K = {k}, "
+                         f"got {tuple(x.shape)}")
+    if a.kind == 1 and weight.fmt == "mxfp4":
+        lo, hi = weight.exp_range
+        if lo < MX_WINDOW_FP16[0] or hi > MX_WINDOW_FP16[1]:
+            raise ValueError(f"{name}: FP16 activations need MXFP4 scale bytes in {list(MX_WINDOW_FP16)} "
+                             f"(this weight's span [{lo}, {hi}]); pass BF16 activations")
+    a.lead, a.x, a.sf, a.gs = tuple(x.shape[:-1]), x, None, None
+    if a.where == "cuda":
+        a.x = _rows_aligned(x, 16)
+        a.strides = _lead_strides(a.x) + (0, 0)
+        a.gs_strides = (0, 0)
+    return a
+
+
+def _rows_aligned(x, align):
+    """x itself when each row (last dimension) starts `align`-byte aligned
+    and is contiguous; else a contiguous copy (an odd view costs one copy)."""
+    es = x.element_size()
+    ok = x.stride(-1) == 1 and x.data_ptr() % align == 0 and all(
+        (s * es) % align == 0 for s in x.stride()[:-1])
+    return x if ok else x.contiguous()
+
+
+def _lead_strides(x) -> tuple:
+    """(token stride, group stride) in elements; 0 for a missing group axis."""
+    st = x.stride()
+    return (st[0], st[1]) if x.dim() == 3 else (st[0], 0)
+
+
+def _check_weight_device(weight, dev) -> None:
+    if weight.codes.get_device() != dev:
+        raise ValueError(f"weight: is on {weight.codes.device}, x on cuda:{dev}; rawkv does not move data")
+
+
+def _check_out(out, shape, dev):
+    t = _torch()
+    if out is None:
+        return t.empty(shape, dtype=t.bfloat16, device=f"cuda:{dev}")
+    A.require_array(out, "out")
+    A.check_tensor(out, "out", (t.bfloat16,), shape=shape, device=dev, contiguous=False)
+    if out.stride(-1) != 1:
+        raise ValueError("out: the last dimension must be contiguous")
+    return out
+
+
+def _config(tokens: int) -> tuple:
+    for tt in (8, 16, 32, 64):
+        if tokens <= tt:
+            return K.CONFIGS[tt]
+    return K.CONFIGS["large"]
+
+
+def _launch(rt, act, weight, out, cfg, grid, tokens, offsets, experts, err_ptr, stream):
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"x: {tokens} tokens x {weight.groups} groups is past the launch grid's limit")
+    mt, nt, ks, rw, u = cfg
+    xs_t, xs_g, ss_t, ss_g = act.strides
+    gs_t, gs_g = act.gs_strides
+    os_ = out.stride()
+    K.GEMM.instance(act.kind, mt, nt, ks, rw, u).launch(
+        rt, grid, (32 * ks * rw,), stream=stream,
+        wq=weight.codes, wsf=weight.scales, wgs=weight.gs, w_mx=int(weight.fmt == "mxfp4"),
+        x=act.x, xsf=act.sf, xgs=act.gs, xs_t=xs_t, xs_g=xs_g, ss_t=ss_t, ss_g=ss_g,
+        gs_t=gs_t, gs_g=gs_g, out=out, os_t=os_[0], os_g=os_[1] if out.dim() == 3 else 0,
+        n=weight.n, k=weight.k, tokens=tokens, offsets=offsets, experts=experts, errors=err_ptr)
+
+
+# ---- CPU --------------------------------------------------------------------
+
+def _weight_values(weight) -> np.ndarray:
+    codes, scales, gs = weight.unpack()
+    return ref.dequantize_weight(D.to_numpy(codes, "weight"), D.to_numpy(scales, "weight"),
+                                 D.to_numpy(gs, "weight"), weight.fmt)
+
+
+def _cpu_offsets(offsets, experts) -> np.ndarray:
+    A.require_array(offsets, "offsets")
+    o = D.to_numpy(offsets, "offsets")
+    if o.dtype.kind not in "iu" or o.shape != (experts + 1,):
+        raise ValueError(f"offsets: expected int32 shape ({experts + 1},), got {o.dtype} {o.shape}")
+    return o.astype(np.int64)
+
+
+def _cpu_out(y: np.ndarray, shape, out):
+    t = _torch()
+    bits = ref.round_to_bf16(y).astype(np.uint16)
+    res = t.from_numpy(bits.view(np.int16).copy()).view(t.bfloat16).reshape(shape)
+    if out is None:
+        return res
+    A.require_array(out, "out")
+    if out.dtype != t.bfloat16 or tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out: expected bfloat16 {tuple(shape)}, got {out.dtype} {tuple(out.shape)}")
+    out.copy_(res)
+    return out
+
+
+def _torch():
+    import torch
+    return torch
