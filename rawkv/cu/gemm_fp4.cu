@@ -22,7 +22,8 @@
 // Template: ACT activation kind (0 BF16, 1 FP16, 2 NVFP4 codes + E4M3
 // scales, multiplied in BF16); MT m-tiles and NT n-tiles per warp; KS warps
 // splitting K inside a block (summed through shared memory in a fixed
-// order: deterministic); RW warps along the rows; U chunks loaded ahead.
+// order: deterministic); RW warps along the rows; a ring of S stages of U
+// chunks each per warp.
 #include "common.cuh"
 using namespace rkv;
 
@@ -131,75 +132,42 @@ template <> struct ActChunk<2> {  // 16 E2M1 codes + their E4M3 block scale
     }
 };
 
-// U chunks of one warp's operands in registers: per m-tile the packed codes
-// and the two rows' scale bytes, per n-tile the lane's activations.
-template <int ACT, int MT, int NT, int U>
-struct Stage {
-    uint4 wv[U][MT];
-    u32 sv[U][MT];
-    ActChunk<ACT> av[U][NT];
+// 16 bytes global -> shared without passing through registers (L2 only:
+// weights are read once per token tile).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 
-    __device__ __forceinline__ void load(const u8* wbase, const u8* sbase, const u8* const (&xrow)[NT],
-                                         const u8* const (&srow)[NT], int tile0, int tiles16, int chunks,
-                                         int c, int c_end, int k, int t) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int cc = c + u;
-#pragma unroll
-            for (int i = 0; i < MT; ++i) {
-                const int tile = tile0 + i;
-                if (cc < c_end && tile < tiles16) {
-                    const i64 at = (i64)tile * chunks + cc;
-                    wv[u][i] = load_stream(wbase + at * 512);
-                    sv[u][i] = __ldg(reinterpret_cast<const u16*>(sbase + at * 64));
-                } else {
-                    wv[u][i] = make_uint4(0, 0, 0, 0);
-                    sv[u][i] = 0;
-                }
-            }
-            const int kb = cc * 64 + 16 * t;
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                if (cc < c_end && xrow[j] && kb < k) av[u][j].load(xrow[j], srow[j], kb);
-                else av[u][j].clear();
-            }
-        }
+// The four A-fragment registers of k-step s of one m-tile: word w of the
+// lane's packed codes (pair j = nibbles j and j + 4), times the rows' scale
+// factors f0 (row q) and f1 (row q + 8).
+//
+// BF16: for a nibble pair at bits p and p + 16 (p = 0 or 4), one multiply
+// by 2^(12-p) + 2^(6-p) lays two copies of each nibble side by side, one
+// with the sign at bit 15 (31), one with the magnitude at bits 6..8
+// (22..24); the mask keeps those. The copies never overlap, so nothing
+// carries. Pairs 2 and 3 are pairs 0 and 1 of w >> 8. FP16 (magnitude at
+// bits 9..11, where the copies would overlap) uses shifts.
+template <bool F16>
+__device__ __forceinline__ void dequant_fragment(u32 w, u32 f0, u32 f1, u32 (&a)[4]) {
+    if (F16) {
+        a[0] = mul2(e2m1_pair_bits(w << 12, true), f0, true);
+        a[1] = mul2(e2m1_pair_bits(w << 8, true), f1, true);
+        a[2] = mul2(e2m1_pair_bits(w << 4, true), f0, true);
+        a[3] = mul2(e2m1_pair_bits(w, true), f1, true);
+    } else {
+        const u32 h = w >> 8;
+        a[0] = mul2(((w & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, f0, false);
+        a[1] = mul2(((w & 0x00F000F0u) * 0x0104u) & 0x81C081C0u, f1, false);
+        a[2] = mul2(((h & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, f0, false);
+        a[3] = mul2(((h & 0x00F000F0u) * 0x0104u) & 0x81C081C0u, f1, false);
     }
-
-    __device__ __forceinline__ void compute(float (&acc)[MT][NT][4], int c, int c_end, int w_mx) const {
-        constexpr bool F16 = ACT == 1;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (c + u >= c_end) break;
-            u32 f[MT][2];
-#pragma unroll
-            for (int i = 0; i < MT; ++i) {
-                f[i][0] = scale_factor(sv[u][i] & 0xFFu, w_mx, F16);
-                f[i][1] = scale_factor(sv[u][i] >> 8, w_mx, F16);
-            }
-#pragma unroll
-            for (int s = 0; s < 4; ++s) {
-                u32 a[MT][4];
-#pragma unroll
-                for (int i = 0; i < MT; ++i) {
-                    const u32 w = s == 0 ? wv[u][i].x : s == 1 ? wv[u][i].y : s == 2 ? wv[u][i].z : wv[u][i].w;
-                    // pair j = nibbles j and j + 4: shift nibble j to bits 12..15.
-                    a[i][0] = mul2(e2m1_pair_bits(w << 12, F16), f[i][0], F16);
-                    a[i][1] = mul2(e2m1_pair_bits(w << 8, F16), f[i][1], F16);
-                    a[i][2] = mul2(e2m1_pair_bits(w << 4, F16), f[i][0], F16);
-                    a[i][3] = mul2(e2m1_pair_bits(w, F16), f[i][1], F16);
-                }
-#pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    u32 b0, b1;
-                    av[u][j].fragment(s, b0, b1);
-#pragma unroll
-                    for (int i = 0; i < MT; ++i) mma16816(acc[i][j], a[i], b0, b1, F16);
-                }
-            }
-        }
-    }
-};
+}
 
 // Segment (expert, or the unowned rows before / after) and token range of
 // ragged slot `slot`; offsets are clamped as the reference does
@@ -268,7 +236,7 @@ __device__ void ragged_slot(const int* __restrict__ offsets, int experts, int ro
 
 }  // namespace
 
-template <int ACT, int MT, int NT, int KS, int RW, int U>
+template <int ACT, int MT, int NT, int KS, int RW, int U, int S>
 __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
     const u8* __restrict__ wq, const u8* __restrict__ wsf, const float* __restrict__ wgs, int w_mx,
     const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
@@ -279,6 +247,8 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
     constexpr int TT = 8 * NT;  // tokens per block
     __shared__ float s_red[KS > 1 ? (KS - 1) * RW * 32 * MT * NT * 4 : 1];
     __shared__ int s_off[RKV_GEMM_MAX_SEGMENTS];
+    // Per warp: S stages x U chunks x MT m-tiles x (512 B codes + 64 B scales).
+    __shared__ __align__(16) u8 s_ring[KS * RW * S * U * MT * 576];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rw = warp % RW, ks = warp / RW;
@@ -338,19 +308,72 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
             for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
 
     const u8* wbase = wq + (((i64)g * tiles16 * chunks) * 32 + lane) * 16;
-    const u8* sbase = wsf + (((i64)g * tiles16 * chunks) * 32 + lane) * 2;
+    const u8* sbase = wsf + (i64)g * tiles16 * chunks * 64;
 
-    // Two register stages of U chunks: the loads of one are in flight while
-    // the other is dequantized and multiplied (unrolled by two so the
-    // stages stay in place, with no register copies).
-    Stage<ACT, MT, NT, U> sa, sb;
-    sa.load(wbase, sbase, xrow, srow, tile0, tiles16, chunks, c_beg, c_end, k, t);
-    for (int c = c_beg; c < c_end; c += 2 * U) {
-        sb.load(wbase, sbase, xrow, srow, tile0, tiles16, chunks, c + U, c_end, k, t);
-        sa.compute(acc, c, c_end, w_mx);
-        sa.load(wbase, sbase, xrow, srow, tile0, tiles16, chunks, c + 2 * U, c_end, k, t);
-        sb.compute(acc, c + U, c_end, w_mx);
+    // Each warp streams its own weights through a ring of S stages of U
+    // chunks in shared memory (cp.async: the bytes in flight hold no
+    // registers), S - 1 stages ahead of the chunk it multiplies. Only the
+    // warp reads its ring, so a warp barrier orders it.
+    u8* ring = s_ring + warp * (S * U * MT * 576);
+    auto issue = [&](int slot, int c) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int cc = c + u;
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const int tile = tile0 + i;
+                if (cc < c_end && tile < tiles16) {
+                    const i64 at = (i64)tile * chunks + cc;
+                    u8* dst = ring + ((slot * U + u) * MT + i) * 576;
+                    cp_async16(dst + lane * 16, wbase + at * 512);
+                    if (lane < 4) cp_async16(dst + 512 + lane * 16, sbase + at * 64 + lane * 16);
+                }
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int p = 0; p < S - 1; ++p) issue(p, c_beg + p * U);
+    int slot = 0;
+    for (int c = c_beg; c < c_end; c += U) {
+        ActChunk<ACT> av[U][NT];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int kb = (c + u) * 64 + 16 * t;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                if (c + u < c_end && xrow[j] && kb < k) av[u][j].load(xrow[j], srow[j], kb);
+                else av[u][j].clear();
+            }
+        }
+        cp_async_wait<S - 2>();
+        __syncwarp();
+        issue((slot + S - 1) % S, c + (S - 1) * U);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (c + u >= c_end) break;
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                const u8* src = ring + ((slot * U + u) * MT + i) * 576;
+                const uint4 wv = *reinterpret_cast<const uint4*>(src + lane * 16);
+                const u32 sv = *reinterpret_cast<const u16*>(src + 512 + lane * 2);
+                const u32 f0 = scale_factor(sv & 0xFFu, w_mx, F16), f1 = scale_factor(sv >> 8, w_mx, F16);
+#pragma unroll
+                for (int s4 = 0; s4 < 4; ++s4) {
+                    u32 a[4];
+                    dequant_fragment<F16>(s4 == 0 ? wv.x : s4 == 1 ? wv.y : s4 == 2 ? wv.z : wv.w, f0, f1, a);
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        u32 b0, b1;
+                        av[u][j].fragment(s4, b0, b1);
+                        mma16816(acc[i][j], a, b0, b1, F16);
+                    }
+                }
+            }
+        }
+        slot = slot + 1 == S ? 0 : slot + 1;
     }
+    cp_async_wait<0>();
 
     if (KS > 1) {
         float* mine = s_red + ((ks - 1) * RW + rw) * 32 * MT * NT * 4;

@@ -35,10 +35,11 @@ def grouped_linear(x, weight, *, out=None, stream=None):
     out = _check_out(out, shape, act.device)
     if t and weight.n:
         rt = get_runtime(act.device)
-        mt, nt, ks, rw, u = _config(t)
+        cfg = _config(t)
+        mt, nt, rw = cfg[0], cfg[1], cfg[3]
         rows = -(-weight.n // 16)
         grid = (-(-rows // (mt * rw)), -(-t // (8 * nt)), g)
-        _launch(rt, act, weight, out, (mt, nt, ks, rw, u), grid, t, None, 0, None, stream)
+        _launch(rt, act, weight, out, cfg, grid, t, None, 0, None, stream)
     return out
 
 
@@ -81,7 +82,7 @@ def moe_linear(x, weight, offsets, *, out=None, errors=None, stream=None):
         rt = get_runtime(dev)
         err_ptr = errors.data_ptr() if errors is not None else counters.address(rt, counters.GEMM_OFFSETS, stream)
         cfg = _config(-(-r // max(1, min(experts, r))))
-        mt, nt, ks, rw, u = cfg
+        mt, nt, rw = cfg[0], cfg[1], cfg[3]
         rows = -(-weight.n // 16)
         slots = min(r, -(-r // (8 * nt)) + experts + 2)
         grid = (-(-rows // (mt * rw)), slots, 1)
@@ -210,11 +211,11 @@ def _config(tokens: int) -> tuple:
 def _launch(rt, act, weight, out, cfg, grid, tokens, offsets, experts, err_ptr, stream):
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"x: {tokens} tokens x {weight.groups} groups is past the launch grid's limit")
-    mt, nt, ks, rw, u = cfg
+    mt, nt, ks, rw, u, stages = cfg
     xs_t, xs_g, ss_t, ss_g = act.strides
     gs_t, gs_g = act.gs_strides
     os_ = out.stride()
-    K.GEMM.instance(act.kind, mt, nt, ks, rw, u).launch(
+    K.GEMM.instance(act.kind, mt, nt, ks, rw, u, stages).launch(
         rt, grid, (32 * ks * rw,), stream=stream,
         wq=weight.codes, wsf=weight.scales, wgs=weight.gs, w_mx=int(weight.fmt == "mxfp4"),
         x=act.x, xsf=act.sf, xgs=act.gs, xs_t=xs_t, xs_g=xs_g, ss_t=ss_t, ss_g=ss_g,

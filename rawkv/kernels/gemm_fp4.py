@@ -3,7 +3,8 @@
 One kernel, instantiated per activation kind and tile configuration:
 ACT 0 BF16, 1 FP16, 2 NVFP4 (codes + E4M3 scales); MT m-tiles (16 output
 features each) and NT n-tiles (8 tokens each) per warp; KS warps splitting K
-inside a block; RW warps along the rows; U chunks of 64 columns loaded ahead.
+inside a block; RW warps along the rows; per warp a ring of S stages of U
+chunks of 64 columns.
 """
 from ._decl import KernelFile, TParam
 
@@ -18,18 +19,18 @@ FILE = KernelFile("gemm_fp4.cu", constants={"RKV_GEMM_CHUNK": CHUNK,
 
 ACT_CODES = {"bfloat16": 0, "float16": 1, "nvfp4": 2}
 
-# Tile configurations, (MT, NT, KS, RW, U), by the most tokens (per group or
+# Tile configurations, (MT, NT, KS, RW, U, S), by the most tokens (per group or
 # expert) each serves: a block covers 8 * NT tokens and 16 * MT * RW output
 # features. Chosen by a sweep on an H100 (docs/gemm.md, "Tuning"): small
 # token counts split K across warps so that every SM has weight bytes in
 # flight at M = 1; larger ones give each warp more m-tiles so that every
 # activation fragment feeds several MMAs.
 CONFIGS = {
-    8: (2, 1, 4, 1, 2),
-    16: (2, 2, 4, 2, 1),
-    32: (2, 4, 2, 2, 1),
-    64: (4, 4, 2, 2, 1),
-    "large": (2, 4, 2, 2, 1),
+    8: (2, 1, 4, 1, 2, 3),
+    16: (2, 2, 4, 1, 2, 3),
+    32: (2, 4, 4, 1, 1, 3),
+    64: (2, 4, 2, 2, 1, 3),
+    "large": (2, 4, 2, 2, 1, 3),
 }
 
 _PARAMS = ("const u8* wq, const u8* wsf, const float* wgs, int w_mx, "
@@ -41,5 +42,6 @@ _PARAMS = ("const u8* wq, const u8* wsf, const float* wgs, int w_mx, "
 GEMM = FILE.kernel(
     "rkv_gemm_fp4", _PARAMS,
     (TParam("int", "ACT", (0, 1, 2)), TParam("int", "MT", (1, 2, 4)), TParam("int", "NT", (1, 2, 4, 8)),
-     TParam("int", "KS", (1, 2, 4)), TParam("int", "RW", (2, 4)), TParam("int", "U", (1, 2, 4))),
+     TParam("int", "KS", (1, 2, 4)), TParam("int", "RW", (1, 2, 4)), TParam("int", "U", (1, 2, 4)),
+     TParam("int", "S", (2, 3, 4))),
     instances=[(a, *cfg) for a in ACT_CODES.values() for cfg in dict.fromkeys(CONFIGS.values())])
