@@ -449,3 +449,22 @@ def test_gpu_decode_step_captures_in_a_graph(cuda, rng):
         assert sum(p.read_errors() for p in dec.pools.values()) == 0
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["rawkv", "model1"])
+def test_kvcache_indices_arguments_name_themselves(layout):
+    p = kc.PagedKVPool("csa", 4, 2, 2, 2, layout=layout, device="cpu")
+    sl, ids = np.zeros(2, np.int32), np.zeros((2, 3), np.int32)
+    for kw, exc, name in (({"topk_ids": ids.astype(np.float32)}, TypeError, "topk_ids"),
+                          ({"slots": np.zeros(3, np.int32)}, ValueError, "slots"),
+                          ({"n_entries": np.zeros(2, np.int64)}, TypeError, "n_entries"),
+                          ({"out": np.zeros((2, 2), np.int32)}, ValueError, "out"),
+                          ({"errors": np.zeros(0, np.int32)}, ValueError, "errors")):
+        args = {"slots": sl, "topk_ids": ids, **kw}
+        with pytest.raises(exc, match=f"^{name}: "):
+            kc.kvcache_indices(p, args.pop("slots"), args.pop("topk_ids"), **args)
+    with pytest.raises(TypeError, match="^pool: "):
+        kc.kvcache_indices(object(), sl, ids)
+    out = np.full((2, 3), 7, np.int32)
+    assert kc.kvcache_indices(p, sl, ids, out=out) is out and (out == -1).all()   # nothing written yet
+    assert p.read_errors() == 6

@@ -43,11 +43,8 @@ def kvcache_indices(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, o
                n_entries=n_entries, valid_mask=valid_mask, out=out)
         return out
     dev = pool.device_index
-    ids = C.arg(topk_ids, "topk_ids", C.IDS, dev, ndim=2)
+    ids, s, ne, v = C.topk_args(slots, topk_ids, n_entries, valid_mask, dev)
     B, Kk = ids.shape
-    s = C.arg(slots, "slots", C.I32, dev, shape=(B,))
-    ne = C.opt(n_entries, "n_entries", C.I32, dev, shape=(B,))
-    v = C.opt(valid_mask, "valid_mask", C.BOOL, dev, shape=(B,))
     if out is not None:
         out_arr = C.arg(out, "out", C.I32, dev, shape=(B, Kk))
     err = C.errors_arg(errors, pool.errors, dev)

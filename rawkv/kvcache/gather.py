@@ -36,11 +36,8 @@ def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=N
                             slots=slots, topk_ids=topk_ids, n_entries=n_entries, valid_mask=valid_mask)
     name = C.out_dtype(dtype, out)
     dev = pool.device_index
-    ids = C.arg(topk_ids, "topk_ids", C.IDS, dev, ndim=2)
+    ids, s, ne, v = C.topk_args(slots, topk_ids, n_entries, valid_mask, dev)
     B, Kk = ids.shape
-    s = C.arg(slots, "slots", C.I32, dev, shape=(B,))
-    ne = C.opt(n_entries, "n_entries", C.I32, dev, shape=(B,))
-    v = C.opt(valid_mask, "valid_mask", C.BOOL, dev, shape=(B,))
     shape = (B, Kk, pool.head_dim)
     out = C.check_out(out, name, dev, shape=shape)
     err = C.errors_arg(errors, pool.errors, dev)
