@@ -49,13 +49,13 @@ class _Data:
             w // (2 if kind == "csa" else 1))).astype(np.float32))
 
 
-def _pools(d: _Data, **layout):
+def _pools(d: _Data, layout="rawkv", **index_layout):
     """A CSA pool (indexer keys) and an HCA pool, two requests each, with
     entries written by flush_write (one bad slot: one error each); `layout`:
     PagedKVPool's layout / index_layout."""
     pools = {}
     for kind, (nb, epb, mb, last) in {"csa": (8, 4, 4, [27, 13]), "hca": (6, 2, 3, [511, 300])}.items():
-        p = kvc.PagedKVPool(kind, nb, epb, 2, mb, device=d.device, **layout)
+        p = kvc.PagedKVPool(kind, nb, epb, 2, mb, device=d.device, layout=layout, **index_layout)
         slots = [p.add_request(), p.add_request()]
         p.prepare_step(slots, last)
         n = [(x + 1) // M[kind] for x in last]
@@ -218,12 +218,12 @@ def _snapshot(objs, device, outs=()):
     return bufs, restore
 
 
-def _decode_step(rng, device):
+def _decode_step(rng, device, layout="rawkv"):
     """The decode step of rawkv/demo.py (state_append, compress_decode,
     csa_rotate, hca_reset, gather_topk, gather_dense_batch) at a small size;
     request 0's step flushes a CSA and an HCA entry."""
     from rawkv.demo import Decoder
-    dec = Decoder(rng, [127, 134], 2, 8, 4, device=device, tensors=True)
+    dec = Decoder(rng, [127, 134], 2, 8, 4, device=device, tensors=True, layout=layout)
     dec.prefill()
     dec.prepare(0)
     bufs, restore = _snapshot([*dec.pools.values(), *dec.states.values(), dec.istate], device,
@@ -236,12 +236,12 @@ def _decode_step(rng, device):
     return step, ()
 
 
-def _prefill_step(rng, device, **layout):
+def _prefill_step(rng, device, layout="rawkv", **index_layout):
     """Admission and the format ops: compress_prefill, state_seed,
     state_clear, flush_write, then every gather of the CSA pool and the
     top-k bridge; `layout`: the pool's (PagedKVPool layout=, index_layout=)."""
     d = _Data(rng, device)
-    pool = kvc.PagedKVPool("csa", 16, 4, 2, 8, device=device, **layout)
+    pool = kvc.PagedKVPool("csa", 16, 4, 2, 8, device=device, layout=layout, **index_layout)
     state = kvc.DecodeState("csa", 2, device=device)
     istate = kvc.DecodeState("csa", 2, DI, device=device)
     slots = [pool.add_request(), pool.add_request()]
@@ -282,5 +282,10 @@ def _prefill_step_model1(rng, device):
     return _prefill_step(rng, device, layout="model1", index_layout="mxfp4")
 
 
-STEPS = [("kvcache_decode_step", _decode_step), ("kvcache_prefill_admission", _prefill_step),
+def _decode_step_model1(rng, device):
+    return _decode_step(rng, device, layout="model1")
+
+
+STEPS = [("kvcache_decode_step", _decode_step), ("kvcache_decode_step_model1", _decode_step_model1),
+         ("kvcache_prefill_admission", _prefill_step),
          ("kvcache_prefill_admission_model1", _prefill_step_model1)]

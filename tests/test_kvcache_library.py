@@ -17,8 +17,8 @@ D, DI = ref.HEAD_DIM, ref.INDEX_HEAD_DIM
 OPS = torch.ops.rawkv
 
 
-def _pool(kind="csa", device="cpu", **layout):
-    p = kvc.PagedKVPool(kind, 8, 4, 2, 4, device=device, **layout)
+def _pool(kind="csa", device="cpu", layout="rawkv", **index_layout):
+    p = kvc.PagedKVPool(kind, 8, 4, 2, 4, device=device, layout=layout, **index_layout)
     for _ in range(2):
         p.add_request()
     p.prepare_step([0, 1], [8 * p.m - 1, 5 * p.m - 1])      # entries 0..7 and 0..4
