@@ -289,7 +289,7 @@ def run(rt, results, quick=False):
     # ---------------- decode step, CSA ----------------
     n_csa = ctx // 4
     epb = 64
-    csa = kvc.PagedKVPool("csa", B * (n_csa // epb + 1), epb, B, n_csa // epb + 1, device=dev)
+    csa = kvc.PagedKVPool("csa", B * (n_csa // epb + 1), epb, B, n_csa // epb + 1, layout="rawkv", device=dev)
     _fill_pool(csa, B, n_csa)
     st = kvc.DecodeState("csa", B, device=dev)
     ist = kvc.DecodeState("csa", B, DI, device=dev)
@@ -359,7 +359,7 @@ def run(rt, results, quick=False):
     # ---------------- decode step, HCA ----------------
     n_hca = ctx // 128
     epb = 32
-    hca = kvc.PagedKVPool("hca", B * (n_hca // epb + 1), epb, B, n_hca // epb + 1, device=dev)
+    hca = kvc.PagedKVPool("hca", B * (n_hca // epb + 1), epb, B, n_hca // epb + 1, layout="rawkv", device=dev)
     _fill_pool(hca, B, n_hca)
     hs = kvc.DecodeState("hca", B, device=dev)
     hs.count.fill_(128)
@@ -405,7 +405,7 @@ def run(rt, results, quick=False):
         coff = 2 if kind == "csa" else 1
         n = T // m
         epb = 64
-        pool = kvc.PagedKVPool(kind, n // epb + 1, epb, 1, n // epb + 1, device=dev)
+        pool = kvc.PagedKVPool(kind, n // epb + 1, epb, 1, n // epb + 1, layout="rawkv", device=dev)
         s0 = pool.add_request()
         pool.prepare_step([s0], [T - 1])
         kv = torch.randn((T, coff * D), device=dev)
