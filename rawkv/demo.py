@@ -42,7 +42,7 @@ D, DI, ROPE = ref.HEAD_DIM, ref.INDEX_HEAD_DIM, ref.ROPE_DIM
 BF16_ENTRY, BF16_INDEX = 2 * D, 2 * DI
 #: the layouts the demo can run the pools in (PagedKVPool layout=)
 LAYOUTS = ("model1", "rawkv")
-DEFAULT_LAYOUT = "rawkv"
+DEFAULT_LAYOUT = "model1"
 
 
 def entry_bytes(layout: str, index_layout: str | None, epb: int) -> tuple:

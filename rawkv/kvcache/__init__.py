@@ -30,7 +30,7 @@ pool / state views they run on); layouts (the ecosystem layouts as
 standalone ops).
 
 A pool stores its entries in one of two layouts (PagedKVPool(layout=)):
-"model1", the pages FlashMLA / DeepGEMM read (MODEL1_FP8Sparse entries,
+"model1" (the default), the pages FlashMLA / DeepGEMM read (MODEL1_FP8Sparse entries,
 FP8 or MXFP4 indexer keys), or "rawkv", rawkv's own field-by-field layout
 (an FP32 scale per entry, NVFP4 keys); every op above works on both.
 """

@@ -8,7 +8,8 @@
     pool.free_request(slot)
 
 Device buffers (allocated once, in the constructor; docs/kvcache.md, "Paged
-pool and kernels" and "Pool layouts"). layout="rawkv" (field by field):
+pool and kernels" and "Pool layouts"). layout="rawkv" (rawkv's own layout,
+field by field):
 
     fp8         (num_blocks, epb, head_dim - rope_dim) uint8    E4M3 codes
     scale       (num_blocks, epb)                      float32  decode scale
@@ -16,7 +17,8 @@ pool and kernels" and "Pool layouts"). layout="rawkv" (field by field):
     index_q     (num_blocks, epb, index_head_dim // 2) uint8    CSA only
     index_sf    (num_blocks, epb, index_head_dim // 16) uint8   CSA only
 
-layout="model1" (the ecosystem's pages; a block is a page of epb records):
+layout="model1" (the default: the ecosystem's pages; a block is a page of
+epb records):
 
     pages       (num_blocks, page_bytes) uint8        FlashMLA MODEL1_FP8Sparse
                 entries (flashmla_view(pool.pages, epb) is FlashMLA's k_cache;
@@ -179,7 +181,10 @@ class PagedKVPool(ErrorCounter):
     """Paged pool of compressed KV entries of one layer (see module doc).
 
     kind: 'csa' (m = 4, with a CSA indexer key per entry unless
-    index_head_dim=None) or 'hca' (m = 128, no indexer key).
+    index_head_dim=None) or 'hca' (m = 128, no indexer key). layout:
+    'model1' (default; FlashMLA / DeepGEMM pages, indexer keys of
+    index_layout 'fp8' or 'mxfp4') or 'rawkv'. entries_per_block is the
+    page size (vLLM: 64 for CSA, 2 for HCA: 256 tokens per page).
     """
 
     # Every layout's buffers (a pool holds its layout's; the others are None):
@@ -189,7 +194,7 @@ class PagedKVPool(ErrorCounter):
 
     def __init__(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                  *, head_dim=ref.HEAD_DIM, rope_dim=ref.ROPE_DIM, index_head_dim=_DEFAULT,
-                 layout="rawkv", index_layout="fp8", device="cuda"):
+                 layout="model1", index_layout="fp8", device="cuda"):
         if index_head_dim is _DEFAULT:
             index_head_dim = ref.INDEX_HEAD_DIM if kind == "csa" else None
         self._set_geometry(kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
