@@ -1,4 +1,4 @@
-"""python -m rawkv demo [--cpu] [--small] [--steps N] [--seed S]
+"""python -m rawkv demo [--cpu] [--small] [--steps N] [--seed S] [--layout L] [--index-layout I]
 
 A DeepSeek-V4-shaped decode simulation of one CSA layer (m = 4, 512-dim
 entries + 128-dim indexer keys) and one HCA layer (m = 128):
@@ -12,9 +12,15 @@ entries + 128-dim indexer keys) and one HCA layer (m = 128):
      ONCE in a CUDA graph and replayed; between replays only host
      bookkeeping runs (pool.prepare_step, the step's token rows, positions,
      flush masks and top-k ids copied into the graph's static buffers);
-  3. it prints the cache's bytes per token against a BF16 cache, the
-     accuracy of the gathered entries against the BF16 path (the numpy
-     reference's BF16 entries before quantization), and the time per step.
+  3. it prints the cache's bytes per token against a BF16 cache and against
+     the pool's other layout, the accuracy of the gathered entries against
+     the BF16 path (the numpy reference's BF16 entries before quantization),
+     and the time per step.
+
+The pools hold the entries in --layout: "model1" (the pages FlashMLA's
+sparse decode and DeepGEMM's paged indexer logits read: MODEL1_FP8Sparse
+entries, FP8 or MXFP4 indexer keys) or "rawkv" (rawkv's own: an FP32 scale
+per entry, NVFP4 indexer keys).
 
 When the GPU path cannot run (or with --cpu) the same ops run the numpy
 reference on CPU pools at a small size, and the first line says why, in the
@@ -29,22 +35,37 @@ import time
 import numpy as np
 
 from .reference import kvcache as ref
+from .reference.kvcache import layouts as L
 
 M = {"csa": ref.CSA_RATIO, "hca": ref.HCA_RATIO}
 D, DI, ROPE = ref.HEAD_DIM, ref.INDEX_HEAD_DIM, ref.ROPE_DIM
-ENTRY_BYTES = (D - ROPE) + 4 + 2 * ROPE          # E4M3 codes + FP32 scale + BF16 RoPE dims
-INDEX_BYTES = DI // 2 + DI // 16                 # NVFP4 codes + UE4M3 scales
 BF16_ENTRY, BF16_INDEX = 2 * D, 2 * DI
+#: the layouts the demo can run the pools in (PagedKVPool layout=)
+LAYOUTS = ("model1", "rawkv")
+DEFAULT_LAYOUT = "model1"
 
 
-def _bytes_lines(kinds):
+def entry_bytes(layout: str, index_layout: str | None, epb: int) -> tuple:
+    """Bytes one compressed entry and its CSA indexer key take in a pool of
+    `layout` with pages of `epb` entries (page padding included)."""
+    if layout == "rawkv":
+        return (D - ROPE) + 4 + 2 * ROPE, DI // 2 + DI // 16     # FP8 + FP32 scale + BF16 RoPE; NVFP4
+    key = ref.INDEX_LAYOUTS[index_layout or "fp8"]
+    return L.MODEL1.page_bytes(epb) / epb, key.page_bytes(epb) / epb
+
+
+def _bytes_lines(kinds, layout, index_layout, epb):
+    """Bytes per token of each layer in `layout`, against BF16 and against
+    the other layout."""
+    other = "rawkv" if layout == "model1" else "model1"
     lines = []
     for kind in kinds:
         m = M[kind]
-        rk = ENTRY_BYTES + (INDEX_BYTES if kind == "csa" else 0)
+        size = {lay: entry_bytes(lay, index_layout, epb) for lay in LAYOUTS}
+        tot = {lay: e + (k if kind == "csa" else 0) for lay, (e, k) in size.items()}
         bf = BF16_ENTRY + (BF16_INDEX if kind == "csa" else 0)
-        lines.append(f"bytes/token {kind.upper()} (m={m}): rawkv {rk / m:.2f} vs BF16 {bf / m:.2f} "
-                     f"({bf / rk:.2f}x smaller)")
+        lines.append(f"bytes/token {kind.upper()} (m={m}): {layout} {tot[layout] / m:.2f} vs BF16 {bf / m:.2f} "
+                     f"({bf / tot[layout]:.2f}x smaller), vs the {other} layout {tot[other] / m:.2f}")
     return lines
 
 
@@ -98,6 +119,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=_count(1), default=None,
                    help="decode steps, >= 1 (default 300 on a GPU, 130 with --small or on CPU)")
     p.add_argument("--seed", type=_count(0), default=0, help="seed of the synthetic data, >= 0")
+    p.add_argument("--layout", choices=LAYOUTS, default=DEFAULT_LAYOUT,
+                   help="the pools' layout: model1 (FlashMLA MODEL1_FP8Sparse entries, DeepGEMM indexer "
+                        "keys) or rawkv (FP32 scale per entry, NVFP4 keys); default %(default)s")
+    p.add_argument("--index-layout", choices=tuple(ref.INDEX_LAYOUTS), default="fp8",
+                   help="model1's indexer keys: fp8 (Hopper) or mxfp4 (Blackwell); default %(default)s")
 
 
 def run(a) -> int:
@@ -125,7 +151,8 @@ class Decoder:
     pools; numpy arrays, or CPU torch tensors with tensors=True: what
     torch.compile traces, tests/library_samples_kvcache.py)."""
 
-    def __init__(self, rng, prompts, steps, topk, epb, *, device="cpu", tensors=False):
+    def __init__(self, rng, prompts, steps, topk, epb, *, device="cpu", tensors=False, layout=DEFAULT_LAYOUT,
+                 index_layout="fp8"):
         from . import kvcache as kvc
 
         self.kvc, self.prompts, self.topk = kvc, list(prompts), topk
@@ -140,7 +167,8 @@ class Decoder:
         for k in self.layers:
             max_e = max(self.total) // M[k] + 1
             mb = -(-max_e // epb)
-            self.pools[k] = kvc.PagedKVPool(k, B * mb, epb, B, mb, device=device)
+            self.pools[k] = kvc.PagedKVPool(k, B * mb, epb, B, mb, device=device, layout=layout,
+                                            index_layout=index_layout)
             self.states[k] = kvc.DecodeState(k, B, device=device)
         self.istate = kvc.DecodeState("csa", B, DI, device=device)
         self.slots = [self.pools["csa"].add_request() for _ in range(B)]
@@ -261,10 +289,13 @@ def _run(a, rt) -> int:
     if gpu:
         import torch
         print(f"rawkv demo: GPU {rt.name} ({rt.arch}): kernels, decode steps in one CUDA graph")
+    index_layout = a.index_layout if a.layout == "model1" else "nvfp4"
     print(f"config: {B} requests, prompts {prompts} tokens, {steps} decode steps; layers CSA (m=4, "
-          f"head_dim {D}, indexer {DI}, top-k {topk}) and HCA (m=128, dense)")
+          f"head_dim {D}, indexer {DI}, top-k {topk}) and HCA (m=128, dense); pool layout {a.layout} "
+          f"(indexer keys {index_layout}, {epb} entries per page)")
 
-    dec = Decoder(rng, prompts, steps, topk, epb, device="cuda" if gpu else "cpu")
+    dec = Decoder(rng, prompts, steps, topk, epb, device="cuda" if gpu else "cpu", layout=a.layout,
+                  index_layout=a.index_layout)
     kvc, layers, toks, itoks = dec.kvc, dec.layers, dec.toks, dec.itoks
     slots, total = dec.slots, dec.total
     pools, states, istate = dec.pools, dec.states, dec.istate
@@ -329,12 +360,12 @@ def _run(a, rt) -> int:
     ms = np.median(times)
     unit = "us per step (one CUDA graph replay, CUDA events)" if gpu else \
         "us per step (numpy reference, wall clock)"
-    for line in _bytes_lines(("csa", "hca")):
+    for line in _bytes_lines(("csa", "hca"), a.layout, a.index_layout, epb):
         print(line)
     ok = True
     for name, key, floor in (("CSA entries (top-k gather)", "csa", 0.999),
                              ("HCA entries (dense gather)", "hca", 0.999),
-                             ("CSA indexer keys (NVFP4)", "index", 0.98)):
+                             (f"CSA indexer keys ({index_layout.upper()})", "index", 0.98)):
         c = np.asarray(cos[key])
         good = c.size > 0 and c.min() >= floor
         ok &= bool(good)

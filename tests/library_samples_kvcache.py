@@ -49,12 +49,13 @@ class _Data:
             w // (2 if kind == "csa" else 1))).astype(np.float32))
 
 
-def _pools(d: _Data):
+def _pools(d: _Data, layout="rawkv", **index_layout):
     """A CSA pool (indexer keys) and an HCA pool, two requests each, with
-    entries written by flush_write (one bad slot: one error each)."""
+    entries written by flush_write (one bad slot: one error each); `layout`:
+    PagedKVPool's layout / index_layout."""
     pools = {}
     for kind, (nb, epb, mb, last) in {"csa": (8, 4, 4, [27, 13]), "hca": (6, 2, 3, [511, 300])}.items():
-        p = kvc.PagedKVPool(kind, nb, epb, 2, mb, device=d.device)
+        p = kvc.PagedKVPool(kind, nb, epb, 2, mb, device=d.device, layout=layout, **index_layout)
         slots = [p.add_request(), p.add_request()]
         p.prepare_step(slots, last)
         n = [(x + 1) // M[kind] for x in last]
@@ -155,6 +156,48 @@ def samples(rng, device="cpu"):
               norm_weight=d.layer("hca", hca_w)[1], valid_mask=d.mask([1, 1]), slots=sl.long(),
               positions=d.ints([639, 300]).long(), index_norm_weight=None, eps=1e-6,
               theta=ref.COMPRESS_ROPE_THETA, yarn=yarn)]
+    out["kvcache_indices"] = [
+        _args("kvcache_indices", **P["csa"], slots=sl, topk_ids=d.ints([[0, 6, -1, 3], [2, 9, 1, -1]]),
+              n_entries=None, valid_mask=None, out=empty(2, 4, dtype=torch.int32)),
+        _args("kvcache_indices", **P["hca"], slots=sl, topk_ids=d.ints([[1, 0, -2]]).long().expand(2, 3).contiguous(),
+              n_entries=d.ints([2, 1]), valid_mask=d.mask([1, 0]), out=empty(2, 3, dtype=torch.int32))]
+    # the pool's "model1" layout (MODEL1 pages; FP8 / MXFP4 indexer-key pages)
+    for il in ("fp8", "mxfp4"):
+        pm = _pools(d, layout="model1", index_layout=il)
+        pm["csa"].prepare_step([1], [23])
+        pm["hca"].prepare_step([0], [639])
+        Q = {k: V.pool_args(p) for k, p in pm.items()}
+        out["flush_write"].append(
+            _args("flush_write", **Q["csa"], entries=d.rows(3, D, dtype=bf16), valid_mask=d.mask([1, 0, 1]),
+                  slots=d.ints([1, 0, 7]), positions=d.ints([12, 4, 0]), index_keys=d.rows(3, DI, dtype=bf16)))
+        out["gather_topk"].append(
+            _args("gather_topk", **Q["csa"], slots=sl, topk_ids=d.ints([[0, 6, -1, 3], [2, 9, 1, -1]]),
+                  n_entries=None, valid_mask=None, out=empty(2, 4, D)))
+        out["gather_index_keys_batch"].append(
+            _args("gather_index_keys_batch", **Q["csa"], slots=sl, n_entries=d.ints([7, 2]),
+                  valid_mask=d.mask([0, 1]), out=empty(2, 7, DI, dtype=f32)))
+        out["gather_index_keys"].append(_args("gather_index_keys", **Q["csa"], slot=0, n_entries=7, out=empty(7, DI)))
+        out["gather_dense_batch"].append(
+            _args("gather_dense_batch", **Q["hca"], slots=sl, n_entries=d.ints([4, 3]), valid_mask=None,
+                  out=empty(2, 4, D)))
+        out["kvcache_indices"].append(
+            _args("kvcache_indices", **Q["csa"], slots=sl, topk_ids=d.ints([[0, 6, -1, 3], [2, 9, 1, -1]]),
+                  n_entries=None, valid_mask=None, out=empty(2, 4, dtype=torch.int32)))
+        out["compress_prefill"].append(
+            _args("compress_prefill", **Q["csa"], kv=d.rows(24, csa_w), z=d.rows(24, csa_w), ape=ape,
+                  norm_weight=nw, slot=1, start_entry=0, index_kv=d.rows(24, 2 * DI),
+                  index_z=d.rows(24, 2 * DI), index_ape=iape, index_norm_weight=inw, eps=1e-6,
+                  theta=ref.COMPRESS_ROPE_THETA, yarn=yarn))
+        out["compress_decode"].append(
+            _args("compress_decode", **Q["csa"], **V.state_args(states["csa"], counter=False),
+                  **V.state_args(states["index"], prefix="index_", counter=False), norm_weight=nw,
+                  valid_mask=d.mask([1, 1]), slots=sl, positions=d.ints([31, 13]), index_norm_weight=inw,
+                  eps=1e-6, theta=ref.COMPRESS_ROPE_THETA, yarn=yarn))
+    out["compress_decode"].append(
+        _args("compress_decode", **Q["hca"], **V.state_args(states["hca"], counter=False), **no_index,
+              norm_weight=d.layer("hca", hca_w)[1], valid_mask=d.mask([1, 1]), slots=sl,
+              positions=d.ints([639, 300]), index_norm_weight=None, eps=1e-6, theta=ref.COMPRESS_ROPE_THETA,
+              yarn=None))
     return {"kv_" + k: v for k, v in out.items()}
 
 
@@ -175,12 +218,12 @@ def _snapshot(objs, device, outs=()):
     return bufs, restore
 
 
-def _decode_step(rng, device):
+def _decode_step(rng, device, layout="rawkv"):
     """The decode step of rawkv/demo.py (state_append, compress_decode,
     csa_rotate, hca_reset, gather_topk, gather_dense_batch) at a small size;
     request 0's step flushes a CSA and an HCA entry."""
     from rawkv.demo import Decoder
-    dec = Decoder(rng, [127, 134], 2, 8, 4, device=device, tensors=True)
+    dec = Decoder(rng, [127, 134], 2, 8, 4, device=device, tensors=True, layout=layout)
     dec.prefill()
     dec.prepare(0)
     bufs, restore = _snapshot([*dec.pools.values(), *dec.states.values(), dec.istate], device,
@@ -193,11 +236,12 @@ def _decode_step(rng, device):
     return step, ()
 
 
-def _prefill_step(rng, device):
+def _prefill_step(rng, device, layout="rawkv", **index_layout):
     """Admission and the format ops: compress_prefill, state_seed,
-    state_clear, flush_write, then every gather of the CSA pool."""
+    state_clear, flush_write, then every gather of the CSA pool and the
+    top-k bridge; `layout`: the pool's (PagedKVPool layout=, index_layout=)."""
     d = _Data(rng, device)
-    pool = kvc.PagedKVPool("csa", 16, 4, 2, 8, device=device)
+    pool = kvc.PagedKVPool("csa", 16, 4, 2, 8, device=device, layout=layout, **index_layout)
     state = kvc.DecodeState("csa", 2, device=device)
     istate = kvc.DecodeState("csa", 2, DI, device=device)
     slots = [pool.add_request(), pool.add_request()]
@@ -228,9 +272,20 @@ def _prefill_step(rng, device):
                kvc.gather_index_keys(pool, slots[0], n, out=index_keys),
                kvc.gather_dense_batch(pool, bslots, ne, max_entries=5),
                kvc.gather_index_keys_batch(pool, bslots, ne, max_entries=5),
-               kvc.gather_topk(pool, bslots, ids, dtype="float16"))
+               kvc.gather_topk(pool, bslots, ids, dtype="float16"),
+               kvc.kvcache_indices(pool, bslots, ids))
         return (*got, *(t.clone() for t in bufs))
     return step, ()
 
 
-STEPS = [("kvcache_decode_step", _decode_step), ("kvcache_prefill_admission", _prefill_step)]
+def _prefill_step_model1(rng, device):
+    return _prefill_step(rng, device, layout="model1", index_layout="mxfp4")
+
+
+def _decode_step_model1(rng, device):
+    return _decode_step(rng, device, layout="model1")
+
+
+STEPS = [("kvcache_decode_step", _decode_step), ("kvcache_decode_step_model1", _decode_step_model1),
+         ("kvcache_prefill_admission", _prefill_step),
+         ("kvcache_prefill_admission_model1", _prefill_step_model1)]

@@ -56,7 +56,7 @@ def _sl(idx, lo, hi):
 
 
 def _pool(kind, device, R=4, nb=64, epb=4, mb=16):
-    return PagedKVPool(kind, nb, epb, R, mb, device=device)
+    return PagedKVPool(kind, nb, epb, R, mb, layout="rawkv", device=device)
 
 
 def _arr(x):

@@ -67,7 +67,7 @@ def _prefill_starts_mid_request(device, rng, kind):
     dv = _Dev(device)
     m = ref.CSA_RATIO if kind == "csa" else ref.HCA_RATIO
     coff = 2 if kind == "csa" else 1
-    pool = kc.PagedKVPool(kind, 4, 2, 2, 4, device=device)
+    pool = kc.PagedKVPool(kind, 4, 2, 2, 4, layout="rawkv", device=device)
     n = 6
     T = n * m
     kv = rng.standard_normal((T, coff * D)).astype(F32)
@@ -134,7 +134,7 @@ def _many_requests(device, rng, steps=60):
     and zero rows counted for every other id."""
     dv = _Dev(device)
     m, epb, R, MB = ref.CSA_RATIO, 2, 4, 4
-    pool = kc.PagedKVPool("csa", R * MB, epb, R, MB, device=device)
+    pool = kc.PagedKVPool("csa", R * MB, epb, R, MB, layout="rawkv", device=device)
     cap = MB * epb                                   # entries a request can hold
     model = {}                                       # slot -> {entry id: (row, key)}
     reused = 0
@@ -201,7 +201,7 @@ def test_gpu_many_requests_read_only_their_entries(cuda, rng):
 def test_gpu_marks_match_the_reference_after_reuse(cuda, rng):
     """A CUDA pool and a CPU pool driven by the same calls hold the same
     marks (prepare_step's device reset, the writers' set) and bytes."""
-    pools = {d: kc.PagedKVPool("csa", 9, 2, 3, 3, device=d) for d in ("cpu", "cuda")}
+    pools = {d: kc.PagedKVPool("csa", 9, 2, 3, 3, layout="rawkv", device=d) for d in ("cpu", "cuda")}
     for step in range(12):
         rows, keys = _bf16_rows(rng, 3, D), _bf16_rows(rng, 3, DI)
         for dev, p in pools.items():
@@ -237,7 +237,7 @@ def _dup_flush_case(rng):
 
 
 def _dup_pool(device):
-    p = kc.PagedKVPool("csa", 8, 2, 3, 2, device=device)
+    p = kc.PagedKVPool("csa", 8, 2, 3, 2, layout="rawkv", device=device)
     for _ in range(3):
         p.add_request()
     p.prepare_step([0, 1, 2], [15, 15, 15])
@@ -350,7 +350,7 @@ def _decode_dups(device, rng, kind):
     same entry) and one on the same slot at another entry's position."""
     dv = _Dev(device)
     m = ref.CSA_RATIO if kind == "csa" else ref.HCA_RATIO
-    pool = kc.PagedKVPool(kind, 9, 2, 3, 3, device=device)
+    pool = kc.PagedKVPool(kind, 9, 2, 3, 3, layout="rawkv", device=device)
     st = kc.DecodeState(kind, 3, device=device)
     ist = kc.DecodeState("csa", 3, DI, device=device) if kind == "csa" else None
     for s in range(3):
@@ -408,7 +408,7 @@ def test_gpu_compress_decode_duplicates_deterministic(cuda, rng, kind):
 # Item 5: the pool's buffers are checked once and fixed
 # ---------------------------------------------------------------------------
 def test_pool_buffers_are_fixed_after_construction():
-    p = kc.PagedKVPool("csa", 4, 2, 2, 2, device="cpu")
+    p = kc.PagedKVPool("csa", 4, 2, 2, 2, layout="rawkv", device="cpu")
     for name in p.BUFFERS:
         with pytest.raises(AttributeError, match=f"^{name}: "):
             setattr(p, name, getattr(p, name))
@@ -422,7 +422,7 @@ def test_pool_buffers_are_fixed_after_construction():
 def test_ops_take_only_a_pool():
     """A look-alike carrying the pool's buffer names is not a pool."""
     from types import SimpleNamespace
-    p = kc.PagedKVPool("hca", 4, 2, 2, 2, device="cpu")
+    p = kc.PagedKVPool("hca", 4, 2, 2, 2, layout="rawkv", device="cpu")
     fake = SimpleNamespace(**{n: getattr(p, n) for n in p.BUFFERS}, kind="hca", m=128)
     with pytest.raises(TypeError, match="^pool: "):
         kc.flush_write(fake, np.zeros((1, D), F32), np.ones(1, bool), np.zeros(1, np.int32),
@@ -441,7 +441,7 @@ def test_ops_take_only_a_pool():
 def _view_args(kind="csa"):
     torch = pytest.importorskip("torch")
     from rawkv.kvcache import views as V
-    p = kc.PagedKVPool(kind, 4, 2, 3, 2, device="cpu")
+    p = kc.PagedKVPool(kind, 4, 2, 3, 2, layout="rawkv", device="cpu")
     args = dict(V.pool_args(p))
     return torch, V, p, args
 
@@ -482,7 +482,7 @@ def test_pool_view_refuses_bad_buffers_naming_them(name, make):
 def test_gpu_pool_view_refuses_buffers_on_another_device(cuda):
     torch = pytest.importorskip("torch")
     from rawkv.kvcache import views as V
-    p = kc.PagedKVPool("csa", 4, 2, 3, 2, device="cuda")
+    p = kc.PagedKVPool("csa", 4, 2, 3, 2, layout="rawkv", device="cuda")
     for name in ("block_table", "marks", "scale"):
         args = dict(V.pool_args(p))
         args[name] = args[name].cpu()

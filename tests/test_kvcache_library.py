@@ -17,8 +17,8 @@ D, DI = ref.HEAD_DIM, ref.INDEX_HEAD_DIM
 OPS = torch.ops.rawkv
 
 
-def _pool(kind="csa", device="cpu"):
-    p = kvc.PagedKVPool(kind, 8, 4, 2, 4, device=device)
+def _pool(kind="csa", device="cpu", layout="rawkv", **index_layout):
+    p = kvc.PagedKVPool(kind, 8, 4, 2, 4, device=device, layout=layout, **index_layout)
     for _ in range(2):
         p.add_request()
     p.prepare_step([0, 1], [8 * p.m - 1, 5 * p.m - 1])      # entries 0..7 and 0..4
@@ -99,13 +99,18 @@ def test_operators_do_what_the_public_ops_do(rng, kind):
     assert pub.written[1] == 4 and pub.read_errors() == 4
 
 
-def test_views_share_the_buffers_and_keep_the_geometry():
-    p = _pool("csa")
+@pytest.mark.parametrize("layout, index_layout", [("rawkv", "fp8"), ("model1", "fp8"), ("model1", "mxfp4")])
+def test_views_share_the_buffers_and_keep_the_geometry(layout, index_layout):
+    p = _pool("csa", layout=layout, index_layout=index_layout)
     v = V.pool_view(**V.pool_args(p))
     for n in p.BUFFERS:
-        assert np.shares_memory(getattr(v, n), getattr(p, n)), n
+        if getattr(p, n) is None:                       # the other layout's buffers
+            assert getattr(v, n) is None, n
+        else:
+            assert np.shares_memory(getattr(v, n), getattr(p, n)), n
     for a in ("kind", "m", "num_blocks", "entries_per_block", "max_requests", "max_blocks_per_request",
-              "head_dim", "rope_dim", "nope_dim", "index_head_dim", "is_cuda", "device_index"):
+              "head_dim", "rope_dim", "nope_dim", "index_head_dim", "is_cuda", "device_index", "layout",
+              "index_layout", "page_bytes", "index_page_bytes"):
         assert getattr(v, a) == getattr(p, a), a
     s = kvc.DecodeState("hca", 3, 64, device="cpu")
     sv = V.state_view(**V.state_args(s))

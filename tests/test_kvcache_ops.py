@@ -126,7 +126,7 @@ def special_keys(rng, B, ihd=128):
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 def test_pool_buffers_cpu(kind):
-    p = kc.PagedKVPool(kind, 6, 4, 3, 5, device="cpu")
+    p = kc.PagedKVPool(kind, 6, 4, 3, 5, layout="rawkv", device="cpu")
     assert p.m == (4 if kind == "csa" else 128)
     assert p.fp8.shape == (6, 4, 448) and p.fp8.dtype == np.uint8
     assert p.scale.shape == (6, 4) and p.scale.dtype == np.float32
@@ -151,30 +151,30 @@ def test_pool_buffers_cpu(kind):
 
 def test_pool_constructor_errors():
     with pytest.raises(ValueError, match="kind"):
-        kc.PagedKVPool("mla", 4, 4, 2, 2, device="cpu")
+        kc.PagedKVPool("mla", 4, 4, 2, 2, layout="rawkv", device="cpu")
     with pytest.raises(ValueError, match="num_blocks"):
-        kc.PagedKVPool("csa", 0, 4, 2, 2, device="cpu")
+        kc.PagedKVPool("csa", 0, 4, 2, 2, layout="rawkv", device="cpu")
     with pytest.raises(TypeError, match="entries_per_block"):
-        kc.PagedKVPool("csa", 4, 4.0, 2, 2, device="cpu")
+        kc.PagedKVPool("csa", 4, 4.0, 2, 2, layout="rawkv", device="cpu")
     with pytest.raises(ValueError, match="index_head_dim"):
-        kc.PagedKVPool("hca", 4, 4, 2, 2, index_head_dim=128, device="cpu")
+        kc.PagedKVPool("hca", 4, 4, 2, 2, index_head_dim=128, layout="rawkv", device="cpu")
     with pytest.raises(ValueError, match="index_head_dim"):
-        kc.PagedKVPool("csa", 4, 4, 2, 2, index_head_dim=120, device="cpu")
+        kc.PagedKVPool("csa", 4, 4, 2, 2, index_head_dim=120, layout="rawkv", device="cpu")
     with pytest.raises(ValueError, match="head_dim"):
-        kc.PagedKVPool("csa", 4, 4, 2, 2, head_dim=520, device="cpu")
+        kc.PagedKVPool("csa", 4, 4, 2, 2, head_dim=520, layout="rawkv", device="cpu")
     with pytest.raises(ValueError, match="rope_dim"):
-        kc.PagedKVPool("csa", 4, 4, 2, 2, rope_dim=60, device="cpu")
+        kc.PagedKVPool("csa", 4, 4, 2, 2, rope_dim=60, layout="rawkv", device="cpu")
     with pytest.raises(ValueError, match="kind"):
         kc.DecodeState("x", 2, device="cpu")
     if _has_torch():
         with pytest.raises(ValueError, match="device"):
-            kc.PagedKVPool("csa", 4, 4, 2, 2, device="meta")
-    p = kc.PagedKVPool("csa", 4, 4, 2, 2, index_head_dim=None, device="cpu")
+            kc.PagedKVPool("csa", 4, 4, 2, 2, layout="rawkv", device="meta")
+    p = kc.PagedKVPool("csa", 4, 4, 2, 2, index_head_dim=None, layout="rawkv", device="cpu")
     assert not p.has_index
 
 
 def test_add_free_prepare_reuse():
-    p = kc.PagedKVPool("csa", 8, 2, 3, 4, device="cpu")     # m=4, epb=2: 8 tokens per block
+    p = kc.PagedKVPool("csa", 8, 2, 3, 4, layout="rawkv", device="cpu")     # m=4, epb=2: 8 tokens per block
     a, b = p.add_request(), p.add_request()
     assert (a, b) == (0, 1) and p.active_slots() == [0, 1]
     assert p.prepare_step([a, b], [0, 0]) == 2
@@ -202,7 +202,7 @@ def test_add_free_prepare_reuse():
 
 
 def test_prepare_out_of_blocks_is_all_or_nothing():
-    p = kc.PagedKVPool("hca", 3, 1, 3, 4, device="cpu")     # 128 tokens per block
+    p = kc.PagedKVPool("hca", 3, 1, 3, 4, layout="rawkv", device="cpu")     # 128 tokens per block
     a, b = p.add_request(), p.add_request()
     p.prepare_step([a], [0])
     before = (p.block_table.copy(), list(p._free), p.n_entries(a))
@@ -215,7 +215,7 @@ def test_prepare_out_of_blocks_is_all_or_nothing():
 
 
 def test_prepare_errors_and_repeats():
-    p = kc.PagedKVPool("csa", 4, 2, 3, 2, device="cpu")
+    p = kc.PagedKVPool("csa", 4, 2, 3, 2, layout="rawkv", device="cpu")
     a = p.add_request()
     with pytest.raises(ValueError, match="slot 1"):
         p.prepare_step([1], [0])                     # not added
@@ -245,7 +245,7 @@ def test_prepare_errors_and_repeats():
 # CPU: ops against direct reference calls
 # ---------------------------------------------------------------------------
 def _cpu_pool_with_requests(kind, rng, n_req=3):
-    p = kc.PagedKVPool(kind, 12, 2, 4, 4, device="cpu")
+    p = kc.PagedKVPool(kind, 12, 2, 4, 4, layout="rawkv", device="cpu")
     slots = [p.add_request() for _ in range(n_req)]
     p.prepare_step(slots, [p.m * 2 * (i + 1) - 1 for i in range(n_req)])
     return p, slots
@@ -499,8 +499,8 @@ def _cpu_only_torch():
 def test_cuda_pool_without_cuda_raises_gpu_unavailable(device):
     """A CUDA pool or state on a machine whose torch has no CUDA: rawkv's
     GpuUnavailableError (as every op raises), not torch's bare AssertionError."""
-    for make in (lambda: kc.PagedKVPool("csa", 4, 4, 2, 2, device=device),
-                 lambda: kc.PagedKVPool("hca", 4, 4, 2, 2, device=device),
+    for make in (lambda: kc.PagedKVPool("csa", 4, 4, 2, 2, layout="rawkv", device=device),
+                 lambda: kc.PagedKVPool("hca", 4, 4, 2, 2, layout="rawkv", device=device),
                  lambda: kc.DecodeState("csa", 2, device=device)):
         with pytest.raises(rawkv.GpuUnavailableError, match="CUDA"):
             make()
@@ -509,7 +509,7 @@ def test_cuda_pool_without_cuda_raises_gpu_unavailable(device):
 def test_device_argument_is_refused_by_name():
     for bad, exc in (("meta", ValueError), ("cuda:x", ValueError), (True, TypeError), (1.0, TypeError)):
         with pytest.raises(exc, match="^device"):
-            kc.PagedKVPool("csa", 4, 4, 2, 2, device=bad)
+            kc.PagedKVPool("csa", 4, 4, 2, 2, layout="rawkv", device=bad)
         with pytest.raises(exc, match="^device"):
             kc.DecodeState("csa", 2, device=bad)
 
@@ -526,7 +526,7 @@ def _stale_after_reuse(device, rng):
         host = lambda x: x.float().cpu().numpy()  # noqa: E731
     else:
         t = bf = host = lambda a: a  # noqa: E731
-    p = kc.PagedKVPool("csa", 4, 4, 2, 2, device=device)
+    p = kc.PagedKVPool("csa", 4, 4, 2, 2, layout="rawkv", device=device)
     a = p.add_request()
     p.prepare_step([a], [15])                                  # entries 0..3: one block
     ents, keys = bf16_values(rng, (4, 512)), bf16_values(rng, (4, 128))
@@ -578,7 +578,7 @@ class _Sim:
         self.kind, self.device, self.rng = kind, device, rng
         ihd = 128 if kind == "csa" else None
         self.pool = kc.PagedKVPool(kind, num_blocks, epb, max_requests, max_blocks,
-                                   head_dim=head_dim, index_head_dim=ihd, device=device)
+                                   head_dim=head_dim, index_head_dim=ihd, layout="rawkv", device=device)
         self.state = kc.DecodeState(kind, max_requests, head_dim, device=device)
         self.rpool = ref.PagedPoolRef.create(num_blocks, epb, self.pool.m, head_dim, 64, ihd)
         self.rstate = ref.DecodeStateRef.create(kind, max_requests, head_dim)
@@ -738,7 +738,7 @@ def _poison_pool(pool, rng):
 
 def _gpu_pool(kind, rng, *, num_blocks=16, epb=4, R=6, MB=5, n_req=4, corrupt=True):
     torch = _torch()
-    p = kc.PagedKVPool(kind, num_blocks, epb, R, MB, device="cuda")
+    p = kc.PagedKVPool(kind, num_blocks, epb, R, MB, layout="rawkv", device="cuda")
     slots = [p.add_request() for _ in range(n_req)]
     # request i holds i+1 logical blocks
     p.prepare_step(slots, [p.m * epb * (i + 1) - 1 for i in range(n_req)])
@@ -889,7 +889,7 @@ def _cpu_twin(pool):
     ihd = pool.index_head_dim
     c = kc.PagedKVPool(pool.kind, pool.num_blocks, pool.entries_per_block, pool.max_requests,
                        pool.max_blocks_per_request, head_dim=pool.head_dim, rope_dim=pool.rope_dim,
-                       index_head_dim=ihd, device="cpu")
+                       index_head_dim=ihd, layout="rawkv", device="cpu")
     r = pool.to_reference()
     c.fp8[...], c.scale[...], c.rope[...] = r.kv_fp8, r.kv_scale, r.kv_rope
     if ihd:

@@ -178,7 +178,8 @@ def decode_run(inp: dict, device, *, graph: bool):
 
     bufs = list(hist)
     for p in pools.values():
-        bufs += [p.fp8, p.scale, p.rope, p.index_q, p.index_sf, p.block_table, p.written]
+        bufs += [p.fp8, p.scale, p.rope, p.index_q, p.index_sf, p.pages, p.index_pages, p.block_table,
+                 p.written]
     for s in (*states.values(), istate):
         bufs += [s.kv_a, s.z_a, s.kv_b, s.z_b, s.count]
     flat = torch.cat([_bytes(torch, b) for b in bufs if b is not None])

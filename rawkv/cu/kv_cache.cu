@@ -37,6 +37,7 @@
 // index_dim % 16 == 0, every pointer 16-byte aligned.
 #include "common.cuh"
 #include "nvfp4_common.cuh"
+#include "kv_layouts.cuh"
 using namespace rkv;
 
 // Shared with Python: rawkv/kernels/kv_cache.py passes them as -D options.
@@ -87,6 +88,74 @@ __device__ __forceinline__ bool slot_taken_below(const bool* __restrict__ valid,
     for (i64 q = threadIdx.x; q < b; q += blockDim.x)
         hit |= (valid == nullptr || valid[q]) && (i64)slots[q] == s;
     return __syncthreads_or(hit) != 0;
+}
+
+// The pool row flush row b writes, claimed by the warp of row b (every lane
+// calls it): -1 when the row is invalid (not counted), or out of range, or a
+// lower row writes the same pool row (both counted: lane 0 adds 1).
+// Otherwise written[slot] is raised to e + 1 and marks[row] set (readers run
+// in later launches, in stream order, so this may precede the entry's bytes).
+__device__ __forceinline__ i64 flush_claim(const bool* __restrict__ valid, const int* __restrict__ slots,
+                                           const int* __restrict__ positions, const int* __restrict__ table,
+                                           int* __restrict__ written, u8* __restrict__ marks,
+                                           int* __restrict__ errors, i64 b, int lane, i64 num_requests,
+                                           i64 max_blocks, i64 num_blocks, i64 epb, i64 m) {
+    if (!valid[b]) return -1;                              // warp-uniform
+    const i64 pos = positions[b];
+    const i64 r = flush_target(valid, slots, positions, table, b, num_requests, max_blocks, num_blocks,
+                               epb, m);
+    bool dup = false;
+    if (r >= 0)
+        for (i64 q = lane; q < b; q += 32)
+            dup |= flush_target(valid, slots, positions, table, q, num_requests, max_blocks, num_blocks,
+                                epb, m) == r;
+    if (r < 0 || __any_sync(kFull, dup)) {                 // r is warp-uniform
+        if (lane == 0) atomicAdd(errors, 1);
+        return -1;
+    }
+    if (lane == 0) {
+        atomicMax(written + slots[b], (int)((u32)pos / (u32)m + 1));
+        marks[r] = 1;
+    }
+    return r;
+}
+
+// The pool row output row (b, j) of a gather reads (rules of rkv_kv_gather
+// below), or -1 for a zero row; `errs` gets the errors the row counts.
+template <typename TID, bool DENSE>
+__device__ __forceinline__ i64 gather_target(const int* __restrict__ table, const int* __restrict__ slots,
+                                             const TID* __restrict__ ids, const int* __restrict__ n_entries,
+                                             const bool* __restrict__ valid, const int* __restrict__ written,
+                                             const u8* __restrict__ marks, i64 row, i64 b, i64 j, i64 K,
+                                             i64 slot0, i64 n0, i64 num_requests, i64 max_blocks,
+                                             i64 num_blocks, i64 epb, int& errs) {
+    i64 r = -1;
+    if (valid == nullptr || valid[b]) {
+        const i64 slot = slots != nullptr ? (i64)slots[b] : slot0;
+        const bool limited = n_entries != nullptr || n0 >= 0;
+        const i64 n = n_entries != nullptr ? (i64)n_entries[b] : n0;
+        // entries the request has written; a bad slot has none (locate fails too)
+        const i64 wr = (slot >= 0 && slot < num_requests) ? (i64)written[slot] : 0;
+        if (DENSE) {
+            if (j == 0 && (n < 0 || n > K)) errs += 1;
+            if (j < n) {
+                r = j < wr ? locate(table, slot, j, num_requests, max_blocks, num_blocks, epb) : -1;
+                errs += r < 0;
+            }
+        } else {
+            const i64 e = (i64)ids[row];
+            if (e != -1) {
+                r = ((!limited || e < n) && e < wr)
+                    ? locate(table, slot, e, num_requests, max_blocks, num_blocks, epb) : -1;
+                errs += r < 0;
+            }
+        }
+        if (r >= 0 && marks[r] == 0) {                // not written by this block's owner
+            r = -1;
+            errs += 1;
+        }
+    }
+    return r;
 }
 
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
@@ -179,27 +248,10 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_write(
         i64 nope_dim, i64 rope_dim, i64 index_dim) {
     const int lane = threadIdx.x & 31;
     const i64 b = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (b >= B || !valid[b]) return;                       // warp-uniform
-    const i64 pos = positions[b];
-    const i64 slot = slots[b];
-    const i64 e = pos < 0 ? -1 : (i64)((u32)pos / (u32)m);
-    const i64 r = flush_target(valid, slots, positions, table, b, num_requests, max_blocks, num_blocks,
-                               epb, m);
-    bool dup = false;
-    if (r >= 0)
-        for (i64 q = lane; q < b; q += 32)
-            dup |= flush_target(valid, slots, positions, table, q, num_requests, max_blocks, num_blocks,
-                                epb, m) == r;
-    if (r < 0 || __any_sync(kFull, dup)) {                 // r is warp-uniform
-        if (lane == 0) atomicAdd(errors, 1);
-        return;
-    }
-    // Readers run in later launches (stream order), so raising the marks
-    // before the bytes below are stored is safe.
-    if (lane == 0) {
-        atomicMax(written + slot, (int)(e + 1));
-        marks[r] = 1;
-    }
+    if (b >= B) return;                                    // warp-uniform
+    const i64 r = flush_claim(valid, slots, positions, table, written, marks, errors, b, lane, num_requests,
+                              max_blocks, num_blocks, epb, m);
+    if (r < 0) return;
     const i64 hd = nope_dim + rope_dim;
     const __nv_bfloat16* src = entries + b * hd;
 
@@ -397,33 +449,9 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
     const i64 tc = nc + rope_dim / 8;
     for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < rows; row += warps) {
         const i64 b = (u32)row / (u32)K, j = row - b * K;   // host: B*K < 2^31
-        i64 r = -1;
         int errs = 0;
-        if (valid == nullptr || valid[b]) {
-            const i64 slot = slots != nullptr ? (i64)slots[b] : slot0;
-            const bool limited = n_entries != nullptr || n0 >= 0;
-            const i64 n = n_entries != nullptr ? (i64)n_entries[b] : n0;
-            // entries the request has written; a bad slot has none (locate fails too)
-            const i64 wr = (slot >= 0 && slot < num_requests) ? (i64)written[slot] : 0;
-            if (DENSE) {
-                if (j == 0 && (n < 0 || n > K)) errs += 1;
-                if (j < n) {
-                    r = j < wr ? locate(table, slot, j, num_requests, max_blocks, num_blocks, epb) : -1;
-                    errs += r < 0;
-                }
-            } else {
-                const i64 e = (i64)ids[row];
-                if (e != -1) {
-                    r = ((!limited || e < n) && e < wr)
-                        ? locate(table, slot, e, num_requests, max_blocks, num_blocks, epb) : -1;
-                    errs += r < 0;
-                }
-            }
-            if (r >= 0 && marks[r] == 0) {                // not written by this block's owner
-                r = -1;
-                errs += 1;
-            }
-        }
+        const i64 r = gather_target<TID, DENSE>(table, slots, ids, n_entries, valid, written, marks, row, b, j, K,
+                                                slot0, n0, num_requests, max_blocks, num_blocks, epb, errs);
         TO* dst = out + row * hd;
         if (r < 0) {
             for (i64 q = lane; q < tc; q += 32) store8_zero(dst + q * 8);
@@ -516,6 +544,132 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index(
             store8(dst, v);
             store8(dst + 8, v + 8);
         }
+        if (errs) atomicAdd(errors, errs);
+    }
+}
+
+// ===========================================================================
+// The pool in the "model1" layout (docs/kvcache.md "Pool layouts"): block
+// blk is page blk of `pages` (MODEL1_FP8Sparse records, page stride
+// page_bytes) and, for a CSA pool, of `index_pages` (DeepGEMM's paged FP8
+// keys, or MXFP4 keys with MXFP4, page stride index_page_bytes); pool row
+// r = blk * epb + o is record o of both (FlashMLA's indices_in_kvcache).
+// The record code is kv_layouts.cuh's, as in the standalone layout ops; the
+// request rules (written[], marks[], duplicates, error counts) are the
+// rawkv layout's kernels' above, through the same helpers.
+// Host-side checks: entries 512 dims (448 + 64 RoPE), keys 128 dims,
+// every pointer 16-byte aligned, num_blocks * epb < 2^31.
+// ===========================================================================
+
+// flush_write into pages: one warp per batch row (flush_claim), lane l
+// quantizes dims 16l .. 16l+15 of the entry (model1_store_lane) and, with
+// HAS_INDEX, dims 4l .. 4l+3 of the key (index_store_lane<MXFP4>).
+template <bool HAS_INDEX, bool MXFP4>
+__global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_pages(
+        const __nv_bfloat16* __restrict__ entries, const __nv_bfloat16* __restrict__ index_keys,
+        const bool* __restrict__ valid, const int* __restrict__ slots,
+        const int* __restrict__ positions, const int* __restrict__ table,
+        u8* __restrict__ pages, u8* __restrict__ index_pages, int* __restrict__ written,
+        u8* __restrict__ marks, int* __restrict__ errors,
+        i64 B, i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 m,
+        i64 page_bytes, i64 index_page_bytes) {
+    const int lane = threadIdx.x & 31;
+    const i64 b = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= B) return;                                    // warp-uniform
+    const i64 r = flush_claim(valid, slots, positions, table, written, marks, errors, b, lane, num_requests,
+                              max_blocks, num_blocks, epb, m);
+    if (r < 0) return;
+    const i64 blk = (u32)r / (u32)epb, off = r - blk * epb;
+    float v[16];
+    rkvlay::load_bf16_rounded<16>(entries + b * rkvlay::kEntry + lane * 16, v);
+    rkvlay::model1_store_lane(v, lane, pages + blk * page_bytes, off, epb);
+    if (HAS_INDEX) {
+        float k[4];
+        rkvlay::load_bf16_rounded<4>(index_keys + b * RKV_LAY_INDEX_DIM + lane * 4, k);
+        rkvlay::index_store_lane<MXFP4>(k, lane, index_pages + blk * index_page_bytes, off, epb);
+    }
+}
+
+// Entry gather from pages (rules of rkv_kv_gather: gather_target): one warp
+// per output row, grid-stride; lane l decodes dims 16l .. 16l+15
+// (model1_load_lane) and stores them as TO; zero rows for r < 0.
+template <typename TO, typename TID, bool DENSE>
+__global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_pages(
+        const u8* __restrict__ pages, const int* __restrict__ table,
+        const int* __restrict__ slots, const TID* __restrict__ ids,
+        const int* __restrict__ n_entries, const bool* __restrict__ valid,
+        const int* __restrict__ written, const u8* __restrict__ marks, TO* __restrict__ out,
+        int* __restrict__ errors, i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks,
+        i64 num_blocks, i64 epb, i64 page_bytes) {
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < B * K; row += warps) {
+        const i64 b = (u32)row / (u32)K, j = row - b * K;   // host: B*K < 2^31
+        int errs = 0;
+        const i64 r = gather_target<TID, DENSE>(table, slots, ids, n_entries, valid, written, marks, row, b, j, K,
+                                                slot0, n0, num_requests, max_blocks, num_blocks, epb, errs);
+        float v[16];
+        if (r < 0) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+        } else {
+            const i64 blk = (u32)r / (u32)epb;
+            rkvlay::model1_load_lane(pages + blk * page_bytes, r - blk * epb, epb, lane, v);
+        }
+        rkvlay::store16_as(out + row * rkvlay::kEntry + lane * 16, v);
+        if (lane == 0 && errs) atomicAdd(errors, errs);
+    }
+}
+
+// Indexer-key gather from index pages (DENSE rules of rkv_kv_gather): one
+// warp per output row, lane l decodes dims 4l .. 4l+3 (index_load_lane).
+template <typename TO, bool MXFP4>
+__global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index_pages(
+        const u8* __restrict__ index_pages, const int* __restrict__ table, const int* __restrict__ slots,
+        const int* __restrict__ n_entries, const bool* __restrict__ valid,
+        const int* __restrict__ written, const u8* __restrict__ marks, TO* __restrict__ out,
+        int* __restrict__ errors, i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks,
+        i64 num_blocks, i64 epb, i64 index_page_bytes) {
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < B * K; row += warps) {
+        const i64 b = (u32)row / (u32)K, j = row - b * K;
+        int errs = 0;
+        const i64 r = gather_target<int, true>(table, slots, nullptr, n_entries, valid, written, marks, row, b, j,
+                                               K, slot0, n0, num_requests, max_blocks, num_blocks, epb, errs);
+        float v[4];
+        if (r < 0) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v[i] = 0.0f;
+        } else {
+            const i64 blk = (u32)r / (u32)epb;
+            rkvlay::index_load_lane<MXFP4>(index_pages + blk * index_page_bytes, r - blk * epb, epb, lane, v);
+        }
+        rkvlay::store4_as(out + row * RKV_LAY_INDEX_DIM + lane * 4, v);
+        if (lane == 0 && errs) atomicAdd(errors, errs);
+    }
+}
+
+// ===========================================================================
+// The bridge on a pool: top-k entry ids (B, K) -> the entries' pool rows
+// (int32), one thread per id, grid-stride; the rules of the top-k gather
+// (gather_target, DENSE false): -1 stays -1 (not counted), an id that is out
+// of range, at or past min(n_entries[b], written[slot]) or not marked
+// written gives -1 and errors += 1; valid[b] false: -1, not counted. For a
+// "model1" pool the row is FlashMLA's indices_in_kvcache into `pages`.
+// ===========================================================================
+template <typename TID>
+__global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_topk_indices(
+        const int* __restrict__ table, const int* __restrict__ slots, const TID* __restrict__ ids,
+        const int* __restrict__ n_entries, const bool* __restrict__ valid,
+        const int* __restrict__ written, const u8* __restrict__ marks, int* __restrict__ out,
+        int* __restrict__ errors, i64 B, i64 K, i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb) {
+    for (i64 t = global_thread(); t < B * K; t += grid_threads()) {
+        const i64 b = (u32)t / (u32)K, j = t - b * K;       // host: B*K < 2^31
+        int errs = 0;
+        const i64 r = gather_target<TID, false>(table, slots, ids, n_entries, valid, written, marks, t, b, j, K,
+                                                0, -1, num_requests, max_blocks, num_blocks, epb, errs);
+        out[t] = (int)r;                                      // host: num_blocks * epb < 2^31
         if (errs) atomicAdd(errors, errs);
     }
 }

@@ -2,7 +2,7 @@
 // (or the decode tail state) to quantized entries in the paged pool
 // (docs/kvcache.md "Compressor kernel"; reference: rawkv/reference/kvcache.py).
 //
-//   rkv_kv_compress<T, I, DECODE, OVERLAP, RG>
+//   rkv_kv_compress<T, I, DECODE, OVERLAP, RG, LAYOUT>
 //
 // One CTA per (entry, part): blockIdx.x = entry (prefill) or batch row
 // (decode); blockIdx.y = 0 the attention entry (d = head_dim, <= 512),
@@ -29,7 +29,12 @@
 //      rounded to float32.
 //   5. one BF16 rounding, then quantize: attention entry -> E4M3 codes of the
 //      non-RoPE dims + FP32 scale amax/448 + BF16 RoPE dims; indexer key ->
-//      one-level NVFP4 (nvfp4_quantize_block, gs = 1).
+//      one-level NVFP4 (nvfp4_quantize_block, gs = 1). LAYOUT != 0 (the
+//      pool's "model1" layout): the CTA puts the finished entry (key) in
+//      shared memory and its first warp writes the record exactly as the
+//      layout ops do (kv_layouts.cuh: model1_store_lane, index_store_lane,
+//      LAYOUT 1 FP8 keys, 2 MXFP4 keys) into page blk of out_pages
+//      (out_index_pages), record entry % epb.
 //   6. scatter through block_table[row][entry / epb]; a row outside the
 //      block table, an entry id past the table or the RoPE table, or a
 //      physical block outside [0, num_blocks), is skipped and counted in
@@ -53,6 +58,7 @@
 // Compiled with --fmad=false --ftz=false --prec-div=true --prec-sqrt=true.
 #include "common.cuh"
 #include "nvfp4_common.cuh"
+#include "kv_layouts.cuh"
 using namespace rkv;
 
 // Shared with Python: rawkv/kernels/kv_compress.py passes them as -D options.
@@ -154,9 +160,30 @@ __device__ __forceinline__ i64 decode_target(i64 q, const u8* __restrict__ valid
     return blk * epb + (e - lb * epb);
 }
 
+// The record of a finished entry (512 float32 in shared memory) / key (128,
+// already BF16) in the pool's "model1" layout, written by one warp. Not
+// inlined: the pooling registers of the kernel are dead here, and ptxas
+// spilled when it allocated both together.
+__device__ __noinline__ void model1_record(const float* sh, u8* page, i64 off, i64 page_size) {
+    const int lane = threadIdx.x & 31;
+    float v[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = rkvlay::bf16_round(sh[lane * 16 + i]);
+    rkvlay::model1_store_lane(v, lane, page, off, page_size);
+}
+
+template <bool MXFP4>
+__device__ __noinline__ void key_record(const float* sh, u8* page, i64 off, i64 page_size) {
+    const int lane = threadIdx.x & 31;
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = sh[lane * 4 + i];
+    rkvlay::index_store_lane<MXFP4>(v, lane, page, off, page_size);
+}
+
 }  // namespace
 
-template <typename T, typename I, bool DECODE, bool OVERLAP, int RG>
+template <typename T, typename I, bool DECODE, bool OVERLAP, int RG, int LAYOUT>
 __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
     // part 0: attention entry
     const T* __restrict__ kv0, const T* __restrict__ z0,
@@ -180,7 +207,10 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
     long long n_slots,
     // prefill: block-table row, first entry id, context windows before the first entry
     long long slot, long long start_entry, long long pre,
-    int* __restrict__ errors, double eps)
+    int* __restrict__ errors, double eps,
+    // LAYOUT != 0: the pool's pages (MODEL1 entries, indexer keys) and their strides
+    u8* __restrict__ out_pages, u8* __restrict__ out_index_pages, long long page_bytes,
+    long long index_page_bytes)
 {
     static_assert(!OVERLAP || RG == 1, "CSA pools 2m <= 8 rows per thread, one row group");
     __shared__ float sh_part[RG > 1 ? RG - 1 : 1][3][kMaxD];
@@ -188,6 +218,7 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
     __shared__ float sh_redf[(kCT * RG) / 32];
     __shared__ double sh_had[kCT];
     __shared__ float sh_key[kCT];
+    __shared__ float sh_ent[LAYOUT != 0 ? kMaxD : 1];
 
     const int part = blockIdx.y;
     const bool count_errors = part == 0;
@@ -418,7 +449,21 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
         }
     }
 
-    if (part == 0) {
+    if (LAYOUT != 0 && part == 0) {
+        // ---- 5. the finished entry (d0 == 512 == kMaxD, checked on the host) -> MODEL1 record ----
+        if (rg == 0) {
+#pragma unroll
+            for (int k = 0; k < kMaxCPT; ++k) if (k < cpt) sh_ent[tc + kCT * k] = x[k];
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            model1_record(sh_ent, out_pages + blk * page_bytes, e - lb * epb, epb);
+            if (threadIdx.x == 0) {
+                atomicMax(written + row, (int)(e + 1));
+                marks[dest] = 1;
+            }
+        }
+    } else if (part == 0) {
         // ---- 5. one BF16 rounding; FP8 entry ----
         const i64 nope = d - rope_dim;
         float amax = 0.0f;
@@ -467,6 +512,13 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
             __syncthreads();
         }
         const float y = (float)(sh_had[tc] * (1.0 / sqrt((double)kCT)));
+        if (LAYOUT != 0) {
+            // -> the key's record (FP8 or MXFP4), one warp, 4 dims per lane
+            sh_key[tc] = rkvlay::bf16_round(y);
+            __syncthreads();
+            if (tc < 32) key_record<LAYOUT == 2>(sh_key, out_index_pages + blk * index_page_bytes, e - lb * epb, epb);
+            return;
+        }
         sh_key[tc] = __bfloat162float(__float2bfloat16_rn(y));
         __syncthreads();
         if (tc < kCT / 16) {

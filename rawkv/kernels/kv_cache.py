@@ -2,6 +2,7 @@
 cache (flush into the paged pool, gathers out of it, decode-state append and
 reset). Launched by rawkv.kvcache (flush.py, gather.py, state_ops.py)."""
 from ._decl import KernelFile, TParam
+from .kv_layouts import LAYOUT_CONSTANTS
 
 # Threads per CTA of the gathers and the state kernels (their
 # __launch_bounds__): the ops launch at most this many.
@@ -14,6 +15,7 @@ RESET_HCA, RESET_CSA, RESET_CLEAR = 0, 1, 2
 FILE = KernelFile("kv_cache.cu", constants={
     "RKV_KV_BLOCK": BLOCK, "RKV_KV_FLUSH_ROWS": FLUSH_ROWS,
     "RKV_KV_RESET_HCA": RESET_HCA, "RKV_KV_RESET_CSA": RESET_CSA, "RKV_KV_RESET_CLEAR": RESET_CLEAR,
+    **LAYOUT_CONSTANTS,          # the pool's "model1" layout uses kv_layouts.cuh
 })
 
 _ROWS_IN = ("float32", "bfloat16")                 # kv / z rows of state_append
@@ -58,3 +60,37 @@ GATHER_INDEX = FILE.kernel(
     "i64 slot0, i64 n0, "
     "i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 index_dim",
     (_TO,))
+
+# The pool's "model1" layout (MODEL1 pages, DeepGEMM key pages).
+_MXFP4 = TParam("bool", "MXFP4", (False, True))
+FLUSH_PAGES = FILE.kernel(
+    "rkv_kv_flush_pages",
+    "const __nv_bfloat16* entries, const __nv_bfloat16* index_keys, const bool* valid, "
+    "const int* slots, const int* positions, const int* table, u8* pages, u8* index_pages, "
+    "int* written, u8* marks, int* errors, i64 B, i64 num_requests, i64 max_blocks, i64 num_blocks, "
+    "i64 epb, i64 m, i64 page_bytes, i64 index_page_bytes",
+    (TParam("bool", "HAS_INDEX", (True, False)), _MXFP4),
+    instances=[(False, False), (True, False), (True, True)])
+
+GATHER_PAGES = FILE.kernel(
+    "rkv_kv_gather_pages",
+    "const u8* pages, const int* table, const int* slots, const TID* ids, const int* n_entries, "
+    "const bool* valid, const int* written, const u8* marks, TO* out, int* errors, i64 B, i64 K, "
+    "i64 slot0, i64 n0, i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 page_bytes",
+    (_TO, TParam("typename", "TID", _IDS), TParam("bool", "DENSE", (False, True))),
+    instances=[(o, i, False) for o in _TO.values for i in _IDS] + [(o, "int32", True) for o in _TO.values])
+
+GATHER_INDEX_PAGES = FILE.kernel(
+    "rkv_kv_gather_index_pages",
+    "const u8* index_pages, const int* table, const int* slots, const int* n_entries, const bool* valid, "
+    "const int* written, const u8* marks, TO* out, int* errors, i64 B, i64 K, i64 slot0, i64 n0, "
+    "i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 index_page_bytes",
+    (_TO, _MXFP4))
+
+# The bridge on a pool (either layout): top-k ids -> pool rows.
+TOPK_INDICES = FILE.kernel(
+    "rkv_kv_topk_indices",
+    "const int* table, const int* slots, const TID* ids, const int* n_entries, const bool* valid, "
+    "const int* written, const u8* marks, int* out, int* errors, i64 B, i64 K, i64 num_requests, "
+    "i64 max_blocks, i64 num_blocks, i64 epb",
+    (TParam("typename", "TID", _IDS),))

@@ -17,7 +17,9 @@ def _f32_literal(x) -> str:
     return float(x).hex() + "f"
 
 
-FILE = KernelFile("kv_layouts.cu", constants={
+# The constants of rawkv/cu/kv_layouts.cuh: every file that includes it
+# (kv_layouts.cu, kv_cache.cu, kv_compress.cu) passes them.
+LAYOUT_CONSTANTS = {
     "RKV_LAY_BLOCK": BLOCK,
     "RKV_LAY_NOPE": _R.NOPE_DIM, "RKV_LAY_ROPE": _R.ROPE_DIM, "RKV_LAY_TILE": _R.FP8_TILE,
     "RKV_LAY_M1_DATA": _R.MODEL1.data_bytes, "RKV_LAY_M1_SCALE": _R.MODEL1.scale_bytes,
@@ -25,7 +27,9 @@ FILE = KernelFile("kv_layouts.cu", constants={
     "RKV_LAY_FP8_FLOOR": _f32_literal(_R.FP8_AMAX_FLOOR),
     "RKV_LAY_MX_FLOOR": _f32_literal(_R.MXFP4_AMAX_FLOOR),
     "RKV_LAY_UE8M0_BIAS": _R.UE8M0_BIAS,
-})
+}
+
+FILE = KernelFile("kv_layouts.cu", constants=LAYOUT_CONSTANTS)
 
 _TIN = TParam("typename", "TIN", ("float32", "bfloat16"))     # entry / key rows
 _TID = TParam("typename", "TID", ("int32", "int64"))          # slot mappings, top-k ids

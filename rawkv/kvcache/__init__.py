@@ -24,8 +24,15 @@ Every op is also a rawkv:: custom operator on the pool's / state's buffers
 (torch.ops.rawkv.kv_*; views), which the op calls under torch.compile.
 
 Modules: pool, state (the objects); flush, gather, state_ops (format ops);
-prefill, decode, compressor (the compressor); checks; views (the operators'
-schemas and the pool / state views they run on).
+prefill, decode, compressor (the compressor); bridge (top-k ids -> the
+pool's FlashMLA indices); checks; views (the operators' schemas and the
+pool / state views they run on); layouts (the ecosystem layouts as
+standalone ops).
+
+A pool stores its entries in one of two layouts (PagedKVPool(layout=)):
+"model1" (the default), the pages FlashMLA / DeepGEMM read (MODEL1_FP8Sparse entries,
+FP8 or MXFP4 indexer keys), or "rawkv", rawkv's own field-by-field layout
+(an FP32 scale per entry, NVFP4 keys); every op above works on both.
 """
 from .pool import PagedKVPool
 from .state import DecodeState
@@ -37,6 +44,7 @@ from .state_ops import csa_rotate, hca_reset, state_append, state_clear, state_s
 from .compressor import DecodeIndex, PrefillIndex, rope_table
 from .prefill import compress_prefill
 from .decode import compress_decode
+from .bridge import kvcache_indices
 from ..reference.kvcache import reference_prefill
 from .layouts import (  # noqa: F401  (ecosystem layouts: FlashMLA MODEL1, DeepGEMM indexer keys)
     deepgemm_view, flashmla_view, index_fp8_store, index_mxfp4_store, layout_page_bytes, model1_gather,
@@ -46,4 +54,5 @@ from .layouts import (  # noqa: F401  (ecosystem layouts: FlashMLA MODEL1, DeepG
 __all__ = ["PagedKVPool", "DecodeState", "flush_write", "gather_topk", "gather_dense",
            "gather_dense_batch", "gather_index_keys", "gather_index_keys_batch", "state_seed",
            "state_append", "csa_rotate", "hca_reset", "state_clear", "compress_prefill",
-           "compress_decode", "rope_table", "PrefillIndex", "DecodeIndex", "reference_prefill"]
+           "compress_decode", "rope_table", "PrefillIndex", "DecodeIndex", "reference_prefill",
+           "kvcache_indices"]

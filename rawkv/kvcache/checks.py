@@ -158,3 +158,12 @@ def check_launch_rows(name: str, n: int) -> None:
     """The kernels index one launch's rows in 32 bits."""
     if n >= 2 ** 31:
         raise ValueError(f"{name}: {n} output rows/blocks; at most 2^31 - 1 per launch")
+
+
+def topk_args(slots, topk_ids, n_entries, valid_mask, dev):
+    """The top-k arguments of gather_topk and kvcache_indices, checked:
+    (ids (B, K), slots (B,), n_entries or None, valid_mask or None)."""
+    ids = arg(topk_ids, "topk_ids", IDS, dev, ndim=2)
+    B = ids.shape[0]
+    return (ids, arg(slots, "slots", I32, dev, shape=(B,)), opt(n_entries, "n_entries", I32, dev, shape=(B,)),
+            opt(valid_mask, "valid_mask", BOOL, dev, shape=(B,)))

@@ -123,4 +123,10 @@ def pool_args(pool, tab, errors, eps) -> dict:
         block_table=pool.block_table, bt_rows=pool.max_requests,
         bt_stride=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
         epb=pool.entries_per_block, m=pool.m, written=pool.written, marks=pool.marks, errors=errors,
-        eps=eps)
+        eps=eps, out_pages=pool.pages, out_index_pages=pool.index_pages, page_bytes=pool.page_bytes or 0,
+        index_page_bytes=pool.index_page_bytes or 0)
+
+
+def layout_targ(pool) -> int:
+    """rkv_kv_compress's LAYOUT: what it writes into this pool."""
+    return K.LAYOUTS[pool.layout, pool.index_layout]

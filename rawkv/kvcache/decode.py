@@ -12,7 +12,8 @@ from ..runtime import get_runtime
 from . import checks as C
 from . import views as V
 from .compressor import (
-    DecodeIndex, check_compressible, index_arg, index_part, pool_args, rope_table, yarn_list, yarn_of,
+    DecodeIndex, check_compressible, index_arg, index_part, layout_targ, pool_args, rope_table, yarn_list,
+    yarn_of,
 )
 
 
@@ -93,7 +94,7 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
     ist = None if index is None else index.state
     part1 = index_part() if ist is None else index_part(ist.kv_a, ist.z_a, ist.kv_b, ist.z_b, None,
                                                         inw, ist.count)
-    K.COMPRESS.instance(*K.targs(pool.kind, "float32", True, s.dtype)).launch(
+    K.COMPRESS.instance(*K.targs(pool.kind, "float32", True, s.dtype, layout_targ(pool))).launch(
         get_runtime(dev), (B, 1 if index is None else 2), (K.CHANNEL_THREADS * K.ROW_GROUPS[pool.kind],),
         stream=stream,
         **pool_args(pool, tab, pool.errors, eps),

@@ -19,9 +19,12 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
     entries (B, head_dim) bfloat16 (RMSNormed + RoPEd); valid_mask (B,) bool
     (False: skipped silently); slots, positions (B,) int32; index_keys
     (B, index_head_dim) bfloat16, required exactly for a pool with indexer
-    keys. The non-RoPE dims become E4M3 with one FP32 decode scale
-    (docs/format.md; NaN/Inf -> scale NaN, codes 0), the RoPE dims are
-    stored as BF16, the indexer key as one-level NVFP4; pool.written[slot]
+    keys. Layout "rawkv": the non-RoPE dims become E4M3 with one FP32
+    decode scale (docs/format.md; NaN/Inf -> scale NaN, codes 0), the RoPE
+    dims are stored as BF16, the indexer key as one-level NVFP4. Layout
+    "model1": a MODEL1_FP8Sparse record in pool.pages and the key as
+    DeepGEMM's FP8 / MXFP4 record in pool.index_pages (the rules of
+    layouts.model1_store / index_*_store). pool.written[slot]
     becomes at least e + 1 and the entry is marked written (pool.marks). A
     valid row whose slot, position or block is out of range writes nothing
     and adds 1 to errors. Two valid rows aimed at one entry: the lowest
@@ -51,6 +54,15 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
         C.add_errors(err, ref.paged_flush_write(pool.reference_view(), e, v, s, p, k))
         return
     if B == 0:
+        return
+    if pool.layout == "model1":
+        K.FLUSH_PAGES.instance(pool.has_index, pool.index_layout == "mxfp4").launch(
+            get_runtime(dev), (-(-B // K.FLUSH_ROWS),), (32 * K.FLUSH_ROWS,), stream=stream, entries=e,
+            index_keys=k, valid=v, slots=s, positions=p, table=pool.block_table, pages=pool.pages,
+            index_pages=pool.index_pages, written=pool.written, marks=pool.marks, errors=err, B=B,
+            num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request,
+            num_blocks=pool.num_blocks, epb=pool.entries_per_block, m=pool.m, page_bytes=pool.page_bytes,
+            index_page_bytes=pool.index_page_bytes or 0)
         return
     K.FLUSH_WRITE.instance(pool.has_index).launch(
         get_runtime(dev), (-(-B // K.FLUSH_ROWS),), (32 * K.FLUSH_ROWS,), stream=stream, entries=e, index_keys=k, valid=v, slots=s, positions=p,

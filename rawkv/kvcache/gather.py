@@ -36,11 +36,8 @@ def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=N
                             slots=slots, topk_ids=topk_ids, n_entries=n_entries, valid_mask=valid_mask)
     name = C.out_dtype(dtype, out)
     dev = pool.device_index
-    ids = C.arg(topk_ids, "topk_ids", C.IDS, dev, ndim=2)
+    ids, s, ne, v = C.topk_args(slots, topk_ids, n_entries, valid_mask, dev)
     B, Kk = ids.shape
-    s = C.arg(slots, "slots", C.I32, dev, shape=(B,))
-    ne = C.opt(n_entries, "n_entries", C.I32, dev, shape=(B,))
-    v = C.opt(valid_mask, "valid_mask", C.BOOL, dev, shape=(B,))
     shape = (B, Kk, pool.head_dim)
     out = C.check_out(out, name, dev, shape=shape)
     err = C.errors_arg(errors, pool.errors, dev)
@@ -53,16 +50,25 @@ def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=N
     if out is None:
         out = rt.empty(shape, C.torch_dtype(name), stream=stream)
     if B * Kk:
-        _gather(rt, K.GATHER.instance(out.dtype, ids.dtype, False), pool, s, ids, ne, v, out, err, B, Kk,
-                0, -1, stream)
+        _gather(rt, ids.dtype, False, pool, s, ids, ne, v, out, err, B, Kk, 0, -1, stream)
     return out
 
 
-def _gather(rt, inst, pool, slots, ids, n_entries, valid, out, err, B, Kk, slot0, n0, stream):
-    """One rkv_kv_gather launch (one warp per output row). The keywords are
-    spelled out: merging a prebuilt dict into the call costs more."""
+def _gather(rt, tid, dense, pool, slots, ids, n_entries, valid, out, err, B, Kk, slot0, n0, stream):
+    """One gather launch (one warp per output row): rkv_kv_gather, or
+    rkv_kv_gather_pages for a "model1" pool. The keywords are spelled out:
+    merging a prebuilt dict into the call costs more."""
     grid, block = rt.grid_stride(B * Kk * 32, K.BLOCK)
-    inst.launch(rt, (grid,), (block,), stream=stream, fp8=pool.fp8, scale=pool.scale, rope=pool.rope,
+    if pool.layout == "model1":
+        K.GATHER_PAGES.instance(out.dtype, tid, dense).launch(
+            rt, (grid,), (block,), stream=stream, pages=pool.pages, table=pool.block_table, slots=slots,
+            ids=ids, n_entries=n_entries, valid=valid, written=pool.written, marks=pool.marks, out=out,
+            errors=err, B=B, K=Kk, slot0=slot0, n0=n0, num_requests=pool.max_requests,
+            max_blocks=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
+            epb=pool.entries_per_block, page_bytes=pool.page_bytes)
+        return
+    K.GATHER.instance(out.dtype, tid, dense).launch(
+                rt, (grid,), (block,), stream=stream, fp8=pool.fp8, scale=pool.scale, rope=pool.rope,
                 table=pool.block_table, slots=slots, ids=ids, n_entries=n_entries, valid=valid,
                 written=pool.written, marks=pool.marks, out=out, errors=err, B=B, K=Kk, slot0=slot0, n0=n0,
                 num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request,
@@ -78,8 +84,17 @@ def _dense_launch(pool, index, slots, n_entries, valid, slot0, n0, B, Kk, out, e
         return
     rt = get_runtime(pool.device_index)
     if not index:
-        _gather(rt, K.GATHER.instance(out.dtype, "int32", True), pool, slots, None, n_entries, valid,
-                out, err, B, Kk, slot0, n0, stream)
+        _gather(rt, "int32", True, pool, slots, None, n_entries, valid, out, err, B, Kk, slot0, n0,
+                stream)
+        return
+    if pool.layout == "model1":
+        grid, block = rt.grid_stride(B * Kk * 32, K.BLOCK)
+        K.GATHER_INDEX_PAGES.instance(out.dtype, pool.index_layout == "mxfp4").launch(
+            rt, (grid,), (block,), stream=stream, index_pages=pool.index_pages, table=pool.block_table,
+            slots=slots, n_entries=n_entries, valid=valid, written=pool.written, marks=pool.marks, out=out,
+            errors=err, B=B, K=Kk, slot0=slot0, n0=n0, num_requests=pool.max_requests,
+            max_blocks=pool.max_blocks_per_request, num_blocks=pool.num_blocks, epb=pool.entries_per_block,
+            index_page_bytes=pool.index_page_bytes)
         return
     grid, block = rt.grid_stride(B * Kk * (pool.index_head_dim // 16), K.BLOCK)
     K.GATHER_INDEX.instance(out.dtype).launch(

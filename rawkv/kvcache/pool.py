@@ -8,13 +8,27 @@
     pool.free_request(slot)
 
 Device buffers (allocated once, in the constructor; docs/kvcache.md, "Paged
-pool and kernels"):
+pool and kernels" and "Pool layouts"). layout="rawkv" (rawkv's own layout,
+field by field):
 
     fp8         (num_blocks, epb, head_dim - rope_dim) uint8    E4M3 codes
     scale       (num_blocks, epb)                      float32  decode scale
     rope        (num_blocks, epb, rope_dim)            bfloat16 RoPE dims
     index_q     (num_blocks, epb, index_head_dim // 2) uint8    CSA only
     index_sf    (num_blocks, epb, index_head_dim // 16) uint8   CSA only
+
+layout="model1" (the default: the ecosystem's pages; a block is a page of
+epb records):
+
+    pages       (num_blocks, page_bytes) uint8        FlashMLA MODEL1_FP8Sparse
+                entries (flashmla_view(pool.pages, epb) is FlashMLA's k_cache;
+                entry row r = block * epb + o is its indices_in_kvcache)
+    index_pages (num_blocks, index_page_bytes) uint8  CSA only: DeepGEMM's
+                paged indexer keys, index_layout "fp8" (SM90, 132 B) or
+                "mxfp4" (SM100, 68 B)
+
+Both layouts:
+
     block_table (max_requests, max_blocks_per_request) int32    -1 = no block
     written     (max_requests,) int32: entries the slot's request has written
                 (high-water mark: entry id + 1 of its highest write); every
@@ -42,9 +56,14 @@ import numpy as np
 
 from ..errors import CaptureError
 from ..reference import kvcache as ref
+from ..reference.kvcache import layouts as R
 from ..runtime import get_runtime
 
 KINDS = {"csa": ref.CSA_RATIO, "hca": ref.HCA_RATIO}
+#: "rawkv": per-entry FP32-scale FP8 entries and one-level NVFP4 keys, field
+#: by field; "model1": FlashMLA MODEL1_FP8Sparse pages and DeepGEMM key pages
+#: (docs/kvcache.md, "Pool layouts")
+LAYOUTS = ("rawkv", "model1")
 _DEFAULT = object()
 
 
@@ -162,19 +181,24 @@ class PagedKVPool(ErrorCounter):
     """Paged pool of compressed KV entries of one layer (see module doc).
 
     kind: 'csa' (m = 4, with a CSA indexer key per entry unless
-    index_head_dim=None) or 'hca' (m = 128, no indexer key).
+    index_head_dim=None) or 'hca' (m = 128, no indexer key). layout:
+    'model1' (default; FlashMLA / DeepGEMM pages, indexer keys of
+    index_layout 'fp8' or 'mxfp4') or 'rawkv'. entries_per_block is the
+    page size (vLLM: 64 for CSA, 2 for HCA: 256 tokens per page).
     """
 
-    BUFFERS = ("fp8", "scale", "rope", "index_q", "index_sf", "block_table", "written", "marks",
-               "errors")
+    # Every layout's buffers (a pool holds its layout's; the others are None):
+    # the operators' schemas list them all (views.pool_schema).
+    BUFFERS = ("fp8", "scale", "rope", "index_q", "index_sf", "pages", "index_pages", "block_table",
+               "written", "marks", "errors")
 
     def __init__(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                  *, head_dim=ref.HEAD_DIM, rope_dim=ref.ROPE_DIM, index_head_dim=_DEFAULT,
-                 device="cuda"):
+                 layout="model1", index_layout="fp8", device="cuda"):
         if index_head_dim is _DEFAULT:
             index_head_dim = ref.INDEX_HEAD_DIM if kind == "csa" else None
         self._set_geometry(kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
-                           head_dim, rope_dim, index_head_dim)
+                           head_dim, rope_dim, index_head_dim, layout, index_layout)
         self.is_cuda, self.device_index = resolve_device(device)
 
         nb, epb = self.num_blocks, self.entries_per_block
@@ -190,15 +214,20 @@ class PagedKVPool(ErrorCounter):
             import torch
             dev = torch.device("cuda", self.device_index)
             self.device = dev
-            self.fp8 = torch.zeros((nb, epb, self.nope_dim), dtype=torch.uint8, device=dev)
-            self.scale = torch.zeros((nb, epb), dtype=torch.float32, device=dev)
-            self.rope = torch.zeros((nb, epb, self.rope_dim), dtype=torch.bfloat16, device=dev)
-            if self.index_head_dim is not None:
-                ih = self.index_head_dim
-                self.index_q = torch.zeros((nb, epb, ih // 2), dtype=torch.uint8, device=dev)
-                self.index_sf = torch.zeros((nb, epb, ih // 16), dtype=torch.uint8, device=dev)
+            self.fp8 = self.scale = self.rope = self.index_q = self.index_sf = None
+            self.pages = self.index_pages = None
+            if self.layout == "model1":
+                self.pages = torch.zeros((nb, self.page_bytes), dtype=torch.uint8, device=dev)
+                if self.index_head_dim is not None:
+                    self.index_pages = torch.zeros((nb, self.index_page_bytes), dtype=torch.uint8, device=dev)
             else:
-                self.index_q = self.index_sf = None
+                self.fp8 = torch.zeros((nb, epb, self.nope_dim), dtype=torch.uint8, device=dev)
+                self.scale = torch.zeros((nb, epb), dtype=torch.float32, device=dev)
+                self.rope = torch.zeros((nb, epb, self.rope_dim), dtype=torch.bfloat16, device=dev)
+                if self.index_head_dim is not None:
+                    ih = self.index_head_dim
+                    self.index_q = torch.zeros((nb, epb, ih // 2), dtype=torch.uint8, device=dev)
+                    self.index_sf = torch.zeros((nb, epb, ih // 16), dtype=torch.uint8, device=dev)
             self.block_table = torch.full((R, MB), -1, dtype=torch.int32, device=dev)
             self.written = torch.zeros(R, dtype=torch.int32, device=dev)
             self.marks = torch.zeros((nb, epb), dtype=torch.uint8, device=dev)
@@ -206,9 +235,11 @@ class PagedKVPool(ErrorCounter):
         else:
             self.device = "cpu"
             r = ref.PagedPoolRef.create(nb, epb, self.m, self.head_dim, self.rope_dim,
-                                        self.index_head_dim)
+                                        self.index_head_dim, layout=self.layout,
+                                        index_layout=self.index_layout or "fp8")
             self.fp8, self.scale, self.rope = r.kv_fp8, r.kv_scale, r.kv_rope
             self.index_q, self.index_sf, self.marks = r.idx_q, r.idx_sf, r.marks
+            self.pages, self.index_pages = r.pages, r.index_pages
             self.block_table = self._table          # the mirror is the table
             self.written = np.zeros(R, np.int32)
             self.errors = np.zeros(1, np.int32)
@@ -216,9 +247,12 @@ class PagedKVPool(ErrorCounter):
         self._seal()
 
     def _set_geometry(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
-                      head_dim, rope_dim, index_head_dim) -> None:
+                      head_dim, rope_dim, index_head_dim, layout="rawkv", index_layout="fp8") -> None:
         """The pool's sizes, checked: the constructor's rules, which
         views.pool_view applies to the sizes of its buffers' shapes."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+        self.layout = layout
         self.kind = kind
         self.m = _kind(kind)
         self.num_blocks = _pos_int("num_blocks", num_blocks)
@@ -242,15 +276,25 @@ class PagedKVPool(ErrorCounter):
             if index_head_dim % ref.NVFP4_BLOCK:
                 raise ValueError(f"index_head_dim: expected a multiple of 16, got {index_head_dim}")
         self.index_head_dim = index_head_dim
+        # the indexer keys' format: rawkv's one-level NVFP4, or DeepGEMM's FP8 / MXFP4 pages
+        self.index_layout = None if index_head_dim is None else "nvfp4" if layout == "rawkv" else index_layout
+        self.page_bytes = self.index_page_bytes = None
+        if layout == "model1":
+            ref.check_model1_geometry(self.head_dim, self.rope_dim, index_head_dim, index_layout)
+            epb = self.entries_per_block
+            self.page_bytes = R.MODEL1.page_bytes(epb)
+            if index_head_dim is not None:
+                self.index_page_bytes = ref.INDEX_LAYOUTS[index_layout].page_bytes(epb)
         if self.max_blocks_per_request * self.entries_per_block >= 2 ** 31 or \
                 self.num_blocks * self.entries_per_block >= 2 ** 31:
             raise ValueError("entries_per_block: num_blocks and max_blocks_per_request times "
                              "entries_per_block must stay below 2^31 entries")
 
     def __repr__(self):
-        return (f"<PagedKVPool {self.kind} m={self.m} blocks={self.num_blocks}x{self.entries_per_block} "
+        return (f"<PagedKVPool {self.kind} m={self.m} layout={self.layout} "
+                f"blocks={self.num_blocks}x{self.entries_per_block} "
                 f"requests={self.max_requests}x{self.max_blocks_per_request} head_dim={self.head_dim} "
-                f"index_head_dim={self.index_head_dim} device={self.device}>")
+                f"index_head_dim={self.index_head_dim} index_layout={self.index_layout} device={self.device}>")
 
     @property
     def has_index(self) -> bool:
@@ -416,14 +460,20 @@ class PagedKVPool(ErrorCounter):
         if not self.is_cuda:
             return self.reference_view().copy()
         c = lambda t: None if t is None else t.cpu().numpy()  # noqa: E731
-        return ref.PagedPoolRef(self.m, c(self.fp8), c(self.scale), self.rope.float().cpu().numpy(),
-                                c(self.index_q), c(self.index_sf), c(self.block_table), c(self.written),
-                                c(self.marks))
+        return self._ref(c(self.fp8), c(self.scale), None if self.rope is None else self.rope.float().cpu().numpy(),
+                         c(self.index_q), c(self.index_sf), c(self.block_table), c(self.written), c(self.marks),
+                         c(self.pages), c(self.index_pages))
 
     def reference_view(self) -> ref.PagedPoolRef:
         """CPU pools: a PagedPoolRef sharing this pool's arrays (request table
         included): the CPU ops run the reference on it."""
         if self.is_cuda:
             raise ValueError("pool: reference_view() is for CPU pools; use to_reference()")
-        return ref.PagedPoolRef(self.m, self.fp8, self.scale, self.rope, self.index_q, self.index_sf,
-                                self.block_table, self.written, self.marks)
+        return self._ref(self.fp8, self.scale, self.rope, self.index_q, self.index_sf, self.block_table,
+                         self.written, self.marks, self.pages, self.index_pages)
+
+    def _ref(self, fp8, scale, rope, iq, isf, table, written, marks, pages, index_pages) -> ref.PagedPoolRef:
+        model1 = self.layout == "model1"
+        return ref.PagedPoolRef(self.m, fp8, scale, rope, iq, isf, table, written, marks, pages, index_pages,
+                                self.index_layout if model1 else None,
+                                self.entries_per_block if model1 else None)

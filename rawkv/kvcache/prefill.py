@@ -11,7 +11,8 @@ from ..runtime import get_runtime
 from . import checks as C
 from . import views as V
 from .compressor import (
-    PrefillIndex, check_compressible, index_arg, index_part, pool_args, rope_table, yarn_list, yarn_of,
+    PrefillIndex, check_compressible, index_arg, index_part, layout_targ, pool_args, rope_table, yarn_list,
+    yarn_of,
 )
 
 
@@ -78,7 +79,7 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
     tab = rope_table(pool, theta=theta, yarn=yarn, stream=stream)
     part1 = index_part() if index is None else index_part(index.kv, index.z, None, None, index.ape,
                                                           index.norm_weight)
-    K.COMPRESS.instance(*K.targs(pool.kind, k.dtype, False)).launch(
+    K.COMPRESS.instance(*K.targs(pool.kind, k.dtype, False, layout=layout_targ(pool))).launch(
         get_runtime(dev), (n, 1 if index is None else 2), (K.CHANNEL_THREADS * K.ROW_GROUPS[pool.kind],),
         stream=stream, **pool_args(pool, tab, pool.errors, eps),
         kv0=k, z0=zz, kvb0=None, zb0=None, ape0=a, w0=nw, count0=None, **part1,

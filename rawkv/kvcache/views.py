@@ -17,6 +17,8 @@ import re
 import string
 
 from .. import _args as A
+from ..reference import kvcache as ref
+from ..reference.kvcache import layouts as R
 from . import checks as C
 from .pool import KINDS, PagedKVPool
 from .state import DecodeState
@@ -33,11 +35,14 @@ def schema(*parts: str) -> str:
 
 def pool_schema(writes: bool) -> str:
     """A pool's arguments: its entry buffers and `written` are written by
-    the ops that write entries; `errors` (the counter the op adds to) always."""
+    the ops that write entries; `errors` (the counter the op adds to) always.
+    The entry buffers of the layout the pool does not use are None: fp8,
+    scale, rope (and index_q, index_sf) for "rawkv", pages (and index_pages)
+    for "model1"."""
     w = "(!)" if writes else ""
-    return (f"str kind, Tensor{w} fp8, Tensor{w} scale, Tensor{w} rope, Tensor{w}? index_q, "
-            f"Tensor{w}? index_sf, Tensor block_table, Tensor{w} written, Tensor{w} marks, "
-            "Tensor(!) errors")
+    return (f"str kind, Tensor{w}? fp8, Tensor{w}? scale, Tensor{w}? rope, Tensor{w}? index_q, "
+            f"Tensor{w}? index_sf, Tensor{w}? pages, Tensor{w}? index_pages, Tensor block_table, "
+            f"Tensor{w} written, Tensor{w} marks, Tensor(!) errors")
 
 
 _STATE = DecodeState.BUFFERS[:-1]       # a state's buffers but its counter
@@ -119,14 +124,21 @@ def _blocks_of(x, name: str, nb: int, epb: int) -> None:
         raise ValueError(f"{name}: expected shape ({nb}, {epb}, n) (fp8's blocks), got {tuple(x.shape)}")
 
 
-def pool_view(kind, fp8, scale, rope, index_q, index_sf, block_table, written, marks,
+def pool_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table, written, marks,
               errors) -> PagedKVPool:
     """A PagedKVPool over these buffers (a CUDA pool's tensors, or host
     arrays: a CPU pool's, as numpy views), geometry from their shapes and
-    `kind`, checked as the constructor checks its sizes. rope is bfloat16 on
-    CUDA and float32 (holding BF16 values) on the host, as in a pool."""
+    `kind`, checked as the constructor checks its sizes. The layout is
+    "model1" when `pages` is given (then fp8, scale, rope, index_q and
+    index_sf are None), else "rawkv". rope is bfloat16 on CUDA and float32
+    (holding BF16 values) on the host, as in a pool."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected 'csa' or 'hca', got {kind!r}")
+    if pages is not None:
+        return _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table, written,
+                           marks, errors)
+    if index_pages is not None:
+        raise ValueError("index_pages: given without pages (a 'model1' pool has both)")
     dev = _device(fp8)
     f = C.arg(fp8, "fp8", U8, dev, ndim=3)
     nb, epb, nope = f.shape
@@ -143,20 +155,61 @@ def pool_view(kind, fp8, scale, rope, index_q, index_sf, block_table, written, m
         _blocks_of(iq, "index_q", nb, epb)
         ih = 2 * iq.shape[2]
         isf = C.arg(index_sf, "index_sf", U8, dev, shape=(nb, epb, ih // 16))
-    bt = C.arg(block_table, "block_table", C.I32, dev, ndim=2)
-    R, MB = bt.shape
-    wr = C.arg(written, "written", C.I32, dev, shape=(R,))
-    mk = C.arg(marks, "marks", U8, dev, shape=(nb, epb))
-    err = C.errors_arg(A.require_array(errors, "errors"), None, dev)
+    bt, wr, mk, err = _table_args(block_table, written, marks, errors, dev, (nb, epb))
     p = PagedKVPool.__new__(PagedKVPool)
-    p._set_geometry(kind, nb, epb, R, MB, nope + r.shape[2], r.shape[2], ih)
-    p.is_cuda, p.device_index = dev is not None, dev
-    p.device = f.device if dev is not None else "cpu"
+    p._set_geometry(kind, nb, epb, bt.shape[0], bt.shape[1], nope + r.shape[2], r.shape[2], ih)
     p.fp8, p.scale, p.rope, p.index_q, p.index_sf = f, s, r, iq, isf
+    p.pages = p.index_pages = None
+    return _finish_view(p, dev, f, bt, wr, mk, err)
+
+
+def _table_args(block_table, written, marks, errors, dev, marks_shape):
+    """The request table, the marks and the counter of a view, checked."""
+    bt = C.arg(block_table, "block_table", C.I32, dev, ndim=2)
+    wr = C.arg(written, "written", C.I32, dev, shape=(bt.shape[0],))
+    mk = C.arg(marks, "marks", U8, dev, shape=marks_shape)
+    err = C.errors_arg(A.require_array(errors, "errors"), None, dev)
+    return bt, wr, mk, err
+
+
+def _finish_view(p, dev, first, bt, wr, mk, err) -> PagedKVPool:
+    p.is_cuda, p.device_index = dev is not None, dev
+    p.device = first.device if dev is not None else "cpu"
     p.block_table, p.written, p.marks, p.errors = bt, wr, mk, err
     p._table = p._free = p._active = p._nblocks = p._n_entries = p._staging = None
     p._seal()
     return p
+
+
+def _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table, written, marks,
+                errors) -> PagedKVPool:
+    """pool_view of a "model1" pool: the page size is marks' second
+    dimension; the indexer-key layout follows from index_pages' page bytes."""
+    for name, x in (("fp8", fp8), ("scale", scale), ("rope", rope), ("index_q", index_q),
+                    ("index_sf", index_sf)):
+        if x is not None:
+            raise ValueError(f"{name}: a 'model1' pool (pages given) has no {name} buffer; pass None")
+    dev = _device(pages)
+    pg = C.arg(pages, "pages", U8, dev, ndim=2)
+    mk = C.arg(marks, "marks", U8, dev, ndim=2)
+    nb, epb = mk.shape
+    if pg.shape[0] != nb or pg.shape[1] != R.MODEL1.page_bytes(epb):
+        raise ValueError(f"pages: expected shape ({nb}, {R.MODEL1.page_bytes(epb)}) (marks' blocks, "
+                         f"MODEL1 pages of {epb} entries), got {tuple(pg.shape)}")
+    ih, il, ip = None, "fp8", None
+    if index_pages is not None:
+        ip = C.arg(index_pages, "index_pages", U8, dev, ndim=2)
+        by_bytes = {lay.page_bytes(epb): name for name, lay in ref.INDEX_LAYOUTS.items()}
+        if ip.shape[0] != nb or ip.shape[1] not in by_bytes:
+            raise ValueError(f"index_pages: expected shape ({nb}, one of {sorted(by_bytes)}) (FP8 or MXFP4 "
+                             f"key pages of {epb} entries), got {tuple(ip.shape)}")
+        ih, il = ref.INDEX_HEAD_DIM, by_bytes[ip.shape[1]]
+    bt, wr, mk, err = _table_args(block_table, written, mk, errors, dev, (nb, epb))
+    p = PagedKVPool.__new__(PagedKVPool)
+    p._set_geometry(kind, nb, epb, bt.shape[0], bt.shape[1], ref.HEAD_DIM, ref.ROPE_DIM, ih, "model1", il)
+    p.fp8 = p.scale = p.rope = p.index_q = p.index_sf = None
+    p.pages, p.index_pages = pg, ip
+    return _finish_view(p, dev, pg, bt, wr, mk, err)
 
 
 def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:

@@ -41,14 +41,15 @@ from .quant import (  # noqa: F401
     fp8_entry_dequantize, fp8_entry_quantize, indexer_key_dequantize, indexer_key_quantize,
 )
 from .pool import (  # noqa: F401
-    PagedPoolRef, flush_write, gather_dense, gather_index_keys, gather_topk, reset_marks,
+    INDEX_LAYOUTS, PagedPoolRef, check_model1_geometry, flush_write, gather_dense, gather_index_keys,
+    gather_topk, reset_marks,
 )
 from .state import (  # noqa: F401
     DecodeStateRef, csa_rotate, hca_reset, state_append, state_clear, state_pool, state_seed,
 )
 from .paged import (  # noqa: F401
     paged_flush_write, paged_gather_dense, paged_gather_dense_batch, paged_gather_topk,
-    raise_written, table_rows, written_of,
+    paged_kvcache_indices, raise_written, table_rows, written_of,
 )
 from .compressor import (  # noqa: F401
     paged_compress_decode, paged_compress_prefill, reference_prefill,

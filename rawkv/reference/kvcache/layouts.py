@@ -254,6 +254,32 @@ def index_mxfp4_dequantize(codes, scales, dtype: str = "float32") -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------
+# Records of any layout
+# ---------------------------------------------------------------------------
+def records(layout: SplitLayout, rows):
+    """Rows (N, 512) for MODEL1, (N, 128) for the keys -> their records
+    (data (N, data_bytes), scales (N, scale_bytes)) uint8; the FP8 key's
+    scale record is its float32 scale, little-endian."""
+    if layout is MODEL1:
+        return model1_quantize(rows)
+    if layout is INDEX_MXFP4:
+        return index_mxfp4_quantize(rows)
+    codes, scale = index_fp8_quantize(rows)
+    return codes, np.ascontiguousarray(scale.astype("<f4")).view(np.uint8).reshape(*scale.shape, 4)
+
+
+def decode_records(layout: SplitLayout, data, scales, dtype: str = "float32") -> np.ndarray:
+    """records' inverse: (data, scales) -> rows of `dtype` values (float32
+    arrays), by the layout's dequantizer."""
+    if layout is MODEL1:
+        return model1_dequantize(data, scales, dtype)
+    if layout is INDEX_MXFP4:
+        return index_mxfp4_dequantize(data, scales, dtype)
+    scale = np.ascontiguousarray(_bytes("scales", scales, 4)).view("<f4")[..., 0].astype(F32)
+    return index_fp8_dequantize(data, scale, dtype)
+
+
+# ---------------------------------------------------------------------------
 # Pages
 # ---------------------------------------------------------------------------
 def new_cache(layout: SplitLayout, num_pages: int, page_size: int) -> np.ndarray:
@@ -352,16 +378,13 @@ def model1_gather(cache, page_size: int, indices, dtype: str = "bfloat16"):
 def index_fp8_write(cache, page_size: int, keys, slots, offsets=None) -> int:
     """Quantize keys (N, 128) into FP8 indexer pages (DeepGEMM SM90 paged
     layout); returns the rows skipped and counted."""
-    codes, scale = index_fp8_quantize(keys)
-    sb = np.ascontiguousarray(scale.astype("<f4")).view(np.uint8).reshape(*scale.shape, 4)
-    return page_write(INDEX_FP8, cache, page_size, codes, sb, slots, offsets)
+    return page_write(INDEX_FP8, cache, page_size, *records(INDEX_FP8, keys), slots, offsets)
 
 
 def index_fp8_gather(cache, page_size: int, slots, dtype: str = "float32"):
     """FP8 indexer keys at slot ids (any shape) -> (keys (..., 128), errors)."""
     codes, sb, ok, errors = page_read(INDEX_FP8, cache, page_size, slots)
-    scale = np.ascontiguousarray(sb).view("<f4")[..., 0].astype(F32)
-    keys = index_fp8_dequantize(codes, scale, dtype)
+    keys = decode_records(INDEX_FP8, codes, sb, dtype)
     keys[~ok] = 0
     return keys, errors
 

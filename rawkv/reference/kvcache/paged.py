@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import _ints, _mask
-from .pool import PagedPoolRef, _flush, gather_dense, gather_index_keys, gather_topk
+from .pool import PagedPoolRef, _flush, _located, gather_dense, gather_index_keys, gather_topk
 
 
 def _request_table(pool: PagedPoolRef):
@@ -148,3 +148,33 @@ def paged_gather_dense_batch(pool: PagedPoolRef, slots, n_entries, max_entries: 
         rows[b, :nn], e = fn(pool, table[b], nn, dtype, written=int(written[b]))
         errors += e
     return rows, errors
+
+
+def paged_kvcache_indices(pool: PagedPoolRef, slots, topk_ids, n_entries=None, valid_mask=None):
+    """The bridge to the attention kernels on a pool: each request's logical
+    top-k entry ids -> (indices (B, K) int32, errors), where index =
+    block * entries_per_block + row, the entry's record in the pool (for a
+    'model1' pool FlashMLA's indices_in_kvcache into pool.pages).
+
+    Rules of paged_gather_topk: -1 -> -1, not counted; an id that is out of
+    range (negative, >= min(n_entries[b], written[slots[b]]), past the block
+    table, on a bad block) or not marked written -> -1 and one error; rows
+    with valid_mask False -> all -1, not counted. So an index points only at
+    an entry the request wrote since its block was allocated."""
+    ids = _ints("topk_ids", topk_ids, ndim=2)
+    B, K = ids.shape
+    slots = _ints("slots", slots, ndim=1)
+    if slots.shape != (B,):
+        raise ValueError(f"slots: expected shape ({B},), got {slots.shape}")
+    valid = np.ones(B, bool) if valid_mask is None else _mask("valid_mask", valid_mask, B)
+    lim = written_of(pool, slots)
+    if n_entries is not None:
+        lim = np.minimum(lim, _ints("n_entries", n_entries, ndim=1))
+    table = table_rows(pool, slots)
+    out = np.full((B, K), -1, np.int32)
+    errors = 0
+    for b in np.flatnonzero(valid):
+        j, blk, row, e = _located(pool, table[b], ids[b], int(lim[b]), True)
+        out[b, j] = blk * pool.entries_per_block + row
+        errors += e
+    return out, errors

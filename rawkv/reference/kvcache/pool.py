@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import layouts as L
 from ._checks import _f32, _ints, _mask
-from .constants import HEAD_DIM, NVFP4_BLOCK, ROPE_DIM
+from .constants import HEAD_DIM, INDEX_HEAD_DIM, NVFP4_BLOCK, ROPE_DIM
 from .quant import (
     fp8_entry_dequantize, fp8_entry_quantize, indexer_key_dequantize, indexer_key_quantize,
 )
@@ -36,34 +37,63 @@ class PagedPoolRef:
     block_table (max_requests, max_blocks) int32  -1 = no block
     written     (max_requests,)            int32  entries the slot's request
                 has written (high-water mark, .paged)
+
+    Layout "model1" (the ecosystem's, .layouts; docs/kvcache.md "Pool
+    layouts"): the fields above that hold entries are None, and a block is a
+    page of entries_per_block records:
+
+    pages       (num_blocks, MODEL1 page bytes) uint8  FlashMLA MODEL1_FP8Sparse
+                entries: entry (blk, o) is record o of page blk, i.e.
+                FlashMLA index blk * epb + o
+    index_pages (num_blocks, key page bytes) uint8  CSA only: the indexer
+                keys in DeepGEMM's paged layout, `index_layout` 'fp8' (SM90)
+                or 'mxfp4' (SM100), record o of page blk
     """
     m: int
-    kv_fp8: np.ndarray
-    kv_scale: np.ndarray
-    kv_rope: np.ndarray
+    kv_fp8: np.ndarray | None
+    kv_scale: np.ndarray | None
+    kv_rope: np.ndarray | None
     idx_q: np.ndarray | None = None
     idx_sf: np.ndarray | None = None
     block_table: np.ndarray | None = None
     written: np.ndarray | None = None
     marks: np.ndarray | None = None
+    pages: np.ndarray | None = None
+    index_pages: np.ndarray | None = None
+    index_layout: str | None = None
+    page_size: int | None = None
 
     @classmethod
     def create(cls, num_blocks: int, entries_per_block: int, m: int,
                head_dim: int = HEAD_DIM, rope_dim: int = ROPE_DIM,
                index_head_dim: int | None = None, *, max_requests: int | None = None,
-               max_blocks_per_request: int | None = None) -> "PagedPoolRef":
+               max_blocks_per_request: int | None = None, layout: str = "rawkv",
+               index_layout: str = "fp8") -> "PagedPoolRef":
         """Zero-filled pool; pass index_head_dim=128 for a CSA layer, and
         max_requests, max_blocks_per_request for a request table (every
-        block-table entry -1, written 0)."""
+        block-table entry -1, written 0). layout 'model1': MODEL1 pages
+        (head_dim 512, rope_dim 64) and, with index_head_dim 128, indexer-key
+        pages of `index_layout` ('fp8' or 'mxfp4')."""
         if num_blocks <= 0 or entries_per_block <= 0 or m <= 0:
             raise ValueError("num_blocks, entries_per_block, m: expected positive sizes")
         shp = (num_blocks, entries_per_block)
-        pool = cls(m=m,
-                   kv_fp8=np.zeros(shp + (head_dim - rope_dim,), np.uint8),
-                   kv_scale=np.zeros(shp, np.float32),
-                   kv_rope=np.zeros(shp + (rope_dim,), np.float32),
-                   marks=np.zeros(shp, np.uint8))
-        if index_head_dim is not None:
+        if layout == "model1":
+            check_model1_geometry(head_dim, rope_dim, index_head_dim, index_layout)
+            pool = cls(m=m, kv_fp8=None, kv_scale=None, kv_rope=None, marks=np.zeros(shp, np.uint8),
+                       pages=L.new_cache(L.MODEL1, num_blocks, entries_per_block),
+                       page_size=entries_per_block)
+            if index_head_dim is not None:
+                pool.index_layout = index_layout
+                pool.index_pages = L.new_cache(INDEX_LAYOUTS[index_layout], num_blocks, entries_per_block)
+        elif layout != "rawkv":
+            raise ValueError(f"layout: expected 'rawkv' or 'model1', got {layout!r}")
+        else:
+            pool = cls(m=m,
+                       kv_fp8=np.zeros(shp + (head_dim - rope_dim,), np.uint8),
+                       kv_scale=np.zeros(shp, np.float32),
+                       kv_rope=np.zeros(shp + (rope_dim,), np.float32),
+                       marks=np.zeros(shp, np.uint8))
+        if index_head_dim is not None and layout == "rawkv":
             if index_head_dim % NVFP4_BLOCK:
                 raise ValueError(f"index_head_dim: expected a multiple of 16, got {index_head_dim}")
             pool.idx_q = np.zeros(shp + (index_head_dim // 2,), np.uint8)
@@ -78,30 +108,55 @@ class PagedPoolRef:
         return pool
 
     @property
+    def layout(self) -> str:
+        """'rawkv' (per-entry FP32 scale, NVFP4 key) or 'model1' (pages)."""
+        return "rawkv" if self.pages is None else "model1"
+
+    @property
     def num_blocks(self) -> int:
-        return self.kv_fp8.shape[0]
+        return (self.kv_fp8 if self.pages is None else self.pages).shape[0]
 
     @property
     def entries_per_block(self) -> int:
-        return self.kv_fp8.shape[1]
+        return self.kv_fp8.shape[1] if self.pages is None else self.page_size
 
     @property
     def rope_dim(self) -> int:
-        return self.kv_rope.shape[2]
+        return L.ROPE_DIM if self.pages is not None else self.kv_rope.shape[2]
 
     @property
     def head_dim(self) -> int:
-        return self.kv_fp8.shape[2] + self.kv_rope.shape[2]
+        return L.ENTRY_DIM if self.pages is not None else self.kv_fp8.shape[2] + self.kv_rope.shape[2]
 
     @property
     def index_head_dim(self) -> int | None:
+        if self.pages is not None:
+            return None if self.index_pages is None else L.INDEX_DIM
         return None if self.idx_q is None else self.idx_q.shape[2] * 2
 
     def copy(self) -> "PagedPoolRef":
         c = lambda a: None if a is None else a.copy()  # noqa: E731
         return PagedPoolRef(self.m, c(self.kv_fp8), c(self.kv_scale), c(self.kv_rope),
                             c(self.idx_q), c(self.idx_sf), c(self.block_table), c(self.written),
-                            c(self.marks))
+                            c(self.marks), c(self.pages), c(self.index_pages), self.index_layout,
+                            self.page_size)
+
+
+#: the indexer-key page layouts of a 'model1' pool, by index_layout
+INDEX_LAYOUTS = {"fp8": L.INDEX_FP8, "mxfp4": L.INDEX_MXFP4}
+
+
+def check_model1_geometry(head_dim, rope_dim, index_head_dim, index_layout) -> None:
+    """A 'model1' pool holds DeepSeek-V4's entries as the ecosystem stores
+    them: 512 dims (448 FP8 + 64 RoPE) and 128-dim indexer keys."""
+    if head_dim != L.ENTRY_DIM or rope_dim != L.ROPE_DIM:
+        raise ValueError(f"head_dim: the 'model1' layout stores {L.ENTRY_DIM}-dim entries with "
+                         f"{L.ROPE_DIM} RoPE dims, got {head_dim} and {rope_dim}")
+    if index_head_dim not in (None, INDEX_HEAD_DIM):
+        raise ValueError(f"index_head_dim: the 'model1' layout's indexer keys have {INDEX_HEAD_DIM} "
+                         f"dims, got {index_head_dim}")
+    if index_layout not in INDEX_LAYOUTS:
+        raise ValueError(f"index_layout: expected one of {sorted(INDEX_LAYOUTS)}, got {index_layout!r}")
 
 
 def reset_marks(pool: PagedPoolRef, blocks) -> None:
@@ -161,17 +216,15 @@ def _flush(pool: PagedPoolRef, entries, valid_mask, positions, block_table, inde
     block_table = _ints("block_table", block_table, ndim=2)
     if block_table.shape[0] != B:
         raise ValueError(f"block_table: expected {B} rows, got shape {block_table.shape}")
-    if (pool.idx_q is None) != (index_keys is None):
+    if (pool.index_head_dim is None) != (index_keys is None):
         raise ValueError("index_keys: required for a CSA pool (with indexer) and only for it")
-    codes, scale, rope = fp8_entry_quantize(entries, pool.rope_dim)
     if index_keys is not None:
         index_keys = _f32("index_keys", index_keys, last=pool.index_head_dim, ndim=2)
         if index_keys.shape[0] != B:
             raise ValueError(f"index_keys: expected {B} rows, got shape {index_keys.shape}")
-        iq, isf = indexer_key_quantize(index_keys)
     errors = 0
     done = np.full(B, -1, np.int64)
-    taken = set()
+    taken = {}                                 # target -> the row that writes it
     for b in range(B):
         if not valid_mask[b]:
             continue
@@ -180,26 +233,40 @@ def _flush(pool: PagedPoolRef, entries, valid_mask, positions, block_table, inde
         if loc is None or loc in taken:        # bad target, or a lower row's entry
             errors += 1
             continue
-        taken.add(loc)
+        taken[loc] = b
         done[b] = pos // pool.m
-        pool.kv_fp8[loc] = codes[b]
-        pool.kv_scale[loc] = scale[b]
-        pool.kv_rope[loc] = rope[b]
-        if index_keys is not None:
-            pool.idx_q[loc] = iq[b]
-            pool.idx_sf[loc] = isf[b]
-        if pool.marks is not None:
-            pool.marks[loc] = 1
+    rows = np.fromiter(taken.values(), np.int64, len(taken))
+    if rows.size:
+        _store(pool, list(taken), entries[rows], None if index_keys is None else index_keys[rows])
     return errors, done
 
 
-def _read_entries(pool: PagedPoolRef, table_row, ids, n_entries, pad_ok: bool, dtype: str,
-                  index: bool = False):
-    """Decode entries `ids` (k,) of one request; out-of-range rows are zero.
-    Returns (rows (k, width), errors)."""
-    width = pool.index_head_dim if index else pool.head_dim
-    out = np.zeros((ids.shape[0], width), np.float32)
-    errors = 0
+def _store(pool: PagedPoolRef, locs: list, entries: np.ndarray, index_keys) -> None:
+    """Quantize entries (n, head_dim) (and keys) and store them at the
+    distinct targets `locs` [(block, row)], marking them written."""
+    blk, row = (np.asarray(a, np.int64) for a in zip(*locs))
+    if pool.marks is not None:
+        pool.marks[blk, row] = 1
+    if pool.pages is not None:
+        slots = blk * pool.page_size + row
+        L.page_write(L.MODEL1, pool.pages, pool.page_size, *L.records(L.MODEL1, entries), slots)
+        if index_keys is not None:
+            lay = INDEX_LAYOUTS[pool.index_layout]
+            L.page_write(lay, pool.index_pages, pool.page_size, *L.records(lay, index_keys), slots)
+        return
+    pool.kv_fp8[blk, row], pool.kv_scale[blk, row], pool.kv_rope[blk, row] = \
+        fp8_entry_quantize(entries, pool.rope_dim)
+    if index_keys is not None:
+        pool.idx_q[blk, row], pool.idx_sf[blk, row] = indexer_key_quantize(index_keys)
+
+
+def _located(pool: PagedPoolRef, table_row, ids, n_entries, pad_ok: bool):
+    """Where entries `ids` (k,) of one request are readable -> (j, blk, row)
+    int64 arrays of the readable ones, errors: an id that is out of range
+    (>= n_entries when given, or not located) or not marked written is not
+    readable and counts one error; with pad_ok, -1 is padding (not
+    readable, not counted)."""
+    found, errors = [], 0
     for j, e in enumerate(ids):
         e = int(e)
         if pad_ok and e == -1:
@@ -210,11 +277,29 @@ def _read_entries(pool: PagedPoolRef, table_row, ids, n_entries, pad_ok: bool, d
         if loc is None:
             errors += 1
             continue
-        if index:
-            out[j] = indexer_key_dequantize(pool.idx_q[loc], pool.idx_sf[loc], dtype)
-        else:
-            out[j] = fp8_entry_dequantize(pool.kv_fp8[loc], pool.kv_scale[loc],
-                                          pool.kv_rope[loc], dtype)
+        found.append((j, *loc))
+    j, blk, row = (np.asarray(a, np.int64) for a in (zip(*found) if found else ((), (), ())))
+    return j, blk, row, errors
+
+
+def _read_entries(pool: PagedPoolRef, table_row, ids, n_entries, pad_ok: bool, dtype: str,
+                  index: bool = False):
+    """Decode entries `ids` (k,) of one request; unreadable rows (_located)
+    are zero. Returns (rows (k, width), errors)."""
+    width = pool.index_head_dim if index else pool.head_dim
+    out = np.zeros((ids.shape[0], width), np.float32)
+    j, blk, row, errors = _located(pool, table_row, ids, n_entries, pad_ok)
+    if j.size == 0:
+        return out, errors
+    if pool.pages is not None:
+        lay, cache = (INDEX_LAYOUTS[pool.index_layout], pool.index_pages) if index else (L.MODEL1, pool.pages)
+        data, scales, _, _ = L.page_read(lay, cache, pool.page_size, blk * pool.page_size + row)
+        out[j] = L.decode_records(lay, data, scales, dtype)
+    elif index:
+        out[j] = indexer_key_dequantize(pool.idx_q[blk, row], pool.idx_sf[blk, row], dtype)
+    else:
+        out[j] = fp8_entry_dequantize(pool.kv_fp8[blk, row], pool.kv_scale[blk, row],
+                                      pool.kv_rope[blk, row], dtype)
     return out, errors
 
 
@@ -273,7 +358,7 @@ def gather_index_keys(pool: PagedPoolRef, block_table_row, n_entries: int,
                       dtype: str = "bfloat16", *, written: int | None = None):
     """CSA indexer reader: the indexer keys of entries 0 .. n_entries-1 of one
     request -> (keys (n_entries, 128), errors); same rules as gather_dense."""
-    if pool.idx_q is None:
+    if pool.index_head_dim is None:
         raise ValueError("pool: has no indexer keys (not a CSA pool)")
     row = _ints("block_table_row", block_table_row, ndim=1)
     if n_entries < 0:
