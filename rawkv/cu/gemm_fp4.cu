@@ -39,6 +39,7 @@ namespace {
 
 constexpr float kTwoPow117 = 1.6615349947311448e35f;  // 2^117
 constexpr float kTwoPow9 = 512.0f;
+constexpr int kIntMin = -2147483647 - 1;
 
 __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1, bool f16) {
     if (f16) {
@@ -179,41 +180,57 @@ __device__ void ragged_slot(const int* __restrict__ offsets, int experts, int ro
     __syncthreads();
     __shared__ int s_res[3];
     if (threadIdx.x < 32) {
+        // Segment s ends at end(s) = min(max(offsets[0..s], 0), rows) (rows
+        // for the last) and starts where s - 1 ends. Each lane walks a
+        // contiguous run of segments; two warp scans join the runs (the
+        // running max of the offsets, then the tile counts).
         const int lane = threadIdx.x;
-        int carry_max = 0, carry_tiles = 0, bad = 0, prev_end = 0;
-        int f_seg = -1, f_t0 = 0, f_t1 = 0;
-        for (int base = 0; base < nseg; base += 32) {
-            const int s = base + lane;
-            // segment s covers [start(s), end(s)); start(0) = 0, end(E+1) = rows,
-            // end(s) = o'_s for s <= E.
-            int raw = s <= experts ? s_off[s] : rows;
-            int m = raw;
-            for (int d = 1; d < 32; d <<= 1) {
-                int o = __shfl_up_sync(0xffffffffu, m, d);
-                if (lane >= d) m = max(m, o);
-            }
-            int end = min(max(max(m, carry_max), 0), rows);
-            if (s <= experts && s < nseg) bad += (raw != end);
-            int start = __shfl_up_sync(0xffffffffu, end, 1);
-            if (lane == 0) start = prev_end;
-            const int len = s < nseg ? end - start : 0;
-            int tiles = (len + tile - 1) / tile;
-            int cum = tiles;
-            for (int d = 1; d < 32; d <<= 1) {
-                int o = __shfl_up_sync(0xffffffffu, cum, d);
-                if (lane >= d) cum += o;
-            }
-            const int before = carry_tiles + cum - tiles;
-            if (s < nseg && slot >= before && slot < before + tiles) {
-                f_seg = s;
-                f_t0 = start + (slot - before) * tile;
-                f_t1 = min(end, f_t0 + tile);
-            }
-            carry_max = max(carry_max, __shfl_sync(0xffffffffu, m, 31));
-            carry_tiles += __shfl_sync(0xffffffffu, cum, 31);
-            prev_end = __shfl_sync(0xffffffffu, end, 31);
+        const int per = (nseg + 31) / 32, s0 = min(lane * per, nseg), s1 = min(s0 + per, nseg);
+        int lmax = kIntMin;
+        for (int s = s0; s < s1; ++s) lmax = max(lmax, s <= experts ? s_off[s] : rows);
+        int incl = lmax;
+        for (int d = 1; d < 32; d <<= 1) {
+            const int o = __shfl_up_sync(0xffffffffu, incl, d);
+            if (lane >= d) incl = max(incl, o);
+        }
+        int carry = __shfl_up_sync(0xffffffffu, incl, 1);
+        if (lane == 0) carry = kIntMin;
+        const int start0 = lane == 0 ? 0 : min(max(carry, 0), rows);
+        int run = carry, start = start0, tiles = 0, bad = 0;
+        for (int s = s0; s < s1; ++s) {
+            const int raw = s <= experts ? s_off[s] : rows;
+            run = max(run, raw);
+            const int end = min(max(run, 0), rows);
+            if (s <= experts) bad += raw != end;
+            tiles += (end - start + tile - 1) / tile;
+            start = end;
+        }
+        int cum = tiles;
+        for (int d = 1; d < 32; d <<= 1) {
+            const int o = __shfl_up_sync(0xffffffffu, cum, d);
+            if (lane >= d) cum += o;
         }
         for (int d = 16; d > 0; d >>= 1) bad += __shfl_xor_sync(0xffffffffu, bad, d);
+        const int before = cum - tiles;
+        int f_seg = -1, f_t0 = 0, f_t1 = 0;
+        if (slot >= before && slot < cum) {
+            run = carry;
+            start = start0;
+            int b = before;
+            for (int s = s0; s < s1; ++s) {
+                run = max(run, s <= experts ? s_off[s] : rows);
+                const int end = min(max(run, 0), rows);
+                const int n = (end - start + tile - 1) / tile;
+                if (slot < b + n) {
+                    f_seg = s;
+                    f_t0 = start + (slot - b) * tile;
+                    f_t1 = min(end, f_t0 + tile);
+                    break;
+                }
+                b += n;
+                start = end;
+            }
+        }
         const unsigned hit = __ballot_sync(0xffffffffu, f_seg >= 0);
         if (hit) {
             const int src = __ffs(hit) - 1;
