@@ -332,19 +332,30 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
     // registers), S - 1 stages ahead of the chunk it multiplies. Only the
     // warp reads its ring, so a warp barrier orders it.
     u8* ring = s_ring + warp * (S * U * MT * 576);
+    // Per m-tile, the source of chunk c_beg (codes, lane's 16 bytes; scales,
+    // the tile's 64 bytes): consecutive chunks are 512 / 64 bytes apart.
+    const u8* wsrc[MT];
+    const u8* ssrc[MT];
+    bool tile_ok[MT];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        const i64 at = (i64)(tile0 + i) * chunks + c_beg;
+        tile_ok[i] = tile0 + i < tiles16;
+        wsrc[i] = wbase + at * 512;
+        ssrc[i] = sbase + at * 64 + lane * 16;
+    }
     auto issue = [&](int slot, int c) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int cc = c + u;
+            if (cc >= c_end) break;
+            const int dc = cc - c_beg;
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
-                const int tile = tile0 + i;
-                if (cc < c_end && tile < tiles16) {
-                    const i64 at = (i64)tile * chunks + cc;
-                    u8* dst = ring + ((slot * U + u) * MT + i) * 576;
-                    cp_async16(dst + lane * 16, wbase + at * 512);
-                    if (lane < 4) cp_async16(dst + 512 + lane * 16, sbase + at * 64 + lane * 16);
-                }
+                if (!tile_ok[i]) continue;
+                u8* dst = ring + ((slot * U + u) * MT + i) * 576;
+                cp_async16(dst + lane * 16, wsrc[i] + dc * 512);
+                if (lane < 4) cp_async16(dst + 512 + lane * 16, ssrc[i] + dc * 64);
             }
         }
         cp_async_commit();
