@@ -5,4 +5,4 @@ Import-time work in op modules is plain Python (op declarations; the kernel
 declarations are rawkv.kernels, which the runtime imports itself): no CUDA
 API is touched until an op runs on a CUDA tensor.
 """
-from . import fp8, fused, kvcache, nvfp4  # noqa: F401
+from . import fp8, fused, gemm, kvcache, nvfp4  # noqa: F401

@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import _args as A
 from .. import _dispatch as D
+from .._opdecl import OpDecl
 from ..kernels import gemm_fp4 as K
 from ..nvfp4 import counters
 from ..reference import formats as F
@@ -24,6 +25,8 @@ def grouped_linear(x, weight, *, out=None, stream=None):
     x: (T, G, K) bfloat16 / float16, or a rawkv.nvfp4.QuantizedActivation of
     such an x (q (T, G, K/2), sf (T, G, K/16), gs a float32 tensor of shape
     () / (1,) or (T, G)). weight: a rawkv.gemm.Fp4Weight of G groups."""
+    if D.compiling():
+        return _traced(GROUPED_OP, x, weight, out, 3)
     act = _activation(x, weight, "x", 3)
     t, g = act.lead
     if g != weight.groups:
@@ -53,6 +56,8 @@ def moe_linear(x, weight, offsets, *, out=None, errors=None, stream=None):
     out-of-range offsets are clamped (docs/gemm.md), rows no expert owns are
     written as zeros, and each clamp is counted in errors[0] (an int32
     tensor) or, with errors=None, in rawkv.nvfp4.error_counts()[GEMM_OFFSETS]."""
+    if D.compiling():
+        return _traced(MOE_OP, x, weight, out, 2, offsets=offsets, errors=errors)
     act = _activation(x, weight, "x", 2)
     (r,) = act.lead
     shape = (r, weight.n)
@@ -221,6 +226,60 @@ def _launch(rt, act, weight, out, cfg, grid, tokens, offsets, experts, err_ptr, 
         x=act.x, xsf=act.sf, xgs=act.gs, xs_t=xs_t, xs_g=xs_g, ss_t=ss_t, ss_g=ss_g,
         gs_t=gs_t, gs_g=gs_g, out=out, os_t=os_[0], os_g=os_[1] if out.dim() == 3 else 0,
         n=weight.n, k=weight.k, tokens=tokens, offsets=offsets, experts=experts, errors=err_ptr)
+
+
+# ---- custom operators (rawkv.library) ----------------------------------------
+# The weight travels as its tensors and sizes; an NVFP4 activation as q (in
+# x), sf and gs.
+
+_WEIGHT_SCHEMA = "Tensor codes, Tensor scales, Tensor gs, str fmt, int n, int k, int exp_lo, int exp_hi"
+_X_SCHEMA = "Tensor x, Tensor? x_sf, Tensor? x_gs"
+
+
+def _op_weight(codes, scales, gs, fmt, n, k, exp_lo, exp_hi):
+    from .weights import Fp4Weight
+    return Fp4Weight(fmt, n, k, codes, scales, gs, exp_range=(exp_lo, exp_hi) if fmt == "mxfp4" else None)
+
+
+def _op_x(x, x_sf, x_gs):
+    if x_sf is None:
+        return x
+    from ..nvfp4 import QuantizedActivation
+    return QuantizedActivation(x, x_sf, x_gs)
+
+
+def _op_args(x, weight) -> dict:
+    lo, hi = weight.exp_range or (0, 0)
+    q = hasattr(x, "q") and hasattr(x, "sf")
+    return dict(x=x.q if q else x, x_sf=x.sf if q else None, x_gs=x.gs if q else None,
+                codes=weight.codes, scales=weight.scales, gs=weight.gs, fmt=weight.fmt,
+                n=weight.n, k=weight.k, exp_lo=lo, exp_hi=hi)
+
+
+def _grouped_op(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out):
+    grouped_linear(_op_x(x, x_sf, x_gs), _op_weight(codes, scales, gs, fmt, n, k, exp_lo, exp_hi), out=out)
+
+
+def _moe_op(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, out, errors):
+    moe_linear(_op_x(x, x_sf, x_gs), _op_weight(codes, scales, gs, fmt, n, k, exp_lo, exp_hi), offsets,
+               out=out, errors=errors)
+
+
+def _traced(op, x, weight, out, ndim, **extra):
+    """Under torch.compile: allocate `out` if needed and call the rawkv::
+    operator, which dynamo can trace."""
+    import torch
+    tokens = (x.q if hasattr(x, "q") else x).shape[0]
+    if out is None:
+        shape = (tokens, weight.groups, weight.n) if ndim == 3 else (tokens, weight.n)
+        out = torch.empty(shape, dtype=torch.bfloat16, device=weight.codes.device)
+    op.call(torch, **_op_args(x, weight), **extra, out=out)
+    return out
+
+
+GROUPED_OP = OpDecl("gemm_grouped_linear", _grouped_op, f"{_X_SCHEMA}, {_WEIGHT_SCHEMA}, Tensor(a!) out")
+MOE_OP = OpDecl("gemm_moe_linear", _moe_op,
+                f"{_X_SCHEMA}, {_WEIGHT_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")
 
 
 # ---- CPU --------------------------------------------------------------------
