@@ -575,26 +575,3 @@ def test_row_blocks_stay_within_every_arch_bound(sm_count):
                 assert block == min(bound, -(-chunks // 32) * 32)
             elif chunks <= K.REG * bound:        # prefill: every chunk in registers
                 assert chunks <= K.REG * block
-
-
-@pytest.mark.parametrize("sm_count", [80, 132, 148, 170])
-def test_pipelined_layout_rule(sm_count, monkeypatch):
-    """pipe_layout: prefill rows whose chunks are all in registers and whose two
-    row buffers fit the 48 KB of static + dynamic shared memory every arch gives
-    without an opt-in; otherwise None (the one-row-per-CTA form). The grid covers
-    every row with at most PIPE_ROWS rows a CTA."""
-    rt = _FakeRt(sm_count)
-    assert K.PIPE_SMEM_MAX + 1024 <= 48 * 1024          # room for the kernels' static shared memory
-    rows = 16384
-    for raw, chunks in ((K.RMS_RAW, 448), (K.SWIGLU_RAW, 224), (K.RMS_RAW, 129), (K.SWIGLU_RAW, 129)):
-        block = _rows.block_for(rt, rows, chunks)
-        grid, smem = _rows.pipe_layout(rt, rows, chunks, block, raw)
-        assert smem == 2 * K.REG * raw * block * 16 <= K.PIPE_SMEM_MAX
-        assert grid * K.PIPE_ROWS >= rows and grid >= min(rows, K.PIPE_CTAS_PER_SM * sm_count)
-        assert _rows.pipe_layout(rt, 2 * sm_count - 1, chunks, _rows.block_for(rt, 2 * sm_count - 1, chunks),
-                                 raw) is None                               # decode sizes
-    assert _rows.pipe_layout(rt, rows, 1537, 768, K.RMS_RAW) is None        # chunks past the registers
-    assert _rows.pipe_layout(rt, rows, 1024, 512, K.RMS_RAW) is None        # 64 KB of buffers
-    assert _rows.pipe_layout(rt, rows, 448, 224, K.RMS_RAW) is not None
-    monkeypatch.setattr(K, "PIPE", False)
-    assert _rows.pipe_layout(rt, rows, 448, 224, K.RMS_RAW) is None

@@ -449,46 +449,6 @@ def test_swiglu_quantize_prefill_layout(cuda, rng, dtype, n, g, scope):
     _assert_equal("gs", _np(qa.gs), np.asarray(gs, F32))
 
 
-# ---- the pipelined form (issue 14): at prefill sizes a CTA loops over rows b, b + grid,
-# ... and prefetches the next row into shared memory. Rows enough for two rows a CTA
-# and a ragged last round (rows % grid != 0); edges planted; scopes row, tensor, given. ----
-def _pipelined_rows(cuda, n, raw):
-    """Rows that take the pipelined layout with more than one row a CTA, checked."""
-    rows = 2 * K.PIPE_CTAS_PER_SM * cuda.sm_count + 37
-    chunks = n // 16
-    layout = _rows.pipe_layout(cuda, rows, chunks, _rows.block_for(cuda, rows, chunks), raw)
-    assert layout is not None and 2 * layout[0] >= rows > layout[0] and rows % layout[0], (rows, layout)
-    return rows
-
-
-@pytest.mark.parametrize("scope", ["row", "tensor", "given"])
-@pytest.mark.parametrize("n", [2064, 7168])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_rmsnorm_quantize_pipelined(cuda, rng, dtype, n, scope):
-    rows = _pipelined_rows(cuda, n, K.RMS_RAW)
-    x = _plant(_rand(rng, (rows, n), dtype, rng.uniform(0.1, 10)))
-    w = torch.from_numpy((rng.standard_normal(n) * 0.2 + 1).astype(F32)).cuda()
-    gs = torch.full((1,), 0.01, dtype=torch.float32, device="cuda") if scope == "given" else None
-    qa = F.rmsnorm_quantize(x, w, scope=scope, gs=gs)
-    gs_ref = np.float32(0.01) if scope == "given" else None
-    _check_rms(qa, lambda inv: R.rmsnorm_quantize(_np(x), _np(w), 1e-6, scope, gs_ref, _dt(x), inv),
-               rows, (rows,), scope)
-
-
-@pytest.mark.parametrize("scope", ["row", "tensor", "given"])
-@pytest.mark.parametrize("n, g", [(2064, 8), (3584, 8), (3584, 16)])     # n: the output width I
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_swiglu_quantize_pipelined(cuda, rng, dtype, n, g, scope):
-    rows = _pipelined_rows(cuda, n, K.SWIGLU_RAW)
-    h = _plant(_rand(rng, (rows, 2 * n), dtype, 3.0))
-    gs = torch.full((1,), 0.01, dtype=torch.float32, device="cuda") if scope == "given" else None
-    qa = F.swiglu_quantize(h, g, scope=scope, gs=gs)
-    q, sf, gsr = R.swiglu_quantize(_np(h), g, scope, np.float32(0.01) if scope == "given" else None, _dt(h))
-    _assert_equal("q", _np(qa.q), q)
-    _assert_equal("sf", _np(qa.sf), sf)
-    _assert_equal("gs", _np(qa.gs), np.asarray(gsr, F32).reshape(_np(qa.gs).shape))
-
-
 def test_swiglu_tensor_scope_repeated_reuses_out(cuda, rng):
     """The tensor-scope gs word is re-armed by a memset each call: a second call
     into the same out= buffers must not see the previous gs."""

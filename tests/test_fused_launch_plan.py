@@ -84,27 +84,3 @@ def test_number_gs_over_the_dtype_bound_refused_before_launch(rt, op):
     for _ in range(2):                                        # as the float32 the kernel reads: the bound
         with pytest.raises(ValueError, match="^gs:"):
             _calls(rt, op, torch.float16, gs=limit - 1e-9)
-
-
-@pytest.mark.parametrize("op, g, pipelined", [("rms", 8, True), ("mhc", 8, False), ("swiglu", 8, True),
-                                              ("swiglu", 16, True), ("swiglu", 4, False)])
-def test_prefill_rows_take_the_pipelined_kernel(rt, op, g, pipelined):
-    """At prefill sizes (rows >= 2 x SMs, every chunk in registers) RMSNorm and
-    SwiGLU with 16-byte pieces launch the PIPE instance on a grid of fewer CTAs
-    than rows, each told the row count; mHC and scalar SwiGLU keep one CTA per
-    row; decode sizes always do."""
-    rows = 8 * rt.sm_count + 5
-    dt = torch.bfloat16
-    for m, want in ((rows, pipelined), (3, False)):
-        rt.calls.clear()
-        if op == "rms":
-            rawkv.fused.rmsnorm_quantize(fake(torch.ones(m, 64, dtype=dt)), fake(torch.ones(64)))
-        elif op == "mhc":
-            rawkv.fused.mhc_rmsnorm_quantize(fake(torch.ones(m, 2, 64, dtype=dt)), fake(torch.ones(m, 2)),
-                                             fake(torch.ones(64)))
-        else:
-            rawkv.fused.swiglu_quantize(fake(torch.ones(m, 128, dtype=dt)), g)
-        (fn, grid, block, a), = rt.calls
-        assert fn.endswith(", true>" if want else ", false>"), fn
-        assert a["rows"] == m
-        assert (grid[0] < m) == want and grid[0] * K.PIPE_ROWS >= m

@@ -29,8 +29,7 @@
 #if !defined(RKV_FUSED_MODE_ROW) || !defined(RKV_FUSED_MODE_AMAX) || !defined(RKV_FUSED_MODE_TENSOR) || \
     !defined(RKV_FUSED_MODE_FIXED) || !defined(RKV_FUSED_KIND_F32) || !defined(RKV_FUSED_KIND_BF16) || \
     !defined(RKV_FUSED_KIND_F16) || !defined(RKV_FUSED_MAX_HC) || !defined(RKV_FUSED_MAX_THREADS) || \
-    !defined(RKV_FUSED_MAX_THREADS_SM100) || !defined(RKV_FUSED_MOE_BLOCK) || !defined(RKV_FUSED_RMS_RAW) || \
-    !defined(RKV_FUSED_SWIGLU_RAW)
+    !defined(RKV_FUSED_MAX_THREADS_SM100) || !defined(RKV_FUSED_MOE_BLOCK)
 #error "fused.cu: a shared constant is missing; compile it through rawkv (rawkv.kernels.fused passes them as -D options)"
 #endif
 
@@ -59,31 +58,14 @@ constexpr u32 kAmaxFlag = 0x80000000u;  // marks "gs word still holds the amax"
 
 template <typename T> __device__ __forceinline__ float round_t(float v) { return to_f32<T>(from_f32<T>(v)); }
 
-// cp.async (sm_80+): 16 bytes global -> shared with no staging register.
-// "memory" clobbers keep the compiler from moving shared-memory accesses
-// across them.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const u32 dst = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// 8 packed T (one 16-byte piece) -> float.
+// 8 consecutive T (16-byte aligned) -> float.
 template <typename T>
-__device__ __forceinline__ void piece_f32(const uint4& a, float* v) {
+__device__ __forceinline__ void load8(const T* p, float* v) {
+    const uint4 a = *reinterpret_cast<const uint4*>(p);
     word_f32<T>(a.x, v[0], v[1]);
     word_f32<T>(a.y, v[2], v[3]);
     word_f32<T>(a.z, v[4], v[5]);
     word_f32<T>(a.w, v[6], v[7]);
-}
-
-// 8 consecutive T (16-byte aligned) -> float.
-template <typename T>
-__device__ __forceinline__ void load8(const T* p, float* v) {
-    piece_f32<T>(*reinterpret_cast<const uint4*>(p), v);
 }
 
 // A value of a small per-row / per-column parameter of run-time dtype
@@ -174,8 +156,6 @@ template <typename T, bool MIX>
 struct RmsProducer {
     static constexpr bool NORM = true;
     static constexpr bool CALL_SLOW_PATH = MIX;   // mHC: 64 registers only this way
-    static constexpr int RAW = RKV_FUSED_RMS_RAW;  // 16-byte pieces of a chunk (pipelined form, !MIX)
-    static_assert(RAW * 16 == 16 * sizeof(T), "an RMSNorm chunk is 16 T");
     const T* x;        // row start: x + row*N (MIX: X + row*n_hc*N)
     const void* w;
     int w_kind;
@@ -205,17 +185,6 @@ struct RmsProducer {
         }
     }
 
-    // The pipelined form's view of load() (!MIX only): chunk c is the raw
-    // bits of two 16-byte pieces.
-    __device__ __forceinline__ void pieces(i64 c, const void* (&src)[RAW]) const {
-        src[0] = x + c * 16;
-        src[1] = x + c * 16 + 8;
-    }
-    __device__ __forceinline__ void from_raw(const uint4 (&a)[RAW], u32 (&w)[8]) const {
-        w[0] = a[0].x; w[1] = a[0].y; w[2] = a[0].z; w[3] = a[0].w;
-        w[4] = a[1].x; w[5] = a[1].y; w[6] = a[1].z; w[7] = a[1].w;
-    }
-
     __device__ __forceinline__ void norm(i64 c, u32 (&w)[8], float inv) const {
         float v[16], wv[16];
         unpack_chunk<T>(w, v);
@@ -230,61 +199,36 @@ template <typename T, bool VEC>
 struct SwigluProducer {
     static constexpr bool NORM = false;
     static constexpr bool CALL_SLOW_PATH = false;
-    static constexpr int RAW = RKV_FUSED_SWIGLU_RAW;  // VEC: gate, up of outputs 0-7, then of 8-15
-    static_assert(RAW * 8 == 2 * 16, "a SwiGLU chunk is 16 gate and 16 up T, 8 to a piece");
     const T* h;        // row start: h + row*2I
     u32 g;             // interleave granularity (the host checks 2I < 2^31)
 
     // Output element i is gate column (i / g) * 2g + i % g and the up column g
     // after it. One 32-bit division per chunk; then a counter walks the row.
-    // VEC (g % 8 == 0): each run of 8 outputs is contiguous, so a chunk is
-    // four 16-byte pieces: gate and up of outputs 0-7, then of 8-15.
-    __device__ __forceinline__ void pieces(i64 c, const void* (&src)[RAW]) const {
+    __device__ __forceinline__ void load(i64 c, u32 (&w)[8]) const {
         const u32 i0 = (u32)c * 16u;
         u32 grp = i0 / g, off = i0 - grp * g;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const u32 col = grp * 2u * g + off;
-            src[2 * k] = h + col;
-            src[2 * k + 1] = h + col + g;
-            off += 8u;
-            if (off == g) { off = 0u; ++grp; }
-        }
-    }
-
-    __device__ __forceinline__ void from_raw(const uint4 (&a)[RAW], u32 (&w)[8]) const {
         float v[16];
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
+        if constexpr (VEC) {            // g % 8 == 0: each run of 8 outputs is contiguous
             float gt[8], up[8];
-            piece_f32<T>(a[2 * k], gt);
-            piece_f32<T>(a[2 * k + 1], up);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) v[k * 8 + j] = silu_f32(gt[j]) * up[j];
-        }
-        pack_chunk<T>(w, v);
-    }
-
-    __device__ __forceinline__ void load(i64 c, u32 (&w)[8]) const {
-        if constexpr (VEC) {
-            const void* src[RAW];
-            pieces(c, src);
-            uint4 a[RAW];
+            for (int k = 0; k < 2; ++k) {
+                const u32 col = grp * 2u * g + off;
+                load8(h + col, gt);
+                load8(h + col + g, up);
 #pragma unroll
-            for (int k = 0; k < RAW; ++k) a[k] = *static_cast<const uint4*>(src[k]);
-            from_raw(a, w);
+                for (int j = 0; j < 8; ++j) v[k * 8 + j] = silu_f32(gt[j]) * up[j];
+                off += 8u;
+                if (off == g) { off = 0u; ++grp; }
+            }
         } else {
-            const u32 i0 = (u32)c * 16u;
-            u32 grp = i0 / g, off = i0 - grp * g;
-            float v[16];
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
                 const u32 col = grp * 2u * g + off;
                 v[j] = silu_f32(to_f32(h[col])) * to_f32(h[col + g]);
                 if (++off == g) { off = 0u; ++grp; }
             }
-            pack_chunk<T>(w, v);
         }
+        pack_chunk<T>(w, v);
     }
 
     __device__ __forceinline__ void norm(i64, u32 (&)[8], float) const {}
@@ -394,7 +338,6 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
         }
         gs = nvfp4_global_scale(amax);
     } else if (mode == MODE_TENSOR) {
-        __syncthreads();     // a CTA looping over rows (PIPE) may still read sh_gs of its last row
         if (tid == 0) {
             u32* word = reinterpret_cast<u32*>(gs_out);
             const u32 w = atomicOr(word, 0u);             // coherent read
@@ -445,142 +388,49 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
     }
 }
 
-// ---- the pipelined form (PIPE) -----------------------------------------------------
-// CTA b quantizes rows b, b + gridDim.x, ...: while one row is quantized from
-// registers, the next row's register chunks are in flight into shared memory
-// (cp.async, two buffers), so a CTA's loads overlap its own arithmetic and
-// barriers instead of waiting for other CTAs to fill the gap. Same chunks per
-// thread and same blockDim as the one-row form, so the same float64 summation
-// order. Dynamic shared memory: 2 * REG * RAW * blockDim 16-byte pieces, piece
-// k of chunk r of buffer b of thread t at ((b * REG + r) * RAW + k) * blockDim + t
-// (consecutive threads, consecutive 16 bytes). Each thread copies exactly the
-// pieces it reads back, so no barrier guards the buffers: cp.async.wait_group
-// orders a thread's own copies, and a buffer is refilled only after the row it
-// held was quantized (every value read from it already used). The host picks
-// this form only when every chunk is register-held (C <= REG * blockDim).
-template <int REG, class P>
-__device__ __forceinline__ void prefetch_row(const P& p, i64 C, int buf) {
-    extern __shared__ uint4 rkv_fused_raw[];
-    const int B = blockDim.x;
-#pragma unroll
-    for (int r = 0; r < REG; ++r) {
-        const i64 c = threadIdx.x + r * (i64)B;
-        if (c < C) {
-            const void* src[P::RAW];
-            p.pieces(c, src);
-#pragma unroll
-            for (int k = 0; k < P::RAW; ++k)
-                cp_async16(&rkv_fused_raw[((buf * REG + r) * P::RAW + k) * B + threadIdx.x], src[k]);
-        }
-    }
-}
-
-template <int REG, class P>
-__device__ __forceinline__ void take_row(const P& p, i64 C, int buf, u32 (&st)[REG][8]) {
-    extern __shared__ uint4 rkv_fused_raw[];
-    const int B = blockDim.x;
-#pragma unroll
-    for (int r = 0; r < REG; ++r) {
-        const i64 c = threadIdx.x + r * (i64)B;
-        if (c < C) {
-            uint4 a[P::RAW];
-#pragma unroll
-            for (int k = 0; k < P::RAW; ++k) a[k] = rkv_fused_raw[((buf * REG + r) * P::RAW + k) * B + threadIdx.x];
-            p.from_raw(a, st[r]);
-        }
-    }
-}
-
-// seek(p, row) points producer p at a row; body(p, st, row) runs phases 1-3.
-template <int REG, class P, class Seek, class Body>
-__device__ __forceinline__ void pipelined_rows(P p, i64 rows, i64 C, Seek seek, Body body) {
-    i64 row = blockIdx.x;
-    seek(p, row);
-    prefetch_row<REG>(p, C, 0);
-    cp_async_commit();
-    for (int buf = 0; row < rows; row += gridDim.x, buf ^= 1) {
-        const i64 next = row + gridDim.x;
-        if (next < rows) {
-            P pn = p;
-            seek(pn, next);
-            prefetch_row<REG>(pn, C, buf ^ 1);
-        }
-        cp_async_commit();          // maybe empty: the group before it is still this row's
-        cp_async_wait<1>();
-        u32 st[REG][8];
-        take_row<REG>(p, C, buf, st);
-        body(p, st, row);
-        seek(p, next);
-    }
-}
-
 }  // namespace
 
 // x: (M, N) or, with MIX, X: (M, n_hc, N); mix: (M, n_hc) of mix_kind; w: (N,) of w_kind.
 // q (M, N/2), sf (M, N/16), gs_out (M,) for MODE_ROW else one float, inv_out (M,) or null.
 // gs_in: a device float (MODE_FIXED) or null, then gs_val; errors: where an
-// unusable gs_in is counted (rawkv.nvfp4's GIVEN_GS counter) or null; rows: M.
-// One CTA per row, or with PIPE (not MIX) rows b, b + gridDim.x, ... per CTA
-// and the dynamic shared memory of pipelined_rows.
-template <typename T, bool MIX, int REG, bool PIPE>
+// unusable gs_in is counted (rawkv.nvfp4's GIVEN_GS counter) or null. One CTA per row.
+template <typename T, bool MIX, int REG>
 __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms(
         const T* __restrict__ x, const void* __restrict__ mix, long long mix_kind, long long n_hc,
         const void* __restrict__ w, long long w_kind, double eps, long long n,
         u8* __restrict__ q, u8* __restrict__ sf, float* gs_out, float* __restrict__ inv_out,
-        const float* gs_in, double gs_val, long long mode, int* errors, long long rows) {
-    static_assert(!(PIPE && MIX), "the pipelined form prefetches raw rows: not the mHC mix");
+        const float* gs_in, double gs_val, long long mode, int* errors) {
+    const i64 row = blockIdx.x;
     RmsProducer<T, MIX> p;
+    p.x = x + row * (MIX ? n_hc : 1) * n;
     p.w = w;
     p.w_kind = (int)w_kind;
     p.n_hc = (int)n_hc;
     p.n = n;
-    if constexpr (!PIPE) {
-        const i64 row = blockIdx.x;
-        p.x = x + row * (MIX ? n_hc : 1) * n;
 #pragma unroll
-        for (int h = 0; h < RKV_FUSED_MAX_HC; ++h)
-            p.a[h] = (MIX && h < n_hc) ? load_kind(mix, row * n_hc + h, (int)mix_kind) : 0.0f;
-        u32 st[REG][8];
-        load_row<REG>(p, n / 16, st);
-        row_quantize<T, REG>(p, st, (int)mode, row, n / 16, (float)eps, n, q, sf, gs_out, inv_out, gs_in,
-                             (float)gs_val, errors);
-    } else {
-#pragma unroll
-        for (int h = 0; h < RKV_FUSED_MAX_HC; ++h) p.a[h] = 0.0f;
-        pipelined_rows<REG>(
-            p, rows, n / 16, [=](RmsProducer<T, MIX>& pp, i64 row) { pp.x = x + row * n; },
-            [&](const RmsProducer<T, MIX>& pp, u32 (&st)[REG][8], i64 row) {
-                row_quantize<T, REG>(pp, st, (int)mode, row, n / 16, (float)eps, n, q, sf, gs_out, inv_out,
-                                     gs_in, (float)gs_val, errors);
-            });
-    }
+    for (int h = 0; h < RKV_FUSED_MAX_HC; ++h)
+        p.a[h] = (MIX && h < n_hc) ? load_kind(mix, row * n_hc + h, (int)mix_kind) : 0.0f;
+    u32 st[REG][8];
+    load_row<REG>(p, n / 16, st);
+    row_quantize<T, REG>(p, st, (int)mode, row, n / 16, (float)eps, n, q, sf, gs_out, inv_out, gs_in,
+                         (float)gs_val, errors);
 }
 
 // h: (M, 2I) with columns alternating g gate and g up; q (M, I/2), sf (M, I/16);
-// gs_out, gs_in, gs_val, errors, rows as rkv_fused_rms's; PIPE needs VEC.
-template <typename T, bool VEC, int REG, bool PIPE>
+// gs_out, gs_in, gs_val, errors as rkv_fused_rms's.
+template <typename T, bool VEC, int REG>
 __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu(
         const T* __restrict__ h, long long inter, long long g,
         u8* __restrict__ q, u8* __restrict__ sf, float* gs_out,
-        const float* gs_in, double gs_val, long long mode, int* errors, long long rows) {
-    static_assert(VEC || !PIPE, "the pipelined form copies 16-byte pieces: VEC only");
+        const float* gs_in, double gs_val, long long mode, int* errors) {
+    const i64 row = blockIdx.x;
     SwigluProducer<T, VEC> p;
+    p.h = h + row * 2 * inter;
     p.g = (u32)g;
-    if constexpr (!PIPE) {
-        const i64 row = blockIdx.x;
-        p.h = h + row * 2 * inter;
-        u32 st[REG][8];
-        load_row<REG>(p, inter / 16, st);
-        row_quantize<T, REG>(p, st, (int)mode, row, inter / 16, 0.0f, inter, q, sf, gs_out, nullptr, gs_in,
-                             (float)gs_val, errors);
-    } else {
-        pipelined_rows<REG>(
-            p, rows, inter / 16, [=](SwigluProducer<T, VEC>& pp, i64 row) { pp.h = h + row * 2 * inter; },
-            [&](const SwigluProducer<T, VEC>& pp, u32 (&st)[REG][8], i64 row) {
-                row_quantize<T, REG>(pp, st, (int)mode, row, inter / 16, 0.0f, inter, q, sf, gs_out, nullptr,
-                                     gs_in, (float)gs_val, errors);
-            });
-    }
+    u32 st[REG][8];
+    load_row<REG>(p, inter / 16, st);
+    row_quantize<T, REG>(p, st, (int)mode, row, inter / 16, 0.0f, inter, q, sf, gs_out, nullptr, gs_in,
+                         (float)gs_val, errors);
 }
 
 // Scope tensor / given / none with no rows: no row CTA runs, and those are

@@ -96,29 +96,14 @@ def block_for(rt, rows: int, chunks: int) -> int:
     return min(K.MAX_BLOCK, max(r32(-(-chunks // K.REG)), min(r32(chunks), 64)))
 
 
-def pipe_layout(rt, rows: int, chunks: int, block: int, raw: int):
-    """(grid, shared_mem bytes) of the pipelined row kernel (PIPE: a CTA loops
-    over rows, prefetching the next into shared memory), or None where the
-    one-row-per-CTA form runs: K.PIPE off, decode sizes (rows < 2 x SMs), a
-    row with chunks past the registers (chunks > REG * block), or two row
-    buffers over K.PIPE_SMEM_MAX. Same block, so same summation order, either way."""
-    smem = 2 * K.REG * raw * block * 16
-    if not K.PIPE or rows < 2 * rt.sm_count or chunks > K.REG * block or smem > K.PIPE_SMEM_MAX:
-        return None
-    per = max(1, min(K.PIPE_ROWS, rows // (K.PIPE_CTAS_PER_SM * rt.sm_count)))
-    return -(-rows // per), smem
-
-
 # scope -> the row kernel's mode(s), in launch order
 _MODES = {"row": (K.MODE_ROW,), "tensor": (K.MODE_AMAX, K.MODE_TENSOR),
           "given": (K.MODE_FIXED,), "none": (K.MODE_FIXED,)}
 
 
-def launch_rows(rt, inst, pipe, raw, rows, chunks, scope, gs_in, gs_val, gs_out, stream, **kw) -> None:
-    """Launch row kernel `inst` (an Instance of K.RMS or K.SWIGLU, PIPE off),
-    or `pipe` (its pipelined Instance, None where there is none; `raw`: its
-    16-byte pieces per chunk) where pipe_layout allows, with the mode(s) of
-    `scope`; `kw` are its other parameters. (gs_in, gs_val) is
+def launch_rows(rt, inst, rows, chunks, scope, gs_in, gs_val, gs_out, stream, **kw) -> None:
+    """Launch row kernel `inst` (an Instance of K.RMS or K.SWIGLU) with the
+    mode(s) of `scope`; `kw` are its other parameters. (gs_in, gs_val) is
     gs_arg's pair for scope 'given'; 'none' is the value 1. A device gs_in
     that the kernel finds unusable is counted in rawkv.nvfp4's error
     counter, slot GIVEN_GS (a number was checked on the host)."""
@@ -132,14 +117,10 @@ def launch_rows(rt, inst, pipe, raw, rows, chunks, scope, gs_in, gs_val, gs_out,
             K.SET_GS.instance().launch(rt, (1,), (1,), stream=stream, gs_out=gs_out,
                                        gs_in=gs_in, gs_val=1.0 if scope == "tensor" else gs_val)
         return
-    block = block_for(rt, rows, chunks)
-    layout = None if pipe is None else pipe_layout(rt, rows, chunks, block, raw)
-    grid, smem = (rows, 0) if layout is None else layout
-    if layout is not None:
-        inst = pipe
+    block = (block_for(rt, rows, chunks),)
     if scope == "tensor":
         rt.memset(gs_out.data_ptr(), 0, 4, stream)
     errors = None if gs_in is None else counters.address(rt, counters.GIVEN_GS, stream)
     for mode in _MODES[scope]:
-        inst.launch(rt, (grid,), (block,), stream=stream, shared_mem=smem, gs_out=gs_out, gs_in=gs_in,
-                    gs_val=gs_val, mode=mode, errors=errors, rows=rows, **kw)
+        inst.launch(rt, (rows,), block, stream=stream, gs_out=gs_out, gs_in=gs_in, gs_val=gs_val,
+                    mode=mode, errors=errors, **kw)

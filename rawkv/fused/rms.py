@@ -80,9 +80,8 @@ def _rms(x, mix, weight, eps, scope, gs, out, stream, mixed):
     gs_in, gs_val = (None, 0.0) if gs is None else _rows.gs_arg(gs, x.dtype, dev)
     rt = get_runtime(dev)
     q, sf, gs_t, inv = _rows.outputs(rt, lead, n, scope, dev, out_q, out_sf, out_gs, out_inv, True, stream)
-    _rows.launch_rows(rt, K.RMS.instance(x.dtype, mixed, K.REG, False),
-                      None if mixed else K.RMS.instance(x.dtype, False, K.REG, True), K.RMS_RAW,
-                      x.numel() // (n_hc * n), n // 16, scope, gs_in, gs_val, gs_t, stream, x=x, mix=mix, mix_kind=dt.kind[mix.dtype] if mixed else 0,
+    _rows.launch_rows(rt, K.RMS.instance(x.dtype, mixed, K.REG), x.numel() // (n_hc * n), n // 16, scope,
+                      gs_in, gs_val, gs_t, stream, x=x, mix=mix, mix_kind=dt.kind[mix.dtype] if mixed else 0,
                       n_hc=n_hc, w=weight, w_kind=dt.kind[weight.dtype], eps=eps, n=n, q=q, sf=sf,
                       inv_out=inv)
     return QuantizedActivation(q, sf, gs_t, inv)

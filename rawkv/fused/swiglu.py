@@ -65,10 +65,8 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
     gs_in, gs_val = (None, 0.0) if gs is None else _rows.gs_arg(gs, h.dtype, dev)
     rt = get_runtime(dev)
     q, sf, gs_t, _ = _rows.outputs(rt, lead, inter, scope, dev, out_q, out_sf, out_gs, None, False, stream)
-    _rows.launch_rows(rt, K.SWIGLU.instance(h.dtype, vec, K.REG, False),
-                      K.SWIGLU.instance(h.dtype, True, K.REG, True) if vec else None, K.SWIGLU_RAW,
-                      h.numel() // two_i, inter // 16, scope, gs_in, gs_val, gs_t, stream, h=h, inter=inter,
-                      g=g_int, q=q, sf=sf)
+    _rows.launch_rows(rt, K.SWIGLU.instance(h.dtype, vec, K.REG), h.numel() // two_i, inter // 16, scope,
+                      gs_in, gs_val, gs_t, stream, h=h, inter=inter, g=g_int, q=q, sf=sf)
     return QuantizedActivation(q, sf, gs_t, None)
 
 

@@ -40,24 +40,6 @@ MAX_BLOCK = min(MAX_THREADS, MAX_THREADS_SM100) // REG
 #: Threads per CTA of rkv_moe_stage (its __launch_bounds__ and the launch).
 MOE_BLOCK = 256
 
-#: 16-byte pieces of one 16-element chunk in the pipelined row kernels (PIPE):
-#: RMSNorm's raw row (32 bytes), SwiGLU's gate and up runs (64 bytes).
-RMS_RAW = 2
-SWIGLU_RAW = 4
-
-#: The pipelined form of the row kernels (PIPE = True: a CTA loops over rows and
-#: prefetches the next row into shared memory while it quantizes the current
-#: one; rawkv/fused/_rows.py pipe_layout says when). False: every call takes
-#: the one-row-per-CTA form, as before issue 14.
-PIPE = True
-#: Most dynamic shared memory a pipelined CTA takes (two row buffers), so that
-#: static + dynamic stay within the 48 KB every arch gives without an opt-in.
-PIPE_SMEM_MAX = 45056
-#: Most rows one pipelined CTA quantizes (the first row's load is the one not
-#: overlapped), and the fewest CTAs per SM the grid keeps (waves, for the tail).
-PIPE_ROWS = 8
-PIPE_CTAS_PER_SM = 4
-
 FILE = KernelFile("fused.cu", constants={
     "RKV_FUSED_MODE_ROW": MODE_ROW, "RKV_FUSED_MODE_AMAX": MODE_AMAX,
     "RKV_FUSED_MODE_TENSOR": MODE_TENSOR, "RKV_FUSED_MODE_FIXED": MODE_FIXED,
@@ -66,37 +48,28 @@ FILE = KernelFile("fused.cu", constants={
     "RKV_FUSED_MAX_HC": MAX_HC,
     "RKV_FUSED_MAX_THREADS": MAX_THREADS, "RKV_FUSED_MAX_THREADS_SM100": MAX_THREADS_SM100,
     "RKV_FUSED_MOE_BLOCK": MOE_BLOCK,
-    "RKV_FUSED_RMS_RAW": RMS_RAW, "RKV_FUSED_SWIGLU_RAW": SWIGLU_RAW,
 })
 
 _T = TParam("typename", "T", ("bfloat16", "float16"))
 _REG = TParam("int", "REG", (REG,))
 
-_PIPE = TParam("bool", "PIPE", (False, True))
-
-# [mHC mix +] RMSNorm + quantize; MIX = the mHC form (x is (rows, n_hc, N));
-# PIPE = the pipelined form (not with MIX).
+# [mHC mix +] RMSNorm + quantize; MIX = the mHC form (x is (rows, n_hc, N)).
 RMS = FILE.kernel(
     "rkv_fused_rms",
     "const T* x, const void* mix, long long mix_kind, long long n_hc, const void* w, long long w_kind, "
     "double eps, long long n, u8* q, u8* sf, float* gs_out, float* inv_out, const float* gs_in, "
-    "double gs_val, long long mode, int* errors, long long rows",
-    (_T, TParam("bool", "MIX", (False, True)), _REG, _PIPE),
-    instances=[(t, mix, REG, pipe) for t in _T.values for mix in (False, True) for pipe in (False, True)
-               if not (mix and pipe)])
+    "double gs_val, long long mode, int* errors",
+    (_T, TParam("bool", "MIX", (False, True)), _REG))
 
 # gs of an op with no rows (scopes tensor / given / none): one thread.
 SET_GS = FILE.kernel("rkv_fused_set_gs", "float* gs_out, const float* gs_in, double gs_val")
 
-# SwiGLU de-interleave + silu * up + quantize; VEC: granularity % 8 == 0 (16-byte loads);
-# PIPE = the pipelined form (VEC only).
+# SwiGLU de-interleave + silu * up + quantize; VEC: granularity % 8 == 0 (16-byte loads).
 SWIGLU = FILE.kernel(
     "rkv_fused_swiglu",
     "const T* h, long long inter, long long g, u8* q, u8* sf, float* gs_out, const float* gs_in, "
-    "double gs_val, long long mode, int* errors, long long rows",
-    (_T, TParam("bool", "VEC", (True, False)), _REG, _PIPE),
-    instances=[(t, vec, REG, pipe) for t in _T.values for vec in (True, False) for pipe in (False, True)
-               if vec or not pipe])
+    "double gs_val, long long mode, int* errors",
+    (_T, TParam("bool", "VEC", (True, False)), _REG))
 
 # One-level NVFP4 + scales packed four per int32 + top-k copy, one grid-stride launch.
 MOE_STAGE = FILE.kernel(
