@@ -144,8 +144,10 @@ def test_views_and_out(cuda, rng):
     base = torch.randn(g, tokens, k + 8, dtype=torch.bfloat16).cuda()
     x = base[:, :, :k].transpose(0, 1)               # (T, G, K), strided, rows aligned
     odd = torch.randn(tokens, g, k + 1, dtype=torch.bfloat16).cuda()[:, :, 1:]   # rows not aligned
+    # contiguous but starting 2 bytes past an aligned address
+    shifted = torch.randn(tokens * g * k + 1, dtype=torch.bfloat16).cuda()[1:].view(tokens, g, k)
     out_base = torch.zeros(tokens, g, n + 5, dtype=torch.bfloat16, device="cuda")
-    for xi in (x, odd):
+    for xi in (x, odd, shifted):
         exact, absolute = exact_grouped(xi.double().cpu().numpy(), w64)
         out = out_base[:, :, 2:2 + n]
         res = rawkv.gemm.grouped_linear(xi, w, out=out)

@@ -70,6 +70,17 @@ def test_bad_activations_name_the_argument(rng, make, name):
         rawkv.gemm.grouped_linear(make(x), w)
 
 
+def test_nvfp4_activation_parts_are_checked(rng):
+    w = _weight(rng, 3, 16, 64)
+    q, sf, gs = rawkv.nvfp4.quantize(torch.randn(2, 3, 64), scope="row")
+    with pytest.raises(TypeError, match=r"^x.q"):
+        rawkv.gemm.grouped_linear(rawkv.nvfp4.QuantizedActivation(q.view(torch.uint8).float(), sf, gs), w)
+    with pytest.raises(ValueError, match=r"^x.sf"):
+        rawkv.gemm.grouped_linear(rawkv.nvfp4.QuantizedActivation(q, sf[..., :2], gs), w)
+    with pytest.raises(ValueError, match=r"^x.gs"):
+        rawkv.gemm.grouped_linear(rawkv.nvfp4.QuantizedActivation(q, sf, gs[:1]), w)
+
+
 def test_bad_out_and_offsets_name_the_argument(rng):
     w = _weight(rng, 3, 16, 64)
     x = torch.randn(2, 3, 64).bfloat16()

@@ -100,7 +100,7 @@ def moe_linear(x, weight, offsets, *, out=None, errors=None, stream=None):
 class _Act:
     """One activation argument, checked: kind (0 BF16, 1 FP16, 2 NVFP4),
     its tensors and the element strides the kernel walks."""
-    __slots__ = ("kind", "where", "device", "lead", "x", "sf", "gs", "strides", "gs_strides", "source")
+    __slots__ = ("kind", "where", "device", "lead", "x", "sf", "gs", "strides", "gs_strides")
 
     def values(self) -> np.ndarray:
         """The activation as float64, exactly (CPU path)."""
@@ -134,7 +134,12 @@ def _activation(x, weight, name, ndim) -> _Act:
         if gs.numel() != 1 and tuple(gs.shape) != lead:
             raise ValueError(f"{name}.gs: expected one value or shape {lead}, got {tuple(gs.shape)}")
         a.lead, a.x, a.sf, a.gs = lead, q, sf, gs
-        if a.where == "cuda":
+        if a.where == "cpu":
+            for part, v in ((f"{name}.q", q), (f"{name}.sf", sf)):
+                if D.is_torch(v) and v.dtype not in A.dtypes().bytes:
+                    raise TypeError(f"{part}: dtype {str(v.dtype).replace('torch.', '')} is not supported "
+                                    "(expected uint8 bytes or their float4 / float8 views)")
+        else:
             dt = A.dtypes()
             a.device = q.get_device()
             A.check_tensor(q, f"{name}.q", dt.bytes, device=a.device, contiguous=False)
@@ -177,11 +182,12 @@ def _activation(x, weight, name, ndim) -> _Act:
 
 def _rows_aligned(x, align):
     """x itself when each row (last dimension) starts `align`-byte aligned
-    and is contiguous; else a contiguous copy (an odd view costs one copy)."""
+    and is contiguous; else a fresh contiguous copy (an odd view costs one
+    copy; a clone, since .contiguous() would keep a misaligned start)."""
     es = x.element_size()
     ok = x.stride(-1) == 1 and x.data_ptr() % align == 0 and all(
         (s * es) % align == 0 for s in x.stride()[:-1])
-    return x if ok else x.contiguous()
+    return x if ok else x.clone(memory_format=_torch().contiguous_format)
 
 
 def _lead_strides(x) -> tuple:
