@@ -90,6 +90,29 @@ __device__ __forceinline__ u32 scale_factor(u32 b, bool mx, bool f16) {
     return splat(f, f16);
 }
 
+// Both rows' factors from their two scale bytes (sv: row q in the low byte,
+// row q + 8 in the next): the two E4M3 bytes go through one paired
+// conversion; MXFP4 builds the powers of two with integer ops.
+template <bool MX, bool F16>
+__device__ __forceinline__ void scale_factors(u32 sv, u32& f0, u32& f1) {
+    u32 p;
+    if (MX) {
+        const u32 e0 = sv & 0xFFu, e1 = (sv >> 8) & 0xFFu;
+        p = F16 ? ((e0 - 107u) << 10) | ((e1 - 107u) << 26) : ((e0 + 117u) << 7) | ((e1 + 117u) << 23);
+    } else {
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(sv & 0xFFFFu), __NV_E4M3);
+        if (F16) {
+            p = mul2(*reinterpret_cast<const u32*>(&h), 0x50005000u, true);  // x 32 (FP16 2^5), exact
+        } else {
+            const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h));
+            const __nv_bfloat162 b = __floats2bfloat162_rn(v.x * kTwoPow117, v.y * kTwoPow117);
+            p = *reinterpret_cast<const u32*>(&b);
+        }
+    }
+    f0 = __byte_perm(p, 0, 0x1010);
+    f1 = __byte_perm(p, 0, 0x3232);
+}
+
 // One 16-byte load that bypasses L1 allocation for data read once.
 __device__ __forceinline__ uint4 load_stream(const void* p) {
     uint4 v;
@@ -135,9 +158,14 @@ template <> struct ActChunk<2> {  // 16 E2M1 codes + their E4M3 block scale
 
 // 16 bytes global -> shared without passing through registers (L2 only:
 // weights are read once per token tile).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const u32 dst = (u32)__cvta_generic_to_shared(smem);
+// (dst: a shared-window address, converted once per warp rather than per copy)
+__device__ __forceinline__ void cp_async16(u32 dst, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+// The same when `on`, else nothing: a predicated instruction, not a branch.
+__device__ __forceinline__ void cp_async16_if(bool on, u32 dst, const void* gmem) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n"
+                 ::"r"(dst), "l"(gmem), "r"((int)on));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
@@ -253,9 +281,9 @@ __device__ void ragged_slot(const int* __restrict__ offsets, int experts, int ro
 
 }  // namespace
 
-template <int ACT, int MT, int NT, int KS, int RW, int U, int S>
+template <int ACT, bool MX, int MT, int NT, int KS, int RW, int U, int S>
 __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
-    const u8* __restrict__ wq, const u8* __restrict__ wsf, const float* __restrict__ wgs, int w_mx,
+    const u8* __restrict__ wq, const u8* __restrict__ wsf, const float* __restrict__ wgs,
     const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
     i64 xs_t, i64 xs_g, i64 ss_t, i64 ss_g, i64 gs_t, i64 gs_g,
     __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
@@ -344,25 +372,25 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
         wsrc[i] = wbase + at * 512;
         ssrc[i] = sbase + at * 64 + lane * 16;
     }
+    const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
     auto issue = [&](int slot, int c) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int cc = c + u;
-            if (cc >= c_end) break;
-            const int dc = cc - c_beg;
+            const int dc = c + u - c_beg;
+            const bool live = c + u < c_end;
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
-                if (!tile_ok[i]) continue;
-                u8* dst = ring + ((slot * U + u) * MT + i) * 576;
-                cp_async16(dst + lane * 16, wsrc[i] + dc * 512);
-                if (lane < 4) cp_async16(dst + 512 + lane * 16, ssrc[i] + dc * 64);
+                const u32 dst = ring_s + ((slot * U + u) * MT + i) * 576;
+                const bool on = live && tile_ok[i];
+                cp_async16_if(on, dst + lane * 16, wsrc[i] + dc * 512);
+                cp_async16_if(on && lane < 4, dst + 512 + lane * 16, ssrc[i] + dc * 64);
             }
         }
         cp_async_commit();
     };
 #pragma unroll
     for (int p = 0; p < S - 1; ++p) issue(p, c_beg + p * U);
-    int slot = 0;
+    int slot = 0, next = S - 1;  // the stage multiplied, the stage refilled
     for (int c = c_beg; c < c_end; c += U) {
         ActChunk<ACT> av[U][NT];
 #pragma unroll
@@ -376,7 +404,7 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
         }
         cp_async_wait<S - 2>();
         __syncwarp();
-        issue((slot + S - 1) % S, c + (S - 1) * U);
+        issue(next, c + (S - 1) * U);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             if (c + u >= c_end) break;
@@ -385,7 +413,8 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
                 const u8* src = ring + ((slot * U + u) * MT + i) * 576;
                 const uint4 wv = *reinterpret_cast<const uint4*>(src + lane * 16);
                 const u32 sv = *reinterpret_cast<const u16*>(src + 512 + lane * 2);
-                const u32 f0 = scale_factor(sv & 0xFFu, w_mx, F16), f1 = scale_factor(sv >> 8, w_mx, F16);
+                u32 f0, f1;
+                scale_factors<MX, F16>(sv, f0, f1);
 #pragma unroll
                 for (int s4 = 0; s4 < 4; ++s4) {
                     u32 a[4];
@@ -400,6 +429,7 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
             }
         }
         slot = slot + 1 == S ? 0 : slot + 1;
+        next = next + 1 == S ? 0 : next + 1;
     }
     cp_async_wait<0>();
 

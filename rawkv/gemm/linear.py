@@ -226,9 +226,9 @@ def _launch(rt, act, weight, out, cfg, grid, tokens, offsets, experts, err_ptr, 
     xs_t, xs_g, ss_t, ss_g = act.strides
     gs_t, gs_g = act.gs_strides
     os_ = out.stride()
-    K.GEMM.instance(act.kind, mt, nt, ks, rw, u, stages).launch(
+    K.GEMM.instance(act.kind, weight.fmt == "mxfp4", mt, nt, ks, rw, u, stages).launch(
         rt, grid, (32 * ks * rw,), stream=stream,
-        wq=weight.codes, wsf=weight.scales, wgs=weight.gs, w_mx=int(weight.fmt == "mxfp4"),
+        wq=weight.codes, wsf=weight.scales, wgs=weight.gs,
         x=act.x, xsf=act.sf, xgs=act.gs, xs_t=xs_t, xs_g=xs_g, ss_t=ss_t, ss_g=ss_g,
         gs_t=gs_t, gs_g=gs_g, out=out, os_t=os_[0], os_g=os_[1] if out.dim() == 3 else 0,
         n=weight.n, k=weight.k, tokens=tokens, offsets=offsets, experts=experts, errors=err_ptr)

@@ -1,7 +1,8 @@
 """rawkv/cu/gemm_fp4.cu: the grouped FP4-weight GEMM (docs/gemm.md).
 
-One kernel, instantiated per activation kind and tile configuration:
-ACT 0 BF16, 1 FP16, 2 NVFP4 (codes + E4M3 scales); MT m-tiles (16 output
+One kernel, instantiated per activation kind, weight format and tile
+configuration: ACT 0 BF16, 1 FP16, 2 NVFP4 (codes + E4M3 scales); MX the
+weight's block scales (false E4M3 per 16, true UE8M0 per 32); MT m-tiles (16 output
 features each) and NT n-tiles (8 tokens each) per warp; KS warps splitting K
 inside a block; RW warps along the rows; per warp a ring of S stages of U
 chunks of 64 columns.
@@ -33,7 +34,7 @@ CONFIGS = {
     "large": (2, 4, 2, 2, 1, 3),
 }
 
-_PARAMS = ("const u8* wq, const u8* wsf, const float* wgs, int w_mx, "
+_PARAMS = ("const u8* wq, const u8* wsf, const float* wgs, "
            "const u8* x, const u8* xsf, const float* xgs, "
            "i64 xs_t, i64 xs_g, i64 ss_t, i64 ss_g, i64 gs_t, i64 gs_g, "
            "__nv_bfloat16* out, i64 os_t, i64 os_g, "
@@ -41,7 +42,8 @@ _PARAMS = ("const u8* wq, const u8* wsf, const float* wgs, int w_mx, "
 
 GEMM = FILE.kernel(
     "rkv_gemm_fp4", _PARAMS,
-    (TParam("int", "ACT", (0, 1, 2)), TParam("int", "MT", (1, 2, 4)), TParam("int", "NT", (1, 2, 4, 8)),
+    (TParam("int", "ACT", (0, 1, 2)), TParam("bool", "MX", (False, True)), TParam("int", "MT", (1, 2, 4)), TParam("int", "NT", (1, 2, 4, 8)),
      TParam("int", "KS", (1, 2, 4)), TParam("int", "RW", (1, 2, 4)), TParam("int", "U", (1, 2, 4)),
      TParam("int", "S", (2, 3, 4))),
-    instances=[(a, *cfg) for a in ACT_CODES.values() for cfg in dict.fromkeys(CONFIGS.values())])
+    instances=[(a, mx, *cfg) for a in ACT_CODES.values() for mx in (False, True)
+               for cfg in dict.fromkeys(CONFIGS.values())])
