@@ -27,7 +27,7 @@ ACT_CODES = {"bfloat16": 0, "float16": 1, "nvfp4": 2}
 # flight at M = 1; larger ones give each warp more m-tiles so that every
 # activation fragment feeds several MMAs.
 CONFIGS = {
-    8: (2, 1, 4, 1, 2, 3),
+    8: (1, 1, 4, 2, 2, 3),
     16: (2, 2, 4, 1, 2, 3),
     32: (2, 4, 4, 1, 1, 3),
     64: (2, 4, 2, 2, 1, 3),
