@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from rawkv.reference import kvcache as ref
+from rawkv.reference.formats import bf16_bits
 from rawkv.reference.kvcache import layouts as R
 
 kc = pytest.importorskip("rawkv.kvcache")
@@ -311,9 +312,18 @@ def test_gpu_flush_edge_entries_bit_exact(cuda, rng, kind, index_layout):
     rows = edge_rows(rng, B, D, 64, 448.0, finite_only=False)
     keys = edge_rows(rng, B, DI, 32, 6.0, finite_only=False) if kind == "csa" else None
     dv = _Dev("cuda")
+    import torch
+
+    def same_bits(a):
+        # The reference's BF16 bits of the rows, moved as they are: torch's
+        # float32 -> bfloat16 conversions write NaN as 0x7FFF (CUDA) or
+        # 0xFFFF (CPU) where the reference keeps 0x7FC0, and the two pools
+        # must see the same input.
+        bits = bf16_bits(np.asarray(a, F32)).astype(np.uint16).view(np.int16)
+        return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bfloat16).cuda()
     kc.flush_write(cpu, rows, np.ones(B, bool), slots, pos, index_keys=keys)
-    kc.flush_write(gpu, dv.bf(rows), dv.t(np.ones(B, bool)), dv.t(slots), dv.t(pos),
-                   index_keys=None if keys is None else dv.bf(keys))
+    kc.flush_write(gpu, same_bits(rows), dv.t(np.ones(B, bool)), dv.t(slots), dv.t(pos),
+                   index_keys=None if keys is None else same_bits(keys))
     a, b = cpu.to_reference(), gpu.to_reference()
     for name in ("pages", "index_pages", "marks", "written"):
         if getattr(a, name) is not None:
