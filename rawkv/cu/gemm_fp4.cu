@@ -20,7 +20,8 @@
 // FP4 operand comes back in the FP32 epilogue with the global scales.
 //
 // Template: ACT activation kind (0 BF16, 1 FP16, 2 NVFP4 codes + E4M3
-// scales, multiplied in BF16); MT m-tiles and NT n-tiles per warp; KS warps
+// scales, multiplied in BF16); MX the weight's block scales (E4M3 per 16, or
+// UE8M0 per 32); MT m-tiles and NT n-tiles per warp; KS warps
 // splitting K inside a block (summed through shared memory in a fixed
 // order: deterministic); RW warps along the rows; a ring of S stages of U
 // chunks each per warp.
@@ -79,20 +80,19 @@ __device__ __forceinline__ u32 splat(float f, bool f16) {
     return (u32)h | ((u32)h << 16);
 }
 
-// The packed factor that turns e2m1 bits into e2m1 * scale * 2^-9:
-// NVFP4 (E4M3 byte) scale * 2^117 (BF16) / * 2^5 (FP16); MXFP4 (UE8M0 byte
-// e) 2^(e - 10) / 2^(e - 122). docs/gemm.md gives the exponent window in
-// which these are exact; loaders refuse weights outside it.
-__device__ __forceinline__ u32 scale_factor(u32 b, bool mx, bool f16) {
-    float f;
-    if (mx) f = __int_as_float((int)(b + (f16 ? 5u : 117u)) << 23);
-    else f = e4m3_decode((u8)b) * (f16 ? 32.0f : kTwoPow117);
-    return splat(f, f16);
+// The packed factor that turns e2m1 bits into e2m1 * scale * 2^-9 for one
+// E4M3 scale (NVFP4 activations): scale * 2^117 in BF16.
+__device__ __forceinline__ u32 act_scale_factor(u32 b) {
+    return splat(e4m3_decode((u8)b) * kTwoPow117, false);
 }
 
-// Both rows' factors from their two scale bytes (sv: row q in the low byte,
-// row q + 8 in the next): the two E4M3 bytes go through one paired
-// conversion; MXFP4 builds the powers of two with integer ops.
+// The weight rows' packed factors that turn e2m1 bits into
+// e2m1 * scale * 2^-9: NVFP4 (E4M3 byte) scale * 2^117 (BF16) / * 2^5
+// (FP16); MXFP4 (UE8M0 byte e) 2^(e - 10) / 2^(e - 122). docs/gemm.md gives
+// the exponent window in which these are exact; loaders refuse weights
+// outside it. Both rows at once from their two scale bytes (sv: row q in
+// the low byte, row q + 8 in the next): the E4M3 pair goes through one
+// paired conversion; MXFP4 builds the powers of two with integer ops.
 template <bool MX, bool F16>
 __device__ __forceinline__ void scale_factors(u32 sv, u32& f0, u32& f1) {
     u32 p;
@@ -111,14 +111,6 @@ __device__ __forceinline__ void scale_factors(u32 sv, u32& f0, u32& f1) {
     }
     f0 = __byte_perm(p, 0, 0x1010);
     f1 = __byte_perm(p, 0, 0x3232);
-}
-
-// One 16-byte load that bypasses L1 allocation for data read once.
-__device__ __forceinline__ uint4 load_stream(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
 }
 
 template <int ACT> struct ActChunk;  // one lane's activations of one chunk, one n-tile
@@ -145,7 +137,7 @@ template <> struct ActChunk<2> {  // 16 E2M1 codes + their E4M3 block scale
     __device__ __forceinline__ void clear() { q = make_uint2(0, 0); f = 0; }
     __device__ __forceinline__ void load(const u8* row, const u8* sf_row, int kb) {
         q = __ldg(reinterpret_cast<const uint2*>(row + kb / 2));
-        f = scale_factor(__ldg(sf_row + kb / 16), false, false);
+        f = act_scale_factor(__ldg(sf_row + kb / 16));
     }
     __device__ __forceinline__ void fragment(int s, u32& b0, u32& b1) const {
         const u32 w = s < 2 ? q.x : q.y;
