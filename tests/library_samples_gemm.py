@@ -17,8 +17,7 @@ def _weights(rng, device):
 
 
 def _args(x, w, **extra):
-    from rawkv.gemm.linear import _op_args
-    return tuple((_op_args(x, w) | extra).values())
+    return tuple((rawkv.gemm.operator_args(x, w) | extra).values())
 
 
 def samples(rng, device="cpu"):

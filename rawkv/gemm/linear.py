@@ -254,7 +254,10 @@ def _op_x(x, x_sf, x_gs):
     return QuantizedActivation(x, x_sf, x_gs)
 
 
-def _op_args(x, weight) -> dict:
+def operator_args(x, weight) -> dict:
+    """The keyword arguments of torch.ops.rawkv.gemm_grouped_linear /
+    gemm_moe_linear for activation x and weight (add out=, and offsets= /
+    errors= for the MoE operator)."""
     lo, hi = weight.exp_range or (0, 0)
     q = hasattr(x, "q") and hasattr(x, "sf")
     return dict(x=x.q if q else x, x_sf=x.sf if q else None, x_gs=x.gs if q else None,
@@ -279,7 +282,7 @@ def _traced(op, x, weight, out, ndim, **extra):
     if out is None:
         shape = (tokens, weight.groups, weight.n) if ndim == 3 else (tokens, weight.n)
         out = torch.empty(shape, dtype=torch.bfloat16, device=weight.codes.device)
-    op.call(torch, **_op_args(x, weight), **extra, out=out)
+    op.call(torch, **operator_args(x, weight), **extra, out=out)
     return out
 
 
