@@ -103,3 +103,22 @@ def test_layer_checks(rng):
         layer(torch.randn(5, 2, 64).bfloat16())
     y = layer(torch.randn(3, 2, 64).bfloat16())
     assert y.shape == (3, 2, 16) and y.data_ptr() == layer.out.data_ptr()
+
+
+def test_layer_loads_mxfp4_and_nvfp4_checkpoints(rng):
+    g, n, k = 2, 16, 64
+    codes = rng.integers(0, 256, (g * n, k // 2), dtype=np.uint8)
+    scales = rng.integers(120, 130, (g * n, k // 32), dtype=np.uint8)
+    layer = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=3, device="cpu")
+    layer.load_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales))
+    x = torch.randn(3, g, k).bfloat16()
+    w64 = ref.dequantize_weight(codes.reshape(g, n, k // 2), scales.reshape(g, n, k // 32), None, "mxfp4")
+    want = ref.round_to_bf16(ref.grouped(x.double().numpy(), w64))
+    assert np.array_equal(_bits(layer(x)), want)
+    sf = rng.integers(0x20, 0x50, (g * n, k // 16), dtype=np.uint8)
+    gs = torch.tensor([0.5, 0.25])
+    layer.load_nvfp4(torch.from_numpy(codes), torch.from_numpy(sf), gs)
+    w64 = ref.dequantize_weight(codes.reshape(g, n, k // 2), sf.reshape(g, n, k // 16), gs.numpy(), "nvfp4")
+    assert np.array_equal(_bits(layer(x)), ref.round_to_bf16(ref.grouped(x.double().numpy(), w64)))
+    with pytest.raises(ValueError, match=r"^weight"):
+        layer.load_mxfp4(torch.from_numpy(codes[:, :16]), torch.from_numpy(scales[:, :1]))
