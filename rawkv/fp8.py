@@ -69,6 +69,20 @@ def _vector(*tensors) -> bool:
 _ENCODE_FAST: dict = {}
 
 
+def _on_cpu(a, name, a_dtypes, out, out_dtypes, convert, torch_dtype):
+    """The CPU path of encode and decode (the reference, `convert`), or None
+    when `a` and `out` live on a device: the same argument rules either way."""
+    A.require_array(a, name)
+    if out is not None:
+        A.require_array(out, "out")
+    if D.placement((name, a), ("out", out)) != "cpu":
+        return None
+    A.check_cpu_array(a, name, a_dtypes)
+    if out is not None:
+        A.check_cpu_array(out, "out", out_dtypes, shape=a.shape)
+    return D.from_numpy(convert(D.to_numpy(a, name)), a, torch_dtype=torch_dtype, out=out)
+
+
 def e4m3_encode(x, *, out=None, stream=None):
     """E4M3 codes of `x` (float32/float16/bfloat16, any shape): RNE, satfinite
     to +-448, NaN -> 0x7F. Returns a float8_e4m3fn tensor (or `out`, uint8 or
@@ -92,15 +106,9 @@ def e4m3_encode(x, *, out=None, stream=None):
                                                stream=stream, x=xp, out=op, n=n)
         return out
     if not D.is_cuda_tensor(x):
-        A.require_array(x, "x")
-        if out is not None:
-            A.require_array(out, "out")
-        if D.placement(("x", x), ("out", out)) == "cpu":
-            A.check_cpu_array(x, "x", _FLOATS)
-            if out is not None:
-                A.check_cpu_array(out, "out", _CODES, shape=x.shape)
-            codes = ref.e4m3_encode(D.to_numpy(x, "x"))
-            return D.from_numpy(codes, x, torch_dtype="float8_e4m3fn", out=out)
+        res = _on_cpu(x, "x", _FLOATS, out, _CODES, ref.e4m3_encode, "float8_e4m3fn")
+        if res is not None:
+            return res
         x = D.as_cuda_tensor(x, "x")
     dt = A.dtypes()
     A.check_tensor(x, "x", dt.floats)
@@ -129,15 +137,10 @@ def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
     if D.compiling():
         return _traced(DECODE_OP, out, codes.shape, name, codes, codes=codes)
     if not D.is_cuda_tensor(codes):
-        A.require_array(codes, "codes")
-        if out is not None:
-            A.require_array(out, "out")
-        if D.placement(("codes", codes), ("out", out)) == "cpu":
-            A.check_cpu_array(codes, "codes", _CODES)
-            if out is not None:
-                A.check_cpu_array(out, "out", (name,), shape=codes.shape)
-            vals = ref.round_to_dtype(ref.e4m3_decode(D.to_numpy(codes, "codes")), name)
-            return D.from_numpy(vals, codes, torch_dtype=name, out=out)
+        res = _on_cpu(codes, "codes", _CODES, out, (name,),
+                      lambda c: ref.round_to_dtype(ref.e4m3_decode(c), name), name)
+        if res is not None:
+            return res
         codes = D.as_cuda_tensor(codes, "codes")
     import torch
     dt = A.dtypes()
