@@ -122,3 +122,13 @@ def test_layer_loads_mxfp4_and_nvfp4_checkpoints(rng):
     assert np.array_equal(_bits(layer(x)), ref.round_to_bf16(ref.grouped(x.double().numpy(), w64)))
     with pytest.raises(ValueError, match=r"^weight"):
         layer.load_mxfp4(torch.from_numpy(codes[:, :16]), torch.from_numpy(scales[:, :1]))
+
+
+def test_a_bad_out_writes_nothing(rng):
+    w = _weight(rng, 4, 16, 32)
+    x = torch.randn(9, 32).bfloat16()
+    errors = np.zeros(1, np.int32)
+    with pytest.raises(ValueError, match=r"^out"):
+        rawkv.gemm.moe_linear(x, w, torch.tensor([1, 5, 3, 12, 9], dtype=torch.int32), errors=errors,
+                              out=torch.empty(9, 15, dtype=torch.bfloat16))
+    assert errors[0] == 0             # the clamps are not counted by a call that raised

@@ -33,8 +33,8 @@ def grouped_linear(x, weight, *, out=None, stream=None):
         raise ValueError(f"x: has {g} groups, the weight {weight.groups}")
     shape = (t, g, weight.n)
     if act.where == "cpu":
-        y = ref.grouped(act.values(), _weight_values(weight))
-        return _cpu_out(y, shape, out)
+        _check_cpu_out(out, shape)
+        return _cpu_out(ref.grouped(act.values(), _weight_values(weight)), out)
     out = _check_out(out, shape, act.device)
     if t and weight.n:
         rt = get_runtime(act.device)
@@ -64,13 +64,15 @@ def moe_linear(x, weight, offsets, *, out=None, errors=None, stream=None):
     experts = weight.groups
     if act.where == "cpu":
         offs = _cpu_offsets(offsets, experts)
-        y, bad = ref.ragged(act.values(), _weight_values(weight), offs)
+        _check_cpu_out(out, shape)
         if errors is not None:
             A.require_array(errors, "errors")
+        y, bad = ref.ragged(act.values(), _weight_values(weight), offs)
+        if errors is not None:
             errors[0] += bad
         else:
             counters.add_cpu(counters.GEMM_OFFSETS, bad)
-        return _cpu_out(y, shape, out)
+        return _cpu_out(y, out)
     dev = act.device
     if not D.is_cuda_tensor(offsets):
         A.require_array(offsets, "offsets")
@@ -106,8 +108,7 @@ class _Act:
         """The activation as float64, exactly (CPU path)."""
         if self.kind != 2:
             return D.to_numpy(self.x, "x").astype(np.float64)
-        q = D.to_numpy(self.x, "x.q").astype(np.uint8)
-        codes = np.stack([q & 0xF, q >> 4], axis=-1).reshape(*q.shape[:-1], q.shape[-1] * 2)
+        codes = ref.unpack_nibbles(D.to_numpy(self.x, "x.q").astype(np.uint8))
         sf = F.e4m3_decode(D.to_numpy(self.sf, "x.sf").astype(np.uint8)).astype(np.float64)
         gs = D.to_numpy(self.gs, "x.gs").astype(np.float64)
         gs = gs.reshape(()) if gs.size == 1 else gs[..., None]
@@ -307,15 +308,22 @@ def _cpu_offsets(offsets, experts) -> np.ndarray:
     return o.astype(np.int64)
 
 
-def _cpu_out(y: np.ndarray, shape, out):
+def _check_cpu_out(out, shape) -> None:
+    if out is None:
+        return
+    A.require_array(out, "out")
+    if out.dtype != _torch().bfloat16 or tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out: expected bfloat16 {tuple(shape)}, got {out.dtype} {tuple(out.shape)}")
+
+
+def _cpu_out(y: np.ndarray, out):
+    """The reference's float64 result rounded once to BF16, into `out`
+    (checked before anything ran) when given."""
     t = _torch()
     bits = ref.round_to_bf16(y).astype(np.uint16)
-    res = t.from_numpy(bits.view(np.int16).copy()).view(t.bfloat16).reshape(shape)
+    res = t.from_numpy(bits.view(np.int16).copy()).view(t.bfloat16)
     if out is None:
         return res
-    A.require_array(out, "out")
-    if out.dtype != t.bfloat16 or tuple(out.shape) != tuple(shape):
-        raise ValueError(f"out: expected bfloat16 {tuple(shape)}, got {out.dtype} {tuple(out.shape)}")
     out.copy_(res)
     return out
 

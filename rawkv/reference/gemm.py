@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .formats import E2M1_VALUES, e4m3_decode
+from .nvfp4 import unpack_nibbles  # element 2j in the low nibble: the NVFP4 rule
 
 ROWS = 16          # rows of a packed row tile
 CHUNK = 64         # columns of a packed chunk
@@ -48,11 +49,6 @@ def _check_ndim(a, ndim: int, name: str) -> np.ndarray:
     if a.ndim != ndim or a.dtype != np.uint8:
         raise ValueError(f"{name}: expected a {ndim}-d uint8 array, got {a.ndim}-d {a.dtype}")
     return a
-
-
-def unpack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """(..., K/2) bytes -> (..., K) 4-bit codes (element 2j in the low nibble)."""
-    return np.stack((codes & 0xF, codes >> 4), axis=-1).reshape(*codes.shape[:-1], -1)
 
 
 def pack_codes(codes) -> np.ndarray:
