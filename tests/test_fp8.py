@@ -160,6 +160,16 @@ def test_gpu_decode_all_bytes(cuda, dtype, n, offset):
     assert np.array_equal(got, ref.e4m3_decode(codes[offset:]), equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_decode_many_grid_strides(cuda, rng, dtype):
+    # 2^24 + 13 codes: more units than the grid has threads (the runtime caps
+    # it at two waves), so every thread runs several grid-stride iterations,
+    # the last one partial, then a 5-code (float32: 1-code) tail.
+    codes = rng.integers(0, 256, (1 << 24) + 13, dtype=np.uint8)
+    got = rawkv.fp8.e4m3_decode(torch.from_numpy(codes).cuda(), dtype=getattr(torch, dtype))
+    assert np.array_equal(got.float().cpu().numpy(), ref.e4m3_decode(codes), equal_nan=True)
+
+
 @pytest.mark.parametrize("offset", [0, 3], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 4097])
 def test_gpu_views_and_tails(cuda, rng, n, offset):

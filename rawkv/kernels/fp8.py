@@ -11,6 +11,7 @@ _VEC = TParam("bool", "VEC", (True, False))
 ENCODE = FILE.kernel("rkv_e4m3_encode", "const T* x, u8* out, i64 n", (_T, _VEC))
 DECODE = FILE.kernel("rkv_e4m3_decode", "const u8* codes, T* out, i64 n", (_T, _VEC))
 
-# Each thread handles chunks of this many codes per iteration (one 16-byte
-# vector): the launch geometry counts work in chunks.
+# One thread per this many codes per grid-stride iteration (encode: one
+# 16-byte vector of codes; decode: two 8-code units for 16-bit outputs): the
+# launch geometry counts work in chunks.
 CHUNK_BYTES = 16
