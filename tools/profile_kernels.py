@@ -4,7 +4,7 @@
     ncu --clock-control none --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats -k regex:rkv_ python3 tools/profile_kernels.py [group ...]
 
-groups: nvfp4, fused, fp8, kvcache (default: nvfp4 and fused). No timing here: ncu measures;
+groups: nvfp4, fused, fp8, kvcache, compress (default: nvfp4 and fused). No timing here: ncu measures;
 see tools/bench.py for the benchmarks."""
 import os
 import sys
@@ -20,7 +20,7 @@ M, N = 16384, 7168
 
 def nvfp4():
     x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    for scope in ("none", "row"):
+    for scope in ("none", "row", "tensor"):
         q, sf, gs = rawkv.nvfp4.quantize(x, scope=scope)
     rawkv.nvfp4.dequantize(q, sf, gs)
 
@@ -34,6 +34,7 @@ def fused():
     rawkv.fused.mhc_rmsnorm_quantize(x4, mix, w)
     h = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     rawkv.fused.swiglu_quantize(h)
+    rawkv.fused.swiglu_quantize(h, scope="tensor")
     ids = torch.randint(0, 256, (M, 8), device="cuda", dtype=torch.int32)
     rawkv.fused.moe_stage(x, ids, torch.rand(M, 8, device="cuda"))
 
@@ -55,6 +56,27 @@ def kvcache():
     slots = torch.arange(B, dtype=torch.int32, device="cuda")
     ids = torch.stack([torch.randperm(n, device="cuda")[:topk] for _ in range(B)]).to(torch.int32)
     rawkv.kvcache.gather_topk(pool, slots, ids)
+
+
+def compress():
+    """The prefill compression of bench kvcache: 128K tokens, CSA (with its indexer) and HCA."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_kvcache import D, DI
+    kvc = rawkv.kvcache
+    T = 131072
+    for kind, m in (("csa", 4), ("hca", 128)):
+        coff = 2 if kind == "csa" else 1
+        n = T // m
+        pool = kvc.PagedKVPool(kind, n // 64 + 1, 64, 1, n // 64 + 1, layout="rawkv", device="cuda")
+        s0 = pool.add_request()
+        pool.prepare_step([s0], [T - 1])
+        kv, z = (torch.randn((T, coff * D), device="cuda") for _ in range(2))
+        ape = torch.randn((m, coff * D), device="cuda")
+        idx = None
+        if kind == "csa":
+            idx = (torch.randn((T, 2 * DI), device="cuda"), torch.randn((T, 2 * DI), device="cuda"),
+                   torch.randn((m, 2 * DI), device="cuda"), torch.ones(DI, device="cuda"))
+        kvc.compress_prefill(pool, kv, z, ape, torch.ones(D, device="cuda"), s0, index=idx)
 
 
 def main():
