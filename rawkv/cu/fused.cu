@@ -443,27 +443,36 @@ __global__ void rkv_fused_set_gs(float* gs_out, const float* gs_in, double gs_va
 // MoE input staging, one launch: hidden (M, K) -> one-level NVFP4 codes
 // (M, K/2) and UE4M3 scales packed four per int32 (M, K/64); top-k ids
 // (M, k) of ID widened to int64; top-k weights copied as `w_bytes` bytes.
-// Each thread handles 64 consecutive elements (4 blocks -> 32 code bytes and
-// one scale word); K % 64 == 0 keeps units inside rows, so no row math.
+// n_units counts 64-element units (one scale word each; K % 64 == 0 keeps
+// them inside rows, so no row math). A thread takes half a unit at a time
+// (32 elements: 16 code bytes and 2 of the word's scale bytes, which are
+// little endian, so the word's first half is blocks 0 and 1): the same
+// per-thread work as nvfp4's quantize kernel, 32 fewer registers of data
+// than a whole unit, so more threads in flight.
+// Five CTAs of 256 threads per SM (48 registers) below sm_100; sm_100 /
+// sm_120 code spills in 48, so four (64) there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+constexpr int kMoeMinBlocks = 4;
+#else
+constexpr int kMoeMinBlocks = 5;
+#endif
+
 template <typename T, typename ID>
-__global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK, 1) rkv_moe_stage(
+__global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeMinBlocks) rkv_moe_stage(
         const T* __restrict__ x, long long n_units, u8* __restrict__ q, u32* __restrict__ sf,
         const ID* __restrict__ ids, long long n_ids, long long* __restrict__ ids_out,
         const u8* __restrict__ wts, long long w_bytes, u8* __restrict__ wts_out) {
-    for (i64 u = global_thread(); u < n_units; u += grid_threads()) {
-        const T* src = x + u * 64;
-        u32 scales = 0;
-        uint2 codes[4];
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-            u32 w[8];
-            load_chunk(src + b * 16, w);
-            scales |= (u32)quantize_chunk<T>(w, chunk_absmax_bits(w), 1.0f, codes[b]) << (8 * b);
-        }
-        uint4* dst = reinterpret_cast<uint4*>(q + u * 32);
-        dst[0] = make_uint4(codes[0].x, codes[0].y, codes[1].x, codes[1].y);
-        dst[1] = make_uint4(codes[2].x, codes[2].y, codes[3].x, codes[3].y);
-        sf[u] = scales;
+    const i64 halves = 2 * n_units;
+    for (i64 u = global_thread(); u < halves; u += grid_threads()) {
+        const T* src = x + u * 32;
+        u32 w0[8], w1[8];
+        load_chunk(src, w0);
+        load_chunk(src + 16, w1);
+        uint2 c0, c1;
+        const u32 s0 = quantize_chunk<T>(w0, chunk_absmax_bits(w0), 1.0f, c0);
+        const u32 s1 = quantize_chunk<T>(w1, chunk_absmax_bits(w1), 1.0f, c1);
+        *reinterpret_cast<uint4*>(q + u * 16) = make_uint4(c0.x, c0.y, c1.x, c1.y);
+        reinterpret_cast<u16*>(sf)[u] = (u16)(s0 | (s1 << 8));
     }
     for (i64 i = global_thread(); i < n_ids; i += grid_threads()) ids_out[i] = (long long)ids[i];
     for (i64 i = global_thread(); i < w_bytes; i += grid_threads()) wts_out[i] = wts[i];

@@ -78,10 +78,10 @@ def moe_stage(hidden, topk_ids, topk_weights, *, out=None, stream=None):
     sf = rt.empty(sf_s, dt.i32[0], stream) if sf is None else sf
     ids = rt.empty(ids_s, dt.i64[0], stream) if ids is None else ids
     w = rt.empty(ids_s, w_dt, stream) if w is None else w
-    n_units = m * sf_s[1]               # a thread's unit: 64 elements, one scale word
+    n_units = m * sf_s[1]               # 64 elements, one scale word; a thread takes half of one
     n_ids = topk_ids.numel()
     w_bytes = topk_weights.numel() * topk_weights.element_size()
-    work = max(n_units, n_ids, w_bytes)
+    work = max(2 * n_units, n_ids, w_bytes)
     if work:
         grid, block = rt.grid_stride(work, block=K.MOE_BLOCK)
         K.MOE_STAGE.launch(rt, (grid,), (block,), hidden.dtype, topk_ids.dtype, stream=stream,
