@@ -24,7 +24,8 @@
 //   2. RMSNorm: float64 block sum of squares, r = (float)(1 / sqrt(ms + eps))
 //      (float64, as the reference), y = (x * r) * w in float32.
 //   3. RoPE on the last rope_dim dims, interleaved pairs, from the host-built
-//      table cos/sin[entry] (position entry * m), partner through shfl_xor 1.
+//      table cos/sin[entry] (position entry * m); a pair's partner is in the
+//      same thread (even channels per thread) or lane tc ^ 1 (odd).
 //   4. indexer only: Walsh-Hadamard in float64 in shared memory, * 1/sqrt(d),
 //      rounded to float32.
 //   5. one BF16 rounding, then quantize: attention entry -> E4M3 codes of the
@@ -108,6 +109,66 @@ __device__ __forceinline__ void load_row(const Src<T>& s, int r, int mb, int c, 
     }
 }
 
+// Four consecutive T as float (one 16-byte load for float, 8 for BF16).
+template <typename T> __device__ __forceinline__ void ld4(const T* p, float* o);
+template <> __device__ __forceinline__ void ld4<float>(const float* p, float* o) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+}
+template <> __device__ __forceinline__ void ld4<__nv_bfloat16>(const __nv_bfloat16* p, float* o) {
+    const uint2 a = *reinterpret_cast<const uint2*>(p);
+    o[0] = __uint_as_float(a.x << 16); o[1] = __uint_as_float(a.x & 0xFFFF0000u);
+    o[2] = __uint_as_float(a.y << 16); o[3] = __uint_as_float(a.y & 0xFFFF0000u);
+}
+
+// Row r's channels c0 + k * cs, k < cpt (this thread's): with VEC (cpt == 4,
+// cs == 1, every pointer and stride aligned to 4 elements) as one vector
+// load per stream, else one load per channel. Same values as load_row.
+template <typename T>
+__device__ __forceinline__ void load_row_span(const Src<T>& s, int r, int mb, int c0, int cs, int cpt, bool vec,
+                                              float (&v)[kMaxCPT], float (&z)[kMaxCPT]) {
+    if (vec && kMaxCPT == 4) {
+        float* v4 = v;
+        float* z4 = z;
+        const float* ape;
+        if (r < mb) {
+            if (!s.has_b) {
+#pragma unroll
+                for (int k = 0; k < 4; ++k) { v4[k] = 0.0f; z4[k] = neg_inf(); }
+                return;
+            }
+            ld4(s.b_kv + r * s.b_stride + c0, v4);
+            ld4(s.b_z + r * s.b_stride + c0, z4);
+            ape = s.ape_b ? s.ape_b + r * s.ape_stride + c0 : nullptr;
+        } else {
+            const int ra = r - mb;
+            ld4(s.a_kv + ra * s.a_stride + c0, v4);
+            ld4(s.a_z + ra * s.a_stride + c0, z4);
+            ape = s.ape_a ? s.ape_a + ra * s.ape_stride + c0 : nullptr;
+        }
+        if (ape) {
+            float a[4];
+            ld4(ape, a);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) z4[k] = z4[k] + a[k];
+        }
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < kMaxCPT; ++k)
+        if (k < cpt) load_row(s, r, mb, c0 + k * cs, v[k], z[k]);
+}
+
+// RN(e / s) for 0 <= e <= 1 <= s <= 8 (a softmax weight): Markstein's
+// correction of e * RN(1/s) is exact while nothing underflows (e >= 2^-100
+// keeps the quotient and the remainder normal); smaller e (and NaN) take the
+// IEEE division. Three instructions instead of a division per weight.
+__device__ __forceinline__ float softmax_weight(float e, float s, float y) {
+    if (!(e >= 0x1p-100f)) return e / s;
+    const float q = __fmul_rn(e, y);
+    return __fmaf_rn(__fmaf_rn(-q, s, e), y, q);
+}
+
 // ---- block reductions (all threads of the CTA call them) -----------------------
 __device__ __forceinline__ double block_sum_d(double v, double* sh) {
 #pragma unroll
@@ -184,7 +245,7 @@ __device__ __noinline__ void key_record(const float* sh, u8* page, i64 off, i64 
 }  // namespace
 
 template <typename T, typename I, bool DECODE, bool OVERLAP, int RG, int LAYOUT>
-__global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
+__global__ void __launch_bounds__(kCT * RG, RG == 1 ? 4 : 1) rkv_kv_compress(
     // part 0: attention entry
     const T* __restrict__ kv0, const T* __restrict__ z0,
     const T* __restrict__ kvb0, const T* __restrict__ zb0,
@@ -227,7 +288,13 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
     const i64 n = blockIdx.x;
 
     const i64 d = part == 0 ? d0 : d1;
+    // A thread's channels are c0 + k * cs, k < cpt: consecutive (cs = 1) for an
+    // even cpt, so a RoPE pair (c, c ^ 1) is in one thread and 4 channels are
+    // one vector load; for an odd cpt (the indexer's 1) every 128th, so the
+    // pair is in lanes tc, tc ^ 1.
     const int cpt = (int)(d / kCT);
+    const int cs = (cpt & 1) ? kCT : 1;
+    const int c0 = (cpt & 1) ? tc : tc * cpt;
     const i64 w = OVERLAP ? 2 * d : d;              // width of a token row / a-stream row
     const i64 off_a = OVERLAP ? d : 0;              // a-half offset in a row
 
@@ -299,6 +366,12 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
         return;
     }
     const i64 dest = blk * epb + (e - lb * epb);
+    // vector loads: 4 channels a thread and every row start 4-element aligned
+    // (uniform over the CTA)
+    const u64 align_bits = (u64)src.a_kv | (u64)src.a_z | (OVERLAP ? (u64)src.b_kv | (u64)src.b_z : 0ull);
+    const u64 ape_bits = (u64)src.ape_a | (u64)src.ape_b;
+    const bool vec = cpt == 4 && (align_bits & (4 * sizeof(T) - 1)) == 0 && (ape_bits & 15) == 0 &&
+                     ((src.a_stride | (OVERLAP ? src.b_stride : 0) | src.ape_stride) & 3) == 0;
     if constexpr (DECODE) {
         bool hit = false;
         for (i64 q = threadIdx.x; q < n; q += blockDim.x)
@@ -323,9 +396,7 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
         float zv[kChunk][kMaxCPT], vv[kChunk][kMaxCPT];
 #pragma unroll
         for (int j = 0; j < kChunk; ++j)
-#pragma unroll
-            for (int k = 0; k < kMaxCPT; ++k)
-                if (j < R && k < cpt) load_row(src, j, mb, tc + kCT * k, vv[j][k], zv[j][k]);
+            if (j < R) load_row_span(src, j, mb, c0, cs, cpt, vec, vv[j], zv[j]);
 #pragma unroll
         for (int k = 0; k < kMaxCPT; ++k) {
             if (k >= cpt) continue;
@@ -336,10 +407,11 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
 #pragma unroll
             for (int j = 0; j < kChunk; ++j)
                 if (j < R) { zv[j][k] = expf(zv[j][k] - mx); s = s + zv[j][k]; }
+            const float y = __frcp_rn(s);
             float acc = 0.0f;
 #pragma unroll
             for (int j = 0; j < kChunk; ++j)
-                if (j < R) acc = acc + (zv[j][k] / s) * vv[j][k];
+                if (j < R) acc = acc + softmax_weight(zv[j][k], s, y) * vv[j][k];
             x[k] = acc;
         }
     } else {
@@ -353,12 +425,11 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
         for (int rb = r0; rb < r1; rb += kChunk) {
             float zv[kChunk][kMaxCPT], vv[kChunk][kMaxCPT];
 #pragma unroll
-            for (int j = 0; j < kChunk; ++j)
+            for (int j = 0; j < kChunk; ++j) {
 #pragma unroll
-                for (int k = 0; k < kMaxCPT; ++k) {
-                    if (rb + j < r1 && k < cpt) load_row(src, rb + j, mb, tc + kCT * k, vv[j][k], zv[j][k]);
-                    else { vv[j][k] = 0.0f; zv[j][k] = neg_inf(); }
-                }
+                for (int k = 0; k < kMaxCPT; ++k) { vv[j][k] = 0.0f; zv[j][k] = neg_inf(); }
+                if (rb + j < r1) load_row_span(src, rb + j, mb, c0, cs, cpt, vec, vv[j], zv[j]);
+            }
 #pragma unroll
             for (int k = 0; k < kMaxCPT; ++k) {
                 float mx = M[k];
@@ -384,9 +455,9 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
 #pragma unroll
                 for (int k = 0; k < kMaxCPT; ++k) {
                     if (k >= cpt) continue;
-                    sh_part[rg - 1][0][tc + kCT * k] = M[k];
-                    sh_part[rg - 1][1][tc + kCT * k] = S[k];
-                    sh_part[rg - 1][2][tc + kCT * k] = A[k];
+                    sh_part[rg - 1][0][c0 + k * cs] = M[k];
+                    sh_part[rg - 1][1][c0 + k * cs] = S[k];
+                    sh_part[rg - 1][2][c0 + k * cs] = A[k];
                 }
             }
             __syncthreads();
@@ -394,7 +465,7 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
 #pragma unroll
                 for (int k = 0; k < kMaxCPT; ++k) {
                     if (k >= cpt) continue;
-                    const int c = tc + kCT * k;
+                    const int c = c0 + k * cs;
                     float mt = M[k];
                     for (int g = 0; g < RG - 1; ++g) mt = fmaxf(mt, sh_part[g][0][c]);
                     float st = 0.0f, at = 0.0f;
@@ -431,21 +502,37 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
     const float r = (float)(1.0 / sqrt(ss / (double)d + eps));
 #pragma unroll
     for (int k = 0; k < kMaxCPT; ++k)
-        if (rg == 0 && k < cpt) x[k] = (x[k] * r) * wt[tc + kCT * k];
+        if (rg == 0 && k < cpt) x[k] = (x[k] * r) * wt[c0 + k * cs];
 
-    // ---- 3. RoPE on the last rope_dim dims (pairs live in lanes tc, tc ^ 1) ----
+    // ---- 3. RoPE on the last rope_dim dims: pairs (c, c ^ 1), in this thread
+    // (even cpt) or in lanes tc, tc ^ 1 (odd cpt) ----
     const i64 rbase = d - rope_dim;
     const i64 half = rope_dim / 2;
+    if (cpt & 1) {                                   // cpt is CTA-uniform: every lane shuffles
 #pragma unroll
-    for (int k = 0; k < kMaxCPT; ++k) {
-        const float other = __shfl_xor_sync(0xffffffffu, x[k], 1);
-        const i64 c = tc + kCT * k;
-        if (rg == 0 && k < cpt && c >= rbase) {
-            const i64 p = (c - rbase) >> 1;
-            const float cs = rope_tab[(e * 2) * half + p];
-            const float sn = rope_tab[(e * 2 + 1) * half + p];
-            if (((c - rbase) & 1) == 0) x[k] = x[k] * cs - other * sn;   // even' = e cos - o sin
-            else x[k] = x[k] * cs + other * sn;                            // odd'  = o cos + e sin
+        for (int k = 0; k < kMaxCPT; ++k) {
+            const float other = __shfl_xor_sync(0xffffffffu, x[k], 1);
+            const i64 c = c0 + k * cs;
+            if (rg == 0 && k < cpt && c >= rbase) {
+                const i64 p = (c - rbase) >> 1;
+                const float cs_ = rope_tab[(e * 2) * half + p];
+                const float sn = rope_tab[(e * 2 + 1) * half + p];
+                if (((c - rbase) & 1) == 0) x[k] = x[k] * cs_ - other * sn;   // even' = e cos - o sin
+                else x[k] = x[k] * cs_ + other * sn;                            // odd'  = o cos + e sin
+            }
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k + 1 < kMaxCPT; k += 2) {
+            const i64 c = c0 + k;                    // even (rbase and c0 are)
+            if (rg == 0 && k < cpt && c >= rbase) {
+                const i64 p = (c - rbase) >> 1;
+                const float cs_ = rope_tab[(e * 2) * half + p];
+                const float sn = rope_tab[(e * 2 + 1) * half + p];
+                const float ev = x[k], od = x[k + 1];
+                x[k] = ev * cs_ - od * sn;
+                x[k + 1] = od * cs_ + ev * sn;
+            }
         }
     }
 
@@ -453,7 +540,7 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
         // ---- 5. the finished entry (d0 == 512 == kMaxD, checked on the host) -> MODEL1 record ----
         if (rg == 0) {
 #pragma unroll
-            for (int k = 0; k < kMaxCPT; ++k) if (k < cpt) sh_ent[tc + kCT * k] = x[k];
+            for (int k = 0; k < kMaxCPT; ++k) if (k < cpt) sh_ent[c0 + k * cs] = x[k];
         }
         __syncthreads();
         if (threadIdx.x < 32) {
@@ -471,7 +558,7 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
 #pragma unroll
         for (int k = 0; k < kMaxCPT; ++k) {
             x[k] = __bfloat162float(__float2bfloat16_rn(x[k]));
-            const i64 c = tc + kCT * k;
+            const i64 c = c0 + k * cs;
             if (rg == 0 && k < cpt && c < nope) {
                 const float a = fabsf(x[k]);
                 if (a <= 3.402823466e38f) amax = fmaxf(amax, a);
@@ -484,7 +571,7 @@ __global__ void __launch_bounds__(kCT * RG) rkv_kv_compress(
         if (rg == 0) {
 #pragma unroll
             for (int k = 0; k < kMaxCPT; ++k) {
-                const i64 c = tc + kCT * k;
+                const i64 c = c0 + k * cs;
                 if (k >= cpt) continue;
                 if (c < nope) out_fp8[dest * nope + c] = bad ? (u8)0 : e4m3_encode(x[k] / s);
                 else out_rope[dest * rope_dim + (c - nope)] = __float2bfloat16_rn(x[k]);
