@@ -242,10 +242,24 @@ __device__ __noinline__ void key_record(const float* sh, u8* page, i64 off, i64 
     rkvlay::index_store_lane<MXFP4>(v, lane, page, off, page_size);
 }
 
+// CTAs per SM the register budget is set for (CSA, one row group): prefill is
+// latency-bound (each CTA loads its rows, then computes), so as many CTAs as
+// fit without spills (ptxas: 64 registers for the model1 records on every
+// arch; the rawkv layout 80 below sm_100, where sm_100 / sm_120 code spills,
+// so 128 there); decode launches are small and keep 255.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+constexpr int kRawkvLayoutMinBlocks = 4;
+#else
+constexpr int kRawkvLayoutMinBlocks = 6;
+#endif
+constexpr int compress_min_blocks(bool decode, int rg, int layout) {
+    return rg != 1 || decode ? 1 : layout != 0 ? 8 : kRawkvLayoutMinBlocks;
+}
+
 }  // namespace
 
 template <typename T, typename I, bool DECODE, bool OVERLAP, int RG, int LAYOUT>
-__global__ void __launch_bounds__(kCT * RG, RG == 1 ? 4 : 1) rkv_kv_compress(
+__global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYOUT)) rkv_kv_compress(
     // part 0: attention entry
     const T* __restrict__ kv0, const T* __restrict__ z0,
     const T* __restrict__ kvb0, const T* __restrict__ zb0,
