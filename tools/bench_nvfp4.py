@@ -104,7 +104,7 @@ def run(rt, results, quick=False):
     import numpy as np
     import torch
     import rawkv
-    from bench import cuda_time_us, entry, graph_time_us, rotation
+    from bench import cuda_time_us, entry, graph_time_us, latency, rotation
     nv = rawkv.nvfp4
     copy = _copy_GBps()
     reps = 10 if quick else 50
@@ -134,6 +134,11 @@ def run(rt, results, quick=False):
                               reps=reps)
             results.append(entry(f"quantize/{scope}", [M, N], "bfloat16", us, in_bytes + q_bytes, copy,
                                  "seed001-torch-ops", base_q))
+            if M < 16384:         # decode sizes: one graph replay against the latency floor
+                lat = latency(lambda: nv.quantize(xs[0], scope=scope, gs=gsv, out=(q, sf, g_out)),
+                              in_bytes + q_bytes)
+                results.append(entry(f"quantize/{scope}/graph", [M, N], "bfloat16", lat["device_us"],
+                                     in_bytes + q_bytes, copy, **lat))
         # dequantize (codes from a real quantize; rotated sets of q/sf)
         qs = []
         kq = rotation(q_bytes + M * N * 2, rt.l2_bytes)
@@ -151,6 +156,11 @@ def run(rt, results, quick=False):
         base = cuda_time_us(seed_run, reps=reps)
         results.append(entry("dequantize/row_gs", [M, N], "bfloat16", us, q_bytes + 4 * M + M * N * 2, copy,
                              "seed000-dequant-kernel", base))
+        if M < 16384:
+            nb = q_bytes + 4 * M + M * N * 2
+            lat = latency(lambda: nv.dequantize(qs[0][0], qs[0][1], gsa, out=y), nb)
+            results.append(entry("dequantize/row_gs/graph", [M, N], "bfloat16", lat["device_us"], nb, copy,
+                                 **lat))
         if M == 16384:
             K = 2048
             idx = torch.randint(0, M, (K,), device=dev, dtype=torch.int32)
