@@ -521,7 +521,7 @@ def test_fused_cu_reads_every_shared_constant_from_the_declarations():
         assert f"-DRKV_FUSED_{name}={value}" in opts
     # the launch bounds are the declared ones, not literals
     assert src.count("__launch_bounds__(kMaxThreads / REG, 1)") == 2
-    assert "__launch_bounds__(RKV_FUSED_MOE_BLOCK, 1)" in src
+    assert "__launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeMinBlocks)" in src
     assert len({K.MODE_ROW, K.MODE_AMAX, K.MODE_TENSOR, K.MODE_FIXED}) == 4
     assert sorted(K.PARAM_KIND.values()) == [0, 1, 2]
 
