@@ -274,6 +274,114 @@ def _decode_step_entries(bench, results, kind, shape, copy, step, torch_step, st
                                compress_nbytes, copy, _STEP_BASELINE, base, note=compress_note))
 
 
+# What the shared sections below need to know of a pool layout: the suffix of
+# its entries' names, the bytes a gather reads per entry / a key takes, the
+# entries per block (decode pools, the prefill pool), and the all-torch steps
+# that write and read its pages.
+_LAYOUTS = {
+    "rawkv": dict(suffix="", entry_bytes=NOPE + 4 + 2 * ROPE, key_bytes=DI // 2 + DI // 16,
+                  epb={"csa": 64, "hca": 32}, prefill_epb={"csa": 64, "hca": 64}, entry=torch_fp8_entry, key=torch_nvfp4,
+                  scatter=torch_scatter, gather=torch_gather, gather_label="torch advanced indexing",
+                  prefill_label="torch ops (softmax pool, RMSNorm, RoPE, quantize, scatter)"),
+    "model1": dict(suffix="@model1", entry_bytes=584, key_bytes=132,
+                   epb={"csa": 64, "hca": 2},                # vLLM: 256 tokens per page
+                   prefill_epb={"csa": 64, "hca": 2},
+                   entry=torch_model1, key=torch_fp8_key, scatter=torch_page_scatter,
+                   gather=torch_page_gather, gather_label="torch advanced indexing (same pages)",
+                   prefill_label="torch ops (softmax pool, RMSNorm, RoPE, MODEL1 / FP8-key quantize, "
+                                 "page scatter)"),
+}
+
+
+def _hca_step(bench, results, copy, layout, B, ctx, w, valid, slots, pos, ents):
+    """decode_step/hca<suffix> (+compress) and kv_gather/dense<suffix>: 64
+    requests at ctx tokens in a pool of `layout`."""
+    import torch
+    from rawkv import kvcache as kvc
+    L = _LAYOUTS[layout]
+    dev = "cuda"
+    pool, (hs,), n = _decode_inputs("hca", B, ctx, dev, layout)
+    ne_h = torch.full((B,), n, dtype=torch.int32, device=dev)
+    out_h = torch.empty((B, n, D), dtype=torch.bfloat16, device=dev)
+    kvc.compress_decode(pool, hs, w, valid, slots, pos)
+    dense_ids = torch.arange(n, dtype=torch.int32, device=dev)[None].repeat(B, 1)
+    ids_h = (pos // 128).long()
+
+    def step():
+        kvc.flush_write(pool, ents, valid, slots, pos)
+        kvc.hca_reset(hs, valid, slots)
+        kvc.gather_dense_batch(pool, slots, ne_h, out=out_h)
+
+    def step_compress():
+        kvc.compress_decode(pool, hs, w, valid, slots, pos)
+        kvc.hca_reset(hs, valid, slots)
+        kvc.gather_dense_batch(pool, slots, ne_h, out=out_h)
+
+    def torch_step():
+        c, sc, r = L["entry"](ents)
+        L["scatter"](pool, slots, ids_h, c, sc, r)
+        torch_reset(hs, valid, slots)
+        L["gather"](pool, slots, dense_ids, out_h)
+
+    hbytes = B * n * (L["entry_bytes"] + 2 * D)
+    _decode_step_entries(bench, results, "hca" + L["suffix"], [B, ctx, n], copy, step, torch_step,
+                         step_compress, hbytes, hbytes + B * 128 * D * 8,
+                         "flush_write + hca_reset + gather_dense_batch; bytes = gather",
+                         "compress_decode + hca_reset + gather_dense_batch; bytes + state read")
+    us = bench.cuda_time_us(lambda i: kvc.gather_dense_batch(pool, slots, ne_h, out=out_h))
+    base = bench.cuda_time_us(lambda i: L["gather"](pool, slots, dense_ids, out_h))
+    results.append(bench.entry("kv_gather/dense" + L["suffix"], [B, n, D], "bfloat16", us, hbytes, copy,
+                               L["gather_label"], base))
+    del pool, hs, out_h
+    torch.cuda.empty_cache()
+
+
+def _prefill(bench, results, copy, layout, quick, w, iw):
+    """compress/<kind><suffix>: prefill compression of 128K tokens of one
+    request (float32 rows) into a pool of `layout`, against torch ops."""
+    import torch
+    from rawkv import kvcache as kvc
+    L = _LAYOUTS[layout]
+    dev = "cuda"
+    T = 32768 if quick else 131072
+    for kind, m in (("csa", 4), ("hca", 128)):
+        coff = 2 if kind == "csa" else 1
+        n = T // m
+        epb = L["prefill_epb"][kind]
+        pool = kvc.PagedKVPool(kind, n // epb + 1, epb, 1, n // epb + 1, layout=layout, device=dev)
+        s0 = pool.add_request()
+        pool.prepare_step([s0], [T - 1])
+        kv = torch.randn((T, coff * D), device=dev)
+        z = torch.randn((T, coff * D), device=dev)
+        ape = torch.randn((m, coff * D), device=dev)
+        idx = None
+        nbytes = 2 * kv.numel() * 4 + n * L["entry_bytes"]
+        if kind == "csa":
+            idx = (torch.randn((T, 2 * DI), device=dev), torch.randn((T, 2 * DI), device=dev),
+                   torch.randn((m, 2 * DI), device=dev), iw)
+            nbytes += 2 * T * 2 * DI * 4 + n * L["key_bytes"]
+        tab = kvc.rope_table(pool)
+        H = hadamard(DI, dev)
+        eids = torch.arange(n, device=dev)
+        sl0 = torch.zeros(n, dtype=torch.int32, device=dev)
+
+        def torch_prefill(i):
+            e = torch_finish(torch_pool_rows(kv, z, ape, m, kind), w, tab, eids)
+            c, sc, r = L["entry"](e)
+            kq = ks = None
+            if idx is not None:
+                k = torch_finish(torch_pool_rows(idx[0], idx[1], idx[2], m, "csa"), iw, tab, eids, H)
+                kq, ks = L["key"](k)
+            L["scatter"](pool, sl0, eids, c, sc, r, kq, ks)
+
+        us = bench.cuda_time_us(lambda i: kvc.compress_prefill(pool, kv, z, ape, w, s0, index=idx), reps=20)
+        base = bench.cuda_time_us(torch_prefill, reps=5, warmup=1)
+        results.append(bench.entry(f"compress/{kind}{L['suffix']}", [T, coff * D], "float32", us, nbytes,
+                                   copy, L["prefill_label"], base, entries=n))
+        del pool, kv, z, idx
+        torch.cuda.empty_cache()
+
+
 def run(rt, results, quick=False):
     import torch
     import bench
@@ -356,101 +464,20 @@ def run(rt, results, quick=False):
     del out, csa, st, ist
     torch.cuda.empty_cache()
 
-    # ---------------- decode step, HCA ----------------
-    n_hca = ctx // 128
-    epb = 32
-    hca = kvc.PagedKVPool("hca", B * (n_hca // epb + 1), epb, B, n_hca // epb + 1, layout="rawkv", device=dev)
-    _fill_pool(hca, B, n_hca)
-    hs = kvc.DecodeState("hca", B, device=dev)
-    hs.count.fill_(128)
-    hs.kv_a.normal_()
-    hs.z_a.normal_()
-    ne_h = torch.full((B,), n_hca, dtype=torch.int32, device=dev)
-    out_h = torch.empty((B, n_hca, D), dtype=torch.bfloat16, device=dev)
-    kvc.compress_decode(hca, hs, w, valid, slots, pos)
-    dense_ids = torch.arange(n_hca, dtype=torch.int32, device=dev)[None].repeat(B, 1)
-    ids_h = (pos // 128).long()
-
-    def step_hca():
-        kvc.flush_write(hca, ents, valid, slots, pos)
-        kvc.hca_reset(hs, valid, slots)
-        kvc.gather_dense_batch(hca, slots, ne_h, out=out_h)
-
-    def step_hca_compress():
-        kvc.compress_decode(hca, hs, w, valid, slots, pos)
-        kvc.hca_reset(hs, valid, slots)
-        kvc.gather_dense_batch(hca, slots, ne_h, out=out_h)
-
-    def torch_step_hca():
-        c, s, r = torch_fp8_entry(ents)
-        torch_scatter(hca, slots, ids_h, c, s, r)
-        torch_reset(hs, valid, slots)
-        torch_gather(hca, slots, dense_ids, out_h)
-
-    hbytes = B * n_hca * (ebytes + 2 * D)
-    _decode_step_entries(bench, results, "hca", [B, ctx, n_hca], copy, step_hca, torch_step_hca,
-                         step_hca_compress, hbytes, hbytes + B * 128 * D * 8,
-                         "flush_write + hca_reset + gather_dense_batch; bytes = gather",
-                         "compress_decode + hca_reset + gather_dense_batch; bytes + state read")
-    us = bench.cuda_time_us(lambda i: kvc.gather_dense_batch(hca, slots, ne_h, out=out_h))
-    base = bench.cuda_time_us(lambda i: torch_gather(hca, slots, dense_ids, out_h))
-    results.append(bench.entry("kv_gather/dense", [B, n_hca, D], "bfloat16", us, hbytes, copy,
-                               "torch advanced indexing", base))
-    del hca, hs, out_h
-    torch.cuda.empty_cache()
-
-    # ---------------- prefill compression of 128K tokens ----------------
-    T = 32768 if quick else 131072
-    for kind, m in (("csa", 4), ("hca", 128)):
-        coff = 2 if kind == "csa" else 1
-        n = T // m
-        epb = 64
-        pool = kvc.PagedKVPool(kind, n // epb + 1, epb, 1, n // epb + 1, layout="rawkv", device=dev)
-        s0 = pool.add_request()
-        pool.prepare_step([s0], [T - 1])
-        kv = torch.randn((T, coff * D), device=dev)
-        z = torch.randn((T, coff * D), device=dev)
-        ape = torch.randn((m, coff * D), device=dev)
-        idx = None
-        nbytes = 2 * kv.numel() * 4 + n * ebytes
-        if kind == "csa":
-            idx = (torch.randn((T, 2 * DI), device=dev), torch.randn((T, 2 * DI), device=dev),
-                   torch.randn((m, 2 * DI), device=dev), iw)
-            nbytes += 2 * T * 2 * DI * 4 + n * (DI // 2 + DI // 16)
-        tab = kvc.rope_table(pool)
-        H = hadamard(DI, dev)
-        eids = torch.arange(n, device=dev)
-        sl0 = torch.zeros(n, dtype=torch.int32, device=dev)
-
-        def torch_prefill(i):
-            e = torch_finish(torch_pool_rows(kv, z, ape, m, kind), w, tab, eids)
-            c, s, r = torch_fp8_entry(e)
-            q = sf = None
-            if idx is not None:
-                k = torch_finish(torch_pool_rows(idx[0], idx[1], idx[2], m, "csa"), iw, tab, eids, H)
-                q, sf = torch_nvfp4(k)
-            torch_scatter(pool, sl0, eids, c, s, r, q, sf)
-
-        us = bench.cuda_time_us(lambda i: kvc.compress_prefill(pool, kv, z, ape, w, s0, index=idx),
-                                reps=20)
-        base = bench.cuda_time_us(torch_prefill, reps=5, warmup=1)
-        results.append(bench.entry(f"compress/{kind}", [T, coff * D], "float32", us, nbytes, copy,
-                                   "torch ops (softmax pool, RMSNorm, RoPE, quantize, scatter)", base,
-                                   entries=n))
-        del pool, kv, z, idx
-        torch.cuda.empty_cache()
+    _hca_step(bench, results, copy, "rawkv", B, ctx, w, valid, slots, pos, ents)
+    _prefill(bench, results, copy, "rawkv", quick, w, iw)
 
     run_model1(bench, results, quick, copy)
 
 
-def _decode_inputs(kind, B, ctx, dev):
-    """A "model1" pool of `kind` with B requests at ctx tokens, its decode
+def _decode_inputs(kind, B, ctx, dev, layout="model1"):
+    """A pool of `kind` and `layout` with B requests at ctx tokens, its decode
     states with complete windows, and the step's inputs."""
     from rawkv import kvcache as kvc
     m = 4 if kind == "csa" else 128
     n = ctx // m
-    epb = 64 if kind == "csa" else 2                     # vLLM: 256 tokens per page
-    pool = kvc.PagedKVPool(kind, B * (n // epb + 1), epb, B, n // epb + 1, layout="model1", device=dev)
+    epb = _LAYOUTS[layout]["epb"][kind]
+    pool = kvc.PagedKVPool(kind, B * (n // epb + 1), epb, B, n // epb + 1, layout=layout, device=dev)
     _fill_pool(pool, B, n)
     states = [kvc.DecodeState(kind, B, device=dev)] + ([kvc.DecodeState("csa", B, DI, device=dev)]
                                                        if kind == "csa" else [])
@@ -555,78 +582,5 @@ def run_model1(bench, results, quick, copy):
     del out, pool, st, ist
     torch.cuda.empty_cache()
 
-    # ---------------- decode step, HCA ----------------
-    pool, (hs,), n = _decode_inputs("hca", B, ctx, dev)
-    ne_h = torch.full((B,), n, dtype=torch.int32, device=dev)
-    out_h = torch.empty((B, n, D), dtype=torch.bfloat16, device=dev)
-    kvc.compress_decode(pool, hs, w, valid, slots, pos)
-    dense_ids = torch.arange(n, dtype=torch.int32, device=dev)[None].repeat(B, 1)
-    ids_h = (pos // 128).long()
-
-    def step_h():
-        kvc.flush_write(pool, ents, valid, slots, pos)
-        kvc.hca_reset(hs, valid, slots)
-        kvc.gather_dense_batch(pool, slots, ne_h, out=out_h)
-
-    def step_h_compress():
-        kvc.compress_decode(pool, hs, w, valid, slots, pos)
-        kvc.hca_reset(hs, valid, slots)
-        kvc.gather_dense_batch(pool, slots, ne_h, out=out_h)
-
-    def torch_step_h():
-        c, sc, r = torch_model1(ents)
-        torch_page_scatter(pool, slots, ids_h, c, sc, r)
-        torch_reset(hs, valid, slots)
-        torch_page_gather(pool, slots, dense_ids, out_h)
-
-    hbytes = B * n * (m1 + 2 * D)
-    _decode_step_entries(bench, results, "hca@model1", [B, ctx, n], copy, step_h, torch_step_h, step_h_compress,
-                         hbytes, hbytes + B * 128 * D * 8,
-                         "flush_write + hca_reset + gather_dense_batch; bytes = gather",
-                         "compress_decode + hca_reset + gather_dense_batch; bytes + state read")
-    us = bench.cuda_time_us(lambda i: kvc.gather_dense_batch(pool, slots, ne_h, out=out_h))
-    base = bench.cuda_time_us(lambda i: torch_page_gather(pool, slots, dense_ids, out_h))
-    results.append(bench.entry("kv_gather/dense@model1", [B, n, D], "bfloat16", us, hbytes, copy,
-                               "torch advanced indexing (same pages)", base))
-    del pool, hs, out_h
-    torch.cuda.empty_cache()
-
-    # ---------------- prefill compression of 128K tokens ----------------
-    T = 32768 if quick else 131072
-    for kind, m in (("csa", 4), ("hca", 128)):
-        coff = 2 if kind == "csa" else 1
-        n = T // m
-        epb = 64 if kind == "csa" else 2
-        pool = kvc.PagedKVPool(kind, n // epb + 1, epb, 1, n // epb + 1, layout="model1", device=dev)
-        s0 = pool.add_request()
-        pool.prepare_step([s0], [T - 1])
-        kv = torch.randn((T, coff * D), device=dev)
-        z = torch.randn((T, coff * D), device=dev)
-        ape = torch.randn((m, coff * D), device=dev)
-        idx = None
-        nbytes = 2 * kv.numel() * 4 + n * m1
-        if kind == "csa":
-            idx = (torch.randn((T, 2 * DI), device=dev), torch.randn((T, 2 * DI), device=dev),
-                   torch.randn((m, 2 * DI), device=dev), iw)
-            nbytes += 2 * T * 2 * DI * 4 + n * 132
-        tab = kvc.rope_table(pool)
-        H = hadamard(DI, dev)
-        eids = torch.arange(n, device=dev)
-        sl0 = torch.zeros(n, dtype=torch.int32, device=dev)
-
-        def torch_prefill(i):
-            e = torch_finish(torch_pool_rows(kv, z, ape, m, kind), w, tab, eids)
-            c, sc, r = torch_model1(e)
-            kq = ks = None
-            if idx is not None:
-                k = torch_finish(torch_pool_rows(idx[0], idx[1], idx[2], m, "csa"), iw, tab, eids, H)
-                kq, ks = torch_fp8_key(k)
-            torch_page_scatter(pool, sl0, eids, c, sc, r, kq, ks)
-
-        us = bench.cuda_time_us(lambda i: kvc.compress_prefill(pool, kv, z, ape, w, s0, index=idx), reps=20)
-        base = bench.cuda_time_us(torch_prefill, reps=5, warmup=1)
-        results.append(bench.entry(f"compress/{kind}@model1", [T, coff * D], "float32", us, nbytes, copy,
-                                   "torch ops (softmax pool, RMSNorm, RoPE, MODEL1 / FP8-key quantize, page "
-                                   "scatter)", base, entries=n))
-        del pool, kv, z, idx
-        torch.cuda.empty_cache()
+    _hca_step(bench, results, copy, "model1", B, ctx, w, valid, slots, pos, ents)
+    _prefill(bench, results, copy, "model1", quick, w, iw)
