@@ -43,6 +43,21 @@ class _Dev:
         return x.cpu().numpy() if self.cuda else np.array(x)
 
 
+def _churn_step(p, step):
+    """One step of the reuse scenario: every fourth step frees the oldest
+    request, the pool is refilled to 3 requests, and positions scattered
+    over 24 tokens are prepared. Returns (slots, positions)."""
+    if step % 4 == 3:
+        for s in p.active_slots()[:1]:
+            p.free_request(s)
+    while len(p.active_slots()) < 3:
+        p.add_request()
+    slots = np.array(p.active_slots(), np.int32)
+    pos = np.array([(step * 5 + 3 * i) % 24 for i in range(slots.size)], np.int32)
+    p.prepare_step(slots, pos)
+    return slots, pos
+
+
 def _bf16_rows(rng, n, w):
     return bf16_round((rng.standard_normal((n, w)) * 2).astype(F32))
 
@@ -206,14 +221,7 @@ def test_gpu_marks_match_the_reference_after_reuse(cuda, rng):
         rows, keys = _bf16_rows(rng, 3, D), _bf16_rows(rng, 3, DI)
         for dev, p in pools.items():
             dv = _Dev(dev)
-            if step % 4 == 3:
-                for s in p.active_slots()[:1]:
-                    p.free_request(s)
-            while len(p.active_slots()) < 3:
-                p.add_request()
-            slots = np.array(p.active_slots(), np.int32)
-            pos = np.array([(step * 5 + 3 * i) % 24 for i in range(slots.size)], np.int32)
-            p.prepare_step(slots, pos)
+            slots, pos = _churn_step(p, step)
             kc.flush_write(p, dv.bf(rows[:slots.size]), dv.t(np.ones(slots.size, bool)), dv.t(slots),
                            dv.t(pos), index_keys=dv.bf(keys[:slots.size]))
         a, b = pools["cpu"].to_reference(), pools["cuda"].to_reference()

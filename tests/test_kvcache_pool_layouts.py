@@ -26,7 +26,7 @@ from rawkv.reference.kvcache import layouts as R
 
 kc = pytest.importorskip("rawkv.kvcache")
 torch = pytest.importorskip("torch")
-from test_kvcache_isolation import _bf16_rows, _dup_flush_case, _Dev  # noqa: E402
+from test_kvcache_isolation import _bf16_rows, _churn_step, _dup_flush_case, _Dev  # noqa: E402
 from test_kvcache_layouts import (  # noqa: E402
     edge_rows, flashmla_abs_indices, vllm_fp8_key_pages, vllm_insert, vllm_mxfp4_key_pages,
 )
@@ -246,14 +246,7 @@ def _reuse_run(device, rng, index_layout, steps=16):
     out = []
     cap = 6
     for step in range(steps):
-        if step % 4 == 3:
-            for s in p.active_slots()[:1]:
-                p.free_request(s)
-        while len(p.active_slots()) < 3:
-            p.add_request()
-        slots = np.array(p.active_slots(), np.int32)
-        pos = np.array([(step * 5 + 3 * i) % 24 for i in range(slots.size)], np.int32)
-        p.prepare_step(slots, pos)
+        slots, pos = _churn_step(p, step)
         rows, keys = _bf16_rows(rng, slots.size, D), _bf16_rows(rng, slots.size, DI)
         p.reset_errors()
         kc.flush_write(p, dv.bf(rows), dv.t(np.ones(slots.size, bool)), dv.t(slots), dv.t(pos),
