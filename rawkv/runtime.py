@@ -58,6 +58,17 @@ def kernel_options(filename: str) -> tuple[str, ...]:
     return kf.options() if kf is not None else ()
 
 
+def compile_arch(filename: str, arch: str) -> str | None:
+    """The architecture a kernel file is compiled for on a device of `arch`
+    (sm_90a for a wgmma file on an H100), or None when it is not built there."""
+    kf = kernels.files().get(filename)
+    return kf.target(arch) if kf is not None else arch
+
+
+# Dynamic shared memory a kernel may take without raising its limit.
+_DEFAULT_SMEM_LIMIT = 48 * 1024
+
+
 # ---------------------------------------------------------------------------
 # The GPU stack, imported lazily, with one clear error when any of it is missing.
 # ---------------------------------------------------------------------------
@@ -238,6 +249,10 @@ class Runtime:
             if lowered is None:
                 raise KeyError(f"rawkv: kernel {name!r} is not registered for {filename}")
             fn = self._modules[filename].get_function(lowered)
+            smem = kernels.dynamic_smem(filename, name)
+            if smem > _DEFAULT_SMEM_LIMIT:
+                drv = self._cupy.cuda.driver
+                drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
             self._functions[(filename, name)] = fn
             return fn
 
@@ -245,7 +260,10 @@ class Runtime:
         names = registered_kernels().get(filename)
         if not names:
             raise KeyError(f"rawkv: no kernels are registered for {filename}")
-        result, _ = _cache.load_or_compile(filename, self.arch, names, kernel_options(filename),
+        arch = compile_arch(filename, self.arch)
+        if arch is None:
+            raise KeyError(f"rawkv: {filename} is not built for {self.arch}")
+        result, _ = _cache.load_or_compile(filename, arch, names, kernel_options(filename),
                                            stats=self.stats, version=_version.__version__)
         cupy = self._cupy
         # The cache file is a checksummed container, not a bare cubin: load
@@ -264,6 +282,8 @@ class Runtime:
     def warmup(self, files: Iterable[str] | None = None) -> None:
         registry = registered_kernels()
         for filename in (files if files is not None else registry):
+            if compile_arch(filename, self.arch) is None:
+                continue        # a file of another architecture's instructions
             for name in registry[filename]:
                 self.function(filename, name)
         self.stream()  # the current stream's CuPy handle too

@@ -109,14 +109,23 @@ def params(spec: str) -> tuple[Param, ...]:
 
 
 class KernelFile:
-    """One rawkv/cu/<filename>: its kernels and the constants it shares with
-    Python (handed to NVRTC as -D<name>=<value>)."""
+    """One rawkv/cu/<filename>: its kernels, the constants it shares with
+    Python (handed to NVRTC as -D<name>=<value>) and, for a file that uses
+    one architecture's own instructions, `targets`: {device arch: compile
+    arch} (e.g. {"sm_90": "sm_90a"} for wgmma); such a file is built only
+    for those devices, and nothing else loads it."""
 
-    def __init__(self, filename: str, constants: dict | None = None):
+    def __init__(self, filename: str, constants: dict | None = None, targets: dict | None = None):
         self.filename = filename
         self.constants = dict(constants or {})
+        self.targets = dict(targets) if targets is not None else None
         self.kernels: dict[str, Kernel] = {}
         _FILES[filename] = self
+
+    def target(self, arch: str) -> str | None:
+        """The architecture this file is compiled for on a device of `arch`,
+        or None when it is not built there."""
+        return arch if self.targets is None else self.targets.get(arch)
 
     def options(self) -> tuple[str, ...]:
         return tuple(f"-D{k}={int(v) if isinstance(v, bool) else v}"
@@ -126,8 +135,11 @@ class KernelFile:
         return tuple(e for k in self.kernels.values() for e in k.expressions())
 
     def kernel(self, name: str, params_spec: str, template: Sequence[TParam] = (),
-               instances: Iterable[tuple] | None = None) -> "Kernel":
-        k = Kernel(self, name, params(params_spec), tuple(template), instances)
+               instances: Iterable[tuple] | None = None, dynamic_smem=None) -> "Kernel":
+        """`dynamic_smem`: a function of an instance's template arguments
+        giving the dynamic shared memory its launches take (bytes); the
+        runtime raises the kernel's limit to it when loading past 48 KB."""
+        k = Kernel(self, name, params(params_spec), tuple(template), instances, dynamic_smem)
         if name in self.kernels:
             raise ValueError(f"{self.filename}: kernel {name} declared twice")
         self.kernels[name] = k
@@ -142,11 +154,12 @@ class Instance:
     packer. `launch` is the hot path: a function generated for this
     instance (see _make_launch), so a call is one Python frame before the
     runtime's."""
-    __slots__ = ("kernel", "file", "expr", "key", "struct", "pack", "launch")
+    __slots__ = ("kernel", "file", "expr", "key", "struct", "pack", "launch", "smem")
 
     def __init__(self, kernel: "Kernel", targs: tuple):
         self.kernel = kernel
         self.file = kernel.file.filename
+        self.smem = int(kernel.dynamic_smem(*targs)) if kernel.dynamic_smem else 0
         spelled = [t.spell(v) for t, v in zip(kernel.template, targs)]
         self.expr = f"{kernel.name}<{', '.join(spelled)}>" if kernel.template else kernel.name
         self.key = (self.file, self.expr)
@@ -162,8 +175,9 @@ class Kernel:
     """A `__global__` function of a KernelFile (see the module docstring)."""
 
     def __init__(self, file: KernelFile, name: str, params_: tuple[Param, ...],
-                 template: tuple[TParam, ...], instances):
+                 template: tuple[TParam, ...], instances, dynamic_smem=None):
         self.file, self.name, self.params, self.template = file, name, params_, template
+        self.dynamic_smem = dynamic_smem
         names = [p.name for p in params_]
         bad = sorted(set(names) & _RESERVED)
         if bad or len(set(names)) != len(names):
@@ -253,3 +267,17 @@ def files() -> dict[str, KernelFile]:
 def registered_kernels() -> dict[str, tuple[str, ...]]:
     """{filename: name expressions} of every declared kernel."""
     return {f: kf.name_expressions() for f, kf in _FILES.items()}
+
+
+def dynamic_smem(filename: str, expr: str) -> int:
+    """The dynamic shared memory (bytes) the instance `expr` of a kernel of
+    `filename` is launched with (0 when it declares none)."""
+    kf = _FILES.get(filename)
+    if kf is None:
+        return 0
+    for k in kf.kernels.values():
+        for targs in k._instance_args:
+            inst = k.instance(*targs)
+            if inst.expr == expr:
+                return inst.smem
+    return 0

@@ -69,7 +69,7 @@ def check(archs, max_spill_bytes: int, files=None, jobs: int = 2, out=None) -> i
     out = out or sys.stdout     # looked up per call, so a redirected stdout is honoured
     from .. import _nvrtc
     from ..errors import CompileError, GpuUnavailableError
-    from ..runtime import kernel_options, registered_kernels
+    from ..runtime import compile_arch, kernel_options, registered_kernels
 
     registry = registered_kernels()
     if files:
@@ -95,13 +95,14 @@ def check(archs, max_spill_bytes: int, files=None, jobs: int = 2, out=None) -> i
         filename, arch = job
         source = (_nvrtc.CU_DIR / filename).read_text()
         try:
-            res = _nvrtc.compile_cu(source, filename, arch, registry[filename],
+            res = _nvrtc.compile_cu(source, filename, compile_arch(filename, arch), registry[filename],
                                     kernel_options(filename), verbose_ptxas=True)
             return filename, arch, res, None
         except CompileError as exc:
             return filename, arch, None, str(exc)
 
-    jobs_list = [(f, a) for f in registry for a in archs]
+    # A file of one architecture's own instructions is checked where it is built.
+    jobs_list = [(f, a) for f in registry for a in archs if compile_arch(f, a) is not None]
     failures = 0
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for filename, arch, res, err in pool.map(one, jobs_list):
