@@ -1,0 +1,260 @@
+// gemm_fp4.cuh: what both grouped FP4 GEMM kernels share (docs/gemm.md):
+// the E2M1 -> 16-bit float dequantization of the packed weight fragments,
+// the weight and activation scale factors, one lane's activation chunk, and
+// the ragged (MoE) slot search. gemm_fp4.cu (mma.sync, sm_80+) and
+// gemm_fp4_sm90.cu (wgmma, sm_90a) include it.
+//
+// E2M1 -> 16-bit float with integer ops: the code's magnitude bits go to
+// the bottom of the exponent field, which reads as e2m1 * 2^-126 in BF16
+// (2^-14 in FP16; code 1 is a subnormal there), and one packed multiply by
+// the block scale times 2^117 (2^5 for FP16) gives e2m1 * scale * 2^-9,
+// exact (at most 6 significant bits, inside the normal range). The 2^-9 per
+// FP4 operand comes back in the FP32 epilogue with the global scales.
+#pragma once
+#include "common.cuh"
+
+#ifndef RKV_GEMM_CHUNK
+#error "RKV_GEMM_CHUNK must come from rawkv/kernels/gemm_fp4.py"
+#endif
+#ifndef RKV_GEMM_MAX_SEGMENTS
+#error "RKV_GEMM_MAX_SEGMENTS must come from rawkv/kernels/gemm_fp4.py"
+#endif
+static_assert(RKV_GEMM_CHUNK == 64, "the packed layout is built around 64-column chunks");
+
+namespace rkv {
+
+constexpr float kTwoPow117 = 1.6615349947311448e35f;  // 2^117
+constexpr float kTwoPow9 = 512.0f;
+constexpr int kIntMin = -2147483647 - 1;
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1, bool f16) {
+    if (f16) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// a * b on two packed 16-bit floats, round to nearest, subnormals kept.
+__device__ __forceinline__ u32 mul2(u32 a, u32 b, bool f16) {
+    u32 d;
+    if (f16) {
+        asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    } else {
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    }
+    return d;
+}
+
+// The E2M1 codes at bits 12..15 (low half) and 28..31 (high half) of w as a
+// packed pair of e2m1 * 2^-126 (BF16) or e2m1 * 2^-14 (FP16).
+__device__ __forceinline__ u32 e2m1_pair_bits(u32 w, bool f16) {
+    return f16 ? (w & 0x80008000u) | ((w >> 3) & 0x0E000E00u)
+               : (w & 0x80008000u) | ((w >> 6) & 0x01C001C0u);
+}
+
+// Both halves of a packed pair set to the 16-bit float f.
+__device__ __forceinline__ u32 splat(float f, bool f16) {
+    u16 h = f16 ? __half_as_ushort(__float2half_rn(f)) : __bfloat16_as_ushort(__float2bfloat16_rn(f));
+    return (u32)h | ((u32)h << 16);
+}
+
+// The packed factor that turns e2m1 bits into e2m1 * scale * 2^-9 for one
+// E4M3 scale (NVFP4 activations): scale * 2^117 in BF16.
+__device__ __forceinline__ u32 act_scale_factor(u32 b) {
+    return splat(e4m3_decode((u8)b) * kTwoPow117, false);
+}
+
+// The weight rows' packed factors that turn e2m1 bits into
+// e2m1 * scale * 2^-9: NVFP4 (E4M3 byte) scale * 2^117 (BF16) / * 2^5
+// (FP16); MXFP4 (UE8M0 byte e) 2^(e - 10) / 2^(e - 122). docs/gemm.md gives
+// the exponent window in which these are exact; loaders refuse weights
+// outside it. Both rows at once from their two scale bytes (sv: row q in
+// the low byte, row q + 8 in the next): the E4M3 pair goes through one
+// paired conversion; MXFP4 builds the powers of two with integer ops.
+template <bool MX, bool F16>
+__device__ __forceinline__ void scale_factors(u32 sv, u32& f0, u32& f1) {
+    u32 p;
+    if (MX) {
+        const u32 e0 = sv & 0xFFu, e1 = (sv >> 8) & 0xFFu;
+        p = F16 ? ((e0 - 107u) << 10) | ((e1 - 107u) << 26) : ((e0 + 117u) << 7) | ((e1 + 117u) << 23);
+    } else {
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(sv & 0xFFFFu), __NV_E4M3);
+        if (F16) {
+            p = mul2(*reinterpret_cast<const u32*>(&h), 0x50005000u, true);  // x 32 (FP16 2^5), exact
+        } else {
+            const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h));
+            const __nv_bfloat162 b = __floats2bfloat162_rn(v.x * kTwoPow117, v.y * kTwoPow117);
+            p = *reinterpret_cast<const u32*>(&b);
+        }
+    }
+    f0 = __byte_perm(p, 0, 0x1010);
+    f1 = __byte_perm(p, 0, 0x3232);
+}
+
+template <int ACT> struct ActChunk;  // one lane's activations of one chunk, one n-tile
+
+template <> struct ActChunk<0> {  // 16 x 16-bit values
+    uint4 lo, hi;
+    __device__ __forceinline__ void clear() { lo = hi = make_uint4(0, 0, 0, 0); }
+    __device__ __forceinline__ void load(const u8* row, const u8*, int kb) {
+        const uint4* p = reinterpret_cast<const uint4*>(row + 2 * (i64)kb);
+        lo = __ldg(p);
+        hi = __ldg(p + 1);
+    }
+    __device__ __forceinline__ void fragment(int s, u32& b0, u32& b1) const {
+        const uint4& v = s < 2 ? lo : hi;
+        b0 = (s & 1) ? v.z : v.x;
+        b1 = (s & 1) ? v.w : v.y;
+    }
+};
+template <> struct ActChunk<1> : ActChunk<0> {};
+
+template <> struct ActChunk<2> {  // 16 E2M1 codes + their E4M3 block scale
+    uint2 q;
+    u32 f;
+    __device__ __forceinline__ void clear() { q = make_uint2(0, 0); f = 0; }
+    __device__ __forceinline__ void load(const u8* row, const u8* sf_row, int kb) {
+        q = __ldg(reinterpret_cast<const uint2*>(row + kb / 2));
+        f = act_scale_factor(__ldg(sf_row + kb / 16));
+    }
+    __device__ __forceinline__ void fragment(int s, u32& b0, u32& b1) const {
+        const u32 w = s < 2 ? q.x : q.y;
+        const u32 lo = (w >> (16 * (s & 1))) & 0xFFu, hi = (w >> (16 * (s & 1) + 8)) & 0xFFu;
+        // byte * 0x01001000: its low nibble at bits 12..15, high at 28..31.
+        b0 = mul2(e2m1_pair_bits(lo * 0x01001000u, false), f, false);
+        b1 = mul2(e2m1_pair_bits(hi * 0x01001000u, false), f, false);
+    }
+};
+
+// 16 bytes global -> shared without passing through registers (L2 only:
+// weights are read once per token tile).
+// (dst: a shared-window address, converted once per warp rather than per copy)
+__device__ __forceinline__ void cp_async16(u32 dst, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+// The same when `on`, else nothing: a predicated instruction, not a branch.
+__device__ __forceinline__ void cp_async16_if(bool on, u32 dst, const void* gmem) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n"
+                 ::"r"(dst), "l"(gmem), "r"((int)on));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// The four A-fragment registers of k-step s of one m-tile: word w of the
+// lane's packed codes (pair j = nibbles j and j + 4), times the rows' scale
+// factors f0 (row q) and f1 (row q + 8).
+//
+// BF16: for a nibble pair at bits p and p + 16 (p = 0 or 4), one multiply
+// by 2^(12-p) + 2^(6-p) lays two copies of each nibble side by side, one
+// with the sign at bit 15 (31), one with the magnitude at bits 6..8
+// (22..24); the mask keeps those. The copies never overlap, so nothing
+// carries. Pairs 2 and 3 are pairs 0 and 1 of w >> 8. FP16 (magnitude at
+// bits 9..11, where the copies would overlap) uses shifts.
+template <bool F16>
+__device__ __forceinline__ void dequant_fragment(u32 w, u32 f0, u32 f1, u32 (&a)[4]) {
+    if (F16) {
+        a[0] = mul2(e2m1_pair_bits(w << 12, true), f0, true);
+        a[1] = mul2(e2m1_pair_bits(w << 8, true), f1, true);
+        a[2] = mul2(e2m1_pair_bits(w << 4, true), f0, true);
+        a[3] = mul2(e2m1_pair_bits(w, true), f1, true);
+    } else {
+        const u32 h = w >> 8;
+        a[0] = mul2(((w & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, f0, false);
+        a[1] = mul2(((w & 0x00F000F0u) * 0x0104u) & 0x81C081C0u, f1, false);
+        a[2] = mul2(((h & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, f0, false);
+        a[3] = mul2(((h & 0x00F000F0u) * 0x0104u) & 0x81C081C0u, f1, false);
+    }
+}
+
+// Segment (expert, or the unowned rows before / after) and token range of
+// ragged slot `slot`; offsets are clamped as the reference does
+// (o'_e = min(max(offsets[0..e], 0), rows)) and the clamps counted once.
+__device__ void ragged_slot(const int* __restrict__ offsets, int experts, int rows, int tile, int slot,
+                            int* s_off, int& seg, int& t0, int& t1, int* errors) {
+    const int nseg = experts + 2;  // [0, o'_0), experts, [o'_E, rows)
+    for (int i = threadIdx.x; i <= experts; i += blockDim.x) s_off[i] = __ldg(offsets + i);
+    __syncthreads();
+    __shared__ int s_res[3];
+    if (threadIdx.x < 32) {
+        // Segment s ends at end(s) = min(max(offsets[0..s], 0), rows) (rows
+        // for the last) and starts where s - 1 ends. Each lane walks a
+        // contiguous run of segments; two warp scans join the runs (the
+        // running max of the offsets, then the tile counts).
+        const int lane = threadIdx.x;
+        const int per = (nseg + 31) / 32, s0 = min(lane * per, nseg), s1 = min(s0 + per, nseg);
+        int lmax = kIntMin;
+        for (int s = s0; s < s1; ++s) lmax = max(lmax, s <= experts ? s_off[s] : rows);
+        int incl = lmax;
+        for (int d = 1; d < 32; d <<= 1) {
+            const int o = __shfl_up_sync(0xffffffffu, incl, d);
+            if (lane >= d) incl = max(incl, o);
+        }
+        int carry = __shfl_up_sync(0xffffffffu, incl, 1);
+        if (lane == 0) carry = kIntMin;
+        const int start0 = lane == 0 ? 0 : min(max(carry, 0), rows);
+        int run = carry, start = start0, tiles = 0, bad = 0;
+        for (int s = s0; s < s1; ++s) {
+            const int raw = s <= experts ? s_off[s] : rows;
+            run = max(run, raw);
+            const int end = min(max(run, 0), rows);
+            if (s <= experts) bad += raw != end;
+            tiles += (end - start + tile - 1) / tile;
+            start = end;
+        }
+        int cum = tiles;
+        for (int d = 1; d < 32; d <<= 1) {
+            const int o = __shfl_up_sync(0xffffffffu, cum, d);
+            if (lane >= d) cum += o;
+        }
+        for (int d = 16; d > 0; d >>= 1) bad += __shfl_xor_sync(0xffffffffu, bad, d);
+        const int before = cum - tiles;
+        int f_seg = -1, f_t0 = 0, f_t1 = 0;
+        if (slot >= before && slot < cum) {
+            run = carry;
+            start = start0;
+            int b = before;
+            for (int s = s0; s < s1; ++s) {
+                run = max(run, s <= experts ? s_off[s] : rows);
+                const int end = min(max(run, 0), rows);
+                const int n = (end - start + tile - 1) / tile;
+                if (slot < b + n) {
+                    f_seg = s;
+                    f_t0 = start + (slot - b) * tile;
+                    f_t1 = min(end, f_t0 + tile);
+                    break;
+                }
+                b += n;
+                start = end;
+            }
+        }
+        const unsigned hit = __ballot_sync(0xffffffffu, f_seg >= 0);
+        if (hit) {
+            const int src = __ffs(hit) - 1;
+            f_seg = __shfl_sync(0xffffffffu, f_seg, src);
+            f_t0 = __shfl_sync(0xffffffffu, f_t0, src);
+            f_t1 = __shfl_sync(0xffffffffu, f_t1, src);
+        }
+        if (lane == 0) {
+            s_res[0] = hit ? f_seg : -1;
+            s_res[1] = f_t0;
+            s_res[2] = f_t1;
+            if (bad && errors && blockIdx.x == 0 && slot == 0) atomicAdd(errors, bad);
+        }
+    }
+    __syncthreads();
+    seg = s_res[0];
+    t0 = s_res[1];
+    t1 = s_res[2];
+}
+
+
+}  // namespace rkv
