@@ -38,11 +38,9 @@ def grouped_linear(x, weight, *, out=None, stream=None):
     out = _check_out(out, shape, act.device)
     if t and weight.n:
         rt = get_runtime(act.device)
-        cfg = _config(t)
-        mt, nt, rw = cfg[0], cfg[1], cfg[3]
-        rows = -(-weight.n // 16)
-        grid = (-(-rows // (mt * rw)), -(-t // (8 * nt)), g)
-        _launch(rt, act, weight, out, cfg, grid, t, None, 0, None, stream)
+        kern, targs, block, tile_rows, tile_tokens = _plan(rt, weight, t)
+        grid = (-(-weight.n // tile_rows), -(-t // tile_tokens), g)
+        _launch(rt, kern, targs, block, act, weight, out, grid, t, None, 0, None, stream)
     return out
 
 
@@ -88,12 +86,10 @@ def moe_linear(x, weight, offsets, *, out=None, errors=None, stream=None):
     if r and weight.n:
         rt = get_runtime(dev)
         err_ptr = errors.data_ptr() if errors is not None else counters.address(rt, counters.GEMM_OFFSETS, stream)
-        cfg = _config(-(-r // max(1, min(experts, r))))
-        mt, nt, rw = cfg[0], cfg[1], cfg[3]
-        rows = -(-weight.n // 16)
-        slots = min(r, -(-r // (8 * nt)) + experts + 2)
-        grid = (-(-rows // (mt * rw)), slots, 1)
-        _launch(rt, act, weight, out, cfg, grid, r, offsets, experts, err_ptr, stream)
+        kern, targs, block, tile_rows, tile_tokens = _plan(rt, weight, -(-r // max(1, min(experts, r))))
+        slots = min(r, -(-r // tile_tokens) + experts + 2)
+        grid = (-(-weight.n // tile_rows), slots, 1)
+        _launch(rt, kern, targs, block, act, weight, out, grid, r, offsets, experts, err_ptr, stream)
     return out
 
 
@@ -220,15 +216,40 @@ def _config(tokens: int) -> tuple:
     return K.CONFIGS["large"]
 
 
-def _launch(rt, act, weight, out, cfg, grid, tokens, offsets, experts, err_ptr, stream):
+#: Which kernel serves a launch: "auto" (the plan below), or "mma" / "sm90"
+#: to force one (tests compare the two paths on the same inputs).
+KERNEL_PATH = "auto"
+#: Tokens per group (or per expert, on average) from which an sm_90 device
+#: takes the wgmma kernel (rawkv/cu/gemm_fp4_sm90.cu); below it the
+#: mma.sync kernel streams the weights faster (docs/gemm.md, "Dispatch").
+SM90_MIN_TOKENS = 256
+
+
+def _plan(rt, weight, tokens: int) -> tuple:
+    """(kernel, template arguments without ACT / MX, block, output features
+    per block, tokens per block) for `tokens` tokens per group or expert."""
+    path = KERNEL_PATH
+    if path == "auto":
+        path = "sm90" if rt.arch == "sm_90" and tokens >= SM90_MIN_TOKENS else "mma"
+    if path == "sm90":
+        if rt.arch != "sm_90":
+            raise ValueError(f"x: the wgmma GEMM kernel runs on sm_90 devices, this one is {rt.arch}")
+        bn, stages = K.SM90_CONFIGS[64] if tokens <= 64 else K.SM90_CONFIGS["large"]
+        return K.GEMM_SM90, (bn, stages), (K.SM90_THREADS,), K.SM90_BM, bn
+    cfg = _config(tokens)
+    mt, nt, ks, rw = cfg[:4]
+    return K.GEMM, cfg, (32 * ks * rw,), 16 * mt * rw, 8 * nt
+
+
+def _launch(rt, kern, targs, block, act, weight, out, grid, tokens, offsets, experts, err_ptr, stream):
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"x: {tokens} tokens x {weight.groups} groups is past the launch grid's limit")
-    mt, nt, ks, rw, u, stages = cfg
     xs_t, xs_g, ss_t, ss_g = act.strides
     gs_t, gs_g = act.gs_strides
     os_ = out.stride()
-    K.GEMM.instance(act.kind, weight.fmt == "mxfp4", mt, nt, ks, rw, u, stages).launch(
-        rt, grid, (32 * ks * rw,), stream=stream,
+    inst = kern.instance(act.kind, weight.fmt == "mxfp4", *targs)
+    inst.launch(
+        rt, grid, block, stream=stream, shared_mem=inst.smem,
         wq=weight.codes, wsf=weight.scales, wgs=weight.gs,
         x=act.x, xsf=act.sf, xgs=act.gs, xs_t=xs_t, xs_g=xs_g, ss_t=ss_t, ss_g=ss_g,
         gs_t=gs_t, gs_g=gs_g, out=out, os_t=os_[0], os_g=os_[1] if out.dim() == 3 else 0,

@@ -1,0 +1,322 @@
+// gemm_fp4_sm90.cu: the grouped FP4-weight GEMM on Hopper's wgmma (sm_90a).
+//
+// Same operation, arguments and packed weights as gemm_fp4.cu (docs/gemm.md):
+// out[t, g, n] = sum_k x[t, g, k] * w[g, n, k] (batched), or rows sorted by
+// expert with offsets (ragged). A block computes BM = 256 output features
+// (16 row tiles) x BN tokens, one 64-column chunk per pipeline stage.
+//
+// Warp specialization (384 threads, three warpgroups):
+// * warpgroups 0 and 1 consume: each owns 128 features, two m64 wgmma tiles.
+//   Warp w of warpgroup c holds row tiles 8c + w and 8c + 4 + w; a lane's 16
+//   packed bytes of a row tile and chunk ARE its wgmma A fragments for the
+//   chunk's four k16 steps (the packed layout was built for mma.sync's A
+//   fragment, which is wgmma's register A fragment per warp), dequantized in
+//   registers exactly as the mma.sync kernel does;
+// * warpgroup 2 produces: its 128 threads bring each stage's packed codes
+//   and scales with cp.async (16 bytes a copy, 36 per row tile), write the
+//   activation tile into shared memory in the MMA's k order (below), and
+//   arrive on the stage's "full" mbarrier.
+//
+// The B operand (activations) is K-major with the 128-byte swizzle: token
+// row n of a stage is 128 bytes (64 columns), its 16-byte unit u stored at
+// unit u ^ (n % 8). The packed weight's k index is a permutation of the
+// physical columns within a chunk: in k16 step s, the MMA's k = 2t + e and
+// 2t + 8 + e (t = 0..3, e = 0, 1) are physical columns 16t + 4s + e and
+// 16t + 4s + 2 + e. So logical unit u = 2s + h holds physical 32-bit words
+// 8i + u (i = 0..3: the column pair 16i + 4s + 2h): word i of unit u is the
+// mma.sync kernel's B fragment register of lane t = i, step s (ActChunk's
+// fragment(s) gives both), which is how the producer writes it.
+//
+// Determinism: each output is one warpgroup's FP32 accumulation over the
+// chunks in order, the k16 steps in order: the same bits on every run, and
+// no reduction across blocks.
+#include "gemm_fp4.cuh"
+#include "wgmma_rs.cuh"
+using namespace rkv;
+
+namespace {
+
+constexpr int kBM = 256;                 // output features per block
+constexpr int kTiles = kBM / 16;         // packed row tiles per block
+constexpr int kThreads = 384;
+constexpr int kCodeBytes = 512;          // one row tile, one chunk (32 lanes x 16 B)
+constexpr int kScaleBytes = 64;          // its scales (32 lanes x 2 B)
+constexpr int kWStage = kTiles * (kCodeBytes + kScaleBytes);
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n .reg .pred p;\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done != 0;
+}
+// Until the phase of `parity` has completed (try_wait itself sleeps a while).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+}
+__device__ __forceinline__ void st_shared(u32 addr, u32 v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// Matrix descriptor of a K-major B tile with the 128-byte swizzle: start
+// address, leading offset (unused for this layout: 1), stride 1024 bytes
+// between 8-row groups, layout type 1 (128B swizzle). The tile is 1024-byte
+// aligned; k16 step s starts 32 * s bytes into each row.
+__device__ __forceinline__ u64 b_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+template <int BN, bool F16>
+__device__ __forceinline__ void wgmma_step(float (&d)[BN / 2], const u32 (&a)[4], u64 desc) {
+    if constexpr (BN == 64) {
+        if constexpr (F16) wgmma_m64n64k16_f16(d, a, desc); else wgmma_m64n64k16_bf16(d, a, desc);
+    } else {
+        static_assert(BN == 128, "BN is 64 or 128");
+        if constexpr (F16) wgmma_m64n128k16_f16(d, a, desc); else wgmma_m64n128k16_bf16(d, a, desc);
+    }
+}
+
+}  // namespace
+
+template <int ACT, bool MX, int BN, int STAGES>
+__global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
+    const u8* __restrict__ wq, const u8* __restrict__ wsf, const float* __restrict__ wgs,
+    const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
+    i64 xs_t, i64 xs_g, i64 ss_t, i64 ss_g, i64 gs_t, i64 gs_g,
+    __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
+    int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    constexpr bool F16 = ACT == 1;
+    constexpr int kBStage = BN * 128;    // BN token rows of 64 16-bit columns
+    static_assert(BN % 8 == 0 && kBStage % 1024 == 0, "B stages must stay 1024-byte aligned");
+    __shared__ int s_off[RKV_GEMM_MAX_SEGMENTS];
+    extern __shared__ u8 s_dyn[];
+    // B stages first (1024-byte aligned for the swizzle), then the weight
+    // stages, then the mbarriers.
+    u8* smem = reinterpret_cast<u8*>((reinterpret_cast<size_t>(s_dyn) + 1023) & ~size_t(1023));
+    u8* s_b = smem;
+    u8* s_w = smem + STAGES * kBStage;
+    const u32 bar_full = smem_u32(s_w + STAGES * kWStage);
+    const u32 bar_empty = bar_full + 8 * STAGES;
+
+    const int row_block = blockIdx.x;
+    int g, t0, t1;
+    if (offsets) {
+        int seg;
+        ragged_slot(offsets, experts, tokens, BN, blockIdx.y, s_off, seg, t0, t1, errors);
+        if (seg < 0) return;
+        if (seg == 0 || seg == experts + 1) {  // unowned rows: zeros
+            const __nv_bfloat16 z = __float2bfloat16_rn(0.0f);
+            const int row0 = row_block * kBM;
+            for (int e = threadIdx.x; e < kBM * (t1 - t0); e += kThreads) {
+                const int row = row0 + (e % kBM), tok = t0 + e / kBM;
+                if (row < n) out[tok * os_t + row] = z;
+            }
+            return;
+        }
+        g = seg - 1;
+    } else {
+        g = blockIdx.z;
+        t0 = blockIdx.y * BN;
+        t1 = min(tokens, t0 + BN);
+    }
+
+    const int tiles16 = (n + 15) / 16, chunks = (k + 63) / 64;
+    const int tile0 = row_block * kTiles;                  // first row tile of the block
+    const int live_tiles = min(kTiles, tiles16 - tile0);   // row tiles that exist
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(bar_full + 8 * s, 128 + 4);  // each producer thread's copies + the 4 producer warps
+            mbar_init(bar_empty + 8 * s, 8);       // the 8 consumer warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 2) {
+        // ---------------- producer ----------------
+        // Thread p owns kItems (token row, slot) items of every stage: rows
+        // p / 4 + 32 j, slot i = p % 4, so a warp's 32 items are 8 rows x 4
+        // slots, whose stores hit 32 distinct banks. Its activations run
+        // kAhead chunks ahead in registers: a chunk's loads are issued kAhead
+        // stages before they are stored, which hides the L2 / DRAM latency.
+        constexpr int kItems = BN * 4 / 128;
+        constexpr int kAhead = ACT == 2 ? 1 : 2;   // (NVFP4 rows: 2 spills in 120 registers)
+        // Registers: 256 x 192 (consumers) + 128 x 120 (producer) = 384 x 168,
+        // what the block was launched with (an increase past it never returns).
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 120;\n");
+        const int p = threadIdx.x - 256;
+        const int plane = p & 31, slot = p & 3;
+        const u8* wsrc = wq + ((i64)g * tiles16 + tile0) * chunks * kCodeBytes;
+        const u8* ssrc = wsf + ((i64)g * tiles16 + tile0) * chunks * kScaleBytes;
+        const u8* xrow[kItems];
+        const u8* srow[kItems];
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) {
+            const int tok = t0 + (p >> 2) + 32 * j;
+            const i64 xo = (i64)tok * xs_t + (i64)g * xs_g;
+            xrow[j] = tok < t1 ? x + (ACT == 2 ? xo : 2 * xo) : nullptr;
+            srow[j] = ACT == 2 && tok < t1 ? xsf + (i64)tok * ss_t + (i64)g * ss_g : nullptr;
+        }
+        ActChunk<ACT> buf[kAhead][kItems];
+        auto load = [&](ActChunk<ACT> (&b)[kItems], int c) {
+            const int kb = c * 64 + 16 * slot;
+#pragma unroll
+            for (int j = 0; j < kItems; ++j) {
+                if (xrow[j] && c < chunks && kb < k) b[j].load(xrow[j], srow[j], kb);
+                else b[j].clear();
+            }
+        };
+#pragma unroll
+        for (int d = 0; d < kAhead; ++d) load(buf[d], d);
+        for (int c0 = 0; c0 < chunks; c0 += kAhead) {
+#pragma unroll
+            for (int d = 0; d < kAhead; ++d) {
+                const int c = c0 + d;
+                if (c >= chunks) break;
+                const int s = c % STAGES;
+                const u32 parity = ((c / STAGES) & 1) ^ 1;   // a fresh barrier passes parity 1
+                mbar_wait(bar_empty + 8 * s, parity);
+                {
+                    // The stage's packed weights: 36 16-byte pieces per row
+                    // tile (32 of codes, 4 of scales), spread over the 128
+                    // threads as cp.async copies; each thread's arrive below
+                    // fires when its copies have landed. (Bulk copies, one
+                    // per row tile and part, measured slower: 32 small TMA
+                    // copies per stage.)
+                    const u32 dst = smem_u32(s_w + s * kWStage);
+                    for (int e = p; e < live_tiles * 36; e += 128) {
+                        const int r = e / 36, j = e - 36 * r;
+                        const i64 at = (i64)r * chunks + c;
+                        if (j < 32) cp_async16(dst + r * kCodeBytes + 16 * j, wsrc + at * kCodeBytes + 16 * j);
+                        else cp_async16(dst + kTiles * kCodeBytes + r * kScaleBytes + 16 * (j - 32),
+                                        ssrc + at * kScaleBytes + 16 * (j - 32));
+                    }
+                    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar_full + 8 * s)
+                                 : "memory");
+                }
+                const u32 btile = smem_u32(s_b + s * kBStage);
+#pragma unroll
+                for (int j = 0; j < kItems; ++j) {
+                    const int row = (p >> 2) + 32 * j;
+                    const u32 rbase = btile + row * 128 + 4 * slot;
+#pragma unroll
+                    for (int s4 = 0; s4 < 4; ++s4) {
+                        u32 b0, b1;
+                        buf[d][j].fragment(s4, b0, b1);
+                        st_shared(rbase + (((2 * s4) ^ (row & 7)) << 4), b0);
+                        st_shared(rbase + (((2 * s4 + 1) ^ (row & 7)) << 4), b1);
+                    }
+                }
+                // The arrive releases these stores; each consumer orders them
+                // before its tensor-core reads with its own proxy fence: a
+                // proxy fence here would also wait for this thread's loads in
+                // flight (measured: one load latency per stage).
+                __syncwarp();
+                if (plane == 0) mbar_arrive(bar_full + 8 * s);
+                load(buf[d], c + kAhead);
+            }
+        }
+        return;
+    }
+
+    // ---------------- consumers ----------------
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 192;\n");
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const int my_tile[2] = {wg * 8 + warp, wg * 8 + 4 + warp};   // within the block
+    float acc[2][BN / 2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < BN / 2; ++j) acc[m][j] = 0.0f;
+
+    // Each m-tile's four wgmmas of a stage are one commit group, so the
+    // tensor cores always have a group queued while the next m-tile's
+    // fragments are dequantized: m-tile 0 of stage c is issued once m-tile 0
+    // of stage c - 1 has completed (its A registers are free again), m-tile 1
+    // once m-tile 1 of c - 1 has, which also frees stage c - 1's buffers.
+    // A fragment registers are never written while a wgmma reading them is
+    // in flight (else ptxas serializes every wgmma).
+    u32 a0[4][4], a1[4][4];
+    auto dequant = [&](const u8* wst, int m, u32 (&a)[4][4]) {
+        uint4 wv = make_uint4(0, 0, 0, 0);
+        u32 sv = 0;
+        if (my_tile[m] < live_tiles) {
+            wv = *reinterpret_cast<const uint4*>(wst + my_tile[m] * kCodeBytes + lane * 16);
+            sv = *reinterpret_cast<const u16*>(wst + kTiles * kCodeBytes + my_tile[m] * kScaleBytes + lane * 2);
+        }
+        u32 f0, f1;
+        scale_factors<MX, F16>(sv, f0, f1);
+        dequant_fragment<F16>(wv.x, f0, f1, a[0]);
+        dequant_fragment<F16>(wv.y, f0, f1, a[1]);
+        dequant_fragment<F16>(wv.z, f0, f1, a[2]);
+        dequant_fragment<F16>(wv.w, f0, f1, a[3]);
+    };
+    for (int c = 0; c < chunks; ++c) {
+        const int s = c % STAGES;
+        mbar_wait(bar_full + 8 * s, (c / STAGES) & 1);
+        // The producer's activation stores (generic proxy), acquired through
+        // the barrier, ordered before this warpgroup's wgmma reads (async proxy).
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        const u8* wst = s_w + s * kWStage;
+        const u32 btile = smem_u32(s_b + s * kBStage);
+        if (c > 0) wgmma_wait<1>();                 // m-tile 0 of c - 1 done
+        dequant(wst, 0, a0);
+        wgmma_fence();
+#pragma unroll
+        for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[0], a0[s4], b_desc(btile + 32 * s4));
+        wgmma_commit();
+        if (c > 0) {
+            wgmma_wait<1>();                        // m-tile 1 of c - 1 done: stage c - 1 is free
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bar_empty + 8 * ((c - 1) % STAGES));
+        }
+        dequant(wst, 1, a1);
+        wgmma_fence();
+#pragma unroll
+        for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[1], a1[s4], b_desc(btile + 32 * s4));
+        wgmma_commit();
+    }
+    wgmma_wait<0>();
+    // (The last stage is not released: nothing is loaded after it.)
+
+    // Epilogue: thread (warp, lane q = lane / 4, t = lane % 4) holds, for each
+    // 8-token group j, rows q and q + 8 of its 16-row tile at tokens
+    // 8j + 2t and 8j + 2t + 1 (the wgmma D fragment). The 2^-9 of each FP4
+    // operand, the weight's global scale and (NVFP4 activations) the token's
+    // global scale.
+    const int q = lane >> 2, t = lane & 3;
+    const float wscale = wgs[g] * (ACT == 2 ? 512.0f * 512.0f : 512.0f);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int tok = t0 + 8 * j + 2 * t + h;
+            if (tok >= t1) continue;
+            const float sc = ACT == 2 ? wscale * xgs[(i64)tok * gs_t + (i64)g * gs_g] : wscale;
+            __nv_bfloat16* orow = out + (i64)tok * os_t + (i64)g * os_g;
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                const int row = (tile0 + my_tile[m]) * 16 + q;
+                if (row < n) orow[row] = __float2bfloat16_rn(acc[m][4 * j + h] * sc);
+                if (row + 8 < n) orow[row + 8] = __float2bfloat16_rn(acc[m][4 * j + 2 + h] * sc);
+            }
+        }
+    }
+}

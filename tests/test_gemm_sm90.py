@@ -1,0 +1,169 @@
+"""The Hopper GEMM kernel (rawkv/cu/gemm_fp4_sm90.cu: wgmma, sm_90a) against
+the reference, with the error bound of tests/test_gemm_gpu.py (FP32
+accumulation in any order, one rounding to BF16), forced onto every shape
+class the dispatcher can route to it; bit reproducibility across runs and
+across the token tilings it chooses. Runs only on a compute capability 9.0
+GPU."""
+import numpy as np
+import pytest
+
+import rawkv
+from rawkv.gemm import linear
+from rawkv.reference import gemm as ref
+from test_gemm_gpu import _nvfp4_activation, assert_within_bound, exact_grouped, random_weight
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def sm90(cuda, monkeypatch):
+    """The runtime of an sm_90 device, every launch forced onto the wgmma kernel."""
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
+    monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
+    return cuda
+
+
+@pytest.mark.parametrize("fmt,k", [("nvfp4", 208), ("nvfp4", 1024), ("mxfp4", 224)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 65, 130, 300])
+def test_batched_within_the_fp32_bound(sm90, rng, fmt, k, dtype, tokens):
+    # N = 72: one partial block of 256 features and a partial row tile;
+    # N = 300: a second block; K = 208 / 224: a partial 64-column chunk.
+    for g, n in ((3, 72), (2, 300)):
+        w, w64 = random_weight(rng, g, n, k, fmt)
+        x = torch.from_numpy(rng.standard_normal((tokens, g, k)).astype(np.float32)).to(getattr(torch, dtype))
+        exact, absolute = exact_grouped(x.double().numpy(), w64)
+        out = torch.full((tokens, g, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        rawkv.gemm.grouped_linear(x.cuda(), w, out=out)
+        assert_within_bound(out, exact, absolute, k, f"{fmt} {dtype} T={tokens} G={g} N={n}")
+
+
+def test_same_bits_every_run_and_every_token_tiling(sm90, rng):
+    # 64 tokens take BN = 64 tiles, 300 take BN = 128: each output is one
+    # warpgroup's accumulation in a fixed order, so a token's row is the same
+    # whichever tile (and block) it lands in, and the same on every run.
+    g, n, k = 2, 520, 1024
+    w, _ = random_weight(rng, g, n, k, "nvfp4")
+    x = torch.randn(300, g, k, dtype=torch.bfloat16, device="cuda")
+    full = rawkv.gemm.grouped_linear(x, w)
+    again = rawkv.gemm.grouped_linear(x, w)
+    assert torch.equal(full.view(torch.int16), again.view(torch.int16))
+    for lo, hi in ((0, 64), (200, 264), (131, 140)):
+        part = rawkv.gemm.grouped_linear(x[lo:hi].contiguous(), w)
+        assert torch.equal(part.view(torch.int16), full[lo:hi].view(torch.int16)), (lo, hi)
+
+
+def test_4096_tokens_and_a_real_shape(sm90, rng):
+    g, n, k = 2, 1024, 4096
+    w, w64 = random_weight(rng, g, n, k, "nvfp4")
+    x = torch.randn(4096, g, k, dtype=torch.bfloat16)
+    out = rawkv.gemm.grouped_linear(x.cuda(), w)
+    rows = rng.choice(4096, 48, replace=False)         # the float64 reference on a sample of tokens
+    exact, absolute = exact_grouped(x[rows].double().numpy(), w64)
+    assert_within_bound(out[rows], exact, absolute, k, "T=4096")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("tokens", [9, 130])
+def test_nvfp4_activations_equal_the_bf16_gemm_of_their_exact_values(sm90, rng, fmt, tokens):
+    g, n, k = 2, 72, 224
+    w, _ = random_weight(rng, g, n, k, fmt)
+    qa, exact_x = _nvfp4_activation(rng, (tokens, g), k, torch.ones((), device="cuda"))
+    a = rawkv.gemm.grouped_linear(qa, w)
+    b = rawkv.gemm.grouped_linear(torch.from_numpy(exact_x).to(torch.bfloat16).cuda(), w)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_nvfp4_activation_per_row_global_scales(sm90, rng):
+    g, n, k, tokens = 3, 40, 160, 70
+    w, w64 = random_weight(rng, g, n, k, "nvfp4")
+    gs = (rng.random((tokens, g)) + 0.5).astype(np.float32)
+    qa, xv = _nvfp4_activation(rng, (tokens, g), k, torch.tensor(gs, device="cuda"))
+    exact, absolute = exact_grouped(xv * gs[..., None], w64)
+    assert_within_bound(rawkv.gemm.grouped_linear(qa, w), exact, absolute, k, "nvfp4 act")
+
+
+def test_nan_and_inf_inputs(sm90, rng):
+    g, n, k = 2, 48, 128
+    w, w64 = random_weight(rng, g, n, k, "nvfp4")
+    x = torch.randn(70, g, k, dtype=torch.bfloat16)
+    x[0, 0, 5] = float("nan")
+    x[1, 1, 7] = float("inf")
+    x[66, 0, 3] = float("-inf")
+    x[66, 0, 9] = float("inf")
+    exact, absolute = exact_grouped(x.double().numpy(), w64)
+    assert_within_bound(rawkv.gemm.grouped_linear(x.cuda(), w), exact, np.nan_to_num(absolute), k, "nan/inf")
+
+
+def test_views_and_out(sm90, rng):
+    g, n, k, tokens = 3, 56, 192, 67
+    w, w64 = random_weight(rng, g, n, k, "nvfp4")
+    base = torch.randn(g, tokens, k + 8, dtype=torch.bfloat16).cuda()
+    x = base[:, :, :k].transpose(0, 1)
+    odd = torch.randn(tokens, g, k + 1, dtype=torch.bfloat16).cuda()[:, :, 1:]
+    out_base = torch.zeros(tokens, g, n + 5, dtype=torch.bfloat16, device="cuda")
+    for xi in (x, odd):
+        exact, absolute = exact_grouped(xi.double().cpu().numpy(), w64)
+        out = out_base[:, :, 2:2 + n]
+        rawkv.gemm.grouped_linear(xi, w, out=out)
+        assert_within_bound(out, exact, absolute, k, "view")
+        assert torch.count_nonzero(out_base[:, :, :2]) == 0 and torch.count_nonzero(out_base[:, :, 2 + n:]) == 0
+
+
+def _ragged_case(rng, counts, n, k, fmt, act="bfloat16"):
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    rows = int(offsets[-1])
+    w, w64 = random_weight(rng, len(counts), n, k, fmt)
+    if act == "nvfp4":
+        x, x64 = _nvfp4_activation(rng, (rows,), k, torch.ones((), device="cuda"))
+    else:
+        xt = torch.randn(rows, k, dtype=torch.bfloat16)
+        x, x64 = xt.cuda(), xt.double().numpy()
+    return offsets, rows, w, w64, x, x64
+
+
+@pytest.mark.parametrize("offsets", [[0, 3, 3, 100, 230, 237], [0, 0, 0, 0, 0, 237], [2, 3, 1, 100, 250, 230],
+                                     [-4, 5, 5, 5, 120, 233]])
+@pytest.mark.parametrize("act", ["bfloat16", "nvfp4"])
+def test_ragged_experts(sm90, rng, offsets, act):
+    e, n, k, rows = 5, 300, 208, 237
+    w, w64 = random_weight(rng, e, n, k, "nvfp4")
+    if act == "nvfp4":
+        x, x64 = _nvfp4_activation(rng, (rows,), k, torch.ones((), device="cuda"))
+    else:
+        xt = torch.randn(rows, k, dtype=torch.bfloat16)
+        x, x64 = xt.cuda(), xt.double().numpy()
+    exact, bad = ref.ragged(x64, w64, offsets)
+    absolute, _ = ref.ragged(np.abs(x64), np.abs(w64), offsets)
+    errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    rawkv.gemm.moe_linear(x, w, torch.tensor(offsets, dtype=torch.int32, device="cuda"), out=out, errors=errors)
+    assert_within_bound(out, exact, absolute, k, f"ragged {offsets}")
+    assert int(errors[0]) == bad
+
+
+def test_ragged_384_experts_some_empty(sm90, rng):
+    counts = rng.integers(0, 300, 384)
+    counts[rng.choice(384, 100, replace=False)] = 0
+    n, k = 64, 128
+    offsets, rows, w, w64, x, x64 = _ragged_case(rng, counts, n, k, "mxfp4")
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    rawkv.gemm.moe_linear(x, w, torch.from_numpy(offsets).cuda(), out=out)
+    sample = rng.choice(rows, 512, replace=False)
+    exact, _ = ref.ragged(x64, w64, offsets)
+    absolute, _ = ref.ragged(np.abs(x64), np.abs(w64), offsets)
+    assert_within_bound(out[sample], exact[sample], absolute[sample], k, "384 experts")
+    again = torch.empty_like(out)
+    rawkv.gemm.moe_linear(x, w, torch.from_numpy(offsets).cuda(), out=again)
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16))
+
+
+def test_dispatch_takes_the_wgmma_kernel_from_256_tokens(cuda, monkeypatch):
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
+    w = rawkv.gemm.Fp4Weight.from_float(torch.randn(2, 64, 128, device="cuda"))
+    assert linear._plan(cuda, w, 255)[0] is linear.K.GEMM
+    assert linear._plan(cuda, w, 256)[0] is linear.K.GEMM_SM90
