@@ -272,3 +272,65 @@ def test_gpu_packer_and_from_float_equal_cpu(cuda, rng):
     mx_codes, mx_scales = _mx(rng, g, n, 192)
     mx = Fp4Weight.from_mxfp4(mx_codes.cuda(), mx_scales.cuda())
     assert torch.equal(mx.scales.cpu(), Fp4Weight.from_mxfp4(mx_codes, mx_scales).scales)
+
+
+# -- issue 21: every loader refuses what would load as wrong weights -----------------
+
+def _stacked(rng, g=2, n=8, k=32):
+    _, codes, scales, gs = _checkpoint(rng, g, n, k)
+    return codes.reshape(g * n, k // 2), scales.reshape(g * n, k // 16), gs
+
+
+@pytest.mark.parametrize("which", ["weight_scale_2", "input_scale"])
+@pytest.mark.parametrize("bad", [-1.0, 0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e39, 1e-46])
+def test_from_nvfp4_global_scales_must_be_finite_and_positive(rng, which, bad):
+    # These loaded, and the GEMM then returned zeros, sign-flipped or NaN
+    # outputs: the rule of from_float's gs (a finite positive float32) for
+    # every form, a number, one value for all groups, or one per group.
+    c2, s2, gs = _stacked(rng)
+    forms = [bad, torch.tensor(bad, dtype=torch.float32), torch.tensor([0.5, bad], dtype=torch.float32)]
+    for form in forms:
+        args = (c2, s2, form) if which == "weight_scale_2" else (c2, s2, gs, form)
+        with pytest.raises(ValueError, match=f"^{which}:.*finite positive"):
+            Fp4Weight.from_nvfp4(*args, groups=2)
+    with pytest.raises(TypeError, match=f"^{which}:"):
+        Fp4Weight.from_nvfp4(*((c2, s2, True) if which == "weight_scale_2" else (c2, s2, gs, True)), groups=2)
+
+
+@pytest.mark.parametrize("byte", [0x7F, 0xFF, 0x80, 0xC0])
+def test_from_nvfp4_block_scales_must_be_finite_and_non_negative(rng, byte):
+    # E4M3 0x7F / 0xFF are NaN and 0x80.. negative: they would load as NaN or
+    # sign-flipped blocks (MXFP4's NaN byte 255 is refused by its window).
+    c2, s2, gs = _stacked(rng)
+    s = s2.clone()
+    s[3, 1] = byte
+    with pytest.raises(ValueError, match=rf"^weight_scale:.*{byte:#04x}"):
+        Fp4Weight.from_nvfp4(c2, s, gs, groups=2)
+    s[3, 1] = 0x7E                      # 448, the largest finite E4M3, loads
+    s[4, 0] = 0x00
+    assert Fp4Weight.from_nvfp4(c2, s, gs, groups=2).unpack()[1].reshape(16, 2)[3, 1] == 0x7E
+
+
+def test_every_loader_checks_its_scale_tensors_alike(rng):
+    # shape, dtype and device, the same rule for NVFP4's block and global
+    # scales and MXFP4's scale: a tensor on another device is refused by
+    # name (weight_scale_2 / input_scale were moved silently; a meta tensor
+    # made that fail inside torch).
+    c2, s2, gs = _stacked(rng)
+    meta = {"weight_scale": (c2, s2.to("meta"), gs), "weight_scale_2": (c2, s2, gs.to("meta")),
+            "input_scale": (c2, s2, gs, gs.to("meta"))}
+    for name, args in meta.items():
+        with pytest.raises(ValueError, match=f"^{name}: is on meta but weight is on cpu"):
+            Fp4Weight.from_nvfp4(*args, groups=2)
+    codes, scales = _mx(rng, 2, 8, 64)
+    with pytest.raises(ValueError, match="^scale: is on meta but weight is on cpu"):
+        Fp4Weight.from_mxfp4(codes, scales.to("meta"))
+    for name, args in {"weight_scale": (c2, s2.to(torch.int8), gs), "weight_scale_2": (c2, s2, gs.half()),
+                       "input_scale": (c2, s2, gs, gs.double())}.items():
+        with pytest.raises(TypeError, match=f"^{name}: dtype"):
+            Fp4Weight.from_nvfp4(*args, groups=2)
+    with pytest.raises(TypeError, match="^scale: dtype"):
+        Fp4Weight.from_mxfp4(codes, scales.to(torch.int8))
+    with pytest.raises(ValueError, match="^scale: expected shape"):
+        Fp4Weight.from_mxfp4(codes, scales[:, :, :1])
+

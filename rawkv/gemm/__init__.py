@@ -11,9 +11,9 @@ the kernel launch or, on CPU, the reference), layer (Fp4GroupedLinear).
 from __future__ import annotations
 
 from .pack import pack_codes, pack_scales, unpack_codes, unpack_scales
-from .weights import FORMATS, MX_WINDOW, MX_WINDOW_FP16, Fp4Weight
+from .weights import FORMATS, MX_WINDOW, MX_WINDOW_FP16, NV_SCALE_MAX, Fp4Weight
 from .linear import grouped_linear, moe_linear, operator_args
 from .layer import Fp4GroupedLinear
 
 __all__ = ["Fp4Weight", "Fp4GroupedLinear", "grouped_linear", "moe_linear", "operator_args", "FORMATS", "MX_WINDOW",
-           "MX_WINDOW_FP16", "pack_codes", "pack_scales", "unpack_codes", "unpack_scales"]
+           "MX_WINDOW_FP16", "NV_SCALE_MAX", "pack_codes", "pack_scales", "unpack_codes", "unpack_scales"]

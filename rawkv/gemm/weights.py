@@ -25,10 +25,19 @@ FORMATS = ("nvfp4", "mxfp4")
 #: with FP16 activations.
 MX_WINDOW = (4, 137)
 MX_WINDOW_FP16 = (113, 137)
+#: The largest NVFP4 block-scale byte a loader takes: E4M3 0x7E = 448. Above
+#: it are NaN (0x7F) and the negative scales (0x80 ..), which no exporter
+#: writes and which would load as NaN or sign-flipped weights.
+NV_SCALE_MAX = 0x7E
 
 
 def _dtype_name(d) -> str:
     return str(d).replace("torch.", "")
+
+
+def _same_device(t, name: str, device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name}: is on {t.device} but weight is on {device}; rawkv does not move data")
 
 
 def _byte_tensor(t, name: str, view: str):
@@ -71,8 +80,7 @@ def _as_groups(t, name: str, g: int, n: int, cols: int, device):
     if tuple(t.shape) not in ((g * n, cols), (g, n, cols)):
         raise ValueError(f"{name}: expected shape {(g * n, cols)} or {(g, n, cols)}, "
                          f"got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: is on {t.device} but weight is on {device}")
+    _same_device(t, name, device)
     return t.reshape(g, n, cols)
 
 
@@ -93,10 +101,14 @@ def _checkpoint(weight, scale, scale_name: str, scale_view: str, groups, fmt: st
 
 def _per_group(v, name: str, g: int, device):
     """A float32 scale per group: a number or a float32 tensor of shape (),
-    (1,), (G,) or (G, 1) -> float32 (G,) on `device` (one value: every group)."""
+    (1,), (G,) or (G, 1) on `device` -> float32 (G,) (one value: every
+    group). Each value must be a finite positive float32 (the rule of
+    from_float's gs: check_gs_number), since 0, a negative, NaN or Inf would
+    load as zero, sign-flipped or NaN weights. Reads the values (a host sync
+    for a CUDA tensor: load time)."""
     import torch
-    if is_number(v):
-        return torch.full((g,), float(v), dtype=torch.float32, device=device)
+    if is_number(v) or isinstance(v, (bool, np.bool_)):
+        return torch.full((g,), check_gs_number(v, name), dtype=torch.float32, device=device)
     require_array(v, name)
     if not is_torch(v):
         raise TypeError(f"{name}: expected a number or a torch tensor, got {type(v).__name__}")
@@ -104,7 +116,10 @@ def _per_group(v, name: str, g: int, device):
         raise TypeError(f"{name}: dtype {_dtype_name(v.dtype)} is not supported (expected float32)")
     if tuple(v.shape) not in ((), (1,), (g,), (g, 1)):
         raise ValueError(f"{name}: expected shape (), (1,), ({g},) or ({g}, 1), got {tuple(v.shape)}")
-    return v.reshape(-1).to(device).expand(g).contiguous()
+    _same_device(v, name, device)
+    for f in v.reshape(-1).tolist():
+        check_gs_number(f, name)
+    return v.reshape(-1).expand(g).contiguous()
 
 
 def _group_gs_list(gs, g: int) -> list[float]:
@@ -212,9 +227,15 @@ class Fp4Weight:
         uint8 (or float4_e2m1fn_x2) (G*N, K/2) or (G, N, K/2); weight_scale
         float8_e4m3fn (or uint8) (G*N, K/16) or (G, N, K/16); weight_scale_2
         float32 () / (1,) / (G,) / (G, 1) (or a number); input_scale None or
-        the same forms. groups: G for the 2-D (stacked) form."""
+        the same forms. groups: G for the 2-D (stacked) form. Refused: block
+        scale bytes above NV_SCALE_MAX (NaN or negative), and global scales
+        that are not finite positive float32s."""
         codes, scales = _checkpoint(weight, weight_scale, "weight_scale", "float8_e4m3fn", groups,
                                     "nvfp4")
+        top = int(scales.max()) if scales.numel() else 0
+        if top > NV_SCALE_MAX:
+            raise ValueError(f"weight_scale: NVFP4 block scales must be finite and non-negative E4M3 "
+                             f"(bytes 0x00 .. {NV_SCALE_MAX:#04x}); got byte {top:#04x} (NaN or negative)")
         g, dev = codes.shape[0], codes.device
         gs = _per_group(weight_scale_2, "weight_scale_2", g, dev)
         inp = None if input_scale is None else _per_group(input_scale, "input_scale", g, dev)
