@@ -132,3 +132,21 @@ def test_a_bad_out_writes_nothing(rng):
         rawkv.gemm.moe_linear(x, w, torch.tensor([1, 5, 3, 12, 9], dtype=torch.int32), errors=errors,
                               out=torch.empty(9, 15, dtype=torch.bfloat16))
     assert errors[0] == 0             # the clamps are not counted by a call that raised
+
+
+def test_layer_arguments_are_refused_by_name(rng):
+    # a wrong type is a TypeError, a bad value a ValueError (both were
+    # ValueErrors); no weight / no activation: TypeErrors naming them (were
+    # AttributeErrors from inside the layer)
+    for bad, exc in (("2", TypeError), (2.0, TypeError), (True, TypeError), (0, ValueError), (-1, ValueError)):
+        with pytest.raises(exc, match=r"^groups"):
+            rawkv.gemm.Fp4GroupedLinear(bad, 64, 16, max_tokens=4, device="cpu")
+        with pytest.raises(exc, match=r"^max_tokens"):
+            rawkv.gemm.Fp4GroupedLinear(2, 64, 16, max_tokens=bad, device="cpu")
+    layer = rawkv.gemm.Fp4GroupedLinear(2, 64, 16, max_tokens=4, device="cpu")
+    with pytest.raises(TypeError, match=r"^w: expected a tensor or array, got None"):
+        layer.set_weight(None)
+    layer.set_weight(torch.randn(2, 16, 64))
+    for bad in (None, 3.0):
+        with pytest.raises(TypeError, match=r"^x: expected a tensor"):
+            layer(bad)

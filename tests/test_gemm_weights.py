@@ -334,3 +334,50 @@ def test_every_loader_checks_its_scale_tensors_alike(rng):
     with pytest.raises(ValueError, match="^scale: expected shape"):
         Fp4Weight.from_mxfp4(codes, scales[:, :, :1])
 
+
+# -- issue 21: no torch, no CUDA ------------------------------------------------------
+
+def _cpu_only_torch():
+    return not torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cpu_only_torch(), reason="needs a torch without a usable CUDA device")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0, torch.device("cuda")])
+def test_cuda_without_a_gpu_stack_is_gpu_unavailable(rng, device):
+    # torch's own error here is a bare AssertionError ("Torch not compiled
+    # with CUDA enabled"): rawkv's runtime says what is missing.
+    w = Fp4Weight.from_float(torch.randn(2, 16, 64))
+    with pytest.raises(rawkv.GpuUnavailableError, match="CUDA"):
+        w.to(device)
+    with pytest.raises(rawkv.GpuUnavailableError, match="CUDA"):
+        rawkv.gemm.Fp4GroupedLinear(2, 64, 16, max_tokens=4, device=device)
+    with pytest.raises(rawkv.GpuUnavailableError, match="CUDA"):
+        rawkv.gemm.Fp4GroupedLinear(2, 64, 16, max_tokens=4)          # the default device
+
+
+def test_device_arguments_are_refused_by_name():
+    w = Fp4Weight.from_float(torch.randn(1, 16, 64))
+    for bad, exc in (("meta", ValueError), ("cuda:x", ValueError), (True, TypeError), (1.5, TypeError),
+                     (None, TypeError)):
+        with pytest.raises(exc, match="^device"):
+            w.to(bad)
+        with pytest.raises(exc, match="^device"):
+            rawkv.gemm.Fp4GroupedLinear(1, 64, 16, max_tokens=2, device=bad)
+    assert w.to(torch.device("cpu")).device.type == "cpu"
+
+
+def test_without_torch_the_loaders_say_what_they_need(monkeypatch):
+    # `import rawkv` needs only numpy; without torch a loader got a bare
+    # ModuleNotFoundError. A weight is a torch tensor: anything else is a
+    # TypeError naming it, checked before torch is imported, and what needs
+    # torch outright (a layer) says so.
+    w = np.zeros((16, 64), np.float32)
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)        # import torch fails
+    with pytest.raises(TypeError, match="^w: expected a torch tensor, got ndarray"):
+        Fp4Weight.from_float(w)
+    with pytest.raises(TypeError, match="^weight: expected a torch tensor"):
+        Fp4Weight.from_nvfp4(w.view(np.uint8), w, 1.0)
+    with pytest.raises(TypeError, match="^weight: expected a torch tensor"):
+        Fp4Weight.from_mxfp4(w.view(np.uint8), w)
+    with pytest.raises(ImportError, match="Fp4GroupedLinear needs PyTorch"):
+        rawkv.gemm.Fp4GroupedLinear(1, 64, 16, max_tokens=2, device="cpu")

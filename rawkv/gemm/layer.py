@@ -5,8 +5,9 @@ allocated once, at construction, so a call allocates nothing and can be
 captured in a CUDA graph."""
 from __future__ import annotations
 
+from .._dispatch import is_torch
 from .linear import grouped_linear
-from .weights import Fp4Weight
+from .weights import Fp4Weight, checked_device, require_torch
 
 
 class Fp4GroupedLinear:
@@ -18,22 +19,27 @@ class Fp4GroupedLinear:
 
     def __init__(self, groups: int, in_features: int, out_features: int, *, max_tokens: int,
                  device="cuda"):
-        import torch
+        torch = require_torch("rawkv.gemm.Fp4GroupedLinear")
         for name, v in (("groups", groups), ("in_features", in_features), ("out_features", out_features),
                         ("max_tokens", max_tokens)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{name}: expected a positive int, got {v!r}")
+            if v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if in_features % 16:
             raise ValueError(f"in_features: {in_features} is not a multiple of 16 (NVFP4 blocks)")
         self.groups, self.in_features, self.out_features = groups, in_features, out_features
         self.max_tokens = max_tokens
         self.weight: Fp4Weight | None = None
-        self.out = torch.empty((max_tokens, groups, out_features), dtype=torch.bfloat16, device=device)
+        self.out = torch.empty((max_tokens, groups, out_features), dtype=torch.bfloat16,
+                               device=checked_device(device))
 
     def set_weight(self, w, *, gs=None) -> "Fp4GroupedLinear":
         """Quantize a BF16/FP32 weight (G, N, K) to NVFP4 with ModelOpt's
         rules (gs per group: computed as ModelOpt does, or given)."""
-        self._set(Fp4Weight.from_float(w.to(self.out.device), gs=gs), "w")
+        if is_torch(w):         # (anything else: from_float's error naming w)
+            w = w.to(self.out.device)
+        self._set(Fp4Weight.from_float(w, gs=gs), "w")
         return self
 
     def load_nvfp4(self, weight, weight_scale, weight_scale_2, input_scale=None) -> "Fp4GroupedLinear":
@@ -57,8 +63,9 @@ class Fp4GroupedLinear:
     def __call__(self, x, *, out=None, stream=None):
         if self.weight is None:
             raise RuntimeError("Fp4GroupedLinear: no weight yet; call set_weight / load_nvfp4 / load_mxfp4")
-        if out is None:
-            tokens = (x.q if hasattr(x, "q") else x).shape[0]
+        shape = getattr(x.q if hasattr(x, "q") else x, "shape", ())
+        if out is None and len(shape):      # (no shape: grouped_linear's error naming x)
+            tokens = shape[0]
             if tokens > self.max_tokens:
                 raise ValueError(f"x: {tokens} tokens, the layer was built for max_tokens={self.max_tokens}")
             out = self.out[:tokens]

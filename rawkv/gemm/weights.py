@@ -17,6 +17,7 @@ import numpy as np
 from .._args import check_gs_number, is_number, require_array
 from .._dispatch import is_torch
 from ..reference import gemm as ref
+from ..runtime import get_runtime
 from . import pack
 
 FORMATS = ("nvfp4", "mxfp4")
@@ -35,6 +36,41 @@ def _dtype_name(d) -> str:
     return str(d).replace("torch.", "")
 
 
+def require_torch(what: str):
+    """torch, or an ImportError saying that `what` needs it (rawkv itself
+    imports without torch; its GEMM weights are torch tensors)."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError(f"{what} needs PyTorch (pip install torch); the GEMM's numpy definition "
+                          "is rawkv.reference.gemm") from exc
+    return torch
+
+
+def _torch_tensor(t, name: str):
+    """`t`, which must be a torch tensor: checked before torch is imported, so
+    that without torch an array is a TypeError naming it."""
+    require_array(t, name)
+    if not is_torch(t):
+        raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+    return t
+
+
+def checked_device(device):
+    """`device` ('cpu', 'cuda', 'cuda:N', a CUDA index or a torch.device) as
+    a torch.device. A CUDA one goes through rawkv's runtime first, so a
+    missing GPU stack (a CPU-only torch: torch's own error is a bare
+    AssertionError) is a rawkv.GpuUnavailableError and a missing index a
+    ValueError naming `device`."""
+    torch = require_torch("rawkv.gemm")
+    if getattr(device, "type", None) == "cpu" or (
+            isinstance(device, str) and device.partition(":")[0].strip() == "cpu"):
+        return torch.device(device)
+    if device is None:
+        raise TypeError("device: expected 'cpu', 'cuda', 'cuda:N', a CUDA index or a torch.device, got None")
+    return torch.device("cuda", get_runtime(device).device_index)
+
+
 def _same_device(t, name: str, device) -> None:
     if t.device != device:
         raise ValueError(f"{name}: is on {t.device} but weight is on {device}; rawkv does not move data")
@@ -42,10 +78,8 @@ def _same_device(t, name: str, device) -> None:
 
 def _byte_tensor(t, name: str, view: str):
     """`t` as uint8: a torch tensor of uint8 or of torch's `view` dtype."""
+    _torch_tensor(t, name)
     import torch
-    require_array(t, name)
-    if not is_torch(t):
-        raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
     allowed = [torch.uint8] + [getattr(torch, view)] * hasattr(torch, view)
     if t.dtype not in allowed:
         raise TypeError(f"{name}: dtype {_dtype_name(t.dtype)} is not supported "
@@ -196,12 +230,10 @@ class Fp4Weight:
         own ModelOpt global scale (scope 'tensor') when gs is None, else the
         given one (a number for all groups, or G numbers), so the bytes are
         ModelOpt's NVFP4QTensor.quantize bytes of each group."""
+        _torch_tensor(w, "w")
         import torch
 
         from .. import nvfp4
-        require_array(w, "w")
-        if not is_torch(w):
-            raise TypeError(f"w: expected a torch tensor, got {type(w).__name__}")
         if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"w: dtype {_dtype_name(w.dtype)} is not supported "
                             "(expected float32, bfloat16, float16)")
@@ -248,8 +280,8 @@ class Fp4Weight:
         or (G, N, K/32). Scale bytes outside MX_WINDOW are refused (the
         kernel's dequantization is exact only inside it); exp_range records
         the bytes' range for the FP16-activation window MX_WINDOW_FP16."""
-        import torch
         codes, scales = _checkpoint(weight, scale, "scale", "float8_e8m0fnu", groups, "mxfp4")
+        import torch
         if scales.numel():
             lo, hi = torch.aminmax(scales.reshape(-1))
             rng = (int(lo), int(hi))
@@ -281,7 +313,10 @@ class Fp4Weight:
         return torch.from_numpy(w).to(self.device)
 
     def to(self, device) -> "Fp4Weight":
-        """A copy on `device` (the same bytes)."""
+        """A copy on `device` (the same bytes): 'cpu', 'cuda', 'cuda:N', a CUDA
+        index or a torch.device (checked_device: no GPU stack is a
+        rawkv.GpuUnavailableError)."""
+        device = checked_device(device)
         mv = (lambda t: None if t is None else t.to(device))
         return Fp4Weight(self.fmt, self.n, self.k, mv(self.codes), mv(self.scales), mv(self.gs),
                          mv(self.input_scale), self.exp_range)
