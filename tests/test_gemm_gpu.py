@@ -225,3 +225,45 @@ def test_layer_checkpoint_equals_set_weight(cuda, rng):
         codes.reshape(g * n, k // 2).cpu(), scales.reshape(g * n, k // 16).cpu(), gs.cpu())
     x = torch.randn(4, g, k, dtype=torch.bfloat16, device="cuda")
     assert torch.equal(a(x), b(x))
+
+
+def test_bad_arguments_are_refused_as_on_cpu(cuda, rng):
+    # issue 21 item 5: tests/test_gemm_ops.py's table of refused arguments,
+    # on CUDA tensors: the same exception and message prefix as on CPU.
+    from test_gemm_ops import check_bad_argument_cases
+    check_bad_argument_cases(rng, "cuda")
+    w, _ = random_weight(rng, 3, 16, 64, "nvfp4")
+    xm = torch.randn(2, 64, dtype=torch.bfloat16, device="cuda")
+    offs = torch.tensor([0, 1, 1, 2], dtype=torch.int32)
+    for call, msg in ((lambda: rawkv.gemm.moe_linear(xm, w, offs), "offsets: is on cpu"),
+                      (lambda: rawkv.gemm.moe_linear(xm, w, offs.cuda(), errors=torch.zeros(1, dtype=torch.int32)),
+                       "errors: is on cpu"),
+                      (lambda: rawkv.gemm.moe_linear(xm, w, offs.cuda(), out=torch.empty(2, 16, dtype=torch.bfloat16)),
+                       "out: is on cpu"),
+                      (lambda: rawkv.gemm.moe_linear(xm.cpu().float().numpy(), w, offs.numpy()), "weight: is on cuda")):
+        with pytest.raises(ValueError, match="^" + msg):
+            call()
+
+
+def test_loaders_check_cuda_scales(cuda, rng):
+    # issue 21 items 1 and 6 on CUDA tensors: a bad global scale read back
+    # from the device, a scale on another device, a device that does not exist.
+    g, n, k = 2, 16, 64
+    codes = torch.from_numpy(rng.integers(0, 256, (g * n, k // 2), dtype=np.uint8)).cuda()
+    scales = torch.from_numpy(rng.integers(0x10, 0x60, (g * n, k // 16), dtype=np.uint8)).cuda()
+    for bad in (float("nan"), -1.0, 0.0, float("inf")):
+        with pytest.raises(ValueError, match="^weight_scale_2:.*finite positive"):
+            rawkv.gemm.Fp4Weight.from_nvfp4(codes, scales, torch.tensor([0.5, bad], device="cuda"), groups=g)
+    with pytest.raises(ValueError, match="^weight_scale_2: is on cpu"):
+        rawkv.gemm.Fp4Weight.from_nvfp4(codes, scales, torch.tensor([0.5, 0.25]), groups=g)
+    bad_sf = scales.clone()
+    bad_sf[0, 0] = 0x7F
+    with pytest.raises(ValueError, match="^weight_scale:.*0x7f"):
+        rawkv.gemm.Fp4Weight.from_nvfp4(codes, bad_sf, 0.5, groups=g)
+    w = rawkv.gemm.Fp4Weight.from_nvfp4(codes, scales, 0.5, groups=g)
+    missing = torch.cuda.device_count()
+    with pytest.raises(ValueError, match="^device"):
+        w.to(f"cuda:{missing}")
+    with pytest.raises(ValueError, match="^device"):
+        rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=2, device=missing)
+    assert w.to("cpu").to(0).device == torch.device("cuda", 0)

@@ -1,6 +1,8 @@
 """rawkv.gemm.grouped_linear / moe_linear / Fp4GroupedLinear on CPU tensors
 (the reference, exactly) and their argument checks (raised before any
 launch, naming the argument; the CUDA path runs the same checks first)."""
+import re
+
 import numpy as np
 import pytest
 
@@ -150,3 +152,141 @@ def test_layer_arguments_are_refused_by_name(rng):
     for bad in (None, 3.0):
         with pytest.raises(TypeError, match=r"^x: expected a tensor"):
             layer(bad)
+
+
+# -- issue 21 item 5: one set of argument rules on CPU and CUDA ----------------------
+
+def bad_argument_cases(rng, device):
+    """(what, call, exception, message prefix): arguments the ops refuse,
+    on `device`. The CPU path accepted several that CUDA refuses (int64
+    offsets, int64 / float32 errors, a float64 / int32 gs) or crashed on
+    them (weight=None, an empty or bool errors): tests/test_gemm_gpu.py
+    runs the same table on CUDA."""
+    w = _weight(rng, 3, 16, 64).to(device)
+    x = torch.randn(2, 3, 64, device=device).bfloat16()
+    xm = x[:, 0]
+    offs = torch.tensor([0, 1, 1, 2], dtype=torch.int32, device=device)
+    q, sf, gs = rawkv.nvfp4.quantize(torch.randn(2, 3, 64, device=device), scope="row")
+    qa = rawkv.nvfp4.QuantizedActivation
+    gl, ml = rawkv.gemm.grouped_linear, rawkv.gemm.moe_linear
+    i32 = dict(dtype=torch.int32, device=device)
+    bf = dict(dtype=torch.bfloat16, device=device)
+    return [
+        ("weight None", lambda: gl(x, None), TypeError, "weight: expected a rawkv.gemm.Fp4Weight"),
+        ("weight a tensor", lambda: gl(x, w.codes), TypeError, "weight: expected a rawkv.gemm.Fp4Weight"),
+        ("moe weight None", lambda: ml(xm, None, offs), TypeError, "weight: expected a rawkv.gemm.Fp4Weight"),
+        ("x float32", lambda: gl(x.float(), w), TypeError, "x: dtype float32"),
+        ("x None", lambda: gl(None, w), TypeError, "x: expected a tensor"),
+        ("gs float64", lambda: gl(qa(q, sf, gs.double()), w), TypeError, "x.gs: dtype float64"),
+        ("gs int32", lambda: gl(qa(q, sf, gs.int()), w), TypeError, "x.gs: dtype int32"),
+        ("q float32", lambda: gl(qa(q.view(torch.uint8).float(), sf, gs), w), TypeError, "x.q: dtype float32"),
+        ("offsets int64", lambda: ml(xm, w, offs.long()), TypeError, "offsets: dtype int64"),
+        ("offsets float32", lambda: ml(xm, w, offs.float()), TypeError, "offsets: dtype float32"),
+        ("offsets shape", lambda: ml(xm, w, offs[:3]), ValueError, "offsets: expected shape"),
+        ("offsets strided", lambda: ml(xm, w, torch.zeros(8, **i32)[::2]), ValueError, "offsets: must be contiguous"),
+        ("offsets None", lambda: ml(xm, w, None), TypeError, "offsets: expected a tensor"),
+        ("offsets a list", lambda: ml(xm, w, [0, 1, 1, 2]), TypeError, "offsets: expected a tensor"),
+        ("errors empty", lambda: ml(xm, w, offs, errors=torch.zeros(0, **i32)), ValueError, "errors: needs at least"),
+        ("errors bool", lambda: ml(xm, w, offs, errors=torch.zeros(1, dtype=torch.bool, device=device)),
+         TypeError, "errors: dtype bool"),
+        ("errors int64", lambda: ml(xm, w, offs, errors=torch.zeros(1, dtype=torch.int64, device=device)),
+         TypeError, "errors: dtype int64"),
+        ("errors float32", lambda: ml(xm, w, offs, errors=torch.zeros(1, device=device)),
+         TypeError, "errors: dtype float32"),
+        ("errors strided", lambda: ml(xm, w, offs, errors=torch.zeros(4, **i32)[::2]), ValueError,
+         "errors: must be contiguous"),
+        ("errors a number", lambda: ml(xm, w, offs, errors=0), TypeError, "errors: expected a tensor"),
+        ("out float32", lambda: gl(x, w, out=torch.empty(2, 3, 16, device=device)), TypeError, "out: dtype float32"),
+        ("out shape", lambda: gl(x, w, out=torch.empty(2, 3, 15, **bf)), ValueError, "out: expected shape"),
+        ("out last dim strided", lambda: gl(x, w, out=torch.empty(2, 3, 32, **bf)[..., ::2]),
+         ValueError, "out: the last dimension"),
+        ("out a number", lambda: gl(x, w, out=1.0), TypeError, "out: expected a tensor"),
+        ("moe out shape", lambda: ml(xm, w, offs, out=torch.empty(2, 15, **bf)), ValueError, "out: expected shape"),
+    ]
+
+
+def check_bad_argument_cases(rng, device):
+    for what, call, exc, msg in bad_argument_cases(rng, device):
+        with pytest.raises(exc, match="^" + re.escape(msg)):
+            call()
+        print("refused:", what)
+
+
+def test_bad_arguments_are_refused_by_name_as_on_cuda(rng):
+    check_bad_argument_cases(rng, "cpu")
+
+
+def test_too_many_experts_are_refused_on_cpu_too(rng, monkeypatch):
+    # the ragged kernel's limit (MAX_SEGMENTS - 1 experts) was checked on CUDA only
+    monkeypatch.setattr(rawkv.kernels.gemm_fp4, "MAX_SEGMENTS", 3)
+    w = _weight(rng, 3, 16, 32)
+    with pytest.raises(ValueError, match=r"^weight: 3 experts"):
+        rawkv.gemm.moe_linear(torch.randn(4, 32).bfloat16(), w, torch.zeros(4, dtype=torch.int32))
+
+
+def test_a_refused_errors_counts_nothing(rng):
+    w = _weight(rng, 2, 16, 32)
+    before = int(rawkv.nvfp4.error_counts("cpu")[rawkv.nvfp4.GEMM_OFFSETS])
+    bad_offsets = torch.tensor([5, 0, 9], dtype=torch.int32)        # would count clamps
+    with pytest.raises(TypeError, match=r"^errors"):
+        rawkv.gemm.moe_linear(torch.randn(4, 32).bfloat16(), w, bad_offsets, errors=np.zeros(1, np.int64))
+    assert int(rawkv.nvfp4.error_counts("cpu")[rawkv.nvfp4.GEMM_OFFSETS]) == before
+
+
+def _f32_bits(a):
+    """numpy's BF16 stand-in (float32 holding BF16 values) as BF16 bits."""
+    b = a.view(np.uint32)
+    assert not (b & 0xFFFF).any()
+    return (b >> 16).astype(np.uint16)
+
+
+def test_numpy_activations_run_the_reference(rng):
+    # docs/gemm.md "Arguments": numpy arrays run the reference like CPU
+    # tensors (they crashed: 'numpy.ndarray' object has no attribute 'dim').
+    # numpy has no bfloat16: a float32 array holding BF16 values stands for
+    # one, and the result is such an array.
+    w = _weight(rng, 3, 40, 96)
+    xt = torch.randn(5, 3, 96).bfloat16()
+    want = _bits(rawkv.gemm.grouped_linear(xt, w))
+    x32 = xt.float().numpy()
+    got = rawkv.gemm.grouped_linear(x32, w)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == (5, 3, 40)
+    assert np.array_equal(_f32_bits(got), want)
+    out = np.full((5, 3, 40), np.nan, np.float32)
+    assert rawkv.gemm.grouped_linear(x32, w, out=out) is out and np.array_equal(_f32_bits(out), want)
+    tout = torch.empty(5, 3, 40, dtype=torch.bfloat16)
+    assert rawkv.gemm.grouped_linear(x32, w, out=tout) is tout and np.array_equal(_bits(tout), want)
+    x16 = x32.astype(np.float16)
+    assert np.array_equal(_f32_bits(rawkv.gemm.grouped_linear(x16, w)),
+                          _bits(rawkv.gemm.grouped_linear(torch.from_numpy(x16), w)))
+    bad = x32.copy()
+    bad[1, 2, 3] = 0.1                              # not a BF16 value
+    with pytest.raises(ValueError, match=r"^x: .*BF16 values; x\[1, 2, 3\]"):
+        rawkv.gemm.grouped_linear(bad, w)
+    with pytest.raises(TypeError, match=r"^x: dtype float64"):
+        rawkv.gemm.grouped_linear(x32.astype(np.float64), w)
+    with pytest.raises(TypeError, match=r"^out: dtype float64"):
+        rawkv.gemm.grouped_linear(x32, w, out=np.empty((5, 3, 40)))
+
+
+def test_numpy_nvfp4_activations_and_moe(rng):
+    # a QuantizedActivation of numpy arrays (what rawkv.nvfp4.quantize and
+    # the fused producers return for numpy input) gives the bits of the same
+    # activation as CPU tensors; moe_linear takes numpy offsets / errors.
+    w = _weight(rng, 3, 24, 64)
+    xf = rng.standard_normal((4, 3, 64)).astype(np.float32)
+    qa = rawkv.nvfp4.QuantizedActivation
+    qn = qa(*rawkv.nvfp4.quantize(xf, scope="row")[:3])
+    qt = qa(*rawkv.nvfp4.quantize(torch.from_numpy(xf), scope="row")[:3])
+    assert isinstance(qn.q, np.ndarray)
+    assert np.array_equal(_f32_bits(rawkv.gemm.grouped_linear(qn, w)), _bits(rawkv.gemm.grouped_linear(qt, w)))
+    with pytest.raises(TypeError, match=r"^x.gs: dtype float64"):
+        rawkv.gemm.grouped_linear(qa(qn.q, qn.sf, qn.gs.astype(np.float64)), w)
+    xm = torch.randn(7, 64).bfloat16()
+    offsets = np.array([0, 2, 1, 9], np.int32)                      # two clamps
+    errors = np.zeros((1, 2), np.int32)                             # errors[0] is the first element
+    got = rawkv.gemm.moe_linear(xm.float().numpy(), w, offsets, errors=errors)
+    want = rawkv.gemm.moe_linear(xm, w, torch.from_numpy(offsets))
+    assert np.array_equal(_f32_bits(got), _bits(want)) and errors.tolist() == [[2, 0]]
+    with pytest.raises(TypeError, match=r"^offsets: dtype int64"):
+        rawkv.gemm.moe_linear(xm.float().numpy(), w, offsets.astype(np.int64))
