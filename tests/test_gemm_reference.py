@@ -95,6 +95,56 @@ def test_unpack_refuses_wrong_shapes():
         R.pack_scales(np.zeros((1, 20, 5), np.uint8), 8)
 
 
+def bad_packer_cases(P, to):
+    """(what, call, exception, message prefix) for the packers of module `P`
+    (rawkv.reference.gemm on numpy arrays, or rawkv.gemm.pack on torch
+    tensors: `to` converts a numpy array). Both apply one rule
+    (rawkv.reference.gemm.check_*); the torch packer raised KeyError,
+    IndexError or RuntimeError on these, the reference TypeErrors naming
+    nothing (n=16.0, k=None) or took block=16.0."""
+    codes = np.zeros((1, 16, 32), np.uint8)
+    scales = np.zeros((1, 16, 4), np.uint8)
+    pc, ps = to(R.pack_codes(codes)), to(R.pack_scales(scales, 16))
+    return [
+        ("codes 2-d", lambda: P.pack_codes(to(codes[0])), ValueError, "codes: expected a 3-d"),
+        ("codes float32", lambda: P.pack_codes(to(codes.astype(np.float32))), TypeError, "codes: expected uint8"),
+        ("codes None", lambda: P.pack_codes(None), TypeError, "codes:"),
+        ("scales 4-d", lambda: P.pack_scales(to(scales[None]), 16), ValueError, "scales: expected a 3-d"),
+        ("scales int16", lambda: P.pack_scales(to(scales.astype(np.int16)), 16), TypeError, "scales: expected uint8"),
+        *[(f"block {b!r}", (lambda b=b: P.pack_scales(to(scales), b)), ValueError, "block:") for b in (8, 0, 64, -16)],
+        *[(f"block {b!r}", (lambda b=b: P.pack_scales(to(scales), b)), TypeError, "block:")
+          for b in (16.0, True, None, "16")],
+        ("unpack_codes n", lambda: P.unpack_codes(pc, 17, 64), ValueError, "packed: expected shape"),
+        ("unpack_codes odd k", lambda: P.unpack_codes(pc, 16, 63), ValueError, "k: must be a multiple of 2"),
+        ("unpack_codes negative n", lambda: P.unpack_codes(pc, -16, 64), ValueError, "n: must be >= 0"),
+        ("unpack_codes float n", lambda: P.unpack_codes(pc, 16.0, 64), TypeError, "n: expected an int"),
+        ("unpack_codes k None", lambda: P.unpack_codes(pc, 16, None), TypeError, "k: expected an int"),
+        ("unpack_codes 4-d", lambda: P.unpack_codes(pc[0], 16, 64), ValueError, "packed: expected a 5-d"),
+        ("unpack_codes int32", lambda: P.unpack_codes(to(R.pack_codes(codes).astype(np.int32)), 16, 64),
+         TypeError, "packed: expected uint8"),
+        ("unpack_codes of scales", lambda: P.unpack_codes(ps, 16, 64), ValueError, "packed: expected shape"),
+        ("unpack_scales block 8", lambda: P.unpack_scales(ps, 16, 64, 8), ValueError, "block:"),
+        ("unpack_scales block 0", lambda: P.unpack_scales(ps, 16, 64, 0), ValueError, "block:"),
+        ("unpack_scales block 32.0", lambda: P.unpack_scales(ps, 16, 64, 32.0), TypeError, "block:"),
+        ("unpack_scales k", lambda: P.unpack_scales(ps, 16, 48, 32), ValueError, "k: must be a multiple of 32"),
+        ("unpack_scales n", lambda: P.unpack_scales(ps, 40, 64, 16), ValueError, "packed: expected shape"),
+        ("unpack_scales of codes", lambda: P.unpack_scales(pc, 16, 64, 16), ValueError, "packed: expected shape"),
+        ("unpack_scales bool n", lambda: P.unpack_scales(ps, True, 64, 16), TypeError, "n: expected an int"),
+    ]
+
+
+def check_bad_packer_cases(P, to):
+    import re
+    for what, call, exc, msg in bad_packer_cases(P, to):
+        with pytest.raises(exc, match="^" + re.escape(msg)):
+            call()
+        print("refused:", what)
+
+
+def test_packers_refuse_bad_arguments_by_name():
+    check_bad_packer_cases(R, lambda a: a)
+
+
 def _exact(v: float) -> Fraction:
     return Fraction(v)
 

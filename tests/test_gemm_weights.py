@@ -41,6 +41,17 @@ def test_torch_packer_equals_reference(rng, g, n, k):
         np.testing.assert_array_equal(pack.unpack_scales(ps, n, k, block).numpy(), scales)
 
 
+
+def test_torch_packer_refuses_what_the_reference_refuses():
+    # issue 21 item 10: the same table, the same errors, on torch tensors
+    # (and a numpy array, the reference packer's, is a TypeError naming it)
+    from test_gemm_reference import check_bad_packer_cases
+    check_bad_packer_cases(pack, _t)
+    for call in (lambda: pack.pack_codes(np.zeros((1, 16, 32), np.uint8)),
+                 lambda: pack.unpack_scales(np.zeros((1, 1, 1, 32, 2), np.uint8), 16, 64, 16)):
+        with pytest.raises(TypeError, match=r"^(codes|packed): expected a torch tensor, got ndarray"):
+            call()
+
 def _quantize_groups(w, gs=None):
     """rawkv.nvfp4.quantize of each group, stacked: (codes, scales, gs)."""
     parts = [rawkv.nvfp4.quantize(w[i], scope="tensor") if gs is None else

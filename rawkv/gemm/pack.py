@@ -10,7 +10,33 @@ within the step's 4, held by byte COL_OF_BYTE^-1[p] of the word).
 """
 from __future__ import annotations
 
-from ..reference.gemm import CHUNK, COL_OF_BYTE, LANES, ROWS, SCALE_PAD, padded_sizes
+from .._args import require_array
+from .._dispatch import is_torch
+from ..reference.gemm import (CHUNK, COL_OF_BYTE, LANES, ROWS, SCALE_PAD, check_block, check_bytes,
+                              check_packed, padded_sizes)
+
+
+def _dtype(t, name: str) -> str:
+    """The dtype name of `t`, which must be a torch tensor (numpy arrays
+    are the reference packer's)."""
+    require_array(t, name)
+    if not is_torch(t):
+        raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__} "
+                        "(rawkv.reference.gemm packs numpy arrays)")
+    return str(t.dtype).replace("torch.", "")
+
+
+def _unpacked(t, name: str) -> None:
+    """codes / scales: the reference's rule (rawkv.reference.gemm.check_bytes)."""
+    dtype = _dtype(t, name)
+    check_bytes(tuple(t.shape), dtype, 3, name)
+
+
+def _packed(t, n, k, block=None) -> tuple[int, int]:
+    """(n, k) of a packed tensor's arguments, checked as the reference checks
+    them (rawkv.reference.gemm.check_packed)."""
+    dtype = _dtype(t, "packed")
+    return check_packed(tuple(t.shape), dtype, n, k, block)
 
 
 def _padded(t, rows: int, cols: int, fill: int):
@@ -23,6 +49,7 @@ def _padded(t, rows: int, cols: int, fill: int):
 def pack_codes(codes):
     """codes (G, N, K/2) uint8 -> packed (G, NP/16, C, 32, 16) uint8."""
     import torch
+    _unpacked(codes, "codes")
     g, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
     npad, chunks = padded_sizes(n, k)
     nib = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(g, n, k)
@@ -38,6 +65,7 @@ def pack_codes(codes):
 def unpack_codes(packed, n: int, k: int):
     """packed (G, NP/16, C, 32, 16) -> codes (G, N, K/2), padding dropped."""
     import torch
+    n, k = _packed(packed, n, k)
     g = packed.shape[0]
     npad, chunks = padded_sizes(n, k)
     v = torch.stack((packed & 0xF, packed >> 4), dim=-1)          # (..., byte, j)
@@ -51,6 +79,8 @@ def unpack_codes(packed, n: int, k: int):
 def pack_scales(scales, block: int):
     """scales (G, N, K/block) uint8 -> packed (G, NP/16, C, 32, 2) uint8, padding
     SCALE_PAD[block]."""
+    _unpacked(scales, "scales")
+    block = check_block(block)
     g, n = scales.shape[0], scales.shape[1]
     k = block * scales.shape[2]
     npad, chunks = padded_sizes(n, k)
@@ -64,6 +94,8 @@ def pack_scales(scales, block: int):
 def unpack_scales(packed, n: int, k: int, block: int):
     """packed (G, NP/16, C, 32, 2) -> scales (G, N, K/block), padding dropped
     (an MXFP4 block's first copy)."""
+    n, k = _packed(packed, n, k, block)
+    block = int(block)
     g = packed.shape[0]
     npad, chunks = padded_sizes(n, k)
     v = packed.reshape(g, npad // ROWS, chunks, 8, 4, 2).permute(0, 1, 5, 3, 2, 4)

@@ -44,10 +44,57 @@ def _lane_coords(n_tiles: int, chunks: int, per_lane: int):
     return r0, r0 + 8, kb, e
 
 
+# ---- argument rules of the packers (also rawkv/gemm/pack.py's, on torch
+# tensors' shapes and dtype names), each error naming its argument.
+
+def check_size(v, name: str) -> int:
+    """A logical size (n, k): a non-negative int."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {v!r}")
+    if v < 0:
+        raise ValueError(f"{name}: must be >= 0, got {v}")
+    return int(v)
+
+
+def check_block(block) -> int:
+    """Elements per block scale: 16 (NVFP4) or 32 (MXFP4), an int."""
+    if isinstance(block, (bool, np.bool_)) or not isinstance(block, (int, np.integer)):
+        raise TypeError(f"block: expected 16 (NVFP4) or 32 (MXFP4), got {block!r}")
+    if block not in SCALE_PAD:
+        raise ValueError(f"block: expected 16 (NVFP4) or 32 (MXFP4), got {block!r}")
+    return int(block)
+
+
+def check_bytes(shape, dtype: str, ndim: int, name: str) -> None:
+    """An unpacked (3-d) or packed (5-d) array: uint8 of `ndim` dimensions."""
+    if dtype != "uint8":
+        raise TypeError(f"{name}: expected uint8, got dtype {dtype}")
+    if len(shape) != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d array, got shape {tuple(shape)}")
+
+
+def check_packed(shape, dtype: str, n, k, block=None) -> tuple[int, int]:
+    """A packed array's arguments: `packed` (G, NP/16, C, 32, 16) codes, or
+    (G, NP/16, C, 32, 2) scales when `block` is given, of a weight n x k
+    (k even; a multiple of `block` for scales). Returns (n, k)."""
+    n, k = check_size(n, "n"), check_size(k, "k")
+    if block is not None:
+        block = check_block(block)
+    check_bytes(shape, dtype, 5, "packed")
+    step = 2 if block is None else block
+    if k % step:
+        raise ValueError(f"k: must be a multiple of {step}, got {k}")
+    npad, chunks = padded_sizes(n, k)
+    want = (npad // ROWS, chunks, LANES, 16 if block is None else 2)
+    if tuple(shape[1:]) != want:
+        raise ValueError(f"packed: expected shape (G, {', '.join(map(str, want))}) "
+                         f"for n={n}, k={k}, got {tuple(shape)}")
+    return n, k
+
+
 def _check_ndim(a, ndim: int, name: str) -> np.ndarray:
     a = np.asarray(a)
-    if a.ndim != ndim or a.dtype != np.uint8:
-        raise ValueError(f"{name}: expected a {ndim}-d uint8 array, got {a.ndim}-d {a.dtype}")
+    check_bytes(a.shape, str(a.dtype), ndim, name)
     return a
 
 
@@ -65,13 +112,8 @@ def pack_codes(codes) -> np.ndarray:
 
 def unpack_codes(packed, n: int, k: int) -> np.ndarray:
     """packed (G, NP/16, C, 32, 16) -> codes (G, N, K/2), padding dropped."""
-    packed = _check_ndim(packed, 5, "packed")
-    if k % 2:
-        raise ValueError(f"k: must be even, got {k}")
-    npad, chunks = padded_sizes(n, k)
-    if packed.shape[1:] != (npad // ROWS, chunks, LANES, 16):
-        raise ValueError(f"packed: expected shape (G, {npad // ROWS}, {chunks}, {LANES}, 16) "
-                         f"for n={n}, k={k}, got {packed.shape}")
+    packed = np.asarray(packed)
+    n, k = check_packed(packed.shape, str(packed.dtype), n, k)
     row, col = np.indices((n, k), dtype=np.int64)
     q, half = row % 8, (row % ROWS) // 8                          # half 0: r0, 1: r1
     u = col % CHUNK
@@ -86,8 +128,7 @@ def pack_scales(scales, block: int) -> np.ndarray:
     """scales (G, N, K/block) uint8 -> packed (G, NP/16, C, 32, 2) uint8;
     padding bytes SCALE_PAD[block]."""
     scales = _check_ndim(scales, 3, "scales")
-    if block not in SCALE_PAD:
-        raise ValueError(f"block: expected 16 (NVFP4) or 32 (MXFP4), got {block!r}")
+    block = check_block(block)
     g, n, k = scales.shape[0], scales.shape[1], block * scales.shape[2]
     npad, chunks = padded_sizes(n, k)
     # one scale per 16-column unit (an MXFP4 block covers two), padded
@@ -101,15 +142,9 @@ def unpack_scales(packed, n: int, k: int, block: int) -> np.ndarray:
     """packed (G, NP/16, C, 32, 2) -> scales (G, N, K/block), padding dropped
     (an MXFP4 block is stored twice, once per 16-column half: the first
     copy is read)."""
-    packed = _check_ndim(packed, 5, "packed")
-    if block not in SCALE_PAD:
-        raise ValueError(f"block: expected 16 (NVFP4) or 32 (MXFP4), got {block!r}")
-    if k % block:
-        raise ValueError(f"k: must be a multiple of {block}, got {k}")
-    npad, chunks = padded_sizes(n, k)
-    if packed.shape[1:] != (npad // ROWS, chunks, LANES, 2):
-        raise ValueError(f"packed: expected shape (G, {npad // ROWS}, {chunks}, {LANES}, 2) "
-                         f"for n={n}, k={k}, got {packed.shape}")
+    packed = np.asarray(packed)
+    n, k = check_packed(packed.shape, str(packed.dtype), n, k, block)
+    block = int(block)
     row, blk = np.indices((n, k // block), dtype=np.int64)
     kb = blk * block
     lane = 4 * (row % 8) + (kb % CHUNK) // 16
