@@ -30,31 +30,49 @@ directory, renamed into place (atomic on POSIX), so a crash or a concurrent
 writer never leaves half a file under the final name. Every filesystem step is
 guarded: an unusable cache directory only costs a recompile.
 
+A file larger than MAX_FILE_BYTES is damaged without being read (its size
+is checked on the open descriptor first), and a header that cannot be parsed
+(however deeply nested) is damaged too: the cache never raises. A directory
+where the temporary file cannot be created (read-only, full) costs a
+recompile on every call and one warning per directory and process. Once
+per directory and process, temporary files of ours older than STALE_TMP_S
+(left by a writer that was killed mid-write) are removed.
+
 The directory is $RAWKV_CACHE_DIR, else $XDG_CACHE_HOME/rawkv, else
-~/.cache/rawkv. RAWKV_CACHE_DIR=off disables the disk cache.
+~/.cache/rawkv (a leading ~ is expanded). RAWKV_CACHE_DIR=off disables the
+disk cache.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import secrets
 import stat
 import struct
+import time
 import warnings
 from pathlib import Path
 
 from . import _nvrtc
 
 MAGIC = b"RAWKV-CUBIN-2\n"
+# No cubin rawkv compiles comes near this (the largest are a few MiB): a
+# larger file is damaged, and is not read into memory to find that out.
+MAX_FILE_BYTES = 256 << 20
+# A temporary file this old (seconds) belongs to a writer that died: a live
+# one writes a few MiB and renames it within seconds.
+STALE_TMP_S = 3600
 
 
 def cache_dir() -> Path | None:
     env = os.environ.get("RAWKV_CACHE_DIR")
     if env is not None:
-        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "rawkv"
+        return None if env.strip().lower() in ("", "off", "0", "none") else Path(os.path.expanduser(env))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return Path(os.path.expanduser(base)) / "rawkv"
 
 
 def _sources_digest() -> str:
@@ -118,7 +136,8 @@ def _decode(blob: bytes, key: str) -> _nvrtc.CompileResult | None:
         if header["key"] != key:
             return None
         lowered = dict(header["lowered"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
+        # RecursionError: a deeply nested header (json recurses per level).
         return None
     return _nvrtc.CompileResult(body[start + hlen:], lowered, "", header.get("arch", ""))
 
@@ -217,13 +236,16 @@ def _read(dir_fd: int, name: str) -> bytes | None:
         return b""
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > MAX_FILE_BYTES:
             return b""
-        chunks = []
+        chunks, size = [], 0
         while True:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
                 return b"".join(chunks)
+            size += len(chunk)
+            if size > MAX_FILE_BYTES:       # it grew after the fstat
+                return b""
             chunks.append(chunk)
     except OSError:
         return b""
@@ -231,12 +253,54 @@ def _read(dir_fd: int, name: str) -> bytes | None:
         os.close(fd)
 
 
-def _atomic_write(dir_fd: int, name: str, data: bytes) -> bool:
-    """Write `name` in the directory through a new 0600 temporary file and a
-    rename; False (nothing left behind) if any step fails."""
+# The temporary files _atomic_write names: .<entry>.<pid>.<16 hex>.tmp
+_TMP_NAME = re.compile(r"\..+\.cubin\.rkv\.[0-9]+\.[0-9a-f]{16}\.tmp")
+_EDQUOT = getattr(errno, "EDQUOT", errno.ENOSPC)
+_SWEPT: set = set()          # directories whose stale temporary files were removed
+_WARNED_UNWRITABLE: set = set()
+
+
+def _sweep_stale_tmp(dir_fd: int, d: Path) -> None:
+    """Once per directory and process: remove our temporary files (by name,
+    regular files of this user) older than STALE_TMP_S. Never an error."""
+    if d in _SWEPT:
+        return
+    _SWEPT.add(d)
+    cutoff = time.time() - STALE_TMP_S
+    try:
+        with os.scandir(dir_fd) as it:
+            entries = [e for e in it if _TMP_NAME.fullmatch(e.name)]
+        for e in entries:
+            st = e.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mtime < cutoff:
+                os.unlink(e.name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+def _warn_unwritable(d: Path, exc: OSError) -> None:
+    """One warning per directory and process: without it a read-only or full
+    cache directory recompiles every kernel on every start, silently."""
+    if d in _WARNED_UNWRITABLE:
+        return
+    _WARNED_UNWRITABLE.add(d)
+    warnings.warn(f"rawkv: kernel cache directory {d} cannot be written ({exc.strerror or exc}); "
+                  "kernels are compiled on every start (make it writable, or set RAWKV_CACHE_DIR "
+                  "to a writable private directory, or to off)", RuntimeWarning, stacklevel=4)
+
+
+def _atomic_write(dir_fd: int, name: str, data: bytes, d: Path) -> bool:
+    """Write `name` in the directory `d` (open as dir_fd) through a new 0600
+    temporary file and a rename; False (nothing left behind) if any step
+    fails, with a warning (once) when the directory takes no new file."""
     tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
     try:
-        fd = os.open(tmp, _O_NEW, 0o600, dir_fd=dir_fd)
+        try:
+            fd = os.open(tmp, _O_NEW, 0o600, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, _EDQUOT):
+                _warn_unwritable(d, exc)
+            raise
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -267,6 +331,8 @@ def load_or_compile(filename: str, arch: str, names, extra_options=(), stats=Non
     d = cache_dir()
     dir_fd = _open_dir(d) if d is not None else None
     try:
+        if dir_fd is not None:
+            _sweep_stale_tmp(dir_fd, d)
         name = _file_name(filename, arch, key)
         blob = _read(dir_fd, name) if dir_fd is not None else None
         if blob is not None:
@@ -281,7 +347,7 @@ def load_or_compile(filename: str, arch: str, names, extra_options=(), stats=Non
         source = (_nvrtc.CU_DIR / filename).read_text()
         result = _nvrtc.compile_cu(source, filename, arch, names, extra_options)
         stats["compiles"] = stats.get("compiles", 0) + 1
-        if dir_fd is not None and _atomic_write(dir_fd, name, _encode(result, key)):
+        if dir_fd is not None and _atomic_write(dir_fd, name, _encode(result, key), d):
             return result, d / name
         return result, None
     finally:

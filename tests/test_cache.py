@@ -6,12 +6,14 @@ These compile with NVRTC (cuda-python) and need no GPU. The tests run as
 root here, which bypasses permission checks: they check what the cache
 checks (owner, mode, file type), not what the OS would enforce."""
 import ast
+import hashlib
 import json
 import os
 import stat
 import subprocess
 import sys
 import threading
+import time
 import warnings
 
 import pytest
@@ -291,6 +293,103 @@ def test_file_of_another_user_is_damaged(cache_dir, monkeypatch):
     _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
     assert stats == {"disk_hits": 1}
 
+
+
+# ---- what an attacker or a crash can leave behind (issue 21, item 9) -------------------
+def _hostile(cache_dir, body: bytes):
+    """A file at this key's entry: `body` in the cache format, its checksum
+    valid, so only the parsing can refuse it."""
+    path = _entry(cache_dir)
+    blob = _cache.MAGIC + len(body).to_bytes(4, "little") + body + b"\x7fELF"
+    path.write_bytes(blob + hashlib.sha256(blob).digest())
+    return path
+
+
+def test_deeply_nested_header_is_damaged_not_an_error(cache_dir):
+    """json recurses once per nesting level: 100,000 levels raised
+    RecursionError out of load_or_compile."""
+    _hostile(cache_dir, b"[" * 100_000 + b"]" * 100_000)
+    stats = {}
+    res, path = _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
+    assert stats == {"damaged": 1, "compiles": 1} and res.cubin[:4] == b"\x7fELF"
+    assert _cache._decode(path.read_bytes(), _cache.cache_key(FILE, "sm_90", _names())) is not None
+
+
+def test_huge_file_is_damaged_without_being_read(cache_dir, monkeypatch):
+    """A sparse file beyond MAX_FILE_BYTES is refused from its size: not one
+    read of it (a 3 GiB one took 6.4 GB and 9.5 s)."""
+    path = _entry(cache_dir)
+    with open(path, "wb") as f:
+        f.truncate(_cache.MAX_FILE_BYTES + 1)          # sparse: no disk space used
+    real_read = os.read
+    read_fds = []
+
+    def read(fd, n):
+        if stat.S_ISREG(os.fstat(fd).st_mode) and os.fstat(fd).st_size > _cache.MAX_FILE_BYTES:
+            read_fds.append(fd)
+        return real_read(fd, n)
+    monkeypatch.setattr(os, "read", read)
+    stats = {}
+    _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
+    assert stats == {"damaged": 1, "compiles": 1} and read_fds == []
+    assert path.stat().st_size < _cache.MAX_FILE_BYTES                 # replaced
+
+
+def test_read_only_directory_warns_once(cache_dir, monkeypatch):
+    """A directory that takes no new file (EROFS here: the tests run as root,
+    which bypasses a 0500 mode) recompiles each time, with one warning."""
+    cache_dir.mkdir(mode=0o700)
+    real_open = os.open
+
+    def read_only_open(path, flags, *a, **k):
+        if flags & os.O_CREAT:
+            raise OSError(__import__("errno").EROFS, "Read-only file system", path)
+        return real_open(path, flags, *a, **k)
+    monkeypatch.setattr(os, "open", read_only_open)
+    monkeypatch.setattr(_cache, "_WARNED_UNWRITABLE", set())
+    with pytest.warns(RuntimeWarning, match="cannot be written .Read-only file system"):
+        _, path = _cache.load_or_compile(FILE, "sm_90", _names())
+    assert path is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = {}
+        _, path = _cache.load_or_compile(FILE, "sm_90", _names(), stats=stats)
+    assert path is None and stats == {"compiles": 1} and os.listdir(cache_dir) == []
+
+
+def test_stale_temporary_files_are_removed(cache_dir, monkeypatch):
+    """A writer killed between its write and its rename leaves a .tmp file:
+    ours and over an hour old, it goes; a fresh one (a live writer), a file
+    of another name or a directory stays."""
+    cache_dir.mkdir(mode=0o700)
+    name = _entry(cache_dir).name
+    stale = cache_dir / f".{name}.123.{'ab' * 8}.tmp"
+    fresh = cache_dir / f".{name}.124.{'cd' * 8}.tmp"
+    other = cache_dir / "notes.tmp"
+    folder = cache_dir / f".{name}.125.{'ef' * 8}.tmp"
+    for p in (stale, fresh, other):
+        p.write_bytes(b"half a file")
+    folder.mkdir()
+    old = time.time() - _cache.STALE_TMP_S - 60
+    for p in (stale, other, folder):
+        os.utime(p, (old, old))
+    monkeypatch.setattr(_cache, "_SWEPT", set())
+    _cache.load_or_compile(FILE, "sm_90", _names())
+    assert not stale.exists() and fresh.exists() and other.exists() and folder.is_dir()
+
+
+def test_tilde_in_cache_dir_is_expanded(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAWKV_CACHE_DIR", "~/kc")
+    assert _cache.cache_dir() == home / "kc"
+    _, path = _cache.load_or_compile(FILE, "sm_90", _names())
+    assert path.parent == home / "kc" and not (tmp_path / "~").exists()
+    monkeypatch.delenv("RAWKV_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "~/xdg")
+    assert _cache.cache_dir() == home / "xdg" / "rawkv"
 
 def test_cache_module_imports_nothing_of_rawkv_but_nvrtc():
     tree = ast.parse(open(_cache.__file__).read())
