@@ -207,3 +207,84 @@ def traced_number(v):
     float, or, for None, a bool or a string, `v` as it is (the operator, or
     torch's schema check, refuses what the eager op refuses)."""
     return v if v is None or isinstance(v, (bool, np.bool_, str, bytes)) else float(v)
+
+
+# ---- outputs: writable, and apart from each other and from the inputs ----------------------
+def check_outputs(outputs, inputs=()) -> None:
+    """The arrays an op writes, checked before anything is written.
+
+    `outputs` and `inputs` are (name, array or None) pairs (None and numbers
+    are skipped). Each output must be writable (a numpy array with
+    flags.writeable False is a ValueError naming it: numpy would raise only
+    when the first element is stored, after other outputs were written).
+    No output may share memory with another output or with an input: a
+    kernel's threads read inputs while others write outputs, and two outputs
+    in one place leave whichever was written last (rmsnorm_quantize's
+    out=(None, None, g, g) returned inv_rms as gs). Overlap is decided on
+    the bytes the arrays address (torch tensors and numpy arrays alike, by
+    data pointer, shape and strides; interleaved views that touch no common
+    byte do not overlap), and is a ValueError naming both arguments."""
+    outs = [(n, a) for n, a in outputs if a is not None and not is_number(a)]
+    for name, a in outs:
+        if isinstance(a, np.ndarray) and not a.flags.writeable:
+            raise ValueError(f"{name}: is read-only (a numpy array with flags.writeable False); "
+                             "pass a writable array")
+    spans = [(n, _span(a)) for n, a in outs]
+    spans_in = [(n, _span(a)) for n, a in inputs if a is not None and not is_number(a)]
+    for i, (name, s) in enumerate(spans):
+        for other, t in spans[:i] + spans_in:
+            if _overlap(s, t):
+                raise ValueError(f"{name}: overlaps {other} in memory; the op would write one over "
+                                 f"the other (pass separate buffers)")
+
+
+def _span(a):
+    """(address space, first byte, end byte, pointer, shape, byte strides,
+    item size, dense) of the memory `a` addresses; None for an empty array
+    or one that is neither a numpy array nor a torch tensor."""
+    if isinstance(a, np.ndarray):
+        if a.size == 0:
+            return None
+        ptr, space = a.__array_interface__["data"][0], "host"
+        shape, strides, item = a.shape, a.strides, a.itemsize
+        dense = a.flags.c_contiguous or a.flags.f_contiguous
+    elif is_torch(a):
+        if a.numel() == 0:
+            return None
+        try:
+            ptr = a.data_ptr()
+        except RuntimeError:             # a tensor without storage (meta, fake)
+            return None
+        space = "host" if a.device.type == "cpu" else str(a.device)
+        item = a.element_size()
+        shape, strides = tuple(a.shape), tuple(s * item for s in a.stride())
+        dense = a.is_contiguous()
+    else:
+        return None
+    lo = ptr + sum(s * (d - 1) for d, s in zip(shape, strides) if s < 0)
+    hi = ptr + sum(s * (d - 1) for d, s in zip(shape, strides) if s > 0) + item
+    return space, lo, hi, ptr, shape, strides, item, dense
+
+
+_TOO_HARD = getattr(np, "exceptions", np).TooHardError     # numpy < 1.25: np.TooHardError
+
+
+class _Addresses:
+    """A numpy array over another array's addresses (never read): numpy's
+    exact overlap test (np.shares_memory) works on addresses alone."""
+
+    def __init__(self, ptr, shape, strides, item):
+        self.__array_interface__ = {"version": 3, "data": (ptr, False), "shape": tuple(shape),
+                                    "strides": tuple(strides), "typestr": f"|V{item}"}
+
+
+def _overlap(s, t) -> bool:
+    if s is None or t is None or s[0] != t[0] or s[2] <= t[1] or t[2] <= s[1]:
+        return False
+    if s[7] and t[7]:                   # both dense: the ranges intersect, so the bytes do
+        return True
+    a, b = (np.asarray(_Addresses(*u[3:7])) for u in (s, t))
+    try:
+        return bool(np.shares_memory(a, b, max_work=1 << 16))
+    except _TOO_HARD:
+        return True                     # undecided within the budget: refuse

@@ -139,10 +139,27 @@ REFUSED = [
     ("hidden-3d", ValueError, "hidden", lambda a: _moe(a.hid.view(2, 1, 128), a.ids, a.wts)),
     ("topk_ids-rows", ValueError, "topk_ids", lambda a: _moe(a.hid, a.ids[:1], a.wts[:1])),
     ("topk_weights-shape", ValueError, "topk_weights", lambda a: _moe(a.hid, a.ids, a.wts[:, :3])),
+    # out= parts in one another's memory or in an input's (issue 21, item 7): out=(None, None, g, g)
+    # returned inv_rms as gs
+    ("out.gs-is-out.inv_rms", ValueError, "out.inv_rms", lambda a: _twice(a.t(4), lambda g: _rms(a.x, a.w, out=(None, None, g, g)))),
+    ("out.sf-overlaps-out.q", ValueError, "out.sf", lambda a: _twice(a.t8(4 * 32 + 8), lambda b: _rms(
+        a.x, a.w, out=(b[:128].view(4, 32), b[120:136].view(4, 4), None)))),
+    ("out.inv_rms-in-x", ValueError, "out.inv_rms", lambda a: _rms(a.x, a.w, out=(None, None, None, a.x.view(F32)[0, :4]))),
+    ("out.q-in-h", ValueError, "out.q", lambda a: _sw(a.h, out=(a.h.view(U8).reshape(-1)[:128].view(4, 32), None, None))),
+    ("out.gs-is-gs", ValueError, "out.gs", lambda a: _twice(a.t(1, fill=0.5), lambda g: _sw(a.h, gs=g, out=(None, None, g)))),
+    ("moe-out.topk_weights-is-input", ValueError, "out.topk_weights",
+     lambda a: _moe(a.hid, a.ids, a.wts, out=(None, None, None, a.wts))),
+    ("moe-out.topk_ids-is-out.topk_weights", ValueError, "out.topk_weights", lambda a: _twice(
+        a.t(2, 4, dtype=torch.int64), lambda b: _moe(a.hid, a.ids, a.wts, out=(None, None, b, b.view(F32)[:, :4])))),
 ]
 if FP8 is not None:
     REFUSED += [("out.q-float8", TypeError, "out.q", lambda a: _rms(a.x, a.w, out=(a.t8(4, 32, dtype=FP8), None, None))),
                 ("out.sf-float4", TypeError, "out.sf", lambda a: _rms(a.x, a.w, out=(None, a.t8(4, 4, dtype=FP4), None)))]
+
+
+def _twice(buf, call):
+    """call(buf): a case that passes one buffer as two arguments."""
+    return call(buf)
 
 
 def _names(msg: str, arg: str) -> bool:
@@ -186,6 +203,8 @@ ACCEPTED = [
     ("mix-bfloat16", lambda a: _mhc(a.X, a.mix.to(BF16), a.w), lambda a: _mhc(a.X, a.mix, a.w)),
     ("weight-float16", lambda a: _rms(a.x, a.w.half()), lambda a: _rms(a.x, a.w)),
     ("moe-ids-int64", lambda a: _moe(a.hid, a.ids.long(), a.wts), lambda a: _moe(a.hid, a.ids, a.wts)),
+    ("out-parts-of-one-buffer", lambda a: _twice(a.t8(4 * 32 + 4 * 4), lambda b: _rms(
+        a.x, a.w, out=(b[:128].view(4, 32), b[128:].view(4, 4), None))), lambda a: _rms(a.x, a.w)),
     ("moe-out", lambda a: _moe(a.hid, a.ids, a.wts, out=(a.t8(2, 64), a.t(2, 2, dtype=torch.int32),
                                                            a.t(2, 4, dtype=torch.int64), a.t(2, 4))),
      lambda a: _moe(a.hid, a.ids, a.wts)),
@@ -230,3 +249,18 @@ def test_eps_zero_would_be_nan_on_a_zero_row():
     assert np.isinf(inv[0]) and np.all(sf == 0x7F)
     with pytest.raises(ValueError, match="^eps"):
         F.rmsnorm_quantize(np.zeros((1, 32), np.float32), np.ones(32, np.float32), eps=0.0)
+
+
+@pytest.mark.parametrize("part", range(4))
+def test_read_only_out_refused_before_anything_is_written(part):
+    """A read-only numpy out= part (issue 21, item 8) is refused by name
+    before any part is written (numpy itself would raise at the first store
+    into it, after the parts before it were written)."""
+    x, w = np.ones((2, 32), np.float32), np.ones(32, np.float32)
+    out = [np.zeros((2, 16), np.uint8), np.zeros((2, 2), np.uint8), np.zeros(2, np.float32),
+           np.zeros(2, np.float32)]
+    out[part].flags.writeable = False
+    name = ("out.q", "out.sf", "out.gs", "out.inv_rms")[part]
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}: is read-only"):
+        F.rmsnorm_quantize(x, w, out=tuple(out))
+    assert not any(o.any() for o in out)

@@ -51,6 +51,8 @@ def moe_stage(hidden, topk_ids, topk_weights, *, out=None, stream=None):
     if tuple(topk_weights.shape) != ids_s:
         raise ValueError(f"topk_weights: expected shape {ids_s} (as topk_ids), got {tuple(topk_weights.shape)}")
 
+    A.check_outputs((("out.q", out_q), ("out.sf", out_sf), ("out.topk_ids", out_ids), ("out.topk_weights", out_w)),
+                    (("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights)))
     if where == "cpu":          # the dtypes the kernel takes (hidden: float32 too, unrounded)
         A.check_cpu_array(hidden, "hidden", R.CPU_X)
         A.check_cpu_array(topk_ids, "topk_ids", R.IDS)

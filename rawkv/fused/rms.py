@@ -68,6 +68,8 @@ def _rms(x, mix, weight, eps, scope, gs, out, stream, mixed):
     R.check_width(n, "x")
     if tuple(weight.shape) != (n,):
         raise ValueError(f"weight: expected shape ({n},), got {tuple(weight.shape)}")
+    A.check_outputs((("out.q", out_q), ("out.sf", out_sf), ("out.gs", out_gs), ("out.inv_rms", out_inv)),
+                    (("x", x), ("mix", mix), ("weight", weight), ("gs", gs)))
     if where == "cpu":
         return _rms_cpu(x, mix, weight, eps, scope, gs, lead, n_hc, n, out_q, out_sf, out_gs, out_inv)
 

@@ -52,6 +52,7 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
     if two_i >= 2 ** 31:
         raise ValueError(f"h: the fused width {two_i} must be < 2^31")
 
+    A.check_outputs((("out.q", out_q), ("out.sf", out_sf), ("out.gs", out_gs)), (("h", h), ("gs", gs)))
     if where == "cpu":
         dt = A.check_cpu_array(h, "h", R.CPU_X)
         gsv = R.given_gs_host(scope, gs, dt)
