@@ -3,6 +3,8 @@ rawkv._args, numbers and None passed as tensors, 0-d inputs, and the dtype
 rules the CUDA path applies."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -135,3 +137,61 @@ def test_cpu_dtypes_as_on_cuda():
     with pytest.raises(ValueError, match="^out:"):
         nv.swizzle_scales(sf, out=np.zeros(7, np.uint8))
     assert (out == 7.0).all()
+
+
+def test_outputs_in_one_another_or_in_an_input_refused():
+    """Outputs that share memory with each other or with an input (issue 21,
+    item 7) are refused naming both, before anything is written."""
+    x, q, sf, gs = _parts()
+    idx = np.array([1, 0], np.int32)
+    buf = np.zeros(64, np.uint8)
+    y = np.zeros((2, 32), np.float32)
+    sf_sq = np.zeros((128, 4), np.uint8)
+    calls = [
+        ("out[1]", "out[0]", lambda: nv.quantize(x, out=(buf[:32].reshape(2, 16), buf[30:34].reshape(2, 2), None))),
+        ("out[2]", "x", lambda: nv.quantize(x, out=(None, None, x.reshape(-1)[5:6].reshape(())))),
+        ("errors", "out[2]", lambda: nv.quantize(x, out=(None, None, y[0, 0, ...]),
+                                                   errors=y.reshape(-1)[:1].view(np.int32))),
+        ("out", "q", lambda: nv.dequantize(q, sf, gs, dtype="float32", out=np.lib.stride_tricks.as_strided(
+            q.view(np.float32).reshape(-1)[:1], (2, 32), (0, 0), writeable=True))),
+        ("errors", "out", lambda: nv.gather(q, sf, gs, idx, dtype="float32", out=y,
+                                            errors=y[1, 3:4].view(np.int32))),
+        ("out", "indices", lambda: nv.gather(q, sf, gs, y.view(np.int32)[:1, :1], dtype="float32",
+                                             out=y[:1, None, :])),
+        ("out", "sf", lambda: nv.swizzle_scales(sf_sq, out=sf_sq.reshape(-1))),
+        ("out", "sw", lambda: nv.unswizzle_scales(sf_sq.reshape(-1), (128, 4), out=sf_sq)),
+    ]
+    for name, other, call in calls:
+        with pytest.raises(ValueError, match=rf"^{re.escape(name)}: overlaps {re.escape(other)} in memory"):
+            call()
+    assert not buf.any() and not y.any() and not sf_sq.any()
+    # parts of one buffer that do not overlap are fine
+    q2, sf2, _ = nv.quantize(x, out=(buf[:32].reshape(2, 16), buf[32:36].reshape(2, 2), None))
+    assert np.array_equal(q2, q) and np.array_equal(sf2, sf)
+
+
+def test_read_only_outputs_refused_before_anything_is_written():
+    """A read-only numpy output (issue 21, item 8) is refused by name before
+    any output is written, not by numpy at its first store."""
+    x, q, sf, gs = _parts()
+    idx = np.array([1, 0], np.int32)
+
+    def ro(a):
+        a.flags.writeable = False
+        return a
+    q_out = np.zeros((2, 16), np.uint8)
+    y = np.zeros((2, 32), np.float32)
+    calls = [
+        ("out[1]", lambda: nv.quantize(x, out=(q_out, ro(np.zeros((2, 2), np.uint8)), None))),
+        ("out[2]", lambda: nv.quantize(x, out=(q_out, None, ro(np.zeros((), np.float32))))),
+        ("errors", lambda: nv.quantize(x, out=(q_out, None, None), errors=ro(np.zeros(1, np.int32)))),
+        ("out", lambda: nv.dequantize(q, sf, gs, dtype="float32", out=ro(np.zeros((2, 32), np.float32)))),
+        ("errors", lambda: nv.gather(q, sf, gs, np.array([5, 0], np.int32), dtype="float32", out=y,
+                                     errors=ro(np.zeros(1, np.int32)))),
+        ("out", lambda: nv.swizzle_scales(sf, out=ro(np.zeros(512, np.uint8)))),
+        ("out", lambda: nv.unswizzle_scales(np.zeros(512, np.uint8), (2, 2), out=ro(np.zeros((2, 2), np.uint8)))),
+    ]
+    for name, call in calls:
+        with pytest.raises(ValueError, match=rf"^{re.escape(name)}: is read-only"):
+            call()
+    assert not q_out.any() and not y.any()

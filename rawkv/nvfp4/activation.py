@@ -45,6 +45,7 @@ def dequantize(q, sf=None, gs=None, *, dtype=None, out=None, stream=None):
         return traced_decode(DEQUANTIZE_OP, out, (*q.shape[:-1], q.shape[-1] * 2), tdt, gs, q=q, sf=sf)
     gs = C.decode_gs(gs)
     where = D.placement(("q", q), ("sf", sf), ("gs", gs), ("out", out))
+    A.check_outputs((("out", out),), (("q", q), ("sf", sf), ("gs", gs)))
     if where == "cpu":
         qa, sfa, n = C.cpu_q_sf(q, sf)
         ga = C.cpu_decode_gs(gs, qa.shape[:-1])

@@ -63,6 +63,7 @@ def gather(q, sf, gs, indices, *, dtype=None, out=None, errors=None, stream=None
     gs = C.decode_gs(gs)
     where = D.placement(("q", q), ("sf", sf), ("gs", gs), ("indices", indices), ("out", out),
                         ("errors", errors))
+    A.check_outputs((("out", out), ("errors", errors)), (("q", q), ("sf", sf), ("gs", gs), ("indices", indices)))
     if where == "cpu":
         return _gather_cpu(q, sf, gs, indices, name, tdt, out, errors)
     ints = C.int_dtypes()

@@ -47,6 +47,7 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
     scope, gs = A.check_scope_gs(scope, gs, SCOPES, "tensor")
     where = D.placement(("x", x), ("gs", gs), ("out[0]", oq), ("out[1]", osf), ("out[2]", ogs),
                         ("errors", errors))
+    A.check_outputs((("out[0]", oq), ("out[1]", osf), ("out[2]", ogs), ("errors", errors)), (("x", x), ("gs", gs)))
     if where == "cpu":
         return _quantize_cpu(x, scope, gs, oq, osf, ogs, errors)
     dt = A.dtypes()

@@ -25,6 +25,7 @@ def swizzle_scales(sf, *, out=None, stream=None):
     if D.compiling():
         return _traced(SWIZZLE_OP, out, (swizzled_size(math.prod(sf.shape[:-1]), sf.shape[-1]),), sf=sf)
     where = D.placement(("sf", sf), ("out", out))
+    A.check_outputs((("out", out),), (("sf", sf),))
     if where == "cpu":
         A.check_cpu_array(A.require_array(sf, "sf"), "sf", C.BYTES)
         sfa = D.to_numpy(sf, "sf")
@@ -68,6 +69,7 @@ def unswizzle_scales(sw, shape, *, out=None, stream=None):
     rows, cols = math.prod(shape[:-1]), shape[-1]
     size = swizzled_size(rows, cols)
     where = D.placement(("sw", sw), ("out", out))
+    A.check_outputs((("out", out),), (("sw", sw),))
     if where == "cpu":
         A.check_cpu_array(A.require_array(sw, "sw"), "sw", C.BYTES)
         swa = D.to_numpy(sw, "sw")
