@@ -75,6 +75,7 @@ def _on_cpu(a, name, a_dtypes, out, out_dtypes, convert, torch_dtype):
     A.require_array(a, name)
     if out is not None:
         A.require_array(out, "out")
+    A.check_outputs((("out", out),), ((name, a),))
     if D.placement((name, a), ("out", out)) != "cpu":
         return None
     A.check_cpu_array(a, name, a_dtypes)
@@ -99,12 +100,14 @@ def e4m3_encode(x, *, out=None, stream=None):
     if ent is not None and out.shape == x.shape and x.is_contiguous() and out.is_contiguous() \
             and out.get_device() == ent[0].device_index:
         n = x.numel()
-        if n:
+        xp, op = x.data_ptr(), out.data_ptr()
+        if not n:
+            return out
+        if op + n <= xp or xp + n * x.element_size() <= op:      # apart (else: the checked path refuses)
             rt = ent[0]
-            xp, op = x.data_ptr(), out.data_ptr()
             ent[1][(xp | op) & 15 == 0].launch(rt, ent[2].get(n) or _grid(rt, n), (_BLOCK,),
                                                stream=stream, x=xp, out=op, n=n)
-        return out
+            return out
     if not D.is_cuda_tensor(x):
         res = _on_cpu(x, "x", _FLOATS, out, _CODES, ref.e4m3_encode, "float8_e4m3fn")
         if res is not None:
@@ -119,6 +122,7 @@ def e4m3_encode(x, *, out=None, stream=None):
         if not D.is_cuda_tensor(out):
             out = D.as_cuda_tensor(A.require_array(out, "out"), "out")
         A.check_tensor(out, "out", dt.fp8, shape=x.shape, device=dev)
+        A.check_outputs((("out", out),), (("x", x),))
     n = x.numel()
     if n:
         rt = get_runtime(dev)
@@ -153,6 +157,7 @@ def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
         if not D.is_cuda_tensor(out):
             out = D.as_cuda_tensor(A.require_array(out, "out"), "out")
         A.check_tensor(out, "out", (tdtype,), shape=codes.shape, device=dev)
+        A.check_outputs((("out", out),), (("codes", codes),))
     n = codes.numel()
     if n:
         rt = get_runtime(dev)

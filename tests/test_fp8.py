@@ -248,3 +248,46 @@ def test_zero_d_input_keeps_its_shape():
     x = np.array(3.0, np.float32)
     codes = rawkv.fp8.e4m3_encode(x)
     assert codes.shape == () and rawkv.fp8.e4m3_decode(codes).shape == ()
+
+
+def test_cpu_out_overlapping_the_input_or_read_only_is_refused():
+    """issue 21, items 7 and 8: an out= in the input's memory (decode wrote
+    over the codes it was reading) or a read-only numpy out= is refused by
+    name, before anything is written."""
+    enc, dec = rawkv.fp8.e4m3_encode, rawkv.fp8.e4m3_decode
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match="^out: overlaps x in memory"):
+        enc(x, out=x.view(torch.uint8)[4:8])
+    assert (x == 1).all()
+    buf = torch.zeros(4)
+    codes = buf.view(torch.uint8)[:4]          # the codes, in the first value of out
+    codes.fill_(0x38)
+    with pytest.raises(ValueError, match="^out: overlaps codes in memory"):
+        dec(codes, out=buf)
+    assert (codes == 0x38).all()
+    out = np.zeros(4, np.uint8)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="^out: is read-only"):
+        enc(np.ones(4, np.float32), out=out)
+    with pytest.raises(ValueError, match="^out: is read-only"):
+        dec(np.zeros(4, np.uint8), out=_read_only(np.zeros(4, np.float32)))
+
+
+def _read_only(a):
+    a.flags.writeable = False
+    return a
+
+
+def test_gpu_out_overlapping_the_input_is_refused(cuda):
+    """The same on CUDA, on the checked path and on the fast path (a
+    combination accepted before)."""
+    enc = rawkv.fp8.e4m3_encode
+    x = torch.ones(64, device="cuda")
+    enc(x, out=torch.empty(64, dtype=torch.uint8, device="cuda"))    # the fast path knows the combination
+    for view in (x.view(torch.uint8)[:64], x.view(torch.uint8)[192:]):
+        with pytest.raises(ValueError, match="^out: overlaps x in memory"):
+            enc(x, out=view)
+    assert (x == 1).all()
+    c = torch.full((32,), 0x38, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="^out: overlaps codes in memory"):
+        rawkv.fp8.e4m3_decode(c[:16], out=c.view(torch.bfloat16))
