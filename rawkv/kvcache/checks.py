@@ -28,6 +28,7 @@ ROWS = ("float32", "bfloat16")
 OUT = ("bfloat16", "float16", "float32")
 
 _TORCH: dict = {}
+check_outputs = A.check_outputs      # outputs writable and apart from the inputs (rawkv._args)
 
 
 def _torch_dtypes(names: tuple) -> tuple:
@@ -100,6 +101,7 @@ def errors_arg(errors, default, dev):
     e = arg(errors, "errors", I32, dev)
     if (e.numel() if dev is not None else e.size) < 1:
         raise ValueError("errors: expected an int32 array with at least 1 element")
+    check_outputs((("errors", e),))
     return e if dev is not None else errors
 
 

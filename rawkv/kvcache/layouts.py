@@ -151,6 +151,7 @@ def _store(lay, kernel, targs, write, cache, rows, slots, page_size, offsets, er
     s = C.arg(slots, slots_name, C.IDS, dev, shape=(N,))
     o = C.opt(offsets, "offsets", C.I32, dev, shape=(N,))
     err = C.errors_arg(errors, None, dev)
+    A.check_outputs((("cache", c), ("errors", errors)), ((name, x), (slots_name, s), ("offsets", o)))
     if dev is None:
         bad = write(c, p, x, s, o)
         if err is not None:
@@ -247,6 +248,7 @@ def model1_gather(cache, indices, *, page_size: int, out=None, dtype=None, error
     shape = tuple(idx.shape) + (R.ENTRY_DIM,)
     out = C.check_out(out, name, dev, shape=shape)
     err = C.errors_arg(errors, None, dev)
+    A.check_outputs((("out", out), ("errors", errors)), (("cache", c), ("indices", idx)))
     if dev is None:
         rows, bad = R.model1_gather(c, p, idx, name)
         if err is not None:
@@ -299,6 +301,7 @@ def topk_to_kvcache_indices(topk_ids, block_table, *, page_size: int, num_pages:
     if out is not None:
         out = C.arg(out, "out", C.I32, dev, shape=tuple(ids.shape))
     err = C.errors_arg(errors, None, dev)
+    A.check_outputs((("out", out), ("errors", errors)), (("topk_ids", ids), ("block_table", table), ("slots", s), ("n_entries", ne)))
     if dev is None:
         res, bad = R.topk_to_kvcache_indices(ids, table, p, npg, s, ne)
         if err is not None:

@@ -1,0 +1,91 @@
+"""The KV-cache ops refuse, by name and before anything is written, outputs
+they could not write (a read-only numpy array: issue 21, item 8) and outputs
+in the memory of another output or of an input (item 7). CPU pools and
+host caches; the rule (rawkv._args.check_outputs) is the same on CUDA."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from rawkv import kvcache as kc
+from rawkv.reference.kvcache import layouts as R
+
+
+def _ro(a):
+    a.flags.writeable = False
+    return a
+
+
+def _pool():
+    p = kc.PagedKVPool("hca", 8, 2, 2, 4, layout="rawkv", device="cpu")
+    s = p.add_request()
+    p.prepare_step([s], [p.m * 2 - 1])
+    return p, s
+
+
+def _refused(name, other, call):
+    msg = "is read-only" if other is None else f"overlaps {re.escape(other)} in memory"
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}: {msg}"):
+        call()
+
+
+def test_flush_write_read_only_errors_writes_no_entry():
+    """flush_write used to write the entry and then fail adding to errors."""
+    p, s = _pool()
+    before = p.to_reference()
+    ents = np.ones((1, p.head_dim), np.float32)
+    args = (p, ents, np.ones(1, bool), np.array([s], np.int32), np.array([0], np.int32))
+    _refused("errors", None, lambda: kc.flush_write(*args, errors=_ro(np.zeros(1, np.int32))))
+    assert np.array_equal(p.reference_view().kv_fp8, before.kv_fp8) and not p.written.any()
+    _refused("errors", "slots", lambda: kc.flush_write(*args[:3], args[3], args[4], errors=args[3]))
+
+
+def test_gathers_refuse_read_only_or_overlapping_outputs():
+    p, s = _pool()
+    kc.flush_write(p, np.ones((1, p.head_dim), np.float32), np.ones(1, bool), np.array([s], np.int32),
+                   np.array([0], np.int32))
+    ids = np.zeros((1, 2), np.int32)
+    slots = np.array([s], np.int32)
+    out = np.zeros((1, 2, p.head_dim), np.float32)
+    _refused("out", None, lambda: kc.gather_topk(p, slots, ids, dtype="float32", out=_ro(out.copy())))
+    _refused("errors", None, lambda: kc.gather_topk(p, slots, ids, dtype="float32", errors=_ro(np.zeros(1, np.int32))))
+    _refused("errors", "out", lambda: kc.gather_topk(p, slots, ids, dtype="float32", out=out,
+                                                     errors=out.reshape(-1)[7:8].view(np.int32)))
+    ids_in_out = out.reshape(-1)[:2].view(np.int32).reshape(1, 2)
+    _refused("out", "topk_ids", lambda: kc.gather_topk(p, slots, ids_in_out, dtype="float32", out=out))
+    dense = np.zeros((1, p.head_dim), np.float32)
+    _refused("errors", "out", lambda: kc.gather_dense(p, s, 1, dtype="float32", out=dense,
+                                                      errors=dense[0, :1].view(np.int32)))
+    batch = np.zeros((1, 1, p.head_dim), np.float32)
+    _refused("out", None, lambda: kc.gather_dense_batch(p, slots, np.ones(1, np.int32), dtype="float32",
+                                                        out=_ro(batch)))
+    idx = np.zeros((1, 2), np.int32)
+    _refused("out", "topk_ids", lambda: kc.kvcache_indices(p, slots, idx, out=idx))
+    assert not out.any() and not dense.any()
+
+
+def test_layout_ops_refuse_read_only_or_overlapping_outputs():
+    """model1_store into a read-only cache raised numpy's message, naming no
+    argument."""
+    p, n = 4, 2
+    x = np.ones((1, 512), np.float32)
+    slots = np.array([1], np.int32)
+    cache = kc.new_layout_cache("model1", n, p)
+    _refused("cache", None, lambda: kc.model1_store(_ro(cache.copy()), x, slots, page_size=p))
+    _refused("cache", None, lambda: kc.model1_window_insert(_ro(cache.copy()), x, slots, page_size=p))
+    _refused("errors", None, lambda: kc.index_fp8_store(kc.new_layout_cache("index_fp8", n, p),
+                                                        np.ones((1, 128), np.float32), slots, page_size=p,
+                                                        errors=_ro(np.zeros(1, np.int32))))
+    _refused("errors", "cache", lambda: kc.model1_store(cache, x, slots, page_size=p,
+                                                        errors=cache[1, :4].view(np.int32)))
+    assert not cache.any()
+    rows = np.zeros((1, 512), np.float32)
+    _refused("out", None, lambda: kc.model1_gather(cache, slots, page_size=p, dtype="float32", out=_ro(rows)))
+    table = np.zeros((1, 2), np.int32)
+    _refused("out", "block_table", lambda: kc.topk_to_kvcache_indices(
+        np.zeros((1, 2), np.int32), table, page_size=p, num_pages=n, out=table))
+    kc.model1_store(cache, x, slots, page_size=p, errors=np.zeros(1, np.int32))       # apart: fine
+    assert cache[0].any() and not cache[1].any()
+    assert R.MODEL1.page_bytes(p) == cache.shape[1]
