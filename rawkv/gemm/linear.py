@@ -35,6 +35,7 @@ def grouped_linear(x, weight, *, out=None, stream=None):
     t, g = act.lead
     if g != weight.groups:
         raise ValueError(f"x: has {g} groups, the weight {weight.groups}")
+    A.check_outputs((("out", out),), (("x", act.x), ("x.sf", act.sf), ("x.gs", act.gs)))
     out = _check_out(out, (t, g, weight.n), act)
     if act.where == "cpu":
         return _cpu_out(ref.grouped(act.values(), _weight_values(weight)), out, act.x)
@@ -62,6 +63,8 @@ def moe_linear(x, weight, offsets, *, out=None, errors=None, stream=None):
     act = _activation(x, weight, "x", 2, ("offsets", offsets), ("errors", errors), ("out", out))
     (r,) = act.lead
     experts = weight.groups
+    A.check_outputs((("out", out), ("errors", errors)),
+                    (("x", act.x), ("x.sf", act.sf), ("x.gs", act.gs), ("offsets", offsets)))
     if experts + 1 > K.MAX_SEGMENTS:
         raise ValueError(f"weight: {experts} experts; the ragged kernel takes at most {K.MAX_SEGMENTS - 1}")
     offsets = _int32_arg(offsets, "offsets", act, (experts + 1,))

@@ -1,4 +1,4 @@
-"""The KV-cache ops refuse, by name and before anything is written, outputs
+"""The KV-cache ops and the GEMM refuse, by name and before anything is written, outputs
 they could not write (a read-only numpy array: issue 21, item 8) and outputs
 in the memory of another output or of an input (item 7). CPU pools and
 host caches; the rule (rawkv._args.check_outputs) is the same on CUDA."""
@@ -89,3 +89,21 @@ def test_layout_ops_refuse_read_only_or_overlapping_outputs():
     kc.model1_store(cache, x, slots, page_size=p, errors=np.zeros(1, np.int32))       # apart: fine
     assert cache[0].any() and not cache[1].any()
     assert R.MODEL1.page_bytes(p) == cache.shape[1]
+
+
+def test_gemm_refuses_out_over_x_and_errors_over_out():
+    torch = pytest.importorskip("torch")
+    import rawkv
+    w = rawkv.gemm.Fp4Weight.from_float(torch.ones(2, 16, 32))
+    buf = torch.zeros(4 * 2 * 32, dtype=torch.bfloat16)
+    x = buf.view(4, 2, 32)
+    x.fill_(1)
+    _refused("out", "x", lambda: rawkv.gemm.grouped_linear(x, w, out=buf[:4 * 2 * 16].view(4, 2, 16)))
+    assert (x == 1).all()
+    x2 = torch.ones(4, 32, dtype=torch.bfloat16)
+    out = torch.zeros(4, 16, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 2, 4], dtype=torch.int32)
+    _refused("errors", "out", lambda: rawkv.gemm.moe_linear(x2, w, offsets, out=out,
+                                                            errors=out.view(torch.int32)[0, :1]))
+    _refused("errors", None, lambda: rawkv.gemm.moe_linear(x2, w, offsets, errors=_ro(np.zeros(1, np.int32))))
+    assert not out.any()
