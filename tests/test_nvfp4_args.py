@@ -195,3 +195,25 @@ def test_read_only_outputs_refused_before_anything_is_written():
         with pytest.raises(ValueError, match=rf"^{re.escape(name)}: is read-only"):
             call()
     assert not q_out.any() and not y.any()
+
+
+def test_sizes_and_empty_scales():
+    """issue 21, item 10 (found again by tests/test_properties.py):
+    swizzled_size(-200, 7) was -1024 and (1.5, 7) 1024.0; unswizzle_scales
+    took a float shape; swizzle_scales of (n, 0) scales and a gather of
+    N = 0 raised numpy's reshape error."""
+    assert nv.swizzled_size(0, 0) == 0 and nv.swizzled_size(np.int64(129), 5) == 4 * 512
+    for rows, cols, exc in ((-200, 7, ValueError), (1.5, 7, TypeError), (True, 7, TypeError),
+                            (3, None, TypeError)):
+        with pytest.raises(exc, match="^cols:" if cols is None else "^rows:"):
+            nv.swizzled_size(rows, cols)
+    for shape in ((2.5, 4), (2, -4), (True, 4), "ab"):
+        with pytest.raises((TypeError, ValueError), match="^shape:"):
+            nv.unswizzle_scales(np.zeros(512, np.uint8), shape)
+    for shape in ((3, 0), (0, 0), (0, 5)):
+        sw = nv.swizzle_scales(np.zeros(shape, np.uint8))
+        assert sw.shape == (nv.swizzled_size(*shape),)
+        assert nv.unswizzle_scales(sw, shape).shape == shape
+    y = nv.gather(np.zeros((0, 0), np.uint8), np.zeros((0, 0), np.uint8), 1.0, np.array([0, -1], np.int32),
+                  dtype="float32")
+    assert y.shape == (2, 0)

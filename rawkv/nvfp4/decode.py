@@ -94,7 +94,8 @@ def _gather_cpu(q, sf, gs, indices, name, tdt, out, errors):
     if errors is not None:
         C.check_cpu_errors(errors)
     C.cpu_decode_out(out, name, (*idx.shape, n))
-    y, nerr = ref_layouts.gather(qa.reshape(-1, qa.shape[-1]), sfa.reshape(-1, sfa.shape[-1]),
+    m = math.prod(qa.shape[:-1])          # (not -1: q may hold no element)
+    y, nerr = ref_layouts.gather(qa.reshape(m, qa.shape[-1]), sfa.reshape(m, sfa.shape[-1]),
                                  ga.reshape(-1) if ga.ndim else ga, idx.reshape(-1), name)
     if errors is None:
         counters.add_cpu(counters.GATHER_INDEX, nerr)

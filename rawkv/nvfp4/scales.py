@@ -3,6 +3,9 @@ unswizzle_scales (docs/format.md, "NVFP4: scale swizzle")."""
 from __future__ import annotations
 
 import math
+import operator
+
+import numpy as np
 
 from . import _checks as C
 from ._geometry import BLOCK_THREADS
@@ -15,15 +18,31 @@ from ..runtime import get_runtime
 
 
 def swizzled_size(rows: int, cols: int) -> int:
-    """Bytes of the 128x4-tile layout of (rows, cols) scales."""
-    return ref_layouts.swizzled_size(rows, cols)
+    """Bytes of the 128x4-tile layout of (rows, cols) scales: non-negative
+    ints (-200 gave -1024 and 1.5 gave 1024.0)."""
+    return ref_layouts.swizzled_size(_size(rows, "rows"), _size(cols, "cols"))
+
+
+def _size(v, name: str) -> int:
+    """A size argument: an int (Python, numpy or anything with __index__,
+    not a bool) >= 0, as a Python int."""
+    if isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected an int, got {v!r}")
+    try:
+        v = operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {v!r}") from None
+    if v < 0:
+        raise ValueError(f"{name}: expected a size >= 0, got {v}")
+    return v
 
 
 def swizzle_scales(sf, *, out=None, stream=None):
     """Linear scales (..., cols) (leading dims flattened into rows) -> the 1-D
     tensor-core layout of swizzled_size(rows, cols) bytes (zero padding)."""
     if D.compiling():
-        return _traced(SWIZZLE_OP, out, (swizzled_size(math.prod(sf.shape[:-1]), sf.shape[-1]),), sf=sf)
+        return _traced(SWIZZLE_OP, out, (ref_layouts.swizzled_size(math.prod(sf.shape[:-1]), sf.shape[-1]),),
+                       sf=sf)
     where = D.placement(("sf", sf), ("out", out))
     A.check_outputs((("out", out),), (("sf", sf),))
     if where == "cpu":
@@ -58,10 +77,9 @@ def swizzle_scales(sf, *, out=None, stream=None):
 
 def unswizzle_scales(sw, shape, *, out=None, stream=None):
     """Tensor-core layout -> linear scales of `shape` (..., cols)."""
-    try:
-        shape = tuple(int(s) for s in shape)
-    except (TypeError, ValueError):
-        raise TypeError(f"shape: expected a sequence of ints, got {shape!r}") from None
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"shape: expected a sequence of ints, got {shape!r}")
+    shape = tuple(_size(s, "shape") for s in shape)         # 2.5 was taken as 2
     if not shape:
         raise ValueError("shape: expected at least 1 dimension")
     if D.compiling():

@@ -12,6 +12,8 @@ rb * ceil(cols/4) + cb); inside a tile, scale (r, c) sits at byte
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .nvfp4 import BLOCK, F32, dequantize
@@ -46,7 +48,7 @@ def swizzle_scales(sf) -> np.ndarray:
     sf = np.asarray(sf, dtype=np.uint8)
     if sf.ndim < 1:
         raise ValueError("sf: expected at least 1 dimension")
-    sf2 = sf.reshape(-1, sf.shape[-1]) if sf.ndim != 1 else sf.reshape(1, -1)
+    sf2 = sf.reshape(math.prod(sf.shape[:-1]), sf.shape[-1])     # (-1, 0) is ambiguous to numpy
     rows, cols = sf2.shape
     out = np.zeros(swizzled_size(rows, cols), dtype=np.uint8)
     out[swizzle_offsets(rows, cols)] = sf2
