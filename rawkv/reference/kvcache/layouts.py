@@ -430,7 +430,7 @@ def topk_to_kvcache_indices(topk_ids, block_table, page_size: int, num_pages: in
         raise ValueError(f"slots: expected shape ({B},), got {rows.shape}")
     if slots is None and table.shape[0] < B:
         raise ValueError(f"block_table: {table.shape[0]} rows for {B} requests (pass slots=)")
-    flat = ids.reshape(B, -1)
+    flat = ids.reshape(B, int(np.prod(ids.shape[1:])))      # (0, -1) is ambiguous to numpy
     lim = np.full(B, np.iinfo(np.int64).max) if n_entries is None else _ints("n_entries", n_entries, ndim=1)
     if lim.shape != (B,):
         raise ValueError(f"n_entries: expected shape ({B},), got {lim.shape}")
