@@ -1,0 +1,554 @@
+"""Property-based tests (hypothesis) of every public op on CPU (issue 21):
+random shapes (0-size and odd ones included), non-contiguous views, dtypes
+(wrong ones included), NaN / Inf values, numpy arrays and CPU tensors.
+
+Each call must either return what rawkv.reference computes from the same
+inputs, bit for bit (docs/format.md: the CPU path is the reference; NaN
+matches NaN, signed zeros must match), or raise a TypeError / ValueError
+whose message starts with the name of one of the call's arguments (as
+rawkv._args's rules write them: 'x:', 'out.q:', 'out[0]:', 'sf, gs:').
+Any other exception (AttributeError, IndexError, numpy's own errors) is a
+failure. The runs are derandomized (the same examples every run, so a
+failure replays; hypothesis prints the falsifying example) and kept small
+(max_examples per op) so the file takes well under a minute in CI.
+
+Inputs are built from a seed hypothesis draws: the seed, the shape, the
+dtype, the library and the layout appear in the falsifying example.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+torch = pytest.importorskip("torch")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import rawkv  # noqa: E402
+from rawkv import _dispatch as D  # noqa: E402
+from rawkv import kvcache as kc  # noqa: E402
+from rawkv.reference import formats as RF  # noqa: E402
+from rawkv.reference import fused as RFU  # noqa: E402
+from rawkv.reference import gemm as RG  # noqa: E402
+from rawkv.reference import layouts as RL  # noqa: E402
+from rawkv.reference import nvfp4 as RN  # noqa: E402
+from rawkv.reference.kvcache import layouts as RK  # noqa: E402
+
+SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, print_blob=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+FLOATS = ("float32", "float16", "bfloat16")
+WRONG = ("float64", "int32", "int64", "uint8", "bool")
+BYTES = ("uint8", "float8_e4m3fn")
+SPECIALS = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e30, -1e-30, 448.0, 6.0], np.float64)
+
+
+# ---- inputs -------------------------------------------------------------------------------
+def make(seed: int, shape, dtype: str, lib: str = "numpy", layout: str = "contiguous",
+         special: bool = False, lo=None, hi=None):
+    """An array of `shape` and `dtype` (torch's dtype names) from `seed`: a
+    numpy array (lib 'numpy'; bfloat16 / FP8 are torch-only and come as CPU
+    tensors) or a CPU tensor; layout 'rows' (rows further apart than their
+    length), 'every_other' (the leading dimension strided by 2) or
+    'contiguous'. special: some values NaN / Inf / huge / signed zeros."""
+    rng = np.random.default_rng(seed)
+    shape = tuple(shape)
+    big = list(shape)
+    if layout == "rows" and shape:
+        big[-1] += 3
+    elif layout == "every_other" and shape:
+        big[0] *= 2
+    if dtype in ("float32", "float16", "bfloat16", "float64"):
+        v = rng.standard_normal(big) * rng.choice([1.0, 1e-3, 100.0])
+        if special and v.size:
+            pick = rng.random(big) < 0.1
+            v = np.where(pick, rng.choice(SPECIALS, size=big), v)
+    elif dtype == "bool":
+        v = rng.random(big) < 0.5
+    else:
+        lo = 0 if lo is None else lo
+        hi = 256 if hi is None else hi
+        v = rng.integers(lo, hi, size=big)
+    torch_only = dtype in ("bfloat16", "float8_e4m3fn")
+    if lib == "numpy" and not torch_only:
+        with np.errstate(over="ignore", invalid="ignore"):     # 1e30 as float16: inf, as wanted
+            full = np.asarray(v, dtype=dtype)
+    elif dtype == "float8_e4m3fn":
+        full = torch.from_numpy(np.asarray(v, np.uint8)).view(torch.float8_e4m3fn)
+    else:
+        full = torch.from_numpy(np.asarray(v)).to(getattr(torch, dtype))
+    if layout == "rows" and shape:
+        return full[..., :shape[-1]]
+    if layout == "every_other" and shape:
+        return full[::2]
+    return full
+
+
+def host(a) -> np.ndarray:
+    """The values an op reads from `a`, as numpy (BF16 as float32, exactly;
+    FP8 as its bytes)."""
+    return np.ascontiguousarray(D.to_numpy(a, "a"))
+
+
+def dtype_of(a) -> str:
+    return str(a.dtype).replace("torch.", "")
+
+
+seeds = st.integers(0, 2 ** 32 - 1)
+libs = st.sampled_from(["numpy", "torch"])
+layouts = st.sampled_from(["contiguous", "contiguous", "rows", "every_other"])
+
+
+# ---- the judge ----------------------------------------------------------------------------
+# test -> Counter of 'accepted' / 'refused' calls: a property test whose
+# every call is refused would check nothing (test_every_op_was_accepted).
+CALLS: dict = collections.defaultdict(collections.Counter)
+
+
+def judge(call, names, reference):
+    """Run `call`: a TypeError / ValueError must name one of `names` (its
+    message starts with it); a result must equal reference() bit for bit.
+    Returns the result (True for an op that returns None), or None when
+    refused."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[-1].split(" ")[0]
+    try:
+        got = call()
+    except (TypeError, ValueError) as exc:
+        pat = "|".join(re.escape(n) for n in names)
+        assert re.match(rf"({pat})\b", str(exc)), \
+            f"{type(exc).__name__} names none of {names}: {exc}"
+        CALLS[test]["refused"] += 1
+        return None
+    CALLS[test]["accepted"] += 1
+    want = reference()
+    if want is not None:            # None: an op that writes in place, compared by the caller
+        same(got, want)
+    return True if got is None else got
+
+
+def bits(a) -> np.ndarray:
+    """An array's values as numpy, exactly (BF16 -> float32, FP8 / FP4 -> bytes)."""
+    if D.is_torch(a):
+        if a.dtype == torch.bfloat16:
+            return a.float().numpy()
+        if a.element_size() == 1 and a.dtype not in (torch.uint8, torch.int8, torch.bool):
+            return a.view(torch.uint8).numpy()
+        return a.numpy()
+    return np.asarray(a)
+
+
+def same(got, want, what="result"):
+    if isinstance(want, (tuple, list)):
+        assert isinstance(got, (tuple, list)) and len(got) >= len(want), what
+        for i, (g, w) in enumerate(zip(got, want)):
+            if w is not None:
+                same(g, w, f"{what}[{i}]")
+        return
+    g, w = bits(got), np.asarray(want)
+    assert g.size == w.size, f"{what}: {g.shape} vs {w.shape}"
+    g, w = g.reshape(-1), w.reshape(-1)
+    if w.dtype.kind == "f":
+        g = g.astype(w.dtype) if g.dtype.kind == "f" else g
+        gn, wn = np.isnan(g), np.isnan(w)
+        assert np.array_equal(gn, wn), f"{what}: NaN positions differ"
+        bad = ~gn & (g.view(np.uint8).reshape(g.size, w.itemsize) !=
+                     w.view(np.uint8).reshape(w.size, w.itemsize)).any(-1)
+        assert not bad.any(), f"{what}: {int(bad.sum())} values differ, e.g. {g[bad][:3]} vs {w[bad][:3]}"
+    else:
+        assert np.array_equal(g.astype(np.int64), w.astype(np.int64)), f"{what}: values differ"
+
+
+# ---- rawkv.fp8 ----------------------------------------------------------------------------
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3)
+
+
+@SETTINGS
+@given(seed=seeds, shape=shapes, dt=st.sampled_from(FLOATS + WRONG), lib=libs, layout=layouts,
+       special=st.booleans(), out_dt=st.sampled_from([None, "uint8", "float8_e4m3fn", "float32"]))
+def test_fp8_encode(seed, shape, dt, lib, layout, special, out_dt):
+    x = make(seed, shape, dt, lib, layout, special)
+    out = None if out_dt is None else make(seed + 1, shape, out_dt, lib)
+    judge(lambda: rawkv.fp8.e4m3_encode(x, out=out), ("x", "out"), lambda: RF.e4m3_encode(host(x)))
+
+
+@SETTINGS
+@given(seed=seeds, shape=shapes, dt=st.sampled_from(BYTES + ("int8", "float32")), lib=libs,
+       layout=layouts, dtype=st.sampled_from([None, "float32", "float16", "bfloat16", "float64"]))
+def test_fp8_decode(seed, shape, dt, lib, layout, dtype):
+    codes = make(seed, shape, dt, lib, layout)
+    judge(lambda: rawkv.fp8.e4m3_decode(codes, dtype=dtype), ("codes", "dtype"),
+          lambda: RF.round_to_dtype(RF.e4m3_decode(host(codes).astype(np.uint8)), dtype or "float32"))
+
+
+# ---- rawkv.nvfp4 --------------------------------------------------------------------------
+widths = st.sampled_from([16, 32, 48, 64] * 2 + [0, 8, 17, 24])        # valid ones twice as likely
+leads = st.lists(st.integers(0, 4), min_size=0, max_size=2)
+GS = [None, 0.5, 2.0 ** -10, 1, 0.0, -1.0, float("nan"), float("inf"), 1e-45, 1e39, True, "0.5",
+      np.float32(0.25), "array", "array2", "array-f64"]
+
+
+def _gs(v, seed, lib):
+    """A gs from GS: the strings 'array*' become host arrays."""
+    if v == "array":
+        return make(seed, (1,), "float32", lib) * 0 + 0.125
+    if v == "array2":
+        return make(seed, (2,), "float32", lib) * 0 + 0.125
+    if v == "array-f64":
+        return np.array(0.125)
+    return v
+
+
+def _gs_ref(g):
+    """What the reference takes for a gs the op accepted: float32."""
+    return None if g is None else np.float32(host(g).reshape(()) if not isinstance(g, (int, float, np.floating))
+                                             else g)
+
+
+@SETTINGS
+@given(seed=seeds, lead=leads, n=widths, dt=st.sampled_from(FLOATS + ("float64", "int32")), lib=libs,
+       layout=layouts, special=st.booleans(),
+       scope=st.sampled_from([None, "tensor", "row", "given", "none", "rows"]), gs=st.sampled_from(GS))
+def test_nvfp4_quantize(seed, lead, n, dt, lib, layout, special, scope, gs):
+    x = make(seed, (*lead, n), dt, lib, layout, special)
+    g = _gs(gs, seed, lib)
+
+    def reference():
+        sc = scope or ("given" if g is not None else "tensor")
+        return RN.quantize(host(x).astype(np.float32), sc, _gs_ref(g) if sc == "given" else None, dt)
+    judge(lambda: rawkv.nvfp4.quantize(x, scope=scope, gs=g), ("x", "scope", "gs"), reference)
+
+
+def _q_sf(seed, lead, n, lib, layout, sf_dt="uint8"):
+    q = make(seed, (*lead, n // 2), "uint8", lib, layout)
+    sf = make(seed + 1, (*lead, n // 16), sf_dt, lib, layout)
+    return q, sf
+
+
+@SETTINGS
+@given(seed=seeds, lead=leads, n=widths, lib=libs, layout=layouts, sf_dt=st.sampled_from(BYTES + ("int8",)),
+       gs=st.sampled_from(GS + ["rows"]), dtype=st.sampled_from([None, "float32", "float16", "bfloat16", "int8"]))
+def test_nvfp4_dequantize(seed, lead, n, lib, layout, sf_dt, gs, dtype):
+    q, sf = _q_sf(seed, lead, n, lib, layout, sf_dt)
+    g = make(seed, lead, "float32", lib) * 0 + 0.5 if gs == "rows" else _gs(gs, seed, lib)
+    judge(lambda: rawkv.nvfp4.dequantize(q, sf, g, dtype=dtype), ("q", "sf", "gs", "dtype"),
+          lambda: RN.dequantize(host(q), host(sf), host(g) if gs == "rows" else _gs_ref(g), dtype or "bfloat16"))
+
+
+@SETTINGS
+@given(seed=seeds, rows=st.integers(0, 5), n=widths, lib=libs, gs=st.sampled_from(GS[:4] + ["rows"]),
+       idx_shape=shapes, idx_dt=st.sampled_from(["int32", "int64", "uint8", "float32"]),
+       errors=st.sampled_from([None, "int32", "int64", "empty"]))
+def test_nvfp4_gather(seed, rows, n, lib, gs, idx_shape, idx_dt, errors):
+    q, sf = _q_sf(seed, (rows,), n, lib, "contiguous")
+    g = make(seed, (rows,), "float32", lib) * 0 + 0.5 if gs == "rows" else _gs(gs, seed, lib)
+    idx = make(seed + 2, idx_shape, idx_dt, lib, lo=-2, hi=rows + 2)
+    err = None if errors is None else make(seed, (0,) if errors == "empty" else (1,),
+                                           "int32" if errors == "empty" else errors, "numpy", lo=0, hi=1)
+
+    def reference():
+        y, nerr = RL.gather(host(q), host(sf), host(g) if gs == "rows" else _gs_ref(g), host(idx),
+                            "bfloat16")
+        if err is not None:
+            assert err[0] == nerr
+        return y.reshape(*host(idx).shape, host(q).shape[-1] * 2)
+    judge(lambda: rawkv.nvfp4.gather(q, sf, g, idx, errors=err), ("q", "sf", "gs", "indices", "errors"),
+          reference)
+
+
+@SETTINGS
+@given(seed=seeds, shape=st.lists(st.integers(0, 130), min_size=0, max_size=3), lib=libs,
+       dt=st.sampled_from(BYTES + ("float32",)))
+def test_nvfp4_swizzle_roundtrip(seed, shape, lib, dt):
+    sf = make(seed, shape, dt, lib)
+    sw = judge(lambda: rawkv.nvfp4.swizzle_scales(sf), ("sf",), lambda: RL.swizzle_scales(host(sf)))
+    if sw is not None:
+        judge(lambda: rawkv.nvfp4.unswizzle_scales(sw, tuple(shape)), ("sw", "shape"), lambda: host(sf))
+
+
+BAD_SHAPES = [(2, 3), (0, 5), (3, 0), (), (-1, 4), (2.5, 4), (2, 4.0), "ab", None, (True, 4), (1, 2, 3)]
+
+
+@SETTINGS
+@given(seed=seeds, shape=st.sampled_from(BAD_SHAPES), size=st.integers(0, 1024), lib=libs)
+def test_nvfp4_unswizzle_shapes(seed, shape, size, lib):
+    sw = make(seed, (size,), "uint8", lib)
+
+    def reference():
+        rows, cols = int(np.prod(shape[:-1])), shape[-1]
+        return RL.unswizzle_scales(host(sw), rows, cols).reshape(shape)
+    judge(lambda: rawkv.nvfp4.unswizzle_scales(sw, shape), ("sw", "shape"), reference)
+
+
+@SETTINGS
+@given(rows=st.one_of(st.integers(-300, 300), st.sampled_from([1.5, True, None, "3"])),
+       cols=st.one_of(st.integers(-10, 20), st.sampled_from([7.0, False])))
+def test_nvfp4_swizzled_size(rows, cols):
+    def reference():
+        for v in (rows, cols):      # the reference's domain: sizes are non-negative ints
+            assert isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"accepted {v!r}"
+        return 512 * -(-rows // 128) * -(-cols // 4)
+    judge(lambda: rawkv.nvfp4.swizzled_size(rows, cols), ("rows", "cols"), reference)
+
+
+# ---- rawkv.fused --------------------------------------------------------------------------
+EPS = [1e-6, 0.0, -1.0, float("nan"), 1, np.float32(1e-5), True, None]
+x_dtypes = st.sampled_from(FLOATS * 2 + ("float64", "int32"))
+p_dtypes = st.sampled_from(("float32", "bfloat16", "float16") * 2 + ("float64", "int32"))
+f_scopes = st.sampled_from([None, "row", "tensor", "given", "none", "bogus"])
+f_gs = st.sampled_from(GS[:7] + ["array", "array2", "array-f64"])
+
+
+def _fused_gs(scope, g):
+    sc = scope or ("given" if g is not None else "row")
+    return sc, (_gs_ref(g) if sc == "given" else None)
+
+
+def _activation_ref(lead, n, q, sf, g, inv=None):
+    return (q.reshape(*lead, n // 2), sf.reshape(*lead, n // 16), np.asarray(g, np.float32),
+            None if inv is None else inv.reshape(lead))
+
+
+@SETTINGS
+@given(seed=seeds, lead=leads, n=widths, xdt=x_dtypes, wdt=p_dtypes, lib=libs, layout=layouts,
+       special=st.booleans(), eps=st.sampled_from(EPS), scope=f_scopes, gs=f_gs)
+def test_fused_rmsnorm_quantize(seed, lead, n, xdt, wdt, lib, layout, special, eps, scope, gs):
+    x = make(seed, (*lead, n), xdt, lib, layout, special)
+    w = make(seed + 1, (n,), wdt, lib)
+    g = _gs(gs, seed, lib)
+
+    def reference():
+        sc, gv = _fused_gs(scope, g)
+        q, sf, gg, inv = RFU.rmsnorm_quantize(host(x).reshape(-1, n), host(w), float(eps), sc, gv, xdt)
+        return _activation_ref(lead, n, q, sf, gg, inv)
+    judge(lambda: rawkv.fused.rmsnorm_quantize(x, w, eps, scope=scope, gs=g), ("x", "weight", "eps", "scope", "gs"),
+          reference)
+
+
+@SETTINGS
+@given(seed=seeds, lead=leads, n_hc=st.sampled_from([1, 2, 3, 4] * 2 + [0, 5]), n=widths, xdt=x_dtypes, mdt=p_dtypes, lib=libs,
+       layout=layouts, special=st.booleans(), scope=f_scopes)
+def test_fused_mhc_rmsnorm_quantize(seed, lead, n_hc, n, xdt, mdt, lib, layout, special, scope):
+    x = make(seed, (*lead, n_hc, n), xdt, lib, layout, special)
+    mix = make(seed + 1, (*lead, n_hc), mdt, lib)
+    w = make(seed + 2, (n,), "float32", lib)
+
+    def reference():
+        m = int(np.prod(lead)) if lead else 1
+        sc, gv = _fused_gs(scope, None)
+        q, sf, gg, inv = RFU.mhc_rmsnorm_quantize(host(x).reshape(m, n_hc, n), host(mix).reshape(m, n_hc),
+                                                  host(w), 1e-6, sc, gv, xdt)
+        return _activation_ref(lead, n, q, sf, gg, inv)
+    judge(lambda: rawkv.fused.mhc_rmsnorm_quantize(x, mix, w, scope=scope),
+          ("x", "mix", "weight", "scope", "gs"), reference)
+
+
+@SETTINGS
+@given(seed=seeds, lead=leads, two_i=st.sampled_from([64, 32, 96, 0, 33, 40, 128]), xdt=x_dtypes,
+       gran=st.sampled_from([8, 16, 1, 4, 3, 0, -8, True, 8.0]), lib=libs, layout=layouts,
+       special=st.booleans(), scope=f_scopes, gs=f_gs)
+def test_fused_swiglu_quantize(seed, lead, two_i, xdt, gran, lib, layout, special, scope, gs):
+    h = make(seed, (*lead, two_i), xdt, lib, layout, special)
+    g = _gs(gs, seed, lib)
+
+    def reference():
+        sc, gv = _fused_gs(scope, g)
+        q, sf, gg = RFU.swiglu_quantize(host(h).reshape(-1, two_i), int(gran), sc, gv, xdt)
+        return _activation_ref(lead, two_i // 2, q, sf, gg)
+    judge(lambda: rawkv.fused.swiglu_quantize(h, gran, scope=scope, gs=g),
+          ("h", "granularity", "scope", "gs"), reference)
+
+
+@SETTINGS
+@given(seed=seeds, m=st.integers(0, 4), k=st.sampled_from([128, 256, 0, 64, 130]), top=st.integers(0, 3),
+       xdt=x_dtypes, idt=st.sampled_from(("int32", "int64", "float32", "uint8")), wdt=p_dtypes, lib=libs,
+       layout=layouts, special=st.booleans())
+def test_fused_moe_stage(seed, m, k, top, xdt, idt, wdt, lib, layout, special):
+    hidden = make(seed, (m, k), xdt, lib, layout, special)
+    ids = make(seed + 1, (m, top), idt, lib, lo=-3, hi=300)
+    wts = make(seed + 2, (m, top), wdt, lib, special=special)
+    judge(lambda: rawkv.fused.moe_stage(hidden, ids, wts), ("hidden", "topk_ids", "topk_weights"),
+          lambda: RFU.moe_stage(host(hidden), host(ids), host(wts)))
+
+
+# ---- rawkv.kvcache: the ecosystem layouts ------------------------------------------------
+STORES = {"model1": (kc.model1_store, RK.model1_write, RK.MODEL1, 512, "entries"),
+          "window": (kc.model1_window_insert, RK.model1_write, RK.MODEL1, 512, "rows"),
+          "index_fp8": (kc.index_fp8_store, RK.index_fp8_write, RK.INDEX_FP8, 128, "keys"),
+          "index_mxfp4": (kc.index_mxfp4_store, RK.index_mxfp4_write, RK.INDEX_MXFP4, 128, "keys")}
+
+
+@settings(SETTINGS, max_examples=60)
+@given(seed=seeds, op=st.sampled_from(sorted(STORES)), pages=st.integers(1, 3), page_size=st.sampled_from([1, 2, 4, 0]),
+       rows=st.integers(0, 5), width_delta=st.sampled_from([0, 0, 0, -16]),
+       xdt=st.sampled_from(("float32", "bfloat16", "float16")), sdt=st.sampled_from(("int32", "int64", "float32")),
+       offsets=st.booleans(), errors=st.booleans(), lib=libs, special=st.booleans())
+def test_kvcache_layout_stores(seed, op, pages, page_size, rows, width_delta, xdt, sdt, offsets, errors, lib,
+                               special):
+    fn, write, lay, width, name = STORES[op]
+    ps = max(page_size, 1)
+    cache = np.zeros((pages, lay.page_bytes(ps)), np.uint8)
+    x = make(seed, (rows, width + width_delta), xdt, lib, special=special)
+    hi = pages * ps + 2 if not offsets else pages + 1
+    slots = make(seed + 1, (rows,), sdt, lib, lo=-2, hi=hi)
+    offs = make(seed + 2, (rows,), "int32", lib, lo=-1, hi=ps + 1) if offsets and op != "window" else None
+    err = np.zeros(1, np.int32) if errors else None
+    kw = {"offsets": offs} if op != "window" else {}
+    want = cache.copy()
+
+    def reference():
+        bad = write(want, ps, host(x), host(slots), None if offs is None else host(offs))
+        if err is not None:
+            assert err[0] == bad
+        return want
+    if judge(lambda: fn(cache, x, slots, page_size=page_size, errors=err, **kw),
+             ("cache", name, "slots", "slot_mapping", "page_size", "offsets", "errors"), lambda: None) is None:
+        return
+    same(cache, reference())
+
+
+@SETTINGS
+@given(seed=seeds, pages=st.integers(1, 3), page_size=st.sampled_from([1, 2, 4]), idx_shape=shapes,
+       idt=st.sampled_from(("int32", "int64")), dtype=st.sampled_from([None, "float32", "float16", "int8"]),
+       lib=libs)
+def test_kvcache_model1_gather(seed, pages, page_size, idx_shape, idt, dtype, lib):
+    cache = make(seed, (pages, RK.MODEL1.page_bytes(page_size)), "uint8")
+    idx = make(seed + 1, idx_shape, idt, lib, lo=-2, hi=pages * page_size + 2)
+
+    def reference():
+        rows, _ = RK.model1_gather(cache, page_size, host(idx), dtype or "bfloat16")
+        return rows
+    judge(lambda: kc.model1_gather(cache, idx, page_size=page_size, dtype=dtype),
+          ("cache", "indices", "page_size", "dtype"), reference)
+
+
+@SETTINGS
+@given(seed=seeds, b=st.integers(0, 3), k=st.integers(0, 4), three=st.booleans(), r=st.integers(1, 4),
+       mb=st.integers(1, 3), page_size=st.sampled_from([1, 4, 0]), num_pages=st.integers(0, 5),
+       idt=st.sampled_from(("int32", "int64", "float32")), use_slots=st.booleans(), use_n=st.booleans(),
+       lib=libs)
+def test_kvcache_topk_to_kvcache_indices(seed, b, k, three, r, mb, page_size, num_pages, idt, use_slots,
+                                         use_n, lib):
+    ids = make(seed, (b, 2, k) if three else (b, k), idt, lib, lo=-2, hi=mb * max(page_size, 1) + 2)
+    table = make(seed + 1, (r, mb), "int32", lib, lo=-1, hi=num_pages + 1)
+    slots = make(seed + 2, (b,), "int32", lib, lo=-1, hi=r + 1) if use_slots else None
+    ne = make(seed + 3, (b,), "int32", lib, lo=0, hi=mb * max(page_size, 1) + 1) if use_n else None
+    judge(lambda: kc.topk_to_kvcache_indices(ids, table, page_size=page_size, num_pages=num_pages, slots=slots,
+                                             n_entries=ne),
+          ("topk_ids", "block_table", "page_size", "num_pages", "slots", "n_entries"),
+          lambda: RK.topk_to_kvcache_indices(host(ids), host(table), page_size, num_pages,
+                                             None if slots is None else host(slots),
+                                             None if ne is None else host(ne))[0])
+
+
+# ---- rawkv.kvcache: a CPU pool ------------------------------------------------------------
+@settings(SETTINGS, max_examples=40)
+@given(seed=seeds, kind=st.sampled_from(["csa", "hca"]), b=st.integers(0, 4), edt=st.sampled_from(("bfloat16", "float32", "float16")),
+       sdt=st.sampled_from(("int32", "int64")), k=st.integers(0, 3), gdt=st.sampled_from([None, "float32", "float16"]),
+       special=st.booleans(), layout=st.sampled_from(["rawkv", "model1"]))
+def test_kvcache_pool_flush_and_gather(seed, kind, b, edt, sdt, k, gdt, special, layout):
+    """flush_write then gather_topk on a CPU pool, against the reference on a copy of the pool."""
+    p = kc.PagedKVPool(kind, 6, 2, 3, 4, layout=layout, device="cpu")
+    slots_taken = [p.add_request() for _ in range(2)]
+    p.prepare_step(slots_taken, [p.m * 3, p.m * 2])
+    rng = np.random.default_rng(seed)
+    ents = make(seed, (b, p.head_dim), edt, "torch", special=special)
+    keys = make(seed + 1, (b, p.index_head_dim), "bfloat16", "torch") if p.has_index else None
+    valid = make(seed + 2, (b,), "bool", "torch")
+    slots = make(seed + 3, (b,), sdt, "torch", lo=-1, hi=4)
+    pos = torch.from_numpy(rng.integers(0, p.m * 4, size=b).astype(np.int32))
+    judge(lambda: kc.flush_write(p, ents, valid, slots, pos, index_keys=keys),
+          ("pool", "entries", "valid_mask", "slots", "positions", "index_keys"), lambda: None)
+    want = p.to_reference()
+    ids = make(seed + 4, (2, k), "int32", "torch", lo=-2, hi=8)
+    gslots = torch.tensor(slots_taken, dtype=torch.int32)
+
+    def reference():
+        from rawkv.reference import kvcache as RKV
+        rows, _ = RKV.paged_gather_topk(want, gslots.numpy(), ids.numpy(), None, None, dtype=gdt or "bfloat16")
+        return rows
+    judge(lambda: kc.gather_topk(p, gslots, ids, dtype=gdt), ("pool", "slots", "topk_ids", "dtype"), reference)
+
+
+# ---- rawkv.gemm ---------------------------------------------------------------------------
+_WEIGHTS: dict = {}
+
+
+def _weight(g, n, k):
+    """A small Fp4Weight (from_float of fixed values), made once per shape."""
+    key = (g, n, k)
+    if key not in _WEIGHTS:
+        v = np.random.default_rng(g * 1000 + n * 10 + k).standard_normal((g, n, k)).astype(np.float32)
+        _WEIGHTS[key] = rawkv.gemm.Fp4Weight.from_float(torch.from_numpy(v))
+    return _WEIGHTS[key]
+
+
+def _bf16(bits16) -> np.ndarray:
+    """BF16 bit patterns (RG.round_to_bf16's result) as float32 values."""
+    return (np.asarray(bits16, np.uint32) << 16).view(np.float32)
+
+
+def _exact(w):
+    codes, scales, gs = (t.numpy() for t in w.unpack())
+    return RG.dequantize_weight(codes, scales, gs, w.fmt)
+
+
+@SETTINGS
+@given(seed=seeds, t=st.integers(0, 3), g=st.sampled_from([2, 2, 1]), k_delta=st.sampled_from([0, 0, 16, -32]),
+       xdt=st.sampled_from(("bfloat16", "float16", "float32")), layout=layouts, special=st.booleans())
+def test_gemm_grouped_linear(seed, t, g, k_delta, xdt, layout, special):
+    # numpy activations and wrong-typed weights crash today: test_gemm_known_crashes
+    w = _weight(2, 16, 64)
+    x = make(seed, (t, g, 64 + k_delta), xdt, "torch", layout, special)
+    judge(lambda: rawkv.gemm.grouped_linear(x, w), ("x", "weight", "out"),
+          lambda: _bf16(RG.round_to_bf16(RG.grouped(host(x).astype(np.float64), _exact(w)))))
+
+
+@SETTINGS
+@given(seed=seeds, r=st.integers(0, 5), xdt=st.sampled_from(("bfloat16", "float16")), layout=layouts,
+       special=st.booleans(), offs=st.lists(st.integers(-2, 7), min_size=3, max_size=3))
+def test_gemm_moe_linear(seed, r, xdt, layout, special, offs):
+    w = _weight(2, 16, 64)
+    x = make(seed, (r, 64), xdt, "torch", layout, special)
+    offsets = torch.tensor(offs, dtype=torch.int32)
+    err = np.zeros(1, np.int32)
+
+    def reference():
+        y, bad = RG.ragged(host(x).astype(np.float64), _exact(w), np.asarray(offs, np.int32))
+        assert err[0] == bad
+        return _bf16(RG.round_to_bf16(y))
+    judge(lambda: rawkv.gemm.moe_linear(x, w, offsets, errors=err), ("x", "weight", "offsets", "errors"),
+          reference)
+
+
+# ---- what is known to crash today (issue 21; fixed elsewhere) -------------------------------
+@pytest.mark.skip(reason="issue 21 item 5: rawkv.gemm crashes (AttributeError) on a numpy activation, a "
+                         "QuantizedActivation of numpy arrays and weight=None / a plain tensor; "
+                         "test_gemm_* draw torch activations and Fp4Weights only until it is fixed")
+@SETTINGS
+@given(seed=seeds, lib=libs, weight=st.sampled_from(["fp4", None, "tensor"]))
+def test_gemm_any_activation_and_weight(seed, lib, weight):
+    w = {"fp4": _weight(2, 16, 64), None: None, "tensor": torch.ones(2, 16, 64)}[weight]
+    x = make(seed, (2, 2, 64), "float16", lib)
+    judge(lambda: rawkv.gemm.grouped_linear(x, w), ("x", "weight"), lambda: None)
+
+
+@pytest.mark.skip(reason="issue 21 item 2: compress_prefill / compress_decode do not check theta / yarn "
+                         "(ZeroDivisionError, AttributeError from reference/kvcache/finish.py); this "
+                         "file does not draw the compressor's RoPE parameters until they are checked")
+def test_kvcache_compressor_rope_parameters():
+    pass
+
+
+def test_every_op_was_accepted_sometimes():
+    """Each property test above that ran had calls accepted (and compared
+    with the reference), not only refused. Runs last (file order)."""
+    ran = {t: c for t, c in CALLS.items() if t.startswith("test_")}
+    if not ran:
+        pytest.skip("no property test ran before this one (-k?)")
+    never = sorted(t for t, c in ran.items() if not c["accepted"])
+    assert not never, f"every call refused in {never}: {dict(ran)}"
