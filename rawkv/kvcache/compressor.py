@@ -76,8 +76,9 @@ def rope_table(pool, *, theta: float = ref.COMPRESS_ROPE_THETA, yarn=ref.DSV4_YA
     check_pool(pool)
     if not pool.is_cuda:
         raise ValueError("pool: rope_table is the kernel's table; a CPU pool runs the reference")
+    theta, yarn = ref.check_rope(theta, yarn)
     n_tab = pool.max_blocks_per_request * pool.entries_per_block
-    key = (pool.device_index, n_tab, pool.m, pool.rope_dim, float(theta), yarn)
+    key = (pool.device_index, n_tab, pool.m, pool.rope_dim, theta, yarn)
     tab = _TABLES.get(key)
     if tab is None:
         if get_runtime(pool.device_index).capturing(stream):
@@ -100,9 +101,13 @@ def yarn_list(yarn):
 
 
 def yarn_of(values):
-    """The YarnConfig of an operator's `yarn` (yarn_list's inverse)."""
+    """The YarnConfig of an operator's `yarn` (yarn_list's inverse; its
+    values are checked by ref.check_rope, with the public op's theta)."""
     if values is None:
         return None
+    if len(values) != 4:
+        raise ValueError(f"yarn: expected [factor, original_seq_len, beta_fast, beta_slow], got "
+                         f"{len(values)} values")
     factor, n, fast, slow = values
     return ref.YarnConfig(factor, int(n) if float(n).is_integer() else n, fast, slow)
 

@@ -63,6 +63,7 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
     """
     C.check_pool(pool)
     check_compressible(pool)
+    theta, yarn = ref.check_rope(theta, yarn)      # every path, before any launch
     if D.compiling():
         ist, inw = (None, None) if index is None else index
         return V.call(DECODE_OP, **V.pool_args(pool), **V.state_args(state, counter=False),

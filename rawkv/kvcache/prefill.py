@@ -43,6 +43,7 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
     """
     C.check_pool(pool)
     check_compressible(pool)
+    theta, yarn = ref.check_rope(theta, yarn)      # every path, before any launch
     if D.compiling():
         return _traced(pool, kv, z, ape, norm_weight, slot, start_entry, index, eps, theta, yarn)
     d, m, dev = pool.head_dim, pool.m, pool.device_index

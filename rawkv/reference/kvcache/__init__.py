@@ -34,8 +34,8 @@ from .constants import (  # noqa: F401
 )
 from .pooling import compress_csa, compress_hca  # noqa: F401
 from .finish import (  # noqa: F401
-    apply_rope, entry_position, finish_entry, finish_index_key, hadamard_matrix, hadamard_rotate,
-    rmsnorm, rope_cos_sin, rope_inv_freq,
+    apply_rope, check_rope, entry_position, finish_entry, finish_index_key, hadamard_matrix,
+    hadamard_rotate, rmsnorm, rope_cos_sin, rope_inv_freq,
 )
 from .quant import (  # noqa: F401
     fp8_entry_dequantize, fp8_entry_quantize, indexer_key_dequantize, indexer_key_quantize,

@@ -27,6 +27,54 @@ def rmsnorm(x, weight, eps: float = RMS_EPS) -> np.ndarray:
     return (x * r) * weight
 
 
+def _real(name: str, v) -> float:
+    """A real number (Python or numpy; not a bool, a string or an array), as
+    a Python float."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected a real number, got {type(v).__name__}")
+    try:
+        return float(v)
+    except OverflowError:       # a Python int beyond the double range
+        return math.inf
+
+
+def _finite_at_least(name: str, v, lo: float, strict: bool, why: str) -> float:
+    f = _real(name, v)
+    if not math.isfinite(f) or f < lo or (strict and f == lo):
+        raise ValueError(f"{name}: expected a finite number {'>' if strict else '>='} {lo:g} ({why}), "
+                         f"got {v!r}")
+    return f
+
+
+def check_rope(theta, yarn):
+    """The RoPE parameters of the compressor, checked (docs/kvcache.md,
+    "RoPE parameters"): every path (the reference, the CPU and CUDA ops, the
+    operators) calls this before anything is computed or written. Returns
+    (theta as a float, yarn as given).
+
+    theta: finite and > 1 (inv_freq = theta^(-2k/d) must fall with k; YaRN
+        divides by ln theta). yarn: None (plain RoPE) or a YarnConfig with
+        factor finite and >= 1 (a context extension: frequencies are divided
+        by it), original_seq_len a positive integer, beta_fast >= beta_slow
+        > 0, both finite (rotation counts: corr_dim takes their log).
+    A bool is not a number here. TypeError / ValueError naming the field."""
+    t = _finite_at_least("theta", theta, 1.0, True, "the RoPE base")
+    if yarn is None:
+        return t, None
+    if not isinstance(yarn, YarnConfig):
+        raise TypeError(f"yarn: expected a rawkv.reference.kvcache.YarnConfig or None, got "
+                        f"{type(yarn).__name__}")
+    _finite_at_least("yarn.factor", yarn.factor, 1.0, False, "the context extension factor")
+    n = yarn.original_seq_len
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"yarn.original_seq_len: expected an int, got {type(n).__name__}")
+    if n <= 0:
+        raise ValueError(f"yarn.original_seq_len: expected a positive int, got {n}")
+    slow = _finite_at_least("yarn.beta_slow", yarn.beta_slow, 0.0, True, "a rotation count")
+    _finite_at_least("yarn.beta_fast", yarn.beta_fast, slow, False, "at least beta_slow")
+    return t, yarn          # as given: no new object (torch.compile traces this check)
+
+
 def rope_inv_freq(rope_dim: int = ROPE_DIM, theta: float = COMPRESS_ROPE_THETA,
                   yarn: YarnConfig | None = DSV4_YARN) -> np.ndarray:
     """(rope_dim // 2,) float32 inverse frequencies theta^(-2k/rope_dim),
@@ -34,9 +82,10 @@ def rope_inv_freq(rope_dim: int = ROPE_DIM, theta: float = COMPRESS_ROPE_THETA,
     precompute_freqs_cis: dims rotating faster than beta_fast turns over the
     original context keep their frequency, those slower than beta_slow are
     divided by `factor`, linear ramp between). Computed in float64, rounded
-    once."""
+    once. theta and yarn: check_rope's rules."""
     if rope_dim <= 0 or rope_dim % 2:
         raise ValueError(f"rope_dim: expected a positive even number, got {rope_dim}")
+    theta, yarn = check_rope(theta, yarn)
     k = np.arange(0, rope_dim, 2, dtype=np.float64)
     inv = 1.0 / (float(theta) ** (k / rope_dim))
     if yarn is not None:
