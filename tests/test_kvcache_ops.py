@@ -231,6 +231,13 @@ def test_prepare_errors_and_repeats():
         p.prepare_step(np.array([True]), [0])
     with pytest.raises(TypeError, match="positions"):
         p.prepare_step([a], [0.5])
+    with pytest.raises(TypeError, match="positions"):
+        p.prepare_step([], np.zeros(0))             # an empty float array is still a float array
+    # an empty step is a no-op (before: "expected integers, got dtype float64")
+    for empty in ([], (), np.zeros(0, np.int32)):
+        assert p.prepare_step(empty, empty) == 0
+    with pytest.raises(ValueError, match="positions"):
+        p.prepare_step([], [0])
     assert p.free_blocks() == 4 and (p.block_table == -1).all()
     # a repeated slot (a prefill chunk): its highest position counts
     assert p.prepare_step(np.array([a, a, a]), np.array([3, 15, 9])) == 2

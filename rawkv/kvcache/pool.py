@@ -101,6 +101,8 @@ def host_ints(name: str, x) -> np.ndarray:
     if hasattr(x, "detach"):
         x = x.detach().numpy()
     a = np.asarray(x)
+    if a.size == 0 and isinstance(x, (list, tuple)):
+        a = a.astype(np.int64)          # an empty sequence has no dtype: numpy's float64 is not the caller's
     if a.dtype == np.bool_ or a.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected integers, got dtype {a.dtype}")
     if a.ndim == 0:
@@ -389,7 +391,8 @@ class PagedKVPool(ErrorCounter):
         counts). All-or-nothing: an inactive/out-of-range slot, a negative
         position or one past max_blocks_per_request raises ValueError, and
         running out of blocks raises RuntimeError naming the slot, before
-        anything is written. Refused (CaptureError) while capturing.
+        anything is written. Refused (CaptureError) while capturing. An
+        empty step (no slots: [] or a 0-length array) changes nothing.
         Returns the number of blocks allocated."""
         sl = host_ints("slots", slots)
         ps = host_ints("positions", positions)
