@@ -44,7 +44,8 @@ def main(argv=None) -> int:
         p.print_help(sys.stderr)
         return 2
     if a.command == "demo":
-        from .demo import run
+        from .demo import check_arguments, run
+        check_arguments(a, a.parser.error)
         return run(a)
     from . import GpuUnavailableError, warmup
     try:

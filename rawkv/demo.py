@@ -19,8 +19,13 @@ entries + 128-dim indexer keys) and one HCA layer (m = 128):
 
 The pools hold the entries in --layout: "model1" (the pages FlashMLA's
 sparse decode and DeepGEMM's paged indexer logits read: MODEL1_FP8Sparse
-entries, FP8 or MXFP4 indexer keys) or "rawkv" (rawkv's own: an FP32 scale
-per entry, NVFP4 indexer keys).
+entries, FP8 or MXFP4 indexer keys: --index-layout, fp8 by default) or
+"rawkv" (rawkv's own: an FP32 scale per entry, NVFP4 indexer keys; giving
+--index-layout with it is a usage error, not ignored).
+
+--steps is at most 10,000: every token's synthetic rows are kept on the host
+and the whole run is checked against the reference at the end, so the run is
+sized up front instead of running out of memory part way.
 
 When the GPU path cannot run (or with --cpu) the same ops run the numpy
 reference on CPU pools at a small size, and the first line says why, in the
@@ -100,15 +105,27 @@ def _tokens(rng, n, w):
     return kv, z
 
 
-def _count(least: int):
-    """An argparse type: an int >= least (argparse names the option in its error)."""
+#: --steps at most: the demo keeps every token's synthetic rows on the host
+#: (kv and z of both layers and the indexer, float32: TOKEN_BYTES per token and
+#: request) and checks the whole run against the reference at the end, so a
+#: run is sized up front: 10,000 steps take ~0.9 GB at the full size (the
+#: prompts add 0.3 GB), where 10^8 steps ran out of memory after 25 s.
+MAX_STEPS = 10_000
+TOKEN_BYTES = 2 * 4 * (2 * D + D + 2 * DI)
+
+
+def _count(least: int, most: int | None = None):
+    """An argparse type: an int in [least, most] (argparse names the option
+    in its error)."""
+    want = f"an integer >= {least}" if most is None else f"an integer from {least} to {most:,}"
+
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}") from None
-        if v < least:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {v}")
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if v < least or (most is not None and v > most):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {v}")
         return v
     return parse
 
@@ -116,14 +133,28 @@ def _count(least: int):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", action="store_true", help="run the numpy reference on CPU")
     p.add_argument("--small", action="store_true", help="small sizes (the CPU default)")
-    p.add_argument("--steps", type=_count(1), default=None,
-                   help="decode steps, >= 1 (default 300 on a GPU, 130 with --small or on CPU)")
+    p.add_argument("--steps", type=_count(1, MAX_STEPS), default=None,
+                   help=f"decode steps, 1 to {MAX_STEPS:,} (default 300 on a GPU, 130 with --small or on "
+                        "CPU; every token's rows are kept on the host)")
     p.add_argument("--seed", type=_count(0), default=0, help="seed of the synthetic data, >= 0")
     p.add_argument("--layout", choices=LAYOUTS, default=DEFAULT_LAYOUT,
                    help="the pools' layout: model1 (FlashMLA MODEL1_FP8Sparse entries, DeepGEMM indexer "
                         "keys) or rawkv (FP32 scale per entry, NVFP4 keys); default %(default)s")
-    p.add_argument("--index-layout", choices=tuple(ref.INDEX_LAYOUTS), default="fp8",
-                   help="model1's indexer keys: fp8 (Hopper) or mxfp4 (Blackwell); default %(default)s")
+    p.add_argument("--index-layout", choices=tuple(ref.INDEX_LAYOUTS), default=None,
+                   help="model1's indexer keys: fp8 (Hopper) or mxfp4 (Blackwell); default fp8. "
+                        "Only with --layout model1 (the rawkv layout's keys are NVFP4)")
+
+
+def check_arguments(a, error) -> None:
+    """The options' combination, checked after parsing: --index-layout
+    belongs to --layout model1 (given with rawkv it would be ignored, so it
+    is refused through `error`, argparse's one-line usage error); fills in
+    its default."""
+    if a.layout != "model1" and a.index_layout is not None:
+        error(f"argument --index-layout: not allowed with --layout {a.layout} (its indexer keys "
+              "are NVFP4; --index-layout picks model1's)")
+    if a.layout == "model1" and a.index_layout is None:
+        a.index_layout = "fp8"
 
 
 def run(a) -> int:
@@ -295,7 +326,7 @@ def _run(a, rt) -> int:
           f"(indexer keys {index_layout}, {epb} entries per page)")
 
     dec = Decoder(rng, prompts, steps, topk, epb, device="cuda" if gpu else "cpu", layout=a.layout,
-                  index_layout=a.index_layout)
+                  index_layout=a.index_layout or "fp8")
     kvc, layers, toks, itoks = dec.kvc, dec.layers, dec.toks, dec.itoks
     slots, total = dec.slots, dec.total
     pools, states, istate = dec.pools, dec.states, dec.istate

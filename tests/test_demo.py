@@ -111,6 +111,10 @@ def test_demo_gpu_small(cuda, capsys):
     (["demo", "--steps", "-3"], "--steps"),
     (["demo", "--steps", "many"], "--steps"),
     (["demo", "--seed", "-1"], "--seed"),
+    (["demo", "--steps", "100000000"], "--steps"),          # sized up front: was OOM after 25 s
+    (["demo", "--steps", "10001"], "--steps"),
+    (["demo", "--layout", "rawkv", "--index-layout", "mxfp4"], "--index-layout"),   # was ignored
+    (["demo", "--index-layout", "fp8", "--layout", "rawkv"], "--index-layout"),
     (["demo", "--mode", "xyz"], "--mode xyz"),
     (["demo", "extra"], "extra"),
     (["warmup", "--device", "1"], "--device"),
@@ -128,11 +132,25 @@ def test_bad_command_line_is_one_line_and_status_2(argv, bad, capsys):
     assert ": error: " in lines[0] and lines[0].endswith("--help)")
 
 
+def test_demo_steps_bound_and_layout_options(monkeypatch, capsys):
+    """--steps up to MAX_STEPS is accepted (the run is not made here), and
+    --index-layout goes with model1 only; its default is fp8."""
+    import rawkv.demo as demo
+    seen = []
+    monkeypatch.setattr(demo, "run", lambda a: seen.append(a) or 0)
+    assert main(["demo", "--cpu", "--steps", str(demo.MAX_STEPS)]) == 0
+    assert seen[-1].steps == demo.MAX_STEPS and seen[-1].index_layout == "fp8"
+    assert main(["demo", "--cpu", "--index-layout", "mxfp4"]) == 0 and seen[-1].index_layout == "mxfp4"
+    assert main(["demo", "--cpu", "--layout", "rawkv"]) == 0 and seen[-1].index_layout is None
+    # the bound's reason: the host rows of a full-size run at MAX_STEPS stay near a GB
+    assert 4 * demo.MAX_STEPS * demo.TOKEN_BYTES < 2 ** 30
+
+
 def test_bad_value_from_the_shell_has_no_traceback():
     r = subprocess.run([sys.executable, "-m", "rawkv", "demo", "--steps", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr == ("python -m rawkv demo: error: argument --steps: expected an integer >= 1, "
+    assert r.stderr == ("python -m rawkv demo: error: argument --steps: expected an integer from 1 to 10,000, "
                         "got 0 (see python -m rawkv demo --help)\n")
 
 
