@@ -6,7 +6,8 @@ entries + 128-dim indexer keys) and one HCA layer (m = 128):
   1. a few requests of different prompt lengths are prefilled with
      compress_prefill (one launch per request and layer) and admitted to
      decoding with state_seed (the decode state gets the tail the prompt
-     leaves; this also resets a reused slot);
+     leaves; the pools, to which the states are attached, empty a slot's
+     state whenever the slot changes owner);
   2. every decode step (state_append -> compress_decode -> csa_rotate /
      hca_reset -> gather_topk (CSA) / gather_dense_batch (HCA)) is captured
      ONCE in a CUDA graph and replayed; between replays only host
@@ -202,6 +203,9 @@ class Decoder:
                                             index_layout=index_layout)
             self.states[k] = kvc.DecodeState(k, B, device=device)
         self.istate = kvc.DecodeState("csa", B, DI, device=device)
+        # attached once: a pool empties its states' slot when the slot changes owner
+        self.pools["csa"].attach(self.states["csa"], self.istate)
+        self.pools["hca"].attach(self.states["hca"])
         self.slots = [self.pools["csa"].add_request() for _ in range(B)]
         for k in self.layers:
             if k != "csa":

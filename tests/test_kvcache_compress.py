@@ -167,6 +167,13 @@ def test_decode_argument_errors(kind):
     nw = np.ones(D, np.float32)
     v, s, p = np.ones(2, bool), np.zeros(2, np.int32), np.zeros(2, np.int32)
     ix = None if ist is None else (ist, np.ones(DI, np.float32))
+    with pytest.raises(ValueError, match="^state: is not attached to this pool"):
+        compress_decode(pool, st, nw, v, s, p, index=ix)
+    pool.attach(st)
+    if kind == "csa":
+        with pytest.raises(ValueError, match="^index.state: is not attached to this pool"):
+            compress_decode(pool, st, nw, v, s, p, index=ix)
+        pool.attach(ist)
     with pytest.raises(ValueError, match="^state"):
         compress_decode(pool, other, nw, v, s, p, index=ix)
     with pytest.raises(ValueError, match="^norm_weight"):
@@ -197,6 +204,7 @@ def test_eps_follows_the_one_rule(rng, op):
     pool.prepare_step([s], [2 * m - 1])
     kv, z, ape, nw, _ = _inputs(rng, kind, 2 * m)
     st = DecodeState(kind, 4, device="cpu")
+    pool.attach(st)
     st.kv_a[s], st.z_a[s], st.count[s] = kv[:m], z[:m], m    # one complete window
     v, sl, pos = np.ones(1, bool), np.array([s], np.int32), np.array([m - 1], np.int32)
 
@@ -247,6 +255,7 @@ def _one_window_case(rng, kind, device="cpu"):
     pool = _pool(kind, device)
     st = DecodeState(kind, 4, device=device)
     ist = DecodeState("csa", 4, DI, device=device) if kind == "csa" else None
+    pool.attach(*(x for x in (st, ist) if x is not None))
     s = pool.add_request()
     pool.prepare_step([s], [2 * m - 1])
     kv, z, ape, nw, idx = _inputs(rng, kind, 2 * m)
@@ -415,6 +424,7 @@ def _out_of_step_case(device, rng, t=lambda a: a):
     pool.prepare_step(slots, [m - 1] * 4)
     st = DecodeState("csa", 4, device=device)
     ist = DecodeState("csa", 4, DI, device=device)
+    pool.attach(st, ist)
     kv, z, ape, nw, idx = _inputs(rng, "csa", m)
     for s in slots:                    # m - 1 rows of the first window in both states
         kvc.state_seed(st, s, t(kv[:m - 1]), t(z[:m - 1]), ape=t(ape))
@@ -481,6 +491,7 @@ def _decode_run(kind, device, rng_inputs, lengths, prefill_upto, torch_mod=None)
     pool = _pool(kind, device)
     st = DecodeState(kind, 4, device=device)
     ist = DecodeState("csa", 4, DI, device=device) if kind == "csa" else None
+    pool.attach(*(x for x in (st, ist) if x is not None))
     conv = (lambda a: a) if torch_mod is None else (lambda a: torch_mod.from_numpy(np.ascontiguousarray(a)).cuda())
     slots = [pool.add_request() for _ in lengths]
     for s, L, P, (kv, z, ape, nw, idx) in zip(slots, lengths, prefill_upto, rng_inputs):
@@ -646,6 +657,7 @@ def test_gpu_errors_and_skips(cuda, rng, kind):
     pool.reset_errors()
     st = DecodeState(kind, 4, device="cuda")
     ist = DecodeState("csa", 4, DI, device="cuda") if kind == "csa" else None
+    pool.attach(*(x for x in (st, ist) if x is not None))
     ix = None if ist is None else (ist, _t(idx[3]))
     before = pool.fp8.clone()
     # slot 7 out of range (counted); slot 0 window incomplete (skipped silently);
@@ -668,6 +680,7 @@ def test_gpu_decode_captures_in_graph(cuda, rng, kind):
     pool.prepare_step([s], [m - 1])
     st = DecodeState(kind, 4, device="cuda")
     ist = DecodeState("csa", 4, DI, device="cuda") if kind == "csa" else None
+    pool.attach(*(x for x in (st, ist) if x is not None))
     sl, v = _t(np.array([s], np.int32)), _t(np.array([True]))
     for t in range(m):
         kvc.state_append(st, _t(kv[t:t + 1]), _t(z[t:t + 1]), v, sl, ape=_t(ape))

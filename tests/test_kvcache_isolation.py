@@ -231,6 +231,152 @@ def test_gpu_marks_match_the_reference_after_reuse(cuda, rng):
 
 
 # ---------------------------------------------------------------------------
+# Issue 21, item 4: a reused slot carries no decode state into its next request
+# ---------------------------------------------------------------------------
+def _slot_reuse(device, rng, kind):
+    """Request A leaves a partial window (and, for CSA, a b-stream) in slot 0
+    and is freed; B gets slot 0, prefills a prompt of 2 windows and is NOT
+    admitted with state_seed (for HCA with such a prompt, seeding only
+    empties the slot), appends one window and flushes. A twin pool whose
+    states never held A gets the same calls. Returns (pool, state, twin,
+    twin state) with B's entries written. Before the fix, B's entry 2 was
+    pooled from A's rows (only state.errors showed it)."""
+    dv = _Dev(device)
+    m = ref.CSA_RATIO if kind == "csa" else ref.HCA_RATIO
+    w = (2 if kind == "csa" else 1) * D
+    nw = (1 + 0.1 * rng.standard_normal(D)).astype(F32)
+    inw = (1 + 0.1 * rng.standard_normal(DI)).astype(F32)
+    rows = lambda n, width: rng.standard_normal((n, width)).astype(F32)  # noqa: E731
+    setups = []
+    for _ in range(2):
+        pool = kc.PagedKVPool(kind, 8, 4, 2, 2, layout="rawkv", device=device)
+        st = kc.DecodeState(kind, 2, device=device)
+        ist = kc.DecodeState("csa", 2, DI, device=device) if kind == "csa" else None
+        pool.attach(*(x for x in (st, ist) if x is not None))
+        setups.append((pool, st, ist))
+    one, s0 = dv.t(np.ones(1, bool)), dv.t(np.zeros(1, np.int32))
+    # A, in the first pool only: a prompt of m + m // 2 rows seeded (a b-stream for CSA and a
+    # partial window), then m // 4 decode rows appended
+    pool, st, ist = setups[0]
+    a = pool.add_request()
+    for state, width in ((st, w), (ist, 2 * DI)):
+        if state is not None:
+            kc.state_seed(state, a, dv.t(rows(m + m // 2, width)), dv.t(rows(m + m // 2, width)))
+            x = rows(m // 4, width)
+            for r in range(m // 4):
+                kc.state_append(state, dv.t(x[r:r + 1]), dv.t(x[r:r + 1]), one, s0)
+    assert int(dv.buf(st.count)[a]) == m // 2 + m // 4
+    pool.free_request(a)
+    # B, in both pools: slot 0 again
+    T = 2 * m
+    kv, z, ikv, iz = rows(T + m, w), rows(T + m, w), rows(T + m, 2 * DI), rows(T + m, 2 * DI)
+    for pool, st, ist in setups:
+        b = pool.add_request()
+        assert b == a
+        pool.prepare_step([b], [T + m - 1])
+        idx = None if ist is None else kc.PrefillIndex(dv.t(ikv[:T]), dv.t(iz[:T]), None, dv.t(inw))
+        assert kc.compress_prefill(pool, dv.t(kv[:T]), dv.t(z[:T]), None, dv.t(nw), b, index=idx) == 2
+        for t in range(T, T + m):                     # one decode window, flushed at its last row
+            kc.state_append(st, dv.t(kv[t:t + 1]), dv.t(z[t:t + 1]), one, s0)
+            if ist is not None:
+                kc.state_append(ist, dv.t(ikv[t:t + 1]), dv.t(iz[t:t + 1]), one, s0)
+            kc.compress_decode(pool, st, dv.t(nw), one, s0, dv.t(np.array([t], np.int32)),
+                               index=None if ist is None else kc.DecodeIndex(ist, dv.t(inw)))
+    return setups
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_cpu_reused_slot_carries_no_state(rng, kind):
+    (pool, st, ist), (twin, tst, tist) = _slot_reuse("cpu", rng, kind)
+    a, b = pool.to_reference(), twin.to_reference()
+    for name in ("kv_fp8", "kv_scale", "kv_rope", "idx_q", "idx_sf", "written", "marks"):
+        if getattr(a, name) is not None:
+            np.testing.assert_array_equal(getattr(a, name).view(np.uint8), getattr(b, name).view(np.uint8),
+                                          err_msg=name)
+    assert int(a.written[0]) == 3
+    for x in (st, ist, pool):
+        assert x is None or x.read_errors() == 0
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_gpu_reused_slot_carries_no_state(cuda, rng, kind):
+    """The CUDA pool empties the slot of its attached states on the stream
+    (free_request): B's entries are the twin's, bit for bit (same kernel,
+    same inputs), and nothing is counted."""
+    (pool, st, ist), (twin, tst, tist) = _slot_reuse("cuda", rng, kind)
+    a, b = pool.to_reference(), twin.to_reference()
+    for name in ("kv_fp8", "kv_scale", "kv_rope", "idx_q", "idx_sf", "written", "marks"):
+        if getattr(a, name) is not None:
+            np.testing.assert_array_equal(getattr(a, name).view(np.uint8), getattr(b, name).view(np.uint8),
+                                          err_msg=name)
+    assert int(a.written[0]) == 3
+    for x in (st, ist, pool):
+        assert x is None or x.read_errors() == 0
+
+
+def _free_empties_slot(device):
+    """free_request empties the freed slot of every attached state (both
+    streams, count) and no other slot."""
+    dv = _Dev(device)
+    pool = kc.PagedKVPool("csa", 8, 4, 2, 2, layout="rawkv", device=device)
+    st, ist = kc.DecodeState("csa", 2, device=device), kc.DecodeState("csa", 2, DI, device=device)
+    pool.attach(st, ist)
+    for s in (pool.add_request(), pool.add_request()):
+        for state in (st, ist):
+            x = np.ones((6, state.width), F32)
+            kc.state_seed(state, s, dv.t(x), dv.t(x))       # a b-stream and 2 rows
+    pool.free_request(0)
+    for state in (st, ist):
+        r = state.to_reference()
+        assert list(r.count) == [0, 2]
+        assert not r.a_kv[0].any() and np.isneginf(r.a_z[0]).all()
+        assert not r.b_kv[0].any() and np.isneginf(r.b_z[0]).all()
+        assert r.b_kv[1].all() and r.a_kv[1, :2].all()
+
+
+def test_cpu_free_request_empties_the_attached_states_slot():
+    _free_empties_slot("cpu")
+
+
+def test_gpu_free_request_empties_the_attached_states_slot(cuda):
+    _free_empties_slot("cuda")
+
+
+def test_attach_rules():
+    """pool.attach takes empty DecodeStates of the pool's size and device,
+    once per pool; compress_decode refuses a state that is not attached."""
+    pool = kc.PagedKVPool("hca", 8, 4, 2, 2, layout="rawkv", device="cpu")
+    for bad in (pool.to_reference(), pool, None):
+        with pytest.raises(TypeError, match="^state: "):
+            pool.attach(bad)
+    with pytest.raises(ValueError, match="^state: has 3 slots"):
+        pool.attach(kc.DecodeState("hca", 3, device="cpu"))
+    used = kc.DecodeState("hca", 2, device="cpu")
+    kc.state_seed(used, 1, np.ones((5, D), F32), np.ones((5, D), F32))
+    with pytest.raises(ValueError, match="^state: holds rows"):
+        pool.attach(used)
+    kc.state_clear(used, np.array([1], np.int32))
+    pool.attach(used)
+    pool.attach(used)                                   # again: nothing changes
+    assert pool._states == [used]
+    other = kc.PagedKVPool("hca", 8, 4, 2, 2, layout="rawkv", device="cpu")
+    with pytest.raises(ValueError, match="^state: is attached to another pool"):
+        other.attach(used)
+    csa = kc.PagedKVPool("csa", 8, 4, 2, 2, layout="rawkv", device="cpu")
+    b_only = kc.DecodeState("csa", 2, device="cpu")
+    b_only.z_b[0, 0] = 0.0                              # a b-stream row, count 0
+    with pytest.raises(ValueError, match="^state: holds rows"):
+        csa.attach(b_only)
+    lone = kc.DecodeState("hca", 2, device="cpu")
+    s = pool.add_request()
+    pool.prepare_step([s], [127])
+    with pytest.raises(ValueError, match="^state: is not attached to this pool"):
+        kc.compress_decode(pool, lone, np.ones(D, F32), np.ones(1, bool), np.zeros(1, np.int32),
+                           np.zeros(1, np.int32))
+    assert pool.read_errors() == 0 and not pool.written.any()
+
+
+# ---------------------------------------------------------------------------
 # Item 6: duplicates, the lowest row wins
 # ---------------------------------------------------------------------------
 def _dup_flush_case(rng):
@@ -361,6 +507,7 @@ def _decode_dups(device, rng, kind):
     pool = kc.PagedKVPool(kind, 9, 2, 3, 3, layout="rawkv", device=device)
     st = kc.DecodeState(kind, 3, device=device)
     ist = kc.DecodeState("csa", 3, DI, device=device) if kind == "csa" else None
+    pool.attach(*(x for x in (st, ist) if x is not None))
     for s in range(3):
         pool.add_request()
     pool.prepare_step([0, 1, 2], [5 * m - 1] * 3)

@@ -69,11 +69,13 @@ def test_operators_do_what_the_public_ops_do(rng, kind):
     w = 2 * D if kind == "csa" else D
     m = pub.m
     st_pub, st_op = kvc.DecodeState(kind, 2, device="cpu"), kvc.DecodeState(kind, 2, device="cpu")
+    pub.attach(st_pub)          # the public op's pool; the operator's views have no host bookkeeping
     rows = torch.from_numpy(rng.standard_normal((2 * m - 1, w)).astype(np.float32))
     nw = torch.from_numpy((1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
     index = None
     if kind == "csa":
         ist = [kvc.DecodeState("csa", 2, DI, device="cpu") for _ in range(2)]
+        pub.attach(ist[0])
         irows = torch.from_numpy(rng.standard_normal((2 * m - 1, 2 * DI)).astype(np.float32))
         inw = torch.from_numpy(np.ones(DI, np.float32))
     for st in (st_pub, st_op):

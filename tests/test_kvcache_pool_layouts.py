@@ -193,6 +193,7 @@ def test_compressor_writes_the_layout_store_of_its_entries(rng, kind, index_layo
     q = _pool("cpu", kind, index_layout, nb=16, epb=2, mb=8)
     st = kc.DecodeState(kind, q.max_requests, device="cpu")
     ist = kc.DecodeState("csa", q.max_requests, DI, device="cpu") if kind == "csa" else None
+    q.attach(*(x for x in (st, ist) if x is not None))
     s2 = q.add_request()
     one, sl = np.ones(1, bool), np.array([s2], np.int32)
     for t in range(T):
@@ -386,6 +387,7 @@ def test_gpu_compress_prefill_and_decode(cuda, rng, kind, index_layout):
     q = _pool("cuda", kind, index_layout, nb=64, epb=4, mb=16)
     st = kc.DecodeState(kind, q.max_requests, device="cuda")
     ist = kc.DecodeState("csa", q.max_requests, DI, device="cuda") if kind == "csa" else None
+    q.attach(*(x for x in (st, ist) if x is not None))
     s2 = q.add_request()
     one, sl = dv.t(np.ones(1, bool)), dv.t(np.array([s2], np.int32))
     g = {k: dv.t(v) for k, v in (("kv", kv), ("z", z), ("ape", ape), ("nw", nw))}

@@ -401,6 +401,7 @@ def run(rt, results, quick=False):
     _fill_pool(csa, B, n_csa)
     st = kvc.DecodeState("csa", B, device=dev)
     ist = kvc.DecodeState("csa", B, DI, device=dev)
+    csa.attach(st, ist)
     st.count.fill_(4)
     ist.count.fill_(4)
     st.kv_a.normal_()
@@ -481,6 +482,7 @@ def _decode_inputs(kind, B, ctx, dev, layout="model1"):
     _fill_pool(pool, B, n)
     states = [kvc.DecodeState(kind, B, device=dev)] + ([kvc.DecodeState("csa", B, DI, device=dev)]
                                                        if kind == "csa" else [])
+    pool.attach(*states)
     for st in states:
         st.count.fill_(m)
         st.kv_a.normal_()

@@ -82,6 +82,8 @@ def decode_run(inp: dict, device, *, graph: bool):
         pools[k] = kvc.PagedKVPool(k, B * mb, EPB, B, mb, device=dev)
         states[k] = kvc.DecodeState(k, B, device=dev)
     istate = kvc.DecodeState("csa", B, DI, device=dev)
+    pools["csa"].attach(states["csa"], istate)
+    pools["hca"].attach(states["hca"])
     slots = [pools["csa"].add_request() for _ in range(B)]
     assert [pools["hca"].add_request() for _ in range(B)] == slots
     W = {k: t(inp[k]["nw"]) for k in KINDS}

@@ -34,6 +34,20 @@ def _check_state_of(pool, state, name: str, kind: str, head_dim: int) -> None:
         raise ValueError(f"{name}: is on {state.device} but the pool is on {pool.device}")
 
 
+def _check_attached(pool, state, name: str) -> None:
+    """A pool object's decode state is attached to it (pool.attach), so its
+    slots are emptied when they change owner. A view (the kv_compress_decode
+    operator's buffers) has no host bookkeeping: its engine owns admission
+    (docs/kvcache.md, "Admission")."""
+    if pool._states is None:
+        return
+    C.check_state(state, name)
+    if state._pool is not pool:
+        raise ValueError(f"{name}: is not attached to this pool; call pool.attach(state) when the layer "
+                         "is built (the pool then empties a slot's decode state when the slot changes "
+                         "owner, so no request's entry is pooled from another's rows)")
+
+
 def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, index=None,
                     eps: float = ref.RMS_EPS, theta: float = ref.COMPRESS_ROPE_THETA,
                     yarn=ref.DSV4_YARN, stream=None) -> None:
@@ -51,7 +65,8 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
 
     state:       DecodeState of the pool's kind and head_dim, one row per
                  request slot of the pool (max_requests rows: slot s of the
-                 state is slot s of the block table).
+                 state is slot s of the block table), attached to the pool
+                 (pool.attach; ValueError otherwise).
     norm_weight: (d,) float32.
     valid_mask:  (B,) bool; slots, positions: (B,) int32 or int64 (same dtype).
     index:       CSA: DecodeIndex(index_state, index_norm_weight), the same
@@ -66,6 +81,9 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
     theta, yarn = ref.check_rope(theta, yarn)      # every path, before any launch
     if D.compiling():
         ist, inw = (None, None) if index is None else index
+        _check_attached(pool, state, "state")
+        if ist is not None:
+            _check_attached(pool, ist, "index.state")
         return V.call(DECODE_OP, **V.pool_args(pool), **V.state_args(state, counter=False),
                       **V.state_args(ist, prefix="index_", counter=False), norm_weight=norm_weight,
                       valid_mask=valid_mask, slots=slots, positions=positions, index_norm_weight=inw,
@@ -75,6 +93,9 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
     _check_state_of(pool, state, "state", pool.kind, pool.head_dim)
     if index is not None:
         _check_state_of(pool, index.state, "index.state", "csa", K.INDEX_HEAD_DIM)
+    _check_attached(pool, state, "state")
+    if index is not None:
+        _check_attached(pool, index.state, "index.state")
     dev = pool.device_index
     v = C.arg(valid_mask, "valid_mask", C.BOOL, dev, ndim=1)
     B = v.shape[0]

@@ -193,6 +193,7 @@ class PagedKVPool(ErrorCounter):
     # the operators' schemas list them all (views.pool_schema).
     BUFFERS = ("fp8", "scale", "rope", "index_q", "index_sf", "pages", "index_pages", "block_table",
                "written", "marks", "errors")
+    _states = None      # the attached DecodeStates (attach); None for a view (views.pool_view)
 
     def __init__(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                  *, head_dim=ref.HEAD_DIM, rope_dim=ref.ROPE_DIM, index_head_dim=_DEFAULT,
@@ -212,6 +213,7 @@ class PagedKVPool(ErrorCounter):
         self._nblocks = np.zeros(R, np.int64)             # logical blocks held per slot
         self._n_entries = np.zeros(R, np.int64)
         self._staging = None
+        self._states = []
         if self.is_cuda:
             import torch
             dev = torch.device("cuda", self.device_index)
@@ -329,16 +331,46 @@ class PagedKVPool(ErrorCounter):
         self._n_entries[s] = 0
         return s
 
+    def attach(self, *states) -> None:
+        """Attach this layer's decode states (the compressor's and, for CSA,
+        the indexer's), once, when the layer is built. From then on
+        free_request empties the slot in every attached state, so a request
+        never starts from the rows its slot's previous request left;
+        compress_decode refuses a state not attached to its pool. A state
+        has max_requests rows and the pool's device, belongs to one pool,
+        and is attached empty (no count, no CSA b-stream: rows already there
+        could be anyone's), else ValueError naming state. Reads the states'
+        counts (a host synchronization on CUDA): a build-time call."""
+        self._check_host_time("attach")
+        for st in states:
+            # a DecodeState: the ErrorCounter that is not a pool (state.py imports this module)
+            if not isinstance(st, ErrorCounter) or isinstance(st, PagedKVPool):
+                raise TypeError(f"state: expected a rawkv.kvcache.DecodeState, got {type(st).__name__}")
+            if st.max_requests != self.max_requests or st.device_index != self.device_index:
+                raise ValueError(f"state: has {st.max_requests} slots on {st.device}; this pool needs "
+                                 f"{self.max_requests} (max_requests) on {self.device}")
+            if st._pool is not None and st._pool is not self:
+                raise ValueError("state: is attached to another pool (a decode state belongs to one "
+                                 "layer's pool)")
+            if st._pool is None and st._holds_rows():
+                raise ValueError("state: holds rows already (a count or a CSA b-stream); attach it "
+                                 "when it is built, or state_clear it first")
+        for st in states:
+            if st._pool is None:
+                st._pool = self
+                self._states.append(st)
+
     def free_request(self, slot) -> None:
         """Return the blocks of `slot` to the free list, set its block-table
         row to -1 and its `written` count to 0 (two device fills on the
-        current stream). The stale entries stay in the blocks until a new
-        owner overwrites them; gathers never return them because they bound
-        entry ids by `written`. The decode states are not touched (the pool
-        does not know them): the next request in this slot must be admitted
-        with state_seed (or state_clear). The device fills run on torch's
-        current stream, like prepare_step's table upload: an engine whose
-        kernels run on another stream must order that stream after them."""
+        current stream), and empty the slot in every attached decode state
+        (attach). The stale entries stay in the blocks until a new owner
+        overwrites them; gathers never return them because they bound
+        entry ids by `written` and `marks`. The next request in this slot is
+        admitted with state_seed (its prompt's tail). The device fills run
+        on torch's current stream, like prepare_step's table upload: an
+        engine whose kernels run on another stream must order that stream
+        after them."""
         s = self._slot(slot)
         self._check_host_time("free_request")
         n = int(self._nblocks[s])
@@ -350,6 +382,8 @@ class PagedKVPool(ErrorCounter):
             self.written[s].fill_(0)
         else:
             self.written[s] = 0
+        for st in self._states:                      # the slot changes owner: no state row survives it
+            st._empty(s)
         self._active[s] = False
         self._nblocks[s] = 0
         self._n_entries[s] = 0

@@ -15,9 +15,11 @@ float32 buffers, laid out as rawkv.reference.kvcache.DecodeStateRef:
 
 Empty rows hold kv = 0 and z = -inf (docs/kvcache.md, decision 4); every slot
 starts empty. Slot s is the pool's slot s: a state used with a pool has
-max_requests rows (compress_decode refuses anything else). A slot is NOT reset
-when the pool frees it: admit every new request with state_seed (or
-state_clear). device="cpu" keeps numpy arrays and runs the reference.
+max_requests rows and is attached to it (pool.attach(state), once, when the
+layer is built; compress_decode refuses anything else). The pool empties the
+slot of every attached state when it frees the slot, so a slot's next request
+never starts from the previous one's rows; state_seed then gives it its own
+prompt's tail. device="cpu" keeps numpy arrays and runs the reference.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class DecodeState(ErrorCounter):
     """Tail buffers of the CSA (m = 4, two streams) or HCA (m = 128) compressor."""
 
     BUFFERS = ("kv_a", "z_a", "kv_b", "z_b", "count", "errors")
+    _pool = None        # the PagedKVPool it is attached to (PagedKVPool.attach)
 
     def __init__(self, kind, max_requests, head_dim=ref.HEAD_DIM, *, device="cuda"):
         self._set_geometry(kind, max_requests, head_dim)
@@ -78,6 +81,27 @@ class DecodeState(ErrorCounter):
     @property
     def overlap(self) -> bool:
         return self.kind == "csa"
+
+    def _holds_rows(self) -> bool:
+        """Some slot has a-stream rows (count != 0) or a CSA b-stream.
+        Synchronizes on CUDA."""
+        # numpy arrays and torch tensors alike
+        return bool(self.count.any()) or (self.z_b is not None and bool((self.z_b != float("-inf")).any()))
+
+    def _empty(self, slot=None) -> None:
+        """Empty `slot` (a host int; None: every slot), both streams: kv 0,
+        z -inf, count 0 (reference.state_clear). CUDA: fills on the current
+        stream (no allocation, no synchronization). The one emptying of
+        state_seed and of the pool's free_request."""
+        s = slice(None) if slot is None else slot
+        for buf, v in ((self.kv_a, 0.0), (self.z_a, float("-inf")), (self.kv_b, 0.0),
+                       (self.z_b, float("-inf")), (self.count, 0)):
+            if buf is None:
+                continue
+            if self.is_cuda:
+                buf[s].fill_(v)
+            else:
+                buf[s] = v
 
     def to_reference(self) -> ref.DecodeStateRef:
         """Host copy as a DecodeStateRef (CUDA: synchronizes; tests only)."""

@@ -26,7 +26,8 @@ def state_seed(state, slot, kv, z, *, ape=None, stream=None):
     (T, coff*head_dim) float32 or bfloat16, row 0 at a window boundary (the
     whole prompt, or a suffix starting at a multiple of m that holds, for
     CSA, the last full window); ape (m, coff*head_dim) float32 or None.
-    Run it at every admission: free_request does not reset decode states.
+    Run it at every admission: the pool's free_request empties the slot of
+    its attached states, but only state_seed puts the prompt's tail there.
     CUDA: a few small torch ops (fills, copies, adds) on the current stream
     (or `stream`): no allocation, no host synchronization, capturable."""
     C.check_state(state)
@@ -57,20 +58,15 @@ def state_seed(state, slot, kv, z, *, ape=None, stream=None):
             torch.add(src, ape_rows, out=dst)
 
     with torch.cuda.device(dev), torch.cuda.stream(ts):
-        state.kv_a[slot].zero_()
-        state.z_a[slot].fill_(float("-inf"))
-        if state.overlap:
-            if n >= 1:
-                rows = slice((n - 1) * m, n * m)
-                state.kv_b[slot].copy_(k[rows, :d])
-                put_z(state.z_b[slot], zz[rows, :d], None if a is None else a[:, :d])
-            else:
-                state.kv_b[slot].zero_()
-                state.z_b[slot].fill_(float("-inf"))
+        state._empty(slot)
+        if state.overlap and n >= 1:
+            rows = slice((n - 1) * m, n * m)
+            state.kv_b[slot].copy_(k[rows, :d])
+            put_z(state.z_b[slot], zz[rows, :d], None if a is None else a[:, :d])
         if r:
             state.kv_a[slot, :r].copy_(k[n * m:])
             put_z(state.z_a[slot, :r], zz[n * m:], None if a is None else a[:r])
-        state.count[slot:slot + 1].fill_(r)
+            state.count[slot:slot + 1].fill_(r)
 
 
 def state_append(state, kv, z, valid_mask, slots, *, ape=None, errors=None, stream=None):
