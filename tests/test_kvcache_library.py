@@ -202,3 +202,17 @@ def test_operator_runs_on_its_tensors_device(cuda, rng, monkeypatch):
     # 1 from the flush; 1 from the gather: entry 1 of slot 0 lies below written[0] but this
     # request never wrote it (unmarked: zeros and counted, docs/kvcache.md "Stale entries")
     assert p.read_errors() == 2 and out.abs().sum() > 0
+
+
+def test_docs_list_the_operators_buffer_prefixes():
+    """docs/kvcache.md's POOL / POOL_R / STATE prefixes are the schemas the
+    operators are registered with (they omitted pages, index_pages and marks)."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "kvcache.md").read_text()
+    found = {}
+    for name in ("POOL", "POOL_R", "STATE"):
+        m = re.search(rf"^- {name}: `([^`]*)`", text, re.M)
+        assert m, name
+        found[name] = " ".join(m.group(1).split())
+    assert found == {"POOL": V.pool_schema(True), "POOL_R": V.pool_schema(False), "STATE": V.state_schema(True)}

@@ -185,3 +185,17 @@ def test_default_archs_include_what_the_runtime_builds():
     for cc in ((8, 0), (8, 9), (9, 0), (10, 0), (12, 0)):
         assert runtime.arch_for(cc) in nvrtc_check.DEFAULT_ARCHS
     assert runtime.arch_for((10, 0)) == "sm_100" and "sm_100a" in nvrtc_check.DEFAULT_ARCHS
+
+
+def test_ci_and_readme_count_the_architectures_it_builds():
+    """.ci/run and the README say how many architectures the compile-check
+    builds; the number is DEFAULT_ARCHS' (.ci/run said five of six)."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).parents[1]
+    words = {5: "five", 6: "six", 7: "seven", 8: "eight"}
+    n = words[len(nvrtc_check.DEFAULT_ARCHS)]
+    for name in (".ci/run", "README.md"):
+        text = " ".join((root / name).read_text().replace("#", " ").split())
+        said = re.findall(r"compile-check for all (\w+) architecture", text)
+        assert said == [n], (name, said)
