@@ -74,7 +74,6 @@ def test_cpu_operator_path_never_reads_a_previous_owners_entries(rng, layout):
     _engine_hands_a_freed_page("cpu", rng, layout)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 item 3: the CPU pool's block_table is its host mirror")
 def test_cpu_in_place_block_table_write_keeps_the_free_list():
     """The docs allow in-place writes to pool.block_table; on a CPU pool it
     was the host's own record of which blocks a slot holds, so free_request

@@ -244,7 +244,10 @@ class PagedKVPool(ErrorCounter):
             self.fp8, self.scale, self.rope = r.kv_fp8, r.kv_scale, r.kv_rope
             self.index_q, self.index_sf, self.marks = r.idx_q, r.idx_sf, r.marks
             self.pages, self.index_pages = r.pages, r.index_pages
-            self.block_table = self._table          # the mirror is the table
+            # a copy, as on CUDA: the engine may write the table in place, and
+            # the host's record of the blocks each slot holds (which
+            # free_request returns to the free list) must not follow it
+            self.block_table = self._table.copy()
             self.written = np.zeros(R, np.int32)
             self.errors = np.zeros(1, np.int32)
         self._init_torch_buffers()
@@ -381,6 +384,7 @@ class PagedKVPool(ErrorCounter):
             self.block_table[s].fill_(-1)
             self.written[s].fill_(0)
         else:
+            self.block_table[s] = -1
             self.written[s] = 0
         for st in self._states:                      # the slot changes owner: no state row survives it
             st._empty(s)
@@ -479,6 +483,7 @@ class PagedKVPool(ErrorCounter):
         step, so no gather can return them. CUDA: one host->device copy of
         the rows followed by the block ids, one index_fill_."""
         if not self.is_cuda:
+            self.block_table[lo:hi + 1] = self._table[lo:hi + 1]
             ref.reset_marks(self.reference_view(), blocks)
             return
         import torch
