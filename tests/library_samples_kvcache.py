@@ -161,6 +161,10 @@ def samples(rng, device="cpu"):
               n_entries=None, valid_mask=None, out=empty(2, 4, dtype=torch.int32)),
         _args("kvcache_indices", **P["hca"], slots=sl, topk_ids=d.ints([[1, 0, -2]]).long().expand(2, 3).contiguous(),
               n_entries=d.ints([2, 1]), valid_mask=d.mask([1, 0]), out=empty(2, 3, dtype=torch.int32))]
+    # blocks 5 and 6 of the CSA pool (free) to slots 1 and 0; -1 padding; slot 9: counted
+    out["assign_pages"] = [
+        _args("assign_pages", **P["csa"], slots=d.ints([1, 0, 0, 9]), blocks=d.ints([5, -1, 6, 7])),
+        _args("assign_pages", **P["hca"], slots=d.ints([0]), blocks=d.ints([5]))]
     # the pool's "model1" layout (MODEL1 pages; FP8 / MXFP4 indexer-key pages)
     for il in ("fp8", "mxfp4"):
         pm = _pools(d, layout="model1", index_layout=il)
@@ -180,6 +184,8 @@ def samples(rng, device="cpu"):
         out["gather_dense_batch"].append(
             _args("gather_dense_batch", **Q["hca"], slots=sl, n_entries=d.ints([4, 3]), valid_mask=None,
                   out=empty(2, 4, D)))
+        out["assign_pages"].append(
+            _args("assign_pages", **Q["csa"], slots=d.ints([1, 0]), blocks=d.ints([6, 6])))
         out["kvcache_indices"].append(
             _args("kvcache_indices", **Q["csa"], slots=sl, topk_ids=d.ints([[0, 6, -1, 3], [2, 9, 1, -1]]),
                   n_entries=None, valid_mask=None, out=empty(2, 4, dtype=torch.int32)))

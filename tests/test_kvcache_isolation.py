@@ -612,6 +612,10 @@ def _view_args(kind="csa"):
     ("written", lambda t, a: a["written"].to(t.int64)),
     ("marks", lambda t, a: a["marks"][:, :1].contiguous()),
     ("marks", lambda t, a: a["marks"].to(t.int32)),
+    ("request_ids", lambda t, a: a["request_ids"][:2].contiguous()),
+    ("request_ids", lambda t, a: a["request_ids"].to(t.int64)),
+    ("owners", lambda t, a: a["owners"][:3].contiguous()),
+    ("owners", lambda t, a: a["owners"].to(t.uint8)),
     ("fp8", lambda t, a: a["fp8"].to(t.int8)),
     ("errors", lambda t, a: a["errors"].to(t.int64)),
 ])

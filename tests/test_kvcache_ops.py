@@ -904,6 +904,8 @@ def _cpu_twin(pool):
     c.block_table[...] = pool.block_table.cpu().numpy()
     c.written[...] = pool.written.cpu().numpy()
     c.marks[...] = pool.marks.cpu().numpy()
+    c.request_ids[...] = pool.request_ids.cpu().numpy()
+    c.owners[...] = pool.owners.cpu().numpy()
     c._n_entries[...] = pool._n_entries      # the host counts the dense gathers check
     c._active[...] = pool._active
     return c

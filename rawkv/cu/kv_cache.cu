@@ -58,25 +58,34 @@ __device__ __forceinline__ float f32_neg_inf() { return __int_as_float((int)0xFF
 
 // Physical entry row (block * epb + slot in block) of entry `e` of the
 // request in `slot`, or -1 when the slot, the entry id, the logical block or
-// the physical block id is out of range (reference _locate).
-__device__ __forceinline__ i64 locate(const int* __restrict__ table, i64 slot, i64 e,
+// the physical block id is out of range (reference _locate), or the block is
+// not assigned to the slot's request: owners[blk] != request_ids[slot], or
+// the slot holds no request (reference table_rows). Every writer and reader
+// locates through here, so none uses a block handed to a request without
+// assign_pages.
+__device__ __forceinline__ i64 locate(const int* __restrict__ table, const int* __restrict__ request_ids,
+                                      const int* __restrict__ owners, i64 slot, i64 e,
                                       i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb) {
     if (slot < 0 || slot >= num_requests || e < 0 || e >= max_blocks * epb) return -1;
     const i64 lb = (u32)e / (u32)epb;              // 32-bit: the host keeps max_blocks*epb < 2^31
     const i64 blk = table[slot * max_blocks + lb];
     if (blk < 0 || blk >= num_blocks) return -1;
+    const int rid = request_ids[slot];
+    if (rid <= 0 || owners[blk] != rid) return -1;         // not assigned to the slot's request
     return blk * epb + (e - lb * epb);
 }
 
 // Pool row a flush row writes (valid, position -> entry, locate), or -1.
 __device__ __forceinline__ i64 flush_target(const bool* __restrict__ valid, const int* __restrict__ slots,
                                             const int* __restrict__ positions, const int* __restrict__ table,
+                                            const int* __restrict__ request_ids, const int* __restrict__ owners,
                                             i64 b, i64 num_requests, i64 max_blocks, i64 num_blocks,
                                             i64 epb, i64 m) {
     if (!valid[b]) return -1;
     const i64 pos = positions[b];
     if (pos < 0) return -1;
-    return locate(table, slots[b], (i64)((u32)pos / (u32)m), num_requests, max_blocks, num_blocks, epb);
+    return locate(table, request_ids, owners, slots[b], (i64)((u32)pos / (u32)m), num_requests, max_blocks,
+                  num_blocks, epb);
 }
 
 // Whether a valid row below b names state slot s (the duplicate rule of the
@@ -97,18 +106,19 @@ __device__ __forceinline__ bool slot_taken_below(const bool* __restrict__ valid,
 // in later launches, in stream order, so this may precede the entry's bytes).
 __device__ __forceinline__ i64 flush_claim(const bool* __restrict__ valid, const int* __restrict__ slots,
                                            const int* __restrict__ positions, const int* __restrict__ table,
+                                           const int* __restrict__ request_ids, const int* __restrict__ owners,
                                            int* __restrict__ written, u8* __restrict__ marks,
                                            int* __restrict__ errors, i64 b, int lane, i64 num_requests,
                                            i64 max_blocks, i64 num_blocks, i64 epb, i64 m) {
     if (!valid[b]) return -1;                              // warp-uniform
     const i64 pos = positions[b];
-    const i64 r = flush_target(valid, slots, positions, table, b, num_requests, max_blocks, num_blocks,
-                               epb, m);
+    const i64 r = flush_target(valid, slots, positions, table, request_ids, owners, b, num_requests, max_blocks,
+                               num_blocks, epb, m);
     bool dup = false;
     if (r >= 0)
         for (i64 q = lane; q < b; q += 32)
-            dup |= flush_target(valid, slots, positions, table, q, num_requests, max_blocks, num_blocks,
-                                epb, m) == r;
+            dup |= flush_target(valid, slots, positions, table, request_ids, owners, q, num_requests, max_blocks,
+                                num_blocks, epb, m) == r;
     if (r < 0 || __any_sync(kFull, dup)) {                 // r is warp-uniform
         if (lane == 0) atomicAdd(errors, 1);
         return -1;
@@ -123,7 +133,8 @@ __device__ __forceinline__ i64 flush_claim(const bool* __restrict__ valid, const
 // The pool row output row (b, j) of a gather reads (rules of rkv_kv_gather
 // below), or -1 for a zero row; `errs` gets the errors the row counts.
 template <typename TID, bool DENSE>
-__device__ __forceinline__ i64 gather_target(const int* __restrict__ table, const int* __restrict__ slots,
+__device__ __forceinline__ i64 gather_target(const int* __restrict__ table, const int* __restrict__ request_ids,
+                                             const int* __restrict__ owners, const int* __restrict__ slots,
                                              const TID* __restrict__ ids, const int* __restrict__ n_entries,
                                              const bool* __restrict__ valid, const int* __restrict__ written,
                                              const u8* __restrict__ marks, i64 row, i64 b, i64 j, i64 K,
@@ -139,14 +150,15 @@ __device__ __forceinline__ i64 gather_target(const int* __restrict__ table, cons
         if (DENSE) {
             if (j == 0 && (n < 0 || n > K)) errs += 1;
             if (j < n) {
-                r = j < wr ? locate(table, slot, j, num_requests, max_blocks, num_blocks, epb) : -1;
+                r = j < wr ? locate(table, request_ids, owners, slot, j, num_requests, max_blocks, num_blocks, epb)
+                           : -1;
                 errs += r < 0;
             }
         } else {
             const i64 e = (i64)ids[row];
             if (e != -1) {
                 r = ((!limited || e < n) && e < wr)
-                    ? locate(table, slot, e, num_requests, max_blocks, num_blocks, epb) : -1;
+                    ? locate(table, request_ids, owners, slot, e, num_requests, max_blocks, num_blocks, epb) : -1;
                 errs += r < 0;
             }
         }
@@ -241,6 +253,7 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_write(
         const __nv_bfloat16* __restrict__ entries, const __nv_bfloat16* __restrict__ index_keys,
         const bool* __restrict__ valid, const int* __restrict__ slots,
         const int* __restrict__ positions, const int* __restrict__ table,
+        const int* __restrict__ request_ids, const int* __restrict__ owners,
         u8* __restrict__ fp8, float* __restrict__ scale, __nv_bfloat16* __restrict__ rope,
         u8* __restrict__ idx_q, u8* __restrict__ idx_sf, int* __restrict__ written,
         u8* __restrict__ marks, int* __restrict__ errors,
@@ -249,8 +262,8 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_write(
     const int lane = threadIdx.x & 31;
     const i64 b = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b >= B) return;                                    // warp-uniform
-    const i64 r = flush_claim(valid, slots, positions, table, written, marks, errors, b, lane, num_requests,
-                              max_blocks, num_blocks, epb, m);
+    const i64 r = flush_claim(valid, slots, positions, table, request_ids, owners, written, marks, errors, b, lane,
+                              num_requests, max_blocks, num_blocks, epb, m);
     if (r < 0) return;
     const i64 hd = nope_dim + rope_dim;
     const __nv_bfloat16* src = entries + b * hd;
@@ -436,6 +449,7 @@ template <typename TO, typename TID, bool DENSE>
 __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
         const u8* __restrict__ fp8, const float* __restrict__ scale,
         const __nv_bfloat16* __restrict__ rope, const int* __restrict__ table,
+        const int* __restrict__ request_ids, const int* __restrict__ owners,
         const int* __restrict__ slots, const TID* __restrict__ ids,
         const int* __restrict__ n_entries, const bool* __restrict__ valid,
         const int* __restrict__ written, const u8* __restrict__ marks, TO* __restrict__ out,
@@ -450,8 +464,9 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
     for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < rows; row += warps) {
         const i64 b = (u32)row / (u32)K, j = row - b * K;   // host: B*K < 2^31
         int errs = 0;
-        const i64 r = gather_target<TID, DENSE>(table, slots, ids, n_entries, valid, written, marks, row, b, j, K,
-                                                slot0, n0, num_requests, max_blocks, num_blocks, epb, errs);
+        const i64 r = gather_target<TID, DENSE>(table, request_ids, owners, slots, ids, n_entries, valid, written,
+                                                marks, row, b, j, K, slot0, n0, num_requests, max_blocks,
+                                                num_blocks, epb, errs);
         TO* dst = out + row * hd;
         if (r < 0) {
             for (i64 q = lane; q < tc; q += 32) store8_zero(dst + q * 8);
@@ -509,8 +524,8 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
 // ===========================================================================
 template <typename TO>
 __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index(
-        const u8* __restrict__ idx_q, const u8* __restrict__ idx_sf,
-        const int* __restrict__ table, const int* __restrict__ slots,
+        const u8* __restrict__ idx_q, const u8* __restrict__ idx_sf, const int* __restrict__ table,
+        const int* __restrict__ request_ids, const int* __restrict__ owners, const int* __restrict__ slots,
         const int* __restrict__ n_entries, const bool* __restrict__ valid,
         const int* __restrict__ written, const u8* __restrict__ marks, TO* __restrict__ out,
         int* __restrict__ errors, i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks,
@@ -528,7 +543,8 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index(
             if (j == 0 && k == 0 && (n < 0 || n > K)) errs += 1;
             const i64 wr = (slot >= 0 && slot < num_requests) ? (i64)written[slot] : 0;
             if (j < n) {
-                r = j < wr ? locate(table, slot, j, num_requests, max_blocks, num_blocks, epb) : -1;
+                r = j < wr ? locate(table, request_ids, owners, slot, j, num_requests, max_blocks, num_blocks, epb)
+                           : -1;
                 if (r >= 0 && marks[r] == 0) r = -1;      // not written by this block's owner
                 errs += (r < 0 && k == 0);
             }
@@ -569,6 +585,7 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_pages(
         const __nv_bfloat16* __restrict__ entries, const __nv_bfloat16* __restrict__ index_keys,
         const bool* __restrict__ valid, const int* __restrict__ slots,
         const int* __restrict__ positions, const int* __restrict__ table,
+        const int* __restrict__ request_ids, const int* __restrict__ owners,
         u8* __restrict__ pages, u8* __restrict__ index_pages, int* __restrict__ written,
         u8* __restrict__ marks, int* __restrict__ errors,
         i64 B, i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 m,
@@ -576,8 +593,8 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_pages(
     const int lane = threadIdx.x & 31;
     const i64 b = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b >= B) return;                                    // warp-uniform
-    const i64 r = flush_claim(valid, slots, positions, table, written, marks, errors, b, lane, num_requests,
-                              max_blocks, num_blocks, epb, m);
+    const i64 r = flush_claim(valid, slots, positions, table, request_ids, owners, written, marks, errors, b, lane,
+                              num_requests, max_blocks, num_blocks, epb, m);
     if (r < 0) return;
     const i64 blk = (u32)r / (u32)epb, off = r - blk * epb;
     float v[16];
@@ -596,6 +613,7 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_pages(
 template <typename TO, typename TID, bool DENSE>
 __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_pages(
         const u8* __restrict__ pages, const int* __restrict__ table,
+        const int* __restrict__ request_ids, const int* __restrict__ owners,
         const int* __restrict__ slots, const TID* __restrict__ ids,
         const int* __restrict__ n_entries, const bool* __restrict__ valid,
         const int* __restrict__ written, const u8* __restrict__ marks, TO* __restrict__ out,
@@ -606,8 +624,9 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_pages(
     for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < B * K; row += warps) {
         const i64 b = (u32)row / (u32)K, j = row - b * K;   // host: B*K < 2^31
         int errs = 0;
-        const i64 r = gather_target<TID, DENSE>(table, slots, ids, n_entries, valid, written, marks, row, b, j, K,
-                                                slot0, n0, num_requests, max_blocks, num_blocks, epb, errs);
+        const i64 r = gather_target<TID, DENSE>(table, request_ids, owners, slots, ids, n_entries, valid, written,
+                                                marks, row, b, j, K, slot0, n0, num_requests, max_blocks,
+                                                num_blocks, epb, errs);
         float v[16];
         if (r < 0) {
 #pragma unroll
@@ -625,7 +644,8 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_pages(
 // warp per output row, lane l decodes dims 4l .. 4l+3 (index_load_lane).
 template <typename TO, bool MXFP4>
 __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index_pages(
-        const u8* __restrict__ index_pages, const int* __restrict__ table, const int* __restrict__ slots,
+        const u8* __restrict__ index_pages, const int* __restrict__ table,
+        const int* __restrict__ request_ids, const int* __restrict__ owners, const int* __restrict__ slots,
         const int* __restrict__ n_entries, const bool* __restrict__ valid,
         const int* __restrict__ written, const u8* __restrict__ marks, TO* __restrict__ out,
         int* __restrict__ errors, i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks,
@@ -635,8 +655,9 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index_pages(
     for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < B * K; row += warps) {
         const i64 b = (u32)row / (u32)K, j = row - b * K;
         int errs = 0;
-        const i64 r = gather_target<int, true>(table, slots, nullptr, n_entries, valid, written, marks, row, b, j,
-                                               K, slot0, n0, num_requests, max_blocks, num_blocks, epb, errs);
+        const i64 r = gather_target<int, true>(table, request_ids, owners, slots, nullptr, n_entries, valid, written,
+                                               marks, row, b, j, K, slot0, n0, num_requests, max_blocks,
+                                               num_blocks, epb, errs);
         float v[4];
         if (r < 0) {
 #pragma unroll
@@ -660,16 +681,65 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index_pages(
 // ===========================================================================
 template <typename TID>
 __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_topk_indices(
-        const int* __restrict__ table, const int* __restrict__ slots, const TID* __restrict__ ids,
+        const int* __restrict__ table, const int* __restrict__ request_ids, const int* __restrict__ owners,
+        const int* __restrict__ slots, const TID* __restrict__ ids,
         const int* __restrict__ n_entries, const bool* __restrict__ valid,
         const int* __restrict__ written, const u8* __restrict__ marks, int* __restrict__ out,
         int* __restrict__ errors, i64 B, i64 K, i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb) {
     for (i64 t = global_thread(); t < B * K; t += grid_threads()) {
         const i64 b = (u32)t / (u32)K, j = t - b * K;       // host: B*K < 2^31
         int errs = 0;
-        const i64 r = gather_target<TID, false>(table, slots, ids, n_entries, valid, written, marks, t, b, j, K,
-                                                0, -1, num_requests, max_blocks, num_blocks, epb, errs);
+        const i64 r = gather_target<TID, false>(table, request_ids, owners, slots, ids, n_entries, valid, written,
+                                                marks, t, b, j, K, 0, -1, num_requests, max_blocks,
+                                                num_blocks, epb, errs);
         out[t] = (int)r;                                      // host: num_blocks * epb < 2^31
         if (errs) atomicAdd(errors, errs);
+    }
+}
+
+// ===========================================================================
+// assign_pages: block blocks[b] goes to the request in slots[b] (reference
+// assign_pages): owners[blk] = request_ids[slot] and the block's epb marks
+// are cleared, so none of its entries reads as written until the new owner
+// writes it. One warp per row, grid-stride.
+//   blocks[b] == -1                             -> nothing, not counted
+//   block outside [0, num_blocks), slot out of
+//   range or holding no request (id <= 0)       -> nothing, errors += 1
+//   a lower row assigning the same block        -> nothing, errors += 1
+//     (the warp scans rows 0..b-1, 32 at a time: the lowest row wins)
+// ===========================================================================
+namespace {
+// The block row b assigns, with the id it stamps in `rid`, or -1.
+__device__ __forceinline__ i64 assign_target(const int* __restrict__ slots, const int* __restrict__ blocks,
+                                             const int* __restrict__ request_ids, i64 b, i64 num_requests,
+                                             i64 num_blocks, int& rid) {
+    const i64 s = slots[b], blk = blocks[b];
+    rid = (s >= 0 && s < num_requests) ? request_ids[s] : 0;
+    return (rid > 0 && blk >= 0 && blk < num_blocks) ? blk : -1;
+}
+}  // namespace
+
+__global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_assign_pages(
+        const int* __restrict__ slots, const int* __restrict__ blocks, const int* __restrict__ request_ids,
+        int* __restrict__ owners, u8* __restrict__ marks, int* __restrict__ errors,
+        i64 B, i64 num_requests, i64 num_blocks, i64 epb) {
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 b = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); b < B; b += warps) {
+        if (blocks[b] == -1) continue;                     // padding (warp-uniform)
+        int rid;
+        const i64 blk = assign_target(slots, blocks, request_ids, b, num_requests, num_blocks, rid);
+        bool dup = false;
+        if (blk >= 0)
+            for (i64 q = lane; q < b; q += 32) {
+                int other;
+                dup |= assign_target(slots, blocks, request_ids, q, num_requests, num_blocks, other) == blk;
+            }
+        if (blk < 0 || __any_sync(kFull, dup)) {           // blk is warp-uniform
+            if (lane == 0) atomicAdd(errors, 1);
+            continue;
+        }
+        if (lane == 0) owners[blk] = rid;
+        for (i64 o = lane; o < epb; o += 32) marks[blk * epb + o] = 0;
     }
 }

@@ -37,8 +37,10 @@
 //      LAYOUT 1 FP8 keys, 2 MXFP4 keys) into page blk of out_pages
 //      (out_index_pages), record entry % epb.
 //   6. scatter through block_table[row][entry / epb]; a row outside the
-//      block table, an entry id past the table or the RoPE table, or a
-//      physical block outside [0, num_blocks), is skipped and counted in
+//      block table, an entry id past the table or the RoPE table, a
+//      physical block outside [0, num_blocks), or a block not assigned to
+//      the row's request (owners[blk] != request_ids[row] or no request:
+//      page ownership, kv_cache.cu's locate), is skipped and counted in
 //      *errors; written[row] = max(written[row], entry + 1) and
 //      marks[dest] = 1 (the entry is written by its block's owner: gathers
 //      read only marked entries).
@@ -198,13 +200,23 @@ __device__ __forceinline__ bool block_any(bool p) {
     return __syncthreads_or(p ? 1 : 0) != 0;
 }
 
+// Whether block `blk` (in range) is assigned to the request of block-table
+// row `row` (in range): page ownership (kv_cache.cu's locate).
+__device__ __forceinline__ bool owned_by(const int* __restrict__ request_ids, const int* __restrict__ owners,
+                                         i64 row, i64 blk) {
+    const int rid = request_ids[row];
+    return rid > 0 && owners[blk] == rid;
+}
+
 // Pool entry row that decode row q writes (the kernel's own decision: valid,
 // slot in range, both windows complete, position >= 0, entry inside the RoPE
-// table and the block table, block in range), or -1.
+// table and the block table, block in range and owned by the slot's
+// request), or -1.
 template <typename I>
 __device__ __forceinline__ i64 decode_target(i64 q, const u8* __restrict__ valid, const I* __restrict__ slots,
                                              const I* __restrict__ positions, const int* __restrict__ count0,
                                              const int* __restrict__ count1, const int* __restrict__ block_table,
+                                             const int* __restrict__ request_ids, const int* __restrict__ owners,
                                              i64 n_slots, i64 bt_rows, i64 bt_stride, i64 num_blocks, i64 epb,
                                              i64 m, i64 n_tab) {
     if (!valid[q]) return -1;
@@ -217,7 +229,7 @@ __device__ __forceinline__ i64 decode_target(i64 q, const u8* __restrict__ valid
     const i64 e = pos / m, lb = e / epb;
     if (e >= n_tab || lb >= bt_stride) return -1;
     const i64 blk = (i64)block_table[s * bt_stride + lb];
-    if (blk < 0 || blk >= num_blocks) return -1;
+    if (blk < 0 || blk >= num_blocks || !owned_by(request_ids, owners, s, blk)) return -1;
     return blk * epb + (e - lb * epb);
 }
 
@@ -275,8 +287,9 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
     // RoPE table (n_tab, 2, rope_dim / 2) float32: cos, sin of entry e at position e * m
     const float* __restrict__ rope_tab, long long n_tab, long long rope_dim,
     // paged pool geometry
-    const int* __restrict__ block_table, long long bt_rows, long long bt_stride,
-    long long num_blocks, long long epb, long long m, int* __restrict__ written, u8* __restrict__ marks,
+    const int* __restrict__ block_table, const int* __restrict__ request_ids, const int* __restrict__ owners,
+    long long bt_rows, long long bt_stride, long long num_blocks, long long epb, long long m,
+    int* __restrict__ written, u8* __restrict__ marks,
     // decode: batch rows
     const u8* __restrict__ valid, const I* __restrict__ slots, const I* __restrict__ positions,
     long long n_slots,
@@ -375,7 +388,7 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
         return;
     }
     const i64 blk = (i64)block_table[row * bt_stride + lb];
-    if (blk < 0 || blk >= num_blocks) {
+    if (blk < 0 || blk >= num_blocks || !owned_by(request_ids, owners, row, blk)) {
         if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }
@@ -389,8 +402,8 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
     if constexpr (DECODE) {
         bool hit = false;
         for (i64 q = threadIdx.x; q < n; q += blockDim.x)
-            hit |= decode_target(q, valid, slots, positions, count0, count1, block_table, n_slots, bt_rows,
-                                 bt_stride, num_blocks, epb, m, n_tab) == dest;
+            hit |= decode_target(q, valid, slots, positions, count0, count1, block_table, request_ids, owners,
+                                 n_slots, bt_rows, bt_stride, num_blocks, epb, m, n_tab) == dest;
         if (block_any(hit)) {                       // a lower row owns this entry
             if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
             return;

@@ -25,8 +25,9 @@ _IDS = ("int32", "int64")
 FLUSH_WRITE = FILE.kernel(
     "rkv_kv_flush_write",
     "const __nv_bfloat16* entries, const __nv_bfloat16* index_keys, const bool* valid, "
-    "const int* slots, const int* positions, const int* table, u8* fp8, float* scale, "
-    "__nv_bfloat16* rope, u8* idx_q, u8* idx_sf, int* written, u8* marks, int* errors, "
+    "const int* slots, const int* positions, const int* table, const int* request_ids, const int* owners, "
+    "u8* fp8, float* scale, __nv_bfloat16* rope, u8* idx_q, u8* idx_sf, int* written, u8* marks, "
+    "int* errors, "
     "i64 B, i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 m, "
     "i64 nope_dim, i64 rope_dim, i64 index_dim",
     (TParam("bool", "HAS_INDEX", (True, False)),))
@@ -47,7 +48,8 @@ STATE_RESET = FILE.kernel(
 GATHER = FILE.kernel(
     "rkv_kv_gather",
     "const u8* fp8, const float* scale, const __nv_bfloat16* rope, const int* table, "
-    "const int* slots, const TID* ids, const int* n_entries, const bool* valid, "
+    "const int* request_ids, const int* owners, const int* slots, const TID* ids, const int* n_entries, "
+    "const bool* valid, "
     "const int* written, const u8* marks, TO* out, int* errors, i64 B, i64 K, i64 slot0, i64 n0, "
     "i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 nope_dim, i64 rope_dim",
     (_TO, TParam("typename", "TID", _IDS), TParam("bool", "DENSE", (False, True))),
@@ -55,7 +57,8 @@ GATHER = FILE.kernel(
 
 GATHER_INDEX = FILE.kernel(
     "rkv_kv_gather_index",
-    "const u8* idx_q, const u8* idx_sf, const int* table, const int* slots, const int* n_entries, "
+    "const u8* idx_q, const u8* idx_sf, const int* table, const int* request_ids, const int* owners, "
+    "const int* slots, const int* n_entries, "
     "const bool* valid, const int* written, const u8* marks, TO* out, int* errors, i64 B, i64 K, "
     "i64 slot0, i64 n0, "
     "i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 index_dim",
@@ -66,7 +69,8 @@ _MXFP4 = TParam("bool", "MXFP4", (False, True))
 FLUSH_PAGES = FILE.kernel(
     "rkv_kv_flush_pages",
     "const __nv_bfloat16* entries, const __nv_bfloat16* index_keys, const bool* valid, "
-    "const int* slots, const int* positions, const int* table, u8* pages, u8* index_pages, "
+    "const int* slots, const int* positions, const int* table, const int* request_ids, const int* owners, "
+    "u8* pages, u8* index_pages, "
     "int* written, u8* marks, int* errors, i64 B, i64 num_requests, i64 max_blocks, i64 num_blocks, "
     "i64 epb, i64 m, i64 page_bytes, i64 index_page_bytes",
     (TParam("bool", "HAS_INDEX", (True, False)), _MXFP4),
@@ -74,7 +78,8 @@ FLUSH_PAGES = FILE.kernel(
 
 GATHER_PAGES = FILE.kernel(
     "rkv_kv_gather_pages",
-    "const u8* pages, const int* table, const int* slots, const TID* ids, const int* n_entries, "
+    "const u8* pages, const int* table, const int* request_ids, const int* owners, const int* slots, "
+    "const TID* ids, const int* n_entries, "
     "const bool* valid, const int* written, const u8* marks, TO* out, int* errors, i64 B, i64 K, "
     "i64 slot0, i64 n0, i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 page_bytes",
     (_TO, TParam("typename", "TID", _IDS), TParam("bool", "DENSE", (False, True))),
@@ -82,7 +87,8 @@ GATHER_PAGES = FILE.kernel(
 
 GATHER_INDEX_PAGES = FILE.kernel(
     "rkv_kv_gather_index_pages",
-    "const u8* index_pages, const int* table, const int* slots, const int* n_entries, const bool* valid, "
+    "const u8* index_pages, const int* table, const int* request_ids, const int* owners, const int* slots, "
+    "const int* n_entries, const bool* valid, "
     "const int* written, const u8* marks, TO* out, int* errors, i64 B, i64 K, i64 slot0, i64 n0, "
     "i64 num_requests, i64 max_blocks, i64 num_blocks, i64 epb, i64 index_page_bytes",
     (_TO, _MXFP4))
@@ -90,7 +96,14 @@ GATHER_INDEX_PAGES = FILE.kernel(
 # The bridge on a pool (either layout): top-k ids -> pool rows.
 TOPK_INDICES = FILE.kernel(
     "rkv_kv_topk_indices",
-    "const int* table, const int* slots, const TID* ids, const int* n_entries, const bool* valid, "
+    "const int* table, const int* request_ids, const int* owners, const int* slots, const TID* ids, "
+    "const int* n_entries, const bool* valid, "
     "const int* written, const u8* marks, int* out, int* errors, i64 B, i64 K, i64 num_requests, "
     "i64 max_blocks, i64 num_blocks, i64 epb",
     (TParam("typename", "TID", _IDS),))
+
+# A block handed to a request (page ownership): owners[block] = request_ids[slot], marks cleared.
+ASSIGN_PAGES = FILE.kernel(
+    "rkv_kv_assign_pages",
+    "const int* slots, const int* blocks, const int* request_ids, int* owners, u8* marks, int* errors, "
+    "i64 B, i64 num_requests, i64 num_blocks, i64 epb")

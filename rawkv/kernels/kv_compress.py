@@ -51,7 +51,8 @@ COMPRESS = FILE.kernel(
     "const int* count1, u8* out_iq, u8* out_isf, long long d1, "
     # RoPE table, pool geometry
     "const float* rope_tab, long long n_tab, long long rope_dim, const int* block_table, "
-    "long long bt_rows, long long bt_stride, long long num_blocks, long long epb, long long m, "
+    "const int* request_ids, const int* owners, long long bt_rows, long long bt_stride, long long num_blocks, "
+    "long long epb, long long m, "
     "int* written, u8* marks, "
     # decode batch rows; prefill slot / entries
     "const u8* valid, const I* slots, const I* positions, long long n_slots, "

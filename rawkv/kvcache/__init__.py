@@ -25,7 +25,8 @@ Every op is also a rawkv:: custom operator on the pool's / state's buffers
 
 Modules: pool, state (the objects); flush, gather, state_ops (format ops);
 prefill, decode, compressor (the compressor); bridge (top-k ids -> the
-pool's FlashMLA indices); checks; views (the operators' schemas and the
+pool's FlashMLA indices); assign (page ownership: blocks handed to
+requests); checks; views (the operators' schemas and the
 pool / state views they run on); layouts (the ecosystem layouts as
 standalone ops).
 
@@ -45,6 +46,7 @@ from .compressor import DecodeIndex, PrefillIndex, rope_table
 from .prefill import compress_prefill
 from .decode import compress_decode
 from .bridge import kvcache_indices
+from .assign import assign_pages
 from ..reference.kvcache import reference_prefill
 from .layouts import (  # noqa: F401  (ecosystem layouts: FlashMLA MODEL1, DeepGEMM indexer keys)
     deepgemm_view, flashmla_view, index_fp8_store, index_mxfp4_store, layout_page_bytes, model1_gather,
@@ -55,4 +57,4 @@ __all__ = ["PagedKVPool", "DecodeState", "flush_write", "gather_topk", "gather_d
            "gather_dense_batch", "gather_index_keys", "gather_index_keys_batch", "state_seed",
            "state_append", "csa_rotate", "hca_reset", "state_clear", "compress_prefill",
            "compress_decode", "rope_table", "PrefillIndex", "DecodeIndex", "reference_prefill",
-           "kvcache_indices"]
+           "kvcache_indices", "assign_pages"]

@@ -60,7 +60,8 @@ def kvcache_indices(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, o
     if B * Kk:
         grid, block = rt.grid_stride(B * Kk, K.BLOCK)
         K.TOPK_INDICES.instance(ids.dtype).launch(
-            rt, (grid,), (block,), stream=stream, table=pool.block_table, slots=s, ids=ids, n_entries=ne,
+            rt, (grid,), (block,), stream=stream, table=pool.block_table, request_ids=pool.request_ids,
+            owners=pool.owners, slots=s, ids=ids, n_entries=ne,
             valid=v, written=pool.written, marks=pool.marks, out=out_arr, errors=err, B=B, K=Kk,
             num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
             epb=pool.entries_per_block)

@@ -125,7 +125,7 @@ def pool_args(pool, tab, errors, eps) -> dict:
         out_fp8=pool.fp8, out_scale=pool.scale, out_rope=pool.rope, d0=pool.head_dim,
         out_iq=pool.index_q, out_isf=pool.index_sf, d1=K.INDEX_HEAD_DIM,
         rope_tab=tab, n_tab=tab.shape[0], rope_dim=pool.rope_dim,
-        block_table=pool.block_table, bt_rows=pool.max_requests,
+        block_table=pool.block_table, request_ids=pool.request_ids, owners=pool.owners, bt_rows=pool.max_requests,
         bt_stride=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
         epb=pool.entries_per_block, m=pool.m, written=pool.written, marks=pool.marks, errors=errors,
         eps=eps, out_pages=pool.pages, out_index_pages=pool.index_pages, page_bytes=pool.page_bytes or 0,

@@ -59,7 +59,8 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
     if pool.layout == "model1":
         K.FLUSH_PAGES.instance(pool.has_index, pool.index_layout == "mxfp4").launch(
             get_runtime(dev), (-(-B // K.FLUSH_ROWS),), (32 * K.FLUSH_ROWS,), stream=stream, entries=e,
-            index_keys=k, valid=v, slots=s, positions=p, table=pool.block_table, pages=pool.pages,
+            index_keys=k, valid=v, slots=s, positions=p, table=pool.block_table, request_ids=pool.request_ids,
+            owners=pool.owners, pages=pool.pages,
             index_pages=pool.index_pages, written=pool.written, marks=pool.marks, errors=err, B=B,
             num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request,
             num_blocks=pool.num_blocks, epb=pool.entries_per_block, m=pool.m, page_bytes=pool.page_bytes,
@@ -67,7 +68,8 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
         return
     K.FLUSH_WRITE.instance(pool.has_index).launch(
         get_runtime(dev), (-(-B // K.FLUSH_ROWS),), (32 * K.FLUSH_ROWS,), stream=stream, entries=e, index_keys=k, valid=v, slots=s, positions=p,
-        table=pool.block_table, fp8=pool.fp8, scale=pool.scale, rope=pool.rope, idx_q=pool.index_q,
+        table=pool.block_table, request_ids=pool.request_ids, owners=pool.owners, fp8=pool.fp8,
+        scale=pool.scale, rope=pool.rope, idx_q=pool.index_q,
         idx_sf=pool.index_sf, written=pool.written, marks=pool.marks, errors=err, B=B,
         num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request,
         num_blocks=pool.num_blocks, epb=pool.entries_per_block, m=pool.m,

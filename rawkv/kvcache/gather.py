@@ -62,7 +62,8 @@ def _gather(rt, tid, dense, pool, slots, ids, n_entries, valid, out, err, B, Kk,
     grid, block = rt.grid_stride(B * Kk * 32, K.BLOCK)
     if pool.layout == "model1":
         K.GATHER_PAGES.instance(out.dtype, tid, dense).launch(
-            rt, (grid,), (block,), stream=stream, pages=pool.pages, table=pool.block_table, slots=slots,
+            rt, (grid,), (block,), stream=stream, pages=pool.pages, table=pool.block_table,
+            request_ids=pool.request_ids, owners=pool.owners, slots=slots,
             ids=ids, n_entries=n_entries, valid=valid, written=pool.written, marks=pool.marks, out=out,
             errors=err, B=B, K=Kk, slot0=slot0, n0=n0, num_requests=pool.max_requests,
             max_blocks=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
@@ -70,7 +71,8 @@ def _gather(rt, tid, dense, pool, slots, ids, n_entries, valid, out, err, B, Kk,
         return
     K.GATHER.instance(out.dtype, tid, dense).launch(
                 rt, (grid,), (block,), stream=stream, fp8=pool.fp8, scale=pool.scale, rope=pool.rope,
-                table=pool.block_table, slots=slots, ids=ids, n_entries=n_entries, valid=valid,
+                table=pool.block_table, request_ids=pool.request_ids, owners=pool.owners, slots=slots,
+                ids=ids, n_entries=n_entries, valid=valid,
                 written=pool.written, marks=pool.marks, out=out, errors=err, B=B, K=Kk, slot0=slot0, n0=n0,
                 num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request,
                 num_blocks=pool.num_blocks, epb=pool.entries_per_block, nope_dim=pool.nope_dim,
@@ -92,6 +94,7 @@ def _dense_launch(pool, index, slots, n_entries, valid, slot0, n0, B, Kk, out, e
         grid, block = rt.grid_stride(B * Kk * 32, K.BLOCK)
         K.GATHER_INDEX_PAGES.instance(out.dtype, pool.index_layout == "mxfp4").launch(
             rt, (grid,), (block,), stream=stream, index_pages=pool.index_pages, table=pool.block_table,
+            request_ids=pool.request_ids, owners=pool.owners,
             slots=slots, n_entries=n_entries, valid=valid, written=pool.written, marks=pool.marks, out=out,
             errors=err, B=B, K=Kk, slot0=slot0, n0=n0, num_requests=pool.max_requests,
             max_blocks=pool.max_blocks_per_request, num_blocks=pool.num_blocks, epb=pool.entries_per_block,
@@ -100,7 +103,8 @@ def _dense_launch(pool, index, slots, n_entries, valid, slot0, n0, B, Kk, out, e
     grid, block = rt.grid_stride(B * Kk * (pool.index_head_dim // 16), K.BLOCK)
     K.GATHER_INDEX.instance(out.dtype).launch(
         rt, (grid,), (block,), stream=stream, idx_q=pool.index_q, idx_sf=pool.index_sf,
-        table=pool.block_table, slots=slots, n_entries=n_entries, valid=valid, written=pool.written,
+        table=pool.block_table, request_ids=pool.request_ids, owners=pool.owners, slots=slots,
+        n_entries=n_entries, valid=valid, written=pool.written,
         marks=pool.marks, out=out, errors=err, B=B, K=Kk, slot0=slot0, n0=n0, num_requests=pool.max_requests,
         max_blocks=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
         epb=pool.entries_per_block, index_dim=pool.index_head_dim)

@@ -39,6 +39,15 @@ Both layouts:
                 gather returns only marked entries, so bytes left in a reused
                 block by an earlier request are never returned, not even below
                 written[] (docs/kvcache.md, "Stale entries")
+    request_ids (max_requests,) int32: the id of each slot's request (> 0,
+                fresh at every add_request; 0: no request)
+    owners      (num_blocks,) int32: the id of the request each block was
+                assigned to (prepare_step, or the assign_pages op an engine
+                that writes block-table rows itself calls; 0: none). Every
+                writer and reader uses a block of a slot's row only when
+                owners[block] == request_ids[slot], so a block handed over
+                without assign_pages is skipped and counted, never read
+                (docs/kvcache.md, "Page ownership")
     errors      (1,) int32: kernels atomically add the rows they skipped
 
 The free list and the per-slot bookkeeping live on the host. Entry e of the
@@ -65,6 +74,8 @@ KINDS = {"csa": ref.CSA_RATIO, "hca": ref.HCA_RATIO}
 #: (docs/kvcache.md, "Pool layouts")
 LAYOUTS = ("rawkv", "model1")
 _DEFAULT = object()
+#: the largest request id (request_ids and owners are int32)
+_MAX_ID = 2 ** 31 - 1
 
 
 def _pos_int(name: str, v) -> int:
@@ -192,7 +203,7 @@ class PagedKVPool(ErrorCounter):
     # Every layout's buffers (a pool holds its layout's; the others are None):
     # the operators' schemas list them all (views.pool_schema).
     BUFFERS = ("fp8", "scale", "rope", "index_q", "index_sf", "pages", "index_pages", "block_table",
-               "written", "marks", "errors")
+               "request_ids", "owners", "written", "marks", "errors")
     _states = None      # the attached DecodeStates (attach); None for a view (views.pool_view)
 
     def __init__(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
@@ -212,6 +223,8 @@ class PagedKVPool(ErrorCounter):
         self._active = np.zeros(R, bool)
         self._nblocks = np.zeros(R, np.int64)             # logical blocks held per slot
         self._n_entries = np.zeros(R, np.int64)
+        self._ids = np.zeros(R, np.int64)                 # host mirror of request_ids
+        self._next_id = 1
         self._staging = None
         self._states = []
         if self.is_cuda:
@@ -233,6 +246,8 @@ class PagedKVPool(ErrorCounter):
                     self.index_q = torch.zeros((nb, epb, ih // 2), dtype=torch.uint8, device=dev)
                     self.index_sf = torch.zeros((nb, epb, ih // 16), dtype=torch.uint8, device=dev)
             self.block_table = torch.full((R, MB), -1, dtype=torch.int32, device=dev)
+            self.request_ids = torch.zeros(R, dtype=torch.int32, device=dev)
+            self.owners = torch.zeros(nb, dtype=torch.int32, device=dev)
             self.written = torch.zeros(R, dtype=torch.int32, device=dev)
             self.marks = torch.zeros((nb, epb), dtype=torch.uint8, device=dev)
             self.errors = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -248,6 +263,8 @@ class PagedKVPool(ErrorCounter):
             # the host's record of the blocks each slot holds (which
             # free_request returns to the free list) must not follow it
             self.block_table = self._table.copy()
+            self.request_ids = np.zeros(R, np.int32)
+            self.owners = np.zeros(nb, np.int32)
             self.written = np.zeros(R, np.int32)
             self.errors = np.zeros(1, np.int32)
         self._init_torch_buffers()
@@ -324,11 +341,16 @@ class PagedKVPool(ErrorCounter):
 
     def add_request(self) -> int:
         """A free request slot (the lowest); its block-table row is all -1 and
-        it holds no entries. RuntimeError when every slot is taken."""
+        it holds no entries. The slot gets a fresh request id
+        (request_ids[slot], a device fill on the current stream), so no
+        block of an earlier request is its own. RuntimeError when every
+        slot is taken; CaptureError while capturing."""
         free = np.flatnonzero(~self._active)
         if free.size == 0:
             raise RuntimeError(f"PagedKVPool: all {self.max_requests} request slots are taken")
+        self._check_host_time("add_request")
         s = int(free[0])
+        self._set_id(s, self._fresh_id())
         self._active[s] = True
         self._nblocks[s] = 0
         self._n_entries[s] = 0
@@ -388,9 +410,48 @@ class PagedKVPool(ErrorCounter):
             self.written[s] = 0
         for st in self._states:                      # the slot changes owner: no state row survives it
             st._empty(s)
+        self._set_id(s, 0)                         # its blocks now belong to no slot's request
         self._active[s] = False
         self._nblocks[s] = 0
         self._n_entries[s] = 0
+
+    def _set_id(self, slot: int, rid: int) -> None:
+        self._ids[slot] = rid
+        if self.is_cuda:
+            self.request_ids[slot].fill_(rid)
+        else:
+            self.request_ids[slot] = rid
+
+    def _fresh_id(self) -> int:
+        """A request id no block is stamped with: 1, 2, ...; after 2^31 - 1
+        of them, the ids are renumbered (_renumber)."""
+        if self._next_id > _MAX_ID:
+            self._renumber()
+        rid = self._next_id
+        self._next_id += 1
+        return rid
+
+    def _renumber(self) -> None:
+        """The ids ran out (once every 2^31 - 1 admissions): the active
+        requests get ids 1..k, each block owned by one of them is stamped
+        with its new id and every other block with 0 (no request), so no
+        old id survives. Reads owners back (a host sync, at admission)."""
+        act = np.flatnonzero(self._active)
+        new = np.arange(1, act.size + 1, dtype=np.int64)
+        owners = self.owners.cpu().numpy() if self.is_cuda else self.owners
+        stamped = np.zeros(self.num_blocks, np.int32)
+        for old, rid in zip(self._ids[act].tolist(), new.tolist()):
+            stamped[owners == old] = rid
+        self._ids[:] = 0
+        self._ids[act] = new
+        if self.is_cuda:
+            import torch
+            self.owners.copy_(torch.from_numpy(stamped))
+            self.request_ids.copy_(torch.from_numpy(self._ids.astype(np.int32)))
+        else:
+            self.owners[:] = stamped
+            self.request_ids[:] = self._ids
+        self._next_id = act.size + 1
 
     def n_entries(self, slot) -> int:
         """Complete entries of `slot` once the steps prepared so far have run:
@@ -461,38 +522,44 @@ class PagedKVPool(ErrorCounter):
                                    f"({total} for this step) but only {avail} of {self.num_blocks} "
                                    "are free; nothing was allocated")
         lo, hi = self.max_requests, -1
-        new = []
+        new, to = [], []
         for s, k in need.items():
             if k:
                 n0 = int(self._nblocks[s])
                 for i in range(k):
                     self._table[s, n0 + i] = self._free.pop()
                 new.extend(self._table[s, n0:n0 + k].tolist())
+                to.extend([s] * k)
                 self._nblocks[s] = n0 + k
                 lo, hi = min(lo, s), max(hi, s)
         for s, p in last.items():
             self._n_entries[s] = max(int(self._n_entries[s]), (p + 1) // self.m)
         if hi >= 0:
-            self._new_owner(lo, hi, new)
+            self._new_owner(lo, hi, new, to)
         return total
 
-    def _new_owner(self, lo: int, hi: int, blocks: list) -> None:
-        """Blocks `blocks` were just allocated to the requests of slots lo..hi:
-        upload those block-table rows and clear the blocks' marks (their
-        bytes are a previous owner's), in stream order before any op of the
-        step, so no gather can return them. CUDA: one host->device copy of
-        the rows followed by the block ids, one index_fill_."""
+    def _new_owner(self, lo: int, hi: int, blocks: list, slots: list) -> None:
+        """Blocks `blocks` were just allocated to the requests of `slots`
+        (all in lo..hi): upload those block-table rows, stamp each block
+        with its request's id and clear its marks (its bytes are a previous
+        owner's): reference.assign_pages, in stream order before any op of
+        the step. CUDA: one host->device copy of the rows, the block ids and
+        the request ids, then index_fill_ (marks) and index_copy_ (owners)."""
         if not self.is_cuda:
             self.block_table[lo:hi + 1] = self._table[lo:hi + 1]
-            ref.reset_marks(self.reference_view(), blocks)
+            ref.assign_pages(self.reference_view(), slots, blocks)
             return
         import torch
         rows = self._table[lo:hi + 1]
-        # int64: index_fill_'s index dtype; copy_ narrows the rows to int32 on the device
-        self._staging = torch.from_numpy(np.concatenate([rows.ravel(), blocks]).astype(np.int64))
+        # int64: the index dtype of index_fill_ / index_copy_; copy_ narrows the rows to int32
+        staged = np.concatenate([rows.ravel(), blocks, self._ids[slots]])
+        self._staging = torch.from_numpy(staged.astype(np.int64))
         dev = self._staging.to(self.device, non_blocking=True)
-        self.block_table[lo:hi + 1].copy_(dev[:rows.size].view(rows.shape))
-        self.marks.index_fill_(0, dev[rows.size:], 0)
+        n, k = rows.size, len(blocks)
+        self.block_table[lo:hi + 1].copy_(dev[:n].view(rows.shape))
+        idx = dev[n:n + k]
+        self.marks.index_fill_(0, idx, 0)
+        self.owners.index_copy_(0, idx, dev[n + k:].to(torch.int32))
 
     # -- reference views ------------------------------------------------------
     def to_reference(self) -> ref.PagedPoolRef:
@@ -504,7 +571,7 @@ class PagedKVPool(ErrorCounter):
         c = lambda t: None if t is None else t.cpu().numpy()  # noqa: E731
         return self._ref(c(self.fp8), c(self.scale), None if self.rope is None else self.rope.float().cpu().numpy(),
                          c(self.index_q), c(self.index_sf), c(self.block_table), c(self.written), c(self.marks),
-                         c(self.pages), c(self.index_pages))
+                         c(self.pages), c(self.index_pages), c(self.request_ids), c(self.owners))
 
     def reference_view(self) -> ref.PagedPoolRef:
         """CPU pools: a PagedPoolRef sharing this pool's arrays (request table
@@ -512,10 +579,11 @@ class PagedKVPool(ErrorCounter):
         if self.is_cuda:
             raise ValueError("pool: reference_view() is for CPU pools; use to_reference()")
         return self._ref(self.fp8, self.scale, self.rope, self.index_q, self.index_sf, self.block_table,
-                         self.written, self.marks, self.pages, self.index_pages)
+                         self.written, self.marks, self.pages, self.index_pages, self.request_ids, self.owners)
 
-    def _ref(self, fp8, scale, rope, iq, isf, table, written, marks, pages, index_pages) -> ref.PagedPoolRef:
+    def _ref(self, fp8, scale, rope, iq, isf, table, written, marks, pages, index_pages, request_ids,
+             owners) -> ref.PagedPoolRef:
         model1 = self.layout == "model1"
         return ref.PagedPoolRef(self.m, fp8, scale, rope, iq, isf, table, written, marks, pages, index_pages,
                                 self.index_layout if model1 else None,
-                                self.entries_per_block if model1 else None)
+                                self.entries_per_block if model1 else None, request_ids, owners)

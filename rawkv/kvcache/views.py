@@ -33,16 +33,19 @@ def schema(*parts: str) -> str:
     return re.sub(r"\(!\)", lambda _: f"({next(letters)}!)", ", ".join(p for p in parts if p))
 
 
-def pool_schema(writes: bool) -> str:
+def pool_schema(writes: bool, owners: bool = False) -> str:
     """A pool's arguments: its entry buffers and `written` are written by
     the ops that write entries; `errors` (the counter the op adds to) always.
     The entry buffers of the layout the pool does not use are None: fp8,
     scale, rope (and index_q, index_sf) for "rawkv", pages (and index_pages)
-    for "model1"."""
+    for "model1". `owners` (and `marks`) are written by assign_pages
+    (`owners=True`); every other op reads them."""
     w = "(!)" if writes else ""
+    o = "(!)" if owners else ""
     return (f"str kind, Tensor{w}? fp8, Tensor{w}? scale, Tensor{w}? rope, Tensor{w}? index_q, "
             f"Tensor{w}? index_sf, Tensor{w}? pages, Tensor{w}? index_pages, Tensor block_table, "
-            f"Tensor{w} written, Tensor{w} marks, Tensor(!) errors")
+            f"Tensor request_ids, Tensor{o} owners, Tensor{w} written, Tensor{w or o} marks, "
+            "Tensor(!) errors")
 
 
 _STATE = DecodeState.BUFFERS[:-1]       # a state's buffers but its counter
@@ -124,8 +127,8 @@ def _blocks_of(x, name: str, nb: int, epb: int) -> None:
         raise ValueError(f"{name}: expected shape ({nb}, {epb}, n) (fp8's blocks), got {tuple(x.shape)}")
 
 
-def pool_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table, written, marks,
-              errors) -> PagedKVPool:
+def pool_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table, request_ids, owners,
+              written, marks, errors) -> PagedKVPool:
     """A PagedKVPool over these buffers (a CUDA pool's tensors, or host
     arrays: a CPU pool's, as numpy views), geometry from their shapes and
     `kind`, checked as the constructor checks its sizes. The layout is
@@ -135,8 +138,8 @@ def pool_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, blo
     if kind not in KINDS:
         raise ValueError(f"kind: expected 'csa' or 'hca', got {kind!r}")
     if pages is not None:
-        return _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table, written,
-                           marks, errors)
+        return _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table,
+                           request_ids, owners, written, marks, errors)
     if index_pages is not None:
         raise ValueError("index_pages: given without pages (a 'model1' pool has both)")
     dev = _device(fp8)
@@ -155,34 +158,39 @@ def pool_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, blo
         _blocks_of(iq, "index_q", nb, epb)
         ih = 2 * iq.shape[2]
         isf = C.arg(index_sf, "index_sf", U8, dev, shape=(nb, epb, ih // 16))
-    bt, wr, mk, err = _table_args(block_table, written, marks, errors, dev, (nb, epb))
+    bt, ids, own, wr, mk, err = _table_args(block_table, request_ids, owners, written, marks, errors, dev,
+                                            (nb, epb))
     p = PagedKVPool.__new__(PagedKVPool)
     p._set_geometry(kind, nb, epb, bt.shape[0], bt.shape[1], nope + r.shape[2], r.shape[2], ih)
     p.fp8, p.scale, p.rope, p.index_q, p.index_sf = f, s, r, iq, isf
     p.pages = p.index_pages = None
-    return _finish_view(p, dev, f, bt, wr, mk, err)
+    return _finish_view(p, dev, f, bt, ids, own, wr, mk, err)
 
 
-def _table_args(block_table, written, marks, errors, dev, marks_shape):
-    """The request table, the marks and the counter of a view, checked."""
+def _table_args(block_table, request_ids, owners, written, marks, errors, dev, marks_shape):
+    """The request table, the page owners, the marks and the counter of a
+    view, checked."""
     bt = C.arg(block_table, "block_table", C.I32, dev, ndim=2)
+    ids = C.arg(request_ids, "request_ids", C.I32, dev, shape=(bt.shape[0],))
+    own = C.arg(owners, "owners", C.I32, dev, shape=(marks_shape[0],))
     wr = C.arg(written, "written", C.I32, dev, shape=(bt.shape[0],))
     mk = C.arg(marks, "marks", U8, dev, shape=marks_shape)
     err = C.errors_arg(A.require_array(errors, "errors"), None, dev)
-    return bt, wr, mk, err
+    return bt, ids, own, wr, mk, err
 
 
-def _finish_view(p, dev, first, bt, wr, mk, err) -> PagedKVPool:
+def _finish_view(p, dev, first, bt, ids, own, wr, mk, err) -> PagedKVPool:
     p.is_cuda, p.device_index = dev is not None, dev
     p.device = first.device if dev is not None else "cpu"
-    p.block_table, p.written, p.marks, p.errors = bt, wr, mk, err
+    p.block_table, p.request_ids, p.owners, p.written, p.marks, p.errors = bt, ids, own, wr, mk, err
     p._table = p._free = p._active = p._nblocks = p._n_entries = p._staging = None
+    p._ids = p._next_id = None
     p._seal()
     return p
 
 
-def _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table, written, marks,
-                errors) -> PagedKVPool:
+def _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table, request_ids,
+                owners, written, marks, errors) -> PagedKVPool:
     """pool_view of a "model1" pool: the page size is marks' second
     dimension; the indexer-key layout follows from index_pages' page bytes."""
     for name, x in (("fp8", fp8), ("scale", scale), ("rope", rope), ("index_q", index_q),
@@ -204,12 +212,13 @@ def _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, b
             raise ValueError(f"index_pages: expected shape ({nb}, one of {sorted(by_bytes)}) (FP8 or MXFP4 "
                              f"key pages of {epb} entries), got {tuple(ip.shape)}")
         ih, il = ref.INDEX_HEAD_DIM, by_bytes[ip.shape[1]]
-    bt, wr, mk, err = _table_args(block_table, written, mk, errors, dev, (nb, epb))
+    bt, ids, own, wr, mk, err = _table_args(block_table, request_ids, owners, written, mk, errors, dev,
+                                            (nb, epb))
     p = PagedKVPool.__new__(PagedKVPool)
     p._set_geometry(kind, nb, epb, bt.shape[0], bt.shape[1], ref.HEAD_DIM, ref.ROPE_DIM, ih, "model1", il)
     p.fp8 = p.scale = p.rope = p.index_q = p.index_sf = None
     p.pages, p.index_pages = pg, ip
-    return _finish_view(p, dev, pg, bt, wr, mk, err)
+    return _finish_view(p, dev, pg, bt, ids, own, wr, mk, err)
 
 
 def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:

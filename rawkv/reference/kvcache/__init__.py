@@ -48,8 +48,8 @@ from .state import (  # noqa: F401
     DecodeStateRef, csa_rotate, hca_reset, state_append, state_clear, state_pool, state_seed,
 )
 from .paged import (  # noqa: F401
-    paged_flush_write, paged_gather_dense, paged_gather_dense_batch, paged_gather_topk,
-    paged_kvcache_indices, raise_written, table_rows, written_of,
+    assign_pages, paged_flush_write, paged_gather_dense, paged_gather_dense_batch, paged_gather_topk,
+    paged_kvcache_indices, raise_written, request_ids_of, table_rows, written_of,
 )
 from .compressor import (  # noqa: F401
     paged_compress_decode, paged_compress_prefill, reference_prefill,

@@ -22,6 +22,16 @@ max_blocks_per_request=), or PagedKVPool.reference_view()):
   pool.marks holds one written flag per entry: the writers set it, block
   allocation clears it (reset_marks; PagedKVPool.prepare_step), and every
   gather returns only marked entries (zero row, one error otherwise).
+* Page ownership (pool.request_ids, pool.owners; docs/kvcache.md, "Page
+  ownership"): marks are cleared when a block is assigned, which only
+  prepare_step did, while an engine may write block-table rows itself.
+  So each block records the id of the request it was assigned to
+  (assign_pages stamps it and clears the block's marks), each slot the id
+  of its request, and a slot's row names only the blocks whose owner is
+  its request: any other block acts as -1 (table_rows), for every writer
+  and every reader alike. A block handed over without assign_pages is
+  skipped and counted, never read: a mark on a block owned by request X
+  was set by a write of X after the block was assigned to X.
 * Duplicates: two valid rows of one batch aimed at the same physical entry
   -> the lowest row writes it, the others are skipped and counted.
 * Every function returns the number of rows it skipped and counted; the
@@ -44,13 +54,65 @@ def _request_table(pool: PagedPoolRef):
 
 def table_rows(pool: PagedPoolRef, slots) -> np.ndarray:
     """(B, max_blocks) int64 block-table rows of `slots` (B,); a slot out of
-    range gets a row of -1 (every entry of it is then skipped and counted)."""
+    range gets a row of -1 (every entry of it is then skipped and counted).
+    With page ownership (pool.owners) a block not owned by the slot's
+    request (owners[block] != request_ids[slot], or the slot has no
+    request) is -1 as well."""
     table, _ = _request_table(pool)
     slots = _ints("slots", slots, ndim=1)
     ok = (slots >= 0) & (slots < table.shape[0])
     rows = np.full((slots.shape[0], table.shape[1]), -1, np.int64)
     rows[ok] = table[slots[ok]]
+    if pool.owners is not None:
+        rid = request_ids_of(pool, slots)[:, None]
+        inside = (rows >= 0) & (rows < pool.owners.shape[0])
+        owner = np.where(inside, pool.owners[np.where(inside, rows, 0)], 0)
+        rows[(owner != rid) | (rid <= 0)] = -1
     return rows
+
+
+def request_ids_of(pool: PagedPoolRef, slots) -> np.ndarray:
+    """(B,) int64 request_ids of `slots`; 0 (no request) for a slot out of
+    range."""
+    slots = _ints("slots", slots, ndim=1)
+    ok = (slots >= 0) & (slots < pool.request_ids.shape[0])
+    rid = np.zeros(slots.shape[0], np.int64)
+    rid[ok] = pool.request_ids[slots[ok]]
+    return rid
+
+
+def assign_pages(pool: PagedPoolRef, slots, blocks) -> int:
+    """Hand block blocks[i] to the request in slots[i]: owners[block] =
+    request_ids[slot] and the block's marks are cleared (none of its
+    entries is written by the new owner yet). The one way a block changes
+    owner: PagedKVPool.prepare_step does it for the blocks it allocates, an
+    engine that writes block-table rows itself calls it for every block it
+    hands out (docs/kvcache.md, "Page ownership").
+
+    slots, blocks (B,) int. blocks[i] == -1 is padding (nothing, not
+    counted). A block outside [0, num_blocks), or a slot out of range or
+    holding no request (request_ids <= 0), is skipped and counts one error;
+    so is a row naming a block a lower row assigns (the lowest row wins).
+    Returns the errors."""
+    if pool.owners is None or pool.request_ids is None:
+        raise ValueError("pool: has no page ownership (request_ids, owners)")
+    slots = _ints("slots", slots, ndim=1)
+    blocks = _ints("blocks", blocks, ndim=1)
+    if blocks.shape != slots.shape:
+        raise ValueError(f"blocks: expected shape {slots.shape} (one per slot), got {blocks.shape}")
+    rid = request_ids_of(pool, slots)
+    errors, taken = 0, set()
+    for b, r in zip(blocks.tolist(), rid.tolist()):
+        if b == -1:
+            continue
+        if r <= 0 or not 0 <= b < pool.owners.shape[0] or b in taken:
+            errors += 1
+            continue
+        taken.add(b)
+        pool.owners[b] = r
+        if pool.marks is not None:
+            pool.marks[b] = 0
+    return errors
 
 
 def written_of(pool: PagedPoolRef, slots) -> np.ndarray:

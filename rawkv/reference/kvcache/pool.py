@@ -38,6 +38,18 @@ class PagedPoolRef:
     written     (max_requests,)            int32  entries the slot's request
                 has written (high-water mark, .paged)
 
+    Page ownership (.paged; None: not checked, every block of a slot's
+    row is its own):
+
+    request_ids (max_requests,) int32  the id of the request in each slot
+                (> 0; 0: no request)
+    owners      (num_blocks,)   int32  the id of the request each block is
+                assigned to (assign_pages; 0: none). A slot uses a block of
+                its block-table row only when owners[block] ==
+                request_ids[slot] > 0; any other block acts as -1 (skipped
+                and counted), so no request writes or reads a block that
+                was not assigned to it
+
     Layout "model1" (the ecosystem's, .layouts; docs/kvcache.md "Pool
     layouts"): the fields above that hold entries are None, and a block is a
     page of entries_per_block records:
@@ -62,6 +74,8 @@ class PagedPoolRef:
     index_pages: np.ndarray | None = None
     index_layout: str | None = None
     page_size: int | None = None
+    request_ids: np.ndarray | None = None
+    owners: np.ndarray | None = None
 
     @classmethod
     def create(cls, num_blocks: int, entries_per_block: int, m: int,
@@ -139,7 +153,7 @@ class PagedPoolRef:
         return PagedPoolRef(self.m, c(self.kv_fp8), c(self.kv_scale), c(self.kv_rope),
                             c(self.idx_q), c(self.idx_sf), c(self.block_table), c(self.written),
                             c(self.marks), c(self.pages), c(self.index_pages), self.index_layout,
-                            self.page_size)
+                            self.page_size, c(self.request_ids), c(self.owners))
 
 
 #: the indexer-key page layouts of a 'model1' pool, by index_layout
