@@ -16,9 +16,15 @@
 // Freed blocks keep their bytes and are reused, and a request may skip
 // entries below its mark (a prefill that starts mid-request), so the mark
 // alone does not make an entry readable: marks[row] (one byte per entry) is
-// set by every writer and cleared by the host's block allocation (a device
-// fill in stream order, PagedKVPool.prepare_step); a gather returns only
-// entries with marks[row] != 0 (zero row and counted otherwise).
+// set by every writer and cleared when the block is assigned to a request
+// (PagedKVPool.prepare_step's device fill, or rkv_kv_assign_pages); a gather
+// returns only entries with marks[row] != 0 (zero row and counted otherwise).
+// Page ownership: owners[blk] is the id of the request the block is assigned
+// to, request_ids[slot] the id of the slot's request; locate() treats a
+// block with owners[blk] != request_ids[slot] (or a slot with no request)
+// like a bad block, for every writer and reader, so a block an engine put in
+// a block-table row without assigning it is skipped and counted, and a mark
+// on a block owned by X was set by X.
 //
 // Duplicates: rows of one launch aimed at the same target (the same pool
 // entry, or the same state slot) would race. The lowest row that would write

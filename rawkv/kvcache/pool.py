@@ -387,15 +387,15 @@ class PagedKVPool(ErrorCounter):
 
     def free_request(self, slot) -> None:
         """Return the blocks of `slot` to the free list, set its block-table
-        row to -1 and its `written` count to 0 (two device fills on the
-        current stream), and empty the slot in every attached decode state
-        (attach). The stale entries stay in the blocks until a new owner
-        overwrites them; gathers never return them because they bound
-        entry ids by `written` and `marks`. The next request in this slot is
-        admitted with state_seed (its prompt's tail). The device fills run
-        on torch's current stream, like prepare_step's table upload: an
-        engine whose kernels run on another stream must order that stream
-        after them."""
+        row to -1 and its `written` count and request id to 0 (device fills
+        on the current stream), and empty the slot in every attached decode
+        state (attach). The stale entries stay in the blocks until a new
+        owner overwrites them; gathers never return them: the blocks belong
+        to a request id no slot has, and assigning them to a new request
+        clears their marks. The next request in this slot is admitted with
+        state_seed (its prompt's tail). The device fills run on torch's
+        current stream, like prepare_step's table upload: an engine whose
+        kernels run on another stream must order that stream after them."""
         s = self._slot(slot)
         self._check_host_time("free_request")
         n = int(self._nblocks[s])
