@@ -5,7 +5,8 @@ shape docs/benchmarks.md describes: {device, torch, cupy, commit, copy_GBps, res
     PYTHONPATH=. python3 tools/bench.py --out bench/results [--only core,nvfp4] [--quick]
 
 Groups: core (copy bandwidth, host launch overhead) and every
-tools/bench_<group>.py that exposes run(rt, results, quick).
+tools/bench_<group>.py that exposes run(rt, results, quick); one that also
+exposes plot(results, png_path) gets a figure beside its JSON file.
 Timing: kernels are captured into CUDA graphs and timed with CUDA events
 (median over replays, after warm-up), so figures are device time; inputs are
 rotated across several buffers when they would fit in L2. Host overhead per
@@ -313,6 +314,21 @@ def _commit() -> str:
         return "unknown"
 
 
+def write_plot(mod, results, json_path: str):
+    """A group module's plot(results, png_path), if it has one, written
+    beside its JSON file (same name, .png). Returns the path written, or None
+    (no plot function, nothing drawn, e.g. matplotlib missing, or the plot
+    failed: reported, the run goes on)."""
+    draw = getattr(mod, "plot", None)
+    if draw is None:
+        return None
+    try:
+        return draw(results, os.path.splitext(json_path)[0] + ".png")
+    except Exception as exc:  # noqa: BLE001 - a figure is not worth the run
+        print(f"[bench] plot failed: {type(exc).__name__}: {exc}")
+        return None
+
+
 def main(argv=None) -> int:
     # Group modules `import bench`: give them this running module (with COPY
     # filled in), not a second, fresh copy of the file.
@@ -334,6 +350,7 @@ def main(argv=None) -> int:
     status = 0
     for group in a.only.split(","):
         results: list = []
+        mod = None
         try:
             if group == "core":
                 run_core(rt, results, a.quick)
@@ -354,6 +371,9 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"[bench] {group} -> {path}")
+        png = write_plot(mod, results, path)
+        if png:
+            print(f"[bench] {group} plot -> {png}")
         for r in results:
             print("  ", json.dumps(r))
     return status
