@@ -1,5 +1,7 @@
-"""tools/bench.py's plot hook on the CPU. The GPU run itself is
-tools/bench.py --only gemm (docs/gemm.md)."""
+"""tools/bench_gemm.py's pure logic on the CPU: the peer's row fields and
+check, humming's indexed routing for sorted rows, the plot's series and its
+quiet skip without matplotlib, and tools/bench.py's plot hook. The GPU run
+itself is tools/bench.py --only gemm (docs/gemm.md)."""
 from __future__ import annotations
 
 import importlib
@@ -12,12 +14,144 @@ TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
 @pytest.fixture(scope="module")
-def bench():
+def bg():
     sys.path.insert(0, str(TOOLS))
     try:
-        yield importlib.import_module("bench")
+        yield importlib.import_module("bench_gemm")
     finally:
         sys.path.remove(str(TOOLS))
+
+
+@pytest.fixture
+def bench(bg):
+    return importlib.import_module("bench")
+
+
+def test_imports_without_gpu_or_peer(bg):
+    assert callable(bg.run) and callable(bg.plot)
+    assert bg.MOE["pro"] == (384, 8, {"gate_up": (6144, 7168), "down": (7168, 3072)})
+    assert 128 in bg.WO_A_MS and 2048 in bg.WO_A_MS
+    assert bg.MOE_TOKENS == (1, 16, 64, 256, 4096)
+
+
+def test_peer_is_null_when_humming_is_missing(bg, monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setitem(sys.modules, "humming", None)        # import humming -> ImportError
+    assert bg.Humming.load(torch, "cuda") is None
+    assert "unavailable" in capsys.readouterr().out
+    assert bg.peer_fields(None, {}, {}, {}, 1) == {"peer": None, "peer_us": None}
+
+
+def test_peer_fields_report_the_fastest_mode(bg):
+    row = bg.peer_fields("humming-kernels 0.1.19", {"dense": 20.0, "grouped_contiguous": 12.5},
+                         {"dense": 0.004, "grouped_contiguous": 0.0031234}, {}, 2 * 10**6)
+    assert row["peer"] == "humming-kernels 0.1.19 grouped_contiguous"
+    assert row["peer_us"] == 12.5 and row["peer_mode"] == "grouped_contiguous"
+    assert row["peer_modes_us"] == {"dense": 20.0, "grouped_contiguous": 12.5}
+    assert row["peer_rel_err"] == 0.00312
+    assert row["peer_TFLOPs"] == round(2e6 / 12.5 / 1e6, 1)
+    assert "peer_error" not in row
+
+
+def test_peer_fields_without_a_working_mode_have_no_time(bg):
+    row = bg.peer_fields("humming-kernels 0.1.19", {}, {"dense": 0.9}, {"dense": "output differs"}, 1)
+    assert row["peer_us"] is None and row["peer_rel_err"] == 0.9
+    assert "dense: output differs" in row["peer_error"]
+
+
+def test_a_wrong_peer_output_is_reported_not_timed(bg, bench, monkeypatch):
+    torch = pytest.importorskip("torch")
+    timed = []
+    monkeypatch.setattr(bench, "cuda_time_us", lambda fn, reps: timed.append(fn) or 7.0)
+    ref = torch.arange(1.0, 13.0).reshape(3, 4)
+    good, bad = ref.to(torch.bfloat16), ref.flip(1)
+    ran = []
+
+    class Peer:
+        name = "humming-kernels 0.1.19"
+    calls = {"dense": (lambda i: ran.append(("dense", i)), lambda: bad),
+             "grouped_contiguous": (lambda i: ran.append(("grouped", i)), lambda: good),
+             "indexed": (lambda i: (_ for _ in ()).throw(RuntimeError("no kernel")), lambda: good)}
+    row = bg._time_peer(Peer(), lambda: calls, ref, reps=10, flops=96)
+    assert ran == [("dense", 0), ("grouped", 0)]              # each ran once before any timing
+    assert len(timed) == 1                                      # only the matching mode was timed
+    assert row["peer_mode"] == "grouped_contiguous" and row["peer_us"] == 7.0
+    assert row["peer_rel_err"] < 1e-2
+    assert "dense: output differs" in row["peer_error"] and "indexed: RuntimeError: no kernel" in row["peer_error"]
+
+
+def test_a_peer_that_cannot_set_up_costs_its_rows_not_the_run(bg, bench, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "cuda_time_us", lambda fn, reps: pytest.fail("nothing may be timed"))
+
+    class Peer:
+        name = "humming-kernels 0.1.19"
+    hw, why = bg._peer_build(Peer(), lambda: 1 / 0)
+    assert hw is None and why.startswith("ZeroDivisionError")
+    row = bg._time_peer(Peer(), lambda: bg._moe_calls(Peer(), None, hw, None, 8, None, 4, why), None, 10, 1)
+    assert row["peer_us"] is None and "setup: RuntimeError: no weights (ZeroDivisionError" in row["peer_error"]
+    assert "peer weights failed" in capsys.readouterr().out
+    assert bg._peer_build(None, lambda: 1 / 0) == (None, None)      # no peer: nothing built
+
+
+def test_rel_err(bg):
+    torch = pytest.importorskip("torch")
+    ref = torch.tensor([3.0, 4.0])
+    assert bg._rel_err(ref, ref) == 0.0
+    assert bg._rel_err(torch.tensor([3.0, 5.0]), ref) == pytest.approx(0.2)
+    assert bg._rel_err(torch.tensor([1.0, 0.0]), torch.zeros(2)) == 1.0
+    assert not bg._rel_err(torch.tensor([float("nan"), 0.0]), ref) <= bg.PEER_TOL
+
+
+def test_indexed_layout_pads_each_expert_to_the_block(bg):
+    torch = pytest.importorskip("torch")
+    offsets = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32)   # experts of 3, 0, 5, 1 rows
+    ids, experts, padded = bg._indexed_layout(torch, offsets, 4)
+    assert ids.tolist() == [0, 1, 2, 9, 3, 4, 5, 6, 7, 9, 9, 9, 8, 9, 9, 9]
+    assert experts.tolist() == [0, 2, 2, 3]
+    assert ids.dtype == experts.dtype == padded.dtype == torch.int32
+    assert padded.dim() == 0 and int(padded) == ids.numel()
+
+
+def test_interval_is_the_launchers_choice(bg):
+    ivs = [[0, 8, "a"], [8, 64, "b"], [64, 1 << 30, "c"]]
+    assert [bg._interval(ivs, r)[2] for r in (1, 8, 9, 64, 65)] == ["a", "a", "b", "b", "c"]
+    with pytest.raises(ValueError, match="rows"):
+        bg._interval(ivs[:2], 65)
+
+
+def _row(op, shape, us, peer_us=None, base=None, floor=1.0, model=None):
+    r = {"op": op, "shape": shape, "us": us, "peer_us": peer_us, "baseline_us": base, "floor_us": floor}
+    if model:
+        r["model"] = model
+    return r
+
+
+def test_plot_series_groups_rows_by_shape_sorted_by_m(bg):
+    rows = [_row("grouped_linear/wo_a-flash", [64, 8, 4096, 1024], 27.0, 30.0, 28.0, 8.0, "DeepSeek-V4-Flash"),
+            _row("grouped_linear/wo_a-flash", [1, 8, 4096, 1024], 11.0, None, 25.0, 6.0, "DeepSeek-V4-Flash"),
+            {"op": "gemm/error", "error": "x"},
+            _row("moe_linear/down", [16, 384, 8, 3072, 7168], 90.0, 80.0, None, 50.0, "DeepSeek-V4-Pro")]
+    s = bg.plot_series(rows)
+    assert list(s) == ["wo_a DeepSeek-V4-Flash (G 8, K 4096, N 1024)",
+                       "MoE down DeepSeek-V4-Pro (384 experts top-8, K 3072, N 7168)"]
+    wo = s["wo_a DeepSeek-V4-Flash (G 8, K 4096, N 1024)"]
+    assert wo == {"x": [1, 64], "rawkv": [11.0, 27.0], "humming": [None, 30.0], "torch BF16": [25.0, 28.0],
+                  "floor": [6.0, 8.0]}
+
+
+def test_plot_skips_quietly_without_matplotlib(bg, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    path = tmp_path / "x-gemm.png"
+    assert bg.plot([_row("grouped_linear/wo_a-pro", [1, 16, 4096, 1024], 18.0)], str(path)) is None
+    assert not path.exists()
+
+
+def test_plot_draws_a_png(bg, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "x-gemm.png"
+    rows = [_row("grouped_linear/wo_a-pro", [m, 16, 4096, 1024], 10.0 * m, 9.0 * m, 20.0 * m, m) for m in (1, 64)]
+    assert bg.plot(rows, str(path)) == str(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_writes_a_groups_plot_beside_its_json(bench, tmp_path, capsys):
