@@ -119,6 +119,20 @@ def test_interval_is_the_launchers_choice(bg):
         bg._interval(ivs[:2], 65)
 
 
+def test_picked_intervals_hold_the_rows_and_start_at_zero(bg):
+    ivs = [[0, 8, {"b": 8}], [8, 64, {"b": 16}], [64, 512, {"b": 64}], [512, 1 << 30, {"b": 128}]]
+    picked = bg._pick_intervals(ivs, [100, 4096, 65, 2048])
+    # one row in the launcher's lookup (lo < rows <= hi) for each M, the same config the full list gives,
+    # and the first interval reaching down to one row (the launcher looks that up first)
+    assert picked == [[0, 512, {"b": 64}], [512, 1 << 30, {"b": 128}]]
+    for rows in (1, 65, 100, 2048, 4096):
+        assert bg._interval(picked, rows) is not None
+    for rows in (65, 100, 2048, 4096):
+        assert bg._interval(picked, rows)[2] == bg._interval(ivs, rows)[2]
+    picked[0][2]["b"] = 0
+    assert ivs[2][2] == {"b": 64}                                 # copies: humming's cached list untouched
+
+
 def _row(op, shape, us, peer_us=None, base=None, floor=1.0, model=None):
     r = {"op": op, "shape": shape, "us": us, "peer_us": peer_us, "baseline_us": base, "floor_us": floor}
     if model:

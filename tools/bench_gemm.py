@@ -128,6 +128,18 @@ def _interval(intervals, rows: int):
     raise ValueError(f"rows: {rows} lies in none of the heuristic intervals")
 
 
+def _pick_intervals(intervals, rows) -> list:
+    """The intervals of humming's heuristic list that hold `rows`, each once,
+    in order, as [lo, hi, config copy]; the first reaches down to 0, because
+    its launcher first looks up the config of one row (to read the GEMM type)
+    and refuses a list that has none. No other row's choice changes."""
+    picked = {id(iv): iv for iv in (_interval(intervals, r) for r in rows)}
+    out = [[lo, hi, dict(c)] for lo, hi, c in sorted(picked.values(), key=lambda iv: iv[0])]
+    if out:
+        out[0][0] = 0
+    return out
+
+
 def _indexed_layout(torch, offsets, block: int):
     """humming's indexed-GEMM routing (vLLM's moe_align_block_size) for rows
     already sorted by expert, top_k = 1: sorted_ids int32, each expert's rows
@@ -210,10 +222,8 @@ class Humming:
         return cfg, t.transform_humming_tensors(cfg, tensors)
 
     def intervals(self, cfg, mode: str, rows) -> list:
-        """The default heuristic intervals that hold `rows` (each once)."""
-        ivs = self.heuristics(cfg, gemm_type=mode, device=self.index)
-        picked = {id(_interval(ivs, r)): _interval(ivs, r) for r in rows}
-        return [[lo, hi, dict(c)] for lo, hi, c in sorted(picked.values(), key=lambda iv: iv[0])]
+        """The default heuristic intervals that hold `rows` (_pick_intervals)."""
+        return _pick_intervals(self.heuristics(cfg, gemm_type=mode, device=self.index), rows)
 
     def jobs(self, cfg, mode: str, rows) -> list:
         """prepare_kernels arguments, one kernel each, for these rows."""
