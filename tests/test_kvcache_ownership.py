@@ -236,6 +236,7 @@ def _compressor_case(device, seed, layout):
     m = ref.CSA_RATIO
     pool = kc.PagedKVPool("csa", 4, 4, 2, 2, index_head_dim=None, layout=layout, device=device)
     st = kc.DecodeState("csa", 2, device=device)
+    pool.attach(st)
     a, b = pool.add_request(), pool.add_request()
     pool.prepare_step([a], [8 * m - 1])                  # blocks 0, 1 to A; 2, 3 stay free
     nw = _t((1 + 0.1 * rng.standard_normal(D)).astype(F32), device)
