@@ -1,0 +1,65 @@
+"""Both GEMM kernel paths on one GPU, forced in turn (rawkv.gemm.linear.KERNEL_PATH):
+the mma.sync kernel and, on sm_90, the wgmma kernel, beside torch's BF16 einsum, for
+the wo_a shapes at the given M (tokens per group). Each time is the median of 30 calls
+timed one by one with CUDA events (so it includes each call's launch overhead), over
+4 weight copies; maxdiff is the largest difference between the paths relative to
+the largest output. For choosing SM90_MIN_TOKENS; tools/bench_gemm.py is the benchmark.
+
+    PYTHONPATH=. python3 tools/probe_gemm_paths.py [M ...]
+"""
+import sys
+
+SHAPES = {"flash": (8, 4096, 1024), "pro": (16, 4096, 1024), "seed004": (8, 8192, 1536)}   # (G, K, N)
+
+
+def random_weight(torch, g, n, k):
+    import rawkv
+    from rawkv.reference.gemm import padded_sizes
+    npad, chunks = padded_sizes(n, k)
+    codes = torch.randint(0, 256, (g, npad // 16, chunks, 32, 16), dtype=torch.uint8, device="cuda")
+    scales = torch.randint(0x20, 0x50, (g, npad // 16, chunks, 32, 2), dtype=torch.uint8, device="cuda")
+    return rawkv.gemm.Fp4Weight("nvfp4", n, k, codes, scales, torch.full((g,), 1e-3, device="cuda"))
+
+
+def median_us(torch, fn, reps=30):
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(reps):
+        start.record()
+        fn(i)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv):
+    import torch
+    import rawkv
+    from rawkv.gemm import linear
+    ms = [int(a) for a in argv] or [64, 128, 512, 2048, 4096]
+    print(f"{'shape':8} {'M':>5} {'mma':>9} {'sm90':>9} {'bf16':>9} {'sm90 TF':>8} {'bf16 TF':>8} maxdiff")
+    for name, (g, k, n) in SHAPES.items():
+        ws = [random_weight(torch, g, n, k) for _ in range(4)]
+        wb = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16)
+        for m in ms:
+            x = torch.randn(m, g, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, g, n, device="cuda", dtype=torch.bfloat16)
+            us, res = {}, {}
+            for path in ("mma", "sm90"):
+                linear.KERNEL_PATH = path
+                us[path] = median_us(torch, lambda i: rawkv.gemm.grouped_linear(x, ws[i % 4], out=out))
+                res[path] = rawkv.gemm.grouped_linear(x, ws[0]).float()
+            linear.KERNEL_PATH = "auto"
+            diff = ((res["mma"] - res["sm90"]).abs().max() / res["mma"].abs().max()).item()
+            bf = median_us(torch, lambda i: torch.einsum("sgd,grd->sgr", x, wb))
+            flops = 2 * m * g * n * k
+            print(f"{name:8} {m:5d} {us['mma']:9.1f} {us['sm90']:9.1f} {bf:9.1f} {flops / us['sm90'] / 1e6:8.0f} "
+                  f"{flops / bf / 1e6:8.0f} {diff:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
