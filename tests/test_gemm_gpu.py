@@ -160,8 +160,13 @@ def test_views_and_out(cuda, rng):
                                      [2, 3, 1, 10, 50, 30], [-4, 5, 5, 5, 20, 33]])
 @pytest.mark.parametrize("act", ["bfloat16", "nvfp4"])
 def test_ragged_experts(cuda, rng, offsets, act):
-    e, n, k, rows = 5, 72, 208, 37
-    w, w64 = random_weight(rng, e, n, k, "nvfp4")
+    check_ragged(rng, offsets, act, n=72, k=208, rows=37)
+
+
+def check_ragged(rng, offsets, act, n, k, rows):
+    """moe_linear over len(offsets) - 1 NVFP4 experts within the bound of the
+    reference, and the clamps counted."""
+    w, w64 = random_weight(rng, len(offsets) - 1, n, k, "nvfp4")
     if act == "nvfp4":
         x, x64 = _nvfp4_activation(rng, (rows,), k, torch.ones((), device="cuda"))
     else:

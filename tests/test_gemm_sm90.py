@@ -10,7 +10,7 @@ import pytest
 import rawkv
 from rawkv.gemm import linear
 from rawkv.reference import gemm as ref
-from test_gemm_gpu import _nvfp4_activation, assert_within_bound, exact_grouped, random_weight
+from test_gemm_gpu import _nvfp4_activation, assert_within_bound, check_ragged, exact_grouped, random_weight
 
 torch = pytest.importorskip("torch")
 
@@ -113,36 +113,19 @@ def test_views_and_out(sm90, rng):
         assert torch.count_nonzero(out_base[:, :, :2]) == 0 and torch.count_nonzero(out_base[:, :, 2 + n:]) == 0
 
 
-def _ragged_case(rng, counts, n, k, fmt, act="bfloat16"):
+def _ragged_case(rng, counts, n, k, fmt):
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     rows = int(offsets[-1])
     w, w64 = random_weight(rng, len(counts), n, k, fmt)
-    if act == "nvfp4":
-        x, x64 = _nvfp4_activation(rng, (rows,), k, torch.ones((), device="cuda"))
-    else:
-        xt = torch.randn(rows, k, dtype=torch.bfloat16)
-        x, x64 = xt.cuda(), xt.double().numpy()
-    return offsets, rows, w, w64, x, x64
+    xt = torch.randn(rows, k, dtype=torch.bfloat16)
+    return offsets, rows, w, w64, xt.cuda(), xt.double().numpy()
 
 
 @pytest.mark.parametrize("offsets", [[0, 3, 3, 100, 230, 237], [0, 0, 0, 0, 0, 237], [2, 3, 1, 100, 250, 230],
                                      [-4, 5, 5, 5, 120, 233]])
 @pytest.mark.parametrize("act", ["bfloat16", "nvfp4"])
 def test_ragged_experts(sm90, rng, offsets, act):
-    e, n, k, rows = 5, 300, 208, 237
-    w, w64 = random_weight(rng, e, n, k, "nvfp4")
-    if act == "nvfp4":
-        x, x64 = _nvfp4_activation(rng, (rows,), k, torch.ones((), device="cuda"))
-    else:
-        xt = torch.randn(rows, k, dtype=torch.bfloat16)
-        x, x64 = xt.cuda(), xt.double().numpy()
-    exact, bad = ref.ragged(x64, w64, offsets)
-    absolute, _ = ref.ragged(np.abs(x64), np.abs(w64), offsets)
-    errors = torch.zeros(1, dtype=torch.int32, device="cuda")
-    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    rawkv.gemm.moe_linear(x, w, torch.tensor(offsets, dtype=torch.int32, device="cuda"), out=out, errors=errors)
-    assert_within_bound(out, exact, absolute, k, f"ragged {offsets}")
-    assert int(errors[0]) == bad
+    check_ragged(rng, offsets, act, n=300, k=208, rows=237)
 
 
 def test_ragged_384_experts_some_empty(sm90, rng):
