@@ -1,7 +1,8 @@
 """The grouped FP4-weight GEMM (docs/gemm.md): rawkv.gemm.grouped_linear
 (every token to every group: DeepSeek-V4 wo_a) and rawkv.gemm.moe_linear
-(rows sorted by expert). On CUDA tensors one launch of rawkv/cu/gemm_fp4.cu;
-on CPU tensors the numpy reference (exact dequantization, float64 product,
+(rows sorted by expert). On CUDA tensors one launch of rawkv/cu/gemm_fp4.cu
+(mma.sync), or on Hopper from SM90_MIN_TOKENS tokens of rawkv/cu/gemm_fp4_sm90.cu
+(wgmma); on CPU tensors the numpy reference (exact dequantization, float64 product,
 one rounding to BF16)."""
 from __future__ import annotations
 
@@ -316,7 +317,8 @@ def _config(tokens: int) -> tuple:
 KERNEL_PATH = "auto"
 #: Tokens per group (or per expert, on average) from which an sm_90 device
 #: takes the wgmma kernel (rawkv/cu/gemm_fp4_sm90.cu); below it the
-#: mma.sync kernel streams the weights faster (docs/gemm.md, "Dispatch").
+#: mma.sync kernel is as fast or faster on the H100 (docs/gemm.md, "Hopper
+#: kernel": at 128 tokens it wins on two of three wo_a shapes, at 256 it loses on all).
 SM90_MIN_TOKENS = 256
 
 
