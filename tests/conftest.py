@@ -2,7 +2,8 @@
 
 GPU tests take the `cuda` fixture (or use the `gpu` marker with it): they are
 skipped, with the reason, when torch has no CUDA device or CuPy / cuda-python
-is missing. Random tests take `rng`: a fresh seed each run, printed on failure
+is missing. Every test that takes `cuda` carries the `gpu` marker, so
+`pytest -m "not gpu"` runs the CPU tests only (README). Random tests take `rng`: a fresh seed each run, printed on failure
 so a failing case can be replayed with RAWKV_TEST_SEED=<seed>.
 """
 from __future__ import annotations
@@ -39,6 +40,16 @@ def cuda():
         pytest.skip(GPU_SKIP_REASON)
     import rawkv
     return rawkv.get_runtime(0)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Mark every test that takes the `cuda` fixture (directly or through
+    another fixture) `gpu`, before `-m` selects: the fixture is how a test
+    says it needs a GPU, and a marker written by hand would be forgotten."""
+    for item in items:
+        if "cuda" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.gpu)
 
 
 @pytest.fixture

@@ -167,13 +167,17 @@ def _names(msg: str, arg: str) -> bool:
     return re.match(rf"{re.escape(arg)}[:\s(]", msg) is not None
 
 
+# "cuda" takes the fixture only when it runs (getfixturevalue), so it is marked by hand.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
 def _device(request, dev):
     if dev == "cuda":
         request.getfixturevalue("cuda")       # skips without a GPU
     return dev
 
 
-@pytest.mark.parametrize("dev", ["cpu", "cuda"])
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("case", REFUSED, ids=[c[0] for c in REFUSED])
 def test_refused_alike(request, dev, case):
     _, exc, arg, call = case
@@ -229,7 +233,7 @@ def _same(got, want) -> bool:
         for g, w in zip(got, want))
 
 
-@pytest.mark.parametrize("dev", ["cpu", "cuda"])
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("case", ACCEPTED, ids=[c[0] for c in ACCEPTED])
 def test_accepted_alike(request, dev, case):
     _, variant, canonical = case

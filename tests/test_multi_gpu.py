@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.gpu     # every test here needs two GPUs, the cuda fixture or not
+
 torch = pytest.importorskip("torch")
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 if N_GPUS < 2:

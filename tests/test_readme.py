@@ -1,0 +1,85 @@
+"""What the README tells a newcomer to run, run as written.
+
+- The command for the CPU tests (`python -m pytest -q -m "not gpu"`) selects
+  every CPU test and no GPU test: its collection is checked item by item.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+# Loaded into the collecting pytest (-p): writes, for each test, whether it
+# needs a GPU and whether it carries the `gpu` marker, for the selected and
+# the deselected tests alike. A test needs a GPU when it takes the `cuda`
+# fixture, directly or through another fixture, or when its module asks for
+# the fixture at run time (request.getfixturevalue("cuda")) and the test is
+# parametrized with the device "cuda".
+ORACLE = '''
+import inspect, json, os
+
+_rows = {"deselected": []}
+
+
+def _asks_at_run_time(module, _seen={}):
+    if module not in _seen:
+        try:
+            _seen[module] = 'getfixturevalue("cuda")' in inspect.getsource(module)
+        except (OSError, TypeError):
+            _seen[module] = False
+    return _seen[module]
+
+
+def _row(item):
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    device_cuda = any(isinstance(v, str) and v == "cuda" for v in params.values())
+    needs_gpu = "cuda" in item.fixturenames or (device_cuda and _asks_at_run_time(item.module))
+    return [item.nodeid, needs_gpu, item.get_closest_marker("gpu") is not None]
+
+
+def pytest_deselected(items):
+    _rows["deselected"] += [_row(i) for i in items]
+
+
+def pytest_collection_finish(session):
+    _rows["selected"] = [_row(i) for i in session.items]
+    with open(os.environ["RAWKV_ORACLE_OUT"], "w") as f:
+        json.dump(_rows, f)
+'''
+
+
+def readme_command(marker_expr: str) -> list[str]:
+    """The README's indented command line that runs pytest with -m MARKER_EXPR, as argv."""
+    for line in README.read_text().splitlines():
+        if line.startswith("    python -m pytest") and f'-m "{marker_expr}"' in line:
+            return shlex.split(line.strip())
+    raise AssertionError(f'README.md has no indented `python -m pytest ... -m "{marker_expr}"` line')
+
+
+def test_cpu_test_command_selects_every_cpu_test_and_no_gpu_test(tmp_path):
+    argv = readme_command("not gpu")
+    assert argv[:3] == ["python", "-m", "pytest"]
+    (tmp_path / "rawkv_gpu_oracle.py").write_text(ORACLE)
+    out = tmp_path / "collected.json"
+    env = dict(os.environ, RAWKV_ORACLE_OUT=str(out),
+               PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, *argv[1:], "--collect-only", "-p", "no:cacheprovider",
+                           "-p", "rawkv_gpu_oracle"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    gpu_selected = [nodeid for nodeid, needs_gpu, _ in rows["selected"] if needs_gpu]
+    cpu_deselected = [nodeid for nodeid, needs_gpu, marked in rows["deselected"] if not (needs_gpu or marked)]
+    assert gpu_selected == [], f"{len(gpu_selected)} GPU tests run as CPU tests, e.g. {gpu_selected[:5]}"
+    assert cpu_deselected == [], f"{len(cpu_deselected)} CPU tests left out, e.g. {cpu_deselected[:5]}"
+    # Both kinds exist, so the command did select something and left GPU tests out.
+    assert len(rows["selected"]) > 100 and len(rows["deselected"]) > 100, (len(rows["selected"]),
+                                                                           len(rows["deselected"]))
+    assert re.search(r'^\s*"gpu:', (ROOT / "pyproject.toml").read_text(), re.M), "the gpu marker is not registered"
