@@ -1,5 +1,7 @@
 """What the README tells a newcomer to run, run as written.
 
+- The CPU example runs verbatim (the code block after EXAMPLE_MARK) and
+  prints what the README says it prints.
 - The command for the CPU tests (`python -m pytest -q -m "not gpu"`) selects
   every CPU test and no GPU test: its collection is checked item by item.
 """
@@ -13,8 +15,42 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+EXAMPLE_MARK = "<!-- tests/test_readme.py runs the next code block as it is written here -->"
+# What the README says the example prints: "... It prints `line 1` and `line 2`:"
+PRINTS = re.compile(r"It prints\s+`([^`]+)`\s+and\s+`([^`]+)`:")
+NUMBER_AT_END = re.compile(r"(\d+\.\d+)$")
+
+
+def readme_example() -> str:
+    """The code of the ```python block that follows EXAMPLE_MARK (only blank lines between)."""
+    text = README.read_text()
+    assert text.count(EXAMPLE_MARK) == 1, "README.md must hold the CPU example's marker exactly once"
+    m = re.compile(r"\s*```python\n(.*?)\n```", re.S).match(text, text.index(EXAMPLE_MARK) + len(EXAMPLE_MARK))
+    assert m, "no ```python block right after the CPU example's marker"
+    return m.group(1)
+
+
+def test_readme_cpu_example_runs_and_prints_what_the_readme_says(capsys):
+    torch = pytest.importorskip("torch")
+    code = readme_example()
+    assert "cuda" not in code, "the CPU example must not need a GPU"
+    with torch.random.fork_rng():         # its manual_seed stays inside
+        exec(compile(code, "README.md (CPU example)", "exec"), {"__name__": "readme_example"})
+    printed = capsys.readouterr().out.splitlines()
+    said = PRINTS.search(README.read_text())
+    assert said, "README.md no longer says what the CPU example prints"
+    assert len(printed) == 2, printed
+    # The text is the same; the numbers are the same to the tolerance of another torch's
+    # random numbers (the seed is fixed, the generator is torch's).
+    for got, want, tol in zip(printed, said.groups(), (0.005, 0.002)):
+        g, w = NUMBER_AT_END.search(got), NUMBER_AT_END.search(want)
+        assert g and w, (got, want)
+        assert got[:g.start()] == want[:w.start()], (got, want)
+        assert abs(float(g.group(1)) - float(w.group(1))) <= tol, (got, want)
 
 # Loaded into the collecting pytest (-p): writes, for each test, whether it
 # needs a GPU and whether it carries the `gpu` marker, for the selected and
