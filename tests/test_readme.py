@@ -2,6 +2,8 @@
 
 - The CPU example runs verbatim (the code block after EXAMPLE_MARK) and
   prints what the README says it prints.
+- The links of the README and of the pages it sends a newcomer to (the
+  glossary, the runtime page) lead to files and headings that exist.
 - The command for the CPU tests (`python -m pytest -q -m "not gpu"`) selects
   every CPU test and no GPU test: its collection is checked item by item.
 """
@@ -119,3 +121,28 @@ def test_cpu_test_command_selects_every_cpu_test_and_no_gpu_test(tmp_path):
     assert len(rows["selected"]) > 100 and len(rows["deselected"]) > 100, (len(rows["selected"]),
                                                                            len(rows["deselected"]))
     assert re.search(r'^\s*"gpu:', (ROOT / "pyproject.toml").read_text(), re.M), "the gpu marker is not registered"
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def heading_anchors(md: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as '-'."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", md.read_text(), re.M)}
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/glossary.md", "docs/runtime.md"])
+def test_links_lead_somewhere(page):
+    md = ROOT / page
+    broken = []
+    for target in LINK.findall(md.read_text()):
+        if re.match(r"[a-z]+:", target):           # https:, mailto: ...
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (md.parent / path).resolve() if path else md
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest):
+            broken.append(target)
+    assert broken == [], f"{page}: links to nothing: {broken}"
