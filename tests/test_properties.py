@@ -525,16 +525,36 @@ def test_gemm_moe_linear(seed, r, xdt, layout, special, offs):
           reference)
 
 
-# ---- what is known to crash today (issue 21; fixed elsewhere) -------------------------------
-@pytest.mark.skip(reason="issue 21 item 5: rawkv.gemm crashes (AttributeError) on a numpy activation, a "
-                         "QuantizedActivation of numpy arrays and weight=None / a plain tensor; "
-                         "test_gemm_* draw torch activations and Fp4Weights only until it is fixed")
+def _quantized_values(q, sf, gs) -> np.ndarray:
+    """An NVFP4 activation's values as float64, exactly: e2m1[q] * sf * gs
+    (gs one value, or one per row)."""
+    v = RF.e2m1_decode(RN.unpack_nibbles(q)).astype(np.float64)
+    v = v * np.repeat(RF.e4m3_decode(sf).astype(np.float64), 16, axis=-1)
+    gs = np.asarray(gs, np.float64)
+    return v * (gs if gs.ndim == 0 else gs[..., None])
+
+
 @SETTINGS
-@given(seed=seeds, lib=libs, weight=st.sampled_from(["fp4", None, "tensor"]))
-def test_gemm_any_activation_and_weight(seed, lib, weight):
+@given(seed=seeds, lib=libs, weight=st.sampled_from(["fp4", "fp4", None, "tensor"]),
+       xdt=st.sampled_from(["float16", "float32", "bfloat16", "float64"]), bf16_values=st.booleans(),
+       quantized=st.sampled_from([None, None, "tensor", "row"]), special=st.booleans())
+def test_gemm_any_activation_and_weight(seed, lib, weight, xdt, bf16_values, quantized, special):
+    """numpy activations (a float32 one stands for BF16 and must hold BF16
+    values), QuantizedActivations of numpy arrays or CPU tensors, and
+    weights that are not Fp4Weights (issue 21 item 5: AttributeErrors)."""
     w = {"fp4": _weight(2, 16, 64), None: None, "tensor": torch.ones(2, 16, 64)}[weight]
-    x = make(seed, (2, 2, 64), "float16", lib)
-    judge(lambda: rawkv.gemm.grouped_linear(x, w), ("x", "weight"), lambda: None)
+    x = make(seed, (2, 2, 64), xdt, lib, special=special)
+    if bf16_values and xdt == "float32":        # low 16 bits cleared: BF16 values
+        (x.view(np.int32) if lib == "numpy" else x.view(torch.int32))[...] &= -65536
+    if quantized is not None:
+        q, sf, g = RN.quantize(host(x).astype(np.float32), quantized)
+        conv = (lambda a: a) if lib == "numpy" else torch.from_numpy
+        x = rawkv.nvfp4.QuantizedActivation(conv(q), conv(sf), conv(np.ascontiguousarray(g)))
+
+    def reference():
+        v = _quantized_values(host(x.q), host(x.sf), host(x.gs)) if quantized else host(x).astype(np.float64)
+        return _bf16(RG.round_to_bf16(RG.grouped(v, _exact(w))))
+    judge(lambda: rawkv.gemm.grouped_linear(x, w), ("x", "weight"), reference)
 
 
 @pytest.mark.skip(reason="issue 21 item 2: compress_prefill / compress_decode do not check theta / yarn "
