@@ -66,6 +66,22 @@ def test_gathers_refuse_read_only_or_overlapping_outputs():
     assert not out.any() and not dense.any()
 
 
+def test_assign_pages_refuses_errors_over_its_inputs():
+    """assign_pages checked errors= for writability only: a counter in
+    slots' or blocks' memory was accepted (its kernel reads them while
+    adding to errors)."""
+    p, s = _pool()
+    blk = p.blocks_of(s)[0]
+    slots_blocks = np.array([s, blk], np.int32)
+    before = p.to_reference()
+    _refused("errors", "slots", lambda: kc.assign_pages(p, slots_blocks[:1], slots_blocks[1:],
+                                                        errors=slots_blocks[:1]))
+    _refused("errors", "blocks", lambda: kc.assign_pages(p, slots_blocks[:1], slots_blocks[1:],
+                                                         errors=slots_blocks[1:]))
+    assert np.array_equal(p.owners, before.owners) and np.array_equal(p.marks, before.marks)
+    assert list(slots_blocks) == [s, blk]
+
+
 def test_layout_ops_refuse_read_only_or_overlapping_outputs():
     """model1_store into a read-only cache raised numpy's message, naming no
     argument."""
