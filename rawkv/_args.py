@@ -210,7 +210,7 @@ def traced_number(v):
 
 
 # ---- outputs: writable, and apart from each other and from the inputs ----------------------
-def check_outputs(outputs, inputs=()) -> None:
+def check_outputs(outputs, inputs=(), owned=()) -> None:
     """The arrays an op writes, checked before anything is written.
 
     `outputs` and `inputs` are (name, array or None) pairs (None and numbers
@@ -220,22 +220,44 @@ def check_outputs(outputs, inputs=()) -> None:
     No output may share memory with another output or with an input: a
     kernel's threads read inputs while others write outputs, and two outputs
     in one place leave whichever was written last (rmsnorm_quantize's
-    out=(None, None, g, g) returned inv_rms as gs). Overlap is decided on
-    the bytes the arrays address (torch tensors and numpy arrays alike, by
-    data pointer, shape and strides; interleaved views that touch no common
-    byte do not overlap), and is a ValueError naming both arguments."""
+    out=(None, None, g, g) returned inv_rms as gs). `owned` are (name, span)
+    pairs (spans()) of the buffers of the object the op works on (a
+    pool's, a decode state's: 'pool.written'), which it reads or writes as
+    well: an output in one of them (errors=pool.written, an out= that is a
+    view of pool.rope) would be overwritten by the op or would corrupt the
+    object, so it is refused the same way. Overlap is decided on the bytes
+    the arrays address (torch tensors and numpy arrays alike, by data
+    pointer, shape and strides; interleaved views that touch no common
+    byte do not overlap), and is a ValueError naming both."""
     outs = [(n, a) for n, a in outputs if a is not None and not is_number(a)]
+    if not outs:
+        return
     for name, a in outs:
         if isinstance(a, np.ndarray) and not a.flags.writeable:
             raise ValueError(f"{name}: is read-only (a numpy array with flags.writeable False); "
                              "pass a writable array")
-    spans = [(n, _span(a)) for n, a in outs]
-    spans_in = [(n, _span(a)) for n, a in inputs if a is not None and not is_number(a)]
-    for i, (name, s) in enumerate(spans):
-        for other, t in spans[:i] + spans_in:
+    spans_out = spans(outs)
+    spans_in = spans(inputs) + tuple(owned)
+    for i, (name, s) in enumerate(spans_out):
+        for other, t in spans_out[:i] + spans_in:
             if _overlap(s, t):
                 raise ValueError(f"{name}: overlaps {other} in memory; the op would write one over "
                                  f"the other (pass separate buffers)")
+
+
+def spans(pairs) -> tuple:
+    """((name, span), ...) of the arrays of (name, array or None) `pairs`
+    (None and numbers skipped): the memory check_outputs compares. Buffers
+    checked on every call (a pool's, fixed when it is built) are spanned
+    once and passed as check_outputs' `owned`."""
+    return tuple((n, _span(a)) for n, a in pairs if a is not None and not is_number(a))
+
+
+def same_memory(a, b) -> bool:
+    """`a` and `b` address the same bytes the same way (one array, or two
+    views of it alike: a numpy array and torch.from_numpy of it)."""
+    s, t = _span(a), _span(b)
+    return s is not None and s == t
 
 
 def _span(a):

@@ -82,6 +82,83 @@ def test_assign_pages_refuses_errors_over_its_inputs():
     assert list(slots_blocks) == [s, blk]
 
 
+def test_pool_ops_refuse_outputs_in_the_pools_buffers():
+    """out= / errors= in the memory of a buffer of the pool the op reads or
+    writes (pool.written, pool.block_table, ...) was accepted: the op wrote
+    its rows or counts into the pool's own bookkeeping."""
+    p, s = _pool()
+    ents = np.ones((1, p.head_dim), np.float32)
+    slots = np.array([s], np.int32)
+    kc.flush_write(p, ents, np.ones(1, bool), slots, np.array([0], np.int32))
+    before = p.to_reference()
+    ids = np.zeros((1, 2), np.int32)
+    flush = (p, ents, np.ones(1, bool), slots, np.array([p.m], np.int32))
+    _refused("errors", "pool.written", lambda: kc.flush_write(*flush, errors=p.written[s:s + 1]))
+    _refused("errors", "pool.owners", lambda: kc.gather_topk(p, slots, ids, errors=p.owners[:1]))
+    _refused("errors", "pool.request_ids", lambda: kc.assign_pages(p, slots, slots * 0, errors=p.request_ids))
+    _refused("out", "pool.block_table", lambda: kc.kvcache_indices(p, slots, ids, out=p.block_table[:1, :2]))
+    rope = p.rope.reshape(-1)          # float32 on a CPU pool: the rows' dtype
+    _refused("out", "pool.rope", lambda: kc.gather_dense(p, s, 1, dtype="float32",
+                                                         out=rope[:p.head_dim].reshape(1, -1)))
+    _refused("out", "pool.rope", lambda: kc.gather_dense_batch(p, slots, np.ones(1, np.int32), dtype="float32",
+                                                               out=rope[:2 * p.head_dim].reshape(1, 2, -1)))
+    _refused("out", "pool.rope", lambda: kc.gather_topk(
+        p, slots, ids[:, :1], dtype="float32", out=rope[-p.head_dim:].reshape(1, 1, -1)))
+    _refused("errors", "pool.marks", lambda: kc.gather_dense(p, s, 1, errors=p.marks.reshape(-1)[:4].view(np.int32)))
+    got = p.reference_view()
+    for f in ("kv_fp8", "kv_scale", "kv_rope", "block_table", "written", "marks", "request_ids", "owners"):
+        assert np.array_equal(getattr(got, f), getattr(before, f)), f
+    assert p.read_errors() == 0
+
+
+def test_state_ops_refuse_errors_in_the_states_buffers():
+    st = kc.DecodeState("csa", 2, head_dim=128, device="cpu")
+    rows = np.ones((1, st.width), np.float32)
+    slots, valid = np.zeros(1, np.int32), np.ones(1, bool)
+    _refused("errors", "state.count", lambda: kc.state_append(st, rows, rows, valid, slots, errors=st.count[:1]))
+    _refused("errors", "state.count", lambda: kc.state_clear(st, slots, errors=st.count[1:]))
+    z_a = st.z_a.reshape(-1)[:1].view(np.int32)
+    _refused("errors", "state.z_a", lambda: kc.csa_rotate(st, valid, slots, errors=z_a))
+    assert not st.count.any() and np.isneginf(st.z_a).all()
+
+
+def test_the_objects_own_counter_given_explicitly_is_the_default():
+    """errors=pool.errors / state.errors (or a tensor over it) is the op's
+    default counter, not an overlap."""
+    torch = pytest.importorskip("torch")
+    p, s = _pool()
+    slots = np.array([s], np.int32)
+    kc.gather_topk(p, slots, np.array([[5]], np.int32), errors=p.errors)
+    kc.gather_topk(p, slots, np.array([[5]], np.int32), errors=torch.from_numpy(p.errors))
+    assert p.read_errors() == 2
+    st = kc.DecodeState("hca", 2, head_dim=128, device="cpu")
+    kc.hca_reset(st, np.ones(1, bool), np.array([7], np.int32), errors=st.errors)
+    assert st.read_errors() == 1
+
+
+def test_operators_refuse_outputs_in_the_objects_buffers():
+    """The torch.compile path: a public op's errors= becomes the counter of
+    the view its rawkv:: operator runs on (views.pool_args), and out= is
+    the operator's; the same refusals, naming the same buffers."""
+    torch = pytest.importorskip("torch")
+    from rawkv.kvcache import views as V
+    p, s = _pool()
+    slots, ids = torch.tensor([s], dtype=torch.int32), torch.zeros((1, 1), dtype=torch.int32)
+    written = torch.from_numpy(p.written)
+    out = torch.zeros((1, 1, p.head_dim), dtype=torch.float32)
+    gather = torch.ops.rawkv.kv_gather_topk
+    _refused("errors", "pool.written", lambda: gather(**V.pool_args(p, written[s:s + 1]), slots=slots, topk_ids=ids,
+                                                      n_entries=None, valid_mask=None, out=out))
+    rope = torch.from_numpy(p.rope).view(-1)[:p.head_dim].view(1, 1, -1)
+    _refused("out", "pool.rope", lambda: gather(**V.pool_args(p), slots=slots, topk_ids=ids, n_entries=None,
+                                                valid_mask=None, out=rope))
+    st = kc.DecodeState("hca", 2, head_dim=128, device="cpu")
+    count = torch.from_numpy(st.count)
+    _refused("errors", "state.count", lambda: torch.ops.rawkv.kv_state_clear(
+        **V.state_args(st, count[1:]), valid_mask=None, slots=slots))
+    assert not p.written.any() and not out.any() and p.read_errors() == 0
+
+
 def test_layout_ops_refuse_read_only_or_overlapping_outputs():
     """model1_store into a read-only cache raised numpy's message, naming no
     argument."""

@@ -42,7 +42,7 @@ def assign_pages(pool, slots, blocks, *, errors=None, stream=None):
     B = s.shape[0]
     b = C.arg(blocks, "blocks", C.I32, dev, shape=(B,))
     err = C.errors_arg(errors, pool.errors, dev)
-    C.check_outputs((("errors", errors),), (("slots", s), ("blocks", b)))
+    C.check_outputs((("errors", C.counter(errors, pool)),), (("slots", s), ("blocks", b)), C.owned(pool, "pool"))
     C.check_launch_rows("blocks", B)
     if dev is None:
         C.add_errors(err, ref.assign_pages(pool.reference_view(), s, b))

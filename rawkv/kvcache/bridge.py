@@ -48,7 +48,8 @@ def kvcache_indices(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, o
     if out is not None:
         out_arr = C.arg(out, "out", C.I32, dev, shape=(B, Kk))
     err = C.errors_arg(errors, pool.errors, dev)
-    C.check_outputs((("out", out), ("errors", errors)), (("slots", s), ("topk_ids", ids), ("n_entries", ne), ("valid_mask", v)))
+    C.check_outputs((("out", out), ("errors", C.counter(errors, pool))),
+                    (("slots", s), ("topk_ids", ids), ("n_entries", ne), ("valid_mask", v)), C.owned(pool, "pool"))
     C.check_launch_rows("topk_ids", B * Kk)
     if dev is None:
         res, n = ref.paged_kvcache_indices(pool.reference_view(), s, ids, ne, v)

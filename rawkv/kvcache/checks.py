@@ -105,6 +105,26 @@ def errors_arg(errors, default, dev):
     return e if dev is not None else errors
 
 
+def owned(obj, name: str) -> tuple:
+    """check_outputs' `owned` for a pool / state (`name`: 'pool' or 'state'):
+    the spans of its buffers, named 'pool.written' etc. The buffers are
+    fixed when the object is built (ErrorCounter.__setattr__), so their
+    spans are made once per object, not on every call."""
+    sp = obj.__dict__.get("_owned")
+    if sp is None:
+        sp = A.spans((f"{name}.{b}", getattr(obj, b)) for b in obj.BUFFERS)
+        obj._owned = sp
+    return sp
+
+
+def counter(errors, obj):
+    """errors= as an output to check against obj's buffers (owned): None
+    when it is obj's own counter, the op's default given explicitly."""
+    if errors is None or errors is obj.errors or A.same_memory(errors, obj.errors):
+        return None
+    return errors
+
+
 def add_errors(errors, n: int) -> None:
     """errors[0] += n on a host counter (numpy array or CPU tensor)."""
     if n:

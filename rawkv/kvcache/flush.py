@@ -50,7 +50,9 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
     else:
         k = None
     err = C.errors_arg(errors, pool.errors, dev)
-    C.check_outputs((("errors", errors),), (("entries", e), ("valid_mask", v), ("slots", s), ("positions", p), ("index_keys", k)))
+    C.check_outputs((("errors", C.counter(errors, pool)),),
+                    (("entries", e), ("valid_mask", v), ("slots", s), ("positions", p), ("index_keys", k)),
+                    C.owned(pool, "pool"))
     if dev is None:
         C.add_errors(err, ref.paged_flush_write(pool.reference_view(), e, v, s, p, k))
         return

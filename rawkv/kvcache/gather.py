@@ -41,7 +41,8 @@ def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=N
     shape = (B, Kk, pool.head_dim)
     out = C.check_out(out, name, dev, shape=shape)
     err = C.errors_arg(errors, pool.errors, dev)
-    C.check_outputs((("out", out), ("errors", errors)), (("slots", s), ("topk_ids", ids), ("n_entries", ne), ("valid_mask", v)))
+    C.check_outputs((("out", out), ("errors", C.counter(errors, pool))),
+                    (("slots", s), ("topk_ids", ids), ("n_entries", ne), ("valid_mask", v)), C.owned(pool, "pool"))
     C.check_launch_rows("topk_ids", B * Kk)
     if dev is None:
         rows, n = ref.paged_gather_topk(pool.reference_view(), s, ids, ne, v, dtype=name)
@@ -140,7 +141,7 @@ def _dense_one(pool, slot, n_entries, out, dtype, errors, stream, index):
     dev = pool.device_index
     out = C.check_out(out, name, dev, shape=(n, width))
     err = C.errors_arg(errors, pool.errors, dev)
-    C.check_outputs((("out", out), ("errors", errors)))
+    C.check_outputs((("out", out), ("errors", C.counter(errors, pool))), (), C.owned(pool, "pool"))
     if dev is None:
         rows, ne = ref.paged_gather_dense(pool.reference_view(), slot, n, name, index=index)
         C.add_errors(err, ne)
@@ -174,7 +175,8 @@ def _dense_batch(pool, slots, n_entries, max_entries, valid_mask, out, dtype, er
         raise ValueError(f"out: expected shape ({B}, {max_entries if max_entries is not None else 'K'}, "
                          f"{width}), got {tuple(out.shape)}")
     err = C.errors_arg(errors, pool.errors, dev)
-    C.check_outputs((("out", out), ("errors", errors)), (("slots", s), ("n_entries", ne), ("valid_mask", v)))
+    C.check_outputs((("out", out), ("errors", C.counter(errors, pool))),
+                    (("slots", s), ("n_entries", ne), ("valid_mask", v)), C.owned(pool, "pool"))
     if dev is None:
         rows, n = ref.paged_gather_dense_batch(pool.reference_view(), s, ne, Kk, v, name, index=index)
         C.add_errors(err, n)

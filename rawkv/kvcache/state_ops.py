@@ -93,7 +93,8 @@ def state_append(state, kv, z, valid_mask, slots, *, ape=None, errors=None, stre
     s = C.arg(slots, "slots", C.I32, dev, shape=(B,))
     a = C.opt(ape, "ape", C.F32, dev, shape=(state.m, w), aligned=True)
     err = C.errors_arg(errors, state.errors, dev)
-    C.check_outputs((("errors", errors),), (("kv", k), ("z", zz), ("valid_mask", v), ("slots", s), ("ape", a)))
+    C.check_outputs((("errors", C.counter(errors, state)),),
+                    (("kv", k), ("z", zz), ("valid_mask", v), ("slots", s), ("ape", a)), C.owned(state, "state"))
     if dev is None:
         C.add_errors(err, ref.state_append(state.reference_view(), k, zz, v, s, ape=a))
         return
@@ -120,7 +121,8 @@ def _reset(state, mode, valid_mask, slots, errors, stream):
     B = s.shape[0]
     v = C.opt(valid_mask, "valid_mask", C.BOOL, dev, shape=(B,))
     err = C.errors_arg(errors, state.errors, dev)
-    C.check_outputs((("errors", errors),), (("slots", s), ("valid_mask", v)))
+    C.check_outputs((("errors", C.counter(errors, state)),), (("slots", s), ("valid_mask", v)),
+                    C.owned(state, "state"))
     if dev is None:
         st = state.reference_view()
         if mode == K.RESET_CLEAR:

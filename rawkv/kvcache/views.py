@@ -186,7 +186,21 @@ def _finish_view(p, dev, first, bt, ids, own, wr, mk, err) -> PagedKVPool:
     p._table = p._free = p._active = p._nblocks = p._n_entries = p._staging = None
     p._ids = p._next_id = None
     p._seal()
+    _counter_apart(p, "pool")
     return p
+
+
+def _counter_apart(view, name: str) -> None:
+    """A view's counter must not overlap its other buffers: under
+    torch.compile a public op's errors= becomes the counter of the view its
+    operator runs on (pool_args / state_args), so this is the eager ops'
+    rule for errors= (checks.owned: 'errors: overlaps pool.written') on the
+    operators' path. The spans stay cached on the view for the op's own
+    check of out=."""
+    if view.errors is None:
+        return
+    counter = f"{name}.errors"
+    C.check_outputs((("errors", view.errors),), (), tuple(o for o in C.owned(view, name) if o[0] != counter))
 
 
 def _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table, request_ids,
@@ -250,5 +264,6 @@ def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:
     st.kv_a, st.z_a, st.kv_b, st.z_b, st.count = a, za, kb, zb, c
     st.errors = None if errors is None else C.errors_arg(errors, None, dev)
     st._seal()
+    _counter_apart(st, "state")
     return st
 
