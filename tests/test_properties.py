@@ -110,9 +110,10 @@ layouts = st.sampled_from(["contiguous", "contiguous", "rows", "every_other"])
 CALLS: dict = collections.defaultdict(collections.Counter)
 
 
-def judge(call, names, reference):
+def judge(call, names, reference, fault=None):
     """Run `call`: a TypeError / ValueError must name one of `names` (its
     message starts with it); a result must equal reference() bit for bit.
+    `fault`: the argument made wrong on purpose, whose call must be refused.
     Returns the result (True for an op that returns None), or None when
     refused."""
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[-1].split(" ")[0]
@@ -124,6 +125,7 @@ def judge(call, names, reference):
             f"{type(exc).__name__} names none of {names}: {exc}"
         CALLS[test]["refused"] += 1
         return None
+    assert fault is None, f"accepted a wrong {fault}"
     CALLS[test]["accepted"] += 1
     want = reference()
     if want is not None:            # None: an op that writes in place, compared by the caller
@@ -543,14 +545,19 @@ def _fill_state(st_, counts, seed) -> None:
             st_.z_b[s] = rng.standard_normal(st_.z_b.shape[1:])
 
 
-BAD_ERRORS = ["int64", "float32", "empty", "2d-int64", "read-only", "number", "list"]
+BAD_ERRORS = ["int64", "float32", "empty", "2d-int64", "read-only", "number", "list", "owned", "owned"]
 
 
-def _errors(kind, seed, lib):
+def _errors(kind, seed, lib, obj):
     """An errors= argument: None, an int32 counter of one element or a 2-D
-    one (fine), or one of BAD_ERRORS."""
+    one (fine), or one of BAD_ERRORS ('owned': an int32 buffer of the pool /
+    state `obj` the op works on, which it reads or writes)."""
     if kind is None:
         return None
+    if kind == "owned":
+        names = [n for n in ("count", "written", "request_ids", "owners", "block_table") if hasattr(obj, n)]
+        a = getattr(obj, pick(names, seed)).reshape(-1)[-1:]
+        return torch.from_numpy(a) if lib == "torch" else a
     if kind == "read-only":
         a = np.zeros(1, np.int32)
         a.flags.writeable = False
@@ -673,6 +680,7 @@ def test_kvcache_compress_prefill(seed, kind, layout, has_index, windows, extra,
         if fault == "index":
             ix = pick([None, tuple(parts[:3]), "index"], i) if p.has_index else ix
     eps, theta, yarn = _rope_args(fault, i, eps, theta, yarn)
+    fault = None if fault == "index.z" and not p.has_index else fault
     want, errors0 = p.to_reference(), p.read_errors()
 
     def reference():
@@ -687,7 +695,7 @@ def test_kvcache_compress_prefill(seed, kind, layout, has_index, windows, extra,
     judge(lambda: kc.compress_prefill(p, kv, z, ap, nw, slot, start_entry=start, index=ix, eps=eps, theta=theta,
                                       yarn=yarn),
           ("pool", "kv", "z", "ape", "norm_weight", "slot", "start_entry", "index", "index.kv", "index.z",
-           "index.ape", "index.norm_weight", *ROPE_NAMES), reference)
+           "index.ape", "index.norm_weight", *ROPE_NAMES), reference, fault)
 
 
 @settings(SETTINGS, max_examples=150)
@@ -728,6 +736,7 @@ def test_kvcache_compress_decode(seed, kind, layout, has_index, b, sdt, lib, eps
         if fault == "index":
             ix = pick([None, (ist_,), "index"], i) if p.has_index else ix
     eps, theta, yarn = _rope_args(fault, i, eps, theta, yarn)
+    fault = None if fault in ("index.state", "index.norm_weight") and not p.has_index else fault
     want, errors0 = p.to_reference(), p.read_errors()
     states = [s for s in (st_own, ist) if s is not None]
     state_want = [s.to_reference() for s in states]
@@ -744,7 +753,7 @@ def test_kvcache_compress_decode(seed, kind, layout, has_index, b, sdt, lib, eps
         return None
     judge(lambda: kc.compress_decode(p, st_, nw, valid, slots, pos, index=ix, eps=eps, theta=theta, yarn=yarn),
           ("pool", "state", "norm_weight", "valid_mask", "slots", "positions", "index", "index.state",
-           "index.norm_weight", *ROPE_NAMES), reference)
+           "index.norm_weight", *ROPE_NAMES), reference, fault)
 
 
 STATE_OPS = ("seed", "append", "clear", "csa_rotate", "hca_reset")
@@ -783,7 +792,11 @@ def test_kvcache_state_ops(seed, op, kind, b, t, kvdt, zdt, lib, view, special, 
     if (fault == "valid_mask" and i % 3 == 2) or (not valid and op == "clear"):
         vm = None                                  # required by rotate / reset, optional for clear
     slot = pick(BAD_SLOTS, i) if fault == "slot" else slot
-    err = _errors(pick(BAD_ERRORS, i) if fault == "errors" else errors, seed + 5, lib)
+    err = _errors(pick(BAD_ERRORS, i) if fault == "errors" else errors, seed + 5, lib, st_)
+    takes = {"seed": ("state", "slot", "kv", "z", "ape"), "append": ("state", "kv", "z", "ape", "valid_mask", "slots", "errors"),
+             "clear": ("state", "slots", "errors")}.get(op, ("state", "valid_mask", "slots", "errors"))
+    if fault not in takes or (op == "clear" and vm is None):      # not this op's argument; None: a valid mask
+        fault = None
     want, errors0 = st_.to_reference(), st_.read_errors()
     f32 = lambda a: None if a is None else host(a).astype(np.float32)  # noqa: E731
     calls = {"seed": (lambda: kc.state_seed(target, slot, kv, z, ape=ap),
@@ -804,7 +817,7 @@ def test_kvcache_state_ops(seed, op, kind, b, t, kvdt, zdt, lib, view, special, 
         got = counted(None if op == "seed" else err, st_, errors0)
         assert got == n, f"errors: {got} counted, the reference {n}"
         return None
-    judge(call, ("state", "kv", "z", "ape", "valid_mask", "slots", "slot", "errors"), reference)
+    judge(call, ("state", "kv", "z", "ape", "valid_mask", "slots", "slot", "errors"), reference, fault)
 
 
 DENSE_OPS = {"dense": (kc.gather_dense, False), "index_keys": (kc.gather_index_keys, True),
@@ -812,12 +825,27 @@ DENSE_OPS = {"dense": (kc.gather_dense, False), "index_keys": (kc.gather_index_k
 OUT_DTYPES = [None, None, "bfloat16", "float16", "float32"]
 
 
-def _out(fault, i, seed, shape, name, lib, ok):
+def _owned_view(buf, shape, lib):
+    """A view of the pool buffer `buf` of `shape`; when it has no element or
+    `buf` is too small, a read-only array instead (still a wrong output)."""
+    n = int(np.prod(shape))
+    if not 0 < n <= buf.size:
+        a = np.zeros(shape, buf.dtype)
+        a.flags.writeable = False
+        return a
+    a = buf.reshape(-1)[buf.size - n:].reshape(shape)
+    return torch.from_numpy(a) if lib == "torch" else a
+
+
+def _out(fault, i, seed, shape, name, lib, ok, pool):
     """A gather's out=: None, or (ok) one of `shape` and dtype `name` (a
     numpy float32 for bfloat16 when lib is numpy); fault 'out': of another
-    shape or dtype, or read-only."""
+    shape or dtype, read-only, or a view of the pool's float32 buffer (the
+    RoPE dims of a 'rawkv' pool on the CPU)."""
     if fault == "out":
-        kind = pick(["shape", "dtype", "read-only", "number"], i)
+        kind = pick(["shape", "dtype", "read-only", "number", "owned"], i)
+        if kind == "owned" and pool.rope is not None:
+            return _owned_view(pool.rope, shape, lib)
         if kind == "read-only":
             o = np.zeros(shape, np.float32 if name in ("bfloat16", "float32") else np.float16)
             o.flags.writeable = False
@@ -858,8 +886,10 @@ def test_kvcache_gather_dense(seed, op, kind, layout, slot, n, b, max_entries, l
     name = dtype if isinstance(dtype, str) and fault != "dtype" else "bfloat16"
     k = max_entries if isinstance(max_entries, int) and not isinstance(max_entries, bool) and max_entries >= 0 else 3
     ln = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 0
-    o = _out(fault, i, seed + 3, (b, k, width) if batch else (ln, width), name, lib, out)
-    err = _errors(pick(BAD_ERRORS, i) if fault == "errors" else errors, seed + 4, lib)
+    o = _out(fault, i, seed + 3, (b, k, width) if batch else (ln, width), name, lib, out, p)
+    err = _errors(pick(BAD_ERRORS, i) if fault == "errors" else errors, seed + 4, lib, p)
+    if fault in (("slot", "n_entries") if batch else ("slots", "max_entries")):
+        fault = None                                # not this op's argument
     want, errors0 = p.to_reference(), p.read_errors()
     if batch:
         call = lambda: fn(p, slots, ne, max_entries=max_entries, out=o, dtype=dtype, errors=err)  # noqa: E731
@@ -876,7 +906,7 @@ def test_kvcache_gather_dense(seed, op, kind, layout, slot, n, b, max_entries, l
         got = counted(err, p, errors0)
         assert got == ne_, f"errors: {got} counted, the reference {ne_}"
         return rows
-    judge(call, ("pool", "slot", "n_entries", "slots", "max_entries", "out", "dtype", "errors"), reference)
+    judge(call, ("pool", "slot", "n_entries", "slots", "max_entries", "out", "dtype", "errors"), reference, fault)
 
 
 @settings(SETTINGS, max_examples=200)
@@ -901,11 +931,12 @@ def test_kvcache_kvcache_indices(seed, kind, layout, b, k, idt, use_n, use_valid
         if use_valid or fault == "valid_mask" else None
     o = make(seed + 4, (b, k), "int32", lib) if out else None
     if fault == "out":
-        o = pick([make(seed + 4, (b, k + 1), "int32", lib), make(seed + 4, (b, k), "int64", lib), "read-only"], i)
+        o = pick([make(seed + 4, (b, k + 1), "int32", lib), make(seed + 4, (b, k), "int64", lib), "read-only",
+                  _owned_view(pick([p.block_table, p.written, p.owners], seed), (b, k), lib)], i)
         if isinstance(o, str):
             o = np.zeros((b, k), np.int32)
             o.flags.writeable = False
-    err = _errors(pick(BAD_ERRORS, i) if fault == "errors" else errors, seed + 5, lib)
+    err = _errors(pick(BAD_ERRORS, i) if fault == "errors" else errors, seed + 5, lib, p)
     want, errors0 = p.to_reference(), p.read_errors()
 
     def reference():
@@ -915,7 +946,7 @@ def test_kvcache_kvcache_indices(seed, kind, layout, b, k, idt, use_n, use_valid
         assert got == n, f"errors: {got} counted, the reference {n}"
         return res
     judge(lambda: kc.kvcache_indices(p, slots, ids, n_entries=ne, valid_mask=vm, out=o, errors=err),
-          ("pool", "slots", "topk_ids", "n_entries", "valid_mask", "out", "errors"), reference)
+          ("pool", "slots", "topk_ids", "n_entries", "valid_mask", "out", "errors"), reference, fault)
 
 
 @settings(SETTINGS, max_examples=200)
@@ -932,7 +963,7 @@ def test_kvcache_assign_pages(seed, kind, layout, b, lib, errors, k, fault, i):
     bshape, bdt = pick([((b + 1,), "int32"), ((b,), "int64"), ((b, 1), "int32")], i) if fault == "blocks" \
         else ((b,), "int32")
     blocks = make(seed + 2, bshape, bdt, lib, lo=-2, hi=p.num_blocks + 2)
-    err = _errors(pick(BAD_ERRORS, i) if fault == "errors" else errors, seed + 3, lib)
+    err = _errors(pick(BAD_ERRORS, i) if fault == "errors" else errors, seed + 3, lib, p)
     target = pick([None, p.reference_view(), kc.DecodeState(kind, 3, head_dim=p.head_dim, device="cpu")], i) \
         if fault == "pool" else p
     want, errors0 = p.to_reference(), p.read_errors()
@@ -944,7 +975,7 @@ def test_kvcache_assign_pages(seed, kind, layout, b, lib, errors, k, fault, i):
         assert got == n, f"errors: {got} counted, the reference {n}"
         return None
     if judge(lambda: kc.assign_pages(target, slots, blocks, errors=err), ("pool", "slots", "blocks", "errors"),
-             reference) is None:
+             reference, fault) is None:
         return
     gslots = np.arange(3, dtype=np.int32)
     ids = np.random.default_rng(seed).integers(-1, 6, size=(3, k)).astype(np.int32)
