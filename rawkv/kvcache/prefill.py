@@ -57,13 +57,13 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
         raise ValueError(f"kv: expected shape (T, {w}), got {tuple(k.shape)}")
     # z and the indexer's rows: kv's dtype
     rows = (A.cpu_dtype_name(kv, "kv") if dev is None else str(k.dtype).replace("torch.", ""),)
-    zz = C.arg(z, "z", rows, dev, shape=tuple(k.shape))
+    zz = _rows_arg(z, "z", rows, dev, tuple(k.shape))
     a = C.opt(ape, "ape", C.F32, dev, shape=(m, w))
     nw = C.arg(norm_weight, "norm_weight", C.F32, dev, shape=(d,))
     if index is not None:
         iw = 2 * K.INDEX_HEAD_DIM
-        index = PrefillIndex(C.arg(index.kv, "index.kv", rows, dev, shape=(k.shape[0], iw)),
-                             C.arg(index.z, "index.z", rows, dev, shape=(k.shape[0], iw)),
+        index = PrefillIndex(_rows_arg(index.kv, "index.kv", rows, dev, (k.shape[0], iw)),
+                             _rows_arg(index.z, "index.z", rows, dev, (k.shape[0], iw)),
                              C.opt(index.ape, "index.ape", C.F32, dev, shape=(m, iw)),
                              C.arg(index.norm_weight, "index.norm_weight", C.F32, dev,
                                    shape=(K.INDEX_HEAD_DIM,)))
@@ -86,6 +86,16 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
         kv0=k, z0=zz, kvb0=None, zb0=None, ape0=a, w0=nw, count0=None, **part1,
         valid=None, slots=None, positions=None, n_slots=0, slot=slot, start_entry=start_entry, pre=pre)
     return n
+
+
+def _rows_arg(x, name: str, rows: tuple, dev, shape):
+    """Token rows of kv's dtype (`rows`), exactly: the kernel reads every
+    row as kv's dtype, so on the host too, where C.arg would take a float32
+    for a bfloat16 (numpy has none), a float32 z beside a bfloat16 kv is
+    refused, as on CUDA."""
+    if dev is None:
+        A.check_cpu_array(A.require_array(x, name), name, rows)
+    return C.arg(x, name, rows, dev, shape=shape)
 
 
 def _traced(pool, kv, z, ape, norm_weight, slot, start_entry, index, eps, theta, yarn) -> int:
