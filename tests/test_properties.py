@@ -736,7 +736,8 @@ def test_kvcache_compress_decode(seed, kind, layout, has_index, b, sdt, lib, eps
         inw = make(seed + 5, (128 - 16 * (fault == "index.norm_weight"),), "float32", lib)
         ist_ = ist
         if fault == "index.state":
-            ist_ = pick([st_own, kc.DecodeState("csa", 3, head_dim=128, device="cpu")], i)
+            ist_ = pick([kc.DecodeState("csa", 3, head_dim=256, device="cpu"),     # not the indexer's width
+                         kc.DecodeState("csa", 3, head_dim=128, device="cpu")], i)    # not attached
         ix = kc.DecodeIndex(ist_, inw)
         if fault == "index":
             ix = pick([None, (ist_,), "index"], i) if p.has_index else ix
