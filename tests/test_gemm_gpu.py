@@ -127,19 +127,31 @@ def test_nvfp4_activation_global_scales(cuda, rng, per_row):
 
 
 def test_nan_and_inf_inputs(cuda, rng):
+    check_nan_and_inf(rng, tokens=6, late=2)
+
+
+def check_nan_and_inf(rng, tokens, late):
+    """NaN and Inf activations (rows 0, 1 and `late`) give NaN / Inf where
+    the reference does, and the bound elsewhere."""
     g, n, k = 2, 48, 128
     w, w64 = random_weight(rng, g, n, k, "nvfp4")
-    x = torch.randn(6, g, k, dtype=torch.bfloat16)
+    x = torch.randn(tokens, g, k, dtype=torch.bfloat16)
     x[0, 0, 5] = float("nan")
     x[1, 1, 7] = float("inf")
-    x[2, 0, 3] = float("-inf")
-    x[2, 0, 9] = float("inf")          # Inf - Inf somewhere: NaN
+    x[late, 0, 3] = float("-inf")
+    x[late, 0, 9] = float("inf")          # Inf - Inf somewhere: NaN
     exact, absolute = exact_grouped(x.double().numpy(), w64)
     assert_within_bound(rawkv.gemm.grouped_linear(x.cuda(), w), exact, np.nan_to_num(absolute), k, "nan/inf")
 
 
 def test_views_and_out(cuda, rng):
-    g, n, k, tokens = 3, 56, 192, 7
+    check_views_and_out(rng, tokens=7)
+
+
+def check_views_and_out(rng, tokens):
+    """Strided, misaligned and shifted activation views, and an out= view
+    whose neighbours stay untouched."""
+    g, n, k = 3, 56, 192
     w, w64 = random_weight(rng, g, n, k, "nvfp4")
     base = torch.randn(g, tokens, k + 8, dtype=torch.bfloat16).cuda()
     x = base[:, :, :k].transpose(0, 1)               # (T, G, K), strided, rows aligned

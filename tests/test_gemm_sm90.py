@@ -10,7 +10,8 @@ import pytest
 import rawkv
 from rawkv.gemm import linear
 from rawkv.reference import gemm as ref
-from test_gemm_gpu import _nvfp4_activation, assert_within_bound, check_ragged, exact_grouped, random_weight
+from test_gemm_gpu import (_nvfp4_activation, assert_within_bound, check_nan_and_inf, check_ragged,
+                           check_views_and_out, exact_grouped, random_weight)
 
 torch = pytest.importorskip("torch")
 
@@ -87,30 +88,11 @@ def test_nvfp4_activation_per_row_global_scales(sm90, rng):
 
 
 def test_nan_and_inf_inputs(sm90, rng):
-    g, n, k = 2, 48, 128
-    w, w64 = random_weight(rng, g, n, k, "nvfp4")
-    x = torch.randn(70, g, k, dtype=torch.bfloat16)
-    x[0, 0, 5] = float("nan")
-    x[1, 1, 7] = float("inf")
-    x[66, 0, 3] = float("-inf")
-    x[66, 0, 9] = float("inf")
-    exact, absolute = exact_grouped(x.double().numpy(), w64)
-    assert_within_bound(rawkv.gemm.grouped_linear(x.cuda(), w), exact, np.nan_to_num(absolute), k, "nan/inf")
+    check_nan_and_inf(rng, tokens=70, late=66)
 
 
 def test_views_and_out(sm90, rng):
-    g, n, k, tokens = 3, 56, 192, 67
-    w, w64 = random_weight(rng, g, n, k, "nvfp4")
-    base = torch.randn(g, tokens, k + 8, dtype=torch.bfloat16).cuda()
-    x = base[:, :, :k].transpose(0, 1)
-    odd = torch.randn(tokens, g, k + 1, dtype=torch.bfloat16).cuda()[:, :, 1:]
-    out_base = torch.zeros(tokens, g, n + 5, dtype=torch.bfloat16, device="cuda")
-    for xi in (x, odd):
-        exact, absolute = exact_grouped(xi.double().cpu().numpy(), w64)
-        out = out_base[:, :, 2:2 + n]
-        rawkv.gemm.grouped_linear(xi, w, out=out)
-        assert_within_bound(out, exact, absolute, k, "view")
-        assert torch.count_nonzero(out_base[:, :, :2]) == 0 and torch.count_nonzero(out_base[:, :, 2 + n:]) == 0
+    check_views_and_out(rng, tokens=67)
 
 
 def _ragged_case(rng, counts, n, k, fmt):
