@@ -287,7 +287,13 @@ def _slot_reuse(device, rng, kind):
 
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 def test_cpu_reused_slot_carries_no_state(rng, kind):
-    (pool, st, ist), (twin, tst, tist) = _slot_reuse("cpu", rng, kind)
+    _check_reused_slot("cpu", rng, kind)
+
+
+def _check_reused_slot(device, rng, kind):
+    """B's entries in the reused slot are the twin's (a pool where B never
+    shared a slot), bit for bit, and nothing is counted."""
+    (pool, st, ist), (twin, tst, tist) = _slot_reuse(device, rng, kind)
     a, b = pool.to_reference(), twin.to_reference()
     for name in ("kv_fp8", "kv_scale", "kv_rope", "idx_q", "idx_sf", "written", "marks"):
         if getattr(a, name) is not None:
@@ -303,15 +309,7 @@ def test_gpu_reused_slot_carries_no_state(cuda, rng, kind):
     """The CUDA pool empties the slot of its attached states on the stream
     (free_request): B's entries are the twin's, bit for bit (same kernel,
     same inputs), and nothing is counted."""
-    (pool, st, ist), (twin, tst, tist) = _slot_reuse("cuda", rng, kind)
-    a, b = pool.to_reference(), twin.to_reference()
-    for name in ("kv_fp8", "kv_scale", "kv_rope", "idx_q", "idx_sf", "written", "marks"):
-        if getattr(a, name) is not None:
-            np.testing.assert_array_equal(getattr(a, name).view(np.uint8), getattr(b, name).view(np.uint8),
-                                          err_msg=name)
-    assert int(a.written[0]) == 3
-    for x in (st, ist, pool):
-        assert x is None or x.read_errors() == 0
+    _check_reused_slot("cuda", rng, kind)
 
 
 def _free_empties_slot(device):
