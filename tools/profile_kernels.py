@@ -4,7 +4,7 @@
     ncu --clock-control none --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats -k regex:rkv_ python3 tools/profile_kernels.py [group ...]
 
-groups: nvfp4, fused, fp8, kvcache, compress (default: nvfp4 and fused). No timing here: ncu measures;
+groups: nvfp4, fused, fp8, kvcache, compress, gemm (default: nvfp4 and fused). No timing here: ncu measures;
 see tools/bench.py for the benchmarks."""
 import os
 import sys
@@ -79,8 +79,19 @@ def compress():
         kvc.compress_prefill(pool, kv, z, ape, torch.ones(D, device="cuda"), s0, index=idx)
 
 
+def gemm():
+    """The DeepSeek-V4-Pro wo_a GEMM (16 groups, K 4096, N 1024): prefill (4,096 tokens, the
+    wgmma kernel on sm_90) and decode (1 token, the mma.sync kernel)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from probe_gemm_paths import random_weight
+    g, k, n = 16, 4096, 1024
+    w = random_weight(torch, g, n, k)
+    for m in (4096, 1):
+        x = torch.randn(m, g, k, device="cuda", dtype=torch.bfloat16)
+        rawkv.gemm.grouped_linear(x, w)
+
+
 def main():
-    rawkv.warmup()
     groups = sys.argv[1:] or ["nvfp4", "fused"]
     for g in groups:
         globals()[g]()

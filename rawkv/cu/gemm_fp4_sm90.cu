@@ -163,65 +163,80 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
         asm volatile("setmaxnreg.dec.sync.aligned.u32 120;\n");
         const int p = threadIdx.x - 256;
         const int plane = p & 31, slot = p & 3;
-        const u8* wsrc = wq + ((i64)g * tiles16 + tile0) * chunks * kCodeBytes;
-        const u8* ssrc = wsf + ((i64)g * tiles16 + tile0) * chunks * kScaleBytes;
+        // Everything per chunk below is an address step from what is set up
+        // here: the producer is one warp per scheduler with a serial stream
+        // of instructions, and its issue time was a stage's time (ncu:
+        // 282 instructions per warp per stage, 6.4 cycles each).
+        //
+        // Weight copies: 16 row tiles x 32 code pieces = 4 per thread (tile
+        // p / 32 + 4 i, piece p % 32: a warp copies a tile's 512 contiguous
+        // bytes) and 16 x 4 scale pieces on threads p < 64 (tile p / 4,
+        // piece p % 4); both land at 16 p (+ 2048 i) in the stage.
+        const i64 wstep = (i64)4 * chunks * kCodeBytes;          // 4 row tiles further
+        const u8* wsrc = wq + (((i64)g * tiles16 + tile0 + (p >> 5)) * chunks) * kCodeBytes + 16 * plane;
+        const u8* ssrc = wsf + (((i64)g * tiles16 + tile0 + (p >> 2)) * chunks) * kScaleBytes + 16 * slot;
+        u32 wlive = 0;                                             // bit i: code tile p / 32 + 4 i exists
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wlive |= (u32)((p >> 5) + 4 * i < live_tiles) << i;
+        const bool slive = p < 64 && (p >> 2) < live_tiles;
         const u8* xrow[kItems];
         const u8* srow[kItems];
+        u32 xlive = 0;                                             // bit j: item j's token exists
 #pragma unroll
         for (int j = 0; j < kItems; ++j) {
             const int tok = t0 + (p >> 2) + 32 * j;
-            const i64 xo = (i64)tok * xs_t + (i64)g * xs_g;
-            xrow[j] = tok < t1 ? x + (ACT == 2 ? xo : 2 * xo) : nullptr;
-            srow[j] = ACT == 2 && tok < t1 ? xsf + (i64)tok * ss_t + (i64)g * ss_g : nullptr;
+            const i64 xo = (i64)min(tok, t1 - 1) * xs_t + (i64)g * xs_g;
+            xrow[j] = x + (ACT == 2 ? xo : 2 * xo);
+            srow[j] = ACT == 2 ? xsf + (i64)min(tok, t1 - 1) * ss_t + (i64)g * ss_g : nullptr;
+            xlive |= (u32)(tok < t1) << j;
         }
+        // Item j's word for unit u goes to row (p / 4 + 32 j), unit u ^ (row % 8),
+        // word slot: row % 8 is the same for every j.
+        u32 uoff[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) uoff[u] = (p >> 2) * 128 + ((u ^ ((p >> 2) & 7)) << 4) + 4 * slot;
+
         ActChunk<ACT> buf[kAhead][kItems];
         auto load = [&](ActChunk<ACT> (&b)[kItems], int c) {
             const int kb = c * 64 + 16 * slot;
 #pragma unroll
             for (int j = 0; j < kItems; ++j) {
-                if (xrow[j] && c < chunks && kb < k) b[j].load(xrow[j], srow[j], kb);
+                if (kb < k && (xlive >> j & 1)) b[j].load(xrow[j], srow[j], kb);
                 else b[j].clear();
             }
         };
 #pragma unroll
         for (int d = 0; d < kAhead; ++d) load(buf[d], d);
+        int s = 0;
+        u32 parity = 1;   // of the empty barriers: a fresh barrier passes parity 1
         for (int c0 = 0; c0 < chunks; c0 += kAhead) {
 #pragma unroll
             for (int d = 0; d < kAhead; ++d) {
                 const int c = c0 + d;
                 if (c >= chunks) break;
-                const int s = c % STAGES;
-                const u32 parity = ((c / STAGES) & 1) ^ 1;   // a fresh barrier passes parity 1
                 mbar_wait(bar_empty + 8 * s, parity);
                 {
-                    // The stage's packed weights: 36 16-byte pieces per row
-                    // tile (32 of codes, 4 of scales), spread over the 128
-                    // threads as cp.async copies; each thread's arrive below
-                    // fires when its copies have landed. (Bulk copies, one
-                    // per row tile and part, measured slower: 32 small TMA
-                    // copies per stage.)
-                    const u32 dst = smem_u32(s_w + s * kWStage);
-                    for (int e = p; e < live_tiles * 36; e += 128) {
-                        const int r = e / 36, j = e - 36 * r;
-                        const i64 at = (i64)r * chunks + c;
-                        if (j < 32) cp_async16(dst + r * kCodeBytes + 16 * j, wsrc + at * kCodeBytes + 16 * j);
-                        else cp_async16(dst + kTiles * kCodeBytes + r * kScaleBytes + 16 * (j - 32),
-                                        ssrc + at * kScaleBytes + 16 * (j - 32));
-                    }
+                    // The stage's packed weights as cp.async copies; each
+                    // thread's arrive below fires when its copies have
+                    // landed. (Bulk copies, one per row tile and part,
+                    // measured slower: 32 small TMA copies per stage.)
+                    const u32 dst = smem_u32(s_w + s * kWStage) + 16 * p;
+                    const u8* src = wsrc + (i64)c * kCodeBytes;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) cp_async16_if(wlive >> i & 1, dst + 2048 * i, src + i * wstep);
+                    cp_async16_if(slive, dst + kTiles * kCodeBytes, ssrc + (i64)c * kScaleBytes);
                     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar_full + 8 * s)
                                  : "memory");
                 }
                 const u32 btile = smem_u32(s_b + s * kBStage);
 #pragma unroll
                 for (int j = 0; j < kItems; ++j) {
-                    const int row = (p >> 2) + 32 * j;
-                    const u32 rbase = btile + row * 128 + 4 * slot;
 #pragma unroll
                     for (int s4 = 0; s4 < 4; ++s4) {
                         u32 b0, b1;
                         buf[d][j].fragment(s4, b0, b1);
-                        st_shared(rbase + (((2 * s4) ^ (row & 7)) << 4), b0);
-                        st_shared(rbase + (((2 * s4 + 1) ^ (row & 7)) << 4), b1);
+                        st_shared(btile + uoff[2 * s4] + 4096 * j, b0);
+                        st_shared(btile + uoff[2 * s4 + 1] + 4096 * j, b1);
                     }
                 }
                 // The arrive releases these stores; each consumer orders them
@@ -231,6 +246,10 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
                 __syncwarp();
                 if (plane == 0) mbar_arrive(bar_full + 8 * s);
                 load(buf[d], c + kAhead);
+                if (++s == STAGES) {
+                    s = 0;
+                    parity ^= 1;
+                }
             }
         }
         return;
@@ -268,9 +287,10 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
         dequant_fragment<F16>(wv.z, f0, f1, a[2]);
         dequant_fragment<F16>(wv.w, f0, f1, a[3]);
     };
+    int s = 0, prev = STAGES - 1;   // this chunk's stage and the previous one's
+    u32 parity = 0;
     for (int c = 0; c < chunks; ++c) {
-        const int s = c % STAGES;
-        mbar_wait(bar_full + 8 * s, (c / STAGES) & 1);
+        mbar_wait(bar_full + 8 * s, parity);
         // The producer's activation stores (generic proxy), acquired through
         // the barrier, ordered before this warpgroup's wgmma reads (async proxy).
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -285,13 +305,18 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
         if (c > 0) {
             wgmma_wait<1>();                        // m-tile 1 of c - 1 done: stage c - 1 is free
             __syncwarp();
-            if (lane == 0) mbar_arrive(bar_empty + 8 * ((c - 1) % STAGES));
+            if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
         }
         dequant(wst, 1, a1);
         wgmma_fence();
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[1], a1[s4], b_desc(btile + 32 * s4));
         wgmma_commit();
+        prev = s;
+        if (++s == STAGES) {
+            s = 0;
+            parity ^= 1;
+        }
     }
     wgmma_wait<0>();
     // (The last stage is not released: nothing is loaded after it.)
