@@ -64,6 +64,19 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     while (!mbar_try_wait(bar, parity)) {
     }
 }
+// Shared-window loads: a generic pointer into shared memory compiles to a
+// generic load (LD.E), slower than LDS.
+__device__ __forceinline__ uint4 ld_shared16(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ u32 ld_shared_u16(u32 addr) {
+    u16 v;
+    asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr));
+    return v;
+}
 __device__ __forceinline__ void st_shared(u32 addr, u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
@@ -172,6 +185,7 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
         // p / 32 + 4 i, piece p % 32: a warp copies a tile's 512 contiguous
         // bytes) and 16 x 4 scale pieces on threads p < 64 (tile p / 4,
         // piece p % 4); both land at 16 p (+ 2048 i) in the stage.
+        // Each source pointer steps one chunk per stage.
         const i64 wstep = (i64)4 * chunks * kCodeBytes;          // 4 row tiles further
         const u8* wsrc = wq + (((i64)g * tiles16 + tile0 + (p >> 5)) * chunks) * kCodeBytes + 16 * plane;
         const u8* ssrc = wsf + (((i64)g * tiles16 + tile0 + (p >> 2)) * chunks) * kScaleBytes + 16 * slot;
@@ -179,16 +193,17 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
 #pragma unroll
         for (int i = 0; i < 4; ++i) wlive |= (u32)((p >> 5) + 4 * i < live_tiles) << i;
         const bool slive = p < 64 && (p >> 2) < live_tiles;
+        // A row past the tile's last token reads the last token again: its
+        // B column only reaches outputs the epilogue does not write (the
+        // MMA's columns are independent), so it needs no zeros and no test.
         const u8* xrow[kItems];
         const u8* srow[kItems];
-        u32 xlive = 0;                                             // bit j: item j's token exists
 #pragma unroll
         for (int j = 0; j < kItems; ++j) {
-            const int tok = t0 + (p >> 2) + 32 * j;
-            const i64 xo = (i64)min(tok, t1 - 1) * xs_t + (i64)g * xs_g;
-            xrow[j] = x + (ACT == 2 ? xo : 2 * xo);
-            srow[j] = ACT == 2 ? xsf + (i64)min(tok, t1 - 1) * ss_t + (i64)g * ss_g : nullptr;
-            xlive |= (u32)(tok < t1) << j;
+            const int tok = min(t0 + (p >> 2) + 32 * j, t1 - 1);
+            const i64 xo = (i64)tok * xs_t + (i64)g * xs_g;
+            xrow[j] = x + (ACT == 2 ? xo : 2 * xo);   // chunk 0; `load` steps it
+            srow[j] = ACT == 2 ? xsf + (i64)tok * ss_t + (i64)g * ss_g : nullptr;
         }
         // Item j's word for unit u goes to row (p / 4 + 32 j), unit u ^ (row % 8),
         // word slot: row % 8 is the same for every j.
@@ -197,12 +212,28 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
         for (int u = 0; u < 8; ++u) uoff[u] = (p >> 2) * 128 + ((u ^ ((p >> 2) & 7)) << 4) + 4 * slot;
 
         ActChunk<ACT> buf[kAhead][kItems];
+        // Columns past k must be zeros (the weight's zero padding times a
+        // NaN would be NaN): only the chunk that holds k's end, and chunks
+        // past the last, test them.
+        const int full_chunks = k / 64;
+        // `load` is called for chunks 0, 1, 2, ... in order: it reads
+        // columns 16 slot .. + 15 of xrow / srow and steps them one chunk.
         auto load = [&](ActChunk<ACT> (&b)[kItems], int c) {
-            const int kb = c * 64 + 16 * slot;
+            if (c < full_chunks) {
+#pragma unroll
+                for (int j = 0; j < kItems; ++j) b[j].load(xrow[j], srow[j], 16 * slot);
+            } else {
+                const bool live = c * 64 + 16 * slot < k;
+#pragma unroll
+                for (int j = 0; j < kItems; ++j) {
+                    if (live) b[j].load(xrow[j], srow[j], 16 * slot);
+                    else b[j].clear();
+                }
+            }
 #pragma unroll
             for (int j = 0; j < kItems; ++j) {
-                if (kb < k && (xlive >> j & 1)) b[j].load(xrow[j], srow[j], kb);
-                else b[j].clear();
+                xrow[j] += ACT == 2 ? 32 : 128;
+                if (ACT == 2) srow[j] += 4;
             }
         };
 #pragma unroll
@@ -221,10 +252,11 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
                     // landed. (Bulk copies, one per row tile and part,
                     // measured slower: 32 small TMA copies per stage.)
                     const u32 dst = smem_u32(s_w + s * kWStage) + 16 * p;
-                    const u8* src = wsrc + (i64)c * kCodeBytes;
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) cp_async16_if(wlive >> i & 1, dst + 2048 * i, src + i * wstep);
-                    cp_async16_if(slive, dst + kTiles * kCodeBytes, ssrc + (i64)c * kScaleBytes);
+                    for (int i = 0; i < 4; ++i) cp_async16_if(wlive >> i & 1, dst + 2048 * i, wsrc + i * wstep);
+                    wsrc += kCodeBytes;
+                    cp_async16_if(slive, dst + kTiles * kCodeBytes, ssrc);
+                    ssrc += kScaleBytes;
                     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar_full + 8 * s)
                                  : "memory");
                 }
@@ -273,19 +305,26 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
     // A fragment registers are never written while a wgmma reading them is
     // in flight (else ptxas serializes every wgmma).
     u32 a0[4][4], a1[4][4];
-    auto dequant = [&](const u8* wst, int m, u32 (&a)[4][4]) {
-        uint4 wv = make_uint4(0, 0, 0, 0);
-        u32 sv = 0;
+    // A stage's codes and scales of both m-tiles are read as soon as the
+    // stage is full, so the loads' latency is not on the path from a wgmma
+    // wait to the next issue.
+    uint4 wv[2];
+    u32 sv[2];
+    auto fetch = [&](u32 wst, int m) {
+        wv[m] = make_uint4(0, 0, 0, 0);
+        sv[m] = 0;
         if (my_tile[m] < live_tiles) {
-            wv = *reinterpret_cast<const uint4*>(wst + my_tile[m] * kCodeBytes + lane * 16);
-            sv = *reinterpret_cast<const u16*>(wst + kTiles * kCodeBytes + my_tile[m] * kScaleBytes + lane * 2);
+            wv[m] = ld_shared16(wst + my_tile[m] * kCodeBytes + lane * 16);
+            sv[m] = ld_shared_u16(wst + kTiles * kCodeBytes + my_tile[m] * kScaleBytes + lane * 2);
         }
+    };
+    auto dequant = [&](int m, u32 (&a)[4][4]) {
         u32 f0, f1;
-        scale_factors<MX, F16>(sv, f0, f1);
-        dequant_fragment<F16>(wv.x, f0, f1, a[0]);
-        dequant_fragment<F16>(wv.y, f0, f1, a[1]);
-        dequant_fragment<F16>(wv.z, f0, f1, a[2]);
-        dequant_fragment<F16>(wv.w, f0, f1, a[3]);
+        scale_factors<MX, F16>(sv[m], f0, f1);
+        dequant_fragment<F16>(wv[m].x, f0, f1, a[0]);
+        dequant_fragment<F16>(wv[m].y, f0, f1, a[1]);
+        dequant_fragment<F16>(wv[m].z, f0, f1, a[2]);
+        dequant_fragment<F16>(wv[m].w, f0, f1, a[3]);
     };
     int s = 0, prev = STAGES - 1;   // this chunk's stage and the previous one's
     u32 parity = 0;
@@ -294,10 +333,12 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
         // The producer's activation stores (generic proxy), acquired through
         // the barrier, ordered before this warpgroup's wgmma reads (async proxy).
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        const u8* wst = s_w + s * kWStage;
+        const u32 wst = smem_u32(s_w + s * kWStage);
         const u32 btile = smem_u32(s_b + s * kBStage);
+        fetch(wst, 0);
+        fetch(wst, 1);
         if (c > 0) wgmma_wait<1>();                 // m-tile 0 of c - 1 done
-        dequant(wst, 0, a0);
+        dequant(0, a0);
         wgmma_fence();
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[0], a0[s4], b_desc(btile + 32 * s4));
@@ -307,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
             __syncwarp();
             if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
         }
-        dequant(wst, 1, a1);
+        dequant(1, a1);
         wgmma_fence();
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[1], a1[s4], b_desc(btile + 32 * s4));
