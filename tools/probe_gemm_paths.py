@@ -60,6 +60,42 @@ def main(argv):
             print(f"{name:8} {m:5d} {us['mma']:9.1f} {us['sm90']:9.1f} {bf:9.1f} {flops / us['sm90'] / 1e6:8.0f} "
                   f"{flops / bf / 1e6:8.0f} {diff:.2e}", flush=True)
 
+    moe(torch, [64, 4096])
+
+
+MOE = {"flash_gate_up": (256, 6, 4096, 4096), "flash_down": (256, 6, 4096, 2048)}   # (E, top-k, N, K)
+
+
+def moe(torch, token_counts, bns=(64, 128)):
+    """The ragged (MoE) GEMM on both paths, random top-k routing, rows sorted by expert."""
+    import rawkv
+    from rawkv.gemm import linear
+    print(f"{'moe':14} {'tokens':>6} {'mma':>9} " + " ".join(f"{'sm90/' + str(b):>9}" for b in bns) + " TF(best)")
+    for name, (e, top, n, k) in MOE.items():
+        ws = [random_weight(torch, e, n, k) for _ in range(2)]
+        gen = torch.Generator().manual_seed(0)
+        for tokens in token_counts:
+            ids = torch.stack([torch.randperm(e, generator=gen)[:top] for _ in range(tokens)]).flatten()
+            counts = torch.bincount(ids, minlength=e)
+            offsets = torch.zeros(e + 1, dtype=torch.int32)
+            offsets[1:] = torch.cumsum(counts, 0)
+            rows = int(offsets[-1])
+            offs = offsets.cuda()
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+            us = {}
+            linear.KERNEL_PATH = "mma"
+            us["mma"] = median_us(torch, lambda i: rawkv.gemm.moe_linear(x, ws[i % 2], offs, out=out))
+            linear.KERNEL_PATH = "sm90"
+            for b in bns:
+                linear.SM90_FORCE_BN = b
+                us[b] = median_us(torch, lambda i: rawkv.gemm.moe_linear(x, ws[i % 2], offs, out=out))
+            linear.SM90_FORCE_BN = None
+            linear.KERNEL_PATH = "auto"
+            flops = 2 * rows * n * k
+            print(f"{name:14} {tokens:6d} {us['mma']:9.1f} " + " ".join(f"{us[b]:9.1f}" for b in bns)
+                  + f" {flops / min(us.values()) / 1e6:8.0f}", flush=True)
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -320,6 +320,8 @@ KERNEL_PATH = "auto"
 #: mma.sync kernel is as fast or faster on the H100 (docs/gemm.md, "Hopper
 #: kernel": at 128 tokens it wins on two of three wo_a shapes, at 256 it loses on all).
 SM90_MIN_TOKENS = 256
+#: The wgmma kernel's token tile (64 or 128) when set; None lets the plan choose.
+SM90_FORCE_BN = None
 
 
 def _plan(rt, weight, tokens: int) -> tuple:
@@ -331,7 +333,8 @@ def _plan(rt, weight, tokens: int) -> tuple:
     if path == "sm90":
         if rt.arch != "sm_90":
             raise ValueError(f"x: the wgmma GEMM kernel runs on sm_90 devices, this one is {rt.arch}")
-        bn, stages = K.SM90_CONFIGS[64] if tokens <= 64 else K.SM90_CONFIGS["large"]
+        bn = SM90_FORCE_BN or (64 if tokens <= 64 else 128)
+        bn, stages = K.SM90_CONFIGS[64] if bn == 64 else K.SM90_CONFIGS["large"]
         return K.GEMM_SM90, (bn, stages), (K.SM90_THREADS,), K.SM90_BM, bn
     cfg = _config(tokens)
     mt, nt, ks, rw = cfg[:4]
