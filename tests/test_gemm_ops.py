@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import rawkv
+from rawkv.gemm import linear
 from rawkv.reference import gemm as ref
 
 torch = pytest.importorskip("torch")
@@ -290,3 +291,22 @@ def test_numpy_nvfp4_activations_and_moe(rng):
     assert np.array_equal(_f32_bits(got), _bits(want)) and errors.tolist() == [[2, 0]]
     with pytest.raises(TypeError, match=r"^offsets: dtype int64"):
         rawkv.gemm.moe_linear(xm.float().numpy(), w, offsets.astype(np.int64))
+
+
+class _Sizes:
+    def __init__(self, groups, n):
+        self.groups, self.n = groups, n
+
+
+@pytest.mark.parametrize("groups,n,tokens,expected", [
+    (8, 1024, 127, False), (8, 1024, 128, False),     # Flash wo_a at 128 tokens: 32 blocks
+    (16, 1024, 128, True), (8, 1536, 128, True),      # Pro (64 blocks), seed 004 (48)
+    (1, 16, 255, False), (1, 16, 256, True)])
+def test_the_batched_dispatch_rule(groups, n, tokens, expected):
+    """Which kernel an sm_90 device runs: arithmetic on the sizes, no GPU needed (docs/gemm.md)."""
+    assert linear._takes_sm90(_Sizes(groups, n), tokens, ragged=False) is expected
+
+
+@pytest.mark.parametrize("tokens,expected", [(1, False), (12, False), (23, False), (24, True), (96, True)])
+def test_the_ragged_dispatch_rule(tokens, expected):
+    assert linear._takes_sm90(_Sizes(256, 4096), tokens, ragged=True) is expected

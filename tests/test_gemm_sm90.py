@@ -130,5 +130,8 @@ def test_dispatch_takes_the_wgmma_kernel_from_256_tokens(cuda, monkeypatch):
     if cuda.arch != "sm_90":
         pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
     w = rawkv.gemm.Fp4Weight.from_float(torch.randn(2, 64, 128, device="cuda"))
-    assert linear._plan(cuda, w, 255)[0] is linear.K.GEMM
+    assert linear._plan(cuda, w, 255)[0] is linear.K.GEMM        # 2 x 1 x 2 blocks: too few below 256
     assert linear._plan(cuda, w, 256)[0] is linear.K.GEMM_SM90
+    assert linear._plan(cuda, w, 23, ragged=True)[0] is linear.K.GEMM
+    assert linear._plan(cuda, w, 24, ragged=True)[0] is linear.K.GEMM_SM90
+

@@ -1,12 +1,12 @@
 """Both GEMM kernel paths on one GPU, forced in turn (rawkv.gemm.linear.KERNEL_PATH):
 the mma.sync kernel and, on sm_90, the wgmma kernel, beside torch's BF16 einsum, for
-the wo_a shapes at the given M (tokens per group). Each time is the median of 30 calls
-timed one by one with CUDA events (so it includes each call's launch overhead), over
-4 weight copies; maxdiff is the largest difference between the paths relative to
+the wo_a shapes at the given M (tokens per group). Each time is the median of CUDA-graph
+replays (tools/bench.py's cuda_time_us: device time, not the host's), over 4 weight copies; maxdiff is the largest difference between the paths relative to
 the largest output. For choosing SM90_MIN_TOKENS; tools/bench_gemm.py is the benchmark.
 
-    PYTHONPATH=. python3 tools/probe_gemm_paths.py [M ...]
+    PYTHONPATH=. [RAWKV_MOE_TOKENS=64,4096] python3 tools/probe_gemm_paths.py [M ...]
 """
+import os
 import sys
 
 SHAPES = {"flash": (8, 4096, 1024), "pro": (16, 4096, 1024), "seed004": (8, 8192, 1536)}   # (G, K, N)
@@ -21,19 +21,12 @@ def random_weight(torch, g, n, k):
     return rawkv.gemm.Fp4Weight("nvfp4", n, k, codes, scales, torch.full((g,), 1e-3, device="cuda"))
 
 
-def median_us(torch, fn, reps=30):
-    for i in range(3):
-        fn(i)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for i in range(reps):
-        start.record()
-        fn(i)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+def median_us(torch, fn):
+    """Device time of one fn(i) call: CUDA-graph replays (tools/bench.py), so
+    the host's time per call is not counted."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench import cuda_time_us
+    return cuda_time_us(fn)
 
 
 def main(argv):
@@ -60,7 +53,7 @@ def main(argv):
             print(f"{name:8} {m:5d} {us['mma']:9.1f} {us['sm90']:9.1f} {bf:9.1f} {flops / us['sm90'] / 1e6:8.0f} "
                   f"{flops / bf / 1e6:8.0f} {diff:.2e}", flush=True)
 
-    moe(torch, [64, 4096])
+    moe(torch, [int(t) for t in os.environ.get("RAWKV_MOE_TOKENS", "64,4096").split(",")])
 
 
 MOE = {"flash_gate_up": (256, 6, 4096, 4096), "flash_down": (256, 6, 4096, 2048)}   # (E, top-k, N, K)

@@ -86,7 +86,7 @@ def moe_linear(x, weight, offsets, *, out=None, errors=None, stream=None):
     if r and weight.n:
         rt = get_runtime(dev)
         err_ptr = errors.data_ptr() if errors is not None else counters.address(rt, counters.GEMM_OFFSETS, stream)
-        kern, targs, block, tile_rows, tile_tokens = _plan(rt, weight, -(-r // max(1, min(experts, r))))
+        kern, targs, block, tile_rows, tile_tokens = _plan(rt, weight, -(-r // max(1, min(experts, r))), ragged=True)
         slots = min(r, -(-r // tile_tokens) + experts + 2)
         grid = (-(-weight.n // tile_rows), slots, 1)
         _launch(rt, kern, targs, block, act, weight, out, grid, r, offsets, experts, err_ptr, stream)
@@ -315,21 +315,36 @@ def _config(tokens: int) -> tuple:
 #: Which kernel serves a launch: "auto" (the plan below), or "mma" / "sm90"
 #: to force one (tests compare the two paths on the same inputs).
 KERNEL_PATH = "auto"
-#: Tokens per group (or per expert, on average) from which an sm_90 device
-#: takes the wgmma kernel (rawkv/cu/gemm_fp4_sm90.cu); below it the
-#: mma.sync kernel is as fast or faster on the H100 (docs/gemm.md, "Hopper
-#: kernel": at 128 tokens it wins on two of three wo_a shapes, at 256 it loses on all).
+#: When an sm_90 device takes the wgmma kernel (rawkv/cu/gemm_fp4_sm90.cu)
+#: instead of the mma.sync kernel, from tools/probe_gemm_paths.py on the H100
+#: (docs/gemm.md, "Hopper kernel"). Batched: from SM90_MIN_TOKENS tokens per
+#: group, or from SM90_MIN_TOKENS_SMALL when its grid has SM90_MIN_BLOCKS
+#: blocks or more (at 128 tokens it wins with 48 and 64 blocks, loses with
+#: 32). Ragged: from SM90_MIN_EXPERT_TOKENS tokens per expert on average (it
+#: wins at 32 and 96, loses at 12).
 SM90_MIN_TOKENS = 256
+SM90_MIN_TOKENS_SMALL = 128
+SM90_MIN_BLOCKS = 48
+SM90_MIN_EXPERT_TOKENS = 24
 #: The wgmma kernel's token tile (64 or 128) when set; None lets the plan choose.
 SM90_FORCE_BN = None
 
 
-def _plan(rt, weight, tokens: int) -> tuple:
+def _takes_sm90(weight, tokens: int, ragged: bool) -> bool:
+    """The dispatch rule above, for an sm_90 device."""
+    if ragged:
+        return tokens >= SM90_MIN_EXPERT_TOKENS
+    blocks = weight.groups * -(-weight.n // K.SM90_BM) * -(-tokens // K.SM90_CONFIGS["large"][0])
+    return tokens >= SM90_MIN_TOKENS or (tokens >= SM90_MIN_TOKENS_SMALL and blocks >= SM90_MIN_BLOCKS)
+
+
+def _plan(rt, weight, tokens: int, ragged: bool = False) -> tuple:
     """(kernel, template arguments without ACT / MX, block, output features
-    per block, tokens per block) for `tokens` tokens per group or expert."""
+    per block, tokens per block) for `tokens` tokens per group (batched) or
+    per expert on average (ragged)."""
     path = KERNEL_PATH
     if path == "auto":
-        path = "sm90" if rt.arch == "sm_90" and tokens >= SM90_MIN_TOKENS else "mma"
+        path = "sm90" if rt.arch == "sm_90" and _takes_sm90(weight, tokens, ragged) else "mma"
     if path == "sm90":
         if rt.arch != "sm_90":
             raise ValueError(f"x: the wgmma GEMM kernel runs on sm_90 devices, this one is {rt.arch}")
