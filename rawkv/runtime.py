@@ -286,6 +286,9 @@ class Runtime:
                 continue        # a file of another architecture's instructions
             for name in registry[filename]:
                 self.function(filename, name)
+            # The launch side too: each instance's packing, read from the
+            # source, and its launch function, before any capture.
+            kernels.prepare(filename)
         self.stream()  # the current stream's CuPy handle too
         for hook in _WARMUP_HOOKS:
             hook(self)

@@ -1,8 +1,10 @@
 """The kernel declarations (rawkv.kernels) against the CUDA sources, on a
 CPU: every __global__ in rawkv/cu/*.cu is declared with the same template
-parameters and the same parameters (names, C types, order), and the
-declaration packs a launch's arguments as those C types."""
+parameters, and its parameters (read from the source) pack as their C
+types."""
 import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -30,17 +32,80 @@ def _fp8_with(old, new):
     return {"fp8.cu": src.replace(old, new, 1)}
 
 
-def test_a_swapped_parameter_fails_the_check():
-    swapped = _fp8_with("const T* __restrict__ x, u8* __restrict__ out,",
-                        "u8* __restrict__ out, const T* __restrict__ x,")
-    problems = _abi.mismatches(swapped)
-    assert any("rkv_e4m3_encode parameter 0" in p for p in problems), problems
-    assert any("rkv_e4m3_encode parameter 1" in p for p in problems), problems
+@pytest.fixture
+def declare():
+    """declare(filename, source) -> a KernelFile reading its signatures
+    from `source`, removed again after the test."""
+    made = []
+
+    def declare(filename, source):
+        made.append(filename)
+        return kernels.KernelFile(filename, source=source)
+    yield declare
+    for f in made:
+        kernels._decl._FILES.pop(f, None)
 
 
-def test_a_retyped_parameter_fails_the_check():
-    problems = _abi.mismatches(_fp8_with("u8* __restrict__ out, i64 n)", "u8* __restrict__ out, int n)"))
-    assert any("parameter 2: source 'int n' != declared 'i64 n'" in p for p in problems), problems
+def test_the_declarations_read_their_parameters_from_the_source():
+    assert [repr(p) for p in kernels.fp8.ENCODE.params] == ["const T* x", "u8* out", "i64 n"]
+    assert kernels.fp8.ENCODE.instance("float32", True).struct.format == "<QQq"
+
+
+def test_a_swapped_or_retyped_parameter_is_launched_as_the_source_says(declare):
+    """The .cu signature is the only copy of the parameters: a swap or a new
+    C type in the source changes the packing, with no declaration to edit."""
+    src = _fp8_with("const T* __restrict__ x, u8* __restrict__ out, i64 n)",
+                    "u8* __restrict__ out, const T* __restrict__ x, int n)")["fp8.cu"]
+    k = declare("test_abi_swapped.cu", src).kernel("rkv_e4m3_encode", kernels.fp8.ENCODE.template)
+    inst = k.instance("float32", True)
+    assert [p.name for p in k.params] == ["out", "x", "n"]
+    assert inst.struct.format == "<QQi4x"
+    assert inst.pack(x=1, out=2, n=3) == (2, 1, 3)
+
+
+def test_a_parameter_type_with_no_packing_fails_the_check():
+    problems = _abi.mismatches(_fp8_with("u8* __restrict__ out, i64 n)", "u8* __restrict__ out, half n)"))
+    assert any("rkv_e4m3_encode: parameter n: C type 'half' has no launch packing" in p for p in problems), \
+        problems
+
+
+def test_more_parameters_than_launcher_slots_fail_the_check(declare):
+    n = _launch.MAX_ARGS + 1
+    src = "__global__ void k(" + ", ".join(f"int a{i}" for i in range(n)) + ") {}"
+    declare("test_abi_wide.cu", src).kernel("k")
+    problems = _abi.mismatches({"test_abi_wide.cu": src})
+    assert f"test_abi_wide.cu: k takes {n} parameters, the launcher has {_launch.MAX_ARGS} slots " \
+           "(rawkv._launch.MAX_ARGS)" in problems, problems
+
+
+def test_first_use_refuses_a_source_that_disagrees_with_the_declaration(declare):
+    """At run time too, not only in the ABI test: a kernel the source lacks,
+    or whose template differs, is refused by name before any launch."""
+    f = declare("test_abi_disagree.cu", "template <typename T> __global__ void k(const T* x) {}")
+    bad_template = f.kernel("k", (kernels.TParam("int", "T", (1,)),))
+    with pytest.raises(ValueError, match=r"test_abi_disagree.cu: k template"):
+        bad_template.instance(1)
+    missing = f.kernel("gone")
+    with pytest.raises(ValueError, match="gone is declared but the source defines no such __global__"):
+        missing.instance()
+
+
+def test_a_declaration_takes_no_parameter_list(declare):
+    with pytest.raises(TypeError, match="takes no parameter list"):
+        declare("test_abi_old.cu", "").kernel("k", "const float* p, int n")
+
+
+def test_import_and_the_name_expressions_read_no_source():
+    """`import rawkv` and what warmup() compiles need the template only: the
+    .cu files are read on a kernel's first launch."""
+    code = ("import rawkv\nfrom rawkv import kernels, runtime\n"
+            "assert runtime.registered_kernels()['fp8.cu']\n"
+            "assert all(f._signatures is None for f in kernels.files().values())\n"
+            "kernels.fp8.ENCODE.instance('float32', True)\n"
+            "print(sorted(n for n, f in kernels.files().items() if f._signatures is not None))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['fp8.cu']"
 
 
 def test_a_changed_template_fails_the_check():
@@ -71,36 +136,30 @@ def test_parser_reads_launch_bounds_comments_and_templates():
     assert sigs["plain"] == {"template": (), "params": ()}
 
 
-def test_packing_follows_the_c_types():
-    f = kernels.KernelFile("test_abi_packing.cu")
-    try:
-        k = f.kernel("k", "const float* p, int a, long long b, double c, float d, u32 e")
-        inst = k.instance()
-        assert inst.struct.format == "<Qi4xqdf4xI4x" and inst.struct.size == 6 * 8
-        args = inst.pack(e=7, d=0.5, c=1.5, b=-(1 << 40), a=-3, p=None)
-        assert args == (0, -3, -(1 << 40), 1.5, 0.5, 7)
-        raw = inst.struct.pack(*args)
-        assert struct.unpack_from("<i", raw, 8)[0] == -3          # int reads the low 4 bytes
-        assert struct.unpack_from("<f", raw, 32)[0] == 0.5
-        with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'e'"):
-            inst.pack(p=0, a=1, b=2, c=3.0, d=4.0)
-        with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
-            inst.pack(p=0, a=1, b=2, c=3.0, d=4.0, e=5, bogus=1)
-        msg = _launch.describe_bad_argument(inst, (0, 1.5, 2, 3.0, 4.0, 5), struct.error("x"))
-        assert msg.startswith("k: argument a (int) cannot take 1.5")
-    finally:
-        kernels._decl._FILES.pop("test_abi_packing.cu")
+def test_packing_follows_the_c_types(declare):
+    f = declare("test_abi_packing.cu",
+                "__global__ void k(const float* p, int a, long long b, double c, float d, u32 e) {}")
+    inst = f.kernel("k").instance()
+    assert inst.struct.format == "<Qi4xqdf4xI4x" and inst.struct.size == 6 * 8
+    args = inst.pack(e=7, d=0.5, c=1.5, b=-(1 << 40), a=-3, p=None)
+    assert args == (0, -3, -(1 << 40), 1.5, 0.5, 7)
+    raw = inst.struct.pack(*args)
+    assert struct.unpack_from("<i", raw, 8)[0] == -3          # int reads the low 4 bytes
+    assert struct.unpack_from("<f", raw, 32)[0] == 0.5
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'e'"):
+        inst.pack(p=0, a=1, b=2, c=3.0, d=4.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        inst.pack(p=0, a=1, b=2, c=3.0, d=4.0, e=5, bogus=1)
+    msg = _launch.describe_bad_argument(inst, (0, 1.5, 2, 3.0, 4.0, 5), struct.error("x"))
+    assert msg.startswith("k: argument a (int) cannot take 1.5")
 
 
-def test_declarations_refuse_what_cannot_be_packed():
-    f = kernels.KernelFile("test_abi_refuse.cu")
-    try:
-        with pytest.raises(ValueError, match="no launch packing"):
-            f.kernel("k", "my_struct s")
-        with pytest.raises(ValueError, match="unique"):
-            f.kernel("k2", "int* stream")
-    finally:
-        kernels._decl._FILES.pop("test_abi_refuse.cu")
+def test_declarations_refuse_what_cannot_be_packed(declare):
+    f = declare("test_abi_refuse.cu", "__global__ void k(my_struct s) {}\n__global__ void k2(int* stream) {}")
+    with pytest.raises(ValueError, match="k: parameter s: C type 'my_struct' has no launch packing"):
+        f.kernel("k").instance()
+    with pytest.raises(ValueError, match="unique"):
+        f.kernel("k2").instance()
 
 
 def test_template_arguments_spell_c_types():
@@ -109,3 +168,19 @@ def test_template_arguments_spell_c_types():
     assert inst.expr in runtime.registered_kernels()["fp8.cu"]
     with pytest.raises(TypeError, match="expected 2 template arguments"):
         kernels.fp8.ENCODE.instance("float32")
+
+
+def test_warmup_builds_every_instance_before_a_launch(declare, monkeypatch):
+    """warmup() leaves nothing for a first launch to do: the instances'
+    packing (read from the source) and launch functions exist."""
+    f = declare("test_abi_warm.cu", "template <bool B> __global__ void k(int* p, i64 n) {}")
+    k = f.kernel("k", (kernels.TParam("bool", "B", (False, True)),))
+    rt = runtime.Runtime.__new__(runtime.Runtime)     # no GPU: what warmup itself touches
+    rt.arch, loaded = "sm_90", []
+    rt.function = lambda filename, name: loaded.append((filename, name))
+    rt.stream = lambda: None
+    monkeypatch.setattr(runtime, "_WARMUP_HOOKS", [])   # the families' device state needs a GPU
+    rt.warmup(["test_abi_warm.cu"])
+    assert loaded == [("test_abi_warm.cu", "k<false>"), ("test_abi_warm.cu", "k<true>")]
+    assert sorted(k._instances) == [(False,), (True,)]
+    assert k.instance(True).struct.format == "<Qq"

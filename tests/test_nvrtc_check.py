@@ -32,7 +32,7 @@ def declare():
         kf = KernelFile(filename, constants)
         made.append(filename)
         for n in names:
-            kf.kernel(n, "")
+            kf.kernel(n)
         return kf
     yield declare
     for f in made:

@@ -5,7 +5,8 @@ Importing this package imports the declarations only (plain Python): the
 runtime reads them to compile and warm up, ops launch through them, and
 tests/test_kernel_abi.py holds them against the CUDA sources.
 """
-from ._decl import CTYPE, Kernel, KernelFile, TParam, dynamic_smem, files, registered_kernels  # noqa: F401
+from ._decl import (CTYPE, Kernel, KernelFile, TParam, dynamic_smem, files, prepare,  # noqa: F401
+                    registered_kernels)
 from . import fp8  # noqa: F401,E402
 from . import kv_cache, kv_compress  # noqa: F401,E402
 from . import nvfp4  # noqa: F401,E402

@@ -1,27 +1,37 @@
-"""Kernel declarations: each `__global__` function rawkv launches, written
-down once in Python beside the other kernels of its `.cu` file.
+"""Kernel declarations: each `__global__` function rawkv launches, declared
+once in Python beside the other kernels of its `.cu` file.
 
-A declaration names the source file, the template parameters (kind, name and
-the values rawkv instantiates), the parameters in order with their C types,
-and the compile-time constants the file shares with Python. From it come:
+A declaration names the source file, the kernel, its template parameters
+(kind, name and the values rawkv instantiates) and the compile-time
+constants the file shares with Python. The parameters are not written here:
+the `.cu` signature is their one copy, read (rawkv.kernels._signatures) on
+the first use of one of the file's kernels and kept. From a declaration come:
 
-* the NVRTC name expressions the runtime compiles and `warmup()` loads;
+* the NVRTC name expressions the runtime compiles and `warmup()` loads
+  (these need the template only: no source is read for them);
 * the `-D` options that hand the shared constants to the compiler (so the
   value exists once, here, and the `.cu` file reads the macro);
-* the argument packing of a launch: ops pass keyword arguments, the
-  declaration orders them and packs each into an 8-byte slot exactly as its
-  C type wants it (pointer, 64/32-bit integer, double, float);
-* what tests/test_kernel_abi.py holds against the `.cu` sources, so a
-  swapped or retyped parameter fails on a CPU, not on a GPU.
+* the argument packing of a launch: ops pass keyword arguments named as in
+  the `.cu` signature, the declaration orders them and packs each into an
+  8-byte slot exactly as its C type wants it (pointer, 64/32-bit integer,
+  double, float);
+* what tests/test_kernel_abi.py holds against the `.cu` sources and the
+  launch sites: every kernel declared with its template parameters, every
+  parameter's C type packable, every launch's keywords the kernel's
+  parameter names, on a CPU.
 
 Nothing here imports torch, CuPy or the runtime: `import rawkv` stays
-GPU-free and the runtime imports this package, never an op module.
+GPU-free and reads no `.cu` file; the runtime imports this package, never
+an op module.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import struct
 from typing import Iterable, Sequence
+
+from ._signatures import global_signatures, normalize_ctype
 
 # Slot format of each C scalar type (little-endian, one 8-byte slot per
 # parameter: the launcher passes an array of pointers to the slots).
@@ -43,14 +53,6 @@ CTYPE = {
 
 # Parameter names the launch call itself uses.
 _RESERVED = {"rt", "grid", "block", "targs", "stream", "shared_mem", "self"}
-
-
-def normalize_ctype(ctype: str) -> str:
-    """A C parameter type as the ABI check compares it: `__restrict__`
-    dropped, whitespace collapsed, '*' attached to the type."""
-    t = ctype.replace("__restrict__", " ")
-    t = " ".join(t.split())
-    return t.replace(" *", "*").replace("* ", "*")
 
 
 class Param:
@@ -96,16 +98,30 @@ class TParam:
         return str(int(value))
 
 
-def params(spec: str) -> tuple[Param, ...]:
-    """Parameters from C-like text: 'const T* x, u8* out, i64 n'."""
+def bind_params(kernel: str, parsed: Sequence[tuple[str, str]]) -> tuple[Param, ...]:
+    """The launch parameters of `kernel` from its parsed signature
+    ((C type, name), ...): every C type must have a packing, every name be
+    unique and none a name the launch call itself takes (ValueError)."""
     out = []
-    for part in spec.split(","):
-        part = normalize_ctype(part)
-        if not part:
-            continue
-        cut = max(part.rfind(" "), part.rfind("*"))
-        out.append(Param(part[cut + 1:], part[:cut + 1]))
+    for ctype, name in parsed:
+        try:
+            out.append(Param(name, ctype))
+        except ValueError as exc:
+            raise ValueError(f"{kernel}: {exc}") from None
+    names = [p.name for p in out]
+    bad = sorted(set(names) & _RESERVED)
+    if bad or len(set(names)) != len(names):
+        raise ValueError(f"{kernel}: parameter names must be unique and not {sorted(_RESERVED)}")
     return tuple(out)
+
+
+def template_problem(kernel: str, template: Sequence[TParam], parsed: Sequence[tuple[str, str]]):
+    """How the declared template parameters differ from the source's
+    ((kind, name), ...), or None when they agree."""
+    want = tuple((t.kind, t.name) for t in template)
+    if tuple(parsed) != want:
+        return f"{kernel} template {tuple(parsed)} != declared {want}"
+    return None
 
 
 class KernelFile:
@@ -113,14 +129,31 @@ class KernelFile:
     Python (handed to NVRTC as -D<name>=<value>) and, for a file that uses
     one architecture's own instructions, `targets`: {device arch: compile
     arch} (e.g. {"sm_90": "sm_90a"} for wgmma); such a file is built only
-    for those devices, and nothing else loads it."""
+    for those devices, and nothing else loads it.
 
-    def __init__(self, filename: str, constants: dict | None = None, targets: dict | None = None):
+    `source`: the CUDA text the kernels' signatures are read from instead of
+    rawkv/cu/<filename> (a test's own kernels)."""
+
+    def __init__(self, filename: str, constants: dict | None = None, targets: dict | None = None,
+                 source: str | None = None):
         self.filename = filename
         self.constants = dict(constants or {})
         self.targets = dict(targets) if targets is not None else None
         self.kernels: dict[str, Kernel] = {}
+        self._source = source
+        self._signatures: dict | None = None
         _FILES[filename] = self
+
+    def signatures(self) -> dict[str, dict]:
+        """The file's `__global__` signatures (_signatures.global_signatures),
+        read on first use and kept: a launch, not `import rawkv`, reads them."""
+        if self._signatures is None:
+            text = self._source
+            if text is None:
+                from .. import _nvrtc       # the directory the runtime compiles from
+                text = (_nvrtc.CU_DIR / self.filename).read_text()
+            self._signatures = global_signatures(text)
+        return self._signatures
 
     def target(self, arch: str) -> str | None:
         """The architecture this file is compiled for on a device of `arch`,
@@ -134,12 +167,26 @@ class KernelFile:
     def name_expressions(self) -> tuple[str, ...]:
         return tuple(e for k in self.kernels.values() for e in k.expressions())
 
-    def kernel(self, name: str, params_spec: str, template: Sequence[TParam] = (),
+    def prepare(self) -> None:
+        """Build every declared instance (signatures read, packers and launch
+        functions generated), so that a first launch does none of it."""
+        for k in self.kernels.values():
+            for targs in k._instance_args:
+                k.instance(*targs)
+
+    def kernel(self, name: str, template: Sequence[TParam] = (),
                instances: Iterable[tuple] | None = None, dynamic_smem=None) -> "Kernel":
-        """`dynamic_smem`: a function of an instance's template arguments
-        giving the dynamic shared memory its launches take (bytes); the
-        runtime raises the kernel's limit to it when loading past 48 KB."""
-        k = Kernel(self, name, params(params_spec), tuple(template), instances, dynamic_smem)
+        """Declare the `__global__` function `name` of this file with its
+        template parameters; its parameters are the source's.
+        `instances`: the template arguments rawkv compiles (default: every
+        combination of the values). `dynamic_smem`: a function of an
+        instance's template arguments giving the dynamic shared memory its
+        launches take (bytes); the runtime raises the kernel's limit to it
+        when loading past 48 KB."""
+        if isinstance(template, str):
+            raise TypeError(f"{self.filename}: {name}: a declaration takes no parameter list "
+                            "(the .cu signature is read); pass the template parameters only")
+        k = Kernel(self, name, tuple(template), instances, dynamic_smem)
         if name in self.kernels:
             raise ValueError(f"{self.filename}: kernel {name} declared twice")
         self.kernels[name] = k
@@ -159,9 +206,8 @@ class Instance:
     def __init__(self, kernel: "Kernel", targs: tuple):
         self.kernel = kernel
         self.file = kernel.file.filename
-        self.smem = int(kernel.dynamic_smem(*targs)) if kernel.dynamic_smem else 0
-        spelled = [t.spell(v) for t, v in zip(kernel.template, targs)]
-        self.expr = f"{kernel.name}<{', '.join(spelled)}>" if kernel.template else kernel.name
+        self.smem = kernel.smem(targs)
+        self.expr = kernel.expr(targs)
         self.key = (self.file, self.expr)
         self.struct = struct.Struct("<" + "".join(p.slot for p in kernel.params))
         self.pack = kernel.packer
@@ -172,36 +218,59 @@ class Instance:
 
 
 class Kernel:
-    """A `__global__` function of a KernelFile (see the module docstring)."""
+    """A `__global__` function of a KernelFile (see the module docstring).
+    `params` and `packer` come from the file's source on first use."""
 
-    def __init__(self, file: KernelFile, name: str, params_: tuple[Param, ...],
-                 template: tuple[TParam, ...], instances, dynamic_smem=None):
-        self.file, self.name, self.params, self.template = file, name, params_, template
+    def __init__(self, file: KernelFile, name: str, template: tuple[TParam, ...], instances,
+                 dynamic_smem=None):
+        self.file, self.name, self.template = file, name, template
         self.dynamic_smem = dynamic_smem
-        names = [p.name for p in params_]
-        bad = sorted(set(names) & _RESERVED)
-        if bad or len(set(names)) != len(names):
-            raise ValueError(f"{name}: parameter names must be unique and not {sorted(_RESERVED)}")
         if instances is None:
             instances = itertools.product(*(t.values for t in template))
         self._instance_args = [tuple(i) for i in instances]
         self._instances: dict[tuple, Instance] = {}
-        self.packer = _make_packer(name, params_)
+
+    @functools.cached_property
+    def params(self) -> tuple[Param, ...]:
+        """The parameters in order, from the `.cu` signature (read once per
+        file); a kernel the source lacks, or whose template differs from the
+        declaration's, is a ValueError naming it."""
+        sig = self.file.signatures().get(self.name)
+        if sig is None:
+            raise ValueError(f"{self.file.filename}: {self.name} is declared but the source "
+                             "defines no such __global__")
+        problem = template_problem(self.name, self.template, sig["template"])
+        if problem:
+            raise ValueError(f"{self.file.filename}: {problem}")
+        return bind_params(self.name, sig["params"])
+
+    @functools.cached_property
+    def packer(self):
+        return _make_packer(self.name, self.params)
 
     def __repr__(self):
-        return f"<kernel {self.file.filename}:{self.name}({', '.join(map(repr, self.params))})>"
+        return f"<kernel {self.file.filename}:{self.name}>"
+
+    def expr(self, targs: tuple) -> str:
+        """The NVRTC name expression of the instance `targs`."""
+        if len(targs) != len(self.template):
+            raise TypeError(f"{self.name}: expected {len(self.template)} template arguments, "
+                            f"got {len(targs)}")
+        spelled = [t.spell(v) for t, v in zip(self.template, targs)]
+        return f"{self.name}<{', '.join(spelled)}>" if self.template else self.name
+
+    def smem(self, targs: tuple) -> int:
+        """The dynamic shared memory (bytes) the instance `targs` launches with."""
+        return int(self.dynamic_smem(*targs)) if self.dynamic_smem else 0
 
     def expressions(self) -> tuple[str, ...]:
-        return tuple(self.instance(*a).expr for a in self._instance_args)
+        return tuple(self.expr(a) for a in self._instance_args)
 
     def instance(self, *targs) -> Instance:
         """The instantiation for template arguments `targs` (Python values:
         dtype names or torch dtypes, bools, ints), cached."""
         inst = self._instances.get(targs)
         if inst is None:
-            if len(targs) != len(self.template):
-                raise TypeError(f"{self.name}: expected {len(self.template)} template arguments, "
-                                f"got {len(targs)}")
             inst = self._instances[targs] = Instance(self, targs)
         return inst
 
@@ -264,6 +333,13 @@ def files() -> dict[str, KernelFile]:
     return dict(_FILES)
 
 
+def prepare(filename: str) -> None:
+    """KernelFile.prepare of a declared file (nothing for an unknown one)."""
+    kf = _FILES.get(filename)
+    if kf is not None:
+        kf.prepare()
+
+
 def registered_kernels() -> dict[str, tuple[str, ...]]:
     """{filename: name expressions} of every declared kernel."""
     return {f: kf.name_expressions() for f, kf in _FILES.items()}
@@ -277,7 +353,6 @@ def dynamic_smem(filename: str, expr: str) -> int:
         return 0
     for k in kf.kernels.values():
         for targs in k._instance_args:
-            inst = k.instance(*targs)
-            if inst.expr == expr:
-                return inst.smem
+            if k.expr(targs) == expr:
+                return k.smem(targs)
     return 0

@@ -8,8 +8,8 @@ FILE = KernelFile("fp8.cu")
 _T = TParam("typename", "T", ("float32", "float16", "bfloat16"))
 _VEC = TParam("bool", "VEC", (True, False))
 
-ENCODE = FILE.kernel("rkv_e4m3_encode", "const T* x, u8* out, i64 n", (_T, _VEC))
-DECODE = FILE.kernel("rkv_e4m3_decode", "const u8* codes, T* out, i64 n", (_T, _VEC))
+ENCODE = FILE.kernel("rkv_e4m3_encode", (_T, _VEC))
+DECODE = FILE.kernel("rkv_e4m3_decode", (_T, _VEC))
 
 # One thread per this many codes per grid-stride iteration (encode: one
 # 16-byte vector of codes; decode: two 8-code units for 16-bit outputs): the

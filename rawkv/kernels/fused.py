@@ -56,24 +56,17 @@ _REG = TParam("int", "REG", (REG,))
 # [mHC mix +] RMSNorm + quantize; MIX = the mHC form (x is (rows, n_hc, N)).
 RMS = FILE.kernel(
     "rkv_fused_rms",
-    "const T* x, const void* mix, long long mix_kind, long long n_hc, const void* w, long long w_kind, "
-    "double eps, long long n, u8* q, u8* sf, float* gs_out, float* inv_out, const float* gs_in, "
-    "double gs_val, long long mode, int* errors",
     (_T, TParam("bool", "MIX", (False, True)), _REG))
 
 # gs of an op with no rows (scopes tensor / given / none): one thread.
-SET_GS = FILE.kernel("rkv_fused_set_gs", "float* gs_out, const float* gs_in, double gs_val")
+SET_GS = FILE.kernel("rkv_fused_set_gs")
 
 # SwiGLU de-interleave + silu * up + quantize; VEC: granularity % 8 == 0 (16-byte loads).
 SWIGLU = FILE.kernel(
     "rkv_fused_swiglu",
-    "const T* h, long long inter, long long g, u8* q, u8* sf, float* gs_out, const float* gs_in, "
-    "double gs_val, long long mode, int* errors",
     (_T, TParam("bool", "VEC", (True, False)), _REG))
 
 # One-level NVFP4 + scales packed four per int32 + top-k copy, one grid-stride launch.
 MOE_STAGE = FILE.kernel(
     "rkv_moe_stage",
-    "const T* x, long long n_units, u8* q, u32* sf, const ID* ids, long long n_ids, long long* ids_out, "
-    "const u8* wts, long long w_bytes, u8* wts_out",
     (_T, TParam("typename", "ID", ("int32", "int64"))))

@@ -34,14 +34,8 @@ CONFIGS = {
     "large": (2, 4, 2, 2, 1, 3),
 }
 
-_PARAMS = ("const u8* wq, const u8* wsf, const float* wgs, "
-           "const u8* x, const u8* xsf, const float* xgs, "
-           "i64 xs_t, i64 xs_g, i64 ss_t, i64 ss_g, i64 gs_t, i64 gs_g, "
-           "__nv_bfloat16* out, i64 os_t, i64 os_g, "
-           "int n, int k, int tokens, const int* offsets, int experts, int* errors")
-
 GEMM = FILE.kernel(
-    "rkv_gemm_fp4", _PARAMS,
+    "rkv_gemm_fp4",
     (TParam("int", "ACT", (0, 1, 2)), TParam("bool", "MX", (False, True)), TParam("int", "MT", (1, 2, 4)), TParam("int", "NT", (1, 2, 4, 8)),
      TParam("int", "KS", (1, 2, 4)), TParam("int", "RW", (1, 2, 4)), TParam("int", "U", (1, 2, 4)),
      TParam("int", "S", (2, 3, 4))),
@@ -67,7 +61,7 @@ def sm90_dynamic_smem(act, mx, bn, stages) -> int:
 
 
 GEMM_SM90 = SM90_FILE.kernel(
-    "rkv_gemm_fp4_sm90", _PARAMS,
+    "rkv_gemm_fp4_sm90",
     (TParam("int", "ACT", (0, 1, 2)), TParam("bool", "MX", (False, True)), TParam("int", "BN", (64, 128)),
      TParam("int", "STAGES", (2, 3, 4, 5, 6))),
     instances=[(a, mx, *cfg) for a in ACT_CODES.values() for mx in (False, True)

@@ -41,24 +41,11 @@ def targs(kind: str, rows_dtype, decode: bool, index_dtype="int32", layout: int 
     return (rows_dtype, index_dtype, decode, kind == "csa", ROW_GROUPS[kind], layout)
 
 
+# Its parameters (kv_compress.cu): part 0 (the attention entry) and part 1
+# (the CSA indexer key), the RoPE table and pool geometry, the decode batch
+# rows or the prefill slot / entries, and the "model1" layout's pages.
 COMPRESS = FILE.kernel(
     "rkv_kv_compress",
-    # part 0: attention entry
-    "const T* kv0, const T* z0, const T* kvb0, const T* zb0, const float* ape0, const float* w0, "
-    "const int* count0, u8* out_fp8, float* out_scale, __nv_bfloat16* out_rope, long long d0, "
-    # part 1: CSA indexer key
-    "const T* kv1, const T* z1, const T* kvb1, const T* zb1, const float* ape1, const float* w1, "
-    "const int* count1, u8* out_iq, u8* out_isf, long long d1, "
-    # RoPE table, pool geometry
-    "const float* rope_tab, long long n_tab, long long rope_dim, const int* block_table, "
-    "const int* request_ids, const int* owners, long long bt_rows, long long bt_stride, long long num_blocks, "
-    "long long epb, long long m, "
-    "int* written, u8* marks, "
-    # decode batch rows; prefill slot / entries
-    "const u8* valid, const I* slots, const I* positions, long long n_slots, "
-    "long long slot, long long start_entry, long long pre, int* errors, double eps, "
-    # the "model1" layout's pages
-    "u8* out_pages, u8* out_index_pages, long long page_bytes, long long index_page_bytes",
     (TParam("typename", "T", _ROWS), TParam("typename", "I", _IDX), TParam("bool", "DECODE", (False, True)),
      TParam("bool", "OVERLAP", (True, False)), TParam("int", "RG", tuple(sorted(set(ROW_GROUPS.values())))),
      TParam("int", "LAYOUT", (0, 1, 2))),

@@ -33,21 +33,11 @@ FILE = KernelFile("kv_layouts.cu", constants=LAYOUT_CONSTANTS)
 
 _TIN = TParam("typename", "TIN", ("float32", "bfloat16"))     # entry / key rows
 _TID = TParam("typename", "TID", ("int32", "int64"))          # slot mappings, top-k ids
-_STORE = ("const TIN* rows, const TID* slots, const int* offsets, u8* cache, int* errors, "
-          "i64 N, i64 num_pages, i64 page_size, i64 page_bytes")
 
-MODEL1_STORE = FILE.kernel("rkv_model1_store", _STORE, (_TIN, _TID))
+MODEL1_STORE = FILE.kernel("rkv_model1_store", (_TIN, _TID))
 # MXFP4 false: the FP8 key (DeepGEMM SM90); true: the MXFP4 key (SM100).
-INDEX_STORE = FILE.kernel("rkv_index_store", _STORE, (_TIN, _TID, TParam("bool", "MXFP4", (False, True))))
+INDEX_STORE = FILE.kernel("rkv_index_store", (_TIN, _TID, TParam("bool", "MXFP4", (False, True))))
 
-MODEL1_GATHER = FILE.kernel(
-    "rkv_model1_gather",
-    "const u8* cache, const int* indices, TO* out, int* errors, i64 R, i64 num_pages, "
-    "i64 page_size, i64 page_bytes",
-    (TParam("typename", "TO", ("bfloat16", "float16", "float32")),))
+MODEL1_GATHER = FILE.kernel("rkv_model1_gather", (TParam("typename", "TO", ("bfloat16", "float16", "float32")),))
 
-TOPK_TO_KVCACHE = FILE.kernel(
-    "rkv_topk_to_kvcache",
-    "const TID* ids, const int* table, const int* slots, const int* n_entries, int* out, "
-    "int* errors, i64 B, i64 per_row, i64 table_rows, i64 max_blocks, i64 num_pages, i64 page_size",
-    (_TID,))
+TOPK_TO_KVCACHE = FILE.kernel("rkv_topk_to_kvcache", (_TID,))

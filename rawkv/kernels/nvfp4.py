@@ -33,25 +33,17 @@ _T = TParam("typename", "T", FLOATS)
 # blocks of 16 per work unit: 2 when N % 32 == 0 (16-byte code stores), else 1
 _BPT = TParam("int", "BPT", (1, 2))
 
-AMAX = FILE.kernel("rkv_nvfp4_amax", "const T* x, i64 M, i64 N, i64 ldx, u32* amax_bits", (_T,))
+AMAX = FILE.kernel("rkv_nvfp4_amax", (_T,))
 QUANTIZE = FILE.kernel(
     "rkv_nvfp4_quantize",
-    "const T* x, u8* q, u8* sf, i64 M, i64 upr, i64 ldx, i64 tpr_, const float* gs_ptr, double gs_val, "
-    "float* gs_out, int* errors",
     (_T, _BPT, TParam("int", "MODE", (MODE_GIVEN, MODE_AMAX))))
-FINALIZE_GS = FILE.kernel("rkv_nvfp4_finalize_gs", "float* gs")
-QUANTIZE_SMALL = FILE.kernel(
-    "rkv_nvfp4_quantize_small", "const T* x, u8* q, u8* sf, i64 M, i64 upr, i64 ldx, float* gs_out",
-    (_T, _BPT))
+FINALIZE_GS = FILE.kernel("rkv_nvfp4_finalize_gs")
+QUANTIZE_SMALL = FILE.kernel("rkv_nvfp4_quantize_small", (_T, _BPT))
 # R = 1: the row stays in registers (one unit per thread); 0: read twice
-QUANTIZE_ROWS = FILE.kernel(
-    "rkv_nvfp4_quantize_rows", "const T* x, u8* q, u8* sf, float* gs_out, i64 M, i64 upr, i64 ldx, i64 tpr_",
-    (_T, _BPT, TParam("int", "R", (0, 1))))
+QUANTIZE_ROWS = FILE.kernel("rkv_nvfp4_quantize_rows", (_T, _BPT, TParam("int", "R", (0, 1))))
 GATHER = FILE.kernel(
     "rkv_nvfp4_gather",
-    "const u8* q, const u8* sf, const float* gs_ptr, double gs_val, const IdxT* idx, OutT* out, "
-    "int* errors, i64 M, i64 rows_out, i64 n8, i64 ldo, i64 tpr_",
     (TParam("typename", "OutT", FLOATS), TParam("typename", "IdxT", ("int32", "int64")),
      TParam("bool", "ROWGS", (False, True))))
-SWIZZLE = FILE.kernel("rkv_nvfp4_swizzle", "const u8* sf, u32* out, i64 rows, i64 cols, i64 ncb, i64 nwords")
-UNSWIZZLE = FILE.kernel("rkv_nvfp4_unswizzle", "const u32* sw, u8* sf, i64 rows, i64 cols, i64 ncb")
+SWIZZLE = FILE.kernel("rkv_nvfp4_swizzle")
+UNSWIZZLE = FILE.kernel("rkv_nvfp4_unswizzle")
