@@ -1,7 +1,7 @@
-"""The kernel declarations (rawkv.kernels) against the CUDA sources, on a
-CPU: every __global__ in rawkv/cu/*.cu is declared with the same template
-parameters, and its parameters (read from the source) pack as their C
-types."""
+"""The kernel declarations (rawkv.kernels) against the CUDA sources and the
+launch sites, on a CPU: every __global__ in rawkv/cu/*.cu is declared with
+the same template parameters, its parameters (read from the source) pack as
+their C types, and every launch passes the parameter names as keywords."""
 import struct
 import subprocess
 import sys
@@ -168,6 +168,61 @@ def test_template_arguments_spell_c_types():
     assert inst.expr in runtime.registered_kernels()["fp8.cu"]
     with pytest.raises(TypeError, match="expected 2 template arguments"):
         kernels.fp8.ENCODE.instance("float32")
+
+
+# ---------------------------------------------------------------------------
+# Launch sites: the keywords each launch passes are its kernel's parameters.
+# ---------------------------------------------------------------------------
+def test_every_launch_passes_its_kernels_parameter_names():
+    assert _abi.launch_keyword_mismatches() == []
+
+
+def test_every_declared_kernel_has_a_launch_the_check_reads():
+    """The keyword check is not vacuous: each kernel is launched by a site
+    it reads (named, or the only kernels whose parameters fit)."""
+    sites = _abi.launch_sites()
+    launched = {id(k) for s in sites for k in s.fits}
+    unlaunched = [k.name for f in kernels.files().values() for k in f.kernels.values() if id(k) not in launched]
+    assert unlaunched == []
+    assert sum(s.named is not None and s.complete for s in sites) >= 25
+
+
+_SITE = "from ..kernels import fp8 as K\n\n\ndef run(rt, x, out, n, inst, kw):\n"
+
+
+def _site_problems(body, extra=""):
+    return _abi.launch_keyword_mismatches({"rawkv/fake.py": extra + _SITE + "    " + body + "\n"})
+
+
+def test_a_wrong_or_missing_keyword_fails_the_check():
+    assert _site_problems("K.ENCODE.launch(rt, 1, 1, 'float32', True, stream=None, x=x, out=out, n=n)") == []
+    assert _site_problems("K.ENCODE.instance('float32', True).launch(rt, 1, 1, x=x, out=out, m=n)") == [
+        "rawkv/fake.py:5: rkv_e4m3_encode has no parameter m",
+        "rawkv/fake.py:5: rkv_e4m3_encode's parameter n is not passed"]
+    assert _site_problems("K.DECODE.launch(rt, 1, 1, 'float32', True, x=x, out=out, n=n)") == [
+        "rawkv/fake.py:5: rkv_e4m3_decode has no parameter x",
+        "rawkv/fake.py:5: rkv_e4m3_decode's parameter codes is not passed"]
+
+
+def test_an_instance_in_a_variable_must_fit_one_kernel():
+    assert _site_problems("inst.launch(rt, 1, 1, codes=x, out=out, n=n)") == []
+    problems = _site_problems("inst.launch(rt, 1, 1, codes=x, out=out, count=n)")
+    assert problems == ["rawkv/fake.py:5: the keywords are no kernel's of rawkv.kernels.fp8 (closest: "
+                        "rkv_e4m3_decode has no parameter count; rkv_e4m3_decode's parameter n is not passed)"]
+
+
+def test_splatted_keywords_are_counted_when_they_can_be_read():
+    helper = "def part(out):\n    return dict(out=out, n=1)\n\n\n"
+    assert _site_problems("K.ENCODE.launch(rt, 1, 1, 'float32', True, x=x, **part(out))", helper) == []
+    assert _site_problems("K.ENCODE.launch(rt, 1, 1, 'float32', True, x=x, out=out, **part(out))", helper) == [
+        "rawkv/fake.py:9: out passed twice"]
+    bound = "p = part(out) if n else part(x)\n    "
+    assert _site_problems(bound + "K.ENCODE.launch(rt, 1, 1, 'float32', True, **p)", helper) == [
+        "rawkv/fake.py:10: rkv_e4m3_encode's parameter x is not passed"]
+    # an unknown splat: only a keyword no parameter has is found
+    assert _site_problems("K.ENCODE.launch(rt, 1, 1, 'float32', True, x=x, **kw)") == []
+    assert _site_problems("K.ENCODE.launch(rt, 1, 1, 'float32', True, y=x, **kw)") == [
+        "rawkv/fake.py:5: rkv_e4m3_encode has no parameter y"]
 
 
 def test_warmup_builds_every_instance_before_a_launch(declare, monkeypatch):
