@@ -239,3 +239,16 @@ def test_warmup_builds_every_instance_before_a_launch(declare, monkeypatch):
     assert loaded == [("test_abi_warm.cu", "k<false>"), ("test_abi_warm.cu", "k<true>")]
     assert sorted(k._instances) == [(False,), (True,)]
     assert k.instance(True).struct.format == "<Qq"
+
+
+def test_a_plans_launch_arguments_are_checked_too():
+    """rawkv._plan's Launch(kernel, grid, block, mapping): the mapping's keys
+    (dict(m, key=...), a helper's, a variable's of the same function) are
+    the keywords."""
+    helper = "def part(out):\n    return dict(out=out, n=1)\n\n\n"
+    body = ("common = dict(part(out), x=x)\n    "
+            "return [Launch(K.ENCODE.instance('float32', True), (1,), (1,), dict(common, {}))]")
+    assert _site_problems(body.format(""), helper) == []
+    assert _site_problems(body.format("m=n"), helper) == ["rawkv/fake.py:10: rkv_e4m3_encode has no parameter m"]
+    other = "\n\ndef g():\n    common = dict(x=1)\n"         # another function's 'common' does not count
+    assert _site_problems(body.format("") + other, helper) == []

@@ -95,57 +95,88 @@ def _kernel_modules(tree: ast.AST) -> dict[str, object]:
     return out
 
 
-def _dict_helpers(trees) -> dict[str, frozenset]:
-    """{function name: keys} of the top-level functions whose every return
-    is `dict(key=..., ...)`: the keyword groups launches splat with `**f(...)`.
-    A name defined twice with other keys is left out (it cannot be told)."""
+_UNKNOWN = (frozenset(), False, frozenset())
+
+
+def _merge(parts, keyword_parts) -> tuple[frozenset, bool, frozenset]:
+    """(keys, all known, keys twice) of mappings merged: `parts` may
+    overlap (dict(m, ...)), `keyword_parts` (keywords, ** splats) may not."""
+    keys, complete, twice = set(), True, set()
+    seen = set()
+    for k, c, t in keyword_parts:
+        twice |= (seen & k) | t
+        seen |= k
+    for k, c, t in list(parts) + list(keyword_parts):
+        keys |= k
+        complete = complete and c
+        twice |= t
+    return frozenset(keys), complete, frozenset(twice)
+
+
+def _dict_keys(node: ast.AST, helpers: dict, names: dict) -> tuple[frozenset, bool, frozenset]:
+    """(keys, all known, keys given twice) of a mapping expression:
+    `dict(m, key=..., **d)`, a call of a helper returning one, a variable
+    bound to one (`names`), or `a if c else b` of two with the same keys."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
+        return _merge([_dict_keys(a, helpers, names) for a in node.args],
+                      _keyword_parts(node, helpers, names))
+    if isinstance(node, ast.Call):
+        f = node.func
+        return helpers.get(f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None,
+                           _UNKNOWN)
+    if isinstance(node, ast.Name):
+        return names.get(node.id, _UNKNOWN)
+    if isinstance(node, ast.IfExp):
+        a, b = _dict_keys(node.body, helpers, names), _dict_keys(node.orelse, helpers, names)
+        return a if a == b else _UNKNOWN
+    return _UNKNOWN
+
+
+def _keyword_parts(call: ast.Call, helpers: dict, names: dict) -> list:
+    return [(frozenset({kw.arg}), True, frozenset()) if kw.arg else _dict_keys(kw.value, helpers, names)
+            for kw in call.keywords]
+
+
+def _dict_helpers(trees) -> dict[str, tuple]:
+    """{function name: _dict_keys} of the top-level functions whose every
+    return is a mapping of known keys (`return dict(key=..., ...)`): the
+    keyword groups launches splat with `**f(...)`. A name defined twice with
+    other keys is left out (it cannot be told)."""
     out, ambiguous = {}, set()
     for tree in trees:
         for fn in tree.body:
             if not isinstance(fn, ast.FunctionDef):
                 continue
-            rets = [n.value for n in ast.walk(fn) if isinstance(n, ast.Return)]
-            if not rets or not all(isinstance(r, ast.Call) and isinstance(r.func, ast.Name)
-                                   and r.func.id == "dict" and not r.args
-                                   and all(k.arg for k in r.keywords) for r in rets):
+            rets = [_dict_keys(n.value, {}, {}) for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value]
+            if not rets or not all(r[1] for r in rets) or len(set(rets)) != 1:
                 continue
-            keys = frozenset(k.arg for r in rets for k in r.keywords)
-            if out.get(fn.name, keys) != keys:
+            if out.get(fn.name, rets[0]) != rets[0]:
                 ambiguous.add(fn.name)
-            out[fn.name] = keys
+            out[fn.name] = rets[0]
     for name in ambiguous:
         out.pop(name)
     return out
 
 
-def _splat_keys(node: ast.AST, helpers: dict, names: dict):
-    """The keys of a `**` splat: a helper's call, a variable bound to one
-    (`names`), or `a if c else b` of two with the same keys; None when
-    they cannot be told."""
-    if isinstance(node, ast.Call):
-        f = node.func
-        return helpers.get(f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None)
-    if isinstance(node, ast.Name):
-        return names.get(node.id)
-    if isinstance(node, ast.IfExp):
-        a, b = _splat_keys(node.body, helpers, names), _splat_keys(node.orelse, helpers, names)
-        return a if a == b else None
-    return None
-
-
-def _bound_dicts(tree: ast.AST, helpers: dict) -> dict[str, frozenset]:
-    """{variable: keys} of a module's variables bound to keyword dicts
-    (`part1 = index_part() if ... else index_part(...)`); a name bound to
-    anything else as well is left out."""
-    out, other = {}, set()
-    for node in ast.walk(tree):
+def _bound_dicts(body, helpers: dict, outer: dict) -> dict[str, tuple]:
+    """{variable: _dict_keys} of the variables a scope (a function's or the
+    module's statements, nested functions apart) binds to mappings of known
+    keys (`part1 = index_part() if ... else index_part(...)`), over those of
+    `outer`; a name bound to anything else as well is left out."""
+    out, other = dict(outer), set()
+    todo = list(body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             name = node.targets[0].id
-            keys = _splat_keys(node.value, helpers, {})
-            if keys is None or out.get(name, keys) != keys:
+            keys = _dict_keys(node.value, helpers, out)
+            if not keys[1] or (name in out and name not in outer and out[name] != keys):
                 other.add(name)
             else:
                 out[name] = keys
+        todo.extend(ast.iter_child_nodes(node))
     return {n: k for n, k in out.items() if n not in other}
 
 
@@ -157,19 +188,6 @@ def _named_kernel(node: ast.AST, mods: dict) -> Kernel | None:
         k = getattr(mods[node.value.id], node.attr, None)
         return k if isinstance(k, Kernel) else None
     return None
-
-
-def _keywords(call: ast.Call, helpers: dict, names: dict) -> tuple[set, bool, set]:
-    """(keywords the call passes, whether that set is complete, keywords passed twice)."""
-    given, twice, complete = set(), set(), True
-    for kw in call.keywords:
-        keys = {kw.arg} if kw.arg else _splat_keys(kw.value, helpers, names)
-        if keys is None:
-            complete = False        # `**kw`: its keys are not known here
-            continue
-        twice |= given & keys
-        given |= keys
-    return given - _LAUNCH_KEYWORDS, complete, twice
 
 
 def _fit(k: Kernel, given: set, complete: bool) -> list[str]:
@@ -193,10 +211,11 @@ class LaunchSite:
         self.complete = complete      # every keyword the call passes is known
 
 
-def _site(where: str, call: ast.Call, mods: dict, helpers: dict, names: dict) -> LaunchSite:
-    given, complete, twice = _keywords(call, helpers, names)
+def _site(where: str, kernel_node: ast.AST, keys: tuple, mods: dict) -> LaunchSite:
+    given, complete, twice = keys
+    given = set(given) - _LAUNCH_KEYWORDS
     problems = [f"{where}: {', '.join(sorted(twice))} passed twice"] if twice else []
-    k = _named_kernel(call.func.value, mods)
+    k = _named_kernel(kernel_node, mods)
     if k is not None:
         return LaunchSite(where, k, [k], complete,
                           problems + [f"{where}: {p}" for p in _fit(k, given, complete)])
@@ -210,17 +229,39 @@ def _site(where: str, call: ast.Call, mods: dict, helpers: dict, names: dict) ->
     return LaunchSite(where, None, fits, complete, problems)
 
 
+def _launch_calls(tree: ast.AST, helpers: dict):
+    """(line, kernel expression, keys) of each launch of a module:
+    `<kernel>.launch(rt, grid, block, ..., key=...)`, or a plan's
+    `Launch(<kernel>, grid, block, <mapping>)` (rawkv._plan: the kernel
+    first, the arguments last); variables are
+    read in the scope of the function the launch is in."""
+    def scope(node, names):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield from scope(child, _bound_dicts(child.body, helpers, names))
+                continue
+            if isinstance(child, ast.Call):
+                f = child.func
+                if isinstance(f, ast.Attribute) and f.attr == "launch":
+                    yield child.lineno, f.value, _merge([], _keyword_parts(child, helpers, names))
+                elif isinstance(f, ast.Name) and f.id == "Launch" and len(child.args) >= 2:
+                    yield child.lineno, child.args[0], _dict_keys(child.args[-1], helpers, names)
+            yield from scope(child, names)
+    yield from scope(tree, _bound_dicts(tree.body, helpers, {}))
+
+
 def launch_sites(modules: dict[str, str] | None = None) -> list[LaunchSite]:
-    """Every launch: a `.launch(...)` call in a module that imports a
-    rawkv.kernels module. `modules`: {path: text} (default: rawkv's own).
+    """Every launch: a `.launch(...)` call or a plan's `Launch(...)` in a
+    module that imports a rawkv.kernels module. `modules`: {path: text}
+    (default: rawkv's own).
 
     The kernel is the one the call names (`K.NAME.launch`,
     `K.NAME.instance(...).launch`); an instance held in a variable must
     take the keywords of one kernel of the modules the file imports.
     Keywords from `**f(...)`, f a function returning `dict(...)` of keywords
-    (in any of the modules), or from `**v`, v bound to such calls only,
-    count as passed; after any other `**` splat only unknown keywords are
-    found (`complete` False)."""
+    (in any of the modules), or from `**v`, v bound to such mappings only,
+    count as passed, as do the keys of a plan's `dict(...)`; after any other
+    mapping only unknown keywords are found (`complete` False)."""
     if modules is None:
         modules = _op_modules()
     trees = {path: ast.parse(text) for path, text in modules.items()}
@@ -230,10 +271,7 @@ def launch_sites(modules: dict[str, str] | None = None) -> list[LaunchSite]:
         mods = _kernel_modules(tree)
         if not mods:
             continue
-        names = _bound_dicts(tree, helpers)
-        for call in ast.walk(tree):
-            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "launch":
-                sites.append(_site(f"{path}:{call.lineno}", call, mods, helpers, names))
+        sites += [_site(f"{path}:{line}", node, keys, mods) for line, node, keys in _launch_calls(tree, helpers)]
     return sites
 
 
