@@ -28,7 +28,7 @@ import re
 import threading
 from typing import Iterable
 
-from . import _cache, _launch, _version, kernels
+from . import _cache, _launch, _plan, _version, kernels
 from .errors import CaptureError, GpuUnavailableError
 
 # ---------------------------------------------------------------------------
@@ -404,12 +404,10 @@ class Runtime:
 
     # -- launch geometry ----------------------------------------------------
     def resident_blocks(self, block: int) -> int:
-        """How many blocks of `block` threads fill every SM once (by threads)."""
-        return self.sm_count * max(1, self.max_threads_per_sm // block)
+        """How many blocks of `block` threads fill every SM once (_plan.resident_blocks)."""
+        return _plan.resident_blocks(self, block)
 
     def grid_stride(self, work_items: int, block: int = 256, waves: int = 2) -> tuple[int, int]:
-        """(grid, block) for a grid-stride loop over `work_items`, one item per
-        thread per iteration: enough blocks to fill the device `waves` times,
-        never more than there is work."""
-        blocks = -(-max(int(work_items), 1) // block)
-        return min(blocks, self.resident_blocks(block) * waves), block
+        """(grid, block) for a grid-stride loop over `work_items` on this
+        device (_plan.grid_stride)."""
+        return _plan.grid_stride(self, work_items, block, waves)

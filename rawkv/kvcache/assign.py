@@ -12,11 +12,12 @@ this op for every block it hands to a request.
 from __future__ import annotations
 
 from .. import _dispatch as D
+from .. import _plan
 from .._opdecl import OpDecl
-from ..kernels import kv_cache as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import checks as C
+from . import plans as P
 from . import views as V
 
 
@@ -47,13 +48,9 @@ def assign_pages(pool, slots, blocks, *, errors=None, stream=None):
     if dev is None:
         C.add_errors(err, ref.assign_pages(pool.reference_view(), s, b))
         return
-    if B == 0:
-        return
-    rt = get_runtime(dev)
-    grid, block = rt.grid_stride(B * 32, K.BLOCK)
-    K.ASSIGN_PAGES.launch(rt, (grid,), (block,), stream=stream, slots=s, blocks=b, request_ids=pool.request_ids,
-                          owners=pool.owners, marks=pool.marks, errors=err, B=B, num_requests=pool.max_requests,
-                          num_blocks=pool.num_blocks, epb=pool.entries_per_block)
+    if B:
+        rt = get_runtime(dev)
+        _plan.run(rt, P.assign_pages(rt, pool, s, b, err), stream)
 
 
 def _assign_pages_op(slots, blocks, **pool):

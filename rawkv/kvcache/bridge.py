@@ -11,11 +11,12 @@ entries"); anything else is -1 and counted.
 from __future__ import annotations
 
 from .. import _dispatch as D
+from .. import _plan
 from .._opdecl import OpDecl
-from ..kernels import kv_cache as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import checks as C
+from . import plans as P
 from . import views as V
 
 
@@ -58,14 +59,7 @@ def kvcache_indices(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, o
     rt = get_runtime(dev)
     if out is None:
         out_arr = rt.empty((B, Kk), C.torch_dtype("int32"), stream=stream)
-    if B * Kk:
-        grid, block = rt.grid_stride(B * Kk, K.BLOCK)
-        K.TOPK_INDICES.instance(ids.dtype).launch(
-            rt, (grid,), (block,), stream=stream, table=pool.block_table, request_ids=pool.request_ids,
-            owners=pool.owners, slots=s, ids=ids, n_entries=ne,
-            valid=v, written=pool.written, marks=pool.marks, out=out_arr, errors=err, B=B, K=Kk,
-            num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
-            epb=pool.entries_per_block)
+    _plan.run(rt, P.kvcache_indices(rt, pool, ids, s, ne, v, out_arr, err), stream)
     return out_arr
 
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from .. import _args as A
 from .. import _dispatch as D
+from .. import _plan
 from .._opdecl import OpDecl
 from ..kernels import kv_compress as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import checks as C
+from . import plans as P
 from . import views as V
 from .compressor import (
-    DecodeIndex, check_compressible, index_arg, index_part, layout_targ, pool_args, rope_table, yarn_list,
-    yarn_of,
+    DecodeIndex, check_compressible, index_arg, rope_table, yarn_list, yarn_of,
 )
 
 
@@ -113,15 +114,8 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
     if B == 0:
         return None
     tab = rope_table(pool, theta=theta, yarn=yarn, stream=stream)
-    ist = None if index is None else index.state
-    part1 = index_part() if ist is None else index_part(ist.kv_a, ist.z_a, ist.kv_b, ist.z_b, None,
-                                                        inw, ist.count)
-    K.COMPRESS.instance(*K.targs(pool.kind, "float32", True, s.dtype, layout_targ(pool))).launch(
-        get_runtime(dev), (B, 1 if index is None else 2), (K.CHANNEL_THREADS * K.ROW_GROUPS[pool.kind],),
-        stream=stream,
-        **pool_args(pool, tab, pool.errors, eps),
-        kv0=state.kv_a, z0=state.z_a, kvb0=state.kv_b, zb0=state.z_b, ape0=None, w0=nw,
-        count0=state.count, **part1, valid=v, slots=s, positions=p, n_slots=state.max_requests, slot=0, start_entry=0, pre=0)
+    _plan.run(get_runtime(dev), P.compress_decode(pool, state, nw, None if index is None else index.state, inw,
+                                                  v, s, p, tab, eps), stream)
     return None
 
 

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from .. import _dispatch as D
+from .. import _plan
 from .._opdecl import OpDecl
-from ..kernels import kv_cache as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import checks as C
+from . import plans as P
 from . import views as V
 
 
@@ -56,26 +57,8 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
     if dev is None:
         C.add_errors(err, ref.paged_flush_write(pool.reference_view(), e, v, s, p, k))
         return
-    if B == 0:
-        return
-    if pool.layout == "model1":
-        K.FLUSH_PAGES.instance(pool.has_index, pool.index_layout == "mxfp4").launch(
-            get_runtime(dev), (-(-B // K.FLUSH_ROWS),), (32 * K.FLUSH_ROWS,), stream=stream, entries=e,
-            index_keys=k, valid=v, slots=s, positions=p, table=pool.block_table, request_ids=pool.request_ids,
-            owners=pool.owners, pages=pool.pages,
-            index_pages=pool.index_pages, written=pool.written, marks=pool.marks, errors=err, B=B,
-            num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request,
-            num_blocks=pool.num_blocks, epb=pool.entries_per_block, m=pool.m, page_bytes=pool.page_bytes,
-            index_page_bytes=pool.index_page_bytes or 0)
-        return
-    K.FLUSH_WRITE.instance(pool.has_index).launch(
-        get_runtime(dev), (-(-B // K.FLUSH_ROWS),), (32 * K.FLUSH_ROWS,), stream=stream, entries=e, index_keys=k, valid=v, slots=s, positions=p,
-        table=pool.block_table, request_ids=pool.request_ids, owners=pool.owners, fp8=pool.fp8,
-        scale=pool.scale, rope=pool.rope, idx_q=pool.index_q,
-        idx_sf=pool.index_sf, written=pool.written, marks=pool.marks, errors=err, B=B,
-        num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request,
-        num_blocks=pool.num_blocks, epb=pool.entries_per_block, m=pool.m,
-        nope_dim=pool.nope_dim, rope_dim=pool.rope_dim, index_dim=pool.index_head_dim or 0)
+    if B:
+        _plan.run(get_runtime(dev), P.flush_write(pool, e, k, v, s, p, err), stream)
 
 
 def _flush_write_op(entries, valid_mask, slots, positions, index_keys, **pool):

@@ -8,11 +8,12 @@ left in a reused block are never returned.
 from __future__ import annotations
 
 from .. import _dispatch as D
+from .. import _plan
 from .._opdecl import OpDecl
-from ..kernels import kv_cache as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import checks as C
+from . import plans as P
 from . import views as V
 
 
@@ -51,33 +52,8 @@ def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=N
     rt = get_runtime(dev)
     if out is None:
         out = rt.empty(shape, C.torch_dtype(name), stream=stream)
-    if B * Kk:
-        _gather(rt, ids.dtype, False, pool, s, ids, ne, v, out, err, B, Kk, 0, -1, stream)
+    _plan.run(rt, P.gather(rt, pool, ids, s, ne, v, out, err, B, Kk), stream)
     return out
-
-
-def _gather(rt, tid, dense, pool, slots, ids, n_entries, valid, out, err, B, Kk, slot0, n0, stream):
-    """One gather launch (one warp per output row): rkv_kv_gather, or
-    rkv_kv_gather_pages for a "model1" pool. The keywords are spelled out:
-    merging a prebuilt dict into the call costs more."""
-    grid, block = rt.grid_stride(B * Kk * 32, K.BLOCK)
-    if pool.layout == "model1":
-        K.GATHER_PAGES.instance(out.dtype, tid, dense).launch(
-            rt, (grid,), (block,), stream=stream, pages=pool.pages, table=pool.block_table,
-            request_ids=pool.request_ids, owners=pool.owners, slots=slots,
-            ids=ids, n_entries=n_entries, valid=valid, written=pool.written, marks=pool.marks, out=out,
-            errors=err, B=B, K=Kk, slot0=slot0, n0=n0, num_requests=pool.max_requests,
-            max_blocks=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
-            epb=pool.entries_per_block, page_bytes=pool.page_bytes)
-        return
-    K.GATHER.instance(out.dtype, tid, dense).launch(
-                rt, (grid,), (block,), stream=stream, fp8=pool.fp8, scale=pool.scale, rope=pool.rope,
-                table=pool.block_table, request_ids=pool.request_ids, owners=pool.owners, slots=slots,
-                ids=ids, n_entries=n_entries, valid=valid,
-                written=pool.written, marks=pool.marks, out=out, errors=err, B=B, K=Kk, slot0=slot0, n0=n0,
-                num_requests=pool.max_requests, max_blocks=pool.max_blocks_per_request,
-                num_blocks=pool.num_blocks, epb=pool.entries_per_block, nope_dim=pool.nope_dim,
-                rope_dim=pool.rope_dim)
 
 
 def _dense_launch(pool, index, slots, n_entries, valid, slot0, n0, B, Kk, out, err, stream):
@@ -87,28 +63,9 @@ def _dense_launch(pool, index, slots, n_entries, valid, slot0, n0, B, Kk, out, e
     if B * Kk == 0:
         return
     rt = get_runtime(pool.device_index)
-    if not index:
-        _gather(rt, "int32", True, pool, slots, None, n_entries, valid, out, err, B, Kk, slot0, n0,
-                stream)
-        return
-    if pool.layout == "model1":
-        grid, block = rt.grid_stride(B * Kk * 32, K.BLOCK)
-        K.GATHER_INDEX_PAGES.instance(out.dtype, pool.index_layout == "mxfp4").launch(
-            rt, (grid,), (block,), stream=stream, index_pages=pool.index_pages, table=pool.block_table,
-            request_ids=pool.request_ids, owners=pool.owners,
-            slots=slots, n_entries=n_entries, valid=valid, written=pool.written, marks=pool.marks, out=out,
-            errors=err, B=B, K=Kk, slot0=slot0, n0=n0, num_requests=pool.max_requests,
-            max_blocks=pool.max_blocks_per_request, num_blocks=pool.num_blocks, epb=pool.entries_per_block,
-            index_page_bytes=pool.index_page_bytes)
-        return
-    grid, block = rt.grid_stride(B * Kk * (pool.index_head_dim // 16), K.BLOCK)
-    K.GATHER_INDEX.instance(out.dtype).launch(
-        rt, (grid,), (block,), stream=stream, idx_q=pool.index_q, idx_sf=pool.index_sf,
-        table=pool.block_table, request_ids=pool.request_ids, owners=pool.owners, slots=slots,
-        n_entries=n_entries, valid=valid, written=pool.written,
-        marks=pool.marks, out=out, errors=err, B=B, K=Kk, slot0=slot0, n0=n0, num_requests=pool.max_requests,
-        max_blocks=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
-        epb=pool.entries_per_block, index_dim=pool.index_head_dim)
+    plan = (P.gather_index(rt, pool, slots, n_entries, valid, out, err, B, Kk, slot0, n0) if index else
+            P.gather(rt, pool, None, slots, n_entries, valid, out, err, B, Kk, slot0, n0))
+    _plan.run(rt, plan, stream)
 
 
 def _check_index(pool, index: bool) -> int:

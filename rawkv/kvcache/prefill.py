@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from .. import _args as A
 from .. import _dispatch as D
+from .. import _plan
 from .._opdecl import OpDecl
 from ..kernels import kv_compress as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import checks as C
+from . import plans as P
 from . import views as V
 from .compressor import (
-    PrefillIndex, check_compressible, index_arg, index_part, layout_targ, pool_args, rope_table, yarn_list,
-    yarn_of,
+    PrefillIndex, check_compressible, index_arg, rope_table, yarn_list, yarn_of,
 )
 
 
@@ -73,18 +74,11 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
                                                theta=theta, yarn=yarn)
         C.add_errors(pool.errors, errors)
         return n
-    pre = 1 if (pool.kind == "csa" and start_entry > 0) else 0
-    n = k.shape[0] // m - pre
+    n, _ = P.prefill_entries(pool, k.shape[0], start_entry)
     if n <= 0:
         return 0
     tab = rope_table(pool, theta=theta, yarn=yarn, stream=stream)
-    part1 = index_part() if index is None else index_part(index.kv, index.z, None, None, index.ape,
-                                                          index.norm_weight)
-    K.COMPRESS.instance(*K.targs(pool.kind, k.dtype, False, layout=layout_targ(pool))).launch(
-        get_runtime(dev), (n, 1 if index is None else 2), (K.CHANNEL_THREADS * K.ROW_GROUPS[pool.kind],),
-        stream=stream, **pool_args(pool, tab, pool.errors, eps),
-        kv0=k, z0=zz, kvb0=None, zb0=None, ape0=a, w0=nw, count0=None, **part1,
-        valid=None, slots=None, positions=None, n_slots=0, slot=slot, start_entry=start_entry, pre=pre)
+    _plan.run(get_runtime(dev), P.compress_prefill(pool, k, zz, a, nw, index, slot, start_entry, tab, eps), stream)
     return n
 
 
@@ -105,8 +99,7 @@ def _traced(pool, kv, z, ape, norm_weight, slot, start_entry, index, eps, theta,
     V.call(PREFILL_OP, **V.pool_args(pool), kv=kv, z=z, ape=ape, norm_weight=norm_weight, slot=slot,
            start_entry=start_entry, index_kv=ix.kv, index_z=ix.z, index_ape=ix.ape,
            index_norm_weight=ix.norm_weight, eps=eps, theta=theta, yarn=yarn_list(yarn))
-    pre = 1 if (pool.kind == "csa" and start_entry > 0) else 0
-    return max(0, kv.shape[0] // pool.m - pre)
+    return max(0, P.prefill_entries(pool, kv.shape[0], start_entry)[0])
 
 
 def _prefill_op(kv, z, ape, norm_weight, slot, start_entry, index_kv, index_z, index_ape,

@@ -5,11 +5,13 @@ ops. reference.state_* define them."""
 from __future__ import annotations
 
 from .. import _dispatch as D
+from .. import _plan
 from .._opdecl import OpDecl
 from ..kernels import kv_cache as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import checks as C
+from . import plans as P
 from . import views as V
 
 
@@ -98,17 +100,8 @@ def state_append(state, kv, z, valid_mask, slots, *, ape=None, errors=None, stre
     if dev is None:
         C.add_errors(err, ref.state_append(state.reference_view(), k, zz, v, s, ape=a))
         return
-    if B == 0:
-        return
-    K.STATE_APPEND.instance(k.dtype, zz.dtype).launch(get_runtime(dev), (B,), (_state_block(w),),
-                                                      stream=stream, kv=k, z=zz, ape=a, valid=v, slots=s, a_kv=state.kv_a,
-                          a_z=state.z_a, count=state.count, errors=err, S=state.max_requests,
-                          m=state.m, w=w)
-
-
-def _state_block(w):
-    """Threads of a state kernel's CTA: one float4 of `w` floats each, at most K.BLOCK."""
-    return max(32, min(K.BLOCK, -(-(w // 4) // 32) * 32))
+    if B:
+        _plan.run(get_runtime(dev), P.state_append(state, k, zz, a, v, s, err), stream)
 
 
 def _reset(state, mode, valid_mask, slots, errors, stream):
@@ -131,12 +124,8 @@ def _reset(state, mode, valid_mask, slots, errors, stream):
             n = (ref.csa_rotate if mode == K.RESET_CSA else ref.hca_reset)(st, v, s)
         C.add_errors(err, n)
         return
-    if B == 0:
-        return
-    K.STATE_RESET.instance(mode).launch(get_runtime(dev), (B,), (_state_block(state.m * state.width),),
-                                         stream=stream, valid=v, slots=s, a_kv=state.kv_a, a_z=state.z_a,
-                         b_kv=state.kv_b, b_z=state.z_b, count=state.count, errors=err,
-                         S=state.max_requests, m=state.m, d=state.head_dim, w=state.width)
+    if B:
+        _plan.run(get_runtime(dev), P.state_reset(state, mode, v, s, err), stream)
 
 
 def csa_rotate(state, valid_mask, slots, *, errors=None, stream=None):

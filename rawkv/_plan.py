@@ -1,0 +1,45 @@
+"""Launch plans as data: what an op launches, computed by a pure function of
+sizes and device properties, then run.
+
+A plan is a list of `Launch`es (kernel instance, grid, block, keyword
+arguments). A family's planners build them from the checked arguments and a
+`Device` (or anything with its two fields: a Runtime has them); `run`
+launches them in order. Tests read plans as data, with no runtime.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Device(NamedTuple):
+    """The device properties a plan depends on (a Runtime has the same fields)."""
+    sm_count: int
+    max_threads_per_sm: int
+
+
+class Launch(NamedTuple):
+    """One kernel launch: `kernel` a rawkv.kernels Instance, `args` its
+    parameters by name (tensors, None for a null pointer, numbers)."""
+    kernel: object
+    grid: tuple
+    block: tuple
+    args: dict
+
+
+def resident_blocks(dev, block: int) -> int:
+    """How many blocks of `block` threads fill every SM once (by threads)."""
+    return dev.sm_count * max(1, dev.max_threads_per_sm // block)
+
+
+def grid_stride(dev, work_items: int, block: int = 256, waves: int = 2) -> tuple[int, int]:
+    """(grid, block) for a grid-stride loop over `work_items`, one item per
+    thread per iteration: enough blocks to fill the device `waves` times,
+    never more than there is work."""
+    blocks = -(-max(int(work_items), 1) // block)
+    return min(blocks, resident_blocks(dev, block) * waves), block
+
+
+def run(rt, plan, stream=None) -> None:
+    """Launch `plan` on runtime `rt`, in order, on `stream` (default: torch's current)."""
+    for launch in plan:
+        launch.kernel.launch(rt, launch.grid, launch.block, stream=stream, **launch.args)
