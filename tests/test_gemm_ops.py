@@ -310,3 +310,19 @@ def test_the_batched_dispatch_rule(groups, n, tokens, expected):
 @pytest.mark.parametrize("tokens,expected", [(1, False), (12, False), (23, False), (24, True), (96, True)])
 def test_the_ragged_dispatch_rule(tokens, expected):
     assert linear._takes_sm90(_Sizes(256, 4096), tokens, ragged=True) is expected
+
+
+class _Device:
+    arch, sm_count = "sm_90", 132
+
+
+@pytest.mark.parametrize("groups,n,tokens,bm", [
+    (8, 1024, 256, 128),      # Flash wo_a at 256 tokens: 64 blocks of 256 features, 128 of 128 fit one wave
+    (8, 1024, 512, 256),      # 128 blocks of 256: one wave already
+    (16, 1024, 128, 128),     # Pro at 128 tokens: 64 blocks
+    (8, 1536, 128, 128),      # seed 004 at 128 tokens: 48 blocks
+    (8, 1536, 256, 256),      # 96 blocks: 192 of 128 would take two waves
+    (8, 1024, 4096, 256)])
+def test_the_wgmma_kernel_takes_128_feature_blocks_when_256_would_not_fill_the_gpu(groups, n, tokens, bm):
+    kern, targs, block, rows, tile_tokens = linear._plan(_Device(), _Sizes(groups, n), tokens)
+    assert kern is linear.K.GEMM_SM90 and targs[-1] == bm == rows and tile_tokens == 128

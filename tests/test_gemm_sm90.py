@@ -18,12 +18,14 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def sm90(cuda, monkeypatch):
-    """The runtime of an sm_90 device, every launch forced onto the wgmma kernel."""
+@pytest.fixture(params=[128, 256], ids=["bm128", "bm256"])
+def sm90(cuda, monkeypatch, request):
+    """The runtime of an sm_90 device, every launch forced onto the wgmma
+    kernel with blocks of 128 or 256 output features."""
     if cuda.arch != "sm_90":
         pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
     monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
+    monkeypatch.setattr(linear, "SM90_FORCE_BM", request.param)
     return cuda
 
 
@@ -55,6 +57,19 @@ def test_same_bits_every_run_and_every_token_tiling(sm90, rng):
     for lo, hi in ((0, 64), (200, 264), (131, 140)):
         part = rawkv.gemm.grouped_linear(x[lo:hi].contiguous(), w)
         assert torch.equal(part.view(torch.int16), full[lo:hi].view(torch.int16)), (lo, hi)
+
+
+def test_same_bits_for_128_and_256_feature_blocks(sm90, rng, monkeypatch):
+    # Each output is one warpgroup's accumulation over the same chunks and
+    # k16 steps whichever block size holds its row: the plan may pick either.
+    g, n, k = 3, 700, 1088
+    w, _ = random_weight(rng, g, n, k, "mxfp4")
+    x = torch.randn(150, g, k, dtype=torch.bfloat16, device="cuda")
+    outs = []
+    for bm in (128, 256):
+        monkeypatch.setattr(linear, "SM90_FORCE_BM", bm)
+        outs.append(rawkv.gemm.grouped_linear(x, w))
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
 def test_4096_tokens_and_a_real_shape(sm90, rng):

@@ -4,7 +4,7 @@ the wo_a shapes at the given M (tokens per group). Each time is the median of CU
 replays (tools/bench.py's cuda_time_us: device time, not the host's), over 4 weight copies; maxdiff is the largest difference between the paths relative to
 the largest output. For choosing SM90_MIN_TOKENS; tools/bench_gemm.py is the benchmark.
 
-    PYTHONPATH=. [RAWKV_MOE_TOKENS=64,4096] python3 tools/probe_gemm_paths.py [M ...]
+    PYTHONPATH=. [RAWKV_MOE_TOKENS=64,4096] [RAWKV_SM90_BM=128|256] python3 tools/probe_gemm_paths.py [M ...]
 """
 import os
 import sys
@@ -33,6 +33,8 @@ def main(argv):
     import torch
     import rawkv
     from rawkv.gemm import linear
+    if os.environ.get("RAWKV_SM90_BM"):     # the wgmma kernel's feature tile, else the plan's
+        linear.SM90_FORCE_BM = int(os.environ["RAWKV_SM90_BM"])
     ms = [int(a) for a in argv] or [64, 128, 512, 2048, 4096]
     print(f"{'shape':8} {'M':>5} {'mma':>9} {'sm90':>9} {'bf16':>9} {'sm90 TF':>8} {'bf16 TF':>8} maxdiff")
     for name, (g, k, n) in SHAPES.items():

@@ -36,12 +36,9 @@ using namespace rkv;
 
 namespace {
 
-constexpr int kBM = 256;                 // output features per block
-constexpr int kTiles = kBM / 16;         // packed row tiles per block
 constexpr int kThreads = 384;
 constexpr int kCodeBytes = 512;          // one row tile, one chunk (32 lanes x 16 B)
 constexpr int kScaleBytes = 64;          // its scales (32 lanes x 2 B)
-constexpr int kWStage = kTiles * (kCodeBytes + kScaleBytes);
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -106,7 +103,7 @@ __device__ __forceinline__ void wgmma_step(float (&d)[BN / 2], const u32 (&a)[4]
 
 }  // namespace
 
-template <int ACT, bool MX, int BN, int STAGES>
+template <int ACT, bool MX, int BN, int STAGES, int BM>
 __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
     const u8* __restrict__ wq, const u8* __restrict__ wsf, const float* __restrict__ wgs,
     const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
@@ -114,6 +111,13 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
     __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
     int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
     constexpr bool F16 = ACT == 1;
+    // BM output features per block: 256 (each consumer warpgroup two m64
+    // tiles) or 128 (one, for grids too small to fill the GPU with 256).
+    static_assert(BM == 128 || BM == 256, "BM is 128 or 256");
+    constexpr int kBM = BM;
+    constexpr int kTiles = BM / 16;          // packed row tiles per block
+    constexpr int kMT = BM / 128;            // m64 tiles per consumer warpgroup
+    constexpr int kWStage = kTiles * (kCodeBytes + kScaleBytes);
     constexpr int kBStage = BN * 128;    // BN token rows of 64 16-bit columns
     static_assert(BN % 8 == 0 && kBStage % 1024 == 0, "B stages must stay 1024-byte aligned");
     __shared__ int s_off[RKV_GEMM_MAX_SEGMENTS];
@@ -181,18 +185,20 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
         // of instructions, and its issue time was a stage's time (ncu:
         // 282 instructions per warp per stage, 6.4 cycles each).
         //
-        // Weight copies: 16 row tiles x 32 code pieces = 4 per thread (tile
-        // p / 32 + 4 i, piece p % 32: a warp copies a tile's 512 contiguous
-        // bytes) and 16 x 4 scale pieces on threads p < 64 (tile p / 4,
-        // piece p % 4); both land at 16 p (+ 2048 i) in the stage.
+        // Weight copies: kTiles row tiles x 32 code pieces = kTiles / 4 per
+        // thread (tile p / 32 + 4 i, piece p % 32: a warp copies a tile's 512
+        // contiguous bytes) and kTiles x 4 scale pieces on threads
+        // p < 4 kTiles (tile p / 4, piece p % 4); both land at 16 p
+        // (+ 2048 i) in the stage.
+        constexpr int kCodeCopies = kTiles / 4;
         // Each source pointer steps one chunk per stage.
         const i64 wstep = (i64)4 * chunks * kCodeBytes;          // 4 row tiles further
         const u8* wsrc = wq + (((i64)g * tiles16 + tile0 + (p >> 5)) * chunks) * kCodeBytes + 16 * plane;
         const u8* ssrc = wsf + (((i64)g * tiles16 + tile0 + (p >> 2)) * chunks) * kScaleBytes + 16 * slot;
         u32 wlive = 0;                                             // bit i: code tile p / 32 + 4 i exists
 #pragma unroll
-        for (int i = 0; i < 4; ++i) wlive |= (u32)((p >> 5) + 4 * i < live_tiles) << i;
-        const bool slive = p < 64 && (p >> 2) < live_tiles;
+        for (int i = 0; i < kCodeCopies; ++i) wlive |= (u32)((p >> 5) + 4 * i < live_tiles) << i;
+        const bool slive = p < 4 * kTiles && (p >> 2) < live_tiles;
         // A row past the tile's last token reads the last token again: its
         // B column only reaches outputs the epilogue does not write (the
         // MMA's columns are independent), so it needs no zeros and no test.
@@ -253,7 +259,8 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
                     // measured slower: 32 small TMA copies per stage.)
                     const u32 dst = smem_u32(s_w + s * kWStage) + 16 * p;
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) cp_async16_if(wlive >> i & 1, dst + 2048 * i, wsrc + i * wstep);
+                    for (int i = 0; i < kCodeCopies; ++i)
+                        cp_async16_if(wlive >> i & 1, dst + 2048 * i, wsrc + i * wstep);
                     wsrc += kCodeBytes;
                     cp_async16_if(slive, dst + kTiles * kCodeBytes, ssrc);
                     ssrc += kScaleBytes;
@@ -290,10 +297,12 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
     // ---------------- consumers ----------------
     asm volatile("setmaxnreg.inc.sync.aligned.u32 192;\n");
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    const int my_tile[2] = {wg * 8 + warp, wg * 8 + 4 + warp};   // within the block
-    float acc[2][BN / 2];
+    int my_tile[kMT];                                   // within the block
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+    for (int m = 0; m < kMT; ++m) my_tile[m] = wg * (kTiles / 2) + 4 * m + warp;
+    float acc[kMT][BN / 2];
+#pragma unroll
+    for (int m = 0; m < kMT; ++m)
 #pragma unroll
         for (int j = 0; j < BN / 2; ++j) acc[m][j] = 0.0f;
 
@@ -308,8 +317,8 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
     // A stage's codes and scales of both m-tiles are read as soon as the
     // stage is full, so the loads' latency is not on the path from a wgmma
     // wait to the next issue.
-    uint4 wv[2];
-    u32 sv[2];
+    uint4 wv[kMT];
+    u32 sv[kMT];
     auto fetch = [&](u32 wst, int m) {
         wv[m] = make_uint4(0, 0, 0, 0);
         sv[m] = 0;
@@ -326,41 +335,77 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
         dequant_fragment<F16>(wv[m].z, f0, f1, a[2]);
         dequant_fragment<F16>(wv[m].w, f0, f1, a[3]);
     };
-    int s = 0, prev = STAGES - 1;   // this chunk's stage and the previous one's
+    int s = 0, prev = STAGES - 1, prev2 = STAGES - 2;   // chunk c's stage, c - 1's, c - 2's
     u32 parity = 0;
-    for (int c = 0; c < chunks; ++c) {
-        mbar_wait(bar_full + 8 * s, parity);
-        // The producer's activation stores (generic proxy), acquired through
-        // the barrier, ordered before this warpgroup's wgmma reads (async proxy).
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        const u32 wst = smem_u32(s_w + s * kWStage);
-        const u32 btile = smem_u32(s_b + s * kBStage);
-        fetch(wst, 0);
-        fetch(wst, 1);
-        if (c > 0) wgmma_wait<1>();                 // m-tile 0 of c - 1 done
-        dequant(0, a0);
-        wgmma_fence();
-#pragma unroll
-        for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[0], a0[s4], b_desc(btile + 32 * s4));
-        wgmma_commit();
-        if (c > 0) {
-            wgmma_wait<1>();                        // m-tile 1 of c - 1 done: stage c - 1 is free
-            __syncwarp();
-            if (lane == 0) mbar_arrive(bar_empty + 8 * prev);
-        }
-        dequant(1, a1);
-        wgmma_fence();
-#pragma unroll
-        for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[1], a1[s4], b_desc(btile + 32 * s4));
-        wgmma_commit();
+    auto next_stage = [&]() {
+        prev2 = prev;
         prev = s;
         if (++s == STAGES) {
             s = 0;
             parity ^= 1;
         }
+    };
+    auto release = [&](int st) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_empty + 8 * st);
+    };
+    // The producer's activation stores (generic proxy), acquired through the
+    // barrier, ordered before this warpgroup's wgmma reads (async proxy).
+    auto acquire = [&]() {
+        mbar_wait(bar_full + 8 * s, parity);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    };
+    if constexpr (kMT == 2) {
+        for (int c = 0; c < chunks; ++c) {
+            acquire();
+            const u32 wst = smem_u32(s_w + s * kWStage);
+            const u32 btile = smem_u32(s_b + s * kBStage);
+            fetch(wst, 0);
+            fetch(wst, 1);
+            if (c > 0) wgmma_wait<1>();                 // m-tile 0 of c - 1 done
+            dequant(0, a0);
+            wgmma_fence();
+#pragma unroll
+            for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[0], a0[s4], b_desc(btile + 32 * s4));
+            wgmma_commit();
+            if (c > 0) {
+                wgmma_wait<1>();                        // m-tile 1 of c - 1 done: stage c - 1 is free
+                release(prev);
+            }
+            dequant(1, a1);
+            wgmma_fence();
+#pragma unroll
+            for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[kMT - 1], a1[s4], b_desc(btile + 32 * s4));
+            wgmma_commit();
+            next_stage();
+        }
+    } else {
+        // One m-tile: its A fragments alternate between two register sets by
+        // chunk, so chunk c is dequantized while chunk c - 1's wgmmas run;
+        // set a0 is free again once chunk c - 2 has completed, which also
+        // frees c - 2's stage.
+        auto chunk = [&](int c, u32 (&a)[4][4]) {
+            acquire();
+            const u32 btile = smem_u32(s_b + s * kBStage);
+            fetch(smem_u32(s_w + s * kWStage), 0);
+            if (c >= 2) {
+                wgmma_wait<1>();                        // chunk c - 2 done
+                release(prev2);
+            }
+            dequant(0, a);
+            wgmma_fence();
+#pragma unroll
+            for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[0], a[s4], b_desc(btile + 32 * s4));
+            wgmma_commit();
+            next_stage();
+        };
+        for (int c = 0; c < chunks; c += 2) {
+            chunk(c, a0);
+            if (c + 1 < chunks) chunk(c + 1, a1);
+        }
     }
     wgmma_wait<0>();
-    // (The last stage is not released: nothing is loaded after it.)
+    // (The last stages are not released: nothing is loaded after them.)
 
     // Epilogue: thread (warp, lane q = lane / 4, t = lane % 4) holds, for each
     // 8-token group j, rows q and q + 8 of its 16-row tile at tokens
@@ -378,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
             const float sc = ACT == 2 ? wscale * xgs[(i64)tok * gs_t + (i64)g * gs_g] : wscale;
             __nv_bfloat16* orow = out + (i64)tok * os_t + (i64)g * os_g;
 #pragma unroll
-            for (int m = 0; m < 2; ++m) {
+            for (int m = 0; m < kMT; ++m) {
                 const int row = (tile0 + my_tile[m]) * 16 + q;
                 if (row < n) orow[row] = __float2bfloat16_rn(acc[m][4 * j + h] * sc);
                 if (row + 8 < n) orow[row + 8] = __float2bfloat16_rn(acc[m][4 * j + 2 + h] * sc);

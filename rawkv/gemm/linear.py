@@ -328,14 +328,26 @@ SM90_MIN_BLOCKS = 48
 SM90_MIN_EXPERT_TOKENS = 24
 #: The wgmma kernel's token tile (64 or 128) when set; None lets the plan choose.
 SM90_FORCE_BN = None
+#: The wgmma kernel's feature tile (128 or 256) when set; None lets the plan
+#: choose: 128 when twice the grid of 256-feature blocks still fits in one
+#: wave (the kernel runs one block per SM). On the H100 (132 SMs) 128-feature
+#: blocks win with 48 and 64 blocks of 256 and lose with 96 and 128 (each of
+#: them adds a pass over the activations).
+SM90_FORCE_BM = None
 
 
 def _takes_sm90(weight, tokens: int, ragged: bool) -> bool:
     """The dispatch rule above, for an sm_90 device."""
     if ragged:
         return tokens >= SM90_MIN_EXPERT_TOKENS
-    blocks = weight.groups * -(-weight.n // K.SM90_BM) * -(-tokens // K.SM90_CONFIGS["large"][0])
+    blocks = _sm90_blocks(weight, tokens, K.SM90_BM, K.SM90_CONFIGS["large"][0])
     return tokens >= SM90_MIN_TOKENS or (tokens >= SM90_MIN_TOKENS_SMALL and blocks >= SM90_MIN_BLOCKS)
+
+
+def _sm90_blocks(weight, tokens: int, bm: int, bn: int) -> int:
+    """Blocks of a wgmma-kernel grid for `tokens` per group (ragged: per
+    expert on average, so about)."""
+    return weight.groups * -(-weight.n // bm) * -(-tokens // bn)
 
 
 def _plan(rt, weight, tokens: int, ragged: bool = False) -> tuple:
@@ -350,7 +362,12 @@ def _plan(rt, weight, tokens: int, ragged: bool = False) -> tuple:
             raise ValueError(f"x: the wgmma GEMM kernel runs on sm_90 devices, this one is {rt.arch}")
         bn = SM90_FORCE_BN or (64 if tokens <= 64 else 128)
         bn, stages = K.SM90_CONFIGS[64] if bn == 64 else K.SM90_CONFIGS["large"]
-        return K.GEMM_SM90, (bn, stages), (K.SM90_THREADS,), K.SM90_BM, bn
+        # (128-feature blocks have 128-token tiles only)
+        bm = SM90_FORCE_BM or (128 if bn == 128 and 2 * _sm90_blocks(weight, tokens, K.SM90_BM, bn) <= rt.sm_count
+                               else K.SM90_BM)
+        if bm == 128:
+            bn, stages = K.SM90_SMALL_CONFIG
+        return K.GEMM_SM90, (bn, stages, bm), (K.SM90_THREADS,), bm, bn
     cfg = _config(tokens)
     mt, nt, ks, rw = cfg[:4]
     return K.GEMM, cfg, (32 * ks * rw,), 16 * mt * rw, 8 * nt

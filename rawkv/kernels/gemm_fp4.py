@@ -44,26 +44,30 @@ GEMM = FILE.kernel(
 
 # ---- the Hopper kernel (rawkv/cu/gemm_fp4_sm90.cu: wgmma, sm_90a) -----------
 # Same parameters and packed weights; compiled for sm_90a on sm_90 devices
-# only. A block computes SM90_BM output features x BN tokens; STAGES
-# pipeline stages of one 64-column chunk each (BN x 128 B of activations and
-# SM90_BM / 16 x 576 B of packed codes and scales per stage).
+# only. A block computes BM output features (256, or 128 where a grid of 256
+# would not fill the GPU) x BN tokens; STAGES pipeline stages of one
+# 64-column chunk each (BN x 128 B of activations and BM / 16 x 576 B of
+# packed codes and scales per stage).
 SM90_BM = 256
 SM90_THREADS = 384
 SM90_FILE = KernelFile("gemm_fp4_sm90.cu", constants=FILE.constants, targets={"sm_90": "sm_90a"})
 # (BN, STAGES) by the most tokens per group or expert each serves.
 SM90_CONFIGS = {64: (64, 6), "large": (128, 5)}
+# (BN, STAGES) of the 128-feature blocks.
+SM90_SMALL_CONFIG = (128, 6)
 
 
-def sm90_dynamic_smem(act, mx, bn, stages) -> int:
+def sm90_dynamic_smem(act, mx, bn, stages, bm) -> int:
     """Bytes of dynamic shared memory of one block: 1024 for aligning the
     swizzled B stages, the stages, and two mbarriers per stage."""
-    return 1024 + stages * (bn * 128 + (SM90_BM // 16) * 576) + 16 * stages
+    return 1024 + stages * (bn * 128 + (bm // 16) * 576) + 16 * stages
 
 
 GEMM_SM90 = SM90_FILE.kernel(
     "rkv_gemm_fp4_sm90",
     (TParam("int", "ACT", (0, 1, 2)), TParam("bool", "MX", (False, True)), TParam("int", "BN", (64, 128)),
-     TParam("int", "STAGES", (2, 3, 4, 5, 6))),
+     TParam("int", "STAGES", (2, 3, 4, 5, 6)), TParam("int", "BM", (128, 256))),
     instances=[(a, mx, *cfg) for a in ACT_CODES.values() for mx in (False, True)
-               for cfg in dict.fromkeys(SM90_CONFIGS.values())],
+               for cfg in [(*c, SM90_BM) for c in dict.fromkeys(SM90_CONFIGS.values())]
+               + [(*SM90_SMALL_CONFIG, 128)]],
     dynamic_smem=sm90_dynamic_smem)
