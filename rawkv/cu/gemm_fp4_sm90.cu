@@ -2,16 +2,17 @@
 //
 // Same operation, arguments and packed weights as gemm_fp4.cu (docs/gemm.md):
 // out[t, g, n] = sum_k x[t, g, k] * w[g, n, k] (batched), or rows sorted by
-// expert with offsets (ragged). A block computes BM = 256 output features
-// (16 row tiles) x BN tokens, one 64-column chunk per pipeline stage.
+// expert with offsets (ragged). A block computes BM = 256 or 128 output
+// features (16 or 8 row tiles) x BN tokens, one 64-column chunk per pipeline
+// stage.
 //
 // Warp specialization (384 threads, three warpgroups):
-// * warpgroups 0 and 1 consume: each owns 128 features, two m64 wgmma tiles.
-//   Warp w of warpgroup c holds row tiles 8c + w and 8c + 4 + w; a lane's 16
-//   packed bytes of a row tile and chunk ARE its wgmma A fragments for the
-//   chunk's four k16 steps (the packed layout was built for mma.sync's A
-//   fragment, which is wgmma's register A fragment per warp), dequantized in
-//   registers exactly as the mma.sync kernel does;
+// * warpgroups 0 and 1 consume: each owns BM / 2 features, BM / 128 m64
+//   wgmma tiles. Warp w of warpgroup c holds row tiles c BM / 32 + 4 m + w;
+//   a lane's 16 packed bytes of a row tile and chunk ARE its wgmma A
+//   fragments for the chunk's four k16 steps (the packed layout was built
+//   for mma.sync's A fragment, which is wgmma's register A fragment per
+//   warp), dequantized in registers exactly as the mma.sync kernel does;
 // * warpgroup 2 produces: its 128 threads bring each stage's packed codes
 //   and scales with cp.async (16 bytes a copy, 36 per row tile), write the
 //   activation tile into shared memory in the MMA's k order (below), and
