@@ -11,9 +11,8 @@ from . import fp8, fused, gemm, kvcache, nvfp4, reference  # noqa: E402,F401
 from .errors import CaptureError, CompileError, GpuUnavailableError, RawkvError  # noqa: E402,F401
 from .runtime import get_runtime, warmup  # noqa: E402,F401
 
-import sys as _sys  # noqa: E402
+from ._op import register_when_torch_loads as _register_ops  # noqa: E402
 
-if "torch" in _sys.modules:
-    # torch is already loaded (an engine imported it first): register the
-    # rawkv:: operators now, so torch.compile finds them (rawkv.library).
-    from . import library  # noqa: E402,F401
+# torch.ops.rawkv.* whatever the import order: now if torch is loaded (an
+# engine imported it first), else when `import torch` runs (rawkv._op).
+_register_ops()

@@ -8,13 +8,14 @@ reference on CPU tensors and the kernels on CUDA tensors (the device is
 taken from the tensors), and has a fake implementation, so
 `torch.compile(fullgraph=True)` traces it and CUDA graphs capture it.
 
-Importing this module imports torch; `import rawkv` does not.
+Importing this module imports torch; `import rawkv` does not, and imports
+this module itself when torch is loaded, before or after it (rawkv._op).
 """
 from __future__ import annotations
 
 import torch
 
-from . import _opdecl, ops  # noqa: F401  (ops: every op module declares its operators)
+from . import _op, _opdecl, ops  # noqa: F401  (ops: every op module declares its operators)
 
 NAMESPACE = "rawkv"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -43,10 +44,14 @@ def _make_impl(decl: _opdecl.OpDecl):
 
 def _register(decl: _opdecl.OpDecl) -> None:
     _LIB.define(f"{decl.name}({decl.schema}) -> ()")
-    fn = _make_impl(decl)
+    # An op written with rawkv._op.op: its body takes the schema's arguments
+    # positionally, defaults included, so it is the implementation itself.
+    fn = decl.body if isinstance(decl, _op.Op) else _make_impl(decl)
     for key in ("CPU", "CUDA"):
         _LIB.impl(decl.name, fn, key)
     torch.library.register_fake(f"{NAMESPACE}::{decl.name}", _fake, lib=_LIB)
+    if isinstance(decl, _op.Op):
+        decl.overload = getattr(torch.ops.rawkv, decl.name).default
 
 
 for _decl in _opdecl.declared().values():

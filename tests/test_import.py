@@ -84,3 +84,55 @@ def test_device_argument_is_parsed_or_refused():
     assert _device_index(torch.device("cuda:2")) == 2 and _device_index(torch.device("cuda")) is None
     with pytest.raises(ValueError, match="^device: .*cpu"):
         _device_index(torch.device("cpu"))
+
+
+def _run_plain(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_operators_exist_when_torch_is_imported_after_rawkv():
+    """`import rawkv` before `import torch` left torch.ops.rawkv empty; the
+    operators are now registered when torch's import has run, torch keeps
+    its own loader, and a compiled public op finds its operator."""
+    pytest.importorskip("torch")
+    r = _run_plain("""
+        import sys
+        import rawkv
+        assert 'torch' not in sys.modules
+        import torch
+        from rawkv import _opdecl
+        assert all(hasattr(torch.ops.rawkv, n) for n in _opdecl.declared()), 'not registered'
+        assert type(torch.__spec__.loader).__module__ != 'rawkv._op', torch.__spec__.loader
+        assert torch.__loader__ is torch.__spec__.loader
+        assert not [f for f in sys.meta_path if type(f).__module__ == 'rawkv._op']
+        x = torch.linspace(-500, 500, 64)
+        out = torch.empty(64, dtype=torch.uint8)
+        torch.ops.rawkv.e4m3_encode(x, out)
+        f = torch.compile(lambda x: rawkv.fp8.e4m3_encode(x), fullgraph=True, backend='aot_eager')
+        assert torch.equal(f(x).view(torch.uint8), out)
+        print('ok')
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_a_failing_registration_does_not_break_import_torch():
+    """The hook runs inside `import torch`: an error of rawkv's is a warning
+    there (and raised by `import rawkv.library`), never a failed torch import."""
+    pytest.importorskip("torch")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import warnings
+        import rawkv, rawkv._op as O
+        def fail():
+            raise RuntimeError('planted')
+        O._register = fail
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always')
+            import torch
+        assert torch.ones(1).item() == 1.0
+        assert any('planted' in str(m.message) for m in w), [str(m.message) for m in w]
+        print('ok')
+    """)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"

@@ -1,0 +1,230 @@
+"""The op wrapper: an op is written once, as the mutating function torch
+calls (its outputs are arguments, marked `(a!)` in its schema; it returns
+nothing), and is registered once as `torch.ops.rawkv.<name>`.
+
+    @op("e4m3_encode", "Tensor x, Tensor(a!) out")
+    def _encode(x, out, stream=None):       # the body: checks, then reference or launch
+        ...
+
+    def e4m3_encode(x, *, out=None, stream=None):    # the public function
+        if out is None:
+            out = empty(x, dims(x), "float8_e4m3fn", stream)
+        _encode(x, out, stream)
+        return out
+
+`_encode(...)` takes the schema's arguments in schema order, then the
+stream. In eager mode it calls the body directly: no dispatcher, one Python
+frame and one `torch.compiler.is_compiling()` call. While torch.compile
+traces the caller it calls the registered operator instead (the stream is
+not an operator argument), whose fake implementation returns nothing, so
+dynamo puts the call in its graph and never traces the pointer-level body.
+The public function only allocates the outputs it was not given (`empty`,
+the one allocation helper for every op) and calls the op; it branches on
+nothing else. The body's parameters are the schema's, with the same
+defaults, plus optional extras (the stream): rawkv.library registers the
+body itself as the CPU and CUDA implementation.
+
+Registration (rawkv.library) needs torch, which `import rawkv` never
+imports: it runs when `import rawkv` finds torch loaded, else when torch
+is imported later (`register_when_torch_loads`, an import hook removed
+once it has run), so `torch.ops.rawkv.*` exist whatever the import order.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import inspect
+import sys
+import warnings
+
+import numpy as np
+
+from . import _dispatch as D
+from ._opdecl import OpDecl
+from .runtime import get_runtime
+
+
+def _compiling_before_torch() -> bool:
+    """is_compiling until torch is loaded: nothing compiles without torch.
+    Once torch is there, binds torch.compiler.is_compiling for every later call."""
+    t = sys.modules.get("torch")
+    f = getattr(getattr(t, "compiler", None), "is_compiling", None)
+    if f is None:
+        return False
+    global _is_compiling
+    _is_compiling = f
+    return f()
+
+
+# torch.compiler.is_compiling once torch is loaded (dynamo reads a call of it
+# as True while it traces); read by every op call.
+_is_compiling = _compiling_before_torch
+
+
+class Op(OpDecl):
+    """The declaration of an op written with @op: its body is the
+    implementation rawkv.library registers (called positionally by the
+    dispatcher), and `overload` the registered torch.ops.rawkv.<name>.default."""
+
+    def __init__(self, name: str, schema: str, body):
+        super().__init__(name, body, schema)
+        self.body = body
+        self.overload = None
+        _check_body(self)
+
+
+def _check_body(decl: Op) -> None:
+    """The body takes the schema's arguments in order, with the schema's
+    defaults (the dispatcher leaves out trailing defaulted arguments), and
+    nothing else without a default: a mismatch is a declaration error."""
+    params = list(inspect.signature(decl.body).parameters.values())
+    names = [n for n, _, _ in decl.args]
+    if [p.name for p in params[:len(names)]] != names:
+        raise ValueError(f"rawkv::{decl.name}: the body's parameters must start with the schema's "
+                         f"{names}, got {[p.name for p in params]}")
+    for p in params[:len(names)]:
+        want = decl.defaults.get(p.name, inspect.Parameter.empty)
+        if p.default is not want and p.default != want:
+            raise ValueError(f"rawkv::{decl.name}: {p.name}'s default must be the schema's ({want!r})")
+    for p in params[len(names):]:
+        if p.default is inspect.Parameter.empty:
+            raise ValueError(f"rawkv::{decl.name}: extra parameter {p.name} needs a default")
+
+
+def op(name: str, schema: str):
+    """Decorator: declare the body as rawkv::<name>(<schema>) -> () and
+    return the function public code calls (see the module docstring)."""
+    def wrap(body):
+        decl = Op(name, schema, body)
+        n = len(decl.args)
+
+        def call(*args):
+            if _is_compiling():
+                return _traced(decl, args[:n])
+            return body(*args)
+        call.op = decl
+        call.__name__ = call.__qualname__ = body.__name__
+        call.__doc__ = body.__doc__
+        return call
+    return wrap
+
+
+def _traced(decl: Op, args):
+    """Under torch.compile: the registered operator (with the schema's
+    arguments only), which dynamo records in its graph."""
+    ov = decl.overload
+    if ov is None:
+        raise RuntimeError(f"rawkv::{decl.name} is not registered with torch: import rawkv.library "
+                           "before torch.compile")
+    ov(*args)
+
+
+# ---- outputs --------------------------------------------------------------------------------
+# Output dtypes numpy lacks: bfloat16 values are held in float32 (exactly),
+# FP8 / FP4 codes as their bytes.
+_NUMPY_DTYPE = {"bfloat16": np.float32, "float8_e4m3fn": np.uint8, "float4_e2m1fn_x2": np.uint8}
+
+
+def dims(a) -> tuple:
+    """The shape of an array argument as a tuple; () for anything without
+    one (the op's argument checks then refuse it)."""
+    s = getattr(a, "shape", None)
+    return tuple(s) if s is not None else ()
+
+
+def empty(like, shape, dtype: str, stream=None):
+    """A new output of `shape` and dtype `dtype` (torch's name) where `like`,
+    the op's first input, lives: a numpy array for numpy input (bfloat16 as
+    float32, FP8 / FP4 as uint8), a CPU tensor for a CPU tensor, a CUDA
+    tensor from the device's runtime for a CUDA tensor or DLPack device
+    array (refused while capturing, allocated on `stream`), a torch.empty
+    under torch.compile. None when `like` is not an array: nothing is
+    allocated for an argument the op will refuse."""
+    if _is_compiling():
+        import torch
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+    if isinstance(like, np.ndarray):
+        return np.empty(shape, _NUMPY_DTYPE.get(dtype, dtype))
+    if D.is_torch(like):
+        torch = sys.modules["torch"]
+        if like.is_cuda:
+            return get_runtime(like.get_device()).empty(shape, getattr(torch, dtype), stream=stream)
+        if like.device.type != "cpu":
+            return None                     # the op names the device it does not run on
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    dev = getattr(like, "__dlpack_device__", None)
+    if dev is None or isinstance(like, (int, float, bool, np.generic)):
+        return None
+    if dev()[0] == 1:                       # a host DLPack array: the reference's placement
+        return np.empty(shape, _NUMPY_DTYPE.get(dtype, dtype))
+    return empty(D.as_cuda_tensor(like, "input"), shape, dtype, stream)
+
+
+# ---- registration whatever the import order ------------------------------------------------
+class _AfterTorch(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when `import torch` starts, it wraps torch's
+    loader so that `callback` runs once torch's module has executed, then
+    leaves sys.meta_path."""
+
+    def __init__(self, callback):
+        self.callback = callback
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        self._remove()
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _ThenCall(spec.loader, self.callback)
+        return spec
+
+    def _remove(self):
+        while self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+class _ThenCall(importlib.abc.Loader):
+    """torch's own loader, then the callback; the module keeps its own loader."""
+
+    def __init__(self, loader, callback):
+        self.loader, self.callback = loader, callback
+
+    def __getattr__(self, attr):            # resource readers and the like: torch's loader's
+        return getattr(self.loader, attr)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = self.loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        try:
+            self.callback()
+        except Exception as exc:  # noqa: BLE001 - `import torch` must not fail because of rawkv
+            warnings.warn(f"rawkv: registering torch.ops.rawkv.* after `import torch` failed ({exc!r}); "
+                          "`import rawkv.library` raises the error", RuntimeWarning, stacklevel=2)
+
+
+def _register() -> None:
+    from . import library  # noqa: F401  (registers every declared op on import)
+
+
+def register_when_torch_loads() -> None:
+    """Register the rawkv:: operators now if torch is loaded, else as soon
+    as `import torch` has run (`import rawkv` calls this)."""
+    t = sys.modules.get("torch")
+    if t is not None:
+        if getattr(getattr(t, "__spec__", None), "_initializing", False):
+            return      # rawkv imported from inside torch's own import: torch is not usable yet
+        _register()
+        return
+    if not any(isinstance(f, _AfterTorch) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterTorch(lambda: _register()))      # looked up when it runs
