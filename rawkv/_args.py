@@ -23,6 +23,171 @@ def require_array(x, name: str):
     return x
 
 
+# ---- the one check of a tensor argument -----------------------------------------------------
+# dtype names as torch spells them: numpy arrays need no torch to be checked
+FLOATS = ("float32", "float16", "bfloat16")
+BYTES = ("uint8", "float8_e4m3fn", "float4_e2m1fn_x2")     # packed codes and scales
+INDEX = ("int32", "int64")
+
+_TORCH_NAMES: dict = {}         # torch dtype -> 'float32'
+
+
+def dtype_name(a) -> str:
+    """The dtype of a numpy array or torch tensor as torch spells it."""
+    d = a.dtype
+    if isinstance(a, np.ndarray):
+        return d.name
+    name = _TORCH_NAMES.get(d)
+    if name is None:
+        name = _TORCH_NAMES[d] = str(d).replace("torch.", "")
+    return name
+
+
+def device_of(a) -> int:
+    """The CUDA device index of a tensor, -1 for a host array."""
+    return -1 if isinstance(a, np.ndarray) else a.get_device()
+
+
+def strides(a) -> tuple:
+    """Strides in elements (numpy's are in bytes)."""
+    if isinstance(a, np.ndarray):
+        return tuple(s // a.itemsize for s in a.strides)
+    return tuple(a.stride())
+
+
+def itemsize(a) -> int:
+    return a.itemsize if isinstance(a, np.ndarray) else a.element_size()
+
+
+def numel(a) -> int:
+    return a.size if isinstance(a, np.ndarray) else a.numel()
+
+
+def address(a) -> int:
+    """The address of an array's first element."""
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data_ptr()
+
+
+def is_dense(a) -> bool:
+    """C-contiguous (dimensions of size 1 take any stride, as in torch)."""
+    return a.flags.c_contiguous if isinstance(a, np.ndarray) else a.is_contiguous()
+
+
+def _as_array(a, name: str, where: str):
+    """`a` (already an array) as what the op's placement computes on: a torch
+    tensor or numpy array as it is, another DLPack array as a torch CUDA
+    tensor ('cuda') or a numpy array ('cpu')."""
+    if isinstance(a, np.ndarray) or is_torch(a):
+        return a
+    if where == "cuda":
+        from ._dispatch import as_cuda_tensor
+        return as_cuda_tensor(a, name)
+    return to_numpy(a, name)
+
+
+def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, device=None,
+           dense: bool = True, align: int = 1):
+    """The check of one tensor argument, the same for every op on CPU and
+    CUDA: `a` is an array (require_array), of one of `dtypes` (names as torch
+    spells them), at least `min_ndim` dimensions, of `shape` if given, on
+    CUDA device `device` (an index; -1 is the host) if given, C-contiguous
+    unless `dense` is False (the op then checks the strides it takes
+    itself), its first element `align`-byte aligned when it holds any.
+    `where` is the op's placement (rawkv._dispatch.placement). Numpy arrays
+    and CPU tensors are held to the rules the kernels need, so code that
+    runs on CPU runs on the GPU. Returns the array: a torch tensor or numpy
+    array as given, another DLPack array wrapped (rawkv._dispatch)."""
+    if not (isinstance(a, np.ndarray) or is_torch(a)):
+        a = _as_array(require_array(a, name), name, where)
+    d = dtype_name(a)
+    if d not in dtypes:
+        raise TypeError(f"{name}: dtype {d} is not supported (expected {', '.join(dtypes)})")
+    if a.ndim < min_ndim:
+        raise ValueError(f"{name}: expected at least {min_ndim} dimension(s), got shape {tuple(a.shape)}")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
+    if device is not None and device_of(a) != device:
+        raise ValueError(f"{name}: is on {_device_name(device_of(a))} but the op runs on "
+                         f"{_device_name(device)}")
+    if dense and not is_dense(a):
+        raise ValueError(f"{name}: must be contiguous (got strides {strides(a)}); call .contiguous() first")
+    if align > 1 and address(a) % align and numel(a):
+        raise ValueError(f"{name}: data must be {align}-byte aligned for this kernel "
+                         f"(address {address(a):#x}); pass a fresh or .contiguous() tensor")
+    return a
+
+
+def _device_name(index: int) -> str:
+    return "cpu" if index < 0 else f"cuda:{index}"
+
+
+def counter(errors, where: str, device: int, name: str = "errors"):
+    """An error counter the op adds to: an int32 tensor of at least one
+    element (the kernels add to its first), on the op's device."""
+    errors = tensor(errors, name, ("int32",), where, device=device)
+    if numel(errors) < 1:
+        raise ValueError(f"{name}: expected an int32 tensor with at least 1 element")
+    return errors
+
+
+def decode_dtype(dtype, out, default: str):
+    """The dtype name a decode op writes, from its public `dtype`: `dtype`
+    (a torch dtype, numpy dtype or name; one of FLOATS, else a TypeError
+    naming dtype), `default` when neither dtype nor out is given, None
+    when only out is (out's own dtype then decides: decoded())."""
+    if dtype is None:
+        return default if out is None else None
+    try:
+        hit = _DECODE_DTYPES.get(dtype)
+    except TypeError:           # unhashable: refused below
+        hit = None
+    if hit is not None:
+        return hit
+    name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+    if name not in FLOATS:
+        raise TypeError(f"dtype: expected one of {', '.join(FLOATS)}; got {dtype!r}")
+    # remembered for names and torch dtypes only: torch.compile traces this
+    # lookup, and dynamo cannot hash a numpy dtype key anywhere in the dict
+    if isinstance(dtype, str) or type(dtype).__module__ == "torch":
+        _DECODE_DTYPES[dtype] = name
+    return name
+
+
+_DECODE_DTYPES: dict = {}
+
+
+def decoded(out, dtype, where: str, shape, device: int, align: int = 1):
+    """(out, dtype name) of a decode op's output: one of FLOATS, `dtype`'s
+    if given (decode_dtype; a numpy float32 array holds bfloat16 values,
+    numpy having no bfloat16), else out's own."""
+    if dtype is None:
+        allowed = FLOATS
+    elif dtype == "bfloat16" and isinstance(out, np.ndarray):
+        allowed = ("bfloat16", "float32")
+    else:
+        allowed = (dtype,)
+    out = tensor(out, "out", allowed, where, shape=shape, device=device, align=align)
+    return out, dtype or dtype_name(out)
+
+
+def split_number(v) -> tuple:
+    """A public argument that is a number or a tensor (a gs) as its
+    operator's two arguments (`Tensor? gs`, `float? gs_value`), unchecked:
+    (None, v) for a number (Python or numpy, a numpy one as a Python float:
+    the schema takes no numpy scalar), else (v, None). Plain Python:
+    torch.compile traces it."""
+    if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)):
+        return None, (v if isinstance(v, int) else float(v))
+    return v, None
+
+
+def default_scope(scope, gs, default: str) -> str:
+    """scope None means 'given' when gs is given, else the family's default."""
+    if scope is None:
+        return "given" if gs is not None else default
+    return scope
+
+
 class _TorchDtypes:
     """torch dtype groups and names, built once (rebuilding them per call
     costs microseconds on the launch path)."""
@@ -145,18 +310,17 @@ def check_eps(eps, name: str = "eps") -> float:
     return _positive_float32(eps, name, "epsilon")
 
 
-def check_scope_gs(scope, gs, scopes, default_scope: str):
+def check_scope_gs(scope, gs, scopes, default: str):
     """(scope, gs) of an encode op with a choice of global-scale scope.
 
-    scope None means 'given' when gs is given, else `default_scope` (each
+    scope None means 'given' when gs is given, else `default` (each
     family passes its own documented default); any other scope must be one
     of `scopes`. Scope 'given' needs gs and no other scope takes one. A number
     gs (Python or numpy; a bool is a TypeError) is checked by check_gs_number
     and returned as a Python float; anything else must be an array
     (require_array) of one element, returned as it is: its dtype, device and
     value are the family's to check."""
-    if scope is None:
-        scope = "given" if gs is not None else default_scope
+    scope = default_scope(scope, gs, default)
     if scope not in scopes:
         raise ValueError(f"scope: expected one of {tuple(scopes)}, got {scope!r}")
     if scope != "given":

@@ -64,8 +64,7 @@ def placement(*named) -> str:
             dev_type = x.__dlpack_device__()[0]
             w = "cpu" if dev_type == 1 else "cuda"
         else:
-            raise TypeError(f"{name}: expected a torch tensor, numpy array or DLPack array, "
-                            f"got {type(x).__name__}")
+            raise TypeError(f"{name}: expected a tensor or array, got {type(x).__name__}")
         if where is None:
             where, first = w, name
         elif w != where:

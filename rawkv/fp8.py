@@ -10,33 +10,57 @@ from __future__ import annotations
 
 from . import _args as A
 from . import _dispatch as D
-from ._opdecl import OpDecl
+from ._op import dims, empty, op
 from .kernels import fp8 as K
 from .reference import formats as ref
 from .runtime import get_runtime
 
 _BLOCK = 256
-_FLOATS = ("float32", "float16", "bfloat16")   # what x / decoded values may be
 _CODES = ("uint8", "float8_e4m3fn")            # what codes may be
 
 
-def _name_of(dtype) -> str:
-    """'float32' for torch.float32, numpy's float32 dtype or 'float32'."""
-    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+def e4m3_encode(x, *, out=None, stream=None):
+    """E4M3 codes of `x` (float32/float16/bfloat16, any shape, contiguous):
+    RNE, satfinite to +-448, NaN -> 0x7F. Returns a float8_e4m3fn tensor (a
+    uint8 numpy array for numpy input), or `out` (uint8 or float8_e4m3fn,
+    contiguous, x's shape)."""
+    if out is None:
+        out = empty(x, dims(x), "float8_e4m3fn", stream)
+    _encode(x, out, stream)
+    return out
 
 
-def _decode_dtype(dtype, out) -> str:
-    """Name of the decoded dtype: `dtype`, else out's when it is a float
-    dtype (out itself is checked against it), else float32."""
-    if dtype is not None:
-        name = _name_of(dtype)
-        if name not in _FLOATS:
-            raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
-        return name
-    out_name = _name_of(getattr(out, "dtype", None))
-    return out_name if out_name in _FLOATS else "float32"
+def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
+    """Values of E4M3 `codes` (uint8 or float8_e4m3fn, contiguous) as `dtype`
+    (float32 default, else out's dtype; float16 or bfloat16 are exact since
+    every E4M3 value is; numpy output holds bfloat16 values in float32)."""
+    name = A.decode_dtype(dtype, out, "float32")
+    if out is None:
+        out = empty(codes, dims(codes), name, stream)
+    _decode(codes, out, stream, name)
+    return out
 
 
+# ---- arguments --------------------------------------------------------------------------------
+def _encode_args(x, out):
+    """(placement, x, out) of an encode, checked."""
+    where = D.placement(("x", x), ("out", out))
+    A.check_outputs((("out", out),), (("x", x),))
+    x = A.tensor(x, "x", A.FLOATS, where)
+    out = A.tensor(out, "out", _CODES, where, shape=x.shape, device=A.device_of(x))
+    return where, x, out
+
+
+def _decode_args(codes, out, dtype):
+    """(placement, codes, out, decoded dtype name) of a decode, checked."""
+    where = D.placement(("codes", codes), ("out", out))
+    A.check_outputs((("out", out),), (("codes", codes),))
+    codes = A.tensor(codes, "codes", _CODES, where)
+    out, name = A.decoded(out, dtype, where, codes.shape, A.device_of(codes))
+    return where, codes, out, name
+
+
+# ---- the ops ------------------------------------------------------------------------------------
 # device -> {n: grid}: launch geometry depends only on the device and n.
 _GRIDS: dict = {}
 
@@ -55,44 +79,17 @@ def _grid(rt, n) -> tuple:
     return g
 
 
-def _vector(*tensors) -> bool:
-    """The 16-byte vector path: every pointer 16-byte aligned."""
-    acc = 0
-    for t in tensors:
-        acc |= t.data_ptr()
-    return acc & 15 == 0
-
-
 # (device, x dtype, out dtype) -> (Runtime, {vector?: Instance}, the device's
-# grids): filled by
-# the checked path, read by the fast path of a decode step.
+# grids): filled by the checked path, read by the fast path of a decode step.
 _ENCODE_FAST: dict = {}
 
 
-def _on_cpu(a, name, a_dtypes, out, out_dtypes, convert, torch_dtype):
-    """The CPU path of encode and decode (the reference, `convert`), or None
-    when `a` and `out` live on a device: the same argument rules either way."""
-    A.require_array(a, name)
-    if out is not None:
-        A.require_array(out, "out")
-    A.check_outputs((("out", out),), ((name, a),))
-    if D.placement((name, a), ("out", out)) != "cpu":
-        return None
-    A.check_cpu_array(a, name, a_dtypes)
-    if out is not None:
-        A.check_cpu_array(out, "out", out_dtypes, shape=a.shape)
-    return D.from_numpy(convert(D.to_numpy(a, name)), a, torch_dtype=torch_dtype, out=out)
-
-
-def e4m3_encode(x, *, out=None, stream=None):
-    """E4M3 codes of `x` (float32/float16/bfloat16, any shape): RNE, satfinite
-    to +-448, NaN -> 0x7F. Returns a float8_e4m3fn tensor (or `out`, uint8 or
-    float8_e4m3fn, of x's shape)."""
-    # Fast path (CUDA tensors, out= given, a combination the checked path
-    # has accepted before): the same checks, inlined; whatever fails them
-    # takes the checked path, which raises the error naming the argument.
-    if D.compiling():
-        return _traced(ENCODE_OP, out, x.shape, "float8_e4m3fn", x, x=x)
+@op("e4m3_encode", "Tensor x, Tensor(a!) out")
+def _encode(x, out, stream=None):
+    """rawkv::e4m3_encode: the codes of x into out."""
+    # Fast path (CUDA tensors, a combination the checked path has accepted
+    # before): the same checks, inlined; whatever fails them takes the
+    # checked path, which raises the error naming the argument.
     try:
         ent = _ENCODE_FAST.get((x.get_device(), x.dtype, out.dtype)) if x.is_cuda is out.is_cuda is True else None
     except AttributeError:
@@ -100,81 +97,39 @@ def e4m3_encode(x, *, out=None, stream=None):
     if ent is not None and out.shape == x.shape and x.is_contiguous() and out.is_contiguous() \
             and out.get_device() == ent[0].device_index:
         n = x.numel()
-        xp, op = x.data_ptr(), out.data_ptr()
+        xp, op_ = x.data_ptr(), out.data_ptr()
         if not n:
-            return out
-        if op + n <= xp or xp + n * x.element_size() <= op:      # apart (else: the checked path refuses)
+            return
+        if op_ + n <= xp or xp + n * x.element_size() <= op_:      # apart (else: the checked path refuses)
             rt = ent[0]
-            ent[1][(xp | op) & 15 == 0].launch(rt, ent[2].get(n) or _grid(rt, n), (_BLOCK,),
-                                               stream=stream, x=xp, out=op, n=n)
-            return out
-    if not D.is_cuda_tensor(x):
-        res = _on_cpu(x, "x", _FLOATS, out, _CODES, ref.e4m3_encode, "float8_e4m3fn")
-        if res is not None:
-            return res
-        x = D.as_cuda_tensor(x, "x")
-    dt = A.dtypes()
-    A.check_tensor(x, "x", dt.floats)
-    dev = x.get_device()
-    if out is None:
-        out = get_runtime(dev).empty(x.shape, dt.fp8[-1], stream=stream)
-    else:
-        if not D.is_cuda_tensor(out):
-            out = D.as_cuda_tensor(A.require_array(out, "out"), "out")
-        A.check_tensor(out, "out", dt.fp8, shape=x.shape, device=dev)
-        A.check_outputs((("out", out),), (("x", x),))
+            ent[1][(xp | op_) & 15 == 0].launch(rt, ent[2].get(n) or _grid(rt, n), (_BLOCK,),
+                                                stream=stream, x=xp, out=op_, n=n)
+            return
+    where, x, out = _encode_args(x, out)
+    if where == "cpu":
+        D.from_numpy(ref.e4m3_encode(D.to_numpy(x, "x")), x, torch_dtype="float8_e4m3fn", out=out)
+        return
     n = x.numel()
     if n:
-        rt = get_runtime(dev)
-        K.ENCODE.launch(rt, _grid(rt, n), (_BLOCK,), x.dtype, _vector(x, out), stream=stream,
+        rt = get_runtime(x.get_device())
+        K.ENCODE.launch(rt, _grid(rt, n), (_BLOCK,), x.dtype, A.aligned16(x, out), stream=stream,
                         x=x, out=out, n=n)
-        _ENCODE_FAST.setdefault((dev, x.dtype, out.dtype), (
+        _ENCODE_FAST.setdefault((rt.device_index, x.dtype, out.dtype), (
             rt, {v: K.ENCODE.instance(x.dtype, v) for v in (False, True)}, _GRIDS[rt.device_index]))
-    return out
 
 
-def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
-    """Values of E4M3 `codes` (uint8 or float8_e4m3fn) as `dtype`
-    (float32 default, else out's dtype; float16 or bfloat16 are exact since
-    every E4M3 value is)."""
-    name = _decode_dtype(dtype, out)
-    if D.compiling():
-        return _traced(DECODE_OP, out, codes.shape, name, codes, codes=codes)
-    if not D.is_cuda_tensor(codes):
-        res = _on_cpu(codes, "codes", _CODES, out, (name,),
-                      lambda c: ref.round_to_dtype(ref.e4m3_decode(c), name), name)
-        if res is not None:
-            return res
-        codes = D.as_cuda_tensor(codes, "codes")
-    import torch
-    dt = A.dtypes()
-    A.check_tensor(codes, "codes", dt.fp8)
-    dev = codes.get_device()
-    tdtype = getattr(torch, name)
-    if out is None:
-        out = get_runtime(dev).empty(codes.shape, tdtype, stream=stream)
-    else:
-        if not D.is_cuda_tensor(out):
-            out = D.as_cuda_tensor(A.require_array(out, "out"), "out")
-        A.check_tensor(out, "out", (tdtype,), shape=codes.shape, device=dev)
-        A.check_outputs((("out", out),), (("codes", codes),))
+@op("e4m3_decode", "Tensor codes, Tensor(a!) out")
+def _decode(codes, out, stream=None, dtype=None):
+    """rawkv::e4m3_decode: the values of codes into out, in out's dtype
+    (`dtype`, the public op's, when out is a numpy float32 array holding
+    bfloat16 values)."""
+    where, codes, out, name = _decode_args(codes, out, dtype)
+    if where == "cpu":
+        D.from_numpy(ref.round_to_dtype(ref.e4m3_decode(D.to_numpy(codes, "codes")), name), codes,
+                     torch_dtype=name, out=out)
+        return
     n = codes.numel()
     if n:
-        rt = get_runtime(dev)
-        K.DECODE.launch(rt, _grid(rt, n), (_BLOCK,), tdtype, _vector(codes, out), stream=stream,
+        rt = get_runtime(codes.get_device())
+        K.DECODE.launch(rt, _grid(rt, n), (_BLOCK,), out.dtype, A.aligned16(codes, out), stream=stream,
                         codes=codes, out=out, n=n)
-    return out
-
-
-def _traced(op, out, shape, dtype_name, like, **inputs):
-    """Under torch.compile: allocate `out` if needed and call the rawkv::
-    operator (rawkv.library), which dynamo can trace."""
-    import torch
-    if out is None:
-        out = torch.empty(shape, dtype=getattr(torch, dtype_name), device=like.device)
-    op.call(torch, **inputs, out=out)
-    return out
-
-
-ENCODE_OP = OpDecl("e4m3_encode", e4m3_encode, "Tensor x, Tensor(a!) out")
-DECODE_OP = OpDecl("e4m3_decode", e4m3_decode, "Tensor codes, Tensor(a!) out")
