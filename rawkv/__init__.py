@@ -11,8 +11,13 @@ from . import fp8, fused, gemm, kvcache, nvfp4, reference  # noqa: E402,F401
 from .errors import CaptureError, CompileError, GpuUnavailableError, RawkvError  # noqa: E402,F401
 from .runtime import get_runtime, warmup  # noqa: E402,F401
 
-from ._op import register_when_torch_loads as _register_ops  # noqa: E402
+from ._op import when_torch_loads as _when_torch_loads  # noqa: E402
+
+
+def _register_ops():
+    from . import library  # noqa: F401  (registers every declared op on import)
+
 
 # torch.ops.rawkv.* whatever the import order: now if torch is loaded (an
-# engine imported it first), else when `import torch` runs (rawkv._op).
-_register_ops()
+# engine imported it first), else when `import torch` has run (rawkv._op).
+_when_torch_loads(lambda: _register_ops())        # looked up when it runs

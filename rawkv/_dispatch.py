@@ -144,7 +144,8 @@ def _as_torch(arr: np.ndarray, torch_dtype):
     import torch
     if isinstance(torch_dtype, str):
         torch_dtype = getattr(torch, torch_dtype)
-    t = torch.from_numpy(np.ascontiguousarray(arr))
+    # (np.ascontiguousarray would make a 0-d array 1-d)
+    t = torch.from_numpy(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr))
     if torch_dtype is None or t.dtype == torch_dtype:
         return t
     if t.dtype == torch.uint8 and torch_dtype.itemsize == 1:

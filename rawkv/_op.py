@@ -26,8 +26,8 @@ body itself as the CPU and CUDA implementation.
 
 Registration (rawkv.library) needs torch, which `import rawkv` never
 imports: it runs when `import rawkv` finds torch loaded, else when torch
-is imported later (`register_when_torch_loads`, an import hook removed
-once it has run), so `torch.ops.rawkv.*` exist whatever the import order.
+is imported later (`when_torch_loads`, an import hook removed once it has
+run), so `torch.ops.rawkv.*` exist whatever the import order.
 """
 from __future__ import annotations
 
@@ -68,7 +68,6 @@ class Op(OpDecl):
     def __init__(self, name: str, schema: str, body):
         super().__init__(name, body, schema)
         self.body = body
-        self.overload = None
         _check_body(self)
 
 
@@ -213,18 +212,14 @@ class _ThenCall(importlib.abc.Loader):
                           "`import rawkv.library` raises the error", RuntimeWarning, stacklevel=2)
 
 
-def _register() -> None:
-    from . import library  # noqa: F401  (registers every declared op on import)
-
-
-def register_when_torch_loads() -> None:
-    """Register the rawkv:: operators now if torch is loaded, else as soon
-    as `import torch` has run (`import rawkv` calls this)."""
+def when_torch_loads(callback) -> None:
+    """Call `callback` now if torch is loaded, else as soon as `import
+    torch` has run (`import rawkv` registers the operators this way)."""
     t = sys.modules.get("torch")
     if t is not None:
         if getattr(getattr(t, "__spec__", None), "_initializing", False):
             return      # rawkv imported from inside torch's own import: torch is not usable yet
-        _register()
+        callback()
         return
     if not any(isinstance(f, _AfterTorch) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterTorch(lambda: _register()))      # looked up when it runs
+        sys.meta_path.insert(0, _AfterTorch(callback))

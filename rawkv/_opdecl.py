@@ -27,6 +27,12 @@ class OpDecl:
     needs more than the schema can say, e.g. a gs that is a number or a
     tensor). `schema`: 'Tensor x, Tensor(a!) out, float eps=1e-06'."""
 
+    # An op written with rawkv._op.op: its body, which takes the schema's
+    # arguments positionally and is registered as it is; and the registered
+    # torch.ops.rawkv.<name>.default, once rawkv.library has run.
+    body = None
+    overload = None
+
     def __init__(self, name: str, impl: Callable, schema: str):
         self.name, self.impl, self.schema = name, impl, schema
         self.args = []

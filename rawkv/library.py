@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _op, _opdecl, ops  # noqa: F401  (ops: every op module declares its operators)
+from . import _opdecl, ops  # noqa: F401  (ops: every op module declares its operators)
 
 NAMESPACE = "rawkv"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -46,12 +46,11 @@ def _register(decl: _opdecl.OpDecl) -> None:
     _LIB.define(f"{decl.name}({decl.schema}) -> ()")
     # An op written with rawkv._op.op: its body takes the schema's arguments
     # positionally, defaults included, so it is the implementation itself.
-    fn = decl.body if isinstance(decl, _op.Op) else _make_impl(decl)
+    fn = decl.body if decl.body is not None else _make_impl(decl)
     for key in ("CPU", "CUDA"):
         _LIB.impl(decl.name, fn, key)
     torch.library.register_fake(f"{NAMESPACE}::{decl.name}", _fake, lib=_LIB)
-    if isinstance(decl, _op.Op):
-        decl.overload = getattr(torch.ops.rawkv, decl.name).default
+    decl.overload = getattr(torch.ops.rawkv, decl.name).default
 
 
 for _decl in _opdecl.declared().values():

@@ -10,68 +10,16 @@ import numpy as np
 import pytest
 
 import rawkv
-from rawkv import runtime
 from rawkv.kernels import nvfp4 as K
 from rawkv.nvfp4 import activation, counters, decode, encode, scales
 
 torch = pytest.importorskip("torch")
-
-
-class FakeCuda(torch.Tensor):
-    """A CPU tensor the ops take for a CUDA one (get_device() is -1)."""
-
-    @property
-    def is_cuda(self):
-        return True
-
-
-def fake(t):
-    return t.as_subclass(FakeCuda)
-
-
-class RecordingRuntime:
-    device_index = -1
-    sm_count, max_threads_per_sm = 132, 2048
-    resident_blocks = runtime.Runtime.resident_blocks
-    grid_stride = runtime.Runtime.grid_stride
-
-    def __init__(self):
-        self._functions = {}
-        self.calls = []
-
-    @staticmethod
-    def _get_device():
-        return 0        # not device_index: every launch goes through launch() below
-
-    def function(self, filename, name, stream=None):
-        assert filename == "nvfp4.cu" and name in K.FILE.name_expressions(), name
-        return name
-
-    def launch(self, fn, grid, block, st, args, stream=None, shared_mem=0, what=None):
-        st.pack(*args)                          # each scalar fits its C type
-        names = [p.name for p in what.kernel.params]
-        self.calls.append((fn, grid, block, dict(zip(names, args))))
-
-    def memset(self, ptr, value, nbytes, stream=None):
-        self.calls.append(("memset", ptr, value, nbytes))
-
-    def empty(self, shape, dtype, stream=None):
-        return fake(torch.full(tuple(shape), 0xAB if dtype == torch.uint8 else 7, dtype=dtype))
-
-    def capturing(self, stream=None):
-        return False
-
-    def torch_stream(self, stream=None):
-        return None
+from fake_cuda import RecordingRuntime, fake, install  # noqa: E402,F401  (RecordingRuntime: the fused tests import it from here)
 
 
 @pytest.fixture
 def rt(monkeypatch):
-    r = RecordingRuntime()
-    for mod in (encode, activation, decode, scales):
-        monkeypatch.setattr(mod, "get_runtime", lambda dev: r)
-    monkeypatch.setitem(counters._CUDA, -1, fake(torch.zeros(2, dtype=torch.int32)))
-    return r
+    return install(monkeypatch, (encode, activation, decode, scales))
 
 
 def names(rt):

@@ -398,31 +398,35 @@ def test_ops_numpy_and_torch_cpu(rng):
 
 
 def test_row_view_refuses_rows_not_16_bytes_apart():
-    # _checks.row_view is what quantize runs on CUDA tensors; it only looks at
-    # shapes and strides, so CPU tensors exercise it
+    # _rules.row_view is what quantize runs on CPU and CUDA arrays alike; it
+    # only looks at shapes and strides
     torch = pytest.importorskip("torch")
-    from rawkv.nvfp4 import _checks
-    assert _checks.row_view(torch.zeros(12, 96, dtype=torch.bfloat16)[::2, 32:96], "x") == (6, 64, 192)
-    assert _checks.row_view(torch.zeros(4, 20)[:, :16], "x") == (4, 16, 20)          # 80 bytes apart
+    from rawkv.nvfp4 import _rules
+    assert _rules.row_view(torch.zeros(12, 96, dtype=torch.bfloat16)[::2, 32:96], "x") == (6, 64, 192)
+    assert _rules.row_view(torch.zeros(4, 20)[:, :16], "x") == (4, 16, 20)          # 80 bytes apart
+    assert _rules.row_view(np.zeros((4, 20), np.float32)[:, :16], "x") == (4, 16, 20)
     with pytest.raises(ValueError, match="^x: rows are 36 bytes apart"):
-        _checks.row_view(torch.zeros(4, 18, dtype=torch.float16)[:, :16], "x")
+        _rules.row_view(torch.zeros(4, 18, dtype=torch.float16)[:, :16], "x")
+    with pytest.raises(ValueError, match="^x: rows are 36 bytes apart"):
+        rawkv.nvfp4.quantize(np.zeros((4, 18), np.float16)[:, :16])              # on CPU too
     with pytest.raises(ValueError, match="^x:"):
-        _checks.row_view(torch.zeros(2, 24)[:, :20], "x")                           # N % 16
+        _rules.row_view(torch.zeros(2, 24)[:, :20], "x")                           # N % 16
 
 
-def test_q_alignment_checked_by_the_cuda_argument_check():
-    # check_q_sf is what dequantize and gather run on CUDA tensors; it only
-    # looks at shapes, dtypes and data pointers, so CPU tensors exercise it
+def test_q_alignment_checked_on_cpu_as_on_cuda():
+    # the kernels load q 4 bytes at a time: a q view at an odd address is
+    # refused by dequantize and gather on CPU tensors as on CUDA ones
     torch = pytest.importorskip("torch")
-    from rawkv.nvfp4 import _checks
     buf = torch.zeros(4 * 8 + 4, dtype=torch.uint8)
     sf = torch.zeros(4, 1, dtype=torch.uint8)
     assert buf.data_ptr() % 16 == 0
     for off in (1, 2, 3):
-        with pytest.raises(ValueError, match="^q:"):
-            _checks.check_q_sf(buf[off:off + 32].view(4, 8), sf)
-    q8, sf8, n = _checks.check_q_sf(buf[4:36].view(4, 8), buf[1:5].view(4, 1))   # what the kernel needs
-    assert n == 16
+        with pytest.raises(ValueError, match="^q: data must be 4-byte aligned"):
+            rawkv.nvfp4.dequantize(buf[off:off + 32].view(4, 8), sf, 1.0)
+        with pytest.raises(ValueError, match="^q: data must be 4-byte aligned"):
+            rawkv.nvfp4.gather(buf[off:off + 32].view(4, 8), sf, 1.0, torch.tensor([0]))
+    y = rawkv.nvfp4.dequantize(buf[4:36].view(4, 8), buf[1:5].view(4, 1), 1.0)   # what the kernel needs
+    assert y.shape == (4, 16)
 
 
 @pytest.mark.parametrize("bad", ["q_shape", "q_dtype", "sf_shape", "sf_dtype", "gs_shape", "gs_dtype"])

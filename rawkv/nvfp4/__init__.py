@@ -14,16 +14,18 @@
 CUDA tensors run rawkv/cu/nvfp4.cu (declared in rawkv.kernels.nvfp4) on
 torch's current stream (or `stream`); numpy arrays and CPU tensors run
 rawkv.reference (nvfp4.py, layouts.py), which defines every result bit for
-bit. The rawkv::nvfp4_* torch operators (rawkv.library) are the same ops in
-the mutating form engines call, and what these functions call under
-torch.compile (docs/format.md, "NVFP4: torch custom operators"). Every
-argument is checked before anything is launched or written. Every
+bit. Each op is written once, as its rawkv::nvfp4_* torch operator (the
+mutating form engines call, rawkv._op): the functions here allocate what
+they return and call it (docs/format.md, "NVFP4: torch custom operators").
+Every argument is checked, by the same rules on CPU and CUDA, before
+anything is launched or written. Every
 op takes out= buffers, so a CUDA-graph-captured step allocates nothing;
 nothing here synchronizes with the host.
 
 Modules: encode (quantize), activation (QuantizedActivation, dequantize),
 decode (gather and the decode launch), scales (swizzle), counters (error
-counters), _checks (the family's argument rules), _geometry (launch shapes).
+counters), _rules (the family's argument rules: one function per op),
+_geometry (launch shapes).
 """
 from __future__ import annotations
 

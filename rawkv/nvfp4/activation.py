@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from . import _checks as C
-from .decode import launch_decode, traced_decode
+from . import _rules as C
+from .decode import host_gs, launch_decode
 from .. import _args as A
 from .. import _dispatch as D
-from .._opdecl import OpDecl
+from .._op import dims, empty, op
 from ..reference import nvfp4 as ref
 from ..runtime import get_runtime
 
@@ -40,29 +40,33 @@ def dequantize(q, sf=None, gs=None, *, dtype=None, out=None, stream=None):
     rawkv.nvfp4.QuantizedActivation, with sf and gs left out."""
     if sf is None or gs is None:
         q, sf, gs = _activation_parts(q, sf, gs)
-    name, tdt = C.decode_dtype(dtype, out)
-    if D.compiling():
-        return traced_decode(DEQUANTIZE_OP, out, (*q.shape[:-1], q.shape[-1] * 2), tdt, gs, q=q, sf=sf)
-    gs = C.decode_gs(gs)
-    where = D.placement(("q", q), ("sf", sf), ("gs", gs), ("out", out))
-    A.check_outputs((("out", out),), (("q", q), ("sf", sf), ("gs", gs)))
-    if where == "cpu":
-        qa, sfa, n = C.cpu_q_sf(q, sf)
-        ga = C.cpu_decode_gs(gs, qa.shape[:-1])
-        C.cpu_decode_out(out, name, (*qa.shape[:-1], n))
-        return D.from_numpy(ref.dequantize(qa, sfa, ga, name), q, torch_dtype=tdt, out=out)
-    q8, sf8, n = C.check_q_sf(q, sf)
-    dev = q8.get_device()
-    lead = tuple(q8.shape[:-1])
-    kind, gsv = C.decode_gs_cuda(gs, lead, dev)
-    if out is not None:
-        out = C.check_out(out, "out", (tdt,), (*lead, n), dev, align=16)
-    rt = get_runtime(dev)
+    name = A.decode_dtype(dtype, out, "bfloat16")
     if out is None:
-        out = rt.empty((*lead, n), tdt, stream=stream)
-    m = math.prod(lead)
-    launch_decode(rt, q8, sf8, kind, gsv, None, out, None, m, m, n, stream)
+        sq = dims(q)
+        out = empty(q, (*sq[:-1], sq[-1] * 2 if sq else 0), name, stream)
+    gs_t, gs_v = A.split_number(gs)
+    _dequantize(q, sf, gs_t, gs_v, out, stream, name)
     return out
+
+
+@op("nvfp4_dequantize", "Tensor q, Tensor sf, Tensor? gs, float? gs_value, Tensor(a!) out")
+def _dequantize(q, sf, gs, gs_value, out, stream=None, dtype=None):
+    """rawkv::nvfp4_dequantize: (q, sf) decoded into out, in out's dtype
+    (`dtype`, the public op's, when out is a numpy float32 array holding
+    bfloat16 values); a gs is a tensor `gs` or a number `gs_value`."""
+    where, q, sf, n, kind, gs, out, name = C.dequantize(q, sf, gs, gs_value, out, dtype)
+    if where == "cpu":
+        y = ref.dequantize(D.to_numpy(q, "q"), D.to_numpy(sf, "sf"), _lead_gs(kind, gs, q), name)
+        D.from_numpy(y, q, torch_dtype=name, out=out)
+        return
+    m = math.prod(q.shape[:-1])
+    launch_decode(get_runtime(q.get_device()), q, sf, kind, gs, None, out, None, m, m, n, stream)
+
+
+def _lead_gs(kind, gs, q):
+    """The reference's gs: 0-d, or one per row in q's leading shape."""
+    g = host_gs(kind, gs)
+    return g.reshape(q.shape[:-1]) if kind == "row" else g
 
 
 def _activation_parts(q, sf, gs):
@@ -73,12 +77,3 @@ def _activation_parts(q, sf, gs):
         raise TypeError("sf, gs: both required, unless q is a rawkv.nvfp4.QuantizedActivation "
                         f"(then neither); got q of type {type(q).__name__}")
     return q.q, q.sf, q.gs
-
-
-def _dequantize_op(q, sf, gs, gs_value, out):
-    """rawkv::nvfp4_dequantize: out's dtype is the decode dtype."""
-    dequantize(q, sf, A.op_gs(gs, gs_value, required=True), out=out)
-
-
-DEQUANTIZE_OP = OpDecl("nvfp4_dequantize", _dequantize_op,
-                       "Tensor q, Tensor sf, Tensor? gs, float? gs_value, Tensor(a!) out")
