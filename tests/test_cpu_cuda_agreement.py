@@ -1,0 +1,219 @@
+"""The same inputs are accepted or refused on CPU and CUDA (issue 22 item 2).
+
+Each case calls a public op twice on the same memory: as CPU tensors (the
+reference's path) and as CPU tensors that report is_cuda with a runtime
+that records launches (tests/fake_cuda.py: the CUDA path up to the
+launch). Both calls must accept, or both refuse with the same error type and
+message. Code that runs on CPU then runs on the GPU, and an input the GPU
+refuses is refused on CPU first.
+
+The one difference by design is not here: a given gs whose value is
+unusable is refused on the host when the host holds it, and flagged and
+counted by the kernel when the device does (docs/format.md).
+"""
+from __future__ import annotations
+
+import pytest
+
+import rawkv
+from rawkv import _opdecl, fp8
+from rawkv.nvfp4 import activation, decode, encode, scales
+
+torch = pytest.importorskip("torch")
+from fake_cuda import fake, install  # noqa: E402
+
+nv = rawkv.nvfp4
+f32, f16, u8 = torch.float32, torch.float16, torch.uint8
+
+
+def ones(*shape, dtype=f32):
+    return torch.ones(shape, dtype=dtype)
+
+
+def buf(*shape, dtype=u8):
+    return torch.zeros(shape, dtype=dtype)
+
+
+def unaligned(*shape, dtype=f32, by=1):
+    """A contiguous view starting `by` elements into a fresh buffer."""
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.ones(n + by, dtype=dtype)[by:].view(shape)
+
+
+def strided_last(*shape, dtype=f32):
+    """Every other element of the last dimension."""
+    return torch.ones(*shape[:-1], shape[-1] * 2, dtype=dtype)[..., ::2]
+
+
+def stride0(*shape, dtype=f32):
+    return torch.ones(shape[-1], dtype=dtype).expand(*shape)
+
+
+def _q_sf():
+    q, sf, _ = nv.quantize(torch.linspace(-3, 3, 128).reshape(4, 32), scope="tensor")
+    return q.view(u8), sf.view(u8)
+
+
+def q():
+    return _q_sf()[0]
+
+
+def sf():
+    return _q_sf()[1]
+
+
+# op name -> [(case id, lambda: (public function, args, kwargs))]; the args
+# are CPU tensors (the CUDA call gets the same memory seen as CUDA tensors)
+CASES = {
+    "e4m3_encode": [
+        ("ok", lambda: (fp8.e4m3_encode, (ones(4, 8),), {})),
+        ("ok-out", lambda: (fp8.e4m3_encode, (ones(4, 8),), {"out": buf(4, 8)})),
+        ("ok-0d", lambda: (fp8.e4m3_encode, (torch.tensor(2.0),), {})),
+        ("ok-empty", lambda: (fp8.e4m3_encode, (ones(0, 8),), {})),
+        ("ok-unaligned", lambda: (fp8.e4m3_encode, (unaligned(4, 8),), {"out": unaligned(4, 8, dtype=u8)})),
+        ("x-strided-last-dim", lambda: (fp8.e4m3_encode, (strided_last(4, 8),), {})),
+        ("x-stride-0", lambda: (fp8.e4m3_encode, (stride0(4, 8),), {})),
+        ("x-transposed", lambda: (fp8.e4m3_encode, (ones(8, 4).t(),), {})),
+        ("x-float64", lambda: (fp8.e4m3_encode, (ones(4, 8, dtype=torch.float64),), {})),
+        ("out-strided", lambda: (fp8.e4m3_encode, (ones(4, 8),), {"out": strided_last(4, 8, dtype=u8)})),
+        ("out-stride-0", lambda: (fp8.e4m3_encode, (ones(4, 8),), {"out": stride0(4, 8, dtype=u8)})),
+        ("out-shape", lambda: (fp8.e4m3_encode, (ones(4, 8),), {"out": buf(32)})),
+        ("out-int32", lambda: (fp8.e4m3_encode, (ones(4, 8),), {"out": buf(4, 8, dtype=torch.int32)})),
+        ("out-over-x", lambda: (lambda x: fp8.e4m3_encode(x, out=x.view(u8)[:, :8]), (ones(4, 8),), {})),
+    ],
+    "e4m3_decode": [
+        ("ok", lambda: (fp8.e4m3_decode, (buf(4, 8),), {})),
+        ("ok-fp8-bf16", lambda: (fp8.e4m3_decode, (buf(4, 8).view(torch.float8_e4m3fn),),
+                                 {"dtype": torch.bfloat16})),
+        ("ok-out", lambda: (fp8.e4m3_decode, (buf(4, 8),), {"out": ones(4, 8, dtype=f16)})),
+        ("codes-strided", lambda: (fp8.e4m3_decode, (strided_last(4, 8, dtype=u8),), {})),
+        ("codes-stride-0", lambda: (fp8.e4m3_decode, (stride0(4, 8, dtype=u8),), {})),
+        ("codes-float32", lambda: (fp8.e4m3_decode, (ones(4, 8),), {})),
+        ("dtype-int32", lambda: (fp8.e4m3_decode, (buf(4, 8),), {"dtype": torch.int32})),
+        ("out-strided", lambda: (fp8.e4m3_decode, (buf(4, 8),), {"out": strided_last(4, 8)})),
+        ("out-not-dtype", lambda: (fp8.e4m3_decode, (buf(4, 8),), {"dtype": f16, "out": ones(4, 8)})),
+        ("out-int32", lambda: (fp8.e4m3_decode, (buf(4, 8),), {"out": buf(4, 8, dtype=torch.int32)})),
+    ],
+    "nvfp4_quantize": [
+        ("ok-tensor", lambda: (nv.quantize, (ones(4, 32),), {})),
+        ("ok-row", lambda: (nv.quantize, (ones(4, 32, dtype=torch.bfloat16),), {"scope": "row"})),
+        ("ok-given-number", lambda: (nv.quantize, (ones(4, 32),), {"scope": "given", "gs": 0.5})),
+        ("ok-given-tensor", lambda: (nv.quantize, (ones(4, 32),), {"scope": None, "gs": torch.tensor([0.5])})),
+        ("ok-none", lambda: (nv.quantize, (ones(4, 32),), {"scope": "none"})),
+        ("ok-row-slice", lambda: (nv.quantize, (ones(4, 48)[:, :32],), {})),
+        ("ok-out", lambda: (nv.quantize, (ones(4, 32),), {"out": (buf(4, 16), buf(4, 2), buf(dtype=f32))})),
+        ("ok-empty", lambda: (nv.quantize, (ones(0, 32),), {})),
+        ("x-rows-36-bytes-apart", lambda: (nv.quantize, (ones(4, 18, dtype=f16)[:, :16],), {})),
+        ("x-strided-last-dim", lambda: (nv.quantize, (strided_last(4, 32),), {})),
+        ("x-rows-stride-0", lambda: (nv.quantize, (stride0(4, 32),), {})),
+        ("x-unaligned", lambda: (nv.quantize, (unaligned(4, 32),), {})),
+        ("x-float64", lambda: (nv.quantize, (ones(4, 32, dtype=torch.float64),), {})),
+        ("x-last-dim-24", lambda: (nv.quantize, (ones(4, 24),), {})),
+        ("x-0d", lambda: (nv.quantize, (torch.tensor(1.0),), {})),
+        ("scope-bad", lambda: (nv.quantize, (ones(4, 32),), {"scope": "col"})),
+        ("gs-float64", lambda: (nv.quantize, (ones(4, 32),), {"scope": "given",
+                                                            "gs": torch.tensor([0.5], dtype=torch.float64)})),
+        ("gs-2-elements", lambda: (nv.quantize, (ones(4, 32),), {"scope": "given",
+                                                                 "gs": torch.tensor([0.5, 0.5])})),
+        ("gs-number-over-f16-bound", lambda: (nv.quantize, (ones(4, 32, dtype=f16),), {"scope": "given", "gs": 2e7})),
+        ("q-strided", lambda: (nv.quantize, (ones(4, 32),), {"out": (strided_last(4, 16, dtype=u8), None, None)})),
+        ("q-unaligned", lambda: (nv.quantize, (ones(4, 32),), {"out": (unaligned(4, 16, dtype=u8), None, None)})),
+        ("sf-strided", lambda: (nv.quantize, (ones(4, 32),), {"out": (None, strided_last(4, 2, dtype=u8), None)})),
+        ("gs-out-shape", lambda: (nv.quantize, (ones(4, 32),), {"scope": "row", "out": (None, None, ones(1))})),
+        ("errors-int64", lambda: (nv.quantize, (ones(4, 32),), {"scope": "given", "gs": torch.tensor([0.5]),
+                                                               "errors": buf(1, dtype=torch.int64)})),
+        ("errors-empty", lambda: (nv.quantize, (ones(4, 32),), {"scope": "given", "gs": torch.tensor([0.5]),
+                                                               "errors": buf(0, dtype=torch.int32)})),
+    ],
+    "nvfp4_dequantize": [
+        ("ok-number", lambda: (nv.dequantize, (q(), sf(), 0.5), {})),
+        ("ok-scalar-tensor", lambda: (nv.dequantize, (q(), sf(), torch.tensor(0.5)), {"dtype": f32})),
+        ("ok-row", lambda: (nv.dequantize, (q(), sf(), ones(4)), {"dtype": f16})),
+        ("ok-out", lambda: (nv.dequantize, (q(), sf(), 0.5), {"out": ones(4, 32)})),
+        ("q-strided", lambda: (nv.dequantize, (strided_last(4, 16, dtype=u8), sf(), 0.5), {})),
+        ("q-unaligned", lambda: (nv.dequantize, (unaligned(4, 16, dtype=u8), sf(), 0.5), {})),
+        ("q-float32", lambda: (nv.dequantize, (ones(4, 16), sf(), 0.5), {})),
+        ("sf-strided", lambda: (nv.dequantize, (q(), strided_last(4, 2, dtype=u8), 0.5), {})),
+        ("sf-shape", lambda: (nv.dequantize, (q(), buf(4, 3), 0.5), {})),
+        ("gs-row-strided", lambda: (nv.dequantize, (q(), sf(), ones(4, 2)[:, 0]), {})),
+        ("gs-float64", lambda: (nv.dequantize, (q(), sf(), torch.tensor(0.5, dtype=torch.float64)), {})),
+        ("gs-shape", lambda: (nv.dequantize, (q(), sf(), ones(3)), {})),
+        ("gs-bool", lambda: (nv.dequantize, (q(), sf(), True), {})),
+        ("out-strided", lambda: (nv.dequantize, (q(), sf(), 0.5), {"out": strided_last(4, 32)})),
+        ("out-unaligned", lambda: (nv.dequantize, (q(), sf(), 0.5), {"out": unaligned(4, 32)})),
+        ("out-not-dtype", lambda: (nv.dequantize, (q(), sf(), 0.5), {"dtype": f16, "out": ones(4, 32)})),
+        ("dtype-int8", lambda: (nv.dequantize, (q(), sf(), 0.5), {"dtype": torch.int8})),
+    ],
+    "nvfp4_gather": [
+        ("ok-int32", lambda: (nv.gather, (q(), sf(), 0.5, torch.tensor([3, 0, 9], dtype=torch.int32)), {})),
+        ("ok-int64-errors", lambda: (nv.gather, (q(), sf(), ones(4), torch.tensor([[1], [5]])),
+                                     {"errors": buf(1, dtype=torch.int32)})),
+        ("indices-strided", lambda: (nv.gather, (q(), sf(), 0.5, torch.tensor([[0, 1], [2, 3]]).t()), {})),
+        ("indices-float", lambda: (nv.gather, (q(), sf(), 0.5, torch.tensor([0.0])), {})),
+        ("indices-int16", lambda: (nv.gather, (q(), sf(), 0.5, torch.tensor([0], dtype=torch.int16)), {})),
+        ("errors-int64", lambda: (nv.gather, (q(), sf(), 0.5, torch.tensor([0])),
+                                  {"errors": buf(1, dtype=torch.int64)})),
+        ("errors-strided", lambda: (nv.gather, (q(), sf(), 0.5, torch.tensor([0])),
+                                    {"errors": strided_last(2, dtype=torch.int32)})),
+        ("out-unaligned", lambda: (nv.gather, (q(), sf(), 0.5, torch.tensor([0])), {"out": unaligned(1, 32)})),
+        ("q-strided", lambda: (nv.gather, (strided_last(4, 16, dtype=u8), sf(), 0.5, torch.tensor([0])), {})),
+    ],
+    "nvfp4_swizzle_scales": [
+        ("ok", lambda: (nv.swizzle_scales, (buf(130, 7),), {})),
+        ("ok-out", lambda: (nv.swizzle_scales, (buf(4, 4),), {"out": buf(512)})),
+        ("sf-strided", lambda: (nv.swizzle_scales, (strided_last(130, 7, dtype=u8),), {})),
+        ("sf-float32", lambda: (nv.swizzle_scales, (ones(4, 4),), {})),
+        ("sf-0d", lambda: (nv.swizzle_scales, (torch.tensor(1, dtype=u8),), {})),
+        ("out-unaligned", lambda: (nv.swizzle_scales, (buf(4, 4),), {"out": unaligned(512, dtype=u8)})),
+        ("out-size", lambda: (nv.swizzle_scales, (buf(4, 4),), {"out": buf(7)})),
+    ],
+    "nvfp4_unswizzle_scales": [
+        ("ok", lambda: (nv.unswizzle_scales, (buf(2048), (130, 7)), {})),
+        ("ok-out", lambda: (nv.unswizzle_scales, (buf(512), (2, 2)), {"out": buf(2, 2)})),
+        ("sw-strided", lambda: (nv.unswizzle_scales, (strided_last(512, dtype=u8), (2, 2)), {})),
+        ("sw-unaligned", lambda: (nv.unswizzle_scales, (unaligned(512, dtype=u8), (2, 2)), {})),
+        ("sw-size", lambda: (nv.unswizzle_scales, (buf(500), (2, 2)), {})),
+        ("out-strided", lambda: (nv.unswizzle_scales, (buf(512), (2, 2)), {"out": strided_last(2, 2, dtype=u8)})),
+        ("out-shape", lambda: (nv.unswizzle_scales, (buf(512), (2, 2)), {"out": buf(4)})),
+    ],
+}
+FAMILIES = ("rawkv.fp8", "rawkv.nvfp4")
+
+
+def _as_cuda(v):
+    if isinstance(v, torch.Tensor):
+        return fake(v)
+    if isinstance(v, tuple) and any(isinstance(t, torch.Tensor) for t in v):
+        return tuple(_as_cuda(t) for t in v)
+    return v
+
+
+def _outcome(call):
+    try:
+        call()
+    except (TypeError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+    return "accepted"
+
+
+@pytest.mark.parametrize("name,case,build", [(n, c, b) for n, cases in CASES.items() for c, b in cases],
+                         ids=[f"{n}-{c}" for n, cases in CASES.items() for c, _ in cases])
+def test_cpu_and_cuda_accept_and_refuse_alike(monkeypatch, name, case, build):
+    fn, args, kw = build()
+    cpu = _outcome(lambda: fn(*args, **kw))
+    install(monkeypatch, (fp8, encode, activation, decode, scales))
+    monkeypatch.setattr(fp8, "_ENCODE_FAST", {})         # a combination the real runtime has seen
+    cuda = _outcome(lambda: fn(*map(_as_cuda, args), **{k: _as_cuda(v) for k, v in kw.items()}))
+    assert cpu == cuda
+    assert (cpu == "accepted") == case.startswith("ok"), cpu
+
+
+def test_every_operator_of_the_families_has_cases():
+    """A new fp8 / nvfp4 operator needs its cases here, accepted and refused."""
+    ops = {n for n, d in _opdecl.declared().items() if d.impl.__module__.startswith(FAMILIES)}
+    assert ops == set(CASES)
+    for name, cases in CASES.items():
+        kinds = {c.startswith("ok") for c, _ in cases}
+        assert kinds == {True, False}, name
