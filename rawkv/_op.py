@@ -14,7 +14,7 @@ nothing), and is registered once as `torch.ops.rawkv.<name>`.
 
 `_encode(...)` takes the schema's arguments in schema order, then the
 stream. In eager mode it calls the body directly: no dispatcher, one Python
-frame and one `torch.compiler.is_compiling()` call. While torch.compile
+frame and the cost of one `torch.compiler.is_dynamo_compiling()` call. While torch.compile
 traces the caller it calls the registered operator instead (the stream is
 not an operator argument), whose fake implementation returns nothing, so
 dynamo puts the call in its graph and never traces the pointer-level body.
@@ -43,21 +43,39 @@ from ._opdecl import OpDecl
 from .runtime import get_runtime
 
 
-def _compiling_before_torch() -> bool:
-    """is_compiling until torch is loaded: nothing compiles without torch.
-    Once torch is there, binds torch.compiler.is_compiling for every later call."""
-    t = sys.modules.get("torch")
-    f = getattr(getattr(t, "compiler", None), "is_compiling", None)
-    if f is None:
-        return False
-    global _is_compiling
-    _is_compiling = f
-    return f()
+class _NoTorch:
+    """torch.compiler until torch is loaded: nothing compiles without torch.
+    is_dynamo_compiling binds the real module for every later call once it
+    sees torch."""
+    _is_compiling_flag = False
+
+    @staticmethod
+    def is_dynamo_compiling() -> bool:
+        t = sys.modules.get("torch")
+        c = getattr(t, "compiler", None)
+        if getattr(c, "is_dynamo_compiling", None) is None:
+            return False
+        global _compiler
+        _compiler = c
+        return c.is_dynamo_compiling()
 
 
-# torch.compiler.is_compiling once torch is loaded (dynamo reads a call of it
-# as True while it traces); read by every op call.
-_is_compiling = _compiling_before_torch
+# torch.compiler once torch is loaded. `_compiler.is_dynamo_compiling() or
+# _compiler._is_compiling_flag` is torch.compiler.is_compiling() (True
+# while dynamo traces, which reads the call as True, or while torch.export
+# runs the Python) in one call instead of two: every op call pays it.
+_compiler = _NoTorch
+
+
+def torch_loaded(torch) -> None:
+    """Bind torch.compiler (rawkv.library calls this when it registers the
+    operators, before anything can be compiled)."""
+    global _compiler
+    _compiler = torch.compiler
+
+
+def _is_compiling() -> bool:
+    return _compiler.is_dynamo_compiling() or _compiler._is_compiling_flag
 
 
 class Op(OpDecl):
@@ -97,7 +115,7 @@ def op(name: str, schema: str):
         n = len(decl.args)
 
         def call(*args):
-            if _is_compiling():
+            if _compiler.is_dynamo_compiling() or _compiler._is_compiling_flag:     # _is_compiling(), inlined
                 return _traced(decl, args[:n])
             return body(*args)
         call.op = decl

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _opdecl, ops  # noqa: F401  (ops: every op module declares its operators)
+from . import _op, _opdecl, ops  # noqa: F401  (ops: every op module declares its operators)
 
 NAMESPACE = "rawkv"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -55,6 +55,7 @@ def _register(decl: _opdecl.OpDecl) -> None:
 
 for _decl in _opdecl.declared().values():
     _register(_decl)
+_op.torch_loaded(torch)
 
 
 def operators() -> dict[str, object]:
