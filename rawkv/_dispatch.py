@@ -11,8 +11,23 @@ import numpy as np
 from .errors import GpuUnavailableError
 
 
+_torch = None       # the torch module, once seen
+
+
+def torch_loaded(torch) -> None:
+    """Bind torch (rawkv.library calls this when it registers the operators):
+    code torch.compile traces then reads a global, not sys.modules, which
+    dynamo would copy while lazy imports change it ('dictionary changed size
+    during iteration')."""
+    global _torch
+    _torch = torch
+
+
 def _torch_or_none():
-    return sys.modules.get("torch")   # torch tensors exist only if torch was imported
+    global _torch
+    if _torch is None:      # torch tensors exist only if torch was imported
+        _torch = sys.modules.get("torch")
+    return _torch
 
 
 _is_compiling = None     # torch.compiler.is_compiling, once torch is imported

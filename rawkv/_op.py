@@ -72,6 +72,7 @@ def torch_loaded(torch) -> None:
     operators, before anything can be compiled)."""
     global _compiler
     _compiler = torch.compiler
+    D.torch_loaded(torch)
 
 
 def _is_compiling() -> bool:
