@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _dispatch as D
 from ._dispatch import byte_dtypes, is_torch, to_numpy
 
 
@@ -29,18 +30,54 @@ FLOATS = ("float32", "float16", "bfloat16")
 BYTES = ("uint8", "float8_e4m3fn", "float4_e2m1fn_x2")     # packed codes and scales
 INDEX = ("int32", "int64")
 
-_TORCH_NAMES: dict = {}         # torch dtype -> 'float32'
+_NAMES: dict = {}         # torch or numpy dtype -> 'float32'
+
+
+def _dtype_named(d) -> str:
+    name = _NAMES.get(d)
+    if name is None:
+        name = _NAMES[d] = str(d).replace("torch.", "")
+    return name
+
+
+class _Host:
+    """A numpy array seen through the tensor methods the checks call, so
+    one list of rules serves both (a torch tensor is checked as it is)."""
+    __slots__ = ("a",)
+
+    def __init__(self, a: np.ndarray):
+        self.a = a
+
+    dtype = property(lambda self: self.a.dtype)
+    shape = property(lambda self: self.a.shape)
+    ndim = property(lambda self: self.a.ndim)
+
+    def get_device(self) -> int:
+        return -1
+
+    def is_contiguous(self) -> bool:        # dimensions of size 1 take any stride, as in torch
+        return self.a.flags.c_contiguous
+
+    def data_ptr(self) -> int:
+        return self.a.__array_interface__["data"][0]
+
+    def numel(self) -> int:
+        return self.a.size
+
+    def element_size(self) -> int:
+        return self.a.itemsize
+
+    def stride(self) -> tuple:              # in elements, as torch counts them
+        return tuple(s // self.a.itemsize for s in self.a.strides)
+
+
+def _seen(a):
+    return _Host(a) if isinstance(a, np.ndarray) else a
 
 
 def dtype_name(a) -> str:
     """The dtype of a numpy array or torch tensor as torch spells it."""
-    d = a.dtype
-    if isinstance(a, np.ndarray):
-        return d.name
-    name = _TORCH_NAMES.get(d)
-    if name is None:
-        name = _TORCH_NAMES[d] = str(d).replace("torch.", "")
-    return name
+    return _dtype_named(a.dtype)
 
 
 def device_of(a) -> int:
@@ -50,9 +87,7 @@ def device_of(a) -> int:
 
 def strides(a) -> tuple:
     """Strides in elements (numpy's are in bytes)."""
-    if isinstance(a, np.ndarray):
-        return tuple(s // a.itemsize for s in a.strides)
-    return tuple(a.stride())
+    return tuple(_seen(a).stride())
 
 
 def itemsize(a) -> int:
@@ -61,11 +96,6 @@ def itemsize(a) -> int:
 
 def numel(a) -> int:
     return a.size if isinstance(a, np.ndarray) else a.numel()
-
-
-def address(a) -> int:
-    """The address of an array's first element."""
-    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data_ptr()
 
 
 def is_dense(a) -> bool:
@@ -80,8 +110,7 @@ def _as_array(a, name: str, where: str):
     if isinstance(a, np.ndarray) or is_torch(a):
         return a
     if where == "cuda":
-        from ._dispatch import as_cuda_tensor
-        return as_cuda_tensor(a, name)
+        return D.as_cuda_tensor(a, name)
     return to_numpy(a, name)
 
 
@@ -97,23 +126,27 @@ def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, d
     and CPU tensors are held to the rules the kernels need, so code that
     runs on CPU runs on the GPU. Returns the array: a torch tensor or numpy
     array as given, another DLPack array wrapped (rawkv._dispatch)."""
-    if not (isinstance(a, np.ndarray) or is_torch(a)):
-        a = _as_array(require_array(a, name), name, where)
-    d = dtype_name(a)
+    t = D._torch
+    if t is None or not isinstance(a, t.Tensor):            # (a torch tensor: the hot path)
+        if not isinstance(a, np.ndarray):
+            a = _as_array(require_array(a, name), name, where)
+    v = _seen(a)
+    d = _NAMES.get(v.dtype) or _dtype_named(v.dtype)
     if d not in dtypes:
         raise TypeError(f"{name}: dtype {d} is not supported (expected {', '.join(dtypes)})")
-    if a.ndim < min_ndim:
-        raise ValueError(f"{name}: expected at least {min_ndim} dimension(s), got shape {tuple(a.shape)}")
-    if shape is not None and tuple(a.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(a.shape)}")
-    if device is not None and device_of(a) != device:
-        raise ValueError(f"{name}: is on {_device_name(device_of(a))} but the op runs on "
+    if v.ndim < min_ndim:
+        raise ValueError(f"{name}: expected at least {min_ndim} dimension(s), got shape {tuple(v.shape)}")
+    if shape is not None and v.shape != shape and tuple(v.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(v.shape)}")
+    if device is not None and v.get_device() != device:
+        raise ValueError(f"{name}: is on {_device_name(v.get_device())} but the op runs on "
                          f"{_device_name(device)}")
-    if dense and not is_dense(a):
-        raise ValueError(f"{name}: must be contiguous (got strides {strides(a)}); call .contiguous() first")
-    if align > 1 and address(a) % align and numel(a):
+    if dense and not v.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (got strides {tuple(v.stride())}); "
+                         "call .contiguous() first")
+    if align > 1 and v.data_ptr() % align and v.numel():
         raise ValueError(f"{name}: data must be {align}-byte aligned for this kernel "
-                         f"(address {address(a):#x}); pass a fresh or .contiguous() tensor")
+                         f"(address {v.data_ptr():#x}); pass a fresh or .contiguous() tensor")
     return a
 
 

@@ -105,14 +105,14 @@ def given_gs_host(gs, dtype: str) -> np.ndarray:
 
 def decode_scale(gs, gs_value):
     """A decode gs from the operator's two arguments: a number as a Python
-    float, an array as it is (checked by decode_gs); None, a bool or
-    anything else is a TypeError naming gs."""
+    float, anything else as it is (placement refuses what is not an array,
+    decode_gs checks an array); None or a bool is a TypeError naming gs."""
     gs = A.op_gs(gs, gs_value)
     if A.is_number(gs):
         return float(gs)
     if gs is None or isinstance(gs, (bool, np.bool_)):
         raise TypeError(f"gs: expected a float or a float32 tensor, got {gs!r}")
-    return A.require_array(gs, "gs")
+    return gs
 
 
 def decode_gs(gs, lead, where, device):

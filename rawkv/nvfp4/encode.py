@@ -44,16 +44,18 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
     if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 3):
         raise TypeError("out: expected a tuple (q, sf, gs) of buffers (entries may be None)")
     q, sf, g = out if out is not None else (None, None, None)
-    scope = A.default_scope(scope, gs, "tensor")
-    s = dims(x)
-    lead, n = s[:-1], (s[-1] if s else 0)
-    if q is None:
-        q = empty(x, (*lead, n // 2), "uint8", stream)
-    if sf is None:
-        sf = empty(x, (*lead, n // BLOCK), "uint8", stream)
     gs_t, gs_v = A.split_number(gs)
-    if g is None and gs_t is None:          # a gs tensor given without an out gs is the gs
-        g = empty(x, lead if scope == "row" else (), "float32", stream)
+    # a gs tensor given without an out gs is the gs
+    if q is None or sf is None or (g is None and gs_t is None):
+        scope = A.default_scope(scope, gs, "tensor")
+        s = dims(x)
+        lead, n = s[:-1], (s[-1] if s else 0)
+        if q is None:
+            q = empty(x, (*lead, n // 2), "uint8", stream)
+        if sf is None:
+            sf = empty(x, (*lead, n // BLOCK), "uint8", stream)
+        if g is None and gs_t is None:
+            g = empty(x, lead if scope == "row" else (), "float32", stream)
     _quantize(x, scope, gs_t, gs_v, q, sf, g, errors, stream)
     return C.as_q(q), C.as_sf(sf), g if g is not None else gs_t.reshape(())
 
