@@ -13,6 +13,8 @@ counted by the kernel when the device does (docs/format.md).
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import rawkv
@@ -198,6 +200,22 @@ def _outcome(call):
     return "accepted"
 
 
+def _on_gpu(v):
+    """A CPU tensor's whole storage copied to the GPU, seen with the same
+    shape, strides and offset (a CUDA allocation's alignment keeps the
+    offsets' alignment)."""
+    if isinstance(v, torch.Tensor):
+        whole = torch.as_strided(v, (v.untyped_storage().nbytes() // v.element_size(),), (1,), 0)
+        return whole.cuda().as_strided(v.shape, v.stride(), v.storage_offset())
+    if isinstance(v, tuple) and any(isinstance(t, torch.Tensor) for t in v):
+        return tuple(_on_gpu(t) for t in v)
+    return v
+
+
+def _no_address(outcome):
+    return outcome if outcome == "accepted" else (outcome[0], re.sub(r"0x[0-9a-f]+", "ADDR", outcome[1]))
+
+
 @pytest.mark.parametrize("name,case,build", [(n, c, b) for n, cases in CASES.items() for c, b in cases],
                          ids=[f"{n}-{c}" for n, cases in CASES.items() for c, _ in cases])
 def test_cpu_and_cuda_accept_and_refuse_alike(monkeypatch, name, case, build):
@@ -208,6 +226,17 @@ def test_cpu_and_cuda_accept_and_refuse_alike(monkeypatch, name, case, build):
     cuda = _outcome(lambda: fn(*map(_as_cuda, args), **{k: _as_cuda(v) for k, v in kw.items()}))
     assert cpu == cuda
     assert (cpu == "accepted") == case.startswith("ok"), cpu
+
+
+@pytest.mark.parametrize("name,case,build", [(n, c, b) for n, cases in CASES.items() for c, b in cases],
+                         ids=[f"{n}-{c}" for n, cases in CASES.items() for c, _ in cases])
+def test_gpu_accepts_and_refuses_as_the_cpu(cuda, name, case, build):
+    """The same cases on real CUDA tensors (addresses aside in the messages)."""
+    fn, args, kw = build()
+    cpu = _outcome(lambda: fn(*args, **kw))
+    gpu = _outcome(lambda: fn(*map(_on_gpu, args), **{k: _on_gpu(v) for k, v in kw.items()}))
+    torch.cuda.synchronize()
+    assert _no_address(cpu) == _no_address(gpu)
 
 
 def test_every_operator_of_the_families_has_cases():
