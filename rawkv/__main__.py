@@ -12,7 +12,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import demo
+    from . import bench, demo
+    from .bench import cli as bench_cli
     p = _Parser(prog="python -m rawkv", description="rawkv: NVFP4 and compressed-KV-cache CUDA "
                 "kernels compiled at run time with NVRTC.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
@@ -21,6 +22,11 @@ def _parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(d)
     d.set_defaults(parser=d)
+    b = sub.add_parser("bench", help="the benchmark suite on a CUDA GPU: a table per group, JSON "
+                       "files and figures", description=bench.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_cli.add_arguments(b)
+    b.set_defaults(parser=b)
     # listed here; main() hands its options to the compile-check's own parser
     sub.add_parser("nvrtc-check", add_help=False,
                    help="compile every kernel with NVRTC, no GPU needed (see nvrtc-check --help)")
@@ -45,6 +51,10 @@ def main(argv=None) -> int:
         return 2
     if a.command == "demo":
         from .demo import check_arguments, run
+        check_arguments(a, a.parser.error)
+        return run(a)
+    if a.command == "bench":
+        from .bench.cli import check_arguments, run
         check_arguments(a, a.parser.error)
         return run(a)
     from . import GpuUnavailableError, warmup

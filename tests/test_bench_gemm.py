@@ -1,30 +1,27 @@
-"""tools/bench_gemm.py's pure logic on the CPU: the peer's row fields and
+"""rawkv.bench.gemm's pure logic on the CPU: the peer's row fields and
 check, humming's indexed routing for sorted rows, the plot's series and its
-quiet skip without matplotlib, and tools/bench.py's plot hook. The GPU run
-itself is tools/bench.py --only gemm (docs/gemm.md)."""
+quiet skip without matplotlib, and the driver's plot hook. The GPU run
+itself is python -m rawkv bench --only gemm --peer (docs/gemm.md)."""
 from __future__ import annotations
 
-import importlib
 import sys
-from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+from rawkv.bench import cli
+from rawkv.bench import gemm as _gemm
+from rawkv.bench import timing
 
 
 @pytest.fixture(scope="module")
 def bg():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        yield importlib.import_module("bench_gemm")
-    finally:
-        sys.path.remove(str(TOOLS))
+    return _gemm
 
 
 @pytest.fixture
-def bench(bg):
-    return importlib.import_module("bench")
+def bench():
+    """The module whose cuda_time_us the group modules call (monkeypatched)."""
+    return timing
 
 
 def test_imports_without_gpu_or_peer(bg):
@@ -168,7 +165,7 @@ def test_plot_draws_a_png(bg, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_writes_a_groups_plot_beside_its_json(bench, tmp_path, capsys):
+def test_bench_writes_a_groups_plot_beside_its_json(tmp_path, capsys, monkeypatch):
     calls = []
 
     class WithPlot:
@@ -182,9 +179,29 @@ def test_bench_writes_a_groups_plot_beside_its_json(bench, tmp_path, capsys):
         def plot(results, path):
             raise RuntimeError("no axes")
     json_path = str(tmp_path / "2026-01-01-h100-gemm.json")
-    assert bench.write_plot(WithPlot, [1], json_path) == str(tmp_path / "2026-01-01-h100-gemm.png")
+    assert cli.write_plot(WithPlot, [1], json_path) == str(tmp_path / "2026-01-01-h100-gemm.png")
     assert calls == [([1], str(tmp_path / "2026-01-01-h100-gemm.png"))]
-    assert bench.write_plot(None, [1], json_path) is None             # core: no module
-    assert bench.write_plot(object(), [1], json_path) is None         # a group without plot()
-    assert bench.write_plot(Broken, [1], json_path) is None
+    assert cli.write_plot(Broken, [1], json_path) is None
     assert "plot failed: RuntimeError: no axes" in capsys.readouterr().out
+    # a group without plot() (or whose import failed) gets the generic bars
+    generic = []
+    monkeypatch.setattr(cli, "bars", lambda results, path: generic.append(path) or path)
+    assert cli.write_plot(object(), [1], json_path) == str(tmp_path / "2026-01-01-h100-gemm.png")
+    assert cli.write_plot(None, [1], json_path) == str(tmp_path / "2026-01-01-h100-gemm.png")
+    assert len(generic) == 2
+
+
+def test_the_peer_is_loaded_only_when_asked_for(bg, monkeypatch):
+    """--peer (run(..., peers=True)) loads humming; without it nothing of the
+    peer is touched and every row gets peer: null."""
+    loads, seen = [], []
+    monkeypatch.setattr(bg.Humming, "load", classmethod(lambda cls, torch, dev: loads.append(dev)))
+    monkeypatch.setattr(timing, "copy_bandwidth_GBps", lambda: 1.0)
+    monkeypatch.setattr(bg, "_wo_a", lambda rt, results, peer, quick, reps, copy: seen.append(peer))
+    monkeypatch.setattr(bg, "_moe", lambda rt, results, peer, quick, reps, copy: seen.append(peer))
+    pytest.importorskip("torch")
+    bg.run(None, [], quick=True)
+    assert loads == [] and seen == [None, None]
+    bg.run(None, [], quick=True, peers=True)
+    assert loads == ["cuda"] and seen[2:] == [None, None]       # load found no humming: None
+    assert bg.PEERS == ("humming-kernels",)

@@ -154,7 +154,7 @@ def test_bad_value_from_the_shell_has_no_traceback():
                         "got 0 (see python -m rawkv demo --help)\n")
 
 
-COMMANDS = ("demo", "nvrtc-check", "warmup")
+COMMANDS = ("bench", "demo", "nvrtc-check", "warmup")
 
 
 def _listed(text: str) -> dict[str, str]:

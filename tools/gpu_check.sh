@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: compile-check, the GPU test suite and the
-# benchmarks, run from the source tree (no install, no network needed).
+# benchmarks (python -m rawkv bench --peer: humming-kernels too where installed),
+# run from the source tree (no install, no network needed).
 #
 #   bash tools/gpu_check.sh                 # everything
 #   RAWKV_TESTS="tests/test_fp8.py" RAWKV_BENCH=core bash tools/gpu_check.sh
@@ -40,7 +41,7 @@ timeout "$LIMIT" python3 -m pytest -q -rs -p no:cacheprovider $TESTS 2>&1 | tee 
 
 if [ "$BENCH" != none ]; then
   echo "== benchmarks: $BENCH =="
-  timeout "$LIMIT" python3 tools/bench.py --out "$OUT/bench" --only "$BENCH" ${RAWKV_QUICK:+--quick} 2>&1 \
+  timeout "$LIMIT" python3 -m rawkv bench --peer --out "$OUT/bench" --only "$BENCH" ${RAWKV_QUICK:+--quick} 2>&1 \
     | tee "$OUT/bench.log" || status=1
 fi
 echo "gpu_check: exit $status"

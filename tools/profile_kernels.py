@@ -5,7 +5,7 @@
         --section WarpStateStats -k regex:rkv_ python3 tools/profile_kernels.py [group ...]
 
 groups: nvfp4, fused, fp8, kvcache, compress, gemm (default: nvfp4 and fused). No timing here: ncu measures;
-see tools/bench.py for the benchmarks."""
+see python -m rawkv bench for the benchmarks."""
 import os
 import sys
 
@@ -48,8 +48,7 @@ def fp8():
 
 def kvcache():
     """The top-k gather of bench kvcache: 64 requests, 2,048 of 16,384 entries each."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_kvcache import _fill_pool
+    from rawkv.bench.kvcache import _fill_pool
     B, n, epb, topk = 64, 16384, 64, 2048
     pool = rawkv.kvcache.PagedKVPool("csa", B * (n // epb + 1), epb, B, n // epb + 1, device="cuda")
     _fill_pool(pool, B, n)
@@ -60,8 +59,7 @@ def kvcache():
 
 def compress():
     """The prefill compression of bench kvcache: 128K tokens, CSA (with its indexer) and HCA."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_kvcache import D, DI
+    from rawkv.bench.kvcache import D, DI
     kvc = rawkv.kvcache
     T = 131072
     for kind, m in (("csa", 4), ("hca", 128)):
