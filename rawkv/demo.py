@@ -184,7 +184,10 @@ class Decoder:
     torch.compile traces, tests/library_samples_kvcache.py)."""
 
     def __init__(self, rng, prompts, steps, topk, epb, *, device="cpu", tensors=False, layout=DEFAULT_LAYOUT,
-                 index_layout="fp8"):
+                 index_layout="fp8", step_rows=True):
+        """step_rows: also draw the decode steps' token rows (False: only the
+        prompts'; the caller writes each step's rows into x_kv / x_z / xi_kv /
+        xi_z itself, as the layer demo does from its projection)."""
         from . import kvcache as kvc
 
         self.kvc, self.prompts, self.topk = kvc, list(prompts), topk
@@ -193,8 +196,9 @@ class Decoder:
         B = self.B = len(prompts)
         self.total = [L + steps for L in prompts]
         self.layers = {k: _Layer(rng, k) for k in ("csa", "hca")}
-        self.toks = {k: [_tokens(rng, n, self.layers[k].w) for n in self.total] for k in self.layers}
-        self.itoks = [_tokens(rng, n, 2 * DI) for n in self.total]
+        rows = self.total if step_rows else self.prompts
+        self.toks = {k: [_tokens(rng, n, self.layers[k].w) for n in rows] for k in self.layers}
+        self.itoks = [_tokens(rng, n, 2 * DI) for n in rows]
         self.pools, self.states = {}, {}
         for k in self.layers:
             max_e = max(self.total) // M[k] + 1
@@ -266,15 +270,23 @@ class Decoder:
 
     def prepare(self, t):
         """Host side, before step t: blocks, and the step's inputs into the static buffers."""
+        p_ = self.prepare_meta(t)
+        B, put = self.B, self.put
+        for k in self.layers:
+            put(self.x_kv[k], np.stack([self.toks[k][i][0][p_[i]] for i in range(B)]))
+            put(self.x_z[k], np.stack([self.toks[k][i][1][p_[i]] for i in range(B)]))
+        put(self.xi_kv, np.stack([self.itoks[i][0][p_[i]] for i in range(B)]))
+        put(self.xi_z, np.stack([self.itoks[i][1][p_[i]] for i in range(B)]))
+
+    def prepare_meta(self, t):
+        """Host side, before step t, all but the token rows: blocks, positions,
+        flush masks, entry counts and the top-k ids (the most recent entries).
+        Returns the step's positions (B,) int32."""
         B, put, M_ = self.B, self.put, M
         p_ = np.asarray([L + t for L in self.prompts], np.int32)
         for k in self.layers:
             self.pools[k].prepare_step(self.slots, p_)
             put(self.flush[k], (p_ + 1) % M_[k] == 0)
-            put(self.x_kv[k], np.stack([self.toks[k][i][0][p_[i]] for i in range(B)]))
-            put(self.x_z[k], np.stack([self.toks[k][i][1][p_[i]] for i in range(B)]))
-        put(self.xi_kv, np.stack([self.itoks[i][0][p_[i]] for i in range(B)]))
-        put(self.xi_z, np.stack([self.itoks[i][1][p_[i]] for i in range(B)]))
         put(self.pos, p_)
         nc = (p_ + 1) // M_["csa"]
         put(self.n_csa, nc.astype(np.int32))
@@ -284,6 +296,7 @@ class Decoder:
             lo = max(0, nc[i] - self.topk)
             sel[i, : nc[i] - lo] = np.arange(lo, nc[i])
         put(self.ids, sel)
+        return p_
 
     def step(self):
         """One decode step of both layers (what the GPU demo captures in one
