@@ -1,0 +1,185 @@
+"""python -m rawkv demo --layer: one DeepSeek-V4-Flash-shaped decoder layer's
+decode step on rawkv against plain torch. On CPU the tiny size runs end to
+end (rawkv ops: the numpy reference; baseline: float64 torch); its torch
+compressor equals the reference's; the eager warm-up before capture leaves
+the state as it found it; arguments and sizes are refused before anything
+is allocated. On a GPU: the real shapes, captured."""
+from __future__ import annotations
+
+import argparse
+import re
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import rawkv.demo_layer as L  # noqa: E402
+from rawkv.__main__ import main  # noqa: E402
+from rawkv.reference import kvcache as ref  # noqa: E402
+
+
+def _num(line: str, what: str) -> float:
+    return float(re.search(what + r" ([0-9.]+)", line).group(1))
+
+
+def test_layer_cpu_end_to_end(capsys):
+    assert main(["demo", "--layer", "--cpu", "--steps", "1"]) == 0
+    out, err = capsys.readouterr()
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("rawkv demo --layer: CPU MODE (the numpy reference at the tiny size")
+    assert lines[0].endswith(": --cpu given")
+    assert lines[1].startswith("config: tiny shapes: hidden 256") and "batch 2, context 300 tokens, 1 steps" in lines[1]
+    assert lines[2].startswith("step: RMSNorm + NVFP4 quantize") and \
+        "attention: torch SDPA over the gathered entries (not a rawkv kernel)" in lines[2]
+    assert lines[3].startswith("baseline: the same step in plain torch, float64")
+    assert re.match(r"bytes read per step \(weights \+ KV rows, activations not counted\): rawkv [0-9.]+ MiB, "
+                    r"BF16 [0-9.]+ MiB \([0-9.]+x\)$", lines[4])
+    acc = lines[5]
+    assert acc.startswith("accuracy vs the float64 step: cosine of the layer output") and "(ok: mean >=" in acc
+    # the layer's output, and its update (without the residual), against float64: FP4 weights and
+    # activations, the FP8 cache, and (seed 0, step 0) no routing difference (where a token's
+    # routing differs, its update takes another expert: 0.84 at step 1)
+    assert _num(acc, "layer output min") >= 0.96
+    assert _num(acc, r"\(output - input\) min") >= 0.95
+    assert "routing: 0 of 4 expert choices differ" in acc
+    assert re.match(r"time: rawkv [0-9.]+ us per step, float64 [0-9.]+ us per step \(wall clock", lines[6])
+    assert lines[6].endswith("skipped rows 0 (counted by the numpy reference ops)")
+    assert len(lines) == 7
+    # progress lines on stderr, one per phase that can take a second
+    assert err and all(ln.startswith("  ... ") for ln in err.rstrip().splitlines())
+    assert any("prefill" in ln for ln in err.splitlines()) and any("running 1 steps" in ln for ln in err.splitlines())
+
+
+def _args(**kw):
+    a = dict(seed=0, layout="model1", steps=None, batch=None, context=None)
+    a.update(kw)
+    return argparse.Namespace(**a)
+
+
+def _demo(context=40, steps=8):
+    d = L.LayerDemo(_args(), L.TINY, 2, context, steps, False, lambda m: None)
+    d.prefill()
+    return d
+
+
+def test_warm_run_undoes_its_writes():
+    """The eager run before capture restores every tensor a step writes:
+    the step after it gives the bits of a demo that had no warm-up."""
+    # step 0 at position 43 completes a CSA window, step 4 the next: a state left
+    # as the warm-up leaves it pools the wrong rows into an entry the steps gather
+    a, b = _demo(context=43), _demo(context=43)
+    a.prepare(0)
+    L.warm_run(a)
+    for t in range(5):
+        a.prepare(t)
+        b.prepare(t)
+        assert torch.equal(a.step_rawkv(), b.step_rawkv())
+        assert torch.equal(a.step_base(), b.step_base())
+
+
+@pytest.mark.parametrize("kind, d, hadamard", [("csa", ref.HEAD_DIM, False), ("hca", ref.HEAD_DIM, False),
+                                               ("csa", ref.INDEX_HEAD_DIM, True)])
+def test_torch_compressor_is_the_reference(kind, d, hadamard):
+    """The baseline's compressor (torch, float64), seeded after a prompt and
+    stepped through the next tokens, writes the entries the reference
+    computes from the whole sequence (the reference rounds them to BF16)."""
+    rng = np.random.default_rng(7)
+    print("seed 7")
+    m = ref.CSA_RATIO if kind == "csa" else ref.HCA_RATIO
+    w = 2 * d if kind == "csa" else d
+    prompt, steps = 2 * m + 1, 2 * m + 3
+    T = prompt + steps
+    kv, z = (rng.standard_normal((T, w)).astype(np.float32) for _ in range(2))
+    ape = (0.5 * rng.standard_normal((m, w))).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    n = T // m
+    cache = torch.zeros(1, n + 1, d, dtype=torch.float64)
+    comp = L.TorchCompressor(torch, kind, ape, nw, [L._seeded(kind, d, kv[:prompt], z[:prompt], ape)], cache,
+                             hadamard=hadamard)
+    for t in range(prompt, T):
+        comp.step(torch.from_numpy(kv[t:t + 1]).double(), torch.from_numpy(z[t:t + 1]).double(),
+                  torch.tensor([t]))
+    if hadamard:      # the indexer: rows are its kv, z; keys are the third result
+        _, _, want = ref.reference_prefill("csa", np.zeros((T, 2 * ref.HEAD_DIM), np.float32),
+                                           np.zeros((T, 2 * ref.HEAD_DIM), np.float32), None,
+                                           np.ones(ref.HEAD_DIM, np.float32), index=(kv, z, ape, nw))
+    else:
+        _, want, _ = ref.reference_prefill(kind, kv, z, ape, nw)
+    first = prompt // m                 # entries the steps wrote
+    got = cache[0, first:n].numpy()
+    assert got.shape == want[first:n].shape and got.shape[0] >= 1
+    np.testing.assert_allclose(got, want[first:n], rtol=1e-2, atol=1e-2)     # BF16 rounding of the reference
+    assert not cache[0, :first].any()
+
+
+def test_sort_rows_and_combine():
+    ids = torch.tensor([[3, 0], [0, 2], [3, 1]], dtype=torch.int32)
+    order, tok, offsets, expert = L.sort_rows(torch, ids, 5)
+    assert expert.tolist() == [0, 0, 1, 2, 3, 3] and offsets.tolist() == [0, 2, 3, 4, 6, 6]
+    assert offsets.dtype == torch.int32 and tok.tolist() == [0, 1, 2, 1, 0, 2]
+    rows = torch.arange(6, dtype=torch.float64)[:, None] * torch.ones(1, 2, dtype=torch.float64)
+    wts = torch.tensor([[1.0, 10.0], [100.0, 1000.0], [1e4, 1e5]])
+    y = L.combine(torch, rows[torch.argsort(order)][order], order, wts, torch.float64)
+    # the row of choice (b, j) is the sorted position of flat index 2b + j
+    pos = torch.argsort(order).double()
+    want = (pos.view(3, 2) * wts.double()).sum(1)
+    assert torch.equal(y[:, 0], want)
+
+
+@pytest.mark.parametrize("argv, bad", [
+    (["demo", "--batch", "2"], "--batch: only with --layer"),
+    (["demo", "--context", "64"], "--context: only with --layer"),
+    (["demo", "--layer", "--batch", "0"], "--batch"),
+    (["demo", "--layer", "--batch", f"{L.MAX_BATCH + 1}"], "--batch"),
+    (["demo", "--layer", "--context", "0"], "--context"),
+    (["demo", "--layer", "--context", "many"], "--context"),
+    (["demo", "--layer", "--steps", "0"], "--steps"),
+    (["demo", "--layer", "--small"], "--small: not with --layer"),
+    (["demo", "--layer", "--index-layout", "mxfp4"], "--index-layout: not with --layer"),
+    (["demo", "--layer", "--layout", "nope"], "--layout"),
+])
+def test_layer_argument_errors(argv, bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and bad in err, err
+
+
+def test_size_refused_before_allocating(monkeypatch, capsys):
+    """A run that cannot fit the host is refused with the sizes and what
+    to lower, before any weight, cache or row is made."""
+    def never(*a, **k):
+        raise AssertionError("allocated before the size check")
+    monkeypatch.setattr(L, "LayerDemo", never)
+    assert main(["demo", "--layer", "--cpu", "--batch", "4096", "--context", "1048576"]) == 2
+    out, err = capsys.readouterr()
+    assert "CPU MODE" in out.splitlines()[0] and len(out.splitlines()) == 1
+    assert err.startswith("python -m rawkv demo: error: --batch 4096 --context 1048576 needs about ")
+    assert "GiB of host memory" in err and "lower --batch or --context" in err
+
+
+def test_fit_check_reads_the_device(monkeypatch):
+    monkeypatch.setattr(L, "host_available", lambda: 512 * L.GiB)
+    dev, host = L.need_bytes(L.FLASH, 8, 4096, 20, True)
+    # Flash's weights: 6.6 G parameters, NVFP4 beside the BF16 baseline
+    assert 6.5e9 < L.params(L.FLASH) < 6.6e9 and 25 * L.GiB < dev < 60 * L.GiB and host < 2 * L.GiB
+    L.check_fits(L.FLASH, 8, 4096, 20, 78 * L.GiB)                     # an H100
+    with pytest.raises(MemoryError, match=r"--batch 8 --context 4096 needs about [0-9.]+ GiB of GPU memory"):
+        L.check_fits(L.FLASH, 8, 4096, 20, 16 * L.GiB)
+    monkeypatch.setattr(L, "host_available", lambda: L.GiB)
+    with pytest.raises(MemoryError, match="of host memory"):
+        L.check_fits(L.FLASH, 64, 65536, 20, 78 * L.GiB)
+
+
+def test_layer_gpu(cuda, capsys):
+    """On a GPU: the Flash shapes, both steps captured, no kernel error, the
+    update close to the BF16 step's."""
+    assert main(["demo", "--layer", "--batch", "2", "--context", "600", "--steps", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"rawkv demo --layer: GPU {cuda.name} ({cuda.arch}): rawkv kernels, each step one CUDA graph replay"
+    assert lines[1].startswith("config: DeepSeek-V4-Flash shapes: hidden 4096, 64 heads x 512, wo_a 8 groups K 4096 N 1024")
+    assert "(ok: mean >=" in lines[5] and _num(lines[5], "layer output min") >= 0.9
+    assert re.match(r"time: rawkv [0-9.]+ us per step, BF16 [0-9.]+ us per step \(one CUDA graph replay each", lines[6])
+    assert lines[6].endswith("kernel errors 0")
