@@ -32,6 +32,11 @@ When the GPU path cannot run (or with --cpu) the same ops run the numpy
 reference on CPU pools at a small size, and the first line says why, in the
 words of the runtime's GpuUnavailableError (a CPU-only torch, no CUDA device,
 CuPy or cuda-python missing).
+
+--layer runs instead one DeepSeek-V4-Flash-shaped decoder layer's decode step
+(this cache step inside it, with the NVFP4 producers, the FP4 GEMMs and the
+MoE) against the same step in plain BF16 torch, for --batch requests at
+--context tokens: rawkv/demo_layer.py, whose docstring lists the step.
 """
 from __future__ import annotations
 
@@ -136,7 +141,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small", action="store_true", help="small sizes (the CPU default)")
     p.add_argument("--steps", type=_count(1, MAX_STEPS), default=None,
                    help=f"decode steps, 1 to {MAX_STEPS:,} (default 300 on a GPU, 130 with --small or on "
-                        "CPU; every token's rows are kept on the host)")
+                        "CPU; every token's rows are kept on the host; --layer: 20 on a GPU, 2 on CPU)")
     p.add_argument("--seed", type=_count(0), default=0, help="seed of the synthetic data, >= 0")
     p.add_argument("--layout", choices=LAYOUTS, default=DEFAULT_LAYOUT,
                    help="the pools' layout: model1 (FlashMLA MODEL1_FP8Sparse entries, DeepGEMM indexer "

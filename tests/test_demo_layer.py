@@ -183,3 +183,13 @@ def test_layer_gpu(cuda, capsys):
     assert "(ok: mean >=" in lines[5] and _num(lines[5], "layer output min") >= 0.9
     assert re.match(r"time: rawkv [0-9.]+ us per step, BF16 [0-9.]+ us per step \(one CUDA graph replay each", lines[6])
     assert lines[6].endswith("kernel errors 0")
+
+
+def test_engines_doc_shows_the_layer_step():
+    """docs/engines.md's layer example is LayerDemo.step_rawkv as it is."""
+    import inspect
+    import textwrap
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "engines.md").read_text()
+    blocks = re.findall(r"```py\n(.*?)```", doc, re.S)
+    assert blocks == [textwrap.dedent(inspect.getsource(L.LayerDemo.step_rawkv))]
