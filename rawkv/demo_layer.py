@@ -105,19 +105,15 @@ TINY = Shape("tiny", 256, 2, 2, 128, 128, 8, 2, 128, 16, 16, 16)
 FP4_BYTES = 0.5 + 1 / 16          # an NVFP4 weight element: code nibble + its share of an E4M3 scale
 
 
-def _count(least: int, most: int):
-    return cache_demo._count(least, most)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The layer demo's options (beside the cache demo's --cpu, --steps,
     --seed, --layout)."""
     p.add_argument("--layer", action="store_true",
                    help="run one DeepSeek-V4-Flash decoder layer's decode step against plain torch "
                         "(default: the compressed KV cache demo)")
-    p.add_argument("--batch", type=_count(1, MAX_BATCH), default=None,
+    p.add_argument("--batch", type=cache_demo._count(1, MAX_BATCH), default=None,
                    help=f"--layer: requests per step, 1 to {MAX_BATCH} (default 8 on a GPU, 2 on CPU)")
-    p.add_argument("--context", type=_count(1, MAX_CONTEXT), default=None,
+    p.add_argument("--context", type=cache_demo._count(1, MAX_CONTEXT), default=None,
                    help=f"--layer: tokens in each request's cache before the steps, 1 to {MAX_CONTEXT:,} "
                         "(default 4096 on a GPU, 300 on CPU)")
 
@@ -469,7 +465,8 @@ class LayerDemo:
         order, tok, offsets, _ = sort_rows(torch, ids, s.experts)
         xs = QuantizedActivation(st.q.index_select(0, tok), st.sf.view(torch.uint8).index_select(0, tok), self.one)
         gu = G.moe_linear(xs, w.fp4["gate_up"], offsets, out=o["gu"], errors=self.errors[1:])
-        dn = G.moe_linear(F.swiglu_quantize(gu, out=o["a"]), w.fp4["down"], offsets, out=o["dn"], errors=self.errors[1:])
+        a = F.swiglu_quantize(gu, out=o["a"])
+        dn = G.moe_linear(a, w.fp4["down"], offsets, out=o["dn"], errors=self.errors[1:])
         return (h1.float() + combine(torch, dn, order, st.topk_weights, torch.float32)).to(torch.bfloat16)
 
     def step_base(self):

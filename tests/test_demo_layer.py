@@ -178,8 +178,10 @@ def test_layer_gpu(cuda, capsys):
     update close to the BF16 step's."""
     assert main(["demo", "--layer", "--batch", "2", "--context", "600", "--steps", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == f"rawkv demo --layer: GPU {cuda.name} ({cuda.arch}): rawkv kernels, each step one CUDA graph replay"
-    assert lines[1].startswith("config: DeepSeek-V4-Flash shapes: hidden 4096, 64 heads x 512, wo_a 8 groups K 4096 N 1024")
+    assert lines[0] == (f"rawkv demo --layer: GPU {cuda.name} ({cuda.arch}): rawkv kernels, each step one "
+                        "CUDA graph replay")
+    assert lines[1].startswith("config: DeepSeek-V4-Flash shapes: hidden 4096, 64 heads x 512, wo_a 8 groups "
+                               "K 4096 N 1024")
     assert "(ok: mean >=" in lines[5] and _num(lines[5], "layer output min") >= 0.9
     assert re.match(r"time: rawkv [0-9.]+ us per step, BF16 [0-9.]+ us per step \(one CUDA graph replay each", lines[6])
     assert lines[6].endswith("kernel errors 0")
