@@ -12,7 +12,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import bench, demo
+    from . import bench, demo, demo_layer
     from .bench import cli as bench_cli
     p = _Parser(prog="python -m rawkv", description="rawkv: NVFP4 and compressed-KV-cache CUDA "
                 "kernels compiled at run time with NVRTC.")
@@ -21,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
                        "at a small size)", description=demo.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(d)
+    demo_layer.add_arguments(d)
     d.set_defaults(parser=d)
     b = sub.add_parser("bench", help="the benchmark suite on a CUDA GPU: a table per group, JSON "
                        "files and figures", description=bench.__doc__,
@@ -50,9 +51,12 @@ def main(argv=None) -> int:
         p.print_help(sys.stderr)
         return 2
     if a.command == "demo":
-        from .demo import check_arguments, run
-        check_arguments(a, a.parser.error)
-        return run(a)
+        from . import demo, demo_layer
+        demo_layer.check_arguments(a, a.parser.error)
+        if a.layer:
+            return demo_layer.run(a, *demo.runtime_or_reason(a.cpu))
+        demo.check_arguments(a, a.parser.error)
+        return demo.run(a)
     if a.command == "bench":
         from .bench.cli import check_arguments, run
         check_arguments(a, a.parser.error)

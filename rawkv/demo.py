@@ -149,19 +149,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index-layout", choices=tuple(ref.INDEX_LAYOUTS), default=None,
                    help="model1's indexer keys: fp8 (Hopper) or mxfp4 (Blackwell); default fp8. "
                         "Only with --layout model1 (the rawkv layout's keys are NVFP4)")
-    from . import demo_layer
-    demo_layer.add_arguments(p)
 
 
 def check_arguments(a, error) -> None:
     """The options' combination, checked after parsing: --index-layout
     belongs to --layout model1 (given with rawkv it would be ignored, so it
     is refused through `error`, argparse's one-line usage error); fills in
-    its default. The layer demo's options: rawkv.demo_layer.check_arguments."""
-    from . import demo_layer
-    demo_layer.check_arguments(a, error)
-    if a.layer:
-        return
+    its default. (The layer demo's options: rawkv.demo_layer.check_arguments.)"""
     if a.layout != "model1" and a.index_layout is not None:
         error(f"argument --index-layout: not allowed with --layout {a.layout} (its indexer keys "
               "are NVFP4; --index-layout picks model1's)")
@@ -169,21 +163,24 @@ def check_arguments(a, error) -> None:
         a.index_layout = "fp8"
 
 
-def run(a) -> int:
-    """The demo for parsed arguments: on the GPU when the runtime can run
-    there, else on CPU with the runtime's own reason on the first line."""
+def runtime_or_reason(cpu: bool):
+    """(the warmed-up runtime of device 0, None), or (None, why the GPU path
+    does not run: "--cpu given" or the runtime's GpuUnavailableError)."""
     from .errors import GpuUnavailableError
     from .runtime import warmup
 
-    why, rt = "--cpu given", None
-    if not a.cpu:
-        try:
-            rt = warmup(0)
-        except GpuUnavailableError as exc:
-            why = str(exc)
-    if a.layer:
-        from . import demo_layer
-        return demo_layer.run(a, rt, why)
+    if cpu:
+        return None, "--cpu given"
+    try:
+        return warmup(0), None
+    except GpuUnavailableError as exc:
+        return None, str(exc)
+
+
+def run(a) -> int:
+    """The demo for parsed arguments: on the GPU when the runtime can run
+    there, else on CPU with the runtime's own reason on the first line."""
+    rt, why = runtime_or_reason(a.cpu)
     if rt is not None:
         return _run(a, rt)
     print(f"rawkv demo: CPU MODE (the numpy reference at a small size, not the kernels): {why}")
