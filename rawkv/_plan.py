@@ -2,7 +2,7 @@
 sizes and device properties, then run.
 
 A plan is a list of `Launch`es (kernel instance, grid, block, keyword
-arguments). A family's planners build them from the checked arguments and a
+arguments), and `Memset`s (bytes zeroed on the launch stream between them). A family's planners build them from the checked arguments and a
 `Device` (or anything with its two fields: a Runtime has them); `run`
 launches them in order. Tests read plans as data, with no runtime.
 """
@@ -26,6 +26,14 @@ class Launch(NamedTuple):
     args: dict
 
 
+class Memset(NamedTuple):
+    """Zero the first `nbytes` of tensor `dst` on the plan's stream (in
+    order with the launches: an accumulator the next launch atomically adds
+    to)."""
+    dst: object
+    nbytes: int
+
+
 def resident_blocks(dev, block: int) -> int:
     """How many blocks of `block` threads fill every SM once (by threads)."""
     return dev.sm_count * max(1, dev.max_threads_per_sm // block)
@@ -41,5 +49,8 @@ def grid_stride(dev, work_items: int, block: int = 256, waves: int = 2) -> tuple
 
 def run(rt, plan, stream=None) -> None:
     """Launch `plan` on runtime `rt`, in order, on `stream` (default: torch's current)."""
-    for launch in plan:
-        launch.kernel.launch(rt, launch.grid, launch.block, stream=stream, **launch.args)
+    for step in plan:
+        if step.__class__ is Memset:
+            rt.memset(step.dst.data_ptr(), 0, step.nbytes, stream)
+        else:
+            step.kernel.launch(rt, step.grid, step.block, stream=stream, **step.args)

@@ -1,6 +1,8 @@
 """Launch geometry of the NVFP4 kernels: row groups and grids."""
 from __future__ import annotations
 
+from .._plan import resident_blocks
+
 #: Threads per CTA of the row-group and grid-stride launches.
 BLOCK_THREADS = 256
 
@@ -14,7 +16,7 @@ def groups(units_per_row: int, cap: int = BLOCK_THREADS):
     return tpr, tpr * gpc, gpc
 
 
-def grid(rt, rows, block, gpc):
+def grid(dev, rows, block, gpc):
     """CTAs for `rows` rows, `gpc` per CTA: at most two waves (the kernels
-    stride over rows)."""
-    return max(1, min(-(-rows // gpc), rt.resident_blocks(block) * 2))
+    stride over rows) of device `dev` (rawkv._plan.Device or a Runtime)."""
+    return max(1, min(-(-rows // gpc), resident_blocks(dev, block) * 2))

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from . import _rules as C
-from . import counters
+from . import counters, scopes
 from ._geometry import BLOCK_THREADS, grid, groups
 from .. import _args as A
 from .. import _dispatch as D
 from .._op import dims, empty, op
+from .._plan import Launch, grid_stride, run
 from ..kernels import nvfp4 as K
 from ..reference import nvfp4 as ref
 from ..runtime import get_runtime
@@ -74,9 +75,11 @@ def _quantize(x, scope, gs, gs_value, q, sf, gs_out, errors, stream=None):
     rt = get_runtime(x.get_device())
     g = gs_out if gs_out is not None else gs.reshape(())
     if m * n == 0:
-        _write_gs_only(rt, g, scope, gs, gs_out is not None, stream)
-    else:
-        _launch(rt, x, q, sf, g, m, n, ldx, scope, gs, gs_out is not None, errors, stream)
+        _write_gs_only(rt, g, scopes.empty_gs(scope, gs), gs_out is not None, stream)
+        return
+    if errors is None and scope == "given" and gs.__class__ is not float:
+        errors = counters.address(rt, counters.GIVEN_GS, stream)
+    run(rt, plan(rt, x, q, sf, gs_out, m, n, ldx, scope, gs, errors), stream)
 
 
 def _reference(x, xdt, scope, gs, q, sf, gs_out):
@@ -91,56 +94,76 @@ def _reference(x, xdt, scope, gs, q, sf, gs_out):
         D.from_numpy(np.asarray(rg, np.float32), x, out=gs_out)
 
 
-def _write_gs_only(rt, g, scope, gs, own_gs, stream):
-    """No elements: only gs is written, with torch ops on the op's stream
-    (not torch's current one), ordered like every other write."""
+def _write_gs_only(rt, g, gs, own_gs, stream):
+    """No elements: only gs (scopes.empty_gs's) is written, with torch ops
+    on the op's stream (not torch's current one), ordered like every other
+    write."""
     import torch
     with torch.cuda.stream(rt.torch_stream(stream)):
-        if scope in ("row", "tensor"):          # amax 0 -> gs 1
-            g.fill_(1.0)
-        elif isinstance(gs, float) or gs is None:
-            g.fill_(1.0 if gs is None else gs)
+        if gs.ptr is None:
+            g.fill_(gs.value)
         elif own_gs:
-            g.copy_(gs.reshape(()))
+            g.copy_(gs.ptr.reshape(()))
 
 
-def _launch(rt, x, q, sf, g, m, n, ldx, scope, gs, own_gs, errors, stream):
-    bpt = 2 if n % 32 == 0 else 1
-    upr = n // (BLOCK * bpt)
-    if scope == "row":
-        r = 1 if upr <= K.MAX_BLOCK_THREADS else 0
-        tpr, block, gpc = groups(upr, cap=K.MAX_BLOCK_THREADS if r else BLOCK_THREADS)
-        K.QUANTIZE_ROWS.launch(rt, (grid(rt, m, block, gpc),), (block,), x.dtype, bpt, r, stream=stream,
-                               x=x, q=q, sf=sf, gs_out=g, M=m, upr=upr, ldx=ldx, tpr_=tpr)
-        return
-    if scope == "tensor":
-        if m * n <= SMALL_NUMEL:
-            # Every CTA reduces the whole tensor before it quantizes: a chain of
-            # dependent loads and maxima per thread, so the most threads a CTA
-            # can have (at M = 8 rows of 7168: 10.6 us with 256, 7 per thread).
-            block = K.MAX_BLOCK_THREADS
-            ctas = max(1, min(-(-(m * upr) // block), _SMALL_MAX_CTAS))
-            K.QUANTIZE_SMALL.launch(rt, (ctas,), (block,), x.dtype, bpt, stream=stream,
-                                    x=x, q=q, sf=sf, M=m, upr=upr, ldx=ldx, gs_out=g)
-            return
-        rt.memset(g.data_ptr(), 0, 4, stream)
-        vecs = m * n * x.element_size() // 16
-        ctas, block = rt.grid_stride(vecs, BLOCK_THREADS, waves=1)
-        K.AMAX.launch(rt, (ctas,), (block,), x.dtype, stream=stream, x=x, M=m, N=n, ldx=ldx, amax_bits=g)
-        tpr, block, gpc = groups(upr)
-        K.QUANTIZE.launch(rt, (grid(rt, m, block, gpc),), (block,), x.dtype, bpt, K.MODE_AMAX, stream=stream,
-                          x=x, q=q, sf=sf, M=m, upr=upr, ldx=ldx, tpr_=tpr, gs_ptr=g, gs_val=0.0,
-                          gs_out=None, errors=None)
-        K.FINALIZE_GS.launch(rt, (1,), (32,), stream=stream, gs=g)
-        return
-    # 'given' / 'none'
-    if gs is None or isinstance(gs, float):
-        gs_ptr, gs_val, gs_out, errors = None, (1.0 if gs is None else gs), g, None
-    else:       # a device gs: the kernel checks it and counts an unusable one
-        gs_ptr, gs_val, gs_out = gs, 0.0, (g if own_gs else None)
-        if errors is None:
-            errors = counters.address(rt, counters.GIVEN_GS, stream)
-    tpr, block, gpc = groups(upr)
-    K.QUANTIZE.launch(rt, (grid(rt, m, block, gpc),), (block,), x.dtype, bpt, K.MODE_GIVEN, stream=stream,
-                      x=x, q=q, sf=sf, M=m, upr=upr, ldx=ldx, tpr_=tpr, gs_ptr=gs_ptr, gs_val=gs_val,
-                      gs_out=gs_out, errors=errors)
+def _io(p) -> dict:
+    """The arguments every quantize kernel takes, of _Passes p."""
+    return dict(x=p.x, q=p.q, sf=p.sf, M=p.m, upr=p.upr, ldx=p.ldx)
+
+
+class _Passes(scopes.Passes):
+    """rawkv.nvfp4.quantize's passes (rawkv.kernels.nvfp4) over x (M, N)
+    rows `ldx` elements apart, on device `dev`."""
+
+    def __init__(self, dev, x, q, sf, g, m, n, ldx):
+        self.dev, self.gs_out = dev, g
+        self.bpt = 2 if n % 32 == 0 else 1          # NVFP4 blocks per thread step
+        self.upr = n // (BLOCK * self.bpt)
+        self.x, self.q, self.sf, self.m, self.n, self.ldx, self.dt = x, q, sf, m, n, ldx, x.dtype
+
+    def _rows(self, cap=BLOCK_THREADS):
+        tpr, block, gpc = groups(self.upr, cap)
+        return (grid(self.dev, self.m, block, gpc),), (block,), tpr
+
+    def row(self):
+        r = 1 if self.upr <= K.MAX_BLOCK_THREADS else 0
+        g, b, tpr = self._rows(K.MAX_BLOCK_THREADS if r else BLOCK_THREADS)
+        return [Launch(K.QUANTIZE_ROWS.instance(self.dt, self.bpt, r), g, b,
+                       dict(_io(self), gs_out=self.gs_out, tpr_=tpr))]
+
+    def whole_tensor(self):
+        if self.m * self.n > SMALL_NUMEL:
+            return None
+        # Every CTA reduces the whole tensor before it quantizes: a chain of
+        # dependent loads and maxima per thread, so the most threads a CTA
+        # can have (at M = 8 rows of 7168: 10.6 us with 256, 7 per thread).
+        block = K.MAX_BLOCK_THREADS
+        ctas = max(1, min(-(-(self.m * self.upr) // block), _SMALL_MAX_CTAS))
+        return [Launch(K.QUANTIZE_SMALL.instance(self.dt, self.bpt), (ctas,), (block,),
+                       dict(_io(self), gs_out=self.gs_out))]
+
+    def amax(self):
+        vecs = self.m * self.n * self.x.element_size() // 16
+        ctas, block = grid_stride(self.dev, vecs, BLOCK_THREADS, waves=1)
+        return [Launch(K.AMAX.instance(self.dt), (ctas,), (block,),
+                       dict(x=self.x, M=self.m, N=self.n, ldx=self.ldx, amax_bits=self.gs_out))]
+
+    def from_amax(self):
+        g, b, tpr = self._rows()
+        return [Launch(K.QUANTIZE.instance(self.dt, self.bpt, K.MODE_AMAX), g, b,
+                       dict(_io(self), tpr_=tpr, gs_ptr=self.gs_out, gs_val=0.0, gs_out=None, errors=None)),
+                Launch(K.FINALIZE_GS.instance(), (1,), (32,), dict(gs=self.gs_out))]
+
+    def given(self, gs):
+        g, b, tpr = self._rows()
+        return [Launch(K.QUANTIZE.instance(self.dt, self.bpt, K.MODE_GIVEN), g, b,
+                       dict(_io(self), tpr_=tpr, gs_ptr=gs.ptr, gs_val=gs.value, gs_out=self.gs_out,
+                            errors=gs.errors))]
+
+
+def plan(dev, x, q, sf, gs_out, m, n, ldx, scope, gs=None, errors=None) -> list:
+    """The launches of a quantize of (M, N) > 0 elements on device `dev`
+    (rawkv._plan.Device or a Runtime): gs is written to gs_out (None only
+    with a device gs, which is then the gs); errors is where a device gs's
+    refusal is counted."""
+    return scopes.plan(scope, _Passes(dev, x, q, sf, gs_out, m, n, ldx), gs, errors)
