@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rawkv import fused as F
-from rawkv.fused import _rows
+from rawkv.fused import plans as _rows
 from rawkv.kernels import fused as K
 from rawkv import nvfp4 as N
 from rawkv.reference import fused as R

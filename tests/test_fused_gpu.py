@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from rawkv import fused as F
-from rawkv.fused import _rows
+from rawkv.fused import plans as _rows
 from rawkv.kernels import fused as K
 from rawkv.reference import fused as R
 from rawkv.reference import nvfp4 as RN

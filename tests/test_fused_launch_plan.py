@@ -15,22 +15,12 @@ from rawkv.nvfp4 import counters
 from rawkv.reference import nvfp4 as RN
 
 torch = pytest.importorskip("torch")
-from test_nvfp4_launch_plan import RecordingRuntime, fake  # noqa: E402
-
-
-class FusedRecordingRuntime(RecordingRuntime):
-    def function(self, filename, name, stream=None):
-        assert filename == "fused.cu" and name in K.FILE.name_expressions(), name
-        return name
+from fake_cuda import fake, install  # noqa: E402
 
 
 @pytest.fixture
 def rt(monkeypatch):
-    r = FusedRecordingRuntime()
-    for mod in (rms, swiglu, moe):
-        monkeypatch.setattr(mod, "get_runtime", lambda dev: r)
-    monkeypatch.setitem(counters._CUDA, -1, fake(torch.zeros(2, dtype=torch.int32)))
-    return r
+    return install(monkeypatch, (rms, swiglu, moe))
 
 
 def _calls(rt, op, dtype, **kw):

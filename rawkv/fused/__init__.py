@@ -25,12 +25,15 @@ rawkv.kernels.fused; numpy arrays and CPU tensors run rawkv.reference.fused,
 which defines every op (float32 numpy arrays: no rounding of the
 intermediates; see docs/fused.md).
 
-Each op is also a torch custom operator, torch.ops.rawkv.<op name>
-(mutating form, declared beside the op; docs/fused.md lists the schemas).
+Each op is written once, as the body of its torch custom operator
+torch.ops.rawkv.<op name> (rawkv._op; mutating form, docs/fused.md lists
+the schemas); the public function allocates what out= does not give and
+calls it.
 
-Modules: rms (RMSNorm and mHC + RMSNorm), swiglu, moe; _rules (argument
-rules of the family), _rows (CUDA outputs, launch geometry, row launches),
-_cpu (CPU results and out=), _traced (the row producers under torch.compile).
+Modules: rms (RMSNorm and mHC + RMSNorm, and the row producers' shared
+public part), swiglu, moe; _rules (the family's argument rules, one function
+per op, CPU and CUDA alike), plans (the launches as data; the global-scale
+scopes are rawkv.nvfp4.scopes's).
 """
 from ..nvfp4.activation import QuantizedActivation
 from .moe import MoEStaged, moe_stage

@@ -1,73 +1,66 @@
-"""Argument rules of the fused producers that are theirs alone (the generic
-ones are rawkv._args). Every op runs these before its CPU / CUDA branch, so
-both accept and refuse the same arguments."""
+"""Argument rules of the fused producers (the generic ones, one function
+per kind of argument, are rawkv._args): one function per op takes the
+operator's arguments and returns the op's placement and its checked
+arrays, on CPU and CUDA alike; the body then only chooses the reference or
+the launches. Every rule raises before anything is launched or written,
+naming the argument (out= entries as out.q, out.sf, ...)."""
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
+import numpy as np
+
 from .. import _args as A
-from ..nvfp4 import _checks as NC
+from .. import _dispatch as D
+from ..kernels import fused as K
+from ..nvfp4 import _rules as NR
 from ..reference import nvfp4 as ref_nvfp4
 
 SCOPES = ("row", "tensor", "given", "none")
 
 # dtype names, as torch spells them. x / h / hidden on CUDA are bfloat16 or
 # float16; on CPU float32 too (the reference's own precision: intermediates
-# are not rounded).
+# are not rounded; docs/fused.md).
+X = ("bfloat16", "float16")
 CPU_X = ("bfloat16", "float16", "float32")
 PARAM = ("float32", "bfloat16", "float16")     # weight, mix, topk_weights
 IDS = ("int32", "int64")                       # topk_ids
 OUT_Q = ("uint8", "float4_e2m1fn_x2")          # what out.q may be (the result: float4_e2m1fn_x2)
 OUT_SF = ("uint8", "float8_e4m3fn")            # what out.sf may be (the result: float8_e4m3fn)
+F32 = ("float32",)
 
 
-def scope_gs(scope, gs):
-    """(scope, gs) of a producer: A.check_scope_gs with the family's default
-    scope 'row' (a number gs comes back a checked Python float; an array gs
-    is checked where it is read: given_gs_host, rawkv.fused._rows.gs_arg)."""
-    if gs is None and scope is None:                     # the defaults
-        return "row", None
-    return A.check_scope_gs(scope, gs, SCOPES, "row")
+class Rows(NamedTuple):
+    """A row producer's checked arguments: `x` (the input, h for SwiGLU)
+    read as `rows` rows of width `n` (the quantized width), its dtype name,
+    the scope and gs (None, a checked Python float or a float32 array of
+    one element), the outputs (inv None for SwiGLU)."""
+    where: str
+    x: object
+    rows: int
+    n: int
+    xdt: str
+    scope: str
+    gs: object
+    q: object
+    sf: object
+    gs_out: object
+    inv: object
 
 
-def given_gs_host(scope: str, gs, dtype: str):
-    """The reference's gs on the CPU path: None unless scope is 'given';
-    then a float32 0-d array, a number or a host array (float32, one
-    element) whose value rawkv.nvfp4's rule refuses being a ValueError
-    naming gs, as on CUDA (where a device gs is checked by the kernel)."""
-    return NC.given_gs_host(gs, dtype) if scope == "given" else None
-
-
-def require_arrays(*named, optional: bool = False) -> None:
-    """Each (name, value) must be an array (A.require_array: a number or
-    None is a TypeError naming it); with `optional`, None is allowed (an
-    out= entry to allocate). CUDA tensors pass at the cost of one getattr."""
-    for name, v in named:
-        if getattr(v, "is_cuda", False) is True or (optional and v is None):
-            continue
-        A.require_array(v, name)
-
-
-def check_width(n: int, name: str) -> None:
-    """The last dimension: a positive multiple of 16 (N == 0 has no row to
-    normalize and would leave gs / inv_rms unwritten on CUDA)."""
-    if n == 0:
-        raise ValueError(f"{name}: the last dimension is 0; expected a positive multiple of 16")
-    ref_nvfp4.check_last_dim(n, name)
-
-
+# ---- public-only arguments ---------------------------------------------------------------
 def split_out(out, names=("q", "sf", "gs", "inv_rms"), least: int = 3):
     """The entries of out=: None (all None), or a tuple / list / NamedTuple
-    of `least` to len(names) entries, each None (allocate it) or an array."""
+    of `least` to len(names) entries (None: allocate it; the op checks the
+    others)."""
     if out is None:
         return (None,) * len(names)
     if not isinstance(out, (tuple, list)) or not least <= len(out) <= len(names):
         count = f"{least}" if least == len(names) else f"{least} or {len(names)}"
         got = f"{len(out)} entries" if isinstance(out, (tuple, list)) else type(out).__name__
         raise TypeError(f"out: expected a tuple of {count} entries ({', '.join(names)}), got {got}")
-    out = tuple(out) + (None,) * (len(names) - len(out))
-    for n, o in zip(names, out):
-        if o is not None and getattr(o, "is_cuda", False) is not True:
-            A.require_array(o, "out." + n)
-    return out
+    return tuple(out) + (None,) * (len(names) - len(out))
 
 
 def gs_shape(scope: str, lead: tuple, out_gs) -> tuple:
@@ -75,4 +68,139 @@ def gs_shape(scope: str, lead: tuple, out_gs) -> tuple:
     out.gs of shape (1,) is filled as it is)."""
     if scope == "row":
         return lead
-    return (1,) if out_gs is not None and tuple(out_gs.shape) == (1,) else ()
+    return (1,) if out_gs is not None and tuple(getattr(out_gs, "shape", ())) == (1,) else ()
+
+
+# ---- shared by the row producers ---------------------------------------------------------
+def _x(x, name, where, min_ndim, align):
+    """The input of a row producer: bfloat16 / float16 (CPU: float32 too),
+    contiguous, `align`-byte aligned."""
+    return A.tensor(x, name, CPU_X if where == "cpu" else X, where, min_ndim=min_ndim, align=align)
+
+
+def _width(n: int, name: str) -> None:
+    """The quantized width: a positive multiple of 16 (N == 0 has no row to
+    normalize and would leave gs / inv_rms unwritten on CUDA)."""
+    if n == 0:
+        raise ValueError(f"{name}: the last dimension is 0; expected a positive multiple of 16")
+    ref_nvfp4.check_last_dim(n, name)
+
+
+def _gs(gs, xdt, where, dev):
+    """A given gs: a Python float checked under the bound of `xdt` inputs
+    (rawkv.nvfp4's rule), or a float32 array of one element on the op's
+    device (its value is the CPU branch's to check, NR.given_gs_host, or
+    the kernel's)."""
+    if gs is None:
+        return None
+    if gs.__class__ is float:
+        NR.check_given_gs_number(gs, xdt)
+        return gs
+    return A.tensor(gs, "gs", F32, where, device=dev, dense=False)
+
+
+def _outputs(where, dev, lead, n, scope, q, sf, gs_out, inv):
+    """The outputs of rows `lead` of width n (inv None: SwiGLU)."""
+    q = A.tensor(q, "out.q", OUT_Q, where, shape=(*lead, n // 2), device=dev, align=8)
+    sf = A.tensor(sf, "out.sf", OUT_SF, where, shape=(*lead, n // 16), device=dev)
+    gs_out = A.tensor(gs_out, "out.gs", F32, where, shape=gs_shape(scope, lead, gs_out), device=dev, align=4)
+    if inv is not None:
+        inv = A.tensor(inv, "out.inv_rms", F32, where, shape=lead, device=dev, align=4)
+    return q, sf, gs_out, inv
+
+
+def _scope(scope, gs, gs_value):
+    return A.check_scope_gs(scope, A.op_gs(gs, gs_value), SCOPES, "row")
+
+
+# ---- one function per op ----------------------------------------------------------------
+def rms(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms):
+    """(Rows, mix, weight, eps, n_hc) of rawkv::rmsnorm_quantize (mix None)
+    and rawkv::mhc_rmsnorm_quantize."""
+    eps = A.check_eps(eps)
+    scope, gs = _scope(scope, gs, gs_value)
+    mixed = mix is not None
+    inputs = (("x", x), ("mix", mix), ("weight", weight), ("gs", gs))
+    outs = (("out.q", q), ("out.sf", sf), ("out.gs", gs_out), ("out.inv_rms", inv_rms))
+    where = D.placement(*inputs, *outs)
+    A.check_outputs(outs, inputs)
+    x = _x(x, "x", where, 2 if mixed else 1, 16)
+    xs, dev = tuple(x.shape), A.device_of(x)
+    lead, n_hc, n = (xs[:-2], xs[-2], xs[-1]) if mixed else (xs[:-1], 1, xs[-1])
+    if not 1 <= n_hc <= K.MAX_HC:
+        raise ValueError(f"x: n_hc = x.shape[-2] = {n_hc} must be in 1..{K.MAX_HC}")
+    _width(n, "x")
+    weight = A.tensor(weight, "weight", PARAM, where, shape=(n,), device=dev, align=16)
+    if mixed:
+        mix = A.tensor(mix, "mix", PARAM, where, shape=(*lead, n_hc), device=dev)
+    xdt = A.dtype_name(x)
+    gs = _gs(gs, xdt, where, dev)
+    q, sf, gs_out, inv_rms = _outputs(where, dev, lead, n, scope, q, sf, gs_out, inv_rms)
+    return Rows(where, x, math.prod(lead), n, xdt, scope, gs, q, sf, gs_out, inv_rms), mix, weight, eps, n_hc
+
+
+def is_int(v) -> bool:
+    """A Python or numpy int, not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def granularity(g) -> int:
+    """SwiGLU's interleave: a positive int (Python or numpy, not a bool)."""
+    if not is_int(g) or g < 1:
+        raise ValueError(f"granularity: expected a positive int, got {g!r}")
+    return int(g)
+
+
+def swiglu(h, granularity_, scope, gs, gs_value, q, sf, gs_out):
+    """(Rows, granularity, 16-byte loads?) of rawkv::swiglu_quantize; Rows.n
+    is the intermediate width I (h is (..., 2I))."""
+    g = granularity(granularity_)
+    scope, gs = _scope(scope, gs, gs_value)
+    outs = (("out.q", q), ("out.sf", sf), ("out.gs", gs_out))
+    where = D.placement(("h", h), ("gs", gs), *outs)
+    A.check_outputs(outs, (("h", h), ("gs", gs)))
+    vec = g % 8 == 0            # runs of 8 gate / up columns: 16-byte loads
+    h = _x(h, "h", where, 1, 16 if vec else 2)
+    two_i = h.shape[-1]
+    if two_i == 0:              # no row to quantize (CUDA would leave gs unwritten)
+        raise ValueError("h: the last dimension is 0; expected 2I with I a positive multiple of 16")
+    if two_i % 2:
+        raise ValueError(f"h: the fused width {two_i} must be even (gate and up halves)")
+    inter = two_i // 2
+    ref_nvfp4.check_last_dim(inter, "h (the intermediate width h.shape[-1] / 2)")
+    if inter % g:
+        raise ValueError(f"granularity: {g} must divide the intermediate width {inter}")
+    if two_i >= 2 ** 31:
+        raise ValueError(f"h: the fused width {two_i} must be < 2^31")
+    lead, dev, xdt = tuple(h.shape[:-1]), A.device_of(h), A.dtype_name(h)
+    gs = _gs(gs, xdt, where, dev)
+    q, sf, gs_out, _ = _outputs(where, dev, lead, inter, scope, q, sf, gs_out, None)
+    return Rows(where, h, math.prod(lead), inter, xdt, scope, gs, q, sf, gs_out, None), g, vec
+
+
+def moe_stage(hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights_out):
+    """(where, hidden, topk_ids, topk_weights, q, sf, ids_out, weights_out)
+    of rawkv::moe_stage."""
+    inputs = (("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights))
+    outs = (("out.q", q), ("out.sf", sf), ("out.topk_ids", topk_ids_out), ("out.topk_weights", topk_weights_out))
+    where = D.placement(*inputs, *outs)
+    A.check_outputs(outs, inputs)
+    hidden = A.tensor(hidden, "hidden", CPU_X if where == "cpu" else X, where, align=16)
+    hs, dev = tuple(hidden.shape), A.device_of(hidden)
+    if len(hs) != 2:
+        raise ValueError(f"hidden: expected (M, K), got shape {hs}")
+    m, k = hs
+    if k % 128 or k == 0:
+        raise ValueError(f"hidden: K = {k} must be a positive multiple of 128 for MoE staging "
+                         "(NVFP4 blocks of 16, scales packed four per int32, 128-wide tiles)")
+    topk_ids = A.tensor(topk_ids, "topk_ids", IDS, where, device=dev)
+    ids_s = tuple(topk_ids.shape)
+    if len(ids_s) != 2 or ids_s[0] != m:
+        raise ValueError(f"topk_ids: expected shape ({m}, top_k), got {ids_s}")
+    topk_weights = A.tensor(topk_weights, "topk_weights", PARAM, where, shape=ids_s, device=dev)
+    q = A.tensor(q, "out.q", OUT_Q, where, shape=(m, k // 2), device=dev, align=16)
+    sf = A.tensor(sf, "out.sf", ("int32",), where, shape=(m, k // 64), device=dev, align=4)
+    ids = A.tensor(topk_ids_out, "out.topk_ids", ("int64",), where, shape=ids_s, device=dev, align=8)
+    w = A.tensor(topk_weights_out, "out.topk_weights", (A.dtype_name(topk_weights),), where, shape=ids_s,
+                 device=dev)
+    return where, hidden, topk_ids, topk_weights, q, sf, ids, w

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _args as A
-from .. import _dispatch as D
-from .._opdecl import OpDecl
-from ..kernels import fused as K
+from . import _rules as R
+from . import plans
+from .._op import empty, op
+from .._plan import run
+from ..nvfp4 import _rules as NR
+from ..nvfp4 import counters
 from ..nvfp4.activation import QuantizedActivation
 from ..reference import fused as ref
 from ..runtime import get_runtime
-from . import _cpu as C
-from . import _rows
-from . import _rules as R
-from . import _traced as T
+from .. import _args as A
+from .. import _dispatch as D
 
 
 def rmsnorm_quantize(x, weight, eps=1e-6, *, scope=None, gs=None, out=None, stream=None):
@@ -23,7 +23,9 @@ def rmsnorm_quantize(x, weight, eps=1e-6, *, scope=None, gs=None, out=None, stre
     x (..., N) bfloat16/float16, N % 16 == 0; weight (N,) float32/bfloat16/float16;
     eps a finite number > 0. Returns QuantizedActivation(q, sf, gs, inv_rms);
     gs per row by default."""
-    return _rms(x, None, weight, eps, scope, gs, out, stream, mixed=False)
+    s = getattr(x, "shape", ())
+    return activation(_rmsnorm_quantize, x, tuple(s[:-1]), s[-1] if s else 0, scope, gs, out, stream,
+                      x, weight, number(eps))
 
 
 def mhc_rmsnorm_quantize(x, mix, weight, eps=1e-6, *, scope=None, gs=None, out=None, stream=None):
@@ -32,96 +34,104 @@ def mhc_rmsnorm_quantize(x, mix, weight, eps=1e-6, *, scope=None, gs=None, out=N
 
     x (..., n_hc, N) bfloat16/float16 with n_hc <= 4; mix (..., n_hc)
     float32/bfloat16/float16; weight (N,). Returns QuantizedActivation."""
-    return _rms(x, mix, weight, eps, scope, gs, out, stream, mixed=True)
+    s = getattr(x, "shape", ())
+    return activation(_mhc_rmsnorm_quantize, x, tuple(s[:-2]), s[-1] if s else 0, scope, gs, out, stream,
+                      x, mix, weight, number(eps))
 
 
-def _rms(x, mix, weight, eps, scope, gs, out, stream, mixed):
-    if D.compiling():
-        if mixed:
-            return T.activation(MHC_RMSNORM_QUANTIZE_OP, x, x.shape[:-2], x.shape[-1], scope, gs, out, True,
-                                x=x, mix=mix, weight=weight, eps=A.traced_number(eps))
-        return T.activation(RMSNORM_QUANTIZE_OP, x, x.shape[:-1], x.shape[-1], scope, gs, out, True,
-                            x=x, weight=weight, eps=A.traced_number(eps))
-    out_q, out_sf, out_gs, out_inv = R.split_out(out)
-    eps = A.check_eps(eps)
-    scope, gs = R.scope_gs(scope, gs)
-    R.require_arrays(("x", x), ("weight", weight))
-    if mixed:
-        R.require_arrays(("mix", mix))
-    where = D.placement(("x", x), ("mix", mix), ("weight", weight), ("out.q", out_q),
-                        ("out.sf", out_sf), ("out.gs", out_gs), ("out.inv_rms", out_inv),
-                        ("gs", None if gs is None or gs.__class__ is float else gs))
-    # shapes, common to both placements
-    xs = tuple(x.shape)
-    if mixed:
-        if len(xs) < 2:
-            raise ValueError(f"x: expected (..., n_hc, N), got shape {xs}")
-        lead, n_hc, n = xs[:-2], xs[-2], xs[-1]
-        if not 1 <= n_hc <= K.MAX_HC:
-            raise ValueError(f"x: n_hc = x.shape[-2] = {n_hc} must be in 1..{K.MAX_HC}")
-        if tuple(mix.shape) != (*lead, n_hc):
-            raise ValueError(f"mix: expected shape {(*lead, n_hc)}, got {tuple(mix.shape)}")
+def number(v):
+    """A number argument as the operator's float (a numpy scalar is not
+    one); anything else as it is, for the op to refuse by name."""
+    return float(v) if v.__class__ is not float and A.is_number(v) else v
+
+
+def activation(call, like, lead, n, scope, gs, out, stream, *inputs, inv=True):
+    """A row producer's public function: `call` (the op) on `inputs` with
+    the outputs of rows `lead` of width n, out= entries kept and the others
+    allocated where `like` lives; q and sf are returned as
+    float4_e2m1fn_x2 / float8_e4m3fn where torch has them, as
+    rawkv.nvfp4.quantize returns them."""
+    q, sf, g, i = R.split_out(out)
+    if i is not None and not inv:
+        raise ValueError(f"out.inv_rms: {call.__name__.lstrip('_')} has no inv_rms output")
+    scope = A.default_scope(scope, gs, "row")
+    new_q, new_sf = q is None, sf is None
+    if new_q:
+        q = empty(like, (*lead, n // 2), "uint8", stream)
+    if new_sf:
+        sf = empty(like, (*lead, n // 16), "uint8", stream)
+    if g is None:
+        g = empty(like, lead if scope == "row" else (), "float32", stream)
+    if inv and i is None:
+        i = empty(like, lead, "float32", stream)
+    gs_t, gs_v = A.split_number(gs)
+    if inv:
+        call(*inputs, scope, gs_t, gs_v, q, sf, g, i, stream)
     else:
-        if len(xs) < 1:
-            raise ValueError("x: expected (..., N), got a 0-d array")
-        lead, n_hc, n = xs[:-1], 1, xs[-1]
-    R.check_width(n, "x")
-    if tuple(weight.shape) != (n,):
-        raise ValueError(f"weight: expected shape ({n},), got {tuple(weight.shape)}")
-    A.check_outputs((("out.q", out_q), ("out.sf", out_sf), ("out.gs", out_gs), ("out.inv_rms", out_inv)),
-                    (("x", x), ("mix", mix), ("weight", weight), ("gs", gs)))
-    if where == "cpu":
-        return _rms_cpu(x, mix, weight, eps, scope, gs, lead, n_hc, n, out_q, out_sf, out_gs, out_inv)
-
-    dt = _rows.dtypes()
-    x = _rows.cuda_arg(x, "x", dt.x, align=16)
-    dev = x.get_device()
-    weight = _rows.cuda_arg(weight, "weight", dt.param, dev, 16)
-    if mixed:
-        mix = _rows.cuda_arg(mix, "mix", dt.param, dev)
-    gs_in, gs_val = (None, 0.0) if gs is None else _rows.gs_arg(gs, x.dtype, dev)
-    rt = get_runtime(dev)
-    q, sf, gs_t, inv = _rows.outputs(rt, lead, n, scope, dev, out_q, out_sf, out_gs, out_inv, True, stream)
-    _rows.launch_rows(rt, K.RMS.instance(x.dtype, mixed, K.REG), x.numel() // (n_hc * n), n // 16, scope,
-                      gs_in, gs_val, gs_t, stream, x=x, mix=mix, mix_kind=dt.kind[mix.dtype] if mixed else 0,
-                      n_hc=n_hc, w=weight, w_kind=dt.kind[weight.dtype], eps=eps, n=n, q=q, sf=sf,
-                      inv_out=inv)
-    return QuantizedActivation(q, sf, gs_t, inv)
-
-
-def _rms_cpu(x, mix, weight, eps, scope, gs, lead, n_hc, n, out_q, out_sf, out_gs, out_inv):
-    """The reference on numpy arrays / CPU tensors, checked as the CUDA path checks."""
-    dt = A.check_cpu_array(x, "x", R.CPU_X)
-    A.check_cpu_array(weight, "weight", R.PARAM)
-    if mix is not None:
-        A.check_cpu_array(mix, "mix", R.PARAM)
-    gsv = R.given_gs_host(scope, gs, dt)
-    xn = D.to_numpy(x, "x")
-    wn = D.to_numpy(weight, "weight")
-    if mix is not None:
-        m = int(np.prod(lead)) if lead else 1
-        a = D.to_numpy(mix, "mix").reshape(m, n_hc)
-        q, sf, g, inv = ref.mhc_rmsnorm_quantize(xn.reshape(m, n_hc, n), a, wn, eps, scope, gsv, dt)
-    else:
-        q, sf, g, inv = ref.rmsnorm_quantize(xn.reshape(-1, n), wn, eps, scope, gsv, dt)
-    return C.activation(x, scope, q.reshape(*lead, n // 2), sf.reshape(*lead, n // 16), g, inv.reshape(lead),
-                        out_q, out_sf, out_gs, out_inv)
-
-
-# ---- torch custom operators (rawkv.library): the mutating forms -------------------------
-def _rmsnorm_quantize_op(x, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms):
-    rmsnorm_quantize(x, weight, eps, scope=scope, gs=A.op_gs(gs, gs_value), out=(q, sf, gs_out, inv_rms))
-
-
-def _mhc_rmsnorm_quantize_op(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms):
-    mhc_rmsnorm_quantize(x, mix, weight, eps, scope=scope, gs=A.op_gs(gs, gs_value),
-                         out=(q, sf, gs_out, inv_rms))
+        call(*inputs, scope, gs_t, gs_v, q, sf, g, stream)
+    return QuantizedActivation(NR.as_q(q) if new_q else q, NR.as_sf(sf) if new_sf else sf, g, i if inv else None)
 
 
 _OUTS = "Tensor(a!) q, Tensor(b!) sf, Tensor(c!) gs_out, Tensor(d!) inv_rms"
-RMSNORM_QUANTIZE_OP = OpDecl(
-    "rmsnorm_quantize", _rmsnorm_quantize_op,
-    f"Tensor x, Tensor weight, float eps, str scope, Tensor? gs, float? gs_value, {_OUTS}")
-MHC_RMSNORM_QUANTIZE_OP = OpDecl(
-    "mhc_rmsnorm_quantize", _mhc_rmsnorm_quantize_op,
+
+
+@op("rmsnorm_quantize", f"Tensor x, Tensor weight, float eps, str scope, Tensor? gs, float? gs_value, {_OUTS}")
+def _rmsnorm_quantize(x, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, stream=None):
+    """rawkv::rmsnorm_quantize: writes q, sf, gs_out and inv_rms; a gs is a
+    tensor `gs` or a number `gs_value`."""
+    _run(R.rms(x, None, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms), stream)
+
+
+@op("mhc_rmsnorm_quantize",
     f"Tensor x, Tensor mix, Tensor weight, float eps, str scope, Tensor? gs, float? gs_value, {_OUTS}")
+def _mhc_rmsnorm_quantize(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, stream=None):
+    """rawkv::mhc_rmsnorm_quantize: as rmsnorm_quantize, of the mix of x's
+    n_hc streams; mix is required (R.rms reads None as the plain form)."""
+    if mix is None:
+        A.require_array(mix, "mix")
+    _run(R.rms(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms), stream)
+
+
+def _run(checked, stream):
+    a, mix, weight, eps, n_hc = checked
+    if a.where == "cpu":
+        _reference(a, mix, weight, eps, n_hc)
+        return
+    rt = get_runtime(a.x.get_device())
+    run(rt, plans.rms(rt, a, mix, weight, eps, n_hc, given_counter(rt, a, stream)), stream)
+
+
+def given_counter(rt, a, stream):
+    """Where the kernel counts a refused device gs: rawkv.nvfp4's
+    error counter, slot GIVEN_GS (a number was checked on the host)."""
+    if a.gs is None or a.gs.__class__ is float:
+        return None
+    return counters.address(rt, counters.GIVEN_GS, stream)
+
+
+def host_gs(a):
+    """The reference's gs: None unless scope is 'given'; then the number or
+    host array, refused (ValueError naming gs) where rawkv.nvfp4's rule
+    would not use it, as the kernel would flag it."""
+    return NR.given_gs_host(a.gs, a.xdt) if a.scope == "given" else None
+
+
+def put(a, q, sf, g, inv=None) -> None:
+    """The reference's results into a row producer's outputs."""
+    lead = tuple(a.q.shape[:-1])
+    D.from_numpy(q.reshape(a.q.shape), a.x, out=a.q)
+    D.from_numpy(sf.reshape(a.sf.shape), a.x, out=a.sf)
+    D.from_numpy(np.asarray(g, np.float32).reshape(a.gs_out.shape), a.x, out=a.gs_out)
+    if inv is not None:
+        D.from_numpy(inv.reshape(lead), a.x, out=a.inv)
+
+
+def _reference(a, mix, weight, eps, n_hc):
+    x, w = D.to_numpy(a.x, "x"), D.to_numpy(weight, "weight")
+    gsv = host_gs(a)
+    if mix is not None:
+        m = D.to_numpy(mix, "mix").reshape(a.rows, n_hc)
+        res = ref.mhc_rmsnorm_quantize(x.reshape(a.rows, n_hc, a.n), m, w, eps, a.scope, gsv, a.xdt)
+    else:
+        res = ref.rmsnorm_quantize(x.reshape(a.rows, a.n), w, eps, a.scope, gsv, a.xdt)
+    put(a, *res)

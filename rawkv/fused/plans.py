@@ -1,0 +1,94 @@
+"""The launch plans of the fused producers: pure functions from the checked
+arguments and the device properties (`dev`: a rawkv._plan.Device, or the
+Runtime) to the launches (rawkv._plan.Launch, Memset). The row producers'
+global-scale scopes are rawkv.nvfp4.scopes's, shared with
+rawkv.nvfp4.quantize; each pass is one launch of a row kernel (one CTA per
+row, rawkv.kernels.fused RMS / SWIGLU) in the scope's mode."""
+from __future__ import annotations
+
+from .. import _args as A
+from .._plan import Launch, grid_stride
+from ..kernels import fused as K
+from ..nvfp4 import scopes
+
+
+def block_for(dev, rows: int, chunks: int) -> int:
+    """Threads per row CTA: one 16-element chunk per thread when rows are few
+    (latency), else up to REG chunks per thread (fewer, fuller threads);
+    never more than K.MAX_BLOCK."""
+    r32 = lambda v: max(32, -(-v // 32) * 32)  # noqa: E731
+    if rows < 2 * dev.sm_count:
+        return min(K.MAX_BLOCK, r32(chunks))
+    return min(K.MAX_BLOCK, max(r32(-(-chunks // K.REG)), min(r32(chunks), 64)))
+
+
+_NO_GS = scopes.Gs(None, 0.0, None)
+
+
+class _RowPasses(scopes.Passes):
+    """The passes of row kernel instance `inst` with its other arguments
+    `args`: each pass one launch in a mode."""
+
+    def __init__(self, dev, inst, rows, chunks, gs_out, args):
+        self.inst, self.args, self.gs_out = inst, args, gs_out
+        self.grid, self.block = (rows,), (block_for(dev, rows, chunks),)
+
+    def _pass(self, mode, gs=_NO_GS):
+        return [Launch(self.inst, self.grid, self.block, dict(
+            self.args, gs_out=self.gs_out, gs_in=gs.ptr, gs_val=gs.value, mode=mode, errors=gs.errors))]
+
+    def row(self):
+        return self._pass(K.MODE_ROW)
+
+    def amax(self):
+        return self._pass(K.MODE_AMAX)
+
+    def from_amax(self):
+        return self._pass(K.MODE_TENSOR)
+
+    def given(self, gs):
+        return self._pass(K.MODE_FIXED, gs)
+
+
+def _rows(dev, inst, a, errors, args) -> list:
+    """A row producer's launches (a: rawkv.fused._rules.Rows). No row: no
+    row kernel runs, and that is what writes gs; one thread writes it on the
+    op's stream (scope 'row': there is no gs)."""
+    if a.rows == 0:
+        if a.scope == "row":
+            return []
+        g = scopes.empty_gs(a.scope, a.gs)
+        return [Launch(K.SET_GS.instance(), (1,), (1,), dict(gs_out=a.gs_out, gs_in=g.ptr, gs_val=g.value))]
+    passes = _RowPasses(dev, inst, a.rows, a.n // 16, a.gs_out, args)
+    return scopes.plan(a.scope, passes, a.gs, errors)
+
+
+def rms(dev, a, mix, weight, eps, n_hc, errors=None) -> list:
+    """rmsnorm_quantize / mhc_rmsnorm_quantize (mix None: the plain form);
+    errors: where a device gs's refusal is counted."""
+    mixed = mix is not None
+    inst = K.RMS.instance(a.x.dtype, mixed, K.REG)
+    return _rows(dev, inst, a, errors, dict(
+        x=a.x, mix=mix, mix_kind=K.PARAM_KIND[A.dtype_name(mix)] if mixed else 0, n_hc=n_hc, w=weight,
+        w_kind=K.PARAM_KIND[A.dtype_name(weight)], eps=eps, n=a.n, q=a.q, sf=a.sf, inv_out=a.inv))
+
+
+def swiglu(dev, a, g, vec, errors=None) -> list:
+    """swiglu_quantize, granularity g (vec: runs of 8 columns, 16-byte loads)."""
+    inst = K.SWIGLU.instance(a.x.dtype, vec, K.REG)
+    return _rows(dev, inst, a, errors, dict(h=a.x, inter=a.n, g=g, q=a.q, sf=a.sf))
+
+
+def moe_stage(dev, hidden, topk_ids, topk_weights, q, sf, ids_out, w_out) -> list:
+    """moe_stage: one grid-stride launch over the larger of the scale
+    units (a thread takes half of one), the ids and the weight bytes."""
+    n_units = q.shape[0] * sf.shape[1]          # 64 elements, one scale word
+    n_ids = topk_ids.numel()
+    w_bytes = topk_weights.numel() * topk_weights.element_size()
+    work = max(2 * n_units, n_ids, w_bytes)
+    if not work:
+        return []
+    grid, block = grid_stride(dev, work, block=K.MOE_BLOCK)
+    return [Launch(K.MOE_STAGE.instance(hidden.dtype, topk_ids.dtype), (grid,), (block,), dict(
+        x=hidden, n_units=n_units, q=q, sf=sf, ids=topk_ids, n_ids=n_ids, ids_out=ids_out,
+        wts=topk_weights, w_bytes=w_bytes, wts_out=w_out))]
