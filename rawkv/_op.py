@@ -177,6 +177,16 @@ def empty(like, shape, dtype: str, stream=None):
     return empty(D.as_cuda_tensor(like, "input"), shape, dtype, stream)
 
 
+def empties(like, stream, *specs) -> list:
+    """empty(like, shape, dtype, stream) of each (shape, dtype) in `specs`
+    (None: None), with where `like` lives decided once: an op allocating
+    several outputs pays for one lookup of its runtime."""
+    if not _is_compiling() and D.is_torch(like) and like.is_cuda:
+        rt, torch = get_runtime(like.get_device()), sys.modules["torch"]
+        return [None if s is None else rt.empty(s[0], getattr(torch, s[1]), stream=stream) for s in specs]
+    return [None if s is None else empty(like, s[0], s[1], stream) for s in specs]
+
+
 # ---- registration whatever the import order ------------------------------------------------
 class _AfterTorch(importlib.abc.MetaPathFinder):
     """Finds nothing itself: when `import torch` starts, it wraps torch's

@@ -5,7 +5,7 @@ from typing import Any, NamedTuple
 
 from . import _rules as R
 from . import plans
-from .._op import empty, op
+from .._op import empties, op
 from .._plan import run
 from ..reference import fused as ref
 from ..runtime import get_runtime
@@ -34,25 +34,22 @@ def moe_stage(hidden, topk_ids, topk_weights, *, out=None, stream=None):
     s = getattr(hidden, "shape", ())
     m, k = (s[0], s[-1]) if s else (0, 0)
     ids_s = tuple(getattr(topk_ids, "shape", ()))
-    if q is None:
-        q = empty(hidden, (m, k // 2), "uint8", stream)
-    if sf is None:
-        sf = empty(hidden, (m, k // 64), "int32", stream)
-    if ids is None:
-        ids = empty(hidden, ids_s, "int64", stream)
-    if w is None:
-        dt = getattr(topk_weights, "dtype", None)
-        w = None if dt is None else empty(hidden, ids_s, A.dtype_name(topk_weights), stream)
-    _moe_stage(hidden, topk_ids, topk_weights, q, sf, ids, w, stream)
+    dt = getattr(topk_weights, "dtype", None)
+    q, sf, ids, w = (o if o is not None else s_ for o, s_ in zip((q, sf, ids, w), empties(
+        hidden, stream, ((m, k // 2), "uint8") if q is None else None, ((m, k // 64), "int32") if sf is None else None,
+        (ids_s, "int64") if ids is None else None,
+        (ids_s, A.dtype_name(topk_weights)) if w is None and dt is not None else None)))
+    _moe_stage(hidden, topk_ids, topk_weights, q, sf, ids, w, stream, out is None)
     return MoEStaged(q, sf, ids, w)
 
 
 @op("moe_stage", "Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor(a!) q, Tensor(b!) sf, "
                  "Tensor(c!) topk_ids_out, Tensor(d!) topk_weights_out")
-def _moe_stage(hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights_out, stream=None):
-    """rawkv::moe_stage: writes q, sf and the top-k copies."""
+def _moe_stage(hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights_out, stream=None, fresh=False):
+    """rawkv::moe_stage: writes q, sf and the top-k copies; fresh: the
+    public function allocated every output (no memory check)."""
     where, hidden, topk_ids, topk_weights, q, sf, ids, w = R.moe_stage(
-        hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights_out)
+        hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights_out, fresh)
     if where == "cpu":
         res = ref.moe_stage(D.to_numpy(hidden, "hidden"), D.to_numpy(topk_ids, "topk_ids"),
                             D.to_numpy(topk_weights, "topk_weights"))

@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _rules as R
 from . import plans
-from .._op import empty, op
+from .._op import empties, op
 from .._plan import run
 from ..nvfp4 import _rules as NR
 from ..nvfp4 import counters
@@ -52,23 +52,20 @@ def activation(call, like, lead, n, scope, gs, out, stream, *inputs, inv=True):
     float4_e2m1fn_x2 / float8_e4m3fn where torch has them, as
     rawkv.nvfp4.quantize returns them."""
     q, sf, g, i = R.split_out(out)
+    fresh = out is None             # every output allocated here: nothing to check for overlaps
     if i is not None and not inv:
         raise ValueError(f"out.inv_rms: {call.__name__.lstrip('_')} has no inv_rms output")
     scope = A.default_scope(scope, gs, "row")
     new_q, new_sf = q is None, sf is None
-    if new_q:
-        q = empty(like, (*lead, n // 2), "uint8", stream)
-    if new_sf:
-        sf = empty(like, (*lead, n // 16), "uint8", stream)
-    if g is None:
-        g = empty(like, lead if scope == "row" else (), "float32", stream)
-    if inv and i is None:
-        i = empty(like, lead, "float32", stream)
+    q, sf, g, i = (o if o is not None else s_ for o, s_ in zip((q, sf, g, i), empties(
+        like, stream, ((*lead, n // 2), "uint8") if new_q else None, ((*lead, n // 16), "uint8") if new_sf else None,
+        (lead if scope == "row" else (), "float32") if g is None else None,
+        (lead, "float32") if inv and i is None else None)))
     gs_t, gs_v = A.split_number(gs)
     if inv:
-        call(*inputs, scope, gs_t, gs_v, q, sf, g, i, stream)
+        call(*inputs, scope, gs_t, gs_v, q, sf, g, i, stream, fresh)
     else:
-        call(*inputs, scope, gs_t, gs_v, q, sf, g, stream)
+        call(*inputs, scope, gs_t, gs_v, q, sf, g, stream, fresh)
     return QuantizedActivation(NR.as_q(q) if new_q else q, NR.as_sf(sf) if new_sf else sf, g, i if inv else None)
 
 
@@ -76,20 +73,22 @@ _OUTS = "Tensor(a!) q, Tensor(b!) sf, Tensor(c!) gs_out, Tensor(d!) inv_rms"
 
 
 @op("rmsnorm_quantize", f"Tensor x, Tensor weight, float eps, str scope, Tensor? gs, float? gs_value, {_OUTS}")
-def _rmsnorm_quantize(x, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, stream=None):
+def _rmsnorm_quantize(x, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, stream=None, fresh=False):
     """rawkv::rmsnorm_quantize: writes q, sf, gs_out and inv_rms; a gs is a
-    tensor `gs` or a number `gs_value`."""
-    _run(R.rms(x, None, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms), stream)
+    tensor `gs` or a number `gs_value`. fresh: the public function
+    allocated every output (R.rms)."""
+    _run(R.rms(x, None, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, fresh), stream)
 
 
 @op("mhc_rmsnorm_quantize",
     f"Tensor x, Tensor mix, Tensor weight, float eps, str scope, Tensor? gs, float? gs_value, {_OUTS}")
-def _mhc_rmsnorm_quantize(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, stream=None):
+def _mhc_rmsnorm_quantize(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, stream=None,
+                          fresh=False):
     """rawkv::mhc_rmsnorm_quantize: as rmsnorm_quantize, of the mix of x's
     n_hc streams; mix is required (R.rms reads None as the plain form)."""
     if mix is None:
         A.require_array(mix, "mix")
-    _run(R.rms(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms), stream)
+    _run(R.rms(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, fresh), stream)
 
 
 def _run(checked, stream):

@@ -26,10 +26,10 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
 
 @op("swiglu_quantize", "Tensor h, int granularity, str scope, Tensor? gs, float? gs_value, Tensor(a!) q, "
                        "Tensor(b!) sf, Tensor(c!) gs_out")
-def _swiglu_quantize(h, granularity, scope, gs, gs_value, q, sf, gs_out, stream=None):
+def _swiglu_quantize(h, granularity, scope, gs, gs_value, q, sf, gs_out, stream=None, fresh=False):
     """rawkv::swiglu_quantize: writes q, sf and gs_out; a gs is a tensor
-    `gs` or a number `gs_value`."""
-    a, g, vec = R.swiglu(h, granularity, scope, gs, gs_value, q, sf, gs_out)
+    `gs` or a number `gs_value`; fresh as for rmsnorm_quantize."""
+    a, g, vec = R.swiglu(h, granularity, scope, gs, gs_value, q, sf, gs_out, fresh)
     if a.where == "cpu":
         put(a, *ref.swiglu_quantize(D.to_numpy(a.x, "h").reshape(a.rows, 2 * a.n), g, a.scope, host_gs(a), a.xdt))
         return
