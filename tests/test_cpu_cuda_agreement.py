@@ -7,9 +7,11 @@ launch). Both calls must accept, or both refuse with the same error type and
 message. Code that runs on CPU then runs on the GPU, and an input the GPU
 refuses is refused on CPU first.
 
-The one difference by design is not here: a given gs whose value is
+The differences by design are not here: a given gs whose value is
 unusable is refused on the host when the host holds it, and flagged and
-counted by the kernel when the device does (docs/format.md).
+counted by the kernel when the device does (docs/format.md); the fused
+producers take a float32 x / h / hidden on CPU (the reference's precision,
+docs/fused.md).
 """
 from __future__ import annotations
 
@@ -19,13 +21,17 @@ import pytest
 
 import rawkv
 from rawkv import _opdecl, fp8
+from rawkv.fused import moe, rms, swiglu
 from rawkv.nvfp4 import activation, decode, encode, scales
 
 torch = pytest.importorskip("torch")
 from fake_cuda import fake, install  # noqa: E402
 
 nv = rawkv.nvfp4
+fu = rawkv.fused
 f32, f16, u8 = torch.float32, torch.float16, torch.uint8
+bf = torch.bfloat16
+i32, i64 = torch.int32, torch.int64
 
 
 def ones(*shape, dtype=f32):
@@ -180,8 +186,73 @@ CASES = {
         ("out-strided", lambda: (nv.unswizzle_scales, (buf(512), (2, 2)), {"out": strided_last(2, 2, dtype=u8)})),
         ("out-shape", lambda: (nv.unswizzle_scales, (buf(512), (2, 2)), {"out": buf(4)})),
     ],
+    "rmsnorm_quantize": [
+        ("ok", lambda: (fu.rmsnorm_quantize, (ones(4, 32, dtype=bf), ones(32)), {})),
+        ("ok-tensor-f16-weight", lambda: (fu.rmsnorm_quantize, (ones(4, 32, dtype=f16), ones(32, dtype=f16)),
+                                          {"scope": "tensor"})),
+        ("ok-given-tensor", lambda: (fu.rmsnorm_quantize, (ones(4, 32, dtype=bf), ones(32)),
+                                     {"gs": torch.tensor([0.5])})),
+        ("ok-out", lambda: (fu.rmsnorm_quantize, (ones(4, 32, dtype=bf), ones(32)),
+                            {"out": (buf(4, 16), buf(4, 2), ones(4), ones(4))})),
+        ("ok-empty", lambda: (fu.rmsnorm_quantize, (ones(0, 32, dtype=bf), ones(32)), {"scope": "none"})),
+        ("x-strided", lambda: (fu.rmsnorm_quantize, (strided_last(4, 32, dtype=bf), ones(32)), {})),
+        ("x-stride-0", lambda: (fu.rmsnorm_quantize, (stride0(4, 32, dtype=bf), ones(32)), {})),
+        ("x-unaligned", lambda: (fu.rmsnorm_quantize, (unaligned(4, 32, dtype=bf), ones(32)), {})),
+        # (a float32 or float64 x: the lists of dtypes in the messages differ, CPU taking float32 too)
+        ("x-0d", lambda: (fu.rmsnorm_quantize, (torch.tensor(1.0, dtype=bf), ones(32)), {})),
+        ("weight-unaligned", lambda: (fu.rmsnorm_quantize, (ones(4, 32, dtype=bf), unaligned(32)), {})),
+        ("weight-strided", lambda: (fu.rmsnorm_quantize, (ones(4, 32, dtype=bf), strided_last(32)), {})),
+        ("eps-0", lambda: (fu.rmsnorm_quantize, (ones(4, 32, dtype=bf), ones(32)), {"eps": 0.0})),
+        ("gs-float64", lambda: (fu.rmsnorm_quantize, (ones(4, 32, dtype=bf), ones(32)),
+                                {"gs": torch.tensor([0.5], dtype=torch.float64)})),
+        ("gs-number-over-f16-bound", lambda: (fu.rmsnorm_quantize, (ones(4, 32, dtype=f16), ones(32)),
+                                              {"gs": 2e7})),
+        ("out.q-strided", lambda: (fu.rmsnorm_quantize, (ones(4, 32, dtype=bf), ones(32)),
+                                   {"out": (strided_last(4, 16, dtype=u8), None, None)})),
+        ("out.q-unaligned", lambda: (fu.rmsnorm_quantize, (ones(4, 32, dtype=bf), ones(32)),
+                                     {"out": (unaligned(4, 16, dtype=u8), None, None)})),
+        ("out.inv_rms-stride-0", lambda: (fu.rmsnorm_quantize, (ones(4, 32, dtype=bf), ones(32)),
+                                          {"out": (None, None, None, ones(1).expand(4))})),
+        ("out.gs-shape", lambda: (fu.rmsnorm_quantize, (ones(4, 32, dtype=bf), ones(32)),
+                                  {"out": (None, None, ones(1))})),
+    ],
+    "mhc_rmsnorm_quantize": [
+        ("ok", lambda: (fu.mhc_rmsnorm_quantize, (ones(4, 2, 32, dtype=bf), ones(4, 2), ones(32)), {})),
+        ("ok-bf16-mix", lambda: (fu.mhc_rmsnorm_quantize, (ones(4, 2, 32, dtype=bf), ones(4, 2, dtype=bf),
+                                                           ones(32)), {"scope": "tensor"})),
+        ("x-strided", lambda: (fu.mhc_rmsnorm_quantize, (strided_last(4, 2, 32, dtype=bf), ones(4, 2), ones(32)), {})),
+        ("x-n_hc-5", lambda: (fu.mhc_rmsnorm_quantize, (ones(4, 5, 32, dtype=bf), ones(4, 5), ones(32)), {})),
+        ("mix-transposed", lambda: (fu.mhc_rmsnorm_quantize, (ones(4, 2, 32, dtype=bf), ones(2, 4).t(), ones(32)), {})),
+        ("mix-int32", lambda: (fu.mhc_rmsnorm_quantize, (ones(4, 2, 32, dtype=bf), buf(4, 2, dtype=i32), ones(32)), {})),
+    ],
+    "swiglu_quantize": [
+        ("ok", lambda: (fu.swiglu_quantize, (ones(4, 64, dtype=bf),), {})),
+        ("ok-g4-given", lambda: (fu.swiglu_quantize, (ones(4, 64, dtype=f16), 4), {"gs": 0.5})),
+        ("ok-g1-2-byte-aligned", lambda: (fu.swiglu_quantize, (unaligned(4, 64, dtype=bf), 1), {})),
+        ("h-unaligned-g8", lambda: (fu.swiglu_quantize, (unaligned(4, 64, dtype=bf),), {})),
+        ("h-strided", lambda: (fu.swiglu_quantize, (strided_last(4, 64, dtype=bf),), {})),
+        ("h-stride-0", lambda: (fu.swiglu_quantize, (stride0(4, 64, dtype=bf),), {})),
+        ("h-odd", lambda: (fu.swiglu_quantize, (ones(4, 66, dtype=bf),), {})),
+        ("granularity-3", lambda: (fu.swiglu_quantize, (ones(4, 64, dtype=bf), 3), {})),
+        ("out.sf-strided", lambda: (fu.swiglu_quantize, (ones(4, 64, dtype=bf),),
+                                    {"out": (None, strided_last(4, 2, dtype=u8), None)})),
+        ("out.inv_rms", lambda: (fu.swiglu_quantize, (ones(4, 64, dtype=bf),), {"out": (None, None, None, ones(4))})),
+    ],
+    "moe_stage": [
+        ("ok", lambda: (fu.moe_stage, (ones(2, 128, dtype=bf), buf(2, 4, dtype=i32), ones(2, 4)), {})),
+        ("ok-out", lambda: (fu.moe_stage, (ones(2, 128, dtype=f16), buf(2, 4, dtype=i64), ones(2, 4, dtype=bf)),
+                            {"out": (buf(2, 64), buf(2, 2, dtype=i32), buf(2, 4, dtype=i64), ones(2, 4, dtype=bf))})),
+        ("hidden-unaligned", lambda: (fu.moe_stage, (unaligned(2, 128, dtype=bf), buf(2, 4, dtype=i32), ones(2, 4)), {})),
+        ("hidden-strided", lambda: (fu.moe_stage, (strided_last(2, 128, dtype=bf), buf(2, 4, dtype=i32), ones(2, 4)), {})),
+        ("topk_ids-transposed", lambda: (fu.moe_stage, (ones(2, 128, dtype=bf), buf(4, 2, dtype=i32).t(), ones(2, 4)), {})),
+        ("topk_weights-stride-0", lambda: (fu.moe_stage, (ones(2, 128, dtype=bf), buf(2, 4, dtype=i32), stride0(2, 4)), {})),
+        ("out.q-unaligned", lambda: (fu.moe_stage, (ones(2, 128, dtype=bf), buf(2, 4, dtype=i32), ones(2, 4)),
+                                     {"out": (unaligned(2, 64, dtype=u8), None, None, None)})),
+        ("out.topk_ids-int32", lambda: (fu.moe_stage, (ones(2, 128, dtype=bf), buf(2, 4, dtype=i32), ones(2, 4)),
+                                        {"out": (None, None, buf(2, 4, dtype=i32), None)})),
+    ],
 }
-FAMILIES = ("rawkv.fp8", "rawkv.nvfp4")
+FAMILIES = ("rawkv.fp8", "rawkv.nvfp4", "rawkv.fused")
 
 
 def _as_cuda(v):
@@ -221,7 +292,7 @@ def _no_address(outcome):
 def test_cpu_and_cuda_accept_and_refuse_alike(monkeypatch, name, case, build):
     fn, args, kw = build()
     cpu = _outcome(lambda: fn(*args, **kw))
-    install(monkeypatch, (fp8, encode, activation, decode, scales))
+    install(monkeypatch, (fp8, encode, activation, decode, scales, rms, swiglu, moe))
     monkeypatch.setattr(fp8, "_ENCODE_FAST", {})         # a combination the real runtime has seen
     cuda = _outcome(lambda: fn(*map(_as_cuda, args), **{k: _as_cuda(v) for k, v in kw.items()}))
     assert cpu == cuda
@@ -240,7 +311,7 @@ def test_gpu_accepts_and_refuses_as_the_cpu(cuda, name, case, build):
 
 
 def test_every_operator_of_the_families_has_cases():
-    """A new fp8 / nvfp4 operator needs its cases here, accepted and refused."""
+    """A new fp8 / nvfp4 / fused operator needs its cases here, accepted and refused."""
     ops = {n for n, d in _opdecl.declared().items() if d.impl.__module__.startswith(FAMILIES)}
     assert ops == set(CASES)
     for name, cases in CASES.items():
