@@ -454,35 +454,53 @@ def same_memory(a, b) -> bool:
     """`a` and `b` address the same bytes the same way (one array, or two
     views of it alike: a numpy array and torch.from_numpy of it)."""
     s, t = _span(a), _span(b)
-    return s is not None and s == t
+    return s is not None and t is not None and _geometry(s) == _geometry(t)
 
 
 def _span(a):
-    """(address space, first byte, end byte, pointer, shape, byte strides,
-    item size, dense) of the memory `a` addresses; None for an empty array
-    or one that is neither a numpy array nor a torch tensor."""
+    """(address space, first byte, end byte, dense, source) of the memory
+    `a` addresses; None for an empty array or one that is neither a numpy
+    array nor a torch tensor. `source` is the array when it is dense (its
+    bytes are the range: its geometry is read only if an overlap test needs
+    it; every op call spans its arrays), else its geometry (_geometry)."""
     if isinstance(a, np.ndarray):
         if a.size == 0:
             return None
-        ptr, space = a.__array_interface__["data"][0], "host"
-        shape, strides, item = a.shape, a.strides, a.itemsize
-        dense = a.flags.c_contiguous or a.flags.f_contiguous
+        if a.flags.c_contiguous or a.flags.f_contiguous:
+            ptr = a.__array_interface__["data"][0]
+            return "host", ptr, ptr + a.nbytes, True, a
     elif is_torch(a):
-        if a.numel() == 0:
+        n = a.numel()
+        if n == 0:
             return None
         try:
             ptr = a.data_ptr()
         except RuntimeError:             # a tensor without storage (meta, fake)
             return None
-        space = "host" if a.device.type == "cpu" else str(a.device)
-        item = a.element_size()
-        shape, strides = tuple(a.shape), tuple(s * item for s in a.stride())
-        dense = a.is_contiguous()
+        if a.is_contiguous():
+            return ("host" if a.device.type == "cpu" else str(a.device)), ptr, ptr + n * a.element_size(), True, a
     else:
         return None
+    g = _array_geometry(a)
+    space, ptr, shape, strides, item = g
     lo = ptr + sum(s * (d - 1) for d, s in zip(shape, strides) if s < 0)
     hi = ptr + sum(s * (d - 1) for d, s in zip(shape, strides) if s > 0) + item
-    return space, lo, hi, ptr, shape, strides, item, dense
+    return space, lo, hi, False, g
+
+
+def _array_geometry(a) -> tuple:
+    """(address space, pointer, shape, byte strides, item size) of a
+    non-empty numpy array or torch tensor with storage."""
+    if isinstance(a, np.ndarray):
+        return "host", a.__array_interface__["data"][0], a.shape, a.strides, a.itemsize
+    item = a.element_size()
+    return (("host" if a.device.type == "cpu" else str(a.device)), a.data_ptr(), tuple(a.shape),
+            tuple(s * item for s in a.stride()), item)
+
+
+def _geometry(span) -> tuple:
+    """The geometry (_array_geometry) of a span."""
+    return _array_geometry(span[4]) if span[3] else span[4]
 
 
 _TOO_HARD = getattr(np, "exceptions", np).TooHardError     # numpy < 1.25: np.TooHardError
@@ -500,9 +518,9 @@ class _Addresses:
 def _overlap(s, t) -> bool:
     if s is None or t is None or s[0] != t[0] or s[2] <= t[1] or t[2] <= s[1]:
         return False
-    if s[7] and t[7]:                   # both dense: the ranges intersect, so the bytes do
+    if s[3] and t[3]:                   # both dense: the ranges intersect, so the bytes do
         return True
-    a, b = (np.asarray(_Addresses(*u[3:7])) for u in (s, t))
+    a, b = (np.asarray(_Addresses(*_geometry(u)[1:])) for u in (s, t))
     try:
         return bool(np.shares_memory(a, b, max_work=1 << 16))
     except _TOO_HARD:
