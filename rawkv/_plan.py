@@ -3,7 +3,7 @@ sizes and device properties, then run.
 
 A plan is a list of `Launch`es (kernel instance, grid, block, keyword
 arguments), and `Memset`s (bytes zeroed on the launch stream between them). A family's planners build them from the checked arguments and a
-`Device` (or anything with its two fields: a Runtime has them); `run`
+`Device` (or anything with its fields: a Runtime has them); `run`
 launches them in order. Tests read plans as data, with no runtime.
 """
 from __future__ import annotations
@@ -12,9 +12,11 @@ from typing import NamedTuple
 
 
 class Device(NamedTuple):
-    """The device properties a plan depends on (a Runtime has the same fields)."""
+    """The device properties a plan depends on (a Runtime has the same
+    fields); `arch` ('sm_90') for the plans that choose a kernel by it."""
     sm_count: int
     max_threads_per_sm: int
+    arch: str = ""
 
 
 class Launch(NamedTuple):
@@ -48,9 +50,11 @@ def grid_stride(dev, work_items: int, block: int = 256, waves: int = 2) -> tuple
 
 
 def run(rt, plan, stream=None) -> None:
-    """Launch `plan` on runtime `rt`, in order, on `stream` (default: torch's current)."""
+    """Launch `plan` on runtime `rt`, in order, on `stream` (default:
+    torch's current), each launch with its instance's dynamic shared memory."""
     for step in plan:
         if step.__class__ is Memset:
             rt.memset(step.dst.data_ptr(), 0, step.nbytes, stream)
         else:
-            step.kernel.launch(rt, step.grid, step.block, stream=stream, **step.args)
+            k = step.kernel
+            k.launch(rt, step.grid, step.block, stream=stream, shared_mem=k.smem, **step.args)
