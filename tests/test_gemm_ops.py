@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import rawkv
-from rawkv.gemm import linear
+from rawkv._plan import Device
+from rawkv.gemm import linear, plans
 from rawkv.reference import gemm as ref
 
 torch = pytest.importorskip("torch")
@@ -187,7 +188,7 @@ def bad_argument_cases(rng, device):
         ("offsets strided", lambda: ml(xm, w, torch.zeros(8, **i32)[::2]), ValueError, "offsets: must be contiguous"),
         ("offsets None", lambda: ml(xm, w, None), TypeError, "offsets: expected a tensor"),
         ("offsets a list", lambda: ml(xm, w, [0, 1, 1, 2]), TypeError, "offsets: expected a tensor"),
-        ("errors empty", lambda: ml(xm, w, offs, errors=torch.zeros(0, **i32)), ValueError, "errors: needs at least"),
+        ("errors empty", lambda: ml(xm, w, offs, errors=torch.zeros(0, **i32)), ValueError, "errors: expected an int32 tensor with at least 1 element"),
         ("errors bool", lambda: ml(xm, w, offs, errors=torch.zeros(1, dtype=torch.bool, device=device)),
          TypeError, "errors: dtype bool"),
         ("errors int64", lambda: ml(xm, w, offs, errors=torch.zeros(1, dtype=torch.int64, device=device)),
@@ -303,17 +304,17 @@ class _Sizes:
     (16, 1024, 128, True), (8, 1536, 128, True),      # Pro (64 blocks), seed 004 (48)
     (1, 16, 255, False), (1, 16, 256, True)])
 def test_the_batched_dispatch_rule(groups, n, tokens, expected):
-    """Which kernel an sm_90 device runs: arithmetic on the sizes, no GPU needed (docs/gemm.md)."""
-    assert linear._takes_sm90(_Sizes(groups, n), tokens, ragged=False) is expected
+    """Which kernel an sm_90 device runs: arithmetic on the sizes, no GPU
+    needed (docs/gemm.md), with the tunables rawkv.gemm.linear holds."""
+    assert plans.takes_sm90(_Sizes(groups, n), tokens, False, linear) is expected
 
 
 @pytest.mark.parametrize("tokens,expected", [(1, False), (12, False), (23, False), (24, True), (96, True)])
 def test_the_ragged_dispatch_rule(tokens, expected):
-    assert linear._takes_sm90(_Sizes(256, 4096), tokens, ragged=True) is expected
+    assert plans.takes_sm90(_Sizes(256, 4096), tokens, True, linear) is expected
 
 
-class _Device:
-    arch, sm_count = "sm_90", 132
+H100 = Device(sm_count=132, max_threads_per_sm=2048, arch="sm_90")
 
 
 @pytest.mark.parametrize("groups,n,tokens,bm", [
@@ -324,5 +325,20 @@ class _Device:
     (8, 1536, 256, 256),      # 96 blocks: 192 of 128 would take two waves
     (8, 1024, 4096, 256)])
 def test_the_wgmma_kernel_takes_128_feature_blocks_when_256_would_not_fill_the_gpu(groups, n, tokens, bm):
-    kern, targs, block, rows, tile_tokens = linear._plan(_Device(), _Sizes(groups, n), tokens)
-    assert kern is linear.K.GEMM_SM90 and targs[-1] == bm == rows and tile_tokens == 128
+    kern, targs, block, rows, tile_tokens = plans.tile(H100, _Sizes(groups, n), tokens, tuning=linear)
+    assert kern is plans.K.GEMM_SM90 and targs[-1] == bm == rows and tile_tokens == 128
+
+
+def test_the_tunables_set_on_linear_steer_the_plan(monkeypatch):
+    # tests/test_gemm_sm90.py and tools/probe_gemm_paths.py set them there
+    w = _Sizes(8, 1024)
+    assert plans.tile(H100, w, 16, tuning=linear).kernel is plans.K.GEMM
+    monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
+    monkeypatch.setattr(linear, "SM90_FORCE_BM", 256)
+    t = plans.tile(H100, w, 16, tuning=linear)
+    assert t.kernel is plans.K.GEMM_SM90 and t.rows == 256 and t.tokens == 64
+    monkeypatch.setattr(linear, "SM90_FORCE_BN", 128)
+    assert plans.tile(H100, w, 16, tuning=linear).tokens == 128
+    monkeypatch.setattr(linear, "SM90_MIN_EXPERT_TOKENS", 4)
+    monkeypatch.setattr(linear, "KERNEL_PATH", "auto")
+    assert plans.takes_sm90(w, 4, True, linear) and not plans.takes_sm90(w, 4, True)

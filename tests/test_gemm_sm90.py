@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rawkv
-from rawkv.gemm import linear
+from rawkv.gemm import linear, plans
 from rawkv.reference import gemm as ref
 from test_gemm_gpu import (_nvfp4_activation, assert_within_bound, check_nan_and_inf, check_ragged,
                            check_views_and_out, exact_grouped, random_weight)
@@ -145,8 +145,9 @@ def test_dispatch_takes_the_wgmma_kernel_from_256_tokens(cuda, monkeypatch):
     if cuda.arch != "sm_90":
         pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
     w = rawkv.gemm.Fp4Weight.from_float(torch.randn(2, 64, 128, device="cuda"))
-    assert linear._plan(cuda, w, 255)[0] is linear.K.GEMM        # 2 x 1 x 2 blocks: too few below 256
-    assert linear._plan(cuda, w, 256)[0] is linear.K.GEMM_SM90
-    assert linear._plan(cuda, w, 23, ragged=True)[0] is linear.K.GEMM
-    assert linear._plan(cuda, w, 24, ragged=True)[0] is linear.K.GEMM_SM90
+    # the runtime is the plan's device (its arch and sm_count)
+    assert plans.tile(cuda, w, 255, tuning=linear).kernel is plans.K.GEMM   # 2 x 1 x 2 blocks: too few below 256
+    assert plans.tile(cuda, w, 256, tuning=linear).kernel is plans.K.GEMM_SM90
+    assert plans.tile(cuda, w, 23, ragged=True, tuning=linear).kernel is plans.K.GEMM
+    assert plans.tile(cuda, w, 24, ragged=True, tuning=linear).kernel is plans.K.GEMM_SM90
 

@@ -1,0 +1,228 @@
+"""Argument rules of the grouped FP4 GEMM ops (the generic ones are
+rawkv._args): one function per op takes the operator's arguments (the
+activation as x, x_sf, x_gs; the weight as its tensors and sizes) and
+returns the op's placement and its checked arrays, on CPU and CUDA alike;
+the body then only chooses the reference or the launch. Every rule raises
+before anything is launched or written, naming the argument as the public
+ops spell it (x, x.q / x.sf / x.gs for an NVFP4 activation, weight,
+offsets, out, errors)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import _args as A
+from .. import _dispatch as D
+from ..kernels import gemm_fp4 as K
+from ..reference import gemm as ref
+from .weights import FORMATS, MX_WINDOW_FP16
+
+X_DTYPES = ("bfloat16", "float16")
+#: numpy has no bfloat16: a numpy float32 x stands for one, holding BF16
+#: values (rawkv's host convention; other values are refused), and a numpy
+#: out is float32 holding the BF16 results.
+X_DTYPES_NUMPY = ("float32", "float16")
+OUT_DTYPES = ("bfloat16",)
+OUT_DTYPES_NUMPY = ("bfloat16", "float32")
+_BYTE = ("uint8",)                  # the packed weight's codes and scales
+_F32 = ("float32",)
+_I32 = ("int32",)
+#: The activation kinds the kernels take (template argument ACT).
+BF16, FP16, NVFP4 = K.ACT_CODES["bfloat16"], K.ACT_CODES["float16"], K.ACT_CODES["nvfp4"]
+
+
+class Weight(NamedTuple):
+    """A checked weight: its format, sizes, packed tensors and device
+    index (-1 for the host), and the spans of its tensors (rawkv._args.spans:
+    an output may not overlap them)."""
+    fmt: str
+    groups: int
+    n: int
+    k: int
+    codes: object
+    scales: object
+    gs: object
+    device: int
+    spans: tuple
+
+
+class Act:
+    """A checked activation: kind (BF16, FP16, NVFP4), its arrays as the
+    kernel reads them (sf and gs None for BF16 / FP16), the leading shape
+    ((T, G) or (R,)) and the device index (-1 for the host)."""
+    __slots__ = ("kind", "x", "sf", "gs", "lead", "device")
+
+    def __init__(self, kind, x, sf, gs, lead, device):
+        self.kind, self.x, self.sf, self.gs, self.lead, self.device = kind, x, sf, gs, lead, device
+
+
+# ---- one function per op --------------------------------------------------------------------
+def grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, known=None):
+    """(where, activation, weight, out) of rawkv::gemm_grouped_linear: x
+    (T, G, K) against a weight of G groups, out (T, G, N). `known`: the
+    rawkv.gemm.Fp4Weight the tensors come from, if any (weight())."""
+    parts = _parts(x, x_sf, x_gs)
+    where = D.placement(*parts, ("weight", codes), ("out", out))
+    w = weight(codes, scales, gs, fmt, n, k, where, known)
+    A.check_outputs((("out", out),), parts, w.spans)
+    act = activation(x, x_sf, x_gs, 3, k, fmt, exp_lo, exp_hi, where, w.device)
+    t, g = act.lead
+    if g != w.groups:
+        raise ValueError(f"x: has {g} groups, the weight {w.groups}")
+    return where, act, w, output(out, (t, g, n), where, act.device)
+
+
+def moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, out, errors, known=None):
+    """(where, activation, weight, offsets, out, errors) of
+    rawkv::gemm_moe_linear: x (R, K), offsets int32 (E+1,) for a weight of
+    E experts, out (R, N), errors None or an int32 counter."""
+    parts = _parts(x, x_sf, x_gs)
+    where = D.placement(*parts, ("offsets", offsets), ("errors", errors), ("out", out), ("weight", codes))
+    w = weight(codes, scales, gs, fmt, n, k, where, known)
+    A.check_outputs((("out", out), ("errors", errors)), (*parts, ("offsets", offsets)), w.spans)
+    act = activation(x, x_sf, x_gs, 2, k, fmt, exp_lo, exp_hi, where, w.device)
+    if w.groups + 1 > K.MAX_SEGMENTS:
+        raise ValueError(f"weight: {w.groups} experts; the ragged kernel takes at most {K.MAX_SEGMENTS - 1}")
+    offsets = A.tensor(offsets, "offsets", _I32, where, shape=(w.groups + 1,), device=act.device)
+    if errors is not None:
+        errors = A.counter(errors, where, act.device)
+    return where, act, w, offsets, output(out, (act.lead[0], n), where, act.device), errors
+
+
+def _parts(x, x_sf, x_gs) -> tuple:
+    """The activation's (name, array) pairs, named as the public op's user
+    knows them."""
+    if x_sf is None and x_gs is None:
+        return (("x", x),)
+    return ("x.q", x), ("x.sf", x_sf), ("x.gs", x_gs)
+
+
+# ---- the weight ------------------------------------------------------------------------------
+def weight(codes, scales, gs, fmt, n, k, where, known=None) -> Weight:
+    """The packed weight (rawkv.gemm.Fp4Weight's tensors and sizes): codes
+    uint8 (G, NP/16, C, 32, 16), scales uint8 (G, NP/16, C, 32, 2), gs
+    float32 (G,), all contiguous on one device; fmt one of FORMATS; K a
+    multiple of the format's block.
+
+    An Fp4Weight's tensors are fixed once it is built: `known`, the
+    Fp4Weight the public op was given, keeps the result of their first check
+    (its `checked`), which later calls with the same tensors reuse (an
+    engine calls an op with one weight every step)."""
+    if known is not None:
+        c = known.checked
+        if c is not None and c.codes is codes and c.scales is scales and c.gs is gs and c.fmt == fmt \
+                and c.n == n and c.k == k:
+            return c
+    if fmt not in FORMATS:
+        raise ValueError(f"weight: format {fmt!r} is not one of {FORMATS}")
+    if n < 0 or k < 0 or k % ref.BLOCKS[fmt]:
+        raise ValueError(f"weight: N = {n}, K = {k}: expected sizes >= 0, K a multiple of "
+                         f"{ref.BLOCKS[fmt]} for {fmt}")
+    codes = A.tensor(codes, "weight.codes", _BYTE, where, min_ndim=1)
+    g, dev = codes.shape[0], A.device_of(codes)
+    tile = (g, -(-n // ref.ROWS), -(-k // ref.CHUNK), ref.LANES)
+    if tuple(codes.shape) != (*tile, 16):
+        raise ValueError(f"weight.codes: expected shape {(*tile, 16)} for N = {n}, K = {k}, "
+                         f"got {tuple(codes.shape)}")
+    scales = A.tensor(scales, "weight.scales", _BYTE, where, shape=(*tile, 2), device=dev)
+    gs = A.tensor(gs, "weight.gs", _F32, where, shape=(g,), device=dev)
+    w = Weight(fmt, g, n, k, codes, scales, gs, dev,
+               A.spans((("weight.codes", codes), ("weight.scales", scales), ("weight.gs", gs))))
+    if known is not None and known.codes is codes and known.scales is scales and known.gs is gs:
+        known.checked = w
+    return w
+
+
+# ---- the activation --------------------------------------------------------------------------
+def activation(x, x_sf, x_gs, ndim, k, fmt, exp_lo, exp_hi, where, device) -> Act:
+    """x (..., K) BF16 / FP16 with `ndim` dimensions, or an NVFP4 activation
+    (x its codes (..., K/2), x_sf (..., K/16), x_gs one float32 value or one
+    per row). On CUDA, a view whose rows the kernel cannot read as they are
+    (last dimension strided, rows not 16 bytes (codes: 8) aligned) is
+    copied once (docs/gemm.md: a documented cost, not an error). `device`:
+    the weight's (rawkv does not move data)."""
+    if x_sf is None and x_gs is None:
+        act = _dense(x, ndim, k, fmt, exp_lo, exp_hi, where)
+    else:
+        act = _nvfp4(x, x_sf, x_gs, ndim, k, where)
+    if act.device != device:
+        raise ValueError(f"weight: is on {_device_name(device)}, x on {_device_name(act.device)}; "
+                         "rawkv does not move data")
+    return act
+
+
+def _device_name(index: int) -> str:
+    return "cpu" if index < 0 else f"cuda:{index}"
+
+
+def _dense(x, ndim, k, fmt, exp_lo, exp_hi, where) -> Act:
+    x = A.tensor(x, "x", X_DTYPES_NUMPY if isinstance(x, np.ndarray) else X_DTYPES, where, dense=False)
+    s = x.shape
+    if len(s) != ndim or s[-1] != k:
+        raise ValueError(f"x: expected shape (..., {k}) with {ndim} dimensions for K = {k}, got {tuple(s)}")
+    d = A.dtype_name(x)
+    if d == "float32":
+        _check_bf16_values(x)
+    elif d == "float16" and fmt == "mxfp4" and (exp_lo < MX_WINDOW_FP16[0] or exp_hi > MX_WINDOW_FP16[1]):
+        raise ValueError(f"x: FP16 activations need MXFP4 scale bytes in {list(MX_WINDOW_FP16)} "
+                         f"(this weight's span [{exp_lo}, {exp_hi}]); pass BF16 activations")
+    dev = A.device_of(x)
+    if where == "cuda":
+        x = rows_aligned(x, 16)
+    return Act(FP16 if d == "float16" else BF16, x, None, None, tuple(s[:-1]), dev)
+
+
+def _nvfp4(q, sf, gs, ndim, k, where) -> Act:
+    q = A.tensor(q, "x.q", A.BYTES, where, dense=False)
+    if len(q.shape) != ndim or q.shape[-1] != k // 2:
+        raise ValueError(f"x.q: expected shape (..., {k // 2}) with {ndim} dimensions for K = {k}, "
+                         f"got {tuple(q.shape)}")
+    lead, dev = tuple(q.shape[:-1]), A.device_of(q)
+    sf = A.tensor(sf, "x.sf", A.BYTES, where, shape=(*lead, k // 16), device=dev, dense=False)
+    gs = A.tensor(gs, "x.gs", _F32, where, device=dev, dense=False)
+    if A.numel(gs) != 1 and tuple(gs.shape) != lead:
+        raise ValueError(f"x.gs: expected one value or shape {lead}, got {tuple(gs.shape)}")
+    if where == "cuda":
+        q = rows_aligned(q, 8)
+        sf = sf if sf.stride(-1) == 1 else sf.contiguous()
+    return Act(NVFP4, q, sf, gs, lead, dev)
+
+
+def _check_bf16_values(x: np.ndarray) -> None:
+    """A numpy float32 x stands for bfloat16: each value must be one (its
+    low 16 bits zero), as a BF16 tensor's would be; rounding here would
+    hide a caller's mistake."""
+    low = x.view(np.uint32) & 0xFFFF
+    if low.any():
+        at = tuple(int(i) for i in np.argwhere(low)[0])
+        raise ValueError(f"x: a numpy float32 x stands for bfloat16 (numpy has none) and must hold "
+                         f"BF16 values; x{list(at)} = {x[at]!r} is not one")
+
+
+def rows_aligned(x, align: int):
+    """x itself when each row (last dimension) is contiguous and starts
+    `align`-byte aligned; else a fresh contiguous copy (a clone: .contiguous()
+    would keep a misaligned start)."""
+    es = x.element_size()
+    st = x.stride()
+    if st[-1] == 1 and x.data_ptr() % align == 0 and all((s * es) % align == 0 for s in st[:-1]):
+        return x
+    return x.clone(memory_format=D._torch.contiguous_format)
+
+
+# ---- out ---------------------------------------------------------------------------------------
+def output(out, shape, where, device):
+    """out: bfloat16 (a numpy out: float32 holding BF16 values) of `shape`
+    on `device`, its last dimension contiguous (the kernel takes the other
+    strides) and no two rows in one place (a stride-0 view: the kernel's
+    blocks would race, the reference's copy refuse)."""
+    out = A.tensor(out, "out", OUT_DTYPES_NUMPY if isinstance(out, np.ndarray) else OUT_DTYPES, where,
+                   shape=shape, device=device, dense=False)
+    st = A.strides(out)
+    if st[-1] != 1:
+        raise ValueError("out: the last dimension must be contiguous")
+    if any(s == 0 and d > 1 for s, d in zip(st, shape)):
+        raise ValueError(f"out: rows overlap (strides {st} for shape {tuple(shape)}: an expanded view); "
+                         "pass a tensor with its own memory")
+    return out

@@ -1,0 +1,156 @@
+"""The launch plans of the grouped FP4 GEMM: pure functions from the checked
+arguments (rawkv.gemm._rules: the activation, the weight's sizes and
+format), the device properties (`dev`: a rawkv._plan.Device with its arch,
+or the Runtime) and the dispatch tunables to the list of launches
+(rawkv._plan.Launch). The ops check, plan and run; the tests read the plans
+as data (tests/test_gemm_plans.py). An empty list: nothing to do.
+
+Kernels: rawkv.kernels.gemm_fp4, the mma.sync kernel (GEMM, every GPU from
+sm_80) and the wgmma kernel (GEMM_SM90, sm_90 only).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .._plan import Launch
+from ..kernels import gemm_fp4 as K
+
+#: The grid's y and z dimensions (token tiles, groups) stop at 65535.
+MAX_GRID_YZ = 65535
+
+
+class Tuning(NamedTuple):
+    """Which kernel serves a launch (docs/gemm.md, "Dispatch"). The ops
+    pass rawkv.gemm.linear itself, whose module attributes of these names
+    are the tunables tests and tools/probe_gemm_paths.py set; TUNED holds
+    their values.
+
+    KERNEL_PATH: "auto" (the rule below), or "mma" / "sm90" to force one
+    (tests compare the two paths on the same inputs). On an sm_90 device the
+    wgmma kernel (rawkv/cu/gemm_fp4_sm90.cu) serves, from
+    tools/probe_gemm_paths.py on the H100: batched calls from
+    SM90_MIN_TOKENS tokens per group, or from SM90_MIN_TOKENS_SMALL when its
+    grid has SM90_MIN_BLOCKS blocks or more (at 128 tokens it wins with 48
+    and 64 blocks, loses with 32); ragged calls from SM90_MIN_EXPERT_TOKENS
+    tokens per expert on average (it wins at 32 and 96, loses at 12).
+    SM90_FORCE_BN: the wgmma kernel's token tile (64 or 128), None to let
+    the plan choose. SM90_FORCE_BM: its feature tile (128 or 256), None to
+    let the plan choose: 128 when twice the grid of 256-feature blocks still
+    fits in one wave (the kernel runs one block per SM). On the H100 (132
+    SMs) 128-feature blocks win with 48 and 64 blocks of 256 and lose with
+    96 and 128 (each of them adds a pass over the activations)."""
+    KERNEL_PATH: str = "auto"
+    SM90_MIN_TOKENS: int = 256
+    SM90_MIN_TOKENS_SMALL: int = 128
+    SM90_MIN_BLOCKS: int = 48
+    SM90_MIN_EXPERT_TOKENS: int = 24
+    SM90_FORCE_BN: int | None = None
+    SM90_FORCE_BM: int | None = None
+
+
+TUNED = Tuning()
+
+
+class Tile(NamedTuple):
+    """A kernel and its tile: template arguments without ACT / MX, block,
+    output features and tokens per block."""
+    kernel: object
+    targs: tuple
+    block: tuple
+    rows: int
+    tokens: int
+
+
+def sm90_blocks(w, tokens: int, bm: int, bn: int) -> int:
+    """Blocks of a wgmma-kernel grid for `tokens` per group (ragged: per
+    expert on average, so about); `w` has the weight's groups and n."""
+    return w.groups * -(-w.n // bm) * -(-tokens // bn)
+
+
+def takes_sm90(w, tokens: int, ragged: bool, tuning=TUNED) -> bool:
+    """The dispatch rule (Tuning) for an sm_90 device."""
+    if ragged:
+        return tokens >= tuning.SM90_MIN_EXPERT_TOKENS
+    blocks = sm90_blocks(w, tokens, K.SM90_BM, K.SM90_CONFIGS["large"][0])
+    return tokens >= tuning.SM90_MIN_TOKENS or (
+        tokens >= tuning.SM90_MIN_TOKENS_SMALL and blocks >= tuning.SM90_MIN_BLOCKS)
+
+
+def mma_config(tokens: int) -> tuple:
+    """The mma.sync kernel's (MT, NT, KS, RW, U, S) for `tokens` per group."""
+    for tt in (8, 16, 32, 64):
+        if tokens <= tt:
+            return K.CONFIGS[tt]
+    return K.CONFIGS["large"]
+
+
+def tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED) -> Tile:
+    """The kernel and tile for `tokens` tokens per group (batched) or per
+    expert on average (ragged) on device `dev` (its arch and sm_count)."""
+    path = tuning.KERNEL_PATH
+    if path == "auto":
+        path = "sm90" if dev.arch == "sm_90" and takes_sm90(w, tokens, ragged, tuning) else "mma"
+    if path == "sm90":
+        if dev.arch != "sm_90":
+            raise ValueError(f"x: the wgmma GEMM kernel runs on sm_90 devices, this one is {dev.arch}")
+        bn = tuning.SM90_FORCE_BN or (64 if tokens <= 64 else 128)
+        bn, stages = K.SM90_CONFIGS[64] if bn == 64 else K.SM90_CONFIGS["large"]
+        # (128-feature blocks have 128-token tiles only)
+        bm = tuning.SM90_FORCE_BM or (
+            128 if bn == 128 and 2 * sm90_blocks(w, tokens, K.SM90_BM, bn) <= dev.sm_count else K.SM90_BM)
+        if bm == 128:
+            bn, stages = K.SM90_SMALL_CONFIG
+        return Tile(K.GEMM_SM90, (bn, stages, bm), (K.SM90_THREADS,), bm, bn)
+    cfg = mma_config(tokens)
+    mt, nt, ks, rw = cfg[:4]
+    return Tile(K.GEMM, cfg, (32 * ks * rw,), 16 * mt * rw, 8 * nt)
+
+
+# ---- the plans -------------------------------------------------------------------------------
+def grouped(dev, act, w, out, tuning=TUNED) -> list[Launch]:
+    """rawkv.gemm.grouped_linear: x (T, G, K) -> out (T, G, N), one launch
+    of a grid (feature blocks, token tiles, groups)."""
+    t, g = act.lead
+    if t == 0 or w.n == 0:
+        return []
+    tl = tile(dev, w, t, tuning=tuning)
+    grid = (-(-w.n // tl.rows), -(-t // tl.tokens), g)
+    return [_launch(tl, act, w, out, grid, t, None, 0, None)]
+
+
+def moe(dev, act, w, offsets, out, errors, tuning=TUNED) -> list[Launch]:
+    """rawkv.gemm.moe_linear: x (R, K) -> out (R, N) by expert, one launch:
+    the tile for the rows per expert on average, a grid of (feature blocks,
+    slots) where the slots cover every expert's token tiles (the kernel
+    finds each slot's segment). `errors`: the counter's tensor or address."""
+    (r,) = act.lead
+    if r == 0 or w.n == 0:
+        return []
+    e = w.groups
+    tl = tile(dev, w, -(-r // max(1, min(e, r))), ragged=True, tuning=tuning)
+    slots = min(r, -(-r // tl.tokens) + e + 2)
+    grid = (-(-w.n // tl.rows), slots, 1)
+    return [_launch(tl, act, w, out, grid, r, offsets, e, errors)]
+
+
+def _launch(tl: Tile, act, w, out, grid, tokens, offsets, experts, errors) -> Launch:
+    if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
+        raise ValueError(f"x: {tokens} tokens x {w.groups} groups is past the launch grid's limit")
+    xs_t, xs_g = _lead_strides(act.x)
+    ss_t, ss_g = (0, 0) if act.sf is None else _lead_strides(act.sf)
+    if act.gs is None or act.gs.numel() == 1:
+        gs_t, gs_g = 0, 0
+    else:
+        gs_t, gs_g = (*act.gs.stride(), 0)[:2]
+    os_t, os_g = _lead_strides(out)
+    inst = tl.kernel.instance(act.kind, w.fmt == "mxfp4", *tl.targs)
+    return Launch(inst, grid, tl.block, dict(
+        wq=w.codes, wsf=w.scales, wgs=w.gs, x=act.x, xsf=act.sf, xgs=act.gs, xs_t=xs_t, xs_g=xs_g,
+        ss_t=ss_t, ss_g=ss_g, gs_t=gs_t, gs_g=gs_g, out=out, os_t=os_t, os_g=os_g, n=w.n, k=w.k,
+        tokens=tokens, offsets=offsets, experts=experts, errors=errors))
+
+
+def _lead_strides(x) -> tuple:
+    """(token stride, group stride) in elements; 0 for a missing group axis."""
+    st = x.stride()
+    return (st[0], st[1]) if len(st) == 3 else (st[0], 0)

@@ -1,0 +1,179 @@
+"""The grouped FP4 GEMM's launch plans (rawkv.gemm.plans) as data: which
+kernel instance, grid, block and arguments a plan holds, from the checked
+arguments (rawkv.gemm._rules on CPU tensors), the device properties and the
+dispatch tunables, with no runtime. Every launch's arguments are exactly its
+kernel's parameters and each scalar fits its C type. What the kernels
+compute: tests/test_gemm_gpu.py and tests/test_gemm_sm90.py."""
+import struct
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import rawkv  # noqa: E402
+from rawkv import _plan  # noqa: E402
+from rawkv._plan import Device, Launch  # noqa: E402
+from rawkv.gemm import _rules as R  # noqa: E402
+from rawkv.gemm import linear, plans as P  # noqa: E402
+from rawkv.kernels import gemm_fp4 as K  # noqa: E402
+
+H100 = Device(sm_count=132, max_threads_per_sm=2048, arch="sm_90")
+A100 = Device(sm_count=108, max_threads_per_sm=2048, arch="sm_80")
+
+
+def _weight(g=3, n=72, k=128, fmt="nvfp4"):
+    if fmt == "nvfp4":
+        return rawkv.gemm.Fp4Weight.from_float(torch.linspace(-1, 1, g * n * k).reshape(g, n, k))
+    return rawkv.gemm.Fp4Weight.from_mxfp4(torch.zeros(g, n, k // 2, dtype=torch.uint8),
+                                           torch.full((g, n, k // 32), 127, dtype=torch.uint8), groups=g)
+
+
+def _grouped(x, w, out=None):
+    """The checked (activation, weight, out) of grouped_linear(x, w)."""
+    x, sf, gs = (x.q, x.sf, x.gs) if hasattr(x, "q") else (x, None, None)
+    out = torch.empty(x.shape[0], w.groups, w.n, dtype=torch.bfloat16) if out is None else out
+    lo, hi = w.exp_range or (0, 0)
+    _, act, cw, out = R.grouped(x, sf, gs, w.codes, w.scales, w.gs, w.fmt, w.n, w.k, lo, hi, out)
+    return act, cw, out
+
+
+def _moe(x, w, offsets, errors=None):
+    lo, hi = w.exp_range or (0, 0)
+    out = torch.empty(x.shape[0], w.n, dtype=torch.bfloat16)
+    _, act, cw, offsets, out, errors = R.moe(x, None, None, w.codes, w.scales, w.gs, w.fmt, w.n, w.k, lo, hi,
+                                             offsets, out, errors)
+    return act, cw, offsets, out, errors
+
+
+def _one(plan):
+    (launch,) = plan
+    params = launch.kernel.kernel.params
+    assert set(launch.args) == {p.name for p in params}, launch.kernel
+    for p in params:
+        value = launch.args[p.name]
+        if p.pointer:
+            assert value is None or isinstance(value, int) or hasattr(value, "shape"), p
+        else:
+            struct.pack("<" + p.slot, value)      # fits its C type
+    assert all(isinstance(d, int) and d > 0 for d in (*launch.grid, *launch.block)), launch
+    return launch
+
+
+@pytest.mark.parametrize("tokens,cfg", [(1, 8), (8, 8), (9, 16), (16, 16), (17, 32), (64, 64), (65, "large")])
+def test_mma_tiles_by_tokens(tokens, cfg):
+    w = _weight()
+    act, cw, out = _grouped(torch.ones(tokens, 3, 128, dtype=torch.bfloat16), w)
+    a = _one(P.grouped(A100, act, cw, out))
+    mt, nt, ks, rw = K.CONFIGS[cfg][:4]
+    assert a.kernel is K.GEMM.instance(R.BF16, False, *K.CONFIGS[cfg])
+    assert a.block == (32 * ks * rw,)
+    assert a.grid == (-(-72 // (16 * mt * rw)), -(-tokens // (8 * nt)), 3)
+    assert a.args["x"] is act.x and a.args["out"] is out and a.args["wq"] is w.codes
+    assert (a.args["xs_t"], a.args["xs_g"], a.args["os_t"], a.args["os_g"]) == (384, 128, 216, 72)
+    assert (a.args["n"], a.args["k"], a.args["tokens"], a.args["experts"]) == (72, 128, tokens, 0)
+    assert a.args["xsf"] is None and a.args["offsets"] is None and a.args["errors"] is None
+
+
+def test_hopper_takes_the_wgmma_kernel_from_256_tokens_and_other_gpus_never():
+    w = _weight(g=2, n=64)
+    for tokens, kernel in ((255, K.GEMM), (256, K.GEMM_SM90)):
+        act, cw, out = _grouped(torch.ones(tokens, 2, 128, dtype=torch.bfloat16), w)
+        assert _one(P.grouped(H100, act, cw, out, linear)).kernel.kernel is kernel
+        assert _one(P.grouped(A100, act, cw, out, linear)).kernel.kernel is K.GEMM
+
+
+def test_wgmma_launch_geometry():
+    # 8 groups x 1024 features x 512 tokens: 128 blocks of 256 features (one
+    # wave on 132 SMs already), 128-token tiles
+    w = _weight(g=8, n=1024, k=64)
+    act, cw, out = _grouped(torch.ones(512, 8, 64, dtype=torch.float16), w)
+    a = _one(P.grouped(H100, act, cw, out))
+    assert a.kernel is K.GEMM_SM90.instance(R.FP16, False, *K.SM90_CONFIGS["large"], 256)
+    assert a.grid == (4, 4, 8) and a.block == (K.SM90_THREADS,)
+    _plan.run(_Recorder(), [a])                      # launched with the instance's shared memory
+
+
+def test_forced_paths_and_the_wrong_gpu():
+    w = _weight()
+    act, cw, out = _grouped(torch.ones(4, 3, 128, dtype=torch.bfloat16), w)
+    forced = P.Tuning(KERNEL_PATH="sm90", SM90_FORCE_BM=128)
+    a = _one(P.grouped(H100, act, cw, out, forced))
+    assert a.kernel is K.GEMM_SM90.instance(R.BF16, False, *K.SM90_SMALL_CONFIG, 128)
+    assert _one(P.grouped(H100, act, cw, out, P.Tuning(KERNEL_PATH="mma"))).kernel.kernel is K.GEMM
+    with pytest.raises(ValueError, match="^x: the wgmma GEMM kernel runs on sm_90 devices, this one is sm_80"):
+        P.grouped(A100, act, cw, out, forced)
+
+
+def test_nvfp4_activation_and_mxfp4_weight_arguments():
+    w = _weight(fmt="mxfp4")
+    x = torch.linspace(-2, 2, 5 * 3 * 128).reshape(5, 3, 128)
+    q, sf, gs = rawkv.nvfp4.quantize(x, scope="row")
+    act, cw, out = _grouped(rawkv.nvfp4.QuantizedActivation(q, sf, gs), w)
+    a = _one(P.grouped(A100, act, cw, out))
+    assert a.kernel is K.GEMM.instance(R.NVFP4, True, *K.CONFIGS[8])
+    assert (a.args["xs_t"], a.args["xs_g"], a.args["ss_t"], a.args["ss_g"]) == (192, 64, 24, 8)
+    assert (a.args["gs_t"], a.args["gs_g"]) == (3, 1) and a.args["xgs"] is gs
+    scalar = rawkv.nvfp4.QuantizedActivation(q, sf, torch.ones(()))
+    a = _one(P.grouped(A100, *_grouped(scalar, w)))
+    assert (a.args["gs_t"], a.args["gs_g"]) == (0, 0)
+
+
+def test_out_rows_strided():
+    w = _weight()
+    out = torch.empty(4, 3, 80, dtype=torch.bfloat16)[..., :72]
+    a = _one(P.grouped(A100, *_grouped(torch.ones(4, 3, 128, dtype=torch.bfloat16), w, out)))
+    assert (a.args["os_t"], a.args["os_g"]) == (240, 80) and a.args["out"] is out
+
+
+def test_nothing_to_do_is_no_launch():
+    w = _weight()
+    assert P.grouped(H100, *_grouped(torch.ones(0, 3, 128, dtype=torch.bfloat16), w)) == []
+    act, cw, offsets, out, errors = _moe(torch.ones(0, 128, dtype=torch.bfloat16), w, torch.zeros(4, dtype=torch.int32))
+    assert P.moe(H100, act, cw, offsets, out, 0) == []
+
+
+@pytest.mark.parametrize("rows,experts,tokens_per_expert", [(7, 3, 3), (4096, 8, 512), (3, 8, 1)])
+def test_moe_slots_cover_every_expert(rows, experts, tokens_per_expert):
+    w = _weight(g=experts, n=40)
+    offsets = torch.zeros(experts + 1, dtype=torch.int32)
+    act, cw, offsets, out, _ = _moe(torch.ones(rows, 128, dtype=torch.bfloat16), w, offsets)
+    t = P.tile(H100, cw, tokens_per_expert, ragged=True)
+    a = _one(P.moe(H100, act, cw, offsets, out, 12345))
+    assert a.kernel.kernel is t.kernel and a.block == t.block
+    assert a.grid == (-(-40 // t.rows), min(rows, -(-rows // t.tokens) + experts + 2), 1)
+    assert a.args["offsets"] is offsets and a.args["errors"] == 12345 and a.args["experts"] == experts
+    assert (a.args["xs_g"], a.args["os_g"], a.args["tokens"]) == (0, 0, rows)
+
+
+def test_a_grid_past_the_limit_is_refused():
+    w = _weight(g=1, n=16)
+    act, cw, out = _grouped(torch.ones(1, 1, 128, dtype=torch.bfloat16), w)
+    act.lead = (64 * 65536, 1)           # 32-token tiles: 131072 of them (the plan reads the sizes only)
+    with pytest.raises(ValueError, match="^x: 4194304 tokens x 1 groups is past the launch grid's limit"):
+        P.grouped(A100, act, cw, out)
+
+
+class _Recorder:
+    """A runtime stand-in that keeps the shared memory each launch asked for."""
+    device_index = 0
+
+    def __init__(self):
+        self._functions = {}
+
+    def function(self, filename, name, stream=None):
+        return name
+
+    def _get_device(self):
+        return 1
+
+    def launch(self, fn, grid, block, st, args, stream=None, shared_mem=0, what=None):
+        assert shared_mem == what.smem > 0
+
+
+def test_run_passes_each_instance_its_shared_memory():
+    inst = K.GEMM_SM90.instance(0, False, *K.SM90_SMALL_CONFIG, 128)
+    assert inst.smem == K.sm90_dynamic_smem(0, False, *K.SM90_SMALL_CONFIG, 128)
+    w = _weight()
+    act, cw, out = _grouped(torch.ones(4, 3, 128, dtype=torch.bfloat16), w)
+    a = _one(P.grouped(H100, act, cw, out, P.Tuning(KERNEL_PATH="sm90", SM90_FORCE_BM=128)))
+    assert a.kernel is inst
+    _plan.run(_Recorder(), [Launch(a.kernel, a.grid, a.block, a.args)])
