@@ -26,7 +26,7 @@ def fake(t):
 
 class RecordingRuntime:
     device_index = -1
-    sm_count, max_threads_per_sm = 132, 2048
+    sm_count, max_threads_per_sm, arch = 132, 2048, "sm_90"        # an H100's
     resident_blocks = runtime.Runtime.resident_blocks
     grid_stride = runtime.Runtime.grid_stride
 

@@ -22,6 +22,7 @@ import pytest
 import rawkv
 from rawkv import _opdecl, fp8
 from rawkv.fused import moe, rms, swiglu
+from rawkv.gemm import linear
 from rawkv.nvfp4 import activation, decode, encode, scales
 
 torch = pytest.importorskip("torch")
@@ -71,6 +72,49 @@ def q():
 def sf():
     return _q_sf()[1]
 
+
+_WEIGHTS: dict = {}
+
+
+def weight(fmt="nvfp4", g=3, n=24, k=64):
+    """An Fp4Weight of CPU tensors (built once per shape)."""
+    key = (fmt, g, n, k)
+    if key not in _WEIGHTS:
+        if fmt == "nvfp4":
+            w = rawkv.gemm.Fp4Weight.from_float(torch.linspace(-2, 2, g * n * k).reshape(g, n, k))
+        else:           # scale bytes 100 .. 110: outside the FP16 window
+            w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.full((g, n, k // 2), 0x25, dtype=u8),
+                                                torch.arange(g * n * k // 32).remainder(11).add(100)
+                                                .to(u8).reshape(g, n, k // 32), groups=g)
+        _WEIGHTS[key] = w
+    return _WEIGHTS[key]
+
+
+def retyped_weight():
+    """A weight whose gs is float64 (Fp4Weight's constructor checks shapes only)."""
+    w = weight()
+    return rawkv.gemm.Fp4Weight(w.fmt, w.n, w.k, w.codes, w.scales, w.gs.double())
+
+
+def qact(*lead, k=64):
+    """An NVFP4 activation (uint8 q and sf, a gs per row) of shape (*lead, k)."""
+    lead = lead or (5, 3)
+    n = 1
+    for s in lead:
+        n *= s
+    q, sf, gs = nv.quantize(torch.linspace(-3, 3, n * k).reshape(*lead, k), scope="row")
+    return nv.QuantizedActivation(q.view(u8), sf.view(u8), gs)
+
+
+def bones(*shape):
+    return torch.ones(shape, dtype=bf)
+
+
+def offs(*v):
+    return torch.tensor(v, dtype=torch.int32)
+
+
+gl, ml = rawkv.gemm.grouped_linear, rawkv.gemm.moe_linear
 
 # op name -> [(case id, lambda: (public function, args, kwargs))]; the args
 # are CPU tensors (the CUDA call gets the same memory seen as CUDA tensors)
@@ -251,15 +295,71 @@ CASES = {
         ("out.topk_ids-int32", lambda: (fu.moe_stage, (ones(2, 128, dtype=bf), buf(2, 4, dtype=i32), ones(2, 4)),
                                         {"out": (None, None, buf(2, 4, dtype=i32), None)})),
     ],
+    "gemm_grouped_linear": [
+        ("ok", lambda: (gl, (bones(5, 3, 64), weight()), {})),
+        ("ok-f16", lambda: (gl, (ones(5, 3, 64, dtype=f16), weight()), {})),
+        ("ok-nvfp4", lambda: (gl, (qact(), weight()), {})),
+        ("ok-nvfp4-mxfp4", lambda: (gl, (qact(), weight("mxfp4")), {})),
+        ("ok-out", lambda: (gl, (bones(5, 3, 64), weight()), {"out": bones(5, 3, 24)})),
+        ("ok-out-strided-rows", lambda: (gl, (bones(5, 3, 64), weight()), {"out": bones(5, 3, 30)[..., :24]})),
+        ("ok-x-strided-last-dim", lambda: (gl, (strided_last(5, 3, 64, dtype=bf), weight()), {})),
+        ("ok-x-unaligned", lambda: (gl, (unaligned(5, 3, 64, dtype=bf), weight()), {})),
+        ("ok-x-stride-0", lambda: (gl, (stride0(5, 3, 64, dtype=bf), weight()), {})),
+        ("ok-empty", lambda: (gl, (bones(0, 3, 64), weight()), {})),
+        ("x-float32", lambda: (gl, (ones(5, 3, 64), weight()), {})),
+        ("x-rank", lambda: (gl, (bones(5, 64), weight()), {})),
+        ("x-groups", lambda: (gl, (bones(5, 2, 64), weight()), {})),
+        ("x-K", lambda: (gl, (bones(5, 3, 32), weight()), {})),
+        ("x-f16-mxfp4-outside-window", lambda: (gl, (ones(5, 3, 64, dtype=f16), weight("mxfp4")), {})),
+        ("x-number", lambda: (gl, (2.0, weight()), {})),
+        ("x.q-float32", lambda: (gl, (nv.QuantizedActivation(ones(5, 3, 32), *qact()[1:3]), weight()), {})),
+        ("x.sf-shape", lambda: (gl, (nv.QuantizedActivation(qact().q, buf(5, 3, 2), qact().gs), weight()), {})),
+        ("x.gs-float64", lambda: (gl, (nv.QuantizedActivation(*qact()[:2], qact().gs.double()), weight()), {})),
+        ("x.gs-shape", lambda: (gl, (nv.QuantizedActivation(*qact()[:2], ones(5)), weight()), {})),
+        ("weight-none", lambda: (gl, (bones(5, 3, 64), None), {})),
+        ("weight.gs-float64", lambda: (gl, (bones(5, 3, 64), retyped_weight()), {})),
+        ("out-float32", lambda: (gl, (bones(5, 3, 64), weight()), {"out": ones(5, 3, 24)})),
+        ("out-shape", lambda: (gl, (bones(5, 3, 64), weight()), {"out": bones(5, 3, 23)})),
+        ("out-strided-last-dim", lambda: (gl, (bones(5, 3, 64), weight()), {"out": strided_last(5, 3, 24, dtype=bf)})),
+        ("out-stride-0", lambda: (gl, (bones(5, 3, 64), weight()), {"out": stride0(5, 3, 24, dtype=bf)})),
+        ("out-over-x", lambda: (lambda x, w: gl(x, w, out=x[..., :24]), (bones(5, 3, 64), weight()), {})),
+    ],
+    "gemm_moe_linear": [
+        ("ok", lambda: (ml, (bones(7, 64), weight(), offs(0, 2, 2, 7)), {})),
+        ("ok-clamped-errors", lambda: (ml, (bones(7, 64), weight(), offs(0, 5, 2, 9)), {"errors": buf(1, dtype=torch.int32)})),
+        ("ok-nvfp4", lambda: (ml, (qact(5), weight(), offs(0, 1, 3, 5)), {})),
+        ("ok-out", lambda: (ml, (bones(7, 64), weight(), offs(0, 2, 2, 7)), {"out": bones(7, 24)})),
+        ("x-rank", lambda: (ml, (bones(7, 3, 64), weight(), offs(0, 2, 2, 7)), {})),
+        ("offsets-int64", lambda: (ml, (bones(7, 64), weight(), torch.tensor([0, 2, 2, 7])), {})),
+        ("offsets-shape", lambda: (ml, (bones(7, 64), weight(), offs(0, 2, 7)), {})),
+        ("offsets-strided", lambda: (ml, (bones(7, 64), weight(), strided_last(4, dtype=torch.int32)), {})),
+        ("offsets-list", lambda: (ml, (bones(7, 64), weight(), [0, 2, 2, 7]), {})),
+        ("errors-int64", lambda: (ml, (bones(7, 64), weight(), offs(0, 2, 2, 7)), {"errors": buf(1, dtype=torch.int64)})),
+        ("errors-empty", lambda: (ml, (bones(7, 64), weight(), offs(0, 2, 2, 7)), {"errors": buf(0, dtype=torch.int32)})),
+        ("errors-strided", lambda: (ml, (bones(7, 64), weight(), offs(0, 2, 2, 7)), {"errors": strided_last(2, dtype=torch.int32)})),
+        ("errors-over-offsets", lambda: (lambda x, w, o: ml(x, w, o, errors=o[:1]), (bones(7, 64), weight(), offs(0, 2, 2, 7)), {})),
+        ("out-shape", lambda: (ml, (bones(7, 64), weight(), offs(0, 2, 2, 7)), {"out": bones(7, 23)})),
+        ("out-stride-0", lambda: (ml, (bones(7, 64), weight(), offs(0, 2, 2, 7)), {"out": stride0(7, 24, dtype=bf)})),
+    ],
 }
-FAMILIES = ("rawkv.fp8", "rawkv.nvfp4", "rawkv.fused")
+FAMILIES = ("rawkv.fp8", "rawkv.nvfp4", "rawkv.fused", "rawkv.gemm")
 
 
 def _as_cuda(v):
+    return _each(v, fake)
+
+
+def _each(v, move):
+    """v with `move` applied to each tensor in it (a tuple's, a
+    QuantizedActivation's, an Fp4Weight's)."""
     if isinstance(v, torch.Tensor):
-        return fake(v)
+        return move(v)
+    if isinstance(v, rawkv.gemm.Fp4Weight):
+        return rawkv.gemm.Fp4Weight(v.fmt, v.n, v.k, move(v.codes), move(v.scales), move(v.gs),
+                                    exp_range=v.exp_range)
     if isinstance(v, tuple) and any(isinstance(t, torch.Tensor) for t in v):
-        return tuple(_as_cuda(t) for t in v)
+        moved = (_each(t, move) for t in v)
+        return type(v)(*moved) if hasattr(v, "_fields") else tuple(moved)
     return v
 
 
@@ -275,12 +375,12 @@ def _on_gpu(v):
     """A CPU tensor's whole storage copied to the GPU, seen with the same
     shape, strides and offset (a CUDA allocation's alignment keeps the
     offsets' alignment)."""
-    if isinstance(v, torch.Tensor):
-        whole = torch.as_strided(v, (v.untyped_storage().nbytes() // v.element_size(),), (1,), 0)
-        return whole.cuda().as_strided(v.shape, v.stride(), v.storage_offset())
-    if isinstance(v, tuple) and any(isinstance(t, torch.Tensor) for t in v):
-        return tuple(_on_gpu(t) for t in v)
-    return v
+    return _each(v, _tensor_on_gpu)
+
+
+def _tensor_on_gpu(v):
+    whole = torch.as_strided(v, (v.untyped_storage().nbytes() // v.element_size(),), (1,), 0)
+    return whole.cuda().as_strided(v.shape, v.stride(), v.storage_offset())
 
 
 def _no_address(outcome):
@@ -292,7 +392,7 @@ def _no_address(outcome):
 def test_cpu_and_cuda_accept_and_refuse_alike(monkeypatch, name, case, build):
     fn, args, kw = build()
     cpu = _outcome(lambda: fn(*args, **kw))
-    install(monkeypatch, (fp8, encode, activation, decode, scales, rms, swiglu, moe))
+    install(monkeypatch, (fp8, encode, activation, decode, scales, rms, swiglu, moe, linear))
     monkeypatch.setattr(fp8, "_ENCODE_FAST", {})         # a combination the real runtime has seen
     cuda = _outcome(lambda: fn(*map(_as_cuda, args), **{k: _as_cuda(v) for k, v in kw.items()}))
     assert cpu == cuda
