@@ -450,6 +450,13 @@ def spans(pairs) -> tuple:
     return tuple((n, _span(a)) for n, a in pairs if a is not None and not is_number(a))
 
 
+def detached_spans(pairs) -> tuple:
+    """spans(pairs) holding no reference to the arrays (their geometry read
+    now): for a cache that must not keep the arrays alive."""
+    return tuple((n, s if s is None or s[4].__class__ is tuple else (*s[:4], _array_geometry(s[4])))
+                 for n, s in spans(pairs))
+
+
 def same_memory(a, b) -> bool:
     """`a` and `b` address the same bytes the same way (one array, or two
     views of it alike: a numpy array and torch.from_numpy of it)."""
@@ -462,7 +469,8 @@ def _span(a):
     `a` addresses; None for an empty array or one that is neither a numpy
     array nor a torch tensor. `source` is the array when it is dense (its
     bytes are the range: its geometry is read only if an overlap test needs
-    it; every op call spans its arrays), else its geometry (_geometry)."""
+    it; every op call spans its arrays), else its geometry (_geometry; a
+    detached span has it for a dense array too)."""
     if isinstance(a, np.ndarray):
         if a.size == 0:
             return None
@@ -500,7 +508,8 @@ def _array_geometry(a) -> tuple:
 
 def _geometry(span) -> tuple:
     """The geometry (_array_geometry) of a span."""
-    return _array_geometry(span[4]) if span[3] else span[4]
+    src = span[4]
+    return src if src.__class__ is tuple else _array_geometry(src)
 
 
 _TOO_HARD = getattr(np, "exceptions", np).TooHardError     # numpy < 1.25: np.TooHardError

@@ -342,3 +342,37 @@ def test_the_tunables_set_on_linear_steer_the_plan(monkeypatch):
     monkeypatch.setattr(linear, "SM90_MIN_EXPERT_TOKENS", 4)
     monkeypatch.setattr(linear, "KERNEL_PATH", "auto")
     assert plans.takes_sm90(w, 4, True, linear) and not plans.takes_sm90(w, 4, True)
+
+
+def test_a_weights_tensors_are_checked_again_when_they_change(rng):
+    # rawkv.gemm._rules keeps a weight's check for its next call; another
+    # tensor, or the same one moved to other memory (set_), is checked anew
+    w = _weight(rng, 2, 16, 64)
+    x = torch.randn(3, 2, 64).bfloat16()
+    rawkv.gemm.grouped_linear(x, w)
+    bad = rawkv.gemm.Fp4Weight(w.fmt, w.n, w.k, w.codes, w.scales, w.gs.double())
+    with pytest.raises(TypeError, match=r"^weight.gs: dtype float64"):
+        rawkv.gemm.grouped_linear(x, bad)
+    w.scales.set_(w.scales.clone()[..., :1])             # the same object, other memory and shape
+    with pytest.raises(ValueError, match=r"^weight.scales: expected shape"):
+        rawkv.gemm.grouped_linear(x, w)
+
+
+def test_the_operators_check_the_weight_tensors(rng):
+    # engines call torch.ops.rawkv.gemm_* with a weight's tensors: they are
+    # checked as the public ops check them (they were not: a float64 gs or
+    # int8 codes reached the kernel)
+    import rawkv.library  # noqa: F401
+    w = _weight(rng, 2, 16, 64)
+    x = torch.randn(3, 2, 64).bfloat16()
+    out = torch.empty(3, 2, 16, dtype=torch.bfloat16)
+    args = rawkv.gemm.operator_args(x, w)
+    for key, bad, exc, msg in (("gs", w.gs.double(), TypeError, "weight.gs: dtype float64"),
+                               ("codes", w.codes.view(torch.int8), TypeError, "weight.codes: dtype int8"),
+                               ("scales", w.scales[..., :1], ValueError, "weight.scales: expected shape"),
+                               ("fmt", "fp4", ValueError, "weight: format 'fp4'"),
+                               ("k", 72, ValueError, "weight: N = 16, K = 72")):
+        with pytest.raises(exc, match="^" + re.escape(msg)):
+            torch.ops.rawkv.gemm_grouped_linear(**{**args, key: bad}, out=out)
+    torch.ops.rawkv.gemm_grouped_linear(**args, out=out)
+    assert torch.equal(out.view(torch.int16), rawkv.gemm.grouped_linear(x, w).view(torch.int16))

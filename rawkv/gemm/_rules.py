@@ -8,6 +8,7 @@ ops spell it (x, x.q / x.sf / x.gs for an NVFP4 activation, weight,
 offsets, out, errors)."""
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -58,13 +59,12 @@ class Act:
 
 
 # ---- one function per op --------------------------------------------------------------------
-def grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, known=None):
+def grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out):
     """(where, activation, weight, out) of rawkv::gemm_grouped_linear: x
-    (T, G, K) against a weight of G groups, out (T, G, N). `known`: the
-    rawkv.gemm.Fp4Weight the tensors come from, if any (weight())."""
+    (T, G, K) against a weight of G groups, out (T, G, N)."""
     parts = _parts(x, x_sf, x_gs)
     where = D.placement(*parts, ("weight", codes), ("out", out))
-    w = weight(codes, scales, gs, fmt, n, k, where, known)
+    w = weight(codes, scales, gs, fmt, n, k, where)
     A.check_outputs((("out", out),), parts, w.spans)
     act = activation(x, x_sf, x_gs, 3, k, fmt, exp_lo, exp_hi, where, w.device)
     t, g = act.lead
@@ -73,13 +73,13 @@ def grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, kn
     return where, act, w, output(out, (t, g, n), where, act.device)
 
 
-def moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, out, errors, known=None):
+def moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, out, errors):
     """(where, activation, weight, offsets, out, errors) of
     rawkv::gemm_moe_linear: x (R, K), offsets int32 (E+1,) for a weight of
     E experts, out (R, N), errors None or an int32 counter."""
     parts = _parts(x, x_sf, x_gs)
     where = D.placement(*parts, ("offsets", offsets), ("errors", errors), ("out", out), ("weight", codes))
-    w = weight(codes, scales, gs, fmt, n, k, where, known)
+    w = weight(codes, scales, gs, fmt, n, k, where)
     A.check_outputs((("out", out), ("errors", errors)), (*parts, ("offsets", offsets)), w.spans)
     act = activation(x, x_sf, x_gs, 2, k, fmt, exp_lo, exp_hi, where, w.device)
     if w.groups + 1 > K.MAX_SEGMENTS:
@@ -99,26 +99,31 @@ def _parts(x, x_sf, x_gs) -> tuple:
 
 
 # ---- the weight ------------------------------------------------------------------------------
-def weight(codes, scales, gs, fmt, n, k, where, known=None) -> Weight:
+# Weights whose tensors passed the checks, by id(codes): (weak references to
+# codes, scales and gs, their data pointers, (fmt, n, k), G, device, their
+# detached spans). A weight's packed tensors are fixed once it is loaded and
+# an op sees the same ones on every step (the public ops from an Fp4Weight,
+# an engine's graph through the operator): a call with the same live tensors
+# at the same addresses and the same sizes skips their checks.
+_CHECKED: dict = {}
+_CHECKED_MAX = 1024
+
+
+def weight(codes, scales, gs, fmt, n, k, where) -> Weight:
     """The packed weight (rawkv.gemm.Fp4Weight's tensors and sizes): codes
     uint8 (G, NP/16, C, 32, 16), scales uint8 (G, NP/16, C, 32, 2), gs
     float32 (G,), all contiguous on one device; fmt one of FORMATS; K a
-    multiple of the format's block.
-
-    An Fp4Weight's tensors are fixed once it is built: `known`, the
-    Fp4Weight the public op was given, keeps the result of their first check
-    (its `checked`), which later calls with the same tensors reuse (an
-    engine calls an op with one weight every step)."""
-    if known is not None:
-        c = known.checked
-        if c is not None and c.codes is codes and c.scales is scales and c.gs is gs and c.fmt == fmt \
-                and c.n == n and c.k == k:
-            return c
+    multiple of the format's block."""
+    hit = _CHECKED.get(id(codes))
+    if hit is not None and hit[0]() is codes and hit[1]() is scales and hit[2]() is gs and hit[4] == (fmt, n, k) \
+            and hit[3] == (codes.data_ptr(), scales.data_ptr(), gs.data_ptr()):
+        return Weight(fmt, hit[5], n, k, codes, scales, gs, hit[6], hit[7])
     if fmt not in FORMATS:
         raise ValueError(f"weight: format {fmt!r} is not one of {FORMATS}")
     if n < 0 or k < 0 or k % ref.BLOCKS[fmt]:
         raise ValueError(f"weight: N = {n}, K = {k}: expected sizes >= 0, K a multiple of "
                          f"{ref.BLOCKS[fmt]} for {fmt}")
+    given = codes, scales, gs
     codes = A.tensor(codes, "weight.codes", _BYTE, where, min_ndim=1)
     g, dev = codes.shape[0], A.device_of(codes)
     tile = (g, -(-n // ref.ROWS), -(-k // ref.CHUNK), ref.LANES)
@@ -127,11 +132,13 @@ def weight(codes, scales, gs, fmt, n, k, where, known=None) -> Weight:
                          f"got {tuple(codes.shape)}")
     scales = A.tensor(scales, "weight.scales", _BYTE, where, shape=(*tile, 2), device=dev)
     gs = A.tensor(gs, "weight.gs", _F32, where, shape=(g,), device=dev)
-    w = Weight(fmt, g, n, k, codes, scales, gs, dev,
-               A.spans((("weight.codes", codes), ("weight.scales", scales), ("weight.gs", gs))))
-    if known is not None and known.codes is codes and known.scales is scales and known.gs is gs:
-        known.checked = w
-    return w
+    spans = A.detached_spans((("weight.codes", codes), ("weight.scales", scales), ("weight.gs", gs)))
+    if all(map(D.is_torch, given)):         # (a DLPack array checked here is a new tensor each call)
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED[id(codes)] = (weakref.ref(codes), weakref.ref(scales), weakref.ref(gs),
+                               (codes.data_ptr(), scales.data_ptr(), gs.data_ptr()), (fmt, n, k), g, dev, spans)
+    return Weight(fmt, g, n, k, codes, scales, gs, dev, spans)
 
 
 # ---- the activation --------------------------------------------------------------------------

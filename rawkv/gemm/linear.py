@@ -57,7 +57,7 @@ def grouped_linear(x, weight, *, out=None, stream=None):
         out = empty(x, (s[0] if s else 0, weight.groups, weight.n), "bfloat16", stream)
     lo, hi = weight.exp_range or (0, 0)
     _grouped(x, x_sf, x_gs, weight.codes, weight.scales, weight.gs, weight.fmt, weight.n, weight.k, lo, hi,
-             out, stream, weight)
+             out, stream)
     return out
 
 
@@ -78,7 +78,7 @@ def moe_linear(x, weight, offsets, *, out=None, errors=None, stream=None):
         out = empty(x, (s[0] if s else 0, weight.n), "bfloat16", stream)
     lo, hi = weight.exp_range or (0, 0)
     _moe(x, x_sf, x_gs, weight.codes, weight.scales, weight.gs, weight.fmt, weight.n, weight.k, lo, hi,
-         offsets, out, errors, stream, weight)
+         offsets, out, errors, stream)
     return out
 
 
@@ -115,11 +115,10 @@ _X_SCHEMA = "Tensor x, Tensor? x_sf, Tensor? x_gs"
 
 
 @op("gemm_grouped_linear", f"{_X_SCHEMA}, {_WEIGHT_SCHEMA}, Tensor(a!) out")
-def _grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, stream=None, weight=None):
+def _grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, stream=None):
     """rawkv::gemm_grouped_linear: x (T, G, K) times each group's weight
-    into out (T, G, N). `weight`: the Fp4Weight of codes, scales and gs when
-    the public op has one (its tensors' check is kept there)."""
-    where, act, w, out = R.grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, weight)
+    into out (T, G, N)."""
+    where, act, w, out = R.grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out)
     if where == "cpu":
         _write(ref.grouped(_values(act), _weight_values(w)), out)
         return
@@ -128,14 +127,13 @@ def _grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, s
 
 
 @op("gemm_moe_linear", f"{_X_SCHEMA}, {_WEIGHT_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")
-def _moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, out, errors, stream=None,
-         weight=None):
+def _moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, out, errors, stream=None):
     """rawkv::gemm_moe_linear: the rows of x (R, K) of expert e (offsets[e]
     <= r < offsets[e+1], clamped and counted in errors[0], or with errors
     None in the device's GEMM_OFFSETS counter) times its weight into out
-    (R, N); `weight` as in _grouped."""
+    (R, N)."""
     where, act, w, offsets, out, errors = R.moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi,
-                                                offsets, out, errors, weight)
+                                                offsets, out, errors)
     if where == "cpu":
         y, bad = ref.ragged(_values(act), _weight_values(w), D.to_numpy(offsets, "offsets").astype(np.int64))
         if errors is None:

@@ -199,9 +199,6 @@ class Fp4Weight:
         self.codes, self.scales, self.gs = codes, scales, gs
         self.input_scale = input_scale
         self.exp_range = exp_range
-        #: the GEMM ops' check of these tensors, kept from the first call
-        #: that checked them (rawkv.gemm._rules.weight)
-        self.checked = None
 
     @property
     def block(self) -> int:
