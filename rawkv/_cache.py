@@ -75,7 +75,9 @@ def cache_dir() -> Path | None:
     return Path(os.path.expanduser(base)) / "rawkv"
 
 
-def _sources_digest() -> str:
+def sources_digest() -> str:
+    """The hash of every file under rawkv/cu, part of every key: a caller
+    keying many entries at once computes it once and passes it in."""
     h = hashlib.sha256()
     for p in sorted(_nvrtc.CU_DIR.iterdir()):
         if p.suffix in (".cu", ".cuh"):
@@ -102,13 +104,15 @@ def _headers_identity() -> str:
     return "\n".join(parts)
 
 
-def cache_key(filename: str, arch: str, names, extra_options=(), version: str = "") -> str:
+def cache_key(filename: str, arch: str, names, extra_options=(), version: str = "",
+              sources: str | None = None) -> str:
     """`version`: the package version the runtime passes in (this module
-    imports nothing of rawkv beyond NVRTC)."""
+    imports nothing of rawkv beyond NVRTC). `sources`: sources_digest(),
+    computed here when not given."""
     h = hashlib.sha256()
     parts = [version, repr(_nvrtc.nvrtc_version()), arch, filename,
              repr(_nvrtc.compile_options(arch, tuple(extra_options))), _headers_identity(),
-             repr(tuple(names)), _sources_digest()]
+             repr(tuple(names)), sources if sources is not None else sources_digest()]
     for part in parts:
         h.update(part.encode() + b"\0")
     return h.hexdigest()
@@ -320,36 +324,92 @@ def _atomic_write(dir_fd: int, name: str, data: bytes, d: Path) -> bool:
         return False
 
 
+class CacheDir:
+    """The checked cache directory, open for a batch of lookups and stores
+    (`with CacheDir() as d`): `fd` its descriptor, None when the disk cache
+    is off or unusable (warned once per opening), `path` its path. Lookups
+    and stores from several threads may share one."""
+
+    def __init__(self):
+        self.path = cache_dir()
+        self.fd = _open_dir(self.path) if self.path is not None else None
+        if self.fd is not None:
+            _sweep_stale_tmp(self.fd, self.path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _count(stats, what: str) -> None:
+    if stats is not None:
+        stats[what] = stats.get(what, 0) + 1
+
+
+class Entry:
+    """One module of the cache: a .cu file compiled for `arch` with the
+    kernels `names` and the file's extra options; `key` hashes all of it
+    (cache_key), `name` is its file's name."""
+    __slots__ = ("filename", "arch", "names", "options", "key", "name")
+
+    def __init__(self, filename: str, arch: str, names, extra_options=(), version: str = "",
+                 sources: str | None = None):
+        self.filename, self.arch = filename, arch
+        self.names, self.options = tuple(names), tuple(extra_options)
+        self.key = cache_key(filename, arch, self.names, self.options, version, sources)
+        self.name = _file_name(filename, arch, self.key)
+
+    def __repr__(self):
+        return f"<cache entry {self.filename} {self.arch} {', '.join(self.names)}>"
+
+
+def lookup(entry: Entry, d: CacheDir, stats=None) -> tuple[_nvrtc.CompileResult | None, Path | None]:
+    """The cached module of `entry` and its path, or (None, None) when the
+    directory holds no valid file for its key. `stats` counts a valid file
+    as 'disk_hits', any other file there as 'damaged'."""
+    if d.fd is None:
+        return None, None
+    blob = _read(d.fd, entry.name)
+    if blob is None:
+        return None, None
+    cached = _decode(blob, entry.key)
+    if cached is not None and set(cached.lowered) == set(entry.names):
+        _count(stats, "disk_hits")
+        return cached, d.path / entry.name
+    # Not deleted: store() replaces it atomically, and an unlink here could
+    # remove a good file another process has just renamed into place.
+    _count(stats, "damaged")
+    return None, None
+
+
+def compile_entry(entry: Entry) -> _nvrtc.CompileResult:
+    """NVRTC on the entry's source (raises CompileError with the log)."""
+    source = (_nvrtc.CU_DIR / entry.filename).read_text()
+    return _nvrtc.compile_cu(source, entry.filename, entry.arch, entry.names, entry.options)
+
+
+def store(entry: Entry, result: _nvrtc.CompileResult, d: CacheDir) -> Path | None:
+    """Write the entry's file (atomically); its path, or None when the disk
+    cache is off or the write failed."""
+    if d.fd is not None and _atomic_write(d.fd, entry.name, _encode(result, entry.key), d.path):
+        return d.path / entry.name
+    return None
+
+
 def load_or_compile(filename: str, arch: str, names, extra_options=(), stats=None,
                     version: str = "") -> tuple[_nvrtc.CompileResult, Path | None]:
     """Return the compiled module (from disk when a valid entry exists) and
     the path of its cache file (None when the disk cache is off or failed).
     `stats`, if given, counts 'disk_hits', 'compiles' and 'damaged'."""
-    stats = stats if stats is not None else {}
-    names = tuple(names)
-    key = cache_key(filename, arch, names, extra_options, version)
-    d = cache_dir()
-    dir_fd = _open_dir(d) if d is not None else None
-    try:
-        if dir_fd is not None:
-            _sweep_stale_tmp(dir_fd, d)
-        name = _file_name(filename, arch, key)
-        blob = _read(dir_fd, name) if dir_fd is not None else None
-        if blob is not None:
-            cached = _decode(blob, key)
-            if cached is not None and set(cached.lowered) == set(names):
-                stats["disk_hits"] = stats.get("disk_hits", 0) + 1
-                return cached, d / name
-            # Not deleted: the atomic write below replaces it, and an unlink
-            # here could remove a good file another process has just renamed
-            # into place.
-            stats["damaged"] = stats.get("damaged", 0) + 1
-        source = (_nvrtc.CU_DIR / filename).read_text()
-        result = _nvrtc.compile_cu(source, filename, arch, names, extra_options)
-        stats["compiles"] = stats.get("compiles", 0) + 1
-        if dir_fd is not None and _atomic_write(dir_fd, name, _encode(result, key), d):
-            return result, d / name
-        return result, None
-    finally:
-        if dir_fd is not None:
-            os.close(dir_fd)
+    entry = Entry(filename, arch, names, extra_options, version)
+    with CacheDir() as d:
+        cached, path = lookup(entry, d, stats)
+        if cached is not None:
+            return cached, path
+        result = compile_entry(entry)
+        _count(stats, "compiles")
+        return result, store(entry, result, d)
