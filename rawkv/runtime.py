@@ -3,7 +3,9 @@
 It owns everything between a kernel source in rawkv/cu/ and a launch:
 
 * compilation (NVRTC, for the device's own architecture) and the module cache
-  (in memory, and on disk through rawkv._cache);
+  (in memory, and on disk through rawkv._cache): one module per kernel
+  instance, so a first call compiles only what it launches, and `warmup()`
+  compiles every instance in parallel (rawkv._compile);
 * launching on PyTorch's current stream (or a stream the caller passes), so
   rawkv kernels order with torch work and are captured by torch.cuda.graph;
 * the capture rules: nothing is compiled, loaded or allocated while the stream
@@ -28,7 +30,7 @@ import re
 import threading
 from typing import Iterable
 
-from . import _cache, _launch, _plan, _version, kernels
+from . import _cache, _compile, _launch, _plan, _version, kernels
 from .errors import CaptureError, GpuUnavailableError
 
 # ---------------------------------------------------------------------------
@@ -63,6 +65,20 @@ def compile_arch(filename: str, arch: str) -> str | None:
     (sm_90a for a wgmma file on an H100), or None when it is not built there."""
     kf = kernels.files().get(filename)
     return kf.target(arch) if kf is not None else arch
+
+
+def instances_for(arch: str, files: Iterable[str] | None = None) -> list[tuple[str, str]]:
+    """(filename, name expression) of every kernel instance built on a
+    device of `arch` (what warmup() loads), of `files` only when given (a
+    file not declared is a KeyError naming it)."""
+    registry = registered_kernels()
+    out = []
+    for filename in (registry if files is None else files):
+        if filename not in registry:
+            raise KeyError(f"rawkv: no kernels are registered for {filename}")
+        if compile_arch(filename, arch) is not None:   # else: another architecture's instructions
+            out.extend((filename, name) for name in registry[filename])
+    return out
 
 
 # Dynamic shared memory a kernel may take without raising its limit.
@@ -204,8 +220,7 @@ class Runtime:
         self.max_threads_per_sm = int(props["maxThreadsPerMultiProcessor"])
         self.l2_bytes = int(props["l2CacheSize"])
         self.stats = {"compiles": 0, "disk_hits": 0, "damaged": 0, "modules": 0}
-        self._modules: dict[str, object] = {}
-        self._lowered: dict[str, dict[str, str]] = {}
+        self._modules: dict[tuple[str, str], object] = {}     # (filename, name expression)
         self._functions: dict[tuple[str, str], object] = {}
         self._streams: dict[int, object] = {}
         self._lock = threading.Lock()
@@ -243,28 +258,32 @@ class Runtime:
                 f"rawkv: kernel {name!r} ({filename}) is not loaded yet and the stream is "
                 "capturing a CUDA graph; call rawkv.warmup() before capture")
         with self._lock:
-            if filename not in self._modules:
-                self._load_module(filename)
-            lowered = self._lowered[filename].get(name)
-            if lowered is None:
-                raise KeyError(f"rawkv: kernel {name!r} is not registered for {filename}")
-            fn = self._modules[filename].get_function(lowered)
-            smem = kernels.dynamic_smem(filename, name)
-            if smem > _DEFAULT_SMEM_LIMIT:
-                drv = self._cupy.cuda.driver
-                drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-            self._functions[(filename, name)] = fn
-            return fn
+            if (filename, name) not in self._functions:
+                if name not in registered_kernels().get(filename, ()):
+                    raise KeyError(f"rawkv: kernel {name!r} is not registered for {filename}")
+                self._load([(filename, name)])
+            return self._functions[(filename, name)]
 
-    def _load_module(self, filename: str) -> None:
-        names = registered_kernels().get(filename)
-        if not names:
-            raise KeyError(f"rawkv: no kernels are registered for {filename}")
-        arch = compile_arch(filename, self.arch)
-        if arch is None:
-            raise KeyError(f"rawkv: {filename} is not built for {self.arch}")
-        result, _ = _cache.load_or_compile(filename, arch, names, kernel_options(filename),
-                                           stats=self.stats, version=_version.__version__)
+    def _load(self, instances: list[tuple[str, str]]) -> None:
+        """Compile (or read from the disk cache) and load one module per
+        (filename, name expression), in parallel (rawkv._compile.build).
+        Called with self._lock held."""
+        entries = []
+        sources = _cache.sources_digest()       # one hash of rawkv/cu for every key
+        for filename, name in instances:
+            arch = compile_arch(filename, self.arch)
+            if arch is None:
+                raise KeyError(f"rawkv: {filename} is not built for {self.arch}")
+            entries.append(_cache.Entry(filename, arch, (name,), kernel_options(filename),
+                                        _version.__version__, sources))
+        results = _compile.build(entries, self.arch, stats=self.stats)
+        for (filename, name), result in zip(instances, results):
+            self._load_instance(filename, name, result)
+
+    def _load_instance(self, filename: str, name: str, result) -> None:
+        """Load one instance's verified cubin and keep its function, with
+        its dynamic shared memory limit raised where it needs more than the
+        default."""
         cupy = self._cupy
         # The cache file is a checksummed container, not a bare cubin: load
         # the verified image bytes through CuPy's module loader (the one
@@ -273,19 +292,33 @@ class Runtime:
         try:
             module = cupy.cuda.function.Module()
             module.load(result.cubin)
+            fn = module.get_function(result.lowered[name])
+            smem = kernels.dynamic_smem(filename, name)
+            if smem > _DEFAULT_SMEM_LIMIT:
+                drv = cupy.cuda.driver
+                drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
         finally:
             self._restore_current(prev)
-        self._modules[filename] = module
-        self._lowered[filename] = result.lowered
+        self._modules[(filename, name)] = module
+        self._functions[(filename, name)] = fn
         self.stats["modules"] += 1
 
     def warmup(self, files: Iterable[str] | None = None) -> None:
-        registry = registered_kernels()
-        for filename in (files if files is not None else registry):
-            if compile_arch(filename, self.arch) is None:
-                continue        # a file of another architecture's instructions
-            for name in registry[filename]:
-                self.function(filename, name)
+        """Every kernel instance of `files` (default: all) built for this
+        device and loaded, their launch side prepared, the warm-up hooks
+        run: after it nothing needs compiling, loading or allocating
+        before a capture. The instances not loaded yet are compiled in
+        parallel, with a progress line on stderr when it takes a while."""
+        wanted = instances_for(self.arch, files)
+        with self._lock:
+            todo = [i for i in wanted if i not in self._functions]
+            if todo:
+                if self.capturing():
+                    raise CaptureError(
+                        f"rawkv: warmup() would load {len(todo)} kernel(s) while the stream is "
+                        "capturing a CUDA graph; call rawkv.warmup() before capture")
+                self._load(todo)
+        for filename in dict.fromkeys(f for f, _ in wanted):
             # The launch side too: each instance's packing, read from the
             # source, and its launch function, before any capture.
             kernels.prepare(filename)

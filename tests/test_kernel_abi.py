@@ -5,6 +5,7 @@ their C types, and every launch passes the parameter names as keywords."""
 import struct
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -232,7 +233,8 @@ def test_warmup_builds_every_instance_before_a_launch(declare, monkeypatch):
     k = f.kernel("k", (kernels.TParam("bool", "B", (False, True)),))
     rt = runtime.Runtime.__new__(runtime.Runtime)     # no GPU: what warmup itself touches
     rt.arch, loaded = "sm_90", []
-    rt.function = lambda filename, name: loaded.append((filename, name))
+    rt._lock, rt._functions, rt.capturing = threading.Lock(), {}, lambda stream=None: False
+    rt._load = loaded.extend                          # what it compiles and loads, in one batch
     rt.stream = lambda: None
     monkeypatch.setattr(runtime, "_WARMUP_HOOKS", [])   # the families' device state needs a GPU
     rt.warmup(["test_abi_warm.cu"])

@@ -97,7 +97,8 @@ def test_many_processes_warm_up_one_empty_cache_at_once(cuda, tmp_path):
     rawkv and warm up against one empty cache directory at the same moment:
     every one gets working kernels, no module is compiled more often than
     there are racing processes, and the directory ends with one valid file
-    per module and nothing else (a fresh process loads all of them)."""
+    per module (kernel instance) and nothing else (a fresh process loads
+    all of them)."""
     n = 4
     cache, go = tmp_path / "cache", tmp_path / "go"
     code = ("import json, os, time, torch, rawkv\n"
@@ -116,7 +117,8 @@ def test_many_processes_warm_up_one_empty_cache_at_once(cuda, tmp_path):
         assert p.returncode == 0, err
         stats.append(json.loads(out.strip().splitlines()[-1]))
     modules = stats[0]["modules"]
-    assert modules == len(rawkv.runtime.registered_kernels()) and modules > 0
+    # one module per kernel instance the device builds
+    assert modules == len(rawkv.runtime.instances_for(cuda.arch)) and modules > 0
     for s in stats:
         assert s["modules"] == modules and s["compiles"] + s["disk_hits"] == modules, s
         assert s["damaged"] == 0, s
@@ -144,6 +146,35 @@ def test_second_process_loads_from_disk_without_compiling(cuda, tmp_path):
         stats.append(json.loads(r.stdout.strip().splitlines()[-1]))
     assert stats[0]["compiles"] == stats[0]["modules"] > 0
     assert stats[1]["compiles"] == 0 and stats[1]["disk_hits"] == stats[1]["modules"]
+
+
+def test_first_call_compiles_only_its_instance(cuda, tmp_path):
+    """A fresh process with an empty cache: one encode compiles one module
+    (its kernel instance), not its file or every kernel."""
+    code = ("import json, torch, rawkv; x = torch.ones(64, device='cuda'); "
+            "assert rawkv.fp8.e4m3_encode(x).view(torch.uint8).eq(0x38).all(); "
+            "print(json.dumps(rawkv.get_runtime(0).stats))")
+    env = dict(os.environ, RAWKV_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    assert stats["compiles"] == stats["modules"] == 1 and len(list(tmp_path.iterdir())) == 1, stats
+
+
+def test_cold_warmup_prints_one_progress_line(cuda, tmp_path):
+    """`python -m rawkv warmup` on an empty cache compiles every instance in
+    parallel and says so on stderr (a pipe: a line at the start, one at the
+    end); a second run loads them from disk and prints no such line."""
+    n = len(rawkv.runtime.instances_for(cuda.arch))
+    env = dict(os.environ, RAWKV_CACHE_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "rawkv", "warmup"]
+    cold = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert cold.returncode == 0, cold.stderr
+    lines = [ln for ln in cold.stderr.splitlines() if ln.startswith("rawkv: compil")]
+    assert len(lines) == 2 and lines[0].startswith(f"rawkv: compiling {n} kernels for {cuda.arch} ("), lines
+    assert lines[1].startswith(f"rawkv: compiled {n} kernels for {cuda.arch} in "), lines
+    warm = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert warm.returncode == 0 and "rawkv: compil" not in warm.stderr, warm.stderr
 
 
 def test_launch_on_the_current_stream(cuda, rng):
