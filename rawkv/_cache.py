@@ -7,7 +7,7 @@ the full cache key it was compiled for:
     | sha256 of all before
 
 The key covers everything that changes the binary: rawkv's version, the NVRTC
-version, the full compile options (architecture, numeric flags, -D constants,
+version and the identity (path, size, mtime) of the NVRTC library, the full compile options (architecture, numeric flags, -D constants,
 -I include directories), the identity (path, size, mtime) of the CUDA headers
 rawkv includes, the name expressions and the text of every file under rawkv/cu
 (so editing a shared header invalidates every module that might include it).
@@ -110,7 +110,7 @@ def cache_key(filename: str, arch: str, names, extra_options=(), version: str = 
     imports nothing of rawkv beyond NVRTC). `sources`: sources_digest(),
     computed here when not given."""
     h = hashlib.sha256()
-    parts = [version, repr(_nvrtc.nvrtc_version()), arch, filename,
+    parts = [version, repr(_nvrtc.nvrtc_version()), _nvrtc.nvrtc_library(), arch, filename,
              repr(_nvrtc.compile_options(arch, tuple(extra_options))), _headers_identity(),
              repr(tuple(names)), sources if sources is not None else sources_digest()]
     for part in parts:

@@ -58,6 +58,29 @@ def nvrtc_version() -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
+def nvrtc_library() -> str:
+    """Path, size and mtime of the NVRTC library this process loaded (read
+    from /proc/self/maps once nvrtc_version() has loaded it), or "" where
+    that cannot be read: nvrtcVersion() names only major.minor, and another
+    release of the same minor (12.9.41 -> 12.9.86) may compile other code."""
+    nvrtc_version()
+    try:
+        with open("/proc/self/maps") as maps:
+            # address perms offset dev inode [path]: the path is the sixth field
+            paths = {f[5].strip() for f in (line.split(None, 5) for line in maps) if len(f) == 6}
+    except OSError:
+        return ""
+    for path in sorted(paths):
+        if os.path.basename(path).startswith("libnvrtc.so"):
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
 def cuda_include_dirs() -> tuple[str, ...]:
     """Folders holding cuda_fp8.h / cuda_bf16.h: the pip CUDA runtime package
     (found by cuda.pathfinder), else CUDA_HOME / CUDA_PATH / /usr/local/cuda."""

@@ -6,7 +6,9 @@ stand-in that checks each loaded cubin holds the symbol it is asked for.
 What only a GPU shows (the cold start's wall time, the modules really
 loading): tests/test_runtime_gpu.py and the demo."""
 import io
+import os
 import re
+import sys
 import threading
 import time
 import types
@@ -293,6 +295,19 @@ def test_instance_key_follows_what_changes_its_cubin(tmp_path, monkeypatch):
     assert _cache.Entry(FILE, "sm_90", (name,)).key == copied
     (src / "common.cuh").write_text((src / "common.cuh").read_text() + "\n// edited\n")
     assert _cache.Entry(FILE, "sm_90", (name,)).key != copied
+
+
+def test_key_names_the_nvrtc_library(monkeypatch):
+    """NVRTC's version is major.minor only: a patch release of the library
+    (another file) is another key."""
+    lib = _nvrtc.nvrtc_library()
+    if sys.platform.startswith("linux"):
+        path = lib.rsplit(":", 2)[0]
+        assert os.path.basename(path).startswith("libnvrtc.so") and os.path.isfile(path), lib
+    name = _names()[0]
+    k = _cache.Entry(FILE, "sm_90", (name,)).key
+    monkeypatch.setattr(_nvrtc, "nvrtc_library", lambda: lib + "-patched")
+    assert _cache.Entry(FILE, "sm_90", (name,)).key != k
 
 
 def test_declared_instances_are_the_runtimes():
