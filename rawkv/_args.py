@@ -30,13 +30,18 @@ FLOATS = ("float32", "float16", "bfloat16")
 BYTES = ("uint8", "float8_e4m3fn", "float4_e2m1fn_x2")     # packed codes and scales
 INDEX = ("int32", "int64")
 
-_NAMES: dict = {}         # torch or numpy dtype -> 'float32'
+# dtype -> 'float32', one dict per library: torch.compile traces lookups in
+# the torch one, and dynamo (torch 2.11) cannot hash the numpy dtypes that
+# would otherwise sit beside them as keys (a graph break in fullgraph mode).
+_NUMPY_NAMES: dict = {}
+_TORCH_NAMES: dict = {}
 
 
 def _dtype_named(d) -> str:
-    name = _NAMES.get(d)
+    names = _NUMPY_NAMES if isinstance(d, np.dtype) else _TORCH_NAMES
+    name = names.get(d)
     if name is None:
-        name = _NAMES[d] = str(d).replace("torch.", "")
+        name = names[d] = str(d).replace("torch.", "")
     return name
 
 
@@ -131,7 +136,7 @@ def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, d
         if not isinstance(a, np.ndarray):
             a = _as_array(require_array(a, name), name, where)
     v = _seen(a)
-    d = _NAMES.get(v.dtype) or _dtype_named(v.dtype)
+    d = _TORCH_NAMES.get(v.dtype) or _dtype_named(v.dtype)   # (a torch dtype first: the hot path)
     if d not in dtypes:
         raise TypeError(f"{name}: dtype {d} is not supported (expected {', '.join(dtypes)})")
     if v.ndim < min_ndim:
