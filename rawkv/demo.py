@@ -163,16 +163,22 @@ def check_arguments(a, error) -> None:
         a.index_layout = "fp8"
 
 
-def runtime_or_reason(cpu: bool):
-    """(the warmed-up runtime of device 0, None), or (None, why the GPU path
-    does not run: "--cpu given" or the runtime's GpuUnavailableError)."""
+#: the kernel files the cache demo launches: a cold start compiles only these
+#: (in parallel), not every rawkv kernel
+CACHE_FILES = ("kv_cache.cu", "kv_compress.cu", "kv_layouts.cu")
+
+
+def runtime_or_reason(cpu: bool, files=None):
+    """(the runtime of device 0, warmed up for `files` (default: every
+    kernel), None), or (None, why the GPU path does not run: "--cpu given"
+    or the runtime's GpuUnavailableError)."""
     from .errors import GpuUnavailableError
     from .runtime import warmup
 
     if cpu:
         return None, "--cpu given"
     try:
-        return warmup(0), None
+        return warmup(0, files), None
     except GpuUnavailableError as exc:
         return None, str(exc)
 
@@ -180,7 +186,7 @@ def runtime_or_reason(cpu: bool):
 def run(a) -> int:
     """The demo for parsed arguments: on the GPU when the runtime can run
     there, else on CPU with the runtime's own reason on the first line."""
-    rt, why = runtime_or_reason(a.cpu)
+    rt, why = runtime_or_reason(a.cpu, CACHE_FILES)
     if rt is not None:
         return _run(a, rt)
     print(f"rawkv demo: CPU MODE (the numpy reference at a small size, not the kernels): {why}")
