@@ -104,9 +104,13 @@ def _nvfp4_activation(rng, lead, k, gs):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("tokens", [1, 9, 40, 130])
 def test_nvfp4_activations_equal_the_bf16_gemm_of_their_exact_values(cuda, rng, fmt, tokens):
-    # e2m1 * E4M3 is exact in BF16, so with gs = 1 the NVFP4 path must give
-    # the BF16 path's bits on the dequantized activations (same tiles, same
-    # summation order).
+    check_nvfp4_activations_equal_bf16(rng, fmt, tokens)
+
+
+def check_nvfp4_activations_equal_bf16(rng, fmt, tokens):
+    """e2m1 * E4M3 is exact in BF16, so with gs = 1 the NVFP4 path must give
+    the BF16 path's bits on the dequantized activations (same tiles, same
+    summation order), on whichever kernel the caller forced."""
     g, n, k = 2, 72, 224
     w, _ = random_weight(rng, g, n, k, fmt)
     qa, exact_x = _nvfp4_activation(rng, (tokens, g), k, torch.ones((), device="cuda"))

@@ -10,8 +10,9 @@ import pytest
 import rawkv
 from rawkv.gemm import linear, plans
 from rawkv.reference import gemm as ref
-from test_gemm_gpu import (_nvfp4_activation, assert_within_bound, check_nan_and_inf, check_ragged,
-                           check_views_and_out, exact_grouped, random_weight)
+from test_gemm_gpu import (_nvfp4_activation, assert_within_bound, check_nan_and_inf,
+                           check_nvfp4_activations_equal_bf16, check_ragged, check_views_and_out, exact_grouped,
+                           random_weight)
 
 torch = pytest.importorskip("torch")
 
@@ -85,12 +86,7 @@ def test_4096_tokens_and_a_real_shape(sm90, rng):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("tokens", [9, 130])
 def test_nvfp4_activations_equal_the_bf16_gemm_of_their_exact_values(sm90, rng, fmt, tokens):
-    g, n, k = 2, 72, 224
-    w, _ = random_weight(rng, g, n, k, fmt)
-    qa, exact_x = _nvfp4_activation(rng, (tokens, g), k, torch.ones((), device="cuda"))
-    a = rawkv.gemm.grouped_linear(qa, w)
-    b = rawkv.gemm.grouped_linear(torch.from_numpy(exact_x).to(torch.bfloat16).cuda(), w)
-    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    check_nvfp4_activations_equal_bf16(rng, fmt, tokens)
 
 
 def test_nvfp4_activation_per_row_global_scales(sm90, rng):
