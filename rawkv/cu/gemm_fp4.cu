@@ -48,14 +48,8 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
         if (seg < 0) return;
         if (seg == 0 || seg == experts + 1) {  // unowned rows: zeros
             if (ks != 0) return;
-            const __nv_bfloat16 z = __float2bfloat16_rn(0.0f);
-            for (int i = 0; i < MT; ++i) {
-                const int row0 = ((blockIdx.x * RW + rw) * MT + i) * 16;
-                for (int e = lane; e < 16 * (t1 - t0); e += 32) {
-                    const int row = row0 + (e & 15), tok = t0 + (e >> 4);
-                    if (row < n) out[tok * os_t + row] = z;
-                }
-            }
+            for (int i = 0; i < MT; ++i)
+                zero_rows(out, os_t, n, ((blockIdx.x * RW + rw) * MT + i) * 16, 16, t0, t1, lane, 32);
             return;
         }
         g = seg - 1;

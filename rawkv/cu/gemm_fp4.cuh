@@ -175,6 +175,18 @@ __device__ __forceinline__ void dequant_fragment(u32 w, u32 f0, u32 f1, u32 (&a)
     }
 }
 
+// Zeros into output features row0 .. row0 + rows - 1 (those < n) of tokens
+// t0 .. t1 - 1: the rows no expert owns (docs/gemm.md, "Ragged offsets").
+// This thread writes items first, first + step, ... of the rows x tokens.
+__device__ __forceinline__ void zero_rows(__nv_bfloat16* __restrict__ out, i64 os_t, int n, int row0, int rows,
+                                          int t0, int t1, int first, int step) {
+    const __nv_bfloat16 z = __float2bfloat16_rn(0.0f);
+    for (int e = first; e < rows * (t1 - t0); e += step) {
+        const int row = row0 + e % rows, tok = t0 + e / rows;
+        if (row < n) out[tok * os_t + row] = z;
+    }
+}
+
 // Segment (expert, or the unowned rows before / after) and token range of
 // ragged slot `slot`; offsets are clamped as the reference does
 // (o'_e = min(max(offsets[0..e], 0), rows)) and the clamps counted once.

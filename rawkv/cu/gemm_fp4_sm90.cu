@@ -138,12 +138,7 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
         ragged_slot(offsets, experts, tokens, BN, blockIdx.y, s_off, seg, t0, t1, errors);
         if (seg < 0) return;
         if (seg == 0 || seg == experts + 1) {  // unowned rows: zeros
-            const __nv_bfloat16 z = __float2bfloat16_rn(0.0f);
-            const int row0 = row_block * kBM;
-            for (int e = threadIdx.x; e < kBM * (t1 - t0); e += kThreads) {
-                const int row = row0 + (e % kBM), tok = t0 + e / kBM;
-                if (row < n) out[tok * os_t + row] = z;
-            }
+            zero_rows(out, os_t, n, row_block * kBM, kBM, t0, t1, threadIdx.x, kThreads);
             return;
         }
         g = seg - 1;
