@@ -197,6 +197,29 @@ def check_ragged(rng, offsets, act, n, k, rows):
     assert int(errors[0]) == bad
 
 
+@pytest.mark.parametrize("offsets", [[0, 3, 3, 10, 30, 37], [0, 1, 2, 4, 5, 6, 9], [-4, 5, 5, 5, 20, 33],
+                                     [0, 16, 16, 40, 41, 80], [0, 30, 31, 90, 91, 150]])
+@pytest.mark.parametrize("act", ["bfloat16", "nvfp4"])
+def test_ragged_tiles(cuda, rng, offsets, act, monkeypatch):
+    # The ragged tiles (one warp streams all of K: RAGGED_CONFIGS, 8 to 32
+    # tokens per expert) serve only grids of hundreds of blocks; forced here
+    # at a small size, with K past a chunk boundary and N past a block's.
+    from rawkv.gemm import linear
+    monkeypatch.setattr(linear, "MMA_RAGGED_MIN_BLOCKS", 0)
+    monkeypatch.setattr(linear, "SM90_MIN_EXPERT_TOKENS", 1 << 30)
+    check_ragged(rng, offsets, act, n=200, k=336, rows=max(offsets))
+
+
+def test_ragged_tiles_same_bits_every_run(cuda, rng, monkeypatch):
+    from rawkv.gemm import linear
+    monkeypatch.setattr(linear, "MMA_RAGGED_MIN_BLOCKS", 0)
+    w, _ = random_weight(rng, 4, 136, 1040, "nvfp4")
+    x = torch.randn(70, 1040, dtype=torch.bfloat16, device="cuda")
+    offs = torch.tensor([0, 9, 30, 31, 70], dtype=torch.int32, device="cuda")
+    a, b = rawkv.gemm.moe_linear(x, w, offs), rawkv.gemm.moe_linear(x, w, offs)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 def test_ragged_many_experts_and_the_default_counter(cuda, rng):
     e, n, k = 256, 32, 64
     counts = rng.integers(0, 4, e)

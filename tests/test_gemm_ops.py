@@ -309,7 +309,7 @@ def test_the_batched_dispatch_rule(groups, n, tokens, expected):
     assert plans.takes_sm90(_Sizes(groups, n), tokens, False, linear) is expected
 
 
-@pytest.mark.parametrize("tokens,expected", [(1, False), (12, False), (23, False), (24, True), (96, True)])
+@pytest.mark.parametrize("tokens,expected", [(1, False), (12, False), (24, False), (27, False), (28, True), (96, True)])
 def test_the_ragged_dispatch_rule(tokens, expected):
     assert plans.takes_sm90(_Sizes(256, 4096), tokens, True, linear) is expected
 

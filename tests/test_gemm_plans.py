@@ -136,12 +136,35 @@ def test_moe_slots_cover_every_expert(rows, experts, tokens_per_expert):
     w = _weight(g=experts, n=40)
     offsets = torch.zeros(experts + 1, dtype=torch.int32)
     act, cw, offsets, out, _ = _moe(torch.ones(rows, 128, dtype=torch.bfloat16), w, offsets)
-    t = P.tile(H100, cw, tokens_per_expert, ragged=True)
+    t = P.tile(H100, cw, tokens_per_expert, ragged=True, rows=rows)
     a = _one(P.moe(H100, act, cw, offsets, out, 12345))
     assert a.kernel.kernel is t.kernel and a.block == t.block
     assert a.grid == (-(-40 // t.rows), min(rows, -(-rows // t.tokens) + experts + 2), 1)
     assert a.args["offsets"] is offsets and a.args["errors"] == 12345 and a.args["experts"] == experts
     assert (a.args["xs_g"], a.args["os_g"], a.args["tokens"]) == (0, 0, rows)
+
+
+class _Sizes:
+    """What the plans read of a weight: its groups and output features."""
+    def __init__(self, groups, n):
+        self.groups, self.n = groups, n
+
+
+@pytest.mark.parametrize("rows,experts,n,cfg", [
+    (384, 256, 4096, 8),        # Flash gate_up, 64 tokens: 2 per expert, 32 x 306 blocks
+    (3072, 256, 2048, 16),      # Flash down, 512 tokens: 12 per expert
+    (4800, 256, 4096, 32),      # 800 tokens: 19 per expert
+    (12, 256, 4096, 8),         # 2 tokens: 32 x 12 = 384 blocks, enough (2 per SM)
+    (6, 256, 4096, None),       # 1 token: 32 x 6 = 192 blocks, too few: warps split K instead
+    (7200, 256, 4096, None)])   # 1200 tokens: 28 per expert, the wgmma kernel
+def test_ragged_calls_take_the_ragged_tiles_when_the_grid_is_large_enough(rows, experts, n, cfg):
+    t = P.tile(H100, _Sizes(experts, n), -(-rows // min(rows, experts)), ragged=True, rows=rows)
+    if cfg is None:
+        assert t.kernel is not K.GEMM or t.targs[2] > 1           # KS > 1: the batched tiles
+    else:
+        assert t.kernel is K.GEMM and t.targs == K.RAGGED_CONFIGS[cfg] and t.targs[2] == 1
+        assert t.tokens == 8 * K.RAGGED_CONFIGS[cfg][1]
+    assert (t.kernel is K.GEMM_SM90) == (rows == 7200)
 
 
 def test_a_grid_past_the_limit_is_refused():

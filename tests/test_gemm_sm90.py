@@ -144,6 +144,6 @@ def test_dispatch_takes_the_wgmma_kernel_from_256_tokens(cuda, monkeypatch):
     # the runtime is the plan's device (its arch and sm_count)
     assert plans.tile(cuda, w, 255, tuning=linear).kernel is plans.K.GEMM   # 2 x 1 x 2 blocks: too few below 256
     assert plans.tile(cuda, w, 256, tuning=linear).kernel is plans.K.GEMM_SM90
-    assert plans.tile(cuda, w, 23, ragged=True, tuning=linear).kernel is plans.K.GEMM
-    assert plans.tile(cuda, w, 24, ragged=True, tuning=linear).kernel is plans.K.GEMM_SM90
+    assert plans.tile(cuda, w, 27, ragged=True, tuning=linear).kernel is plans.K.GEMM
+    assert plans.tile(cuda, w, 28, ragged=True, tuning=linear).kernel is plans.K.GEMM_SM90
 

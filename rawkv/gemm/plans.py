@@ -32,7 +32,14 @@ class Tuning(NamedTuple):
     SM90_MIN_TOKENS tokens per group, or from SM90_MIN_TOKENS_SMALL when its
     grid has SM90_MIN_BLOCKS blocks or more (at 128 tokens it wins with 48
     and 64 blocks, loses with 32); ragged calls from SM90_MIN_EXPERT_TOKENS
-    tokens per expert on average (it wins at 32 and 96, loses at 12).
+    tokens per expert on average (on an H200 against the mma.sync kernel's
+    ragged tiles it wins at 32 and 43 and loses at 21 and 24).
+    MMA_RAGGED_MIN_BLOCKS: ragged calls below that take the mma.sync
+    kernel's ragged tiles (RAGGED_CONFIGS: one warp streams all of K) when
+    their grid has at least this many blocks per SM, else the batched tiles
+    (warps split K, so a few rows still keep every SM streaming): at 1 token
+    over 256 experts (192 blocks on 132 SMs) the ragged tiles lose, at 2
+    tokens (384 blocks) they win.
     SM90_FORCE_BN: the wgmma kernel's token tile (64 or 128), None to let
     the plan choose. SM90_FORCE_BM: its feature tile (128 or 256), None to
     let the plan choose: 128 when twice the grid of 256-feature blocks still
@@ -43,7 +50,8 @@ class Tuning(NamedTuple):
     SM90_MIN_TOKENS: int = 256
     SM90_MIN_TOKENS_SMALL: int = 128
     SM90_MIN_BLOCKS: int = 48
-    SM90_MIN_EXPERT_TOKENS: int = 24
+    SM90_MIN_EXPERT_TOKENS: int = 28
+    MMA_RAGGED_MIN_BLOCKS: int = 2
     SM90_FORCE_BN: int | None = None
     SM90_FORCE_BM: int | None = None
 
@@ -76,17 +84,31 @@ def takes_sm90(w, tokens: int, ragged: bool, tuning=TUNED) -> bool:
         tokens >= tuning.SM90_MIN_TOKENS_SMALL and blocks >= tuning.SM90_MIN_BLOCKS)
 
 
-def mma_config(tokens: int) -> tuple:
-    """The mma.sync kernel's (MT, NT, KS, RW, U, S) for `tokens` per group."""
+def mma_config(tokens: int, table=K.CONFIGS) -> tuple:
+    """The mma.sync kernel's (MT, NT, KS, RW, U, S) for `tokens` per group
+    (or per expert, from K.RAGGED_CONFIGS)."""
     for tt in (8, 16, 32, 64):
-        if tokens <= tt:
-            return K.CONFIGS[tt]
+        if tokens <= tt and tt in table:
+            return table[tt]
     return K.CONFIGS["large"]
 
 
-def tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED) -> Tile:
+def ragged_slots(rows: int, experts: int, tile_tokens: int) -> int:
+    """The slots of a ragged grid: enough for every expert's token tiles
+    (each expert may end in a partial tile) and the unowned rows before
+    the first and after the last expert."""
+    return min(rows, -(-rows // tile_tokens) + experts + 2)
+
+
+def _mma_tile(cfg) -> Tile:
+    mt, nt, ks, rw = cfg[:4]
+    return Tile(K.GEMM, cfg, (32 * ks * rw,), 16 * mt * rw, 8 * nt)
+
+
+def tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED, rows: int = 0) -> Tile:
     """The kernel and tile for `tokens` tokens per group (batched) or per
-    expert on average (ragged) on device `dev` (its arch and sm_count)."""
+    expert on average (ragged: `rows` the rows in all) on device `dev` (its
+    arch and sm_count)."""
     path = tuning.KERNEL_PATH
     if path == "auto":
         path = "sm90" if dev.arch == "sm_90" and takes_sm90(w, tokens, ragged, tuning) else "mma"
@@ -101,9 +123,12 @@ def tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED) -> Tile:
         if bm == 128:
             bn, stages = K.SM90_SMALL_CONFIG
         return Tile(K.GEMM_SM90, (bn, stages, bm), (K.SM90_THREADS,), bm, bn)
-    cfg = mma_config(tokens)
-    mt, nt, ks, rw = cfg[:4]
-    return Tile(K.GEMM, cfg, (32 * ks * rw,), 16 * mt * rw, 8 * nt)
+    if ragged and tokens <= max(K.RAGGED_CONFIGS):
+        tl = _mma_tile(mma_config(tokens, K.RAGGED_CONFIGS))
+        blocks = -(-w.n // tl.rows) * ragged_slots(rows, w.groups, tl.tokens)
+        if blocks >= tuning.MMA_RAGGED_MIN_BLOCKS * dev.sm_count:
+            return tl
+    return _mma_tile(mma_config(tokens))
 
 
 # ---- the plans -------------------------------------------------------------------------------
@@ -127,8 +152,8 @@ def moe(dev, act, w, offsets, out, errors, tuning=TUNED) -> list[Launch]:
     if r == 0 or w.n == 0:
         return []
     e = w.groups
-    tl = tile(dev, w, -(-r // max(1, min(e, r))), ragged=True, tuning=tuning)
-    slots = min(r, -(-r // tl.tokens) + e + 2)
+    tl = tile(dev, w, -(-r // max(1, min(e, r))), ragged=True, tuning=tuning, rows=r)
+    slots = ragged_slots(r, e, tl.tokens)
     grid = (-(-w.n // tl.rows), slots, 1)
     return [_launch(tl, act, w, out, grid, r, offsets, e, errors)]
 
