@@ -295,8 +295,8 @@ def test_numpy_nvfp4_activations_and_moe(rng):
 
 
 class _Sizes:
-    def __init__(self, groups, n):
-        self.groups, self.n = groups, n
+    def __init__(self, groups, n, k=4096):
+        self.groups, self.n, self.k = groups, n, k
 
 
 @pytest.mark.parametrize("groups,n,tokens,expected", [
@@ -317,16 +317,29 @@ def test_the_ragged_dispatch_rule(tokens, expected):
 H100 = Device(sm_count=132, max_threads_per_sm=2048, arch="sm_90")
 
 
-@pytest.mark.parametrize("groups,n,tokens,bm", [
-    (8, 1024, 256, 128),      # Flash wo_a at 256 tokens: 64 blocks of 256 features, 128 of 128 fit one wave
-    (8, 1024, 512, 256),      # 128 blocks of 256: one wave already
-    (16, 1024, 128, 128),     # Pro at 128 tokens: 64 blocks
-    (8, 1536, 128, 128),      # seed 004 at 128 tokens: 48 blocks
-    (8, 1536, 256, 256),      # 96 blocks: 192 of 128 would take two waves
-    (8, 1024, 4096, 256)])
-def test_the_wgmma_kernel_takes_128_feature_blocks_when_256_would_not_fill_the_gpu(groups, n, tokens, bm):
-    kern, targs, block, rows, tile_tokens = plans.tile(H100, _Sizes(groups, n), tokens, tuning=linear)
-    assert kern is plans.K.GEMM_SM90 and targs[-1] == bm == rows and tile_tokens == 128
+@pytest.mark.parametrize("groups,n,k,tokens,tile", [
+    # (groups, n, k, tokens): (BN, BM, splits) or "mma", from the H200 sweep
+    # of 2026-11-26 (docs/gemm.md, "Dispatch"): the best measured tile in
+    # every case, and the mma.sync kernel below 48 tokens
+    (8, 1024, 4096, 32, "mma"),
+    (8, 1024, 4096, 64, (64, 256, 2)),        # Flash: 32 blocks of 256 x 64 -> 64 half-K blocks
+    (8, 1536, 8192, 64, (64, 256, 2)),        # seed 004: 48 -> 96
+    (8, 1024, 4096, 96, (128, 128, 2)),       # 64 blocks of 128 x 128 -> 128
+    (16, 1024, 4096, 128, (128, 256, 2)),     # Pro: 64 blocks of 256 x 128 -> 128
+    (8, 1024, 4096, 256, (128, 256, 2)),
+    (8, 1536, 8192, 256, (128, 256, 1)),      # 96 blocks: split, 192 would end in a thin second wave
+    (8, 1536, 8192, 512, (128, 256, 2)),      # 192 blocks (1.45 waves) -> 384 (2.9)
+    (8, 1024, 4096, 512, (128, 256, 1)),      # 128 blocks: one wave already
+    (8, 1024, 1024, 256, (128, 128, 1)),      # K = 1024: too few chunks to split; 128-feature blocks instead
+    (8, 1024, 4096, 4096, (128, 256, 1))])
+def test_the_wgmma_tile_is_the_modelled_fastest(groups, n, k, tokens, tile):
+    t = plans.tile(H100, _Sizes(groups, n, k), tokens, tuning=linear)
+    if tile == "mma":
+        assert t.kernel is plans.K.GEMM
+        return
+    assert (t.tokens, t.rows, t.splits) == tile
+    assert t.kernel is (plans.K.GEMM_SM90_SPLITK if tile[2] > 1 else plans.K.GEMM_SM90)
+    assert t.targs[2] == t.rows and t.targs[0] == t.tokens
 
 
 def test_the_tunables_set_on_linear_steer_the_plan(monkeypatch):
@@ -335,8 +348,13 @@ def test_the_tunables_set_on_linear_steer_the_plan(monkeypatch):
     assert plans.tile(H100, w, 16, tuning=linear).kernel is plans.K.GEMM
     monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
     monkeypatch.setattr(linear, "SM90_FORCE_BM", 256)
+    monkeypatch.setattr(linear, "SM90_FORCE_KSPLIT", 1)
     t = plans.tile(H100, w, 16, tuning=linear)
     assert t.kernel is plans.K.GEMM_SM90 and t.rows == 256 and t.tokens == 64
+    monkeypatch.setattr(linear, "SM90_FORCE_KSPLIT", 2)
+    t = plans.tile(H100, w, 16, tuning=linear)
+    assert t.kernel is plans.K.GEMM_SM90_SPLITK and t.splits == 2 and t.targs == (64, 6, 256, 2)
+    monkeypatch.setattr(linear, "SM90_FORCE_KSPLIT", None)
     monkeypatch.setattr(linear, "SM90_FORCE_BN", 128)
     assert plans.tile(H100, w, 16, tuning=linear).tokens == 128
     monkeypatch.setattr(linear, "SM90_MIN_EXPERT_TOKENS", 4)

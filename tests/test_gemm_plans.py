@@ -145,9 +145,9 @@ def test_moe_slots_cover_every_expert(rows, experts, tokens_per_expert):
 
 
 class _Sizes:
-    """What the plans read of a weight: its groups and output features."""
-    def __init__(self, groups, n):
-        self.groups, self.n = groups, n
+    """What the plans read of a weight: its groups, output features and K."""
+    def __init__(self, groups, n, k=4096):
+        self.groups, self.n, self.k = groups, n, k
 
 
 @pytest.mark.parametrize("rows,experts,n,cfg", [

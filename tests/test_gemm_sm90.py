@@ -19,14 +19,19 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(params=[128, 256], ids=["bm128", "bm256"])
+@pytest.fixture(params=[(128, None), (256, None), (128, 2), (256, 2)],
+                ids=["bm128", "bm256", "bm128-split2", "bm256-split2"])
 def sm90(cuda, monkeypatch, request):
     """The runtime of an sm_90 device, every launch forced onto the wgmma
-    kernel with blocks of 128 or 256 output features."""
+    kernel with blocks of 128 or 256 output features, and batched launches
+    also onto the split-K kernel (a cluster of 2 blocks per output tile,
+    each half of K: with K of 1 to 4 chunks a half may have none)."""
     if cuda.arch != "sm_90":
         pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
+    bm, splits = request.param
     monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
-    monkeypatch.setattr(linear, "SM90_FORCE_BM", request.param)
+    monkeypatch.setattr(linear, "SM90_FORCE_BM", bm)
+    monkeypatch.setattr(linear, "SM90_FORCE_KSPLIT", splits)
     return cuda
 
 
@@ -135,6 +140,25 @@ def test_ragged_384_experts_some_empty(sm90, rng):
     again = torch.empty_like(out)
     rawkv.gemm.moe_linear(x, w, torch.from_numpy(offsets).cuda(), out=again)
     assert torch.equal(out.view(torch.int16), again.view(torch.int16))
+
+
+@pytest.mark.parametrize("k", [64, 128, 4160])
+def test_split_k_same_bits_every_run_and_within_the_bound(cuda, rng, monkeypatch, k):
+    # The split-K kernel's own plan (seed 004's shape class at 64 tokens: a
+    # grid too small for the GPU), forced where K gives one half no chunk.
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
+    monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
+    monkeypatch.setattr(linear, "SM90_FORCE_KSPLIT", 2)
+    g, n = 3, 520
+    w, w64 = random_weight(rng, g, n, k, "nvfp4")
+    x = torch.randn(64, g, k, dtype=torch.bfloat16)
+    exact, absolute = exact_grouped(x.double().numpy(), w64)
+    a = rawkv.gemm.grouped_linear(x.cuda(), w)
+    assert plans.tile(cuda, w, 64, tuning=linear).splits == 2
+    assert_within_bound(a, exact, absolute, k, f"split K, K={k}")
+    for _ in range(3):
+        assert torch.equal(rawkv.gemm.grouped_linear(x.cuda(), w).view(torch.int16), a.view(torch.int16))
 
 
 def test_dispatch_takes_the_wgmma_kernel_from_256_tokens(cuda, monkeypatch):

@@ -29,8 +29,16 @@
 // fragment(s) gives both), which is how the producer writes it.
 //
 // Determinism: each output is one warpgroup's FP32 accumulation over the
-// chunks in order, the k16 steps in order: the same bits on every run, and
-// no reduction across blocks.
+// chunks in order, the k16 steps in order: the same bits on every run.
+//
+// Split K (rkv_gemm_fp4_sm90_splitk, batched calls whose grid would leave
+// SMs idle): a cluster of KSPLIT blocks shares one output tile, block r
+// accumulating the r-th of KSPLIT equal runs of chunks. The blocks other than
+// rank 0 leave their FP32 accumulators in their own shared memory; rank 0
+// reads them over the cluster's distributed shared memory and adds them to
+// its own in rank order, then writes the tile: a fixed order, no atomics, no
+// workspace, so the same bits on every run (not the same bits as one block
+// over all of K: the sum is grouped differently).
 #include "gemm_fp4.cuh"
 #include "wgmma_rs.cuh"
 using namespace rkv;
@@ -79,6 +87,41 @@ __device__ __forceinline__ void st_shared(u32 addr, u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
+// ---- the cluster (split K) --------------------------------------------------
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// The address of the same shared-memory location in the cluster's block `rank`.
+__device__ __forceinline__ u32 cluster_addr(u32 addr, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float ld_cluster_f32(u32 addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+// Arrive on an mbarrier of another block of the cluster, releasing this
+// thread's earlier shared-memory writes to whoever acquires the phase.
+__device__ __forceinline__ void mbar_arrive_cluster(u32 cluster_bar) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n"
+            " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+            " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    }
+}
+
 // Matrix descriptor of a K-major B tile with the 128-byte swizzle: start
 // address, leading offset (unused for this layout: 1), stride 1024 bytes
 // between 8-row groups, layout type 1 (128B swizzle). The tile is 1024-byte
@@ -104,8 +147,8 @@ __device__ __forceinline__ void wgmma_step(float (&d)[BN / 2], const u32 (&a)[4]
 
 }  // namespace
 
-template <int ACT, bool MX, int BN, int STAGES, int BM>
-__global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
+template <int ACT, bool MX, int BN, int STAGES, int BM, int KSPLIT>
+__device__ __forceinline__ void gemm_sm90(
     const u8* __restrict__ wq, const u8* __restrict__ wsf, const float* __restrict__ wgs,
     const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
     i64 xs_t, i64 xs_g, i64 ss_t, i64 ss_g, i64 gs_t, i64 gs_g,
@@ -122,6 +165,10 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
     constexpr int kBStage = BN * 128;    // BN token rows of 64 16-bit columns
     static_assert(BN % 8 == 0 && kBStage % 1024 == 0, "B stages must stay 1024-byte aligned");
     __shared__ int s_off[RKV_GEMM_MAX_SEGMENTS];
+    // Split K: rank 0's "the partial sums are ready" (every consumer thread
+    // of the other blocks arrives) and each other block's "rank 0 has read
+    // them" (rank 0's consumer threads arrive).
+    __shared__ __align__(8) u64 s_split_bar[2];
     extern __shared__ u8 s_dyn[];
     // B stages first (1024-byte aligned for the swizzle), then the weight
     // stages, then the mbarriers.
@@ -131,7 +178,10 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
     const u32 bar_full = smem_u32(s_w + STAGES * kWStage);
     const u32 bar_empty = bar_full + 8 * STAGES;
 
-    const int row_block = blockIdx.x;
+    static_assert(KSPLIT == 1 || (BM / 128) * BN * 128 * 4 <= STAGES * (BN * 128 + (BM / 16) * 576),
+                  "split K keeps the partial sums in the stages' shared memory");
+    const int row_block = blockIdx.x / KSPLIT;
+    const int split = blockIdx.x % KSPLIT;     // the block's rank in its cluster
     int g, t0, t1;
     if (offsets) {
         int seg;
@@ -149,6 +199,9 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
     }
 
     const int tiles16 = (n + 15) / 16, chunks = (k + 63) / 64;
+    // The block's run of chunks: all of them, or its KSPLIT-th.
+    const int per_split = (chunks + KSPLIT - 1) / KSPLIT;
+    const int c_beg = min(chunks, split * per_split), c_end = min(chunks, c_beg + per_split);
     const int tile0 = row_block * kTiles;                  // first row tile of the block
     const int live_tiles = min(kTiles, tiles16 - tile0);   // row tiles that exist
 
@@ -157,9 +210,16 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
             mbar_init(bar_full + 8 * s, 128 + 4);  // each producer thread's copies + the 4 producer warps
             mbar_init(bar_empty + 8 * s, 8);       // the 8 consumer warps
         }
+        if (KSPLIT > 1) {
+            mbar_init(smem_u32(&s_split_bar[0]), (KSPLIT - 1) * 256);
+            mbar_init(smem_u32(&s_split_bar[1]), 256);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
+    // (Split K: the other blocks' barriers are initialized before anyone
+    // arrives on them.)
+    if (KSPLIT > 1) cluster_sync();
+    else __syncthreads();
 
     const int wg = threadIdx.x / 128;
     if (wg == 2) {
@@ -189,8 +249,8 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
         constexpr int kCodeCopies = kTiles / 4;
         // Each source pointer steps one chunk per stage.
         const i64 wstep = (i64)4 * chunks * kCodeBytes;          // 4 row tiles further
-        const u8* wsrc = wq + (((i64)g * tiles16 + tile0 + (p >> 5)) * chunks) * kCodeBytes + 16 * plane;
-        const u8* ssrc = wsf + (((i64)g * tiles16 + tile0 + (p >> 2)) * chunks) * kScaleBytes + 16 * slot;
+        const u8* wsrc = wq + (((i64)g * tiles16 + tile0 + (p >> 5)) * chunks + c_beg) * kCodeBytes + 16 * plane;
+        const u8* ssrc = wsf + (((i64)g * tiles16 + tile0 + (p >> 2)) * chunks + c_beg) * kScaleBytes + 16 * slot;
         u32 wlive = 0;                                             // bit i: code tile p / 32 + 4 i exists
 #pragma unroll
         for (int i = 0; i < kCodeCopies; ++i) wlive |= (u32)((p >> 5) + 4 * i < live_tiles) << i;
@@ -204,8 +264,8 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
         for (int j = 0; j < kItems; ++j) {
             const int tok = min(t0 + (p >> 2) + 32 * j, t1 - 1);
             const i64 xo = (i64)tok * xs_t + (i64)g * xs_g;
-            xrow[j] = x + (ACT == 2 ? xo : 2 * xo);   // chunk 0; `load` steps it
-            srow[j] = ACT == 2 ? xsf + (i64)tok * ss_t + (i64)g * ss_g : nullptr;
+            xrow[j] = x + (ACT == 2 ? xo + 32 * c_beg : 2 * xo + 128 * c_beg);   // chunk c_beg; `load` steps it
+            srow[j] = ACT == 2 ? xsf + (i64)tok * ss_t + (i64)g * ss_g + 4 * c_beg : nullptr;
         }
         // Item j's word for unit u goes to row (p / 4 + 32 j), unit u ^ (row % 8),
         // word slot: row % 8 is the same for every j.
@@ -218,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
         // NaN would be NaN): only the chunk that holds k's end, and chunks
         // past the last, test them.
         const int full_chunks = k / 64;
-        // `load` is called for chunks 0, 1, 2, ... in order: it reads
+        // `load` is called for chunks c_beg, c_beg + 1, ... in order: it reads
         // columns 16 slot .. + 15 of xrow / srow and steps them one chunk.
         auto load = [&](ActChunk<ACT> (&b)[kItems], int c) {
             if (c < full_chunks) {
@@ -239,14 +299,14 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
             }
         };
 #pragma unroll
-        for (int d = 0; d < kAhead; ++d) load(buf[d], d);
+        for (int d = 0; d < kAhead; ++d) load(buf[d], c_beg + d);
         int s = 0;
         u32 parity = 1;   // of the empty barriers: a fresh barrier passes parity 1
-        for (int c0 = 0; c0 < chunks; c0 += kAhead) {
+        for (int c0 = c_beg; c0 < c_end; c0 += kAhead) {
 #pragma unroll
             for (int d = 0; d < kAhead; ++d) {
                 const int c = c0 + d;
-                if (c >= chunks) break;
+                if (c >= c_end) break;
                 mbar_wait(bar_empty + 8 * s, parity);
                 {
                     // The stage's packed weights as cp.async copies; each
@@ -352,19 +412,19 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     };
     if constexpr (kMT == 2) {
-        for (int c = 0; c < chunks; ++c) {
+        for (int c = c_beg; c < c_end; ++c) {
             acquire();
             const u32 wst = smem_u32(s_w + s * kWStage);
             const u32 btile = smem_u32(s_b + s * kBStage);
             fetch(wst, 0);
             fetch(wst, 1);
-            if (c > 0) wgmma_wait<1>();                 // m-tile 0 of c - 1 done
+            if (c > c_beg) wgmma_wait<1>();             // m-tile 0 of c - 1 done
             dequant(0, a0);
             wgmma_fence();
 #pragma unroll
             for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[0], a0[s4], b_desc(btile + 32 * s4));
             wgmma_commit();
-            if (c > 0) {
+            if (c > c_beg) {
                 wgmma_wait<1>();                        // m-tile 1 of c - 1 done: stage c - 1 is free
                 release(prev);
             }
@@ -384,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
             acquire();
             const u32 btile = smem_u32(s_b + s * kBStage);
             fetch(smem_u32(s_w + s * kWStage), 0);
-            if (c >= 2) {
+            if (c >= c_beg + 2) {
                 wgmma_wait<1>();                        // chunk c - 2 done
                 release(prev2);
             }
@@ -395,13 +455,46 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
             wgmma_commit();
             next_stage();
         };
-        for (int c = 0; c < chunks; c += 2) {
+        for (int c = c_beg; c < c_end; c += 2) {
             chunk(c, a0);
-            if (c + 1 < chunks) chunk(c + 1, a1);
+            if (c + 1 < c_end) chunk(c + 1, a1);
         }
     }
     wgmma_wait<0>();
     // (The last stages are not released: nothing is loaded after them.)
+
+    if constexpr (KSPLIT > 1) {
+        // Both consumer warpgroups are done with the stages (named barrier 1:
+        // the 256 consumer threads; the producer may have exited): they now
+        // hold this block's partial sums, accumulator i of consumer thread
+        // ct at float i * 256 + ct (a warp's stores and loads are 128
+        // contiguous bytes).
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        const u32 part = smem_u32(smem) + 4 * threadIdx.x;
+        const u32 ready = smem_u32(&s_split_bar[0]), read = smem_u32(&s_split_bar[1]);
+        if (split != 0) {
+#pragma unroll
+            for (int m = 0; m < kMT; ++m)
+#pragma unroll
+                for (int j = 0; j < BN / 2; ++j)
+                    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(part + 1024 * (m * (BN / 2) + j)), "f"(acc[m][j])
+                                 : "memory");
+            mbar_arrive_cluster(cluster_addr(ready, 0));
+            mbar_wait_cluster(read, 0);            // rank 0 has read them: this block may exit
+            return;
+        }
+        mbar_wait_cluster(ready, 0);
+#pragma unroll 1
+        for (int r = 1; r < KSPLIT; ++r) {         // rank order: the same sum every run
+            const u32 peer = cluster_addr(part, r);
+#pragma unroll
+            for (int m = 0; m < kMT; ++m)
+#pragma unroll
+                for (int j = 0; j < BN / 2; ++j) acc[m][j] += ld_cluster_f32(peer + 1024 * (m * (BN / 2) + j));
+        }
+#pragma unroll 1
+        for (int r = 1; r < KSPLIT; ++r) mbar_arrive_cluster(cluster_addr(read, r));
+    }
 
     // Epilogue: thread (warp, lane q = lane / 4, t = lane % 4) holds, for each
     // 8-token group j, rows q and q + 8 of its 16-row tile at tokens
@@ -426,4 +519,29 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
             }
         }
     }
+}
+
+// One block per output tile, all of K.
+template <int ACT, bool MX, int BN, int STAGES, int BM>
+__global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
+    const u8* __restrict__ wq, const u8* __restrict__ wsf, const float* __restrict__ wgs,
+    const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
+    i64 xs_t, i64 xs_g, i64 ss_t, i64 ss_g, i64 gs_t, i64 gs_g,
+    __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
+    int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    gemm_sm90<ACT, MX, BN, STAGES, BM, 1>(wq, wsf, wgs, x, xsf, xgs, xs_t, xs_g, ss_t, ss_g, gs_t, gs_g, out, os_t,
+                                          os_g, n, k, tokens, offsets, experts, errors);
+}
+
+// A cluster of KSPLIT blocks per output tile, each a KSPLIT-th of K (batched
+// calls only: grid x is the feature blocks times KSPLIT).
+template <int ACT, bool MX, int BN, int STAGES, int BM, int KSPLIT>
+__global__ void __cluster_dims__(KSPLIT, 1, 1) __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90_splitk(
+    const u8* __restrict__ wq, const u8* __restrict__ wsf, const float* __restrict__ wgs,
+    const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
+    i64 xs_t, i64 xs_g, i64 ss_t, i64 ss_g, i64 gs_t, i64 gs_g,
+    __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
+    int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    gemm_sm90<ACT, MX, BN, STAGES, BM, KSPLIT>(wq, wsf, wgs, x, xsf, xgs, xs_t, xs_g, ss_t, ss_g, gs_t, gs_g, out,
+                                               os_t, os_g, n, k, tokens, nullptr, experts, errors);
 }

@@ -40,6 +40,14 @@ class Tuning(NamedTuple):
     (warps split K, so a few rows still keep every SM streaming): at 1 token
     over 256 experts (192 blocks on 132 SMs) the ragged tiles lose, at 2
     tokens (384 blocks) they win.
+    SM90_MIN_TOKENS_SPLIT: batched calls from this many tokens per group
+    (below SM90_MIN_TOKENS_SMALL) take the wgmma kernel when its tile splits
+    K (sm90_tile) and the split grid has SM90_MIN_BLOCKS blocks: on an
+    H200 at 48 and 64 tokens it won on all three wo_a shapes (seed 004 at
+    64: 44.5 against 65.0 us), at 32 it lost on all three.
+    SM90_FORCE_KSPLIT: the wgmma kernel's split of K across a cluster of
+    blocks (1 or 2), None to let sm90_tile choose; a split part has at
+    least SM90_MIN_SPLIT_CHUNKS chunks of 64 columns.
     SM90_FORCE_BN: the wgmma kernel's token tile (64 or 128), None to let
     the plan choose. SM90_FORCE_BM: its feature tile (128 or 256), None to
     let the plan choose: 128 when twice the grid of 256-feature blocks still
@@ -54,6 +62,9 @@ class Tuning(NamedTuple):
     MMA_RAGGED_MIN_BLOCKS: int = 2
     SM90_FORCE_BN: int | None = None
     SM90_FORCE_BM: int | None = None
+    SM90_MIN_TOKENS_SPLIT: int = 48
+    SM90_FORCE_KSPLIT: int | None = None
+    SM90_MIN_SPLIT_CHUNKS: int = 16
 
 
 TUNED = Tuning()
@@ -67,6 +78,7 @@ class Tile(NamedTuple):
     block: tuple
     rows: int
     tokens: int
+    splits: int = 1          # blocks (a cluster) per output tile, each a part of K
 
 
 def sm90_blocks(w, tokens: int, bm: int, bn: int) -> int:
@@ -82,6 +94,49 @@ def takes_sm90(w, tokens: int, ragged: bool, tuning=TUNED) -> bool:
     blocks = sm90_blocks(w, tokens, K.SM90_BM, K.SM90_CONFIGS["large"][0])
     return tokens >= tuning.SM90_MIN_TOKENS or (
         tokens >= tuning.SM90_MIN_TOKENS_SMALL and blocks >= tuning.SM90_MIN_BLOCKS)
+
+
+# Time of one chunk in a block of the wgmma kernel, relative to the
+# (BN, BM) = (128, 256) tile's, from the H200 sweep of 2026-11-26 (one wave
+# of blocks, Flash wo_a: 0.64, 0.59 and 0.86 us per chunk).
+SM90_CHUNK_COST = {(64, 256): 0.75, (128, 128): 0.7, (128, 256): 1.0}
+# The non-split instances: {(BN, BM): STAGES}.
+SM90_STAGES = {(K.SM90_CONFIGS[64][0], K.SM90_BM): K.SM90_CONFIGS[64][1],
+               (K.SM90_CONFIGS["large"][0], K.SM90_BM): K.SM90_CONFIGS["large"][1],
+               (K.SM90_SMALL_CONFIG[0], 128): K.SM90_SMALL_CONFIG[1]}
+
+
+def sm90_tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED) -> Tile:
+    """The wgmma kernel's tile: BN = 64 tokens up to 64 per group, else 128;
+    then the feature tile BM (128 or 256) and, batched, the split of K (1 or
+    2 blocks per output tile) of least modelled time: waves of blocks
+    (one block per SM) x chunks per block x SM90_CHUNK_COST, ties to fewer
+    splits and larger tiles. So a grid that would leave SMs idle or end in a
+    thin last wave takes 128-feature blocks or splits K (seed 004 at 64 tokens: 48 blocks of
+    256 x 64 become 96 half-K blocks). Ragged calls never split (their grid
+    depends on the experts' sizes). The SM90_FORCE_* tunables fix a choice."""
+    bn = tuning.SM90_FORCE_BN or (64 if tokens <= 64 else 128)
+    chunks = -(-w.k // K.CHUNK)
+    options = []
+    for bm in (tuning.SM90_FORCE_BM,) if tuning.SM90_FORCE_BM else (256, 128):
+        tbn = 128 if bm == 128 else bn          # (128-feature blocks have 128-token tiles only)
+        splits = (tuning.SM90_FORCE_KSPLIT,) if tuning.SM90_FORCE_KSPLIT else (1, *K.SM90_SPLITS)
+        for sp in (1,) if ragged else splits:
+            if sp > 1 and (tbn, bm) not in K.SM90_SPLITK_STAGES:
+                if tuning.SM90_FORCE_KSPLIT:
+                    raise ValueError(f"x: the wgmma kernel splits K only with the tiles {list(K.SM90_SPLITK_STAGES)}")
+                continue
+            if sp > 1 and chunks < sp * tuning.SM90_MIN_SPLIT_CHUNKS and not tuning.SM90_FORCE_KSPLIT:
+                continue
+            if bm == 128 and tbn != bn and not tuning.SM90_FORCE_BM:
+                continue                        # 64-token tiles stay 256 features
+            waves = -(-sm90_blocks(w, tokens, bm, tbn) * sp // dev.sm_count)
+            options.append((waves * chunks / sp * SM90_CHUNK_COST[tbn, bm], sp, -bm, tbn))
+    _, sp, bm, bn = min(options)
+    bm = -bm
+    if sp > 1:
+        return Tile(K.GEMM_SM90_SPLITK, (bn, K.SM90_SPLITK_STAGES[bn, bm], bm, sp), (K.SM90_THREADS,), bm, bn, sp)
+    return Tile(K.GEMM_SM90, (bn, SM90_STAGES[bn, bm], bm), (K.SM90_THREADS,), bm, bn)
 
 
 def mma_config(tokens: int, table=K.CONFIGS) -> tuple:
@@ -112,17 +167,14 @@ def tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED, rows: int = 0)
     path = tuning.KERNEL_PATH
     if path == "auto":
         path = "sm90" if dev.arch == "sm_90" and takes_sm90(w, tokens, ragged, tuning) else "mma"
+        if path == "mma" and dev.arch == "sm_90" and not ragged and tokens >= tuning.SM90_MIN_TOKENS_SPLIT:
+            tl = sm90_tile(dev, w, tokens, tuning=tuning)
+            if tl.splits > 1 and sm90_blocks(w, tokens, tl.rows, tl.tokens) * tl.splits >= tuning.SM90_MIN_BLOCKS:
+                return tl
     if path == "sm90":
         if dev.arch != "sm_90":
             raise ValueError(f"x: the wgmma GEMM kernel runs on sm_90 devices, this one is {dev.arch}")
-        bn = tuning.SM90_FORCE_BN or (64 if tokens <= 64 else 128)
-        bn, stages = K.SM90_CONFIGS[64] if bn == 64 else K.SM90_CONFIGS["large"]
-        # (128-feature blocks have 128-token tiles only)
-        bm = tuning.SM90_FORCE_BM or (
-            128 if bn == 128 and 2 * sm90_blocks(w, tokens, K.SM90_BM, bn) <= dev.sm_count else K.SM90_BM)
-        if bm == 128:
-            bn, stages = K.SM90_SMALL_CONFIG
-        return Tile(K.GEMM_SM90, (bn, stages, bm), (K.SM90_THREADS,), bm, bn)
+        return sm90_tile(dev, w, tokens, ragged, tuning)
     if ragged and tokens <= max(K.RAGGED_CONFIGS):
         tl = _mma_tile(mma_config(tokens, K.RAGGED_CONFIGS))
         blocks = -(-w.n // tl.rows) * ragged_slots(rows, w.groups, tl.tokens)
@@ -139,7 +191,7 @@ def grouped(dev, act, w, out, tuning=TUNED) -> list[Launch]:
     if t == 0 or w.n == 0:
         return []
     tl = tile(dev, w, t, tuning=tuning)
-    grid = (-(-w.n // tl.rows), -(-t // tl.tokens), g)
+    grid = (-(-w.n // tl.rows) * tl.splits, -(-t // tl.tokens), g)
     return [_launch(tl, act, w, out, grid, t, None, 0, None)]
 
 

@@ -65,8 +65,9 @@ def global_signatures(source: str) -> dict[str, dict]:
     out = {}
     for m in re.finditer(r"__global__\s+void\s+", src):
         i = m.end()
-        lb = re.match(r"__launch_bounds__\s*", src[i:])
-        if lb:
+        # Launch attributes between `void` and the name: __launch_bounds__(..),
+        # __cluster_dims__(..), in any order.
+        while lb := re.match(r"\s*(__launch_bounds__|__cluster_dims__)\s*", src[i:]):
             i = _balanced(src, i + lb.end())
         name = re.match(r"\s*(\w+)\s*", src[i:])
         i += name.end()

@@ -83,3 +83,20 @@ GEMM_SM90 = SM90_FILE.kernel(
                for cfg in [(*c, SM90_BM) for c in dict.fromkeys(SM90_CONFIGS.values())]
                + [(*SM90_SMALL_CONFIG, 128)]],
     dynamic_smem=sm90_dynamic_smem)
+
+# Split K (rkv_gemm_fp4_sm90_splitk): a cluster of KSPLIT = 2 blocks per
+# output tile, each half of K, for batched calls whose grid would leave SMs
+# idle. The partial sums stay in the stages' shared memory, so the tiles
+# are those whose stages hold them: {(BN, BM): STAGES}. (A split in 4 measured
+# slower than in 2 on an H200: rank 0 reads three partial tiles over the
+# cluster's shared memory.)
+SM90_SPLITK_STAGES = {(64, 256): 6, (128, 128): 6, (128, 256): 6}
+SM90_SPLITS = (2,)
+
+GEMM_SM90_SPLITK = SM90_FILE.kernel(
+    "rkv_gemm_fp4_sm90_splitk",
+    (TParam("int", "ACT", (0, 1, 2)), TParam("bool", "MX", (False, True)), TParam("int", "BN", (64, 128)),
+     TParam("int", "STAGES", (2, 3, 4, 5, 6)), TParam("int", "BM", (128, 256)), TParam("int", "KSPLIT", SM90_SPLITS)),
+    instances=[(a, mx, bn, st, bm, ks) for a in ACT_CODES.values() for mx in (False, True)
+               for (bn, bm), st in SM90_SPLITK_STAGES.items() for ks in SM90_SPLITS],
+    dynamic_smem=lambda act, mx, bn, stages, bm, ksplit: sm90_dynamic_smem(act, mx, bn, stages, bm))
