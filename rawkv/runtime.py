@@ -24,6 +24,7 @@ DLPack on this path.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 import re
@@ -67,18 +68,31 @@ def compile_arch(filename: str, arch: str) -> str | None:
     return kf.target(arch) if kf is not None else arch
 
 
-def instances_for(arch: str, files: Iterable[str] | None = None) -> list[tuple[str, str]]:
+def instances_for(arch: str, files: Iterable[str] | None = None,
+                  instances: Iterable | None = None) -> list[tuple[str, str]]:
     """(filename, name expression) of every kernel instance built on a
     device of `arch` (what warmup() loads), of `files` only when given (a
-    file not declared is a KeyError naming it)."""
+    file not declared is a KeyError naming it). `instances`: exactly these
+    instead (rawkv.kernels instances, or (filename, name expression)
+    pairs; with `files` too, both), in order, each once: one that is not
+    declared, or whose file is not built for `arch`, is a KeyError naming
+    it (a caller's list must name what it launches, not be cut silently)."""
     registry = registered_kernels()
     out = []
-    for filename in (registry if files is None else files):
-        if filename not in registry:
-            raise KeyError(f"rawkv: no kernels are registered for {filename}")
-        if compile_arch(filename, arch) is not None:   # else: another architecture's instructions
-            out.extend((filename, name) for name in registry[filename])
-    return out
+    if files is not None or instances is None:
+        for filename in (registry if files is None else files):
+            if filename not in registry:
+                raise KeyError(f"rawkv: no kernels are registered for {filename}")
+            if compile_arch(filename, arch) is not None:   # else: another architecture's instructions
+                out.extend((filename, name) for name in registry[filename])
+    for inst in instances or ():
+        filename, name = getattr(inst, "key", inst)
+        if name not in registry.get(filename, ()):
+            raise KeyError(f"rawkv: kernel instance {name!r} is not registered for {filename}")
+        if compile_arch(filename, arch) is None:
+            raise KeyError(f"rawkv: kernel instance {name!r}: {filename} is not built for {arch}")
+        out.append((filename, name))
+    return list(dict.fromkeys(out))
 
 
 # Dynamic shared memory a kernel may take without raising its limit.
@@ -195,11 +209,13 @@ def get_runtime(device=None) -> "Runtime":
     return rt
 
 
-def warmup(device=None, files: Iterable[str] | None = None) -> "Runtime":
+def warmup(device=None, files: Iterable[str] | None = None, instances: Iterable | None = None) -> "Runtime":
     """Compile (or load from the disk cache) every rawkv kernel for a device,
-    so that nothing has to be compiled while a CUDA graph is being captured."""
+    so that nothing has to be compiled while a CUDA graph is being captured.
+    `files` / `instances`: only those (instances_for), for a caller that
+    knows what it launches (python -m rawkv demo)."""
     rt = get_runtime(device)
-    rt.warmup(files)
+    rt.warmup(files, instances)
     return rt
 
 
@@ -303,13 +319,14 @@ class Runtime:
         self._functions[(filename, name)] = fn
         self.stats["modules"] += 1
 
-    def warmup(self, files: Iterable[str] | None = None) -> None:
-        """Every kernel instance of `files` (default: all) built for this
-        device and loaded, their launch side prepared, the warm-up hooks
-        run: after it nothing needs compiling, loading or allocating
-        before a capture. The instances not loaded yet are compiled in
-        parallel, with a progress line on stderr when it takes a while."""
-        wanted = instances_for(self.arch, files)
+    def warmup(self, files: Iterable[str] | None = None, instances: Iterable | None = None) -> None:
+        """Every kernel instance of `files` (default: all; or exactly
+        `instances`: instances_for) built for this device and loaded, their
+        launch side prepared, the warm-up hooks run: after it nothing needs
+        compiling, loading or allocating before a capture. The instances not
+        loaded yet are compiled in parallel, with a progress line on stderr
+        when it takes a while."""
+        wanted = instances_for(self.arch, files, instances)
         with self._lock:
             todo = [i for i in wanted if i not in self._functions]
             if todo:
@@ -325,6 +342,26 @@ class Runtime:
         self.stream()  # the current stream's CuPy handle too
         for hook in _WARMUP_HOOKS:
             hook(self)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Within the block, every launch on this runtime (eager or being
+        captured) adds its instance's (filename, name expression) to the set
+        it yields, and is made as usual: how a caller holds a list of the
+        instances it warms up against what it launched. Not for the hot
+        path: a Python call more per launch while it lasts."""
+        seen: set = set()
+        call = self._launch_call
+
+        def record(fn, grid, block, st, args, shared_mem, ptr, what=None):
+            seen.add(getattr(what, "key", None))     # None: a launch without a declaration
+            call(fn, grid, block, st, args, shared_mem, ptr, what)
+
+        self._launch_call = record
+        try:
+            yield seen
+        finally:
+            self._launch_call = call
 
     # -- streams and capture ------------------------------------------------
     def stream_ptr(self, stream=None) -> int:

@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import rawkv.demo_layer as L  # noqa: E402
+from rawkv import runtime  # noqa: E402
 from rawkv.__main__ import main  # noqa: E402
 from rawkv.reference import kvcache as ref  # noqa: E402
 
@@ -195,3 +196,33 @@ def test_engines_doc_shows_the_layer_step():
     doc = (Path(__file__).resolve().parent.parent / "docs" / "engines.md").read_text()
     blocks = re.findall(r"```py\n(.*?)```", doc, re.S)
     assert blocks == [textwrap.dedent(inspect.getsource(L.LayerDemo.step_rawkv))]
+
+
+def test_instances_for_takes_a_list():
+    """warmup(instances=...): exactly those, in order, each once; what is
+    not declared, or not built for the architecture, is a KeyError naming
+    it, never dropped."""
+    from rawkv.kernels import gemm_fp4, kv_cache
+    one = kv_cache.ASSIGN_PAGES.instance()
+    assert runtime.instances_for("sm_90", instances=[one, one.key]) == [one.key]
+    assert runtime.instances_for("sm_90", ["fp8.cu"], [one])[-1] == one.key
+    with pytest.raises(KeyError, match="rkv_kv_nope"):
+        runtime.instances_for("sm_90", instances=[("kv_cache.cu", "rkv_kv_nope")])
+    wg = gemm_fp4.GEMM_SM90.instance(0, False, 64, 6, 256)
+    assert runtime.instances_for("sm_90", instances=[wg]) == [wg.key]
+    with pytest.raises(KeyError, match="gemm_fp4_sm90.cu is not built for sm_80"):
+        runtime.instances_for("sm_80", instances=[wg])
+
+
+def test_recording_sees_every_launch_and_restores_the_launcher():
+    """Runtime.recording wraps the launcher for its block only: each launch
+    is recorded by its instance and still made."""
+    from types import SimpleNamespace
+    made = []
+    rt = SimpleNamespace(_launch_call=lambda *args: made.append(args))
+    first = rt._launch_call
+    inst = SimpleNamespace(key=("f.cu", "k<1>"))
+    with runtime.Runtime.recording(rt) as seen:
+        rt._launch_call("fn", (1,), (32,), None, (), 0, 0, inst)
+        rt._launch_call("fn", (2,), (32,), None, (), 0, 0, inst)
+    assert seen == {("f.cu", "k<1>")} and len(made) == 2 and rt._launch_call is first
