@@ -17,8 +17,9 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m rawkv", description="rawkv: NVFP4 and compressed-KV-cache CUDA "
                 "kernels compiled at run time with NVRTC.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    d = sub.add_parser("demo", help="DeepSeek-V4 decode demo (without a GPU: the numpy reference "
-                       "at a small size)", description=demo.__doc__,
+    d = sub.add_parser("demo", help="one DeepSeek-V4-Flash decoder layer's decode step on rawkv against "
+                       "BF16 torch (without a GPU: the numpy reference at a small size); --cache: the "
+                       "compressed KV cache demo", description=demo_layer.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(d)
     demo_layer.add_arguments(d)
@@ -53,8 +54,8 @@ def main(argv=None) -> int:
     if a.command == "demo":
         from . import demo, demo_layer
         demo_layer.check_arguments(a, a.parser.error)
-        if a.layer:
-            return demo_layer.run(a, *demo.runtime_or_reason(a.cpu))
+        if not a.cache:
+            return demo_layer.main(a)
         demo.check_arguments(a, a.parser.error)
         return demo.run(a)
     if a.command == "bench":

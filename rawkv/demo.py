@@ -1,4 +1,4 @@
-"""python -m rawkv demo [--cpu] [--small] [--steps N] [--seed S] [--layout L] [--index-layout I]
+"""python -m rawkv demo --cache [--cpu] [--small] [--steps N] [--seed S] [--layout L] [--index-layout I]
 
 A DeepSeek-V4-shaped decode simulation of one CSA layer (m = 4, 512-dim
 entries + 128-dim indexer keys) and one HCA layer (m = 128):
@@ -33,10 +33,11 @@ reference on CPU pools at a small size, and the first line says why, in the
 words of the runtime's GpuUnavailableError (a CPU-only torch, no CUDA device,
 CuPy or cuda-python missing).
 
---layer runs instead one DeepSeek-V4-Flash-shaped decoder layer's decode step
-(this cache step inside it, with the NVFP4 producers, the FP4 GEMMs and the
-MoE) against the same step in plain BF16 torch, for --batch requests at
---context tokens: rawkv/demo_layer.py, whose docstring lists the step.
+Without --cache, python -m rawkv demo runs one DeepSeek-V4-Flash-shaped
+decoder layer's decode step (this cache step inside it, with the NVFP4
+producers, the FP4 GEMMs and the MoE) against the same step in plain BF16
+torch, for --batch requests at --context tokens: rawkv/demo_layer.py, whose
+docstring lists the step.
 """
 from __future__ import annotations
 
@@ -138,16 +139,16 @@ def _count(least: int, most: int | None = None):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", action="store_true", help="run the numpy reference on CPU")
-    p.add_argument("--small", action="store_true", help="small sizes (the CPU default)")
+    p.add_argument("--small", action="store_true", help="--cache: small sizes (the CPU default)")
     p.add_argument("--steps", type=_count(1, MAX_STEPS), default=None,
-                   help=f"decode steps, 1 to {MAX_STEPS:,} (default 300 on a GPU, 130 with --small or on "
-                        "CPU; every token's rows are kept on the host; --layer: 20 on a GPU, 2 on CPU)")
+                   help=f"decode steps, 1 to {MAX_STEPS:,} (default 20 on a GPU, 2 on CPU; --cache: 300 on "
+                        "a GPU, 130 with --small or on CPU, every token's rows kept on the host)")
     p.add_argument("--seed", type=_count(0), default=0, help="seed of the synthetic data, >= 0")
     p.add_argument("--layout", choices=LAYOUTS, default=DEFAULT_LAYOUT,
                    help="the pools' layout: model1 (FlashMLA MODEL1_FP8Sparse entries, DeepGEMM indexer "
                         "keys) or rawkv (FP32 scale per entry, NVFP4 keys); default %(default)s")
     p.add_argument("--index-layout", choices=tuple(ref.INDEX_LAYOUTS), default=None,
-                   help="model1's indexer keys: fp8 (Hopper) or mxfp4 (Blackwell); default fp8. "
+                   help="--cache: model1's indexer keys: fp8 (Hopper) or mxfp4 (Blackwell); default fp8. "
                         "Only with --layout model1 (the rawkv layout's keys are NVFP4)")
 
 
@@ -170,8 +171,9 @@ CACHE_FILES = ("kv_cache.cu", "kv_compress.cu", "kv_layouts.cu")
 
 def runtime_or_reason(cpu: bool, files=None):
     """(the runtime of device 0, warmed up for `files` (default: every
-    kernel), None), or (None, why the GPU path does not run: "--cpu given"
-    or the runtime's GpuUnavailableError)."""
+    kernel; () none, for a caller that warms up its own instances), None),
+    or (None, why the GPU path does not run: "--cpu given" or the runtime's
+    GpuUnavailableError)."""
     from .errors import GpuUnavailableError
     from .runtime import warmup
 

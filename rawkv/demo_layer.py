@@ -1,4 +1,4 @@
-"""python -m rawkv demo --layer [--cpu] [--batch B] [--context T] [--steps N] [--seed S] [--layout L]
+"""python -m rawkv demo [--cpu] [--batch B] [--context T] [--steps N] [--seed S] [--layout L]
 
 One DeepSeek-V4-Flash-shaped decoder layer's decode step on rawkv, against
 the same step in plain torch, for a batch of requests whose caches hold
@@ -33,8 +33,16 @@ against the baseline's, from the same inputs.
 
 Without a GPU (or with --cpu) the same step runs at a tiny size on CPU
 tensors, where every rawkv op runs its numpy reference, against the same
-torch step in float64; the first line says so. A size that does not fit the
-device (or the host) is refused before anything is allocated.
+torch step in float64; the first line says so (a few seconds in all). A
+size that does not fit the device (or the host) is refused before anything
+is allocated or compiled. On a GPU only the kernel instances the run
+launches are compiled (kernel_instances: 19 of rawkv's 194 on an H100 at
+the defaults), in parallel threads while the caches' rows are drawn, with a
+progress line when that takes more than a second.
+
+--cache runs the compressed KV cache demo instead (rawkv/demo.py: the
+cache's bytes per token and the accuracy of its entries; --small and
+--index-layout are its options).
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ import argparse
 import math
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,29 +116,34 @@ FP4_BYTES = 0.5 + 1 / 16          # an NVFP4 weight element: code nibble + its s
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The layer demo's options (beside the cache demo's --cpu, --steps,
-    --seed, --layout)."""
+    --seed, --layout), and --cache, which picks the cache demo instead."""
+    p.add_argument("--cache", action="store_true",
+                   help="run the compressed KV cache demo instead (rawkv/demo.py: bytes per token and the "
+                        "accuracy of the cache's entries)")
     p.add_argument("--layer", action="store_true",
-                   help="run one DeepSeek-V4-Flash decoder layer's decode step against plain torch "
-                        "(default: the compressed KV cache demo)")
+                   help="the layer demo (the default; kept for command lines written when it was not)")
     p.add_argument("--batch", type=cache_demo._count(1, MAX_BATCH), default=None,
-                   help=f"--layer: requests per step, 1 to {MAX_BATCH} (default 8 on a GPU, 2 on CPU)")
+                   help=f"requests per step, 1 to {MAX_BATCH} (default 8 on a GPU, 2 on CPU)")
     p.add_argument("--context", type=cache_demo._count(1, MAX_CONTEXT), default=None,
-                   help=f"--layer: tokens in each request's cache before the steps, 1 to {MAX_CONTEXT:,} "
+                   help=f"tokens in each request's cache before the steps, 1 to {MAX_CONTEXT:,} "
                         "(default 4096 on a GPU, 300 on CPU)")
 
 
 def check_arguments(a, error) -> None:
-    """--batch / --context belong to --layer; --small and --index-layout to
-    the cache demo (given otherwise they would be ignored)."""
-    if not a.layer:
+    """--batch / --context belong to the layer demo; --small and
+    --index-layout to the cache demo (--cache): given to the other they
+    would be ignored, so they are refused through `error`."""
+    if a.cache:
+        if a.layer:
+            error("argument --layer: not with --cache (pick one demo)")
         for opt in ("batch", "context"):
             if getattr(a, opt) is not None:
-                error(f"argument --{opt}: only with --layer")
+                error(f"argument --{opt}: not with --cache (the layer demo's; --cache sizes itself: --small)")
         return
     if a.small:
-        error("argument --small: not with --layer (the layer demo is small on CPU; pick --batch / --context)")
+        error("argument --small: only with --cache (the layer demo is small on CPU; pick --batch / --context)")
     if a.index_layout is not None:
-        error("argument --index-layout: not with --layer (its CSA pool keeps fp8 indexer keys)")
+        error("argument --index-layout: only with --cache (the layer demo's CSA pool keeps fp8 indexer keys)")
 
 
 # ---- sizes ---------------------------------------------------------------------------------
@@ -185,6 +199,107 @@ def check_fits(shape: Shape, batch: int, context: int, steps: int, device_free: 
             raise MemoryError(f"--batch {batch} --context {context} needs about {need / GiB:.1f} GiB of {what} "
                               f"({shape.name} layer: {params(shape) / 1e9:.2f} G weight parameters); "
                               f"{free / GiB:.1f} GiB are free: lower --batch or --context")
+
+
+# ---- the kernel instances a GPU run launches -------------------------------------------------
+def kernel_instances(dev, shape: Shape, batch: int, layout: str) -> list:
+    """(filename, name expression) of every rawkv kernel instance the GPU
+    run launches on a device `dev` (a rawkv._plan.Device or the Runtime:
+    arch, sm_count, max_threads_per_sm), in order, each once: the weights'
+    NVFP4 quantize, the prefill, the window insert and the step. The run
+    warms up only these (a cold start compiles them in parallel, not every
+    instance rawkv declares) and holds them against what it launched
+    (Runtime.recording, instances_note). The choices that depend on sizes,
+    device or layout come from the families' own plans (rawkv.nvfp4.encode,
+    rawkv.gemm.plans, rawkv.kvcache.plans) on stand-ins of the demo's
+    arguments: meta tensors (only their dtype and strides are read) and
+    one-block CPU pools of the demo's layout; the others are the instance
+    each op's plan takes for the demo's dtypes."""
+    import torch
+    from types import SimpleNamespace as Stub
+
+    from . import kvcache as kvc
+    from ._plan import Launch
+    from .gemm import linear as tuning, plans as GP
+    from .gemm._rules import BF16, NVFP4
+    from .kernels import fused as KF, kv_cache as KV, kv_compress as KC, kv_layouts as KL
+    from .kvcache import plans as KP
+    from .kvcache.compressor import layout_targ
+    from .nvfp4 import encode
+
+    def meta(*size, dtype=torch.bfloat16):
+        return torch.empty(size, dtype=dtype, device="meta")
+
+    found = []
+
+    def take(plan):
+        found.extend(step.kernel.key for step in plan if isinstance(step, Launch))
+
+    ws = shape.weights()
+    bf16, f32, i32 = "bfloat16", "float32", "int32"
+    # the weights: Fp4Weight.from_float quantizes each group's (N, K) BF16 with scope 'tensor'
+    for g, n, k in ws.values():
+        take(encode.plan(dev, meta(n, k), None, None, None, n, k, k, "tensor"))
+    pools = {kind: kvc.PagedKVPool(kind, 1, shape.epb, 1, 1, device="cpu", layout=layout, index_layout="fp8")
+             for kind in ("csa", "hca")}
+    # prefill: compress_prefill of float32 token rows (CSA with its indexer keys), the window insert
+    for kind, pool in pools.items():
+        found.append(KC.COMPRESS.instance(*KC.targs(kind, f32, False, layout=layout_targ(pool))).key)
+    found.append(KL.MODEL1_STORE.instance(bf16, i32).key)
+    # the step: RMSNorm + quantize (BF16 hidden state, gs per row), the input projection
+    found.append(KF.RMS.instance(bf16, False, KF.REG).key)
+
+    def gemm(name, kind, lead):
+        """The plan of grouped_linear (lead (T, G)) or moe_linear (lead (R,))."""
+        g, n, k = ws[name]
+        w = Stub(groups=g, n=n, k=k, fmt="nvfp4", codes=None, scales=None, gs=None)
+        act = Stub(kind=kind, lead=lead, x=meta(*lead, k), sf=None, gs=None)
+        if len(lead) == 2:
+            return GP.grouped(dev, act, w, meta(*lead, n), tuning)
+        return GP.moe(dev, act, w, None, meta(*lead, n), None, tuning)
+
+    take(gemm("w_in", NVFP4, (batch, 1)))
+    # the compressors' decode step (rawkv.demo.Decoder.step: float32 rows, int32 slots), the window insert
+    found.append(KV.STATE_APPEND.instance(f32, f32).key)
+    found.append(KL.MODEL1_STORE.instance(bf16, i32).key)
+    for kind, pool in pools.items():
+        found.append(KC.COMPRESS.instance(*KC.targs(kind, f32, True, i32, layout_targ(pool))).key)
+    found += [KV.STATE_RESET.instance(KV.RESET_CSA).key, KV.STATE_RESET.instance(KV.RESET_HCA).key]
+    # the gathers: CSA top-k (int32 ids), HCA dense, into BF16 rows; the window's
+    take(KP.gather(dev, pools["csa"], meta(batch, shape.topk, dtype=torch.int32), None, None, None,
+                   meta(batch, shape.topk, D), None, batch, shape.topk))
+    take(KP.gather(dev, pools["hca"], None, None, None, None, meta(batch, 1, D), None, batch, 1))
+    found.append(KL.MODEL1_GATHER.instance(bf16).key)
+    # wq_b, wo_a, wo_b on BF16 activations
+    for name, g in (("wq_b", 1), ("wo_a", shape.groups), ("wo_b", 1)):
+        take(gemm(name, BF16, (batch, g)))
+    # MoE: staging (BF16 rows, int32 expert ids), gate_up, SwiGLU + quantize, down
+    rows = batch * shape.top
+    found.append(KF.MOE_STAGE.instance(bf16, i32).key)
+    take(gemm("gate_up", NVFP4, (rows,)))
+    found.append(KF.SWIGLU.instance(bf16, True, KF.REG).key)    # granularity 8: 16-byte runs
+    take(gemm("down", NVFP4, (rows,)))
+    return list(dict.fromkeys(found))
+
+
+def instances_note(wanted, seen) -> str | None:
+    """What a run's launches (`seen`, Runtime.recording) say of the list it
+    warmed up (`wanted`): None when they are the same set; else a line
+    naming the instances launched outside the list (each compiled at its
+    first launch, one at a time) and those listed but never launched
+    (compiled for nothing)."""
+    listed = set(wanted)
+    extra = sorted(k for k in seen if k is not None and k not in listed)
+    unused = [k for k in wanted if k not in seen]
+    if not extra and not unused:
+        return None
+    name = lambda ks: ", ".join(f"{f}:{e}" for f, e in ks)  # noqa: E731
+    parts = []
+    if extra:
+        parts.append(f"{len(extra)} launched but not listed (compiled at their first launch): {name(extra)}")
+    if unused:
+        parts.append(f"{len(unused)} listed but never launched: {name(unused)}")
+    return "rawkv demo: kernel_instances() is not what the run launched: " + "; ".join(parts)
 
 
 # ---- the layer's parameters ----------------------------------------------------------------
@@ -322,18 +437,25 @@ class LayerDemo:
     baseline) at one size. gpu: CUDA tensors, else CPU tensors (the rawkv
     ops run their numpy reference)."""
 
-    def __init__(self, a, shape: Shape, batch: int, context: int, steps: int, gpu: bool, say):
+    def __init__(self, a, shape: Shape, batch: int, context: int, steps: int, gpu: bool, say, ready=None):
+        """ready: called once the caches' host rows are drawn, before the
+        first rawkv launch (the GPU run waits there for its kernels, which
+        compile meanwhile in another thread)."""
         import torch
         self.torch, self.shape, self.B, self.gpu, self.say = torch, shape, batch, gpu, say
         dev = self.dev = "cuda" if gpu else "cpu"
         self.base = torch.bfloat16 if gpu else torch.float64
         self.rng = np.random.default_rng(a.seed)
         self.seed = a.seed
-        gen = torch.Generator(device=dev).manual_seed(a.seed)
-        self.w = Weights(torch, shape, gen, dev, self.base, say)
+        # the caches first: drawing their rows is host work (seconds at the
+        # Flash size) that a cold start overlaps with compiling; no rawkv launch
         say(f"caches: {batch} requests x {context} tokens (pools, states, window)")
         self.dec = cache_demo.Decoder(self.rng, [context] * batch, steps, shape.topk, shape.epb, device=dev,
                                       tensors=True, layout=a.layout, index_layout="fp8", step_rows=False)
+        if ready is not None:
+            ready()
+        gen = torch.Generator(device=dev).manual_seed(a.seed)
+        self.w = Weights(torch, shape, gen, dev, self.base, say)
         self.context = context
         self._buffers()
 
@@ -573,6 +695,19 @@ def _say(msg: str) -> None:
     print(f"  ... {msg}", file=sys.stderr, flush=True)
 
 
+def main(a) -> int:
+    """python -m rawkv demo for parsed (and checked) arguments: on device 0
+    when the GPU path can run there, else on CPU with the runtime's reason."""
+    try:
+        import torch  # noqa: F401 - the layer demo's tensors, on CPU too
+    except ImportError:
+        print("python -m rawkv demo: error: the layer demo needs PyTorch (pip install torch); "
+              "python -m rawkv demo --cache runs with numpy alone", file=sys.stderr)
+        return 2
+    # files=(): no kernel compiled yet; the GPU run warms its own instances after its size check
+    return run(a, *cache_demo.runtime_or_reason(a.cpu, files=()))
+
+
 def run(a, rt, why: str | None) -> int:
     """The layer demo for parsed arguments: on the GPU when `rt` (the
     runtime) is given, else on CPU (`why`: the reason, for the first line)."""
@@ -583,9 +718,9 @@ def run(a, rt, why: str | None) -> int:
     context = a.context or (4096 if gpu else 300)
     steps = a.steps or (20 if gpu else 2)
     if gpu:
-        print(f"rawkv demo --layer: GPU {rt.name} ({rt.arch}): rawkv kernels, each step one CUDA graph replay")
+        print(f"rawkv demo: GPU {rt.name} ({rt.arch}): rawkv kernels, each step one CUDA graph replay")
     else:
-        print(f"rawkv demo --layer: CPU MODE (the numpy reference at the {shape.name} size, not the kernels; "
+        print(f"rawkv demo: CPU MODE (the numpy reference at the {shape.name} size, not the kernels; "
               f"baseline in float64): {why}")
     try:
         check_fits(shape, batch, context, steps, torch.cuda.mem_get_info()[0] if gpu else None)
@@ -601,7 +736,30 @@ def run(a, rt, why: str | None) -> int:
     base = "BF16" if gpu else "float64"
     print(f"baseline: the same step in plain torch, {base} weights (the values rawkv holds in NVFP4), "
           f"activations and cache")
-    demo = LayerDemo(a, shape, batch, context, steps, gpu, _say)
+    if not gpu:
+        return _steps(a, shape, batch, context, steps, gpu, base, None)
+    wanted = kernel_instances(rt, shape, batch, a.layout)
+    from .runtime import instances_for
+    _say(f"kernels: the {len(wanted)} instances this run launches (of {len(instances_for(rt.arch))} rawkv "
+         f"declares for {rt.arch}), compiled in parallel threads or loaded from the disk cache")
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rawkv-demo-warmup")
+    try:
+        warming = pool.submit(rt.warmup, instances=wanted)
+        with rt.recording() as seen:
+            code = _steps(a, shape, batch, context, steps, gpu, base, warming.result)
+    finally:
+        pool.shutdown(wait=True)
+    note = instances_note(wanted, seen)
+    if note:
+        print(note, file=sys.stderr)
+    return code
+
+
+def _steps(a, shape, batch, context, steps, gpu, base, ready) -> int:
+    """The run after the header: caches, weights, prefill, the steps of both
+    paths, the report lines; `ready` as LayerDemo takes it."""
+    import torch
+    demo = LayerDemo(a, shape, batch, context, steps, gpu, _say, ready)
     demo.prefill()
     times = {"rawkv": [], base: []}
     cos_out, cos_upd, differ = [], [], 0

@@ -1,5 +1,6 @@
 """python -m rawkv: the command line (one-line usage errors, exit status 2) and the
-demo's CPU mode (numpy reference), whose first line gives the runtime's reason."""
+demos' CPU mode (numpy reference), whose first line gives the runtime's reason: the
+cache demo (--cache) here, the layer demo (the default) in test_demo_layer.py."""
 from __future__ import annotations
 
 import re
@@ -37,24 +38,10 @@ def _check_report(lines, steps):
 
 
 def test_demo_cpu_flag_one_step(capsys):
-    assert main(["demo", "--cpu", "--small", "--steps", "1"]) == 0
+    assert main(["demo", "--cache", "--cpu", "--small", "--steps", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("rawkv demo: CPU MODE") and lines[0].endswith(": --cpu given")
     _check_report(lines, 1)
-
-
-def test_readme_demo_command_runs_on_this_machine():
-    """`python -m rawkv demo` as the README gives it: without a usable GPU it runs
-    the numpy reference at the small size and its first line says why."""
-    reason = _gpu_reason()
-    if reason is None:
-        pytest.skip("the GPU path runs here; this checks the CPU mode")
-    r = subprocess.run([sys.executable, "-m", "rawkv", "demo"], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, (r.stdout, r.stderr)
-    lines = r.stdout.strip().splitlines()
-    assert lines[0].startswith("rawkv demo: CPU MODE") and lines[0].endswith(reason)
-    _check_report(lines, 130)
 
 
 def test_demo_cpu_reason_is_this_machines(capsys):
@@ -63,7 +50,7 @@ def test_demo_cpu_reason_is_this_machines(capsys):
     reason = _gpu_reason()
     if reason is None:
         pytest.skip("the GPU path runs here")
-    assert main(["demo", "--steps", "1"]) == 0
+    assert main(["demo", "--cache", "--steps", "1"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("rawkv demo: CPU MODE") and first.endswith(": " + reason)
     torch = pytest.importorskip("torch")
@@ -89,14 +76,14 @@ def test_demo_cpu_reason_follows_what_is_missing(missing, monkeypatch, capsys):
     else:
         monkeypatch.setitem(sys.modules, missing, None)     # import fails
         expected = {"torch": "PyTorch is not installed", "cupy": "CuPy is not installed"}[missing]
-    assert main(["demo", "--steps", "1"]) == 0
+    assert main(["demo", "--cache", "--steps", "1"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("rawkv demo: CPU MODE") and expected in first
 
 
 def test_demo_gpu_small(cuda, capsys):
     """On a GPU: the kernels, the decode step captured in one CUDA graph, no kernel error."""
-    assert main(["demo", "--small", "--steps", "8"]) == 0
+    assert main(["demo", "--cache", "--small", "--steps", "8"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == f"rawkv demo: GPU {cuda.name} ({cuda.arch}): kernels, decode steps in one CUDA graph"
     assert lines[1].startswith("config: 2 requests, prompts [250, 389] tokens, 8 decode steps")
@@ -113,8 +100,8 @@ def test_demo_gpu_small(cuda, capsys):
     (["demo", "--seed", "-1"], "--seed"),
     (["demo", "--steps", "100000000"], "--steps"),          # sized up front: was OOM after 25 s
     (["demo", "--steps", "10001"], "--steps"),
-    (["demo", "--layout", "rawkv", "--index-layout", "mxfp4"], "--index-layout"),   # was ignored
-    (["demo", "--index-layout", "fp8", "--layout", "rawkv"], "--index-layout"),
+    (["demo", "--cache", "--layout", "rawkv", "--index-layout", "mxfp4"], "--index-layout: not allowed"),  # was ignored
+    (["demo", "--cache", "--index-layout", "fp8", "--layout", "rawkv"], "--index-layout: not allowed"),
     (["demo", "--mode", "xyz"], "--mode xyz"),
     (["demo", "extra"], "extra"),
     (["warmup", "--device", "1"], "--device"),
@@ -138,10 +125,10 @@ def test_demo_steps_bound_and_layout_options(monkeypatch, capsys):
     import rawkv.demo as demo
     seen = []
     monkeypatch.setattr(demo, "run", lambda a: seen.append(a) or 0)
-    assert main(["demo", "--cpu", "--steps", str(demo.MAX_STEPS)]) == 0
+    assert main(["demo", "--cache", "--cpu", "--steps", str(demo.MAX_STEPS)]) == 0
     assert seen[-1].steps == demo.MAX_STEPS and seen[-1].index_layout == "fp8"
-    assert main(["demo", "--cpu", "--index-layout", "mxfp4"]) == 0 and seen[-1].index_layout == "mxfp4"
-    assert main(["demo", "--cpu", "--layout", "rawkv"]) == 0 and seen[-1].index_layout is None
+    assert main(["demo", "--cache", "--cpu", "--index-layout", "mxfp4"]) == 0 and seen[-1].index_layout == "mxfp4"
+    assert main(["demo", "--cache", "--cpu", "--layout", "rawkv"]) == 0 and seen[-1].index_layout is None
     # the bound's reason: the host rows of a full-size run at MAX_STEPS stay near a GB
     assert 4 * demo.MAX_STEPS * demo.TOKEN_BYTES < 2 ** 30
 

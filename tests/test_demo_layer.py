@@ -1,9 +1,11 @@
-"""python -m rawkv demo --layer: one DeepSeek-V4-Flash-shaped decoder layer's
-decode step on rawkv against plain torch. On CPU the tiny size runs end to
-end (rawkv ops: the numpy reference; baseline: float64 torch); its torch
+"""python -m rawkv demo: one DeepSeek-V4-Flash-shaped decoder layer's decode
+step on rawkv against plain torch. On CPU the tiny size runs end to end
+(rawkv ops: the numpy reference; baseline: float64 torch); its torch
 compressor equals the reference's; the eager warm-up before capture leaves
 the state as it found it; arguments and sizes are refused before anything
-is allocated. On a GPU: the real shapes, captured."""
+is allocated. The kernel instances a GPU run warms up are valid for the
+device and come from the families' plans; a GPU run holds them against its
+launches. On a GPU: the real shapes, captured."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +19,7 @@ torch = pytest.importorskip("torch")
 import rawkv.demo_layer as L  # noqa: E402
 from rawkv import runtime  # noqa: E402
 from rawkv.__main__ import main  # noqa: E402
+from rawkv._plan import Device  # noqa: E402
 from rawkv.reference import kvcache as ref  # noqa: E402
 
 
@@ -24,11 +27,12 @@ def _num(line: str, what: str) -> float:
     return float(re.search(what + r" ([0-9.]+)", line).group(1))
 
 
-def test_layer_cpu_end_to_end(capsys):
-    assert main(["demo", "--layer", "--cpu", "--steps", "1"]) == 0
+@pytest.mark.parametrize("layer", [[], ["--layer"]])       # the default; --layer kept for older command lines
+def test_layer_cpu_end_to_end(layer, capsys):
+    assert main(["demo", *layer, "--cpu", "--steps", "1"]) == 0
     out, err = capsys.readouterr()
     lines = out.strip().splitlines()
-    assert lines[0].startswith("rawkv demo --layer: CPU MODE (the numpy reference at the tiny size")
+    assert lines[0].startswith("rawkv demo: CPU MODE (the numpy reference at the tiny size")
     assert lines[0].endswith(": --cpu given")
     assert lines[1].startswith("config: tiny shapes: hidden 256") and "batch 2, context 300 tokens, 1 steps" in lines[1]
     assert lines[2].startswith("step: RMSNorm + NVFP4 quantize") and \
@@ -129,16 +133,18 @@ def test_sort_rows_and_combine():
 
 
 @pytest.mark.parametrize("argv, bad", [
-    (["demo", "--batch", "2"], "--batch: only with --layer"),
-    (["demo", "--context", "64"], "--context: only with --layer"),
-    (["demo", "--layer", "--batch", "0"], "--batch"),
-    (["demo", "--layer", "--batch", f"{L.MAX_BATCH + 1}"], "--batch"),
-    (["demo", "--layer", "--context", "0"], "--context"),
-    (["demo", "--layer", "--context", "many"], "--context"),
-    (["demo", "--layer", "--steps", "0"], "--steps"),
-    (["demo", "--layer", "--small"], "--small: not with --layer"),
-    (["demo", "--layer", "--index-layout", "mxfp4"], "--index-layout: not with --layer"),
-    (["demo", "--layer", "--layout", "nope"], "--layout"),
+    (["demo", "--cache", "--batch", "2"], "--batch: not with --cache"),
+    (["demo", "--cache", "--context", "64"], "--context: not with --cache"),
+    (["demo", "--cache", "--layer"], "--layer: not with --cache"),
+    (["demo", "--batch", "0"], "--batch"),
+    (["demo", "--batch", f"{L.MAX_BATCH + 1}"], "--batch"),
+    (["demo", "--context", "0"], "--context"),
+    (["demo", "--context", "many"], "--context"),
+    (["demo", "--steps", "0"], "--steps"),
+    (["demo", "--small"], "--small: only with --cache"),
+    (["demo", "--layer", "--small"], "--small: only with --cache"),
+    (["demo", "--index-layout", "mxfp4"], "--index-layout: only with --cache"),
+    (["demo", "--layout", "nope"], "--layout"),
 ])
 def test_layer_argument_errors(argv, bad, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -154,7 +160,7 @@ def test_size_refused_before_allocating(monkeypatch, capsys):
     def never(*a, **k):
         raise AssertionError("allocated before the size check")
     monkeypatch.setattr(L, "LayerDemo", never)
-    assert main(["demo", "--layer", "--cpu", "--batch", "4096", "--context", "1048576"]) == 2
+    assert main(["demo", "--cpu", "--batch", "4096", "--context", "1048576"]) == 2
     out, err = capsys.readouterr()
     assert "CPU MODE" in out.splitlines()[0] and len(out.splitlines()) == 1
     assert err.startswith("python -m rawkv demo: error: --batch 4096 --context 1048576 needs about ")
@@ -174,12 +180,18 @@ def test_fit_check_reads_the_device(monkeypatch):
         L.check_fits(L.FLASH, 64, 65536, 20, 78 * L.GiB)
 
 
-def test_layer_gpu(cuda, capsys):
+@pytest.mark.parametrize("batch", [2, 64])
+def test_layer_gpu(cuda, batch, capsys):
     """On a GPU: the Flash shapes, both steps captured, no kernel error, the
-    update close to the BF16 step's."""
-    assert main(["demo", "--layer", "--batch", "2", "--context", "600", "--steps", "3"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == (f"rawkv demo --layer: GPU {cuda.name} ({cuda.arch}): rawkv kernels, each step one "
+    update close to the BF16 step's; the run launched exactly the kernel
+    instances kernel_instances() lists (it warmed up those alone)."""
+    assert main(["demo", "--batch", str(batch), "--context", "600", "--steps", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert "kernel_instances() is not what the run launched" not in err, err
+    n = len(L.kernel_instances(cuda, L.FLASH, batch, "model1"))
+    assert f"kernels: the {n} instances this run launches" in err
+    lines = out.strip().splitlines()
+    assert lines[0] == (f"rawkv demo: GPU {cuda.name} ({cuda.arch}): rawkv kernels, each step one "
                         "CUDA graph replay")
     assert lines[1].startswith("config: DeepSeek-V4-Flash shapes: hidden 4096, 64 heads x 512, wo_a 8 groups "
                                "K 4096 N 1024")
@@ -196,6 +208,65 @@ def test_engines_doc_shows_the_layer_step():
     doc = (Path(__file__).resolve().parent.parent / "docs" / "engines.md").read_text()
     blocks = re.findall(r"```py\n(.*?)```", doc, re.S)
     assert blocks == [textwrap.dedent(inspect.getsource(L.LayerDemo.step_rawkv))]
+
+
+# ---- the kernel instances a GPU run warms up ---------------------------------------------------
+H100 = Device(132, 2048, "sm_90")
+A100 = Device(108, 2048, "sm_80")
+
+
+@pytest.mark.parametrize("dev", [H100, A100], ids=["sm_90", "sm_80"])
+@pytest.mark.parametrize("layout", ["model1", "rawkv"])
+@pytest.mark.parametrize("batch", [1, 8, 64, 512])
+def test_kernel_instances_are_declared_for_the_device(dev, layout, batch):
+    """Every listed instance is one rawkv declares and builds for the device
+    (instances_for refuses any other, naming it), each listed once; a small
+    part of everything a full warmup() compiles."""
+    got = L.kernel_instances(dev, L.FLASH, batch, layout)
+    assert runtime.instances_for(dev.arch, instances=got) == got
+    assert len(set(got)) == len(got) and 15 <= len(got) <= 25 < len(runtime.instances_for(dev.arch)) // 5
+
+
+def test_kernel_instances_at_the_defaults():
+    """What a cold start compiles on the H100 at the defaults (batch 8,
+    model1): 19 instances, each op's plan for the demo's dtypes: the
+    weights' scope-'tensor' quantize (three kernels at the Flash size),
+    the compressor (prefill and decode, CSA and HCA), the state ops, the
+    gathers of MODEL1 pages, the fused producers and two mma.sync GEMM
+    tiles (NVFP4 and BF16 activations at 8 tokens per group)."""
+    got = L.kernel_instances(H100, L.FLASH, 8, "model1")
+    files = {}
+    for f, _ in got:
+        files[f] = files.get(f, 0) + 1
+    assert files == {"nvfp4.cu": 3, "kv_compress.cu": 4, "kv_layouts.cu": 2, "fused.cu": 3, "gemm_fp4.cu": 2,
+                     "kv_cache.cu": 5}
+    assert ("kv_cache.cu", "rkv_kv_gather_pages<__nv_bfloat16, int, false>") in got
+    # the rawkv layout gathers with its own kernel; the tiny weights of at most 64K values quantize
+    # in one launch (the encode plan's rule), the Flash ones never
+    assert ("kv_cache.cu", "rkv_kv_gather<__nv_bfloat16, int, false>") in L.kernel_instances(H100, L.FLASH, 8, "rawkv")
+    small = ("nvfp4.cu", "rkv_nvfp4_quantize_small<__nv_bfloat16, 2>")
+    assert small in L.kernel_instances(H100, L.TINY, 8, "model1") and small not in got
+
+
+def test_kernel_instances_follow_the_gemm_plans():
+    """The GEMM instances are the plans' own choice: the wgmma kernel on
+    sm_90 from enough tokens per group (never on sm_80), mma.sync below."""
+    from rawkv.gemm import plans as GP
+    sm90 = lambda ks: [k for k in ks if k[0] == "gemm_fp4_sm90.cu"]  # noqa: E731
+    assert sm90(L.kernel_instances(H100, L.FLASH, 8, "model1")) == []
+    big = L.kernel_instances(H100, L.FLASH, 512, "model1")
+    assert sm90(big) and sm90(L.kernel_instances(A100, L.FLASH, 512, "model1")) == []
+    # the experts: 512 x 6 rows over 256 experts, 12 per expert on average: mma.sync (a fixed rule)
+    assert -(-512 * 6 // 256) < GP.TUNED.SM90_MIN_EXPERT_TOKENS
+
+
+def test_instances_note():
+    a, b, c = ("f.cu", "k<1>"), ("f.cu", "k<2>"), ("g.cu", "h")
+    assert L.instances_note([a, b], {a, b}) is None
+    note = L.instances_note([a, b], {a, c, None})
+    assert note.startswith("rawkv demo: kernel_instances() is not what the run launched: ")
+    assert "1 launched but not listed (compiled at their first launch): g.cu:h" in note
+    assert "1 listed but never launched: f.cu:k<2>" in note
 
 
 def test_instances_for_takes_a_list():
@@ -226,3 +297,29 @@ def test_recording_sees_every_launch_and_restores_the_launcher():
         rt._launch_call("fn", (1,), (32,), None, (), 0, 0, inst)
         rt._launch_call("fn", (2,), (32,), None, (), 0, 0, inst)
     assert seen == {("f.cu", "k<1>")} and len(made) == 2 and rt._launch_call is first
+
+
+def test_caches_before_the_first_launch(monkeypatch):
+    """`ready` (where a GPU run waits for its kernels) comes after the
+    caches' host rows are drawn and before the weights' quantize, the first
+    rawkv launch."""
+    order = []
+
+    class Weights:
+        def __init__(self, *args):
+            order.append("weights")
+            raise RuntimeError("stop")
+
+    monkeypatch.setattr(L, "Weights", Weights)
+    with pytest.raises(RuntimeError, match="stop"):
+        L.LayerDemo(_args(), L.TINY, 2, 40, 2, False, lambda m: order.append(m.split(":")[0]),
+                    lambda: order.append("ready"))
+    assert order == ["caches", "ready", "weights"]
+
+
+def test_without_torch_the_demo_says_what_to_run(monkeypatch, capsys):
+    import sys
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert main(["demo", "--cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "needs PyTorch" in err and "python -m rawkv demo --cache runs with numpy alone" in err
