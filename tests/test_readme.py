@@ -6,6 +6,9 @@
   glossary, the runtime page) lead to files and headings that exist.
 - The command for the CPU tests (`python -m pytest -q -m "not gpu"`) selects
   every CPU test and no GPU test: its collection is checked item by item.
+- The first command ("Main job") ends in the layer demo, which on a machine
+  without a GPU runs the numpy reference and prints its accuracy and time
+  lines, the ones the README names.
 """
 from __future__ import annotations
 
@@ -146,3 +149,40 @@ def test_links_lead_somewhere(page):
         elif anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest):
             broken.append(target)
     assert broken == [], f"{page}: links to nothing: {broken}"
+
+
+def main_job_command() -> str:
+    """The indented command line of the README's "Main job" paragraph."""
+    lines = README.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Main job")), None)
+    assert start is not None, 'README.md has no "Main job" paragraph'
+    for line in lines[start:]:
+        if line.startswith("    "):
+            return line.strip()
+    raise AssertionError('README.md has no indented command after its "Main job" paragraph')
+
+
+def test_main_job_runs_the_layer_demo_and_prints_its_time_and_accuracy():
+    """What the first command ends in, run as a fresh CPU-only machine runs
+    it: the layer demo's CPU mode, saying so with the runtime's reason, with
+    the accuracy and time lines the README names (the install before it is
+    this environment's)."""
+    steps = [part.strip() for part in main_job_command().split("&&")]
+    assert steps[-1] == "python -m rawkv demo"
+    import rawkv
+    try:
+        rawkv.get_runtime(0)
+    except rawkv.GpuUnavailableError as exc:
+        reason = str(exc)
+    else:
+        pytest.skip("the GPU path runs here; this checks the CPU mode")
+    r = subprocess.run([sys.executable, "-m", "rawkv", "demo"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith("rawkv demo: CPU MODE (the numpy reference at the tiny size") and \
+        lines[0].endswith(reason)
+    said = " ".join(README.read_text().split())
+    for start in ("accuracy vs the float64 step: ", "time: rawkv "):
+        assert f"`{start.strip()}" in said, f"README.md no longer names the line {start!r}"
+    assert lines[-2].startswith("accuracy vs the float64 step: cosine of the layer output min ")
+    assert re.match(r"time: rawkv [0-9.]+ us per step, float64 [0-9.]+ us per step \(wall clock", lines[-1])
