@@ -202,11 +202,14 @@ def check_fits(shape: Shape, batch: int, context: int, steps: int, device_free: 
 
 
 # ---- the kernel instances a GPU run launches -------------------------------------------------
-def kernel_instances(dev, shape: Shape, batch: int, layout: str) -> list:
+def kernel_instances(dev, shape: Shape, batch: int, layout: str, context: int = 4096, steps: int = 20) -> list:
     """(filename, name expression) of every rawkv kernel instance the GPU
     run launches on a device `dev` (a rawkv._plan.Device or the Runtime:
     arch, sm_count, max_threads_per_sm), in order, each once: the weights'
-    NVFP4 quantize, the prefill, the window insert and the step. The run
+    NVFP4 quantize, the prefill, the window insert and the step, for
+    `batch` requests of `context` tokens and `steps` steps (a prompt too
+    short for an entry compresses nothing; before 128 tokens no HCA entry
+    is gathered). The run
     warms up only these (a cold start compiles them in parallel, not every
     instance rawkv declares) and holds them against what it launched
     (Runtime.recording, instances_note). The choices that depend on sizes,
@@ -244,7 +247,8 @@ def kernel_instances(dev, shape: Shape, batch: int, layout: str) -> list:
              for kind in ("csa", "hca")}
     # prefill: compress_prefill of float32 token rows (CSA with its indexer keys), the window insert
     for kind, pool in pools.items():
-        found.append(KC.COMPRESS.instance(*KC.targs(kind, f32, False, layout=layout_targ(pool))).key)
+        if KP.prefill_entries(pool, context, 0)[0] > 0:
+            found.append(KC.COMPRESS.instance(*KC.targs(kind, f32, False, layout=layout_targ(pool))).key)
     found.append(KL.MODEL1_STORE.instance(bf16, i32).key)
     # the step: RMSNorm + quantize (BF16 hidden state, gs per row), the input projection
     found.append(KF.RMS.instance(bf16, False, KF.REG).key)
@@ -268,7 +272,8 @@ def kernel_instances(dev, shape: Shape, batch: int, layout: str) -> list:
     # the gathers: CSA top-k (int32 ids), HCA dense, into BF16 rows; the window's
     take(KP.gather(dev, pools["csa"], meta(batch, shape.topk, dtype=torch.int32), None, None, None,
                    meta(batch, shape.topk, D), None, batch, shape.topk))
-    take(KP.gather(dev, pools["hca"], None, None, None, None, meta(batch, 1, D), None, batch, 1))
+    k_hca = (context + steps) // M["hca"]               # the HCA rows gathered (rawkv.demo.Decoder.k_hca)
+    take(KP.gather(dev, pools["hca"], None, None, None, None, meta(batch, k_hca, D), None, batch, k_hca))
     found.append(KL.MODEL1_GATHER.instance(bf16).key)
     # wq_b, wo_a, wo_b on BF16 activations
     for name, g in (("wq_b", 1), ("wo_a", shape.groups), ("wo_b", 1)):
@@ -738,7 +743,7 @@ def run(a, rt, why: str | None) -> int:
           f"activations and cache")
     if not gpu:
         return _steps(a, shape, batch, context, steps, gpu, base, None)
-    wanted = kernel_instances(rt, shape, batch, a.layout)
+    wanted = kernel_instances(rt, shape, batch, a.layout, context, steps)
     from .runtime import instances_for
     _say(f"kernels: the {len(wanted)} instances this run launches (of {len(instances_for(rt.arch))} rawkv "
          f"declares for {rt.arch}), compiled in parallel threads or loaded from the disk cache")

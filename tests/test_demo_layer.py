@@ -188,7 +188,7 @@ def test_layer_gpu(cuda, batch, capsys):
     assert main(["demo", "--batch", str(batch), "--context", "600", "--steps", "3"]) == 0
     out, err = capsys.readouterr()
     assert "kernel_instances() is not what the run launched" not in err, err
-    n = len(L.kernel_instances(cuda, L.FLASH, batch, "model1"))
+    n = len(L.kernel_instances(cuda, L.FLASH, batch, "model1", 600, 3))
     assert f"kernels: the {n} instances this run launches" in err
     lines = out.strip().splitlines()
     assert lines[0] == (f"rawkv demo: GPU {cuda.name} ({cuda.arch}): rawkv kernels, each step one "
@@ -258,6 +258,21 @@ def test_kernel_instances_follow_the_gemm_plans():
     assert sm90(big) and sm90(L.kernel_instances(A100, L.FLASH, 512, "model1")) == []
     # the experts: 512 x 6 rows over 256 experts, 12 per expert on average: mma.sync (a fixed rule)
     assert -(-512 * 6 // 256) < GP.TUNED.SM90_MIN_EXPERT_TOKENS
+
+
+def test_kernel_instances_of_a_short_context():
+    """A prompt shorter than an entry compresses nothing at prefill, and
+    before 128 tokens no HCA entry is gathered: those instances are not
+    listed (the run would report them as never launched)."""
+    full = L.kernel_instances(H100, L.FLASH, 8, "model1")
+    prefill = lambda kind: ("kv_compress.cu", f"rkv_kv_compress<float, int, false, {str(kind == 'csa').lower()}, "  # noqa: E731
+                            f"{1 if kind == 'csa' else 4}, 1>")
+    dense = ("kv_cache.cu", "rkv_kv_gather_pages<__nv_bfloat16, int, true>")
+    assert {prefill("csa"), prefill("hca"), dense} <= set(full)
+    short = L.kernel_instances(H100, L.FLASH, 8, "model1", context=100, steps=20)
+    assert prefill("csa") in short and prefill("hca") not in short and dense not in short
+    assert set(L.kernel_instances(H100, L.FLASH, 8, "model1", context=3, steps=200)) == set(full) - {
+        prefill("csa"), prefill("hca")}
 
 
 def test_instances_note():
