@@ -229,16 +229,17 @@ def test_kernel_instances_are_declared_for_the_device(dev, layout, batch):
 
 def test_kernel_instances_at_the_defaults():
     """What a cold start compiles on the H100 at the defaults (batch 8,
-    model1): 19 instances, each op's plan for the demo's dtypes: the
+    model1): 20 instances, each op's plan for the demo's dtypes: the
     weights' scope-'tensor' quantize (three kernels at the Flash size),
     the compressor (prefill and decode, CSA and HCA), the state ops, the
-    gathers of MODEL1 pages, the fused producers and two mma.sync GEMM
-    tiles (NVFP4 and BF16 activations at 8 tokens per group)."""
+    gathers of MODEL1 pages, the fused producers and three mma.sync GEMM
+    tiles (NVFP4 and BF16 activations at 8 tokens per group, the experts'
+    ragged tile at 48 rows over 256 experts)."""
     got = L.kernel_instances(H100, L.FLASH, 8, "model1")
     files = {}
     for f, _ in got:
         files[f] = files.get(f, 0) + 1
-    assert files == {"nvfp4.cu": 3, "kv_compress.cu": 4, "kv_layouts.cu": 2, "fused.cu": 3, "gemm_fp4.cu": 2,
+    assert files == {"nvfp4.cu": 3, "kv_compress.cu": 4, "kv_layouts.cu": 2, "fused.cu": 3, "gemm_fp4.cu": 3,
                      "kv_cache.cu": 5}
     assert ("kv_cache.cu", "rkv_kv_gather_pages<__nv_bfloat16, int, false>") in got
     # the rawkv layout gathers with its own kernel; the tiny weights of at most 64K values quantize
@@ -250,14 +251,17 @@ def test_kernel_instances_at_the_defaults():
 
 def test_kernel_instances_follow_the_gemm_plans():
     """The GEMM instances are the plans' own choice: the wgmma kernel on
-    sm_90 from enough tokens per group (never on sm_80), mma.sync below."""
+    sm_90 from enough tokens per group (never on sm_80), mma.sync below;
+    the experts' ragged GEMM by the rows per expert (batch x 6 over 256)."""
     from rawkv.gemm import plans as GP
-    sm90 = lambda ks: [k for k in ks if k[0] == "gemm_fp4_sm90.cu"]  # noqa: E731
-    assert sm90(L.kernel_instances(H100, L.FLASH, 8, "model1")) == []
-    big = L.kernel_instances(H100, L.FLASH, 512, "model1")
-    assert sm90(big) and sm90(L.kernel_instances(A100, L.FLASH, 512, "model1")) == []
-    # the experts: 512 x 6 rows over 256 experts, 12 per expert on average: mma.sync (a fixed rule)
-    assert -(-512 * 6 // 256) < GP.TUNED.SM90_MIN_EXPERT_TOKENS
+    gemm = lambda ks, f: [k for k in ks if k[0] == f]  # noqa: E731
+    sm90, mma = "gemm_fp4_sm90.cu", "gemm_fp4.cu"
+    assert gemm(L.kernel_instances(H100, L.FLASH, 8, "model1"), sm90) == []
+    assert gemm(L.kernel_instances(A100, L.FLASH, 2048, "model1"), sm90) == []
+    for batch in (512, 2048):      # 12 and 48 rows per expert on average
+        got = L.kernel_instances(H100, L.FLASH, batch, "model1")
+        experts_wgmma = -(-batch * 6 // 256) >= GP.TUNED.SM90_MIN_EXPERT_TOKENS
+        assert gemm(got, sm90) and bool(gemm(got, mma)) != experts_wgmma, (batch, got)
 
 
 def test_kernel_instances_of_a_short_context():
