@@ -123,9 +123,10 @@ def to_numpy(x, name: str) -> np.ndarray:
 
 
 def byte_dtypes(torch) -> tuple:
-    """torch dtypes that are bytes of a packed format (uint8 and the FP8/FP4 views)."""
+    """torch dtypes that are bytes of a packed format (uint8 and the FP8/FP4
+    views; float8_e8m0fnu: block scales)."""
     out = [torch.uint8]
-    for n in ("float8_e4m3fn", "float4_e2m1fn_x2"):
+    for n in ("float8_e4m3fn", "float4_e2m1fn_x2", "float8_e8m0fnu"):
         if hasattr(torch, n):
             out.append(getattr(torch, n))
     return tuple(out)

@@ -139,7 +139,8 @@ def _traced(decl: Op, args):
 # ---- outputs --------------------------------------------------------------------------------
 # Output dtypes numpy lacks: bfloat16 values are held in float32 (exactly),
 # FP8 / FP4 codes as their bytes.
-_NUMPY_DTYPE = {"bfloat16": np.float32, "float8_e4m3fn": np.uint8, "float4_e2m1fn_x2": np.uint8}
+_NUMPY_DTYPE = {"bfloat16": np.float32, "float8_e4m3fn": np.uint8, "float4_e2m1fn_x2": np.uint8,
+                "float8_e8m0fnu": np.uint8}
 
 
 def dims(a) -> tuple:

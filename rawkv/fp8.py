@@ -1,18 +1,27 @@
-"""E4M3 (float8_e4m3fn) encode and decode of whole tensors (docs/format.md, 1).
+"""E4M3 (float8_e4m3fn) encode and decode of whole tensors (docs/format.md, 1),
+and FP8 block activations (docs/format.md, "FP8 block activations"): E4M3
+codes with one scale per token per block of channels, DeepSeek's act_quant.
 
     codes = rawkv.fp8.e4m3_encode(x)            # float32/float16/bfloat16 -> E4M3 bytes
     y = rawkv.fp8.e4m3_decode(codes, dtype=torch.bfloat16)
+    codes, scales = rawkv.fp8.quantize_blocks(x, scale_format="ue8m0")
+    y = rawkv.fp8.dequantize_blocks(codes, scales, dtype=torch.bfloat16)
 
 CUDA tensors run the kernels declared in rawkv.kernels.fp8; numpy arrays and
 CPU tensors run rawkv.reference.formats, which defines the result bit for bit.
 """
 from __future__ import annotations
 
+import sys
+
 from . import _args as A
 from . import _dispatch as D
 from ._op import dims, empty, op
+from ._plan import Launch, grid_stride, run
 from .kernels import fp8 as K
+from .kernels import fp8_blocks as KB
 from .reference import formats as ref
+from .reference import fp8_blocks as bref
 from .runtime import get_runtime
 
 _BLOCK = 256
@@ -133,3 +142,151 @@ def _decode(codes, out, stream=None, dtype=None):
         rt = get_runtime(codes.get_device())
         K.DECODE.launch(rt, _grid(rt, n), (_BLOCK,), out.dtype, A.aligned16(codes, out), stream=stream,
                         codes=codes, out=out, n=n)
+
+
+# ---- FP8 block activations ----------------------------------------------------------------------
+BLOCKS = bref.BLOCKS
+SCALE_FORMATS = bref.SCALE_FORMATS
+#: x's last dimension must be a multiple of this: whole 16-byte vectors of x
+#: and of the codes, so a partial last block is a whole number of vectors.
+K_MULTIPLE = 16
+_UE8M0_SCALES = ("uint8", "float8_e8m0fnu", "float32")     # bytes, or the power of two as float32
+
+
+def quantize_blocks(x, *, block: int = 128, scale_format: str = "fp32", out=None, stream=None):
+    """E4M3 codes of x (..., K) with one scale per row per `block` channels
+    (32, 64 or 128; K % 16 == 0, the last block may be partial) ->
+    (codes (..., K), scales (..., ceil(K/block))), bytes equal to
+    DeepSeek-V4's act_quant for finite input (rawkv.reference.fp8_blocks
+    states the rule and its source). scale_format 'fp32': s = amax *
+    FP32(1/448), float32 scales; 'ue8m0': s rounded up to a power of two,
+    stored as its E8M0 byte (float8_e8m0fnu where torch has it, else uint8),
+    or as that float32 when out's scales buffer is float32. code =
+    E4M3(x / s). A block holding NaN or Inf gets codes 0 and a NaN scale
+    (0xFF for E8M0). x: float32/float16/bfloat16, contiguous, 16-byte
+    aligned. codes are float8_e4m3fn (numpy: uint8); out=(codes, scales)
+    buffers (uint8 or float8_e4m3fn codes, 16-byte aligned; scales as
+    above) are written and returned, both checked before either is."""
+    if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
+        raise TypeError("out: expected a tuple (codes, scales) of buffers (entries may be None)")
+    codes, scales = out if out is not None else (None, None)
+    s = dims(x)
+    if codes is None:
+        codes = empty(x, s, "float8_e4m3fn", stream)
+    if scales is None:
+        nb = bref.block_count(s[-1], block) if s and block.__class__ is int and block in BLOCKS else 0
+        scales = empty(x, (*s[:-1], nb), "float32" if scale_format == "fp32" else _e8m0(), stream)
+    _quantize_blocks(x, block, scale_format, codes, scales, stream)
+    return codes, scales
+
+
+def dequantize_blocks(codes, scales, *, block: int = 128, dtype=None, out=None, stream=None):
+    """The values code * scale (one FP32 product each, rounded to `dtype`:
+    float32 default, else out's; numpy output holds bfloat16 values in
+    float32) of quantize_blocks' codes (..., K) and scales (..., ceil(K/block)):
+    float32 scales, or E8M0 bytes (uint8 / float8_e8m0fnu). NaN codes and
+    NaN scales give NaN."""
+    name = A.decode_dtype(dtype, out, "float32")
+    if out is None:
+        out = empty(codes, dims(codes), name, stream)
+    _dequantize_blocks(codes, scales, block, out, stream, name)
+    return out
+
+
+def _e8m0() -> str:
+    """The dtype of new E8M0 scales: float8_e8m0fnu where torch has it (2.7+),
+    else uint8 (numpy: uint8 either way). Asked per call: `import rawkv`
+    imports no torch."""
+    t = sys.modules.get("torch")
+    return "float8_e8m0fnu" if t is None or hasattr(t, "float8_e8m0fnu") else "uint8"
+
+
+def _block_rows(x, name: str, block):
+    """(rows, K) of x (..., K): K % 16 == 0, and block one of BLOCKS."""
+    if block.__class__ is not int or block not in BLOCKS:
+        raise ValueError(f"block: expected one of {BLOCKS}, got {block!r}")
+    k = x.shape[-1]
+    if k % K_MULTIPLE:
+        raise ValueError(f"{name}: the last dimension must be a multiple of {K_MULTIPLE} "
+                         f"(whole 16-byte vectors), got {k}")
+    return A.numel(x) // k if k else 0, k
+
+
+def _quantize_blocks_args(x, block, scale_format, codes, scales):
+    """(placement, x, rows, K, codes, scales, (UE8M0, SBYTE)) of a quantize_blocks, checked."""
+    where = D.placement(("x", x), ("codes", codes), ("scales", scales))
+    A.check_outputs((("codes", codes), ("scales", scales)), (("x", x),))
+    x = A.tensor(x, "x", A.FLOATS, where, min_ndim=1, align=16)
+    rows, k = _block_rows(x, "x", block)
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"scale_format: expected one of {SCALE_FORMATS}, got {scale_format!r}")
+    dev = A.device_of(x)
+    codes = A.tensor(codes, "codes", _CODES, where, shape=x.shape, device=dev, align=16)
+    scales = A.tensor(scales, "scales", ("float32",) if scale_format == "fp32" else _UE8M0_SCALES, where,
+                      shape=(*x.shape[:-1], bref.block_count(k, block)), device=dev)
+    if scale_format == "fp32":
+        fmt = KB.SCALE_FP32
+    else:
+        fmt = KB.SCALE_UE8M0_F32 if A.itemsize(scales) == 4 else KB.SCALE_UE8M0
+    return where, x, rows, k, codes, scales, fmt
+
+
+def plan_quantize_blocks(dev, x, codes, scales, rows, k, block, fmt) -> list:
+    """The launch of a quantize_blocks of rows x K > 0 elements on device
+    `dev` (rawkv._plan.Device or a Runtime): one thread per 16-byte vector
+    of a unit (row, block), the units of a warp consecutive."""
+    per_vec = 16 // x.element_size()
+    units = rows * bref.block_count(k, block)
+    grid, threads = grid_stride(dev, units * (block // per_vec), _BLOCK)
+    return [Launch(KB.QUANTIZE.instance(x.dtype, block, *fmt), (grid,), (threads,),
+                   dict(x=x, codes=codes, scales=scales, rows=rows, K=k))]
+
+
+@op("fp8_quantize_blocks", "Tensor x, int block, str scale_format, Tensor(a!) codes, Tensor(b!) scales")
+def _quantize_blocks(x, block, scale_format, codes, scales, stream=None):
+    """rawkv::fp8_quantize_blocks: the codes and scales of x into codes and scales."""
+    where, x, rows, k, codes, scales, fmt = _quantize_blocks_args(x, block, scale_format, codes, scales)
+    if where == "cpu":
+        rc, rs = bref.quantize_blocks(D.to_numpy(x, "x"), block, scale_format)
+        D.from_numpy(rc, x, out=codes)
+        D.from_numpy(bref.ue8m0_value(rs) if fmt == KB.SCALE_UE8M0_F32 else rs, x, out=scales)
+        return
+    if rows * k:
+        rt = get_runtime(x.get_device())
+        run(rt, plan_quantize_blocks(rt, x, codes, scales, rows, k, block, fmt), stream)
+
+
+def _dequantize_blocks_args(codes, scales, block, out, dtype):
+    """(placement, codes, scales, rows, K, out, dtype name) of a dequantize_blocks, checked."""
+    where = D.placement(("codes", codes), ("scales", scales), ("out", out))
+    A.check_outputs((("out", out),), (("codes", codes), ("scales", scales)))
+    codes = A.tensor(codes, "codes", _CODES, where, min_ndim=1, align=8)
+    rows, k = _block_rows(codes, "codes", block)
+    dev = A.device_of(codes)
+    scales = A.tensor(scales, "scales", _UE8M0_SCALES, where,
+                      shape=(*codes.shape[:-1], bref.block_count(k, block)), device=dev)
+    out, name = A.decoded(out, dtype, where, codes.shape, dev, align=16)
+    return where, codes, scales, rows, k, out, name
+
+
+def plan_dequantize_blocks(dev, codes, scales, out, rows, k, block) -> list:
+    """The launch of a dequantize_blocks of rows x K > 0 codes: one thread
+    per DEQUANTIZE_UNIT codes."""
+    grid, threads = grid_stride(dev, rows * k // KB.DEQUANTIZE_UNIT, _BLOCK)
+    return [Launch(KB.DEQUANTIZE.instance(out.dtype, scales.element_size() == 1), (grid,), (threads,),
+                   dict(codes=codes, scales=scales, out=out, rows=rows, K=k, blk=block))]
+
+
+@op("fp8_dequantize_blocks", "Tensor codes, Tensor scales, int block, Tensor(a!) out")
+def _dequantize_blocks(codes, scales, block, out, stream=None, dtype=None):
+    """rawkv::fp8_dequantize_blocks: code * scale into out, in out's dtype
+    (`dtype`, the public op's, when out is a numpy float32 array holding
+    bfloat16 values)."""
+    where, codes, scales, rows, k, out, name = _dequantize_blocks_args(codes, scales, block, out, dtype)
+    if where == "cpu":
+        v = bref.dequantize_blocks(D.to_numpy(codes, "codes"), D.to_numpy(scales, "scales"), block)
+        D.from_numpy(ref.round_to_dtype(v, name), codes, torch_dtype=name, out=out)
+        return
+    if rows * k:
+        rt = get_runtime(codes.get_device())
+        run(rt, plan_dequantize_blocks(rt, codes, scales, out, rows, k, block), stream)

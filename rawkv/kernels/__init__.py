@@ -7,7 +7,7 @@ tests/test_kernel_abi.py holds them against the CUDA sources.
 """
 from ._decl import (CTYPE, Kernel, KernelFile, TParam, dynamic_smem, files, prepare,  # noqa: F401
                     registered_kernels)
-from . import fp8  # noqa: F401,E402
+from . import fp8, fp8_blocks  # noqa: F401,E402
 from . import kv_cache, kv_compress  # noqa: F401,E402
 from . import nvfp4  # noqa: F401,E402
 from . import fused  # noqa: F401,E402
