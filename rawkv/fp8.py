@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+
 from . import _args as A
 from . import _dispatch as D
 from ._op import dims, empty, op
@@ -173,10 +175,17 @@ def quantize_blocks(x, *, block: int = 128, scale_format: str = "fp32", out=None
     s = dims(x)
     if codes is None:
         codes = empty(x, s, "float8_e4m3fn", stream)
+    new_bytes = scales is None and scale_format != "fp32"
     if scales is None:
         nb = bref.block_count(s[-1], block) if s and block.__class__ is int and block in BLOCKS else 0
-        scales = empty(x, (*s[:-1], nb), "float32" if scale_format == "fp32" else _e8m0(), stream)
+        # New E8M0 scales are written as uint8 and returned as a float8_e8m0fnu
+        # view: torch.compile's inductor cannot functionalize an operator that
+        # writes a float8_e8m0fnu buffer ("auto_functionalized_v2 was not
+        # removed", torch 2.11 on the H200), while a dtype view of the result is fine.
+        scales = empty(x, (*s[:-1], nb), "uint8" if new_bytes else "float32", stream)
     _quantize_blocks(x, block, scale_format, codes, scales, stream)
+    if new_bytes and _e8m0() != "uint8" and hasattr(scales, "view") and not isinstance(scales, np.ndarray):
+        scales = scales.view(sys.modules["torch"].float8_e8m0fnu)
     return codes, scales
 
 
