@@ -22,7 +22,11 @@ The public function only allocates the outputs it was not given (`empty`,
 the one allocation helper for every op) and calls the op; it branches on
 nothing else. The body's parameters are the schema's, with the same
 defaults, plus optional extras (the stream): rawkv.library registers the
-body itself as the CPU and CUDA implementation.
+body itself as the CPU and CUDA implementation. An op whose schema starts
+with an object's buffers (a kvcache pool's or decode state's, 14 of them)
+takes the schema's arguments as `*args` and its extras as keywords
+(`def _flush_write(*args, stream=None, pool=None)`); rawkv.kvcache.views
+takes them apart.
 
 Registration (rawkv.library) needs torch, which `import rawkv` never
 imports: it runs when `import rawkv` finds torch loaded, else when torch
@@ -84,6 +88,8 @@ class Op(OpDecl):
     implementation rawkv.library registers (called positionally by the
     dispatcher), and `overload` the registered torch.ops.rawkv.<name>.default."""
 
+    variadic = False        # the body takes the schema's arguments as *args, its extras by keyword
+
     def __init__(self, name: str, schema: str, body):
         super().__init__(name, body, schema)
         self.body = body
@@ -93,8 +99,21 @@ class Op(OpDecl):
 def _check_body(decl: Op) -> None:
     """The body takes the schema's arguments in order, with the schema's
     defaults (the dispatcher leaves out trailing defaulted arguments), and
-    nothing else without a default: a mismatch is a declaration error."""
+    nothing else without a default: a mismatch is a declaration error. A
+    body whose first parameter is `*args` takes the schema's arguments
+    through it (an op on a kvcache pool or decode state: the object's
+    buffers lead its schema, too many to spell in every signature; such a
+    schema has no defaults) and its extras as keywords."""
     params = list(inspect.signature(decl.body).parameters.values())
+    if params and params[0].kind is inspect.Parameter.VAR_POSITIONAL:
+        if decl.defaults:
+            raise ValueError(f"rawkv::{decl.name}: a *args body takes no schema defaults")
+        for p in params[1:]:
+            if p.kind is not inspect.Parameter.KEYWORD_ONLY or p.default is inspect.Parameter.empty:
+                raise ValueError(f"rawkv::{decl.name}: a *args body's extra {p.name} must be a keyword "
+                                 "with a default")
+        decl.variadic = True
+        return
     names = [n for n, _, _ in decl.args]
     if [p.name for p in params[:len(names)]] != names:
         raise ValueError(f"rawkv::{decl.name}: the body's parameters must start with the schema's "
@@ -119,6 +138,13 @@ def op(name: str, schema: str):
             if _compiler.is_dynamo_compiling() or _compiler._is_compiling_flag:     # _is_compiling(), inlined
                 return _traced(decl, args[:n])
             return body(*args)
+
+        def call_variadic(*args, **extras):
+            if _compiler.is_dynamo_compiling() or _compiler._is_compiling_flag:
+                return _traced(decl, args)
+            return body(*args, **extras)
+        if decl.variadic:
+            call = call_variadic
         call.op = decl
         call.__name__ = call.__qualname__ = body.__name__
         call.__doc__ = body.__doc__

@@ -699,8 +699,11 @@ class Recorder:
 
 @pytest.fixture
 def rec(monkeypatch):
+    from rawkv import _op
     r = Recorder()
-    monkeypatch.setattr(kc.layouts, "get_runtime", lambda dev: r)
+    # the ops' launches, and their outputs allocated by the public functions (rawkv._op.empty)
+    for mod in (kc.layouts, _op):
+        monkeypatch.setattr(mod, "get_runtime", lambda dev: r)
     return r
 
 

@@ -18,39 +18,27 @@ page_bytes) as new_layout_cache makes it, or the engines' views of it
 no allocation when out= is given and no host synchronization, so it
 captures into a CUDA graph; on CPU arrays it runs the numpy reference
 (rawkv.reference.kvcache.layouts), which defines every byte. Arguments are
-checked before anything is launched or written (rules in .checks); the
-error names the argument. Device-side indices are bounds-checked: -1 is
+checked before anything is launched or written (rules in ._rules, the
+same on CPU and CUDA); the error names the argument. Device-side indices are bounds-checked: -1 is
 padding (skipped, not counted), any other bad index skips its row and adds
 1 to `errors` (an int32 array; None: not counted). Two rows aimed at one
 record: which lands is undefined (a later phase makes it deterministic).
 
-Every op is also a rawkv:: custom operator (torch.ops.rawkv.kv_<op>, the
-mutating form: the cache / out and errors are written arguments), which the
-op calls under torch.compile, allocating a missing out with torch.empty.
+Every op is written once as a rawkv:: custom operator (rawkv._op.op;
+torch.ops.rawkv.kv_<op>, the mutating form: the cache / out and errors are
+written arguments); the public function allocates a missing out and calls it.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .. import _args as A
 from .. import _dispatch as D
-from .._opdecl import OpDecl
+from .._op import dims, empty, op
 from ..kernels import kv_layouts as K
 from ..reference.kvcache import layouts as R
 from ..runtime import get_runtime
-from . import checks as C
-
-_ALIGN = {"model1": 16, "index_fp8": 4, "index_mxfp4": 4}
-
-
-def layout_of(layout) -> R.SplitLayout:
-    """A layout by name ('model1', 'index_fp8', 'index_mxfp4') or itself."""
-    if isinstance(layout, R.SplitLayout):
-        return layout
-    try:
-        return R.LAYOUTS[layout]
-    except (KeyError, TypeError):
-        raise ValueError(f"layout: expected one of {sorted(R.LAYOUTS)}, got {layout!r}") from None
+from . import _rules as C
+from ._rules import layout_of
 
 
 def layout_page_bytes(layout, page_size: int) -> int:
@@ -86,83 +74,12 @@ def deepgemm_view(cache, page_size: int, layout="index_fp8"):
 
 def _record_view(cache, lay: R.SplitLayout, page_size: int):
     p = C.host_int("page_size", page_size, 1)
-    view, n, _ = _cache_arg(cache, lay, p)
+    c, n = C.cache(cache, lay, p, D.placement(("cache", cache)))
     rec = lay.data_bytes + lay.scale_bytes
     shape, strides = (n, p, 1, rec), (lay.page_bytes(p), rec, rec, 1)
-    if D.is_torch(cache):
-        return cache.as_strided(shape, strides)
-    return np.lib.stride_tricks.as_strided(view, shape, strides)
-
-
-def _cache_arg(cache, lay: R.SplitLayout, page_size: int):
-    """(cache, num_pages, dev): a CUDA tensor as given (dev its index), or
-    a numpy (num_pages, page_bytes) view of a host cache (dev None), writes
-    through to the caller's memory."""
-    A.require_array(cache, "cache")
-    pb = lay.page_bytes(page_size)
-    if not D.is_torch(cache) and not isinstance(cache, np.ndarray):
-        cache = D.as_cuda_tensor(cache, "cache") if D.placement(("cache", cache)) == "cuda" \
-            else D.to_numpy(cache, "cache")
-    if isinstance(cache, np.ndarray):
-        if cache.dtype != np.uint8 or cache.ndim < 1 or not cache.flags.c_contiguous:
-            raise TypeError(f"cache: expected a C-contiguous uint8 array, got {cache.dtype} "
-                            f"(contiguous: {cache.flags.c_contiguous})")
-        n = cache.shape[0]
-        if cache.size != n * pb:
-            raise ValueError(f"cache: a {lay.name} page of {page_size} records is {pb} bytes; "
-                             f"got shape {cache.shape}")
-        _check_pages(n, page_size)
-        return cache.reshape(n, pb), n, None
-    A.check_tensor(cache, "cache", A.dtypes().fp8, contiguous=False)
-    if cache.dim() < 1 or cache.stride(-1) != 1:
-        raise ValueError(f"cache: expected pages along dimension 0 and bytes contiguous, got shape "
-                         f"{tuple(cache.shape)} strides {tuple(cache.stride())}")
-    n = cache.shape[0]
-    if cache.stride(0) != pb or cache.untyped_storage().nbytes() < cache.storage_offset() + n * pb:
-        raise ValueError(f"cache: a {lay.name} page of {page_size} records is {pb} bytes (the page "
-                         f"stride); got shape {tuple(cache.shape)} strides {tuple(cache.stride())} over "
-                         f"{cache.untyped_storage().nbytes() - cache.storage_offset()} bytes")
-    _check_pages(n, page_size)
-    if cache.is_cuda:
-        A.check_aligned("cache", cache, _ALIGN[lay.name])
-        return cache, n, cache.get_device()
-    import torch
-    flat = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
-    return flat.as_strided((n, pb), (pb, 1)).numpy(), n, None
-
-
-def _check_pages(n: int, page_size: int) -> None:
-    if n * page_size > R.INDEX_LIMIT:
-        raise ValueError(f"cache: {n} pages of {page_size} records exceed the int32 slot range "
-                         "(2^31 - 1)")
-
-
-def _store(lay, kernel, targs, write, cache, rows, slots, page_size, offsets, errors, stream, width, name,
-           slots_name="slots"):
-    """The stores: checks, then one launch (one warp per row) or the
-    reference `write` on the host. `name` / `slots_name`: what the public op
-    calls the rows and the slots (errors name them)."""
-    p = C.host_int("page_size", page_size, 1)
-    c, n, dev = _cache_arg(cache, lay, p)
-    x = C.arg(rows, name, C.ROWS, dev, ndim=2, aligned=True)
-    N = x.shape[0]
-    if x.shape[1] != width:
-        raise ValueError(f"{name}: expected shape ({N}, {width}), got {tuple(x.shape)}")
-    s = C.arg(slots, slots_name, C.IDS, dev, shape=(N,))
-    o = C.opt(offsets, "offsets", C.I32, dev, shape=(N,))
-    err = C.errors_arg(errors, None, dev)
-    A.check_outputs((("cache", c), ("errors", errors)), ((name, x), (slots_name, s), ("offsets", o)))
-    if dev is None:
-        bad = write(c, p, x, s, o)
-        if err is not None:
-            C.add_errors(err, bad)
-        return
-    if N:
-        rt = get_runtime(dev)
-        grid, block = rt.grid_stride(N * 32, K.BLOCK)
-        kernel.instance(x.dtype, s.dtype, *targs).launch(
-            rt, (grid,), (block,), stream=stream, rows=x, slots=s, offsets=o, cache=c, errors=err,
-            N=N, num_pages=n, page_size=p, page_bytes=lay.page_bytes(p))
+    if D.is_torch(c):
+        return c.as_strided(shape, strides)
+    return np.lib.stride_tricks.as_strided(c, shape, strides)
 
 
 def model1_store(cache, entries, slots, *, page_size: int, offsets=None, errors=None, stream=None):
@@ -174,11 +91,7 @@ def model1_store(cache, entries, slots, *, page_size: int, offsets=None, errors=
     offsets[b] of page slots[b]. slots (N,) int32/int64. -1: skipped; any
     other out-of-range slot / page / offset: skipped, errors += 1. A tile
     holding NaN/Inf stores codes 0 and scale byte 0xFF (decodes to NaN)."""
-    if D.compiling():
-        return _traced(MODEL1_STORE_OP, None, cache=cache, entries=entries, slots=slots, page_size=page_size,
-                       offsets=offsets, errors=errors)
-    _store(R.MODEL1, K.MODEL1_STORE, (), R.model1_write, cache, entries, slots, page_size, offsets, errors,
-           stream, R.ENTRY_DIM, "entries")
+    _model1_store(cache, entries, slots, page_size, offsets, errors, stream)
 
 
 def model1_window_insert(cache, rows, slot_mapping, *, page_size: int, errors=None, stream=None):
@@ -186,11 +99,7 @@ def model1_window_insert(cache, rows, slot_mapping, *, page_size: int, errors=No
     into MODEL1 window pages by slot mapping (N,) int32/int64 (vLLM's
     slot_mapping: page * page_size + offset, -1 skipped), in the entry
     format of model1_store. One launch."""
-    if D.compiling():
-        return _traced(MODEL1_WINDOW_INSERT_OP, None, cache=cache, rows=rows, slot_mapping=slot_mapping,
-                       page_size=page_size, errors=errors)
-    _store(R.MODEL1, K.MODEL1_STORE, (), R.model1_write, cache, rows, slot_mapping, page_size, None, errors,
-           stream, R.ENTRY_DIM, "rows", "slot_mapping")
+    _model1_window_insert(cache, rows, slot_mapping, page_size, errors, stream)
 
 
 def index_fp8_store(cache, keys, slots, *, page_size: int, offsets=None, errors=None, stream=None):
@@ -199,11 +108,7 @@ def index_fp8_store(cache, keys, slots, *, page_size: int, offsets=None, errors=
     FP32 scale 2^ceil(log2(max(amax, 1e-4) / 448)) per key (vLLM's rule).
     Addressing and errors as model1_store; a NaN/Inf key stores codes 0 and
     a NaN scale."""
-    if D.compiling():
-        return _traced(INDEX_FP8_STORE_OP, None, cache=cache, keys=keys, slots=slots, page_size=page_size,
-                       offsets=offsets, errors=errors)
-    _store(R.INDEX_FP8, K.INDEX_STORE, (False,), R.index_fp8_write, cache, keys, slots, page_size, offsets,
-           errors, stream, R.INDEX_DIM, "keys")
+    _index_fp8_store(cache, keys, slots, page_size, offsets, errors, stream)
 
 
 def index_mxfp4_store(cache, keys, slots, *, page_size: int, offsets=None, errors=None, stream=None):
@@ -212,23 +117,7 @@ def index_mxfp4_store(cache, keys, slots, *, page_size: int, offsets=None, error
     with UE8M0 scales 2^ceil(log2(max(amax, 6 * 2^-126) / 6)) (DeepSeek's
     fp4_act_quant), 4 scale bytes per key in one int32. Addressing and
     errors as model1_store; a NaN/Inf block stores codes 0, scale 0xFF."""
-    if D.compiling():
-        return _traced(INDEX_MXFP4_STORE_OP, None, cache=cache, keys=keys, slots=slots, page_size=page_size,
-                       offsets=offsets, errors=errors)
-    _store(R.INDEX_MXFP4, K.INDEX_STORE, (True,), R.index_mxfp4_write, cache, keys, slots, page_size,
-           offsets, errors, stream, R.INDEX_DIM, "keys")
-
-
-def _placement(x, name: str):
-    """Device index of an array argument that decides where an op runs
-    (None: the host), and the argument as a CUDA tensor there."""
-    if D.is_cuda_tensor(x):
-        return x, x.get_device()
-    A.require_array(x, name)
-    if D.placement((name, x)) == "cuda":
-        x = D.as_cuda_tensor(x, name)
-        return x, x.get_device()
-    return x, None
+    _index_mxfp4_store(cache, keys, slots, page_size, offsets, errors, stream)
 
 
 def model1_gather(cache, indices, *, page_size: int, out=None, dtype=None, errors=None, stream=None):
@@ -238,32 +127,10 @@ def model1_gather(cache, indices, *, page_size: int, out=None, dtype=None, error
     float32, RoPE dims as stored, rounded to dtype (reference.model1_gather).
     -1: zero row; an index outside [0, num_pages * page_size): zero row,
     errors += 1. One launch (one warp per row), capturable with out=."""
-    if D.compiling():
-        return _traced(MODEL1_GATHER_OP, _traced_out(out, dtype, (*indices.shape, R.ENTRY_DIM), cache),
-                       cache=cache, indices=indices, page_size=page_size, errors=errors)
-    p = C.host_int("page_size", page_size, 1)
-    c, n, dev = _cache_arg(cache, R.MODEL1, p)
     name = C.out_dtype(dtype, out)
-    idx = C.arg(indices, "indices", C.I32, dev)
-    shape = tuple(idx.shape) + (R.ENTRY_DIM,)
-    out = C.check_out(out, name, dev, shape=shape)
-    err = C.errors_arg(errors, None, dev)
-    A.check_outputs((("out", out), ("errors", errors)), (("cache", c), ("indices", idx)))
-    if dev is None:
-        rows, bad = R.model1_gather(c, p, idx, name)
-        if err is not None:
-            C.add_errors(err, bad)
-        return D.from_numpy(rows, indices, torch_dtype=name, out=out)
-    rows = idx.numel()
-    C.check_launch_rows("indices", rows)
-    rt = get_runtime(dev)
     if out is None:
-        out = rt.empty(shape, C.torch_dtype(name), stream=stream)
-    if rows:
-        grid, block = rt.grid_stride(rows * 32, K.BLOCK)
-        K.MODEL1_GATHER.instance(out.dtype).launch(
-            rt, (grid,), (block,), stream=stream, cache=c, indices=idx, out=out, errors=err, R=rows,
-            num_pages=n, page_size=p, page_bytes=R.MODEL1.page_bytes(p))
+        out = empty(indices, (*dims(indices), R.ENTRY_DIM), name, stream)
+    _model1_gather(cache, indices, page_size, out, errors, stream, name)
     return out
 
 
@@ -278,86 +145,101 @@ def topk_to_kvcache_indices(topk_ids, block_table, *, page_size: int, num_pages:
     -1 -> -1, not counted; any other id out of range, a row outside
     [0, R) or a block id outside [0, num_pages) -> -1, errors += 1
     (reference.topk_to_kvcache_indices). One launch, capturable with out=."""
-    if D.compiling():
-        return _traced(TOPK_TO_KVCACHE_OP, _traced_out(out, "int32", topk_ids.shape, topk_ids),
-                       topk_ids=topk_ids, block_table=block_table, page_size=page_size, num_pages=num_pages,
-                       slots=slots, n_entries=n_entries, errors=errors)
-    p = C.host_int("page_size", page_size, 1)
-    npg = C.host_int("num_pages", num_pages, 1)
-    if npg * p > R.INDEX_LIMIT:
-        raise ValueError(f"num_pages: {npg} pages of {p} entries exceed the int32 index range (2^31 - 1)")
-    ids, dev = _placement(topk_ids, "topk_ids")
-    ids = C.arg(ids, "topk_ids", C.IDS, dev)
-    if ids.ndim not in (2, 3):
-        raise ValueError(f"topk_ids: expected (B, K) or (B, S, K), got shape {tuple(ids.shape)}")
-    table = C.arg(block_table, "block_table", C.I32, dev, ndim=2)
-    B = ids.shape[0]
-    s = C.opt(slots, "slots", C.I32, dev, shape=(B,))
-    ne = C.opt(n_entries, "n_entries", C.I32, dev, shape=(B,))
-    if s is None and table.shape[0] < B:
-        raise ValueError(f"block_table: {table.shape[0]} rows for {B} requests; pass slots=")
-    if table.shape[1] * p >= 2 ** 31:
-        raise ValueError(f"block_table: {table.shape[1]} blocks of {p} entries exceed the int32 id range")
-    if out is not None:
-        out = C.arg(out, "out", C.I32, dev, shape=tuple(ids.shape))
-    err = C.errors_arg(errors, None, dev)
-    A.check_outputs((("out", out), ("errors", errors)), (("topk_ids", ids), ("block_table", table), ("slots", s), ("n_entries", ne)))
-    if dev is None:
-        res, bad = R.topk_to_kvcache_indices(ids, table, p, npg, s, ne)
+    if out is None:
+        out = empty(topk_ids, dims(topk_ids), "int32", stream)
+    _topk_to_kvcache_indices(topk_ids, block_table, page_size, num_pages, slots, n_entries, out, errors, stream)
+    return out
+
+
+# ---- the ops ----------------------------------------------------------------------------------
+_STORE = "Tensor(a!) cache, Tensor {rows}, Tensor {slots}, int page_size, {offsets}Tensor(b!)? errors"
+
+
+@op("kv_model1_store", _STORE.format(rows="entries", slots="slots", offsets="Tensor? offsets, "))
+def _model1_store(cache, entries, slots, page_size, offsets, errors, stream=None):
+    """rawkv::kv_model1_store: entries into MODEL1 records of cache."""
+    _store(R.MODEL1, K.MODEL1_STORE, (), R.model1_write, C.store(
+        R.MODEL1, cache, entries, slots, page_size, offsets, errors, R.ENTRY_DIM, "entries", "slots"), stream)
+
+
+@op("kv_model1_window_insert", _STORE.format(rows="rows", slots="slot_mapping", offsets=""))
+def _model1_window_insert(cache, rows, slot_mapping, page_size, errors, stream=None):
+    """rawkv::kv_model1_window_insert: token rows into MODEL1 window pages."""
+    _store(R.MODEL1, K.MODEL1_STORE, (), R.model1_write, C.store(
+        R.MODEL1, cache, rows, slot_mapping, page_size, None, errors, R.ENTRY_DIM, "rows", "slot_mapping"), stream)
+
+
+@op("kv_index_fp8_store", _STORE.format(rows="keys", slots="slots", offsets="Tensor? offsets, "))
+def _index_fp8_store(cache, keys, slots, page_size, offsets, errors, stream=None):
+    """rawkv::kv_index_fp8_store: indexer keys into DeepGEMM's FP8 key pages."""
+    _store(R.INDEX_FP8, K.INDEX_STORE, (False,), R.index_fp8_write, C.store(
+        R.INDEX_FP8, cache, keys, slots, page_size, offsets, errors, R.INDEX_DIM, "keys", "slots"), stream)
+
+
+@op("kv_index_mxfp4_store", _STORE.format(rows="keys", slots="slots", offsets="Tensor? offsets, "))
+def _index_mxfp4_store(cache, keys, slots, page_size, offsets, errors, stream=None):
+    """rawkv::kv_index_mxfp4_store: indexer keys into DeepGEMM's MXFP4 key pages."""
+    _store(R.INDEX_MXFP4, K.INDEX_STORE, (True,), R.index_mxfp4_write, C.store(
+        R.INDEX_MXFP4, cache, keys, slots, page_size, offsets, errors, R.INDEX_DIM, "keys", "slots"), stream)
+
+
+def _store(lay, kernel, targs, write, checked, stream):
+    """A store's checked arguments (C.store) through the reference `write`
+    on the host, or one launch (one warp per row)."""
+    where, c, n, p, x, s, o, err = checked
+    if where == "cpu":
+        bad = write(C.cache_pages(c, n, lay.page_bytes(p)), p, *C.host(x, s, o))
         if err is not None:
             C.add_errors(err, bad)
-        return D.from_numpy(res, topk_ids, out=out)
+        return
+    N = x.shape[0]
+    if N:
+        rt = get_runtime(c.get_device())
+        grid, block = rt.grid_stride(N * 32, K.BLOCK)
+        kernel.instance(x.dtype, s.dtype, *targs).launch(
+            rt, (grid,), (block,), stream=stream, rows=x, slots=s, offsets=o, cache=c, errors=err,
+            N=N, num_pages=n, page_size=p, page_bytes=lay.page_bytes(p))
+
+
+@op("kv_model1_gather", "Tensor cache, Tensor indices, int page_size, Tensor(a!) out, Tensor(b!)? errors")
+def _model1_gather(cache, indices, page_size, out, errors, stream=None, dtype=None):
+    """rawkv::kv_model1_gather: the MODEL1 entries at indices into out, in
+    `dtype` (the public op's; None: out's own)."""
+    where, c, n, p, idx, out, name, err = C.model1_gather(cache, indices, page_size, out, errors, dtype)
+    if where == "cpu":
+        rows, bad = R.model1_gather(C.cache_pages(c, n, R.MODEL1.page_bytes(p)), p, *C.host(idx), name)
+        if err is not None:
+            C.add_errors(err, bad)
+        D.from_numpy(rows, out, torch_dtype=name, out=out)
+        return
+    rows = idx.numel()
+    if rows:
+        rt = get_runtime(c.get_device())
+        grid, block = rt.grid_stride(rows * 32, K.BLOCK)
+        K.MODEL1_GATHER.instance(out.dtype).launch(
+            rt, (grid,), (block,), stream=stream, cache=c, indices=idx, out=out, errors=err, R=rows,
+            num_pages=n, page_size=p, page_bytes=R.MODEL1.page_bytes(p))
+
+
+@op("kv_topk_to_kvcache_indices", "Tensor topk_ids, Tensor block_table, int page_size, int num_pages, "
+                                  "Tensor? slots, Tensor? n_entries, Tensor(a!) out, Tensor(b!)? errors")
+def _topk_to_kvcache_indices(topk_ids, block_table, page_size, num_pages, slots, n_entries, out, errors,
+                             stream=None):
+    """rawkv::kv_topk_to_kvcache_indices: FlashMLA's indices of the top-k ids into out."""
+    where, ids, table, p, npg, s, ne, out, err = C.topk_bridge(
+        topk_ids, block_table, page_size, num_pages, slots, n_entries, out, errors)
+    if where == "cpu":
+        res, bad = R.topk_to_kvcache_indices(*C.host(ids, table), p, npg, *C.host(s, ne))
+        if err is not None:
+            C.add_errors(err, bad)
+        D.from_numpy(res, out, out=out)
+        return
     total = ids.numel()
-    C.check_launch_rows("topk_ids", total)
-    rt = get_runtime(dev)
-    if out is None:
-        out = rt.empty(tuple(ids.shape), C.torch_dtype("int32"), stream=stream)
     if total:
+        B = ids.shape[0]
+        rt = get_runtime(ids.get_device())
         grid, block = rt.grid_stride(total, K.BLOCK)
         K.TOPK_TO_KVCACHE.instance(ids.dtype).launch(
             rt, (grid,), (block,), stream=stream, ids=ids, table=table, slots=s, n_entries=ne, out=out,
             errors=err, B=B, per_row=total // B, table_rows=table.shape[0], max_blocks=table.shape[1],
             num_pages=npg, page_size=p)
-    return out
-
-
-def _traced_out(out, dtype, shape, like):
-    """Under torch.compile: `out`, or a new tensor of `shape` and `dtype`
-    (bfloat16 by default, as eager) on `like`'s device."""
-    import torch
-    t = out.dtype if dtype is None and out is not None else \
-        torch.bfloat16 if dtype is None else getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if out is None:
-        return torch.empty(shape, dtype=t, device=like.device)
-    if out.dtype != t:
-        raise TypeError(f"out: dtype {out.dtype} is not the dtype asked for ({t})")
-    return out
-
-
-def _traced(op, out, **inputs):
-    """Under torch.compile: the rawkv:: operator (rawkv.library), which
-    dynamo can put in a graph; returns what the eager op returns."""
-    import torch
-    if out is None:
-        op.call(torch, **inputs)
-    else:
-        op.call(torch, **inputs, out=out)
-    return out
-
-
-# The operators. Their arguments are the public ops' keywords, so each
-# public op is its own implementation (the dtype of a gather is out's).
-_STORE = "Tensor(a!) cache, Tensor {rows}, Tensor {slots}, int page_size, {offsets}Tensor(b!)? errors"
-MODEL1_STORE_OP = OpDecl("kv_model1_store", model1_store,
-                         _STORE.format(rows="entries", slots="slots", offsets="Tensor? offsets, "))
-MODEL1_WINDOW_INSERT_OP = OpDecl("kv_model1_window_insert", model1_window_insert,
-                                 _STORE.format(rows="rows", slots="slot_mapping", offsets=""))
-INDEX_FP8_STORE_OP = OpDecl("kv_index_fp8_store", index_fp8_store,
-                            _STORE.format(rows="keys", slots="slots", offsets="Tensor? offsets, "))
-INDEX_MXFP4_STORE_OP = OpDecl("kv_index_mxfp4_store", index_mxfp4_store,
-                              _STORE.format(rows="keys", slots="slots", offsets="Tensor? offsets, "))
-MODEL1_GATHER_OP = OpDecl("kv_model1_gather", model1_gather,
-                          "Tensor cache, Tensor indices, int page_size, Tensor(a!) out, Tensor(b!)? errors")
-TOPK_TO_KVCACHE_OP = OpDecl("kv_topk_to_kvcache_indices", topk_to_kvcache_indices,
-                            "Tensor topk_ids, Tensor block_table, int page_size, int num_pages, Tensor? slots, "
-                            "Tensor? n_entries, Tensor(a!) out, Tensor(b!)? errors")

@@ -135,6 +135,7 @@ class ErrorCounter:
 
     BUFFERS: tuple = ()      # the buffers' attribute names, which are the operators' argument names
     _torch = None
+    _operands = None
     _sealed = False
 
     def __setattr__(self, name, value):
@@ -172,6 +173,20 @@ class ErrorCounter:
         torch.from_numpy."""
         if self.is_cuda or sys.modules.get("torch") is not None:
             self.torch_buffers()
+
+    def operator_buffers(self) -> tuple:
+        """BUFFERS' values, in order, as a public op passes them to its op
+        (rawkv.kvcache.views.pool_operands / state_operands): torch tensors
+        (torch_buffers) once torch is loaded, whose operator torch.compile
+        calls; before that a CPU object's own arrays (without torch there is
+        no operator: the op's body runs on the object itself)."""
+        b = self._operands
+        if b is None:
+            if not self.is_cuda and self._torch is None and sys.modules.get("torch") is None:
+                return tuple(getattr(self, n) for n in self.BUFFERS)
+            t = self.torch_buffers()
+            b = self._operands = tuple(t[n] for n in self.BUFFERS)
+        return b
 
     def read_errors(self) -> int:
         """Rows the kernels skipped since the last reset_errors(). Synchronizes

@@ -1,0 +1,362 @@
+"""Argument rules of the KV-cache ops (the generic ones, one function per
+kind of argument, are rawkv._args): the same on CPU and CUDA pools, states
+and caches.
+
+An op on a pool or decode state runs where the object lives (`placed`: its
+arrays must be there too, D.placement's rule), an op on a bare cache where
+its arrays live. Every array argument is checked once, by rawkv._args.tensor
+through `arg`: dtype (names as torch spells them), dimensions, shape, device,
+contiguity and the alignment the kernel needs, so code that runs on a CPU
+pool runs on a CUDA one. numpy has no bfloat16: a bfloat16 argument given as
+a numpy array is float32 holding BF16 values (the reference's convention);
+a torch tensor has the CUDA dtypes on both placements. Errors name the
+argument and are raised before anything is launched or written.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _args as A
+from .. import _dispatch as D
+from ..reference.kvcache import layouts as RL
+from .pool import PagedKVPool
+from .state import DecodeState
+
+BOOL = ("bool",)
+I32 = ("int32",)
+IDS = ("int32", "int64")
+F32 = ("float32",)
+BF16 = ("bfloat16",)
+ROWS = ("float32", "bfloat16")
+OUT = ("bfloat16", "float16", "float32")
+U8 = ("uint8",)
+CACHE = ("uint8", "float8_e4m3fn")             # a layout cache's bytes
+# the first byte of a layout cache, as its kernel loads it
+CACHE_ALIGN = {"model1": 16, "index_fp8": 4, "index_mxfp4": 4}
+
+
+# ---- the objects and host ints --------------------------------------------------------------
+def pool(p) -> None:
+    """The one test of "is this a pool" of every op taking one."""
+    if not isinstance(p, PagedKVPool):
+        raise TypeError(f"pool: expected a rawkv.kvcache.PagedKVPool, got {type(p).__name__}")
+
+
+def state(s, name: str = "state") -> None:
+    if not isinstance(s, DecodeState):
+        raise TypeError(f"{name}: expected a rawkv.kvcache.DecodeState, got {type(s).__name__}")
+
+
+def host_int(name: str, v, lo: int, hi: int | None = None) -> int:
+    """A host int argument in [lo, hi)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if v < lo or (hi is not None and v >= hi):
+        raise ValueError(f"{name}: {v} is out of range [{lo}, {hi if hi is not None else 'inf'})")
+    return int(v)
+
+
+def launch_rows(name: str, n: int) -> None:
+    """The kernels index one launch's rows in 32 bits."""
+    if n >= 2 ** 31:
+        raise ValueError(f"{name}: {n} output rows/blocks; at most 2^31 - 1 per launch")
+
+
+# ---- placement and array arguments -----------------------------------------------------------
+def placed(obj, name: str, *named) -> tuple:
+    """(where, dev) of an op on a pool or state `obj` (`name`: 'pool' or
+    'state'): where it lives, which every array of the (name, array) pairs
+    `named` must share (D.placement: 'x: is on cpu but pool is on cuda'),
+    and the device index A.tensor compares (-1: the host)."""
+    anchor = obj.block_table if isinstance(obj, PagedKVPool) else obj.count
+    where = D.placement((name, anchor), *named)
+    return where, (obj.device_index if obj.is_cuda else -1)
+
+
+def arg(x, name: str, dtypes: tuple, where: str, dev: int, *, shape=None, ndim=None, align: int = 1):
+    """Array argument `name` (A.tensor: dtype, shape, device, C-contiguous,
+    `align`-byte first element), of exactly `ndim` dimensions if given. A
+    numpy array stands for bfloat16 as float32."""
+    if "bfloat16" in dtypes and "float32" not in dtypes and isinstance(x, np.ndarray):
+        dtypes = dtypes + F32
+    x = A.tensor(x, name, dtypes, where, shape=shape, device=dev, align=align)
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
+    return x
+
+
+def opt(x, name: str, dtypes: tuple, where: str, dev: int, **kw):
+    """arg() for an optional argument: None stays None."""
+    return None if x is None else arg(x, name, dtypes, where, dev, **kw)
+
+
+def host(*arrays):
+    """The checked arrays as numpy, for the reference (None stays None;
+    bfloat16 as float32, exactly)."""
+    return tuple(None if a is None else D.to_numpy(a, "array") for a in arrays)
+
+
+# ---- the counter and the outputs --------------------------------------------------------------
+def own_counter(obj, errors) -> bool:
+    """`errors` is obj's own counter: the object's array, its torch view
+    (what a public op passes its operator) or the same memory."""
+    mine = obj.errors
+    return errors is mine or errors is obj.operator_buffers()[-1] or A.same_memory(errors, mine)
+
+
+def owned(obj, name: str) -> tuple:
+    """check_outputs' `owned` for a pool / state (`name`: 'pool' or 'state'):
+    the spans of its buffers, named 'pool.written' etc. The buffers are
+    fixed when the object is built (ErrorCounter.__setattr__), so their
+    spans are made once per object, not on every call."""
+    sp = obj.__dict__.get("_owned")
+    if sp is None:
+        sp = A.spans((f"{name}.{b}", getattr(obj, b)) for b in obj.BUFFERS)
+        obj._owned = sp
+    return sp
+
+
+def outputs(obj, name: str, errors, where: str, dev: int, outs=(), inputs=()):
+    """The counter an op on obj adds to, checked with the op's other
+    outputs `outs` against its inputs and obj's buffers (check_outputs): obj's
+    own counter as it is, another one an int32 array of at least one
+    element on obj's device (A.counter). Returns the counter."""
+    mine = own_counter(obj, errors)
+    A.check_outputs(((*outs, ("errors", None if mine else errors))), inputs, owned(obj, name))
+    return errors if mine else A.counter(errors, where, dev)
+
+
+def add_errors(errors, n: int) -> None:
+    """errors[0] += n on a host counter (numpy array or CPU tensor)."""
+    if n:
+        errors[(0,) * errors.ndim] += int(n)
+
+
+# ---- gather outputs ------------------------------------------------------------------------------
+# torch dtype -> name, of the output dtypes seen (the hot path reads out.dtype)
+_OUT_NAMES: dict = {}
+
+
+def out_dtype(dtype, out) -> str:
+    """Name of a gather's output dtype (the public op's `dtype`): `dtype`,
+    else a torch out's dtype, else bfloat16 (a numpy out holds bfloat16 in
+    float32). An out of another dtype than `dtype` is refused, naming out."""
+    if dtype is None:
+        if out is None:
+            return "bfloat16"
+        name = _OUT_NAMES.get(getattr(out, "dtype", None))
+        if name is not None:
+            return name
+        if not D.is_torch(out):
+            name = "bfloat16"
+            _agrees(name, out)
+            return name
+        dtype = out.dtype
+    name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+    if name not in OUT:
+        raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype!r}")
+    if not isinstance(dtype, str) and D.is_torch(out):
+        _OUT_NAMES[dtype] = name
+    if out is not None:
+        _agrees(name, out)
+    return name
+
+
+def _out_dtypes(name: str, out) -> tuple:
+    """What an out of dtype `name` may be: a numpy one holds bfloat16 in float32."""
+    return (name, "float32") if name == "bfloat16" and isinstance(out, np.ndarray) else (name,)
+
+
+def _agrees(name: str, out) -> None:
+    d = getattr(out, "dtype", None)
+    if d is None:
+        return                  # not an array: the op refuses it by name
+    allowed = _out_dtypes(name, out)
+    got = A.dtype_name(out)
+    if got not in allowed:
+        raise TypeError(f"out: dtype {got} is not supported (expected {', '.join(allowed)})")
+
+
+def out_arg(out, dtype, shape, where: str, dev: int):
+    """A gather's out: of `dtype` (the public op's name; None: out's own,
+    one of OUT), `shape`, 16-byte aligned (the kernels store rows in 16-byte
+    words). Returns (out, dtype name)."""
+    if dtype is None:
+        allowed = OUT
+    else:
+        allowed = _out_dtypes(dtype, out)
+    out = arg(out, "out", allowed, where, dev, shape=shape, align=16)
+    return out, dtype or A.dtype_name(out)
+
+
+# ---- layout caches -------------------------------------------------------------------------------
+def layout_of(layout) -> RL.SplitLayout:
+    """A layout by name ('model1', 'index_fp8', 'index_mxfp4') or itself."""
+    if isinstance(layout, RL.SplitLayout):
+        return layout
+    try:
+        return RL.LAYOUTS[layout]
+    except (KeyError, TypeError):
+        raise ValueError(f"layout: expected one of {sorted(RL.LAYOUTS)}, got {layout!r}") from None
+
+
+def cache(c, lay: RL.SplitLayout, page_size: int, where: str):
+    """(cache, num_pages) of a layout cache: uint8 (or float8_e4m3fn)
+    bytes whose first dimension is the page, page_bytes apart, bytes
+    contiguous (a (num_pages, page_bytes) array or an engine's view of one,
+    flashmla_view / deepgemm_view), its memory holding every page, its
+    first byte aligned as the layout's kernel loads it. A numpy cache is
+    C-contiguous (numpy does not say how far its memory reaches)."""
+    c = A.tensor(c, "cache", CACHE, where, min_ndim=1, dense=isinstance(c, np.ndarray),
+                 align=CACHE_ALIGN[lay.name])
+    pb = lay.page_bytes(page_size)
+    n = c.shape[0]
+    if isinstance(c, np.ndarray):
+        if c.size != n * pb:
+            raise ValueError(f"cache: a {lay.name} page of {page_size} records is {pb} bytes; "
+                             f"got shape {c.shape}")
+    else:
+        st = tuple(c.stride())
+        if st[-1] != 1:
+            raise ValueError(f"cache: expected pages along dimension 0 and bytes contiguous, got shape "
+                             f"{tuple(c.shape)} strides {st}")
+        have = c.untyped_storage().nbytes() - c.storage_offset()
+        if st[0] != pb or have < n * pb:
+            raise ValueError(f"cache: a {lay.name} page of {page_size} records is {pb} bytes (the page "
+                             f"stride); got shape {tuple(c.shape)} strides {st} over {have} bytes")
+    if n * page_size > RL.INDEX_LIMIT:
+        raise ValueError(f"cache: {n} pages of {page_size} records exceed the int32 slot range "
+                         "(2^31 - 1)")
+    return c, n
+
+
+def cache_pages(c, n: int, pb: int) -> np.ndarray:
+    """A checked host cache as the numpy (num_pages, page_bytes) array the
+    reference writes, sharing its memory."""
+    if isinstance(c, np.ndarray):
+        return c.reshape(n, pb)
+    import torch
+    flat = c.view(torch.uint8) if c.dtype != torch.uint8 else c
+    return flat.as_strided((n, pb), (pb, 1)).numpy()
+
+
+# ---- one function per layout op ------------------------------------------------------------------
+def store(lay, cache_, rows, slots, page_size, offsets, errors, width: int, name: str, slots_name: str):
+    """(where, cache, num_pages, page_size, rows, slots, offsets, errors)
+    of a layout store: rows (N, width) float32 / bfloat16 (`name`), slots
+    (N,) int32 / int64 (`slots_name`), offsets (N,) int32 or None, errors
+    a counter or None."""
+    p = host_int("page_size", page_size, 1)
+    inputs = ((name, rows), (slots_name, slots), ("offsets", offsets))
+    where = D.placement(("cache", cache_), *inputs, ("errors", errors))
+    A.check_outputs((("cache", cache_), ("errors", errors)), inputs)
+    c, n = cache(cache_, lay, p, where)
+    dev = A.device_of(c)
+    x = arg(rows, name, ROWS, where, dev, ndim=2, align=16)
+    N = x.shape[0]
+    if x.shape[1] != width:
+        raise ValueError(f"{name}: expected shape ({N}, {width}), got {tuple(x.shape)}")
+    s = arg(slots, slots_name, IDS, where, dev, shape=(N,))
+    o = opt(offsets, "offsets", I32, where, dev, shape=(N,))
+    err = None if errors is None else A.counter(errors, where, dev)
+    return where, c, n, p, x, s, o, err
+
+
+def model1_gather(cache_, indices, page_size, out, errors, dtype):
+    """(where, cache, num_pages, page_size, indices, out, dtype name,
+    errors) of model1_gather: indices int32 of any shape, out
+    (*indices.shape, 512)."""
+    p = host_int("page_size", page_size, 1)
+    where = D.placement(("cache", cache_), ("indices", indices), ("out", out), ("errors", errors))
+    A.check_outputs((("out", out), ("errors", errors)), (("cache", cache_), ("indices", indices)))
+    c, n = cache(cache_, RL.MODEL1, p, where)
+    dev = A.device_of(c)
+    idx = arg(indices, "indices", I32, where, dev)
+    out, name = out_arg(out, dtype, (*idx.shape, RL.ENTRY_DIM), where, dev)
+    err = None if errors is None else A.counter(errors, where, dev)
+    launch_rows("indices", A.numel(idx))
+    return where, c, n, p, idx, out, name, err
+
+
+def topk_bridge(topk_ids, block_table, page_size, num_pages, slots, n_entries, out, errors):
+    """(where, ids, table, page_size, num_pages, slots, n_entries, out,
+    errors) of topk_to_kvcache_indices: ids (B, K) or (B, S, K) int32 /
+    int64, table (R, max_blocks) int32, slots / n_entries (B,) int32 or
+    None, out int32 of ids' shape."""
+    p = host_int("page_size", page_size, 1)
+    npg = host_int("num_pages", num_pages, 1)
+    if npg * p > RL.INDEX_LIMIT:
+        raise ValueError(f"num_pages: {npg} pages of {p} entries exceed the int32 index range (2^31 - 1)")
+    inputs = (("topk_ids", topk_ids), ("block_table", block_table), ("slots", slots), ("n_entries", n_entries))
+    where = D.placement(*inputs, ("out", out), ("errors", errors))
+    A.check_outputs((("out", out), ("errors", errors)), inputs)
+    ids = arg(topk_ids, "topk_ids", IDS, where, None)
+    if ids.ndim not in (2, 3):
+        raise ValueError(f"topk_ids: expected (B, K) or (B, S, K), got shape {tuple(ids.shape)}")
+    dev = A.device_of(ids)
+    table = arg(block_table, "block_table", I32, where, dev, ndim=2)
+    B = ids.shape[0]
+    s = opt(slots, "slots", I32, where, dev, shape=(B,))
+    ne = opt(n_entries, "n_entries", I32, where, dev, shape=(B,))
+    if s is None and table.shape[0] < B:
+        raise ValueError(f"block_table: {table.shape[0]} rows for {B} requests; pass slots=")
+    if table.shape[1] * p >= 2 ** 31:
+        raise ValueError(f"block_table: {table.shape[1]} blocks of {p} entries exceed the int32 id range")
+    out = arg(out, "out", I32, where, dev, shape=tuple(ids.shape))
+    err = None if errors is None else A.counter(errors, where, dev)
+    launch_rows("topk_ids", A.numel(ids))
+    return where, ids, table, p, npg, s, ne, out, err
+
+
+# ---- one function per decode-state op ------------------------------------------------------------
+def state_seed(st, slot, kv, z, ape):
+    """(where, slot, kv, z, ape) of state_seed: slot a host int in
+    [0, max_requests), kv / z (T, width) float32 / bfloat16, ape (m,
+    width) float32 or None."""
+    slot = host_int("slot", slot, 0, st.max_requests)
+    where, dev = placed(st, "state", ("kv", kv), ("z", z), ("ape", ape))
+    k = arg(kv, "kv", ROWS, where, dev, ndim=2)
+    if k.shape[1] != st.width:
+        raise ValueError(f"kv: expected shape (T, {st.width}), got {tuple(k.shape)}")
+    zz = arg(z, "z", ROWS, where, dev, shape=tuple(k.shape))
+    a = opt(ape, "ape", F32, where, dev, shape=(st.m, st.width))
+    return where, slot, k, zz, a
+
+
+def state_append(st, errors, kv, z, valid_mask, slots, ape):
+    """(where, kv, z, valid_mask, slots, ape, errors) of state_append: kv,
+    z (B, width) float32 / bfloat16 and ape (m, width) float32 or None,
+    16-byte aligned (float4 loads), valid_mask (B,) bool, slots (B,) int32."""
+    inputs = (("kv", kv), ("z", z), ("valid_mask", valid_mask), ("slots", slots), ("ape", ape))
+    where, dev = placed(st, "state", *inputs, ("errors", errors))
+    w = st.width
+    k = arg(kv, "kv", ROWS, where, dev, ndim=2, align=16)
+    B = k.shape[0]
+    if k.shape[1] != w:
+        raise ValueError(f"kv: expected shape ({B}, {w}), got {tuple(k.shape)}")
+    zz = arg(z, "z", ROWS, where, dev, shape=(B, w), align=16)
+    v = arg(valid_mask, "valid_mask", BOOL, where, dev, shape=(B,))
+    s = arg(slots, "slots", I32, where, dev, shape=(B,))
+    a = opt(ape, "ape", F32, where, dev, shape=(st.m, w), align=16)
+    errors = outputs(st, "state", errors, where, dev,
+                     inputs=(("kv", k), ("z", zz), ("valid_mask", v), ("slots", s), ("ape", a)))
+    return where, k, zz, v, s, a, errors
+
+
+def state_reset(st, mode_name: str, errors, valid_mask, slots):
+    """(where, valid_mask, slots, errors) of csa_rotate / hca_reset /
+    state_clear (`mode_name`): slots (B,) int32, valid_mask (B,) bool
+    (state_clear: or None, every row). csa_rotate takes a CSA state,
+    hca_reset an HCA one."""
+    if mode_name == "csa_rotate" and not st.overlap:
+        raise ValueError("state: csa_rotate needs a CSA state (use hca_reset for HCA)")
+    if mode_name == "hca_reset" and st.overlap:
+        raise ValueError("state: hca_reset needs an HCA state (use csa_rotate for CSA)")
+    if valid_mask is None and mode_name != "state_clear":
+        raise TypeError("valid_mask: is required")
+    inputs = (("slots", slots), ("valid_mask", valid_mask))
+    where, dev = placed(st, "state", *inputs, ("errors", errors))
+    s = arg(slots, "slots", I32, where, dev, ndim=1)
+    v = opt(valid_mask, "valid_mask", BOOL, where, dev, shape=(s.shape[0],))
+    errors = outputs(st, "state", errors, where, dev, inputs=(("slots", s), ("valid_mask", v)))
+    return where, v, s, errors
