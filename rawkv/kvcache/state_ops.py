@@ -1,16 +1,17 @@
 """Ops on the decode state: admission (state_seed), append, and the resets
 after a flush (csa_rotate, hca_reset) or for a new request (state_clear).
 Kernels: rkv_kv_state_append, rkv_kv_state_reset; state_seed is a few torch
-ops. reference.state_* define them."""
+ops. reference.state_* define them. Each op is written once on rawkv._op
+(its schema: the state's buffers, then its own arguments; views.py); the
+public function passes the state and calls it."""
 from __future__ import annotations
 
-from .. import _dispatch as D
 from .. import _plan
-from .._opdecl import OpDecl
+from .._op import op
 from ..kernels import kv_cache as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
-from . import checks as C
+from . import _rules as C
 from . import plans as P
 from . import views as V
 
@@ -32,43 +33,8 @@ def state_seed(state, slot, kv, z, *, ape=None, stream=None):
     its attached states, but only state_seed puts the prompt's tail there.
     CUDA: a few small torch ops (fills, copies, adds) on the current stream
     (or `stream`): no allocation, no host synchronization, capturable."""
-    C.check_state(state)
-    if D.compiling():
-        return V.call(SEED_OP, **V.state_args(state, counter=False), slot=slot, kv=kv, z=z, ape=ape)
-    slot = C.host_int("slot", slot, 0, state.max_requests)
-    m, d, w = state.m, state.head_dim, state.width
-    dev = state.device_index
-    k = C.arg(kv, "kv", C.ROWS, dev, ndim=2)
-    if k.shape[1] != w:
-        raise ValueError(f"kv: expected shape (T, {w}), got {tuple(k.shape)}")
-    zz = C.arg(z, "z", C.ROWS, dev, shape=tuple(k.shape))
-    a = C.opt(ape, "ape", C.F32, dev, shape=(m, w))
-    if dev is None:
-        ref.state_seed(state.reference_view(), slot, k, zz, ape=a)
-        return
-    import torch
-    n, r = divmod(k.shape[0], m)
-    ts = get_runtime(dev).torch_stream(stream)
-    if ts is None:
-        ts = torch.cuda.current_stream(dev)
-
-    def put_z(dst, src, ape_rows):
-        # z + ape in float32 (BF16 z converts exactly): the reference's add
-        if ape_rows is None:
-            dst.copy_(src)
-        else:
-            torch.add(src, ape_rows, out=dst)
-
-    with torch.cuda.device(dev), torch.cuda.stream(ts):
-        state._empty(slot)
-        if state.overlap and n >= 1:
-            rows = slice((n - 1) * m, n * m)
-            state.kv_b[slot].copy_(k[rows, :d])
-            put_z(state.z_b[slot], zz[rows, :d], None if a is None else a[:, :d])
-        if r:
-            state.kv_a[slot, :r].copy_(k[n * m:])
-            put_z(state.z_a[slot, :r], zz[n * m:], None if a is None else a[:r])
-            state.count[slot:slot + 1].fill_(r)
+    C.state(state)
+    _state_seed(*V.state_operands(state, counter=False), slot, kv, z, ape, stream=stream, state=state)
 
 
 def state_append(state, kv, z, valid_mask, slots, *, ape=None, errors=None, stream=None):
@@ -80,52 +46,8 @@ def state_append(state, kv, z, valid_mask, slots, *, ape=None, errors=None, stre
     (count == m: a missed flush) is skipped and adds 1 to errors. Duplicate
     slots among valid rows (a caller error): the lowest row appends, the
     others are skipped and add 1 each. One launch."""
-    C.check_state(state)
-    if D.compiling():
-        return V.call(APPEND_OP, **V.state_args(state, errors), kv=kv, z=z, valid_mask=valid_mask,
-                      slots=slots, ape=ape)
-    dev = state.device_index
-    w = state.width
-    k = C.arg(kv, "kv", C.ROWS, dev, ndim=2, aligned=True)
-    B = k.shape[0]
-    if k.shape[1] != w:
-        raise ValueError(f"kv: expected shape ({B}, {w}), got {tuple(k.shape)}")
-    zz = C.arg(z, "z", C.ROWS, dev, shape=(B, w), aligned=True)
-    v = C.arg(valid_mask, "valid_mask", C.BOOL, dev, shape=(B,))
-    s = C.arg(slots, "slots", C.I32, dev, shape=(B,))
-    a = C.opt(ape, "ape", C.F32, dev, shape=(state.m, w), aligned=True)
-    err = C.errors_arg(errors, state.errors, dev)
-    C.check_outputs((("errors", C.counter(errors, state)),),
-                    (("kv", k), ("z", zz), ("valid_mask", v), ("slots", s), ("ape", a)), C.owned(state, "state"))
-    if dev is None:
-        C.add_errors(err, ref.state_append(state.reference_view(), k, zz, v, s, ape=a))
-        return
-    if B:
-        _plan.run(get_runtime(dev), P.state_append(state, k, zz, a, v, s, err), stream)
-
-
-def _reset(state, mode, valid_mask, slots, errors, stream):
-    if valid_mask is None and mode != K.RESET_CLEAR:
-        raise TypeError("valid_mask: is required")
-    if D.compiling():
-        return V.call(RESET_OPS[mode], **V.state_args(state, errors), valid_mask=valid_mask, slots=slots)
-    dev = state.device_index
-    s = C.arg(slots, "slots", C.I32, dev, ndim=1)
-    B = s.shape[0]
-    v = C.opt(valid_mask, "valid_mask", C.BOOL, dev, shape=(B,))
-    err = C.errors_arg(errors, state.errors, dev)
-    C.check_outputs((("errors", C.counter(errors, state)),), (("slots", s), ("valid_mask", v)),
-                    C.owned(state, "state"))
-    if dev is None:
-        st = state.reference_view()
-        if mode == K.RESET_CLEAR:
-            n = ref.state_clear(st, s, v)
-        else:
-            n = (ref.csa_rotate if mode == K.RESET_CSA else ref.hca_reset)(st, v, s)
-        C.add_errors(err, n)
-        return
-    if B:
-        _plan.run(get_runtime(dev), P.state_reset(state, mode, v, s, err), stream)
+    C.state(state)
+    _state_append(*V.state_operands(state, errors), kv, z, valid_mask, slots, ape, stream=stream, state=state)
 
 
 def csa_rotate(state, valid_mask, slots, *, errors=None, stream=None):
@@ -133,51 +55,95 @@ def csa_rotate(state, valid_mask, slots, *, errors=None, stream=None):
     (channels [0:head_dim]), a emptied (kv 0, z -inf), count 0
     (reference.csa_rotate). Out-of-range slot, or a duplicate of a lower
     valid row's slot: skipped, errors += 1. One launch."""
-    C.check_state(state)
-    if not state.overlap:
-        raise ValueError("state: csa_rotate needs a CSA state (use hca_reset for HCA)")
-    _reset(state, K.RESET_CSA, valid_mask, slots, errors, stream)
+    C.state(state)
+    _csa_rotate(*V.state_operands(state, errors), valid_mask, slots, stream=stream, state=state)
 
 
 def hca_reset(state, valid_mask, slots, *, errors=None, stream=None):
     """After an HCA flush, for each valid row: a emptied (kv 0, z -inf),
     count 0 (reference.hca_reset). Out-of-range slot: skipped, counted."""
-    C.check_state(state)
-    if state.overlap:
-        raise ValueError("state: hca_reset needs an HCA state (use csa_rotate for CSA)")
-    _reset(state, K.RESET_HCA, valid_mask, slots, errors, stream)
+    C.state(state)
+    _hca_reset(*V.state_operands(state, errors), valid_mask, slots, stream=stream, state=state)
 
 
 def state_clear(state, slots, *, valid_mask=None, errors=None, stream=None):
     """New requests in `slots`: both streams emptied, count 0
     (reference.state_clear); valid_mask None = every row. Out-of-range slot:
     skipped, counted. state_seed does this and seeds the prompt's tail."""
-    C.check_state(state)
-    _reset(state, K.RESET_CLEAR, valid_mask, slots, errors, stream)
+    C.state(state)
+    _state_clear(*V.state_operands(state, errors), valid_mask, slots, stream=stream, state=state)
 
 
-def _seed_op(slot, kv, z, ape, **state):
-    state_seed(V.state_view(**state), slot, kv, z, ape=ape)
+# ---- the ops ----------------------------------------------------------------------------------
+# A body takes the schema's arguments as *args (the state's buffers first:
+# V.state_of) and, from an eager call, the state itself.
+@op("kv_state_seed", V.schema(V.state_schema(True, counter=False), "int slot, Tensor kv, Tensor z, Tensor? ape"))
+def _state_seed(*args, stream=None, state=None):
+    """rawkv::kv_state_seed: the prompt's tail into a slot of the state."""
+    state, _, (slot, kv, z, ape) = V.state_of(args, state, counter=False)
+    where, slot, k, zz, a = C.state_seed(state, slot, kv, z, ape)
+    if where == "cpu":
+        ref.state_seed(state.reference_view(), slot, *C.host(k, zz, a))
+        return
+    import torch
+    m, d = state.m, state.head_dim
+    n, r = divmod(k.shape[0], m)
+
+    def put_z(dst, src, ape_rows):
+        # z + ape in float32 (BF16 z converts exactly): the reference's add
+        if ape_rows is None:
+            dst.copy_(src)
+        else:
+            torch.add(src, ape_rows, out=dst)
+
+    # torch.cuda.stream(None) leaves the device's current stream
+    with torch.cuda.device(state.device_index), \
+            torch.cuda.stream(get_runtime(state.device_index).torch_stream(stream)):
+        state._empty(slot)
+        if state.overlap and n >= 1:
+            rows = slice((n - 1) * m, n * m)
+            state.kv_b[slot].copy_(k[rows, :d])
+            put_z(state.z_b[slot], zz[rows, :d], None if a is None else a[:, :d])
+        if r:
+            state.kv_a[slot, :r].copy_(k[n * m:])
+            put_z(state.z_a[slot, :r], zz[n * m:], None if a is None else a[:r])
+            state.count[slot:slot + 1].fill_(r)
 
 
-def _append_op(kv, z, valid_mask, slots, ape, **state):
-    state_append(V.state_view(**state), kv, z, valid_mask, slots, ape=ape)
+@op("kv_state_append", V.schema(V.state_schema(True, b_writes=False), "Tensor kv, Tensor z, Tensor valid_mask, "
+                                                                      "Tensor slots", "Tensor? ape"))
+def _state_append(*args, stream=None, state=None):
+    """rawkv::kv_state_append: one token row per batch row into its slot's a-stream."""
+    state, errors, (kv, z, valid_mask, slots, ape) = V.state_of(args, state)
+    where, k, zz, v, s, a, err = C.state_append(state, errors, kv, z, valid_mask, slots, ape)
+    if where == "cpu":
+        C.add_errors(err, ref.state_append(state.reference_view(), *C.host(k, zz, v, s), ape=C.host(a)[0]))
+        return
+    if k.shape[0]:
+        _plan.run(get_runtime(state.device_index), P.state_append(state, k, zz, a, v, s, err), stream)
 
 
-def _reset_op(public):
-    def op(valid_mask, slots, **state):
-        public(V.state_view(**state), valid_mask=valid_mask, slots=slots)
-    return op
+def _reset_op(name: str, mode: int, optional_mask: str):
+    """csa_rotate / hca_reset / state_clear (`mode`, K.RESET_*): one body,
+    rkv_kv_state_reset's mode; state_clear's valid_mask is optional."""
+    @op("kv_" + name, V.schema(V.state_schema(True), f"Tensor{optional_mask} valid_mask, Tensor slots"))
+    def body(*args, stream=None, state=None):
+        state, errors, (valid_mask, slots) = V.state_of(args, state)
+        where, v, s, err = C.state_reset(state, name, errors, valid_mask, slots)
+        if where == "cpu":
+            st, (s, v) = state.reference_view(), C.host(s, v)
+            if mode == K.RESET_CLEAR:
+                n = ref.state_clear(st, s, v)
+            else:
+                n = (ref.csa_rotate if mode == K.RESET_CSA else ref.hca_reset)(st, v, s)
+            C.add_errors(err, n)
+            return
+        if s.shape[0]:
+            _plan.run(get_runtime(state.device_index), P.state_reset(state, mode, v, s, err), stream)
+    body.__doc__ = f"rawkv::kv_{name}: the rows of `slots` reset (reference.{name})."
+    return body
 
 
-SEED_OP = OpDecl("kv_state_seed", _seed_op, V.schema(
-    V.state_schema(True, counter=False), "int slot, Tensor kv, Tensor z, Tensor? ape"))
-APPEND_OP = OpDecl("kv_state_append", _append_op, V.schema(
-    V.state_schema(True, b_writes=False), "Tensor kv, Tensor z, Tensor valid_mask, Tensor slots",
-    "Tensor? ape"))
-# mode -> declaration; state_clear's valid_mask is optional (None: every row)
-RESET_OPS = {mode: OpDecl(name, _reset_op(public),
-                          V.schema(V.state_schema(True), f"Tensor{q} valid_mask, Tensor slots"))
-             for mode, name, public, q in ((K.RESET_CSA, "kv_csa_rotate", csa_rotate, ""),
-                                          (K.RESET_HCA, "kv_hca_reset", hca_reset, ""),
-                                          (K.RESET_CLEAR, "kv_state_clear", state_clear, "?"))}
+_csa_rotate = _reset_op("csa_rotate", K.RESET_CSA, "")
+_hca_reset = _reset_op("hca_reset", K.RESET_HCA, "")
+_state_clear = _reset_op("state_clear", K.RESET_CLEAR, "?")
