@@ -177,15 +177,12 @@ def _agrees(name: str, out) -> None:
         raise TypeError(f"out: dtype {got} is not supported (expected {', '.join(allowed)})")
 
 
-def out_arg(out, dtype, shape, where: str, dev: int):
+def out_arg(out, dtype, where: str, dev: int, shape=None, ndim=None):
     """A gather's out: of `dtype` (the public op's name; None: out's own,
-    one of OUT), `shape`, 16-byte aligned (the kernels store rows in 16-byte
-    words). Returns (out, dtype name)."""
-    if dtype is None:
-        allowed = OUT
-    else:
-        allowed = _out_dtypes(dtype, out)
-    out = arg(out, "out", allowed, where, dev, shape=shape, align=16)
+    one of OUT), `shape` or `ndim`, 16-byte aligned (the kernels store rows
+    in 16-byte words). Returns (out, dtype name)."""
+    allowed = OUT if dtype is None else _out_dtypes(dtype, out)
+    out = arg(out, "out", allowed, where, dev, shape=shape, ndim=ndim, align=16)
     return out, dtype or A.dtype_name(out)
 
 
@@ -272,7 +269,7 @@ def model1_gather(cache_, indices, page_size, out, errors, dtype):
     c, n = cache(cache_, RL.MODEL1, p, where)
     dev = A.device_of(c)
     idx = arg(indices, "indices", I32, where, dev)
-    out, name = out_arg(out, dtype, (*idx.shape, RL.ENTRY_DIM), where, dev)
+    out, name = out_arg(out, dtype, where, dev, shape=(*idx.shape, RL.ENTRY_DIM))
     err = None if errors is None else A.counter(errors, where, dev)
     launch_rows("indices", A.numel(idx))
     return where, c, n, p, idx, out, name, err
@@ -360,3 +357,125 @@ def state_reset(st, mode_name: str, errors, valid_mask, slots):
     v = opt(valid_mask, "valid_mask", BOOL, where, dev, shape=(s.shape[0],))
     errors = outputs(st, "state", errors, where, dev, inputs=(("slots", s), ("valid_mask", v)))
     return where, v, s, errors
+
+
+# ---- one function per paged-pool op --------------------------------------------------------------
+def flush_write(p, errors, entries, valid_mask, slots, positions, index_keys):
+    """(where, entries, valid_mask, slots, positions, index_keys, errors) of
+    flush_write: entries (B, head_dim) bfloat16, valid_mask (B,) bool, slots
+    and positions (B,) int32, index_keys (B, index_head_dim) bfloat16
+    exactly for a pool with indexer keys; the rows 16-byte aligned."""
+    inputs = (("entries", entries), ("valid_mask", valid_mask), ("slots", slots), ("positions", positions),
+              ("index_keys", index_keys))
+    where, dev = placed(p, "pool", *inputs, ("errors", errors))
+    e = arg(entries, "entries", BF16, where, dev, ndim=2, align=16)
+    B = e.shape[0]
+    if e.shape[1] != p.head_dim:
+        raise ValueError(f"entries: expected shape ({B}, {p.head_dim}), got {tuple(e.shape)}")
+    v = arg(valid_mask, "valid_mask", BOOL, where, dev, shape=(B,))
+    s = arg(slots, "slots", I32, where, dev, shape=(B,))
+    pos = arg(positions, "positions", I32, where, dev, shape=(B,))
+    if p.has_index:
+        if index_keys is None:
+            raise ValueError("index_keys: required for a CSA pool with indexer keys")
+        k = arg(index_keys, "index_keys", BF16, where, dev, shape=(B, p.index_head_dim), align=16)
+    elif index_keys is not None:
+        raise ValueError("index_keys: this pool has no indexer keys (HCA, or index_head_dim=None)")
+    else:
+        k = None
+    errors = outputs(p, "pool", errors, where, dev, inputs=(
+        ("entries", e), ("valid_mask", v), ("slots", s), ("positions", pos), ("index_keys", k)))
+    return where, e, v, s, pos, k, errors
+
+
+def assign_pages(p, errors, slots, blocks):
+    """(where, slots, blocks, errors) of assign_pages: slots, blocks (B,) int32."""
+    where, dev = placed(p, "pool", ("slots", slots), ("blocks", blocks), ("errors", errors))
+    s = arg(slots, "slots", I32, where, dev, ndim=1)
+    b = arg(blocks, "blocks", I32, where, dev, shape=(s.shape[0],))
+    errors = outputs(p, "pool", errors, where, dev, inputs=(("slots", s), ("blocks", b)))
+    launch_rows("blocks", s.shape[0])
+    return where, s, b, errors
+
+
+def topk(p, errors, slots, topk_ids, n_entries, valid_mask, out, dtype=None, rows: bool = True):
+    """(where, ids, slots, n_entries, valid_mask, out, dtype name, errors)
+    of gather_topk (`rows`: out (B, K, head_dim) of `dtype`, out_arg) and
+    kvcache_indices (out (B, K) int32): topk_ids (B, K) int32 / int64,
+    slots (B,) int32, n_entries (B,) int32 or None, valid_mask (B,) bool
+    or None."""
+    inputs = (("slots", slots), ("topk_ids", topk_ids), ("n_entries", n_entries), ("valid_mask", valid_mask))
+    where, dev = placed(p, "pool", *inputs, ("out", out), ("errors", errors))
+    ids = arg(topk_ids, "topk_ids", IDS, where, dev, ndim=2)
+    B, k = ids.shape
+    s = arg(slots, "slots", I32, where, dev, shape=(B,))
+    ne = opt(n_entries, "n_entries", I32, where, dev, shape=(B,))
+    v = opt(valid_mask, "valid_mask", BOOL, where, dev, shape=(B,))
+    if rows:
+        out, name = out_arg(out, dtype, where, dev, shape=(B, k, p.head_dim))
+    else:
+        out, name = arg(out, "out", I32, where, dev, shape=(B, k)), "int32"
+    errors = outputs(p, "pool", errors, where, dev, (("out", out),), (
+        ("slots", s), ("topk_ids", ids), ("n_entries", ne), ("valid_mask", v)))
+    launch_rows("topk_ids", B * k)
+    return where, ids, s, ne, v, out, name, errors
+
+
+def index_width(p, index: bool):
+    """Row width of a dense gather: head_dim, or (index) the indexer key's."""
+    if not index:
+        return p.head_dim
+    if not p.has_index:
+        raise ValueError("pool: has no indexer keys (not a CSA pool with index_head_dim)")
+    return p.index_head_dim
+
+
+def dense(p, errors, slot, n_entries, out, dtype, index: bool):
+    """(where, slot, n, out, dtype name, errors) of gather_dense /
+    gather_index_keys (`index`): slot and n_entries host ints, n_entries at
+    most what the slot's prepared steps make (a pool object's count; a
+    view has none), out (n, width)."""
+    width = index_width(p, index)
+    slot = host_int("slot", slot, 0, p.max_requests)
+    # n is a host int, so it is checked against the host's count of the slot's
+    # entries (0 for a free slot); the kernel still bounds by pool.written,
+    # which also catches entries prepared but not yet flushed.
+    n = host_int("n_entries", n_entries, 0)
+    have = n if p._n_entries is None else int(p._n_entries[slot])
+    if n > have:
+        raise ValueError(f"n_entries: {n} entries asked of slot {slot}, which holds {have} after the "
+                         "steps prepared so far (pool.n_entries); the rest would be bytes this "
+                         "request never wrote")
+    where, dev = placed(p, "pool", ("out", out), ("errors", errors))
+    out, name = out_arg(out, dtype, where, dev, shape=(n, width))
+    errors = outputs(p, "pool", errors, where, dev, (("out", out),))
+    launch_rows("out", n * (p.index_head_dim // 16 if index else 1))
+    return where, slot, n, out, name, errors
+
+
+def dense_batch(p, errors, slots, n_entries, valid_mask, out, dtype, index: bool, max_entries=None):
+    """(where, slots, n_entries, valid_mask, out, K, dtype name, errors) of
+    gather_dense_batch / gather_index_keys_batch (`index`): slots,
+    n_entries (B,) int32, valid_mask (B,) bool or None, out (B, K, width)
+    (K = max_entries, the public op's, when given)."""
+    width = index_width(p, index)
+    inputs = (("slots", slots), ("n_entries", n_entries), ("valid_mask", valid_mask))
+    where, dev = placed(p, "pool", *inputs, ("out", out), ("errors", errors))
+    s = arg(slots, "slots", I32, where, dev, ndim=1)
+    B = s.shape[0]
+    ne = arg(n_entries, "n_entries", I32, where, dev, shape=(B,))
+    v = opt(valid_mask, "valid_mask", BOOL, where, dev, shape=(B,))
+    out, name = out_arg(out, dtype, where, dev, ndim=3)
+    k = out.shape[1]
+    if tuple(out.shape) != (B, k, width) or (max_entries is not None and k != max_entries):
+        raise ValueError(f"out: expected shape ({B}, {max_entries if max_entries is not None else 'K'}, "
+                         f"{width}), got {tuple(out.shape)}")
+    errors = outputs(p, "pool", errors, where, dev, (("out", out),),
+                     (("slots", s), ("n_entries", ne), ("valid_mask", v)))
+    launch_rows("out", B * k * (p.index_head_dim // 16 if index else 1))
+    return where, s, ne, v, out, k, name, errors
+
+
+def is_size(v) -> bool:
+    """A host int >= 0 (not a bool): a shape a public op may allocate."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 0

@@ -11,12 +11,11 @@ this op for every block it hands to a request.
 """
 from __future__ import annotations
 
-from .. import _dispatch as D
 from .. import _plan
-from .._opdecl import OpDecl
+from .._op import op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
-from . import checks as C
+from . import _rules as C
 from . import plans as P
 from . import views as V
 
@@ -35,27 +34,18 @@ def assign_pages(pool, slots, blocks, *, errors=None, stream=None):
     a lower row assigns (the lowest row wins): nothing, and 1 added to
     errors (pool.errors by default). One launch, no allocation, no host
     synchronization: capturable."""
-    C.check_pool(pool)
-    if D.compiling():
-        return V.call(ASSIGN_PAGES_OP, **V.pool_args(pool, errors), slots=slots, blocks=blocks)
-    dev = pool.device_index
-    s = C.arg(slots, "slots", C.I32, dev, ndim=1)
-    B = s.shape[0]
-    b = C.arg(blocks, "blocks", C.I32, dev, shape=(B,))
-    err = C.errors_arg(errors, pool.errors, dev)
-    C.check_outputs((("errors", C.counter(errors, pool)),), (("slots", s), ("blocks", b)), C.owned(pool, "pool"))
-    C.check_launch_rows("blocks", B)
-    if dev is None:
-        C.add_errors(err, ref.assign_pages(pool.reference_view(), s, b))
+    C.pool(pool)
+    _assign_pages(*V.pool_operands(pool, errors), slots, blocks, stream=stream, pool=pool)
+
+
+@op("kv_assign_pages", V.schema(V.pool_schema(False, owners=True), "Tensor slots, Tensor blocks"))
+def _assign_pages(*args, stream=None, pool=None):
+    """rawkv::kv_assign_pages: the pool's buffers (V.pool_of), then slots and blocks."""
+    pool, errors, (slots, blocks) = V.pool_of(args, pool)
+    where, s, b, err = C.assign_pages(pool, errors, slots, blocks)
+    if where == "cpu":
+        C.add_errors(err, ref.assign_pages(pool.reference_view(), *C.host(s, b)))
         return
-    if B:
-        rt = get_runtime(dev)
+    if s.shape[0]:
+        rt = get_runtime(pool.device_index)
         _plan.run(rt, P.assign_pages(rt, pool, s, b, err), stream)
-
-
-def _assign_pages_op(slots, blocks, **pool):
-    assign_pages(V.pool_view(**pool), slots, blocks)
-
-
-ASSIGN_PAGES_OP = OpDecl("kv_assign_pages", _assign_pages_op, V.schema(
-    V.pool_schema(False, owners=True), "Tensor slots, Tensor blocks"))

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from .. import _dispatch as D
 from .. import _plan
-from .._opdecl import OpDecl
+from .._op import dims, empty, op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
-from . import checks as C
+from . import _rules as C
 from . import plans as P
 from . import views as V
 
@@ -35,37 +35,26 @@ def kvcache_indices(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, o
     the block table or on a bad block, or an entry not marked written since
     its block was allocated -> -1 and errors += 1. One launch, capturable
     with out=."""
-    C.check_pool(pool)
-    if D.compiling():
-        import torch
-        if out is None:
-            out = torch.empty(tuple(topk_ids.shape), dtype=torch.int32, device=pool.device)
-        V.call(KVCACHE_INDICES_OP, **V.pool_args(pool, errors), slots=slots, topk_ids=topk_ids,
-               n_entries=n_entries, valid_mask=valid_mask, out=out)
-        return out
-    dev = pool.device_index
-    ids, s, ne, v = C.topk_args(slots, topk_ids, n_entries, valid_mask, dev)
-    B, Kk = ids.shape
-    if out is not None:
-        out_arr = C.arg(out, "out", C.I32, dev, shape=(B, Kk))
-    err = C.errors_arg(errors, pool.errors, dev)
-    C.check_outputs((("out", out), ("errors", C.counter(errors, pool))),
-                    (("slots", s), ("topk_ids", ids), ("n_entries", ne), ("valid_mask", v)), C.owned(pool, "pool"))
-    C.check_launch_rows("topk_ids", B * Kk)
-    if dev is None:
-        res, n = ref.paged_kvcache_indices(pool.reference_view(), s, ids, ne, v)
-        C.add_errors(err, n)
-        return D.from_numpy(res, topk_ids, out=out)
-    rt = get_runtime(dev)
+    C.pool(pool)
     if out is None:
-        out_arr = rt.empty((B, Kk), C.torch_dtype("int32"), stream=stream)
-    _plan.run(rt, P.kvcache_indices(rt, pool, ids, s, ne, v, out_arr, err), stream)
-    return out_arr
+        out = empty(topk_ids, dims(topk_ids), "int32", stream)
+    _kvcache_indices(*V.pool_operands(pool, errors), slots, topk_ids, n_entries, valid_mask, out,
+                     stream=stream, pool=pool)
+    return out
 
 
-def _kvcache_indices_op(slots, topk_ids, n_entries, valid_mask, out, **pool):
-    kvcache_indices(V.pool_view(**pool), slots, topk_ids, n_entries=n_entries, valid_mask=valid_mask, out=out)
-
-
-KVCACHE_INDICES_OP = OpDecl("kv_kvcache_indices", _kvcache_indices_op, V.schema(
-    V.pool_schema(False), "Tensor slots, Tensor topk_ids, Tensor? n_entries, Tensor? valid_mask, Tensor(!) out"))
+@op("kv_kvcache_indices", V.schema(V.pool_schema(False), "Tensor slots, Tensor topk_ids, Tensor? n_entries, "
+                                                        "Tensor? valid_mask, Tensor(!) out"))
+def _kvcache_indices(*args, stream=None, pool=None):
+    """rawkv::kv_kvcache_indices: the pool's buffers (V.pool_of), then the
+    top-k arguments; the rows into out."""
+    pool, errors, (slots, topk_ids, n_entries, valid_mask, out) = V.pool_of(args, pool)
+    where, ids, s, ne, v, out, _, err = C.topk(pool, errors, slots, topk_ids, n_entries, valid_mask, out,
+                                               rows=False)
+    if where == "cpu":
+        res, n = ref.paged_kvcache_indices(pool.reference_view(), *C.host(s, ids, ne, v))
+        C.add_errors(err, n)
+        D.from_numpy(res, out, out=out)
+        return
+    rt = get_runtime(pool.device_index)
+    _plan.run(rt, P.kvcache_indices(rt, pool, ids, s, ne, v, out, err), stream)

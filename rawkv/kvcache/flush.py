@@ -1,12 +1,11 @@
 """flush_write: finished entries -> the paged pool (rkv_kv_flush_write)."""
 from __future__ import annotations
 
-from .. import _dispatch as D
 from .. import _plan
-from .._opdecl import OpDecl
+from .._op import op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
-from . import checks as C
+from . import _rules as C
 from . import plans as P
 from . import views as V
 
@@ -30,41 +29,20 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
     valid row whose slot, position or block is out of range writes nothing
     and adds 1 to errors. Two valid rows aimed at one entry: the lowest
     writes it, the others write nothing and add 1 each. One launch."""
-    C.check_pool(pool)
-    if D.compiling():
-        return V.call(FLUSH_WRITE_OP, **V.pool_args(pool, errors), entries=entries, valid_mask=valid_mask,
-                      slots=slots, positions=positions, index_keys=index_keys)
-    dev = pool.device_index
-    e = C.arg(entries, "entries", C.BF16, dev, ndim=2, aligned=True)
-    B = e.shape[0]
-    if e.shape[1] != pool.head_dim:
-        raise ValueError(f"entries: expected shape ({B}, {pool.head_dim}), got {tuple(e.shape)}")
-    v = C.arg(valid_mask, "valid_mask", C.BOOL, dev, shape=(B,))
-    s = C.arg(slots, "slots", C.I32, dev, shape=(B,))
-    p = C.arg(positions, "positions", C.I32, dev, shape=(B,))
-    if pool.has_index:
-        if index_keys is None:
-            raise ValueError("index_keys: required for a CSA pool with indexer keys")
-        k = C.arg(index_keys, "index_keys", C.BF16, dev, shape=(B, pool.index_head_dim), aligned=True)
-    elif index_keys is not None:
-        raise ValueError("index_keys: this pool has no indexer keys (HCA, or index_head_dim=None)")
-    else:
-        k = None
-    err = C.errors_arg(errors, pool.errors, dev)
-    C.check_outputs((("errors", C.counter(errors, pool)),),
-                    (("entries", e), ("valid_mask", v), ("slots", s), ("positions", p), ("index_keys", k)),
-                    C.owned(pool, "pool"))
-    if dev is None:
-        C.add_errors(err, ref.paged_flush_write(pool.reference_view(), e, v, s, p, k))
+    C.pool(pool)
+    _flush_write(*V.pool_operands(pool, errors), entries, valid_mask, slots, positions, index_keys,
+                 stream=stream, pool=pool)
+
+
+@op("kv_flush_write", V.schema(V.pool_schema(True), "Tensor entries, Tensor valid_mask, Tensor slots, "
+                                                    "Tensor positions", "Tensor? index_keys"))
+def _flush_write(*args, stream=None, pool=None):
+    """rawkv::kv_flush_write: the pool's buffers (V.pool_of; `pool`: the
+    object of an eager call), then the entries and their addresses."""
+    pool, errors, (entries, valid_mask, slots, positions, index_keys) = V.pool_of(args, pool)
+    where, e, v, s, p, k, err = C.flush_write(pool, errors, entries, valid_mask, slots, positions, index_keys)
+    if where == "cpu":
+        C.add_errors(err, ref.paged_flush_write(pool.reference_view(), *C.host(e, v, s, p, k)))
         return
-    if B:
-        _plan.run(get_runtime(dev), P.flush_write(pool, e, k, v, s, p, err), stream)
-
-
-def _flush_write_op(entries, valid_mask, slots, positions, index_keys, **pool):
-    flush_write(V.pool_view(**pool), entries, valid_mask, slots, positions, index_keys=index_keys)
-
-
-FLUSH_WRITE_OP = OpDecl("kv_flush_write", _flush_write_op, V.schema(
-    V.pool_schema(True), "Tensor entries, Tensor valid_mask, Tensor slots, Tensor positions",
-    "Tensor? index_keys"))
+    if e.shape[0]:
+        _plan.run(get_runtime(pool.device_index), P.flush_write(pool, e, k, v, s, p, err), stream)

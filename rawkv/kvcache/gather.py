@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from .. import _dispatch as D
 from .. import _plan
-from .._opdecl import OpDecl
+from .._op import dims, empty, op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
-from . import checks as C
+from . import _rules as C
 from . import plans as P
 from . import views as V
 
@@ -31,116 +31,12 @@ def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=N
     a reused block may hold an earlier request's entry there), or an id
     mapped to an out-of-range slot/block gives a zero row and adds 1 to
     errors (reference.paged_gather_topk). One launch."""
-    C.check_pool(pool)
-    if D.compiling():
-        return V.traced_out(GATHER_TOPK_OP, pool, out, dtype, (*topk_ids.shape, pool.head_dim), errors,
-                            slots=slots, topk_ids=topk_ids, n_entries=n_entries, valid_mask=valid_mask)
+    C.pool(pool)
     name = C.out_dtype(dtype, out)
-    dev = pool.device_index
-    ids, s, ne, v = C.topk_args(slots, topk_ids, n_entries, valid_mask, dev)
-    B, Kk = ids.shape
-    shape = (B, Kk, pool.head_dim)
-    out = C.check_out(out, name, dev, shape=shape)
-    err = C.errors_arg(errors, pool.errors, dev)
-    C.check_outputs((("out", out), ("errors", C.counter(errors, pool))),
-                    (("slots", s), ("topk_ids", ids), ("n_entries", ne), ("valid_mask", v)), C.owned(pool, "pool"))
-    C.check_launch_rows("topk_ids", B * Kk)
-    if dev is None:
-        rows, n = ref.paged_gather_topk(pool.reference_view(), s, ids, ne, v, dtype=name)
-        C.add_errors(err, n)
-        return D.from_numpy(rows, topk_ids, torch_dtype=name, out=out)
-    rt = get_runtime(dev)
     if out is None:
-        out = rt.empty(shape, C.torch_dtype(name), stream=stream)
-    _plan.run(rt, P.gather(rt, pool, ids, s, ne, v, out, err, B, Kk), stream)
-    return out
-
-
-def _dense_launch(pool, index, slots, n_entries, valid, slot0, n0, B, Kk, out, err, stream):
-    """One dense launch: rows of `slots` (or of slot0 when None), lengths
-    n_entries (or n0), entries or (index) indexer keys."""
-    C.check_launch_rows("out", B * Kk * (pool.index_head_dim // 16 if index else 1))
-    if B * Kk == 0:
-        return
-    rt = get_runtime(pool.device_index)
-    plan = (P.gather_index(rt, pool, slots, n_entries, valid, out, err, B, Kk, slot0, n0) if index else
-            P.gather(rt, pool, None, slots, n_entries, valid, out, err, B, Kk, slot0, n0))
-    _plan.run(rt, plan, stream)
-
-
-def _check_index(pool, index: bool) -> int:
-    """Row width of a dense gather: head_dim, or the indexer key's."""
-    if not index:
-        return pool.head_dim
-    if not pool.has_index:
-        raise ValueError("pool: has no indexer keys (not a CSA pool with index_head_dim)")
-    return pool.index_head_dim
-
-
-def _dense_one(pool, slot, n_entries, out, dtype, errors, stream, index):
-    C.check_pool(pool)
-    width = _check_index(pool, index)
-    if D.compiling():
-        return V.traced_out(DENSE_OPS[index], pool, out, dtype, (n_entries, width), errors, slot=slot,
-                            n_entries=n_entries)
-    slot = C.host_int("slot", slot, 0, pool.max_requests)
-    # n is a host int, so it is checked against the host's count of the slot's
-    # entries (0 for a free slot; a view has no count: V.pool_view); the kernel
-    # still bounds by pool.written, which also catches entries prepared but
-    # not yet flushed.
-    n = C.host_int("n_entries", n_entries, 0)
-    have = n if pool._n_entries is None else int(pool._n_entries[slot])
-    if n > have:
-        raise ValueError(f"n_entries: {n} entries asked of slot {slot}, which holds {have} after the "
-                         "steps prepared so far (pool.n_entries); the rest would be bytes this "
-                         "request never wrote")
-    name = C.out_dtype(dtype, out)
-    dev = pool.device_index
-    out = C.check_out(out, name, dev, shape=(n, width))
-    err = C.errors_arg(errors, pool.errors, dev)
-    C.check_outputs((("out", out), ("errors", C.counter(errors, pool))), (), C.owned(pool, "pool"))
-    if dev is None:
-        rows, ne = ref.paged_gather_dense(pool.reference_view(), slot, n, name, index=index)
-        C.add_errors(err, ne)
-        return D.from_numpy(rows, out, torch_dtype=name, out=out)
-    if out is None:
-        out = get_runtime(dev).empty((n, width), C.torch_dtype(name), stream=stream)
-    _dense_launch(pool, index, None, None, None, slot, n, 1, n, out, err, stream)
-    return out
-
-
-def _dense_batch(pool, slots, n_entries, max_entries, valid_mask, out, dtype, errors, stream, index):
-    C.check_pool(pool)
-    width = _check_index(pool, index)
-    if out is None and max_entries is None:
-        raise ValueError("max_entries: required when out is not given")
-    if D.compiling():
-        return V.traced_out(BATCH_OPS[index], pool, out, dtype, (slots.shape[0], max_entries, width), errors,
-                            slots=slots, n_entries=n_entries, valid_mask=valid_mask)
-    name = C.out_dtype(dtype, out)
-    if max_entries is not None:
-        max_entries = C.host_int("max_entries", max_entries, 0)
-    dev = pool.device_index
-    s = C.arg(slots, "slots", C.I32, dev, ndim=1)
-    B = s.shape[0]
-    ne = C.arg(n_entries, "n_entries", C.I32, dev, shape=(B,))
-    v = C.opt(valid_mask, "valid_mask", C.BOOL, dev, shape=(B,))
-    out = C.check_out(out, name, dev, ndim=3)
-    Kk = max_entries if out is None else out.shape[1]
-    if out is not None and (tuple(out.shape) != (B, Kk, width) or
-                            (max_entries is not None and Kk != max_entries)):
-        raise ValueError(f"out: expected shape ({B}, {max_entries if max_entries is not None else 'K'}, "
-                         f"{width}), got {tuple(out.shape)}")
-    err = C.errors_arg(errors, pool.errors, dev)
-    C.check_outputs((("out", out), ("errors", C.counter(errors, pool))),
-                    (("slots", s), ("n_entries", ne), ("valid_mask", v)), C.owned(pool, "pool"))
-    if dev is None:
-        rows, n = ref.paged_gather_dense_batch(pool.reference_view(), s, ne, Kk, v, name, index=index)
-        C.add_errors(err, n)
-        return D.from_numpy(rows, slots, torch_dtype=name, out=out)
-    if out is None:
-        out = get_runtime(dev).empty((B, Kk, width), C.torch_dtype(name), stream=stream)
-    _dense_launch(pool, index, s, ne, v, 0, 0, B, Kk, out, err, stream)
+        out = empty(topk_ids, (*dims(topk_ids), pool.head_dim), name, stream)
+    _gather_topk(*V.pool_operands(pool, errors), slots, topk_ids, n_entries, valid_mask, out,
+                 stream=stream, pool=pool, dtype=name)
     return out
 
 
@@ -151,7 +47,7 @@ def gather_dense(pool, slot, n_entries, *, out=None, dtype=None, errors=None, st
     for a free slot) is a ValueError. An entry >= pool.written[slot] (not
     flushed yet) or whose block is out of range is a zero row and adds 1 to
     errors. One launch, capturable with out=."""
-    return _dense_one(pool, slot, n_entries, out, dtype, errors, stream, index=False)
+    return _dense_one(_gather_dense, pool, slot, n_entries, out, dtype, errors, stream, False)
 
 
 def gather_dense_batch(pool, slots, n_entries, *, max_entries=None, out=None, valid_mask=None,
@@ -163,46 +59,130 @@ def gather_dense_batch(pool, slots, n_entries, *, max_entries=None, out=None, va
     > K adds 1 to errors and gathers the first min(n, K) entries; entries
     j >= pool.written[slot] and bad slots/blocks: zero rows, 1 error each.
     valid_mask False: zero rows (reference.paged_gather_dense_batch)."""
-    return _dense_batch(pool, slots, n_entries, max_entries, valid_mask, out, dtype, errors,
-                        stream, index=False)
+    return _dense_batch(_gather_dense_batch, pool, slots, n_entries, max_entries, valid_mask, out, dtype, errors,
+                        stream, False)
 
 
 def gather_index_keys(pool, slot, n_entries, *, out=None, dtype=None, errors=None, stream=None):
     """CSA indexer keys of entries 0 .. n_entries-1 of the request in `slot`:
     (n_entries, index_head_dim) of `dtype` (rules of gather_dense)."""
-    return _dense_one(pool, slot, n_entries, out, dtype, errors, stream, index=True)
+    return _dense_one(_gather_index_keys, pool, slot, n_entries, out, dtype, errors, stream, True)
 
 
 def gather_index_keys_batch(pool, slots, n_entries, *, max_entries=None, out=None,
                             valid_mask=None, dtype=None, errors=None, stream=None):
     """Batched gather_index_keys, rules of gather_dense_batch:
     out (B, K, index_head_dim)."""
-    return _dense_batch(pool, slots, n_entries, max_entries, valid_mask, out, dtype, errors,
-                        stream, index=True)
+    return _dense_batch(_gather_index_keys_batch, pool, slots, n_entries, max_entries, valid_mask, out, dtype,
+                        errors, stream, True)
 
 
-def _gather_topk_op(slots, topk_ids, n_entries, valid_mask, out, **pool):
-    gather_topk(V.pool_view(**pool), slots, topk_ids, n_entries=n_entries, valid_mask=valid_mask, out=out)
+def _width(pool, index: bool):
+    """The row width of a dense gather (None: the pool has no indexer keys,
+    which the op refuses by name)."""
+    return pool.index_head_dim if index else pool.head_dim
 
 
-def _dense_op(index: bool):
-    def op(slot, n_entries, out, **pool):
-        _dense_one(V.pool_view(**pool), slot, n_entries, out, None, None, None, index)
-    return op
+def _dense_one(call, pool, slot, n_entries, out, dtype, errors, stream, index):
+    """gather_dense / gather_index_keys (`call`, their op): a new out (a
+    numpy array for a CPU pool, as the reference returns) unless given."""
+    C.pool(pool)
+    name = C.out_dtype(dtype, out)
+    width = _width(pool, index)
+    if out is None and width is not None and C.is_size(n_entries):
+        out = empty(pool.block_table, (n_entries, width), name, stream)
+    call(*V.pool_operands(pool, errors), slot, n_entries, out, stream=stream, pool=pool, dtype=name)
+    return out
 
 
-def _batch_op(index: bool):
-    def op(slots, n_entries, valid_mask, out, **pool):
-        _dense_batch(V.pool_view(**pool), slots, n_entries, None, valid_mask, out, None, None, None, index)
-    return op
+def _dense_batch(call, pool, slots, n_entries, max_entries, valid_mask, out, dtype, errors, stream, index):
+    """gather_dense_batch / gather_index_keys_batch (`call`): out, or a new
+    (B, max_entries, width) one (max_entries is the public op's)."""
+    C.pool(pool)
+    if out is None and max_entries is None:
+        raise ValueError("max_entries: required when out is not given")
+    name = C.out_dtype(dtype, out)
+    if max_entries is not None:
+        max_entries = C.host_int("max_entries", max_entries, 0)
+    width, s = _width(pool, index), dims(slots)
+    if out is None and width is not None and len(s) == 1:
+        out = empty(slots, (s[0], max_entries, width), name, stream)
+    call(*V.pool_operands(pool, errors), slots, n_entries, valid_mask, out, stream=stream, pool=pool, dtype=name,
+         max_entries=max_entries)
+    return out
 
 
+# ---- the ops ----------------------------------------------------------------------------------
+# A body takes the schema's arguments as *args (the pool's buffers first:
+# V.pool_of) and, from an eager call, the pool itself and the public op's
+# dtype name (a numpy float32 out holds bfloat16).
 _READ = V.pool_schema(False)
-GATHER_TOPK_OP = OpDecl("kv_gather_topk", _gather_topk_op, V.schema(
-    _READ, "Tensor slots, Tensor topk_ids, Tensor? n_entries, Tensor? valid_mask, Tensor(!) out"))
-# {index?: declaration}: the entries' and the indexer keys' gathers share their code
-DENSE_OPS = {index: OpDecl(name, _dense_op(index), V.schema(_READ, "int slot, int n_entries, Tensor(!) out"))
-             for index, name in ((False, "kv_gather_dense"), (True, "kv_gather_index_keys"))}
-BATCH_OPS = {index: OpDecl(name, _batch_op(index), V.schema(
-    _READ, "Tensor slots, Tensor n_entries, Tensor? valid_mask, Tensor(!) out"))
-    for index, name in ((False, "kv_gather_dense_batch"), (True, "kv_gather_index_keys_batch"))}
+
+
+@op("kv_gather_topk", V.schema(_READ, "Tensor slots, Tensor topk_ids, Tensor? n_entries, Tensor? valid_mask, "
+                                      "Tensor(!) out"))
+def _gather_topk(*args, stream=None, pool=None, dtype=None):
+    """rawkv::kv_gather_topk: the selected entries into out."""
+    pool, errors, (slots, topk_ids, n_entries, valid_mask, out) = V.pool_of(args, pool)
+    where, ids, s, ne, v, out, name, err = C.topk(pool, errors, slots, topk_ids, n_entries, valid_mask, out,
+                                                  dtype)
+    if where == "cpu":
+        rows, n = ref.paged_gather_topk(pool.reference_view(), *C.host(s, ids, ne, v), dtype=name)
+        C.add_errors(err, n)
+        D.from_numpy(rows, out, torch_dtype=name, out=out)
+        return
+    B, Kk = ids.shape
+    rt = get_runtime(pool.device_index)
+    _plan.run(rt, P.gather(rt, pool, ids, s, ne, v, out, err, B, Kk), stream)
+
+
+def _run_dense(pool, index, slots, n_entries, valid, slot0, n0, B, Kk, out, err, stream):
+    """One dense launch: rows of `slots` (or of slot0 when None), lengths
+    n_entries (or n0), entries or (index) indexer keys."""
+    if B * Kk == 0:
+        return
+    rt = get_runtime(pool.device_index)
+    plan = (P.gather_index(rt, pool, slots, n_entries, valid, out, err, B, Kk, slot0, n0) if index else
+            P.gather(rt, pool, None, slots, n_entries, valid, out, err, B, Kk, slot0, n0))
+    _plan.run(rt, plan, stream)
+
+
+def _dense_op(name: str, index: bool):
+    """rawkv::kv_gather_dense / kv_gather_index_keys: one body, the entries'
+    or (index) the indexer keys' rows."""
+    @op(name, V.schema(_READ, "int slot, int n_entries, Tensor(!) out"))
+    def body(*args, stream=None, pool=None, dtype=None):
+        pool, errors, (slot, n_entries, out) = V.pool_of(args, pool)
+        where, slot, n, out, dname, err = C.dense(pool, errors, slot, n_entries, out, dtype, index)
+        if where == "cpu":
+            rows, ne = ref.paged_gather_dense(pool.reference_view(), slot, n, dname, index=index)
+            C.add_errors(err, ne)
+            D.from_numpy(rows, out, torch_dtype=dname, out=out)
+            return
+        _run_dense(pool, index, None, None, None, slot, n, 1, n, out, err, stream)
+    body.__doc__ = f"rawkv::{name}: entries 0 .. n_entries-1 of a slot into out."
+    return body
+
+
+def _batch_op(name: str, index: bool):
+    """rawkv::kv_gather_dense_batch / kv_gather_index_keys_batch."""
+    @op(name, V.schema(_READ, "Tensor slots, Tensor n_entries, Tensor? valid_mask, Tensor(!) out"))
+    def body(*args, stream=None, pool=None, dtype=None, max_entries=None):
+        pool, errors, (slots, n_entries, valid_mask, out) = V.pool_of(args, pool)
+        where, s, ne, v, out, Kk, dname, err = C.dense_batch(pool, errors, slots, n_entries, valid_mask, out,
+                                                            dtype, index, max_entries)
+        if where == "cpu":
+            rows, n = ref.paged_gather_dense_batch(pool.reference_view(), *C.host(s, ne), Kk, *C.host(v), dname,
+                                                   index=index)
+            C.add_errors(err, n)
+            D.from_numpy(rows, out, torch_dtype=dname, out=out)
+            return
+        _run_dense(pool, index, s, ne, v, 0, 0, s.shape[0], Kk, out, err, stream)
+    body.__doc__ = f"rawkv::{name}: entries 0 .. n_entries[b]-1 of each row's slot into out."
+    return body
+
+
+_gather_dense = _dense_op("kv_gather_dense", False)
+_gather_index_keys = _dense_op("kv_gather_index_keys", True)
+_gather_dense_batch = _batch_op("kv_gather_dense_batch", False)
+_gather_index_keys_batch = _batch_op("kv_gather_index_keys_batch", True)
