@@ -15,18 +15,20 @@ rawkv.kernels.kv_cache and .kv_compress) on torch's current stream, with no
 allocation when out= is given, no host synchronization and no host branch on
 device data, so a decode step captures into one CUDA graph. On a CPU pool /
 state (device="cpu") the ops run the numpy reference, rawkv.reference.kvcache,
-which defines every result. Every argument is checked (rules in .checks)
-before anything is launched or written; the error names the argument.
+which defines every result. Every argument is checked (rules in ._rules,
+the same on CPU and CUDA) before anything is launched or written; the error
+names the argument.
 Device-side indices are bounds-checked: a bad row is skipped and counted in
 `errors` (default: pool.errors for pool ops, state.errors for state ops).
 
-Every op is also a rawkv:: custom operator on the pool's / state's buffers
-(torch.ops.rawkv.kv_*; views), which the op calls under torch.compile.
+Every op is written once as a rawkv:: custom operator on the pool's /
+state's buffers (rawkv._op.op; torch.ops.rawkv.kv_*; views): an eager call
+runs its body on the objects, torch.compile records the operator.
 
 Modules: pool, state (the objects); flush, gather, state_ops (format ops);
 prefill, decode, compressor (the compressor); bridge (top-k ids -> the
 pool's FlashMLA indices); assign (page ownership: blocks handed to
-requests); checks; views (the operators' schemas and the
+requests); _rules (the argument rules); views (the operators' schemas and the
 pool / state views they run on); layouts (the ecosystem layouts as
 standalone ops).
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import _args as A
 from .. import _dispatch as D
+from ..kernels import kv_compress as KC
 from ..reference.kvcache import layouts as RL
 from .pool import PagedKVPool
 from .state import DecodeState
@@ -479,3 +480,154 @@ def dense_batch(p, errors, slots, n_entries, valid_mask, out, dtype, index: bool
 def is_size(v) -> bool:
     """A host int >= 0 (not a bool): a shape a public op may allocate."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 0
+
+
+# ---- the compressor ------------------------------------------------------------------------------
+def compressible(p) -> None:
+    """The pool geometries the kernel handles (a PagedKVPool accepts more)."""
+    d = p.head_dim
+    if d % KC.CHANNEL_THREADS or d > KC.MAX_HEAD_DIM:
+        raise ValueError(f"pool: head_dim must be a multiple of {KC.CHANNEL_THREADS} and "
+                         f"<= {KC.MAX_HEAD_DIM} for the compressor, got {d}")
+    if p.rope_dim % 2 or p.rope_dim <= 0:
+        raise ValueError(f"pool: rope_dim must be even and positive for the compressor, "
+                         f"got {p.rope_dim}")
+    if p.has_index and p.index_head_dim != KC.INDEX_HEAD_DIM:
+        raise ValueError(f"pool: the compressor supports index_head_dim {KC.INDEX_HEAD_DIM} only, "
+                         f"got {p.index_head_dim}")
+    if p.kind == "csa" and 2 * p.m > KC.CHUNK_ROWS:
+        raise ValueError(f"pool: CSA needs 2m <= {KC.CHUNK_ROWS} (the 2m rows are held in "
+                         f"registers), got m = {p.m}")
+
+
+def index_parts(index, cls) -> tuple:
+    """The public op's `index` (a `cls`: PrefillIndex / DecodeIndex, or
+    None) as its operator's arguments: its fields, all None for None."""
+    if index is None:
+        return (None,) * len(cls._fields)
+    if not isinstance(index, tuple) or len(index) != len(cls._fields):
+        raise TypeError(f"index: expected a {cls.__name__} ({', '.join(cls._fields)})")
+    return tuple(index)
+
+
+def index_of(p, parts: tuple, cls):
+    """The indexer inputs from the operator's arguments `parts` (a `cls`,
+    or None when all are None): required exactly for a pool with indexer
+    keys."""
+    index = None if all(x is None for x in parts) else cls(*parts)
+    if p.has_index:
+        if index is None:
+            raise ValueError("index: required for a CSA pool with indexer keys "
+                             f"({cls.__name__}(...))")
+    elif index is not None:
+        raise ValueError("index: only a CSA pool with indexer keys takes index inputs")
+    return index
+
+
+def _rows(x, name: str, dt: str, where: str, dev: int, shape):
+    """Token rows of kv's dtype `dt`, exactly: the kernel reads every row
+    as kv's, so a float32 numpy z beside a bfloat16 kv is refused too."""
+    return A.tensor(x, name, (dt,), where, shape=shape, device=dev)
+
+
+def compress_prefill(p, kv, z, ape, norm_weight, slot, start_entry, parts: tuple, eps, index_cls):
+    """(where, slot, start_entry, eps, kv, z, ape, norm_weight, index) of
+    compress_prefill: kv, z (T, coff * head_dim) float32 / bfloat16 (z:
+    kv's), ape (m, coff * head_dim) float32 or None, norm_weight (head_dim,)
+    float32, slot in [0, max_requests), start_entry >= 0, the index (an
+    `index_cls` of rows (T, 256) of kv's dtype, ape (m, 256) and
+    norm_weight (128,) float32) exactly for a pool with indexer keys."""
+    compressible(p)
+    d, m = p.head_dim, p.m
+    w = (2 if p.kind == "csa" else 1) * d
+    slot = host_int("slot", slot, 0, p.max_requests)
+    start_entry = host_int("start_entry", start_entry, 0)
+    eps = A.check_eps(eps)
+    index = index_of(p, parts, index_cls)
+    named = (("kv", kv), ("z", z), ("ape", ape), ("norm_weight", norm_weight))
+    if index is not None:
+        named += tuple((f"index.{f}", x) for f, x in zip(index_cls._fields, index))
+    where, dev = placed(p, "pool", *named)
+    k = arg(kv, "kv", ROWS, where, dev, ndim=2)
+    if k.shape[1] != w:
+        raise ValueError(f"kv: expected shape (T, {w}), got {tuple(k.shape)}")
+    dt = A.dtype_name(k)
+    zz = _rows(z, "z", dt, where, dev, tuple(k.shape))
+    a = opt(ape, "ape", F32, where, dev, shape=(m, w))
+    nw = arg(norm_weight, "norm_weight", F32, where, dev, shape=(d,))
+    if index is not None:
+        iw = 2 * KC.INDEX_HEAD_DIM
+        index = index_cls(_rows(index.kv, "index.kv", dt, where, dev, (k.shape[0], iw)),
+                          _rows(index.z, "index.z", dt, where, dev, (k.shape[0], iw)),
+                          opt(index.ape, "index.ape", F32, where, dev, shape=(m, iw)),
+                          arg(index.norm_weight, "index.norm_weight", F32, where, dev,
+                              shape=(KC.INDEX_HEAD_DIM,)))
+    return where, slot, start_entry, eps, k, zz, a, nw, index
+
+
+def _state_of_pool(p, st, name: str, kind: str, head_dim: int) -> None:
+    """A decode state that belongs to `p`: its kind and head_dim, one row
+    per request slot of the pool (slots index the state AND the block
+    table), on the pool's device."""
+    state(st, name)
+    if st.kind != kind:
+        raise ValueError(f"{name}: is a {st.kind!r} state but the pool needs a {kind!r} one")
+    if st.head_dim != head_dim:
+        raise ValueError(f"{name}: has head_dim {st.head_dim}, expected {head_dim}")
+    if st.max_requests != p.max_requests:
+        raise ValueError(f"{name}: has {st.max_requests} slots but the pool has max_requests = "
+                         f"{p.max_requests}; a decode state must have one row per request slot "
+                         "of its pool")
+    if st.device_index != p.device_index:
+        raise ValueError(f"{name}: is on {st.device} but the pool is on {p.device}")
+
+
+def _attached(p, st, name: str) -> None:
+    """A pool object's decode state is attached to it (pool.attach), so its
+    slots are emptied when they change owner. A view (the kv_compress_decode
+    operator's buffers) has no host bookkeeping: its engine owns admission
+    (docs/kvcache.md, "Admission")."""
+    if p._states is None:
+        return
+    if st._pool is not p:
+        raise ValueError(f"{name}: is not attached to this pool; call pool.attach(state) when the layer "
+                         "is built (the pool then empties a slot's decode state when the slot changes "
+                         "owner, so no request's entry is pooled from another's rows)")
+
+
+def decode_states(p, st, index_state, index_norm_weight, index_cls):
+    """compress_decode's objects, checked before the op reads their
+    buffers: the index (an `index_cls` of `index_state` and
+    `index_norm_weight`, index_of's rule), `st` of the pool's kind and
+    head_dim and the index's state the CSA indexer's (head_dim 128), each
+    with one row per request slot of the pool, on its device, and attached
+    to it (a pool object's). Returns the index or None."""
+    index = index_of(p, (index_state, index_norm_weight), index_cls)
+    _state_of_pool(p, st, "state", p.kind, p.head_dim)
+    if index is not None:
+        _state_of_pool(p, index.state, "index.state", "csa", KC.INDEX_HEAD_DIM)
+    _attached(p, st, "state")
+    if index is not None:
+        _attached(p, index.state, "index.state")
+    return index
+
+
+def compress_decode(p, index, norm_weight, valid_mask, slots, positions, eps):
+    """(where, eps, norm_weight, valid_mask, slots, positions, index
+    norm_weight or None) of compress_decode (its objects and index:
+    decode_states): valid_mask (B,) bool, slots and positions (B,) int32 or
+    int64 (one dtype), norm_weight (head_dim,) float32, the index's
+    (128,) float32."""
+    compressible(p)
+    eps = A.check_eps(eps)
+    inw = None if index is None else index.norm_weight
+    where, dev = placed(p, "pool", ("valid_mask", valid_mask), ("slots", slots), ("positions", positions),
+                        ("norm_weight", norm_weight), ("index.norm_weight", inw))
+    v = arg(valid_mask, "valid_mask", BOOL, where, dev, ndim=1)
+    B = v.shape[0]
+    s = arg(slots, "slots", IDS, where, dev, shape=(B,))
+    pos = arg(positions, "positions", (A.dtype_name(s),), where, dev, shape=(B,))
+    nw = arg(norm_weight, "norm_weight", F32, where, dev, shape=(p.head_dim,))
+    if index is not None:
+        inw = arg(inw, "index.norm_weight", F32, where, dev, shape=(KC.INDEX_HEAD_DIM,))
+    return where, eps, nw, v, s, pos, inw

@@ -1,6 +1,7 @@
 """What compress_prefill and compress_decode share: the indexer argument
-types, the pool geometry the kernel supports, the RoPE table and the
-pool-side arguments of rkv_kv_compress."""
+types, the RoPE table and its parameters as the operators take them, and
+the pool-side arguments of rkv_kv_compress (the pool geometry the kernel
+supports: _rules.compressible)."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -11,7 +12,7 @@ from ..errors import CaptureError
 from ..kernels import kv_compress as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
-from .checks import check_pool
+from ._rules import pool as check_pool
 
 
 class PrefillIndex(NamedTuple):
@@ -28,38 +29,6 @@ class DecodeIndex(NamedTuple):
     (head_dim 128) and its norm_weight (128,) float32."""
     state: Any
     norm_weight: Any
-
-
-def check_compressible(pool) -> None:
-    """The pool geometries the kernel handles (a PagedKVPool accepts more)."""
-    d = pool.head_dim
-    if d % K.CHANNEL_THREADS or d > K.MAX_HEAD_DIM:
-        raise ValueError(f"pool: head_dim must be a multiple of {K.CHANNEL_THREADS} and "
-                         f"<= {K.MAX_HEAD_DIM} for the compressor, got {d}")
-    if pool.rope_dim % 2 or pool.rope_dim <= 0:
-        raise ValueError(f"pool: rope_dim must be even and positive for the compressor, "
-                         f"got {pool.rope_dim}")
-    if pool.has_index and pool.index_head_dim != K.INDEX_HEAD_DIM:
-        raise ValueError(f"pool: the compressor supports index_head_dim {K.INDEX_HEAD_DIM} only, "
-                         f"got {pool.index_head_dim}")
-    if pool.kind == "csa" and 2 * pool.m > K.CHUNK_ROWS:
-        raise ValueError(f"pool: CSA needs 2m <= {K.CHUNK_ROWS} (the 2m rows are held in "
-                         f"registers), got m = {pool.m}")
-
-
-def index_arg(pool, index, cls):
-    """`index` as a `cls` (PrefillIndex / DecodeIndex): required exactly for
-    a pool with indexer keys."""
-    if pool.has_index:
-        if index is None:
-            raise ValueError("index: required for a CSA pool with indexer keys "
-                             f"({cls.__name__}(...))")
-        if not isinstance(index, tuple) or len(index) != len(cls._fields):
-            raise TypeError(f"index: expected a {cls.__name__} ({', '.join(cls._fields)})")
-        return cls(*index)
-    if index is not None:
-        raise ValueError("index: only a CSA pool with indexer keys takes index inputs")
-    return None
 
 
 # (device, table rows, m, rope_dim, theta, yarn) -> the device table

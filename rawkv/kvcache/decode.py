@@ -3,50 +3,14 @@ paged pool, one rkv_kv_compress launch per step (capturable;
 reference.paged_compress_decode defines the flush rule)."""
 from __future__ import annotations
 
-from .. import _args as A
-from .. import _dispatch as D
 from .. import _plan
-from .._opdecl import OpDecl
-from ..kernels import kv_compress as K
+from .._op import op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
-from . import checks as C
+from . import _rules as C
 from . import plans as P
 from . import views as V
-from .compressor import (
-    DecodeIndex, check_compressible, index_arg, rope_table, yarn_list, yarn_of,
-)
-
-
-def _check_state_of(pool, state, name: str, kind: str, head_dim: int) -> None:
-    """A decode state that belongs to `pool`: its kind and head_dim, one row
-    per request slot of the pool (slots index the state AND the block
-    table), on the pool's device."""
-    C.check_state(state, name)
-    if state.kind != kind:
-        raise ValueError(f"{name}: is a {state.kind!r} state but the pool needs a {kind!r} one")
-    if state.head_dim != head_dim:
-        raise ValueError(f"{name}: has head_dim {state.head_dim}, expected {head_dim}")
-    if state.max_requests != pool.max_requests:
-        raise ValueError(f"{name}: has {state.max_requests} slots but the pool has max_requests = "
-                         f"{pool.max_requests}; a decode state must have one row per request slot "
-                         "of its pool")
-    if state.device_index != pool.device_index:
-        raise ValueError(f"{name}: is on {state.device} but the pool is on {pool.device}")
-
-
-def _check_attached(pool, state, name: str) -> None:
-    """A pool object's decode state is attached to it (pool.attach), so its
-    slots are emptied when they change owner. A view (the kv_compress_decode
-    operator's buffers) has no host bookkeeping: its engine owns admission
-    (docs/kvcache.md, "Admission")."""
-    if pool._states is None:
-        return
-    C.check_state(state, name)
-    if state._pool is not pool:
-        raise ValueError(f"{name}: is not attached to this pool; call pool.attach(state) when the layer "
-                         "is built (the pool then empties a slot's decode state when the slot changes "
-                         "owner, so no request's entry is pooled from another's rows)")
+from .compressor import DecodeIndex, rope_table, yarn_list, yarn_of
 
 
 def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, index=None,
@@ -77,57 +41,44 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
                  written and one error is counted.
     eps:         RMSNorm epsilon, a finite number > 0.
     """
-    C.check_pool(pool)
-    check_compressible(pool)
-    theta, yarn = ref.check_rope(theta, yarn)      # every path, before any launch
-    if D.compiling():
-        ist, inw = (None, None) if index is None else index
-        _check_attached(pool, state, "state")
-        if ist is not None:
-            _check_attached(pool, ist, "index.state")
-        return V.call(DECODE_OP, **V.pool_args(pool), **V.state_args(state, counter=False),
-                      **V.state_args(ist, prefix="index_", counter=False), norm_weight=norm_weight,
-                      valid_mask=valid_mask, slots=slots, positions=positions, index_norm_weight=inw,
-                      eps=eps, theta=theta, yarn=yarn_list(yarn))
-    eps = A.check_eps(eps)
-    index = index_arg(pool, index, DecodeIndex)
-    _check_state_of(pool, state, "state", pool.kind, pool.head_dim)
-    if index is not None:
-        _check_state_of(pool, index.state, "index.state", "csa", K.INDEX_HEAD_DIM)
-    _check_attached(pool, state, "state")
-    if index is not None:
-        _check_attached(pool, index.state, "index.state")
-    dev = pool.device_index
-    v = C.arg(valid_mask, "valid_mask", C.BOOL, dev, ndim=1)
-    B = v.shape[0]
-    s = C.arg(slots, "slots", C.IDS, dev, shape=(B,))
-    p = C.arg(positions, "positions", (str(s.dtype).replace("torch.", ""),), dev, shape=(B,))
-    nw = C.arg(norm_weight, "norm_weight", C.F32, dev, shape=(pool.head_dim,))
-    inw = None if index is None else C.arg(index.norm_weight, "index.norm_weight", C.F32, dev,
-                                           shape=(K.INDEX_HEAD_DIM,))
-    if dev is None:
-        ix = None if index is None else (index.state.reference_view(), inw)
-        C.add_errors(pool.errors, ref.paged_compress_decode(
-            pool.reference_view(), state.reference_view(), nw, v, s, p, index=ix, eps=eps,
-            theta=theta, yarn=yarn))
-        return None
-    if B == 0:
-        return None
-    tab = rope_table(pool, theta=theta, yarn=yarn, stream=stream)
-    _plan.run(get_runtime(dev), P.compress_decode(pool, state, nw, None if index is None else index.state, inw,
-                                                  v, s, p, tab, eps), stream)
-    return None
+    C.pool(pool)
+    rope = ref.check_rope(theta, yarn)      # a YarnConfig; the operator takes its values
+    index = C.decode_states(pool, state, *C.index_parts(index, DecodeIndex), DecodeIndex)
+    ist, inw = (None, None) if index is None else index
+    _compress_decode(*V.pool_operands(pool), *V.state_operands(state, counter=False), norm_weight, valid_mask,
+                     slots, positions, *V.state_operands(ist, counter=False), inw, eps, rope[0],
+                     yarn_list(rope[1]), stream=stream, pool=pool, state=state, index=index, rope=rope)
 
 
-def _decode_op(norm_weight, valid_mask, slots, positions, index_norm_weight, eps, theta, yarn, **kw):
-    state, ist = V.take_state(kw), V.take_state(kw, "index_")
-    index = None if ist is None and index_norm_weight is None else DecodeIndex(ist, index_norm_weight)
-    compress_decode(V.pool_view(**kw), state, norm_weight, valid_mask, slots, positions, index=index,
-                    eps=eps, theta=theta, yarn=yarn_of(yarn))
-
-
-DECODE_OP = OpDecl("kv_compress_decode", _decode_op, V.schema(
+@op("kv_compress_decode", V.schema(
     V.pool_schema(True), V.state_schema(False, counter=False),
     "Tensor norm_weight, Tensor valid_mask, Tensor slots, Tensor positions",
     V.state_schema(False, "index_", counter=False, optional=True),
     "Tensor? index_norm_weight, float eps, float theta, float[]? yarn"))
+def _compress_decode(*args, stream=None, pool=None, state=None, index=None, rope=None):
+    """rawkv::kv_compress_decode: the pool's and the state's buffers, the
+    step's rows, the indexer state's buffers (all None: none) and its
+    norm_weight, the RoPE parameters. An eager call passes the objects, the
+    index and `rope`, the public op checked them (C.decode_states); the
+    operator checks its views the same way."""
+    checked = pool is not None
+    pool, errors, rest = V.pool_of(args, pool)
+    state, _, rest = V.state_of(rest, state, counter=False)
+    norm_weight, valid_mask, slots, positions = rest[:4]
+    ist, _, (inw, eps, theta, yarn) = V.state_of(rest[4:], None if index is None else index.state,
+                                                 counter=False, optional=True)
+    if not checked:
+        index = C.decode_states(pool, state, ist, inw, DecodeIndex)
+    theta, yarn = rope if rope is not None else ref.check_rope(theta, yarn_of(yarn))
+    where, eps, nw, v, s, p, inw = C.compress_decode(pool, index, norm_weight, valid_mask, slots, positions, eps)
+    ist = None if index is None else index.state
+    if where == "cpu":
+        ix = None if index is None else (ist.reference_view(), *C.host(inw))
+        C.add_errors(errors, ref.paged_compress_decode(
+            pool.reference_view(), state.reference_view(), *C.host(nw, v, s, p), index=ix, eps=eps,
+            theta=theta, yarn=yarn))
+        return
+    if v.shape[0] == 0:
+        return
+    tab = rope_table(pool, theta=theta, yarn=yarn, stream=stream)
+    _plan.run(get_runtime(pool.device_index), P.compress_decode(pool, state, nw, ist, inw, v, s, p, tab, eps), stream)

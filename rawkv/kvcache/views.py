@@ -309,31 +309,3 @@ def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:
     _counter_apart(st, "state")
     return st
 
-
-# ---- the older form, until every kvcache op is on rawkv._op ---------------------------------
-def take_state(kw: dict, prefix: str = ""):
-    """Pop a state's arguments (named with `prefix`) from an operator's
-    keywords: a view over them, or None when they are all None."""
-    bufs = [kw.pop(prefix + n) for n in _STATE]
-    return None if all(b is None for b in bufs) else state_view(*bufs)
-
-
-def call(decl, **kwargs) -> None:
-    """Under torch.compile: call the op's rawkv:: operator."""
-    import torch
-    decl.call(torch, **kwargs)
-
-
-def traced_out(decl, pool, out, dtype, shape, errors, **inputs):
-    """Under torch.compile, a gather: `out` (or a new tensor of `shape` and
-    `dtype`, bfloat16 by default, on the pool's device) written by the
-    operator."""
-    import torch
-    t = out.dtype if dtype is None and out is not None else \
-        torch.bfloat16 if dtype is None else getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if out is None:
-        out = torch.empty(shape, dtype=t, device=pool.device)
-    elif out.dtype != t:
-        raise TypeError(f"out: dtype {out.dtype} is not the dtype asked for ({t})")
-    decl.call(torch, **pool_args(pool, errors), **inputs, out=out)
-    return out
