@@ -250,38 +250,12 @@ def dtypes() -> _TorchDtypes:
     return _DTYPES
 
 
-def check_tensor(x, name: str, dtypes, *, shape=None, ndim=None, device=None,
-                 contiguous: bool = True) -> None:
-    """Check a CUDA tensor argument; `dtypes` is a tuple of torch dtypes,
-    `device` the CUDA device index the op runs on."""
-    if x.dtype not in dtypes:
-        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name}: dtype {str(x.dtype).replace('torch.', '')} is not supported "
-                        f"(expected {allowed})")
-    if ndim is not None and x.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(x.shape)}")
-    if shape is not None and x.shape != shape and tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
-    if device is not None and x.get_device() != device:
-        raise ValueError(f"{name}: is on {x.device} but the op runs on cuda:{device}")
-    if contiguous and not x.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous (got strides {tuple(x.stride())}); "
-                         "call .contiguous() first")
-
-
 def aligned16(*tensors) -> bool:
     """True if every tensor's data pointer is 16-byte aligned (vector path)."""
     acc = 0
     for t in tensors:
         acc |= t.data_ptr()
     return acc & 15 == 0
-
-
-def check_aligned(name: str, t, align: int = 16) -> None:
-    """A CUDA tensor whose kernel loads it in `align`-byte words."""
-    if t.data_ptr() % align:
-        raise ValueError(f"{name}: data must be {align}-byte aligned for this kernel "
-                         f"(address {t.data_ptr():#x}); pass a fresh or .contiguous() tensor")
 
 
 def cpu_dtype_name(a, name: str) -> str:
@@ -389,26 +363,6 @@ def op_gs(gs, gs_value, required: bool = False):
     if gs is None and gs_value is None and required:
         raise TypeError("gs: expected a gs tensor or a gs_value number, got neither")
     return gs if gs is not None else gs_value
-
-
-def split_gs(gs, tensor_type) -> tuple:
-    """A public gs (None, a number, or a `tensor_type` tensor) as its custom
-    operator's (gs, gs_value) arguments, unchecked (the operator checks it):
-    what a public op does under torch.compile, so plain Python only (the
-    number checks use numpy, which dynamo cannot trace): anything else is a
-    number, traced_number's. (Dynamo sees a numpy scalar as a 0-d array,
-    which is_number would not take.)"""
-    if gs is None or isinstance(gs, tensor_type):
-        return gs, None
-    return None, traced_number(gs)
-
-
-def traced_number(v):
-    """A public op's number argument (eps, a gs value) as its custom
-    operator's float argument under torch.compile, unchecked: a Python
-    float, or, for None, a bool or a string, `v` as it is (the operator, or
-    torch's schema check, refuses what the eager op refuses)."""
-    return v if v is None or isinstance(v, (bool, np.bool_, str, bytes)) else float(v)
 
 
 # ---- outputs: writable, and apart from each other and from the inputs ----------------------

@@ -30,24 +30,6 @@ def _torch_or_none():
     return _torch
 
 
-_is_compiling = None     # torch.compiler.is_compiling, once torch is imported
-
-
-def compiling() -> bool:
-    """True while torch.compile traces the caller: public ops then allocate
-    with torch.empty and call their rawkv:: operator (rawkv.library), which
-    dynamo can put in a graph; the eager path is pointer-level Python it
-    cannot trace. On every op's hot path: one global read and one call."""
-    global _is_compiling
-    f = _is_compiling
-    if f is None:
-        t = sys.modules.get("torch")
-        if t is None:
-            return False
-        f = _is_compiling = t.compiler.is_compiling
-    return f()
-
-
 def is_torch(x) -> bool:
     t = _torch_or_none()
     return t is not None and isinstance(x, t.Tensor)

@@ -6,10 +6,11 @@ its argument schema in torch's schema language with the arguments it
 writes marked `(a!)` (`out`, caches). rawkv.library turns each declaration
 into a `rawkv::<name>` custom operator: the mutating form (returns nothing,
 allocates nothing, its writes listed in mutates_args), with a fake (meta)
-implementation, on CPU (the reference) and CUDA (the kernels). The
-public functions stay the allocating API on top of it: under torch.compile
-they allocate their outputs with torch.empty and call the operator (see
-`traced`), so a compiled function that calls them has no graph break.
+implementation, on CPU (the reference) and CUDA (the kernels). Every op
+declares itself through rawkv._op.op (an Op: its body is the
+implementation); the public functions stay the allocating API on top of it,
+and under torch.compile call the operator, so a compiled function that
+calls them has no graph break.
 """
 from __future__ import annotations
 
@@ -54,17 +55,6 @@ class OpDecl:
 
     def __repr__(self):
         return f"rawkv::{self.name}({self.schema}) -> ()"
-
-    def call(self, torch, **kwargs) -> None:
-        """Call the registered operator (what a public op does under
-        torch.compile). The operators are registered by rawkv.library,
-        which `import rawkv` imports when torch is already loaded."""
-        packet = getattr(torch.ops.rawkv, self.name, None) if hasattr(torch.ops, "rawkv") else None
-        if packet is None:
-            raise RuntimeError(f"rawkv::{self.name} is not registered: import rawkv.library "
-                               "(or import torch before rawkv) before torch.compile")
-        packet(**kwargs)
-
 
 def _split(schema: str):
     """Top-level comma split (defaults like [1, 2] stay whole)."""
