@@ -177,7 +177,9 @@ def quantize_blocks(x, *, block: int = 128, scale_format: str = "fp32", out=None
         codes = empty(x, s, "float8_e4m3fn", stream)
     new_bytes = scales is None and scale_format != "fp32"
     if scales is None:
-        nb = bref.block_count(s[-1], block) if s and block.__class__ is int and block in BLOCKS else 0
+        # (isinstance, not `__class__ is int`: dynamo evaluates the latter False
+        # while torch.compile traces, giving a scales buffer of no columns)
+        nb = bref.block_count(s[-1], block) if s and isinstance(block, int) and block in BLOCKS else 0
         # New E8M0 scales are written as uint8 and returned as a float8_e8m0fnu
         # view: torch.compile's inductor cannot functionalize an operator that
         # writes a float8_e8m0fnu buffer ("auto_functionalized_v2 was not
@@ -198,6 +200,11 @@ def dequantize_blocks(codes, scales, *, block: int = 128, dtype=None, out=None, 
     name = A.decode_dtype(dtype, out, "float32")
     if out is None:
         out = empty(codes, dims(codes), name, stream)
+    if str(getattr(scales, "dtype", "")) == "torch.float8_e8m0fnu":
+        # The same bytes as uint8: torch.compile's inductor cannot
+        # functionalize an operator taking a float8_e8m0fnu tensor
+        # ("auto_functionalized_v2 was not removed", torch 2.11, H100).
+        scales = scales.view(sys.modules["torch"].uint8)
     _dequantize_blocks(codes, scales, block, out, stream, name)
     return out
 
