@@ -8,7 +8,7 @@ compiles over the CPU's cores. cuda-python's nvrtcCompileProgram releases
 the GIL and NVRTC compiles separate programs concurrently, so threads
 suffice (no worker processes to start, nothing to pickle); each compile
 writes its own cache file. A compile gives the same cubin bytes whichever
-thread runs it (tests/test_compile.py).
+thread runs it (tests/runtime/test_compile.py).
 
 Nothing here touches CUDA: it runs, and is tested, on a machine with no GPU.
 """

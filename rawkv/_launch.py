@@ -17,7 +17,7 @@ import struct
 import threading
 
 # Slots per thread: the widest kernel, rkv_kv_compress, takes 47 parameters
-# (tests/test_kernel_abi.py holds every kernel to this).
+# (tests/guards/test_kernel_abi.py holds every kernel to this).
 MAX_ARGS = 64
 
 

@@ -200,7 +200,7 @@ class Decoder:
     decode states (prefill), and the decode step's static buffers
     (prepare / step). `device`: "cuda" (CUDA pools, tensors), "cpu" (CPU
     pools; numpy arrays, or CPU torch tensors with tensors=True: what
-    torch.compile traces, tests/library_samples_kvcache.py)."""
+    torch.compile traces, tests/support/library_samples_kvcache.py)."""
 
     def __init__(self, rng, prompts, steps, topk, epb, *, device="cpu", tensors=False, layout=DEFAULT_LAYOUT,
                  index_layout="fp8", step_rows=True):

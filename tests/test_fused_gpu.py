@@ -33,7 +33,7 @@ from rawkv.kernels import fused as K
 from rawkv.reference import fused as R
 from rawkv.reference import nvfp4 as RN
 
-import nvfp4_edges as E
+from support import nvfp4_edges as E
 
 torch = pytest.importorskip("torch")
 F32 = np.float32
@@ -483,7 +483,7 @@ def test_moe_stage_bit_exact(cuda, rng, dtype, id_dtype, w_dtype, m, k, topk):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_moe_stage_modelopt_edge_rules(cuda, rng, dtype):
-    """One-level NVFP4 (gs = 1) of the edge blocks (tests/nvfp4_edges.py):
+    """One-level NVFP4 (gs = 1) of the edge blocks (tests/support/nvfp4_edges.py):
     zero blocks get scale 0x38, blocks whose scale would round to 0 get 0x01
     and keep their values, -0 and negative values whose quotient rounds to
     -0 give code 0."""

@@ -15,7 +15,7 @@ from rawkv.nvfp4 import counters
 from rawkv.reference import nvfp4 as RN
 
 torch = pytest.importorskip("torch")
-from fake_cuda import fake, install  # noqa: E402
+from support.fake_cuda import fake, install  # noqa: E402
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 docs/fused.md): the operator writes what the public op returns, its gs
 arguments, and under torch.compile the public ops return what they return
 eagerly (types, shapes, dtypes, bits). opcheck and the compiled steps of
-every op are in test_library.py (tests/library_samples_fused.py)."""
+every op are in test_library.py (tests/support/library_samples_fused.py)."""
 from __future__ import annotations
 
 import numpy as np

@@ -665,7 +665,7 @@ def test_cpu_argument_errors_name_the_argument_and_write_nothing(rng, call, matc
 # or a missing argument fails here; the tests check which buffer each pointer
 # receives and the scalars. What the kernels compute: the GPU tests below.
 # ---------------------------------------------------------------------------
-from test_nvfp4_launch_plan import fake  # noqa: E402  (CPU tensors that report is_cuda)
+from support.fake_cuda import fake  # noqa: E402  (CPU tensors that report is_cuda)
 
 
 class Recorder:

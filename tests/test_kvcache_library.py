@@ -2,7 +2,7 @@
 operator called on a pool's / state's buffers does what the public op does
 on the object, the views it builds share the buffers and check them like a
 pool's constructor, and the device comes from the tensors. opcheck and the
-compiled steps: tests/test_library.py with tests/library_samples_kvcache.py."""
+compiled steps: tests/guards/test_library.py with tests/support/library_samples_kvcache.py."""
 import numpy as np
 import pytest
 

@@ -48,7 +48,7 @@ import rawkv  # noqa: E402
 import rawkv.library  # noqa: E402,F401  (registers torch.ops.rawkv)
 from conftest import GPU_SKIP_REASON  # noqa: E402
 from rawkv import _opdecl  # noqa: E402
-from test_library import samples  # noqa: E402
+from support.library import samples  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_PATH = ROOT / "tools" / "multi_gpu_step.py"
@@ -264,7 +264,7 @@ import numpy as np
 import torch
 from cuda.bindings import driver as cu
 import rawkv, rawkv.library
-from test_library import samples
+from support.library import samples
 import multi_gpu_step as step
 
 

@@ -10,7 +10,7 @@ from rawkv.reference import layouts as L
 from rawkv.reference import nvfp4 as R
 from rawkv.reference.formats import bf16_bits
 
-import nvfp4_edges as E
+from support import nvfp4_edges as E
 
 torch = pytest.importorskip("torch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -14,7 +14,7 @@ from rawkv.kernels import nvfp4 as K
 from rawkv.nvfp4 import activation, counters, decode, encode, scales
 
 torch = pytest.importorskip("torch")
-from fake_cuda import RecordingRuntime, fake, install  # noqa: E402,F401  (RecordingRuntime: the fused tests import it from here)
+from support.fake_cuda import RecordingRuntime, fake, install  # noqa: E402,F401  (RecordingRuntime: the fused tests import it from here)
 
 
 @pytest.fixture

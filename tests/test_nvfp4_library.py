@@ -116,7 +116,7 @@ def test_compiled_number_gs_is_checked_when_it_runs(rng):
 def test_operators_run_on_their_tensors_device(cuda, rng, monkeypatch):
     """GPU: every NVFP4 operator asks for the runtime of its tensors' device
     index, never for the current device (None)."""
-    from library_samples_nvfp4 import samples
+    from support.library_samples_nvfp4 import samples
     from rawkv.nvfp4 import activation, decode, encode, scales
     rawkv.warmup()
     asked = []
@@ -131,7 +131,7 @@ def test_operators_run_on_their_tensors_device(cuda, rng, monkeypatch):
 
 
 def _steps():
-    from library_samples_nvfp4 import STEPS
+    from support.library_samples_nvfp4 import STEPS
     return STEPS
 
 

@@ -36,7 +36,7 @@ import rawkv
 from rawkv.reference import nvfp4 as R
 from rawkv.reference.formats import e4m3_decode
 
-import nvfp4_edges as E
+from support import nvfp4_edges as E
 
 torch = pytest.importorskip("torch")
 try:
@@ -158,7 +158,7 @@ def test_wide_range_zero_blocks_3d(rng, dtype):
 
 @pytest.mark.parametrize("dtype, gs", E.EDGE_CASES)
 def test_edge_blocks_given_gs(rng, dtype, gs):
-    """The GPU tests' edge blocks (tests/nvfp4_edges.py) under their given gs:
+    """The GPU tests' edge blocks (tests/support/nvfp4_edges.py) under their given gs:
     the bytes the kernels must produce are ModelOpt's."""
     xs = E.edge_blocks(dtype, gs, rng)
     x = tensor(xs, dtype)

@@ -3,7 +3,7 @@ file (see _decl for what a declaration holds and gives).
 
 Importing this package imports the declarations only (plain Python): the
 runtime reads them to compile and warm up, ops launch through them, and
-tests/test_kernel_abi.py holds them against the CUDA sources.
+tests/guards/test_kernel_abi.py holds them against the CUDA sources.
 """
 from ._decl import (CTYPE, Kernel, KernelFile, TParam, dynamic_smem, files, prepare,  # noqa: F401
                     registered_kernels)

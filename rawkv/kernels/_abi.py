@@ -1,6 +1,6 @@
 """What can still disagree between a kernel's `.cu` signature, its
 declaration in rawkv.kernels and the launches, checked with no compiler and
-no GPU (tests/test_kernel_abi.py), so it fails CI rather than a GPU run.
+no GPU (tests/guards/test_kernel_abi.py), so it fails CI rather than a GPU run.
 
 The parameters themselves are read from the source (_signatures), so their
 order and C types cannot disagree with a declaration. What is left:

@@ -15,7 +15,7 @@ the first use of one of the file's kernels and kept. From a declaration come:
   the `.cu` signature, the declaration orders them and packs each into an
   8-byte slot exactly as its C type wants it (pointer, 64/32-bit integer,
   double, float);
-* what tests/test_kernel_abi.py holds against the `.cu` sources and the
+* what tests/guards/test_kernel_abi.py holds against the `.cu` sources and the
   launch sites: every kernel declared with its template parameters, every
   parameter's C type packable, every launch's keywords the kernel's
   parameter names, on a CPU.

@@ -4,7 +4,7 @@ without a GPU, and the runtime's CUDA side (CuPy's module loader) is a
 stand-in that checks each loaded cubin holds the symbol it is asked for.
 
 What only a GPU shows (the cold start's wall time, the modules really
-loading): tests/test_runtime_gpu.py and the demo."""
+loading): tests/runtime/test_runtime_gpu.py and the demo."""
 import io
 import os
 import re

@@ -2,7 +2,7 @@
 
 Each case calls a public op twice on the same memory: as CPU tensors (the
 reference's path) and as CPU tensors that report is_cuda with a runtime
-that records launches (tests/fake_cuda.py: the CUDA path up to the
+that records launches (tests/support/fake_cuda.py: the CUDA path up to the
 launch). Both calls must accept, or both refuse with the same error type and
 message. Code that runs on CPU then runs on the GPU, and an input the GPU
 refuses is refused on CPU first.
@@ -34,7 +34,7 @@ from rawkv.nvfp4 import activation, decode, encode, scales
 from rawkv.reference.kvcache import layouts as RL
 
 torch = pytest.importorskip("torch")
-from fake_cuda import fake, install  # noqa: E402
+from support.fake_cuda import fake, install  # noqa: E402
 
 nv = rawkv.nvfp4
 fu = rawkv.fused

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 import rawkv  # noqa: E402
 import rawkv.library as L  # noqa: E402
 from rawkv import _opdecl  # noqa: E402
-from test_library import same_bits, samples, steps  # noqa: E402
+from support.library import same_bits, samples, steps  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(_opdecl.declared()))

@@ -1,0 +1,1 @@
+"""Tests of the runtime: compiling, the kernel cache, launching, importing."""
