@@ -50,6 +50,9 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "cuda" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.gpu)
+    # a test marked `last` reads what the others recorded (the property tests'
+    # calls, tests/guards/test_properties.py), wherever its file sorts
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@
 # run from the source tree (no install, no network needed).
 #
 #   bash tools/gpu_check.sh                 # everything
-#   RAWKV_TESTS="tests/test_fp8.py" RAWKV_BENCH=core bash tools/gpu_check.sh
+#   RAWKV_TESTS="tests/fp8/test_e4m3.py" RAWKV_BENCH=core bash tools/gpu_check.sh
 #   RAWKV_BENCH=none ... (tests only)       RAWKV_QUICK=1 ... (short benchmarks)
 #
 # Writes under $OUT (default ./gpu-out): nvrtc_check.log, pytest.log,

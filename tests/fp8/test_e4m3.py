@@ -1,15 +1,25 @@
-"""E4M3 encode/decode: the reference against independent oracles, exhaustively,
-and the CUDA kernels against the reference bit for bit."""
+"""rawkv.fp8.e4m3_encode / e4m3_decode (the two ops are tested as a pair: most
+tests call both): the reference against independent oracles, exhaustively,
+argument errors on CPU and CUDA, and the CUDA kernels against the reference
+bit for bit."""
+from __future__ import annotations
+
 import numpy as np
 import pytest
 
-import rawkv
-from rawkv.reference import formats as ref
-
 torch = pytest.importorskip("torch")
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+import rawkv  # noqa: E402
+from rawkv.reference import formats as ref  # noqa: E402
+from rawkv.reference import formats as RF  # noqa: E402
+from support.properties import (  # noqa: E402
+    BYTES, FLOATS, SETTINGS, WRONG, host, judge, layouts, libs, make, seeds, shapes)
 
+
+# ---- the reference ----------------------------------------------------------------------------------
 ALL_BF16 = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
-ALL_FP16 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 
 def brute_force_e4m3(x: np.ndarray) -> np.ndarray:
@@ -83,6 +93,22 @@ def test_cpu_op_types_and_out():
     assert isinstance(arr, np.ndarray) and arr.tolist() == [0x30]
 
 
+def test_cpu_decode_dtype_follows_out():
+    codes = np.array([0x38, 0x31], np.uint8)          # 1.0, 0.5625
+    out = np.zeros(2, np.float16)
+    assert rawkv.fp8.e4m3_decode(codes, out=out) is out and out.tolist() == [1.0, 0.5625]
+    t = torch.zeros(2, dtype=torch.bfloat16)
+    assert rawkv.fp8.e4m3_decode(torch.from_numpy(codes).view(torch.float8_e4m3fn), out=t) is t
+    assert t.tolist() == [1.0, 0.5625]
+
+
+def test_zero_d_input_keeps_its_shape():
+    x = np.array(3.0, np.float32)
+    codes = rawkv.fp8.e4m3_encode(x)
+    assert codes.shape == () and rawkv.fp8.e4m3_decode(codes).shape == ()
+
+
+# ---- argument errors --------------------------------------------------------------------------------
 def test_cpu_out_shape_is_checked():
     with pytest.raises(ValueError, match="out"):
         rawkv.fp8.e4m3_encode(np.zeros(4, np.float32), out=np.zeros(5, np.uint8))
@@ -120,16 +146,130 @@ def test_cpu_bad_arguments_are_refused_and_write_nothing():
         assert out is None or (out == 7).all(), msg
 
 
-def test_cpu_decode_dtype_follows_out():
-    codes = np.array([0x38, 0x31], np.uint8)          # 1.0, 0.5625
-    out = np.zeros(2, np.float16)
-    assert rawkv.fp8.e4m3_decode(codes, out=out) is out and out.tolist() == [1.0, 0.5625]
-    t = torch.zeros(2, dtype=torch.bfloat16)
-    assert rawkv.fp8.e4m3_decode(torch.from_numpy(codes).view(torch.float8_e4m3fn), out=t) is t
-    assert t.tolist() == [1.0, 0.5625]
+@pytest.mark.parametrize("bad", [1.5, None, 3, "x", [1.0, 2.0]])
+def test_numbers_and_none_passed_as_tensors_are_type_errors(bad):
+    """A number, None, a string or a list where a tensor belongs: a TypeError
+    naming the argument (not an AttributeError about __dlpack__)."""
+    x = np.ones(4, np.float32)
+    with pytest.raises(TypeError, match="^x: expected a tensor or array"):
+        rawkv.fp8.e4m3_encode(bad)
+    if bad is not None:                         # out=None means: allocate
+        with pytest.raises(TypeError, match="^out: expected a tensor or array"):
+            rawkv.fp8.e4m3_encode(x, out=bad)
+    with pytest.raises(TypeError, match="^codes: expected a tensor or array"):
+        rawkv.fp8.e4m3_decode(bad)
 
 
-# ---- GPU -------------------------------------------------------------------------
+def test_cpu_out_overlapping_the_input_or_read_only_is_refused():
+    """issue 21, items 7 and 8: an out= in the input's memory (decode wrote
+    over the codes it was reading) or a read-only numpy out= is refused by
+    name, before anything is written."""
+    enc, dec = rawkv.fp8.e4m3_encode, rawkv.fp8.e4m3_decode
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match="^out: overlaps x in memory"):
+        enc(x, out=x.view(torch.uint8)[4:8])
+    assert (x == 1).all()
+    buf = torch.zeros(4)
+    codes = buf.view(torch.uint8)[:4]          # the codes, in the first value of out
+    codes.fill_(0x38)
+    with pytest.raises(ValueError, match="^out: overlaps codes in memory"):
+        dec(codes, out=buf)
+    assert (codes == 0x38).all()
+    out = np.zeros(4, np.uint8)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="^out: is read-only"):
+        enc(np.ones(4, np.float32), out=out)
+    with pytest.raises(ValueError, match="^out: is read-only"):
+        dec(np.zeros(4, np.uint8), out=_read_only(np.zeros(4, np.float32)))
+
+
+def _read_only(a):
+    a.flags.writeable = False
+    return a
+
+
+@SETTINGS
+@given(seed=seeds, shape=shapes, dt=st.sampled_from(FLOATS + WRONG), lib=libs, layout=layouts,
+       special=st.booleans(), out_dt=st.sampled_from([None, "uint8", "float8_e4m3fn", "float32"]))
+def test_fp8_encode(seed, shape, dt, lib, layout, special, out_dt):
+    x = make(seed, shape, dt, lib, layout, special)
+    out = None if out_dt is None else make(seed + 1, shape, out_dt, lib)
+    judge(lambda: rawkv.fp8.e4m3_encode(x, out=out), ("x", "out"), lambda: RF.e4m3_encode(host(x)))
+
+
+@SETTINGS
+@given(seed=seeds, shape=shapes, dt=st.sampled_from(BYTES + ("int8", "float32")), lib=libs,
+       layout=layouts, dtype=st.sampled_from([None, "float32", "float16", "bfloat16", "float64"]))
+def test_fp8_decode(seed, shape, dt, lib, layout, dtype):
+    codes = make(seed, shape, dt, lib, layout)
+    judge(lambda: rawkv.fp8.e4m3_decode(codes, dtype=dtype), ("codes", "dtype"),
+          lambda: RF.round_to_dtype(RF.e4m3_decode(host(codes).astype(np.uint8)), dtype or "float32"))
+
+
+def test_gpu_bad_arguments_write_nothing(cuda):
+    x = torch.randn(64, 2, device="cuda")
+    codes = torch.zeros(64, 2, dtype=torch.uint8, device="cuda")
+
+    def u8(*shape, device="cuda"):
+        return torch.full(shape, 0xAB, dtype=torch.uint8, device=device)
+    # each case gets its own buffer, and that very buffer is checked afterwards
+    cases = [
+        (lambda out: rawkv.fp8.e4m3_encode(x.t(), out=out), u8(2, 64), ValueError, "^x: must be contiguous"),
+        (lambda out: rawkv.fp8.e4m3_encode(x, out=out), u8(10, 2), ValueError, "^out: expected shape"),
+        (lambda out: rawkv.fp8.e4m3_encode(x.int(), out=out), u8(64, 2), TypeError, "^x: dtype int32"),
+        (lambda out: rawkv.fp8.e4m3_encode(x, out=out), u8(64, 2, device="cpu"), ValueError,
+         "^out: is on cpu"),
+        (lambda out: rawkv.fp8.e4m3_decode(codes, out=out), u8(64, 2), TypeError, "^out: dtype uint8"),
+        (lambda out: rawkv.fp8.e4m3_decode(codes.float(), out=out), u8(64, 2), TypeError,
+         "^codes: dtype float32"),
+    ]
+    for call, out, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            call(out)
+    torch.cuda.synchronize()
+    for _, out, _, msg in cases:
+        assert (out == 0xAB).all(), msg
+
+
+def test_gpu_out_overlapping_the_input_is_refused(cuda):
+    """The same on CUDA, on the checked path and on the fast path (a
+    combination accepted before)."""
+    enc = rawkv.fp8.e4m3_encode
+    x = torch.ones(64, device="cuda")
+    enc(x, out=torch.empty(64, dtype=torch.uint8, device="cuda"))    # the fast path knows the combination
+    for view in (x.view(torch.uint8)[:64], x.view(torch.uint8)[192:]):
+        with pytest.raises(ValueError, match="^out: overlaps x in memory"):
+            enc(x, out=view)
+    assert (x == 1).all()
+    c = torch.full((32,), 0x38, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="^out: overlaps codes in memory"):
+        rawkv.fp8.e4m3_decode(c[:16], out=c.view(torch.bfloat16))
+
+
+# ---- launch plan (on the GPU) -----------------------------------------------------------------------
+def test_gpu_launch_geometry_is_the_runtimes(cuda, monkeypatch):
+    """The checked path and the fast path (out= given, second call) both
+    launch rt.grid_stride's geometry: one 16-byte chunk per thread."""
+    launches = []
+    real = cuda._launch_call       # what every launch on the current device ends in
+
+    def record(fn, grid, block, st, args, shared_mem, stream_ptr, what=None):
+        launches.append((grid, block))
+        real(fn, grid, block, st, args, shared_mem, stream_ptr, what)
+    monkeypatch.setattr(cuda, "_launch_call", record)
+    for n in (1, 4096, 4097, 1 << 24):
+        x = torch.zeros(n, device="cuda")
+        out = torch.empty(n, dtype=torch.uint8, device="cuda")
+        rawkv.fp8.e4m3_encode(x, out=out)
+        rawkv.fp8.e4m3_encode(x, out=out)
+        grid, block = cuda.grid_stride(-(-n // 16), 256)
+        assert launches[-2:] == [((grid,), (block,))] * 2, n
+
+
+# ---- GPU: bit for bit against the reference ---------------------------------------------------------
+ALL_FP16 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
 def _gpu_encode(x_np, dtype):
     return rawkv.fp8.e4m3_encode(torch.from_numpy(x_np).to(dtype).cuda()).view(torch.uint8).cpu().numpy()
 
@@ -179,50 +319,6 @@ def test_gpu_views_and_tails(cuda, rng, n, offset):
     assert np.array_equal(got, ref.e4m3_encode(x.cpu().numpy()))
 
 
-def test_gpu_launch_geometry_is_the_runtimes(cuda, monkeypatch):
-    """The checked path and the fast path (out= given, second call) both
-    launch rt.grid_stride's geometry: one 16-byte chunk per thread."""
-    launches = []
-    real = cuda._launch_call       # what every launch on the current device ends in
-
-    def record(fn, grid, block, st, args, shared_mem, stream_ptr, what=None):
-        launches.append((grid, block))
-        real(fn, grid, block, st, args, shared_mem, stream_ptr, what)
-    monkeypatch.setattr(cuda, "_launch_call", record)
-    for n in (1, 4096, 4097, 1 << 24):
-        x = torch.zeros(n, device="cuda")
-        out = torch.empty(n, dtype=torch.uint8, device="cuda")
-        rawkv.fp8.e4m3_encode(x, out=out)
-        rawkv.fp8.e4m3_encode(x, out=out)
-        grid, block = cuda.grid_stride(-(-n // 16), 256)
-        assert launches[-2:] == [((grid,), (block,))] * 2, n
-
-
-def test_gpu_bad_arguments_write_nothing(cuda):
-    x = torch.randn(64, 2, device="cuda")
-    codes = torch.zeros(64, 2, dtype=torch.uint8, device="cuda")
-
-    def u8(*shape, device="cuda"):
-        return torch.full(shape, 0xAB, dtype=torch.uint8, device=device)
-    # each case gets its own buffer, and that very buffer is checked afterwards
-    cases = [
-        (lambda out: rawkv.fp8.e4m3_encode(x.t(), out=out), u8(2, 64), ValueError, "^x: must be contiguous"),
-        (lambda out: rawkv.fp8.e4m3_encode(x, out=out), u8(10, 2), ValueError, "^out: expected shape"),
-        (lambda out: rawkv.fp8.e4m3_encode(x.int(), out=out), u8(64, 2), TypeError, "^x: dtype int32"),
-        (lambda out: rawkv.fp8.e4m3_encode(x, out=out), u8(64, 2, device="cpu"), ValueError,
-         "^out: is on cpu"),
-        (lambda out: rawkv.fp8.e4m3_decode(codes, out=out), u8(64, 2), TypeError, "^out: dtype uint8"),
-        (lambda out: rawkv.fp8.e4m3_decode(codes.float(), out=out), u8(64, 2), TypeError,
-         "^codes: dtype float32"),
-    ]
-    for call, out, exc, msg in cases:
-        with pytest.raises(exc, match=msg):
-            call(out)
-    torch.cuda.synchronize()
-    for _, out, _, msg in cases:
-        assert (out == 0xAB).all(), msg
-
-
 def test_gpu_cupy_input_through_dlpack(cuda):
     cupy = pytest.importorskip("cupy")
     x = cupy.asarray(np.linspace(-500, 500, 1000, dtype=np.float32))
@@ -230,64 +326,9 @@ def test_gpu_cupy_input_through_dlpack(cuda):
     assert np.array_equal(got, ref.e4m3_encode(cupy.asnumpy(x)))
 
 
-@pytest.mark.parametrize("bad", [1.5, None, 3, "x", [1.0, 2.0]])
-def test_numbers_and_none_passed_as_tensors_are_type_errors(bad):
-    """A number, None, a string or a list where a tensor belongs: a TypeError
-    naming the argument (not an AttributeError about __dlpack__)."""
-    x = np.ones(4, np.float32)
-    with pytest.raises(TypeError, match="^x: expected a tensor or array"):
-        rawkv.fp8.e4m3_encode(bad)
-    if bad is not None:                         # out=None means: allocate
-        with pytest.raises(TypeError, match="^out: expected a tensor or array"):
-            rawkv.fp8.e4m3_encode(x, out=bad)
-    with pytest.raises(TypeError, match="^codes: expected a tensor or array"):
-        rawkv.fp8.e4m3_decode(bad)
-
-
-def test_zero_d_input_keeps_its_shape():
-    x = np.array(3.0, np.float32)
-    codes = rawkv.fp8.e4m3_encode(x)
-    assert codes.shape == () and rawkv.fp8.e4m3_decode(codes).shape == ()
-
-
-def test_cpu_out_overlapping_the_input_or_read_only_is_refused():
-    """issue 21, items 7 and 8: an out= in the input's memory (decode wrote
-    over the codes it was reading) or a read-only numpy out= is refused by
-    name, before anything is written."""
-    enc, dec = rawkv.fp8.e4m3_encode, rawkv.fp8.e4m3_decode
-    x = torch.ones(4)
-    with pytest.raises(ValueError, match="^out: overlaps x in memory"):
-        enc(x, out=x.view(torch.uint8)[4:8])
-    assert (x == 1).all()
-    buf = torch.zeros(4)
-    codes = buf.view(torch.uint8)[:4]          # the codes, in the first value of out
-    codes.fill_(0x38)
-    with pytest.raises(ValueError, match="^out: overlaps codes in memory"):
-        dec(codes, out=buf)
-    assert (codes == 0x38).all()
-    out = np.zeros(4, np.uint8)
-    out.flags.writeable = False
-    with pytest.raises(ValueError, match="^out: is read-only"):
-        enc(np.ones(4, np.float32), out=out)
-    with pytest.raises(ValueError, match="^out: is read-only"):
-        dec(np.zeros(4, np.uint8), out=_read_only(np.zeros(4, np.float32)))
-
-
-def _read_only(a):
-    a.flags.writeable = False
-    return a
-
-
-def test_gpu_out_overlapping_the_input_is_refused(cuda):
-    """The same on CUDA, on the checked path and on the fast path (a
-    combination accepted before)."""
-    enc = rawkv.fp8.e4m3_encode
-    x = torch.ones(64, device="cuda")
-    enc(x, out=torch.empty(64, dtype=torch.uint8, device="cuda"))    # the fast path knows the combination
-    for view in (x.view(torch.uint8)[:64], x.view(torch.uint8)[192:]):
-        with pytest.raises(ValueError, match="^out: overlaps x in memory"):
-            enc(x, out=view)
-    assert (x == 1).all()
-    c = torch.full((32,), 0x38, dtype=torch.uint8, device="cuda")
-    with pytest.raises(ValueError, match="^out: overlaps codes in memory"):
-        rawkv.fp8.e4m3_decode(c[:16], out=c.view(torch.bfloat16))
+# ---- the operator -----------------------------------------------------------------------------------
+def test_operator_writes_what_the_public_op_returns(rng):
+    x = torch.from_numpy(rng.standard_normal(100).astype(np.float32))
+    out = torch.empty(100, dtype=torch.uint8)
+    torch.ops.rawkv.e4m3_encode(x, out)
+    assert torch.equal(out, rawkv.fp8.e4m3_encode(x).view(torch.uint8))

@@ -1,0 +1,1 @@
+"""rawkv.fp8: E4M3 encode and decode."""
