@@ -15,98 +15,11 @@ from rawkv import kvcache as kc  # noqa: E402
 from rawkv.reference import formats as RF  # noqa: E402
 from rawkv.reference import fused as RFU  # noqa: E402
 from rawkv.reference import gemm as RG  # noqa: E402
-from rawkv.reference import layouts as RL  # noqa: E402
 from rawkv.reference import nvfp4 as RN  # noqa: E402
 from rawkv.reference.kvcache import layouts as RK  # noqa: E402
 from support.properties import (  # noqa: E402
-    BYTES, FLOATS, GS, SETTINGS, _gs, _gs_ref, dtype_of, host, judge, layouts, leads, libs, make, same, seeds,
+    FLOATS, GS, SETTINGS, _gs, _gs_ref, dtype_of, host, judge, layouts, leads, libs, make, same, seeds,
     shapes, widths)
-
-
-@SETTINGS
-@given(seed=seeds, lead=leads, n=widths, dt=st.sampled_from(FLOATS + ("float64", "int32")), lib=libs,
-       layout=layouts, special=st.booleans(),
-       scope=st.sampled_from([None, "tensor", "row", "given", "none", "rows"]), gs=st.sampled_from(GS))
-def test_nvfp4_quantize(seed, lead, n, dt, lib, layout, special, scope, gs):
-    x = make(seed, (*lead, n), dt, lib, layout, special)
-    g = _gs(gs, seed, lib)
-
-    def reference():
-        sc = scope or ("given" if g is not None else "tensor")
-        return RN.quantize(host(x).astype(np.float32), sc, _gs_ref(g) if sc == "given" else None, dt)
-    judge(lambda: rawkv.nvfp4.quantize(x, scope=scope, gs=g), ("x", "scope", "gs"), reference)
-
-
-def _q_sf(seed, lead, n, lib, layout, sf_dt="uint8"):
-    q = make(seed, (*lead, n // 2), "uint8", lib, layout)
-    sf = make(seed + 1, (*lead, n // 16), sf_dt, lib, layout)
-    return q, sf
-
-
-@SETTINGS
-@given(seed=seeds, lead=leads, n=widths, lib=libs, layout=layouts, sf_dt=st.sampled_from(BYTES + ("int8",)),
-       gs=st.sampled_from(GS + ["rows"]), dtype=st.sampled_from([None, "float32", "float16", "bfloat16", "int8"]))
-def test_nvfp4_dequantize(seed, lead, n, lib, layout, sf_dt, gs, dtype):
-    q, sf = _q_sf(seed, lead, n, lib, layout, sf_dt)
-    g = make(seed, lead, "float32", lib) * 0 + 0.5 if gs == "rows" else _gs(gs, seed, lib)
-    judge(lambda: rawkv.nvfp4.dequantize(q, sf, g, dtype=dtype), ("q", "sf", "gs", "dtype"),
-          lambda: RN.dequantize(host(q), host(sf), host(g) if gs == "rows" else _gs_ref(g), dtype or "bfloat16"))
-
-
-@SETTINGS
-@given(seed=seeds, rows=st.integers(0, 5), n=widths, lib=libs, gs=st.sampled_from(GS[:4] + ["rows"]),
-       idx_shape=shapes, idx_dt=st.sampled_from(["int32", "int64", "uint8", "float32"]),
-       errors=st.sampled_from([None, "int32", "int64", "empty"]))
-def test_nvfp4_gather(seed, rows, n, lib, gs, idx_shape, idx_dt, errors):
-    q, sf = _q_sf(seed, (rows,), n, lib, "contiguous")
-    g = make(seed, (rows,), "float32", lib) * 0 + 0.5 if gs == "rows" else _gs(gs, seed, lib)
-    idx = make(seed + 2, idx_shape, idx_dt, lib, lo=-2, hi=rows + 2)
-    err = None if errors is None else make(seed, (0,) if errors == "empty" else (1,),
-                                           "int32" if errors == "empty" else errors, "numpy", lo=0, hi=1)
-
-    def reference():
-        y, nerr = RL.gather(host(q), host(sf), host(g) if gs == "rows" else _gs_ref(g), host(idx),
-                            "bfloat16")
-        if err is not None:
-            assert err[0] == nerr
-        return y.reshape(*host(idx).shape, host(q).shape[-1] * 2)
-    judge(lambda: rawkv.nvfp4.gather(q, sf, g, idx, errors=err), ("q", "sf", "gs", "indices", "errors"),
-          reference)
-
-
-@SETTINGS
-@given(seed=seeds, shape=st.lists(st.integers(0, 130), min_size=0, max_size=3), lib=libs,
-       dt=st.sampled_from(BYTES + ("float32",)))
-def test_nvfp4_swizzle_roundtrip(seed, shape, lib, dt):
-    sf = make(seed, shape, dt, lib)
-    sw = judge(lambda: rawkv.nvfp4.swizzle_scales(sf), ("sf",), lambda: RL.swizzle_scales(host(sf)))
-    if sw is not None:
-        judge(lambda: rawkv.nvfp4.unswizzle_scales(sw, tuple(shape)), ("sw", "shape"), lambda: host(sf))
-
-
-BAD_SHAPES = [(2, 3), (0, 5), (3, 0), (), (-1, 4), (2.5, 4), (2, 4.0), "ab", None, (True, 4), (1, 2, 3)]
-
-
-@SETTINGS
-@given(seed=seeds, shape=st.sampled_from(BAD_SHAPES), size=st.integers(0, 1024), lib=libs)
-def test_nvfp4_unswizzle_shapes(seed, shape, size, lib):
-    sw = make(seed, (size,), "uint8", lib)
-
-    def reference():
-        rows, cols = int(np.prod(shape[:-1])), shape[-1]
-        return RL.unswizzle_scales(host(sw), rows, cols).reshape(shape)
-    judge(lambda: rawkv.nvfp4.unswizzle_scales(sw, shape), ("sw", "shape"), reference)
-
-
-@SETTINGS
-@given(rows=st.one_of(st.integers(-300, 300), st.sampled_from([1.5, True, None, "3"])),
-       cols=st.one_of(st.integers(-10, 20), st.sampled_from([7.0, False])))
-def test_nvfp4_swizzled_size(rows, cols):
-    def reference():
-        for v in (rows, cols):      # the reference's domain: sizes are non-negative ints
-            assert isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"accepted {v!r}"
-        return 512 * -(-rows // 128) * -(-cols // 4)
-    judge(lambda: rawkv.nvfp4.swizzled_size(rows, cols), ("rows", "cols"), reference)
 
 
 EPS = [1e-6, 0.0, -1.0, float("nan"), 1, np.float32(1e-5), True, None]

@@ -181,3 +181,9 @@ def _gs_ref(g):
     """What the reference takes for a gs the op accepted: float32."""
     return None if g is None else np.float32(host(g).reshape(()) if not isinstance(g, (int, float, np.floating))
                                              else g)
+
+
+def _q_sf(seed, lead, n, lib, layout, sf_dt="uint8"):
+    q = make(seed, (*lead, n // 2), "uint8", lib, layout)
+    sf = make(seed + 1, (*lead, n // 16), sf_dt, lib, layout)
+    return q, sf

@@ -1,6 +1,14 @@
-"""NVFP4 argument rules on the CPU path (no GPU): the scope/gs parser of
-rawkv._args, numbers and None passed as tensors, 0-d inputs, and the dtype
-rules the CUDA path applies."""
+"""The NVFP4 family's argument rules, held for every op at once (each op's own
+rules are in its test file): numbers and None passed as tensors, 0-d inputs,
+the dtype rules the CUDA path applies, outputs overlapping or read-only, empty
+inputs; on the GPU, refused arguments write nothing.
+
+The launch-plan tests run the CUDA path on a CPU: CPU tensors that report
+is_cuda and a runtime that records launches instead of making them
+(tests/nvfp4/conftest.py). Every launch goes through its declaration
+(rawkv.kernels.nvfp4), so a wrong keyword, a scalar of the wrong C type or a
+missing argument fails there; the tests also check which buffer each pointer
+parameter receives."""
 from __future__ import annotations
 
 import re
@@ -8,44 +16,15 @@ import re
 import numpy as np
 import pytest
 
-import rawkv
-from rawkv import _args as A
-from rawkv.reference import nvfp4 as R
+torch = pytest.importorskip("torch")
+import rawkv  # noqa: E402
+from rawkv.reference import nvfp4 as R  # noqa: E402
+from support.fake_cuda import fake  # noqa: E402
+from support.nvfp4 import u8  # noqa: E402
 
+
+# ---- argument errors --------------------------------------------------------------------------------
 nv = rawkv.nvfp4
-SCOPES = ("tensor", "row", "given", "none")
-
-
-@pytest.mark.parametrize("default", ["tensor", "row"])
-def test_scope_gs_parser(default):
-    assert A.check_scope_gs(None, None, SCOPES, default) == (default, None)
-    assert A.check_scope_gs(None, 0.5, SCOPES, default) == ("given", 0.5)
-    assert A.check_scope_gs("none", None, SCOPES, default) == ("none", None)
-    scope, g = A.check_scope_gs("given", np.float32(0.25), SCOPES, default)
-    assert scope == "given" and g == 0.25 and type(g) is float
-    arr = np.ones((1, 1), np.float32)
-    assert A.check_scope_gs("given", arr, SCOPES, default)[1] is arr
-    with pytest.raises(ValueError, match="^scope:"):
-        A.check_scope_gs("col", None, SCOPES, default)
-    with pytest.raises(ValueError, match="^gs:"):
-        A.check_scope_gs("given", None, SCOPES, default)
-    with pytest.raises(ValueError, match="^gs:"):
-        A.check_scope_gs("row", 1.0, SCOPES, default)
-    with pytest.raises(ValueError, match="^gs:"):
-        A.check_scope_gs("given", np.ones(2, np.float32), SCOPES, default)
-    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e39, 1e-46):
-        with pytest.raises(ValueError, match="^gs:"):
-            A.check_scope_gs("given", bad, SCOPES, default)
-    for bad in (True, np.bool_(False), "0.5", b"x"):
-        with pytest.raises(TypeError, match="^gs:"):
-            A.check_scope_gs("given", bad, SCOPES, default)
-
-
-def test_quantize_scope_none_is_the_documented_default():
-    x = np.linspace(-3, 3, 64, dtype=np.float32).reshape(2, 32)
-    for a, b in ((nv.quantize(x, scope=None), R.quantize(x, "tensor")),
-                 (nv.quantize(x, scope=None, gs=0.01), R.quantize(x, "given", 0.01))):
-        assert all(np.array_equal(u, v) for u, v in zip(a, b))
 
 
 def _parts():
@@ -198,7 +177,7 @@ def test_read_only_outputs_refused_before_anything_is_written():
 
 
 def test_sizes_and_empty_scales():
-    """issue 21, item 10 (found again by tests/test_properties.py):
+    """issue 21, item 10 (found again by the property tests):
     swizzled_size(-200, 7) was -1024 and (1.5, 7) 1024.0; unswizzle_scales
     took a float shape; swizzle_scales of (n, 0) scales and a gather of
     N = 0 raised numpy's reshape error."""
@@ -217,3 +196,115 @@ def test_sizes_and_empty_scales():
     y = nv.gather(np.zeros((0, 0), np.uint8), np.zeros((0, 0), np.uint8), 1.0, np.array([0, -1], np.int32),
                   dtype="float32")
     assert y.shape == (2, 0)
+
+
+def test_bad_arguments_cpu():
+    x = np.ones((2, 24), np.float32)
+    with pytest.raises(ValueError, match="^x:"):
+        rawkv.nvfp4.quantize(x)
+    with pytest.raises(ValueError, match="^scope:"):
+        rawkv.nvfp4.quantize(np.ones((2, 16), np.float32), scope="col")
+    with pytest.raises(ValueError, match="^gs:"):
+        rawkv.nvfp4.quantize(np.ones((2, 16), np.float32), scope="given")
+    with pytest.raises(ValueError, match="^gs:"):
+        rawkv.nvfp4.quantize(np.ones((2, 16), np.float32), scope="given", gs=float("nan"))
+    with pytest.raises(ValueError, match="^gs:"):
+        rawkv.nvfp4.quantize(np.ones((2, 16), np.float32), gs=1.0)
+    with pytest.raises(TypeError, match="^dtype:"):
+        rawkv.nvfp4.dequantize(np.zeros((1, 8), np.uint8), np.zeros((1, 1), np.uint8), 1.0, dtype="int8")
+
+
+def test_bad_arguments_write_nothing(cuda):
+    x = torch.randn(4, 64, device="cuda")
+    q = torch.full((4, 32), 0xAB, dtype=torch.uint8, device="cuda")
+    sf = torch.full((4, 4), 0xAB, dtype=torch.uint8, device="cuda")
+    gs = torch.full((), 5.0, device="cuda")
+    bad_sf = torch.full((4, 3), 0xAB, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match=r"^out\[1\]:"):
+        rawkv.nvfp4.quantize(x, out=(q, bad_sf, gs))
+    with pytest.raises(TypeError, match=r"^out\[2\]:"):
+        rawkv.nvfp4.quantize(x, out=(q, sf, gs.double()))
+    with pytest.raises(ValueError, match="^x:"):
+        rawkv.nvfp4.quantize(torch.randn(4, 40, device="cuda"), out=(q, sf, gs))
+    with pytest.raises(TypeError, match="^x:"):
+        rawkv.nvfp4.quantize(torch.ones(4, 64, dtype=torch.int32, device="cuda"), out=(q, sf, gs))
+    with pytest.raises(ValueError, match="^gs:"):
+        rawkv.nvfp4.quantize(x, scope="given", gs=torch.ones(2, device="cuda"), out=(q, sf, gs))
+    with pytest.raises(TypeError, match=r"^out\[0\]:"):
+        rawkv.nvfp4.quantize(x, out=(torch.zeros(4, 32, device="cuda"), sf, gs))     # float32 q
+    with pytest.raises(ValueError, match=r"^out\[2\]:"):
+        rawkv.nvfp4.quantize(x, out=(q, sf, torch.zeros(4, device="cuda")))          # gs shape
+    with pytest.raises(ValueError, match=r"^out\[2\]:"):
+        rawkv.nvfp4.quantize(x, scope="row", out=(q, sf, gs))                         # gs shape
+    assert (u8(q) == 0xAB).all() and (u8(sf) == 0xAB).all() and float(gs) == 5.0
+    out = torch.full((4, 64), 3.0, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="^sf:"):
+        rawkv.nvfp4.dequantize(q, bad_sf, 1.0, out=out)
+    with pytest.raises(ValueError, match="^gs:"):
+        rawkv.nvfp4.dequantize(q, sf, torch.ones(3, device="cuda"), out=out)
+    with pytest.raises(TypeError, match="^out:"):
+        rawkv.nvfp4.dequantize(q, sf, 1.0, dtype=torch.float32, out=out)
+    with pytest.raises(TypeError, match="^indices:"):
+        rawkv.nvfp4.gather(q, sf, 1.0, torch.zeros(2, device="cuda"), out=out[:2])
+    with pytest.raises(TypeError, match="^errors:"):
+        rawkv.nvfp4.gather(q, sf, 1.0, torch.zeros(4, dtype=torch.int64, device="cuda"), out=out,
+                           errors=torch.zeros(1, dtype=torch.int64, device="cuda"))
+    with pytest.raises(ValueError, match="^indices:"):
+        rawkv.nvfp4.gather(q, sf, 1.0, torch.zeros(4, dtype=torch.int64), out=out)   # CPU indices
+    assert (out.float() == 3.0).all()
+    with pytest.raises(ValueError, match="^sw:"):
+        rawkv.nvfp4.unswizzle_scales(torch.zeros(100, dtype=torch.uint8, device="cuda"), (4, 4))
+    # numbers and None where a tensor belongs: TypeError naming the argument
+    idx = torch.zeros(4, dtype=torch.int64, device="cuda")
+    for name, call in (("out[0]", lambda: rawkv.nvfp4.quantize(x, out=(1.0, sf, gs))),
+                       ("out[1]", lambda: rawkv.nvfp4.quantize(x, out=(q, 2, gs))),
+                       ("q", lambda: rawkv.nvfp4.dequantize(1.0, sf, gs, out=out)),
+                       ("out", lambda: rawkv.nvfp4.dequantize(q, sf, gs, out=3.0)),
+                       ("indices", lambda: rawkv.nvfp4.gather(q, sf, gs, 3, out=out[:1])),
+                       ("errors", lambda: rawkv.nvfp4.gather(q, sf, gs, idx, out=out, errors=0)),
+                       ("gs", lambda: rawkv.nvfp4.gather(q, sf, None, idx, out=out)),
+                       ("out", lambda: rawkv.nvfp4.swizzle_scales(sf, out=1))):
+        with pytest.raises(TypeError, match="^" + name.replace("[", r"\[")):
+            call()
+    assert (u8(q) == 0xAB).all() and (u8(sf) == 0xAB).all() and float(gs) == 5.0
+    assert (out.float() == 3.0).all()
+    with pytest.raises(ValueError, match="^gs:"):             # the float16 bound (docs/format.md)
+        rawkv.nvfp4.quantize(x.half(), scope="given", gs=2e7, out=(q, sf, gs))
+    assert (u8(q) == 0xAB).all()
+
+
+def test_allocation_refused_while_the_stream_argument_captures(cuda):
+    # torch's current stream is not capturing, the op's stream is: an op
+    # without out= must refuse to allocate (Runtime.empty gets the stream)
+    rawkv.warmup()
+    x = torch.randn(4, 64, device="cuda")
+    q, sf, gs = rawkv.nvfp4.quantize(x)
+    idx = torch.zeros(2, dtype=torch.int32, device="cuda")
+    sw = rawkv.nvfp4.swizzle_scales(sf)
+    s, other = torch.cuda.Stream(), torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    other.wait_stream(torch.cuda.current_stream())
+    ops = [lambda: rawkv.nvfp4.quantize(x, stream=s),
+           lambda: rawkv.nvfp4.dequantize(q, sf, gs, stream=s),
+           lambda: rawkv.nvfp4.gather(q, sf, gs, idx, stream=s),
+           lambda: rawkv.nvfp4.swizzle_scales(sf, stream=s),
+           lambda: rawkv.nvfp4.unswizzle_scales(sw, sf.shape, stream=s)]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s, capture_error_mode="relaxed"):
+        with torch.cuda.stream(other):
+            assert not torch.cuda.is_current_stream_capturing()
+            for op in ops:
+                with pytest.raises(rawkv.CaptureError, match="out="):
+                    op()
+    torch.cuda.synchronize()
+
+
+# ---- launch plan ------------------------------------------------------------------------------------
+def test_empty_inputs_launch_nothing(rt):
+    x = fake(torch.ones(0, 32))
+    q, sf, gs = rawkv.nvfp4.quantize(x)
+    assert float(gs) == 1.0
+    rawkv.nvfp4.dequantize(q, sf, gs)
+    rawkv.nvfp4.gather(fake(torch.zeros(3, 16, dtype=torch.uint8)), fake(torch.zeros(3, 2, dtype=torch.uint8)),
+                       1.0, fake(torch.zeros(0, dtype=torch.int64)))
+    assert rt.calls == []

@@ -1,6 +1,14 @@
-"""NVFP4 numpy reference and CPU op paths (no GPU): element conversions
-checked exhaustively against independent brute-force searches, the encoding
-steps of docs/format.md, gather and the scale swizzle."""
+"""rawkv.nvfp4.quantize: the reference against the encoding steps of
+docs/format.md, the argument rules, the launch plans and the operator (the
+GPU bit-exactness tests are in test_quantize_gpu.py, the byte identity with
+ModelOpt in test_quantize_modelopt.py, the scopes' plans in test_scopes.py).
+
+The launch-plan tests run the CUDA path on a CPU: CPU tensors that report
+is_cuda and a runtime that records launches instead of making them
+(tests/nvfp4/conftest.py). Every launch goes through its declaration
+(rawkv.kernels.nvfp4), so a wrong keyword, a scalar of the wrong C type or a
+missing argument fails there; the tests also check which buffer each pointer
+parameter receives."""
 from __future__ import annotations
 
 import math
@@ -8,114 +16,24 @@ import math
 import numpy as np
 import pytest
 
-import rawkv
-from rawkv.reference import formats as F
-from rawkv.reference import layouts as L
-from rawkv.reference import nvfp4 as R
-
-E2M1_MAG = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-def all_bf16() -> np.ndarray:
-    """Every BF16 bit pattern as float32 (NaNs included)."""
-    return (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
-
-
-def e4m3_positive_values() -> np.ndarray:
-    """Values of E4M3 codes 0..0x7E, from the bit layout (independent of formats.py)."""
-    out = []
-    for c in range(0x7F):
-        e, m = c >> 3, c & 7
-        out.append(m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
-    return np.array(out)
+hypothesis = pytest.importorskip("hypothesis")
+torch = pytest.importorskip("torch")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+import rawkv  # noqa: E402
+from rawkv.reference import formats as F  # noqa: E402
+from rawkv.reference import nvfp4 as R  # noqa: E402
+from rawkv import _args as A  # noqa: E402
+from rawkv.reference import nvfp4 as RN  # noqa: E402
+from rawkv.kernels import nvfp4 as K  # noqa: E402
+from rawkv.nvfp4 import counters  # noqa: E402
+from support.fake_cuda import fake  # noqa: E402
+from support.nvfp4 import names  # noqa: E402
+from support.properties import (  # noqa: E402
+    FLOATS, GS, SETTINGS, _gs, _gs_ref, host, judge, layouts, leads, libs, make, seeds, widths)
 
 
-def brute_nearest_even(a: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """Index of the nearest entry of an increasing table to each a >= 0
-    (float64 distances, exact here); ties go to the even index; beyond the
-    last entry: the last index (saturation)."""
-    d = np.abs(a[:, None] - table[None, :])
-    best = d.min(axis=1, keepdims=True)
-    cand = d == best
-    idx = np.where(cand.sum(axis=1) > 1, np.argmax(cand & (np.arange(table.size) % 2 == 0), axis=1),
-                   np.argmax(cand, axis=1))
-    return np.where(a > table[-1], table.size - 1, idx)
-
-
-# ---- element conversions, exhaustive over BF16 ---------------------------------
-def test_e2m1_encode_all_bf16_vs_brute_force():
-    x = all_bf16()
-    fin = ~np.isnan(x)
-    x = x[fin]
-    a = np.minimum(np.abs(x.astype(np.float64)), 1e300)
-    want = brute_nearest_even(a, E2M1_MAG).astype(np.uint8) | (np.signbit(x).astype(np.uint8) << 3)
-    got = F.e2m1_encode(x)
-    assert np.array_equal(got, want)
-
-
-def test_e4m3_encode_all_bf16_vs_brute_force():
-    x = all_bf16()
-    tab = e4m3_positive_values()
-    nan = np.isnan(x)
-    a = np.abs(np.where(nan, 0, x).astype(np.float64))
-    a = np.where(np.isinf(a), 1e300, a)
-    want = brute_nearest_even(a, tab).astype(np.uint8) | (np.signbit(x).astype(np.uint8) << 7)
-    want = np.where(nan, np.uint8(0x7F), want)
-    assert np.array_equal(F.e4m3_encode(x), want)
-
-
-def test_e4m3_encode_all_bf16_vs_torch():
-    torch = pytest.importorskip("torch")
-    if not hasattr(torch, "float8_e4m3fn"):
-        pytest.skip("torch has no float8_e4m3fn")
-    x = all_bf16()
-    ok = ~np.isnan(x) & (np.abs(x) <= 448)      # torch does not saturate past 448
-    t = torch.from_numpy(x[ok]).to(torch.bfloat16).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    assert np.array_equal(F.e4m3_encode(x[ok]), t)
-
-
-def test_e4m3_decode_all_bytes():
-    vals = F.e4m3_decode(np.arange(256, dtype=np.uint8))
-    tab = e4m3_positive_values()
-    for c in range(256):
-        if c & 0x7F == 0x7F:
-            assert np.isnan(vals[c])
-        else:
-            v = tab[c & 0x7F] * (-1 if c & 0x80 else 1)
-            assert vals[c] == v and np.signbit(vals[c]) == bool(c & 0x80)
-    torch = pytest.importorskip("torch")
-    if hasattr(torch, "float8_e4m3fn"):
-        t = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
-        assert np.array_equal(vals, t, equal_nan=True)
-
-
-def test_e2m1_decode_all_codes():
-    got = F.e2m1_decode(np.arange(16, dtype=np.uint8))
-    for c in range(16):
-        assert got[c] == E2M1_MAG[c & 7] * (-1 if c & 8 else 1)
-        assert np.signbit(got[c]) == bool(c & 8)
-
-
-@pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_e2m1_every_tie_goes_to_even(sign):
-    ties = {0.25: 0, 0.75: 2, 1.25: 2, 1.75: 4, 2.5: 4, 3.5: 6, 5.0: 6}
-    for t, code in ties.items():
-        got = int(F.e2m1_encode(np.float32(sign * t)))
-        assert got == code | (8 if sign < 0 else 0), t
-
-
-def test_e4m3_every_tie_goes_to_even():
-    tab = e4m3_positive_values()
-    mids = (tab[:-1] + tab[1:]) / 2                  # exact in float32
-    codes = F.e4m3_encode(mids.astype(np.float32))
-    lo = np.arange(len(mids))
-    want = np.where(lo % 2 == 0, lo, lo + 1)
-    assert np.array_equal(codes, want.astype(np.uint8))
-    assert np.array_equal(F.e4m3_encode(-mids.astype(np.float32)), (want | 0x80).astype(np.uint8))
-    assert F.e4m3_encode(np.float32(464.0)) == 0x7E     # past the last tie: saturate
-
-
-# ---- quantize: the steps of the spec -------------------------------------------------
+# ---- the reference ----------------------------------------------------------------------------------
 def spec_gs(values, scope_gs=None):
     """docs/format.md NVFP4 encoding step 1 for one scope's values, with Python scalars
     (independent of R.global_scale): amax over the finite elements, gs =
@@ -292,8 +210,10 @@ def test_number_gs_bool_refused_and_numpy_scalars_accepted():
     assert np.array_equal(y, R.dequantize(want[0], want[1], np.float32(0.1), "float32")[::-1])
 
 
-TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
 TIE_CODES = np.array([0, 2, 2, 4, 4, 6, 6, 7], np.uint8)   # the even neighbour; 6 is bmax
+
+
+TIES = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
 
 
 def tie_blocks(scales):
@@ -375,7 +295,6 @@ def test_roundtrip_error_bound(rng):
         assert (err <= es * 1.0 + 1e-30).all()
 
 
-# ---- CPU op paths ----------------------------------------------------------------------
 def test_ops_numpy_and_torch_cpu(rng):
     torch = pytest.importorskip("torch")
     x = rng.standard_normal((3, 5, 32)).astype(np.float32)
@@ -397,6 +316,45 @@ def test_ops_numpy_and_torch_cpu(rng):
     assert rawkv.nvfp4.quantize(xt)[2].shape == ()
 
 
+nv = rawkv.nvfp4
+
+
+def test_quantize_scope_none_is_the_documented_default():
+    x = np.linspace(-3, 3, 64, dtype=np.float32).reshape(2, 32)
+    for a, b in ((nv.quantize(x, scope=None), R.quantize(x, "tensor")),
+                 (nv.quantize(x, scope=None, gs=0.01), R.quantize(x, "given", 0.01))):
+        assert all(np.array_equal(u, v) for u, v in zip(a, b))
+
+
+# ---- argument errors --------------------------------------------------------------------------------
+SCOPES = ("tensor", "row", "given", "none")
+
+
+@pytest.mark.parametrize("default", ["tensor", "row"])
+def test_scope_gs_parser(default):
+    assert A.check_scope_gs(None, None, SCOPES, default) == (default, None)
+    assert A.check_scope_gs(None, 0.5, SCOPES, default) == ("given", 0.5)
+    assert A.check_scope_gs("none", None, SCOPES, default) == ("none", None)
+    scope, g = A.check_scope_gs("given", np.float32(0.25), SCOPES, default)
+    assert scope == "given" and g == 0.25 and type(g) is float
+    arr = np.ones((1, 1), np.float32)
+    assert A.check_scope_gs("given", arr, SCOPES, default)[1] is arr
+    with pytest.raises(ValueError, match="^scope:"):
+        A.check_scope_gs("col", None, SCOPES, default)
+    with pytest.raises(ValueError, match="^gs:"):
+        A.check_scope_gs("given", None, SCOPES, default)
+    with pytest.raises(ValueError, match="^gs:"):
+        A.check_scope_gs("row", 1.0, SCOPES, default)
+    with pytest.raises(ValueError, match="^gs:"):
+        A.check_scope_gs("given", np.ones(2, np.float32), SCOPES, default)
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e39, 1e-46):
+        with pytest.raises(ValueError, match="^gs:"):
+            A.check_scope_gs("given", bad, SCOPES, default)
+    for bad in (True, np.bool_(False), "0.5", b"x"):
+        with pytest.raises(TypeError, match="^gs:"):
+            A.check_scope_gs("given", bad, SCOPES, default)
+
+
 def test_row_view_refuses_rows_not_16_bytes_apart():
     # _rules.row_view is what quantize runs on CPU and CUDA arrays alike; it
     # only looks at shapes and strides
@@ -411,22 +369,6 @@ def test_row_view_refuses_rows_not_16_bytes_apart():
         rawkv.nvfp4.quantize(np.zeros((4, 18), np.float16)[:, :16])              # on CPU too
     with pytest.raises(ValueError, match="^x:"):
         _rules.row_view(torch.zeros(2, 24)[:, :20], "x")                           # N % 16
-
-
-def test_q_alignment_checked_on_cpu_as_on_cuda():
-    # the kernels load q 4 bytes at a time: a q view at an odd address is
-    # refused by dequantize and gather on CPU tensors as on CUDA ones
-    torch = pytest.importorskip("torch")
-    buf = torch.zeros(4 * 8 + 4, dtype=torch.uint8)
-    sf = torch.zeros(4, 1, dtype=torch.uint8)
-    assert buf.data_ptr() % 16 == 0
-    for off in (1, 2, 3):
-        with pytest.raises(ValueError, match="^q: data must be 4-byte aligned"):
-            rawkv.nvfp4.dequantize(buf[off:off + 32].view(4, 8), sf, 1.0)
-        with pytest.raises(ValueError, match="^q: data must be 4-byte aligned"):
-            rawkv.nvfp4.gather(buf[off:off + 32].view(4, 8), sf, 1.0, torch.tensor([0]))
-    y = rawkv.nvfp4.dequantize(buf[4:36].view(4, 8), buf[1:5].view(4, 1), 1.0)   # what the kernel needs
-    assert y.shape == (4, 16)
 
 
 @pytest.mark.parametrize("bad", ["q_shape", "q_dtype", "sf_shape", "sf_dtype", "gs_shape", "gs_dtype"])
@@ -453,79 +395,109 @@ def test_quantize_cpu_out_checked_before_any_write(bad, lib):
         assert np.array_equal(o.numpy() if lib == "torch" else o, b)     # nothing written
 
 
-def test_bad_arguments_cpu():
-    x = np.ones((2, 24), np.float32)
-    with pytest.raises(ValueError, match="^x:"):
-        rawkv.nvfp4.quantize(x)
-    with pytest.raises(ValueError, match="^scope:"):
-        rawkv.nvfp4.quantize(np.ones((2, 16), np.float32), scope="col")
+@SETTINGS
+@given(seed=seeds, lead=leads, n=widths, dt=st.sampled_from(FLOATS + ("float64", "int32")), lib=libs,
+       layout=layouts, special=st.booleans(),
+       scope=st.sampled_from([None, "tensor", "row", "given", "none", "rows"]), gs=st.sampled_from(GS))
+def test_nvfp4_quantize(seed, lead, n, dt, lib, layout, special, scope, gs):
+    x = make(seed, (*lead, n), dt, lib, layout, special)
+    g = _gs(gs, seed, lib)
+
+    def reference():
+        sc = scope or ("given" if g is not None else "tensor")
+        return RN.quantize(host(x).astype(np.float32), sc, _gs_ref(g) if sc == "given" else None, dt)
+    judge(lambda: rawkv.nvfp4.quantize(x, scope=scope, gs=g), ("x", "scope", "gs"), reference)
+
+
+# ---- launch plan ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [32, 48])
+def test_quantize_scopes(rt, dtype, n):
+    ct = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}[dtype]
+    bpt = 2 if n % 32 == 0 else 1
+    x = fake(torch.ones(3, n, dtype=dtype))
+    q, sf, gs = rawkv.nvfp4.quantize(x, scope="row")
+    (name, _, _, a), = rt.calls
+    assert name == f"rkv_nvfp4_quantize_rows<{ct}, {bpt}, 1>"
+    assert (a["x"], a["q"], a["sf"], a["gs_out"]) == (x.data_ptr(), q.data_ptr(), sf.data_ptr(), gs.data_ptr())
+    assert (a["M"], a["upr"], a["ldx"]) == (3, n // (16 * bpt), n) and gs.shape == (3,)
+
+    rt.calls.clear()
+    q, sf, gs = rawkv.nvfp4.quantize(x)                               # small: one launch
+    (name, grid, block, a), = rt.calls
+    assert name == f"rkv_nvfp4_quantize_small<{ct}, {bpt}>" and a["gs_out"] == gs.data_ptr()
+
+    rt.calls.clear()
+    big = fake(torch.ones(rawkv.nvfp4.SMALL_NUMEL // n + 1, n, dtype=dtype))
+    q, sf, gs = rawkv.nvfp4.quantize(big)
+    assert names(rt) == ["memset", f"rkv_nvfp4_amax<{ct}>", f"rkv_nvfp4_quantize<{ct}, {bpt}, {K.MODE_AMAX}>",
+                         "rkv_nvfp4_finalize_gs"]
+    g = gs.data_ptr()
+    assert rt.calls[0][1:] == (g, 0, 4)
+    assert rt.calls[1][3]["amax_bits"] == g
+    assert rt.calls[2][3]["gs_ptr"] == g and rt.calls[2][3]["gs_out"] == 0 and rt.calls[2][3]["errors"] == 0
+    assert rt.calls[3][3] == {"gs": g}
+
+    rt.calls.clear()
+    q, sf, gs = rawkv.nvfp4.quantize(x, scope="given", gs=np.float32(0.25))
+    (name, _, _, a), = rt.calls
+    assert name == f"rkv_nvfp4_quantize<{ct}, {bpt}, {K.MODE_GIVEN}>"
+    assert (a["gs_ptr"], a["gs_val"], a["gs_out"], a["errors"]) == (0, 0.25, gs.data_ptr(), 0)
+
+    rt.calls.clear()
+    gdev = fake(torch.full((1,), 0.5))
+    counter = counters._CUDA[-1].data_ptr()
+    for ogs in (None, fake(torch.zeros(()))):
+        q, sf, gs = rawkv.nvfp4.quantize(x, scope="given", gs=gdev, out=(None, None, ogs))
+        a = rt.calls[-1][3]
+        assert a["gs_ptr"] == gdev.data_ptr() and a["errors"] == counter + 4 * rawkv.nvfp4.GIVEN_GS
+        if ogs is None:
+            assert gs.data_ptr() == gdev.data_ptr() and a["gs_out"] == 0     # the given tensor is gs
+        else:
+            assert gs is ogs and a["gs_out"] == ogs.data_ptr()
+    rt.calls.clear()
+    rawkv.nvfp4.quantize(x, scope="none")
+    assert rt.calls[0][3]["gs_val"] == 1.0 and rt.calls[0][3]["gs_ptr"] == 0
+
+
+def test_quantize_errors_counter(rt):
+    """errors= takes the place of the device counter for a device gs; the
+    operator passes its buffers, the given gs is the gs (no gs_out)."""
+    import rawkv.library  # noqa: F401  (registers torch.ops.rawkv)
+    x = fake(torch.ones(2, 32))
+    gdev = fake(torch.full((1,), 0.5))
+    err = fake(torch.zeros(1, dtype=torch.int32))
+    q, sf, gs = rawkv.nvfp4.quantize(x, scope="given", gs=gdev, errors=err)
+    assert rt.calls[-1][3]["errors"] == err.data_ptr() and gs.data_ptr() == gdev.data_ptr()
+    rawkv.nvfp4.quantize(x, scope="given", gs=0.5, errors=err)       # a number: checked on the host
+    assert rt.calls[-1][3]["errors"] == 0
+    qb, sfb = fake(torch.empty(2, 16, dtype=torch.uint8)), fake(torch.empty(2, 2, dtype=torch.uint8))
+    torch.ops.rawkv.nvfp4_quantize(x, "given", gdev, None, qb, sfb, None, err)
+    a = rt.calls[-1][3]
+    assert (a["q"], a["sf"], a["gs_ptr"], a["gs_out"], a["errors"]) == (
+        qb.data_ptr(), sfb.data_ptr(), gdev.data_ptr(), 0, err.data_ptr())
+    n = len(rt.calls)
+    for bad, exc in ((err.long(), TypeError), (fake(torch.zeros(0, dtype=torch.int32)), ValueError)):
+        with pytest.raises(exc, match="^errors:"):
+            rawkv.nvfp4.quantize(x, scope="given", gs=gdev, errors=bad)
+    assert len(rt.calls) == n
+
+
+def test_quantize_long_rows_and_views(rt):
+    x = fake(torch.ones(2, 16 * 2 * (K.MAX_BLOCK_THREADS + 1)))         # upr > MAX_BLOCK_THREADS: R = 0
+    rawkv.nvfp4.quantize(x, scope="row")
+    assert rt.calls[0][0] == "rkv_nvfp4_quantize_rows<float, 2, 0>"
+    rt.calls.clear()
+    base = fake(torch.ones(12, 96, dtype=torch.bfloat16))
+    v = base[::2, 32:96]
+    rawkv.nvfp4.quantize(v, scope="none")
+    a = rt.calls[0][3]
+    assert a["x"] == v.data_ptr() and a["ldx"] == 192 and a["M"] == 6
+
+
+def test_quantize_refuses_unusable_numbers_before_launching(rt):
+    x = fake(torch.ones(2, 32, dtype=torch.float16))
     with pytest.raises(ValueError, match="^gs:"):
-        rawkv.nvfp4.quantize(np.ones((2, 16), np.float32), scope="given")
-    with pytest.raises(ValueError, match="^gs:"):
-        rawkv.nvfp4.quantize(np.ones((2, 16), np.float32), scope="given", gs=float("nan"))
-    with pytest.raises(ValueError, match="^gs:"):
-        rawkv.nvfp4.quantize(np.ones((2, 16), np.float32), gs=1.0)
-    with pytest.raises(TypeError, match="^dtype:"):
-        rawkv.nvfp4.dequantize(np.zeros((1, 8), np.uint8), np.zeros((1, 1), np.uint8), 1.0, dtype="int8")
-
-
-# ---- gather ------------------------------------------------------------------------------
-@pytest.mark.parametrize("idx_dtype", [np.int32, np.int64])
-def test_gather_bad_index_row_is_zeros_and_counted(rng, idx_dtype):
-    torch = pytest.importorskip("torch")
-    x = rng.standard_normal((9, 64)).astype(np.float32)
-    q, sf, gs = R.quantize(x, "row")
-    idx = np.array([3, -1, 8, 9, 0, 1 << 30, 3], idx_dtype)
-    bad = (idx < 0) | (idx >= 9)
-    y, nerr = L.gather(q, sf, gs, idx, "float32")
-    assert nerr == 3
-    full = R.dequantize(q, sf, gs, "float32")
-    assert np.array_equal(y[~bad], full[idx[~bad]])
-    assert not y[bad].any() and not np.signbit(y[bad]).any()                   # +0.0
-    # the op: errors= given is added to; an out= buffer's bad rows become zeros
-    err = np.full(1, 5, np.int32)
-    out = np.full((7, 64), 7.0, np.float32)
-    counts = rawkv.nvfp4.error_counts("cpu")
-    before = counts.copy()
-    y2 = rawkv.nvfp4.gather(q, sf, gs, idx, dtype="float32", out=out, errors=err)
-    assert y2 is out and err[0] == 8 and np.array_equal(out, y)
-    errt = torch.zeros(2, dtype=torch.int32)
-    rawkv.nvfp4.gather(torch.from_numpy(q), torch.from_numpy(sf), torch.from_numpy(gs),
-                       torch.from_numpy(idx), errors=errt)
-    assert errt.tolist() == [3, 0]
-    assert np.array_equal(counts, before)
-    # no errors=: kept in the CPU counter the caller reads
-    rawkv.nvfp4.gather(q, sf, gs, idx, dtype="float32")
-    assert counts[rawkv.nvfp4.GATHER_INDEX] - before[rawkv.nvfp4.GATHER_INDEX] == 3
-    assert counts[rawkv.nvfp4.GIVEN_GS] == before[rawkv.nvfp4.GIVEN_GS]
-
-
-# ---- swizzle -------------------------------------------------------------------------------
-def swizzle_by_reshape(sf: np.ndarray) -> np.ndarray:
-    """The block rearrangement written as reshapes (torchao to_blocked /
-    cuBLAS 'block scaling factors layout'): pad to (128k, 4l), view as
-    (rb, 128, cb, 4) -> (rb, cb, 128, 4) -> (tiles, 4, 32, 4) -> swap the
-    4- and 32- axes -> flatten."""
-    rows, cols = sf.shape
-    pr, pc = -(-rows // 128) * 128, -(-cols // 4) * 4
-    p = np.zeros((pr, pc), np.uint8)
-    p[:rows, :cols] = sf
-    blocks = p.reshape(pr // 128, 128, pc // 4, 4).transpose(0, 2, 1, 3)
-    return blocks.reshape(-1, 4, 32, 4).transpose(0, 2, 1, 3).reshape(-1)
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (5, 3), (128, 4), (130, 448), (257, 9), (300, 1)])
-def test_swizzle_matches_reshape_formula_and_round_trips(rng, shape):
-    sf = rng.integers(0, 256, shape, dtype=np.uint8)
-    sw = L.swizzle_scales(sf)
-    assert sw.size == L.swizzled_size(*shape)
-    assert np.array_equal(sw, swizzle_by_reshape(sf))
-    assert np.array_equal(L.unswizzle_scales(sw, *shape), sf)
-    assert np.array_equal(rawkv.nvfp4.unswizzle_scales(rawkv.nvfp4.swizzle_scales(sf), shape), sf)
-
-
-def test_swizzle_known_offsets():
-    off = L.swizzle_offsets(256, 8)
-    assert off[0, 0] == 0 and off[0, 3] == 3 and off[1, 0] == 16 and off[32, 0] == 4
-    assert off[31, 0] == 31 * 16 and off[127, 3] == 31 * 16 + 3 * 4 + 3
-    assert off[0, 4] == 512 and off[128, 0] == 1024
+        rawkv.nvfp4.quantize(x, scope="given", gs=2e7)               # the float16 bound
+    rawkv.nvfp4.quantize(x.float(), scope="given", gs=2e7)         # usable for float32
+    assert len(rt.calls) == 1
