@@ -13,92 +13,10 @@ import rawkv  # noqa: E402
 from rawkv import _dispatch as D  # noqa: E402
 from rawkv import kvcache as kc  # noqa: E402
 from rawkv.reference import formats as RF  # noqa: E402
-from rawkv.reference import fused as RFU  # noqa: E402
 from rawkv.reference import gemm as RG  # noqa: E402
 from rawkv.reference import nvfp4 as RN  # noqa: E402
 from rawkv.reference.kvcache import layouts as RK  # noqa: E402
-from support.properties import (  # noqa: E402
-    FLOATS, GS, SETTINGS, _gs, _gs_ref, dtype_of, host, judge, layouts, leads, libs, make, same, seeds,
-    shapes, widths)
-
-
-EPS = [1e-6, 0.0, -1.0, float("nan"), 1, np.float32(1e-5), True, None]
-x_dtypes = st.sampled_from(FLOATS * 2 + ("float64", "int32"))
-p_dtypes = st.sampled_from(("float32", "bfloat16", "float16") * 2 + ("float64", "int32"))
-f_scopes = st.sampled_from([None, "row", "tensor", "given", "none", "bogus"])
-f_gs = st.sampled_from(GS[:7] + ["array", "array2", "array-f64"])
-
-
-def _fused_gs(scope, g):
-    sc = scope or ("given" if g is not None else "row")
-    return sc, (_gs_ref(g) if sc == "given" else None)
-
-
-def _activation_ref(lead, n, q, sf, g, inv=None):
-    return (q.reshape(*lead, n // 2), sf.reshape(*lead, n // 16), np.asarray(g, np.float32),
-            None if inv is None else inv.reshape(lead))
-
-
-@SETTINGS
-@given(seed=seeds, lead=leads, n=widths, xdt=x_dtypes, wdt=p_dtypes, lib=libs, layout=layouts,
-       special=st.booleans(), eps=st.sampled_from(EPS), scope=f_scopes, gs=f_gs)
-def test_fused_rmsnorm_quantize(seed, lead, n, xdt, wdt, lib, layout, special, eps, scope, gs):
-    x = make(seed, (*lead, n), xdt, lib, layout, special)
-    w = make(seed + 1, (n,), wdt, lib)
-    g = _gs(gs, seed, lib)
-
-    def reference():
-        sc, gv = _fused_gs(scope, g)
-        q, sf, gg, inv = RFU.rmsnorm_quantize(host(x).reshape(-1, n), host(w), float(eps), sc, gv, xdt)
-        return _activation_ref(lead, n, q, sf, gg, inv)
-    judge(lambda: rawkv.fused.rmsnorm_quantize(x, w, eps, scope=scope, gs=g), ("x", "weight", "eps", "scope", "gs"),
-          reference)
-
-
-@SETTINGS
-@given(seed=seeds, lead=leads, n_hc=st.sampled_from([1, 2, 3, 4] * 2 + [0, 5]), n=widths, xdt=x_dtypes, mdt=p_dtypes, lib=libs,
-       layout=layouts, special=st.booleans(), scope=f_scopes)
-def test_fused_mhc_rmsnorm_quantize(seed, lead, n_hc, n, xdt, mdt, lib, layout, special, scope):
-    x = make(seed, (*lead, n_hc, n), xdt, lib, layout, special)
-    mix = make(seed + 1, (*lead, n_hc), mdt, lib)
-    w = make(seed + 2, (n,), "float32", lib)
-
-    def reference():
-        m = int(np.prod(lead)) if lead else 1
-        sc, gv = _fused_gs(scope, None)
-        q, sf, gg, inv = RFU.mhc_rmsnorm_quantize(host(x).reshape(m, n_hc, n), host(mix).reshape(m, n_hc),
-                                                  host(w), 1e-6, sc, gv, xdt)
-        return _activation_ref(lead, n, q, sf, gg, inv)
-    judge(lambda: rawkv.fused.mhc_rmsnorm_quantize(x, mix, w, scope=scope),
-          ("x", "mix", "weight", "scope", "gs"), reference)
-
-
-@SETTINGS
-@given(seed=seeds, lead=leads, two_i=st.sampled_from([64, 32, 96, 0, 33, 40, 128]), xdt=x_dtypes,
-       gran=st.sampled_from([8, 16, 1, 4, 3, 0, -8, True, 8.0]), lib=libs, layout=layouts,
-       special=st.booleans(), scope=f_scopes, gs=f_gs)
-def test_fused_swiglu_quantize(seed, lead, two_i, xdt, gran, lib, layout, special, scope, gs):
-    h = make(seed, (*lead, two_i), xdt, lib, layout, special)
-    g = _gs(gs, seed, lib)
-
-    def reference():
-        sc, gv = _fused_gs(scope, g)
-        q, sf, gg = RFU.swiglu_quantize(host(h).reshape(-1, two_i), int(gran), sc, gv, xdt)
-        return _activation_ref(lead, two_i // 2, q, sf, gg)
-    judge(lambda: rawkv.fused.swiglu_quantize(h, gran, scope=scope, gs=g),
-          ("h", "granularity", "scope", "gs"), reference)
-
-
-@SETTINGS
-@given(seed=seeds, m=st.integers(0, 4), k=st.sampled_from([128, 256, 0, 64, 130]), top=st.integers(0, 3),
-       xdt=x_dtypes, idt=st.sampled_from(("int32", "int64", "float32", "uint8")), wdt=p_dtypes, lib=libs,
-       layout=layouts, special=st.booleans())
-def test_fused_moe_stage(seed, m, k, top, xdt, idt, wdt, lib, layout, special):
-    hidden = make(seed, (m, k), xdt, lib, layout, special)
-    ids = make(seed + 1, (m, top), idt, lib, lo=-3, hi=300)
-    wts = make(seed + 2, (m, top), wdt, lib, special=special)
-    judge(lambda: rawkv.fused.moe_stage(hidden, ids, wts), ("hidden", "topk_ids", "topk_weights"),
-          lambda: RFU.moe_stage(host(hidden), host(ids), host(wts)))
+from support.properties import SETTINGS, dtype_of, host, judge, layouts, libs, make, same, seeds, shapes  # noqa: E402
 
 
 STORES = {"model1": (kc.model1_store, RK.model1_write, RK.MODEL1, 512, "entries"),

@@ -39,7 +39,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 # Cody-Waite range reduction + degree-7 Taylor polynomial (Horner), every step a
 # single IEEE float32 operation (no FMA), so rawkv/cu/fused.cu computes the same
 # bits. Error <= 2 ulp against the float32-rounded exact exp (what
-# tests/test_fused.py asserts; measured: 1 ulp over [-87, 88.7]).
+# tests/fused/test_swiglu_quantize.py asserts; measured: 1 ulp over [-87, 88.7]).
 _U = lambda bits: np.array(bits, dtype=np.uint32).view(np.float32)[()]  # noqa: E731
 EXP_LOG2E = _U(0x3FB8AA3B)      # f32(log2(e))
 EXP_LN2_HI = _U(0x3F317200)     # 0.693145751953125 (15 significant bits: n * hi is exact)

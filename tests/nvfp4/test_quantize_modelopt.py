@@ -22,7 +22,7 @@ what each library writes, so a change on either side shows up here.
 
 The reference (numpy, rawkv.reference.nvfp4) and the public op on CPU tensors
 (rawkv.nvfp4.quantize) are compared; the kernels equal the reference bit for
-bit (tests/nvfp4/test_quantize_gpu.py, tests/test_fused_gpu.py on a GPU).
+bit (tests/nvfp4/test_quantize_gpu.py, tests/fused/ on a GPU).
 """
 from __future__ import annotations
 

@@ -187,3 +187,19 @@ def _q_sf(seed, lead, n, lib, layout, sf_dt="uint8"):
     q = make(seed, (*lead, n // 2), "uint8", lib, layout)
     sf = make(seed + 1, (*lead, n // 16), sf_dt, lib, layout)
     return q, sf
+
+
+x_dtypes = st.sampled_from(FLOATS * 2 + ("float64", "int32"))
+p_dtypes = st.sampled_from(("float32", "bfloat16", "float16") * 2 + ("float64", "int32"))
+f_scopes = st.sampled_from([None, "row", "tensor", "given", "none", "bogus"])
+f_gs = st.sampled_from(GS[:7] + ["array", "array2", "array-f64"])
+
+
+def _fused_gs(scope, g):
+    sc = scope or ("given" if g is not None else "row")
+    return sc, (_gs_ref(g) if sc == "given" else None)
+
+
+def _activation_ref(lead, n, q, sf, g, inv=None):
+    return (q.reshape(*lead, n // 2), sf.reshape(*lead, n // 16), np.asarray(g, np.float32),
+            None if inv is None else inv.reshape(lead))

@@ -1,8 +1,9 @@
 """The fused ops as torch custom operators (rawkv.library; the schemas in
 docs/fused.md): the operator writes what the public op returns, its gs
-arguments, and under torch.compile the public ops return what they return
-eagerly (types, shapes, dtypes, bits). opcheck and the compiled steps of
-every op are in test_library.py (tests/support/library_samples_fused.py)."""
+arguments and errors name the argument, traced results equal the eager ones
+(out= variants included); on the GPU, the operators in a captured step and on
+their tensors' device. opcheck and the compiled steps of every op are in
+tests/guards/test_library.py (tests/support/library_samples_fused.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +13,10 @@ torch = pytest.importorskip("torch")
 import rawkv  # noqa: E402
 import rawkv.library  # noqa: E402,F401
 from rawkv import fused as F  # noqa: E402
+from support.fused import _inputs  # noqa: E402
 
+
+# ---- the operator and torch.compile -----------------------------------------------------------------
 BF16, U8 = torch.bfloat16, torch.uint8
 OPS = torch.ops.rawkv
 
@@ -20,16 +24,6 @@ OPS = torch.ops.rawkv
 def _x(rng, *shape, dtype=BF16, lo=None):
     a = rng.standard_normal(shape) if lo is None else rng.uniform(lo, lo + 1, shape)
     return torch.from_numpy(a.astype(np.float32)).to(dtype)
-
-
-def _same(a, b):
-    """Same structure, types, shapes, dtypes and bits."""
-    if isinstance(a, tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if a is None or b is None:
-        return a is b
-    return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.view(U8) if a.element_size() == 1 else a, b.view(U8) if b.element_size() == 1 else b))
 
 
 def _empty_like_result(r, byte_views=True):
@@ -90,6 +84,16 @@ def test_operator_errors_name_the_argument():
                       torch.empty(2, 4, dtype=torch.int32), torch.empty(2, 4))
 
 
+def _same(a, b):
+    """Same structure, types, shapes, dtypes and bits."""
+    if isinstance(a, tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if a is None or b is None:
+        return a is b
+    return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.view(U8) if a.element_size() == 1 else a, b.view(U8) if b.element_size() == 1 else b))
+
+
 # (id, call(args, out) -> result, args, out): traced and eager give the same result
 def _rms_args(rng):
     return _x(rng, 3, 2, 64), _x(rng, 64, dtype=torch.float32, lo=0.5)
@@ -127,10 +131,60 @@ def test_traced_results_are_the_eager_ones(rng, case):
         assert all(g is o for g, o in zip(got, out) if o is not None)
 
 
-def test_traced_bad_argument_raises_when_the_operator_runs():
-    """The traced branch checks nothing it cannot trace: a bad eps reaches
-    the operator, which raises the eager op's error naming it."""
-    torch._dynamo.reset()
-    f = torch.compile(lambda x, w: F.rmsnorm_quantize(x, w, 0.0), fullgraph=True, backend="aot_eager")
-    with pytest.raises(ValueError, match="^eps"):
-        f(torch.ones(2, 64, dtype=BF16), torch.ones(64))
+def _operator_calls(rng):
+    """(operator, inputs, outputs) of every fused operator on cuda:0."""
+    x, w, X, A, h, hid, ids, wts = _inputs(rng, 5, 512, 2, 1024, torch.float16, 4)
+    gs = torch.tensor([0.004], device="cuda")
+
+    def outs(n, gs_shape, inv=True):
+        o = (torch.empty(5, n // 2, dtype=torch.uint8, device="cuda"),
+             torch.empty(5, n // 16, dtype=torch.uint8, device="cuda"), torch.empty(gs_shape, device="cuda"))
+        return o + (torch.empty(5, device="cuda"),) if inv else o
+    ops = torch.ops.rawkv
+    moe_out = (torch.empty(5, 256, dtype=torch.uint8, device="cuda"), torch.empty(5, 8, dtype=torch.int32, device="cuda"),
+               torch.empty(5, 4, dtype=torch.int64, device="cuda"), torch.empty(5, 4, device="cuda"))
+    return [(ops.rmsnorm_quantize, (x, w, 1e-6, "row", None, None), outs(512, (5,))),
+            (ops.mhc_rmsnorm_quantize, (X, A, w, 1e-6, "given", gs, None), outs(512, (1,))),
+            (ops.swiglu_quantize, (h, 8, "tensor", None, None), outs(512, (), False)),
+            (ops.moe_stage, (hid, ids, wts), moe_out)]
+
+
+def test_operators_in_a_captured_step(cuda, rng):
+    """An engine's captured decode step calls torch.ops.rawkv.* on buffers it
+    owns: captured after warmup, each replay gives the eager operator's bits."""
+    import rawkv
+    import rawkv.library  # noqa: F401
+    rawkv.warmup(0, files=["fused.cu"])
+    calls = _operator_calls(rng)
+    for op, args, outs in calls:
+        op(*args, *outs)
+    torch.cuda.synchronize()
+    want = [[o.clone() for o in outs] for _, _, outs in calls]
+    for _, _, outs in calls:                # zeroed: the replay must write them
+        for o in outs:
+            o.zero_()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        for op, args, outs in calls:
+            op(*args, *outs)
+    g.replay()
+    torch.cuda.synchronize()
+    for (op, _, outs), wl in zip(calls, want):
+        for o, wt in zip(outs, wl):
+            assert torch.equal(o, wt), op
+
+
+def test_operators_run_on_their_tensors_device(cuda, rng, monkeypatch):
+    """Each fused operator asks for the runtime of its tensors' device index."""
+    import rawkv.library  # noqa: F401
+    from rawkv.fused import moe, rms, swiglu
+    asked = []
+    for mod in (rms, swiglu, moe):
+        real = mod.get_runtime
+        monkeypatch.setattr(mod, "get_runtime", lambda d=None, real=real: asked.append(d) or real(d))
+    calls = _operator_calls(rng)
+    for op, args, outs in calls:
+        op(*args, *outs)
+    assert len(asked) == len(calls) and all(d == 0 for d in asked)
