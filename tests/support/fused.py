@@ -124,6 +124,7 @@ def _check_rms(qa, ref_fn, rows, lead, scope="row"):
         assert bad.size == 0, f"rows {bad[:5].tolist()} differ from the reference with an equal inv_rms"
 
 
+# ---- long rows (chunks past REG * blockDim are recomputed from memory) with
 # Inf/NaN blocks that also hold finite values, in both ranges ------------------------
 _LONG = 40960            # 2560 chunks; 3 rows get 768-thread CTAs, 2 chunks each in registers
 
@@ -144,6 +145,7 @@ def _huge_weight(rng, x, dtype):
     return torch.from_numpy(w).cuda()
 
 
+# ---- prefill launch layout: rows >= 2 x SMs switch block_for to REG (2) chunks per
 # thread; at N = 2064 (129 chunks, 96 threads) the last thread's second chunk is
 # absent. Scope tensor: every row CTA adds to the cross-CTA atomic amax. ----------
 _PREFILL_N = [2064, 7168]

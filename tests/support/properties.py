@@ -97,6 +97,7 @@ libs = st.sampled_from(["numpy", "torch"])
 layouts = st.sampled_from(["contiguous", "contiguous", "rows", "every_other"])
 
 
+# ---- the judge ----------------------------------------------------------------------------
 # test -> Counter of 'accepted' / 'refused' calls: a property test whose
 # every call is refused would check nothing (test_every_op_was_accepted).
 CALLS: dict = collections.defaultdict(collections.Counter)
