@@ -1,7 +1,7 @@
 """The packed FP4 weight layout of docs/gemm.md in torch: reshapes, permutes
 and one index_select, so the same code packs CPU and CUDA tensors (no numpy
 round trip, no host sync). rawkv.reference.gemm defines the layout with
-index formulas; tests/test_gemm_weights.py checks these equal it.
+index formulas; tests/gemm/test_weights.py checks these equal it.
 
 Axis names used below: a padded row is 16 r + 8 j + q (row tile r, half j:
 0 for the lane's r0, 1 for r1, q = lane // 4); a padded column is 64 c +

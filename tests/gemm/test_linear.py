@@ -1,6 +1,7 @@
 """rawkv.gemm.grouped_linear / moe_linear / Fp4GroupedLinear on CPU tensors
 (the reference, exactly) and their argument checks (raised before any
-launch, naming the argument; the CUDA path runs the same checks first)."""
+launch, naming the argument; the CUDA path runs the same checks first), the
+dispatch rules (their property tests: test_linear_properties.py)."""
 import re
 
 import numpy as np
@@ -162,7 +163,7 @@ def bad_argument_cases(rng, device):
     """(what, call, exception, message prefix): arguments the ops refuse,
     on `device`. The CPU path accepted several that CUDA refuses (int64
     offsets, int64 / float32 errors, a float64 / int32 gs) or crashed on
-    them (weight=None, an empty or bool errors): tests/test_gemm_gpu.py
+    them (weight=None, an empty or bool errors): tests/gemm/test_linear_gpu.py
     runs the same table on CUDA."""
     w = _weight(rng, 3, 16, 64).to(device)
     x = torch.randn(2, 3, 64, device=device).bfloat16()
@@ -343,7 +344,7 @@ def test_the_wgmma_tile_is_the_modelled_fastest(groups, n, k, tokens, tile):
 
 
 def test_the_tunables_set_on_linear_steer_the_plan(monkeypatch):
-    # tests/test_gemm_sm90.py and tools/probe_gemm_paths.py set them there
+    # tests/gemm/test_linear_sm90.py and tools/probe_gemm_paths.py set them there
     w = _Sizes(8, 1024)
     assert plans.tile(H100, w, 16, tuning=linear).kernel is plans.K.GEMM
     monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")

@@ -272,9 +272,9 @@ def test_layer_checkpoint_equals_set_weight(cuda, rng):
 
 
 def test_bad_arguments_are_refused_as_on_cpu(cuda, rng):
-    # issue 21 item 5: tests/test_gemm_ops.py's table of refused arguments,
+    # issue 21 item 5: tests/gemm/test_linear.py's table of refused arguments,
     # on CUDA tensors: the same exception and message prefix as on CPU.
-    from test_gemm_ops import check_bad_argument_cases
+    from gemm.test_linear import check_bad_argument_cases
     check_bad_argument_cases(rng, "cuda")
     w, _ = random_weight(rng, 3, 16, 64, "nvfp4")
     xm = torch.randn(2, 64, dtype=torch.bfloat16, device="cuda")

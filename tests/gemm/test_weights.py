@@ -1,5 +1,5 @@
 """rawkv.gemm: the torch packer against the reference (rawkv.reference.gemm,
-which docs/gemm.md's table pins in tests/test_gemm_reference.py), and
+which docs/gemm.md's table pins in tests/gemm/test_reference.py), and
 Fp4Weight's constructors: from_float follows rawkv.nvfp4.quantize per group
 (ModelOpt's rules, so ModelOpt's bytes: checked against nvidia-modelopt when
 it is installed), from_nvfp4 takes ModelOpt's export tensors as they are,
@@ -45,7 +45,7 @@ def test_torch_packer_equals_reference(rng, g, n, k):
 def test_torch_packer_refuses_what_the_reference_refuses():
     # issue 21 item 10: the same table, the same errors, on torch tensors
     # (and a numpy array, the reference packer's, is a TypeError naming it)
-    from test_gemm_reference import check_bad_packer_cases
+    from gemm.test_reference import check_bad_packer_cases
     check_bad_packer_cases(pack, _t)
     for call in (lambda: pack.pack_codes(np.zeros((1, 16, 32), np.uint8)),
                  lambda: pack.unpack_scales(np.zeros((1, 1, 1, 32, 2), np.uint8), 16, 64, 16)):
