@@ -132,7 +132,7 @@ def test_moe_stage_bit_exact(cuda, rng, dtype, id_dtype, w_dtype, m, k, topk):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_moe_stage_modelopt_edge_rules(cuda, rng, dtype):
-    """One-level NVFP4 (gs = 1) of the edge blocks (tests/nvfp4_edges.py):
+    """One-level NVFP4 (gs = 1) of the edge blocks (tests/support/nvfp4_edges.py):
     zero blocks get scale 0x38, blocks whose scale would round to 0 get 0x01
     and keep their values, -0 and negative values whose quotient rounds to
     -0 give code 0."""

@@ -1,4 +1,4 @@
-"""opcheck samples of the fp8 operators (tests/test_library*.py collect them)."""
+"""opcheck samples of the fp8 operators (tests/guards/test_library*.py collect them)."""
 import numpy as np
 import torch
 

@@ -1,5 +1,5 @@
 """opcheck samples and compiled steps of the fused operators (rawkv.fused;
-tests/test_library*.py collect them). Outputs are uint8 buffers where the op
+tests/guards/test_library*.py collect them). Outputs are uint8 buffers where the op
 returns FP4 / FP8 views: opcheck compares buffers with allclose, which has
 no float8 kernel on CPU."""
 import numpy as np

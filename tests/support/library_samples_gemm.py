@@ -1,4 +1,4 @@
-"""opcheck samples of the grouped FP4 GEMM operators (tests/test_library*.py
+"""opcheck samples of the grouped FP4 GEMM operators (tests/guards/test_library*.py
 collect them): BF16 and NVFP4 activations, NVFP4 and MXFP4 weights, the
 ragged form with offsets that need clamping."""
 import numpy as np

@@ -1,6 +1,6 @@
 """opcheck samples and a compiled step of the ecosystem-layout operators
 (rawkv.kvcache.layouts: FlashMLA MODEL1, DeepGEMM indexer keys, the top-k
-bridge; tests/test_library*.py collect them).
+bridge; tests/guards/test_library*.py collect them).
 
 The caches are plain (num_pages, page_bytes) uint8 tensors: opcheck clones
 the written arguments, and a clone of a strided engine view (flashmla_view)

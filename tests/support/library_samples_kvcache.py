@@ -1,5 +1,5 @@
 """opcheck samples and compiled steps of the KV-cache operators
-(rawkv.kvcache; tests/test_library*.py collect them).
+(rawkv.kvcache; tests/guards/test_library*.py collect them).
 
 The operators take a pool's / decode state's buffers (rawkv.kvcache.views):
 the samples pass real pools and states, filled by the eager ops, through

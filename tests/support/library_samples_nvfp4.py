@@ -1,5 +1,5 @@
 """opcheck samples and compiled steps of the NVFP4 operators
-(tests/test_library*.py collect them). Buffers the ops write as FP4 / FP8
+(tests/guards/test_library*.py collect them). Buffers the ops write as FP4 / FP8
 are uint8 here: opcheck compares them with allclose, which has no FP8/FP4
 kernel on CPU."""
 import numpy as np

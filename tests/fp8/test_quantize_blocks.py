@@ -356,16 +356,6 @@ def test_dequantize_plan_counts_eight_codes_per_thread():
     assert launch.args == dict(codes=c, scales=s, out=out, rows=10, K=160, blk=32)
 
 
-# ---- the operator ------------------------------------------------------------------------------
-def test_operator_writes_what_the_public_op_returns(rng):
-    import rawkv.library  # noqa: F401
-    x = torch.from_numpy(_inputs(rng, 3, 256, "normal"))
-    codes, scales = torch.empty(3, 256, dtype=torch.uint8), torch.empty(3, 2, dtype=torch.uint8)
-    torch.ops.rawkv.fp8_quantize_blocks(x, 128, "ue8m0", codes, scales)
-    c, s = fp8.quantize_blocks(x, scale_format="ue8m0")
-    assert torch.equal(codes, c.view(torch.uint8)) and torch.equal(scales, s.view(torch.uint8))
-
-
 # ---- CUDA against the reference (the lead runs these on a GPU) --------------------------------
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -459,3 +449,13 @@ def test_gpu_dequantize_equals_the_reference(cuda, rng, dtype, ue8m0):
     if dtype == "float16":
         want = want.astype(np.float32)
     assert np.array_equal(got, want, equal_nan=True)
+
+
+# ---- the operator ------------------------------------------------------------------------------
+def test_operator_writes_what_the_public_op_returns(rng):
+    import rawkv.library  # noqa: F401
+    x = torch.from_numpy(_inputs(rng, 3, 256, "normal"))
+    codes, scales = torch.empty(3, 256, dtype=torch.uint8), torch.empty(3, 2, dtype=torch.uint8)
+    torch.ops.rawkv.fp8_quantize_blocks(x, 128, "ue8m0", codes, scales)
+    c, s = fp8.quantize_blocks(x, scale_format="ue8m0")
+    assert torch.equal(codes, c.view(torch.uint8)) and torch.equal(scales, s.view(torch.uint8))
