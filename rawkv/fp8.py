@@ -12,8 +12,6 @@ CPU tensors run rawkv.reference.formats, which defines the result bit for bit.
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from . import _args as A
@@ -187,7 +185,7 @@ def quantize_blocks(x, *, block: int = 128, scale_format: str = "fp32", out=None
         scales = empty(x, (*s[:-1], nb), "uint8" if new_bytes else "float32", stream)
     _quantize_blocks(x, block, scale_format, codes, scales, stream)
     if new_bytes and _e8m0() != "uint8" and hasattr(scales, "view") and not isinstance(scales, np.ndarray):
-        scales = scales.view(sys.modules["torch"].float8_e8m0fnu)
+        scales = scales.view(D._torch_or_none().float8_e8m0fnu)
     return codes, scales
 
 
@@ -212,8 +210,12 @@ def dequantize_blocks(codes, scales, *, block: int = 128, dtype=None, out=None, 
 def _e8m0() -> str:
     """The dtype of new E8M0 scales: float8_e8m0fnu where torch has it (2.7+),
     else uint8 (numpy: uint8 either way). Asked per call: `import rawkv`
-    imports no torch."""
-    t = sys.modules.get("torch")
+    imports no torch. Through rawkv._dispatch's global, not sys.modules:
+    torch.compile copies sys.modules when traced code reads it, and a lazy
+    import meanwhile fails the trace ('dictionary changed size during
+    iteration': the first compiled quantize_blocks after hypothesis was
+    imported)."""
+    t = D._torch_or_none()
     return "float8_e8m0fnu" if t is None or hasattr(t, "float8_e8m0fnu") else "uint8"
 
 
