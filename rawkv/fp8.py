@@ -202,7 +202,7 @@ def dequantize_blocks(codes, scales, *, block: int = 128, dtype=None, out=None, 
         # The same bytes as uint8: torch.compile's inductor cannot
         # functionalize an operator taking a float8_e8m0fnu tensor
         # ("auto_functionalized_v2 was not removed", torch 2.11, H100).
-        scales = scales.view(sys.modules["torch"].uint8)
+        scales = scales.view(D._torch_or_none().uint8)
     _dequantize_blocks(codes, scales, block, out, stream, name)
     return out
 

@@ -3,7 +3,7 @@ arguments (rawkv.gemm._rules: the activation, the weight's sizes and
 format), the device properties (`dev`: a rawkv._plan.Device with its arch,
 or the Runtime) and the dispatch tunables to the list of launches
 (rawkv._plan.Launch). The ops check, plan and run; the tests read the plans
-as data (tests/test_gemm_plans.py). An empty list: nothing to do.
+as data (tests/gemm/test_plans.py). An empty list: nothing to do.
 
 Kernels: rawkv.kernels.gemm_fp4, the mma.sync kernel (GEMM, every GPU from
 sm_80) and the wgmma kernel (GEMM_SM90, sm_90 only).
