@@ -36,10 +36,11 @@ class Tuning(NamedTuple):
     ragged tiles it wins at 32 and 43 and loses at 21 and 24).
     MMA_RAGGED_MIN_BLOCKS: ragged calls below that take the mma.sync
     kernel's ragged tiles (RAGGED_CONFIGS: one warp streams all of K) when
-    their grid has at least this many blocks per SM, else the batched tiles
-    (warps split K, so a few rows still keep every SM streaming): at 1 token
-    over 256 experts (192 blocks on 132 SMs) the ragged tiles lose, at 2
-    tokens (384 blocks) they win.
+    their grid has at least this many blocks per SM, else tiles whose warps
+    split K, so that a few rows still keep every SM streaming
+    (RAGGED_SMALL_CONFIG up to 8 tokens per expert, the batched tiles
+    above): at 1 token over 256 experts (192 blocks on 132 SMs) the ragged
+    tiles lose, at 2 tokens (384 blocks) they win.
     SM90_MIN_TOKENS_SPLIT: batched calls from this many tokens per group
     (below SM90_MIN_TOKENS_SMALL) take the wgmma kernel when its tile splits
     K (sm90_tile) and the split grid has SM90_MIN_BLOCKS blocks: on an
@@ -180,6 +181,8 @@ def tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED, rows: int = 0)
         blocks = -(-w.n // tl.rows) * ragged_slots(rows, w.groups, tl.tokens)
         if blocks >= tuning.MMA_RAGGED_MIN_BLOCKS * dev.sm_count:
             return tl
+        if tokens <= 8:
+            return _mma_tile(K.RAGGED_SMALL_CONFIG)
     return _mma_tile(mma_config(tokens))
 
 

@@ -45,6 +45,11 @@ RAGGED_CONFIGS = {
     16: (2, 2, 1, 4, 1, 4),
     32: (2, 4, 1, 4, 1, 4),
 }
+# Ragged calls whose grid is too small for RAGGED_CONFIGS (a token or two per
+# expert, a few experts: rawkv.gemm.plans): two warps split K, four along the
+# rows. On an H100 at 1 token against CONFIGS[8]: Flash gate_up 27.2 / 30.1
+# us, down 16.3 / 21.7, Pro down 45.4 / 56.5, Pro gate_up 85.6 / 82.2.
+RAGGED_SMALL_CONFIG = (1, 1, 2, 4, 2, 3)
 
 GEMM = FILE.kernel(
     "rkv_gemm_fp4",
@@ -52,7 +57,7 @@ GEMM = FILE.kernel(
      TParam("int", "KS", (1, 2, 4)), TParam("int", "RW", (1, 2, 4)), TParam("int", "U", (1, 2, 4)),
      TParam("int", "S", (2, 3, 4))),
     instances=[(a, mx, *cfg) for a in ACT_CODES.values() for mx in (False, True)
-               for cfg in dict.fromkeys((*CONFIGS.values(), *RAGGED_CONFIGS.values()))])
+               for cfg in dict.fromkeys((*CONFIGS.values(), *RAGGED_CONFIGS.values(), RAGGED_SMALL_CONFIG))])
 
 # ---- the Hopper kernel (rawkv/cu/gemm_fp4_sm90.cu: wgmma, sm_90a) -----------
 # Same parameters and packed weights; compiled for sm_90a on sm_90 devices

@@ -155,12 +155,14 @@ class _Sizes:
     (3072, 256, 2048, 16),      # Flash down, 512 tokens: 12 per expert
     (4800, 256, 4096, 32),      # 800 tokens: 19 per expert
     (12, 256, 4096, 8),         # 2 tokens: 32 x 12 = 384 blocks, enough (2 per SM)
-    (6, 256, 4096, None),       # 1 token: 32 x 6 = 192 blocks, too few: warps split K instead
+    (6, 256, 4096, "small"),    # 1 token: 32 x 6 = 192 blocks, too few: warps split K instead
     (7200, 256, 4096, None)])   # 1200 tokens: 28 per expert, the wgmma kernel
 def test_ragged_calls_take_the_ragged_tiles_when_the_grid_is_large_enough(rows, experts, n, cfg):
     t = P.tile(H100, _Sizes(experts, n), -(-rows // min(rows, experts)), ragged=True, rows=rows)
-    if cfg is None:
-        assert t.kernel is not K.GEMM or t.targs[2] > 1           # KS > 1: the batched tiles
+    if cfg == "small":
+        assert t.kernel is K.GEMM and t.targs == K.RAGGED_SMALL_CONFIG and t.targs[2] > 1
+    elif cfg is None:
+        assert t.kernel is K.GEMM_SM90
     else:
         assert t.kernel is K.GEMM and t.targs == K.RAGGED_CONFIGS[cfg] and t.targs[2] == 1
         assert t.tokens == 8 * K.RAGGED_CONFIGS[cfg][1]
