@@ -503,6 +503,47 @@ __device__ __forceinline__ void gemm_sm90(
     // global scale.
     const int q = lane >> 2, t = lane & 3;
     const float wscale = wgs[g] * (ACT == 2 ? 512.0f * 512.0f : 512.0f);
+    const int row0 = tile0 * 16;                      // the block's first output feature
+    __nv_bfloat16* const obase = out + (i64)g * os_g;
+    // Where the block's BM features exist and each token's run of them is
+    // 16-byte aligned, the tile goes through shared memory: the fragments'
+    // 2-byte values into a token-major tile, then 16-byte stores, a token's
+    // BM features contiguous (ncu: the fragments' own 2-byte global stores
+    // used half of each 32-byte sector). Else each value is stored alone.
+    const bool staged = row0 + kBM <= n && ((reinterpret_cast<size_t>(obase + row0) | ((size_t)os_t * 2)) & 15) == 0;
+    if (staged) {
+        // Token rows of BM + 8 values: 16 bytes of padding put a quad's
+        // four tokens in different banks.
+        constexpr int kPitch = kBM + 8;
+        static_assert(BN * kPitch * 2 <= STAGES * (kBStage + kWStage), "the staged tile fits in the stages");
+        __nv_bfloat16* const stile = reinterpret_cast<__nv_bfloat16*>(smem);
+        // Both consumer warpgroups are done with the stages (the producer's
+        // last writes were acquired with the last stage).
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int tl = 8 * j + 2 * t + h;                     // token within the tile
+                const int tok = min(t0 + tl, t1 - 1);                 // (rows past t1 are never stored)
+                const float sc = ACT == 2 ? wscale * xgs[(i64)tok * gs_t + (i64)g * gs_g] : wscale;
+#pragma unroll
+                for (int m = 0; m < kMT; ++m) {
+                    const int r = my_tile[m] * 16 + q;
+                    stile[tl * kPitch + r] = __float2bfloat16_rn(acc[m][4 * j + h] * sc);
+                    stile[tl * kPitch + r + 8] = __float2bfloat16_rn(acc[m][4 * j + 2 + h] * sc);
+                }
+            }
+        }
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        constexpr int kUnits = kBM / 8;                                // 16-byte units per token
+        for (int u = threadIdx.x; u < (t1 - t0) * kUnits; u += 256) {
+            const int tl = u / kUnits, c = u % kUnits;
+            const uint4 v = *reinterpret_cast<const uint4*>(stile + tl * kPitch + 8 * c);
+            *reinterpret_cast<uint4*>(obase + (i64)(t0 + tl) * os_t + row0 + 8 * c) = v;
+        }
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
@@ -510,10 +551,10 @@ __device__ __forceinline__ void gemm_sm90(
             const int tok = t0 + 8 * j + 2 * t + h;
             if (tok >= t1) continue;
             const float sc = ACT == 2 ? wscale * xgs[(i64)tok * gs_t + (i64)g * gs_g] : wscale;
-            __nv_bfloat16* orow = out + (i64)tok * os_t + (i64)g * os_g;
+            __nv_bfloat16* orow = obase + (i64)tok * os_t;
 #pragma unroll
             for (int m = 0; m < kMT; ++m) {
-                const int row = (tile0 + my_tile[m]) * 16 + q;
+                const int row = row0 + my_tile[m] * 16 + q;
                 if (row < n) orow[row] = __float2bfloat16_rn(acc[m][4 * j + h] * sc);
                 if (row + 8 < n) orow[row + 8] = __float2bfloat16_rn(acc[m][4 * j + 2 + h] * sc);
             }
