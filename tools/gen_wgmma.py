@@ -7,7 +7,7 @@ name every accumulator register.
 """
 from pathlib import Path
 
-SHAPES = (64, 128)
+SHAPES = (64, 96, 128)
 TYPES = ("bf16", "f16")
 OUT = Path(__file__).resolve().parent.parent / "rawkv" / "cu" / "wgmma_rs.cuh"
 

@@ -139,8 +139,10 @@ template <int BN, bool F16>
 __device__ __forceinline__ void wgmma_step(float (&d)[BN / 2], const u32 (&a)[4], u64 desc) {
     if constexpr (BN == 64) {
         if constexpr (F16) wgmma_m64n64k16_f16(d, a, desc); else wgmma_m64n64k16_bf16(d, a, desc);
+    } else if constexpr (BN == 96) {
+        if constexpr (F16) wgmma_m64n96k16_f16(d, a, desc); else wgmma_m64n96k16_bf16(d, a, desc);
     } else {
-        static_assert(BN == 128, "BN is 64 or 128");
+        static_assert(BN == 128, "BN is 64, 96 or 128");
         if constexpr (F16) wgmma_m64n128k16_f16(d, a, desc); else wgmma_m64n128k16_bf16(d, a, desc);
     }
 }

@@ -142,6 +142,31 @@ def test_ragged_384_experts_some_empty(sm90, rng):
     assert torch.equal(out.view(torch.int16), again.view(torch.int16))
 
 
+@pytest.mark.parametrize("fmt,act", [("nvfp4", "bfloat16"), ("mxfp4", "float16")])
+def test_96_token_tiles_same_bits_as_128(cuda, rng, monkeypatch, fmt, act):
+    # 96-token tiles (ragged calls of 65-88 tokens per expert): each output
+    # is the same accumulation whatever the token tile, so the bits equal
+    # the 128-token tiles'; ragged (experts of 0, 1, 96, 97 and 200 rows)
+    # and batched (forced), with N past a block and K past a chunk.
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
+    monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
+    n, k = 300, 1056
+    counts = np.array([85, 0, 1, 96, 97, 200, 70])
+    offsets, rows, w, w64, x, x64 = _ragged_case(rng, counts, n, k, fmt)
+    x = x.to(getattr(torch, act))
+    offs = torch.from_numpy(offsets).cuda()
+    assert plans.tile(cuda, w, 78, ragged=True, tuning=linear).tokens == 96
+    got = rawkv.gemm.moe_linear(x, w, offs)
+    monkeypatch.setattr(linear, "SM90_FORCE_BN", 128)
+    assert torch.equal(got.view(torch.int16), rawkv.gemm.moe_linear(x, w, offs).view(torch.int16))
+    xb = x[:250].reshape(125, 2, k).contiguous()
+    wb, _ = random_weight(rng, 2, n, k, fmt)
+    want = rawkv.gemm.grouped_linear(xb, wb)
+    monkeypatch.setattr(linear, "SM90_FORCE_BN", 96)
+    assert torch.equal(rawkv.gemm.grouped_linear(xb, wb).view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("k", [64, 128, 4160])
 def test_split_k_same_bits_every_run_and_within_the_bound(cuda, rng, monkeypatch, k):
     # The split-K kernel's own plan (seed 004's shape class at 64 tokens: a
