@@ -236,6 +236,7 @@ class _TorchDtypes:
         self.fp8 = tuple(d for d in self.bytes[:2])          # uint8, float8_e4m3fn
         self.e4m3 = getattr(torch, "float8_e4m3fn", None)      # typed views, where torch has them
         self.e2m1x2 = getattr(torch, "float4_e2m1fn_x2", None)
+        self.sf_views = tuple(d for d in (torch.uint8, self.e2m1x2) if d is not None)   # viewed as e4m3
         self.name = {d: str(d).replace("torch.", "") for d in (*self.floats, *self.bytes)}
 
 

@@ -1,8 +1,10 @@
-"""Argument rules of the NVFP4 ops (the generic ones, one function per kind
-of argument, are rawkv._args): one function per op takes the operator's
-arguments and returns the op's placement and its checked arrays, on CPU and
-CUDA alike; the body then only chooses the reference or the launch. Every
-rule raises before anything is launched or written, naming the argument."""
+"""Argument rules shared by the NVFP4 ops (the generic ones, one function
+per kind of argument, are rawkv._args). Each op's own rules are one
+function beside its body (`_arguments` in encode, activation, decode;
+scales has one per op), which takes the operator's arguments and returns
+the op's placement and its checked arrays, on CPU and CUDA alike; the body
+then only chooses the reference or the launch. Every rule raises before
+anything is launched or written, naming the argument."""
 from __future__ import annotations
 
 import math
@@ -12,7 +14,6 @@ import numpy as np
 
 from .. import _args as A
 from .. import _dispatch as D
-from ..reference import layouts as ref_layouts
 from ..reference import nvfp4 as ref
 
 BLOCK = ref.BLOCK
@@ -26,15 +27,23 @@ Q_ALIGN = 4
 
 # ---- result views ------------------------------------------------------------------
 def as_q(t):
-    """q bytes as torch.float4_e2m1fn_x2 where torch has it (numpy: uint8)."""
-    d = None if isinstance(t, np.ndarray) else A.dtypes().e2m1x2
-    return t if d is None or t.dtype is d else t.view(d)
+    """q bytes (uint8 or float8_e4m3fn) as torch.float4_e2m1fn_x2 where
+    torch has it; anything else as it is (numpy arrays; what the op then
+    checks and refuses), so the public op views its outputs before the op
+    writes them."""
+    if not D.is_torch(t):
+        return t
+    dt = A.dtypes()
+    return t.view(dt.e2m1x2) if dt.e2m1x2 is not None and t.dtype in dt.fp8 else t
 
 
 def as_sf(t):
-    """Scale bytes as torch.float8_e4m3fn where torch has it (numpy: uint8)."""
-    d = None if isinstance(t, np.ndarray) else A.dtypes().e4m3
-    return t if d is None or t.dtype is d else t.view(d)
+    """Scale bytes (uint8 or float4_e2m1fn_x2) as torch.float8_e4m3fn where
+    torch has it; anything else as it is (see as_q)."""
+    if not D.is_torch(t):
+        return t
+    dt = A.dtypes()
+    return t.view(dt.e4m3) if dt.e4m3 is not None and t.dtype in dt.sf_views else t
 
 
 # ---- x and (q, sf) -------------------------------------------------------------------
@@ -128,90 +137,6 @@ def decode_gs(gs, lead, where, device):
     if not one and not A.is_dense(gs):
         raise ValueError(f"gs: must be contiguous (got strides {A.strides(gs)})")
     return ("scalar" if one else "row"), gs
-
-
-# ---- one function per op ----------------------------------------------------------------
-def quantize(x, scope, gs, gs_value, q, sf, gs_out, errors):
-    """(where, x, M, N, ldx, x's dtype name, scope, gs, q, sf, gs_out,
-    errors) of rawkv::nvfp4_quantize. gs: None, a Python float (checked
-    against x's dtype) or a float32 array of one element (its value is the
-    CPU branch's to check, given_gs_host, or the kernel's)."""
-    scope, gs = A.check_scope_gs(scope, A.op_gs(gs, gs_value), SCOPES, "tensor")
-    where = D.placement(("x", x), ("gs", gs), ("out[0]", q), ("out[1]", sf), ("out[2]", gs_out),
-                        ("errors", errors))
-    A.check_outputs((("out[0]", q), ("out[1]", sf), ("out[2]", gs_out), ("errors", errors)),
-                    (("x", x), ("gs", gs)))
-    x = A.tensor(x, "x", A.FLOATS, where, min_ndim=1, dense=False, align=16)
-    m, n, ldx = row_view(x, "x")
-    xdt, dev, lead = A.dtype_name(x), A.device_of(x), tuple(x.shape[:-1])
-    if isinstance(gs, float):
-        check_given_gs_number(gs, xdt)
-    elif gs is not None:
-        gs = A.tensor(gs, "gs", ("float32",), where, device=dev, dense=False)
-    q = A.tensor(q, "out[0]", A.BYTES, where, shape=(*lead, n // 2), device=dev, align=16)
-    sf = A.tensor(sf, "out[1]", A.BYTES, where, shape=(*lead, n // BLOCK), device=dev, align=16)
-    if gs_out is None and (gs is None or isinstance(gs, float)):
-        raise ValueError("gs_out: required unless gs is a tensor (scope 'given'), which is then the gs")
-    if gs_out is not None:
-        gs_out = A.tensor(gs_out, "out[2]", ("float32",), where, shape=lead if scope == "row" else (),
-                          device=dev)
-    if errors is not None:
-        errors = A.counter(errors, where, dev)
-    return where, x, m, n, ldx, xdt, scope, gs, q, sf, gs_out, errors
-
-
-def dequantize(q, sf, gs, gs_value, out, dtype):
-    """(where, q, sf, N, gs kind, gs, out, dtype name) of rawkv::nvfp4_dequantize."""
-    gs = decode_scale(gs, gs_value)
-    where = D.placement(("q", q), ("sf", sf), ("gs", gs), ("out", out))
-    A.check_outputs((("out", out),), (("q", q), ("sf", sf), ("gs", gs)))
-    q, sf, n = q_sf(q, sf, where)
-    dev, lead = A.device_of(q), tuple(q.shape[:-1])
-    kind, gs = decode_gs(gs, lead, where, dev)
-    out, name = A.decoded(out, dtype, where, (*lead, n), dev, align=16)
-    return where, q, sf, n, kind, gs, out, name
-
-
-def gather(q, sf, gs, gs_value, indices, out, errors, dtype):
-    """(where, q, sf, N, gs kind, gs, indices, out, dtype name, errors) of
-    rawkv::nvfp4_gather."""
-    gs = decode_scale(gs, gs_value)
-    where = D.placement(("q", q), ("sf", sf), ("gs", gs), ("indices", indices), ("out", out),
-                        ("errors", errors))
-    A.check_outputs((("out", out), ("errors", errors)), (("q", q), ("sf", sf), ("gs", gs), ("indices", indices)))
-    q, sf, n = q_sf(q, sf, where)
-    dev, lead = A.device_of(q), tuple(q.shape[:-1])
-    kind, gs = decode_gs(gs, lead, where, dev)
-    idx = A.tensor(indices, "indices", A.INDEX, where, device=dev)
-    out, name = A.decoded(out, dtype, where, (*idx.shape, n), dev, align=16)
-    if errors is not None:
-        errors = A.counter(errors, where, dev)
-    return where, q, sf, n, kind, gs, idx, out, name, errors
-
-
-def swizzle(sf, out):
-    """(where, sf, rows, cols, out) of rawkv::nvfp4_swizzle_scales."""
-    where = D.placement(("sf", sf), ("out", out))
-    A.check_outputs((("out", out),), (("sf", sf),))
-    sf = A.tensor(sf, "sf", A.BYTES, where, min_ndim=1)
-    rows, cols = math.prod(sf.shape[:-1]), sf.shape[-1]
-    size = ref_layouts.swizzled_size(rows, cols)
-    out = A.tensor(out, "out", A.BYTES, where, shape=(size,), device=A.device_of(sf), align=16)
-    return where, sf, rows, cols, out
-
-
-def unswizzle(sw, out):
-    """(where, sw, rows, cols, out) of rawkv::nvfp4_unswizzle_scales: the
-    linear shape is out's."""
-    where = D.placement(("sw", sw), ("out", out))
-    A.check_outputs((("out", out),), (("sw", sw),))
-    sw = A.tensor(sw, "sw", A.BYTES, where, align=16)
-    out = A.tensor(out, "out", A.BYTES, where, min_ndim=1, device=A.device_of(sw))
-    rows, cols = math.prod(out.shape[:-1]), out.shape[-1]
-    size = ref_layouts.swizzled_size(rows, cols)
-    if A.numel(sw) != size:
-        raise ValueError(f"sw: expected {size} bytes for scales of shape {tuple(out.shape)}, got {A.numel(sw)}")
-    return where, sw, rows, cols, out
 
 
 # ---- public-only arguments ---------------------------------------------------------------

@@ -54,13 +54,25 @@ def _dequantize(q, sf, gs, gs_value, out, stream=None, dtype=None):
     """rawkv::nvfp4_dequantize: (q, sf) decoded into out, in out's dtype
     (`dtype`, the public op's, when out is a numpy float32 array holding
     bfloat16 values); a gs is a tensor `gs` or a number `gs_value`."""
-    where, q, sf, n, kind, gs, out, name = C.dequantize(q, sf, gs, gs_value, out, dtype)
+    where, q, sf, n, kind, gs, out, name = _arguments(q, sf, gs, gs_value, out, dtype)
     if where == "cpu":
         y = ref.dequantize(D.to_numpy(q, "q"), D.to_numpy(sf, "sf"), _lead_gs(kind, gs, q), name)
         D.from_numpy(y, q, torch_dtype=name, out=out)
         return
     m = math.prod(q.shape[:-1])
     launch_decode(get_runtime(q.get_device()), q, sf, kind, gs, None, out, None, m, m, n, stream)
+
+
+def _arguments(q, sf, gs, gs_value, out, dtype):
+    """(where, q, sf, N, gs kind, gs, out, dtype name) of rawkv::nvfp4_dequantize."""
+    gs = C.decode_scale(gs, gs_value)
+    where = D.placement(("q", q), ("sf", sf), ("gs", gs), ("out", out))
+    A.check_outputs((("out", out),), (("q", q), ("sf", sf), ("gs", gs)))
+    q, sf, n = C.q_sf(q, sf, where)
+    dev, lead = A.device_of(q), tuple(q.shape[:-1])
+    kind, gs = C.decode_gs(gs, lead, where, dev)
+    out, name = A.decoded(out, dtype, where, (*lead, n), dev, align=16)
+    return where, q, sf, n, kind, gs, out, name
 
 
 def _lead_gs(kind, gs, q):

@@ -58,7 +58,7 @@ def _gather(q, sf, gs, gs_value, indices, out, errors, stream=None, dtype=None):
     in out's dtype (`dtype`, the public op's, when out is a numpy float32
     array holding bfloat16 values); a gs is a tensor `gs` or a number
     `gs_value`."""
-    where, q, sf, n, kind, gs, idx, out, name, errors = C.gather(q, sf, gs, gs_value, indices, out, errors,
+    where, q, sf, n, kind, gs, idx, out, name, errors = _arguments(q, sf, gs, gs_value, indices, out, errors,
                                                                dtype)
     m = math.prod(q.shape[:-1])          # (not -1: q may hold no element)
     if where == "cpu":
@@ -68,6 +68,23 @@ def _gather(q, sf, gs, gs_value, indices, out, errors, stream=None, dtype=None):
         rt = get_runtime(q.get_device())
         err = errors if errors is not None else counters.address(rt, counters.GATHER_INDEX, stream)
         launch_decode(rt, q, sf, kind, gs, idx, out, err, m, idx.numel(), n, stream)
+
+
+def _arguments(q, sf, gs, gs_value, indices, out, errors, dtype):
+    """(where, q, sf, N, gs kind, gs, indices, out, dtype name, errors) of
+    rawkv::nvfp4_gather."""
+    gs = C.decode_scale(gs, gs_value)
+    where = D.placement(("q", q), ("sf", sf), ("gs", gs), ("indices", indices), ("out", out),
+                        ("errors", errors))
+    A.check_outputs((("out", out), ("errors", errors)), (("q", q), ("sf", sf), ("gs", gs), ("indices", indices)))
+    q, sf, n = C.q_sf(q, sf, where)
+    dev, lead = A.device_of(q), tuple(q.shape[:-1])
+    kind, gs = C.decode_gs(gs, lead, where, dev)
+    idx = A.tensor(indices, "indices", A.INDEX, where, device=dev)
+    out, name = A.decoded(out, dtype, where, (*idx.shape, n), dev, align=16)
+    if errors is not None:
+        errors = A.counter(errors, where, dev)
+    return where, q, sf, n, kind, gs, idx, out, name, errors
 
 
 def host_gs(kind, gs) -> np.ndarray:

@@ -57,8 +57,9 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
             sf = empty(x, (*lead, n // BLOCK), "uint8", stream)
         if g is None and gs_t is None:
             g = empty(x, lead if scope == "row" else (), "float32", stream)
+    q, sf = C.as_q(q), C.as_sf(sf)
     _quantize(x, scope, gs_t, gs_v, q, sf, g, errors, stream)
-    return C.as_q(q), C.as_sf(sf), g if g is not None else gs_t.reshape(())
+    return q, sf, g if g is not None else gs_t.reshape(())
 
 
 @op("nvfp4_quantize", "Tensor x, str scope, Tensor? gs, float? gs_value, Tensor(a!) q, Tensor(b!) sf, "
@@ -67,31 +68,58 @@ def _quantize(x, scope, gs, gs_value, q, sf, gs_out, errors, stream=None):
     """rawkv::nvfp4_quantize: writes q, sf and gs_out (which may be None
     only with a gs tensor: that is the gs) and, with a device gs, errors. A
     gs is a tensor `gs` or a number `gs_value`, at most one of them."""
-    where, x, m, n, ldx, xdt, scope, gs, q, sf, gs_out, errors = C.quantize(
+    where, x, m, n, ldx, xdt, scope, gs, q, sf, gs_out, errors = _arguments(
         x, scope, gs, gs_value, q, sf, gs_out, errors)
     if where == "cpu":
-        _reference(x, xdt, scope, gs, q, sf, gs_out)
+        # the reference, written through host views of the outputs (bytes
+        # and float32: numpy views of the same memory); a given gs the host
+        # holds is checked first, errors= is never added to
+        gsv = C.given_gs_host(gs, xdt) if scope == "given" else None
+        hx = D.to_numpy(x, "x").astype(np.float32, copy=False)
+        hq, hsf = D.to_numpy(q, "q"), D.to_numpy(sf, "sf")
+        hg = None if gs_out is None else D.to_numpy(gs_out, "gs_out")
+        hq[...], hsf[...], rg = ref.quantize(hx, scope, gsv, xdt)
+        if hg is not None:
+            hg[...] = rg
         return
     rt = get_runtime(x.get_device())
-    g = gs_out if gs_out is not None else gs.reshape(())
     if m * n == 0:
-        _write_gs_only(rt, g, scopes.empty_gs(scope, gs), gs_out is not None, stream)
+        _write_gs_only(rt, gs_out if gs_out is not None else gs.reshape(()), scopes.empty_gs(scope, gs),
+                       gs_out is not None, stream)
         return
     if errors is None and scope == "given" and gs.__class__ is not float:
         errors = counters.address(rt, counters.GIVEN_GS, stream)
-    run(rt, plan(rt, x, q, sf, gs_out, m, n, ldx, scope, gs, errors), stream)
+    launches = plan(rt, x, q, sf, gs_out, m, n, ldx, scope, gs, errors)
+    run(rt, launches, stream)
 
 
-def _reference(x, xdt, scope, gs, q, sf, gs_out):
-    """The CPU branch: rawkv.reference.nvfp4.quantize into q, sf and gs_out.
-    A given gs the host holds is checked here (a device one by the kernel);
-    errors= is never added to."""
-    gsv = C.given_gs_host(gs, xdt) if scope == "given" else None
-    rq, rsf, rg = ref.quantize(D.to_numpy(x, "x").astype(np.float32, copy=False), scope, gsv, xdt)
-    D.from_numpy(rq, x, out=q)
-    D.from_numpy(rsf, x, out=sf)
+def _arguments(x, scope, gs, gs_value, q, sf, gs_out, errors):
+    """(where, x, M, N, ldx, x's dtype name, scope, gs, q, sf, gs_out,
+    errors) of rawkv::nvfp4_quantize. gs: None, a Python float (checked
+    against x's dtype) or a float32 array of one element (its value is the
+    CPU branch's to check, C.given_gs_host, or the kernel's)."""
+    scope, gs = A.check_scope_gs(scope, A.op_gs(gs, gs_value), SCOPES, "tensor")
+    where = D.placement(("x", x), ("gs", gs), ("out[0]", q), ("out[1]", sf), ("out[2]", gs_out),
+                        ("errors", errors))
+    A.check_outputs((("out[0]", q), ("out[1]", sf), ("out[2]", gs_out), ("errors", errors)),
+                    (("x", x), ("gs", gs)))
+    x = A.tensor(x, "x", A.FLOATS, where, min_ndim=1, dense=False, align=16)
+    m, n, ldx = C.row_view(x, "x")
+    xdt, dev, lead = A.dtype_name(x), A.device_of(x), tuple(x.shape[:-1])
+    if isinstance(gs, float):
+        C.check_given_gs_number(gs, xdt)
+    elif gs is not None:
+        gs = A.tensor(gs, "gs", ("float32",), where, device=dev, dense=False)
+    q = A.tensor(q, "out[0]", A.BYTES, where, shape=(*lead, n // 2), device=dev, align=16)
+    sf = A.tensor(sf, "out[1]", A.BYTES, where, shape=(*lead, n // BLOCK), device=dev, align=16)
+    if gs_out is None and (gs is None or isinstance(gs, float)):
+        raise ValueError("gs_out: required unless gs is a tensor (scope 'given'), which is then the gs")
     if gs_out is not None:
-        D.from_numpy(np.asarray(rg, np.float32), x, out=gs_out)
+        gs_out = A.tensor(gs_out, "out[2]", ("float32",), where, shape=lead if scope == "row" else (),
+                          device=dev)
+    if errors is not None:
+        errors = A.counter(errors, where, dev)
+    return where, x, m, n, ldx, xdt, scope, gs, q, sf, gs_out, errors
 
 
 def _write_gs_only(rt, g, gs, own_gs, stream):

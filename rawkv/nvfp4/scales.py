@@ -6,6 +6,7 @@ import math
 
 from . import _rules as C
 from ._geometry import BLOCK_THREADS
+from .. import _args as A
 from .. import _dispatch as D
 from .._op import dims, empty, op
 from ..kernels import nvfp4 as K
@@ -43,7 +44,7 @@ def unswizzle_scales(sw, shape, *, out=None, stream=None):
 @op("nvfp4_swizzle_scales", "Tensor sf, Tensor(a!) out")
 def _swizzle(sf, out, stream=None):
     """rawkv::nvfp4_swizzle_scales: sf in the tensor-core layout, into out."""
-    where, sf, rows, cols, out = C.swizzle(sf, out)
+    where, sf, rows, cols, out = _swizzle_arguments(sf, out)
     if where == "cpu":
         D.from_numpy(ref_layouts.swizzle_scales(D.to_numpy(sf, "sf")), sf, out=out)
         return
@@ -60,7 +61,7 @@ def _swizzle(sf, out, stream=None):
 def _unswizzle(sw, out, stream=None):
     """rawkv::nvfp4_unswizzle_scales: the linear scales of sw into out,
     whose shape is the linear shape."""
-    where, sw, rows, cols, out = C.unswizzle(sw, out)
+    where, sw, rows, cols, out = _unswizzle_arguments(sw, out)
     if where == "cpu":
         D.from_numpy(ref_layouts.unswizzle_scales(D.to_numpy(sw, "sw"), rows, cols).reshape(out.shape), sw,
                      out=out)
@@ -70,3 +71,28 @@ def _unswizzle(sw, out, stream=None):
         ncb = -(-cols // 4)
         grid, block = rt.grid_stride(rows * ncb, BLOCK_THREADS)
         K.UNSWIZZLE.launch(rt, (grid,), (block,), stream=stream, sw=sw, sf=out, rows=rows, cols=cols, ncb=ncb)
+
+
+def _swizzle_arguments(sf, out):
+    """(where, sf, rows, cols, out) of rawkv::nvfp4_swizzle_scales."""
+    where = D.placement(("sf", sf), ("out", out))
+    A.check_outputs((("out", out),), (("sf", sf),))
+    sf = A.tensor(sf, "sf", A.BYTES, where, min_ndim=1)
+    rows, cols = math.prod(sf.shape[:-1]), sf.shape[-1]
+    size = ref_layouts.swizzled_size(rows, cols)
+    out = A.tensor(out, "out", A.BYTES, where, shape=(size,), device=A.device_of(sf), align=16)
+    return where, sf, rows, cols, out
+
+
+def _unswizzle_arguments(sw, out):
+    """(where, sw, rows, cols, out) of rawkv::nvfp4_unswizzle_scales: the
+    linear shape is out's."""
+    where = D.placement(("sw", sw), ("out", out))
+    A.check_outputs((("out", out),), (("sw", sw),))
+    sw = A.tensor(sw, "sw", A.BYTES, where, align=16)
+    out = A.tensor(out, "out", A.BYTES, where, min_ndim=1, device=A.device_of(sw))
+    rows, cols = math.prod(out.shape[:-1]), out.shape[-1]
+    size = ref_layouts.swizzled_size(rows, cols)
+    if A.numel(sw) != size:
+        raise ValueError(f"sw: expected {size} bytes for scales of shape {tuple(out.shape)}, got {A.numel(sw)}")
+    return where, sw, rows, cols, out
