@@ -35,6 +35,7 @@ from rawkv.reference.kvcache import layouts as RL
 
 torch = pytest.importorskip("torch")
 from support.fake_cuda import fake, install  # noqa: E402
+from support.library import agreement_cases  # noqa: E402
 
 nv = rawkv.nvfp4
 fu = rawkv.fused
@@ -638,6 +639,9 @@ CASES = {
                                  {"page_size": 4, "num_pages": 2, "out": strided_last(2, 3, dtype=i32)})),
     ],
 }
+# an op's own test file may hold its cases (AGREEMENT, tests/support/library.py)
+CASES.update(agreement_cases())
+
 FAMILIES = ("rawkv.fp8", "rawkv.nvfp4", "rawkv.fused", "rawkv.gemm", "rawkv.kvcache")
 KV_MODULES = (layouts, flush, gather, assign, bridge, state_ops, prefill, kv_decode, compressor)
 
@@ -716,7 +720,8 @@ def test_gpu_accepts_and_refuses_as_the_cpu(cuda, name, case, build):
 
 
 def test_every_operator_of_the_families_has_cases():
-    """A new fp8 / nvfp4 / fused / gemm / kvcache operator needs its cases here, accepted and refused."""
+    """A new fp8 / nvfp4 / fused / gemm / kvcache operator needs its cases, accepted and refused:
+    here, or in its own test file (AGREEMENT)."""
     ops = {n for n, d in _opdecl.declared().items() if d.impl.__module__.startswith(FAMILIES)}
     assert ops == set(CASES)
     for name, cases in CASES.items():

@@ -16,7 +16,7 @@ from support.library import same_bits, samples, steps  # noqa: E402
 def test_every_declared_op_is_registered_and_sampled(rng):
     ops = L.operators()
     assert set(ops) == set(_opdecl.declared()) and ops
-    assert set(samples(rng)) == set(ops), "every operator needs opcheck samples here"
+    assert set(samples(rng)) == set(ops), "every operator needs opcheck samples (tests/support/library.py)"
     for name, decl in _opdecl.declared().items():
         schema = str(getattr(torch.ops.rawkv, name).default._schema)
         assert schema.startswith(f"rawkv::{name}(") and schema.endswith("-> ()"), schema

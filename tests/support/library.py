@@ -1,6 +1,12 @@
 """The opcheck samples and compiled steps of every family
-(tests/support/library_samples_<family>.py), collected for the operator
-tests (tests/guards/test_library*.py, tests/test_multi_gpu.py)."""
+(tests/support/library_samples_<family>.py, and an op's own test file,
+tests/<family>/test_<op>.py, where it defines `opcheck_samples(rng,
+device)`), collected for the operator tests (tests/guards/test_library*.py,
+tests/test_multi_gpu.py); an op's test file may hold its CPU/CUDA agreement
+cases too (`AGREEMENT`, collected by tests/guards/test_cpu_cuda_agreement.py),
+so a new op of an existing family adds one test file and edits no other
+(docs/runtime.md, "Adding an op")."""
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -15,6 +21,24 @@ def _sample_modules():
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         yield path.name, mod
+
+
+def _op_test_modules():
+    """The tests/<family>/test_<op>.py modules that hold their op's
+    operator samples or agreement cases, imported as pytest imports them
+    (tests/ on sys.path, each family a package)."""
+    for path in sorted(Path(__file__).parent.parent.glob("*/test_*.py")):
+        text = path.read_text()
+        if "\ndef opcheck_samples(" in text or "\nAGREEMENT = " in text:
+            yield path.name, importlib.import_module(f"{path.parent.name}.{path.stem}")
+
+
+def agreement_cases() -> dict:
+    """{op name: [(case id, build)]} of the op test files' AGREEMENT."""
+    out = {}
+    for _, mod in _op_test_modules():
+        out.update(getattr(mod, "AGREEMENT", {}))
+    return out
 
 
 def steps():
@@ -36,10 +60,15 @@ def same_bits(a, b) -> bool:
 
 def samples(rng, device="cpu"):
     """{op name: [argument tuples]} for opcheck, from every
-    tests/support/library_samples_<family>.py (each defines samples(rng, device))."""
+    tests/support/library_samples_<family>.py (each defines samples(rng, device))
+    and every op test file that defines opcheck_samples(rng, device)."""
     out = {}
     for name, mod in _sample_modules():
         got = mod.samples(rng, device)
+        assert not set(got) & set(out), f"{name} samples an op another file samples"
+        out.update(got)
+    for name, mod in _op_test_modules():
+        got = mod.opcheck_samples(rng, device) if hasattr(mod, "opcheck_samples") else {}
         assert not set(got) & set(out), f"{name} samples an op another file samples"
         out.update(got)
     return out
