@@ -22,19 +22,19 @@ anything is launched or written. Every
 op takes out= buffers, so a CUDA-graph-captured step allocates nothing;
 nothing here synchronizes with the host.
 
-Modules: encode (quantize), activation (QuantizedActivation, dequantize),
+Modules (each one's __all__ is what rawkv.nvfp4 exports of it): encode
+(quantize), activation (QuantizedActivation, dequantize),
 decode (gather and the decode launch), scales (swizzle), counters (error
-counters), _rules (the family's argument rules: one function per op),
+counters), _rules (the argument rules its ops share; each op's own sit beside it),
 _geometry (launch shapes).
 """
 from __future__ import annotations
 
-from .activation import QuantizedActivation, dequantize
-from .counters import GATHER_INDEX, GEMM_OFFSETS, GIVEN_GS, error_counts
-from .decode import gather
-from .encode import SCOPES, SMALL_NUMEL, quantize
-from .scales import swizzle_scales, swizzled_size, unswizzle_scales
+from . import activation, counters, decode, encode, scales
+from .activation import *  # noqa: F401,F403  (each module's __all__: its public ops)
+from .counters import *  # noqa: F401,F403
+from .decode import *  # noqa: F401,F403
+from .encode import *  # noqa: F401,F403
+from .scales import *  # noqa: F401,F403
 
-__all__ = ["quantize", "dequantize", "gather", "swizzle_scales", "unswizzle_scales",
-           "swizzled_size", "SCOPES", "SMALL_NUMEL", "QuantizedActivation", "error_counts",
-           "GATHER_INDEX", "GEMM_OFFSETS", "GIVEN_GS"]
+__all__ = [*encode.__all__, *activation.__all__, *decode.__all__, *scales.__all__, *counters.__all__]

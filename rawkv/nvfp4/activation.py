@@ -15,6 +15,8 @@ from .._op import dims, empty, op
 from ..reference import nvfp4 as ref
 from ..runtime import get_runtime
 
+__all__ = ["QuantizedActivation", "dequantize"]       # the family's API (rawkv.nvfp4 exports it)
+
 
 class QuantizedActivation(NamedTuple):
     """An NVFP4 activation: q (..., N/2) codes (torch.float4_e2m1fn_x2 view of

@@ -24,6 +24,8 @@ import numpy as np
 from ..errors import CaptureError
 from ..runtime import get_runtime, on_warmup
 
+__all__ = ["error_counts", "GATHER_INDEX", "GEMM_OFFSETS", "GIVEN_GS"]       # the family's API (rawkv.nvfp4 exports it)
+
 GATHER_INDEX = 0
 GIVEN_GS = 1
 GEMM_OFFSETS = 2

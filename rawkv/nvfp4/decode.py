@@ -16,6 +16,8 @@ from ..kernels import nvfp4 as K
 from ..reference import layouts as ref_layouts
 from ..runtime import get_runtime
 
+__all__ = ["gather"]       # the family's API (rawkv.nvfp4 exports it)
+
 
 def launch_decode(rt, q, sf, kind, gsv, idx, out, errors, m, rows_out, n, stream):
     """Decode rows of (q, sf) into out: row o from source row idx[o]

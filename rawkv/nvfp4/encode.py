@@ -15,6 +15,8 @@ from ..kernels import nvfp4 as K
 from ..reference import nvfp4 as ref
 from ..runtime import get_runtime
 
+__all__ = ["quantize", "SCOPES", "SMALL_NUMEL"]       # the family's API (rawkv.nvfp4 exports it)
+
 BLOCK = C.BLOCK
 SCOPES = C.SCOPES
 #: scope 'tensor' inputs with at most this many elements take the one-launch

@@ -13,6 +13,8 @@ from ..kernels import nvfp4 as K
 from ..reference import layouts as ref_layouts
 from ..runtime import get_runtime
 
+__all__ = ["swizzle_scales", "unswizzle_scales", "swizzled_size"]       # the family's API (rawkv.nvfp4 exports it)
+
 
 def swizzled_size(rows: int, cols: int) -> int:
     """Bytes of the 128x4-tile layout of (rows, cols) scales: non-negative
