@@ -10,12 +10,12 @@ from ._geometry import BLOCK_THREADS, grid, groups
 from .. import _args as A
 from .. import _dispatch as D
 from .._op import dims, empty, op
-from .._plan import Launch, grid_stride, run
+from .._plan import Launch, Memset, grid_stride, run
 from ..kernels import nvfp4 as K
 from ..reference import nvfp4 as ref
 from ..runtime import get_runtime
 
-__all__ = ["quantize", "SCOPES", "SMALL_NUMEL"]       # the family's API (rawkv.nvfp4 exports it)
+__all__ = ["quantize", "global_scale", "SCOPES", "SMALL_NUMEL"]       # the family's API (rawkv.nvfp4 exports it)
 
 BLOCK = C.BLOCK
 SCOPES = C.SCOPES
@@ -105,9 +105,7 @@ def _arguments(x, scope, gs, gs_value, q, sf, gs_out, errors):
                         ("errors", errors))
     A.check_outputs((("out[0]", q), ("out[1]", sf), ("out[2]", gs_out), ("errors", errors)),
                     (("x", x), ("gs", gs)))
-    x = A.tensor(x, "x", A.FLOATS, where, min_ndim=1, dense=False, align=16)
-    m, n, ldx = C.row_view(x, "x")
-    xdt, dev, lead = A.dtype_name(x), A.device_of(x), tuple(x.shape[:-1])
+    x, m, n, ldx, xdt, dev, lead = _input(x, where)
     if isinstance(gs, float):
         C.check_given_gs_number(gs, xdt)
     elif gs is not None:
@@ -122,6 +120,60 @@ def _arguments(x, scope, gs, gs_value, q, sf, gs_out, errors):
     if errors is not None:
         errors = A.counter(errors, where, dev)
     return where, x, m, n, ldx, xdt, scope, gs, q, sf, gs_out, errors
+
+
+def _input(x, where):
+    """(x, M, N, ldx, dtype name, device, leading shape) of an encode's x:
+    float rows of N % 16 == 0 elements (C.row_view), 16-byte aligned."""
+    x = A.tensor(x, "x", A.FLOATS, where, min_ndim=1, dense=False, align=16)
+    m, n, ldx = C.row_view(x, "x")
+    return x, m, n, ldx, A.dtype_name(x), A.device_of(x), tuple(x.shape[:-1])
+
+
+# ---- global_scale: the gs alone ----------------------------------------------------------
+def global_scale(x, *, out=None, stream=None):
+    """The decode global scale of x (..., N), N % 16 == 0, under scope
+    'tensor': amax over x's finite elements / 2688 (6 * 448: ModelOpt's
+    weights_scaling_factor_2), 1 where that is 0, as a float32 tensor of
+    shape () (numpy: a 0-d array), the gs quantize(x) returns, without
+    encoding x. A calibration step takes it once, then quantizes with
+    scope='given' (a computed gs is always usable for x's dtype). x as
+    quantize takes it; out= a float32 buffer of shape ()."""
+    if out is None:
+        out = empty(x, (), "float32", stream)
+    _global_scale(x, out, stream)
+    return out
+
+
+@op("nvfp4_global_scale", "Tensor x, Tensor(a!) gs_out")
+def _global_scale(x, gs_out, stream=None):
+    """rawkv::nvfp4_global_scale: x's scope-'tensor' gs into gs_out."""
+    where, x, m, n, ldx, gs_out = _global_scale_arguments(x, gs_out)
+    if where == "cpu":
+        hx = D.to_numpy(x, "x").astype(np.float32, copy=False)
+        D.to_numpy(gs_out, "gs_out")[...] = ref.global_scale(hx, "tensor")
+        return
+    rt = get_runtime(x.get_device())
+    if m * n == 0:
+        _write_gs_only(rt, gs_out, scopes.empty_gs("tensor", None), True, stream)
+        return
+    run(rt, gs_plan(rt, x, gs_out, m, n, ldx), stream)
+
+
+def _global_scale_arguments(x, gs_out):
+    """(where, x, M, N, ldx, gs_out) of rawkv::nvfp4_global_scale."""
+    where = D.placement(("x", x), ("out", gs_out))
+    A.check_outputs((("out", gs_out),), (("x", x),))
+    x, m, n, ldx, _, dev, _ = _input(x, where)
+    gs_out = A.tensor(gs_out, "out", ("float32",), where, shape=(), device=dev)
+    return where, x, m, n, ldx, gs_out
+
+
+def gs_plan(dev, x, gs_out, m, n, ldx) -> list:
+    """The launches of global_scale over (M, N) > 0 elements: scope
+    'tensor''s amax pass, then gs from it (no quantize pass)."""
+    p = _Passes(dev, x, None, None, gs_out, m, n, ldx)
+    return [Memset(gs_out, 4), *p.amax(), p.finalize()]
 
 
 def _write_gs_only(rt, g, gs, own_gs, stream):
@@ -182,7 +234,11 @@ class _Passes(scopes.Passes):
         g, b, tpr = self._rows()
         return [Launch(K.QUANTIZE.instance(self.dt, self.bpt, K.MODE_AMAX), g, b,
                        dict(_io(self), tpr_=tpr, gs_ptr=self.gs_out, gs_val=0.0, gs_out=None, errors=None)),
-                Launch(K.FINALIZE_GS.instance(), (1,), (32,), dict(gs=self.gs_out))]
+                self.finalize()]
+
+    def finalize(self):
+        """gs from the amax the amax pass left in gs_out."""
+        return Launch(K.FINALIZE_GS.instance(), (1,), (32,), dict(gs=self.gs_out))
 
     def given(self, gs):
         g, b, tpr = self._rows()
