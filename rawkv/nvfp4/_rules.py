@@ -31,7 +31,8 @@ def as_q(t):
     torch has it; anything else as it is (numpy arrays; what the op then
     checks and refuses), so the public op views its outputs before the op
     writes them."""
-    if not D.is_torch(t):
+    torch = D._torch or D._torch_or_none()          # (no call once torch is bound: the hot path)
+    if torch is None or not isinstance(t, torch.Tensor):
         return t
     dt = A.dtypes()
     return t.view(dt.e2m1x2) if dt.e2m1x2 is not None and t.dtype in dt.fp8 else t
@@ -40,7 +41,8 @@ def as_q(t):
 def as_sf(t):
     """Scale bytes (uint8 or float4_e2m1fn_x2) as torch.float8_e4m3fn where
     torch has it; anything else as it is (see as_q)."""
-    if not D.is_torch(t):
+    torch = D._torch or D._torch_or_none()
+    if torch is None or not isinstance(t, torch.Tensor):
         return t
     dt = A.dtypes()
     return t.view(dt.e4m3) if dt.e4m3 is not None and t.dtype in dt.sf_views else t
