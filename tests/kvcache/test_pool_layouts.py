@@ -6,40 +6,61 @@ CPU tests: the pool's pages are byte-identical to pages built independently
 with the sources' rules (vLLM's quantize_and_insert_k_cache for the entries,
 vLLM's fused FP8 indexer insert / DeepSeek's fp4_act_quant for the keys,
 FlashMLA's abs_indices2indices_in_kvcache for the bridge: the constructions
-of tests/test_kvcache_layouts.py); the compressor writes what the layout
+of tests/support/kvcache_layouts.py); the compressor writes what the layout
 store writes from the reference's finished entries; the request rules
 (written[], marks, lowest row wins) hold. GPU tests (fixture `cuda`): a CUDA
 pool driven by the same calls as a CPU pool holds the same bytes and counts
 and gathers the same bits; the compressor within the kernel tolerance of
-tests/test_kvcache_compress.py and decode == prefill bit for bit.
+tests/support/kvcache_compress.py and decode == prefill bit for bit.
 
-Random tests take `rng` (conftest): replay with RAWKV_TEST_SEED=<seed>.
-"""
+Random tests take `rng` (conftest): replay with RAWKV_TEST_SEED=<seed>."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from rawkv.reference import kvcache as ref
-from rawkv.reference.formats import bf16_bits
-from rawkv.reference.kvcache import layouts as R
-
-kc = pytest.importorskip("rawkv.kvcache")
 torch = pytest.importorskip("torch")
-from test_kvcache_isolation import _bf16_rows, _churn_step, _dup_flush_case, _Dev  # noqa: E402
-from test_kvcache_layouts import (  # noqa: E402
+from rawkv import kvcache as kc  # noqa: E402
+from rawkv.reference import kvcache as ref  # noqa: E402
+from rawkv.reference.formats import bf16_bits  # noqa: E402
+from rawkv.reference.kvcache import layouts as R  # noqa: E402
+from support.kvcache import _Dev, _bf16_rows, _churn_step, _dup_flush_case  # noqa: E402
+from support.kvcache_layouts import (  # noqa: E402
     edge_rows, flashmla_abs_indices, vllm_fp8_key_pages, vllm_insert, vllm_mxfp4_key_pages,
 )
 
-D, DI = ref.HEAD_DIM, ref.INDEX_HEAD_DIM
-F32 = np.float32
-M = {"csa": ref.CSA_RATIO, "hca": ref.HCA_RATIO}
-KEY_PAGES = {"fp8": vllm_fp8_key_pages, "mxfp4": vllm_mxfp4_key_pages}
-LAYOUTS = [("csa", "fp8"), ("csa", "mxfp4"), ("hca", "fp8")]
 
-
+# ---------------------------------------------------------------------------
+# CPU: the pages follow the sources
+# ---------------------------------------------------------------------------
 def _pool(device, kind="csa", index_layout="fp8", nb=12, epb=4, R_=3, mb=4):
     return kc.PagedKVPool(kind, nb, epb, R_, mb, layout="model1", index_layout=index_layout, device=device)
+
+
+def test_model1_pool_geometry_and_bytes():
+    p = _pool("cpu", epb=64)
+    assert p.pages.shape == (12, 37440) and p.index_pages.shape == (12, 132 * 64)
+    assert (p.page_bytes, p.index_page_bytes, p.index_layout) == (37440, 8448, "fp8")
+    assert p.fp8 is None and p.scale is None and p.rope is None and p.index_q is None
+    q = _pool("cpu", index_layout="mxfp4", epb=64)
+    assert q.index_pages.shape == (12, 68 * 64) and q.index_layout == "mxfp4"
+    h = _pool("cpu", "hca", epb=2)                    # vLLM's HCA page: 2 entries per 256 tokens
+    assert h.pages.shape == (12, 1728) and h.index_pages is None and h.index_layout is None
+    for bad, match in (({"layout": "flash"}, "^layout: "), ({"layout": "model1", "head_dim": 256}, "^head_dim: "),
+                       ({"layout": "model1", "index_layout": "nvfp4"}, "^index_layout: "),
+                       ({"layout": "model1", "index_head_dim": 64}, "^index_head_dim: ")):
+        with pytest.raises(ValueError, match=match):
+            kc.PagedKVPool("csa", 4, 4, 2, 2, device="cpu", **bad)
+
+
+D, DI = ref.HEAD_DIM, ref.INDEX_HEAD_DIM
+
+
+KEY_PAGES = {"fp8": vllm_fp8_key_pages, "mxfp4": vllm_mxfp4_key_pages}
+
+
+LAYOUTS = [("csa", "fp8"), ("csa", "mxfp4"), ("hca", "fp8")]
 
 
 def _full(device, kind="csa", index_layout="fp8", **kw):
@@ -61,25 +82,6 @@ def _slot_ids(pool, slots, entries):
     table = _arr(pool.block_table)
     epb = pool.entries_per_block
     return table[slots, entries // epb].astype(np.int64) * epb + entries % epb
-
-
-# ---------------------------------------------------------------------------
-# CPU: the pages follow the sources
-# ---------------------------------------------------------------------------
-def test_model1_pool_geometry_and_bytes():
-    p = _pool("cpu", epb=64)
-    assert p.pages.shape == (12, 37440) and p.index_pages.shape == (12, 132 * 64)
-    assert (p.page_bytes, p.index_page_bytes, p.index_layout) == (37440, 8448, "fp8")
-    assert p.fp8 is None and p.scale is None and p.rope is None and p.index_q is None
-    q = _pool("cpu", index_layout="mxfp4", epb=64)
-    assert q.index_pages.shape == (12, 68 * 64) and q.index_layout == "mxfp4"
-    h = _pool("cpu", "hca", epb=2)                    # vLLM's HCA page: 2 entries per 256 tokens
-    assert h.pages.shape == (12, 1728) and h.index_pages is None and h.index_layout is None
-    for bad, match in (({"layout": "flash"}, "^layout: "), ({"layout": "model1", "head_dim": 256}, "^head_dim: "),
-                       ({"layout": "model1", "index_layout": "nvfp4"}, "^index_layout: "),
-                       ({"layout": "model1", "index_head_dim": 64}, "^index_head_dim: ")):
-        with pytest.raises(ValueError, match=match):
-            kc.PagedKVPool("csa", 4, 4, 2, 2, device="cpu", **bad)
 
 
 @pytest.mark.parametrize("kind, index_layout", LAYOUTS)
@@ -158,6 +160,12 @@ def test_gathers_and_bridge_read_only_written_entries(rng, kind, index_layout):
     assert not dense[1, [0, 2]].any() and dense[1, [1, 3, 4]].any()
 
 
+F32 = np.float32
+
+
+M = {"csa": ref.CSA_RATIO, "hca": ref.HCA_RATIO}
+
+
 @pytest.mark.parametrize("kind, index_layout", LAYOUTS)
 def test_compressor_writes_the_layout_store_of_its_entries(rng, kind, index_layout):
     """compress_prefill into a 'model1' pool writes exactly the MODEL1 (and
@@ -213,6 +221,14 @@ def test_compressor_writes_the_layout_store_of_its_entries(rng, kind, index_layo
         np.testing.assert_array_equal(q.index_pages, p.index_pages)
 
 
+def _dup_pool(device, index_layout="mxfp4"):
+    p = kc.PagedKVPool("csa", 8, 2, 3, 2, layout="model1", index_layout=index_layout, device=device)
+    for _ in range(3):
+        p.add_request()
+    p.prepare_step([0, 1, 2], [15, 15, 15])
+    return p
+
+
 def test_flush_duplicates_lowest_row_wins(rng):
     """Rows aimed at one entry: the lowest valid row writes it (its record,
     not a mix), the others are counted (the rawkv layout's rule)."""
@@ -221,20 +237,12 @@ def test_flush_duplicates_lowest_row_wins(rng):
     p = _dup_pool("cpu")
     kc.flush_write(p, rows, valid, slots, pos, index_keys=keys)
     assert p.read_errors() == 5
-    owners = [2, 1, 3, 5]                               # test_kvcache_isolation's owners
+    owners = [2, 1, 3, 5]                               # _dup_flush_case's owners
     q = _dup_pool("cpu")
     kc.flush_write(q, rows[owners], np.ones(4, bool), slots[owners], pos[owners], index_keys=keys[owners])
     assert q.read_errors() == 0
     for name in ("pages", "index_pages", "marks", "written"):
         np.testing.assert_array_equal(getattr(p, name), getattr(q, name), err_msg=name)
-
-
-def _dup_pool(device, index_layout="mxfp4"):
-    p = kc.PagedKVPool("csa", 8, 2, 3, 2, layout="model1", index_layout=index_layout, device=device)
-    for _ in range(3):
-        p.add_request()
-    p.prepare_step([0, 1, 2], [15, 15, 15])
-    return p
 
 
 def _reuse_run(device, rng, index_layout, steps=16):
@@ -350,7 +358,7 @@ def _compress_inputs(rng, kind, T):
 @pytest.mark.parametrize("kind, index_layout", LAYOUTS)
 def test_gpu_compress_prefill_and_decode(cuda, rng, kind, index_layout):
     """The compressor kernel writing 'model1' pages: against the CPU pool
-    within the compressor's tolerance (tests/test_kvcache_compress.py:
+    within the compressor's tolerance (tests/support/kvcache_compress.py:
     entry cosine >= 0.9999, <= 0.1% of FP8 codes differ; keys cosine >=
     0.99), placement, written[] and marks exactly; and decode token by token
     gives the prefill's pages bit for bit (same kernel, same float32 values)."""
@@ -456,22 +464,3 @@ def test_gpu_decode_step_captures_in_a_graph(cuda, rng):
         assert sum(p.read_errors() for p in dec.pools.values()) == 0
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("layout", ["rawkv", "model1"])
-def test_kvcache_indices_arguments_name_themselves(layout):
-    p = kc.PagedKVPool("csa", 4, 2, 2, 2, layout=layout, device="cpu")
-    sl, ids = np.zeros(2, np.int32), np.zeros((2, 3), np.int32)
-    for kw, exc, name in (({"topk_ids": ids.astype(np.float32)}, TypeError, "topk_ids"),
-                          ({"slots": np.zeros(3, np.int32)}, ValueError, "slots"),
-                          ({"n_entries": np.zeros(2, np.int64)}, TypeError, "n_entries"),
-                          ({"out": np.zeros((2, 2), np.int32)}, ValueError, "out"),
-                          ({"errors": np.zeros(0, np.int32)}, ValueError, "errors")):
-        args = {"slots": sl, "topk_ids": ids, **kw}
-        with pytest.raises(exc, match=f"^{name}: "):
-            kc.kvcache_indices(p, args.pop("slots"), args.pop("topk_ids"), **args)
-    with pytest.raises(TypeError, match="^pool: "):
-        kc.kvcache_indices(object(), sl, ids)
-    out = np.full((2, 3), 7, np.int32)
-    assert kc.kvcache_indices(p, sl, ids, out=out) is out and (out == -1).all()   # nothing written yet
-    assert p.read_errors() == 6

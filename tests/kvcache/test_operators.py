@@ -1,8 +1,12 @@
 """The KV-cache ops as rawkv:: operators (rawkv/kvcache/views.py): an
 operator called on a pool's / state's buffers does what the public op does
 on the object, the views it builds share the buffers and check them like a
-pool's constructor, and the device comes from the tensors. opcheck and the
-compiled steps: tests/guards/test_library.py with tests/support/library_samples_kvcache.py."""
+pool's constructor, outputs in the objects' buffers are refused, and the
+device comes from the tensors. opcheck and the compiled steps:
+tests/guards/test_library.py with tests/support/library_samples_kvcache.py."""
+
+from __future__ import annotations
+
 import numpy as np
 import pytest
 
@@ -10,10 +14,13 @@ torch = pytest.importorskip("torch")
 import rawkv  # noqa: E402,F401
 import rawkv.kvcache as kvc  # noqa: E402
 import rawkv.library  # noqa: E402,F401
+from rawkv import kvcache as kc  # noqa: E402
 from rawkv.kvcache import views as V  # noqa: E402
 from rawkv.reference import kvcache as ref  # noqa: E402
+from support.kvcache import D, DI, _small_hca_pool  # noqa: E402
+from support.outputs import _refused  # noqa: E402
 
-D, DI = ref.HEAD_DIM, ref.INDEX_HEAD_DIM
+
 OPS = torch.ops.rawkv
 
 
@@ -170,6 +177,29 @@ def test_operator_errors_name_the_argument(rng):
                             n_entries=1, out=torch.empty((1, D), dtype=torch.bfloat16))
 
 
+def test_operators_refuse_outputs_in_the_objects_buffers():
+    """The torch.compile path: a public op's errors= becomes the counter of
+    the view its rawkv:: operator runs on (views.pool_args), and out= is
+    the operator's; the same refusals, naming the same buffers."""
+    torch = pytest.importorskip("torch")
+    from rawkv.kvcache import views as V
+    p, s = _small_hca_pool()
+    slots, ids = torch.tensor([s], dtype=torch.int32), torch.zeros((1, 1), dtype=torch.int32)
+    written = torch.from_numpy(p.written)
+    out = torch.zeros((1, 1, p.head_dim), dtype=torch.float32)
+    gather = torch.ops.rawkv.kv_gather_topk
+    _refused("errors", "pool.written", lambda: gather(**V.pool_args(p, written[s:s + 1]), slots=slots, topk_ids=ids,
+                                                      n_entries=None, valid_mask=None, out=out))
+    rope = torch.from_numpy(p.rope).view(-1)[:p.head_dim].view(1, 1, -1)
+    _refused("out", "pool.rope", lambda: gather(**V.pool_args(p), slots=slots, topk_ids=ids, n_entries=None,
+                                                valid_mask=None, out=rope))
+    st = kc.DecodeState("hca", 2, head_dim=128, device="cpu")
+    count = torch.from_numpy(st.count)
+    _refused("errors", "state.count", lambda: torch.ops.rawkv.kv_state_clear(
+        **V.state_args(st, count[1:]), valid_mask=None, slots=slots))
+    assert not p.written.any() and not out.any() and p.read_errors() == 0
+
+
 def test_compiled_gather_of_a_cpu_pool_needs_out_for_the_same_type(rng):
     """Without a tensor argument a CPU pool's eager gather_dense returns numpy
     (the reference's arrays); compiled it returns a tensor of the same bits."""
@@ -209,7 +239,7 @@ def test_docs_list_the_operators_buffer_prefixes():
     operators are registered with (they omitted pages, index_pages and marks)."""
     import pathlib
     import re
-    text = (pathlib.Path(__file__).parents[1] / "docs" / "kvcache.md").read_text()
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "kvcache.md").read_text()
     found = {}
     for name in ("POOL", "POOL_R", "STATE"):
         m = re.search(rf"^- {name}: `([^`]*)`", text, re.M)

@@ -1,31 +1,32 @@
 """Page ownership (issue 21, item 3): no request reads another's entries on
 any path an engine takes, including torch.ops.rawkv.kv_* with a block
 table the engine writes itself (docs/kvcache.md, "Page ownership").
+assign_pages itself: tests/kvcache/test_assign_pages.py.
 
 Each scenario runs on a CPU pool (the reference) and, with the `cuda`
 fixture, on a CUDA pool, where it must give the same bytes, owners, marks,
 written[] and counts (the compressor's entries within its tolerance, which
-tests/test_kvcache_compress.py covers: here only which rows are zero).
-"""
+tests/kvcache/test_compress_prefill.py and test_compress_decode.py cover:
+here only which rows are zero)."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from rawkv.reference import kvcache as ref
-
 torch = pytest.importorskip("torch")
 import rawkv.kvcache as kc  # noqa: E402
 import rawkv.library  # noqa: E402,F401
 from rawkv.kvcache import views as V  # noqa: E402
+from rawkv.reference import kvcache as ref  # noqa: E402
+from support.kvcache import D, DI, F32  # noqa: E402
+from support.kvcache_ownership import _assert_same, _state, _t  # noqa: E402
 
-D, DI = ref.HEAD_DIM, ref.INDEX_HEAD_DIM
+
+# ---------------------------------------------------------------------------
+# the issue's case, through the operators
+# ---------------------------------------------------------------------------
 OPS = torch.ops.rawkv
-F32 = np.float32
-
-
-def _t(a, device):
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
 
 def _rows(rng, n, w, device):
@@ -56,25 +57,6 @@ def _errors(pool):
     return n
 
 
-def _state(pool):
-    """What must match between the CPU and the CUDA pool, as numpy."""
-    r = pool.to_reference()
-    out = {n: getattr(r, n) for n in ("written", "marks", "owners", "request_ids", "block_table")}
-    for n in ("kv_fp8", "kv_scale", "kv_rope", "idx_q", "idx_sf", "pages", "index_pages"):
-        if getattr(r, n) is not None:
-            out[n] = getattr(r, n).view(np.uint8)
-    return out
-
-
-def _assert_same(a, b, what):
-    assert a.keys() == b.keys(), what
-    for n in a:
-        np.testing.assert_array_equal(a[n], b[n], err_msg=f"{what}: {n}")
-
-
-# ---------------------------------------------------------------------------
-# the issue's case, through the operators
-# ---------------------------------------------------------------------------
 def _engine_hands_a_freed_page(device, seed, layout):
     """Request A writes entries 0..3 of its page and is freed; the engine
     hands A's page to the next request of A's slot (s2) and to another
@@ -185,44 +167,6 @@ def test_cpu_in_place_block_table_write_keeps_the_free_list():
     assert pool.blocks_of(b) != pool.blocks_of(c)
     assert sorted(pool.blocks_of(b) + pool.blocks_of(c)) == [0, 1]
     assert pool.free_blocks() == 2
-
-
-# ---------------------------------------------------------------------------
-# assign_pages' rules
-# ---------------------------------------------------------------------------
-def _assign_case(device):
-    """A pool whose slots 0, 1 hold requests (slot 2 none), every mark set;
-    one assign_pages batch with padding, bad rows and duplicates."""
-    pool = kc.PagedKVPool("hca", 6, 3, 3, 2, layout="rawkv", device=device)
-    pool.add_request(), pool.add_request()
-    pool.marks[...] = 1
-    slots = np.array([0, 1, 0, 2, 5, -1, 1, 0, 1], np.int32)
-    blocks = np.array([4, -1, 6, 1, 2, 3, 4, 5, 5], np.int32)
-    kc.assign_pages(pool, _t(slots, device), _t(blocks, device))
-    return pool
-
-
-def test_cpu_assign_pages_rules():
-    pool = _assign_case("cpu")
-    # row 0: block 4 -> slot 0; row 1: padding; row 2: block 6 out of range; row 3: slot 2 holds no
-    # request; rows 4, 5: slots out of range; row 6: block 4 again (row 0 wins); row 7: block 5 -> slot 0;
-    # row 8: block 5 again
-    assert pool.read_errors() == 6
-    ids = pool.request_ids
-    np.testing.assert_array_equal(pool.owners, [0, 0, 0, 0, ids[0], ids[0]])
-    np.testing.assert_array_equal(pool.marks[:, 0], [1, 1, 1, 1, 0, 0])
-    assert not pool.marks[4:].any() and pool.marks[:4].all()
-    with pytest.raises(ValueError, match="^blocks: "):
-        kc.assign_pages(pool, np.zeros(2, np.int32), np.zeros(3, np.int32))
-    with pytest.raises(TypeError, match="^slots: "):
-        kc.assign_pages(pool, np.zeros(2, np.int64), np.zeros(2, np.int32))
-
-
-def test_gpu_assign_pages_matches_the_reference(cuda):
-    for run in range(5):                                 # the duplicate rule does not depend on CTA order
-        _assert_same(_state(_assign_case("cpu")), _state(_assign_case("cuda")), f"run {run}")
-        p = _assign_case("cuda")
-        assert p.read_errors() == 6
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,198 @@
+"""The scalar arguments both compress ops take, eps and the RoPE parameters (theta,
+yarn): one rule (rawkv._args / rawkv/kvcache/_rules.py) on CPU, in the
+reference, through the operators and on CUDA, checked before anything is
+written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rawkv.kvcache as kvc
+from rawkv.kvcache import DecodeState, compress_decode, compress_prefill
+from rawkv.reference import kvcache as ref
+from support.kvcache import DI
+from support.kvcache_compress import M, _arr, _inputs, _pool, _t
+
+
+# ---------------------------------------------------------------------------
+# argument errors
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_eps_follows_the_one_rule(rng, op):
+    """eps goes through rawkv._args.check_eps: <= 0 (eps = 0 would give NaN on
+    an all-zero window), non-finite, not a float32 > 0, or not a number is a
+    ValueError naming eps, before anything is written; numpy scalars count."""
+    kind = "hca"
+    m = M[kind]
+    pool = _pool(kind, "cpu")
+    s = pool.add_request()
+    pool.prepare_step([s], [2 * m - 1])
+    kv, z, ape, nw, _ = _inputs(rng, kind, 2 * m)
+    st = DecodeState(kind, 4, device="cpu")
+    pool.attach(st)
+    st.kv_a[s], st.z_a[s], st.count[s] = kv[:m], z[:m], m    # one complete window
+    v, sl, pos = np.ones(1, bool), np.array([s], np.int32), np.array([m - 1], np.int32)
+
+    def call(eps):
+        if op == "prefill":
+            return compress_prefill(pool, kv, z, ape, nw, s, eps=eps)
+        return compress_decode(pool, st, nw, v, sl, pos, eps=eps)
+
+    for bad in (0, 0.0, -1e-6, float("inf"), float("nan"), 1e39, 1e-46, True, "1e-6", None,
+                np.zeros(1, np.float32)):
+        with pytest.raises(ValueError, match="^eps"):
+            call(bad)
+    assert not pool.fp8.any() and not pool.written.any() and pool.read_errors() == 0
+    for good in (np.float32(1e-6), 1e-5, 1):
+        call(good)
+    assert pool.written[s] == (2 if op == "prefill" else 1) and pool.read_errors() == 0
+
+
+Y = ref.DSV4_YARN
+
+
+#: (theta, yarn, error type, the name the message starts with): what the issue
+#: found (NaN rotations, plausible wrong ones, ZeroDivisionError, math domain
+#: error, AttributeError from the reference) and the edges of each range
+BAD_ROPE = [
+    (1.0, Y, ValueError, "theta"), (True, Y, TypeError, "theta"), (0, Y, ValueError, "theta"),
+    (float("inf"), Y, ValueError, "theta"), (1e-30, Y, ValueError, "theta"), (-5.0, None, ValueError, "theta"),
+    (float("nan"), None, ValueError, "theta"), ("160000", Y, TypeError, "theta"), (None, Y, TypeError, "theta"),
+    (10 ** 400, Y, ValueError, "theta"),
+    (1e4, "bogus", TypeError, "yarn"), (1e4, (16.0, 65536, 32.0, 1.0), TypeError, "yarn"),
+    (1e4, ref.YarnConfig(0.0, 65536, 32.0, 1.0), ValueError, "yarn.factor"),
+    (1e4, ref.YarnConfig(float("nan"), 65536, 32.0, 1.0), ValueError, "yarn.factor"),
+    (1e4, ref.YarnConfig(-16.0, 65536, 32.0, 1.0), ValueError, "yarn.factor"),
+    (1e4, ref.YarnConfig(0.5, 65536, 32.0, 1.0), ValueError, "yarn.factor"),
+    (1e4, ref.YarnConfig(float("inf"), 65536, 32.0, 1.0), ValueError, "yarn.factor"),
+    (1e4, ref.YarnConfig(True, 65536, 32.0, 1.0), TypeError, "yarn.factor"),
+    (1e4, ref.YarnConfig(16.0, 0, 32.0, 1.0), ValueError, "yarn.original_seq_len"),
+    (1e4, ref.YarnConfig(16.0, 65536.5, 32.0, 1.0), TypeError, "yarn.original_seq_len"),
+    (1e4, ref.YarnConfig(16.0, 65536, 32.0, 0.0), ValueError, "yarn.beta_slow"),
+    (1e4, ref.YarnConfig(16.0, 65536, float("nan"), 1.0), ValueError, "yarn.beta_fast"),
+    (1e4, ref.YarnConfig(16.0, 65536, 1.0, 32.0), ValueError, "yarn.beta_fast"),
+]
+
+
+def _one_window_case(rng, kind, device="cpu"):
+    """A pool with one request prepared for 2 windows, its prompt rows and a
+    decode state holding one complete window: call(op, theta, yarn) runs
+    compress_prefill / compress_decode with those RoPE parameters."""
+    m = M[kind]
+    pool = _pool(kind, device)
+    st = DecodeState(kind, 4, device=device)
+    ist = DecodeState("csa", 4, DI, device=device) if kind == "csa" else None
+    pool.attach(*(x for x in (st, ist) if x is not None))
+    s = pool.add_request()
+    pool.prepare_step([s], [2 * m - 1])
+    kv, z, ape, nw, idx = _inputs(rng, kind, 2 * m)
+    t = (lambda a: a) if device == "cpu" else _t
+    for state, rows in ((st, (kv, z)), (ist, None if idx is None else idx[:2])):
+        if state is not None:                       # m - 1 rows seeded, one appended: window 0 complete
+            kvc.state_seed(state, s, t(rows[0][:m - 1]), t(rows[1][:m - 1]))
+            kvc.state_append(state, t(rows[0][m - 1:m]), t(rows[1][m - 1:m]), t(np.ones(1, bool)),
+                             t(np.array([s], np.int32)))
+    tidx = None if idx is None else kvc.PrefillIndex(*(t(a) for a in idx))
+    dix = None if ist is None else kvc.DecodeIndex(ist, t(idx[3]))
+    v, sl, pos = t(np.ones(1, bool)), t(np.array([s], np.int32)), t(np.array([m - 1], np.int32))
+
+    def call(op, theta, yarn):
+        if op == "prefill":
+            return compress_prefill(pool, t(kv), t(z), t(ape), t(nw), s, index=tidx, theta=theta, yarn=yarn)
+        return compress_decode(pool, st, t(nw), v, sl, pos, index=dix, theta=theta, yarn=yarn)
+
+    call.states = (st, ist)
+    return pool, call
+
+
+def _untouched(pool):
+    """Nothing written: no entry byte, no written[], no count."""
+    return not np.any(_arr(pool.fp8)) and not np.any(_arr(pool.written)) and pool.read_errors() == 0
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_rope_parameters_are_checked(rng, kind, op):
+    """theta and yarn go through reference.check_rope on every path: each bad
+    value is a TypeError / ValueError naming the field (theta, yarn,
+    yarn.factor, ...) before anything is written; before the fix, yarn.factor
+    0 or NaN wrote NaN RoPE dims with errors 0 and theta 1.0 raised
+    ZeroDivisionError. The edges of each range are accepted."""
+    pool, call = _one_window_case(rng, kind)
+    for theta, yarn, exc, name in BAD_ROPE:
+        with pytest.raises(exc, match=f"^{name}: "):
+            call(op, theta, yarn)
+    assert _untouched(pool)
+    edges = [(1.0 + 2 ** -40, None), (np.float32(1e4), ref.YarnConfig(1.0, 1, 2.0, 2.0)),
+             (10 ** 6, ref.YarnConfig(np.float64(40.0), np.int64(4096), 32, 1))]
+    for theta, yarn in edges:
+        call(op, theta, yarn)
+    assert np.isfinite(_arr(pool.rope)).all() and pool.read_errors() == 0 and pool.written[0] > 0
+
+
+def test_rope_parameters_are_checked_in_the_reference():
+    """The reference's RoPE table applies the same rule (it is the rule's home)."""
+    for theta, yarn, exc, name in BAD_ROPE:
+        with pytest.raises(exc, match=f"^{name}: "):
+            ref.rope_inv_freq(64, theta, yarn)
+    assert np.isfinite(ref.rope_inv_freq(64, 1e4, ref.YarnConfig(1.0, 1, 2.0, 2.0))).all()
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_rope_parameters_are_checked_through_the_operators(rng, op):
+    """torch.ops.rawkv.kv_compress_*: theta a float, yarn a float list; the
+    same rule (the list's values included), nothing written."""
+    torch = pytest.importorskip("torch")
+    import rawkv.library  # noqa: F401
+    from rawkv.kvcache import views as V
+    kind, m = "csa", M["csa"]
+    pool, case = _one_window_case(rng, kind)
+    st, ist = case.states                               # each holds a complete window
+    kv, z, ape, nw, idx = (torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+                           for a in _inputs(rng, kind, 2 * m))
+    idx = tuple(torch.from_numpy(a) for a in idx)
+
+    def call(theta, yarn):
+        if op == "prefill":
+            return torch.ops.rawkv.kv_compress_prefill(
+                **V.pool_args(pool), kv=kv, z=z, ape=ape, norm_weight=nw, slot=0, start_entry=0,
+                index_kv=idx[0], index_z=idx[1], index_ape=idx[2], index_norm_weight=idx[3], eps=1e-6,
+                theta=theta, yarn=yarn)
+        return torch.ops.rawkv.kv_compress_decode(
+            **V.pool_args(pool), **V.state_args(st, counter=False),
+            **V.state_args(ist, prefix="index_", counter=False), norm_weight=nw,
+            valid_mask=torch.ones(1, dtype=torch.bool), slots=torch.zeros(1, dtype=torch.int32),
+            positions=torch.full((1,), m - 1, dtype=torch.int32), index_norm_weight=idx[3], eps=1e-6,
+            theta=theta, yarn=yarn)
+
+    for theta, yarn, name in [(1.0, None, "theta"), (float("inf"), None, "theta"), (1e-30, None, "theta"),
+                              (1e4, [0.0, 65536.0, 32.0, 1.0], "yarn.factor"),
+                              (1e4, [float("nan"), 65536.0, 32.0, 1.0], "yarn.factor"),
+                              (1e4, [16.0, 65536.5, 32.0, 1.0], "yarn.original_seq_len"),
+                              (1e4, [16.0, float("nan"), 32.0, 1.0], "yarn.original_seq_len"),
+                              (1e4, [16.0, 65536.0, 1.0, 32.0], "yarn.beta_fast"),
+                              (1e4, [16.0, 65536.0, 32.0], "yarn")]:
+        with pytest.raises((TypeError, ValueError), match=f"{name}: "):
+            call(theta, yarn)
+    assert _untouched(pool)
+
+
+# ---------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_gpu_rope_parameters_are_checked(cuda, rng, kind, op):
+    """The CUDA path refuses what the CPU path refuses, before the RoPE
+    table is built or anything is launched."""
+    from rawkv.kvcache import compressor
+    pool, call = _one_window_case(rng, kind, "cuda")
+    tables = len(compressor._TABLES)
+    for theta, yarn, exc, name in BAD_ROPE:
+        with pytest.raises(exc, match=f"^{name}: "):
+            call(op, theta, yarn)
+    assert _untouched(pool) and len(compressor._TABLES) == tables
+    call(op, 1e4, ref.YarnConfig(1.0, 1, 2.0, 2.0))
+    assert pool.read_errors() == 0 and int(pool.written.max()) > 0
+    assert np.isfinite(_arr(pool.rope)).all()

@@ -1,0 +1,386 @@
+"""The ecosystem layouts' shared rules (rawkv/reference/kvcache/layouts.py,
+rawkv/kvcache/layouts.py, rawkv/cu/kv_layouts.cu; docs/kvcache.md "Ecosystem
+layouts"): page bytes, the UE8M0 exponent (exhaustive), every layout op's
+argument errors and output rules, the stores against the reference on random
+arguments, the launch plans of the CUDA paths recorded on a CPU, GPU argument
+errors, empty inputs and a CUDA-graph capture of insert + bridge + gather.
+Each op: test_model1_store.py, test_index_store.py, test_model1_gather.py,
+test_topk_to_kvcache_indices.py; the sources' pages: tests/support/kvcache_layouts.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from rawkv import kvcache as kc  # noqa: E402
+from rawkv.reference.kvcache import layouts as R  # noqa: E402
+from support.fake_cuda import fake  # noqa: E402
+from support.kvcache import F32  # noqa: E402
+from support.kvcache_layouts import _poisoned, tile_scaled, tt  # noqa: E402
+from support.outputs import _refused, _ro  # noqa: E402
+from support.properties import SETTINGS, host, judge, libs, make, same, seeds  # noqa: E402
+
+
+# ---------------------------------------------------------------------------
+# geometry
+# ---------------------------------------------------------------------------
+def test_page_bytes_follow_the_sources():
+    # FlashMLA quant.py: (P * bytes_per_token + 575) // 576 * 576, bytes_per_token = 448 + 128 + 7 + 1
+    for p in (1, 2, 3, 16, 63, 64, 65, 256):
+        assert R.MODEL1.page_bytes(p) == (p * 584 + 575) // 576 * 576
+        assert R.INDEX_FP8.page_bytes(p) == p * (128 + 4)        # DeepGEMM head_dim_with_sf 132
+        assert R.INDEX_MXFP4.page_bytes(p) == p * (64 + 4)       # 64 packed bytes + one int32
+    assert R.MODEL1.page_bytes(64) == 37440 and R.MODEL1.page_bytes(2) == 1728
+    assert R.MODEL1.data_bytes + R.MODEL1.scale_bytes == 584
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="^page_size:"):
+            R.MODEL1.page_bytes(bad)
+    with pytest.raises(TypeError, match="^page_size:"):
+        R.MODEL1.page_bytes(2.0)
+
+
+# ---------------------------------------------------------------------------
+# UE8M0 exponent: exhaustive
+# ---------------------------------------------------------------------------
+def _exact_exponent(a, fmax):
+    """Smallest e with a <= fmax * 2^e (float64 arithmetic: exact here)."""
+    a = a.astype(np.float64)
+    _, k = np.frexp(a / fmax)
+    e = k.astype(np.int64) - 1
+    e = np.where(fmax * np.ldexp(1.0, e) >= a, e, e + 1)
+    e = np.where(fmax * np.ldexp(1.0, e - 1) >= a, e - 1, e)
+    assert ((fmax * np.ldexp(1.0, e) >= a) & (fmax * np.ldexp(1.0, e - 1) < a)).all()
+    return e
+
+
+@pytest.mark.parametrize("fmax,floor,binade", [(448.0, R.FP8_AMAX_FLOOR, 0), (448.0, R.FP8_AMAX_FLOOR, 9),
+                                               (6.0, R.MXFP4_AMAX_FLOOR, 0), (6.0, R.MXFP4_AMAX_FLOOR, -124)])
+def test_ue8m0_exponent_is_exact_on_a_whole_binade(fmax, floor, binade):
+    """Every float32 amax of a binade: the reference exponent (ceil_log2 of
+    the IEEE quotient, as the kernels compute it) is the exact ceiling; so
+    is DeepSeek's form amax * fp8_max_inv with the bit-level ceil (kernel.py
+    fast_round_scale)."""
+    bits = np.arange(2 ** 23, dtype=np.uint32) + np.uint32((127 + binade) << 23)
+    a = np.maximum(bits.view(F32), F32(floor))
+    want = _exact_exponent(a, fmax)
+    assert np.array_equal(R.ue8m0_exponent(a, fmax, floor), want)
+    assert np.array_equal(R.ceil_log2(a * F32(1.0 / fmax)), want)
+
+
+def test_ue8m0_exponent_on_every_bf16_value():
+    """Every positive finite BF16 amax (the layouts quantize BF16 values):
+    the exponent is exact and equals ceil(log2(.)) taken in float32 (the
+    form vLLM's Triton kernels use) and DeepSeek's bit-level ceil of
+    amax * fl(1/fmax); the range is [-22, 120] for FP8 and [-126, 126] for
+    MXFP4, so 2^-e is always a normal float32."""
+    a = (np.arange(1, 0x7F80, dtype=np.uint32) << 16).view(F32)
+    for fmax, floor, lo, hi in ((448.0, R.FP8_AMAX_FLOOR, -22, 120), (6.0, R.MXFP4_AMAX_FLOOR, -126, 126)):
+        e = R.ue8m0_exponent(a, fmax, floor)
+        assert np.array_equal(e, _exact_exponent(np.maximum(a, F32(floor)), fmax))
+        with np.errstate(divide="ignore"):
+            assert np.array_equal(e, np.ceil(np.log2(np.maximum(a, F32(floor)) / F32(fmax))).astype(np.int64))
+        assert np.array_equal(e, R.ceil_log2(np.maximum(a, F32(floor)) * F32(1.0 / fmax)))   # DeepSeek's form
+        assert e.min() == lo and e.max() == hi
+
+
+def test_ue8m0_value_bytes():
+    b = np.arange(256, dtype=np.uint8)
+    v = R.ue8m0_value(b)
+    assert np.isnan(v[255]) and not np.isnan(v[:255]).any()
+    assert np.array_equal(v[:255].astype(np.float64), np.ldexp(1.0, np.arange(255) - 127))
+    assert v[0] == F32(2.0 ** -127) and v[0] > 0            # a float32 subnormal, not 0
+    # torch's float8_e8m0fnu agrees on every byte
+    assert np.array_equal(tt(b).view(torch.float8_e8m0fnu).float().numpy()[:255], v[:255])
+
+
+# ---------------------------------------------------------------------------
+# argument errors
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("call,match", [
+    (lambda c, x, s: kc.model1_store(c.astype(np.int8), x, s, page_size=4), "^cache:"),
+    (lambda c, x, s: kc.model1_store(c[:, :-1], x, s, page_size=4), "^cache:"),
+    (lambda c, x, s: kc.model1_store(c, x, s, page_size=5), "^cache:"),
+    (lambda c, x, s: kc.model1_store(c, x, s, page_size=0), "^page_size:"),
+    (lambda c, x, s: kc.model1_store(c, x[:, :448], s, page_size=4), "^entries:"),
+    (lambda c, x, s: kc.model1_store(c, x.astype(np.float64), s, page_size=4), "^entries:"),
+    (lambda c, x, s: kc.model1_store(c, x, s[:2], page_size=4), "^slots:"),
+    (lambda c, x, s: kc.model1_store(c, x, s.astype(np.float32), page_size=4), "^slots:"),
+    (lambda c, x, s: kc.model1_store(c, x, s, page_size=4, offsets=s), "^offsets:"),
+    (lambda c, x, s: kc.model1_store(c, x, s, page_size=4, errors=np.zeros(0, np.int32)), "^errors:"),
+    (lambda c, x, s: kc.model1_window_insert(c, x, None, page_size=4), "^slot_mapping:"),
+    (lambda c, x, s: kc.index_fp8_store(c, x, s, page_size=4), "^cache:"),
+    (lambda c, x, s: kc.model1_gather(c, s, page_size=4), "^indices:"),
+    (lambda c, x, s: kc.model1_gather(c, s.astype(np.int32), page_size=4, dtype="int8"), "^dtype:"),
+    (lambda c, x, s: kc.topk_to_kvcache_indices(s[None], np.zeros((1, 2), np.int64), page_size=4,
+                                                num_pages=3), "^block_table:"),
+    (lambda c, x, s: kc.topk_to_kvcache_indices(s, np.zeros((1, 2), np.int32), page_size=4,
+                                                num_pages=3), "^topk_ids:"),
+    (lambda c, x, s: kc.topk_to_kvcache_indices(s[None], np.zeros((1, 2), np.int32), page_size=4,
+                                                num_pages=2 ** 30), "^num_pages:"),
+])
+def test_cpu_argument_errors_name_the_argument_and_write_nothing(rng, call, match):
+    c = R.new_cache(R.MODEL1, 3, 4)
+    x = tile_scaled(rng, 4, 512, 64)
+    s = np.array([0, 1, 2, 3], np.int64)
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(c, x, s)
+    assert not c.any()
+
+
+def test_layout_ops_refuse_read_only_or_overlapping_outputs():
+    """model1_store into a read-only cache raised numpy's message, naming no
+    argument."""
+    p, n = 4, 2
+    x = np.ones((1, 512), np.float32)
+    slots = np.array([1], np.int32)
+    cache = kc.new_layout_cache("model1", n, p)
+    _refused("cache", None, lambda: kc.model1_store(_ro(cache.copy()), x, slots, page_size=p))
+    _refused("cache", None, lambda: kc.model1_window_insert(_ro(cache.copy()), x, slots, page_size=p))
+    _refused("errors", None, lambda: kc.index_fp8_store(kc.new_layout_cache("index_fp8", n, p),
+                                                        np.ones((1, 128), np.float32), slots, page_size=p,
+                                                        errors=_ro(np.zeros(1, np.int32))))
+    _refused("errors", "cache", lambda: kc.model1_store(cache, x, slots, page_size=p,
+                                                        errors=cache[1, :4].view(np.int32)))
+    assert not cache.any()
+    rows = np.zeros((1, 512), np.float32)
+    _refused("out", None, lambda: kc.model1_gather(cache, slots, page_size=p, dtype="float32", out=_ro(rows)))
+    table = np.zeros((1, 2), np.int32)
+    _refused("out", "block_table", lambda: kc.topk_to_kvcache_indices(
+        np.zeros((1, 2), np.int32), table, page_size=p, num_pages=n, out=table))
+    kc.model1_store(cache, x, slots, page_size=p, errors=np.zeros(1, np.int32))       # apart: fine
+    assert cache[0].any() and not cache[1].any()
+    assert R.MODEL1.page_bytes(p) == cache.shape[1]
+
+
+# ---------------------------------------------------------------------------
+# properties (hypothesis): the op against the reference, at most one wrong argument
+# ---------------------------------------------------------------------------
+STORES = {"model1": (kc.model1_store, R.model1_write, R.MODEL1, 512, "entries"),
+          "window": (kc.model1_window_insert, R.model1_write, R.MODEL1, 512, "rows"),
+          "index_fp8": (kc.index_fp8_store, R.index_fp8_write, R.INDEX_FP8, 128, "keys"),
+          "index_mxfp4": (kc.index_mxfp4_store, R.index_mxfp4_write, R.INDEX_MXFP4, 128, "keys")}
+
+
+@settings(SETTINGS, max_examples=60)
+@given(seed=seeds, op=st.sampled_from(sorted(STORES)), pages=st.integers(1, 3), page_size=st.sampled_from([1, 2, 4, 0]),
+       rows=st.integers(0, 5), width_delta=st.sampled_from([0, 0, 0, -16]),
+       xdt=st.sampled_from(("float32", "bfloat16", "float16")), sdt=st.sampled_from(("int32", "int64", "float32")),
+       offsets=st.booleans(), errors=st.booleans(), lib=libs, special=st.booleans())
+def test_kvcache_layout_stores(seed, op, pages, page_size, rows, width_delta, xdt, sdt, offsets, errors, lib,
+                               special):
+    fn, write, lay, width, name = STORES[op]
+    ps = max(page_size, 1)
+    cache = np.zeros((pages, lay.page_bytes(ps)), np.uint8)
+    x = make(seed, (rows, width + width_delta), xdt, lib, special=special)
+    hi = pages * ps + 2 if not offsets else pages + 1
+    slots = make(seed + 1, (rows,), sdt, lib, lo=-2, hi=hi)
+    offs = make(seed + 2, (rows,), "int32", lib, lo=-1, hi=ps + 1) if offsets and op != "window" else None
+    err = np.zeros(1, np.int32) if errors else None
+    kw = {"offsets": offs} if op != "window" else {}
+    want = cache.copy()
+
+    def reference():
+        bad = write(want, ps, host(x), host(slots), None if offs is None else host(offs))
+        if err is not None:
+            assert err[0] == bad
+        return want
+    if judge(lambda: fn(cache, x, slots, page_size=page_size, errors=err, **kw),
+             ("cache", name, "slots", "slot_mapping", "page_size", "offsets", "errors"), lambda: None) is None:
+        return
+    same(cache, reference())
+
+
+# ---------------------------------------------------------------------------
+# The CUDA paths on a CPU: tensors that report is_cuda, a runtime that
+# records launches. Every launch goes through its declaration
+# (rawkv.kernels.kv_layouts), so a wrong keyword, a scalar of the wrong C type
+# or a missing argument fails here; the tests check which buffer each pointer
+# receives and the scalars. What the kernels compute: the GPU tests of each op.
+# ---------------------------------------------------------------------------
+class Recorder:
+    device_index = -1
+    sm_count, max_threads_per_sm = 132, 2048
+
+    def __init__(self):
+        from rawkv import runtime
+        self._functions, self.calls = {}, []
+        self.grid_stride = runtime.Runtime.grid_stride.__get__(self)
+        self.resident_blocks = runtime.Runtime.resident_blocks.__get__(self)
+
+    def _get_device(self):
+        return -2                         # never "current": launches take rt.launch
+
+    def function(self, filename, name, stream=None):
+        from rawkv.kernels import kv_layouts as KL
+        assert filename == "kv_layouts.cu" and name in KL.FILE.name_expressions(), name
+        return name
+
+    def launch(self, fn, grid, block, st, args, stream=None, shared_mem=0, what=None):
+        st.pack(*args)                    # each scalar fits its C type
+        self.calls.append((fn, grid, block, dict(zip([p.name for p in what.kernel.params], args))))
+
+    def empty(self, shape, dtype, stream=None):
+        return fake(torch.zeros(tuple(shape), dtype=dtype))
+
+    def capturing(self, stream=None):
+        return False
+
+
+@pytest.fixture
+def rec(monkeypatch):
+    from rawkv import _op
+    r = Recorder()
+    # the ops' launches, and their outputs allocated by the public functions (rawkv._op.empty)
+    for mod in (kc.layouts, _op):
+        monkeypatch.setattr(mod, "get_runtime", lambda dev: r)
+    return r
+
+
+def test_launch_plan_of_the_stores(rec):
+    p, n, N = 64, 5, 70
+    cache = fake(torch.zeros((n, R.MODEL1.page_bytes(p)), dtype=torch.uint8))
+    rows = fake(torch.zeros((N, 512), dtype=torch.bfloat16))
+    slots = fake(torch.zeros(N, dtype=torch.int64))
+    err = fake(torch.zeros(1, dtype=torch.int32))
+    kc.model1_window_insert(cache, rows, slots, page_size=p, errors=err)
+    (name, grid, block, a), = rec.calls
+    assert name == "rkv_model1_store<__nv_bfloat16, long long>" and block == (256,) and grid[0] * 256 >= N * 32
+    assert (a["rows"], a["slots"], a["offsets"], a["cache"], a["errors"]) == \
+        (rows.data_ptr(), slots.data_ptr(), 0, cache.data_ptr(), err.data_ptr())
+    assert (a["N"], a["num_pages"], a["page_size"], a["page_bytes"]) == (N, n, p, 37440)
+    rec.calls.clear()
+    offs = fake(torch.zeros(N, dtype=torch.int32))
+    view = kc.flashmla_view(cache, p)
+    kc.model1_store(view, fake(torch.zeros((N, 512))), fake(torch.zeros(N, dtype=torch.int32)), page_size=p,
+                    offsets=offs)
+    (name, _, _, a), = rec.calls
+    assert name == "rkv_model1_store<float, int>" and a["offsets"] == offs.data_ptr()
+    assert a["cache"] == cache.data_ptr() and a["errors"] == 0
+    for store, lay, mx in ((kc.index_fp8_store, R.INDEX_FP8, "false"), (kc.index_mxfp4_store, R.INDEX_MXFP4, "true")):
+        rec.calls.clear()
+        c = fake(torch.zeros((n, p, 1, lay.data_bytes + lay.scale_bytes), dtype=torch.uint8))
+        keys = fake(torch.zeros((N, 128), dtype=torch.bfloat16))
+        store(c, keys, slots, page_size=p)
+        (name, _, _, a), = rec.calls
+        assert name == f"rkv_index_store<__nv_bfloat16, long long, {mx}>"
+        assert (a["rows"], a["cache"], a["page_bytes"], a["num_pages"]) == (keys.data_ptr(), c.data_ptr(),
+                                                                            lay.page_bytes(p), n)
+    rec.calls.clear()
+    kc.model1_window_insert(cache, rows[:0], slots[:0], page_size=p)          # nothing to do
+    assert rec.calls == []
+
+
+def test_launch_plan_of_the_gather_and_the_bridge(rec):
+    p, n = 64, 5
+    cache = fake(torch.zeros((n, R.MODEL1.page_bytes(p)), dtype=torch.uint8))
+    idx = fake(torch.zeros((3, 7), dtype=torch.int32))
+    out = kc.model1_gather(cache, idx, page_size=p, dtype=torch.float16)
+    (name, grid, block, a), = rec.calls
+    assert name == "rkv_model1_gather<__half>" and out.dtype == torch.float16 and out.shape == (3, 7, 512)
+    assert (a["cache"], a["indices"], a["out"], a["R"], a["num_pages"]) == \
+        (cache.data_ptr(), idx.data_ptr(), out.data_ptr(), 21, n)
+    rec.calls.clear()
+    ids = fake(torch.zeros((4, 2, 9), dtype=torch.int64))
+    table = fake(torch.zeros((6, 3), dtype=torch.int32))
+    sl = fake(torch.zeros(4, dtype=torch.int32))
+    res = kc.topk_to_kvcache_indices(ids, table, page_size=p, num_pages=n, slots=sl)
+    (name, grid, block, a), = rec.calls
+    assert name == "rkv_topk_to_kvcache<long long>" and res.dtype == torch.int32 and res.shape == (4, 2, 9)
+    assert (a["ids"], a["table"], a["slots"], a["n_entries"], a["out"]) == \
+        (ids.data_ptr(), table.data_ptr(), sl.data_ptr(), 0, res.data_ptr())
+    assert (a["B"], a["per_row"], a["table_rows"], a["max_blocks"], a["num_pages"], a["page_size"]) == \
+        (4, 18, 6, 3, n, p)
+    with pytest.raises(ValueError, match="^cache:"):                          # misaligned base
+        kc.model1_gather(fake(torch.zeros(n * R.MODEL1.page_bytes(p) + 8, dtype=torch.uint8)[8:].view(n, -1)),
+                         idx, page_size=p)
+
+
+# ---------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------
+def test_gpu_errors_none_and_empty_inputs(cuda, rng):
+    cache = torch.zeros((2, R.MODEL1.page_bytes(4)), dtype=torch.uint8, device="cuda")
+    x = torch.from_numpy(tile_scaled(rng, 3, 512, 64)).cuda()
+    kc.model1_window_insert(cache, x, torch.tensor([9, 0, -1], device="cuda"), page_size=4)
+    want = R.new_cache(R.MODEL1, 2, 4)
+    R.model1_write(want, 4, x.cpu().numpy(), [9, 0, -1])
+    np.testing.assert_array_equal(cache.cpu().numpy(), want)
+    kc.model1_window_insert(cache, x[:0], torch.zeros(0, dtype=torch.int64, device="cuda"), page_size=4)
+    r = kc.model1_gather(cache, torch.zeros((0, 3), dtype=torch.int32, device="cuda"), page_size=4)
+    assert tuple(r.shape) == (0, 3, 512)
+    np.testing.assert_array_equal(cache.cpu().numpy(), want)
+
+
+def test_gpu_argument_errors_launch_nothing(cuda, rng):
+    pb = R.MODEL1.page_bytes(4)
+    wide = torch.zeros((2, pb + 16), dtype=torch.uint8, device="cuda")
+    cache = torch.zeros((2, pb), dtype=torch.uint8, device="cuda")
+    x = torch.from_numpy(tile_scaled(rng, 2, 512, 64)).cuda()
+    s = torch.tensor([0, 1], device="cuda")
+    with pytest.raises(ValueError, match="^cache:"):               # misaligned base
+        kc.model1_store(wide.view(-1)[8:8 + 2 * pb].view(2, -1), x, s, page_size=4)
+    with pytest.raises(ValueError, match="^cache:"):               # page stride
+        kc.model1_store(wide, x, s, page_size=4)
+    with pytest.raises(TypeError, match="^cache:"):
+        kc.model1_store(cache.view(torch.int8), x, s, page_size=4)
+    with pytest.raises(ValueError, match="^slots:"):
+        kc.model1_store(cache, x, s.cpu(), page_size=4)
+    with pytest.raises(ValueError, match="^entries:"):
+        kc.model1_store(cache, x.cpu(), s, page_size=4)
+    with pytest.raises(ValueError, match="^entries:"):             # a row view that is not 16-byte aligned
+        kc.model1_store(cache, x.view(-1)[2:2 + 512].view(1, 512), s[:1], page_size=4)
+    with pytest.raises(ValueError, match="^block_table:"):
+        kc.topk_to_kvcache_indices(s.view(1, 2), torch.zeros((1, 2), dtype=torch.int32), page_size=4,
+                                   num_pages=2)
+    assert not cache.any() and not wide.any()
+
+
+def test_gpu_graph_capture(cuda, rng):
+    """Window insert + bridge + gather captured in one CUDA graph (out=
+    given) and replayed give the bits of the eager run."""
+    import rawkv
+    from rawkv.errors import CaptureError
+    rawkv.warmup(0, files=["kv_layouts.cu"])
+    P, npg, B, Kk = 64, 8, 4, 50
+    cache = tt(_poisoned(rng, R.MODEL1, npg, P)).cuda()
+    rows = torch.from_numpy(tile_scaled(rng, 40, 512, 64)).cuda().bfloat16()
+    slots = torch.from_numpy(rng.permutation(npg * P)[:40].astype(np.int64)).cuda()
+    table = torch.from_numpy(rng.permutation(npg)[:B * 2].reshape(B, 2).astype(np.int32)).cuda()
+    ids = torch.from_numpy(rng.integers(-1, 2 * P, (B, Kk)).astype(np.int32)).cuda()
+    idx = torch.empty((B, Kk), dtype=torch.int32, device="cuda")
+    out = torch.empty((B, Kk, 512), dtype=torch.bfloat16, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def step():
+        kc.model1_window_insert(cache, rows, slots, page_size=P, errors=err)
+        kc.topk_to_kvcache_indices(ids, table, page_size=P, num_pages=npg, out=idx, errors=err)
+        kc.model1_gather(cache, idx, page_size=P, out=out, errors=err)
+
+    bufs = [cache, idx, out, err]
+    snap = [b.clone() for b in bufs]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    eager = [b.clone() for b in bufs]
+    assert not torch.equal(eager[0], snap[0])
+    for b, s in zip(bufs, snap):
+        b.copy_(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+        with pytest.raises(CaptureError):
+            kc.model1_gather(cache, idx, page_size=P)              # would allocate its output
+    for _ in range(2):
+        for b, s in zip(bufs, snap):
+            b.copy_(s)
+        g.replay()
+        torch.cuda.synchronize()
+        for b, e in zip(bufs, eager):
+            assert torch.equal(b.view(torch.uint8), e.view(torch.uint8))

@@ -1,0 +1,336 @@
+"""The paged pool and the decode state as objects (rawkv/kvcache/pool.py, state.py):
+buffers, the constructor's rules, add / free / prepare_step bookkeeping (out of
+blocks before any write, block reuse), the device argument, attach, the
+buffers fixed after construction and the pool views the operators build
+(docs/kvcache.md, "Pool buffers")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import rawkv
+from rawkv import kvcache as kc
+from support.kvcache import D, DI, F32, _Dev
+
+
+# ---------------------------------------------------------------------------
+# CPU: buffers and bookkeeping
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_pool_buffers_cpu(kind):
+    p = kc.PagedKVPool(kind, 6, 4, 3, 5, layout="rawkv", device="cpu")
+    assert p.m == (4 if kind == "csa" else 128)
+    assert p.fp8.shape == (6, 4, 448) and p.fp8.dtype == np.uint8
+    assert p.scale.shape == (6, 4) and p.scale.dtype == np.float32
+    assert p.rope.shape == (6, 4, 64) and p.rope.dtype == np.float32
+    if kind == "csa":
+        assert p.index_q.shape == (6, 4, 64) and p.index_sf.shape == (6, 4, 8)
+    else:
+        assert p.index_q is None and p.index_sf is None and p.index_head_dim is None
+    assert p.block_table.shape == (3, 5) and p.block_table.dtype == np.int32
+    assert (p.block_table == -1).all()
+    assert p.errors.shape == (1,) and p.read_errors() == 0
+    assert p.capacity() == 24 and p.free_blocks() == 6
+    s = kc.DecodeState(kind, 3, device="cpu")
+    w = 1024 if kind == "csa" else 512
+    assert s.kv_a.shape == (3, p.m, w) and np.isneginf(s.z_a).all() and (s.kv_a == 0).all()
+    assert (s.count == 0).all() and s.count.dtype == np.int32
+    if kind == "csa":
+        assert s.kv_b.shape == (3, 4, 512) and np.isneginf(s.z_b).all()
+    else:
+        assert s.kv_b is None
+
+
+def _has_torch():
+    try:
+        import torch  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def test_pool_constructor_errors():
+    with pytest.raises(ValueError, match="kind"):
+        kc.PagedKVPool("mla", 4, 4, 2, 2, layout="rawkv", device="cpu")
+    with pytest.raises(ValueError, match="num_blocks"):
+        kc.PagedKVPool("csa", 0, 4, 2, 2, layout="rawkv", device="cpu")
+    with pytest.raises(TypeError, match="entries_per_block"):
+        kc.PagedKVPool("csa", 4, 4.0, 2, 2, layout="rawkv", device="cpu")
+    with pytest.raises(ValueError, match="index_head_dim"):
+        kc.PagedKVPool("hca", 4, 4, 2, 2, index_head_dim=128, layout="rawkv", device="cpu")
+    with pytest.raises(ValueError, match="index_head_dim"):
+        kc.PagedKVPool("csa", 4, 4, 2, 2, index_head_dim=120, layout="rawkv", device="cpu")
+    with pytest.raises(ValueError, match="head_dim"):
+        kc.PagedKVPool("csa", 4, 4, 2, 2, head_dim=520, layout="rawkv", device="cpu")
+    with pytest.raises(ValueError, match="rope_dim"):
+        kc.PagedKVPool("csa", 4, 4, 2, 2, rope_dim=60, layout="rawkv", device="cpu")
+    with pytest.raises(ValueError, match="kind"):
+        kc.DecodeState("x", 2, device="cpu")
+    if _has_torch():
+        with pytest.raises(ValueError, match="device"):
+            kc.PagedKVPool("csa", 4, 4, 2, 2, layout="rawkv", device="meta")
+    p = kc.PagedKVPool("csa", 4, 4, 2, 2, index_head_dim=None, layout="rawkv", device="cpu")
+    assert not p.has_index
+
+
+def test_add_free_prepare_reuse():
+    p = kc.PagedKVPool("csa", 8, 2, 3, 4, layout="rawkv", device="cpu")     # m=4, epb=2: 8 tokens per block
+    a, b = p.add_request(), p.add_request()
+    assert (a, b) == (0, 1) and p.active_slots() == [0, 1]
+    assert p.prepare_step([a, b], [0, 0]) == 2
+    assert p.blocks_of(a) == [0] and p.blocks_of(b) == [1]
+    assert p.n_entries(a) == 0
+    assert p.prepare_step([a], [7]) == 0            # entry 1, still block 0
+    assert p.n_entries(a) == 2
+    assert p.prepare_step([a, b], [8, 20]) == 3     # a: entry 2 -> block 1; b: entry 5 -> blocks 1, 2
+    assert p.blocks_of(a) == [0, 2] and p.blocks_of(b) == [1, 3, 4]
+    assert p.n_entries(b) == 5 and p.free_blocks() == 3
+    np.testing.assert_array_equal(p.block_table[:2], [[0, 2, -1, -1], [1, 3, 4, -1]])
+    p.free_request(b)
+    assert (p.block_table[b] == -1).all() and p.free_blocks() == 6
+    with pytest.raises(ValueError, match="slot"):
+        p.n_entries(b)
+    c = p.add_request()
+    assert c == 1                                    # lowest free slot
+    p.prepare_step([c], [31])                        # entry 7 -> logical block 3: 4 blocks
+    assert p.blocks_of(c)[:3] == [1, 3, 4]           # the freed blocks come back first (LIFO)
+    assert p.free_blocks() == 2
+    for s in (a, c):
+        p.free_request(s)
+    assert p.free_blocks() == 8 and (p.block_table == -1).all()
+    assert sorted(p._free) == list(range(8))
+
+
+def test_prepare_out_of_blocks_is_all_or_nothing():
+    p = kc.PagedKVPool("hca", 3, 1, 3, 4, layout="rawkv", device="cpu")     # 128 tokens per block
+    a, b = p.add_request(), p.add_request()
+    p.prepare_step([a], [0])
+    before = (p.block_table.copy(), list(p._free), p.n_entries(a))
+    with pytest.raises(RuntimeError, match=f"slot {b}"):
+        p.prepare_step([a, b], [200, 300])           # a needs 1 more, b needs 3: 4 > 2 free
+    assert (p.block_table == before[0]).all() and p._free == before[1]
+    assert p.n_entries(a) == before[2] and p.n_entries(b) == 0
+    assert p.prepare_step([a, b], [200, 0]) == 2     # exactly fits
+    assert p.free_blocks() == 0
+
+
+def test_prepare_errors_and_repeats():
+    p = kc.PagedKVPool("csa", 4, 2, 3, 2, layout="rawkv", device="cpu")
+    a = p.add_request()
+    with pytest.raises(ValueError, match="slot 1"):
+        p.prepare_step([1], [0])                     # not added
+    with pytest.raises(ValueError, match="slot 7"):
+        p.prepare_step([7], [0])
+    with pytest.raises(ValueError, match="position"):
+        p.prepare_step([a], [-1])
+    with pytest.raises(ValueError, match="max_blocks_per_request"):
+        p.prepare_step([a], [16])                    # entry 4 -> logical block 2 of 2
+    with pytest.raises(ValueError, match="positions"):
+        p.prepare_step([a, a], [1])
+    with pytest.raises(TypeError, match="slots"):
+        p.prepare_step(np.array([True]), [0])
+    with pytest.raises(TypeError, match="positions"):
+        p.prepare_step([a], [0.5])
+    with pytest.raises(TypeError, match="positions"):
+        p.prepare_step([], np.zeros(0))             # an empty float array is still a float array
+    # an empty step is a no-op (before: "expected integers, got dtype float64")
+    for empty in ([], (), np.zeros(0, np.int32)):
+        assert p.prepare_step(empty, empty) == 0
+    with pytest.raises(ValueError, match="positions"):
+        p.prepare_step([], [0])
+    assert p.free_blocks() == 4 and (p.block_table == -1).all()
+    # a repeated slot (a prefill chunk): its highest position counts
+    assert p.prepare_step(np.array([a, a, a]), np.array([3, 15, 9])) == 2
+    assert p.n_entries(a) == 4
+    with pytest.raises(ValueError, match="slot"):
+        p.free_request(2)
+    with pytest.raises(TypeError, match="slot"):
+        p.free_request("0")
+
+
+def _cpu_only_torch():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return not torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cpu_only_torch(), reason="needs a torch without a usable CUDA device")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0])
+def test_cuda_pool_without_cuda_raises_gpu_unavailable(device):
+    """A CUDA pool or state on a machine whose torch has no CUDA: rawkv's
+    GpuUnavailableError (as every op raises), not torch's bare AssertionError."""
+    for make in (lambda: kc.PagedKVPool("csa", 4, 4, 2, 2, layout="rawkv", device=device),
+                 lambda: kc.PagedKVPool("hca", 4, 4, 2, 2, layout="rawkv", device=device),
+                 lambda: kc.DecodeState("csa", 2, device=device)):
+        with pytest.raises(rawkv.GpuUnavailableError, match="CUDA"):
+            make()
+
+
+def test_device_argument_is_refused_by_name():
+    for bad, exc in (("meta", ValueError), ("cuda:x", ValueError), (True, TypeError), (1.0, TypeError)):
+        with pytest.raises(exc, match="^device"):
+            kc.PagedKVPool("csa", 4, 4, 2, 2, layout="rawkv", device=bad)
+        with pytest.raises(exc, match="^device"):
+            kc.DecodeState("csa", 2, device=bad)
+
+
+# ---------------------------------------------------------------------------
+# attach: a pool's decode states
+# ---------------------------------------------------------------------------
+def test_attach_rules():
+    """pool.attach takes empty DecodeStates of the pool's size and device,
+    once per pool; compress_decode refuses a state that is not attached."""
+    pool = kc.PagedKVPool("hca", 8, 4, 2, 2, layout="rawkv", device="cpu")
+    for bad in (pool.to_reference(), pool, None):
+        with pytest.raises(TypeError, match="^state: "):
+            pool.attach(bad)
+    with pytest.raises(ValueError, match="^state: has 3 slots"):
+        pool.attach(kc.DecodeState("hca", 3, device="cpu"))
+    used = kc.DecodeState("hca", 2, device="cpu")
+    kc.state_seed(used, 1, np.ones((5, D), F32), np.ones((5, D), F32))
+    with pytest.raises(ValueError, match="^state: holds rows"):
+        pool.attach(used)
+    kc.state_clear(used, np.array([1], np.int32))
+    pool.attach(used)
+    pool.attach(used)                                   # again: nothing changes
+    assert pool._states == [used]
+    other = kc.PagedKVPool("hca", 8, 4, 2, 2, layout="rawkv", device="cpu")
+    with pytest.raises(ValueError, match="^state: is attached to another pool"):
+        other.attach(used)
+    csa = kc.PagedKVPool("csa", 8, 4, 2, 2, layout="rawkv", device="cpu")
+    b_only = kc.DecodeState("csa", 2, device="cpu")
+    b_only.z_b[0, 0] = 0.0                              # a b-stream row, count 0
+    with pytest.raises(ValueError, match="^state: holds rows"):
+        csa.attach(b_only)
+    lone = kc.DecodeState("hca", 2, device="cpu")
+    s = pool.add_request()
+    pool.prepare_step([s], [127])
+    with pytest.raises(ValueError, match="^state: is not attached to this pool"):
+        kc.compress_decode(pool, lone, np.ones(D, F32), np.ones(1, bool), np.zeros(1, np.int32),
+                           np.zeros(1, np.int32))
+    assert pool.read_errors() == 0 and not pool.written.any()
+
+
+def _free_empties_slot(device):
+    """free_request empties the freed slot of every attached state (both
+    streams, count) and no other slot."""
+    dv = _Dev(device)
+    pool = kc.PagedKVPool("csa", 8, 4, 2, 2, layout="rawkv", device=device)
+    st, ist = kc.DecodeState("csa", 2, device=device), kc.DecodeState("csa", 2, DI, device=device)
+    pool.attach(st, ist)
+    for s in (pool.add_request(), pool.add_request()):
+        for state in (st, ist):
+            x = np.ones((6, state.width), F32)
+            kc.state_seed(state, s, dv.t(x), dv.t(x))       # a b-stream and 2 rows
+    pool.free_request(0)
+    for state in (st, ist):
+        r = state.to_reference()
+        assert list(r.count) == [0, 2]
+        assert not r.a_kv[0].any() and np.isneginf(r.a_z[0]).all()
+        assert not r.b_kv[0].any() and np.isneginf(r.b_z[0]).all()
+        assert r.b_kv[1].all() and r.a_kv[1, :2].all()
+
+
+def test_cpu_free_request_empties_the_attached_states_slot():
+    _free_empties_slot("cpu")
+
+
+def test_gpu_free_request_empties_the_attached_states_slot(cuda):
+    _free_empties_slot("cuda")
+
+
+# ---------------------------------------------------------------------------
+# the pool's buffers are checked once and fixed (issue 21, item 5)
+# ---------------------------------------------------------------------------
+def test_pool_buffers_are_fixed_after_construction():
+    p = kc.PagedKVPool("csa", 4, 2, 2, 2, layout="rawkv", device="cpu")
+    for name in p.BUFFERS:
+        with pytest.raises(AttributeError, match=f"^{name}: "):
+            setattr(p, name, getattr(p, name))
+    st = kc.DecodeState("hca", 2, 128, device="cpu")
+    with pytest.raises(AttributeError, match="^count: "):
+        st.count = np.zeros(2, np.int64)
+    p.kind_note = 1                                   # other attributes stay free
+    p.fp8[...] = 0                                    # writing into a buffer is fine
+
+
+def test_ops_take_only_a_pool():
+    """A look-alike carrying the pool's buffer names is not a pool."""
+    from types import SimpleNamespace
+    p = kc.PagedKVPool("hca", 4, 2, 2, 2, layout="rawkv", device="cpu")
+    fake = SimpleNamespace(**{n: getattr(p, n) for n in p.BUFFERS}, kind="hca", m=128)
+    with pytest.raises(TypeError, match="^pool: "):
+        kc.flush_write(fake, np.zeros((1, D), F32), np.ones(1, bool), np.zeros(1, np.int32),
+                       np.zeros(1, np.int32))
+    with pytest.raises(TypeError, match="^pool: "):
+        kc.gather_topk(fake, np.zeros(1, np.int32), np.zeros((1, 1), np.int32))
+    kv = np.zeros((128, D), F32)
+    with pytest.raises(TypeError, match="^pool: "):
+        kc.compress_prefill(fake, kv, kv, None, np.ones(D, F32), 0)
+    st = kc.DecodeState("hca", 2, device="cpu")
+    with pytest.raises(TypeError, match="^pool: "):
+        kc.compress_decode(fake, st, np.ones(D, F32), np.ones(1, bool), np.zeros(1, np.int32),
+                           np.zeros(1, np.int32))
+
+
+def _view_args(kind="csa"):
+    torch = pytest.importorskip("torch")
+    from rawkv.kvcache import views as V
+    p = kc.PagedKVPool(kind, 4, 2, 3, 2, layout="rawkv", device="cpu")
+    args = dict(V.pool_args(p))
+    return torch, V, p, args
+
+
+@pytest.mark.parametrize("name, make", [
+    ("block_table", lambda t, a: a["block_table"].to(t.int64)),
+    ("scale", lambda t, a: a["scale"][:, :1].contiguous()),
+    ("scale", lambda t, a: a["scale"][:3].contiguous()),
+    ("rope", lambda t, a: a["rope"][:, :1].contiguous()),
+    ("index_sf", lambda t, a: a["index_sf"][..., :4].contiguous()),
+    ("index_q", lambda t, a: a["index_q"][:2].contiguous()),
+    ("written", lambda t, a: a["written"][:2].contiguous()),
+    ("written", lambda t, a: a["written"].to(t.int64)),
+    ("marks", lambda t, a: a["marks"][:, :1].contiguous()),
+    ("marks", lambda t, a: a["marks"].to(t.int32)),
+    ("request_ids", lambda t, a: a["request_ids"][:2].contiguous()),
+    ("request_ids", lambda t, a: a["request_ids"].to(t.int64)),
+    ("owners", lambda t, a: a["owners"][:3].contiguous()),
+    ("owners", lambda t, a: a["owners"].to(t.uint8)),
+    ("fp8", lambda t, a: a["fp8"].to(t.int8)),
+    ("errors", lambda t, a: a["errors"].to(t.int64)),
+])
+def test_pool_view_refuses_bad_buffers_naming_them(name, make):
+    """What torch.ops.rawkv.kv_* receive is rebuilt into a pool by
+    views.pool_view, which checks it as the constructor would: a wrong dtype
+    (an int64 block table) or an undersized buffer is refused, named."""
+    torch, V, p, args = _view_args()
+    args[name] = make(torch, args)
+    with pytest.raises((TypeError, ValueError), match=f"^{name}: "):
+        V.pool_view(**args)
+    # and through the operator
+    import rawkv.library  # noqa: F401
+    ents = torch.zeros((1, D), dtype=torch.bfloat16)
+    with pytest.raises((TypeError, ValueError), match=f"{name}: "):
+        torch.ops.rawkv.kv_flush_write(**args, entries=ents, valid_mask=torch.ones(1, dtype=torch.bool),
+                                       slots=torch.zeros(1, dtype=torch.int32),
+                                       positions=torch.zeros(1, dtype=torch.int32),
+                                       index_keys=torch.zeros((1, DI), dtype=torch.bfloat16))
+    assert not p.fp8.any() and not p.written.any()     # nothing written
+
+
+def test_gpu_pool_view_refuses_buffers_on_another_device(cuda):
+    torch = pytest.importorskip("torch")
+    from rawkv.kvcache import views as V
+    p = kc.PagedKVPool("csa", 4, 2, 3, 2, layout="rawkv", device="cuda")
+    for name in ("block_table", "marks", "scale"):
+        args = dict(V.pool_args(p))
+        args[name] = args[name].cpu()
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            V.pool_view(**args)
+    args = dict(V.pool_args(p))
+    args["block_table"] = args["block_table"].long()
+    with pytest.raises(TypeError, match="^block_table: "):
+        V.pool_view(**args)

@@ -1,0 +1,162 @@
+"""Each ecosystem source's layout rebuilt independently (tests/kvcache/test_layouts.py,
+test_model1_store.py, test_index_store.py, ..., test_pool_layouts.py): FlashMLA
+tests/quant.py's pages and dequantizer, DeepSeek act_quant / fp4_act_quant's
+scales, vLLM's quantize_and_insert_k_cache and fused indexer kernels,
+DeepGEMM's paged layouts, FlashMLA's abs_indices2indices_in_kvcache; rows
+with the edge cases of the scales."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from rawkv.reference.formats import bf16_round  # noqa: E402
+from support.kvcache import F32  # noqa: E402
+
+
+def tile_scaled(rng, n, width, tile, lo=-30, hi=30):
+    """BF16-valued rows whose tiles have magnitudes 2^U(lo, hi): every scale
+    exponent gets exercised."""
+    x = rng.standard_normal((n, width // tile, tile)) * np.exp2(rng.integers(lo, hi, (n, width // tile, 1)))
+    return bf16_round(x.reshape(n, width).astype(F32))
+
+
+def edge_rows(rng, n, width, tile, fmax, finite_only=True):
+    """Rows with the edge tiles of a UE8M0 quantizer: zeros, tiny amax (at
+    and around the floor), amax exactly fmax * 2^k and the next BF16 above,
+    the largest BF16, negative zeros, and (finite_only False) NaN / Inf."""
+    x = tile_scaled(rng, n, width, tile)
+    t = x.reshape(n, -1, tile)
+    cases = [
+        lambda v: v.fill(0.0),
+        lambda v: v.__setitem__(..., bf16_round(v * F32(1e-9))),
+        lambda v: v.__setitem__(..., bf16_round(v / np.abs(v).max() * F32(9.99e-5))),
+        lambda v: v.__setitem__(..., bf16_round(v / np.abs(v).max() * F32(1.07e-4))),
+        lambda v: v.__setitem__(..., bf16_round(v / np.abs(v).max() * F32(fmax * 2.0 ** 5) * F32(0.999))),
+        lambda v: v.__setitem__(slice(0, 1), F32(fmax * 2.0 ** -3)),          # exact power-of-two tie
+        lambda v: v.__setitem__(slice(0, 1), -F32(fmax * 2.0 ** 7)),
+        lambda v: v.__setitem__(slice(0, 1), bf16_round(F32(fmax * 2.0 ** 2) * F32(1 + 2 ** -7))),
+        lambda v: v.__setitem__(slice(0, 1), F32(3.3895314e38)),               # largest BF16
+        lambda v: v.__setitem__(slice(0, None, 2), -0.0),
+        lambda v: v.__setitem__(..., bf16_round(v * F32(2.0 ** -120))),        # BF16 subnormals
+    ]
+    if not finite_only:
+        cases += [lambda v: v.__setitem__(3, np.nan), lambda v: v.__setitem__(0, -np.inf),
+                  lambda v: v.__setitem__(slice(0, None), np.inf)]
+    for i, f in enumerate(cases):
+        f(t[i % n, rng.integers(0, t.shape[1])])
+    return x
+
+
+def flashmla_abs_indices(abs_indices, block_table, page_size):
+    """FlashMLA tests/quant.py abs_indices2indices_in_kvcache (its
+    documented per-request equivalent): block_table[i][id // P] * P + id % P,
+    -1 stays -1."""
+    out = torch.empty_like(abs_indices)
+    for i in range(abs_indices.shape[0]):
+        cur = abs_indices[i].clone()
+        invalid = cur == -1
+        cur[invalid] = 0
+        res = block_table[i].index_select(0, cur.flatten() // page_size).view(cur.shape) * page_size \
+            + cur % page_size
+        res[invalid] = -1
+        out[i] = res
+    return out
+
+
+def tt(a):
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def fp8_codes(v):
+    """torch's float32 -> float8_e4m3fn cast (RNE), as bytes."""
+    return v.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def vllm_insert(cache, page_size, rows, slot_mapping):
+    """vLLM quantize_and_insert_k_cache (deepseek_v4 cache_utils.py), token by
+    token: UE8M0 scale 2^ceil(log2(max(block_max, 1e-4) / 448)), codes
+    fp8(clamp(x / scale)), byte exponent + 127, pad byte 7 = 0; token data at
+    block * stride + pos * 576, scales at block * stride + P * 576 + pos * 8."""
+    stride = cache.shape[1]
+    flat = cache.reshape(-1)
+    xb = tt(rows).bfloat16().float()
+    for i, slot in enumerate(slot_mapping):
+        if slot == -1:
+            continue
+        blk, pos = divmod(int(slot), page_size)
+        base = blk * stride
+        td, ts = base + pos * 576, base + page_size * 576 + pos * 8
+        for q in range(7):
+            v = xb[i, 64 * q:64 * q + 64]
+            exponent = torch.ceil(torch.log2(v.abs().max().clamp_min(1e-4) / 448.0))
+            scaled = (v / torch.exp2(exponent)).clamp(-448.0, 448.0)
+            flat[td + 64 * q:td + 64 * q + 64] = fp8_codes(scaled).numpy()
+            flat[ts + q] = int(exponent.item()) + 127
+        flat[ts + 7] = 0
+        flat[td + 448:td + 576] = xb[i, 448:].bfloat16().view(torch.uint8).numpy()
+
+
+def vllm_fp8_key_pages(keys, page_size, num_pages, slots):
+    """vLLM's fused FP8 indexer-key insert (fused_compress_quant_cache.py):
+    absmax of the BF16 key, max(., 1e-4), exponent ceil(log2(absmax *
+    (1/448))), codes fp8(clamp(x * 2^-exponent)), scale 2^exponent as FP32;
+    placed per DeepGEMM csrc/apis/attention.hpp: kv at page + j * 128,
+    kv_sf (float32) at page + P * 128 + j * 4."""
+    buf = torch.zeros((num_pages, page_size * 132), dtype=torch.uint8)
+    kv = buf[:, :page_size * 128].view(num_pages, page_size, 128)
+    sf = buf[:, page_size * 128:].view(torch.float32)
+    xb = tt(keys).bfloat16().float()
+    for i, s in enumerate(slots):
+        if s == -1:
+            continue
+        pg, j = divmod(int(s), page_size)
+        absmax = xb[i].abs().max().clamp_min(1e-4)
+        exponent = torch.ceil(torch.log2(absmax * torch.tensor(1.0 / 448.0, dtype=torch.float32)))
+        kv[pg, j] = fp8_codes((xb[i] * torch.exp2(-exponent)).clamp(-448.0, 448.0))
+        sf[pg, j] = torch.exp2(exponent)
+    return buf.numpy()
+
+
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def e2m1_nearest_even(v):
+    """E2M1 code of v by nearest-value search, ties to the even code,
+    saturating at 6 (the rounding of PTX cvt.rn.satfinite.e2m1x2 that vLLM
+    uses); the sign bit follows v's sign."""
+    a = np.minimum(np.abs(v.astype(np.float64)), 6.0)
+    d = np.abs(a[..., None] - _E2M1)
+    best = d.min(axis=-1, keepdims=True)
+    cand = np.where(d == best, np.arange(8), 99)
+    even = np.where(cand % 2 == 0, cand, 99).min(axis=-1)
+    code = np.where(even < 99, even, cand.min(axis=-1))
+    return (code | (np.signbit(v) << 3)).astype(np.uint8)
+
+
+def vllm_mxfp4_key_pages(keys, page_size, num_pages, slots):
+    """vLLM's fused MXFP4 indexer-key insert / DeepSeek fp4_act_quant: per
+    block of 32, amax of the BF16 values, max(., 6 * 2^-126), exponent
+    ceil(log2(amax * (1/6))) clamped to [-127, 127], byte exponent + 127,
+    codes e2m1(x * 2^-exponent), low nibble = even element; placed per
+    DeepGEMM (is_fp4: 64 code bytes per key, is_mx_sf: one int32 of 4 UE8M0
+    bytes per key at page + P * 64 + j * 4)."""
+    buf = np.zeros((num_pages, page_size * 68), np.uint8)
+    xb = bf16_round(np.asarray(keys, F32)).reshape(len(keys), 4, 32)
+    for i, s in enumerate(slots):
+        if s == -1:
+            continue
+        pg, j = divmod(int(s), page_size)
+        amax = np.maximum(np.abs(xb[i]).max(axis=-1), F32(6.0 * 2.0 ** -126))
+        r = np.clip(np.ceil(np.log2(amax * F32(1.0 / 6.0))), -127, 127)
+        codes = e2m1_nearest_even(xb[i] * np.exp2(-r).astype(F32)[:, None]).reshape(128)
+        buf[pg, j * 64:j * 64 + 64] = codes[0::2] | (codes[1::2] << 4)
+        word = sum(int(b + 127) << (8 * k) for k, b in enumerate(r.astype(np.int64)))
+        at = page_size * 64 + 4 * j
+        buf[pg, at:at + 4].view(np.uint32)[0] = np.uint32(word)
+    return buf
+
+
+def _poisoned(rng, lay, n, p):
+    return rng.integers(0, 256, (n, lay.page_bytes(p)), dtype=np.uint8)
