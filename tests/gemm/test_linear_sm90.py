@@ -1,5 +1,5 @@
 """The Hopper GEMM kernel (rawkv/cu/gemm_fp4_sm90.cu: wgmma, sm_90a) against
-the reference, with the error bound of tests/gemm/test_linear_gpu.py (FP32
+the reference, with the error bound of tests/support/gemm.py (FP32
 accumulation in any order, one rounding to BF16), forced onto every shape
 class the dispatcher can route to it; bit reproducibility across runs and
 across the token tilings it chooses. Runs only on a compute capability 9.0
@@ -10,9 +10,9 @@ import pytest
 import rawkv
 from rawkv.gemm import linear, plans
 from rawkv.reference import gemm as ref
-from gemm.test_linear_gpu import (_nvfp4_activation, assert_within_bound, check_nan_and_inf,
-                           check_nvfp4_activations_equal_bf16, check_ragged, check_views_and_out, exact_grouped,
-                           random_weight)
+from support.gemm import (_nvfp4_activation, assert_within_bound, check_nan_and_inf,
+                          check_nvfp4_activations_equal_bf16, check_ragged, check_views_and_out, exact_grouped,
+                          random_weight)
 
 torch = pytest.importorskip("torch")
 

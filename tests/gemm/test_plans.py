@@ -3,7 +3,8 @@ kernel instance, grid, block and arguments a plan holds, from the checked
 arguments (rawkv.gemm._rules on CPU tensors), the device properties and the
 dispatch tunables, with no runtime. Every launch's arguments are exactly its
 kernel's parameters and each scalar fits its C type. What the kernels
-compute: tests/gemm/test_linear_gpu.py and tests/gemm/test_linear_sm90.py."""
+compute: tests/gemm/test_grouped_linear.py, test_moe_linear.py (the mma.sync kernel) and
+tests/gemm/test_linear_sm90.py (wgmma)."""
 import struct
 
 import pytest

@@ -346,6 +346,30 @@ def test_every_loader_checks_its_scale_tensors_alike(rng):
         Fp4Weight.from_mxfp4(codes, scales[:, :, :1])
 
 
+def test_loaders_check_cuda_scales(cuda, rng):
+    # issue 21 items 1 and 6 on CUDA tensors: a bad global scale read back
+    # from the device, a scale on another device, a device that does not exist.
+    g, n, k = 2, 16, 64
+    codes = torch.from_numpy(rng.integers(0, 256, (g * n, k // 2), dtype=np.uint8)).cuda()
+    scales = torch.from_numpy(rng.integers(0x10, 0x60, (g * n, k // 16), dtype=np.uint8)).cuda()
+    for bad in (float("nan"), -1.0, 0.0, float("inf")):
+        with pytest.raises(ValueError, match="^weight_scale_2:.*finite positive"):
+            rawkv.gemm.Fp4Weight.from_nvfp4(codes, scales, torch.tensor([0.5, bad], device="cuda"), groups=g)
+    with pytest.raises(ValueError, match="^weight_scale_2: is on cpu"):
+        rawkv.gemm.Fp4Weight.from_nvfp4(codes, scales, torch.tensor([0.5, 0.25]), groups=g)
+    bad_sf = scales.clone()
+    bad_sf[0, 0] = 0x7F
+    with pytest.raises(ValueError, match="^weight_scale:.*0x7f"):
+        rawkv.gemm.Fp4Weight.from_nvfp4(codes, bad_sf, 0.5, groups=g)
+    w = rawkv.gemm.Fp4Weight.from_nvfp4(codes, scales, 0.5, groups=g)
+    missing = torch.cuda.device_count()
+    with pytest.raises(ValueError, match="^device"):
+        w.to(f"cuda:{missing}")
+    with pytest.raises(ValueError, match="^device"):
+        rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=2, device=missing)
+    assert w.to("cpu").to(0).device == torch.device("cuda", 0)
+
+
 # -- issue 21: no torch, no CUDA ------------------------------------------------------
 
 def _cpu_only_torch():

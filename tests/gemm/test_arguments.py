@@ -1,0 +1,110 @@
+"""The argument rules grouped_linear and moe_linear share (rawkv/gemm/_rules.py): one
+table of refused arguments run on CPU and on CUDA (issue 21 item 5), outputs
+refused by name before anything is written (issue 21 items 7, 8), a weight's
+tensors checked again when they change, and through the operators."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import rawkv  # noqa: E402
+from support.gemm import check_bad_argument_cases, random_weight, _weight  # noqa: E402
+from support.outputs import _refused, _ro  # noqa: E402
+
+
+def test_bad_out_and_offsets_name_the_argument(rng):
+    w = _weight(rng, 3, 16, 64)
+    x = torch.randn(2, 3, 64).bfloat16()
+    with pytest.raises(ValueError, match=r"^out"):
+        rawkv.gemm.grouped_linear(x, w, out=torch.empty(2, 3, 15, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^offsets"):
+        rawkv.gemm.moe_linear(x[:, 0], w, torch.tensor([0, 1, 2], dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------
+# issue 21 item 5: one set of argument rules on CPU and CUDA
+# ---------------------------------------------------------------------------
+def test_bad_arguments_are_refused_by_name_as_on_cuda(rng):
+    check_bad_argument_cases(rng, "cpu")
+
+
+def test_bad_arguments_are_refused_as_on_cpu(cuda, rng):
+    # issue 21 item 5: tests/support/gemm.py's table of refused arguments,
+    # on CUDA tensors: the same exception and message prefix as on CPU.
+    check_bad_argument_cases(rng, "cuda")
+    w, _ = random_weight(rng, 3, 16, 64, "nvfp4")
+    xm = torch.randn(2, 64, dtype=torch.bfloat16, device="cuda")
+    offs = torch.tensor([0, 1, 1, 2], dtype=torch.int32)
+    for call, msg in ((lambda: rawkv.gemm.moe_linear(xm, w, offs), "offsets: is on cpu"),
+                      (lambda: rawkv.gemm.moe_linear(xm, w, offs.cuda(), errors=torch.zeros(1, dtype=torch.int32)),
+                       "errors: is on cpu"),
+                      (lambda: rawkv.gemm.moe_linear(xm, w, offs.cuda(), out=torch.empty(2, 16, dtype=torch.bfloat16)),
+                       "out: is on cpu"),
+                      (lambda: rawkv.gemm.moe_linear(xm.cpu().float().numpy(), w, offs.numpy()), "weight: is on cuda")):
+        with pytest.raises(ValueError, match="^" + msg):
+            call()
+
+
+# ---------------------------------------------------------------------------
+# outputs (issue 21 items 7, 8)
+# ---------------------------------------------------------------------------
+def test_gemm_refuses_out_over_x_and_errors_over_out():
+    torch = pytest.importorskip("torch")
+    import rawkv
+    w = rawkv.gemm.Fp4Weight.from_float(torch.ones(2, 16, 32))
+    buf = torch.zeros(4 * 2 * 32, dtype=torch.bfloat16)
+    x = buf.view(4, 2, 32)
+    x.fill_(1)
+    _refused("out", "x", lambda: rawkv.gemm.grouped_linear(x, w, out=buf[:4 * 2 * 16].view(4, 2, 16)))
+    assert (x == 1).all()
+    x2 = torch.ones(4, 32, dtype=torch.bfloat16)
+    out = torch.zeros(4, 16, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 2, 4], dtype=torch.int32)
+    _refused("errors", "out", lambda: rawkv.gemm.moe_linear(x2, w, offsets, out=out,
+                                                            errors=out.view(torch.int32)[0, :1]))
+    _refused("errors", None, lambda: rawkv.gemm.moe_linear(x2, w, offsets, errors=_ro(np.zeros(1, np.int32))))
+    assert not out.any()
+
+
+# ---------------------------------------------------------------------------
+# the weight's tensors
+# ---------------------------------------------------------------------------
+def test_a_weights_tensors_are_checked_again_when_they_change(rng):
+    # rawkv.gemm._rules keeps a weight's check for its next call; another
+    # tensor, or the same one moved to other memory (set_), is checked anew
+    w = _weight(rng, 2, 16, 64)
+    x = torch.randn(3, 2, 64).bfloat16()
+    rawkv.gemm.grouped_linear(x, w)
+    bad = rawkv.gemm.Fp4Weight(w.fmt, w.n, w.k, w.codes, w.scales, w.gs.double())
+    with pytest.raises(TypeError, match=r"^weight.gs: dtype float64"):
+        rawkv.gemm.grouped_linear(x, bad)
+    w.scales.set_(w.scales.clone()[..., :1])             # the same object, other memory and shape
+    with pytest.raises(ValueError, match=r"^weight.scales: expected shape"):
+        rawkv.gemm.grouped_linear(x, w)
+
+
+# ---------------------------------------------------------------------------
+# operator
+# ---------------------------------------------------------------------------
+def test_the_operators_check_the_weight_tensors(rng):
+    # engines call torch.ops.rawkv.gemm_* with a weight's tensors: they are
+    # checked as the public ops check them (they were not: a float64 gs or
+    # int8 codes reached the kernel)
+    import rawkv.library  # noqa: F401
+    w = _weight(rng, 2, 16, 64)
+    x = torch.randn(3, 2, 64).bfloat16()
+    out = torch.empty(3, 2, 16, dtype=torch.bfloat16)
+    args = rawkv.gemm.operator_args(x, w)
+    for key, bad, exc, msg in (("gs", w.gs.double(), TypeError, "weight.gs: dtype float64"),
+                               ("codes", w.codes.view(torch.int8), TypeError, "weight.codes: dtype int8"),
+                               ("scales", w.scales[..., :1], ValueError, "weight.scales: expected shape"),
+                               ("fmt", "fp4", ValueError, "weight: format 'fp4'"),
+                               ("k", 72, ValueError, "weight: N = 16, K = 72")):
+        with pytest.raises(exc, match="^" + re.escape(msg)):
+            torch.ops.rawkv.gemm_grouped_linear(**{**args, key: bad}, out=out)
+    torch.ops.rawkv.gemm_grouped_linear(**args, out=out)
+    assert torch.equal(out.view(torch.int16), rawkv.gemm.grouped_linear(x, w).view(torch.int16))

@@ -1,0 +1,103 @@
+"""rawkv.gemm.Fp4GroupedLinear, the layer over grouped_linear: its checks and
+arguments, checkpoints (MXFP4, NVFP4) loaded to the reference's values, on a
+GPU the same output from a checkpoint as from set_weight and a call captured in
+a CUDA graph."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import rawkv  # noqa: E402
+from rawkv.reference import gemm as ref  # noqa: E402
+from support.gemm import _bits  # noqa: E402
+
+
+# ---------------------------------------------------------------------------
+# reference: CPU tensors run it, exactly
+# ---------------------------------------------------------------------------
+def test_layer_loads_mxfp4_and_nvfp4_checkpoints(rng):
+    g, n, k = 2, 16, 64
+    codes = rng.integers(0, 256, (g * n, k // 2), dtype=np.uint8)
+    scales = rng.integers(120, 130, (g * n, k // 32), dtype=np.uint8)
+    layer = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=3, device="cpu")
+    layer.load_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales))
+    x = torch.randn(3, g, k).bfloat16()
+    w64 = ref.dequantize_weight(codes.reshape(g, n, k // 2), scales.reshape(g, n, k // 32), None, "mxfp4")
+    want = ref.round_to_bf16(ref.grouped(x.double().numpy(), w64))
+    assert np.array_equal(_bits(layer(x)), want)
+    sf = rng.integers(0x20, 0x50, (g * n, k // 16), dtype=np.uint8)
+    gs = torch.tensor([0.5, 0.25])
+    layer.load_nvfp4(torch.from_numpy(codes), torch.from_numpy(sf), gs)
+    w64 = ref.dequantize_weight(codes.reshape(g, n, k // 2), sf.reshape(g, n, k // 16), gs.numpy(), "nvfp4")
+    assert np.array_equal(_bits(layer(x)), ref.round_to_bf16(ref.grouped(x.double().numpy(), w64)))
+    with pytest.raises(ValueError, match=r"^weight"):
+        layer.load_mxfp4(torch.from_numpy(codes[:, :16]), torch.from_numpy(scales[:, :1]))
+
+
+# ---------------------------------------------------------------------------
+# argument errors
+# ---------------------------------------------------------------------------
+def test_layer_checks(rng):
+    with pytest.raises(ValueError, match=r"^in_features"):
+        rawkv.gemm.Fp4GroupedLinear(2, 40, 16, max_tokens=4, device="cpu")
+    layer = rawkv.gemm.Fp4GroupedLinear(2, 64, 16, max_tokens=4, device="cpu")
+    with pytest.raises(RuntimeError, match="no weight"):
+        layer(torch.randn(1, 2, 64).bfloat16())
+    with pytest.raises(ValueError, match=r"^w"):
+        layer.set_weight(torch.randn(2, 16, 32))
+    layer.set_weight(torch.randn(2, 16, 64))
+    with pytest.raises(ValueError, match=r"^x: 5 tokens"):
+        layer(torch.randn(5, 2, 64).bfloat16())
+    y = layer(torch.randn(3, 2, 64).bfloat16())
+    assert y.shape == (3, 2, 16) and y.data_ptr() == layer.out.data_ptr()
+
+
+def test_layer_arguments_are_refused_by_name(rng):
+    # a wrong type is a TypeError, a bad value a ValueError (both were
+    # ValueErrors); no weight / no activation: TypeErrors naming them (were
+    # AttributeErrors from inside the layer)
+    for bad, exc in (("2", TypeError), (2.0, TypeError), (True, TypeError), (0, ValueError), (-1, ValueError)):
+        with pytest.raises(exc, match=r"^groups"):
+            rawkv.gemm.Fp4GroupedLinear(bad, 64, 16, max_tokens=4, device="cpu")
+        with pytest.raises(exc, match=r"^max_tokens"):
+            rawkv.gemm.Fp4GroupedLinear(2, 64, 16, max_tokens=bad, device="cpu")
+    layer = rawkv.gemm.Fp4GroupedLinear(2, 64, 16, max_tokens=4, device="cpu")
+    with pytest.raises(TypeError, match=r"^w: expected a tensor or array, got None"):
+        layer.set_weight(None)
+    layer.set_weight(torch.randn(2, 16, 64))
+    for bad in (None, 3.0):
+        with pytest.raises(TypeError, match=r"^x: expected a tensor"):
+            layer(bad)
+
+
+# ---------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------
+def test_layer_checkpoint_equals_set_weight(cuda, rng):
+    g, n, k = 2, 48, 128
+    wf = torch.randn(g, n, k)
+    a = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=4).set_weight(wf.cuda())
+    codes, scales, gs = a.weight.unpack()
+    b = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=4).load_nvfp4(
+        codes.reshape(g * n, k // 2).cpu(), scales.reshape(g * n, k // 16).cpu(), gs.cpu())
+    x = torch.randn(4, g, k, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(a(x), b(x))
+
+
+def test_layer_in_a_cuda_graph(cuda, rng):
+    g, n, k = 4, 64, 256
+    wf = torch.randn(g, n, k).cuda()
+    layer = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=8).set_weight(wf)
+    x = torch.randn(3, g, k, dtype=torch.bfloat16, device="cuda")
+    first = layer(x).clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            y = layer(x)
+    x.copy_(torch.randn(3, g, k, dtype=torch.bfloat16, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, layer(x))
+    assert not torch.equal(y, first)
