@@ -34,7 +34,7 @@ def _has_gpu() -> bool:
 def _python_m_rawkv(args, cwd):
     """python -m rawkv ARGS run from `cwd` (outside the source tree), rawkv
     found through PYTHONPATH as an installed package would be."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     return subprocess.run([sys.executable, "-m", "rawkv", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
 

@@ -63,7 +63,7 @@ DIRECTION_IDS = ["tensors-cuda1-current-cuda0", "tensors-cuda0-current-cuda1"]
 
 def _env(**extra) -> dict:
     """The environment of a child: this tree, its tests and tools importable."""
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")] +
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "tools")] +
                            ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", **extra)
 

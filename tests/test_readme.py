@@ -110,7 +110,7 @@ def test_cpu_test_command_selects_every_cpu_test_and_no_gpu_test(tmp_path):
     (tmp_path / "rawkv_gpu_oracle.py").write_text(ORACLE)
     out = tmp_path / "collected.json"
     env = dict(os.environ, RAWKV_ORACLE_OUT=str(out),
-               PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, *argv[1:], "--collect-only", "-p", "no:cacheprovider",
                            "-p", "rawkv_gpu_oracle"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)

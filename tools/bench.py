@@ -10,7 +10,7 @@ and keeps the timing helpers importable as `bench` for the scripts beside it
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from rawkv.bench.timing import (  # noqa: E402,F401  (re-exported for the tools' scripts)
     COPY, copy_bandwidth_GBps, cuda_time_us, entry, graph_time_us, host_us_interleaved, host_us_per_call,

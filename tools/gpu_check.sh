@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: compile-check, the GPU test suite and the
 # benchmarks (python -m rawkv bench --peer: humming-kernels too where installed),
-# run from the source tree (no install, no network needed).
+# run from the source tree (src/ on PYTHONPATH: no install, no network needed).
 #
 #   bash tools/gpu_check.sh                 # everything
 #   RAWKV_TESTS="tests/fp8/test_e4m3.py" RAWKV_BENCH=core bash tools/gpu_check.sh
@@ -12,7 +12,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT/bench"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export RAWKV_CACHE_DIR=${RAWKV_CACHE_DIR:-/tmp/rawkv-cache}
 TESTS=${RAWKV_TESTS:-tests}
 BENCH=${RAWKV_BENCH:-core,nvfp4,fused,kvcache,gemm}

@@ -4,7 +4,7 @@ the wo_a shapes at the given M (tokens per group). Each time is the median of CU
 replays (tools/bench.py's cuda_time_us: device time, not the host's), over 4 weight copies; maxdiff is the largest difference between the paths relative to
 the largest output. For choosing SM90_MIN_TOKENS; tools/bench_gemm.py is the benchmark.
 
-    PYTHONPATH=. [RAWKV_MOE_TOKENS=64,4096] [RAWKV_SM90_BM=128|256] python3 tools/probe_gemm_paths.py [M ...]
+    PYTHONPATH=src [RAWKV_MOE_TOKENS=64,4096] [RAWKV_SM90_BM=128|256] python3 tools/probe_gemm_paths.py [M ...]
 """
 import os
 import sys

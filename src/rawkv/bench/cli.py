@@ -17,8 +17,9 @@ from pathlib import Path
 from . import GROUPS, timing
 from .plot import bars
 
-#: the package's folder's parent: a git checkout's top when rawkv runs from its source tree
-_SOURCE_ROOT = Path(__file__).resolve().parents[2]
+#: the folder above the package's `src/`: a git checkout's top when rawkv runs
+#: from its source tree (src/rawkv/bench/cli.py)
+_SOURCE_ROOT = Path(__file__).resolve().parents[3]
 
 
 # ---- options -----------------------------------------------------------------------
