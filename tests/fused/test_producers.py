@@ -375,9 +375,10 @@ def test_fused_cu_reads_every_shared_constant_from_the_declarations():
                         ("MAX_HC", K.MAX_HC), ("MOE_BLOCK", K.MOE_BLOCK), ("MODE_TENSOR", K.MODE_TENSOR),
                         ("KIND_BF16", K.PARAM_KIND["bfloat16"])):
         assert f"-DRKV_FUSED_{name}={value}" in opts
-    # the launch bounds are the declared ones, not literals
-    assert src.count("__launch_bounds__(kMaxThreads / REG, 1)") == 2
+    # the launch bounds are the declared ones, not literals (four row kernels: NVFP4 and FP8)
+    assert src.count("__launch_bounds__(kMaxThreads / REG, 1)") == 4
     assert "__launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeMinBlocks)" in src
+    assert "__launch_bounds__(RKV_FUSED_MOE_BLOCK) rkv_moe_stage_fp8(" in src
     assert len({K.MODE_ROW, K.MODE_AMAX, K.MODE_TENSOR, K.MODE_FIXED}) == 4
     assert sorted(K.PARAM_KIND.values()) == [0, 1, 2]
 

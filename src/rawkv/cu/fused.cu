@@ -4,6 +4,9 @@
 //   rkv_fused_swiglu<T, VEC, REG>   SwiGLU de-interleave + silu*up + quantize
 //   rkv_moe_stage<T, ID>            one-level NVFP4 + packed scales + top-k copy
 //   rkv_fused_set_gs                gs of an op with no rows (scopes tensor / given / none)
+//   rkv_fused_rms_fp8<T, REG>, rkv_fused_swiglu_fp8<T, VEC, REG>, rkv_moe_stage_fp8<T, ID>
+//                                   the same with an FP8 block output (fp8_blocks.cuh's rule on the
+//                                   T-rounded y: DeepSeek's act_quant of the unfused BF16 output)
 //
 // Row kernels: one CTA per row. Each thread owns up to REG chunks of 16
 // elements (one NVFP4 block each: chunk c = tid + r * blockDim), held in
@@ -34,6 +37,7 @@
 #endif
 
 #include "packed16.cuh"
+#include "fp8_blocks.cuh"
 using namespace rkv;
 
 namespace {
@@ -252,33 +256,17 @@ __device__ __forceinline__ void quantize_store(const u32 (&w)[8], u32 bmax_bits,
     *reinterpret_cast<uint2*>(q) = packed;
 }
 
-// Phase 0: this thread's register-held chunks of the row p points at.
-template <int REG, class P>
-__device__ __forceinline__ void load_row(const P& p, i64 C, u32 (&st)[REG][8]) {
-#pragma unroll
-    for (int r = 0; r < REG; ++r) {
-        const i64 c = threadIdx.x + r * (i64)blockDim.x;
-        if (c < C) p.load(c, st[r]);
-    }
-}
-
-// Phases 1-3 of one row whose register-held chunks `st` are loaded.
+// Phase 1 of a NORM producer: the row's inv_rms from its register-held
+// chunks `st` and the chunks past them (loaded again); 1 for the others.
+// Each square is exact in float64, so fma == mul + add.
 template <typename T, int REG, class P>
-__device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], const int mode, i64 row, i64 C,
-                                             float eps, i64 n, u8* __restrict__ q, u8* __restrict__ sf,
-                                             float* gs_out, float* __restrict__ inv_out,
-                                             const float* gs_in, float gs_val, int* errors) {
+__device__ __forceinline__ float row_inv_rms(const P& p, const u32 (&st)[REG][8], i64 C, float eps, i64 n) {
     __shared__ double sh_d[32];
-    __shared__ float sh_f[32];
-    __shared__ float sh_gs;
-    const int tid = threadIdx.x;
-    const i64 B = blockDim.x;
-    u32 bm[REG];         // the chunks' max |y| bits
-    u32 fin = 0u;        // max finite |y| bits over this thread's chunks
-
-    // phase 1: RMSNorm. Each square is exact in float64, so fma == mul + add.
-    float inv = 1.0f;
-    if constexpr (P::NORM) {
+    if constexpr (!P::NORM) {
+        return 1.0f;
+    } else {
+        const int tid = threadIdx.x;
+        const i64 B = blockDim.x;
         double ss = 0.0;
 #pragma unroll
         for (int r = 0; r < REG; ++r) {
@@ -306,8 +294,35 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
         }
         ss = block_sum(ss, sh_d);
         const float ms = (float)(ss / (double)n);
-        inv = 1.0f / sqrtf(ms + eps);
+        return 1.0f / sqrtf(ms + eps);
     }
+}
+
+// Phase 0: this thread's register-held chunks of the row p points at.
+template <int REG, class P>
+__device__ __forceinline__ void load_row(const P& p, i64 C, u32 (&st)[REG][8]) {
+#pragma unroll
+    for (int r = 0; r < REG; ++r) {
+        const i64 c = threadIdx.x + r * (i64)blockDim.x;
+        if (c < C) p.load(c, st[r]);
+    }
+}
+
+// Phases 1-3 of one row whose register-held chunks `st` are loaded.
+template <typename T, int REG, class P>
+__device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], const int mode, i64 row, i64 C,
+                                             float eps, i64 n, u8* __restrict__ q, u8* __restrict__ sf,
+                                             float* gs_out, float* __restrict__ inv_out,
+                                             const float* gs_in, float gs_val, int* errors) {
+    __shared__ float sh_f[32];
+    __shared__ float sh_gs;
+    const int tid = threadIdx.x;
+    const i64 B = blockDim.x;
+    u32 bm[REG];         // the chunks' max |y| bits
+    u32 fin = 0u;        // max finite |y| bits over this thread's chunks
+
+    // phase 1: RMSNorm
+    const float inv = row_inv_rms<T, REG>(p, st, C, eps, n);
 
     // y and its block maxima (the register-held chunks)
 #pragma unroll
@@ -388,7 +403,81 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
     }
 }
 
+// ---- FP8 block outputs -------------------------------------------------------------
+// One chunk of the T-rounded y (packed `w`; `has`: the thread holds chunk c
+// of the row) into E4M3 codes, by fp8_blocks.cuh's rule. A block of `lanes`
+// chunks (block / 16) is held by as many consecutive threads, the same r of
+// each (blockDim is a multiple of 32, so c / lanes is the same block for
+// them): they reduce its amax with shuffles, so every thread of the warp
+// calls this, with or without a chunk. The block's first thread writes the
+// scale (index srow + c / lanes).
+template <typename T>
+__device__ __forceinline__ void fp8_chunk(const u32 (&w)[8], bool has, i64 c, int lanes, u8* __restrict__ crow,
+                                          void* __restrict__ scales, i64 srow, bool ue8m0, bool sbyte) {
+    const u32 m = has ? chunk_absmax_bits(w) : 0u;
+    int flag = m >= Bits<T>::kInf;
+    float amax = flag ? 0.0f : bits_f32<T>(m);
+    fp8_group_reduce(amax, flag, lanes);
+    u32 byte;
+    const float s = fp8_block_scale(amax, ue8m0, byte);
+    if (!has) return;
+    float v[16];
+    unpack_chunk<T>(w, v);
+    union { u8 b[16]; uint4 w; } out;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) out.b[j] = fp8_block_code(v[j], s, flag);
+    *reinterpret_cast<uint4*>(crow + c * 16) = out.w;
+    if (c % lanes == 0) fp8_store_scale(scales, srow + c / lanes, s, byte, flag, sbyte);
+}
+
+// A row's FP8 block output (phases 1 and 3 of row_quantize with no global
+// scale): codes (N bytes at codes + row * N), ceil(N / block) scales from
+// scales[row * that], inv_rms for NORM producers. The loop past the
+// registers runs the same number of times in every thread (the shuffles).
+template <typename T, int REG, class P>
+__device__ __forceinline__ void row_quantize_fp8(const P& p, u32 (&st)[REG][8], i64 row, i64 C, float eps, i64 n,
+                                                 u8* __restrict__ codes, void* __restrict__ scales,
+                                                 float* __restrict__ inv_out, int block, bool ue8m0, bool sbyte) {
+    const int tid = threadIdx.x;
+    const i64 B = blockDim.x;
+    const float inv = row_inv_rms<T, REG>(p, st, C, eps, n);
+    const int lanes = block / 16;
+    const i64 srow = row * ((C + lanes - 1) / lanes);
+    u8* crow = codes + row * C * 16;
+#pragma unroll
+    for (int r = 0; r < REG; ++r) {
+        const i64 c = tid + r * B;
+        if constexpr (P::NORM) { if (c < C) p.norm(c, st[r], inv); }
+        fp8_chunk<T>(st[r], c < C, c, lanes, crow, scales, srow, ue8m0, sbyte);
+    }
+    for (i64 c0 = REG * B; c0 < C; c0 += B) {
+        const i64 c = c0 + tid;
+        u32 w[8];
+        if (c < C) {
+            p.load(c, w);
+            p.norm(c, w, inv);
+        }
+        fp8_chunk<T>(w, c < C, c, lanes, crow, scales, srow, ue8m0, sbyte);
+    }
+    if constexpr (P::NORM) { if (tid == 0 && inv_out != nullptr) inv_out[row] = inv; }
+}
+
 }  // namespace
+
+// The RMSNorm producer of row `row` (rkv_fused_rms's arguments), set in place.
+template <typename T, bool MIX>
+__device__ __forceinline__ void set_rms_producer(RmsProducer<T, MIX>& p, const T* x, const void* mix,
+                                                 long long mix_kind, long long n_hc, const void* w,
+                                                 long long w_kind, long long n, i64 row) {
+    p.x = x + row * (MIX ? n_hc : 1) * n;
+    p.w = w;
+    p.w_kind = (int)w_kind;
+    p.n_hc = (int)n_hc;
+    p.n = n;
+#pragma unroll
+    for (int h = 0; h < RKV_FUSED_MAX_HC; ++h)
+        p.a[h] = (MIX && h < n_hc) ? load_kind(mix, row * n_hc + h, (int)mix_kind) : 0.0f;
+}
 
 // x: (M, N) or, with MIX, X: (M, n_hc, N); mix: (M, n_hc) of mix_kind; w: (N,) of w_kind.
 // q (M, N/2), sf (M, N/16), gs_out (M,) for MODE_ROW else one float, inv_out (M,) or null.
@@ -402,14 +491,7 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms(
         const float* gs_in, double gs_val, long long mode, int* errors) {
     const i64 row = blockIdx.x;
     RmsProducer<T, MIX> p;
-    p.x = x + row * (MIX ? n_hc : 1) * n;
-    p.w = w;
-    p.w_kind = (int)w_kind;
-    p.n_hc = (int)n_hc;
-    p.n = n;
-#pragma unroll
-    for (int h = 0; h < RKV_FUSED_MAX_HC; ++h)
-        p.a[h] = (MIX && h < n_hc) ? load_kind(mix, row * n_hc + h, (int)mix_kind) : 0.0f;
+    set_rms_producer(p, x, mix, mix_kind, n_hc, w, w_kind, n, row);
     u32 st[REG][8];
     load_row<REG>(p, n / 16, st);
     row_quantize<T, REG>(p, st, (int)mode, row, n / 16, (float)eps, n, q, sf, gs_out, inv_out, gs_in,
@@ -433,11 +515,51 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu(
                          (float)gs_val, errors);
 }
 
+// FP8 block outputs of the row producers: codes (M, N) / (M, I), scales
+// (M, ceil(N / blk)) of E8M0 bytes (sbyte) or float32 (ue8m0: powers of two),
+// inv_out (M,) or null; the other arguments as rkv_fused_rms's /
+// rkv_fused_swiglu's. One CTA per row, blockDim a multiple of 32.
+template <typename T, bool MIX, int REG>
+__global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms_fp8(
+        const T* __restrict__ x, const void* __restrict__ mix, long long mix_kind, long long n_hc,
+        const void* __restrict__ w, long long w_kind, double eps, long long n, long long blk, long long ue8m0,
+        long long sbyte, u8* __restrict__ codes, void* __restrict__ scales, float* __restrict__ inv_out) {
+    const i64 row = blockIdx.x;
+    RmsProducer<T, MIX> p;
+    set_rms_producer(p, x, mix, mix_kind, n_hc, w, w_kind, n, row);
+    u32 st[REG][8];
+    load_row<REG>(p, n / 16, st);
+    row_quantize_fp8<T, REG>(p, st, row, n / 16, (float)eps, n, codes, scales, inv_out, (int)blk, ue8m0 != 0,
+                             sbyte != 0);
+}
+
+template <typename T, bool VEC, int REG>
+__global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu_fp8(
+        const T* __restrict__ h, long long inter, long long g, long long blk, long long ue8m0, long long sbyte,
+        u8* __restrict__ codes, void* __restrict__ scales) {
+    const i64 row = blockIdx.x;
+    SwigluProducer<T, VEC> p;
+    p.h = h + row * 2 * inter;
+    p.g = (u32)g;
+    u32 st[REG][8];
+    load_row<REG>(p, inter / 16, st);
+    row_quantize_fp8<T, REG>(p, st, row, inter / 16, 0.0f, inter, codes, scales, nullptr, (int)blk, ue8m0 != 0,
+                             sbyte != 0);
+}
+
 // Scope tensor / given / none with no rows: no row CTA runs, and those are
 // what write gs, so one thread gives it its value on the op's stream (gs_in:
 // a given device scale, else gs_val: the given number, or 1).
 __global__ void rkv_fused_set_gs(float* gs_out, const float* gs_in, double gs_val) {
     if (threadIdx.x == 0 && blockIdx.x == 0) gs_out[0] = gs_in != nullptr ? *gs_in : (float)gs_val;
+}
+
+// The top-k part of MoE staging: ids widened to int64, weights copied as bytes.
+template <typename ID>
+__device__ __forceinline__ void moe_copy_topk(const ID* __restrict__ ids, i64 n_ids, long long* __restrict__ ids_out,
+                                              const u8* __restrict__ wts, i64 w_bytes, u8* __restrict__ wts_out) {
+    for (i64 i = global_thread(); i < n_ids; i += grid_threads()) ids_out[i] = (long long)ids[i];
+    for (i64 i = global_thread(); i < w_bytes; i += grid_threads()) wts_out[i] = wts[i];
 }
 
 // MoE input staging, one launch: hidden (M, K) -> one-level NVFP4 codes
@@ -474,6 +596,18 @@ __global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeMinBlocks) rkv_moe_st
         *reinterpret_cast<uint4*>(q + u * 16) = make_uint4(c0.x, c0.y, c1.x, c1.y);
         reinterpret_cast<u16*>(sf)[u] = (u16)(s0 | (s1 << 8));
     }
-    for (i64 i = global_thread(); i < n_ids; i += grid_threads()) ids_out[i] = (long long)ids[i];
-    for (i64 i = global_thread(); i < w_bytes; i += grid_threads()) wts_out[i] = wts[i];
+    moe_copy_topk(ids, n_ids, ids_out, wts, w_bytes, wts_out);
+}
+
+// MoE input staging with an FP8 block output: hidden (M, K) -> codes (M, K)
+// and scales (M, ceil(K / blk)) by fp8_blocks.cuh's grid-stride quantizer
+// (a thread per 16-byte vector of x; every warp whole), then the top-k copy.
+template <typename T, typename ID>
+__global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK) rkv_moe_stage_fp8(
+        const T* __restrict__ x, long long rows, long long K, long long blk, long long ue8m0, long long sbyte,
+        u8* __restrict__ codes, void* __restrict__ scales,
+        const ID* __restrict__ ids, long long n_ids, long long* __restrict__ ids_out,
+        const u8* __restrict__ wts, long long w_bytes, u8* __restrict__ wts_out) {
+    fp8_quantize_rows<T>(x, codes, scales, rows, K, (int)blk, ue8m0 != 0, sbyte != 0);
+    moe_copy_topk(ids, n_ids, ids_out, wts, w_bytes, wts_out);
 }

@@ -70,3 +70,16 @@ SWIGLU = FILE.kernel(
 MOE_STAGE = FILE.kernel(
     "rkv_moe_stage",
     (_T, TParam("typename", "ID", ("int32", "int64"))))
+
+# The FP8 block outputs (fp8_blocks.cuh's rule on the T-rounded y): the block
+# (32, 64, 128) and the scale format (ue8m0, sbyte: rawkv.kernels.fp8_blocks's
+# SCALE_* pairs) are run-time arguments, so one instance serves them all.
+RMS_FP8 = FILE.kernel(
+    "rkv_fused_rms_fp8",
+    (_T, TParam("bool", "MIX", (False, True)), _REG))
+SWIGLU_FP8 = FILE.kernel(
+    "rkv_fused_swiglu_fp8",
+    (_T, TParam("bool", "VEC", (True, False)), _REG))
+MOE_STAGE_FP8 = FILE.kernel(
+    "rkv_moe_stage_fp8",
+    (_T, TParam("typename", "ID", ("int32", "int64"))))
