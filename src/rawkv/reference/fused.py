@@ -20,6 +20,11 @@ for it flags every block (sf 0x7F, codes 0), as the kernels do.
     moe_stage(x, ids, w)        one-level NVFP4 (gs = 1) of x, scales packed
                                 four per int32, ids widened to int64, w copied
 
+The FP8 outputs (`*_fp8`) are rawkv.reference.fp8_blocks.quantize_blocks
+(DeepSeek's act_quant) of the same rounded y: the BF16 (FP16) tensor the
+unfused pipeline would store, which is what DeepSeek's model quantizes, so
+the bytes equal act_quant's of the unfused op's output.
+
 The float64 sum of squares is what the kernels do too (in another order); a
 float64 sum of at most a few 10^5 exactly-squared float32 values lands on the
 same float32 `ms` unless ss / N is within ~1e-16 (relative) of a float32
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fp8_blocks
 from .formats import round_to_dtype
 from .nvfp4 import check_last_dim, dequantize, quantize
 
@@ -200,15 +206,58 @@ def unpack_scales_i32(sf32: np.ndarray) -> np.ndarray:
     return b.reshape(*w.shape[:-1], w.shape[-1] * 4)
 
 
+def _moe_hidden(hidden) -> np.ndarray:
+    """MoE hidden states (M, K) as float32, K a positive multiple of 128."""
+    x = np.asarray(hidden, dtype=F32)
+    if x.ndim != 2 or x.shape[-1] % 128 or x.shape[-1] == 0:
+        raise ValueError(f"hidden: expected (M, K) with K a positive multiple of 128, got shape {x.shape}")
+    return x
+
+
 def moe_stage(hidden, topk_ids, topk_weights):
     """(q, sf_i32, ids_i64, weights): one-level NVFP4 (gs = 1) of `hidden`
     (M, K), K % 128 == 0; scales packed four per int32; top-k ids widened to
     int64; top-k weights copied unchanged."""
-    x = np.asarray(hidden, dtype=F32)
-    if x.ndim != 2 or x.shape[-1] % 128 or x.shape[-1] == 0:
-        raise ValueError(f"hidden: expected (M, K) with K a positive multiple of 128, got shape {x.shape}")
+    x = _moe_hidden(hidden)
     q, sf, _ = quantize(x, "none")
     return q, pack_scales_i32(sf), np.asarray(topk_ids).astype(np.int64), np.array(topk_weights)
+
+
+# ---- FP8 block outputs -------------------------------------------------------------------
+def rmsnorm_quantize_fp8(x, weight, eps: float = 1e-6, block: int = 128, scale_format: str = "fp32",
+                         dtype: str = "bfloat16", inv_rms=None):
+    """(codes, scales, inv_rms) = quantize_blocks(rmsnorm(x, weight, eps)):
+    E4M3 codes (..., N) uint8 and scales (..., ceil(N/block)) (float32, or
+    E8M0 bytes for 'ue8m0') of the rounded y."""
+    x = np.asarray(x, dtype=F32)
+    _check_width(x.shape[-1], "x")
+    y, inv = rmsnorm(x, weight, eps, dtype, inv_rms)
+    return (*fp8_blocks.quantize_blocks(y, block, scale_format), inv)
+
+
+def mhc_rmsnorm_quantize_fp8(X, A, weight, eps: float = 1e-6, block: int = 128, scale_format: str = "fp32",
+                             dtype: str = "bfloat16", inv_rms=None):
+    """(codes, scales, inv_rms) = quantize_blocks(rmsnorm(mhc_mix(X, A)))."""
+    X = np.asarray(X, dtype=F32)
+    _check_width(X.shape[-1], "x")
+    return rmsnorm_quantize_fp8(mhc_mix(X, A, dtype), weight, eps, block, scale_format, dtype, inv_rms)
+
+
+def swiglu_quantize_fp8(h, granularity: int = 8, block: int = 128, scale_format: str = "fp32",
+                        dtype: str = "bfloat16"):
+    """(codes, scales) = quantize_blocks(swiglu(h, granularity))."""
+    h = np.asarray(h, dtype=F32)
+    _check_width(h.shape[-1] // 2, "h (the intermediate width, h.shape[-1] / 2)")
+    return fp8_blocks.quantize_blocks(swiglu(h, granularity, dtype), block, scale_format)
+
+
+def moe_stage_fp8(hidden, topk_ids, topk_weights, block: int = 128, scale_format: str = "fp32"):
+    """(codes, scales, ids_i64, weights): quantize_blocks of `hidden` (M, K),
+    K a positive multiple of 128 (as moe_stage); top-k ids widened to int64,
+    top-k weights copied unchanged."""
+    x = _moe_hidden(hidden)
+    codes, scales = fp8_blocks.quantize_blocks(x, block, scale_format)
+    return codes, scales, np.asarray(topk_ids).astype(np.int64), np.array(topk_weights)
 
 
 def dequantize_activation(q, sf, gs, dtype: str = "bfloat16") -> np.ndarray:
