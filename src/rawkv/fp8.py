@@ -12,6 +12,8 @@ CPU tensors run rawkv.reference.formats, which defines the result bit for bit.
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from . import _args as A
@@ -25,7 +27,7 @@ from .reference import fp8_blocks as bref
 from .runtime import get_runtime
 
 _BLOCK = 256
-_CODES = ("uint8", "float8_e4m3fn")            # what codes may be
+CODES = ("uint8", "float8_e4m3fn")             # what codes may be
 
 
 def e4m3_encode(x, *, out=None, stream=None):
@@ -56,7 +58,7 @@ def _encode_args(x, out):
     where = D.placement(("x", x), ("out", out))
     A.check_outputs((("out", out),), (("x", x),))
     x = A.tensor(x, "x", A.FLOATS, where)
-    out = A.tensor(out, "out", _CODES, where, shape=x.shape, device=A.device_of(x))
+    out = A.tensor(out, "out", CODES, where, shape=x.shape, device=A.device_of(x))
     return where, x, out
 
 
@@ -64,7 +66,7 @@ def _decode_args(codes, out, dtype):
     """(placement, codes, out, decoded dtype name) of a decode, checked."""
     where = D.placement(("codes", codes), ("out", out))
     A.check_outputs((("out", out),), (("codes", codes),))
-    codes = A.tensor(codes, "codes", _CODES, where)
+    codes = A.tensor(codes, "codes", CODES, where)
     out, name = A.decoded(out, dtype, where, codes.shape, A.device_of(codes))
     return where, codes, out, name
 
@@ -175,18 +177,9 @@ def quantize_blocks(x, *, block: int = 128, scale_format: str = "fp32", out=None
         codes = empty(x, s, "float8_e4m3fn", stream)
     new_bytes = scales is None and scale_format != "fp32"
     if scales is None:
-        # (isinstance, not `__class__ is int`: dynamo evaluates the latter False
-        # while torch.compile traces, giving a scales buffer of no columns)
-        nb = bref.block_count(s[-1], block) if s and isinstance(block, int) and block in BLOCKS else 0
-        # New E8M0 scales are written as uint8 and returned as a float8_e8m0fnu
-        # view: torch.compile's inductor cannot functionalize an operator that
-        # writes a float8_e8m0fnu buffer ("auto_functionalized_v2 was not
-        # removed", torch 2.11 on the H200), while a dtype view of the result is fine.
-        scales = empty(x, (*s[:-1], nb), "uint8" if new_bytes else "float32", stream)
+        scales = new_scales(x, s, block, scale_format, stream)
     _quantize_blocks(x, block, scale_format, codes, scales, stream)
-    if new_bytes and _e8m0() != "uint8" and hasattr(scales, "view") and not isinstance(scales, np.ndarray):
-        scales = scales.view(D._torch_or_none().float8_e8m0fnu)
-    return codes, scales
+    return codes, (as_e8m0(scales) if new_bytes else scales)
 
 
 def dequantize_blocks(codes, scales, *, block: int = 128, dtype=None, out=None, stream=None):
@@ -198,13 +191,88 @@ def dequantize_blocks(codes, scales, *, block: int = 128, dtype=None, out=None, 
     name = A.decode_dtype(dtype, out, "float32")
     if out is None:
         out = empty(codes, dims(codes), name, stream)
-    if str(getattr(scales, "dtype", "")) == "torch.float8_e8m0fnu":
-        # The same bytes as uint8: torch.compile's inductor cannot
-        # functionalize an operator taking a float8_e8m0fnu tensor
-        # ("auto_functionalized_v2 was not removed", torch 2.11, H100).
-        scales = scales.view(D._torch_or_none().uint8)
-    _dequantize_blocks(codes, scales, block, out, stream, name)
+    _dequantize_blocks(codes, e8m0_bytes(scales), block, out, stream, name)
     return out
+
+
+class Fp8Activation(NamedTuple):
+    """FP8 block activations written by a producer (rawkv.fused's *_fp8 ops;
+    docs/fused.md): `codes` (..., K) E4M3 (float8_e4m3fn; numpy: uint8),
+    `scales` (..., ceil(K/block)) as quantize_blocks returns them (float32,
+    or for 'ue8m0' E8M0 bytes, or their float32 powers of two where out=
+    gave a float32 buffer), `inv_rms` (...) float32 of an RMSNorm, else None.
+    dequantize_blocks(codes, scales, block=...) decodes them."""
+    codes: Any
+    scales: Any
+    inv_rms: Any = None
+
+
+# ---- the block format's rules, shared with the fused producers' FP8 outputs -------------------
+def check_block(block) -> None:
+    """block: one of BLOCKS (a Python int; a bool or float is refused)."""
+    if block.__class__ is not int or block not in BLOCKS:
+        raise ValueError(f"block: expected one of {BLOCKS}, got {block!r}")
+
+
+def check_scale_format(scale_format) -> None:
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"scale_format: expected one of {SCALE_FORMATS}, got {scale_format!r}")
+
+
+def check_scales(scales, name: str, scale_format: str, where: str, shape, device) -> tuple:
+    """(scales, (UE8M0, SBYTE)): a scales buffer of `shape` checked (float32
+    for 'fp32'; for 'ue8m0' E8M0 bytes or their float32 values), and the
+    kernels' scale format (rawkv.kernels.fp8_blocks SCALE_*) it asks for."""
+    scales = A.tensor(scales, name, ("float32",) if scale_format == "fp32" else _UE8M0_SCALES, where, shape=shape,
+                      device=device)
+    return scales, scales_kind(scale_format, scales)
+
+
+def scales_kind(scale_format: str, scales) -> tuple:
+    """(UE8M0, SBYTE) of a checked scales buffer: 'ue8m0' stored as bytes
+    unless the buffer is float32."""
+    if scale_format == "fp32":
+        return KB.SCALE_FP32
+    return KB.SCALE_UE8M0_F32 if A.itemsize(scales) == 4 else KB.SCALE_UE8M0
+
+
+def new_scales(like, s: tuple, block, scale_format: str, stream=None):
+    """A new scales buffer for x of shape s (..., K) where `like` lives:
+    float32 for 'fp32', else uint8 E8M0 bytes (as_e8m0 views them for the
+    caller); no columns for a block the op will refuse."""
+    # (isinstance, not `__class__ is int`: dynamo evaluates the latter False
+    # while torch.compile traces, giving a scales buffer of no columns)
+    nb = bref.block_count(s[-1], block) if s and isinstance(block, int) and block in BLOCKS else 0
+    # New E8M0 scales are written as uint8 and returned as a float8_e8m0fnu
+    # view: torch.compile's inductor cannot functionalize an operator that
+    # writes a float8_e8m0fnu buffer ("auto_functionalized_v2 was not
+    # removed", torch 2.11 on the H200), while a dtype view of the result is fine.
+    return empty(like, (*s[:-1], nb), "float32" if scale_format == "fp32" else "uint8", stream)
+
+
+def as_e8m0(scales):
+    """New E8M0 scale bytes as float8_e8m0fnu where torch has it (numpy and
+    older torch: uint8)."""
+    if _e8m0() != "uint8" and hasattr(scales, "view") and not isinstance(scales, np.ndarray):
+        return scales.view(D._torch_or_none().float8_e8m0fnu)
+    return scales
+
+
+def e8m0_bytes(scales):
+    """float8_e8m0fnu scales as their uint8 bytes (anything else as it is):
+    what an operator takes, since torch.compile's inductor cannot
+    functionalize an operator taking a float8_e8m0fnu tensor
+    ("auto_functionalized_v2 was not removed", torch 2.11, H100)."""
+    if str(getattr(scales, "dtype", "")) == "torch.float8_e8m0fnu":
+        return scales.view(D._torch_or_none().uint8)
+    return scales
+
+
+def host_scales(scales, fmt):
+    """The reference's scales (float32, or E8M0 bytes) as a buffer of
+    format `fmt` stores them: E8M0 bytes as their float32 powers of two for
+    SCALE_UE8M0_F32."""
+    return bref.ue8m0_value(scales) if fmt == KB.SCALE_UE8M0_F32 else scales
 
 
 def _e8m0() -> str:
@@ -221,8 +289,7 @@ def _e8m0() -> str:
 
 def _block_rows(x, name: str, block):
     """(rows, K) of x (..., K): K % 16 == 0, and block one of BLOCKS."""
-    if block.__class__ is not int or block not in BLOCKS:
-        raise ValueError(f"block: expected one of {BLOCKS}, got {block!r}")
+    check_block(block)
     k = x.shape[-1]
     if k % K_MULTIPLE:
         raise ValueError(f"{name}: the last dimension must be a multiple of {K_MULTIPLE} "
@@ -236,16 +303,11 @@ def _quantize_blocks_args(x, block, scale_format, codes, scales):
     A.check_outputs((("codes", codes), ("scales", scales)), (("x", x),))
     x = A.tensor(x, "x", A.FLOATS, where, min_ndim=1, align=16)
     rows, k = _block_rows(x, "x", block)
-    if scale_format not in SCALE_FORMATS:
-        raise ValueError(f"scale_format: expected one of {SCALE_FORMATS}, got {scale_format!r}")
+    check_scale_format(scale_format)
     dev = A.device_of(x)
-    codes = A.tensor(codes, "codes", _CODES, where, shape=x.shape, device=dev, align=16)
-    scales = A.tensor(scales, "scales", ("float32",) if scale_format == "fp32" else _UE8M0_SCALES, where,
-                      shape=(*x.shape[:-1], bref.block_count(k, block)), device=dev)
-    if scale_format == "fp32":
-        fmt = KB.SCALE_FP32
-    else:
-        fmt = KB.SCALE_UE8M0_F32 if A.itemsize(scales) == 4 else KB.SCALE_UE8M0
+    codes = A.tensor(codes, "codes", CODES, where, shape=x.shape, device=dev, align=16)
+    scales, fmt = check_scales(scales, "scales", scale_format, where, (*x.shape[:-1], bref.block_count(k, block)),
+                               dev)
     return where, x, rows, k, codes, scales, fmt
 
 
@@ -267,7 +329,7 @@ def _quantize_blocks(x, block, scale_format, codes, scales, stream=None):
     if where == "cpu":
         rc, rs = bref.quantize_blocks(D.to_numpy(x, "x"), block, scale_format)
         D.from_numpy(rc, x, out=codes)
-        D.from_numpy(bref.ue8m0_value(rs) if fmt == KB.SCALE_UE8M0_F32 else rs, x, out=scales)
+        D.from_numpy(host_scales(rs, fmt), x, out=scales)
         return
     if rows * k:
         rt = get_runtime(x.get_device())
@@ -278,7 +340,7 @@ def _dequantize_blocks_args(codes, scales, block, out, dtype):
     """(placement, codes, scales, rows, K, out, dtype name) of a dequantize_blocks, checked."""
     where = D.placement(("codes", codes), ("scales", scales), ("out", out))
     A.check_outputs((("out", out),), (("codes", codes), ("scales", scales)))
-    codes = A.tensor(codes, "codes", _CODES, where, min_ndim=1, align=8)
+    codes = A.tensor(codes, "codes", CODES, where, min_ndim=1, align=8)
     rows, k = _block_rows(codes, "codes", block)
     dev = A.device_of(codes)
     scales = A.tensor(scales, "scales", _UE8M0_SCALES, where,

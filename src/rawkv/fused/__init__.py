@@ -5,6 +5,17 @@
     qa = rawkv.fused.swiglu_quantize(h, granularity=8)              # h (..., 2I) interleaved gate/up
     st = rawkv.fused.moe_stage(hidden, topk_ids, topk_weights)      # one-level NVFP4 + top-k copy
 
+FP8 block outputs (E4M3 codes, one FP32 or UE8M0 scale per row per 32 / 64 /
+128 channels: rawkv.fp8.quantize_blocks' format, DeepSeek's act_quant):
+
+    fa = rawkv.fused.rmsnorm_quantize_fp8(x, weight, scale_format="ue8m0")   # Fp8Activation
+    fa = rawkv.fused.mhc_rmsnorm_quantize_fp8(X, A, weight)
+    fa = rawkv.fused.swiglu_quantize_fp8(h, granularity=8, block=128)
+    st = rawkv.fused.moe_stage_fp8(hidden, topk_ids, topk_weights)         # MoEStagedFp8
+
+each bit for bit quantize_blocks of the BF16 (FP16) tensor the unfused op
+would store (docs/fused.md, "FP8 block outputs").
+
 Each reads its input once and writes NVFP4 once, in one kernel launch (two
 for scope='tensor'), with no intermediate tensor and no host sync. Results
 are `QuantizedActivation(q, sf, gs, inv_rms)` (rawkv.nvfp4.activation) /
@@ -35,10 +46,12 @@ public part), swiglu, moe; _rules (the family's argument rules, one function
 per op, CPU and CUDA alike), plans (the launches as data; the global-scale
 scopes are rawkv.nvfp4.scopes's).
 """
+from ..fp8 import Fp8Activation
 from ..nvfp4.activation import QuantizedActivation
-from .moe import MoEStaged, moe_stage
-from .rms import mhc_rmsnorm_quantize, rmsnorm_quantize
-from .swiglu import swiglu_quantize
+from .moe import MoEStaged, MoEStagedFp8, moe_stage, moe_stage_fp8
+from .rms import mhc_rmsnorm_quantize, mhc_rmsnorm_quantize_fp8, rmsnorm_quantize, rmsnorm_quantize_fp8
+from .swiglu import swiglu_quantize, swiglu_quantize_fp8
 
 __all__ = ["QuantizedActivation", "MoEStaged", "rmsnorm_quantize", "mhc_rmsnorm_quantize",
-           "swiglu_quantize", "moe_stage"]
+           "swiglu_quantize", "moe_stage", "Fp8Activation", "MoEStagedFp8", "rmsnorm_quantize_fp8",
+           "mhc_rmsnorm_quantize_fp8", "swiglu_quantize_fp8", "moe_stage_fp8"]

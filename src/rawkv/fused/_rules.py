@@ -13,8 +13,10 @@ import numpy as np
 
 from .. import _args as A
 from .. import _dispatch as D
+from .. import fp8 as FP8
 from ..kernels import fused as K
 from ..nvfp4 import _rules as NR
+from ..reference import fp8_blocks as ref_fp8
 from ..reference import nvfp4 as ref_nvfp4
 
 SCOPES = ("row", "tensor", "given", "none")
@@ -46,6 +48,25 @@ class Rows(NamedTuple):
     q: object
     sf: object
     gs_out: object
+    inv: object
+
+
+class Fp8Rows(NamedTuple):
+    """A row producer's checked arguments with an FP8 block output: `x`
+    (h for SwiGLU) read as `rows` rows of width `n` (the quantized width),
+    its dtype name, the block, the scale format and the kernels' form of it
+    (UE8M0, SBYTE: by out.scales' dtype) and the outputs (inv None for
+    SwiGLU)."""
+    where: str
+    x: object
+    rows: int
+    n: int
+    xdt: str
+    block: int
+    scale_format: str
+    fmt: tuple
+    codes: object
+    scales: object
     inv: object
 
 
@@ -118,19 +139,10 @@ def _scope(scope, gs, gs_value):
 
 
 # ---- one function per op ----------------------------------------------------------------
-def rms(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, fresh=False):
-    """(Rows, mix, weight, eps, n_hc) of rawkv::rmsnorm_quantize (mix None)
-    and rawkv::mhc_rmsnorm_quantize. `fresh`: every output was just
-    allocated by the public function (so apart from everything: the memory
-    check is skipped)."""
-    eps = A.check_eps(eps)
-    scope, gs = _scope(scope, gs, gs_value)
+def _rms_inputs(x, mix, weight, where):
+    """(x, mix, weight, lead, n_hc, N, device) of rmsnorm_quantize (mix
+    None) and mhc_rmsnorm_quantize, checked."""
     mixed = mix is not None
-    inputs = (("x", x), ("mix", mix), ("weight", weight), ("gs", gs))
-    outs = (("out.q", q), ("out.sf", sf), ("out.gs", gs_out), ("out.inv_rms", inv_rms))
-    where = D.placement(*inputs, *outs)
-    if not fresh:
-        A.check_outputs(outs, inputs)
     x = _x(x, "x", where, 2 if mixed else 1, 16)
     xs, dev = tuple(x.shape), A.device_of(x)
     lead, n_hc, n = (xs[:-2], xs[-2], xs[-1]) if mixed else (xs[:-1], 1, xs[-1])
@@ -140,6 +152,22 @@ def rms(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, fresh=
     weight = A.tensor(weight, "weight", PARAM, where, shape=(n,), device=dev, align=16)
     if mixed:
         mix = A.tensor(mix, "mix", PARAM, where, shape=(*lead, n_hc), device=dev)
+    return x, mix, weight, lead, n_hc, n, dev
+
+
+def rms(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, fresh=False):
+    """(Rows, mix, weight, eps, n_hc) of rawkv::rmsnorm_quantize (mix None)
+    and rawkv::mhc_rmsnorm_quantize. `fresh`: every output was just
+    allocated by the public function (so apart from everything: the memory
+    check is skipped)."""
+    eps = A.check_eps(eps)
+    scope, gs = _scope(scope, gs, gs_value)
+    inputs = (("x", x), ("mix", mix), ("weight", weight), ("gs", gs))
+    outs = (("out.q", q), ("out.sf", sf), ("out.gs", gs_out), ("out.inv_rms", inv_rms))
+    where = D.placement(*inputs, *outs)
+    if not fresh:
+        A.check_outputs(outs, inputs)
+    x, mix, weight, lead, n_hc, n, dev = _rms_inputs(x, mix, weight, where)
     xdt = A.dtype_name(x)
     gs = _gs(gs, xdt, where, dev)
     q, sf, gs_out, inv_rms = _outputs(where, dev, lead, n, scope, q, sf, gs_out, inv_rms, fresh)
@@ -158,15 +186,10 @@ def granularity(g) -> int:
     return int(g)
 
 
-def swiglu(h, granularity_, scope, gs, gs_value, q, sf, gs_out, fresh=False):
-    """(Rows, granularity, 16-byte loads?) of rawkv::swiglu_quantize; Rows.n
-    is the intermediate width I (h is (..., 2I)); `fresh` as for rms."""
+def _swiglu_input(h, granularity_, where):
+    """(h, granularity, 16-byte loads?, lead, I, device) of swiglu_quantize,
+    checked: h (..., 2I), I a positive multiple of 16 and of granularity."""
     g = granularity(granularity_)
-    scope, gs = _scope(scope, gs, gs_value)
-    outs = (("out.q", q), ("out.sf", sf), ("out.gs", gs_out))
-    where = D.placement(("h", h), ("gs", gs), *outs)
-    if not fresh:
-        A.check_outputs(outs, (("h", h), ("gs", gs)))
     vec = g % 8 == 0            # runs of 8 gate / up columns: 16-byte loads
     h = _x(h, "h", where, 1, 16 if vec else 2)
     two_i = h.shape[-1]
@@ -180,20 +203,29 @@ def swiglu(h, granularity_, scope, gs, gs_value, q, sf, gs_out, fresh=False):
         raise ValueError(f"granularity: {g} must divide the intermediate width {inter}")
     if two_i >= 2 ** 31:
         raise ValueError(f"h: the fused width {two_i} must be < 2^31")
-    lead, dev, xdt = tuple(h.shape[:-1]), A.device_of(h), A.dtype_name(h)
+    return h, g, vec, tuple(h.shape[:-1]), inter, A.device_of(h)
+
+
+def swiglu(h, granularity_, scope, gs, gs_value, q, sf, gs_out, fresh=False):
+    """(Rows, granularity, 16-byte loads?) of rawkv::swiglu_quantize; Rows.n
+    is the intermediate width I (h is (..., 2I)); `fresh` as for rms."""
+    granularity(granularity_)
+    scope, gs = _scope(scope, gs, gs_value)
+    outs = (("out.q", q), ("out.sf", sf), ("out.gs", gs_out))
+    where = D.placement(("h", h), ("gs", gs), *outs)
+    if not fresh:
+        A.check_outputs(outs, (("h", h), ("gs", gs)))
+    h, g, vec, lead, inter, dev = _swiglu_input(h, granularity_, where)
+    xdt = A.dtype_name(h)
     gs = _gs(gs, xdt, where, dev)
     q, sf, gs_out, _ = _outputs(where, dev, lead, inter, scope, q, sf, gs_out, None, fresh)
     return Rows(where, h, math.prod(lead), inter, xdt, scope, gs, q, sf, gs_out, None), g, vec
 
 
-def moe_stage(hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights_out, fresh=False):
-    """(where, hidden, topk_ids, topk_weights, q, sf, ids_out, weights_out)
-    of rawkv::moe_stage; `fresh` as for rms."""
-    inputs = (("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights))
-    outs = (("out.q", q), ("out.sf", sf), ("out.topk_ids", topk_ids_out), ("out.topk_weights", topk_weights_out))
-    where = D.placement(*inputs, *outs)
-    if not fresh:
-        A.check_outputs(outs, inputs)
+def _moe_inputs(hidden, topk_ids, topk_weights, where):
+    """(hidden, topk_ids, topk_weights, M, K, device) of MoE staging,
+    checked: hidden (M, K), K a positive multiple of 128; ids and weights
+    (M, top_k)."""
     hidden = A.tensor(hidden, "hidden", CPU_X if where == "cpu" else X, where, align=16)
     hs, dev = tuple(hidden.shape), A.device_of(hidden)
     if len(hs) != 2:
@@ -207,11 +239,100 @@ def moe_stage(hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights_
     if len(ids_s) != 2 or ids_s[0] != m:
         raise ValueError(f"topk_ids: expected shape ({m}, top_k), got {ids_s}")
     topk_weights = A.tensor(topk_weights, "topk_weights", PARAM, where, shape=ids_s, device=dev)
+    return hidden, topk_ids, topk_weights, m, k, dev
+
+
+def _topk_outputs(where, dev, topk_ids, topk_weights, ids_out, w_out):
+    """The top-k copies' outputs: int64 ids, weights of the input's dtype."""
+    ids_s = tuple(topk_ids.shape)
+    ids = A.tensor(ids_out, "out.topk_ids", ("int64",), where, shape=ids_s, device=dev, align=8)
+    w = A.tensor(w_out, "out.topk_weights", (A.dtype_name(topk_weights),), where, shape=ids_s, device=dev)
+    return ids, w
+
+
+def moe_stage(hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights_out, fresh=False):
+    """(where, hidden, topk_ids, topk_weights, q, sf, ids_out, weights_out)
+    of rawkv::moe_stage; `fresh` as for rms."""
+    inputs = (("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights))
+    outs = (("out.q", q), ("out.sf", sf), ("out.topk_ids", topk_ids_out), ("out.topk_weights", topk_weights_out))
+    where = D.placement(*inputs, *outs)
+    if not fresh:
+        A.check_outputs(outs, inputs)
+    hidden, topk_ids, topk_weights, m, k, dev = _moe_inputs(hidden, topk_ids, topk_weights, where)
     if fresh:
         return where, hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights_out
     q = A.tensor(q, "out.q", OUT_Q, where, shape=(m, k // 2), device=dev, align=16)
     sf = A.tensor(sf, "out.sf", ("int32",), where, shape=(m, k // 64), device=dev, align=4)
-    ids = A.tensor(topk_ids_out, "out.topk_ids", ("int64",), where, shape=ids_s, device=dev, align=8)
-    w = A.tensor(topk_weights_out, "out.topk_weights", (A.dtype_name(topk_weights),), where, shape=ids_s,
-                 device=dev)
+    ids, w = _topk_outputs(where, dev, topk_ids, topk_weights, topk_ids_out, topk_weights_out)
     return where, hidden, topk_ids, topk_weights, q, sf, ids, w
+
+
+# ---- the FP8 block outputs ----------------------------------------------------------------
+def _fp8_format(block, scale_format) -> None:
+    FP8.check_block(block)
+    FP8.check_scale_format(scale_format)
+
+
+def _fp8_outputs(where, dev, lead, n, block, scale_format, codes, scales, fresh):
+    """(codes, scales, (UE8M0, SBYTE)): the FP8 outputs of rows `lead` of
+    width n, checked unless `fresh` (allocated by the public function for
+    these inputs: right by construction)."""
+    if fresh:
+        return codes, scales, FP8.scales_kind(scale_format, scales)
+    codes = A.tensor(codes, "out.codes", FP8.CODES, where, shape=(*lead, n), device=dev, align=16)
+    scales, fmt = FP8.check_scales(scales, "out.scales", scale_format, where,
+                                   (*lead, ref_fp8.block_count(n, block)), dev)
+    return codes, scales, fmt
+
+
+def rms_fp8(x, mix, weight, eps, block, scale_format, codes, scales, inv_rms, fresh=False):
+    """(Fp8Rows, mix, weight, eps, n_hc) of rawkv::rmsnorm_quantize_fp8 (mix
+    None) and rawkv::mhc_rmsnorm_quantize_fp8; `fresh` as for rms."""
+    eps = A.check_eps(eps)
+    _fp8_format(block, scale_format)
+    inputs = (("x", x), ("mix", mix), ("weight", weight))
+    outs = (("out.codes", codes), ("out.scales", scales), ("out.inv_rms", inv_rms))
+    where = D.placement(*inputs, *outs)
+    if not fresh:
+        A.check_outputs(outs, inputs)
+    x, mix, weight, lead, n_hc, n, dev = _rms_inputs(x, mix, weight, where)
+    codes, scales, fmt = _fp8_outputs(where, dev, lead, n, block, scale_format, codes, scales, fresh)
+    if not fresh:
+        inv_rms = A.tensor(inv_rms, "out.inv_rms", F32, where, shape=lead, device=dev, align=4)
+    rows = Fp8Rows(where, x, math.prod(lead), n, A.dtype_name(x), block, scale_format, fmt, codes, scales,
+                   inv_rms)
+    return rows, mix, weight, eps, n_hc
+
+
+def swiglu_fp8(h, granularity_, block, scale_format, codes, scales, fresh=False):
+    """(Fp8Rows, granularity, 16-byte loads?) of rawkv::swiglu_quantize_fp8;
+    `fresh` as for rms."""
+    granularity(granularity_)
+    _fp8_format(block, scale_format)
+    outs = (("out.codes", codes), ("out.scales", scales))
+    where = D.placement(("h", h), *outs)
+    if not fresh:
+        A.check_outputs(outs, (("h", h),))
+    h, g, vec, lead, inter, dev = _swiglu_input(h, granularity_, where)
+    codes, scales, fmt = _fp8_outputs(where, dev, lead, inter, block, scale_format, codes, scales, fresh)
+    return Fp8Rows(where, h, math.prod(lead), inter, A.dtype_name(h), block, scale_format, fmt, codes, scales,
+                   None), g, vec
+
+
+def moe_stage_fp8(hidden, topk_ids, topk_weights, block, scale_format, codes, scales, topk_ids_out,
+                  topk_weights_out, fresh=False):
+    """(where, hidden, topk_ids, topk_weights, codes, scales, ids_out,
+    weights_out, (UE8M0, SBYTE)) of rawkv::moe_stage_fp8; `fresh` as for rms."""
+    _fp8_format(block, scale_format)
+    inputs = (("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights))
+    outs = (("out.codes", codes), ("out.scales", scales), ("out.topk_ids", topk_ids_out),
+            ("out.topk_weights", topk_weights_out))
+    where = D.placement(*inputs, *outs)
+    if not fresh:
+        A.check_outputs(outs, inputs)
+    hidden, topk_ids, topk_weights, m, k, dev = _moe_inputs(hidden, topk_ids, topk_weights, where)
+    codes, scales, fmt = _fp8_outputs(where, dev, (m,), k, block, scale_format, codes, scales, fresh)
+    ids, w = topk_ids_out, topk_weights_out
+    if not fresh:
+        ids, w = _topk_outputs(where, dev, topk_ids, topk_weights, ids, w)
+    return where, hidden, topk_ids, topk_weights, codes, scales, ids, w, fmt

@@ -1,4 +1,5 @@
-"""MoE input staging (docs/fused.md): one launch of rkv_moe_stage."""
+"""MoE input staging (docs/fused.md): one launch of rkv_moe_stage (NVFP4) or
+rkv_moe_stage_fp8 (FP8 block output)."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -11,6 +12,7 @@ from ..reference import fused as ref
 from ..runtime import get_runtime
 from .. import _args as A
 from .. import _dispatch as D
+from .. import fp8 as FP8
 
 _OUT = ("q", "sf", "topk_ids", "topk_weights")
 
@@ -58,3 +60,56 @@ def _moe_stage(hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights
         return
     rt = get_runtime(hidden.get_device())
     run(rt, plans.moe_stage(rt, hidden, topk_ids, topk_weights, q, sf, ids, w), stream)
+
+
+class MoEStagedFp8(NamedTuple):
+    """MoE inputs with FP8 block activations: codes (M, K) E4M3
+    (float8_e4m3fn), scales (M, ceil(K/block)) as rawkv.fp8.quantize_blocks
+    returns them, topk_ids (M, k) int64, topk_weights (a copy)."""
+    codes: Any
+    scales: Any
+    topk_ids: Any
+    topk_weights: Any
+
+
+_OUT_FP8 = ("codes", "scales", "topk_ids", "topk_weights")
+
+
+def moe_stage_fp8(hidden, topk_ids, topk_weights, *, block=128, scale_format="fp32", out=None, stream=None):
+    """Stage MoE inputs in one launch with FP8 block activations: hidden
+    (M, K) bfloat16/float16, K % 128 == 0 -> rawkv.fp8.quantize_blocks(hidden,
+    block=, scale_format=), bit for bit; topk_ids (M, k) int32/int64 -> int64
+    copy; topk_weights (M, k) copied (same dtype). Returns
+    MoEStagedFp8(codes, scales, topk_ids, topk_weights)."""
+    codes, scales, ids, w = R.split_out(out, _OUT_FP8, least=4)
+    s = getattr(hidden, "shape", ())
+    ids_s = tuple(getattr(topk_ids, "shape", ()))
+    dt = getattr(topk_weights, "dtype", None)
+    new_bytes = scales is None and scale_format != "fp32"
+    codes, ids, w = (o if o is not None else s_ for o, s_ in zip((codes, ids, w), empties(
+        hidden, stream, (tuple(s), "float8_e4m3fn") if codes is None else None,
+        (ids_s, "int64") if ids is None else None,
+        (ids_s, A.dtype_name(topk_weights)) if w is None and dt is not None else None)))
+    if scales is None:
+        scales = FP8.new_scales(hidden, tuple(s), block, scale_format, stream)
+    _moe_stage_fp8(hidden, topk_ids, topk_weights, block, scale_format, codes, FP8.e8m0_bytes(scales), ids, w,
+                   stream, out is None)
+    return MoEStagedFp8(codes, FP8.as_e8m0(scales) if new_bytes else scales, ids, w)
+
+
+@op("moe_stage_fp8", "Tensor hidden, Tensor topk_ids, Tensor topk_weights, int block, str scale_format, "
+                     "Tensor(a!) codes, Tensor(b!) scales, Tensor(c!) topk_ids_out, Tensor(d!) topk_weights_out")
+def _moe_stage_fp8(hidden, topk_ids, topk_weights, block, scale_format, codes, scales, topk_ids_out,
+                   topk_weights_out, stream=None, fresh=False):
+    """rawkv::moe_stage_fp8: writes codes, scales and the top-k copies;
+    fresh: the public function allocated every output (no memory check)."""
+    where, hidden, topk_ids, topk_weights, codes, scales, ids, w, fmt = R.moe_stage_fp8(
+        hidden, topk_ids, topk_weights, block, scale_format, codes, scales, topk_ids_out, topk_weights_out, fresh)
+    if where == "cpu":
+        c, sc, i, wt = ref.moe_stage_fp8(D.to_numpy(hidden, "hidden"), D.to_numpy(topk_ids, "topk_ids"),
+                                         D.to_numpy(topk_weights, "topk_weights"), block, scale_format)
+        for arr, o in zip((c, FP8.host_scales(sc, fmt), i, wt), (codes, scales, ids, w)):
+            D.from_numpy(arr, hidden, out=o)
+        return
+    rt = get_runtime(hidden.get_device())
+    run(rt, plans.moe_stage_fp8(rt, hidden, topk_ids, topk_weights, codes, scales, ids, w, block, fmt), stream)

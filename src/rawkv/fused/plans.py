@@ -3,7 +3,8 @@ arguments and the device properties (`dev`: a rawkv._plan.Device, or the
 Runtime) to the launches (rawkv._plan.Launch, Memset). The row producers'
 global-scale scopes are rawkv.nvfp4.scopes's, shared with
 rawkv.nvfp4.quantize; each pass is one launch of a row kernel (one CTA per
-row, rawkv.kernels.fused RMS / SWIGLU) in the scope's mode."""
+row, rawkv.kernels.fused RMS / SWIGLU) in the scope's mode. The FP8 block
+outputs (*_fp8) have no global scale: one launch each."""
 from __future__ import annotations
 
 from .. import _args as A
@@ -66,11 +67,15 @@ def _rows(dev, inst, a, errors, args) -> list:
 def rms(dev, a, mix, weight, eps, n_hc, errors=None) -> list:
     """rmsnorm_quantize / mhc_rmsnorm_quantize (mix None: the plain form);
     errors: where a device gs's refusal is counted."""
+    inst = K.RMS.instance(a.x.dtype, mix is not None, K.REG)
+    return _rows(dev, inst, a, errors, dict(_rms_inputs(a, mix, weight, eps, n_hc), q=a.q, sf=a.sf, inv_out=a.inv))
+
+
+def _rms_inputs(a, mix, weight, eps, n_hc) -> dict:
+    """The RMSNorm row kernels' input arguments (NVFP4 and FP8 alike)."""
     mixed = mix is not None
-    inst = K.RMS.instance(a.x.dtype, mixed, K.REG)
-    return _rows(dev, inst, a, errors, dict(
-        x=a.x, mix=mix, mix_kind=K.PARAM_KIND[A.dtype_name(mix)] if mixed else 0, n_hc=n_hc, w=weight,
-        w_kind=K.PARAM_KIND[A.dtype_name(weight)], eps=eps, n=a.n, q=a.q, sf=a.sf, inv_out=a.inv))
+    return dict(x=a.x, mix=mix, mix_kind=K.PARAM_KIND[A.dtype_name(mix)] if mixed else 0, n_hc=n_hc, w=weight,
+                w_kind=K.PARAM_KIND[A.dtype_name(weight)], eps=eps, n=a.n)
 
 
 def swiglu(dev, a, g, vec, errors=None) -> list:
@@ -80,15 +85,54 @@ def swiglu(dev, a, g, vec, errors=None) -> list:
 
 
 def moe_stage(dev, hidden, topk_ids, topk_weights, q, sf, ids_out, w_out) -> list:
-    """moe_stage: one grid-stride launch over the larger of the scale
-    units (a thread takes half of one), the ids and the weight bytes."""
+    """moe_stage: a thread takes half a scale unit (32 elements)."""
     n_units = q.shape[0] * sf.shape[1]          # 64 elements, one scale word
+    return _moe(dev, K.MOE_STAGE, 2 * n_units, hidden, topk_ids, topk_weights, ids_out, w_out,
+                dict(x=hidden, n_units=n_units, q=q, sf=sf))
+
+
+def _moe(dev, kernel, units, hidden, topk_ids, topk_weights, ids_out, w_out, args) -> list:
+    """A MoE staging launch of `kernel` (its quantizer's other arguments
+    `args`): one grid-stride launch over the larger of the quantizer's
+    `units` (one per thread), the ids and the weight bytes."""
     n_ids = topk_ids.numel()
     w_bytes = topk_weights.numel() * topk_weights.element_size()
-    work = max(2 * n_units, n_ids, w_bytes)
+    work = max(units, n_ids, w_bytes)
     if not work:
         return []
     grid, block = grid_stride(dev, work, block=K.MOE_BLOCK)
-    return [Launch(K.MOE_STAGE.instance(hidden.dtype, topk_ids.dtype), (grid,), (block,), dict(
-        x=hidden, n_units=n_units, q=q, sf=sf, ids=topk_ids, n_ids=n_ids, ids_out=ids_out,
-        wts=topk_weights, w_bytes=w_bytes, wts_out=w_out))]
+    return [Launch(kernel.instance(hidden.dtype, topk_ids.dtype), (grid,), (block,), dict(
+        args, ids=topk_ids, n_ids=n_ids, ids_out=ids_out, wts=topk_weights, w_bytes=w_bytes, wts_out=w_out))]
+
+
+# ---- the FP8 block outputs (one launch; no global scale, so no pass of an amax) --------------------
+def _fp8(block, fmt, codes, scales) -> dict:
+    """An FP8 kernel's output arguments: the block, the scale format
+    (UE8M0, SBYTE) as run-time flags, codes and scales."""
+    return dict(blk=block, ue8m0=int(fmt[0]), sbyte=int(fmt[1]), codes=codes, scales=scales)
+
+
+def _row_launch(dev, inst, a, args) -> list:
+    """One CTA per row (none for no rows)."""
+    if a.rows == 0:
+        return []
+    return [Launch(inst, (a.rows,), (block_for(dev, a.rows, a.n // 16),), dict(args, **_fp8(a.block, a.fmt, a.codes, a.scales)))]
+
+
+def rms_fp8(dev, a, mix, weight, eps, n_hc) -> list:
+    """rmsnorm_quantize_fp8 / mhc_rmsnorm_quantize_fp8 (mix None: the plain form)."""
+    inst = K.RMS_FP8.instance(a.x.dtype, mix is not None, K.REG)
+    return _row_launch(dev, inst, a, dict(_rms_inputs(a, mix, weight, eps, n_hc), inv_out=a.inv))
+
+
+def swiglu_fp8(dev, a, g, vec) -> list:
+    """swiglu_quantize_fp8, granularity g (vec: runs of 8 columns, 16-byte loads)."""
+    return _row_launch(dev, K.SWIGLU_FP8.instance(a.x.dtype, vec, K.REG), a, dict(h=a.x, inter=a.n, g=g))
+
+
+def moe_stage_fp8(dev, hidden, topk_ids, topk_weights, codes, scales, ids_out, w_out, block, fmt) -> list:
+    """moe_stage_fp8: a thread per 16-byte vector of hidden (fp8_blocks.cuh's
+    quantizer), the top-k copy in the same launch."""
+    rows, k = hidden.shape
+    return _moe(dev, K.MOE_STAGE_FP8, rows * k * hidden.element_size() // 16, hidden, topk_ids, topk_weights,
+                ids_out, w_out, dict(x=hidden, rows=rows, K=k, **_fp8(block, fmt, codes, scales)))

@@ -6,7 +6,8 @@ import numpy as np
 
 from . import _rules as R
 from . import plans
-from .._op import empties, op
+from .. import fp8 as FP8
+from .._op import dims, empties, op
 from .._plan import run
 from ..nvfp4 import _rules as NR
 from ..nvfp4 import counters
@@ -69,6 +70,51 @@ def activation(call, like, lead, n, scope, gs, out, stream, *inputs, inv=True):
     return QuantizedActivation(NR.as_q(q) if new_q else q, NR.as_sf(sf) if new_sf else sf, g, i if inv else None)
 
 
+def rmsnorm_quantize_fp8(x, weight, eps=1e-6, *, block=128, scale_format="fp32", out=None, stream=None):
+    """FP8 block activations of y = round_x.dtype((x * inv_rms) * weight):
+    bit for bit rawkv.fp8.quantize_blocks(y, block=, scale_format=) of the
+    BF16 (FP16) y the unfused RMSNorm stores, DeepSeek's act_quant of it.
+
+    x, weight, eps as rmsnorm_quantize's; block 32, 64 or 128; scale_format
+    'fp32' or 'ue8m0'. Returns rawkv.fp8.Fp8Activation(codes, scales,
+    inv_rms); out= takes (codes, scales[, inv_rms])."""
+    s = dims(x)
+    return fp8_activation(_rmsnorm_quantize_fp8, x, s[:-1], s[-1] if s else 0, block, scale_format, out, stream,
+                          x, weight, number(eps))
+
+
+def mhc_rmsnorm_quantize_fp8(x, mix, weight, eps=1e-6, *, block=128, scale_format="fp32", out=None, stream=None):
+    """mHC pre-block + RMSNorm with an FP8 block output: quantize_blocks of
+    the y mhc_rmsnorm_quantize quantizes. Returns Fp8Activation."""
+    s = dims(x)
+    return fp8_activation(_mhc_rmsnorm_quantize_fp8, x, s[:-2], s[-1] if s else 0, block, scale_format, out,
+                          stream, x, mix, weight, number(eps))
+
+
+def fp8_activation(call, like, lead, n, block, scale_format, out, stream, *inputs, inv=True):
+    """A row producer's public function with an FP8 block output: `call`
+    (the op) on `inputs` with the outputs of rows `lead` of width n, out=
+    entries (codes, scales[, inv_rms]) kept and the others allocated where
+    `like` lives. New codes are float8_e4m3fn; new 'ue8m0' scales are
+    written as uint8 and returned as float8_e8m0fnu (rawkv.fp8.new_scales),
+    and a float8_e8m0fnu out.scales reaches the op as its bytes."""
+    codes, scales, i = R.split_out(out, ("codes", "scales", "inv_rms"), least=2)
+    if i is not None and not inv:
+        raise ValueError(f"out.inv_rms: {call.__name__.lstrip('_')} has no inv_rms output")
+    fresh = out is None
+    new_bytes = scales is None and scale_format != "fp32"
+    codes, i = (o if o is not None else s_ for o, s_ in zip((codes, i), empties(
+        like, stream, ((*lead, n), "float8_e4m3fn") if codes is None else None,
+        (lead, "float32") if inv and i is None else None)))
+    if scales is None:
+        scales = FP8.new_scales(like, (*lead, n), block, scale_format, stream)
+    if inv:
+        call(*inputs, block, scale_format, codes, FP8.e8m0_bytes(scales), i, stream, fresh)
+    else:
+        call(*inputs, block, scale_format, codes, FP8.e8m0_bytes(scales), stream, fresh)
+    return FP8.Fp8Activation(codes, FP8.as_e8m0(scales) if new_bytes else scales, i if inv else None)
+
+
 _OUTS = "Tensor(a!) q, Tensor(b!) sf, Tensor(c!) gs_out, Tensor(d!) inv_rms"
 
 
@@ -89,6 +135,51 @@ def _mhc_rmsnorm_quantize(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_ou
     if mix is None:
         A.require_array(mix, "mix")
     _run(R.rms(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, fresh), stream)
+
+
+_FP8_OUTS = "int block, str scale_format, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!) inv_rms"
+
+
+@op("rmsnorm_quantize_fp8", f"Tensor x, Tensor weight, float eps, {_FP8_OUTS}")
+def _rmsnorm_quantize_fp8(x, weight, eps, block, scale_format, codes, scales, inv_rms, stream=None, fresh=False):
+    """rawkv::rmsnorm_quantize_fp8: writes codes, scales and inv_rms; fresh
+    as for rmsnorm_quantize."""
+    _run_fp8(R.rms_fp8(x, None, weight, eps, block, scale_format, codes, scales, inv_rms, fresh), stream)
+
+
+@op("mhc_rmsnorm_quantize_fp8", f"Tensor x, Tensor mix, Tensor weight, float eps, {_FP8_OUTS}")
+def _mhc_rmsnorm_quantize_fp8(x, mix, weight, eps, block, scale_format, codes, scales, inv_rms, stream=None,
+                              fresh=False):
+    """rawkv::mhc_rmsnorm_quantize_fp8: as rmsnorm_quantize_fp8, of the mix
+    of x's n_hc streams; mix is required."""
+    if mix is None:
+        A.require_array(mix, "mix")
+    _run_fp8(R.rms_fp8(x, mix, weight, eps, block, scale_format, codes, scales, inv_rms, fresh), stream)
+
+
+def _run_fp8(checked, stream):
+    a, mix, weight, eps, n_hc = checked
+    if a.where == "cpu":
+        x, w = D.to_numpy(a.x, "x"), D.to_numpy(weight, "weight")
+        if mix is not None:
+            m = D.to_numpy(mix, "mix").reshape(a.rows, n_hc)
+            res = ref.mhc_rmsnorm_quantize_fp8(x.reshape(a.rows, n_hc, a.n), m, w, eps, a.block,
+                                               a.scale_format, a.xdt)
+        else:
+            res = ref.rmsnorm_quantize_fp8(x.reshape(a.rows, a.n), w, eps, a.block, a.scale_format, a.xdt)
+        put_fp8(a, *res)
+        return
+    rt = get_runtime(a.x.get_device())
+    run(rt, plans.rms_fp8(rt, a, mix, weight, eps, n_hc), stream)
+
+
+def put_fp8(a, codes, scales, inv=None) -> None:
+    """The reference's FP8 results into a row producer's outputs (E8M0
+    bytes as float32 powers of two where out.scales is float32)."""
+    D.from_numpy(codes.reshape(a.codes.shape), a.x, out=a.codes)
+    D.from_numpy(FP8.host_scales(scales, a.fmt).reshape(a.scales.shape), a.x, out=a.scales)
+    if inv is not None:
+        D.from_numpy(inv.reshape(a.inv.shape), a.x, out=a.inv)
 
 
 def _run(checked, stream):

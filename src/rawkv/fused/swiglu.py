@@ -1,5 +1,6 @@
 """SwiGLU + NVFP4 (docs/fused.md): one launch of rkv_fused_swiglu per call
-(memset + two for scope 'tensor')."""
+(memset + two for scope 'tensor'); SwiGLU + FP8 block output: one launch of
+rkv_fused_swiglu_fp8."""
 from __future__ import annotations
 
 from . import _rules as R
@@ -9,7 +10,7 @@ from .._plan import run
 from ..reference import fused as ref
 from ..runtime import get_runtime
 from .. import _dispatch as D
-from .rms import activation, given_counter, host_gs, put
+from .rms import activation, fp8_activation, given_counter, host_gs, put, put_fp8
 
 
 def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=None):
@@ -35,3 +36,29 @@ def _swiglu_quantize(h, granularity, scope, gs, gs_value, q, sf, gs_out, stream=
         return
     rt = get_runtime(a.x.get_device())
     run(rt, plans.swiglu(rt, a, g, vec, given_counter(rt, a, stream)), stream)
+
+
+def swiglu_quantize_fp8(h, granularity=8, *, block=128, scale_format="fp32", out=None, stream=None):
+    """FP8 block activations of y = round_h.dtype(silu(gate) * up) (h and
+    granularity as swiglu_quantize's): bit for bit
+    rawkv.fp8.quantize_blocks(y, block=, scale_format=) of the BF16 (FP16) y
+    the unfused SwiGLU stores. Returns rawkv.fp8.Fp8Activation(codes,
+    scales, None); out= takes (codes, scales)."""
+    s = getattr(h, "shape", ())
+    g = int(granularity) if R.is_int(granularity) else granularity
+    return fp8_activation(_swiglu_quantize_fp8, h, tuple(s[:-1]), (s[-1] if s else 0) // 2, block, scale_format,
+                          out, stream, h, g, inv=False)
+
+
+@op("swiglu_quantize_fp8", "Tensor h, int granularity, int block, str scale_format, Tensor(a!) codes, "
+                           "Tensor(b!) scales")
+def _swiglu_quantize_fp8(h, granularity, block, scale_format, codes, scales, stream=None, fresh=False):
+    """rawkv::swiglu_quantize_fp8: writes codes and scales; fresh as for
+    rmsnorm_quantize."""
+    a, g, vec = R.swiglu_fp8(h, granularity, block, scale_format, codes, scales, fresh)
+    if a.where == "cpu":
+        put_fp8(a, *ref.swiglu_quantize_fp8(D.to_numpy(a.x, "h").reshape(a.rows, 2 * a.n), g, a.block,
+                                            a.scale_format, a.xdt))
+        return
+    rt = get_runtime(a.x.get_device())
+    run(rt, plans.swiglu_fp8(rt, a, g, vec), stream)
