@@ -132,7 +132,8 @@ def test_traced_results_are_the_eager_ones(rng, case):
 
 
 def _operator_calls(rng):
-    """(operator, inputs, outputs) of every fused operator on cuda:0."""
+    """(operator, inputs, outputs) of every fused operator on cuda:0 (the
+    FP8 ones with E8M0 scales: the operators take their uint8 bytes)."""
     x, w, X, A, h, hid, ids, wts = _inputs(rng, 5, 512, 2, 1024, torch.float16, 4)
     gs = torch.tensor([0.004], device="cuda")
 
@@ -143,10 +144,17 @@ def _operator_calls(rng):
     ops = torch.ops.rawkv
     moe_out = (torch.empty(5, 256, dtype=torch.uint8, device="cuda"), torch.empty(5, 8, dtype=torch.int32, device="cuda"),
                torch.empty(5, 4, dtype=torch.int64, device="cuda"), torch.empty(5, 4, device="cuda"))
+    def fp8_outs(n, nb, inv=True):
+        o = (torch.empty(5, n, dtype=torch.uint8, device="cuda"), torch.empty(5, nb, dtype=torch.uint8, device="cuda"))
+        return o + (torch.empty(5, device="cuda"),) if inv else o
     return [(ops.rmsnorm_quantize, (x, w, 1e-6, "row", None, None), outs(512, (5,))),
             (ops.mhc_rmsnorm_quantize, (X, A, w, 1e-6, "given", gs, None), outs(512, (1,))),
             (ops.swiglu_quantize, (h, 8, "tensor", None, None), outs(512, (), False)),
-            (ops.moe_stage, (hid, ids, wts), moe_out)]
+            (ops.moe_stage, (hid, ids, wts), moe_out),
+            (ops.rmsnorm_quantize_fp8, (x, w, 1e-6, 128, "ue8m0"), fp8_outs(512, 4)),
+            (ops.mhc_rmsnorm_quantize_fp8, (X, A, w, 1e-6, 64, "ue8m0"), fp8_outs(512, 8)),
+            (ops.swiglu_quantize_fp8, (h, 8, 32, "ue8m0"), fp8_outs(512, 16, False)),
+            (ops.moe_stage_fp8, (hid, ids, wts, 128, "ue8m0"), fp8_outs(512, 4, False) + tuple(torch.empty_like(t) for t in moe_out[2:]))]
 
 
 def test_operators_in_a_captured_step(cuda, rng):

@@ -2,12 +2,11 @@
 mhc_rmsnorm_quantize_fp8, swiglu_quantize_fp8, moe_stage_fp8): bit for bit
 rawkv.fp8.quantize_blocks of the BF16 (FP16) tensor the unfused op stores,
 so DeepSeek's act_quant of it (docs/fused.md, "FP8 block outputs"). The
-reference, argument errors, the launch plans as data, the CUDA kernels
-against the reference bit for bit (GPU tests skip without one; RMSNorm's
-float64 sum of squares as tests/support/fused.py states), the operators.
-opcheck and the compiled steps are tests/guards/test_library.py's
-(tests/support/library_samples_fused.py); the CPU / CUDA agreement cases
-are in tests/guards/test_cpu_cuda_agreement.py."""
+reference, argument errors (and the ops' CPU/CUDA agreement cases,
+AGREEMENT), the launch plans as data, the operators (and their opcheck
+samples, opcheck_samples: tests/support/library.py collects both; the
+compiled step is tests/support/library_samples_fused.py's). The CUDA
+kernels against the reference: test_quantize_fp8_gpu.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,7 +26,7 @@ from rawkv.reference import fp8_blocks as B  # noqa: E402
 from rawkv.reference import fused as R  # noqa: E402
 from rawkv.reference.formats import round_to_dtype  # noqa: E402
 from support.fake_cuda import fake  # noqa: E402
-from support.fused import _LONG, _names, _plant, _prefill_rows, _with_edges  # noqa: E402
+from support.fused import _LONG, _names, _with_edges  # noqa: E402
 
 F32, U8, BF16 = np.float32, torch.uint8, torch.bfloat16
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -273,6 +272,101 @@ def test_no_rows_is_an_empty_result():
     assert st.codes.shape == (0, 256) and st.scales.shape == (0, 2)
 
 
+# CPU / CUDA agreement cases (tests/guards/test_cpu_cuda_agreement.py runs them through
+# tests/support/library.py): each call on CPU tensors, then on the same memory seen as CUDA
+# tensors (the CUDA path up to the launch), must be accepted by both or refused alike.
+F16, I32, I64 = torch.float16, torch.int32, torch.int64
+
+
+def ones(*shape, dtype=torch.float32):
+    return torch.ones(shape, dtype=dtype)
+
+
+def buf(*shape, dtype=U8):
+    return torch.zeros(shape, dtype=dtype)
+
+
+def unaligned(*shape, dtype=torch.float32):
+    """A contiguous view starting one element into a fresh buffer."""
+    return torch.ones(int(np.prod(shape)) + 1, dtype=dtype)[1:].view(shape)
+
+
+def strided_last(*shape, dtype=torch.float32):
+    return torch.ones(*shape[:-1], shape[-1] * 2, dtype=dtype)[..., ::2]
+
+
+def stride0(*shape, dtype=torch.float32):
+    return torch.ones(shape[-1], dtype=dtype).expand(*shape)
+
+
+AGREEMENT = {
+    "rmsnorm_quantize_fp8": [
+        ("ok", lambda: (F.rmsnorm_quantize_fp8, (ones(4, 144, dtype=BF16), ones(144)), {})),
+        ("ok-ue8m0-f16-block32", lambda: (F.rmsnorm_quantize_fp8, (ones(4, 64, dtype=F16), ones(64, dtype=F16)),
+                                          {"block": 32, "scale_format": "ue8m0"})),
+        ("ok-out-f32-powers", lambda: (F.rmsnorm_quantize_fp8, (ones(4, 128, dtype=BF16), ones(128)),
+                                       {"scale_format": "ue8m0", "out": (buf(4, 128), ones(4, 1), ones(4))})),
+        ("ok-empty", lambda: (F.rmsnorm_quantize_fp8, (ones(0, 128, dtype=BF16), ones(128)), {})),
+        ("x-unaligned", lambda: (F.rmsnorm_quantize_fp8, (unaligned(4, 128, dtype=BF16), ones(128)), {})),
+        ("x-strided", lambda: (F.rmsnorm_quantize_fp8, (strided_last(4, 128, dtype=BF16), ones(128)), {})),
+        ("x-width-24", lambda: (F.rmsnorm_quantize_fp8, (ones(4, 24, dtype=BF16), ones(24)), {})),
+        ("block-96", lambda: (F.rmsnorm_quantize_fp8, (ones(4, 128, dtype=BF16), ones(128)), {"block": 96})),
+        ("scale_format-bad", lambda: (F.rmsnorm_quantize_fp8, (ones(4, 128, dtype=BF16), ones(128)),
+                                      {"scale_format": "e8m0"})),
+        ("eps-0", lambda: (F.rmsnorm_quantize_fp8, (ones(4, 128, dtype=BF16), ones(128)), {"eps": 0.0})),
+        ("out.codes-unaligned", lambda: (F.rmsnorm_quantize_fp8, (ones(4, 128, dtype=BF16), ones(128)),
+                                         {"out": (unaligned(4, 128, dtype=U8), None)})),
+        ("out.scales-uint8-for-fp32", lambda: (F.rmsnorm_quantize_fp8, (ones(4, 128, dtype=BF16), ones(128)),
+                                               {"out": (None, buf(4, 1))})),
+        ("out.scales-stride-0", lambda: (F.rmsnorm_quantize_fp8, (ones(4, 256, dtype=BF16), ones(256)),
+                                         {"out": (None, stride0(4, 2))})),
+        ("out.inv_rms-shape", lambda: (F.rmsnorm_quantize_fp8, (ones(4, 128, dtype=BF16), ones(128)),
+                                       {"out": (None, None, ones(5))})),
+    ],
+    "mhc_rmsnorm_quantize_fp8": [
+        ("ok", lambda: (F.mhc_rmsnorm_quantize_fp8, (ones(4, 2, 128, dtype=BF16), ones(4, 2), ones(128)), {})),
+        ("ok-bf16-mix-ue8m0", lambda: (F.mhc_rmsnorm_quantize_fp8, (ones(4, 2, 64, dtype=BF16), ones(4, 2, dtype=BF16),
+                                                                     ones(64)), {"scale_format": "ue8m0"})),
+        ("x-n_hc-5", lambda: (F.mhc_rmsnorm_quantize_fp8, (ones(4, 5, 128, dtype=BF16), ones(4, 5), ones(128)), {})),
+        ("mix-transposed", lambda: (F.mhc_rmsnorm_quantize_fp8, (ones(4, 2, 128, dtype=BF16), ones(2, 4).t(),
+                                                                  ones(128)), {})),
+        ("out.scales-shape", lambda: (F.mhc_rmsnorm_quantize_fp8, (ones(4, 2, 128, dtype=BF16), ones(4, 2), ones(128)),
+                                      {"block": 64, "out": (None, ones(4, 1))})),
+    ],
+    "swiglu_quantize_fp8": [
+        ("ok", lambda: (F.swiglu_quantize_fp8, (ones(4, 256, dtype=BF16),), {})),
+        ("ok-g1-2-byte-aligned", lambda: (F.swiglu_quantize_fp8, (unaligned(4, 64, dtype=BF16), 1),
+                                          {"block": 32, "scale_format": "ue8m0"})),
+        ("ok-out-e8m0-bytes", lambda: (F.swiglu_quantize_fp8, (ones(4, 64, dtype=F16), 4),
+                                       {"scale_format": "ue8m0", "out": (buf(4, 32), buf(4, 1))})),
+        ("h-unaligned-g8", lambda: (F.swiglu_quantize_fp8, (unaligned(4, 64, dtype=BF16),), {})),
+        ("h-odd", lambda: (F.swiglu_quantize_fp8, (ones(4, 66, dtype=BF16),), {})),
+        ("granularity-3", lambda: (F.swiglu_quantize_fp8, (ones(4, 64, dtype=BF16), 3), {})),
+        ("block-True", lambda: (F.swiglu_quantize_fp8, (ones(4, 64, dtype=BF16),), {"block": True})),
+        ("out.inv_rms", lambda: (F.swiglu_quantize_fp8, (ones(4, 64, dtype=BF16),), {"out": (None, None, ones(4))})),
+        ("out.codes-strided", lambda: (F.swiglu_quantize_fp8, (ones(4, 64, dtype=BF16),),
+                                       {"out": (strided_last(4, 32, dtype=U8), None)})),
+    ],
+    "moe_stage_fp8": [
+        ("ok", lambda: (F.moe_stage_fp8, (ones(2, 128, dtype=BF16), buf(2, 4, dtype=I32), ones(2, 4)), {})),
+        ("ok-out-ue8m0", lambda: (F.moe_stage_fp8, (ones(2, 256, dtype=F16), buf(2, 4, dtype=I64), ones(2, 4, dtype=BF16)),
+                                  {"block": 64, "scale_format": "ue8m0",
+                                   "out": (buf(2, 256), buf(2, 4), buf(2, 4, dtype=I64), ones(2, 4, dtype=BF16))})),
+        ("hidden-unaligned", lambda: (F.moe_stage_fp8, (unaligned(2, 128, dtype=BF16), buf(2, 4, dtype=I32),
+                                                         ones(2, 4)), {})),
+        ("hidden-K-144", lambda: (F.moe_stage_fp8, (ones(2, 144, dtype=BF16), buf(2, 4, dtype=I32), ones(2, 4)), {})),
+        ("topk_ids-transposed", lambda: (F.moe_stage_fp8, (ones(2, 128, dtype=BF16), buf(4, 2, dtype=I32).t(),
+                                                            ones(2, 4)), {})),
+        ("scale_format-bad", lambda: (F.moe_stage_fp8, (ones(2, 128, dtype=BF16), buf(2, 4, dtype=I32), ones(2, 4)),
+                                      {"scale_format": "ue4m3"})),
+        ("out.codes-unaligned", lambda: (F.moe_stage_fp8, (ones(2, 128, dtype=BF16), buf(2, 4, dtype=I32), ones(2, 4)),
+                                         {"out": (unaligned(2, 128, dtype=U8), None, None, None)})),
+        ("out.topk_ids-int32", lambda: (F.moe_stage_fp8, (ones(2, 128, dtype=BF16), buf(2, 4, dtype=I32), ones(2, 4)),
+                                        {"out": (None, None, buf(2, 4, dtype=I32), None)})),
+    ],
+}
+
+
 # ---- the launch plans as data -------------------------------------------------------------------
 H100 = Device(sm_count=132, max_threads_per_sm=2048, arch="sm_90")
 
@@ -352,140 +446,37 @@ def test_ops_launch_their_plans(rt):
                    ("rkv_moe_stage_fp8<__nv_bfloat16, long long>", 128, 0, 0)]
 
 
-# ---- GPU: bit for bit against the reference (the lead runs these on a GPU) ----------------------
-def _gpu_rows(cuda, name):
-    """(rows, width) cases: decode (one CTA per row, a chunk per thread),
-    the prefill layout, partial last blocks, rows past the registers."""
-    return {"decode": (1, 7168), "partial": (37, 144), "prefill": (_prefill_rows(cuda, 2064), 2064),
-            "long": (3, _LONG)}[name]
-
-
-def _gpu_call(op, args, dtype, block, fmt, scales_dtype):
-    """The op on cuda:0 (out.scales of `scales_dtype` if given)."""
-    cu = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in _torch(args, dtype))
-    out = None
-    if scales_dtype is not None:
-        lead = cu[0].shape[:-2] if op == "mhc" else cu[0].shape[:-1]
-        width = cu[0].shape[-1] // (2 if op == "swiglu" else 1)
-        out = (None, torch.empty((*lead, -(-width // block)), dtype=scales_dtype, device="cuda"))
-        out = out + (None, None) if op == "moe" else out
-    return _call(op, cu, block=block, scale_format=fmt, out=out)
-
-
-def _reference(op, args, dtype, block, fmt, inv=None):
-    """The reference's (codes, scales, inv_rms): RMSNorm with the kernel's
-    inv_rms when given (tests/support/fused.py: the float64 sum's order)."""
-    if op == "rms":
-        return R.rmsnorm_quantize_fp8(args[0], args[1], 1e-6, block, fmt, dtype, inv)
-    if op == "mhc":
-        return R.mhc_rmsnorm_quantize_fp8(args[0], args[1], args[2], 1e-6, block, fmt, dtype, inv)
-    if op == "swiglu":
-        return (*R.swiglu_quantize_fp8(args[0], args[1], block, fmt, dtype), None)
-    return (*R.moe_stage_fp8(*args, block, fmt)[:2], None)
-
-
-def _check(op, got, args, dtype, block, fmt, scales_f32):
-    """Bit for bit against the reference; RMSNorm: evaluated with the kernel's
-    inv_rms, which is within 1 ulp of the reference's (rows where it is equal
-    must then equal the plain reference too)."""
-    c, s, inv = got
-    rows = args[0].shape[0]
-    kinv = None if inv is None else inv.cpu().numpy()
-    rc, rs, rinv = _reference(op, args, dtype, block, fmt, kinv)
-    if scales_f32:
-        rs = B.ue8m0_value(rs)
-    assert _eq(_u8(c).reshape(rows, -1), rc.reshape(rows, -1)), (op, block, fmt)
-    assert _eq(_u8(s).reshape(rows, -1), np.asarray(rs).reshape(rows, -1)), (op, block, fmt)
-    if inv is not None:
-        plain = _reference(op, args, dtype, block, fmt)[2]
-        fin = np.isfinite(plain)
-        assert np.array_equal(np.isfinite(kinv), fin)
-        ulp = np.abs(kinv[fin].astype(np.float64) - plain[fin]) / np.spacing(plain[fin]).astype(np.float64)
-        assert ulp.size == 0 or ulp.max() <= 1.0
-        assert (kinv[fin] != plain[fin]).sum() <= max(1, rows // 100)
-
-
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("dtype", list(DT))
-@pytest.mark.parametrize("shape", ["decode", "partial", "prefill", "long"])
-def test_gpu_equals_the_reference(cuda, rng, seed, op, dtype, shape):
-    """Every block and scale format (E8M0 bytes, FP32, the powers of two in
-    a float32 out.scales), edges planted (NaN / Inf blocks, a zero row, a
-    NaN in the last column)."""
-    print("seed", seed)
-    rows, width = _gpu_rows(cuda, shape)
-    if op == "moe":
-        width = -(-width // 128) * 128
-    args = list(_inputs(rng, op, rows, width, dtype, rng.uniform(0.01, 10)))
-    if rows >= 4:
-        args[0] = _plant(torch.from_numpy(args[0]).to(DT[dtype])).float().numpy()
-    for block in BLOCKS:
-        for fmt, sdt in (("fp32", None), ("ue8m0", None), ("ue8m0", torch.float32)):
-            got = _gpu_call(op, args, dtype, block, fmt, sdt)
-            _check(op, got, args, dtype, block, fmt, sdt is not None)
-
-
-@pytest.mark.parametrize("op", OPS)
-def test_gpu_equals_quantize_blocks_on_the_gpu(cuda, rng, seed, op):
-    """The fused op against rawkv.fp8.quantize_blocks (its own kernel) of the
-    unfused BF16 output on the GPU, and DeepSeek's act_quant restated."""
-    print("seed", seed)
-    args = _inputs(rng, op, 64, 7168, "bfloat16")
-    y = torch.from_numpy(_unfused(op, args, "bfloat16")).bfloat16()
-    for fmt, scale_fmt, sdt in (("fp32", None, torch.float32), ("ue8m0", "ue8m0", torch.float8_e8m0fnu)):
-        c, s, _ = _gpu_call(op, args, "bfloat16", 128, fmt, None)
-        qc, qs = fp8.quantize_blocks(y.cuda(), scale_format=fmt)
-        dc, ds = deepseek_v4_act_quant(y, 128, scale_fmt, sdt)
-        if op in ("rms", "mhc"):        # y is the plain reference's: a row whose inv_rms differs may differ (rare)
-            same = ((c.view(U8) == qc.view(U8)).all(dim=-1) & (s.view(U8) == qs.view(U8)).all(dim=-1)).cpu()
-            assert int((~same).sum()) <= 1, seed
-            c, s, qc, qs = c[same.cuda()], s[same.cuda()], qc[same.cuda()], qs[same.cuda()]
-            dc, ds = dc[same], ds[same]
-        assert torch.equal(c.view(U8), qc.view(U8)) and torch.equal(s.view(U8), qs.view(U8)), (fmt, seed)
-        assert torch.equal(c.cpu().view(U8), dc.view(U8)) and torch.equal(s.cpu().view(U8), ds.view(U8)), (fmt, seed)
-
-
-def test_gpu_is_bit_reproducible_and_graph_capturable(cuda, rng):
-    """A captured step of every FP8 op on out= buffers: each replay writes
-    the eager bits."""
-    rawkv.warmup(0, files=["fused.cu"])
-    m, n = 257, 7168
-    x = torch.randn(m, n, device="cuda").bfloat16()
-    X = torch.randn(m, 2, n, device="cuda").bfloat16()
-    mix, w = torch.rand(m, 2, device="cuda"), torch.rand(n, device="cuda") + 0.5
-    h = torch.randn(m, 2 * n, device="cuda").bfloat16()
-    ids, wts = torch.zeros(m, 8, dtype=torch.int32, device="cuda"), torch.rand(m, 8, device="cuda")
-
-    def bufs(lead, width, inv=True):
-        b = (torch.empty(*lead, width, dtype=U8, device="cuda"), torch.empty(*lead, width // 128, dtype=U8,
-                                                                            device="cuda"))
-        return b + (torch.empty(*lead, device="cuda"),) if inv else b
-    calls = [(lambda o: F.rmsnorm_quantize_fp8(x, w, scale_format="ue8m0", out=o), bufs((m,), n)),
-             (lambda o: F.mhc_rmsnorm_quantize_fp8(X, mix, w, scale_format="ue8m0", out=o), bufs((m,), n)),
-             (lambda o: F.swiglu_quantize_fp8(h, scale_format="ue8m0", out=o), bufs((m,), n, False)),
-             (lambda o: F.moe_stage_fp8(x, ids, wts, scale_format="ue8m0", out=o),
-              bufs((m,), n, False) + (torch.empty(m, 8, dtype=torch.int64, device="cuda"),
-                                      torch.empty(m, 8, device="cuda")))]
-    for call, o in calls:
-        call(o)
-    torch.cuda.synchronize()
-    want = [[t.clone() for t in o] for _, o in calls]
-    for _, o in calls:
-        for t in o:
-            t.zero_()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        for call, o in calls:
-            call(o)
-    g.replay()
-    torch.cuda.synchronize()
-    for (_, o), wl in zip(calls, want):
-        assert all(torch.equal(t, wt) for t, wt in zip(o, wl))
-
-
 # ---- the operators ------------------------------------------------------------------------------
+def opcheck_samples(rng, device="cpu"):
+    """opcheck argument tuples of the four operators (tests/guards/test_library*.py):
+    every block and scale format, E8M0 bytes and float32 powers of two. Outputs
+    are uint8 where the op returns FP8 / E8M0 views (opcheck compares with
+    allclose, which has no float8 kernel on CPU; no operator takes
+    float8_e8m0fnu, which inductor cannot functionalize)."""
+    def t(*shape, dtype=BF16, lo=None):
+        a = rng.standard_normal(shape) if lo is None else rng.uniform(lo, lo + 1, shape)
+        return torch.from_numpy(a.astype(F32)).to(dtype).to(device)
+
+    def e(*shape, dtype=torch.float32):
+        return torch.empty(shape, dtype=dtype, device=device)
+    x, x3, w, w128 = t(3, 64), t(2, 3, 128, dtype=F16), t(64, dtype=torch.float32, lo=0.5), t(128, lo=0.5)
+    X, mix = t(3, 2, 64), t(3, 2, dtype=torch.float32, lo=0.0)
+    h, h16 = t(3, 128), t(2, 2, 192, dtype=F16)
+    hid, wts = t(4, 256), t(4, 2, dtype=torch.float32, lo=0.0)
+    ids = torch.from_numpy(rng.integers(0, 64, (4, 2), dtype=np.int32)).to(device)
+    return {
+        "rmsnorm_quantize_fp8": [(x, w, 1e-6, 128, "fp32", e(3, 64, dtype=U8), e(3, 1), e(3)),
+                                 (x3, w128, 1e-5, 32, "ue8m0", e(2, 3, 128, dtype=U8), e(2, 3, 4, dtype=U8), e(2, 3))],
+        "mhc_rmsnorm_quantize_fp8": [(X, mix, w, 1e-6, 64, "ue8m0", e(3, 64, dtype=U8), e(3, 1), e(3))],
+        "swiglu_quantize_fp8": [(h, 8, 128, "ue8m0", e(3, 64, dtype=U8), e(3, 1, dtype=U8)),
+                                (h16, 6, 32, "fp32", e(2, 2, 96, dtype=U8), e(2, 2, 3))],
+        "moe_stage_fp8": [(hid, ids, wts, 128, "ue8m0", e(4, 256, dtype=U8), e(4, 2, dtype=U8), e(4, 2, dtype=I64),
+                           e(4, 2)),
+                          (hid.half(), ids.long(), wts.bfloat16(), 64, "fp32", e(4, 256, dtype=U8), e(4, 4),
+                           e(4, 2, dtype=I64), e(4, 2, dtype=BF16))],
+    }
+
+
 OPERATORS = torch.ops.rawkv
 
 

@@ -1,7 +1,8 @@
 """opcheck samples and compiled steps of the fused operators (rawkv.fused;
 tests/guards/test_library*.py collect them). Outputs are uint8 buffers where the op
 returns FP4 / FP8 views: opcheck compares buffers with allclose, which has
-no float8 kernel on CPU."""
+no float8 kernel on CPU. The FP8 producers' samples are in their test file
+(tests/fused/test_quantize_fp8.py, opcheck_samples); their compiled step is here."""
 import numpy as np
 import torch
 
@@ -112,7 +113,28 @@ def _moe(rng, device):
     return step, (hid, ids, wts)
 
 
+def _fp8(rng, device):
+    """Every FP8 producer in one step, E8M0 scales (returned as float8_e8m0fnu
+    views of the bytes the operators write) and FP32 ones."""
+    x = _t(rng, (2, 5, 512), torch.bfloat16, device, 3.0)
+    X = _t(rng, (3, 2, 256), torch.bfloat16, device)
+    mix = _t(rng, (3, 2), F32, device, lo=0.0)
+    w = _t(rng, (512,), F32, device, lo=0.5)
+    h = _t(rng, (4, 1024), torch.float16, device, 2.0)
+    hid = _t(rng, (6, 512), torch.bfloat16, device)
+    ids = torch.from_numpy(rng.integers(0, 256, (6, 8), dtype=np.int32)).to(device)
+
+    def step(x, X, mix, w, h, hid, ids):
+        import rawkv
+        F = rawkv.fused
+        return (F.rmsnorm_quantize_fp8(x * 2, w, scale_format="ue8m0"),          # a torch op (exact) in the graph
+                F.mhc_rmsnorm_quantize_fp8(X, mix, w[:256], block=64),
+                F.swiglu_quantize_fp8(h, 8, block=32, scale_format="ue8m0"),
+                F.moe_stage_fp8(hid, ids, mix.new_ones(6, 8), scale_format="ue8m0"))
+    return step, (x, X, mix, w, h, hid, ids)
+
+
 # (name, make(rng, device) -> (step function, its arguments)): compiled with
 # fullgraph=True, the step must give the same bits as eager
 STEPS = [("fused_rmsnorm_quantize", _rms), ("fused_mhc_rmsnorm_quantize", _mhc),
-         ("fused_swiglu_quantize", _swiglu), ("fused_moe_stage", _moe)]
+         ("fused_swiglu_quantize", _swiglu), ("fused_moe_stage", _moe), ("fused_fp8_outputs", _fp8)]
