@@ -58,8 +58,8 @@ def _inputs(rng, op, rows, width, dtype, scale=1.0):
         return t(rows, width), w
     if op == "mhc":
         return t(rows, 3, width), rng.random((rows, 3)).astype(F32), w
-    if op == "swiglu":
-        return (t(rows, 2 * width), 8 if width % 8 == 0 else 3)
+    if op == "swiglu":          # short rows: granularity 3 (scalar loads, groups across chunks)
+        return (t(rows, 2 * width), 3 if width % 3 == 0 and width < 1024 else 8)
     return t(rows, width), rng.integers(0, 64, (rows, 4)).astype(np.int32), rng.random((rows, 4)).astype(F32)
 
 
