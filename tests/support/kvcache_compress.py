@@ -9,7 +9,9 @@ the BF16 entry elements by one BF16 ulp, ~0.002% of FP8 codes by one step,
 no scale, and keeps every entry's cosine >= 0.9999995. The tests allow
 margin above that: per entry cosine >= 0.9999, <= 0.1% of FP8 codes
 differing and each by at most one step, scale within one BF16 ulp of amax
-(2^-7 relative), RoPE dims within one BF16 ulp; indexer keys (NVFP4, coarse:
+(2^-7 relative), RoPE dims within one BF16 ulp or 8 FP32 ulps of their
+entry's largest (an element near zero after cancellation: seen at -7.42e-6
+against -7.54e-6 in a row of magnitude 2); indexer keys (NVFP4, coarse:
 one BF16 ulp at a rounding edge moves an E2M1 code a whole step) <= 1% of
 codes differing and key cosine >= 0.99 (assert_entries_close)."""
 
@@ -93,7 +95,11 @@ def assert_entries_close(got, want, *, exact=False):
     assert np.all(np.where(diff & same_sign, step, 0) <= 1), "an FP8 code moved more than one step"
     assert np.all(np.where(diff & ~same_sign, np.maximum(gc & 0x7F, wc & 0x7F), 0) <= 1)
     np.testing.assert_allclose(gs, ws, rtol=2.0 ** -7, atol=0)
-    np.testing.assert_allclose(gr, wr, rtol=2.0 ** -7, atol=1e-30)
+    # one BF16 ulp, or FP32 rounding at the entry's scale for an element
+    # that cancellation brought near zero
+    scale = np.abs(np.asarray(wr, np.float64)).max(axis=-1, keepdims=True)
+    assert np.all(np.abs(np.asarray(gr, np.float64) - wr) <= np.maximum(2.0 ** -7 * np.abs(wr), 2.0 ** -20 * scale)), \
+        "a RoPE dim moved more than one BF16 ulp or 8 FP32 ulps of its entry's largest"
     if len(got) > 3:
         gq, gsf = got[3:]
         wq, wsf = want[3:]

@@ -517,18 +517,26 @@ __device__ __forceinline__ void gemm_sm90(
         // Token rows of BM + 8 values: 16 bytes of padding put a quad's
         // four tokens in different banks.
         constexpr int kPitch = kBM + 8;
-        static_assert(BN * kPitch * 2 <= STAGES * (kBStage + kWStage), "the staged tile fits in the stages");
+        static_assert(BN * kPitch * 2 + BN * 4 <= STAGES * (kBStage + kWStage), "the staged tile fits in the stages");
         __nv_bfloat16* const stile = reinterpret_cast<__nv_bfloat16*>(smem);
+        // NVFP4 activations: each token's scale, read once into shared
+        // memory (as 32 loads per thread, hoisted by the compiler, they
+        // spilled beside the 128 accumulators).
+        float* const s_scale = reinterpret_cast<float*>(smem + BN * kPitch * 2);
         // Both consumer warpgroups are done with the stages (the producer's
         // last writes were acquired with the last stage).
         asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        if (ACT == 2) {
+            for (int i = threadIdx.x; i < BN; i += 256)     // (rows past t1 are never stored)
+                s_scale[i] = wscale * xgs[(i64)min(t0 + i, t1 - 1) * gs_t + (i64)g * gs_g];
+            asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        }
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int tl = 8 * j + 2 * t + h;                     // token within the tile
-                const int tok = min(t0 + tl, t1 - 1);                 // (rows past t1 are never stored)
-                const float sc = ACT == 2 ? wscale * xgs[(i64)tok * gs_t + (i64)g * gs_g] : wscale;
+                const float sc = ACT == 2 ? s_scale[tl] : wscale;
 #pragma unroll
                 for (int m = 0; m < kMT; ++m) {
                     const int r = my_tile[m] * 16 + q;
