@@ -1,24 +1,7 @@
 """rawkv.fused.rmsnorm_quantize: the reference against float64 compositions,
 argument errors, the CUDA kernel against the reference, the operator.
 
-GPU tolerances (tests/support/fused.py compares):
-* swiglu_quantize, moe_stage, and every scope: bit-exact. Their math has no
-  reduction other than max (order-independent) and silu uses rawkv's
-  deterministic float32 exp, identical op by op in kernel and reference.
-* rmsnorm_quantize / mhc_rmsnorm_quantize: the sum of squares is a float64
-  reduction in another order than numpy's. inv_rms must be within 1 float32
-  ulp of the reference on every row (in practice equal: the float64 sums agree
-  to ~1e-16 relative, so f32(ss/N) only differs when ss/N lies that close to
-  a float32 rounding boundary), and the whole output must be bit-exact
-  against the reference evaluated with the kernel's own inv_rms. Against the
-  plain reference, codes may differ only on rows whose inv_rms differs (scope
-  row / given / none: rows are independent; scope tensor: one such row can
-  move the shared gs, so then any row may differ). Those rows are reported (a
-  warning) and bounded: <= max(1, rows // 100). Why that bound: a row differs
-  only when ss/N lies within ~1e-16 (relative) of a float32 rounding boundary
-  (spacing 2^-24 ~ 6e-8), about 3e-9 per row, so 0 is expected; the bound lets
-  one such rare row pass and fails anything systematic (a float32 sum, another
-  eps) that would change most rows."""
+GPU tolerances: tests/support/fused.py's docstring (the comparisons live there)."""
 from __future__ import annotations
 
 import re

@@ -1,7 +1,7 @@
 """Fused-producer test helpers: inputs with edge blocks planted, and the
 comparisons of CUDA results with the reference (docs/fused.md, "Tolerances").
 
-GPU tolerances (tests/support/fused.py compares):
+GPU tolerances (the comparisons below):
 * swiglu_quantize, moe_stage, and every scope: bit-exact. Their math has no
   reduction other than max (order-independent) and silu uses rawkv's
   deterministic float32 exp, identical op by op in kernel and reference.
