@@ -88,11 +88,6 @@ __device__ __forceinline__ void st_shared(u32 addr, u32 v) {
 }
 
 // ---- the cluster (split K) --------------------------------------------------
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
