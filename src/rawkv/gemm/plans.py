@@ -6,7 +6,8 @@ or the Runtime) and the dispatch tunables to the list of launches
 as data (tests/gemm/test_plans.py). An empty list: nothing to do.
 
 Kernels: rawkv.kernels.gemm_fp4, the mma.sync kernel (GEMM, every GPU from
-sm_80) and the wgmma kernel (GEMM_SM90, sm_90 only).
+sm_80) and the wgmma kernel (GEMM_SM90, and GEMM_SM90_SPLITK where a
+cluster of two blocks splits K; sm_90 only).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class Tuning(NamedTuple):
     and 64 blocks, loses with 32); ragged calls from SM90_MIN_EXPERT_TOKENS
     tokens per expert on average (on an H200 against the mma.sync kernel's
     ragged tiles it wins at 32 and 43 and loses at 21 and 24).
-    MMA_RAGGED_MIN_BLOCKS: ragged calls below that take the mma.sync
+    MMA_RAGGED_MIN_BLOCKS: ragged calls below SM90_MIN_EXPERT_TOKENS take the mma.sync
     kernel's ragged tiles (RAGGED_CONFIGS: one warp streams all of K) when
     their grid has at least this many blocks per SM, else tiles whose warps
     split K, so that a few rows still keep every SM streaming
@@ -51,12 +52,12 @@ class Tuning(NamedTuple):
     SM90_FORCE_KSPLIT: the wgmma kernel's split of K across a cluster of
     blocks (1 or 2), None to let sm90_tile choose; a split part has at
     least SM90_MIN_SPLIT_CHUNKS chunks of 64 columns.
-    SM90_FORCE_BN: the wgmma kernel's token tile (64 or 128), None to let
-    the plan choose. SM90_FORCE_BM: its feature tile (128 or 256), None to
-    let the plan choose: 128 when twice the grid of 256-feature blocks still
-    fits in one wave (the kernel runs one block per SM). On the H100 (132
-    SMs) 128-feature blocks win with 48 and 64 blocks of 256 and lose with
-    96 and 128 (each of them adds a pass over the activations)."""
+    SM90_FORCE_BN: the wgmma kernel's token tile (64, 96 or 128), None to
+    let the plan choose. SM90_FORCE_BM: its feature tile (128 or 256), None
+    to let sm90_tile's cost model choose (the rule it replaced: 128 when
+    twice the grid of 256-feature blocks still fits in one wave; on the
+    H100 128-feature blocks won with 48 and 64 blocks of 256 and lost with
+    96 and 128, each of them adding a pass over the activations)."""
     KERNEL_PATH: str = "auto"
     SM90_MIN_TOKENS: int = 256
     SM90_MIN_TOKENS_SMALL: int = 128
