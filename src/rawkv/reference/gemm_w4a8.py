@@ -1,0 +1,221 @@
+"""W4A8 GEMM reference (issue 23; docs/gemm.md "W4A8 (issue 23)"): MXFP4
+weights as E4M3 values times one power of two per row, FP8 block activations
+(rawkv.reference.fp8_blocks: E4M3 codes, one FP32 or UE8M0 scale per token per
+128 channels), FP32 accumulation promoted per 128 K, BF16 out.
+
+The weight rule (what the kernel's in-register conversion must reproduce):
+
+  An MXFP4 element is e2m1 * 2^s (s = scale byte - 127); its nonzero
+  magnitudes are m * 2^j with m in {1, 1.5} (0.5, 1, 2, 4: m = 1; 1.5, 3, 6:
+  m = 1.5). E4M3 holds m * 2^p exactly iff p <= 8 and p >= -9 (m = 1: 2^-9
+  is its least subnormal) or p >= -8 (m = 1.5: 3 * 2^-9), so an element
+  m * 2^(j + e) is exact in E4M3 iff j + e <= 8 and j + e >= LEAST[m].
+
+  Row rebase r (one power of two per row, applied in the epilogue): the
+  largest exponent of the row's nonzero elements brought to E4M3's top
+  binade, r = max(j + s) - 8 (0 for a row without nonzero elements). Every
+  element is then at or below 1.5 * 2^8 = 384 <= 448; a block is refused iff
+  one of its nonzero elements falls below E4M3's least value, j + s - r <
+  LEAST[m], i.e. iff the row's elements span more exponents than E4M3 holds
+  (2^17 between the largest and the smallest nonzero magnitude, about), or
+  its scale byte is 255 (NaN). Zero elements are exact whatever the scale,
+  so all-zero blocks (any scale byte, 0 included) never refuse a row.
+
+  Block shift e_b = s_b - r, stored biased (e_b + SHIFT_BIAS, one byte per
+  MXFP4 block in the scale layout): for an accepted block with a nonzero
+  element, e_b lies in [SHIFT_MIN, SHIFT_MAX] = [-11, 9] (e > 9 would put
+  0.5 above 448, e < -11 4 below 2^-9); an all-zero block stores e = 0. The
+  E4M3 byte of element (code c, shift e) is SHIFT_TABLE[e + 11, c & 7] | sign
+  (c & 8) << 4; the table holds 0x7F (NaN) where e2m1 * 2^e is not an E4M3
+  value, entries no accepted weight reads.
+
+Why per row (not per row and 128-K block): the promotion then multiplies each
+128-deep FP32 partial by the activation's scale of that (token, block) only,
+DeepGEMM's promotion, and the row's power of two goes to the epilogue once.
+
+NVFP4 weights are not taken: e2m1 (2 significant bits) times an E4M3 scale
+(4) has up to 5 significant bits, more than E4M3's 4, and the NVFP4 block (16
+along K) is shorter than an FP8 wgmma's K (32), so the scale cannot be
+applied after the MMA either.
+
+The GEMM: out = round_to_bf16(sum_k E4M3(w8) * 2^r * q_k * a_b), with w8 the
+weight's E4M3 codes, r its row's rebase, q_k the activation's E4M3 code
+values and a_b the scale of the 128-channel block holding k. By the rule,
+E4M3(w8) * 2^r is the MXFP4 value exactly; every product is exact in float64
+(3 + 4 + 24 significant bits), the float64 sum of K of them is within
+K * 2^-53 of their absolute sum (far below the GPU bound).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import gemm as G
+from .formats import E2M1_VALUES, e4m3_decode, e4m3_encode
+from .fp8_blocks import block_count, ue8m0_value
+from .nvfp4 import unpack_nibbles
+
+#: Activation channels per scale: the kernel promotes its FP32 partial once
+#: per 128 K (DeepGEMM's recipe); the last block may be partial.
+ACT_BLOCK = 128
+#: MXFP4 elements per weight scale byte.
+W_BLOCK = G.BLOCKS["mxfp4"]
+#: Binary exponent j and significand (True: 1.5) of E2M1 magnitude i = code & 7
+#: (value m * 2^j); magnitude 0 has neither and is exact at any shift.
+E2M1_EXP = np.array([0, -1, 0, 0, 1, 1, 2, 2], np.int64)
+E2M1_HALF = np.array([False, False, False, True, False, True, False, True])
+#: E4M3's top binade exponent (1.5 * 2^8 = 384 <= 448 = 1.75 * 2^8) and its
+#: least exponent for significand 1 (2^-9, the least subnormal) and 1.5 (3 * 2^-9).
+TOP_EXP = 8
+LEAST_EXP = np.where(E2M1_HALF, -8, -9)
+#: Shift e of an element's magnitude i is exact iff SHIFT_LO[i] <= e <= SHIFT_HI[i].
+SHIFT_HI = TOP_EXP - E2M1_EXP
+SHIFT_LO = LEAST_EXP - E2M1_EXP
+#: The shifts an accepted block with a nonzero element can have: -11 (only
+#: 4s, -4s and zeros) to 9 (only +-0.5 and zeros).
+SHIFT_MIN, SHIFT_MAX = int(SHIFT_LO[1:].min()), int(SHIFT_HI[1:].max())
+SHIFT_BIAS = -SHIFT_MIN
+#: Biased shift of a block without nonzero elements (and of padding blocks).
+ZERO_SHIFT = SHIFT_BIAS
+#: The NaN scale byte of UE8M0.
+NAN_SCALE = 255
+#: Blocks named in a refusal.
+NAMED_BLOCKS = 8
+
+
+def exact_shift(mag, e) -> np.ndarray:
+    """True where E2M1 magnitude `mag` (0..7) times 2^e is an E4M3 value."""
+    mag, e = np.asarray(mag, np.int64), np.asarray(e, np.int64)
+    return (mag == 0) | ((e >= SHIFT_LO[mag]) & (e <= SHIFT_HI[mag]))
+
+
+def _shift_table() -> np.ndarray:
+    e = np.arange(SHIFT_MIN, SHIFT_MAX + 1)[:, None]
+    mag = np.arange(8)[None, :]
+    vals = (E2M1_VALUES[mag].astype(np.float64) * np.ldexp(1.0, e)).astype(np.float32)
+    return np.where(exact_shift(mag, e), e4m3_encode(vals), np.uint8(0x7F)).astype(np.uint8)
+
+
+#: (SHIFT_MAX - SHIFT_MIN + 1, 8) uint8: row e + SHIFT_BIAS, column the E2M1
+#: magnitude: the E4M3 byte of e2m1 * 2^e, 0x7F (NaN) where not exact.
+SHIFT_TABLE = _shift_table()
+
+
+def _check_mxfp4(codes, scales):
+    codes = np.asarray(codes)
+    scales = np.asarray(scales)
+    G.check_bytes(codes.shape, str(codes.dtype), 3, "codes")
+    G.check_bytes(scales.shape, str(scales.dtype), 3, "scales")
+    g, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
+    if k % W_BLOCK or scales.shape != (g, n, k // W_BLOCK):
+        raise ValueError(f"scales: expected shape {(g, n, k // W_BLOCK)} for codes {codes.shape} "
+                         f"(MXFP4, K % {W_BLOCK} == 0), got {scales.shape}")
+    return codes, scales
+
+
+def _block_bounds(codes: np.ndarray, n_blocks: int):
+    """Per MXFP4 block, from its nonzero magnitudes: (hi, lo, any) with hi =
+    min SHIFT_HI, lo = max SHIFT_LO (the shifts that keep every element
+    exact) and any = whether it has one. int8 per element, one group at a
+    time by the caller, so a checkpoint's weight fits in memory."""
+    mag = unpack_nibbles(codes) & 7
+    shape = (*mag.shape[:-1], n_blocks, W_BLOCK)
+    big = np.int8(127)
+    hi = np.where(mag == 0, big, SHIFT_HI.astype(np.int8)[mag]).reshape(shape).min(-1)
+    lo = np.where(mag == 0, -big, SHIFT_LO.astype(np.int8)[mag]).reshape(shape).max(-1)
+    return hi.astype(np.int64), lo.astype(np.int64), (mag != 0).reshape(shape).any(-1)
+
+
+def _refusal(bad: np.ndarray, scales: np.ndarray, name: str) -> ValueError:
+    idx = np.argwhere(bad)
+    named = ", ".join(f"(g={g}, n={n}, block={b}: byte {int(scales[g, n, b])})"
+                      for g, n, b in idx[:NAMED_BLOCKS].tolist())
+    more = f" and {len(idx) - NAMED_BLOCKS} more" if len(idx) > NAMED_BLOCKS else ""
+    return ValueError(
+        f"{name}: {len(idx)} MXFP4 block(s) cannot be held exactly as E4M3 values after their row's "
+        f"power-of-two rebase (a NaN scale byte 255, or a nonzero element below E4M3's least value "
+        f"2^-9 once the row's largest element sits in [256, 448]: the row spans too many binades); "
+        f"blocks (group, row, block of {W_BLOCK} along K): {named}{more}. The W4A16 path "
+        f"(rawkv.gemm.grouped_linear with BF16 activations) takes this weight")
+
+
+def w4a8_form(codes, scales, *, name: str = "weight"):
+    """MXFP4 checkpoint bytes, codes (G, N, K/2) and scales (G, N, K/32)
+    uint8 -> (shifts uint8 (G, N, K/32), rebase int64 (G, N)) by the rule of
+    the module docstring: shifts the biased block shifts e_b + SHIFT_BIAS,
+    rebase the rows' exponents r. A ValueError (prefixed `name`) names the
+    refused blocks: the first NAMED_BLOCKS as (group, row, block) with their
+    scale byte, and their count."""
+    codes, scales = _check_mxfp4(codes, scales)
+    g, n, nb = scales.shape
+    shifts = np.empty((g, n, nb), np.uint8)
+    rebase = np.zeros((g, n), np.int64)
+    bad = np.zeros((g, n, nb), bool)
+    for gi in range(g):                     # one group's int8 temporaries at a time
+        hi, lo, live = _block_bounds(codes[gi], nb)
+        s = scales[gi].astype(np.int64) - 127
+        nan = scales[gi] == NAN_SCALE
+        live_ok = live & ~nan
+        top = np.where(live_ok, s - hi, np.iinfo(np.int64).min).max(-1, initial=np.iinfo(np.int64).min)
+        r = np.where(top == np.iinfo(np.int64).min, 0, top)
+        e = s - r[:, None]
+        bad[gi] = (live & nan) | (live_ok & (e < lo))
+        # accepted blocks' e lie in [SHIFT_MIN, SHIFT_MAX] already; the clip keeps
+        # refused ones (about to be named) from wrapping around uint8
+        shifts[gi] = np.where(live_ok & ~bad[gi], np.clip(e, SHIFT_MIN, SHIFT_MAX) + SHIFT_BIAS, ZERO_SHIFT)
+        rebase[gi] = r
+    if bad.any():
+        raise _refusal(bad, scales, name)
+    return shifts, rebase
+
+
+def w4a8_codes(codes, shifts) -> np.ndarray:
+    """The weight's E4M3 bytes (G, N, K): SHIFT_TABLE[shift of the element's
+    block, magnitude] with the E2M1 sign, what the kernel builds in
+    registers from the packed codes and shifts."""
+    nib = unpack_nibbles(np.asarray(codes, np.uint8))
+    sh = np.repeat(np.asarray(shifts, np.uint8), W_BLOCK, axis=-1)
+    return (SHIFT_TABLE[sh, nib & 7] | ((nib & 8) << 4)).astype(np.uint8)
+
+
+def weight_values(codes, scales) -> np.ndarray:
+    """float64 (G, N, K): E4M3(w4a8_codes) * 2^rebase, through the W4A8 form
+    (so a refused weight is refused here too); equal to the MXFP4 values
+    (rawkv.reference.gemm.dequantize_weight) for every accepted weight."""
+    shifts, rebase = w4a8_form(codes, scales)
+    w8 = e4m3_decode(w4a8_codes(codes, shifts)).astype(np.float64)
+    return w8 * np.ldexp(1.0, rebase)[..., None]
+
+
+def activation_values(x_codes, x_scales) -> np.ndarray:
+    """float64 (..., K) of FP8 block activations: E4M3 code value times its
+    128-channel block's scale, exactly (4 x 24 significant bits; no FP32
+    rounding, unlike fp8_blocks.dequantize_blocks). x_scales float32 (FP32
+    scales) or uint8 (UE8M0 bytes, 255 NaN), shape (..., ceil(K/128))."""
+    x_codes, x_scales = np.asarray(x_codes), np.asarray(x_scales)
+    if x_codes.dtype != np.uint8:
+        raise TypeError(f"x_codes: expected uint8 (E4M3 bytes), got dtype {x_codes.dtype}")
+    if x_scales.dtype not in (np.uint8, np.float32):
+        raise TypeError(f"x_scales: expected float32 (FP32 scales) or uint8 (UE8M0 bytes), got dtype {x_scales.dtype}")
+    if x_codes.ndim < 1:
+        raise ValueError(f"x_codes: expected at least 1 dimension, got shape {x_codes.shape}")
+    k = x_codes.shape[-1]
+    want = (*x_codes.shape[:-1], block_count(k, ACT_BLOCK))
+    if x_scales.shape != want:
+        raise ValueError(f"x_scales: expected shape {want} (one per {ACT_BLOCK} channels), got {x_scales.shape}")
+    s = ue8m0_value(x_scales) if x_scales.dtype == np.uint8 else x_scales
+    full = np.repeat(s.astype(np.float64), ACT_BLOCK, axis=-1)[..., :k]
+    return e4m3_decode(x_codes).astype(np.float64) * full
+
+
+def grouped(x_codes, x_scales, w_codes, w_scales) -> np.ndarray:
+    """Batched mode: activations (T, G, K) with scales (T, G, ceil(K/128)),
+    MXFP4 weight bytes (G, N, K/2), (G, N, K/32) -> float64 (T, G, N), the
+    exact product (out = rawkv.reference.gemm.round_to_bf16 of it)."""
+    return G.grouped(activation_values(x_codes, x_scales), weight_values(w_codes, w_scales))
+
+
+def ragged(x_codes, x_scales, w_codes, w_scales, offsets) -> tuple[np.ndarray, int]:
+    """Ragged mode: activations (R, K), scales (R, ceil(K/128)), MXFP4
+    weights of E experts, offsets (E + 1,) -> (float64 (R, N), errors) by
+    rawkv.reference.gemm's offsets rule (clamp_offsets)."""
+    return G.ragged(activation_values(x_codes, x_scales), weight_values(w_codes, w_scales), offsets)
