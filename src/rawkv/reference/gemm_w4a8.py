@@ -18,8 +18,10 @@ The weight rule (what the kernel's in-register conversion must reproduce):
   one of its nonzero elements falls below E4M3's least value, j + s - r <
   LEAST[m], i.e. iff the row's elements span more exponents than E4M3 holds
   (2^17 between the largest and the smallest nonzero magnitude, about), or
-  its scale byte is 255 (NaN). Zero elements are exact whatever the scale,
-  so all-zero blocks (any scale byte, 0 included) never refuse a row.
+  its scale byte is 255 (NaN, even with zero codes: 0 * NaN is NaN). Zero
+  elements are exact whatever the scale, so all-zero blocks (any other
+  scale byte, 0 included) never refuse a row. Top alignment refuses only
+  rows that no power of two could hold (tested exhaustively).
 
   Block shift e_b = s_b - r, stored biased (e_b + SHIFT_BIAS, one byte per
   MXFP4 block in the scale layout): for an accepted block with a nonzero
@@ -138,33 +140,41 @@ def _refusal(bad: np.ndarray, scales: np.ndarray, name: str) -> ValueError:
         f"(rawkv.gemm.grouped_linear with BF16 activations) takes this weight")
 
 
-def w4a8_form(codes, scales, *, name: str = "weight"):
+def w4a8_blocks(codes, scales):
     """MXFP4 checkpoint bytes, codes (G, N, K/2) and scales (G, N, K/32)
-    uint8 -> (shifts uint8 (G, N, K/32), rebase int64 (G, N)) by the rule of
-    the module docstring: shifts the biased block shifts e_b + SHIFT_BIAS,
-    rebase the rows' exponents r. A ValueError (prefixed `name`) names the
-    refused blocks: the first NAMED_BLOCKS as (group, row, block) with their
-    scale byte, and their count."""
+    uint8 -> (shifts uint8 (G, N, K/32), rebase int64 (G, N), refused bool
+    (G, N, K/32)) by the rule of the module docstring: shifts the biased
+    block shifts e_b + SHIFT_BIAS, rebase the rows' exponents r, refused the
+    blocks the rule refuses (their shifts meaningless)."""
     codes, scales = _check_mxfp4(codes, scales)
     g, n, nb = scales.shape
     shifts = np.empty((g, n, nb), np.uint8)
     rebase = np.zeros((g, n), np.int64)
     bad = np.zeros((g, n, nb), bool)
+    none = np.iinfo(np.int64).min
     for gi in range(g):                     # one group's int8 temporaries at a time
         hi, lo, live = _block_bounds(codes[gi], nb)
         s = scales[gi].astype(np.int64) - 127
-        nan = scales[gi] == NAN_SCALE
+        nan = scales[gi] == NAN_SCALE       # NaN even where the codes are 0 (0 * NaN)
         live_ok = live & ~nan
-        top = np.where(live_ok, s - hi, np.iinfo(np.int64).min).max(-1, initial=np.iinfo(np.int64).min)
-        r = np.where(top == np.iinfo(np.int64).min, 0, top)
+        top = np.where(live_ok, s - hi, none).max(-1, initial=none)
+        r = np.where(top == none, 0, top)
         e = s - r[:, None]
-        bad[gi] = (live & nan) | (live_ok & (e < lo))
+        bad[gi] = nan | (live_ok & (e < lo))
         # accepted blocks' e lie in [SHIFT_MIN, SHIFT_MAX] already; the clip keeps
-        # refused ones (about to be named) from wrapping around uint8
+        # refused ones from wrapping around uint8
         shifts[gi] = np.where(live_ok & ~bad[gi], np.clip(e, SHIFT_MIN, SHIFT_MAX) + SHIFT_BIAS, ZERO_SHIFT)
         rebase[gi] = r
+    return shifts, rebase, bad
+
+
+def w4a8_form(codes, scales, *, name: str = "weight"):
+    """(shifts, rebase) of w4a8_blocks, or a ValueError (prefixed `name`)
+    naming the refused blocks: the first NAMED_BLOCKS as (group, row,
+    block) with their scale byte, and their count."""
+    shifts, rebase, bad = w4a8_blocks(codes, scales)
     if bad.any():
-        raise _refusal(bad, scales, name)
+        raise _refusal(bad, np.asarray(scales), name)
     return shifts, rebase
 
 
