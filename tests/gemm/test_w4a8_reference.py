@@ -340,3 +340,42 @@ def test_bound_zero_rows_must_be_zero():
     B.assert_within_bound(np.zeros((2, 3)), exact, absolute, 128)
     with pytest.raises(AssertionError):
         B.assert_within_bound(np.full((2, 3), 2.0 ** -120), exact, absolute, 128)
+
+
+# -- rawkv.gemm.w4a8_weight: the rule on an Fp4Weight --------------------------------------
+
+def test_w4a8_weight_is_the_reference_rule_packed(rng):
+    torch = pytest.importorskip("torch")
+    import rawkv
+    g, n, k = 2, 21, 160                                   # padding rows and columns
+    w_codes = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
+    w_scales = rng.integers(4, 138, (g, n, k // 32), dtype=np.uint8)
+    w_scales[:, :, :] = np.clip(w_scales[:, :1, :1] + rng.integers(-6, 7, (g, n, k // 32)), 4, 137)
+    w_scales = w_scales.astype(np.uint8)
+    w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(w_codes), torch.from_numpy(w_scales), groups=g)
+    w8 = rawkv.gemm.w4a8_weight(w)
+    shifts, rebase = W.w4a8_form(w_codes, w_scales)
+    np.testing.assert_array_equal(w8.shifts.numpy(), G.pack_scales(shifts, 32, pad=W.ZERO_SHIFT))
+    npad = G.padded_sizes(n, k)[0]
+    assert w8.row_scale.dtype == torch.float32 and tuple(w8.row_scale.shape) == (g, npad)
+    np.testing.assert_array_equal(w8.row_scale.numpy()[:, :n], np.ldexp(1.0, rebase))
+    assert (w8.row_scale.numpy()[:, n:] == 1).all()
+    # padding blocks take a row of the table whose entry 0 is 0
+    assert (w8.shifts.numpy() <= W.SHIFT_MAX + W.SHIFT_BIAS).all()
+    assert w8.weight is w
+
+
+def test_w4a8_weight_refuses_by_name():
+    torch = pytest.importorskip("torch")
+    import rawkv
+    codes = torch.full((1, 3, 32), 0x22, dtype=torch.uint8)
+    scales = torch.tensor([[[137, 4], [127, 127], [10, 137]]], dtype=torch.uint8)
+    w = rawkv.gemm.Fp4Weight.from_mxfp4(codes, scales)
+    with pytest.raises(ValueError, match=re.escape("weight: 2 MXFP4 block(s)") + ".*" +
+                       re.escape("(g=0, n=0, block=1: byte 4), (g=0, n=2, block=0: byte 10).")):
+        rawkv.gemm.w4a8_weight(w)
+    nv = rawkv.gemm.Fp4Weight.from_float(torch.randn(16, 64))
+    with pytest.raises(ValueError, match="^weight: W4A8 takes MXFP4 weights only, got nvfp4"):
+        rawkv.gemm.w4a8_weight(nv)
+    with pytest.raises(TypeError, match="^weight: expected a rawkv.gemm.Fp4Weight"):
+        rawkv.gemm.w4a8_weight(codes)
