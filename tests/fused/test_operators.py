@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 import rawkv  # noqa: E402
 import rawkv.library  # noqa: E402,F401
 from rawkv import fused as F  # noqa: E402
-from support.fused import _inputs  # noqa: E402
+from support.fused import _inputs, same_result  # noqa: E402
 
 
 # ---- the operator and torch.compile -----------------------------------------------------------------
@@ -84,16 +84,6 @@ def test_operator_errors_name_the_argument():
                       torch.empty(2, 4, dtype=torch.int32), torch.empty(2, 4))
 
 
-def _same(a, b):
-    """Same structure, types, shapes, dtypes and bits."""
-    if isinstance(a, tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if a is None or b is None:
-        return a is b
-    return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.view(U8) if a.element_size() == 1 else a, b.view(U8) if b.element_size() == 1 else b))
-
-
 # (id, call(args, out) -> result, args, out): traced and eager give the same result
 def _rms_args(rng):
     return _x(rng, 3, 2, 64), _x(rng, 64, dtype=torch.float32, lo=0.5)
@@ -126,7 +116,7 @@ def test_traced_results_are_the_eager_ones(rng, case):
     torch._dynamo.reset()
     out = None if make_out is None else make_out()
     got = torch.compile(lambda *a: call(a, out), fullgraph=True, backend="aot_eager")(*args)
-    assert _same(got, want)
+    assert same_result(got, want)
     if out is not None:                      # the given buffers are the result's
         assert all(g is o for g, o in zip(got, out) if o is not None)
 

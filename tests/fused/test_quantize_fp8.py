@@ -26,7 +26,7 @@ from rawkv.reference import fp8_blocks as B  # noqa: E402
 from rawkv.reference import fused as R  # noqa: E402
 from rawkv.reference.formats import round_to_dtype  # noqa: E402
 from support.fake_cuda import fake  # noqa: E402
-from support.fused import _LONG, _names, _with_edges  # noqa: E402
+from support.fused import _LONG, _names, _with_edges, same_result  # noqa: E402
 
 F32, U8, BF16 = np.float32, torch.uint8, torch.bfloat16
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -514,16 +514,6 @@ def test_operator_errors_name_the_argument():
                                       bufs[1])
 
 
-def _same(a, b):
-    """Same structure, types, shapes, dtypes and bits."""
-    if isinstance(a, tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if a is None or b is None:
-        return a is b
-    return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.view(U8) if a.element_size() == 1 else a, b.view(U8) if b.element_size() == 1 else b))
-
-
 def _rms_args(rng):
     return (torch.from_numpy(rng.standard_normal((3, 2, 256)).astype(F32)).bfloat16(),
             torch.from_numpy(rng.random(256).astype(F32) + 0.5))
@@ -558,7 +548,7 @@ def test_traced_results_are_the_eager_ones(rng, case):
     torch._dynamo.reset()
     out = None if make_out is None else make_out()
     got = torch.compile(lambda *a: call(a, out), fullgraph=True, backend="aot_eager")(*args)
-    assert _same(got, want)
+    assert same_result(got, want)
     if out is not None:
         assert all(g is o for g, o in zip(got, out) if o is not None)
 

@@ -13,6 +13,7 @@ import pytest
 
 from rawkv.reference import gemm as R
 from rawkv.reference.formats import E2M1_VALUES, e4m3_decode
+from support.ragged import RAGGED_OFFSET_CASES
 
 # docs/gemm.md, "Packed form": nibble n_i of word W_s -> (row, column offset
 # from kb + 4s), copied from the table.
@@ -231,15 +232,7 @@ def clamp_by_the_rule(offsets, rows):
     return out, sum(a != b for a, b in zip(out, offsets))
 
 
-@pytest.mark.parametrize("offsets,want,errors", [
-    ([0, 3, 5, 9], [0, 3, 5, 9], 0),                    # in order, covers all rows
-    ([0, 0, 4, 4, 9], [0, 0, 4, 4, 9], 0),              # empty experts
-    ([2, 4, 7], [2, 4, 7], 0),                          # rows 0, 1, 7, 8 owned by nobody
-    ([0, 6, 3, 9], [0, 6, 6, 9], 1),                    # out of order
-    ([0, 4, 100, 2], [0, 4, 9, 9], 2),                  # past R, then back
-    ([-3, 2, 2, 5], [0, 2, 2, 5], 1),                   # negative
-    ([-5, -1, 12, 40], [0, 0, 9, 9], 4),
-])
+@pytest.mark.parametrize("offsets,want,errors", RAGGED_OFFSET_CASES)
 def test_ragged_offsets_rule(rng, offsets, want, errors):
     rows, n, k = 9, 3, 16
     x = _int_data(rng, (rows, k))

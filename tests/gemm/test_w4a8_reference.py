@@ -17,6 +17,7 @@ import pytest
 from rawkv.reference import gemm as G
 from rawkv.reference import gemm_w4a8 as W
 from support import gemm_w4a8 as B
+from support.ragged import RAGGED_OFFSET_CASES
 
 
 def e4m3_values() -> np.ndarray:
@@ -237,16 +238,8 @@ def test_grouped_refuses_a_weight_the_rule_refuses():
                   np.full((1, 1, 32), 0x11, np.uint8), np.array([[[127, 90]]], np.uint8))
 
 
-@pytest.mark.parametrize("offsets,want,errors", [
-    ([0, 3, 5, 9], [0, 3, 5, 9], 0),                    # in order, covers all rows
-    ([0, 0, 4, 4, 9], [0, 0, 4, 4, 9], 0),              # empty experts
-    ([2, 4, 7], [2, 4, 7], 0),                          # rows 0, 1, 7, 8 owned by nobody
-    ([0, 6, 3, 9], [0, 6, 6, 9], 1),                    # out of order
-    ([0, 4, 100, 2], [0, 4, 9, 9], 2),                  # past R, then back
-    ([-3, 2, 2, 5], [0, 2, 2, 5], 1),                   # negative
-    ([-5, -1, 12, 40], [0, 0, 9, 9], 4),
-    ([0], [0], 0),                                      # no experts: every row zero
-])
+@pytest.mark.parametrize("offsets,want,errors", [*RAGGED_OFFSET_CASES,
+                                                  ([0], [0], 0)])     # no experts: every row zero
 def test_ragged_offsets_rule(rng, offsets, want, errors):
     rows, n, k = 9, 3, 64
     e = len(offsets) - 1

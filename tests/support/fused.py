@@ -186,3 +186,15 @@ def _names(msg: str, arg: str) -> bool:
 
 def _x(*s):
     return np.zeros(s, F32)
+
+
+def same_result(a, b) -> bool:
+    """Same structure, types, shapes, dtypes and bits (a traced op's result
+    against the eager one's)."""
+    if isinstance(a, tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(same_result(x, y) for x, y in zip(a, b))
+    if a is None or b is None:
+        return a is b
+    u8 = torch.uint8
+    return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.view(u8) if a.element_size() == 1 else a, b.view(u8) if b.element_size() == 1 else b))

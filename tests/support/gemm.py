@@ -233,3 +233,4 @@ def _f32_bits(a):
     b = a.view(np.uint32)
     assert not (b & 0xFFFF).any()
     return (b >> 16).astype(np.uint16)
+
