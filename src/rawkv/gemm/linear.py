@@ -31,18 +31,9 @@ from .weights import Fp4Weight
 # ---- the dispatch tunables (rawkv.gemm.plans.Tuning says what each does) ----------------
 # Module attributes, read by the plans at each call (this module is the
 # plans' `tuning`): tests and tools/probe_gemm_paths.py set them.
-KERNEL_PATH = P.TUNED.KERNEL_PATH
-SM90_MIN_TOKENS = P.TUNED.SM90_MIN_TOKENS
-SM90_MIN_TOKENS_SMALL = P.TUNED.SM90_MIN_TOKENS_SMALL
-SM90_MIN_BLOCKS = P.TUNED.SM90_MIN_BLOCKS
-SM90_MIN_EXPERT_TOKENS = P.TUNED.SM90_MIN_EXPERT_TOKENS
-MMA_RAGGED_MIN_BLOCKS = P.TUNED.MMA_RAGGED_MIN_BLOCKS
-SM90_FORCE_BN = P.TUNED.SM90_FORCE_BN
-SM90_FORCE_BM = P.TUNED.SM90_FORCE_BM
-SM90_MIN_TOKENS_SPLIT = P.TUNED.SM90_MIN_TOKENS_SPLIT
-SM90_RAGGED_96_MAX = P.TUNED.SM90_RAGGED_96_MAX
-SM90_FORCE_KSPLIT = P.TUNED.SM90_FORCE_KSPLIT
-SM90_MIN_SPLIT_CHUNKS = P.TUNED.SM90_MIN_SPLIT_CHUNKS
+# One module attribute per field of P.Tuning (KERNEL_PATH, SM90_MIN_TOKENS, ...),
+# at its tuned value: the field list is written once, in P.Tuning.
+globals().update(P.TUNED._asdict())
 _TUNING = sys.modules[__name__]
 
 
