@@ -263,8 +263,9 @@ def e8m0_bytes(scales):
     what an operator takes, since torch.compile's inductor cannot
     functionalize an operator taking a float8_e8m0fnu tensor
     ("auto_functionalized_v2 was not removed", torch 2.11, H100)."""
-    if str(getattr(scales, "dtype", "")) == "torch.float8_e8m0fnu":
-        return scales.view(D._torch_or_none().uint8)
+    t = D._torch_or_none()
+    if t is not None and getattr(scales, "dtype", None) is getattr(t, "float8_e8m0fnu", False):
+        return scales.view(t.uint8)       # (a dtype test, not a string built per call)
     return scales
 
 
