@@ -8,7 +8,7 @@ nothing), and is registered once as `torch.ops.rawkv.<name>`.
 
     def e4m3_encode(x, *, out=None, stream=None):    # the public function
         if out is None:
-            out = empty(x, dims(x), "float8_e4m3fn", stream)
+            out = empty(x, A.dims(x), "float8_e4m3fn", stream)
         _encode(x, out, stream)
         return out
 
@@ -42,7 +42,7 @@ import warnings
 
 import numpy as np
 
-from . import _dispatch as D
+from . import _args as A
 from ._opdecl import OpDecl
 from .runtime import get_runtime
 
@@ -76,7 +76,7 @@ def torch_loaded(torch) -> None:
     operators, before anything can be compiled)."""
     global _compiler
     _compiler = torch.compiler
-    D.torch_loaded(torch)
+    A.torch_loaded(torch)
 
 
 def _is_compiling() -> bool:
@@ -169,13 +169,6 @@ _NUMPY_DTYPE = {"bfloat16": np.float32, "float8_e4m3fn": np.uint8, "float4_e2m1f
                 "float8_e8m0fnu": np.uint8}
 
 
-def dims(a) -> tuple:
-    """The shape of an array argument as a tuple; () for anything without
-    one (the op's argument checks then refuse it)."""
-    s = getattr(a, "shape", None)
-    return tuple(s) if s is not None else ()
-
-
 def empty(like, shape, dtype: str, stream=None):
     """A new output of `shape` and dtype `dtype` (torch's name) where `like`,
     the op's first input, lives: a numpy array for numpy input (bfloat16 as
@@ -189,7 +182,7 @@ def empty(like, shape, dtype: str, stream=None):
         return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
     if isinstance(like, np.ndarray):
         return np.empty(shape, _NUMPY_DTYPE.get(dtype, dtype))
-    if D.is_torch(like):
+    if A.is_torch(like):
         torch = sys.modules["torch"]
         if like.is_cuda:
             return get_runtime(like.get_device()).empty(shape, getattr(torch, dtype), stream=stream)
@@ -201,14 +194,14 @@ def empty(like, shape, dtype: str, stream=None):
         return None
     if dev()[0] == 1:                       # a host DLPack array: the reference's placement
         return np.empty(shape, _NUMPY_DTYPE.get(dtype, dtype))
-    return empty(D.as_cuda_tensor(like, "input"), shape, dtype, stream)
+    return empty(A.as_cuda_tensor(like, "input"), shape, dtype, stream)
 
 
 def empties(like, stream, *specs) -> list:
     """empty(like, shape, dtype, stream) of each (shape, dtype) in `specs`
     (None: None), with where `like` lives decided once: an op allocating
     several outputs pays for one lookup of its runtime."""
-    if not _is_compiling() and D.is_torch(like) and like.is_cuda:
+    if not _is_compiling() and A.is_torch(like) and like.is_cuda:
         rt, torch = get_runtime(like.get_device()), sys.modules["torch"]
         return [None if s is None else rt.empty(s[0], getattr(torch, s[1]), stream=stream) for s in specs]
     return [None if s is None else empty(like, s[0], s[1], stream) for s in specs]

@@ -17,8 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _args as A
-from . import _dispatch as D
-from ._op import dims, empty, op
+from ._op import empty, op
 from ._plan import Launch, grid_stride, run
 from .kernels import fp8 as K
 from .kernels import fp8_blocks as KB
@@ -36,7 +35,7 @@ def e4m3_encode(x, *, out=None, stream=None):
     uint8 numpy array for numpy input), or `out` (uint8 or float8_e4m3fn,
     contiguous, x's shape)."""
     if out is None:
-        out = empty(x, dims(x), "float8_e4m3fn", stream)
+        out = empty(x, A.dims(x), "float8_e4m3fn", stream)
     _encode(x, out, stream)
     return out
 
@@ -47,7 +46,7 @@ def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
     every E4M3 value is; numpy output holds bfloat16 values in float32)."""
     name = A.decode_dtype(dtype, out, "float32")
     if out is None:
-        out = empty(codes, dims(codes), name, stream)
+        out = empty(codes, A.dims(codes), name, stream)
     _decode(codes, out, stream, name)
     return out
 
@@ -55,7 +54,7 @@ def e4m3_decode(codes, *, dtype=None, out=None, stream=None):
 # ---- arguments --------------------------------------------------------------------------------
 def _encode_args(x, out):
     """(placement, x, out) of an encode, checked."""
-    where = D.placement(("x", x), ("out", out))
+    where = A.placement(("x", x), ("out", out))
     A.check_outputs((("out", out),), (("x", x),))
     x = A.tensor(x, "x", A.FLOATS, where)
     out = A.tensor(out, "out", CODES, where, shape=x.shape, device=A.device_of(x))
@@ -64,7 +63,7 @@ def _encode_args(x, out):
 
 def _decode_args(codes, out, dtype):
     """(placement, codes, out, decoded dtype name) of a decode, checked."""
-    where = D.placement(("codes", codes), ("out", out))
+    where = A.placement(("codes", codes), ("out", out))
     A.check_outputs((("out", out),), (("codes", codes),))
     codes = A.tensor(codes, "codes", CODES, where)
     out, name = A.decoded(out, dtype, where, codes.shape, A.device_of(codes))
@@ -118,7 +117,7 @@ def _encode(x, out, stream=None):
             return
     where, x, out = _encode_args(x, out)
     if where == "cpu":
-        D.from_numpy(ref.e4m3_encode(D.to_numpy(x, "x")), x, torch_dtype="float8_e4m3fn", out=out)
+        A.from_numpy(ref.e4m3_encode(A.to_numpy(x, "x")), x, torch_dtype="float8_e4m3fn", out=out)
         return
     n = x.numel()
     if n:
@@ -136,7 +135,7 @@ def _decode(codes, out, stream=None, dtype=None):
     bfloat16 values)."""
     where, codes, out, name = _decode_args(codes, out, dtype)
     if where == "cpu":
-        D.from_numpy(ref.round_to_dtype(ref.e4m3_decode(D.to_numpy(codes, "codes")), name), codes,
+        A.from_numpy(ref.round_to_dtype(ref.e4m3_decode(A.to_numpy(codes, "codes")), name), codes,
                      torch_dtype=name, out=out)
         return
     n = codes.numel()
@@ -172,7 +171,7 @@ def quantize_blocks(x, *, block: int = 128, scale_format: str = "fp32", out=None
     if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
         raise TypeError("out: expected a tuple (codes, scales) of buffers (entries may be None)")
     codes, scales = out if out is not None else (None, None)
-    s = dims(x)
+    s = A.dims(x)
     if codes is None:
         codes = empty(x, s, "float8_e4m3fn", stream)
     new_bytes = scales is None and scale_format != "fp32"
@@ -190,7 +189,7 @@ def dequantize_blocks(codes, scales, *, block: int = 128, dtype=None, out=None, 
     NaN scales give NaN."""
     name = A.decode_dtype(dtype, out, "float32")
     if out is None:
-        out = empty(codes, dims(codes), name, stream)
+        out = empty(codes, A.dims(codes), name, stream)
     _dequantize_blocks(codes, e8m0_bytes(scales), block, out, stream, name)
     return out
 
@@ -254,7 +253,7 @@ def as_e8m0(scales):
     """New E8M0 scale bytes as float8_e8m0fnu where torch has it (numpy and
     older torch: uint8)."""
     if _e8m0() != "uint8" and hasattr(scales, "view") and not isinstance(scales, np.ndarray):
-        return scales.view(D._torch_or_none().float8_e8m0fnu)
+        return scales.view(A._torch_or_none().float8_e8m0fnu)
     return scales
 
 
@@ -263,7 +262,7 @@ def e8m0_bytes(scales):
     what an operator takes, since torch.compile's inductor cannot
     functionalize an operator taking a float8_e8m0fnu tensor
     ("auto_functionalized_v2 was not removed", torch 2.11, H100)."""
-    t = D._torch_or_none()
+    t = A._torch_or_none()
     if t is not None and getattr(scales, "dtype", None) is getattr(t, "float8_e8m0fnu", False):
         return scales.view(t.uint8)       # (a dtype test, not a string built per call)
     return scales
@@ -279,12 +278,12 @@ def host_scales(scales, fmt):
 def _e8m0() -> str:
     """The dtype of new E8M0 scales: float8_e8m0fnu where torch has it (2.7+),
     else uint8 (numpy: uint8 either way). Asked per call: `import rawkv`
-    imports no torch. Through rawkv._dispatch's global, not sys.modules:
+    imports no torch. Through rawkv._args's global, not sys.modules:
     torch.compile copies sys.modules when traced code reads it, and a lazy
     import meanwhile fails the trace ('dictionary changed size during
     iteration': the first compiled quantize_blocks after hypothesis was
     imported)."""
-    t = D._torch_or_none()
+    t = A._torch_or_none()
     return "float8_e8m0fnu" if t is None or hasattr(t, "float8_e8m0fnu") else "uint8"
 
 
@@ -300,7 +299,7 @@ def _block_rows(x, name: str, block):
 
 def _quantize_blocks_args(x, block, scale_format, codes, scales):
     """(placement, x, rows, K, codes, scales, (UE8M0, SBYTE)) of a quantize_blocks, checked."""
-    where = D.placement(("x", x), ("codes", codes), ("scales", scales))
+    where = A.placement(("x", x), ("codes", codes), ("scales", scales))
     A.check_outputs((("codes", codes), ("scales", scales)), (("x", x),))
     x = A.tensor(x, "x", A.FLOATS, where, min_ndim=1, align=16)
     rows, k = _block_rows(x, "x", block)
@@ -328,9 +327,9 @@ def _quantize_blocks(x, block, scale_format, codes, scales, stream=None):
     """rawkv::fp8_quantize_blocks: the codes and scales of x into codes and scales."""
     where, x, rows, k, codes, scales, fmt = _quantize_blocks_args(x, block, scale_format, codes, scales)
     if where == "cpu":
-        rc, rs = bref.quantize_blocks(D.to_numpy(x, "x"), block, scale_format)
-        D.from_numpy(rc, x, out=codes)
-        D.from_numpy(host_scales(rs, fmt), x, out=scales)
+        rc, rs = bref.quantize_blocks(A.to_numpy(x, "x"), block, scale_format)
+        A.from_numpy(rc, x, out=codes)
+        A.from_numpy(host_scales(rs, fmt), x, out=scales)
         return
     if rows * k:
         rt = get_runtime(x.get_device())
@@ -339,7 +338,7 @@ def _quantize_blocks(x, block, scale_format, codes, scales, stream=None):
 
 def _dequantize_blocks_args(codes, scales, block, out, dtype):
     """(placement, codes, scales, rows, K, out, dtype name) of a dequantize_blocks, checked."""
-    where = D.placement(("codes", codes), ("scales", scales), ("out", out))
+    where = A.placement(("codes", codes), ("scales", scales), ("out", out))
     A.check_outputs((("out", out),), (("codes", codes), ("scales", scales)))
     codes = A.tensor(codes, "codes", CODES, where, min_ndim=1, align=8)
     rows, k = _block_rows(codes, "codes", block)
@@ -365,8 +364,8 @@ def _dequantize_blocks(codes, scales, block, out, stream=None, dtype=None):
     bfloat16 values)."""
     where, codes, scales, rows, k, out, name = _dequantize_blocks_args(codes, scales, block, out, dtype)
     if where == "cpu":
-        v = bref.dequantize_blocks(D.to_numpy(codes, "codes"), D.to_numpy(scales, "scales"), block)
-        D.from_numpy(ref.round_to_dtype(v, name), codes, torch_dtype=name, out=out)
+        v = bref.dequantize_blocks(A.to_numpy(codes, "codes"), A.to_numpy(scales, "scales"), block)
+        A.from_numpy(ref.round_to_dtype(v, name), codes, torch_dtype=name, out=out)
         return
     if rows * k:
         rt = get_runtime(codes.get_device())

@@ -12,7 +12,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from rawkv import kvcache as kc  # noqa: E402
-from rawkv import _dispatch as dispatch  # noqa: E402
+from rawkv import _args as dispatch  # noqa: E402
 from rawkv.reference import kvcache as ref  # noqa: E402
 from rawkv.reference.formats import bf16_round  # noqa: E402
 from support.kvcache import (  # noqa: E402

@@ -30,7 +30,7 @@ hypothesis = pytest.importorskip("hypothesis")
 torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from rawkv import _dispatch as D  # noqa: E402
+from rawkv import _args as D  # noqa: E402
 
 
 SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, print_blob=True,

@@ -12,7 +12,6 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _args as A
-from .. import _dispatch as D
 from .. import fp8 as FP8
 from ..kernels import fused as K
 from ..nvfp4 import _rules as NR
@@ -164,7 +163,7 @@ def rms(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, fresh=
     scope, gs = _scope(scope, gs, gs_value)
     inputs = (("x", x), ("mix", mix), ("weight", weight), ("gs", gs))
     outs = (("out.q", q), ("out.sf", sf), ("out.gs", gs_out), ("out.inv_rms", inv_rms))
-    where = D.placement(*inputs, *outs)
+    where = A.placement(*inputs, *outs)
     if not fresh:
         A.check_outputs(outs, inputs)
     x, mix, weight, lead, n_hc, n, dev = _rms_inputs(x, mix, weight, where)
@@ -212,7 +211,7 @@ def swiglu(h, granularity_, scope, gs, gs_value, q, sf, gs_out, fresh=False):
     granularity(granularity_)
     scope, gs = _scope(scope, gs, gs_value)
     outs = (("out.q", q), ("out.sf", sf), ("out.gs", gs_out))
-    where = D.placement(("h", h), ("gs", gs), *outs)
+    where = A.placement(("h", h), ("gs", gs), *outs)
     if not fresh:
         A.check_outputs(outs, (("h", h), ("gs", gs)))
     h, g, vec, lead, inter, dev = _swiglu_input(h, granularity_, where)
@@ -255,7 +254,7 @@ def moe_stage(hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights_
     of rawkv::moe_stage; `fresh` as for rms."""
     inputs = (("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights))
     outs = (("out.q", q), ("out.sf", sf), ("out.topk_ids", topk_ids_out), ("out.topk_weights", topk_weights_out))
-    where = D.placement(*inputs, *outs)
+    where = A.placement(*inputs, *outs)
     if not fresh:
         A.check_outputs(outs, inputs)
     hidden, topk_ids, topk_weights, m, k, dev = _moe_inputs(hidden, topk_ids, topk_weights, where)
@@ -292,7 +291,7 @@ def rms_fp8(x, mix, weight, eps, block, scale_format, codes, scales, inv_rms, fr
     _fp8_format(block, scale_format)
     inputs = (("x", x), ("mix", mix), ("weight", weight))
     outs = (("out.codes", codes), ("out.scales", scales), ("out.inv_rms", inv_rms))
-    where = D.placement(*inputs, *outs)
+    where = A.placement(*inputs, *outs)
     if not fresh:
         A.check_outputs(outs, inputs)
     x, mix, weight, lead, n_hc, n, dev = _rms_inputs(x, mix, weight, where)
@@ -310,7 +309,7 @@ def swiglu_fp8(h, granularity_, block, scale_format, codes, scales, fresh=False)
     granularity(granularity_)
     _fp8_format(block, scale_format)
     outs = (("out.codes", codes), ("out.scales", scales))
-    where = D.placement(("h", h), *outs)
+    where = A.placement(("h", h), *outs)
     if not fresh:
         A.check_outputs(outs, (("h", h),))
     h, g, vec, lead, inter, dev = _swiglu_input(h, granularity_, where)
@@ -327,7 +326,7 @@ def moe_stage_fp8(hidden, topk_ids, topk_weights, block, scale_format, codes, sc
     inputs = (("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights))
     outs = (("out.codes", codes), ("out.scales", scales), ("out.topk_ids", topk_ids_out),
             ("out.topk_weights", topk_weights_out))
-    where = D.placement(*inputs, *outs)
+    where = A.placement(*inputs, *outs)
     if not fresh:
         A.check_outputs(outs, inputs)
     hidden, topk_ids, topk_weights, m, k, dev = _moe_inputs(hidden, topk_ids, topk_weights, where)

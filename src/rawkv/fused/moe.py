@@ -11,7 +11,6 @@ from .._plan import run
 from ..reference import fused as ref
 from ..runtime import get_runtime
 from .. import _args as A
-from .. import _dispatch as D
 from .. import fp8 as FP8
 
 _OUT = ("q", "sf", "topk_ids", "topk_weights")
@@ -53,10 +52,10 @@ def _moe_stage(hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights
     where, hidden, topk_ids, topk_weights, q, sf, ids, w = R.moe_stage(
         hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights_out, fresh)
     if where == "cpu":
-        res = ref.moe_stage(D.to_numpy(hidden, "hidden"), D.to_numpy(topk_ids, "topk_ids"),
-                            D.to_numpy(topk_weights, "topk_weights"))
+        res = ref.moe_stage(A.to_numpy(hidden, "hidden"), A.to_numpy(topk_ids, "topk_ids"),
+                            A.to_numpy(topk_weights, "topk_weights"))
         for arr, o in zip(res, (q, sf, ids, w)):
-            D.from_numpy(arr, hidden, out=o)
+            A.from_numpy(arr, hidden, out=o)
         return
     rt = get_runtime(hidden.get_device())
     run(rt, plans.moe_stage(rt, hidden, topk_ids, topk_weights, q, sf, ids, w), stream)
@@ -106,10 +105,10 @@ def _moe_stage_fp8(hidden, topk_ids, topk_weights, block, scale_format, codes, s
     where, hidden, topk_ids, topk_weights, codes, scales, ids, w, fmt = R.moe_stage_fp8(
         hidden, topk_ids, topk_weights, block, scale_format, codes, scales, topk_ids_out, topk_weights_out, fresh)
     if where == "cpu":
-        c, sc, i, wt = ref.moe_stage_fp8(D.to_numpy(hidden, "hidden"), D.to_numpy(topk_ids, "topk_ids"),
-                                         D.to_numpy(topk_weights, "topk_weights"), block, scale_format)
+        c, sc, i, wt = ref.moe_stage_fp8(A.to_numpy(hidden, "hidden"), A.to_numpy(topk_ids, "topk_ids"),
+                                         A.to_numpy(topk_weights, "topk_weights"), block, scale_format)
         for arr, o in zip((c, FP8.host_scales(sc, fmt), i, wt), (codes, scales, ids, w)):
-            D.from_numpy(arr, hidden, out=o)
+            A.from_numpy(arr, hidden, out=o)
         return
     rt = get_runtime(hidden.get_device())
     run(rt, plans.moe_stage_fp8(rt, hidden, topk_ids, topk_weights, codes, scales, ids, w, block, fmt), stream)

@@ -7,7 +7,7 @@ import numpy as np
 from . import _rules as R
 from . import plans
 from .. import fp8 as FP8
-from .._op import dims, empties, op
+from .._op import empties, op
 from .._plan import run
 from ..nvfp4 import _rules as NR
 from ..nvfp4 import counters
@@ -15,7 +15,6 @@ from ..nvfp4.activation import QuantizedActivation
 from ..reference import fused as ref
 from ..runtime import get_runtime
 from .. import _args as A
-from .. import _dispatch as D
 
 
 def rmsnorm_quantize(x, weight, eps=1e-6, *, scope=None, gs=None, out=None, stream=None):
@@ -78,7 +77,7 @@ def rmsnorm_quantize_fp8(x, weight, eps=1e-6, *, block=128, scale_format="fp32",
     x, weight, eps as rmsnorm_quantize's; block 32, 64 or 128; scale_format
     'fp32' or 'ue8m0'. Returns rawkv.fp8.Fp8Activation(codes, scales,
     inv_rms); out= takes (codes, scales[, inv_rms])."""
-    s = dims(x)
+    s = A.dims(x)
     return fp8_activation(_rmsnorm_quantize_fp8, x, s[:-1], s[-1] if s else 0, block, scale_format, out, stream,
                           x, weight, number(eps))
 
@@ -86,7 +85,7 @@ def rmsnorm_quantize_fp8(x, weight, eps=1e-6, *, block=128, scale_format="fp32",
 def mhc_rmsnorm_quantize_fp8(x, mix, weight, eps=1e-6, *, block=128, scale_format="fp32", out=None, stream=None):
     """mHC pre-block + RMSNorm with an FP8 block output: quantize_blocks of
     the y mhc_rmsnorm_quantize quantizes. Returns Fp8Activation."""
-    s = dims(x)
+    s = A.dims(x)
     return fp8_activation(_mhc_rmsnorm_quantize_fp8, x, s[:-2], s[-1] if s else 0, block, scale_format, out,
                           stream, x, mix, weight, number(eps))
 
@@ -160,9 +159,9 @@ def _mhc_rmsnorm_quantize_fp8(x, mix, weight, eps, block, scale_format, codes, s
 def _run_fp8(checked, stream):
     a, mix, weight, eps, n_hc = checked
     if a.where == "cpu":
-        x, w = D.to_numpy(a.x, "x"), D.to_numpy(weight, "weight")
+        x, w = A.to_numpy(a.x, "x"), A.to_numpy(weight, "weight")
         if mix is not None:
-            m = D.to_numpy(mix, "mix").reshape(a.rows, n_hc)
+            m = A.to_numpy(mix, "mix").reshape(a.rows, n_hc)
             res = ref.mhc_rmsnorm_quantize_fp8(x.reshape(a.rows, n_hc, a.n), m, w, eps, a.block,
                                                a.scale_format, a.xdt)
         else:
@@ -176,10 +175,10 @@ def _run_fp8(checked, stream):
 def put_fp8(a, codes, scales, inv=None) -> None:
     """The reference's FP8 results into a row producer's outputs (E8M0
     bytes as float32 powers of two where out.scales is float32)."""
-    D.from_numpy(codes.reshape(a.codes.shape), a.x, out=a.codes)
-    D.from_numpy(FP8.host_scales(scales, a.fmt).reshape(a.scales.shape), a.x, out=a.scales)
+    A.from_numpy(codes.reshape(a.codes.shape), a.x, out=a.codes)
+    A.from_numpy(FP8.host_scales(scales, a.fmt).reshape(a.scales.shape), a.x, out=a.scales)
     if inv is not None:
-        D.from_numpy(inv.reshape(a.inv.shape), a.x, out=a.inv)
+        A.from_numpy(inv.reshape(a.inv.shape), a.x, out=a.inv)
 
 
 def _run(checked, stream):
@@ -209,18 +208,18 @@ def host_gs(a):
 def put(a, q, sf, g, inv=None) -> None:
     """The reference's results into a row producer's outputs."""
     lead = tuple(a.q.shape[:-1])
-    D.from_numpy(q.reshape(a.q.shape), a.x, out=a.q)
-    D.from_numpy(sf.reshape(a.sf.shape), a.x, out=a.sf)
-    D.from_numpy(np.asarray(g, np.float32).reshape(a.gs_out.shape), a.x, out=a.gs_out)
+    A.from_numpy(q.reshape(a.q.shape), a.x, out=a.q)
+    A.from_numpy(sf.reshape(a.sf.shape), a.x, out=a.sf)
+    A.from_numpy(np.asarray(g, np.float32).reshape(a.gs_out.shape), a.x, out=a.gs_out)
     if inv is not None:
-        D.from_numpy(inv.reshape(lead), a.x, out=a.inv)
+        A.from_numpy(inv.reshape(lead), a.x, out=a.inv)
 
 
 def _reference(a, mix, weight, eps, n_hc):
-    x, w = D.to_numpy(a.x, "x"), D.to_numpy(weight, "weight")
+    x, w = A.to_numpy(a.x, "x"), A.to_numpy(weight, "weight")
     gsv = host_gs(a)
     if mix is not None:
-        m = D.to_numpy(mix, "mix").reshape(a.rows, n_hc)
+        m = A.to_numpy(mix, "mix").reshape(a.rows, n_hc)
         res = ref.mhc_rmsnorm_quantize(x.reshape(a.rows, n_hc, a.n), m, w, eps, a.scope, gsv, a.xdt)
     else:
         res = ref.rmsnorm_quantize(x.reshape(a.rows, a.n), w, eps, a.scope, gsv, a.xdt)

@@ -9,7 +9,7 @@ from .._op import op
 from .._plan import run
 from ..reference import fused as ref
 from ..runtime import get_runtime
-from .. import _dispatch as D
+from .. import _args as A
 from .rms import activation, fp8_activation, given_counter, host_gs, put, put_fp8
 
 
@@ -32,7 +32,7 @@ def _swiglu_quantize(h, granularity, scope, gs, gs_value, q, sf, gs_out, stream=
     `gs` or a number `gs_value`; fresh as for rmsnorm_quantize."""
     a, g, vec = R.swiglu(h, granularity, scope, gs, gs_value, q, sf, gs_out, fresh)
     if a.where == "cpu":
-        put(a, *ref.swiglu_quantize(D.to_numpy(a.x, "h").reshape(a.rows, 2 * a.n), g, a.scope, host_gs(a), a.xdt))
+        put(a, *ref.swiglu_quantize(A.to_numpy(a.x, "h").reshape(a.rows, 2 * a.n), g, a.scope, host_gs(a), a.xdt))
         return
     rt = get_runtime(a.x.get_device())
     run(rt, plans.swiglu(rt, a, g, vec, given_counter(rt, a, stream)), stream)
@@ -57,7 +57,7 @@ def _swiglu_quantize_fp8(h, granularity, block, scale_format, codes, scales, str
     rmsnorm_quantize."""
     a, g, vec = R.swiglu_fp8(h, granularity, block, scale_format, codes, scales, fresh)
     if a.where == "cpu":
-        put_fp8(a, *ref.swiglu_quantize_fp8(D.to_numpy(a.x, "h").reshape(a.rows, 2 * a.n), g, a.block,
+        put_fp8(a, *ref.swiglu_quantize_fp8(A.to_numpy(a.x, "h").reshape(a.rows, 2 * a.n), g, a.block,
                                             a.scale_format, a.xdt))
         return
     rt = get_runtime(a.x.get_device())

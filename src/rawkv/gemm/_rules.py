@@ -14,7 +14,6 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _args as A
-from .. import _dispatch as D
 from ..kernels import gemm_fp4 as K
 from ..reference import gemm as ref
 from .weights import FORMATS, MX_WINDOW_FP16
@@ -63,7 +62,7 @@ def grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out):
     """(where, activation, weight, out) of rawkv::gemm_grouped_linear: x
     (T, G, K) against a weight of G groups, out (T, G, N)."""
     parts = _parts(x, x_sf, x_gs)
-    where = D.placement(*parts, ("weight", codes), ("out", out))
+    where = A.placement(*parts, ("weight", codes), ("out", out))
     w = weight(codes, scales, gs, fmt, n, k, where)
     A.check_outputs((("out", out),), parts, w.spans)
     act = activation(x, x_sf, x_gs, 3, k, fmt, exp_lo, exp_hi, where, w.device)
@@ -78,7 +77,7 @@ def moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, ou
     rawkv::gemm_moe_linear: x (R, K), offsets int32 (E+1,) for a weight of
     E experts, out (R, N), errors None or an int32 counter."""
     parts = _parts(x, x_sf, x_gs)
-    where = D.placement(*parts, ("offsets", offsets), ("errors", errors), ("out", out), ("weight", codes))
+    where = A.placement(*parts, ("offsets", offsets), ("errors", errors), ("out", out), ("weight", codes))
     w = weight(codes, scales, gs, fmt, n, k, where)
     A.check_outputs((("out", out), ("errors", errors)), (*parts, ("offsets", offsets)), w.spans)
     act = activation(x, x_sf, x_gs, 2, k, fmt, exp_lo, exp_hi, where, w.device)
@@ -133,7 +132,7 @@ def weight(codes, scales, gs, fmt, n, k, where) -> Weight:
     scales = A.tensor(scales, "weight.scales", _BYTE, where, shape=(*tile, 2), device=dev)
     gs = A.tensor(gs, "weight.gs", _F32, where, shape=(g,), device=dev)
     spans = A.detached_spans((("weight.codes", codes), ("weight.scales", scales), ("weight.gs", gs)))
-    if all(map(D.is_torch, given)):         # (a DLPack array checked here is a new tensor each call)
+    if all(map(A.is_torch, given)):         # (a DLPack array checked here is a new tensor each call)
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.clear()
         _CHECKED[id(codes)] = (weakref.ref(codes), weakref.ref(scales), weakref.ref(gs),
@@ -215,7 +214,7 @@ def rows_aligned(x, align: int):
     st = x.stride()
     if st[-1] == 1 and x.data_ptr() % align == 0 and all((s * es) % align == 0 for s in st[:-1]):
         return x
-    return x.clone(memory_format=D._torch.contiguous_format)
+    return x.clone(memory_format=A._torch.contiguous_format)
 
 
 # ---- out ---------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ allocated once, at construction, so a call allocates nothing and can be
 captured in a CUDA graph."""
 from __future__ import annotations
 
-from .._dispatch import is_torch
+from .._args import is_torch
 from .linear import grouped_linear
 from .weights import Fp4Weight, checked_device, require_torch
 

@@ -16,9 +16,9 @@ import sys
 
 import numpy as np
 
-from .. import _dispatch as D
+from .. import _args as A
 from .. import _plan
-from .._op import dims, empty, op
+from .._op import empty, op
 from ..nvfp4 import counters
 from ..reference import formats as F
 from ..reference import gemm as ref
@@ -49,7 +49,7 @@ def grouped_linear(x, weight, *, out=None, stream=None):
     _check_weight(weight)
     x, x_sf, x_gs = _split(x)
     if out is None:
-        s = dims(x)
+        s = A.dims(x)
         out = empty(x, (s[0] if s else 0, weight.groups, weight.n), "bfloat16", stream)
     lo, hi = weight.exp_range or (0, 0)
     _grouped(x, x_sf, x_gs, weight.codes, weight.scales, weight.gs, weight.fmt, weight.n, weight.k, lo, hi,
@@ -70,7 +70,7 @@ def moe_linear(x, weight, offsets, *, out=None, errors=None, stream=None):
     _check_weight(weight)
     x, x_sf, x_gs = _split(x)
     if out is None:
-        s = dims(x)
+        s = A.dims(x)
         out = empty(x, (s[0] if s else 0, weight.n), "bfloat16", stream)
     lo, hi = weight.exp_range or (0, 0)
     _moe(x, x_sf, x_gs, weight.codes, weight.scales, weight.gs, weight.fmt, weight.n, weight.k, lo, hi,
@@ -86,7 +86,7 @@ def _check_weight(weight) -> None:
 def _split(x) -> tuple:
     """(x, x_sf, x_gs): an NVFP4 activation (a QuantizedActivation, or
     anything with q, sf and gs) as its parts, any other x as it is."""
-    if D.is_torch(x) or isinstance(x, np.ndarray) or not (
+    if A.is_torch(x) or isinstance(x, np.ndarray) or not (
             hasattr(x, "q") and hasattr(x, "sf") and hasattr(x, "gs")):
         return x, None, None
     return x.q, x.sf, x.gs
@@ -131,7 +131,7 @@ def _moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, o
     where, act, w, offsets, out, errors = R.moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi,
                                                 offsets, out, errors)
     if where == "cpu":
-        y, bad = ref.ragged(_values(act), _weight_values(w), D.to_numpy(offsets, "offsets").astype(np.int64))
+        y, bad = ref.ragged(_values(act), _weight_values(w), A.to_numpy(offsets, "offsets").astype(np.int64))
         if errors is None:
             counters.add_cpu(counters.GEMM_OFFSETS, bad)
         elif bad:
@@ -149,10 +149,10 @@ def _moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, o
 def _values(act) -> np.ndarray:
     """The activation as float64, exactly."""
     if act.kind != R.NVFP4:
-        return D.to_numpy(act.x, "x").astype(np.float64)
-    codes = ref.unpack_nibbles(D.to_numpy(act.x, "x.q"))
-    sf = F.e4m3_decode(D.to_numpy(act.sf, "x.sf")).astype(np.float64)
-    gs = D.to_numpy(act.gs, "x.gs").astype(np.float64)
+        return A.to_numpy(act.x, "x").astype(np.float64)
+    codes = ref.unpack_nibbles(A.to_numpy(act.x, "x.q"))
+    sf = F.e4m3_decode(A.to_numpy(act.sf, "x.sf")).astype(np.float64)
+    gs = A.to_numpy(act.gs, "x.gs").astype(np.float64)
     gs = gs.reshape(()) if gs.size == 1 else gs[..., None]
     return F.e2m1_decode(codes).astype(np.float64) * np.repeat(sf, 16, axis=-1) * gs
 
@@ -161,12 +161,12 @@ def _weight_values(w) -> np.ndarray:
     """The weight as float64, exactly (from its packed tensors)."""
     codes = pack.unpack_codes(w.codes, w.n, w.k)
     scales = pack.unpack_scales(w.scales, w.n, w.k, ref.BLOCKS[w.fmt])
-    return ref.dequantize_weight(D.to_numpy(codes, "weight"), D.to_numpy(scales, "weight"),
-                                 D.to_numpy(w.gs, "weight"), w.fmt)
+    return ref.dequantize_weight(A.to_numpy(codes, "weight"), A.to_numpy(scales, "weight"),
+                                 A.to_numpy(w.gs, "weight"), w.fmt)
 
 
 def _write(y: np.ndarray, out) -> None:
     """The reference's float64 result rounded once to BF16, into out (a
     bfloat16 tensor, or a numpy float32 array holding the BF16 values)."""
     vals = (ref.round_to_bf16(y).astype(np.uint32) << 16).view(np.float32)
-    D.from_numpy(vals, out, torch_dtype="bfloat16", out=out)
+    A.from_numpy(vals, out, torch_dtype="bfloat16", out=out)

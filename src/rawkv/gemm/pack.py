@@ -10,8 +10,7 @@ within the step's 4, held by byte COL_OF_BYTE^-1[p] of the word).
 """
 from __future__ import annotations
 
-from .._args import require_array
-from .._dispatch import is_torch
+from .._args import is_torch, require_array
 from ..reference.gemm import (CHUNK, COL_OF_BYTE, LANES, ROWS, SCALE_PAD, check_block, check_bytes,
                               check_packed, padded_sizes)
 

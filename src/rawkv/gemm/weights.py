@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._args import check_gs_number, is_number, require_array
-from .._dispatch import is_torch
+from .._args import check_gs_number, is_number, is_torch, require_array
 from ..reference import gemm as ref
 from ..runtime import get_runtime
 from . import pack

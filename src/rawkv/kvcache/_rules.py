@@ -3,7 +3,7 @@ kind of argument, are rawkv._args): the same on CPU and CUDA pools, states
 and caches.
 
 An op on a pool or decode state runs where the object lives (`placed`: its
-arrays must be there too, D.placement's rule), an op on a bare cache where
+arrays must be there too, A.placement's rule), an op on a bare cache where
 its arrays live. Every array argument is checked once, by rawkv._args.tensor
 through `arg`: dtype (names as torch spells them), dimensions, shape, device,
 contiguity and the alignment the kernel needs, so code that runs on a CPU
@@ -17,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _args as A
-from .. import _dispatch as D
 from ..kernels import kv_compress as KC
 from ..reference.kvcache import layouts as RL
 from .pool import PagedKVPool
@@ -67,10 +66,10 @@ def launch_rows(name: str, n: int) -> None:
 def placed(obj, name: str, *named) -> tuple:
     """(where, dev) of an op on a pool or state `obj` (`name`: 'pool' or
     'state'): where it lives, which every array of the (name, array) pairs
-    `named` must share (D.placement: 'x: is on cpu but pool is on cuda'),
+    `named` must share (A.placement: 'x: is on cpu but pool is on cuda'),
     and the device index A.tensor compares (-1: the host)."""
     anchor = obj.block_table if isinstance(obj, PagedKVPool) else obj.count
-    where = D.placement((name, anchor), *named)
+    where = A.placement((name, anchor), *named)
     return where, (obj.device_index if obj.is_cuda else -1)
 
 
@@ -94,7 +93,7 @@ def opt(x, name: str, dtypes: tuple, where: str, dev: int, **kw):
 def host(*arrays):
     """The checked arrays as numpy, for the reference (None stays None;
     bfloat16 as float32, exactly)."""
-    return tuple(None if a is None else D.to_numpy(a, "array") for a in arrays)
+    return tuple(None if a is None else A.to_numpy(a, "array") for a in arrays)
 
 
 # ---- the counter and the outputs --------------------------------------------------------------
@@ -148,7 +147,7 @@ def out_dtype(dtype, out) -> str:
         name = _OUT_NAMES.get(getattr(out, "dtype", None))
         if name is not None:
             return name
-        if not D.is_torch(out):
+        if not A.is_torch(out):
             name = "bfloat16"
             _agrees(name, out)
             return name
@@ -156,7 +155,7 @@ def out_dtype(dtype, out) -> str:
     name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
     if name not in OUT:
         raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype!r}")
-    if not isinstance(dtype, str) and D.is_torch(out):
+    if not isinstance(dtype, str) and A.is_torch(out):
         _OUT_NAMES[dtype] = name
     if out is not None:
         _agrees(name, out)
@@ -246,7 +245,7 @@ def store(lay, cache_, rows, slots, page_size, offsets, errors, width: int, name
     a counter or None."""
     p = host_int("page_size", page_size, 1)
     inputs = ((name, rows), (slots_name, slots), ("offsets", offsets))
-    where = D.placement(("cache", cache_), *inputs, ("errors", errors))
+    where = A.placement(("cache", cache_), *inputs, ("errors", errors))
     A.check_outputs((("cache", cache_), ("errors", errors)), inputs)
     c, n = cache(cache_, lay, p, where)
     dev = A.device_of(c)
@@ -265,7 +264,7 @@ def model1_gather(cache_, indices, page_size, out, errors, dtype):
     errors) of model1_gather: indices int32 of any shape, out
     (*indices.shape, 512)."""
     p = host_int("page_size", page_size, 1)
-    where = D.placement(("cache", cache_), ("indices", indices), ("out", out), ("errors", errors))
+    where = A.placement(("cache", cache_), ("indices", indices), ("out", out), ("errors", errors))
     A.check_outputs((("out", out), ("errors", errors)), (("cache", cache_), ("indices", indices)))
     c, n = cache(cache_, RL.MODEL1, p, where)
     dev = A.device_of(c)
@@ -286,7 +285,7 @@ def topk_bridge(topk_ids, block_table, page_size, num_pages, slots, n_entries, o
     if npg * p > RL.INDEX_LIMIT:
         raise ValueError(f"num_pages: {npg} pages of {p} entries exceed the int32 index range (2^31 - 1)")
     inputs = (("topk_ids", topk_ids), ("block_table", block_table), ("slots", slots), ("n_entries", n_entries))
-    where = D.placement(*inputs, ("out", out), ("errors", errors))
+    where = A.placement(*inputs, ("out", out), ("errors", errors))
     A.check_outputs((("out", out), ("errors", errors)), inputs)
     ids = arg(topk_ids, "topk_ids", IDS, where, None)
     if ids.ndim not in (2, 3):

@@ -10,9 +10,9 @@ entries"); anything else is -1 and counted.
 """
 from __future__ import annotations
 
-from .. import _dispatch as D
+from .. import _args as A
 from .. import _plan
-from .._op import dims, empty, op
+from .._op import empty, op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import _rules as C
@@ -37,7 +37,7 @@ def kvcache_indices(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, o
     with out=."""
     C.pool(pool)
     if out is None:
-        out = empty(topk_ids, dims(topk_ids), "int32", stream)
+        out = empty(topk_ids, A.dims(topk_ids), "int32", stream)
     _kvcache_indices(*V.pool_operands(pool, errors), slots, topk_ids, n_entries, valid_mask, out,
                      stream=stream, pool=pool)
     return out
@@ -54,7 +54,7 @@ def _kvcache_indices(*args, stream=None, pool=None):
     if where == "cpu":
         res, n = ref.paged_kvcache_indices(pool.reference_view(), *C.host(s, ids, ne, v))
         C.add_errors(err, n)
-        D.from_numpy(res, out, out=out)
+        A.from_numpy(res, out, out=out)
         return
     rt = get_runtime(pool.device_index)
     _plan.run(rt, P.kvcache_indices(rt, pool, ids, s, ne, v, out, err), stream)

@@ -7,9 +7,9 @@ left in a reused block are never returned.
 """
 from __future__ import annotations
 
-from .. import _dispatch as D
+from .. import _args as A
 from .. import _plan
-from .._op import dims, empty, op
+from .._op import empty, op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import _rules as C
@@ -34,7 +34,7 @@ def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=N
     C.pool(pool)
     name = C.out_dtype(dtype, out)
     if out is None:
-        out = empty(topk_ids, (*dims(topk_ids), pool.head_dim), name, stream)
+        out = empty(topk_ids, (*A.dims(topk_ids), pool.head_dim), name, stream)
     _gather_topk(*V.pool_operands(pool, errors), slots, topk_ids, n_entries, valid_mask, out,
                  stream=stream, pool=pool, dtype=name)
     return out
@@ -104,7 +104,7 @@ def _dense_batch(call, pool, slots, n_entries, max_entries, valid_mask, out, dty
     name = C.out_dtype(dtype, out)
     if max_entries is not None:
         max_entries = C.host_int("max_entries", max_entries, 0)
-    width, s = _width(pool, index), dims(slots)
+    width, s = _width(pool, index), A.dims(slots)
     if out is None and width is not None and len(s) == 1:
         out = empty(slots, (s[0], max_entries, width), name, stream)
     call(*V.pool_operands(pool, errors), slots, n_entries, valid_mask, out, stream=stream, pool=pool, dtype=name,
@@ -129,7 +129,7 @@ def _gather_topk(*args, stream=None, pool=None, dtype=None):
     if where == "cpu":
         rows, n = ref.paged_gather_topk(pool.reference_view(), *C.host(s, ids, ne, v), dtype=name)
         C.add_errors(err, n)
-        D.from_numpy(rows, out, torch_dtype=name, out=out)
+        A.from_numpy(rows, out, torch_dtype=name, out=out)
         return
     B, Kk = ids.shape
     rt = get_runtime(pool.device_index)
@@ -157,7 +157,7 @@ def _dense_op(name: str, index: bool):
         if where == "cpu":
             rows, ne = ref.paged_gather_dense(pool.reference_view(), slot, n, dname, index=index)
             C.add_errors(err, ne)
-            D.from_numpy(rows, out, torch_dtype=dname, out=out)
+            A.from_numpy(rows, out, torch_dtype=dname, out=out)
             return
         _run_dense(pool, index, None, None, None, slot, n, 1, n, out, err, stream)
     body.__doc__ = f"rawkv::{name}: entries 0 .. n_entries-1 of a slot into out."
@@ -175,7 +175,7 @@ def _batch_op(name: str, index: bool):
             rows, n = ref.paged_gather_dense_batch(pool.reference_view(), *C.host(s, ne), Kk, *C.host(v), dname,
                                                    index=index)
             C.add_errors(err, n)
-            D.from_numpy(rows, out, torch_dtype=dname, out=out)
+            A.from_numpy(rows, out, torch_dtype=dname, out=out)
             return
         _run_dense(pool, index, s, ne, v, 0, 0, s.shape[0], Kk, out, err, stream)
     body.__doc__ = f"rawkv::{name}: entries 0 .. n_entries[b]-1 of each row's slot into out."

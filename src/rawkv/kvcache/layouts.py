@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _dispatch as D
-from .._op import dims, empty, op
+from .. import _args as A
+from .._op import empty, op
 from ..kernels import kv_layouts as K
 from ..reference.kvcache import layouts as R
 from ..runtime import get_runtime
@@ -74,10 +74,10 @@ def deepgemm_view(cache, page_size: int, layout="index_fp8"):
 
 def _record_view(cache, lay: R.SplitLayout, page_size: int):
     p = C.host_int("page_size", page_size, 1)
-    c, n = C.cache(cache, lay, p, D.placement(("cache", cache)))
+    c, n = C.cache(cache, lay, p, A.placement(("cache", cache)))
     rec = lay.data_bytes + lay.scale_bytes
     shape, strides = (n, p, 1, rec), (lay.page_bytes(p), rec, rec, 1)
-    if D.is_torch(c):
+    if A.is_torch(c):
         return c.as_strided(shape, strides)
     return np.lib.stride_tricks.as_strided(c, shape, strides)
 
@@ -129,7 +129,7 @@ def model1_gather(cache, indices, *, page_size: int, out=None, dtype=None, error
     errors += 1. One launch (one warp per row), capturable with out=."""
     name = C.out_dtype(dtype, out)
     if out is None:
-        out = empty(indices, (*dims(indices), R.ENTRY_DIM), name, stream)
+        out = empty(indices, (*A.dims(indices), R.ENTRY_DIM), name, stream)
     _model1_gather(cache, indices, page_size, out, errors, stream, name)
     return out
 
@@ -146,7 +146,7 @@ def topk_to_kvcache_indices(topk_ids, block_table, *, page_size: int, num_pages:
     [0, R) or a block id outside [0, num_pages) -> -1, errors += 1
     (reference.topk_to_kvcache_indices). One launch, capturable with out=."""
     if out is None:
-        out = empty(topk_ids, dims(topk_ids), "int32", stream)
+        out = empty(topk_ids, A.dims(topk_ids), "int32", stream)
     _topk_to_kvcache_indices(topk_ids, block_table, page_size, num_pages, slots, n_entries, out, errors, stream)
     return out
 
@@ -210,7 +210,7 @@ def _model1_gather(cache, indices, page_size, out, errors, stream=None, dtype=No
         rows, bad = R.model1_gather(C.cache_pages(c, n, R.MODEL1.page_bytes(p)), p, *C.host(idx), name)
         if err is not None:
             C.add_errors(err, bad)
-        D.from_numpy(rows, out, torch_dtype=name, out=out)
+        A.from_numpy(rows, out, torch_dtype=name, out=out)
         return
     rows = idx.numel()
     if rows:
@@ -232,7 +232,7 @@ def _topk_to_kvcache_indices(topk_ids, block_table, page_size, num_pages, slots,
         res, bad = R.topk_to_kvcache_indices(*C.host(ids, table), p, npg, *C.host(s, ne))
         if err is not None:
             C.add_errors(err, bad)
-        D.from_numpy(res, out, out=out)
+        A.from_numpy(res, out, out=out)
         return
     total = ids.numel()
     if total:

@@ -3,7 +3,8 @@ one rkv_kv_compress launch (reference.paged_compress_prefill)."""
 from __future__ import annotations
 
 from .. import _plan
-from .._op import dims, op
+from .._op import op
+from .._args import dims
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
 from . import _rules as C

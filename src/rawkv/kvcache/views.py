@@ -21,7 +21,6 @@ import re
 import string
 
 from .. import _args as A
-from .. import _dispatch as D
 from ..reference import kvcache as ref
 from ..reference.kvcache import layouts as R
 from . import _rules as C
@@ -153,7 +152,7 @@ def _buf(x, name: str, dtypes: tuple, at: tuple, **kw):
     """A view's buffer, checked (C.arg); on the host as numpy (the
     reference's), sharing the memory."""
     x = C.arg(x, name, dtypes, *at, **kw)
-    return x if at[0] == "cuda" else D.to_numpy(x, name)
+    return x if at[0] == "cuda" else A.to_numpy(x, name)
 
 
 def _blocks_of(x, name: str, nb: int, epb: int) -> None:
@@ -216,7 +215,7 @@ def _table_args(block_table, request_ids, owners, written, marks, errors, at, ma
 def _counter(errors, at):
     """A view's counter: A.counter's rule, as numpy on the host."""
     err = A.counter(A.require_array(errors, "errors"), *at)
-    return err if at[0] == "cuda" else D.to_numpy(err, "errors")
+    return err if at[0] == "cuda" else A.to_numpy(err, "errors")
 
 
 def _finish_view(p, at, first, bt, ids, own, wr, mk, err) -> PagedKVPool:

@@ -13,7 +13,6 @@ import operator
 import numpy as np
 
 from .. import _args as A
-from .. import _dispatch as D
 from ..reference import nvfp4 as ref
 
 BLOCK = ref.BLOCK
@@ -31,7 +30,7 @@ def as_q(t):
     torch has it; anything else as it is (numpy arrays; what the op then
     checks and refuses), so the public op views its outputs before the op
     writes them."""
-    torch = D._torch or D._torch_or_none()          # (no call once torch is bound: the hot path)
+    torch = A._torch or A._torch_or_none()          # (no call once torch is bound: the hot path)
     if torch is None or not isinstance(t, torch.Tensor):
         return t
     dt = A.dtypes()
@@ -41,7 +40,7 @@ def as_q(t):
 def as_sf(t):
     """Scale bytes (uint8 or float4_e2m1fn_x2) as torch.float8_e4m3fn where
     torch has it; anything else as it is (see as_q)."""
-    torch = D._torch or D._torch_or_none()
+    torch = A._torch or A._torch_or_none()
     if torch is None or not isinstance(t, torch.Tensor):
         return t
     dt = A.dtypes()
@@ -107,7 +106,7 @@ def given_gs_host(gs, dtype: str) -> np.ndarray:
         check_given_gs_number(gs, dtype)
         return np.asarray(gs, np.float32)
     A.check_cpu_array(gs, "gs", ("float32",))
-    g = np.asarray(D.to_numpy(gs, "gs"), np.float32).reshape(())
+    g = np.asarray(A.to_numpy(gs, "gs"), np.float32).reshape(())
     if not 0 < g < ref.given_gs_limit(dtype):
         raise ValueError(f"gs: {float(g)!r} is not a usable global scale for {dtype} input (expected "
                          f"0 < gs < {ref.given_gs_limit(dtype):.9g}; docs/format.md)")

@@ -10,8 +10,7 @@ from typing import Any, NamedTuple
 from . import _rules as C
 from .decode import host_gs, launch_decode
 from .. import _args as A
-from .. import _dispatch as D
-from .._op import dims, empty, op
+from .._op import empty, op
 from ..reference import nvfp4 as ref
 from ..runtime import get_runtime
 
@@ -44,7 +43,7 @@ def dequantize(q, sf=None, gs=None, *, dtype=None, out=None, stream=None):
         q, sf, gs = _activation_parts(q, sf, gs)
     name = A.decode_dtype(dtype, out, "bfloat16")
     if out is None:
-        sq = dims(q)
+        sq = A.dims(q)
         out = empty(q, (*sq[:-1], sq[-1] * 2 if sq else 0), name, stream)
     gs_t, gs_v = A.split_number(gs)
     _dequantize(q, sf, gs_t, gs_v, out, stream, name)
@@ -58,8 +57,8 @@ def _dequantize(q, sf, gs, gs_value, out, stream=None, dtype=None):
     bfloat16 values); a gs is a tensor `gs` or a number `gs_value`."""
     where, q, sf, n, kind, gs, out, name = _arguments(q, sf, gs, gs_value, out, dtype)
     if where == "cpu":
-        y = ref.dequantize(D.to_numpy(q, "q"), D.to_numpy(sf, "sf"), _lead_gs(kind, gs, q), name)
-        D.from_numpy(y, q, torch_dtype=name, out=out)
+        y = ref.dequantize(A.to_numpy(q, "q"), A.to_numpy(sf, "sf"), _lead_gs(kind, gs, q), name)
+        A.from_numpy(y, q, torch_dtype=name, out=out)
         return
     m = math.prod(q.shape[:-1])
     launch_decode(get_runtime(q.get_device()), q, sf, kind, gs, None, out, None, m, m, n, stream)
@@ -68,7 +67,7 @@ def _dequantize(q, sf, gs, gs_value, out, stream=None, dtype=None):
 def _arguments(q, sf, gs, gs_value, out, dtype):
     """(where, q, sf, N, gs kind, gs, out, dtype name) of rawkv::nvfp4_dequantize."""
     gs = C.decode_scale(gs, gs_value)
-    where = D.placement(("q", q), ("sf", sf), ("gs", gs), ("out", out))
+    where = A.placement(("q", q), ("sf", sf), ("gs", gs), ("out", out))
     A.check_outputs((("out", out),), (("q", q), ("sf", sf), ("gs", gs)))
     q, sf, n = C.q_sf(q, sf, where)
     dev, lead = A.device_of(q), tuple(q.shape[:-1])

@@ -10,8 +10,7 @@ from . import _rules as C
 from . import counters
 from ._geometry import grid, groups
 from .. import _args as A
-from .. import _dispatch as D
-from .._op import dims, empty, op
+from .._op import empty, op
 from ..kernels import nvfp4 as K
 from ..reference import layouts as ref_layouts
 from ..runtime import get_runtime
@@ -46,8 +45,8 @@ def gather(q, sf, gs, indices, *, dtype=None, out=None, errors=None, stream=None
     tensor, or one per source row."""
     name = A.decode_dtype(dtype, out, "bfloat16")
     if out is None:
-        sq = dims(q)
-        out = empty(q, (*dims(indices), sq[-1] * 2 if sq else 0), name, stream)
+        sq = A.dims(q)
+        out = empty(q, (*A.dims(indices), sq[-1] * 2 if sq else 0), name, stream)
     gs_t, gs_v = A.split_number(gs)
     _gather(q, sf, gs_t, gs_v, indices, out, errors, stream, name)
     return out
@@ -76,7 +75,7 @@ def _arguments(q, sf, gs, gs_value, indices, out, errors, dtype):
     """(where, q, sf, N, gs kind, gs, indices, out, dtype name, errors) of
     rawkv::nvfp4_gather."""
     gs = C.decode_scale(gs, gs_value)
-    where = D.placement(("q", q), ("sf", sf), ("gs", gs), ("indices", indices), ("out", out),
+    where = A.placement(("q", q), ("sf", sf), ("gs", gs), ("indices", indices), ("out", out),
                         ("errors", errors))
     A.check_outputs((("out", out), ("errors", errors)), (("q", q), ("sf", sf), ("gs", gs), ("indices", indices)))
     q, sf, n = C.q_sf(q, sf, where)
@@ -92,7 +91,7 @@ def _arguments(q, sf, gs, gs_value, indices, out, errors, dtype):
 def host_gs(kind, gs) -> np.ndarray:
     """A checked decode gs (_rules.decode_gs) as the reference takes it:
     float32, 0-d, or 1-d with one per row."""
-    g = np.asarray(gs if kind == "value" else D.to_numpy(gs, "gs"), np.float32)
+    g = np.asarray(gs if kind == "value" else A.to_numpy(gs, "gs"), np.float32)
     return g.reshape(-1) if kind == "row" else g.reshape(())
 
 
@@ -100,15 +99,15 @@ def _reference(q, sf, kind, gs, idx, out, name, errors, m, n):
     """The CPU branch: rawkv.reference.layouts.gather into out; the rows
     whose index is out of range are counted in errors[0], or, with no
     errors=, in error_counts('cpu')."""
-    qa, sfa = D.to_numpy(q, "q"), D.to_numpy(sf, "sf")
-    ia = D.to_numpy(idx, "indices")
+    qa, sfa = A.to_numpy(q, "q"), A.to_numpy(sf, "sf")
+    ia = A.to_numpy(idx, "indices")
     y, nerr = ref_layouts.gather(qa.reshape(m, qa.shape[-1]), sfa.reshape(m, sfa.shape[-1]),
                                  host_gs(kind, gs), ia.reshape(-1), name)
     if errors is None:
         counters.add_cpu(counters.GATHER_INDEX, nerr)
     elif nerr:
-        if D.is_torch(errors):
+        if A.is_torch(errors):
             errors.view(-1)[0] += nerr
         else:
             errors.reshape(-1)[0] += nerr
-    D.from_numpy(np.asarray(y).reshape(*ia.shape, n), q, torch_dtype=name, out=out)
+    A.from_numpy(np.asarray(y).reshape(*ia.shape, n), q, torch_dtype=name, out=out)

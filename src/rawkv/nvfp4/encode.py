@@ -8,8 +8,7 @@ from . import _rules as C
 from . import counters, scopes
 from ._geometry import BLOCK_THREADS, grid, groups
 from .. import _args as A
-from .. import _dispatch as D
-from .._op import dims, empty, op
+from .._op import empty, op
 from .._plan import Launch, Memset, grid_stride, run
 from ..kernels import nvfp4 as K
 from ..reference import nvfp4 as ref
@@ -51,7 +50,7 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
     # a gs tensor given without an out gs is the gs
     if q is None or sf is None or (g is None and gs_t is None):
         scope = A.default_scope(scope, gs, "tensor")
-        s = dims(x)
+        s = A.dims(x)
         lead, n = s[:-1], (s[-1] if s else 0)
         if q is None:
             q = empty(x, (*lead, n // 2), "uint8", stream)
@@ -77,9 +76,9 @@ def _quantize(x, scope, gs, gs_value, q, sf, gs_out, errors, stream=None):
         # and float32: numpy views of the same memory); a given gs the host
         # holds is checked first, errors= is never added to
         gsv = C.given_gs_host(gs, xdt) if scope == "given" else None
-        hx = D.to_numpy(x, "x").astype(np.float32, copy=False)
-        hq, hsf = D.to_numpy(q, "q"), D.to_numpy(sf, "sf")
-        hg = None if gs_out is None else D.to_numpy(gs_out, "gs_out")
+        hx = A.to_numpy(x, "x").astype(np.float32, copy=False)
+        hq, hsf = A.to_numpy(q, "q"), A.to_numpy(sf, "sf")
+        hg = None if gs_out is None else A.to_numpy(gs_out, "gs_out")
         hq[...], hsf[...], rg = ref.quantize(hx, scope, gsv, xdt)
         if hg is not None:
             hg[...] = rg
@@ -101,7 +100,7 @@ def _arguments(x, scope, gs, gs_value, q, sf, gs_out, errors):
     against x's dtype) or a float32 array of one element (its value is the
     CPU branch's to check, C.given_gs_host, or the kernel's)."""
     scope, gs = A.check_scope_gs(scope, A.op_gs(gs, gs_value), SCOPES, "tensor")
-    where = D.placement(("x", x), ("gs", gs), ("out[0]", q), ("out[1]", sf), ("out[2]", gs_out),
+    where = A.placement(("x", x), ("gs", gs), ("out[0]", q), ("out[1]", sf), ("out[2]", gs_out),
                         ("errors", errors))
     A.check_outputs((("out[0]", q), ("out[1]", sf), ("out[2]", gs_out), ("errors", errors)),
                     (("x", x), ("gs", gs)))
@@ -150,8 +149,8 @@ def _global_scale(x, gs_out, stream=None):
     """rawkv::nvfp4_global_scale: x's scope-'tensor' gs into gs_out."""
     where, x, m, n, ldx, gs_out = _global_scale_arguments(x, gs_out)
     if where == "cpu":
-        hx = D.to_numpy(x, "x").astype(np.float32, copy=False)
-        D.to_numpy(gs_out, "gs_out")[...] = ref.global_scale(hx, "tensor")
+        hx = A.to_numpy(x, "x").astype(np.float32, copy=False)
+        A.to_numpy(gs_out, "gs_out")[...] = ref.global_scale(hx, "tensor")
         return
     rt = get_runtime(x.get_device())
     if m * n == 0:
@@ -162,7 +161,7 @@ def _global_scale(x, gs_out, stream=None):
 
 def _global_scale_arguments(x, gs_out):
     """(where, x, M, N, ldx, gs_out) of rawkv::nvfp4_global_scale."""
-    where = D.placement(("x", x), ("out", gs_out))
+    where = A.placement(("x", x), ("out", gs_out))
     A.check_outputs((("out", gs_out),), (("x", x),))
     x, m, n, ldx, _, dev, _ = _input(x, where)
     gs_out = A.tensor(gs_out, "out", ("float32",), where, shape=(), device=dev)

@@ -7,8 +7,7 @@ import math
 from . import _rules as C
 from ._geometry import BLOCK_THREADS
 from .. import _args as A
-from .. import _dispatch as D
-from .._op import dims, empty, op
+from .._op import empty, op
 from ..kernels import nvfp4 as K
 from ..reference import layouts as ref_layouts
 from ..runtime import get_runtime
@@ -27,7 +26,7 @@ def swizzle_scales(sf, *, out=None, stream=None):
     contiguous) -> the 1-D tensor-core layout of swizzled_size(rows, cols)
     bytes (zero padding)."""
     if out is None:
-        s = dims(sf)
+        s = A.dims(sf)
         out = empty(sf, (ref_layouts.swizzled_size(math.prod(s[:-1]), s[-1]) if s else 0,), "uint8", stream)
     _swizzle(sf, out, stream)
     return C.as_sf(out)
@@ -48,7 +47,7 @@ def _swizzle(sf, out, stream=None):
     """rawkv::nvfp4_swizzle_scales: sf in the tensor-core layout, into out."""
     where, sf, rows, cols, out = _swizzle_arguments(sf, out)
     if where == "cpu":
-        D.from_numpy(ref_layouts.swizzle_scales(D.to_numpy(sf, "sf")), sf, out=out)
+        A.from_numpy(ref_layouts.swizzle_scales(A.to_numpy(sf, "sf")), sf, out=out)
         return
     size = out.numel()
     if size:
@@ -65,7 +64,7 @@ def _unswizzle(sw, out, stream=None):
     whose shape is the linear shape."""
     where, sw, rows, cols, out = _unswizzle_arguments(sw, out)
     if where == "cpu":
-        D.from_numpy(ref_layouts.unswizzle_scales(D.to_numpy(sw, "sw"), rows, cols).reshape(out.shape), sw,
+        A.from_numpy(ref_layouts.unswizzle_scales(A.to_numpy(sw, "sw"), rows, cols).reshape(out.shape), sw,
                      out=out)
         return
     if rows * cols:
@@ -77,7 +76,7 @@ def _unswizzle(sw, out, stream=None):
 
 def _swizzle_arguments(sf, out):
     """(where, sf, rows, cols, out) of rawkv::nvfp4_swizzle_scales."""
-    where = D.placement(("sf", sf), ("out", out))
+    where = A.placement(("sf", sf), ("out", out))
     A.check_outputs((("out", out),), (("sf", sf),))
     sf = A.tensor(sf, "sf", A.BYTES, where, min_ndim=1)
     rows, cols = math.prod(sf.shape[:-1]), sf.shape[-1]
@@ -89,7 +88,7 @@ def _swizzle_arguments(sf, out):
 def _unswizzle_arguments(sw, out):
     """(where, sw, rows, cols, out) of rawkv::nvfp4_unswizzle_scales: the
     linear shape is out's."""
-    where = D.placement(("sw", sw), ("out", out))
+    where = A.placement(("sw", sw), ("out", out))
     A.check_outputs((("out", out),), (("sw", sw),))
     sw = A.tensor(sw, "sw", A.BYTES, where, align=16)
     out = A.tensor(out, "out", A.BYTES, where, min_ndim=1, device=A.device_of(sw))
