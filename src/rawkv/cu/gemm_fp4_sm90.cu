@@ -40,6 +40,7 @@
 // workspace, so the same bits on every run (not the same bits as one block
 // over all of K: the sum is grouped differently).
 #include "gemm_fp4.cuh"
+#include "sm90.cuh"
 #include "wgmma_rs.cuh"
 using namespace rkv;
 
@@ -48,44 +49,6 @@ namespace {
 constexpr int kThreads = 384;
 constexpr int kCodeBytes = 512;          // one row tile, one chunk (32 lanes x 16 B)
 constexpr int kScaleBytes = 64;          // its scales (32 lanes x 2 B)
-
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
-    u32 done;
-    asm volatile(
-        "{\n .reg .pred p;\n"
-        " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    return done != 0;
-}
-// Until the phase of `parity` has completed (try_wait itself sleeps a while).
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    while (!mbar_try_wait(bar, parity)) {
-    }
-}
-// Shared-window loads: a generic pointer into shared memory compiles to a
-// generic load (LD.E), slower than LDS.
-__device__ __forceinline__ uint4 ld_shared16(u32 addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ u32 ld_shared_u16(u32 addr) {
-    u16 v;
-    asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ void st_shared(u32 addr, u32 v) {
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
 
 // ---- the cluster (split K) --------------------------------------------------
 __device__ __forceinline__ void cluster_sync() {
@@ -116,19 +79,6 @@ __device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
             " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     }
 }
-
-// Matrix descriptor of a K-major B tile with the 128-byte swizzle: start
-// address, leading offset (unused for this layout: 1), stride 1024 bytes
-// between 8-row groups, layout type 1 (128B swizzle). The tile is 1024-byte
-// aligned; k16 step s starts 32 * s bytes into each row.
-__device__ __forceinline__ u64 b_desc(u32 addr) {
-    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
 template <int BN, bool F16>
 __device__ __forceinline__ void wgmma_step(float (&d)[BN / 2], const u32 (&a)[4], u64 desc) {
