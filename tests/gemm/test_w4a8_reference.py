@@ -348,14 +348,64 @@ def test_w4a8_weight_is_the_reference_rule_packed(rng):
     w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(w_codes), torch.from_numpy(w_scales), groups=g)
     w8 = rawkv.gemm.w4a8_weight(w)
     shifts, rebase = W.w4a8_form(w_codes, w_scales)
-    np.testing.assert_array_equal(w8.shifts.numpy(), G.pack_scales(shifts, 32, pad=W.ZERO_SHIFT))
-    npad = G.padded_sizes(n, k)[0]
+    np.testing.assert_array_equal(w8.codes.numpy(), W.pack_codes8(w_codes))
+    np.testing.assert_array_equal(w8.shifts.numpy(), W.pack_shifts8(shifts))
+    npad = W.padded8(n, k)[0]
     assert w8.row_scale.dtype == torch.float32 and tuple(w8.row_scale.shape) == (g, npad)
     np.testing.assert_array_equal(w8.row_scale.numpy()[:, :n], np.ldexp(1.0, rebase))
     assert (w8.row_scale.numpy()[:, n:] == 1).all()
     # padding blocks take a row of the table whose entry 0 is 0
     assert (w8.shifts.numpy() <= W.SHIFT_MAX + W.SHIFT_BIAS).all()
-    assert w8.weight is w
+    assert (w8.n, w8.k, w8.groups) == (n, k, g) and w8.gs is w.gs
+
+
+# -- the W4A8 kernel's packed layout ----------------------------------------------------------
+
+@pytest.mark.parametrize("g, n, k", [(1, 16, 128), (2, 21, 160), (3, 40, 288)])
+def test_packed_codes_and_shifts_round_trip(rng, g, n, k):
+    codes = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
+    shifts = rng.integers(0, 21, (g, n, k // 32), dtype=np.uint8)
+    p, ps = W.pack_codes8(codes), W.pack_shifts8(shifts)
+    tiles, chunks = -(-n // 16), -(-k // 128)
+    assert p.shape == (g, tiles, chunks, 32, 32) and ps.shape == (g, tiles, chunks, 8, 8)
+    np.testing.assert_array_equal(W.unpack_codes8(p, n, k), codes)
+    np.testing.assert_array_equal(W.unpack_shifts8(ps, n, k), shifts)
+
+
+def test_packed_code_positions_are_the_fp8_fragment(rng):
+    """Every code's place, from the layout's definition (one index at a time):
+    lane 4 q + t, k32 step s, row half h (row q or q + 8), nibble j holds
+    column 32 s + 16 (j // 4) + 4 t + j % 4: the wgmma E4M3 A fragment
+    (a0 / a1: columns 4 t .. + 3 of rows q / q + 8, a2 / a3: 16 + 4 t ..)."""
+    g, n, k = 1, 24, 160
+    nib = rng.integers(0, 16, (g, n, k), dtype=np.uint8)
+    codes = (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
+    p = W.pack_codes8(codes)
+    for tile in range(2):
+        for c in range(2):
+            for lane in range(32):
+                q, t = divmod(lane, 4)
+                for s in range(4):
+                    for h in range(2):
+                        word = int.from_bytes(p[0, tile, c, lane, 8 * s + 4 * h: 8 * s + 4 * h + 4].tobytes(), "little")
+                        for j in range(8):
+                            row, col = 16 * tile + 8 * h + q, 128 * c + 32 * s + 16 * (j // 4) + 4 * t + j % 4
+                            want = nib[0, row, col] if row < n and col < k else 0
+                            assert (word >> (4 * j)) & 15 == want, (tile, c, lane, s, h, j)
+
+
+def test_packed_shift_positions(rng):
+    g, n, k = 1, 20, 160
+    shifts = rng.integers(0, 21, (g, n, k // 32), dtype=np.uint8)
+    ps = W.pack_shifts8(shifts)
+    for tile in range(2):
+        for c in range(2):
+            for q in range(8):
+                for s in range(4):
+                    for h in range(2):
+                        row, blk = 16 * tile + 8 * h + q, 4 * c + s
+                        want = shifts[0, row, blk] if row < n and blk < k // 32 else W.ZERO_SHIFT
+                        assert ps[0, tile, c, q, 2 * s + h] == want
 
 
 def test_w4a8_weight_refuses_by_name():

@@ -30,7 +30,7 @@ import rawkv  # noqa: E402
 import rawkv.kvcache as kvc  # noqa: E402
 from rawkv import _opdecl, fp8  # noqa: E402
 from rawkv.fused import moe, rms, swiglu  # noqa: E402
-from rawkv.gemm import linear  # noqa: E402
+from rawkv.gemm import linear, w4a8  # noqa: E402
 from rawkv.kvcache import assign, bridge, compressor, flush, gather, layouts, prefill, state_ops  # noqa: E402
 from rawkv.kvcache import decode as kv_decode  # noqa: E402
 from rawkv.kvcache import views as V  # noqa: E402
@@ -106,7 +106,7 @@ def _no_address(outcome):
 def test_cpu_and_cuda_accept_and_refuse_alike(monkeypatch, name, case, build):
     fn, args, kw = build()
     cpu = _outcome(lambda: fn(*args, **kw))
-    install(monkeypatch, (fp8, encode, activation, decode, scales, rms, swiglu, moe, linear, *KV_MODULES))
+    install(monkeypatch, (fp8, encode, activation, decode, scales, rms, swiglu, moe, linear, w4a8, *KV_MODULES))
     monkeypatch.setattr(fp8, "_ENCODE_FAST", {})         # a combination the real runtime has seen
     cuda = _outcome(lambda: fn(*map(_as_cuda, args), **{k: _as_cuda(v) for k, v in kw.items()}))
     assert cpu == cuda

@@ -113,7 +113,7 @@ def test_warmup_builds_the_devices_instances_only(monkeypatch):
     sm90 = runtime.instances_for("sm_90")
     sm80 = runtime.instances_for("sm_80")
     assert len(sm90) == sum(map(len, runtime.registered_kernels().values()))
-    assert {f for f, _ in sm90} - {f for f, _ in sm80} == {"gemm_fp4_sm90.cu"}
+    assert {f for f, _ in sm90} - {f for f, _ in sm80} == {"gemm_fp4_sm90.cu", "gemm_w4a8_sm90.cu"}
     assert runtime.instances_for("sm_80", ["gemm_fp4_sm90.cu"]) == []
     with pytest.raises(KeyError, match="nope.cu"):
         runtime.instances_for("sm_90", ["fp8.cu", "nope.cu"])

@@ -16,6 +16,7 @@ import numpy as np
 from .. import _args as A
 from ..kernels import gemm_fp4 as K
 from ..reference import gemm as ref
+from ..reference import gemm_w4a8 as ref8
 from .weights import FORMATS, MX_WINDOW_FP16
 
 X_DTYPES = ("bfloat16", "float16")
@@ -232,3 +233,103 @@ def output(out, shape, where, device):
         raise ValueError(f"out: rows overlap (strides {st} for shape {tuple(shape)}: an expanded view); "
                          "pass a tensor with its own memory")
     return out
+
+
+# ---- W4A8 (rawkv.gemm.w4a8) --------------------------------------------------------------------
+#: FP8 activation codes (E4M3 bytes) and their block scales.
+FP8_CODES = ("uint8", "float8_e4m3fn")
+
+
+class Weight8(NamedTuple):
+    """A checked W4A8 weight (rawkv.gemm.W4a8Weight's tensors and sizes)."""
+    groups: int
+    n: int
+    k: int
+    codes: object
+    shifts: object
+    row_scale: object
+    gs: object
+    device: int
+    spans: tuple
+
+
+class Act8(NamedTuple):
+    """Checked FP8 block activations: codes (..., K), scales (..., ceil(K/128))
+    float32, the leading shape and the device index."""
+    x: object
+    sf: object
+    lead: tuple
+    device: int
+
+
+def w4a8_grouped(x, x_sf, codes, shifts, row_scale, gs, n, k, out):
+    """(where, activation, weight, out) of rawkv::gemm_grouped_linear_w4a8:
+    x (T, G, K) FP8 codes with scales (T, G, ceil(K/128)), out (T, G, N)."""
+    parts = (("x.codes", x), ("x.scales", x_sf))
+    where = A.placement(*parts, ("weight", codes), ("out", out))
+    w = weight8(codes, shifts, row_scale, gs, n, k, where)
+    A.check_outputs((("out", out),), parts, w.spans)
+    act = activation8(x, x_sf, 3, k, where, w.device)
+    t, g = act.lead
+    if g != w.groups:
+        raise ValueError(f"x: has {g} groups, the weight {w.groups}")
+    return where, act, w, output(out, (t, g, n), where, act.device)
+
+
+def w4a8_moe(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors):
+    """(where, activation, weight, offsets, out, errors) of
+    rawkv::gemm_moe_linear_w4a8: x (R, K) FP8 codes with scales
+    (R, ceil(K/128)), offsets int32 (E+1,), out (R, N)."""
+    parts = (("x.codes", x), ("x.scales", x_sf))
+    where = A.placement(*parts, ("offsets", offsets), ("errors", errors), ("out", out), ("weight", codes))
+    w = weight8(codes, shifts, row_scale, gs, n, k, where)
+    A.check_outputs((("out", out), ("errors", errors)), (*parts, ("offsets", offsets)), w.spans)
+    act = activation8(x, x_sf, 2, k, where, w.device)
+    if w.groups + 1 > K.MAX_SEGMENTS:
+        raise ValueError(f"weight: {w.groups} experts; the ragged kernel takes at most {K.MAX_SEGMENTS - 1}")
+    offsets = A.tensor(offsets, "offsets", _I32, where, shape=(w.groups + 1,), device=act.device)
+    if errors is not None:
+        errors = A.counter(errors, where, act.device)
+    return where, act, w, offsets, output(out, (act.lead[0], n), where, act.device), errors
+
+
+def weight8(codes, shifts, row_scale, gs, n, k, where) -> Weight8:
+    """The W4A8 form's tensors: codes uint8 (G, NP/16, C, 32, 32), shifts
+    uint8 (G, NP/16, C, 8, 8), row_scale float32 (G, NP), gs float32 (G,),
+    contiguous on one device; K a multiple of 32 (the MXFP4 block)."""
+    if n < 0 or k < 0 or k % ref8.W_BLOCK:
+        raise ValueError(f"weight: N = {n}, K = {k}: expected sizes >= 0, K a multiple of {ref8.W_BLOCK}")
+    codes = A.tensor(codes, "weight.codes", _BYTE, where, min_ndim=1)
+    g, dev = codes.shape[0], A.device_of(codes)
+    npad, chunks = ref8.padded8(n, k)
+    tile = (g, npad // ref.ROWS, chunks)
+    if tuple(codes.shape) != (*tile, 32, ref8.LANE_BYTES):
+        raise ValueError(f"weight.codes: expected shape {(*tile, 32, ref8.LANE_BYTES)} for N = {n}, K = {k}, "
+                         f"got {tuple(codes.shape)}")
+    shifts = A.tensor(shifts, "weight.shifts", _BYTE, where, shape=(*tile, 8, ref8.SHIFT_BYTES), device=dev)
+    row_scale = A.tensor(row_scale, "weight.row_scale", _F32, where, shape=(g, npad), device=dev)
+    gs = A.tensor(gs, "weight.gs", _F32, where, shape=(g,), device=dev)
+    spans = A.detached_spans((("weight.codes", codes), ("weight.shifts", shifts),
+                              ("weight.row_scale", row_scale), ("weight.gs", gs)))
+    return Weight8(g, n, k, codes, shifts, row_scale, gs, dev, spans)
+
+
+def activation8(x, x_sf, ndim, k, where, device) -> Act8:
+    """x (..., K) E4M3 codes with `ndim` dimensions and x_sf (..., ceil(K/128))
+    float32 scales (rawkv.fp8.quantize_blocks with block 128; E8M0 scales as
+    their float32 powers of two). On CUDA, codes whose rows are not 16-byte
+    aligned and contiguous, or scales whose last dimension is strided, are
+    copied once (as for the W4A16 activations)."""
+    x = A.tensor(x, "x.codes", FP8_CODES, where, dense=False)
+    s = tuple(x.shape)
+    if len(s) != ndim or s[-1] != k:
+        raise ValueError(f"x.codes: expected shape (..., {k}) with {ndim} dimensions for K = {k}, got {s}")
+    dev = A.device_of(x)
+    nb = -(-k // 128)
+    x_sf = A.tensor(x_sf, "x.scales", _F32, where, shape=(*s[:-1], nb), device=dev, dense=False)
+    if dev != device:
+        raise ValueError(f"weight: is on {_device_name(device)}, x on {_device_name(dev)}; rawkv does not move data")
+    if where == "cuda":
+        x = rows_aligned(x, 16)
+        x_sf = x_sf if x_sf.stride(-1) == 1 else x_sf.contiguous()
+    return Act8(x, x_sf, s[:-1], dev)

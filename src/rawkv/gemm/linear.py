@@ -24,8 +24,10 @@ from ..reference import formats as F
 from ..reference import gemm as ref
 from ..runtime import get_runtime
 from . import _rules as R
+from ._cpu import ragged_bf16, write_bf16
 from . import pack
 from . import plans as P
+from .w4a8 import W4a8Weight, grouped_linear8, moe_linear8
 from .weights import Fp4Weight
 
 # ---- the dispatch tunables (rawkv.gemm.plans.Tuning says what each does) ----------------
@@ -45,7 +47,10 @@ def grouped_linear(x, weight, *, out=None, stream=None):
     x: (T, G, K) bfloat16 / float16, or a rawkv.nvfp4.QuantizedActivation of
     such an x (q (T, G, K/2), sf (T, G, K/16), gs a float32 tensor of shape
     () / (1,) or (T, G)); numpy arrays too (docs/gemm.md, "Arguments").
-    weight: a rawkv.gemm.Fp4Weight of G groups."""
+    weight: a rawkv.gemm.Fp4Weight of G groups; or a rawkv.gemm.W4a8Weight
+    with x FP8 block activations (codes, scales) (rawkv.gemm.w4a8)."""
+    if weight.__class__ is W4a8Weight:
+        return grouped_linear8(x, weight, out, stream)
     _check_weight(weight)
     x, x_sf, x_gs = _split(x)
     if out is None:
@@ -66,7 +71,10 @@ def moe_linear(x, weight, offsets, *, out=None, errors=None, stream=None):
     device, E = weight.groups, read only by the kernel: out-of-order or
     out-of-range offsets are clamped (docs/gemm.md), rows no expert owns are
     written as zeros, and each clamp is counted in errors[0] (an int32
-    tensor) or, with errors=None, in rawkv.nvfp4.error_counts()[GEMM_OFFSETS]."""
+    tensor) or, with errors=None, in rawkv.nvfp4.error_counts()[GEMM_OFFSETS].
+    A rawkv.gemm.W4a8Weight takes FP8 block activations (rawkv.gemm.w4a8)."""
+    if weight.__class__ is W4a8Weight:
+        return moe_linear8(x, weight, offsets, out, errors, stream)
     _check_weight(weight)
     x, x_sf, x_gs = _split(x)
     if out is None:
@@ -80,7 +88,7 @@ def moe_linear(x, weight, offsets, *, out=None, errors=None, stream=None):
 
 def _check_weight(weight) -> None:
     if not isinstance(weight, Fp4Weight):
-        raise TypeError(f"weight: expected a rawkv.gemm.Fp4Weight, got {type(weight).__name__}")
+        raise TypeError(f"weight: expected a rawkv.gemm.Fp4Weight or W4a8Weight, got {type(weight).__name__}")
 
 
 def _split(x) -> tuple:
@@ -116,7 +124,7 @@ def _grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, s
     into out (T, G, N)."""
     where, act, w, out = R.grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out)
     if where == "cpu":
-        _write(ref.grouped(_values(act), _weight_values(w)), out)
+        write_bf16(ref.grouped(_values(act), _weight_values(w)), out)
         return
     rt = get_runtime(act.device)
     _plan.run(rt, P.grouped(rt, act, w, out, _TUNING), stream)
@@ -131,12 +139,7 @@ def _moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, o
     where, act, w, offsets, out, errors = R.moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi,
                                                 offsets, out, errors)
     if where == "cpu":
-        y, bad = ref.ragged(_values(act), _weight_values(w), A.to_numpy(offsets, "offsets").astype(np.int64))
-        if errors is None:
-            counters.add_cpu(counters.GEMM_OFFSETS, bad)
-        elif bad:
-            errors.reshape(-1)[0] += bad         # (contiguous: a view) the kernel's errors[0]
-        _write(y, out)
+        ragged_bf16(_values(act), _weight_values(w), offsets, errors, out)
         return
     rt = get_runtime(act.device)
     if act.lead[0] and w.n:
@@ -163,10 +166,3 @@ def _weight_values(w) -> np.ndarray:
     scales = pack.unpack_scales(w.scales, w.n, w.k, ref.BLOCKS[w.fmt])
     return ref.dequantize_weight(A.to_numpy(codes, "weight"), A.to_numpy(scales, "weight"),
                                  A.to_numpy(w.gs, "weight"), w.fmt)
-
-
-def _write(y: np.ndarray, out) -> None:
-    """The reference's float64 result rounded once to BF16, into out (a
-    bfloat16 tensor, or a numpy float32 array holding the BF16 values)."""
-    vals = (ref.round_to_bf16(y).astype(np.uint32) << 16).view(np.float32)
-    A.from_numpy(vals, out, torch_dtype="bfloat16", out=out)

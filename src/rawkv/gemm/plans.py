@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from .._plan import Launch
 from ..kernels import gemm_fp4 as K
+from ..kernels import gemm_w4a8 as K8
 
 #: The grid's y and z dimensions (token tiles, groups) stop at 65535.
 MAX_GRID_YZ = 65535
@@ -240,3 +241,48 @@ def _lead_strides(x) -> tuple:
     """(token stride, group stride) in elements; 0 for a missing group axis."""
     st = x.stride()
     return (st[0], st[1]) if len(st) == 3 else (st[0], 0)
+
+
+# ---- W4A8 (rawkv/cu/gemm_w4a8_sm90.cu) ----------------------------------------------------------
+def w4a8_tile(tokens: int) -> tuple:
+    """(BN, STAGES) of the W4A8 kernel for `tokens` per group (ragged: per
+    expert on average)."""
+    return K8.CONFIGS[64] if tokens <= 64 else K8.CONFIGS["large"]
+
+
+def _w4a8_launch(dev, act, w, out, grid, bn_stages, tokens, offsets, experts, errors) -> Launch:
+    if dev.arch != "sm_90":
+        raise ValueError(f"weight: the W4A8 GEMM runs on sm_90 (Hopper) devices, this one is {dev.arch}; "
+                         "use the W4A16 path (an Fp4Weight and BF16 activations)")
+    if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
+        raise ValueError(f"x: {tokens} tokens x {w.groups} groups is past the launch grid's limit")
+    xs_t, xs_g = _lead_strides(act.x)
+    ss_t, ss_g = _lead_strides(act.sf)
+    os_t, os_g = _lead_strides(out)
+    return Launch(K8.GEMM.instance(*bn_stages), grid, (K8.THREADS,), dict(
+        wq=w.codes, wsh=w.shifts, wrow=w.row_scale, wgs=w.gs, x=act.x, xsf=act.sf, xs_t=xs_t, xs_g=xs_g,
+        ss_t=ss_t, ss_g=ss_g, out=out, os_t=os_t, os_g=os_g, n=w.n, k=w.k, tokens=tokens, offsets=offsets,
+        experts=experts, errors=errors))
+
+
+def w4a8_grouped(dev, act, w, out) -> list[Launch]:
+    """rawkv.gemm.grouped_linear with a W4A8 weight: x (T, G, K) FP8 ->
+    out (T, G, N), one launch of a grid (feature blocks, token tiles, groups)."""
+    t, g = act.lead
+    if t == 0 or w.n == 0:
+        return []
+    bn, stages = w4a8_tile(t)
+    grid = (-(-w.n // K8.BM), -(-t // bn), g)
+    return [_w4a8_launch(dev, act, w, out, grid, (bn, stages), t, None, 0, None)]
+
+
+def w4a8_moe(dev, act, w, offsets, out, errors) -> list[Launch]:
+    """rawkv.gemm.moe_linear with a W4A8 weight: x (R, K) FP8 -> out (R, N)
+    by expert, one launch over (feature blocks, slots) as `moe`."""
+    (r,) = act.lead
+    if r == 0 or w.n == 0:
+        return []
+    e = w.groups
+    bn, stages = w4a8_tile(-(-r // max(1, min(e, r))))
+    grid = (-(-w.n // K8.BM), ragged_slots(r, e, bn), 1)
+    return [_w4a8_launch(dev, act, w, out, grid, (bn, stages), r, offsets, e, errors)]

@@ -1,14 +1,17 @@
-"""The W4A8 form of an MXFP4 Fp4Weight (issue 23; docs/gemm.md "W4A8 (issue
-23)"), built once at load, what the W4A8 kernel is to read beside the
-weight's packed codes:
+"""W4A8 (issue 23; docs/gemm.md, "W4A8"): MXFP4 weights on Hopper's FP8
+tensor cores with FP8 block activations.
 
-    w8 = rawkv.gemm.w4a8_weight(w)          # w: an MXFP4 Fp4Weight
-    w8.shifts                               # uint8, the packed scale layout
-    w8.row_scale                            # float32 (G, NP): 2^r per row
+    w8 = rawkv.gemm.w4a8_weight(w)                  # w: an MXFP4 Fp4Weight, at load
+    xa = rawkv.fp8.quantize_blocks(x)               # (codes, scales): E4M3, FP32 per 128
+    y = rawkv.gemm.grouped_linear(xa, w8)           # (T, G, K) -> (T, G, N) BF16
+    y = rawkv.gemm.moe_linear(xa, w8, offsets)      # (R, K) -> (R, N)
 
-The rule is rawkv.reference.gemm_w4a8's (this runs it on the host: load
-time, a host sync for a CUDA weight, as Fp4Weight.dequantize does). No op
-takes it yet: the op lands with its kernel.
+The weight's form is rawkv.reference.gemm_w4a8's rule (a power of two per
+row, the rest folded into E4M3 values exactly; a weight the rule cannot
+hold is refused at load, naming its blocks), packed for the kernel
+(pack_codes8 / pack_shifts8). On CUDA tensors one launch of
+rawkv/cu/gemm_w4a8_sm90.cu (sm_90 only); on CPU tensors the reference's
+exact product rounded once to BF16.
 """
 from __future__ import annotations
 
@@ -16,29 +19,49 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import _args as A
+from .. import _plan
+from .._op import empty, op
+from ..nvfp4 import counters
 from ..reference import gemm as ref
 from ..reference import gemm_w4a8 as ref8
-from . import pack
+from ..runtime import get_runtime
+from . import _rules as R
+from ._cpu import ragged_bf16, write_bf16
+from . import plans as P
 from .weights import Fp4Weight
 
 
 class W4a8Weight(NamedTuple):
-    """weight: the Fp4Weight (its packed codes are the kernel's, unchanged);
-    shifts: uint8 (G, NP/16, C, 32, 2), the biased block shifts e_b +
-    SHIFT_BIAS in the packed scale layout (padding ZERO_SHIFT), the row of
-    rawkv.reference.gemm_w4a8.SHIFT_TABLE that converts the block's codes to
-    E4M3; row_scale: float32 (G, NP), 2^r of each row (padding rows 1), for
-    the epilogue. All on the weight's device."""
-    weight: Fp4Weight
+    """An MXFP4 weight in its W4A8 form, on the weight's device: n, k the
+    sizes; codes uint8 (G, NP/16, C, 32, 32) and shifts uint8
+    (G, NP/16, C, 8, 8) (C = ceil(K/128); rawkv.reference.gemm_w4a8's
+    pack_codes8 / pack_shifts8: the E2M1 codes and each 32-column block's
+    biased shift, the row of SHIFT_TABLE that turns its codes into E4M3);
+    row_scale float32 (G, NP), 2^r of each row (padding rows 1); gs the
+    Fp4Weight's float32 (G,) global scales (ones for MXFP4)."""
+    n: int
+    k: int
+    codes: object
     shifts: object
     row_scale: object
+    gs: object
+
+    @property
+    def groups(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def device(self):
+        return self.codes.device
 
 
 def w4a8_weight(weight) -> W4a8Weight:
     """The W4A8 form of an MXFP4 `weight`, or a ValueError naming the MXFP4
     blocks no per-row power of two holds exactly in E4M3 (the reference's
     rule). NVFP4 weights are refused: e2m1 times an E4M3 scale needs up to 5
-    significant bits, E4M3 has 4."""
+    significant bits, E4M3 has 4. Load time: runs the rule on the host (a
+    host sync for a CUDA weight, as Fp4Weight.dequantize does)."""
     if not isinstance(weight, Fp4Weight):
         raise TypeError(f"weight: expected a rawkv.gemm.Fp4Weight, got {type(weight).__name__}")
     if weight.fmt != "mxfp4":
@@ -49,8 +72,102 @@ def w4a8_weight(weight) -> W4a8Weight:
     codes, scales, _ = (t.cpu().numpy() for t in weight.unpack())
     shifts, rebase = ref8.w4a8_form(codes, scales, name="weight")
     dev = weight.device
-    packed = pack.pack_scales(torch.from_numpy(shifts), ref8.W_BLOCK, pad=ref8.ZERO_SHIFT).to(dev)
-    npad, _ = ref.padded_sizes(weight.n, weight.k)
+    npad, _ = ref8.padded8(weight.n, weight.k)
     row = np.ones((weight.groups, npad), np.float32)
     row[:, :weight.n] = np.ldexp(np.float32(1.0), rebase)     # 2^r >= 2^-136: an FP32 value exactly
-    return W4a8Weight(weight, packed, torch.from_numpy(row).to(dev))
+    return W4a8Weight(weight.n, weight.k, torch.from_numpy(ref8.pack_codes8(codes)).to(dev),
+                      torch.from_numpy(ref8.pack_shifts8(shifts)).to(dev), torch.from_numpy(row).to(dev),
+                      weight.gs)
+
+
+# ---- the public ops (rawkv.gemm.grouped_linear / moe_linear with a W4a8Weight) --------------
+def split8(x) -> tuple:
+    """(codes, scales) of FP8 block activations: a rawkv.fp8.Fp8Activation,
+    a (codes, scales) pair as rawkv.fp8.quantize_blocks returns it."""
+    if hasattr(x, "codes") and hasattr(x, "scales"):
+        return x.codes, x.scales
+    if isinstance(x, (tuple, list)) and len(x) == 2:
+        return x[0], x[1]
+    raise TypeError("x: a W4A8 weight takes FP8 block activations: (codes, scales) from "
+                    "rawkv.fp8.quantize_blocks or an Fp8Activation, got "
+                    f"{'a tensor' if A.is_torch(x) else type(x).__name__}")
+
+
+def grouped_linear8(x, weight: W4a8Weight, out=None, stream=None):
+    """grouped_linear for a W4A8 weight (rawkv.gemm.grouped_linear calls it)."""
+    codes, scales = split8(x)
+    if out is None:
+        s = A.dims(codes)
+        out = empty(codes, (s[0] if s else 0, weight.groups, weight.n), "bfloat16", stream)
+    _grouped8(codes, scales, weight.codes, weight.shifts, weight.row_scale, weight.gs, weight.n, weight.k, out,
+              stream)
+    return out
+
+
+def moe_linear8(x, weight: W4a8Weight, offsets, out=None, errors=None, stream=None):
+    """moe_linear for a W4A8 weight (rawkv.gemm.moe_linear calls it)."""
+    codes, scales = split8(x)
+    if out is None:
+        s = A.dims(codes)
+        out = empty(codes, (s[0] if s else 0, weight.n), "bfloat16", stream)
+    _moe8(codes, scales, weight.codes, weight.shifts, weight.row_scale, weight.gs, weight.n, weight.k, offsets,
+          out, errors, stream)
+    return out
+
+
+def operator_args8(x, weight: W4a8Weight) -> dict:
+    """The keyword arguments of torch.ops.rawkv.gemm_grouped_linear_w4a8 /
+    gemm_moe_linear_w4a8 (add out=, and offsets= / errors= for MoE)."""
+    codes, scales = split8(x)
+    return dict(x=codes, x_sf=scales, codes=weight.codes, shifts=weight.shifts, row_scale=weight.row_scale,
+                gs=weight.gs, n=weight.n, k=weight.k)
+
+
+# ---- the operators -------------------------------------------------------------------------
+_SCHEMA = "Tensor x, Tensor x_sf, Tensor codes, Tensor shifts, Tensor row_scale, Tensor gs, int n, int k"
+
+
+@op("gemm_grouped_linear_w4a8", f"{_SCHEMA}, Tensor(a!) out")
+def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, stream=None):
+    """rawkv::gemm_grouped_linear_w4a8: FP8 x (T, G, K) with its block
+    scales times each group's W4A8 weight into out (T, G, N)."""
+    where, act, w, out = R.w4a8_grouped(x, x_sf, codes, shifts, row_scale, gs, n, k, out)
+    if where == "cpu":
+        write_bf16(ref.grouped(_values(act), _weight_values(w)), out)
+        return
+    rt = get_runtime(act.device)
+    _plan.run(rt, P.w4a8_grouped(rt, act, w, out), stream)
+
+
+@op("gemm_moe_linear_w4a8", f"{_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")
+def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, stream=None):
+    """rawkv::gemm_moe_linear_w4a8: the rows of FP8 x (R, K) of expert e
+    (offsets as rawkv::gemm_moe_linear takes them) times its W4A8 weight
+    into out (R, N)."""
+    where, act, w, offsets, out, errors = R.w4a8_moe(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out,
+                                                     errors)
+    if where == "cpu":
+        ragged_bf16(_values(act), _weight_values(w), offsets, errors, out)
+        return
+    rt = get_runtime(act.device)
+    if act.lead[0] and w.n:
+        if errors is None:
+            errors = counters.address(rt, counters.GEMM_OFFSETS, stream)
+        _plan.run(rt, P.w4a8_moe(rt, act, w, offsets, out, errors), stream)
+
+
+# ---- CPU ---------------------------------------------------------------------------------------
+def _values(act) -> np.ndarray:
+    """float64 of the FP8 activation, exactly (code x block scale)."""
+    codes = A.to_numpy(act.x, "x.codes").view(np.uint8)
+    return ref8.activation_values(codes, A.to_numpy(act.sf, "x.scales"))
+
+
+def _weight_values(w) -> np.ndarray:
+    """float64 of the W4A8 weight (its codes, shifts, row powers of two and
+    global scales), exactly."""
+    codes = ref8.unpack_codes8(A.to_numpy(w.codes, "weight.codes"), w.n, w.k)
+    shifts = ref8.unpack_shifts8(A.to_numpy(w.shifts, "weight.shifts"), w.n, w.k)
+    rows = A.to_numpy(w.row_scale, "weight.row_scale")[:, :w.n]
+    gs = A.to_numpy(w.gs, "weight.gs").astype(np.float64)
+    return ref8.form_values(codes, shifts, rows) * gs[:, None, None]

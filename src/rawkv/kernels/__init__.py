@@ -13,3 +13,4 @@ from . import nvfp4  # noqa: F401,E402
 from . import fused  # noqa: F401,E402
 from . import kv_layouts  # noqa: F401,E402
 from . import gemm_fp4  # noqa: F401,E402
+from . import gemm_w4a8  # noqa: F401,E402

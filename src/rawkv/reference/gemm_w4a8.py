@@ -229,3 +229,84 @@ def ragged(x_codes, x_scales, w_codes, w_scales, offsets) -> tuple[np.ndarray, i
     weights of E experts, offsets (E + 1,) -> (float64 (R, N), errors) by
     rawkv.reference.gemm's offsets rule (clamp_offsets)."""
     return G.ragged(activation_values(x_codes, x_scales), weight_values(w_codes, w_scales), offsets)
+
+
+# ---- the W4A8 kernel's packed weight (docs/gemm.md, "W4A8 layout") -------------------------
+# The kernel multiplies one FP8 wgmma k32 step (32 columns: one MXFP4 block)
+# at a time, 128 columns (one activation scale block, one 128-byte row of
+# the swizzled B tile) per pipeline stage. Its k order is the physical one,
+# so the FP8 activations go to shared memory as they are (16-byte copies).
+# Lane l = 4 q + t of the warp that owns a 16-row tile holds, per k32 step
+# s of a chunk, the wgmma A fragment of rows q and q + 8: columns
+# 32 s + 4 t + i and 32 s + 16 + 4 t + i (i = 0..3).
+#: Columns per packed chunk (and per pipeline stage).
+CHUNK8 = 128
+#: Packed code bytes per lane and chunk: 4 k32 steps x 2 rows x 4 bytes.
+LANE_BYTES = 32
+#: Packed shift bytes per row-pair (q, q + 8) and chunk: 4 steps x 2 rows.
+SHIFT_BYTES = 8
+
+
+def padded8(n: int, k: int) -> tuple[int, int]:
+    """(NP, C): rows padded to whole 16-row tiles, K to whole 128-column chunks."""
+    return -(-n // G.ROWS) * G.ROWS, -(-k // CHUNK8)
+
+
+def pack_codes8(codes) -> np.ndarray:
+    """MXFP4 code bytes (G, N, K/2) (two E2M1 codes per byte, low nibble
+    first) -> the kernel's codes uint8 (G, NP/16, C, 32, 32): lane l = 4 q + t,
+    k32 step s: bytes 8 s .. 8 s + 3 hold row q, 8 s + 4 .. + 7 row q + 8,
+    each a little-endian word whose nibble j (bits 4 j .. 4 j + 3) is the
+    code at column 128 c + 32 s + 16 (j // 4) + 4 t + j % 4. Padding
+    (rows past N, columns past K) is code 0."""
+    codes = np.asarray(codes, np.uint8)
+    g, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
+    npad, chunks = padded8(n, k)
+    full = np.zeros((g, npad, chunks * CHUNK8), np.uint8)
+    full[:, :n, :k] = unpack_nibbles(codes)
+    # row = 16 tile + 8 half + q; column = 128 c + 32 s + 16 jh + 4 t + jl
+    v = full.reshape(g, npad // G.ROWS, 2, 8, chunks, 4, 2, 4, 4)
+    v = v.transpose(0, 1, 4, 3, 7, 5, 2, 6, 8).reshape(g, npad // G.ROWS, chunks, 32, 4, 2, 8)
+    return (v[..., 0::2] | (v[..., 1::2] << 4)).reshape(g, npad // G.ROWS, chunks, 32, LANE_BYTES)
+
+
+def unpack_codes8(packed, n: int, k: int) -> np.ndarray:
+    """The inverse of pack_codes8: (G, N, K/2) MXFP4 code bytes."""
+    packed = np.asarray(packed, np.uint8)
+    g, tiles, chunks = packed.shape[:3]
+    v = packed.reshape(g, tiles, chunks, 32, 4, 2, 4)
+    nib = np.stack([v & 0xF, v >> 4], axis=-1).reshape(g, tiles, chunks, 8, 4, 4, 2, 2, 4)
+    # axes: g, tile, c, q, t, s, half, jh, jl -> g, tile, half, q, c, s, jh, t, jl
+    full = nib.transpose(0, 1, 6, 3, 2, 5, 7, 4, 8).reshape(g, tiles * G.ROWS, chunks * CHUNK8)
+    v = full[:, :n, :k]
+    return (v[..., 0::2] | (v[..., 1::2] << 4)).astype(np.uint8)
+
+
+def pack_shifts8(shifts) -> np.ndarray:
+    """Biased block shifts (G, N, K/32) -> the kernel's shifts uint8
+    (G, NP/16, C, 8, 8): for q = 0..7 of a tile, byte 2 s + h is the shift
+    of row 8 h + q, block 4 c + s (the four lanes of a quad read the same
+    8 bytes). Padding is ZERO_SHIFT."""
+    shifts = np.asarray(shifts, np.uint8)
+    g, n, nb = shifts.shape
+    npad, chunks = padded8(n, nb * W_BLOCK)
+    full = np.full((g, npad, chunks * 4), ZERO_SHIFT, np.uint8)
+    full[:, :n, :nb] = shifts
+    v = full.reshape(g, npad // G.ROWS, 2, 8, chunks, 4).transpose(0, 1, 4, 3, 5, 2)
+    return np.ascontiguousarray(v).reshape(g, npad // G.ROWS, chunks, 8, SHIFT_BYTES)
+
+
+def unpack_shifts8(packed, n: int, k: int) -> np.ndarray:
+    """The inverse of pack_shifts8: (G, N, K/32) biased shifts."""
+    packed = np.asarray(packed, np.uint8)
+    g, tiles, chunks = packed.shape[:3]
+    v = packed.reshape(g, tiles, chunks, 8, 4, 2).transpose(0, 1, 5, 3, 2, 4)
+    return v.reshape(g, tiles * G.ROWS, chunks * 4)[:, :n, :k // W_BLOCK].copy()
+
+
+def form_values(codes, shifts, row_scale) -> np.ndarray:
+    """float64 (G, N, K) of a W4A8 form: E4M3(w4a8_codes(codes, shifts))
+    times the row's power of two (row_scale (G, N), float32 2^r). Equal to
+    weight_values for the form w4a8_form gives."""
+    w8 = e4m3_decode(w4a8_codes(codes, shifts)).astype(np.float64)
+    return w8 * np.asarray(row_scale, np.float64)[..., None]

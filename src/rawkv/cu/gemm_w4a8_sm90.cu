@@ -1,0 +1,298 @@
+// gemm_w4a8_sm90.cu: the W4A8 grouped GEMM on Hopper's FP8 wgmma (sm_90a).
+//
+// out[t, g, n] = sum_k w[g, n, k] * x[t, g, k] (batched), or rows sorted by
+// expert with offsets (ragged), with (docs/gemm.md, "W4A8"):
+// * w an MXFP4 weight in its W4A8 form: E2M1 codes and one biased shift per
+//   32-column block (rawkv.reference.gemm_w4a8's rule: the code times 2^shift
+//   is an E4M3 value exactly) and one power of two per row, 2^r, for the
+//   epilogue, packed as pack_codes8 / pack_shifts8 give;
+// * x FP8 block activations: E4M3 codes and one FP32 scale per token per 128
+//   channels (rawkv.fp8.quantize_blocks).
+//
+// A block computes BM = 128 output features x BN tokens, 128 columns of K
+// per pipeline stage (one activation scale block; one 128-byte row of the
+// swizzled B tile per token). Warp specialization (384 threads):
+// * warpgroups 0 and 1 consume, one m64 row tile each: per stage they turn
+//   their lanes' packed codes into the E4M3 A fragments of four k32 steps
+//   (a table lookup per block: prmt on the block's eight E4M3 magnitudes),
+//   run the four wgmmas into a block partial (FP32; the first one
+//   overwrites it), and promote it into the accumulators with each token's
+//   scale of that block (DeepGEMM's recipe: the FP8 tensor cores keep
+//   about 14 bits, the promotion is FP32). The next stage's fragments are
+//   built while the wgmmas run;
+// * warpgroup 2 produces: 16-byte cp.async copies of the stage's packed
+//   codes and shifts and of the activation tile (each token row into the
+//   128-byte swizzle), 4-byte copies of the tokens' scales; each thread's
+//   copies arrive on the stage's "full" mbarrier when they land.
+//
+// Determinism: each output is one warpgroup's FP32 sum over the stages in
+// order; the same bits on every run.
+#include "gemm_fp4.cuh"
+#include "sm90.cuh"
+#include "wgmma_rs.cuh"
+using namespace rkv;
+
+#ifndef RKV_W4A8_TABLE
+#error "RKV_W4A8_TABLE must come from rawkv/kernels/gemm_w4a8.py"
+#endif
+
+namespace {
+
+constexpr int kThreads = 384;
+constexpr int kBM = 128, kTiles = kBM / 16;
+constexpr int kCodeBytes = 1024;        // one row tile, one 128-column chunk (32 lanes x 32 B)
+constexpr int kShiftBytes = 64;         // its shifts (8 row pairs x 8 B)
+constexpr int kTableRows = 32;          // shift rows of the E4M3 table (21 used; the rest zeros)
+
+// The E4M3 byte of E2M1 magnitude i times 2^(e - SHIFT_BIAS), row e of
+// rawkv.reference.gemm_w4a8.SHIFT_TABLE as two little-endian words.
+__constant__ u32 c_table[] = {RKV_W4A8_TABLE};
+constexpr int kTableWords = sizeof(c_table) / sizeof(u32);
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// Eight E2M1 codes (code j at bits 4 j .. 4 j + 3) -> the E4M3 bytes of
+// codes 0..3 (lo) and 4..7 (hi) through the block's table (t0, t1: the
+// E4M3 bytes of magnitudes 0..7). The magnitudes index the table; the
+// signs come from a second prmt in its sign-replicate mode (selector bit
+// 3): byte i of w << 4 holds code 2 i's sign at its top bit, byte i of w
+// code 2 i + 1's.
+__device__ __forceinline__ void e4m3_of_e2m1(u32 w, u32 t0, u32 t1, u32& lo, u32& hi) {
+    const u32 m = w & 0x77777777u;
+    const u32 sw = w << 4;
+    lo = prmt(t0, t1, m) | (prmt(sw, w, 0xD9C8u) & 0x80808080u);
+    hi = prmt(t0, t1, m >> 16) | (prmt(sw, w, 0xFBEAu) & 0x80808080u);
+}
+
+__device__ __forceinline__ uint2 ld_shared8(u32 addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ float2 ld_shared_f2(u32 addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+    return v;
+}
+// 16 bytes, or zeros where `bytes` is 0 (the source is then not read).
+__device__ __forceinline__ void cp_async16_zfill_if(bool on, u32 dst, const void* gmem, u32 bytes) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16, %3;\n}\n"
+                 ::"r"(dst), "l"(gmem), "r"((int)on), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async4_if(bool on, u32 dst, const void* gmem) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.ca.shared.global [%0], [%1], 4;\n}\n"
+                 ::"r"(dst), "l"(gmem), "r"((int)on));
+}
+
+template <int BN>
+__device__ __forceinline__ void wgmma_k32(float (&d)[BN / 2], const u32 (&a)[4], u64 desc, int scale_d) {
+    if constexpr (BN == 64) wgmma_m64n64k32_e4m3(d, a, desc, scale_d);
+    else {
+        static_assert(BN == 128, "BN is 64 or 128");
+        wgmma_m64n128k32_e4m3(d, a, desc, scale_d);
+    }
+}
+
+}  // namespace
+
+// Shared memory, per stage: the B tile (BN token rows of 128 bytes, 1024-byte
+// aligned for the swizzle), the packed codes and shifts of the block's row
+// tiles, the tokens' scales; then the E4M3 table and the mbarriers.
+template <int BN, int STAGES>
+__global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
+    const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
+    const float* __restrict__ wgs, const u8* __restrict__ x, const float* __restrict__ xsf, i64 xs_t, i64 xs_g,
+    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g, int n, int k, int tokens,
+    const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    constexpr int kBStage = BN * 128;
+    constexpr int kWStage = kTiles * (kCodeBytes + kShiftBytes);
+    constexpr int kSStage = BN * 4;
+    static_assert(kBStage % 1024 == 0, "B stages stay 1024-byte aligned");
+    __shared__ int s_off[RKV_GEMM_MAX_SEGMENTS];
+    extern __shared__ u8 s_dyn[];
+    u8* smem = reinterpret_cast<u8*>((reinterpret_cast<size_t>(s_dyn) + 1023) & ~size_t(1023));
+    u8* const s_b = smem;
+    u8* const s_w = s_b + STAGES * kBStage;
+    u8* const s_s = s_w + STAGES * kWStage;
+    u32* const s_table = reinterpret_cast<u32*>(s_s + STAGES * kSStage);
+    const u32 bar_full = smem_u32(s_table + 2 * kTableRows);
+    const u32 bar_empty = bar_full + 8 * STAGES;
+
+    int g, t0, t1;
+    if (offsets) {
+        int seg;
+        ragged_slot(offsets, experts, tokens, BN, blockIdx.y, s_off, seg, t0, t1, errors);
+        if (seg < 0) return;
+        if (seg == 0 || seg == experts + 1) {  // unowned rows: zeros
+            zero_rows(out, os_t, n, blockIdx.x * kBM, kBM, t0, t1, threadIdx.x, kThreads);
+            return;
+        }
+        g = seg - 1;
+    } else {
+        g = blockIdx.z;
+        t0 = blockIdx.y * BN;
+        t1 = min(tokens, t0 + BN);
+    }
+    const int tiles16 = (n + 15) / 16, chunks = (k + 127) / 128;
+    const int tile0 = blockIdx.x * kTiles;
+    const int live_tiles = min(kTiles, tiles16 - tile0);
+    const int rows = t1 - t0;
+
+    for (int i = threadIdx.x; i < 2 * kTableRows; i += kThreads) s_table[i] = i < kTableWords ? c_table[i] : 0u;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(bar_full + 8 * s, 128);   // each producer thread's copies
+            mbar_init(bar_empty + 8 * s, 8);    // the 8 consumer warps
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 2) {
+        // ---------------- producer ----------------
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        const int p = threadIdx.x - 256;
+        // Codes: kTiles x 64 pieces of 16 bytes, piece p + 128 i (tile p / 64 + 2 i).
+        const i64 tile_bytes = (i64)chunks * kCodeBytes;
+        const u8* wsrc = wq + ((i64)g * tiles16 + tile0 + (p >> 6)) * tile_bytes + 16 * (p & 63);
+        // Shifts: kTiles x 4 pieces, on threads p < 32 (tile p / 4).
+        const u8* ssrc = wsh + ((i64)g * tiles16 + tile0 + (p >> 2)) * chunks * kShiftBytes + 16 * (p & 3);
+        const bool slive = p < 4 * kTiles && (p >> 2) < live_tiles;
+        // Activations: unit u = p % 8 of token rows p / 8 + 16 j (the same
+        // row % 8 for every j); rows past the tile's last token are not
+        // copied: their B columns (stale bytes) only reach outputs the
+        // epilogue does not write (the MMA's columns are independent).
+        const int unit = p & 7, r0 = p >> 3;
+        const u8* xsrc = x + (i64)(t0 + r0) * xs_t + (i64)g * xs_g + 16 * unit;
+        const u32 xdst = r0 * 128 + ((unit ^ (r0 & 7)) << 4);
+        // The tokens' scales: token p on threads p < BN.
+        const float* fsrc = xsf + (i64)(t0 + p) * ss_t + (i64)g * ss_g;
+        int s = 0;
+        u32 parity = 1;   // of the empty barriers: a fresh barrier passes parity 1
+        for (int c = 0; c < chunks; ++c) {
+            mbar_wait(bar_empty + 8 * s, parity);
+            const u32 wdst = smem_u32(s_w + s * kWStage);
+#pragma unroll
+            for (int i = 0; i < kTiles / 2; ++i)
+                cp_async16_if((p >> 6) + 2 * i < live_tiles, wdst + 16 * p + 2048 * i,
+                              wsrc + 2 * i * tile_bytes + (i64)c * kCodeBytes);
+            cp_async16_if(slive, wdst + kTiles * kCodeBytes + 16 * p, ssrc + (i64)c * kShiftBytes);
+            // Columns past k are zeros (K is a multiple of 32: a 16-byte
+            // unit is wholly in or out).
+            const u32 bytes = c * 128 + 16 * unit < k ? 16u : 0u;
+            const u32 bdst = smem_u32(s_b + s * kBStage) + xdst;
+#pragma unroll
+            for (int j = 0; j < BN / 16; ++j)
+                cp_async16_zfill_if(r0 + 16 * j < rows, bdst + 2048 * j,
+                                    bytes ? xsrc + (i64)16 * j * xs_t + 128 * c : xsrc, bytes);
+            cp_async4_if(p < rows && p < BN, smem_u32(s_s + s * kSStage) + 4 * p, fsrc + c);
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar_full + 8 * s) : "memory");
+            if (++s == STAGES) {
+                s = 0;
+                parity ^= 1;
+            }
+        }
+        return;
+    }
+
+    // ---------------- consumers ----------------
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const int q = lane >> 2, t = lane & 3;
+    const int my_tile = wg * 4 + warp;             // within the block
+    const u32 table = smem_u32(s_table);
+    float acc[BN / 2], part[BN / 2];
+#pragma unroll
+    for (int j = 0; j < BN / 2; ++j) acc[j] = part[j] = 0.0f;   // (part: the first wgmma overwrites it)
+
+    // The E4M3 A fragments of a stage's four k32 steps: lane (q, t), step
+    // s: word 2 s (row q) and 2 s + 1 (row q + 8) of its 32 packed bytes,
+    // each through its block's table (the shift bytes 2 s, 2 s + 1 of row
+    // pair q).
+    auto fragments = [&](int st, u32 (&a)[4][4]) {
+        const u32 wst = smem_u32(s_w + st * kWStage);
+        const uint4 c0 = ld_shared16(wst + my_tile * kCodeBytes + lane * 32);
+        const uint4 c1 = ld_shared16(wst + my_tile * kCodeBytes + lane * 32 + 16);
+        const uint2 sh = ld_shared8(wst + kTiles * kCodeBytes + my_tile * kShiftBytes + q * 8);
+        const u32 words[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+        for (int s4 = 0; s4 < 4; ++s4) {
+            const u32 shw = s4 < 2 ? sh.x : sh.y;
+            const u32 e0 = (shw >> (16 * (s4 & 1))) & 31u, e1 = (shw >> (16 * (s4 & 1) + 8)) & 31u;
+            const uint2 tq = ld_shared8(table + 8 * e0), tq8 = ld_shared8(table + 8 * e1);
+            e4m3_of_e2m1(words[2 * s4], tq.x, tq.y, a[s4][0], a[s4][2]);
+            e4m3_of_e2m1(words[2 * s4 + 1], tq8.x, tq8.y, a[s4][1], a[s4][3]);
+        }
+    };
+    auto acquire = [&](int st, u32 par) {
+        mbar_wait(bar_full + 8 * st, par);
+        // The producer's cp.async writes (generic proxy), acquired through
+        // the barrier, ordered before this warpgroup's wgmma reads.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    };
+    // Chunk c (stage st) with fragments a: the four wgmmas into the block
+    // partial; meanwhile the next chunk's fragments into `next`; then the
+    // promotion with the tokens' scales of the chunk, and the stage goes
+    // back to the producer.
+    int st = 0;
+    u32 par = 0;
+    auto chunk = [&](int c, u32 (&a)[4][4], u32 (&next)[4][4]) {
+        const u32 btile = smem_u32(s_b + st * kBStage);
+        wgmma_fence();
+#pragma unroll
+        for (int s4 = 0; s4 < 4; ++s4) wgmma_k32<BN>(part, a[s4], b_desc(btile + 32 * s4), s4);
+        wgmma_commit();
+        const int nst = st + 1 == STAGES ? 0 : st + 1;
+        const u32 npar = st + 1 == STAGES ? par ^ 1 : par;
+        if (c + 1 < chunks) {
+            acquire(nst, npar);
+            fragments(nst, next);
+        }
+        wgmma_wait<0>();
+        const u32 sc = smem_u32(s_s + st * kSStage) + 8 * t;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const float2 f = ld_shared_f2(sc + 32 * j);     // tokens 8 j + 2 t, + 1
+            acc[4 * j] = fmaf(part[4 * j], f.x, acc[4 * j]);
+            acc[4 * j + 1] = fmaf(part[4 * j + 1], f.y, acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(part[4 * j + 2], f.x, acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(part[4 * j + 3], f.y, acc[4 * j + 3]);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_empty + 8 * st);
+        st = nst;
+        par = npar;
+    };
+    u32 a0[4][4], a1[4][4];
+    acquire(0, 0);
+    fragments(0, a0);
+    for (int c = 0; c < chunks; c += 2) {
+        chunk(c, a0, a1);
+        if (c + 1 < chunks) chunk(c + 1, a1, a0);
+    }
+
+    // Epilogue: rows q and q + 8 of the warp's tile (the wgmma D fragment:
+    // accumulator 4 j + h at row q, token 8 j + 2 t + h; 4 j + 2 + h at row
+    // q + 8), times the row's power of two and the group's global scale.
+    if (my_tile >= live_tiles) return;             // (rows past the padded N: no scales to read)
+    const int row = (tile0 + my_tile) * 16 + q;
+    const float gsc = wgs[g];
+    const float sc0 = wrow[(i64)g * tiles16 * 16 + row] * gsc, sc1 = wrow[(i64)g * tiles16 * 16 + row + 8] * gsc;
+    __nv_bfloat16* const obase = out + (i64)g * os_g;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int tok = t0 + 8 * j + 2 * t + h;
+            if (tok >= t1) continue;
+            __nv_bfloat16* orow = obase + (i64)tok * os_t;
+            if (row < n) orow[row] = __float2bfloat16_rn(acc[4 * j + h] * sc0);
+            if (row + 8 < n) orow[row + 8] = __float2bfloat16_rn(acc[4 * j + 2 + h] * sc1);
+        }
+    }
+}

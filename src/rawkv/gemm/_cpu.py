@@ -1,0 +1,27 @@
+"""The GEMM ops' CPU output: the reference's float64 result rounded once to
+BF16, written into out (a bfloat16 tensor, or a numpy float32 array holding
+the BF16 values)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _args as A
+from ..nvfp4 import counters
+from ..reference import gemm as ref
+
+
+def write_bf16(y: np.ndarray, out) -> None:
+    vals = (ref.round_to_bf16(y).astype(np.uint32) << 16).view(np.float32)
+    A.from_numpy(vals, out, torch_dtype="bfloat16", out=out)
+
+
+def ragged_bf16(x: np.ndarray, w: np.ndarray, offsets, errors, out) -> None:
+    """The ragged product of float64 activations and weights by the
+    reference's offsets rule, into out; the clamps counted in errors[0] (an
+    int32 tensor), or with errors None in the host's GEMM_OFFSETS counter."""
+    y, bad = ref.ragged(x, w, A.to_numpy(offsets, "offsets").astype(np.int64))
+    if errors is None:
+        counters.add_cpu(counters.GEMM_OFFSETS, bad)
+    elif bad:
+        errors.reshape(-1)[0] += bad         # (contiguous: a view) the kernel's errors[0]
+    write_bf16(y, out)

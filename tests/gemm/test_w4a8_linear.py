@@ -1,0 +1,275 @@
+"""rawkv.gemm.grouped_linear / moe_linear with a W4a8Weight (issue 23;
+rawkv/gemm/w4a8.py, rawkv/cu/gemm_w4a8_sm90.cu): on CPU the reference's
+exact product (rawkv.reference.gemm_w4a8) rounded once to BF16, bit for bit;
+its argument errors (AGREEMENT: the same on CPU and CUDA); the launch plans;
+on an sm_90 GPU the kernel within the bound of tests/support/gemm_w4a8.py
+on every shape class (partial row tiles and 128-column chunks, 1 to 300
+tokens, empty experts, 384 experts, views), NaN where a block's scale is NaN,
+the same bits on every run; the operators (opcheck samples)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import rawkv  # noqa: E402
+from rawkv.gemm import plans  # noqa: E402
+from rawkv.reference import gemm as G  # noqa: E402
+from rawkv.reference import gemm_w4a8 as W  # noqa: E402
+from support import gemm_w4a8 as B  # noqa: E402
+from support.agreement import bf, buf, ones, strided_last, u8  # noqa: E402
+
+
+def mx_weight(rng, g, n, k, spread=3):
+    """MXFP4 codes / scales a W4A8 form holds (scale bytes within `spread`
+    of 127 per row), the Fp4Weight and its W4A8 form."""
+    codes = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
+    scales = np.clip(127 + rng.integers(-spread, spread + 1, (g, n, k // 32)), 1, 254).astype(np.uint8)
+    w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales), groups=g)
+    return codes, scales, w, rawkv.gemm.w4a8_weight(w)
+
+
+def fp8_act(rng, shape, scale_format="fp32"):
+    """FP8 block activations of a random x (codes as uint8 bytes, float32
+    scales: the E8M0 ones as their powers of two)."""
+    x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 3)
+    codes, scales = rawkv.fp8.quantize_blocks(x, scale_format=scale_format)
+    if scale_format == "ue8m0":
+        scales = torch.from_numpy(W.ue8m0_value(scales.view(torch.uint8).numpy()))
+    return codes.view(torch.uint8), scales
+
+
+def bits(t) -> np.ndarray:
+    return t.float().cpu().numpy().view(np.uint32) >> 16
+
+
+# ---------------------------------------------------------------------------
+# reference: CPU tensors run it, exactly
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("g, n, k", [(1, 16, 128), (2, 21, 160), (3, 40, 288)])
+def test_cpu_grouped_is_the_reference_rounded_once(rng, scale_format, g, n, k):
+    codes, scales, _, w8 = mx_weight(rng, g, n, k)
+    xc, xs = fp8_act(rng, (5, g, k), scale_format)
+    got = rawkv.gemm.grouped_linear((xc, xs), w8)
+    want = G.round_to_bf16(W.grouped(xc.numpy(), xs.numpy(), codes, scales))
+    assert got.dtype == torch.bfloat16 and np.array_equal(bits(got), want)
+
+
+def test_cpu_moe_clamps_and_counts_offsets(rng):
+    codes, scales, _, w8 = mx_weight(rng, 3, 24, 160)
+    xc, xs = fp8_act(rng, (9, 160))
+    offsets = torch.tensor([1, 5, 3, 12], dtype=torch.int32)
+    errors = torch.zeros(1, dtype=torch.int32)
+    got = rawkv.gemm.moe_linear(rawkv.fp8.Fp8Activation(xc, xs), w8, offsets, errors=errors)
+    want, bad = W.ragged(xc.numpy(), xs.numpy(), codes, scales, offsets.numpy())
+    assert bad == 2 and int(errors[0]) == 2
+    assert np.array_equal(bits(got), G.round_to_bf16(want))
+
+
+def test_nan_scale_reaches_the_output(rng):
+    _, _, _, w8 = mx_weight(rng, 1, 16, 256)
+    xc, xs = fp8_act(rng, (3, 1, 256))
+    xs[1, 0, 1] = float("nan")
+    got = rawkv.gemm.grouped_linear((xc, xs), w8).float()
+    assert torch.isnan(got[1]).all() and not torch.isnan(got[[0, 2]]).any()
+
+
+# ---------------------------------------------------------------------------
+# argument errors: the same on CPU and CUDA (tests/guards/test_cpu_cuda_agreement.py)
+# ---------------------------------------------------------------------------
+def _w8(g=3, n=24, k=160):
+    codes = torch.full((g, n, k // 2), 0x25, dtype=u8)
+    scales = torch.full((g, n, k // 32), 127, dtype=u8)
+    return rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(codes, scales, groups=g))
+
+
+def _xa(*lead, k=160):
+    return buf(*lead, k), ones(*lead, -(-k // 128))
+
+
+_gl, _ml = rawkv.gemm.grouped_linear, rawkv.gemm.moe_linear
+
+
+def _offs(*v):
+    return torch.tensor(v, dtype=torch.int32)
+
+
+AGREEMENT = {
+    "gemm_grouped_linear_w4a8": [
+        ("ok", lambda: (_gl, (_xa(5, 3), _w8()), {})),
+        ("ok-float8-codes", lambda: (_gl, ((_xa(5, 3)[0].view(torch.float8_e4m3fn), _xa(5, 3)[1]), _w8()), {})),
+        ("ok-out", lambda: (_gl, (_xa(5, 3), _w8()), {"out": ones(5, 3, 24, dtype=bf)})),
+        ("ok-codes-strided", lambda: (_gl, ((strided_last(5, 3, 160, dtype=u8), ones(5, 3, 2)), _w8()), {})),
+        ("ok-empty", lambda: (_gl, (_xa(0, 3), _w8()), {})),
+        ("x-not-a-pair", lambda: (_gl, (buf(5, 3, 160), _w8()), {})),
+        ("x.codes-bfloat16", lambda: (_gl, ((ones(5, 3, 160, dtype=bf), ones(5, 3, 2)), _w8()), {})),
+        ("x.codes-K", lambda: (_gl, ((buf(5, 3, 128), ones(5, 3, 1)), _w8()), {})),
+        ("x.codes-rank", lambda: (_gl, ((buf(5, 160), ones(5, 2)), _w8()), {})),
+        ("x.codes-groups", lambda: (_gl, (_xa(5, 2), _w8()), {})),
+        ("x.scales-uint8", lambda: (_gl, ((buf(5, 3, 160), buf(5, 3, 2)), _w8()), {})),
+        ("x.scales-shape", lambda: (_gl, ((buf(5, 3, 160), ones(5, 3, 1)), _w8()), {})),
+        ("out-float32", lambda: (_gl, (_xa(5, 3), _w8()), {"out": ones(5, 3, 24)})),
+        ("out-shape", lambda: (_gl, (_xa(5, 3), _w8()), {"out": ones(5, 3, 23, dtype=bf)})),
+        ("out-over-x", lambda: (lambda x, w: _gl(x, w, out=x[1].view(bf)[..., :0]), (_xa(5, 3), _w8()), {})),
+    ],
+    "gemm_moe_linear_w4a8": [
+        ("ok", lambda: (_ml, (_xa(7), _w8(), _offs(0, 2, 2, 7)), {})),
+        ("ok-clamped-errors", lambda: (_ml, (_xa(7), _w8(), _offs(0, 5, 2, 9)), {"errors": buf(1, dtype=torch.int32)})),
+        ("x.codes-rank", lambda: (_ml, (_xa(7, 3), _w8(), _offs(0, 2, 2, 7)), {})),
+        ("offsets-shape", lambda: (_ml, (_xa(7), _w8(), _offs(0, 2, 7)), {})),
+        ("offsets-int64", lambda: (_ml, (_xa(7), _w8(), torch.tensor([0, 2, 2, 7])), {})),
+        ("errors-int64", lambda: (_ml, (_xa(7), _w8(), _offs(0, 2, 2, 7)), {"errors": buf(1, dtype=torch.int64)})),
+        ("out-shape", lambda: (_ml, (_xa(7), _w8(), _offs(0, 2, 2, 7)), {"out": ones(7, 23, dtype=bf)})),
+    ],
+}
+
+
+# ---------------------------------------------------------------------------
+# plans
+# ---------------------------------------------------------------------------
+class _Dev:
+    arch, sm_count = "sm_90", 132
+
+
+def test_plans_tile_by_tokens_and_refuse_other_archs():
+    w8 = _w8(3, 300, 256)
+    from rawkv.gemm import _rules as R
+    act = R.activation8(*_xa(65, 3, k=256), 3, 256, "cpu", -1)
+    wc = R.weight8(w8.codes, w8.shifts, w8.row_scale, w8.gs, w8.n, w8.k, "cpu")
+    (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(65, 3, 300, dtype=bf))
+    assert launch.grid == (3, 1, 3) and launch.kernel.expr.endswith("<128, 6>")
+    act = R.activation8(*_xa(64, 3, k=256), 3, 256, "cpu", -1)
+    (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(64, 3, 300, dtype=bf))
+    assert launch.grid == (3, 1, 3) and launch.kernel.expr.endswith("<64, 8>")
+
+    class Ada:
+        arch, sm_count = "sm_89", 142
+    with pytest.raises(ValueError, match="^weight: the W4A8 GEMM runs on sm_90"):
+        plans.w4a8_grouped(Ada, act, wc, torch.empty(64, 3, 300, dtype=bf))
+
+
+# ---------------------------------------------------------------------------
+# GPU: the kernel within the bound
+# ---------------------------------------------------------------------------
+@pytest.fixture
+def sm90(cuda):
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the W4A8 kernel runs on sm_90 devices; this one is {cuda.arch}")
+    return cuda
+
+
+def _exact(xc, xs, codes, scales):
+    return B.exact_and_absolute(xc.numpy(), xs.numpy(), codes, scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 65, 130, 300])
+def test_batched_within_the_bound(sm90, rng, tokens, scale_format):
+    # N = 24: a partial row tile; N = 200: a second block of 128 features;
+    # K = 160: a partial 128-column chunk; K = 1024: eight chunks.
+    for g, n, k in ((3, 24, 160), (2, 200, 1024)):
+        codes, scales, _, w8 = mx_weight(rng, g, n, k)
+        xc, xs = fp8_act(rng, (tokens, g, k), scale_format)
+        exact, absolute = _exact(xc, xs, codes, scales)
+        w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+        out = torch.full((tokens, g, n), float("nan"), dtype=bf, device="cuda")
+        rawkv.gemm.grouped_linear((xc.cuda(), xs.cuda()), w8c, out=out)
+        B.assert_within_bound(out, exact, absolute, k, f"T={tokens} G={g} N={n} K={k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts, rows", [(4, 0), (4, 9), (8, 300), (384, 700)])
+def test_ragged_within_the_bound(sm90, rng, experts, rows):
+    n, k = 136, 288
+    codes, scales, _, w8 = mx_weight(rng, experts, n, k)
+    counts = rng.multinomial(rows, np.full(experts, 1 / experts)) if rows else np.zeros(experts, int)
+    counts[0] = 0                                              # an empty expert
+    counts[-1] += rows - counts.sum()
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    xc, xs = fp8_act(rng, (rows, k))
+    exact, bad = W.ragged(xc.numpy(), xs.numpy(), codes, scales, offsets)
+    absolute, _ = G.ragged(np.abs(W.activation_values(xc.numpy(), xs.numpy())),
+                           np.abs(W.weight_values(codes, scales)), offsets)
+    assert bad == 0
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = rawkv.gemm.moe_linear((xc.cuda(), xs.cuda()), w8c, torch.from_numpy(offsets).cuda(), errors=errors)
+    B.assert_within_bound(out, exact, absolute, k, f"E={experts} R={rows}")
+    assert int(errors[0]) == 0
+
+
+@pytest.mark.gpu
+def test_ragged_clamps_count_and_unowned_rows_are_zero(sm90, rng):
+    codes, scales, _, w8 = mx_weight(rng, 3, 40, 128)
+    xc, xs = fp8_act(rng, (12, 128))
+    offsets = np.array([2, 6, 4, 9], np.int32)                  # 4 < 6: clamped; rows 9.. and ..2 unowned
+    exact, bad = W.ragged(xc.numpy(), xs.numpy(), codes, scales, offsets)
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.full((12, 40), float("nan"), dtype=bf, device="cuda")
+    rawkv.gemm.moe_linear((xc.cuda(), xs.cuda()), w8c, torch.from_numpy(offsets).cuda(), out=out, errors=errors)
+    assert int(errors[0]) == bad == 1
+    assert (out[:2] == 0).all() and (out[9:] == 0).all()
+    absolute, _ = G.ragged(np.abs(W.activation_values(xc.numpy(), xs.numpy())),
+                           np.abs(W.weight_values(codes, scales)), offsets)
+    B.assert_within_bound(out, exact, absolute, 128, "clamped")
+
+
+@pytest.mark.gpu
+def test_same_bits_every_run_and_every_token_tiling(sm90, rng):
+    # 64 tokens take BN = 64 tiles, 300 take BN = 128: each output is one
+    # warpgroup's sum over the chunks in order, so a token's row is the same
+    # whichever tile it lands in, and the same on every run.
+    codes, scales, _, w8 = mx_weight(rng, 2, 264, 1024)
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    xc, xs = fp8_act(rng, (300, 2, 1024))
+    xc, xs = xc.cuda(), xs.cuda()
+    full = rawkv.gemm.grouped_linear((xc, xs), w8c)
+    again = rawkv.gemm.grouped_linear((xc, xs), w8c)
+    assert torch.equal(full.view(torch.int16), again.view(torch.int16))
+    part = rawkv.gemm.grouped_linear((xc[:64].contiguous(), xs[:64].contiguous()), w8c)
+    assert torch.equal(part.view(torch.int16), full[:64].view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_views_are_read_as_they_are_or_copied(sm90, rng):
+    codes, scales, _, w8 = mx_weight(rng, 2, 48, 256)
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    xc, xs = fp8_act(rng, (20, 2, 256))
+    want = rawkv.gemm.grouped_linear((xc.cuda(), xs.cuda()), w8c)
+    wide = torch.zeros(20, 2, 512, dtype=u8)
+    wide[..., 128:384] = xc                                   # rows 16-byte aligned, strided
+    ws = torch.zeros(20, 2, 4)
+    ws[..., ::2] = xs                                         # scales with a strided last dimension
+    out = torch.empty(20, 2, 64, dtype=bf, device="cuda")[..., 8:56]
+    got = rawkv.gemm.grouped_linear((wide.cuda()[..., 128:384], ws.cuda()[..., ::2]), w8c, out=out)
+    assert got is out and torch.equal(out.view(torch.int16), want.view(torch.int16))
+    tx = torch.zeros(20, 2, 257, dtype=u8)
+    tx[..., 1:] = xc                                          # misaligned rows: copied
+    got = rawkv.gemm.grouped_linear((tx.cuda()[..., 1:], xs.cuda()), w8c)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+# ---------------------------------------------------------------------------
+# the operators
+# ---------------------------------------------------------------------------
+def opcheck_samples(rng, device="cpu"):
+    """opcheck argument tuples of rawkv::gemm_grouped_linear_w4a8 and
+    rawkv::gemm_moe_linear_w4a8."""
+    from rawkv.gemm.w4a8 import operator_args8
+    _, _, _, w8 = mx_weight(rng, 3, 24, 160)
+    w8 = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.to(device) for t in w8[2:]))
+    xc, xs = fp8_act(rng, (5, 3, 160))
+    xa = (xc.to(device), xs.to(device))
+    xr = (xc[:, 0].contiguous().to(device), xs[:, 0].contiguous().to(device))
+    offsets = torch.tensor([0, 2, 1, 5], dtype=torch.int32, device=device)
+    return {
+        "gemm_grouped_linear_w4a8": [
+            tuple((operator_args8(xa, w8) | {"out": torch.empty(5, 3, 24, dtype=bf, device=device)}).values())],
+        "gemm_moe_linear_w4a8": [
+            tuple((operator_args8(xr, w8) | {"offsets": offsets, "out": torch.empty(5, 24, dtype=bf, device=device),
+                                             "errors": torch.zeros(1, dtype=torch.int32, device=device)}).values())],
+    }
