@@ -367,14 +367,15 @@ def test_packed_codes_and_shifts_round_trip(rng, g, n, k):
     shifts = rng.integers(0, 21, (g, n, k // 32), dtype=np.uint8)
     p, ps = W.pack_codes8(codes), W.pack_shifts8(shifts)
     tiles, chunks = -(-n // 16), -(-k // 128)
-    assert p.shape == (g, tiles, chunks, 32, 32) and ps.shape == (g, tiles, chunks, 8, 8)
+    assert p.shape == (g, tiles, chunks, 2, 32, 16) and ps.shape == (g, tiles, chunks, 8, 8)
     np.testing.assert_array_equal(W.unpack_codes8(p, n, k), codes)
     np.testing.assert_array_equal(W.unpack_shifts8(ps, n, k), shifts)
 
 
 def test_packed_code_positions_are_the_fp8_fragment(rng):
     """Every code's place, from the layout's definition (one index at a time):
-    lane 4 q + t, k32 step s, row half h (row q or q + 8), nibble j holds
+    plane s // 2, lane 4 q + t, bytes 8 (s % 2) + 4 h .. + 3 (k32 step s,
+    row q for h = 0, q + 8 for h = 1), nibble j holds
     column 32 s + 16 (j // 4) + 4 t + j % 4: the wgmma E4M3 A fragment
     (a0 / a1: columns 4 t .. + 3 of rows q / q + 8, a2 / a3: 16 + 4 t ..)."""
     g, n, k = 1, 24, 160
@@ -387,7 +388,8 @@ def test_packed_code_positions_are_the_fp8_fragment(rng):
                 q, t = divmod(lane, 4)
                 for s in range(4):
                     for h in range(2):
-                        word = int.from_bytes(p[0, tile, c, lane, 8 * s + 4 * h: 8 * s + 4 * h + 4].tobytes(), "little")
+                        at = 8 * (s % 2) + 4 * h
+                        word = int.from_bytes(p[0, tile, c, s // 2, lane, at:at + 4].tobytes(), "little")
                         for j in range(8):
                             row, col = 16 * tile + 8 * h + q, 128 * c + 32 * s + 16 * (j // 4) + 4 * t + j % 4
                             want = nib[0, row, col] if row < n and col < k else 0

@@ -32,17 +32,23 @@
 #include "wgmma_rs.cuh"
 using namespace rkv;
 
-#ifndef RKV_W4A8_TABLE
-#error "RKV_W4A8_TABLE must come from rawkv/kernels/gemm_w4a8.py"
+#if !defined(RKV_W4A8_TABLE) || !defined(RKV_W4A8_SHIFT_BIAS)
+#error "RKV_W4A8_TABLE and RKV_W4A8_SHIFT_BIAS must come from rawkv/kernels/gemm_w4a8.py"
 #endif
 
 namespace {
 
 constexpr int kThreads = 384;
 constexpr int kBM = 128, kTiles = kBM / 16;
-constexpr int kCodeBytes = 1024;        // one row tile, one 128-column chunk (32 lanes x 32 B)
+constexpr int kCodeBytes = 1024;        // one row tile, one 128-column chunk (2 planes x 32 lanes x 16 B)
 constexpr int kShiftBytes = 64;         // its shifts (8 row pairs x 8 B)
 constexpr int kTableRows = 32;          // shift rows of the E4M3 table (21 used; the rest zeros)
+// The table's row of shift 0 (magnitudes 0..3, 4..7: 0, 0.5, 1, 1.5; 2, 3,
+// 4, 6 as E4M3 bytes) and the biased shift from which every nonzero entry
+// of a row is a normal number (0.5 x 2^-5 = 2^-6, E4M3's least normal).
+constexpr u32 kTable0Lo = 0x3C383000u, kTable0Hi = 0x4C484440u;
+constexpr u32 kShiftBias = RKV_W4A8_SHIFT_BIAS;
+constexpr u32 kFastShift = kShiftBias - 5;
 
 // The E4M3 byte of E2M1 magnitude i times 2^(e - SHIFT_BIAS), row e of
 // rawkv.reference.gemm_w4a8.SHIFT_TABLE as two little-endian words.
@@ -73,9 +79,19 @@ __device__ __forceinline__ uint2 ld_shared8(u32 addr) {
     asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
     return v;
 }
-__device__ __forceinline__ float2 ld_shared_f2(u32 addr) {
-    float2 v;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+
+// The E4M3 bytes of magnitudes 0..7 times 2^(e - SHIFT_BIAS) (two words):
+// from kFastShift on, the shift-0 row with the shift added to its exponent
+// fields (every entry but 0 stays a normal E4M3 byte: no borrow, no carry);
+// below it, the exact row (subnormal entries) from the table in shared
+// memory, a load only the lanes that need it make.
+__device__ __forceinline__ uint2 block_table(u32 table, u32 e) {
+    if (e >= kFastShift) return make_uint2(kTable0Lo + (e - kShiftBias) * 0x08080800u, kTable0Hi + (e - kShiftBias) * 0x08080808u);
+    return ld_shared8(table + 8 * e);
+}
+__device__ __forceinline__ float4 ld_shared_f4(u32 addr) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
     return v;
 }
 // 16 bytes, or zeros where `bytes` is 0 (the source is then not read).
@@ -91,8 +107,10 @@ __device__ __forceinline__ void cp_async4_if(bool on, u32 dst, const void* gmem)
 template <int BN>
 __device__ __forceinline__ void wgmma_k32(float (&d)[BN / 2], const u32 (&a)[4], u64 desc, int scale_d) {
     if constexpr (BN == 64) wgmma_m64n64k32_e4m3(d, a, desc, scale_d);
+    else if constexpr (BN == 96) wgmma_m64n96k32_e4m3(d, a, desc, scale_d);
+    else if constexpr (BN == 112) wgmma_m64n112k32_e4m3(d, a, desc, scale_d);
     else {
-        static_assert(BN == 128, "BN is 64 or 128");
+        static_assert(BN == 128, "BN is 64, 96, 112 or 128");
         wgmma_m64n128k32_e4m3(d, a, desc, scale_d);
     }
 }
@@ -170,8 +188,12 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
         const int unit = p & 7, r0 = p >> 3;
         const u8* xsrc = x + (i64)(t0 + r0) * xs_t + (i64)g * xs_g + 16 * unit;
         const u32 xdst = r0 * 128 + ((unit ^ (r0 & 7)) << 4);
-        // The tokens' scales: token p on threads p < BN.
+        // The tokens' scales: token p on threads p < BN, stored in the order
+        // the consumers read them: token 8 j + 2 t + h (j = 2 j2 + i) at float
+        // 16 j2 + 4 t + 2 i + h, so lane t's 16-byte load j2 and its quad's
+        // are 64 contiguous bytes.
         const float* fsrc = xsf + (i64)(t0 + p) * ss_t + (i64)g * ss_g;
+        const u32 sdst = 4 * (16 * (p >> 4) + 4 * ((p >> 1) & 3) + 2 * ((p >> 3) & 1) + (p & 1));
         int s = 0;
         u32 parity = 1;   // of the empty barriers: a fresh barrier passes parity 1
         for (int c = 0; c < chunks; ++c) {
@@ -190,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
             for (int j = 0; j < BN / 16; ++j)
                 cp_async16_zfill_if(r0 + 16 * j < rows, bdst + 2048 * j,
                                     bytes ? xsrc + (i64)16 * j * xs_t + 128 * c : xsrc, bytes);
-            cp_async4_if(p < rows && p < BN, smem_u32(s_s + s * kSStage) + 4 * p, fsrc + c);
+            cp_async4_if(p < rows && p < BN, smem_u32(s_s + s * kSStage) + sdst, fsrc + c);
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar_full + 8 * s) : "memory");
             if (++s == STAGES) {
                 s = 0;
@@ -214,62 +236,69 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
     // s: word 2 s (row q) and 2 s + 1 (row q + 8) of its 32 packed bytes,
     // each through its block's table (the shift bytes 2 s, 2 s + 1 of row
     // pair q).
-    auto fragments = [&](int st, u32 (&a)[4][4]) {
-        const u32 wst = smem_u32(s_w + st * kWStage);
-        const uint4 c0 = ld_shared16(wst + my_tile * kCodeBytes + lane * 32);
-        const uint4 c1 = ld_shared16(wst + my_tile * kCodeBytes + lane * 32 + 16);
+    auto fragments = [&](int c, u32 (&a)[4][4]) {
+        const u32 wst = smem_u32(s_w + (c % STAGES) * kWStage);
+        const uint4 c0 = ld_shared16(wst + my_tile * kCodeBytes + lane * 16);          // steps 0, 1
+        const uint4 c1 = ld_shared16(wst + my_tile * kCodeBytes + 512 + lane * 16);    // steps 2, 3
         const uint2 sh = ld_shared8(wst + kTiles * kCodeBytes + my_tile * kShiftBytes + q * 8);
         const u32 words[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {
             const u32 shw = s4 < 2 ? sh.x : sh.y;
             const u32 e0 = (shw >> (16 * (s4 & 1))) & 31u, e1 = (shw >> (16 * (s4 & 1) + 8)) & 31u;
-            const uint2 tq = ld_shared8(table + 8 * e0), tq8 = ld_shared8(table + 8 * e1);
+            const uint2 tq = block_table(table, e0), tq8 = block_table(table, e1);
             e4m3_of_e2m1(words[2 * s4], tq.x, tq.y, a[s4][0], a[s4][2]);
             e4m3_of_e2m1(words[2 * s4 + 1], tq8.x, tq8.y, a[s4][1], a[s4][3]);
         }
     };
-    auto acquire = [&](int st, u32 par) {
-        mbar_wait(bar_full + 8 * st, par);
+    auto acquire = [&](int c) {
+        mbar_wait(bar_full + 8 * (c % STAGES), (c / STAGES) & 1);
         // The producer's cp.async writes (generic proxy), acquired through
         // the barrier, ordered before this warpgroup's wgmma reads.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     };
-    // Chunk c (stage st) with fragments a: the four wgmmas into the block
-    // partial; meanwhile the next chunk's fragments into `next`; then the
-    // promotion with the tokens' scales of the chunk, and the stage goes
-    // back to the producer.
-    int st = 0;
-    u32 par = 0;
-    auto chunk = [&](int c, u32 (&a)[4][4], u32 (&next)[4][4]) {
-        const u32 btile = smem_u32(s_b + st * kBStage);
+    // Chunk c's four wgmmas into a block partial (the first overwrites it).
+    auto issue = [&](int c, const u32 (&a)[4][4], float (&part)[BN / 2]) {
+        const u32 btile = smem_u32(s_b + (c % STAGES) * kBStage);
         wgmma_fence();
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) wgmma_k32<BN>(part, a[s4], b_desc(btile + 32 * s4), s4);
         wgmma_commit();
-        const int nst = st + 1 == STAGES ? 0 : st + 1;
-        const u32 npar = st + 1 == STAGES ? par ^ 1 : par;
-        if (c + 1 < chunks) {
-            acquire(nst, npar);
-            fragments(nst, next);
-        }
-        wgmma_wait<0>();
-        const u32 sc = smem_u32(s_s + st * kSStage) + 8 * t;
+    };
+    // Chunk c's partial into the accumulators with the tokens' scales of
+    // its block; then its stage goes back to the producer.
+    auto promote = [&](int c, const float (&part)[BN / 2]) {
+        const u32 sc = smem_u32(s_s + (c % STAGES) * kSStage) + 16 * t;
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            const float2 f = ld_shared_f2(sc + 32 * j);     // tokens 8 j + 2 t, + 1
-            acc[4 * j] = fmaf(part[4 * j], f.x, acc[4 * j]);
-            acc[4 * j + 1] = fmaf(part[4 * j + 1], f.y, acc[4 * j + 1]);
-            acc[4 * j + 2] = fmaf(part[4 * j + 2], f.x, acc[4 * j + 2]);
-            acc[4 * j + 3] = fmaf(part[4 * j + 3], f.y, acc[4 * j + 3]);
+        for (int j2 = 0; j2 < BN / 16; ++j2) {
+            const float4 f = ld_shared_f4(sc + 64 * j2);    // tokens 8 j + 2 t, + 1 of j = 2 j2, 2 j2 + 1
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int j = 2 * j2 + i;
+                const float f0 = i ? f.z : f.x, f1 = i ? f.w : f.y;
+                acc[4 * j] = fmaf(part[4 * j], f0, acc[4 * j]);
+                acc[4 * j + 1] = fmaf(part[4 * j + 1], f1, acc[4 * j + 1]);
+                acc[4 * j + 2] = fmaf(part[4 * j + 2], f0, acc[4 * j + 2]);
+                acc[4 * j + 3] = fmaf(part[4 * j + 3], f1, acc[4 * j + 3]);
+            }
         }
         __syncwarp();
-        if (lane == 0) mbar_arrive(bar_empty + 8 * st);
-        st = nst;
-        par = npar;
+        if (lane == 0) mbar_arrive(bar_empty + 8 * (c % STAGES));
     };
+    // Chunk c: its four wgmmas into the block partial; meanwhile chunk
+    // c + 1's A fragments into the other register set (`next`); then the
+    // promotion, which needs the partial complete.
     u32 a0[4][4], a1[4][4];
-    acquire(0, 0);
+    auto chunk = [&](int c, const u32 (&a)[4][4], u32 (&next)[4][4]) {
+        issue(c, a, part);
+        if (c + 1 < chunks) {
+            acquire(c + 1);
+            fragments(c + 1, next);
+        }
+        wgmma_wait<0>();
+        promote(c, part);
+    };
+    acquire(0);
     fragments(0, a0);
     for (int c = 0; c < chunks; c += 2) {
         chunk(c, a0, a1);

@@ -294,7 +294,7 @@ def w4a8_moe(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors):
 
 
 def weight8(codes, shifts, row_scale, gs, n, k, where) -> Weight8:
-    """The W4A8 form's tensors: codes uint8 (G, NP/16, C, 32, 32), shifts
+    """The W4A8 form's tensors: codes uint8 (G, NP/16, C, 2, 32, 16), shifts
     uint8 (G, NP/16, C, 8, 8), row_scale float32 (G, NP), gs float32 (G,),
     contiguous on one device; K a multiple of 32 (the MXFP4 block)."""
     if n < 0 or k < 0 or k % ref8.W_BLOCK:
@@ -303,9 +303,9 @@ def weight8(codes, shifts, row_scale, gs, n, k, where) -> Weight8:
     g, dev = codes.shape[0], A.device_of(codes)
     npad, chunks = ref8.padded8(n, k)
     tile = (g, npad // ref.ROWS, chunks)
-    if tuple(codes.shape) != (*tile, 32, ref8.LANE_BYTES):
-        raise ValueError(f"weight.codes: expected shape {(*tile, 32, ref8.LANE_BYTES)} for N = {n}, K = {k}, "
-                         f"got {tuple(codes.shape)}")
+    want = (*tile, ref8.PLANES, 32, ref8.LANE_BYTES // ref8.PLANES)
+    if tuple(codes.shape) != want:
+        raise ValueError(f"weight.codes: expected shape {want} for N = {n}, K = {k}, got {tuple(codes.shape)}")
     shifts = A.tensor(shifts, "weight.shifts", _BYTE, where, shape=(*tile, 8, ref8.SHIFT_BYTES), device=dev)
     row_scale = A.tensor(row_scale, "weight.row_scale", _F32, where, shape=(g, npad), device=dev)
     gs = A.tensor(gs, "weight.gs", _F32, where, shape=(g,), device=dev)

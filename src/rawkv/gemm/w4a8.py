@@ -34,7 +34,7 @@ from .weights import Fp4Weight
 
 class W4a8Weight(NamedTuple):
     """An MXFP4 weight in its W4A8 form, on the weight's device: n, k the
-    sizes; codes uint8 (G, NP/16, C, 32, 32) and shifts uint8
+    sizes; codes uint8 (G, NP/16, C, 2, 32, 16) and shifts uint8
     (G, NP/16, C, 8, 8) (C = ceil(K/128); rawkv.reference.gemm_w4a8's
     pack_codes8 / pack_shifts8: the E2M1 codes and each 32-column block's
     biased shift, the row of SHIFT_TABLE that turns its codes into E4M3);

@@ -241,8 +241,11 @@ def ragged(x_codes, x_scales, w_codes, w_scales, offsets) -> tuple[np.ndarray, i
 # 32 s + 4 t + i and 32 s + 16 + 4 t + i (i = 0..3).
 #: Columns per packed chunk (and per pipeline stage).
 CHUNK8 = 128
-#: Packed code bytes per lane and chunk: 4 k32 steps x 2 rows x 4 bytes.
+#: Packed code bytes per lane and chunk: 4 k32 steps x 2 rows x 4 bytes, in
+#: two planes of 16 (steps 0-1, steps 2-3) so that a warp's 16-byte loads of
+#: one plane are 512 contiguous bytes (no bank conflicts).
 LANE_BYTES = 32
+PLANES = 2
 #: Packed shift bytes per row-pair (q, q + 8) and chunk: 4 steps x 2 rows.
 SHIFT_BYTES = 8
 
@@ -254,30 +257,32 @@ def padded8(n: int, k: int) -> tuple[int, int]:
 
 def pack_codes8(codes) -> np.ndarray:
     """MXFP4 code bytes (G, N, K/2) (two E2M1 codes per byte, low nibble
-    first) -> the kernel's codes uint8 (G, NP/16, C, 32, 32): lane l = 4 q + t,
-    k32 step s: bytes 8 s .. 8 s + 3 hold row q, 8 s + 4 .. + 7 row q + 8,
-    each a little-endian word whose nibble j (bits 4 j .. 4 j + 3) is the
-    code at column 128 c + 32 s + 16 (j // 4) + 4 t + j % 4. Padding
-    (rows past N, columns past K) is code 0."""
+    first) -> the kernel's codes uint8 (G, NP/16, C, 2, 32, 16): plane s // 2,
+    lane l = 4 q + t, bytes 8 (s % 2) .. + 3 hold k32 step s of row q and
+    8 (s % 2) + 4 .. + 7 of row q + 8, each a little-endian word whose
+    nibble j (bits 4 j .. 4 j + 3) is the code at column
+    128 c + 32 s + 16 (j // 4) + 4 t + j % 4. Padding (rows past N,
+    columns past K) is code 0."""
     codes = np.asarray(codes, np.uint8)
     g, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
     npad, chunks = padded8(n, k)
     full = np.zeros((g, npad, chunks * CHUNK8), np.uint8)
     full[:, :n, :k] = unpack_nibbles(codes)
-    # row = 16 tile + 8 half + q; column = 128 c + 32 s + 16 jh + 4 t + jl
-    v = full.reshape(g, npad // G.ROWS, 2, 8, chunks, 4, 2, 4, 4)
-    v = v.transpose(0, 1, 4, 3, 7, 5, 2, 6, 8).reshape(g, npad // G.ROWS, chunks, 32, 4, 2, 8)
-    return (v[..., 0::2] | (v[..., 1::2] << 4)).reshape(g, npad // G.ROWS, chunks, 32, LANE_BYTES)
+    # row = 16 tile + 8 half + q; column = 128 c + 32 s + 16 jh + 4 t + jl, s = 2 plane + s2
+    v = full.reshape(g, npad // G.ROWS, 2, 8, chunks, PLANES, 2, 2, 4, 4)
+    # -> g, tile, c, plane, q, t, s2, half, jh, jl
+    v = v.transpose(0, 1, 4, 5, 3, 8, 6, 2, 7, 9).reshape(g, npad // G.ROWS, chunks, PLANES, 32, 2, 2, 8)
+    return (v[..., 0::2] | (v[..., 1::2] << 4)).reshape(g, npad // G.ROWS, chunks, PLANES, 32, 16)
 
 
 def unpack_codes8(packed, n: int, k: int) -> np.ndarray:
     """The inverse of pack_codes8: (G, N, K/2) MXFP4 code bytes."""
     packed = np.asarray(packed, np.uint8)
     g, tiles, chunks = packed.shape[:3]
-    v = packed.reshape(g, tiles, chunks, 32, 4, 2, 4)
-    nib = np.stack([v & 0xF, v >> 4], axis=-1).reshape(g, tiles, chunks, 8, 4, 4, 2, 2, 4)
-    # axes: g, tile, c, q, t, s, half, jh, jl -> g, tile, half, q, c, s, jh, t, jl
-    full = nib.transpose(0, 1, 6, 3, 2, 5, 7, 4, 8).reshape(g, tiles * G.ROWS, chunks * CHUNK8)
+    v = packed.reshape(g, tiles, chunks, PLANES, 32, 2, 2, 4)
+    nib = np.stack([v & 0xF, v >> 4], axis=-1).reshape(g, tiles, chunks, PLANES, 8, 4, 2, 2, 2, 4)
+    # axes: g, tile, c, plane, q, t, s2, half, jh, jl -> g, tile, half, q, c, plane, s2, jh, t, jl
+    full = nib.transpose(0, 1, 7, 4, 2, 3, 6, 8, 5, 9).reshape(g, tiles * G.ROWS, chunks * CHUNK8)
     v = full[:, :n, :k]
     return (v[..., 0::2] | (v[..., 1::2] << 4)).astype(np.uint8)
 
