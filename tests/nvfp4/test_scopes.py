@@ -1,4 +1,4 @@
-"""The global-scale scopes planned once (rawkv.nvfp4.scopes) for
+"""The global-scale scopes planned once (rawkv.nvfp4.encode.plan_scope) for
 rawkv.nvfp4.quantize and the fused producers: their launch plans read as
 data, with no runtime (a rawkv._plan.Device and CPU tensors)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from rawkv.fused import _rules as FR
 from rawkv.fused import plans as FP
 from rawkv.kernels import fused as KF
 from rawkv.kernels import nvfp4 as KN
-from rawkv.nvfp4 import encode, scopes
+from rawkv.nvfp4 import encode
 
 torch = pytest.importorskip("torch")
 
@@ -83,14 +83,14 @@ def test_device_gs_without_gs_out_is_not_written():
 
 @pytest.mark.parametrize("scope,want", [("row", None), ("tensor", 1.0), ("none", 1.0), ("given", 0.25)])
 def test_no_rows(scope, want):
-    """No row: one thread writes gs (the gs of an empty encode, scopes.empty_gs);
+    """No row: one thread writes gs (the gs of an empty encode, encode.empty_gs);
     scope 'row' has none to write."""
     plan, g = _rows(scope, rows=0, gs=0.25 if scope == "given" else None)
     if want is None:
         assert plan == []
         return
     assert plan == [Launch(KF.SET_GS.instance(), (1,), (1,), dict(gs_out=g, gs_in=None, gs_val=want))]
-    assert scopes.empty_gs(scope, 0.25 if scope == "given" else None).value == want
+    assert encode.empty_gs(scope, 0.25 if scope == "given" else None).value == want
 
 
 def test_row_block_by_rows():

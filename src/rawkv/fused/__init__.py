@@ -44,7 +44,7 @@ calls it.
 Modules: rms (RMSNorm and mHC + RMSNorm, and the row producers' shared
 public part), swiglu, moe; _rules (the family's argument rules, one function
 per op, CPU and CUDA alike), plans (the launches as data; the global-scale
-scopes are rawkv.nvfp4.scopes's).
+scopes are rawkv.nvfp4.encode's).
 """
 from ..fp8 import Fp8Activation
 from ..nvfp4.activation import QuantizedActivation

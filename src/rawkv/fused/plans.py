@@ -1,7 +1,7 @@
 """The launch plans of the fused producers: pure functions from the checked
 arguments and the device properties (`dev`: a rawkv._plan.Device, or the
 Runtime) to the launches (rawkv._plan.Launch, Memset). The row producers'
-global-scale scopes are rawkv.nvfp4.scopes's, shared with
+global-scale scopes are rawkv.nvfp4.encode's (plan_scope), shared with
 rawkv.nvfp4.quantize; each pass is one launch of a row kernel (one CTA per
 row, rawkv.kernels.fused RMS / SWIGLU) in the scope's mode. The FP8 block
 outputs (*_fp8) have no global scale: one launch each."""
@@ -10,7 +10,7 @@ from __future__ import annotations
 from .. import _args as A
 from .._plan import Launch, grid_stride
 from ..kernels import fused as K
-from ..nvfp4 import scopes
+from ..nvfp4.encode import Gs, Passes, empty_gs, plan_scope
 
 
 def block_for(dev, rows: int, chunks: int) -> int:
@@ -23,10 +23,10 @@ def block_for(dev, rows: int, chunks: int) -> int:
     return min(K.MAX_BLOCK, max(r32(-(-chunks // K.REG)), min(r32(chunks), 64)))
 
 
-_NO_GS = scopes.Gs(None, 0.0, None)
+_NO_GS = Gs(None, 0.0, None)
 
 
-class _RowPasses(scopes.Passes):
+class _RowPasses(Passes):
     """The passes of row kernel instance `inst` with its other arguments
     `args`: each pass one launch in a mode."""
 
@@ -58,10 +58,10 @@ def _rows(dev, inst, a, errors, args) -> list:
     if a.rows == 0:
         if a.scope == "row":
             return []
-        g = scopes.empty_gs(a.scope, a.gs)
+        g = empty_gs(a.scope, a.gs)
         return [Launch(K.SET_GS.instance(), (1,), (1,), dict(gs_out=a.gs_out, gs_in=g.ptr, gs_val=g.value))]
     passes = _RowPasses(dev, inst, a.rows, a.n // 16, a.gs_out, args)
-    return scopes.plan(a.scope, passes, a.gs, errors)
+    return plan_scope(a.scope, passes, a.gs, errors)
 
 
 def rms(dev, a, mix, weight, eps, n_hc, errors=None) -> list:

@@ -1,11 +1,30 @@
 """rawkv.nvfp4.quantize: NVFP4 encode under a global-scale scope
-(docs/format.md, "NVFP4: tensors and layouts", "global-scale scopes")."""
+(docs/format.md, "NVFP4: tensors and layouts", "global-scale scopes").
+
+The scopes are planned here once for every encoder (quantize and the fused
+producers, rawkv.fused.plans): `plan_scope` is a pure function from the
+scope, the given gs and an encoder's passes to the launches (rawkv._plan:
+Launch, Memset), which the op runs. What each scope launches:
+
+    'row'      one pass; each row's gs from its amax
+    'tensor'   gs zeroed, a pass taking the tensor's amax (atomicMax into gs),
+               a pass quantizing with it (or one pass for a small tensor)
+    'given'    one pass with the given gs: a number (the host checked it)
+               or a device tensor (the kernel checks it, flags every block
+               of a refused one and counts the call in `errors`)
+    'none'     the 'given' pass with gs = 1
+
+An encode of no elements launches nothing: `empty_gs` is the gs it still
+writes.
+"""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
 from . import _rules as C
-from . import counters, scopes
+from . import counters
 from ._geometry import BLOCK_THREADS, grid, groups
 from .. import _args as A
 from .._op import empty, op
@@ -85,7 +104,7 @@ def _quantize(x, scope, gs, gs_value, q, sf, gs_out, errors, stream=None):
         return
     rt = get_runtime(x.get_device())
     if m * n == 0:
-        _write_gs_only(rt, gs_out if gs_out is not None else gs.reshape(()), scopes.empty_gs(scope, gs),
+        _write_gs_only(rt, gs_out if gs_out is not None else gs.reshape(()), empty_gs(scope, gs),
                        gs_out is not None, stream)
         return
     if errors is None and scope == "given" and gs.__class__ is not float:
@@ -129,6 +148,70 @@ def _input(x, where):
     return x, m, n, ldx, A.dtype_name(x), A.device_of(x), tuple(x.shape[:-1])
 
 
+# ---- the global-scale scopes, planned once for every encoder --------------------------------
+class Gs(NamedTuple):
+    """The gs a 'given' / 'none' pass reads: `ptr` a device float32
+    tensor (the kernel checks its value and adds refused calls to `errors`)
+    or None, then `value`, a number the host checked."""
+    ptr: object
+    value: float
+    errors: object
+
+
+class Passes:
+    """An encoder's passes, each a list of launches (rawkv._plan.Launch);
+    `gs_out` is where the gs is written (scope 'tensor' zeroes it first)."""
+    gs_out = None
+
+    def row(self) -> list:
+        raise NotImplementedError
+
+    def whole_tensor(self) -> list | None:
+        """Scope 'tensor' in one pass (a small tensor), or None: two passes."""
+        return None
+
+    def amax(self) -> list:
+        raise NotImplementedError
+
+    def from_amax(self) -> list:
+        raise NotImplementedError
+
+    def given(self, gs: Gs) -> list:
+        raise NotImplementedError
+
+
+def given(scope: str, gs, errors) -> Gs:
+    """The Gs of scope 'given' (gs a checked Python float or a device
+    tensor, whose refusals go to `errors`) or 'none' (1)."""
+    if scope == "none" or gs is None:
+        return Gs(None, 1.0, None)
+    if gs.__class__ is float:
+        return Gs(None, gs, None)
+    return Gs(gs, 0.0, errors)
+
+
+def empty_gs(scope: str, gs) -> Gs:
+    """The gs an encode of no elements writes: 1 for 'row' and 'tensor'
+    (the amax of nothing is 0, whose gs is 1), else the given one (a device
+    gs copied unchecked: no block uses it)."""
+    if scope in ("row", "tensor"):
+        return Gs(None, 1.0, None)
+    return given(scope, gs, None)
+
+
+def plan_scope(scope: str, passes: Passes, gs=None, errors=None) -> list:
+    """The launches of an encode of at least one element under `scope`
+    (gs / errors: given()'s)."""
+    if scope == "row":
+        return passes.row()
+    if scope == "tensor":
+        one = passes.whole_tensor()
+        if one is not None:
+            return one
+        return [Memset(passes.gs_out, 4), *passes.amax(), *passes.from_amax()]
+    return passes.given(given(scope, gs, errors))
+
+
 # ---- global_scale: the gs alone ----------------------------------------------------------
 def global_scale(x, *, out=None, stream=None):
     """The decode global scale of x (..., N), N % 16 == 0, under scope
@@ -154,7 +237,7 @@ def _global_scale(x, gs_out, stream=None):
         return
     rt = get_runtime(x.get_device())
     if m * n == 0:
-        _write_gs_only(rt, gs_out, scopes.empty_gs("tensor", None), True, stream)
+        _write_gs_only(rt, gs_out, empty_gs("tensor", None), True, stream)
         return
     run(rt, gs_plan(rt, x, gs_out, m, n, ldx), stream)
 
@@ -176,7 +259,7 @@ def gs_plan(dev, x, gs_out, m, n, ldx) -> list:
 
 
 def _write_gs_only(rt, g, gs, own_gs, stream):
-    """No elements: only gs (scopes.empty_gs's) is written, with torch ops
+    """No elements: only gs (empty_gs's) is written, with torch ops
     on the op's stream (not torch's current one), ordered like every other
     write."""
     import torch
@@ -192,7 +275,7 @@ def _io(p) -> dict:
     return dict(x=p.x, q=p.q, sf=p.sf, M=p.m, upr=p.upr, ldx=p.ldx)
 
 
-class _Passes(scopes.Passes):
+class _Passes(Passes):
     """rawkv.nvfp4.quantize's passes (rawkv.kernels.nvfp4) over x (M, N)
     rows `ldx` elements apart, on device `dev`."""
 
@@ -251,4 +334,4 @@ def plan(dev, x, q, sf, gs_out, m, n, ldx, scope, gs=None, errors=None) -> list:
     (rawkv._plan.Device or a Runtime): gs is written to gs_out (None only
     with a device gs, which is then the gs); errors is where a device gs's
     refusal is counted."""
-    return scopes.plan(scope, _Passes(dev, x, q, sf, gs_out, m, n, ldx), gs, errors)
+    return plan_scope(scope, _Passes(dev, x, q, sf, gs_out, m, n, ldx), gs, errors)
