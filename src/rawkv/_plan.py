@@ -2,9 +2,12 @@
 sizes and device properties, then run.
 
 A plan is a list of `Launch`es (kernel instance, grid, block, keyword
-arguments), and `Memset`s (bytes zeroed on the launch stream between them). A family's planners build them from the checked arguments and a
-`Device` (or anything with its fields: a Runtime has them); `run`
-launches them in order. Tests read plans as data, with no runtime.
+arguments), `Memset`s (bytes zeroed on the launch stream between them) and
+`Fill`s (a tensor set to one value: the gs an encode of no elements still
+writes). A family's planners build them from the checked arguments and a
+`Device` (or anything with its fields: a Runtime has them); the Runtime
+runs them in order (rawkv.runtime.Runtime.run). Tests read plans as data,
+with no runtime.
 """
 from __future__ import annotations
 
@@ -36,6 +39,13 @@ class Memset(NamedTuple):
     nbytes: int
 
 
+class Fill(NamedTuple):
+    """Set every element of tensor `dst` to `value` (a number or a 0-d
+    tensor of the same device) on the plan's stream."""
+    dst: object
+    value: object
+
+
 def resident_blocks(dev, block: int) -> int:
     """How many blocks of `block` threads fill every SM once (by threads)."""
     return dev.sm_count * max(1, dev.max_threads_per_sm // block)
@@ -47,14 +57,3 @@ def grid_stride(dev, work_items: int, block: int = 256, waves: int = 2) -> tuple
     never more than there is work."""
     blocks = -(-max(int(work_items), 1) // block)
     return min(blocks, resident_blocks(dev, block) * waves), block
-
-
-def run(rt, plan, stream=None) -> None:
-    """Launch `plan` on runtime `rt`, in order, on `stream` (default:
-    torch's current), each launch with its instance's dynamic shared memory."""
-    for step in plan:
-        if step.__class__ is Memset:
-            rt.memset(step.dst.data_ptr(), 0, step.nbytes, stream)
-        else:
-            k = step.kernel
-            k.launch(rt, step.grid, step.block, stream=stream, shared_mem=k.smem, **step.args)

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _args as A
 from ._op import empty, op
-from ._plan import Launch, grid_stride, run
+from ._plan import Launch, grid_stride
 from .kernels import fp8 as K
 from .kernels import fp8_blocks as KB
 from .reference import formats as ref
@@ -333,7 +333,7 @@ def _quantize_blocks(x, block, scale_format, codes, scales, stream=None):
         return
     if rows * k:
         rt = get_runtime(x.get_device())
-        run(rt, plan_quantize_blocks(rt, x, codes, scales, rows, k, block, fmt), stream)
+        rt.run(plan_quantize_blocks(rt, x, codes, scales, rows, k, block, fmt), stream)
 
 
 def _dequantize_blocks_args(codes, scales, block, out, dtype):
@@ -369,4 +369,4 @@ def _dequantize_blocks(codes, scales, block, out, stream=None, dtype=None):
         return
     if rows * k:
         rt = get_runtime(codes.get_device())
-        run(rt, plan_dequantize_blocks(rt, codes, scales, out, rows, k, block), stream)
+        rt.run(plan_dequantize_blocks(rt, codes, scales, out, rows, k, block), stream)

@@ -10,7 +10,10 @@ It owns everything between a kernel source in rawkv/cu/ and a launch:
   rawkv kernels order with torch work and are captured by torch.cuda.graph;
 * the capture rules: nothing is compiled, loaded or allocated while the stream
   is capturing (CaptureError instead); `warmup()` loads everything first;
-* launch geometry, derived from the problem size and the device's properties.
+* launch geometry, derived from the problem size and the device's properties;
+* running an op's launch plan (rawkv._plan: launches and memsets, in order);
+* the device's error counters, a small int32 buffer the kernels add the bad
+  inputs they meet to (the families name its slots: rawkv.nvfp4.counters).
 
 Ops never import CuPy or torch themselves at module import time: `import
 rawkv` touches no CUDA API and works on a machine with no GPU.
@@ -32,7 +35,12 @@ import threading
 from typing import Iterable
 
 from . import _cache, _compile, _launch, _plan, _version, kernels
+from ._plan import Launch, Memset
 from .errors import CaptureError, GpuUnavailableError
+
+#: Slots of a device's error counter buffer (Runtime.counters); the op
+#: families name them (rawkv.nvfp4.counters).
+COUNTER_SLOTS = 3
 
 # ---------------------------------------------------------------------------
 # Kernel registry: rawkv.kernels declares every kernel (plain Python, no
@@ -239,6 +247,7 @@ class Runtime:
         self._modules: dict[tuple[str, str], object] = {}     # (filename, name expression)
         self._functions: dict[tuple[str, str], object] = {}
         self._streams: dict[int, object] = {}
+        self._counters = None       # the error counters (counters()), created on first use
         self._lock = threading.Lock()
         self._get_device = cupy.cuda.runtime.getDevice
         # torch.cuda.device's own switch (torch >= 2.1); plain cudaSetDevice where absent
@@ -442,6 +451,21 @@ class Runtime:
         finally:
             self._restore_current(prev)
 
+    def run(self, plan, stream=None) -> None:
+        """Run launch plan `plan` (rawkv._plan: Launch, Memset, Fill) in
+        order on `stream` (default: torch's current), each launch with its
+        instance's dynamic shared memory."""
+        for step in plan:
+            cls = step.__class__
+            if cls is Launch:
+                k = step.kernel
+                k.launch(self, step.grid, step.block, stream=stream, shared_mem=k.smem, **step.args)
+            elif cls is Memset:
+                self.memset(step.dst.data_ptr(), 0, step.nbytes, stream)
+            else:
+                with self._torch.cuda.stream(self.torch_stream(stream)):
+                    step.dst.fill_(step.value)
+
     def _make_current(self) -> int:
         """Make this device current for a launch, load or memset on it;
         returns the previous device for _restore_current."""
@@ -471,6 +495,37 @@ class Runtime:
             with self._torch.cuda.stream(self.torch_stream(stream)):
                 return self._torch.empty(tuple(shape), dtype=dtype, device=device)
         return self._torch.empty(tuple(shape), dtype=dtype, device=device)
+
+    # -- error counters -----------------------------------------------------
+    def counters(self, stream=None):
+        """This device's error counters: an int32 tensor of COUNTER_SLOTS,
+        zeroed, created by warmup() or on first use, which is refused while
+        `stream` (or torch's current one) is capturing a CUDA graph. Kernels
+        add to them with atomics; the caller reads and zeroes them."""
+        c = self._counters
+        return c if c is not None else self._create_counters(stream)
+
+    def counter(self, slot: int, stream=None) -> int:
+        """Device address of error counter `slot`, for a kernel's errors
+        pointer (counters())."""
+        c = self._counters
+        if c is None:
+            c = self._create_counters(stream)
+        return c.data_ptr() + 4 * slot
+
+    def _create_counters(self, stream):
+        if self.capturing(stream):
+            raise CaptureError(
+                f"rawkv: the error counters of cuda:{self.device_index} do not exist yet and the "
+                "stream is capturing a CUDA graph; call rawkv.warmup() before capture")
+        torch = self._torch
+        with self._lock:
+            if self._counters is None:
+                c = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=f"cuda:{self.device_index}")
+                # zeroed before any stream's kernel adds to them (once per device)
+                torch.cuda.synchronize(self.device_index)
+                self._counters = c
+        return self._counters
 
     # -- launch geometry ----------------------------------------------------
     def resident_blocks(self, block: int) -> int:

@@ -19,7 +19,6 @@ from rawkv import nvfp4 as N  # noqa: E402
 from rawkv.reference import fused as R  # noqa: E402
 from rawkv.reference import nvfp4 as RN  # noqa: E402
 import rawkv  # noqa: E402
-from rawkv.nvfp4 import counters  # noqa: E402
 from support.fake_cuda import fake  # noqa: E402
 from support.fused import (  # noqa: E402
     _assert_equal, _b, _check_rms, _dt, _inputs, _names, _np, _rand, _with_edges, _x)
@@ -303,7 +302,7 @@ def test_given_gs_launch_arguments(rt, op, dtype):
     """A device gs goes to the kernel with rawkv.nvfp4's GIVEN_GS counter
     (the kernel checks it and counts a refused one); a number goes by value
     with no counter (the host checked it); other scopes pass no counter."""
-    counter = counters._CUDA[-1].data_ptr() + 4 * rawkv.nvfp4.GIVEN_GS
+    counter = rt._counters.data_ptr() + 4 * rawkv.nvfp4.GIVEN_GS
     gdev = fake(torch.full((1,), -0.5))                # refused, by the kernel: not the host's to read
     res, (a,) = _calls(rt, op, dtype, gs=gdev)
     assert (a["gs_in"], a["gs_val"], a["mode"], a["errors"]) == (gdev.data_ptr(), 0.0, K.MODE_FIXED, counter)

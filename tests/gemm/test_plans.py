@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import rawkv  # noqa: E402
-from rawkv import _plan  # noqa: E402
+from rawkv import runtime  # noqa: E402
 from rawkv._plan import Device, Launch  # noqa: E402
 from rawkv.gemm import _rules as R  # noqa: E402
 from rawkv.gemm import linear, plans as P  # noqa: E402
@@ -90,7 +90,7 @@ def test_wgmma_launch_geometry():
     a = _one(P.grouped(H100, act, cw, out))
     assert a.kernel is K.GEMM_SM90.instance(R.FP16, False, *K.SM90_CONFIGS["large"], 256)
     assert a.grid == (4, 4, 8) and a.block == (K.SM90_THREADS,)
-    _plan.run(_Recorder(), [a])                      # launched with the instance's shared memory
+    runtime.Runtime.run(_Recorder(), [a])                      # launched with the instance's shared memory
 
 
 def test_forced_paths_and_the_wrong_gpu():
@@ -202,4 +202,4 @@ def test_run_passes_each_instance_its_shared_memory():
     act, cw, out = _grouped(torch.ones(4, 3, 128, dtype=torch.bfloat16), w)
     a = _one(P.grouped(H100, act, cw, out, P.Tuning(KERNEL_PATH="sm90", SM90_FORCE_BM=128)))
     assert a.kernel is inst
-    _plan.run(_Recorder(), [Launch(a.kernel, a.grid, a.block, a.args)])
+    runtime.Runtime.run(_Recorder(), [Launch(a.kernel, a.grid, a.block, a.args)])

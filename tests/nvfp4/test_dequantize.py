@@ -20,7 +20,6 @@ from hypothesis import strategies as st  # noqa: E402
 import rawkv  # noqa: E402
 from rawkv.reference import nvfp4 as R  # noqa: E402
 from rawkv.reference import nvfp4 as RN  # noqa: E402
-from rawkv.nvfp4 import counters  # noqa: E402
 from support.fake_cuda import fake  # noqa: E402
 from support.nvfp4 import DTYPES, assert_decoded_equal, u8  # noqa: E402
 from support.properties import (  # noqa: E402
@@ -108,7 +107,7 @@ def test_dequantize_and_gather(rt, out_dtype):
     rawkv.nvfp4.gather(q, sf, fake(torch.tensor(2.0)), idx.int(), dtype=out_dtype)    # no errors=
     a = rt.calls[0][3]
     assert rt.calls[0][0] == f"rkv_nvfp4_gather<{ct}, int, false>"
-    assert a["errors"] == counters._CUDA[-1].data_ptr() + 4 * rawkv.nvfp4.GATHER_INDEX
+    assert a["errors"] == rt._counters.data_ptr() + 4 * rawkv.nvfp4.GATHER_INDEX
 
 
 # ---- GPU: bit for bit against the reference ---------------------------------------------------------

@@ -26,7 +26,6 @@ from rawkv.reference import nvfp4 as R  # noqa: E402
 from rawkv import _args as A  # noqa: E402
 from rawkv.reference import nvfp4 as RN  # noqa: E402
 from rawkv.kernels import nvfp4 as K  # noqa: E402
-from rawkv.nvfp4 import counters  # noqa: E402
 from support.fake_cuda import fake  # noqa: E402
 from support.nvfp4 import names  # noqa: E402
 from support.properties import (  # noqa: E402
@@ -446,7 +445,7 @@ def test_quantize_scopes(rt, dtype, n):
 
     rt.calls.clear()
     gdev = fake(torch.full((1,), 0.5))
-    counter = counters._CUDA[-1].data_ptr()
+    counter = rt._counters.data_ptr()
     for ogs in (None, fake(torch.zeros(()))):
         q, sf, gs = rawkv.nvfp4.quantize(x, scope="given", gs=gdev, out=(None, None, ogs))
         a = rt.calls[-1][3]
@@ -481,6 +480,20 @@ def test_quantize_errors_counter(rt):
         with pytest.raises(exc, match="^errors:"):
             rawkv.nvfp4.quantize(x, scope="given", gs=gdev, errors=bad)
     assert len(rt.calls) == n
+
+
+def test_quantize_of_no_elements_writes_gs_alone(rt):
+    """No element: no kernel and no counter; the plan's one Fill writes gs
+    (the runtime's buffers start as 7s)."""
+    for scope, gs, want in (("tensor", None, 1.0), ("given", 0.25, 0.25), ("row", None, 1.0)):
+        q, sf, g = rawkv.nvfp4.quantize(fake(torch.ones(0, 32)), scope=scope, gs=gs)
+        assert g.shape == ((0,) if scope == "row" else ()) and (g == want).all()
+    _, _, g = rawkv.nvfp4.quantize(fake(torch.ones(3, 0)), scope="row")
+    assert g.tolist() == [1.0, 1.0, 1.0]
+    _, _, g = rawkv.nvfp4.quantize(fake(torch.ones(0, 32)), scope="given", gs=fake(torch.full((1,), 0.5)),
+                                   out=(None, None, fake(torch.zeros(()))))
+    assert float(g) == 0.5
+    assert rt.calls == []
 
 
 def test_quantize_long_rows_and_views(rt):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rawkv._plan import Device, Launch, Memset
+from rawkv._plan import Device, Fill, Launch, Memset
 from rawkv.fused import _rules as FR
 from rawkv.fused import plans as FP
 from rawkv.kernels import fused as KF
@@ -91,6 +91,25 @@ def test_no_rows(scope, want):
         return
     assert plan == [Launch(KF.SET_GS.instance(), (1,), (1,), dict(gs_out=g, gs_in=None, gs_val=want))]
     assert encode.empty_gs(scope, 0.25 if scope == "given" else None).value == want
+
+
+@pytest.mark.parametrize("scope,gs,want", [("row", None, 1.0), ("tensor", None, 1.0), ("none", None, 1.0),
+                                          ("given", 0.25, 0.25)])
+def test_no_elements_is_one_fill_of_gs(scope, gs, want):
+    """No element: the plan is the gs alone, one Fill (the runtime runs it
+    on the op's stream), of every row's gs under scope 'row'."""
+    plan, g = _nvfp4(scope, m=0, gs=gs)
+    assert plan == [Fill(g, want)]
+    x, g = torch.ones(4, 0), torch.empty(4)
+    assert encode.plan(DEV, x, x, x, g, 4, 0, 0, "row") == [Fill(g, 1.0)]
+    assert encode.gs_plan(DEV, x, g, 4, 0, 0) == [Fill(g, 1.0)]
+
+
+def test_no_elements_device_gs_is_copied_or_is_the_gs():
+    dev_gs = torch.full((1,), 0.5)
+    (fill,), g = _nvfp4("given", m=0, gs=dev_gs)
+    assert fill.dst is g and torch.equal(fill.value, dev_gs.reshape(()))
+    assert _nvfp4("given", m=0, gs=dev_gs, gs_out=False)[0] == []
 
 
 def test_row_block_by_rows():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from rawkv import _op, kernels, runtime
-from rawkv.nvfp4 import counters
 
 
 class FakeCuda(torch.Tensor):
@@ -29,10 +28,15 @@ class RecordingRuntime:
     sm_count, max_threads_per_sm, arch = 132, 2048, "sm_90"        # an H100's
     resident_blocks = runtime.Runtime.resident_blocks
     grid_stride = runtime.Runtime.grid_stride
+    run = runtime.Runtime.run                   # a plan's steps, each through the methods below
+    counters = runtime.Runtime.counters
+    counter = runtime.Runtime.counter
+    _torch = torch
 
     def __init__(self):
         self._functions = {}
         self.calls = []
+        self._counters = fake(torch.zeros(runtime.COUNTER_SLOTS, dtype=torch.int32))
 
     @staticmethod
     def _get_device():
@@ -62,10 +66,8 @@ class RecordingRuntime:
 
 def install(monkeypatch, modules) -> RecordingRuntime:
     """A RecordingRuntime for device -1, where `modules` (the op modules)
-    and the output allocator (rawkv._op) ask for their runtime, with the
-    NVFP4 error counters it needs."""
+    and the output allocator (rawkv._op) ask for their runtime."""
     r = RecordingRuntime()
     for mod in (_op, *modules):
         monkeypatch.setattr(mod, "get_runtime", lambda dev: r)
-    monkeypatch.setitem(counters._CUDA, -1, fake(torch.zeros(3, dtype=torch.int32)))
     return r

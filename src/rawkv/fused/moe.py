@@ -7,7 +7,6 @@ from typing import Any, NamedTuple
 from . import _rules as R
 from . import plans
 from .._op import empties, op
-from .._plan import run
 from ..reference import fused as ref
 from ..runtime import get_runtime
 from .. import _args as A
@@ -58,7 +57,7 @@ def _moe_stage(hidden, topk_ids, topk_weights, q, sf, topk_ids_out, topk_weights
             A.from_numpy(arr, hidden, out=o)
         return
     rt = get_runtime(hidden.get_device())
-    run(rt, plans.moe_stage(rt, hidden, topk_ids, topk_weights, q, sf, ids, w), stream)
+    rt.run(plans.moe_stage(rt, hidden, topk_ids, topk_weights, q, sf, ids, w), stream)
 
 
 class MoEStagedFp8(NamedTuple):
@@ -111,4 +110,4 @@ def _moe_stage_fp8(hidden, topk_ids, topk_weights, block, scale_format, codes, s
             A.from_numpy(arr, hidden, out=o)
         return
     rt = get_runtime(hidden.get_device())
-    run(rt, plans.moe_stage_fp8(rt, hidden, topk_ids, topk_weights, codes, scales, ids, w, block, fmt), stream)
+    rt.run(plans.moe_stage_fp8(rt, hidden, topk_ids, topk_weights, codes, scales, ids, w, block, fmt), stream)

@@ -8,7 +8,6 @@ from . import _rules as R
 from . import plans
 from .. import fp8 as FP8
 from .._op import empties, op
-from .._plan import run
 from ..nvfp4 import _rules as NR
 from ..nvfp4 import counters
 from ..nvfp4.activation import QuantizedActivation
@@ -169,7 +168,7 @@ def _run_fp8(checked, stream):
         put_fp8(a, *res)
         return
     rt = get_runtime(a.x.get_device())
-    run(rt, plans.rms_fp8(rt, a, mix, weight, eps, n_hc), stream)
+    rt.run(plans.rms_fp8(rt, a, mix, weight, eps, n_hc), stream)
 
 
 def put_fp8(a, codes, scales, inv=None) -> None:
@@ -187,7 +186,7 @@ def _run(checked, stream):
         _reference(a, mix, weight, eps, n_hc)
         return
     rt = get_runtime(a.x.get_device())
-    run(rt, plans.rms(rt, a, mix, weight, eps, n_hc, given_counter(rt, a, stream)), stream)
+    rt.run(plans.rms(rt, a, mix, weight, eps, n_hc, given_counter(rt, a, stream)), stream)
 
 
 def given_counter(rt, a, stream):
@@ -195,7 +194,7 @@ def given_counter(rt, a, stream):
     error counter, slot GIVEN_GS (a number was checked on the host)."""
     if a.gs is None or a.gs.__class__ is float:
         return None
-    return counters.address(rt, counters.GIVEN_GS, stream)
+    return rt.counter(counters.GIVEN_GS, stream)
 
 
 def host_gs(a):

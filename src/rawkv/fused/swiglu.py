@@ -6,7 +6,6 @@ from __future__ import annotations
 from . import _rules as R
 from . import plans
 from .._op import op
-from .._plan import run
 from ..reference import fused as ref
 from ..runtime import get_runtime
 from .. import _args as A
@@ -35,7 +34,7 @@ def _swiglu_quantize(h, granularity, scope, gs, gs_value, q, sf, gs_out, stream=
         put(a, *ref.swiglu_quantize(A.to_numpy(a.x, "h").reshape(a.rows, 2 * a.n), g, a.scope, host_gs(a), a.xdt))
         return
     rt = get_runtime(a.x.get_device())
-    run(rt, plans.swiglu(rt, a, g, vec, given_counter(rt, a, stream)), stream)
+    rt.run(plans.swiglu(rt, a, g, vec, given_counter(rt, a, stream)), stream)
 
 
 def swiglu_quantize_fp8(h, granularity=8, *, block=128, scale_format="fp32", out=None, stream=None):
@@ -61,4 +60,4 @@ def _swiglu_quantize_fp8(h, granularity, block, scale_format, codes, scales, str
                                             a.scale_format, a.xdt))
         return
     rt = get_runtime(a.x.get_device())
-    run(rt, plans.swiglu_fp8(rt, a, g, vec), stream)
+    rt.run(plans.swiglu_fp8(rt, a, g, vec), stream)

@@ -17,7 +17,6 @@ import sys
 import numpy as np
 
 from .. import _args as A
-from .. import _plan
 from .._op import empty, op
 from ..nvfp4 import counters
 from ..reference import formats as F
@@ -127,7 +126,7 @@ def _grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, s
         write_bf16(ref.grouped(_values(act), _weight_values(w)), out)
         return
     rt = get_runtime(act.device)
-    _plan.run(rt, P.grouped(rt, act, w, out, _TUNING), stream)
+    rt.run(P.grouped(rt, act, w, out, _TUNING), stream)
 
 
 @op("gemm_moe_linear", f"{_X_SCHEMA}, {_WEIGHT_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")
@@ -144,8 +143,8 @@ def _moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, o
     rt = get_runtime(act.device)
     if act.lead[0] and w.n:
         if errors is None:
-            errors = counters.address(rt, counters.GEMM_OFFSETS, stream)
-        _plan.run(rt, P.moe(rt, act, w, offsets, out, errors, _TUNING), stream)
+            errors = rt.counter(counters.GEMM_OFFSETS, stream)
+        rt.run(P.moe(rt, act, w, offsets, out, errors, _TUNING), stream)
 
 
 # ---- CPU ---------------------------------------------------------------------------------------

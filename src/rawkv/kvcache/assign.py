@@ -11,7 +11,6 @@ this op for every block it hands to a request.
 """
 from __future__ import annotations
 
-from .. import _plan
 from .._op import op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
@@ -48,4 +47,4 @@ def _assign_pages(*args, stream=None, pool=None):
         return
     if s.shape[0]:
         rt = get_runtime(pool.device_index)
-        _plan.run(rt, P.assign_pages(rt, pool, s, b, err), stream)
+        rt.run(P.assign_pages(rt, pool, s, b, err), stream)

@@ -11,7 +11,6 @@ entries"); anything else is -1 and counted.
 from __future__ import annotations
 
 from .. import _args as A
-from .. import _plan
 from .._op import empty, op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
@@ -57,4 +56,4 @@ def _kvcache_indices(*args, stream=None, pool=None):
         A.from_numpy(res, out, out=out)
         return
     rt = get_runtime(pool.device_index)
-    _plan.run(rt, P.kvcache_indices(rt, pool, ids, s, ne, v, out, err), stream)
+    rt.run(P.kvcache_indices(rt, pool, ids, s, ne, v, out, err), stream)

@@ -3,7 +3,6 @@ paged pool, one rkv_kv_compress launch per step (capturable;
 reference.paged_compress_decode defines the flush rule)."""
 from __future__ import annotations
 
-from .. import _plan
 from .._op import op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
@@ -81,4 +80,4 @@ def _compress_decode(*args, stream=None, pool=None, state=None, index=None, rope
     if v.shape[0] == 0:
         return
     tab = rope_table(pool, theta=theta, yarn=yarn, stream=stream)
-    _plan.run(get_runtime(pool.device_index), P.compress_decode(pool, state, nw, ist, inw, v, s, p, tab, eps), stream)
+    get_runtime(pool.device_index).run(P.compress_decode(pool, state, nw, ist, inw, v, s, p, tab, eps), stream)

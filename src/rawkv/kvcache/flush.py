@@ -1,7 +1,6 @@
 """flush_write: finished entries -> the paged pool (rkv_kv_flush_write)."""
 from __future__ import annotations
 
-from .. import _plan
 from .._op import op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
@@ -45,4 +44,4 @@ def _flush_write(*args, stream=None, pool=None):
         C.add_errors(err, ref.paged_flush_write(pool.reference_view(), *C.host(e, v, s, p, k)))
         return
     if e.shape[0]:
-        _plan.run(get_runtime(pool.device_index), P.flush_write(pool, e, k, v, s, p, err), stream)
+        get_runtime(pool.device_index).run(P.flush_write(pool, e, k, v, s, p, err), stream)

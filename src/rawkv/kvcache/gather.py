@@ -8,7 +8,6 @@ left in a reused block are never returned.
 from __future__ import annotations
 
 from .. import _args as A
-from .. import _plan
 from .._op import empty, op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
@@ -133,7 +132,7 @@ def _gather_topk(*args, stream=None, pool=None, dtype=None):
         return
     B, Kk = ids.shape
     rt = get_runtime(pool.device_index)
-    _plan.run(rt, P.gather(rt, pool, ids, s, ne, v, out, err, B, Kk), stream)
+    rt.run(P.gather(rt, pool, ids, s, ne, v, out, err, B, Kk), stream)
 
 
 def _run_dense(pool, index, slots, n_entries, valid, slot0, n0, B, Kk, out, err, stream):
@@ -144,7 +143,7 @@ def _run_dense(pool, index, slots, n_entries, valid, slot0, n0, B, Kk, out, err,
     rt = get_runtime(pool.device_index)
     plan = (P.gather_index(rt, pool, slots, n_entries, valid, out, err, B, Kk, slot0, n0) if index else
             P.gather(rt, pool, None, slots, n_entries, valid, out, err, B, Kk, slot0, n0))
-    _plan.run(rt, plan, stream)
+    rt.run(plan, stream)
 
 
 def _dense_op(name: str, index: bool):

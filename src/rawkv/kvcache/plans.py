@@ -1,7 +1,7 @@
 """The launch plans of the paged-pool ops: pure functions from the checked
 arguments, the pool's (or decode state's) sizes and the device properties
 (`dev`: a rawkv._plan.Device, or the Runtime) to the list of launches
-(rawkv._plan.Launch). The ops check, plan and `run`; the tests read the
+(rawkv._plan.Launch). The ops check, plan and `rt.run`; the tests read the
 plans as data (tests/kvcache/test_plans.py). An empty list: nothing to do.
 
 Kernels: rawkv.kernels.kv_cache (flush, gathers, bridge, state ops, page

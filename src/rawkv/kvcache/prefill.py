@@ -2,7 +2,6 @@
 one rkv_kv_compress launch (reference.paged_compress_prefill)."""
 from __future__ import annotations
 
-from .. import _plan
 from .._op import op
 from .._args import dims
 from ..reference import kvcache as ref
@@ -69,5 +68,5 @@ def _compress_prefill(*args, stream=None, pool=None, rope=None):
     if P.prefill_entries(pool, k.shape[0], start_entry)[0] <= 0:
         return
     tab = rope_table(pool, theta=theta, yarn=yarn, stream=stream)
-    _plan.run(get_runtime(pool.device_index),
-              P.compress_prefill(pool, k, zz, a, nw, index, slot, start_entry, tab, eps), stream)
+    get_runtime(pool.device_index).run(
+        P.compress_prefill(pool, k, zz, a, nw, index, slot, start_entry, tab, eps), stream)

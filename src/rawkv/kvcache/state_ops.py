@@ -6,7 +6,6 @@ ops. reference.state_* define them. Each op is written once on rawkv._op
 public function passes the state and calls it."""
 from __future__ import annotations
 
-from .. import _plan
 from .._op import op
 from ..kernels import kv_cache as K
 from ..reference import kvcache as ref
@@ -120,7 +119,7 @@ def _state_append(*args, stream=None, state=None):
         C.add_errors(err, ref.state_append(state.reference_view(), *C.host(k, zz, v, s), ape=C.host(a)[0]))
         return
     if k.shape[0]:
-        _plan.run(get_runtime(state.device_index), P.state_append(state, k, zz, a, v, s, err), stream)
+        get_runtime(state.device_index).run(P.state_append(state, k, zz, a, v, s, err), stream)
 
 
 def _reset_op(name: str, mode: int, optional_mask: str):
@@ -139,7 +138,7 @@ def _reset_op(name: str, mode: int, optional_mask: str):
             C.add_errors(err, n)
             return
         if s.shape[0]:
-            _plan.run(get_runtime(state.device_index), P.state_reset(state, mode, v, s, err), stream)
+            get_runtime(state.device_index).run(P.state_reset(state, mode, v, s, err), stream)
     body.__doc__ = f"rawkv::kv_{name}: the rows of `slots` reset (reference.{name})."
     return body
 

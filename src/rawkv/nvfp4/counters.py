@@ -12,28 +12,25 @@ GIVEN_GS counts the quantize calls whose device gs the kernel found unusable
 (every block flagged). GEMM_OFFSETS counts the ragged rawkv.gemm offsets that
 were out of order or out of [0, rows) (clamped, docs/gemm.md), in calls that
 passed no errors=. Kernels add with atomics on the op's stream; nothing
-here synchronizes on the hot path. The CUDA counter of a device is created,
-zeroed, by rawkv.warmup() (or on first use outside graph capture).
+here synchronizes on the hot path. The CUDA counters are the device's
+runtime's (rawkv.runtime.Runtime.counters), created zeroed by rawkv.warmup()
+(or on first use outside graph capture).
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
-from ..errors import CaptureError
-from ..runtime import get_runtime, on_warmup
+from ..runtime import COUNTER_SLOTS, get_runtime, on_warmup
 
 __all__ = ["error_counts", "GATHER_INDEX", "GEMM_OFFSETS", "GIVEN_GS"]       # the family's API (rawkv.nvfp4 exports it)
 
+# the slots of the runtime's counter buffer (Runtime.counter(slot) is a
+# slot's address for a kernel's errors pointer)
 GATHER_INDEX = 0
 GIVEN_GS = 1
 GEMM_OFFSETS = 2
-_SLOTS = 3
 
-_CPU = np.zeros(_SLOTS, np.int32)
-_CUDA: dict = {}          # device index -> int32 tensor (_SLOTS,)
-_LOCK = threading.Lock()
+_CPU = np.zeros(COUNTER_SLOTS, np.int32)
 
 
 def error_counts(device=None):
@@ -43,18 +40,7 @@ def error_counts(device=None):
     paths as a numpy int32 array. The caller reads and zeroes them."""
     if device == "cpu" or getattr(device, "type", None) == "cpu":
         return _CPU
-    rt = get_runtime(device)
-    c = _CUDA.get(rt.device_index)
-    return c if c is not None else _create(rt, None)
-
-
-def address(rt, slot: int, stream=None) -> int:
-    """Device address of counter `slot` of rt's device, for a kernel's
-    errors pointer (the counter is created on first use)."""
-    c = _CUDA.get(rt.device_index)
-    if c is None:
-        c = _create(rt, stream)
-    return c.data_ptr() + 4 * slot
+    return get_runtime(device).counters()
 
 
 def add_cpu(slot: int, n: int) -> None:
@@ -63,20 +49,4 @@ def add_cpu(slot: int, n: int) -> None:
         _CPU[slot] += n
 
 
-def _create(rt, stream):
-    if rt.capturing(stream):
-        raise CaptureError(
-            f"rawkv.nvfp4: the error counter of cuda:{rt.device_index} does not exist yet and the "
-            "stream is capturing a CUDA graph; call rawkv.warmup() before capture")
-    import torch
-    with _LOCK:
-        c = _CUDA.get(rt.device_index)
-        if c is None:
-            c = torch.zeros(_SLOTS, dtype=torch.int32, device=f"cuda:{rt.device_index}")
-            # zeroed before any stream's kernel adds to it (once per device)
-            torch.cuda.synchronize(rt.device_index)
-            _CUDA[rt.device_index] = c
-    return c
-
-
-on_warmup(lambda rt: address(rt, 0))
+on_warmup(lambda rt: rt.counters())

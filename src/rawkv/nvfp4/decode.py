@@ -67,7 +67,7 @@ def _gather(q, sf, gs, gs_value, indices, out, errors, stream=None, dtype=None):
         return
     if A.numel(out):
         rt = get_runtime(q.get_device())
-        err = errors if errors is not None else counters.address(rt, counters.GATHER_INDEX, stream)
+        err = errors if errors is not None else rt.counter(counters.GATHER_INDEX, stream)
         launch_decode(rt, q, sf, kind, gs, idx, out, err, m, idx.numel(), n, stream)
 
 

@@ -28,7 +28,7 @@ from . import counters
 from ._geometry import BLOCK_THREADS, grid, groups
 from .. import _args as A
 from .._op import empty, op
-from .._plan import Launch, Memset, grid_stride, run
+from .._plan import Fill, Launch, Memset, grid_stride
 from ..kernels import nvfp4 as K
 from ..reference import nvfp4 as ref
 from ..runtime import get_runtime
@@ -103,14 +103,9 @@ def _quantize(x, scope, gs, gs_value, q, sf, gs_out, errors, stream=None):
             hg[...] = rg
         return
     rt = get_runtime(x.get_device())
-    if m * n == 0:
-        _write_gs_only(rt, gs_out if gs_out is not None else gs.reshape(()), empty_gs(scope, gs),
-                       gs_out is not None, stream)
-        return
-    if errors is None and scope == "given" and gs.__class__ is not float:
-        errors = counters.address(rt, counters.GIVEN_GS, stream)
-    launches = plan(rt, x, q, sf, gs_out, m, n, ldx, scope, gs, errors)
-    run(rt, launches, stream)
+    if errors is None and m * n and scope == "given" and gs.__class__ is not float:
+        errors = rt.counter(counters.GIVEN_GS, stream)
+    rt.run(plan(rt, x, q, sf, gs_out, m, n, ldx, scope, gs, errors), stream)
 
 
 def _arguments(x, scope, gs, gs_value, q, sf, gs_out, errors):
@@ -236,10 +231,7 @@ def _global_scale(x, gs_out, stream=None):
         A.to_numpy(gs_out, "gs_out")[...] = ref.global_scale(hx, "tensor")
         return
     rt = get_runtime(x.get_device())
-    if m * n == 0:
-        _write_gs_only(rt, gs_out, empty_gs("tensor", None), True, stream)
-        return
-    run(rt, gs_plan(rt, x, gs_out, m, n, ldx), stream)
+    rt.run(gs_plan(rt, x, gs_out, m, n, ldx), stream)
 
 
 def _global_scale_arguments(x, gs_out):
@@ -252,22 +244,22 @@ def _global_scale_arguments(x, gs_out):
 
 
 def gs_plan(dev, x, gs_out, m, n, ldx) -> list:
-    """The launches of global_scale over (M, N) > 0 elements: scope
-    'tensor''s amax pass, then gs from it (no quantize pass)."""
+    """The launches of global_scale over (M, N) elements: scope 'tensor''s
+    amax pass, then gs from it (no quantize pass); no element: gs 1."""
+    if m * n == 0:
+        return _no_elements(gs_out, "tensor", None)
     p = _Passes(dev, x, None, None, gs_out, m, n, ldx)
     return [Memset(gs_out, 4), *p.amax(), p.finalize()]
 
 
-def _write_gs_only(rt, g, gs, own_gs, stream):
-    """No elements: only gs (empty_gs's) is written, with torch ops
-    on the op's stream (not torch's current one), ordered like every other
-    write."""
-    import torch
-    with torch.cuda.stream(rt.torch_stream(stream)):
-        if gs.ptr is None:
-            g.fill_(gs.value)
-        elif own_gs:
-            g.copy_(gs.ptr.reshape(()))
+def _no_elements(gs_out, scope, gs) -> list:
+    """The plan of an encode of no elements: only gs_out is written
+    (empty_gs's gs, a Fill on the op's stream), if there is one (a device
+    gs without gs_out is the gs)."""
+    g = empty_gs(scope, gs)
+    if gs_out is None:
+        return []
+    return [Fill(gs_out, g.value if g.ptr is None else g.ptr.reshape(()))]
 
 
 def _io(p) -> dict:
@@ -330,8 +322,10 @@ class _Passes(Passes):
 
 
 def plan(dev, x, q, sf, gs_out, m, n, ldx, scope, gs=None, errors=None) -> list:
-    """The launches of a quantize of (M, N) > 0 elements on device `dev`
+    """The launches of a quantize of (M, N) elements on device `dev`
     (rawkv._plan.Device or a Runtime): gs is written to gs_out (None only
     with a device gs, which is then the gs); errors is where a device gs's
     refusal is counted."""
+    if m * n == 0:
+        return _no_elements(gs_out, scope, gs)
     return plan_scope(scope, _Passes(dev, x, q, sf, gs_out, m, n, ldx), gs, errors)
