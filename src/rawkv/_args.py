@@ -10,6 +10,7 @@ numpy reference) and the CUDA path accept and refuse the same things.
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -312,6 +313,43 @@ def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, d
     return a
 
 
+def rows(a, name: str, dtypes, where: str, *, align: int = 1) -> tuple:
+    """(array, M, N, ldx) of an input read as rows (an encode's x): `a`
+    checked by tensor() (at least one dimension, strides its own), its
+    leading dimensions flattened into M rows, evenly strided `ldx` elements
+    apart, with a contiguous last dimension of N elements; rows 16 bytes
+    apart at a multiple (the kernels load rows 16 bytes at a time). Any
+    other layout is a ValueError naming it."""
+    a = tensor(a, name, dtypes, where, min_ndim=1, dense=False, align=align)
+    n, m = a.shape[-1], math.prod(a.shape[:-1])
+    if is_dense(a):
+        return a, m, n, n
+    ldx = None
+    st = strides(a)
+    if st[-1] == 1:
+        # leading dims that collapse into one evenly strided row index
+        lead = [(s, t) for s, t in zip(a.shape[:-1], st[:-1]) if s != 1]
+        ok = all(lead[i][1] == lead[i + 1][1] * lead[i + 1][0] for i in range(len(lead) - 1))
+        if ok and (not lead or lead[-1][1] >= n):
+            ldx = lead[-1][1] if lead else n
+    if ldx is None:
+        raise ValueError(f"{name}: unsupported strides {st} for shape {tuple(a.shape)}: "
+                         "the last dimension must be contiguous and the rows evenly strided "
+                         "(e.g. a row slice of a 2-D tensor); call .contiguous() first")
+    if m > 1 and (ldx * itemsize(a)) % 16:
+        raise ValueError(f"{name}: rows are {ldx * itemsize(a)} bytes apart, not a multiple of 16 "
+                         "(the kernels load rows 16 bytes at a time; a view starting mid-row?); "
+                         "call .clone() first")
+    return a, m, n, ldx
+
+
+def host(*arrays) -> tuple:
+    """The CPU path's checked arrays as numpy (to_numpy: views of the same
+    memory, bfloat16 as a float32 copy, FP8 / FP4 as their bytes), for the
+    reference to read and write; None and numbers as they are."""
+    return tuple(a if a is None or is_number(a) else to_numpy(a, "array") for a in arrays)
+
+
 def _device_name(index: int) -> str:
     return "cpu" if index < 0 else f"cuda:{index}"
 
@@ -406,6 +444,27 @@ def dtypes() -> _TorchDtypes:
         import torch
         _DTYPES = _TorchDtypes(torch)
     return _DTYPES
+
+
+def as_q(t):
+    """NVFP4 code bytes (uint8 or float8_e4m3fn) as torch.float4_e2m1fn_x2
+    where torch has it; anything else as it is (numpy arrays, other
+    dtypes): how an encode returns the q it wrote."""
+    torch = _torch or _torch_or_none()          # (no call once torch is bound: the hot path)
+    if torch is None or not isinstance(t, torch.Tensor):
+        return t
+    dt = dtypes()
+    return t.view(dt.e2m1x2) if dt.e2m1x2 is not None and t.dtype in dt.fp8 else t
+
+
+def as_sf(t):
+    """Block-scale bytes (uint8 or float4_e2m1fn_x2) as torch.float8_e4m3fn
+    where torch has it; anything else as it is (see as_q)."""
+    torch = _torch or _torch_or_none()
+    if torch is None or not isinstance(t, torch.Tensor):
+        return t
+    dt = dtypes()
+    return t.view(dt.e4m3) if dt.e4m3 is not None and t.dtype in dt.sf_views else t
 
 
 def aligned16(*tensors) -> bool:

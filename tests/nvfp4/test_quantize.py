@@ -354,20 +354,22 @@ def test_scope_gs_parser(default):
             A.check_scope_gs("given", bad, SCOPES, default)
 
 
-def test_row_view_refuses_rows_not_16_bytes_apart():
-    # _rules.row_view is what quantize runs on CPU and CUDA arrays alike; it
+def test_rows_refuses_rows_not_16_bytes_apart():
+    # _args.rows is what quantize runs on CPU and CUDA arrays alike; it
     # only looks at shapes and strides
     torch = pytest.importorskip("torch")
-    from rawkv.nvfp4 import _rules
-    assert _rules.row_view(torch.zeros(12, 96, dtype=torch.bfloat16)[::2, 32:96], "x") == (6, 64, 192)
-    assert _rules.row_view(torch.zeros(4, 20)[:, :16], "x") == (4, 16, 20)          # 80 bytes apart
-    assert _rules.row_view(np.zeros((4, 20), np.float32)[:, :16], "x") == (4, 16, 20)
+
+    def rows(x):
+        return A.rows(x, "x", A.FLOATS, "cpu")[1:]
+    assert rows(torch.zeros(12, 96, dtype=torch.bfloat16)[::2, 32:96]) == (6, 64, 192)
+    assert rows(torch.zeros(4, 20)[:, :16]) == (4, 16, 20)          # 80 bytes apart
+    assert rows(np.zeros((4, 20), np.float32)[:, :16]) == (4, 16, 20)
     with pytest.raises(ValueError, match="^x: rows are 36 bytes apart"):
-        _rules.row_view(torch.zeros(4, 18, dtype=torch.float16)[:, :16], "x")
+        rows(torch.zeros(4, 18, dtype=torch.float16)[:, :16])
     with pytest.raises(ValueError, match="^x: rows are 36 bytes apart"):
         rawkv.nvfp4.quantize(np.zeros((4, 18), np.float16)[:, :16])              # on CPU too
-    with pytest.raises(ValueError, match="^x:"):
-        _rules.row_view(torch.zeros(2, 24)[:, :20], "x")                           # N % 16
+    with pytest.raises(ValueError, match="^x: the last dimension"):
+        rawkv.nvfp4.quantize(torch.zeros(2, 24)[:, :20])                         # N % 16: the format's
 
 
 @pytest.mark.parametrize("bad", ["q_shape", "q_dtype", "sf_shape", "sf_dtype", "gs_shape", "gs_dtype"])
@@ -480,6 +482,24 @@ def test_quantize_errors_counter(rt):
         with pytest.raises(exc, match="^errors:"):
             rawkv.nvfp4.quantize(x, scope="given", gs=gdev, errors=bad)
     assert len(rt.calls) == n
+
+
+def test_quantize_checks_the_format_last(rt):
+    """Each array's own rules (the argument layer's) come before the
+    format's (N % 16, a given gs's bound: the reference's), on CPU and CUDA
+    alike: an x of 24 columns with an out q of the wrong dtype is refused
+    for q."""
+    for wrap in (lambda t: t, fake):
+        x, q = wrap(torch.ones(2, 24)), wrap(torch.empty(2, 12, dtype=torch.float16))
+        with pytest.raises(TypeError, match=r"^out\[0\]: dtype float16"):
+            rawkv.nvfp4.quantize(x, out=(q, None, None))
+        with pytest.raises(TypeError, match=r"^out\[0\]: dtype float16"):
+            rawkv.nvfp4.quantize(wrap(torch.ones(2, 32)), scope="given", gs=1e38, out=(q, None, None))
+        with pytest.raises(ValueError, match="^x: the last dimension"):
+            rawkv.nvfp4.quantize(x)
+        with pytest.raises(ValueError, match=r"^gs: 1e\+38 is too large for float32 input"):
+            rawkv.nvfp4.quantize(wrap(torch.ones(2, 32)), scope="given", gs=1e38)
+    assert rt.calls == []
 
 
 def test_quantize_of_no_elements_writes_gs_alone(rt):

@@ -161,7 +161,7 @@ def test_large_tensor_scope_with_nan_inf(cuda, rng, xname):
 
 
 def test_3d_strided_views(cuda, rng):
-    # leading dims that collapse into one evenly strided row index (_row_view)
+    # leading dims that collapse into one evenly strided row index (rawkv._args.rows)
     base = torch.from_numpy(rng.standard_normal((4, 6, 96)).astype(np.float32)).to(torch.bfloat16).cuda()
     big = torch.from_numpy(rng.standard_normal((40, 30, 96)).astype(np.float32)).cuda()
     views = [base[:, :, 32:96],            # 24 rows, 96 elements apart

@@ -14,7 +14,6 @@ import numpy as np
 from .. import _args as A
 from .. import fp8 as FP8
 from ..kernels import fused as K
-from ..nvfp4 import _rules as NR
 from ..reference import fp8_blocks as ref_fp8
 from ..reference import nvfp4 as ref_nvfp4
 
@@ -109,12 +108,12 @@ def _width(n: int, name: str) -> None:
 def _gs(gs, xdt, where, dev):
     """A given gs: a Python float checked under the bound of `xdt` inputs
     (rawkv.nvfp4's rule), or a float32 array of one element on the op's
-    device (its value is the CPU branch's to check, NR.given_gs_host, or
-    the kernel's)."""
+    device (its value is the CPU branch's to check, rms.host_gs, or the
+    kernel's)."""
     if gs is None:
         return None
     if gs.__class__ is float:
-        NR.check_given_gs_number(gs, xdt)
+        ref_nvfp4.check_given_gs(gs, xdt)
         return gs
     return A.tensor(gs, "gs", F32, where, device=dev, dense=False)
 

@@ -8,10 +8,10 @@ from . import _rules as R
 from . import plans
 from .. import fp8 as FP8
 from .._op import empties, op
-from ..nvfp4 import _rules as NR
 from ..nvfp4 import counters
 from ..nvfp4.activation import QuantizedActivation
 from ..reference import fused as ref
+from ..reference import nvfp4 as ref_nvfp4
 from ..runtime import get_runtime
 from .. import _args as A
 
@@ -65,7 +65,7 @@ def activation(call, like, lead, n, scope, gs, out, stream, *inputs, inv=True):
         call(*inputs, scope, gs_t, gs_v, q, sf, g, i, stream, fresh)
     else:
         call(*inputs, scope, gs_t, gs_v, q, sf, g, stream, fresh)
-    return QuantizedActivation(NR.as_q(q) if new_q else q, NR.as_sf(sf) if new_sf else sf, g, i if inv else None)
+    return QuantizedActivation(A.as_q(q) if new_q else q, A.as_sf(sf) if new_sf else sf, g, i if inv else None)
 
 
 def rmsnorm_quantize_fp8(x, weight, eps=1e-6, *, block=128, scale_format="fp32", out=None, stream=None):
@@ -199,9 +199,13 @@ def given_counter(rt, a, stream):
 
 def host_gs(a):
     """The reference's gs: None unless scope is 'given'; then the number or
-    host array, refused (ValueError naming gs) where rawkv.nvfp4's rule
-    would not use it, as the kernel would flag it."""
-    return NR.given_gs_host(a.gs, a.xdt) if a.scope == "given" else None
+    host array (numpy), refused (ValueError naming gs) where rawkv.nvfp4's
+    rule would not use it, as the kernel would flag it."""
+    if a.scope != "given":
+        return None
+    (gs,) = A.host(a.gs)
+    ref_nvfp4.check_given_gs(gs, a.xdt)
+    return gs
 
 
 def put(a, q, sf, g, inv=None) -> None:

@@ -90,12 +90,6 @@ def opt(x, name: str, dtypes: tuple, where: str, dev: int, **kw):
     return None if x is None else arg(x, name, dtypes, where, dev, **kw)
 
 
-def host(*arrays):
-    """The checked arrays as numpy, for the reference (None stays None;
-    bfloat16 as float32, exactly)."""
-    return tuple(None if a is None else A.to_numpy(a, "array") for a in arrays)
-
-
 # ---- the counter and the outputs --------------------------------------------------------------
 def own_counter(obj, errors) -> bool:
     """`errors` is obj's own counter: the object's array, its torch view

@@ -11,6 +11,7 @@ this op for every block it hands to a request.
 """
 from __future__ import annotations
 
+from .. import _args as A
 from .._op import op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
@@ -43,7 +44,7 @@ def _assign_pages(*args, stream=None, pool=None):
     pool, errors, (slots, blocks) = V.pool_of(args, pool)
     where, s, b, err = C.assign_pages(pool, errors, slots, blocks)
     if where == "cpu":
-        C.add_errors(err, ref.assign_pages(pool.reference_view(), *C.host(s, b)))
+        C.add_errors(err, ref.assign_pages(pool.reference_view(), *A.host(s, b)))
         return
     if s.shape[0]:
         rt = get_runtime(pool.device_index)

@@ -51,7 +51,7 @@ def _kvcache_indices(*args, stream=None, pool=None):
     where, ids, s, ne, v, out, _, err = C.topk(pool, errors, slots, topk_ids, n_entries, valid_mask, out,
                                                rows=False)
     if where == "cpu":
-        res, n = ref.paged_kvcache_indices(pool.reference_view(), *C.host(s, ids, ne, v))
+        res, n = ref.paged_kvcache_indices(pool.reference_view(), *A.host(s, ids, ne, v))
         C.add_errors(err, n)
         A.from_numpy(res, out, out=out)
         return

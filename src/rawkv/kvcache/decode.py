@@ -3,6 +3,7 @@ paged pool, one rkv_kv_compress launch per step (capturable;
 reference.paged_compress_decode defines the flush rule)."""
 from __future__ import annotations
 
+from .. import _args as A
 from .._op import op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
@@ -72,9 +73,9 @@ def _compress_decode(*args, stream=None, pool=None, state=None, index=None, rope
     where, eps, nw, v, s, p, inw = C.compress_decode(pool, index, norm_weight, valid_mask, slots, positions, eps)
     ist = None if index is None else index.state
     if where == "cpu":
-        ix = None if index is None else (ist.reference_view(), *C.host(inw))
+        ix = None if index is None else (ist.reference_view(), *A.host(inw))
         C.add_errors(errors, ref.paged_compress_decode(
-            pool.reference_view(), state.reference_view(), *C.host(nw, v, s, p), index=ix, eps=eps,
+            pool.reference_view(), state.reference_view(), *A.host(nw, v, s, p), index=ix, eps=eps,
             theta=theta, yarn=yarn))
         return
     if v.shape[0] == 0:

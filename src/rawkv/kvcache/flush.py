@@ -1,6 +1,7 @@
 """flush_write: finished entries -> the paged pool (rkv_kv_flush_write)."""
 from __future__ import annotations
 
+from .. import _args as A
 from .._op import op
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
@@ -41,7 +42,7 @@ def _flush_write(*args, stream=None, pool=None):
     pool, errors, (entries, valid_mask, slots, positions, index_keys) = V.pool_of(args, pool)
     where, e, v, s, p, k, err = C.flush_write(pool, errors, entries, valid_mask, slots, positions, index_keys)
     if where == "cpu":
-        C.add_errors(err, ref.paged_flush_write(pool.reference_view(), *C.host(e, v, s, p, k)))
+        C.add_errors(err, ref.paged_flush_write(pool.reference_view(), *A.host(e, v, s, p, k)))
         return
     if e.shape[0]:
         get_runtime(pool.device_index).run(P.flush_write(pool, e, k, v, s, p, err), stream)

@@ -126,7 +126,7 @@ def _gather_topk(*args, stream=None, pool=None, dtype=None):
     where, ids, s, ne, v, out, name, err = C.topk(pool, errors, slots, topk_ids, n_entries, valid_mask, out,
                                                   dtype)
     if where == "cpu":
-        rows, n = ref.paged_gather_topk(pool.reference_view(), *C.host(s, ids, ne, v), dtype=name)
+        rows, n = ref.paged_gather_topk(pool.reference_view(), *A.host(s, ids, ne, v), dtype=name)
         C.add_errors(err, n)
         A.from_numpy(rows, out, torch_dtype=name, out=out)
         return
@@ -171,7 +171,7 @@ def _batch_op(name: str, index: bool):
         where, s, ne, v, out, Kk, dname, err = C.dense_batch(pool, errors, slots, n_entries, valid_mask, out,
                                                             dtype, index, max_entries)
         if where == "cpu":
-            rows, n = ref.paged_gather_dense_batch(pool.reference_view(), *C.host(s, ne), Kk, *C.host(v), dname,
+            rows, n = ref.paged_gather_dense_batch(pool.reference_view(), *A.host(s, ne), Kk, *A.host(v), dname,
                                                    index=index)
             C.add_errors(err, n)
             A.from_numpy(rows, out, torch_dtype=dname, out=out)

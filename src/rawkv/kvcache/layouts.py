@@ -188,7 +188,7 @@ def _store(lay, kernel, targs, write, checked, stream):
     on the host, or one launch (one warp per row)."""
     where, c, n, p, x, s, o, err = checked
     if where == "cpu":
-        bad = write(C.cache_pages(c, n, lay.page_bytes(p)), p, *C.host(x, s, o))
+        bad = write(C.cache_pages(c, n, lay.page_bytes(p)), p, *A.host(x, s, o))
         if err is not None:
             C.add_errors(err, bad)
         return
@@ -207,7 +207,7 @@ def _model1_gather(cache, indices, page_size, out, errors, stream=None, dtype=No
     `dtype` (the public op's; None: out's own)."""
     where, c, n, p, idx, out, name, err = C.model1_gather(cache, indices, page_size, out, errors, dtype)
     if where == "cpu":
-        rows, bad = R.model1_gather(C.cache_pages(c, n, R.MODEL1.page_bytes(p)), p, *C.host(idx), name)
+        rows, bad = R.model1_gather(C.cache_pages(c, n, R.MODEL1.page_bytes(p)), p, *A.host(idx), name)
         if err is not None:
             C.add_errors(err, bad)
         A.from_numpy(rows, out, torch_dtype=name, out=out)
@@ -229,7 +229,7 @@ def _topk_to_kvcache_indices(topk_ids, block_table, page_size, num_pages, slots,
     where, ids, table, p, npg, s, ne, out, err = C.topk_bridge(
         topk_ids, block_table, page_size, num_pages, slots, n_entries, out, errors)
     if where == "cpu":
-        res, bad = R.topk_to_kvcache_indices(*C.host(ids, table), p, npg, *C.host(s, ne))
+        res, bad = R.topk_to_kvcache_indices(*A.host(ids, table), p, npg, *A.host(s, ne))
         if err is not None:
             C.add_errors(err, bad)
         A.from_numpy(res, out, out=out)

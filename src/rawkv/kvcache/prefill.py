@@ -2,6 +2,7 @@
 one rkv_kv_compress launch (reference.paged_compress_prefill)."""
 from __future__ import annotations
 
+from .. import _args as A
 from .._op import op
 from .._args import dims
 from ..reference import kvcache as ref
@@ -61,8 +62,8 @@ def _compress_prefill(*args, stream=None, pool=None, rope=None):
         pool, kv, z, ape, norm_weight, slot, start_entry, tuple(parts), eps, PrefillIndex)
     if where == "cpu":
         _, bad = ref.paged_compress_prefill(
-            pool.reference_view(), pool.kind, slot, *C.host(k, zz, a, nw), start_entry=start_entry,
-            index=None if index is None else C.host(*index), eps=eps, theta=theta, yarn=yarn)
+            pool.reference_view(), pool.kind, slot, *A.host(k, zz, a, nw), start_entry=start_entry,
+            index=None if index is None else A.host(*index), eps=eps, theta=theta, yarn=yarn)
         C.add_errors(errors, bad)
         return
     if P.prefill_entries(pool, k.shape[0], start_entry)[0] <= 0:

@@ -6,6 +6,7 @@ ops. reference.state_* define them. Each op is written once on rawkv._op
 public function passes the state and calls it."""
 from __future__ import annotations
 
+from .. import _args as A
 from .._op import op
 from ..kernels import kv_cache as K
 from ..reference import kvcache as ref
@@ -82,7 +83,7 @@ def _state_seed(*args, stream=None, state=None):
     state, _, (slot, kv, z, ape) = V.state_of(args, state, counter=False)
     where, slot, k, zz, a = C.state_seed(state, slot, kv, z, ape)
     if where == "cpu":
-        ref.state_seed(state.reference_view(), slot, *C.host(k, zz, a))
+        ref.state_seed(state.reference_view(), slot, *A.host(k, zz, a))
         return
     import torch
     m, d = state.m, state.head_dim
@@ -116,7 +117,7 @@ def _state_append(*args, stream=None, state=None):
     state, errors, (kv, z, valid_mask, slots, ape) = V.state_of(args, state)
     where, k, zz, v, s, a, err = C.state_append(state, errors, kv, z, valid_mask, slots, ape)
     if where == "cpu":
-        C.add_errors(err, ref.state_append(state.reference_view(), *C.host(k, zz, v, s), ape=C.host(a)[0]))
+        C.add_errors(err, ref.state_append(state.reference_view(), *A.host(k, zz, v, s), ape=A.host(a)[0]))
         return
     if k.shape[0]:
         get_runtime(state.device_index).run(P.state_append(state, k, zz, a, v, s, err), stream)
@@ -130,7 +131,7 @@ def _reset_op(name: str, mode: int, optional_mask: str):
         state, errors, (valid_mask, slots) = V.state_of(args, state)
         where, v, s, err = C.state_reset(state, name, errors, valid_mask, slots)
         if where == "cpu":
-            st, (s, v) = state.reference_view(), C.host(s, v)
+            st, (s, v) = state.reference_view(), A.host(s, v)
             if mode == K.RESET_CLEAR:
                 n = ref.state_clear(st, s, v)
             else:

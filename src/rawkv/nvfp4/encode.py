@@ -21,9 +21,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
-
-from . import _rules as C
 from . import counters
 from ._geometry import BLOCK_THREADS, grid, groups
 from .. import _args as A
@@ -35,8 +32,8 @@ from ..runtime import get_runtime
 
 __all__ = ["quantize", "global_scale", "SCOPES", "SMALL_NUMEL"]       # the family's API (rawkv.nvfp4 exports it)
 
-BLOCK = C.BLOCK
-SCOPES = C.SCOPES
+BLOCK = ref.BLOCK
+SCOPES = ref.SCOPES
 #: scope 'tensor' inputs with at most this many elements take the one-launch
 #: path (each CTA reduces the whole L2-resident tensor itself).
 SMALL_NUMEL = 1 << 16
@@ -69,7 +66,7 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
     # a gs tensor given without an out gs is the gs
     if q is None or sf is None or (g is None and gs_t is None):
         scope = A.default_scope(scope, gs, "tensor")
-        s = A.dims(x)
+        s = tuple(getattr(x, "shape", None) or ())         # (none: the op refuses x)
         lead, n = s[:-1], (s[-1] if s else 0)
         if q is None:
             q = empty(x, (*lead, n // 2), "uint8", stream)
@@ -77,9 +74,8 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
             sf = empty(x, (*lead, n // BLOCK), "uint8", stream)
         if g is None and gs_t is None:
             g = empty(x, lead if scope == "row" else (), "float32", stream)
-    q, sf = C.as_q(q), C.as_sf(sf)
     _quantize(x, scope, gs_t, gs_v, q, sf, g, errors, stream)
-    return q, sf, g if g is not None else gs_t.reshape(())
+    return A.as_q(q), A.as_sf(sf), g if g is not None else gs_t.reshape(())
 
 
 @op("nvfp4_quantize", "Tensor x, str scope, Tensor? gs, float? gs_value, Tensor(a!) q, Tensor(b!) sf, "
@@ -91,16 +87,11 @@ def _quantize(x, scope, gs, gs_value, q, sf, gs_out, errors, stream=None):
     where, x, m, n, ldx, xdt, scope, gs, q, sf, gs_out, errors = _arguments(
         x, scope, gs, gs_value, q, sf, gs_out, errors)
     if where == "cpu":
-        # the reference, written through host views of the outputs (bytes
-        # and float32: numpy views of the same memory); a given gs the host
-        # holds is checked first, errors= is never added to
-        gsv = C.given_gs_host(gs, xdt) if scope == "given" else None
-        hx = A.to_numpy(x, "x").astype(np.float32, copy=False)
-        hq, hsf = A.to_numpy(q, "q"), A.to_numpy(sf, "sf")
-        hg = None if gs_out is None else A.to_numpy(gs_out, "gs_out")
-        hq[...], hsf[...], rg = ref.quantize(hx, scope, gsv, xdt)
-        if hg is not None:
-            hg[...] = rg
+        # the reference, written through host views of the outputs; errors=
+        # is never added to (a host gs was checked)
+        q[...], sf[...], g = ref.quantize(x, scope, gs, xdt)
+        if gs_out is not None:
+            gs_out[...] = g
         return
     rt = get_runtime(x.get_device())
     if errors is None and m * n and scope == "given" and gs.__class__ is not float:
@@ -110,37 +101,74 @@ def _quantize(x, scope, gs, gs_value, q, sf, gs_out, errors, stream=None):
 
 def _arguments(x, scope, gs, gs_value, q, sf, gs_out, errors):
     """(where, x, M, N, ldx, x's dtype name, scope, gs, q, sf, gs_out,
-    errors) of rawkv::nvfp4_quantize. gs: None, a Python float (checked
-    against x's dtype) or a float32 array of one element (its value is the
-    CPU branch's to check, C.given_gs_host, or the kernel's)."""
+    errors) of rawkv::nvfp4_quantize, checked going down: the op's own
+    rules, the argument layer's (each array; on CPU numpy views of them),
+    then the format's (the reference's: N % 16, a gs the host holds). gs:
+    None, a Python float or a float32 array of one element (a device one is
+    the kernel's to check)."""
     scope, gs = A.check_scope_gs(scope, A.op_gs(gs, gs_value), SCOPES, "tensor")
     where = A.placement(("x", x), ("gs", gs), ("out[0]", q), ("out[1]", sf), ("out[2]", gs_out),
                         ("errors", errors))
     A.check_outputs((("out[0]", q), ("out[1]", sf), ("out[2]", gs_out), ("errors", errors)),
                     (("x", x), ("gs", gs)))
-    x, m, n, ldx, xdt, dev, lead = _input(x, where)
-    if isinstance(gs, float):
-        C.check_given_gs_number(gs, xdt)
-    elif gs is not None:
+    x, m, n, ldx = A.rows(x, "x", A.FLOATS, where, align=16)
+    xdt, dev, lead = A.dtype_name(x), A.device_of(x), tuple(x.shape[:-1])
+    if gs is not None and gs.__class__ is not float:
         gs = A.tensor(gs, "gs", ("float32",), where, device=dev, dense=False)
     q = A.tensor(q, "out[0]", A.BYTES, where, shape=(*lead, n // 2), device=dev, align=16)
     sf = A.tensor(sf, "out[1]", A.BYTES, where, shape=(*lead, n // BLOCK), device=dev, align=16)
-    if gs_out is None and (gs is None or isinstance(gs, float)):
+    if gs_out is None and (gs is None or gs.__class__ is float):
         raise ValueError("gs_out: required unless gs is a tensor (scope 'given'), which is then the gs")
     if gs_out is not None:
         gs_out = A.tensor(gs_out, "out[2]", ("float32",), where, shape=lead if scope == "row" else (),
                           device=dev)
     if errors is not None:
         errors = A.counter(errors, where, dev)
+    if where == "cpu":
+        x, gs, q, sf, gs_out = A.host(x, gs, q, sf, gs_out)
+    ref.check_last_dim(n, "x")
+    if scope == "given" and (where == "cpu" or gs.__class__ is float):
+        ref.check_given_gs(gs, xdt)
     return where, x, m, n, ldx, xdt, scope, gs, q, sf, gs_out, errors
 
 
-def _input(x, where):
-    """(x, M, N, ldx, dtype name, device, leading shape) of an encode's x:
-    float rows of N % 16 == 0 elements (C.row_view), 16-byte aligned."""
-    x = A.tensor(x, "x", A.FLOATS, where, min_ndim=1, dense=False, align=16)
-    m, n, ldx = C.row_view(x, "x")
-    return x, m, n, ldx, A.dtype_name(x), A.device_of(x), tuple(x.shape[:-1])
+# ---- global_scale: the gs alone ----------------------------------------------------------
+def global_scale(x, *, out=None, stream=None):
+    """The decode global scale of x (..., N), N % 16 == 0, under scope
+    'tensor': amax over x's finite elements / 2688 (6 * 448: ModelOpt's
+    weights_scaling_factor_2), 1 where that is 0, as a float32 tensor of
+    shape () (numpy: a 0-d array), the gs quantize(x) returns, without
+    encoding x. A calibration step takes it once, then quantizes with
+    scope='given' (a computed gs is always usable for x's dtype). x as
+    quantize takes it; out= a float32 buffer of shape ()."""
+    if out is None:
+        out = empty(x, (), "float32", stream)
+    _global_scale(x, out, stream)
+    return out
+
+
+@op("nvfp4_global_scale", "Tensor x, Tensor(a!) gs_out")
+def _global_scale(x, gs_out, stream=None):
+    """rawkv::nvfp4_global_scale: x's scope-'tensor' gs into gs_out."""
+    where, x, m, n, ldx, gs_out = _global_scale_arguments(x, gs_out)
+    if where == "cpu":
+        gs_out[...] = ref.global_scale(x, "tensor")
+        return
+    rt = get_runtime(x.get_device())
+    rt.run(gs_plan(rt, x, gs_out, m, n, ldx), stream)
+
+
+def _global_scale_arguments(x, gs_out):
+    """(where, x, M, N, ldx, gs_out) of rawkv::nvfp4_global_scale (on CPU
+    numpy views), checked as quantize's x and out gs."""
+    where = A.placement(("x", x), ("out", gs_out))
+    A.check_outputs((("out", gs_out),), (("x", x),))
+    x, m, n, ldx = A.rows(x, "x", A.FLOATS, where, align=16)
+    gs_out = A.tensor(gs_out, "out", ("float32",), where, shape=(), device=A.device_of(x))
+    if where == "cpu":
+        x, gs_out = A.host(x, gs_out)
+    ref.check_last_dim(n, "x")
+    return where, x, m, n, ldx, gs_out
 
 
 # ---- the global-scale scopes, planned once for every encoder --------------------------------
@@ -205,42 +233,6 @@ def plan_scope(scope: str, passes: Passes, gs=None, errors=None) -> list:
             return one
         return [Memset(passes.gs_out, 4), *passes.amax(), *passes.from_amax()]
     return passes.given(given(scope, gs, errors))
-
-
-# ---- global_scale: the gs alone ----------------------------------------------------------
-def global_scale(x, *, out=None, stream=None):
-    """The decode global scale of x (..., N), N % 16 == 0, under scope
-    'tensor': amax over x's finite elements / 2688 (6 * 448: ModelOpt's
-    weights_scaling_factor_2), 1 where that is 0, as a float32 tensor of
-    shape () (numpy: a 0-d array), the gs quantize(x) returns, without
-    encoding x. A calibration step takes it once, then quantizes with
-    scope='given' (a computed gs is always usable for x's dtype). x as
-    quantize takes it; out= a float32 buffer of shape ()."""
-    if out is None:
-        out = empty(x, (), "float32", stream)
-    _global_scale(x, out, stream)
-    return out
-
-
-@op("nvfp4_global_scale", "Tensor x, Tensor(a!) gs_out")
-def _global_scale(x, gs_out, stream=None):
-    """rawkv::nvfp4_global_scale: x's scope-'tensor' gs into gs_out."""
-    where, x, m, n, ldx, gs_out = _global_scale_arguments(x, gs_out)
-    if where == "cpu":
-        hx = A.to_numpy(x, "x").astype(np.float32, copy=False)
-        A.to_numpy(gs_out, "gs_out")[...] = ref.global_scale(hx, "tensor")
-        return
-    rt = get_runtime(x.get_device())
-    rt.run(gs_plan(rt, x, gs_out, m, n, ldx), stream)
-
-
-def _global_scale_arguments(x, gs_out):
-    """(where, x, M, N, ldx, gs_out) of rawkv::nvfp4_global_scale."""
-    where = A.placement(("x", x), ("out", gs_out))
-    A.check_outputs((("out", gs_out),), (("x", x),))
-    x, m, n, ldx, _, dev, _ = _input(x, where)
-    gs_out = A.tensor(gs_out, "out", ("float32",), where, shape=(), device=dev)
-    return where, x, m, n, ldx, gs_out
 
 
 def gs_plan(dev, x, gs_out, m, n, ldx) -> list:

@@ -29,7 +29,7 @@ def swizzle_scales(sf, *, out=None, stream=None):
         s = A.dims(sf)
         out = empty(sf, (ref_layouts.swizzled_size(math.prod(s[:-1]), s[-1]) if s else 0,), "uint8", stream)
     _swizzle(sf, out, stream)
-    return C.as_sf(out)
+    return A.as_sf(out)
 
 
 def unswizzle_scales(sw, shape, *, out=None, stream=None):
@@ -39,7 +39,7 @@ def unswizzle_scales(sw, shape, *, out=None, stream=None):
     if out is None:
         out = empty(sw, shape, "uint8", stream)
     _unswizzle(sw, out, stream)
-    return C.as_sf(out)
+    return A.as_sf(out)
 
 
 @op("nvfp4_swizzle_scales", "Tensor sf, Tensor(a!) out")

@@ -87,6 +87,26 @@ def given_gs_limit(dtype: str = "float32") -> float:
     return float(np.uint32(hi).view(F32))
 
 
+def check_given_gs(gs, dtype: str = "float32") -> None:
+    """The ops' refusal of a given gs whose value the host holds, naming gs
+    (a ValueError) where given_gs_ok(gs, dtype) is False: a number (already
+    finite and > 0 as a float32) from given_gs_limit(dtype) up, or a host
+    float32 array of one element outside (0, given_gs_limit(dtype)). (A
+    device gs is the kernel's to check: it flags every block of the call
+    and counts it.)"""
+    limit = given_gs_limit(dtype)
+    if isinstance(gs, float):
+        if not F32(gs) < limit:
+            raise ValueError(f"gs: {gs!r} is too large for {dtype} input: from {limit:.9g} up, even the "
+                             f"largest {dtype} value falls below the range of the E4M3 block scale "
+                             "(docs/format.md)")
+        return
+    g = np.asarray(gs, F32).reshape(())
+    if not 0 < g < limit:
+        raise ValueError(f"gs: {float(g)!r} is not a usable global scale for {dtype} input (expected "
+                         f"0 < gs < {limit:.9g}; docs/format.md)")
+
+
 def global_scale(x: np.ndarray, scope: str, gs=None) -> np.ndarray:
     """The float32 decode scale gs for `x` under `scope` (step 1)."""
     x = np.asarray(x, dtype=F32)
