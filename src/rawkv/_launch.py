@@ -1,12 +1,14 @@
 """The launcher: the Python -> cuLaunchKernel step, kept as cheap as possible.
 
 A kernel's declaration (rawkv.kernels) gives the struct that packs its
-arguments, one 8-byte slot per parameter in the parameter's C type. A launch
-packs them with one `pack_into` into a per-thread slot array and calls
-cuLaunchKernel through CuPy's Cython driver binding
-(`cupy.cuda.driver.launchKernel`: plain C integer arguments, no objects built
-per call) on the raw stream handle, with an array of pointers to the slots as
-kernelParams. The driver copies the values at the call, so CUDA graphs
+arguments, one 8-byte slot per parameter in the parameter's C type (a
+struct parameter passed by value: as many slots as its size needs, its
+fields at their C offsets). A launch packs them with one `pack_into` into a
+per-thread slot array and calls cuLaunchKernel through CuPy's Cython driver
+binding (`cupy.cuda.driver.launchKernel`: plain C integer arguments, no
+objects built per call) on the raw stream handle, with an array of pointers
+to the slots as kernelParams: one per slot when every parameter is one
+slot, else (a WideStruct) one per parameter, at its first slot. The driver copies the values at the call, so CUDA graphs
 capture them. Other ways to launch (cuda-python bindings, ctypes, CuPy's
 Function call) measured slower (docs/runtime.md) and are not in the product.
 """
@@ -16,9 +18,32 @@ import ctypes
 import struct
 import threading
 
-# Slots per thread: the widest kernel, rkv_kv_compress, takes 47 parameters
+# Slots per thread: the widest kernel, rkv_kv_compress, takes 47 slots
 # (tests/guards/test_kernel_abi.py holds every kernel to this).
 MAX_ARGS = 64
+
+
+class WideStruct(struct.Struct):
+    """The slot struct of a kernel with a parameter of several slots (a
+    struct passed by value): `starts`, each parameter's first slot."""
+
+    def __init__(self, fmt: str, starts: tuple):
+        super().__init__(fmt)
+        self.starts = starts
+
+
+def slot_struct(fmt: str, slots: tuple) -> struct.Struct:
+    """The struct packing a kernel's parameters (their formats `fmt`, in
+    order, `slots` 8-byte slots each): a plain Struct when every parameter
+    is one slot (the launcher's pointers are then the slots'), else a
+    WideStruct."""
+    if all(n == 1 for n in slots):
+        return struct.Struct("<" + fmt)
+    starts, at = [], 0
+    for n in slots:
+        starts.append(at)
+        at += n
+    return WideStruct("<" + fmt, tuple(starts))
 
 
 class LaunchError(RuntimeError):
@@ -37,14 +62,17 @@ def dim3(d) -> tuple[int, int, int]:
 
 def describe_bad_argument(what, args, exc) -> str:
     """Which argument of a launch could not be packed, named by the kernel's
-    declaration (`what`: an Instance) when there is one."""
+    declaration (`what`: an Instance) when there is one (a struct's field
+    as param.field)."""
     params = getattr(getattr(what, "kernel", None), "params", None)
     if params is not None:
-        for p, a in zip(params, args):
+        flat = [(p.name, p.ctype, p.slot) if p.fields is None else (f"{p.name}.{f.name}", f.ctype, f.fmt)
+                for p in params for f in (p.fields or (None,))]
+        for (name, ctype, fmt), a in zip(flat, args):
             try:
-                struct.pack("<" + p.slot, a)
+                struct.pack("<" + fmt, a)
             except struct.error:
-                return f"{what.expr}: argument {p.name} ({p.ctype}) cannot take {a!r}"
+                return f"{what.expr}: argument {name} ({ctype}) cannot take {a!r}"
     return f"kernel arguments could not be packed: {exc}"
 
 
@@ -66,8 +94,18 @@ class Launcher:
         vals = (ctypes.c_uint64 * MAX_ARGS)()
         base = ctypes.addressof(vals)
         ptrs = (ctypes.c_void_p * MAX_ARGS)(*[base + 8 * i for i in range(MAX_ARGS)])
-        slots = self._tls.slots = (memoryview(vals).cast("B"), ctypes.addressof(ptrs), vals, ptrs)
+        slots = self._tls.slots = (memoryview(vals).cast("B"), ctypes.addressof(ptrs), vals, ptrs, base, {})
         return slots
+
+    @staticmethod
+    def _params_at(slots, starts: tuple) -> int:
+        """The address of a kernelParams array pointing at slots `starts`
+        (each parameter's first), made once per thread and layout."""
+        made = slots[5].get(starts)
+        if made is None:
+            ptrs = (ctypes.c_void_p * len(starts))(*[slots[4] + 8 * i for i in starts])
+            made = slots[5][starts] = (ctypes.addressof(ptrs), ptrs)
+        return made[0]
 
     def __call__(self, fn, grid, block, st, args, shared_mem, stream_ptr, what=None):
         try:
@@ -78,11 +116,12 @@ class Launcher:
             st.pack_into(slots[0], 0, *args)
         except struct.error as exc:
             raise TypeError(describe_bad_argument(what, args, exc)) from None
+        params = slots[1] if st.__class__ is not WideStruct else self._params_at(slots, st.starts)
         if type(grid) is tuple and type(block) is tuple and len(grid) == 1 and len(block) == 1:
-            err = self._raw(fn.ptr, grid[0], 1, 1, block[0], 1, 1, shared_mem, stream_ptr, slots[1], 0)
+            err = self._raw(fn.ptr, grid[0], 1, 1, block[0], 1, 1, shared_mem, stream_ptr, params, 0)
         else:
             gx, gy, gz = dim3(grid)
             bx, by, bz = dim3(block)
-            err = self._raw(fn.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr, slots[1], 0)
+            err = self._raw(fn.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr, params, 0)
         if err:
             raise LaunchError(f"cuLaunchKernel failed: error {err}")

@@ -2,6 +2,7 @@
 launch sites, on a CPU: every __global__ in rawkv/cu/*.cu is declared with
 the same template parameters, its parameters (read from the source) pack as
 their C types, and every launch passes the parameter names as keywords."""
+import ctypes
 import struct
 import subprocess
 import sys
@@ -75,7 +76,7 @@ def test_more_parameters_than_launcher_slots_fail_the_check(declare):
     src = "__global__ void k(" + ", ".join(f"int a{i}" for i in range(n)) + ") {}"
     declare("test_abi_wide.cu", src).kernel("k")
     problems = _abi.mismatches({"test_abi_wide.cu": src})
-    assert f"test_abi_wide.cu: k takes {n} parameters, the launcher has {_launch.MAX_ARGS} slots " \
+    assert f"test_abi_wide.cu: k takes {n} parameter slots, the launcher has {_launch.MAX_ARGS} " \
            "(rawkv._launch.MAX_ARGS)" in problems, problems
 
 
@@ -153,6 +154,75 @@ def test_packing_follows_the_c_types(declare):
         inst.pack(p=0, a=1, b=2, c=3.0, d=4.0, e=5, bogus=1)
     msg = _launch.describe_bad_argument(inst, (0, 1.5, 2, 3.0, 4.0, 5), struct.error("x"))
     assert msg.startswith("k: argument a (int) cannot take 1.5")
+
+
+_STRUCTS = """
+template <typename T>
+struct Part {
+    const T* kv;
+    int n;            // 4 bytes of padding follow
+    long long d;
+    bool flag;
+    float f;          // at 20: the struct is 24 bytes
+};
+struct Small { int a, b; u8* p; u8 c; };      // 24 bytes: a, b at 0, 4; p at 8; c at 16
+"""
+
+
+def test_a_struct_parameter_packs_its_fields_at_their_c_offsets(declare):
+    """A struct passed by value (the .cu definition is the one copy of its
+    fields) takes its fields as a dict, packed at C's offsets into as many
+    slots as it needs; the launcher points each parameter at its first
+    slot."""
+    f = declare("test_abi_struct.cu", _STRUCTS + "template <typename T> __global__ void k(int a, Part<T> p, "
+                "const Small s, double e) {}")
+    k = f.kernel("k", (kernels.TParam("typename", "T", ("float32",)),))
+    part, small = k.params[1], k.params[2]
+    assert [(x.name, x.offset) for x in part.fields] == [("kv", 0), ("n", 8), ("d", 16), ("flag", 24), ("f", 28)]
+    assert part.slots == 4 and small.slots == 3
+    assert [(x.name, x.ctype, x.offset) for x in small.fields] == [
+        ("a", "int", 0), ("b", "int", 4), ("p", "u8*", 8), ("c", "u8", 16)]
+    inst = k.instance("float32")
+    assert inst.struct.starts == (0, 1, 5, 8) and inst.struct.size == 9 * 8
+    args = inst.pack(a=1, p=dict(kv=None, n=-2, d=1 << 40, flag=True, f=0.5), s=dict(a=3, b=4, p=4096, c=255),
+                     e=2.5)
+    raw = inst.struct.pack(*args)
+    assert struct.unpack_from("<i", raw, 0)[0] == 1
+    assert struct.unpack_from("<Q", raw, 8)[0] == 0                 # p.kv: None is a null pointer
+    assert struct.unpack_from("<i", raw, 8 + 8)[0] == -2 and struct.unpack_from("<q", raw, 8 + 16)[0] == 1 << 40
+    assert raw[8 + 24] == 1 and struct.unpack_from("<f", raw, 8 + 28)[0] == 0.5
+    assert struct.unpack_from("<iiQB", raw, 40) == (3, 4, 4096, 255)
+    assert struct.unpack_from("<d", raw, 64)[0] == 2.5
+    with pytest.raises(TypeError, match=r"^k: argument s: missing field c; no field d$"):
+        inst.pack(a=1, p=dict(kv=None, n=0, d=0, flag=False, f=0.0), s=dict(a=3, b=4, p=0, d=1), e=0.0)
+    with pytest.raises(TypeError, match=r"^k: argument p is a struct: expected a dict"):
+        inst.pack(a=1, p=(None, 0, 0, False, 0.0), s=dict(a=3, b=4, p=0, c=0), e=0.0)
+    msg = _launch.describe_bad_argument(inst, (1, 0, 1.5, 0, False, 0.0, 3, 4, 0, 0, 0.0), struct.error("x"))
+    assert msg == "k<float>: argument p.n (int) cannot take 1.5"
+
+
+def test_the_launcher_points_each_parameter_at_its_first_slot(declare):
+    f = declare("test_abi_struct_launch.cu", _STRUCTS + "__global__ void k(int a, Small s, double e) {}")
+    inst = f.kernel("k").instance()
+    seen = []
+    launcher = _launch.Launcher(raw=lambda *a: seen.append(a) or 0)
+    launcher(type("Fn", (), {"ptr": 1})(), (1,), (1,), inst.struct,
+             inst.pack(a=7, s=dict(a=1, b=2, p=3, c=4), e=0.5), 0, 0, inst)
+    params = seen[0][9]
+    slots = launcher._tls.slots
+    addresses = (ctypes.c_void_p * 3).from_address(params)
+    assert [a - slots[4] for a in addresses] == [0, 8, 32]          # a, s (3 slots), e
+    assert list(slots[2][:4]) == [7, 1 + (2 << 32), 3, 4]           # a; s.a, s.b; s.p; s.c
+    one = kernels.fp8.ENCODE.instance("float32", True)            # every parameter one slot: the slots' own
+    launcher(type("Fn", (), {"ptr": 1})(), (1,), (1,), one.struct, (0, 0, 5), 0, 0, one)
+    assert seen[1][9] == slots[1]
+
+
+def test_a_struct_field_type_with_no_packing_fails_the_check(declare):
+    src = "struct Bad { const int* p; half h; };\n__global__ void k(Bad b) {}"
+    declare("test_abi_bad_struct.cu", src).kernel("k")
+    problems = _abi.mismatches({"test_abi_bad_struct.cu": src})
+    assert any("field h: C type 'half' has no launch packing" in p for p in problems), problems
 
 
 def test_declarations_refuse_what_cannot_be_packed(declare):

@@ -7,22 +7,28 @@ order and C types cannot disagree with a declaration. What is left:
 
 * `mismatches`: every `__global__` of rawkv/cu/*.cu is declared and every
   declared kernel exists, with the same template parameters; every
-  parameter's C type has a launch packing, no name is one the launch call
-  takes, and the launcher has slots for them all;
+  parameter's C type has a launch packing (a struct's: every field's), no
+  name is one the launch call takes, and the launcher has slots for them
+  all;
 * `launch_keyword_mismatches`: every launch in rawkv passes its kernel's
   parameter names as keywords, no more and (where the call shows them all)
   no fewer. A wrong keyword is also a TypeError naming the kernel at launch
-  time; this finds it on a CPU, in code no CPU test runs.
+  time; this finds it on a CPU, in code no CPU test runs;
+* `struct_probes`: the layout the declarations pack a struct parameter
+  with (its fields' offsets, its size), as probe kernels whose PTX the
+  layout test reads after compiling them with the kernel's file through
+  NVRTC, on a CPU (tests/guards/test_kernel_structs.py).
 """
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 from .._launch import MAX_ARGS
 from ._decl import Kernel, bind_params, files, template_problem
-from ._signatures import global_signatures  # noqa: F401  (the parser, for the tests)
+from ._signatures import global_signatures, struct_fields
 
 CU_DIR = Path(__file__).resolve().parent.parent / "cu"
 PACKAGE_DIR = CU_DIR.parent
@@ -39,7 +45,7 @@ def mismatches(sources: dict[str, str] | None = None) -> list[str]:
     problems = []
     declared = files()
     for filename, text in sources.items():
-        found = global_signatures(text)
+        found, structs = global_signatures(text), struct_fields(text)
         kf = declared.get(filename)
         kernels = kf.kernels if kf is not None else {}
         for name in found:
@@ -54,13 +60,14 @@ def mismatches(sources: dict[str, str] | None = None) -> list[str]:
             if problem:
                 problems.append(f"{filename}: {problem}")
             try:
-                params_ = bind_params(name, sig["params"])
+                params_ = bind_params(name, sig["params"], structs)
             except ValueError as exc:
                 problems.append(f"{filename}: {exc}")
                 continue
-            if len(params_) > MAX_ARGS:
-                problems.append(f"{filename}: {name} takes {len(params_)} parameters, the launcher "
-                                f"has {MAX_ARGS} slots (rawkv._launch.MAX_ARGS)")
+            slots = sum(p.slots for p in params_)
+            if slots > MAX_ARGS:
+                problems.append(f"{filename}: {name} takes {slots} parameter slots, the launcher "
+                                f"has {MAX_ARGS} (rawkv._launch.MAX_ARGS)")
     for filename in declared:
         if filename not in sources:
             problems.append(f"{filename}: declared in rawkv.kernels but not found in rawkv/cu")
@@ -279,3 +286,32 @@ def launch_keyword_mismatches(modules: dict[str, str] | None = None) -> list[str
     """Every launch whose keywords are not its kernel's parameter names
     (see launch_sites), one line each."""
     return [p for s in launch_sites(modules) for p in s.problems]
+
+
+def struct_probes(kernel_file) -> tuple[str, dict[str, tuple[str, int, int]]]:
+    """(CUDA source, {probe: (what, offset, size)}) that holds the layout
+    the declarations pack every struct parameter of `kernel_file`'s kernels
+    with (in each declared instance: the kernel's template arguments
+    spelled into the struct's type) against the compiler's: one
+    `extern "C"` probe kernel per field, taking the struct by value and
+    reading only that field. In the PTX of the file's source with the
+    probes appended, probe p's parameter must be `size` bytes and its one
+    load at `offset` (NVRTC has no constant offsetof to static_assert)."""
+    src, expect = [], {}
+    for k in kernel_file.kernels.values():
+        for targs in k._instance_args:
+            spelled = {t.name: t.spell(v) for t, v in zip(k.template, targs)}
+            for p in k.params:
+                if p.fields is None:
+                    continue
+                ctype = re.sub(r"\b\w+\b", lambda m: spelled.get(m.group(0), m.group(0)),
+                               p.ctype.removeprefix("const "))
+                for f in p.fields:
+                    what = f"{ctype}.{f.name}"
+                    if what in (w for w, _, _ in expect.values()):
+                        continue
+                    name = f"rkv_layout_probe_{len(expect)}"
+                    expect[name] = (what, f.offset, p.size)
+                    src.append(f'extern "C" __global__ void {name}({ctype} s, long long* out) '
+                               f"{{ *out = (long long)s.{f.name}; }}")
+    return "\n".join(src), expect

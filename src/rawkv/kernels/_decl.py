@@ -14,7 +14,10 @@ the first use of one of the file's kernels and kept. From a declaration come:
 * the argument packing of a launch: ops pass keyword arguments named as in
   the `.cu` signature, the declaration orders them and packs each into an
   8-byte slot exactly as its C type wants it (pointer, 64/32-bit integer,
-  double, float);
+  double, float); a struct passed by value (a wide kernel's groups of
+  parameters) as a dict of its fields, packed at the offsets C gives them
+  (the struct's definition in the `.cu` file is their one copy) into as
+  many slots as it needs;
 * what tests/guards/test_kernel_abi.py holds against the `.cu` sources and the
   launch sites: every kernel declared with its template parameters, every
   parameter's C type packable, every launch's keywords the kernel's
@@ -31,7 +34,8 @@ import itertools
 import struct
 from typing import Iterable, Sequence
 
-from ._signatures import global_signatures, normalize_ctype
+from .. import _launch
+from ._signatures import global_signatures, normalize_ctype, struct_fields
 
 # Slot format of each C scalar type (little-endian, one 8-byte slot per
 # parameter: the launcher passes an array of pointers to the slots).
@@ -44,6 +48,15 @@ _SCALAR_SLOT = {
 }
 _POINTER_SLOT = "Q"
 
+# Format of each C scalar type as a struct field (its size is its alignment).
+_FIELD = {
+    "long long": "q", "i64": "q", "int64_t": "q",
+    "unsigned long long": "Q", "u64": "Q",
+    "int": "i", "i32": "i", "int32_t": "i",
+    "unsigned int": "I", "u32": "I", "uint32_t": "I",
+    "double": "d", "float": "f", "bool": "?", "u8": "B", "uint8_t": "B", "unsigned char": "B",
+}
+
 # One map from dtype names (as torch spells them) to the C types the kernels
 # are instantiated with.
 CTYPE = {
@@ -55,21 +68,73 @@ CTYPE = {
 _RESERVED = {"rt", "grid", "block", "targs", "stream", "shared_mem", "self"}
 
 
-class Param:
-    __slots__ = ("name", "ctype", "slot", "pointer")
+class Field:
+    """A field of a struct parameter: name, C type, struct format, byte
+    offset in the struct (C's: each field at a multiple of its size)."""
+    __slots__ = ("name", "ctype", "fmt", "offset", "pointer")
 
-    def __init__(self, name: str, ctype: str):
+    def __init__(self, name: str, ctype: str, fmt: str, offset: int):
+        self.name, self.ctype, self.fmt, self.offset = name, ctype, fmt, offset
+        self.pointer = ctype.endswith("*")
+
+    def __repr__(self):
+        return f"{self.ctype} {self.name} @{self.offset}"
+
+
+def struct_layout(name: str, fields: Sequence[tuple[str, str]]) -> tuple[tuple[Field, ...], int]:
+    """(fields with their offsets, sizeof) of a struct of `fields` ((C
+    type, name), ...): each field aligned to its size, the size rounded up
+    to the largest alignment, as C lays out plain data (pointers 8 bytes)."""
+    out, off, align = [], 0, 1
+    for ctype, fname in fields:
+        ctype = normalize_ctype(ctype)
+        fmt = _POINTER_SLOT if ctype.endswith("*") else _FIELD.get(ctype.removeprefix("const "))
+        if fmt is None:
+            raise ValueError(f"struct {name}: field {fname}: C type {ctype!r} has no launch packing "
+                             f"(known: pointers, {', '.join(sorted(_FIELD))})")
+        size = struct.calcsize("<" + fmt)
+        off += -off % size
+        out.append(Field(fname, ctype, fmt, off))
+        off, align = off + size, max(align, size)
+    return tuple(out), off + -off % align
+
+
+class Param:
+    """A kernel parameter: a scalar or pointer in one 8-byte slot, or a
+    struct passed by value (`fields` not None) in `slots` slots, its
+    fields at their C offsets (`fmt`: the struct format of its slots)."""
+    __slots__ = ("name", "ctype", "slot", "pointer", "fields", "slots", "fmt", "size")
+
+    def __init__(self, name: str, ctype: str, structs: dict | None = None):
         self.name = name
         self.ctype = normalize_ctype(ctype)
         self.pointer = self.ctype.endswith("*")
+        self.fields, self.slots, self.size = None, 1, 8
         if self.pointer:
             self.slot = _POINTER_SLOT
         else:
             base = self.ctype.removeprefix("const ")
             if base not in _SCALAR_SLOT:
-                raise ValueError(f"parameter {name}: C type {ctype!r} has no launch packing "
-                                 f"(known: pointers, {', '.join(sorted(_SCALAR_SLOT))})")
+                sdef = (structs or {}).get(base.split("<")[0].strip())
+                if sdef is None or sdef["fields"] is None:
+                    raise ValueError(f"parameter {name}: C type {ctype!r} has no launch packing "
+                                     f"(known: pointers, {', '.join(sorted(_SCALAR_SLOT))}, and the "
+                                     "plain-data structs of the kernel's file)")
+                self._struct(base, sdef["fields"])
+                return
             self.slot = _SCALAR_SLOT[base]
+        self.fmt = self.slot
+
+    def _struct(self, base: str, fields) -> None:
+        self.fields, self.size = struct_layout(base, fields)
+        self.slots = -(-self.size // 8)
+        fmt, end = [], 0
+        for f in self.fields:
+            fmt.append(f"{f.offset - end}x" if f.offset > end else "")
+            fmt.append(f.fmt)
+            end = f.offset + struct.calcsize("<" + f.fmt)
+        pad = 8 * self.slots - end
+        self.fmt = self.slot = "".join(fmt) + (f"{pad}x" if pad else "")
 
     def __repr__(self):
         return f"{self.ctype} {self.name}"
@@ -98,14 +163,16 @@ class TParam:
         return str(int(value))
 
 
-def bind_params(kernel: str, parsed: Sequence[tuple[str, str]]) -> tuple[Param, ...]:
+def bind_params(kernel: str, parsed: Sequence[tuple[str, str]], structs: dict | None = None
+                ) -> tuple[Param, ...]:
     """The launch parameters of `kernel` from its parsed signature
-    ((C type, name), ...): every C type must have a packing, every name be
-    unique and none a name the launch call itself takes (ValueError)."""
+    ((C type, name), ...) and its file's structs (struct_fields): every C
+    type must have a packing, every name be unique and none a name the
+    launch call itself takes (ValueError)."""
     out = []
     for ctype, name in parsed:
         try:
-            out.append(Param(name, ctype))
+            out.append(Param(name, ctype, structs))
         except ValueError as exc:
             raise ValueError(f"{kernel}: {exc}") from None
     names = [p.name for p in out]
@@ -142,18 +209,29 @@ class KernelFile:
         self.kernels: dict[str, Kernel] = {}
         self._source = source
         self._signatures: dict | None = None
+        self._structs: dict | None = None
         _FILES[filename] = self
 
     def signatures(self) -> dict[str, dict]:
         """The file's `__global__` signatures (_signatures.global_signatures),
         read on first use and kept: a launch, not `import rawkv`, reads them."""
         if self._signatures is None:
-            text = self._source
-            if text is None:
-                from .. import _nvrtc       # the directory the runtime compiles from
-                text = (_nvrtc.CU_DIR / self.filename).read_text()
+            text = self.source()
+            self._structs = struct_fields(text)
             self._signatures = global_signatures(text)
         return self._signatures
+
+    def structs(self) -> dict[str, dict]:
+        """The file's structs (_signatures.struct_fields), read with the
+        signatures."""
+        self.signatures()
+        return self._structs
+
+    def source(self) -> str:
+        if self._source is not None:
+            return self._source
+        from .. import _nvrtc       # the directory the runtime compiles from
+        return (_nvrtc.CU_DIR / self.filename).read_text()
 
     def target(self, arch: str) -> str | None:
         """The architecture this file is compiled for on a device of `arch`,
@@ -209,7 +287,8 @@ class Instance:
         self.smem = kernel.smem(targs)
         self.expr = kernel.expr(targs)
         self.key = (self.file, self.expr)
-        self.struct = struct.Struct("<" + "".join(p.slot for p in kernel.params))
+        self.struct = _launch.slot_struct("".join(p.slot for p in kernel.params),
+                                          tuple(p.slots for p in kernel.params))
         self.pack = kernel.packer
         self.launch = _make_launch(self)
 
@@ -242,7 +321,7 @@ class Kernel:
         problem = template_problem(self.name, self.template, sig["template"])
         if problem:
             raise ValueError(f"{self.file.filename}: {problem}")
-        return bind_params(self.name, sig["params"])
+        return bind_params(self.name, sig["params"], self.file.structs())
 
     @functools.cached_property
     def packer(self):
@@ -281,17 +360,53 @@ class Kernel:
         inst.launch(rt, grid, block, stream=stream, shared_mem=shared_mem, **kw)
 
 
+def _address(v: str, first: str | None = None) -> str:
+    """The expression of pointer value `v` as an int address: a tensor's
+    data_ptr(), an int as it is, None -> 0 (`first`: the expression that
+    binds v, evaluated once)."""
+    return f"(0 if {first or v} is None else {v} if {v}.__class__ is int else {v}.data_ptr())"
+
+
 def _ordered_args(params_: tuple[Param, ...]) -> tuple[str, str]:
     """(keyword-only parameter list, tuple expression of the values in
-    order, pointers as int addresses: a tensor's data_ptr(), None -> 0)."""
+    order, pointers as int addresses; a struct parameter's fields in order,
+    from the dict it is given)."""
     items = []
     for p in params_:
         n = p.name
-        if p.pointer:
-            items.append(f"(0 if {n} is None else {n} if {n}.__class__ is int else {n}.data_ptr())")
+        if p.fields is not None:
+            for f in p.fields:
+                v = f"{n}[{f.name!r}]"
+                items.append(_address("_v", f"(_v := {v})") if f.pointer else v)
+        elif p.pointer:
+            items.append(_address(n))
         else:
             items.append(n)
     return ", ".join(p.name for p in params_), f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+
+
+def _field_checks(params_: tuple[Param, ...]) -> str:
+    """Lines checking that each struct parameter is a dict of exactly its
+    fields (else a TypeError naming the kernel, the parameter and the
+    fields), for a generated function's body."""
+    return "".join(f"    if {p.name}.__class__ is not dict or {p.name}.keys() != FIELDS[{p.name!r}]:\n"
+                   f"        bad_fields(NAME, {p.name!r}, FIELDS[{p.name!r}], {p.name})\n"
+                   for p in params_ if p.fields is not None)
+
+
+def _bad_fields(kernel: str, param: str, fields: frozenset, value) -> None:
+    if not isinstance(value, dict):
+        raise TypeError(f"{kernel}: argument {param} is a struct: expected a dict of its fields "
+                        f"({', '.join(sorted(fields))}), got {type(value).__name__}")
+    missing, unknown = sorted(fields - value.keys()), sorted(value.keys() - fields)
+    raise TypeError(f"{kernel}: argument {param}: " + "; ".join(
+        ([f"missing field {', '.join(missing)}"] if missing else []) +
+        ([f"no field {', '.join(unknown)}"] if unknown else [])))
+
+
+def _struct_env(params_: tuple[Param, ...], name: str) -> dict:
+    return {"FIELDS": {p.name: frozenset(f.name for f in p.fields) for p in params_ if p.fields is not None},
+            "bad_fields": _bad_fields, "NAME": name}
 
 
 def _generate(name: str, src: str, env: dict):
@@ -304,7 +419,8 @@ def _make_packer(kernel_name: str, params_: tuple[Param, ...]):
     returning them in order, pointers as int addresses."""
     arglist, values = _ordered_args(params_)
     star = f"*, {arglist}" if params_ else ""
-    return _generate(kernel_name, f"def {kernel_name}({star}):\n    return {values}\n", {})
+    return _generate(kernel_name, f"def {kernel_name}({star}):\n{_field_checks(params_)}    return {values}\n",
+                     _struct_env(params_, kernel_name))
 
 
 def _make_launch(inst: "Instance"):
@@ -319,13 +435,14 @@ def _make_launch(inst: "Instance"):
     # goes straight to the launcher: one Python frame fewer than rt.launch,
     # which handles the rest (a given stream, another device current).
     src = (f"def {name}(rt, grid, block, *, stream=None, shared_mem=0{', ' + arglist if params_ else ''}):\n"
+           f"{_field_checks(params_)}"
            f"    fn = rt._functions.get(KEY) or rt.function(FILE, EXPR, stream=stream)\n"
            f"    if stream is None and rt._get_device() == rt.device_index:\n"
            f"        rt._launch_call(fn, grid, block, STRUCT, {values}, shared_mem, rt._current_stream_ptr(), INST)\n"
            f"    else:\n"
            f"        rt.launch(fn, grid, block, STRUCT, {values}, stream, shared_mem, INST)\n")
     return _generate(name, src, {"KEY": inst.key, "FILE": inst.file, "EXPR": inst.expr,
-                                 "STRUCT": inst.struct, "INST": inst})
+                                 "STRUCT": inst.struct, "INST": inst, **_struct_env(params_, name)})
 
 
 def files() -> dict[str, KernelFile]:

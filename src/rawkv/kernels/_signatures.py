@@ -1,9 +1,12 @@
-"""The `__global__` signatures of a CUDA source, read without a compiler.
+"""The `__global__` signatures of a CUDA source, and the structs a kernel
+takes by value, read without a compiler.
 
 The `.cu` file is where a kernel's parameters are written: the declarations
-(_decl) take their parameter lists from here, on first use, and the ABI
-check (_abi) holds the declared names and template parameters against the
-same reading. Plain text processing: no CUDA, runs on any machine.
+(_decl) take their parameter lists, and the fields of a struct parameter,
+from here, on first use, and the ABI check (_abi) holds the declared names
+and template parameters against the same reading. Plain text processing: no
+CUDA, runs on any machine. (tests/guards/test_kernel_structs.py holds the
+struct layouts _decl computes against the compiler's, through NVRTC.)
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import re
 
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _TEMPLATE_TAIL = re.compile(r"template\s*<([^<>]*)>\s*$")
+_STRUCT = re.compile(r"(?:template\s*<([^<>]*)>\s*)?\bstruct\s+(\w+)\s*\{")
 
 
 def normalize_ctype(ctype: str) -> str:
@@ -75,4 +79,47 @@ def global_signatures(source: str) -> dict[str, dict]:
         tail = _TEMPLATE_TAIL.search(src[:m.start()])
         out[name.group(1)] = {"template": _tparams(tail.group(1)) if tail else (),
                               "params": split_params(src[i + 1:j - 1])}
+    return out
+
+
+def _fields(body: str) -> tuple[tuple[str, str], ...] | None:
+    """((C type, name), ...) of a struct body of plain data members, in
+    order (`long long a, b;` and `const int *p, q;` as C reads them: each
+    declarator its own stars); None for a body with anything else (member
+    functions, nested types, arrays, initializers)."""
+    if re.search(r"[(){}\[\]=]", body):
+        return None
+    out = []
+    for decl in body.split(";"):
+        parts = [normalize_ctype(p) for p in decl.split(",")]
+        if not parts[0]:
+            continue
+        first = parts[0]
+        cut = max(first.rfind(" "), first.rfind("*"))
+        if cut < 0:
+            return None
+        ctype = first[:cut + 1].strip()
+        out.append((ctype, first[cut + 1:]))
+        base = ctype.rstrip("*").strip()
+        for more in parts[1:]:
+            name = more.lstrip("*").strip()
+            if not name.isidentifier():
+                return None
+            out.append((base + "*" * (len(more) - len(more.lstrip("*"))), name))
+    return tuple(out)
+
+
+def struct_fields(source: str) -> dict[str, dict]:
+    """{struct name: {"template": ((kind, name), ...), "fields": ((C type,
+    name), ...) or None}} of every struct a CUDA source defines (fields
+    None: not plain data, so not a kernel parameter)."""
+    src = _COMMENTS.sub(" ", source)
+    out = {}
+    for m in _STRUCT.finditer(src):
+        depth, i = 1, m.end()
+        while depth and i < len(src):
+            depth += {"{": 1, "}": -1}.get(src[i], 0)
+            i += 1
+        out[m.group(2)] = {"template": _tparams(m.group(1)) if m.group(1) else (),
+                           "fields": _fields(src[m.end():i - 1])}
     return out
