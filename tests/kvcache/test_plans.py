@@ -31,10 +31,16 @@ def _checked(plan):
         assert list(launch.args) != [] and set(launch.args) == {p.name for p in params}, launch.kernel
         for p in params:
             value = launch.args[p.name]
-            if p.pointer:
-                assert value is None or hasattr(value, "shape"), p
-            else:
-                struct.pack("<" + p.slot, value)      # fits its C type
+            if p.fields is None:
+                items = [(p, value, p.slot)]
+            else:                                       # a struct: a dict of its fields
+                assert set(value) == {f.name for f in p.fields}, p
+                items = [(f, value[f.name], f.fmt) for f in p.fields]
+            for what, v, fmt in items:
+                if what.pointer:
+                    assert v is None or hasattr(v, "shape"), what
+                else:
+                    struct.pack("<" + fmt, v)           # fits its C type
         assert all(isinstance(d, int) and d > 0 for d in (*launch.grid, *launch.block)), launch
     return plan
 
@@ -153,12 +159,16 @@ def test_compress_prefill():
     c = _one(P.compress_prefill(pool, kv, z, None, nw, None, 1, 0, tab, 1e-6))
     assert c.kernel.expr == "rkv_kv_compress<__nv_bfloat16, int, false, true, 1, 0>"
     assert (c.grid, c.block) == ((5, 1), (128,))               # an entry per CTA, the entry part only
-    assert (c.args["slot"], c.args["start_entry"], c.args["pre"], c.args["kv1"]) == (1, 0, 0, None)
-    assert c.args["kv0"] is kv and c.args["rope_tab"] is tab and c.args["n_tab"] == 16
+    assert (c.args["slot"], c.args["start_entry"], c.args["pre"], c.args["p1"]["kv"]) == (1, 0, 0, None)
+    assert c.args["p0"] == dict(kv=kv, z=z, kvb=None, zb=None, ape=None, w=nw, count=None, d=512)
+    assert c.args["p1"]["d"] == 128 and c.args["rope_tab"] is tab and c.args["n_tab"] == 16
+    g = c.args["pool"]
+    assert (g["block_table"], g["bt_rows"], g["epb"], g["m"]) == (pool.block_table, pool.max_requests,
+                                                                  pool.entries_per_block, pool.m)
     idx = kvc.PrefillIndex(_t((20, 256), torch.bfloat16), _t((20, 256), torch.bfloat16), None,
                            _t(128, torch.float32))
     c = _one(P.compress_prefill(pool, kv, z, None, nw, idx, 1, 3, tab, 1e-6))
-    assert (c.grid, c.args["pre"], c.args["kv1"]) == ((4, 2), 1, idx.kv)   # one window of context before
+    assert (c.grid, c.args["pre"], c.args["p1"]["kv"]) == ((4, 2), 1, idx.kv)   # one window of context before
     assert P.compress_prefill(pool, kv[:4], z[:4], None, nw, None, 1, 3, tab, 1e-6) == []
     hca = _pool("hca")
     h = _one(P.compress_prefill(hca, _t((256, 512), torch.float32), _t((256, 512), torch.float32), None, nw,
@@ -174,6 +184,7 @@ def test_compress_decode():
     c = _one(P.compress_decode(pool, st, _t(512, torch.float32), ist, _t(128, torch.float32), v, s, p, tab, 1e-6))
     assert c.kernel.expr == "rkv_kv_compress<float, long long, true, true, 1, 2>"
     assert (c.grid, c.block) == ((3, 2), (128,))
-    assert c.args["kv0"] is st.kv_a and c.args["count1"] is ist.count and c.args["n_slots"] == 2
+    assert c.args["p0"]["kv"] is st.kv_a and c.args["p0"]["kvb"] is st.kv_b and c.args["p0"]["count"] is st.count
+    assert c.args["p1"]["count"] is ist.count and c.args["p1"]["zb"] is ist.z_b and c.args["n_slots"] == 2
     assert c.args["out_pages"] is pool.pages and c.args["slots"] is s
     assert P.compress_decode(pool, st, None, None, None, v[:0], s[:0], p[:0], tab, 1e-6) == []

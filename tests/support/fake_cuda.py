@@ -48,7 +48,9 @@ class RecordingRuntime:
 
     def launch(self, fn, grid, block, st, args, stream=None, shared_mem=0, what=None):
         st.pack(*args)                          # each scalar fits its C type
-        names = [p.name for p in what.kernel.params]
+        # a struct parameter's fields as param.field, in the order they are packed
+        names = [p.name if p.fields is None else f"{p.name}.{f.name}"
+                 for p in what.kernel.params for f in (p.fields or (None,))]
         self.calls.append((fn, grid, block, dict(zip(names, args))))
 
     def memset(self, ptr, value, nbytes, stream=None):

@@ -69,6 +69,36 @@ using namespace rkv;
 #error "kv_compress.cu needs the -D constants of rawkv/kernels/kv_compress.py"
 #endif
 
+// One part of a compression, passed by value (rawkv/kernels/_decl.py packs
+// it at the offsets C gives these fields: tests/guards/test_kernel_structs.py):
+// part 0 the attention entry, part 1 the CSA indexer key (all null when the
+// pool has none: the launch has no part 1 then).
+template <typename T>
+struct CompressPart {
+    const T* kv;            // prefill: the token rows; decode: the state's a-stream
+    const T* z;
+    const T* kvb;           // decode: the state's b-stream (CSA); else null
+    const T* zb;
+    const float* ape;       // prefill: the absolute position embedding; else null
+    const float* w;         // the RMSNorm weight
+    const int* count;       // decode: the state's row counts; else null
+    long long d;            // width: head_dim (part 0), the indexer key's (part 1)
+};
+
+// The paged pool a compression writes into, passed by value (as CompressPart).
+struct PoolGeometry {
+    const int* block_table;     // (bt_rows, bt_stride): each request's physical blocks
+    const int* request_ids;     // (bt_rows,): the request of each block-table row
+    const int* owners;          // (num_blocks,): the request each block is assigned to
+    long long bt_rows;
+    long long bt_stride;
+    long long num_blocks;
+    long long epb;              // entries per block
+    long long m;                // rows per entry (the compression ratio)
+    int* written;               // (bt_rows,): entries written, per row
+    u8* marks;                  // (num_blocks * epb,): 1 where an entry is written
+};
+
 namespace {
 
 constexpr int kCT = RKV_KVC_CHANNEL_THREADS;   // channel threads per row group (= indexer key width)
@@ -215,22 +245,20 @@ __device__ __forceinline__ bool owned_by(const int* __restrict__ request_ids, co
 template <typename I>
 __device__ __forceinline__ i64 decode_target(i64 q, const u8* __restrict__ valid, const I* __restrict__ slots,
                                              const I* __restrict__ positions, const int* __restrict__ count0,
-                                             const int* __restrict__ count1, const int* __restrict__ block_table,
-                                             const int* __restrict__ request_ids, const int* __restrict__ owners,
-                                             i64 n_slots, i64 bt_rows, i64 bt_stride, i64 num_blocks, i64 epb,
-                                             i64 m, i64 n_tab) {
+                                             const int* __restrict__ count1, const PoolGeometry& pool,
+                                             i64 n_slots, i64 n_tab) {
     if (!valid[q]) return -1;
     const i64 s = (i64)slots[q];
-    if (s < 0 || s >= n_slots || s >= bt_rows) return -1;
-    const bool full0 = (i64)count0[s] == m;
-    const bool full1 = count1 != nullptr ? (i64)count1[s] == m : full0;
+    if (s < 0 || s >= n_slots || s >= pool.bt_rows) return -1;
+    const bool full0 = (i64)count0[s] == pool.m;
+    const bool full1 = count1 != nullptr ? (i64)count1[s] == pool.m : full0;
     const i64 pos = (i64)positions[q];
     if (!full0 || !full1 || pos < 0) return -1;
-    const i64 e = pos / m, lb = e / epb;
-    if (e >= n_tab || lb >= bt_stride) return -1;
-    const i64 blk = (i64)block_table[s * bt_stride + lb];
-    if (blk < 0 || blk >= num_blocks || !owned_by(request_ids, owners, s, blk)) return -1;
-    return blk * epb + (e - lb * epb);
+    const i64 e = pos / pool.m, lb = e / pool.epb;
+    if (e >= n_tab || lb >= pool.bt_stride) return -1;
+    const i64 blk = (i64)pool.block_table[s * pool.bt_stride + lb];
+    if (blk < 0 || blk >= pool.num_blocks || !owned_by(pool.request_ids, pool.owners, s, blk)) return -1;
+    return blk * pool.epb + (e - lb * pool.epb);
 }
 
 // The record of a finished entry (512 float32 in shared memory) / key (128,
@@ -272,24 +300,13 @@ constexpr int compress_min_blocks(bool decode, int rg, int layout) {
 
 template <typename T, typename I, bool DECODE, bool OVERLAP, int RG, int LAYOUT>
 __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYOUT)) rkv_kv_compress(
-    // part 0: attention entry
-    const T* __restrict__ kv0, const T* __restrict__ z0,
-    const T* __restrict__ kvb0, const T* __restrict__ zb0,
-    const float* __restrict__ ape0, const float* __restrict__ w0, const int* __restrict__ count0,
+    const CompressPart<T> p0, const CompressPart<T> p1,
+    // part 0's outputs (the attention entry), part 1's (the CSA indexer key; null when absent)
     u8* __restrict__ out_fp8, float* __restrict__ out_scale, __nv_bfloat16* __restrict__ out_rope,
-    long long d0,
-    // part 1: CSA indexer key (null pointers when absent)
-    const T* __restrict__ kv1, const T* __restrict__ z1,
-    const T* __restrict__ kvb1, const T* __restrict__ zb1,
-    const float* __restrict__ ape1, const float* __restrict__ w1, const int* __restrict__ count1,
     u8* __restrict__ out_iq, u8* __restrict__ out_isf,
-    long long d1,
     // RoPE table (n_tab, 2, rope_dim / 2) float32: cos, sin of entry e at position e * m
     const float* __restrict__ rope_tab, long long n_tab, long long rope_dim,
-    // paged pool geometry
-    const int* __restrict__ block_table, const int* __restrict__ request_ids, const int* __restrict__ owners,
-    long long bt_rows, long long bt_stride, long long num_blocks, long long epb, long long m,
-    int* __restrict__ written, u8* __restrict__ marks,
+    const PoolGeometry pool,
     // decode: batch rows
     const u8* __restrict__ valid, const I* __restrict__ slots, const I* __restrict__ positions,
     long long n_slots,
@@ -314,7 +331,7 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
     const int rg = threadIdx.x / kCT;
     const i64 n = blockIdx.x;
 
-    const i64 d = part == 0 ? d0 : d1;
+    const i64 d = part == 0 ? p0.d : p1.d;
     // A thread's channels are c0 + k * cs, k < cpt: consecutive (cs = 1) for an
     // even cpt, so a RoPE pair (c, c ^ 1) is in one thread and 4 channels are
     // one vector load; for an odd cpt (the indexer's 1) every 128th, so the
@@ -334,14 +351,14 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
         const i64 s = (i64)slots[n];
         // the host makes the states' rows equal the block table's; both bounds
         // are checked anyway, so no slot reads past either
-        if (s < 0 || s >= n_slots || s >= bt_rows) {
+        if (s < 0 || s >= n_slots || s >= pool.bt_rows) {
             if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
             return;
         }
         // Nothing in this launch writes the counts: every thread of both
         // parts reads the same values, so the decision is CTA- and part-uniform.
-        const bool full0 = (i64)count0[s] == m;
-        const bool full1 = count1 != nullptr ? (i64)count1[s] == m : full0;
+        const bool full0 = (i64)p0.count[s] == pool.m;
+        const bool full1 = p1.count != nullptr ? (i64)p1.count[s] == pool.m : full0;
         if (!full0 && !full1) return;               // window not complete: nothing to flush
         if (full0 != full1) {                       // states out of step: write neither part
             if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
@@ -353,14 +370,14 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
             return;
         }
         row = s;
-        e = pos / m;
-        const T* kv = part == 0 ? kv0 : kv1;
-        const T* z = part == 0 ? z0 : z1;
-        src.a_kv = kv + s * m * w + off_a;
-        src.a_z = z + s * m * w + off_a;
+        e = pos / pool.m;
+        const T* kv = part == 0 ? p0.kv : p1.kv;
+        const T* z = part == 0 ? p0.z : p1.z;
+        src.a_kv = kv + s * pool.m * w + off_a;
+        src.a_z = z + s * pool.m * w + off_a;
         src.a_stride = w;
-        src.b_kv = (part == 0 ? kvb0 : kvb1) + s * m * d;
-        src.b_z = (part == 0 ? zb0 : zb1) + s * m * d;
+        src.b_kv = (part == 0 ? p0.kvb : p1.kvb) + s * pool.m * d;
+        src.b_z = (part == 0 ? p0.zb : p1.zb) + s * pool.m * d;
         src.b_stride = d;
         src.has_b = OVERLAP;
         src.ape_a = nullptr;
@@ -368,31 +385,31 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
     } else {
         row = slot;
         e = start_entry + n;
-        const T* kv = part == 0 ? kv0 : kv1;
-        const T* z = part == 0 ? z0 : z1;
-        const float* ape = part == 0 ? ape0 : ape1;
+        const T* kv = part == 0 ? p0.kv : p1.kv;
+        const T* z = part == 0 ? p0.z : p1.z;
+        const float* ape = part == 0 ? p0.ape : p1.ape;
         const i64 wa = n + pre;                     // window of the a-rows, in kv rows / m
-        src.a_kv = kv + wa * m * w + off_a;
-        src.a_z = z + wa * m * w + off_a;
+        src.a_kv = kv + wa * pool.m * w + off_a;
+        src.a_z = z + wa * pool.m * w + off_a;
         src.a_stride = w;
         src.has_b = OVERLAP && wa >= 1;
-        src.b_kv = kv + (wa - 1) * m * w;           // b-half = [0:d] of the previous window
-        src.b_z = z + (wa - 1) * m * w;
+        src.b_kv = kv + (wa - 1) * pool.m * w;      // b-half = [0:d] of the previous window
+        src.b_z = z + (wa - 1) * pool.m * w;
         src.b_stride = w;
         src.ape_a = ape ? ape + off_a : nullptr;
         src.ape_b = ape;
     }
-    const i64 lb = e / epb;
-    if (row < 0 || row >= bt_rows || e >= n_tab || lb >= bt_stride) {
+    const i64 lb = e / pool.epb;
+    if (row < 0 || row >= pool.bt_rows || e >= n_tab || lb >= pool.bt_stride) {
         if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }
-    const i64 blk = (i64)block_table[row * bt_stride + lb];
-    if (blk < 0 || blk >= num_blocks || !owned_by(request_ids, owners, row, blk)) {
+    const i64 blk = (i64)pool.block_table[row * pool.bt_stride + lb];
+    if (blk < 0 || blk >= pool.num_blocks || !owned_by(pool.request_ids, pool.owners, row, blk)) {
         if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }
-    const i64 dest = blk * epb + (e - lb * epb);
+    const i64 dest = blk * pool.epb + (e - lb * pool.epb);
     // vector loads: 4 channels a thread and every row start 4-element aligned
     // (uniform over the CTA)
     const u64 align_bits = (u64)src.a_kv | (u64)src.a_z | (OVERLAP ? (u64)src.b_kv | (u64)src.b_z : 0ull);
@@ -402,8 +419,7 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
     if constexpr (DECODE) {
         bool hit = false;
         for (i64 q = threadIdx.x; q < n; q += blockDim.x)
-            hit |= decode_target(q, valid, slots, positions, count0, count1, block_table, request_ids, owners,
-                                 n_slots, bt_rows, bt_stride, num_blocks, epb, m, n_tab) == dest;
+            hit |= decode_target(q, valid, slots, positions, p0.count, p1.count, pool, n_slots, n_tab) == dest;
         if (block_any(hit)) {                       // a lower row owns this entry
             if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
             return;
@@ -411,8 +427,8 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
     }
 
     // ---- 1. softmax pooling ----
-    const int mb = OVERLAP ? (int)m : 0;
-    const int R = mb + (int)m;
+    const int mb = OVERLAP ? (int)pool.m : 0;
+    const int R = mb + (int)pool.m;
     float x[kMaxCPT];
 #pragma unroll
     for (int k = 0; k < kMaxCPT; ++k) x[k] = 0.0f;
@@ -520,7 +536,7 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
     }
 
     // ---- 2. RMSNorm (only rg == 0 holds channels; the others add 0) ----
-    const float* wt = part == 0 ? w0 : w1;
+    const float* wt = part == 0 ? p0.w : p1.w;
     double ss = 0.0;
 #pragma unroll
     for (int k = 0; k < kMaxCPT; ++k)
@@ -564,17 +580,17 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
     }
 
     if (LAYOUT != 0 && part == 0) {
-        // ---- 5. the finished entry (d0 == 512 == kMaxD, checked on the host) -> MODEL1 record ----
+        // ---- 5. the finished entry (d == 512 == kMaxD, checked on the host) -> MODEL1 record ----
         if (rg == 0) {
 #pragma unroll
             for (int k = 0; k < kMaxCPT; ++k) if (k < cpt) sh_ent[c0 + k * cs] = x[k];
         }
         __syncthreads();
         if (threadIdx.x < 32) {
-            model1_record(sh_ent, out_pages + blk * page_bytes, e - lb * epb, epb);
+            model1_record(sh_ent, out_pages + blk * page_bytes, e - lb * pool.epb, pool.epb);
             if (threadIdx.x == 0) {
-                atomicMax(written + row, (int)(e + 1));
-                marks[dest] = 1;
+                atomicMax(pool.written + row, (int)(e + 1));
+                pool.marks[dest] = 1;
             }
         }
     } else if (part == 0) {
@@ -607,8 +623,8 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
                 out_scale[dest] = s;
                 // part 1 writes the key of this entry in the same launch; readers
                 // come in later launches
-                atomicMax(written + row, (int)(e + 1));
-                marks[dest] = 1;
+                atomicMax(pool.written + row, (int)(e + 1));
+                pool.marks[dest] = 1;
             }
         }
     } else {
@@ -630,7 +646,8 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
             // -> the key's record (FP8 or MXFP4), one warp, 4 dims per lane
             sh_key[tc] = rkvlay::bf16_round(y);
             __syncthreads();
-            if (tc < 32) key_record<LAYOUT == 2>(sh_key, out_index_pages + blk * index_page_bytes, e - lb * epb, epb);
+            if (tc < 32)
+                key_record<LAYOUT == 2>(sh_key, out_index_pages + blk * index_page_bytes, e - lb * pool.epb, pool.epb);
             return;
         }
         sh_key[tc] = __bfloat162float(__float2bfloat16_rn(y));

@@ -81,22 +81,32 @@ def yarn_of(values):
     return ref.YarnConfig(factor, int(n) if float(n).is_integer() else n, fast, slow)
 
 
+def part(d, kv=None, z=None, kvb=None, zb=None, ape=None, w=None, count=None) -> dict:
+    """A CompressPart of rkv_kv_compress (its struct in kv_compress.cu), of
+    width d: part 0 the attention entry, part 1 the CSA indexer key (all
+    null when the pool has no indexer keys: the launch has no part 1 then)."""
+    return dict(kv=kv, z=z, kvb=kvb, zb=zb, ape=ape, w=w, count=count, d=d)
+
+
 def index_part(kv=None, z=None, kvb=None, zb=None, ape=None, w=None, count=None) -> dict:
-    """rkv_kv_compress's arguments of part 1, the CSA indexer key (all null
-    when the pool has no indexer keys: the launch has no part 1 then)."""
-    return dict(kv1=kv, z1=z, kvb1=kvb, zb1=zb, ape1=ape, w1=w, count1=count)
+    """rkv_kv_compress's part 1, the CSA indexer key (part)."""
+    return part(K.INDEX_HEAD_DIM, kv, z, kvb, zb, ape, w, count)
+
+
+def geometry(pool) -> dict:
+    """rkv_kv_compress's PoolGeometry (its struct in kv_compress.cu): the
+    pool's block table, page owners and what is written."""
+    return dict(block_table=pool.block_table, request_ids=pool.request_ids, owners=pool.owners,
+                bt_rows=pool.max_requests, bt_stride=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
+                epb=pool.entries_per_block, m=pool.m, written=pool.written, marks=pool.marks)
 
 
 def pool_args(pool, tab, errors, eps) -> dict:
-    """rkv_kv_compress's arguments that come from the pool (outputs, block
-    table, geometry, RoPE table) and the scalars every launch sets."""
+    """rkv_kv_compress's arguments that come from the pool (outputs, its
+    geometry, RoPE table) and the scalars every launch sets."""
     return dict(
-        out_fp8=pool.fp8, out_scale=pool.scale, out_rope=pool.rope, d0=pool.head_dim,
-        out_iq=pool.index_q, out_isf=pool.index_sf, d1=K.INDEX_HEAD_DIM,
-        rope_tab=tab, n_tab=tab.shape[0], rope_dim=pool.rope_dim,
-        block_table=pool.block_table, request_ids=pool.request_ids, owners=pool.owners, bt_rows=pool.max_requests,
-        bt_stride=pool.max_blocks_per_request, num_blocks=pool.num_blocks,
-        epb=pool.entries_per_block, m=pool.m, written=pool.written, marks=pool.marks, errors=errors,
+        out_fp8=pool.fp8, out_scale=pool.scale, out_rope=pool.rope, out_iq=pool.index_q, out_isf=pool.index_sf,
+        rope_tab=tab, n_tab=tab.shape[0], rope_dim=pool.rope_dim, pool=geometry(pool), errors=errors,
         eps=eps, out_pages=pool.pages, out_index_pages=pool.index_pages, page_bytes=pool.page_bytes or 0,
         index_page_bytes=pool.index_page_bytes or 0)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from .._plan import Launch, grid_stride
 from ..kernels import kv_cache as K
 from ..kernels import kv_compress as KC
-from .compressor import index_part, layout_targ, pool_args
+from .compressor import index_part, layout_targ, part, pool_args
 
 
 def _warp_rows(dev, rows: int) -> tuple[tuple[int], tuple[int]]:
@@ -155,9 +155,8 @@ def compress_prefill(pool, kv, z, ape, norm_weight, index, slot, start_entry, ta
                                                           index.norm_weight)
     return [Launch(KC.COMPRESS.instance(*KC.targs(pool.kind, kv.dtype, False, layout=layout_targ(pool))),
                    *_compress_geometry(pool, n, index is not None), dict(
-        pool_args(pool, tab, pool.errors, eps), kv0=kv, z0=z, kvb0=None, zb0=None, ape0=ape, w0=norm_weight,
-        count0=None, **part1, valid=None, slots=None, positions=None, n_slots=0, slot=slot,
-        start_entry=start_entry, pre=pre))]
+        pool_args(pool, tab, pool.errors, eps), p0=part(pool.head_dim, kv, z, ape=ape, w=norm_weight), p1=part1,
+        valid=None, slots=None, positions=None, n_slots=0, slot=slot, start_entry=start_entry, pre=pre))]
 
 
 def compress_decode(pool, state, norm_weight, index_state, index_weight, valid, slots, positions, tab,
@@ -172,6 +171,7 @@ def compress_decode(pool, state, norm_weight, index_state, index_weight, valid, 
                                                         index_weight, ist.count)
     return [Launch(KC.COMPRESS.instance(*KC.targs(pool.kind, "float32", True, slots.dtype, layout_targ(pool))),
                    *_compress_geometry(pool, B, ist is not None), dict(
-        pool_args(pool, tab, pool.errors, eps), kv0=state.kv_a, z0=state.z_a, kvb0=state.kv_b, zb0=state.z_b,
-        ape0=None, w0=norm_weight, count0=state.count, **part1, valid=valid, slots=slots, positions=positions,
-        n_slots=state.max_requests, slot=0, start_entry=0, pre=0))]
+        pool_args(pool, tab, pool.errors, eps),
+        p0=part(pool.head_dim, state.kv_a, state.z_a, state.kv_b, state.z_b, w=norm_weight, count=state.count),
+        p1=part1, valid=valid, slots=slots, positions=positions, n_slots=state.max_requests, slot=0,
+        start_entry=0, pre=0))]
