@@ -20,7 +20,6 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _args as A
-from .. import _plan
 from .._op import empty, op
 from ..nvfp4 import counters
 from ..reference import gemm as ref
@@ -136,7 +135,7 @@ def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, stream=None):
         write_bf16(ref.grouped(_values(act), _weight_values(w)), out)
         return
     rt = get_runtime(act.device)
-    _plan.run(rt, P.w4a8_grouped(rt, act, w, out), stream)
+    rt.run(P.w4a8_grouped(rt, act, w, out), stream)
 
 
 @op("gemm_moe_linear_w4a8", f"{_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")
@@ -152,8 +151,8 @@ def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, str
     rt = get_runtime(act.device)
     if act.lead[0] and w.n:
         if errors is None:
-            errors = counters.address(rt, counters.GEMM_OFFSETS, stream)
-        _plan.run(rt, P.w4a8_moe(rt, act, w, offsets, out, errors), stream)
+            errors = rt.counter(counters.GEMM_OFFSETS, stream)
+        rt.run(P.w4a8_moe(rt, act, w, offsets, out, errors), stream)
 
 
 # ---- CPU ---------------------------------------------------------------------------------------
