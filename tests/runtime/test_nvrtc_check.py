@@ -154,6 +154,18 @@ def test_parser():
     assert st == {"registers": 255, "smem": 1024, "stack": 16, "spill_stores": 8, "spill_loads": 4}
 
 
+def test_serialized_wgmmas_fail_the_kernel():
+    # ptxas's note (CUDA 12.9 / 13 wording) comes before the kernel's own lines
+    note = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+            "due to non wgmma instructions reading accumulator registers of  a wgmma between start and end of "
+            f"the pipeline stage in the function '{K1}'\n")
+    st = nvrtc_check.parse_ptxas(note + PTXAS_K1_SPILLS)[K1]
+    assert st["serialized"] == 1 and st["registers"] == 255
+    ok, line = nvrtc_check.kernel_line("f.cu", "sm_90", "k1", st, max_spill_bytes=100)
+    assert not ok and line.startswith("FAIL") and line.endswith("wgmmas serialized by ptxas")
+    assert "serialized" not in nvrtc_check.parse_ptxas(PTXAS_K1_SPILLS)[K1]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--arch", "sm_75"], "argument --arch: invalid choice: 'sm_75'"),
     (["--arch", "sm_90", "--arch", "compute_90"], "argument --arch: invalid choice: 'compute_90'"),
