@@ -117,6 +117,41 @@ def _rawkv_weight(torch, codes, scales, gs):
                      torch.cat([q.scales for q in parts]), torch.cat([q.gs for q in parts]))
 
 
+def _w4a8_weight(torch, g, n, k, dev):
+    """A W4A8 form of random bytes for timing (rawkv.gemm.W4a8Weight: packed
+    codes, block shifts from the range where the kernel computes its tables,
+    rows' powers of two 1): the kernel's time does not depend on the values,
+    and the host rule of w4a8_weight on a 384-expert weight would take
+    minutes."""
+    from rawkv.gemm import W4a8Weight
+    from rawkv.reference import gemm_w4a8 as W
+    npad, chunks = W.padded8(n, k)
+    tiles = npad // 16
+    codes = torch.randint(0, 256, (g, tiles, chunks, W.PLANES, 32, W.LANE_BYTES // W.PLANES), dtype=torch.uint8,
+                          device=dev)
+    shifts = torch.randint(W.SHIFT_BIAS - 5, W.SHIFT_BIAS + 6, (g, tiles, chunks, 8, W.SHIFT_BYTES),
+                           dtype=torch.uint8, device=dev)
+    return W4a8Weight(n, k, codes, shifts, torch.ones(g, npad, device=dev), torch.ones(g, device=dev))
+
+
+def _w4a8_fields(run, us_w4a16: float, flops: int) -> dict:
+    """w4a8_us (rawkv's W4A8 GEMM on FP8 block activations), its TFLOP/s and
+    its speedup over the W4A16 row; or why it was not timed."""
+    try:
+        us = run()
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        return {"w4a8_us": f"unavailable: {type(exc).__name__}: {str(exc)[:80]}"}
+    return {"w4a8_us": round(us, 2), "w4a8_TFLOPs": round(flops / us / 1e6, 1),
+            "w4a8_speedup": round(us_w4a16 / us, 2)}
+
+
+def _w4a8_text(row: dict) -> str:
+    us = row.get("w4a8_us")
+    if us is None:
+        return ""
+    return f"; w4a8 {us:.1f} us (x{row['w4a8_speedup']})" if isinstance(us, float) else f"; w4a8 {us}"
+
+
 # ---- the peer ------------------------------------------------------------------
 def _interval(intervals, rows: int):
     """The [lo, hi, config] of humming's heuristic list that its launcher
@@ -407,6 +442,7 @@ def _wo_a(rt, results, peer, quick, reps, copy):
         locks = peer.locks() if peer else None
         wb = torch.randn(g, n, k, device=dev, dtype=torch.bfloat16)
         w8 = wb.to(torch.float8_e4m3fn) if hasattr(torch, "float8_e4m3fn") else None
+        w8s = [_w4a8_weight(torch, g, n, k, dev) for _ in range(sets)] if rt.arch == "sm_90" else None
         for m in ms:
             x = torch.randn(m, g, k, device=dev, dtype=torch.bfloat16)
             out = torch.empty(m, g, n, device=dev, dtype=torch.bfloat16)
@@ -425,6 +461,10 @@ def _wo_a(rt, results, peer, quick, reps, copy):
                                                                    reps=reps), 2)
                 except Exception as exc:  # noqa: BLE001 - reported, not fatal
                     extra["fp8_scaled_mm_us"] = f"unavailable: {type(exc).__name__}"
+            if w8s is not None:
+                xa = rawkv.fp8.quantize_blocks(x)
+                extra.update(_w4a8_fields(lambda: cuda_time_us(
+                    lambda i: rawkv.gemm.grouped_linear(xa, w8s[i % sets], out=out), reps=reps), us, flops))
             ref = rawkv.gemm.grouped_linear(x, ws[0]) if peer else None
             extra.update(_time_peer(peer, lambda: _wo_a_calls(peer, torch, hw, x, n, locks, why), ref, reps, flops))
             row = entry(f"grouped_linear/wo_a-{name}", (m, g, k, n), "nvfp4xbf16", us, nbytes, copy,
@@ -432,8 +472,8 @@ def _wo_a(rt, results, peer, quick, reps, copy):
             results.append(row)
             print(f"[gemm] wo_a {name} M={m}: {us:.1f} us ({extra['frac_of_floor']:.0%} of floor "
                   f"{extra['floor_us']} us, {extra['TFLOPs']} TFLOP/s); einsum {base:.1f} us"
-                  + _peer_text(row), flush=True)
-        ws = wb = w8 = hw = None  # free before the next shape
+                  + _peer_text(row) + _w4a8_text(row), flush=True)
+        ws = wb = w8 = w8s = hw = None  # free before the next shape
         torch.cuda.empty_cache()
 
 
@@ -489,6 +529,7 @@ def _moe(rt, results, peer, quick, reps, copy):
         for name, (n, k) in layers.items():
             ckpt = _checkpoint(torch, experts, n, k, dev)
             w = _rawkv_weight(torch, *ckpt)
+            w8 = _w4a8_weight(torch, experts, n, k, dev) if rt.arch == "sm_90" else None
             hw, why = _peer_build(peer, lambda: peer.weight(*ckpt, experts))
             ckpt = None
             torch.cuda.empty_cache()
@@ -517,6 +558,10 @@ def _moe(rt, results, peer, quick, reps, copy):
                     except Exception as exc:  # noqa: BLE001 - reported, not fatal
                         extra["baseline_error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
                         base = None
+                if w8 is not None:
+                    xa = rawkv.fp8.quantize_blocks(x)
+                    extra.update(_w4a8_fields(lambda: cuda_time_us(
+                        lambda i: rawkv.gemm.moe_linear(xa, w8, offs, out=out), reps=reps), us, flops))
                 ref = rawkv.gemm.moe_linear(x, w, offs) if peer else None
                 extra.update(_time_peer(peer, lambda: _moe_calls(peer, torch, hw, x, n, offs, rows, why), ref,
                                         reps, flops))
@@ -527,8 +572,8 @@ def _moe(rt, results, peer, quick, reps, copy):
                 results.append(row)
                 print(f"[gemm] moe {model} {name} tokens={tokens}: {us:.1f} us ({extra['frac_of_floor']:.0%} of "
                       f"floor {extra['floor_us']} us, {extra['TFLOPs']} TFLOP/s); grouped_mm "
-                      f"{'-' if base is None else f'{base:.1f} us'}" + _peer_text(row), flush=True)
-            w = wb = hw = None
+                      f"{'-' if base is None else f'{base:.1f} us'}" + _peer_text(row) + _w4a8_text(row), flush=True)
+            w = wb = w8 = hw = None
             torch.cuda.empty_cache()
 
 

@@ -75,17 +75,16 @@ def unpack_codes(packed, n: int, k: int):
     return (nib[..., 0::2] | (nib[..., 1::2] << 4)).contiguous()
 
 
-def pack_scales(scales, block: int, pad=None):
+def pack_scales(scales, block: int):
     """scales (G, N, K/block) uint8 -> packed (G, NP/16, C, 32, 2) uint8, padding
-    SCALE_PAD[block] (or `pad`: the W4A8 block shifts, rawkv.gemm.w4a8)."""
+    SCALE_PAD[block]."""
     _unpacked(scales, "scales")
     block = check_block(block)
     g, n = scales.shape[0], scales.shape[1]
     k = block * scales.shape[2]
     npad, chunks = padded_sizes(n, k)
     # one byte per 16-column unit (an MXFP4 block covers two)
-    fill = SCALE_PAD[block] if pad is None else pad
-    units = _padded(scales.repeat_interleave(block // 16, dim=-1), npad, chunks * 4, fill)
+    units = _padded(scales.repeat_interleave(block // 16, dim=-1), npad, chunks * 4, SCALE_PAD[block])
     # (g, r, j, q, c, t) -> (g, r, c, q, t, j)
     v = units.reshape(g, npad // ROWS, 2, 8, chunks, 4).permute(0, 1, 4, 3, 5, 2)
     return v.reshape(g, npad // ROWS, chunks, LANES, 2).contiguous()

@@ -124,16 +124,15 @@ def unpack_codes(packed, n: int, k: int) -> np.ndarray:
     return (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
 
 
-def pack_scales(scales, block: int, pad=None) -> np.ndarray:
+def pack_scales(scales, block: int) -> np.ndarray:
     """scales (G, N, K/block) uint8 -> packed (G, NP/16, C, 32, 2) uint8;
-    padding bytes SCALE_PAD[block] (or `pad`: the W4A8 block shifts of
-    rawkv.reference.gemm_w4a8 pad with ZERO_SHIFT)."""
+    padding bytes SCALE_PAD[block]."""
     scales = _check_ndim(scales, 3, "scales")
     block = check_block(block)
     g, n, k = scales.shape[0], scales.shape[1], block * scales.shape[2]
     npad, chunks = padded_sizes(n, k)
     # one scale per 16-column unit (an MXFP4 block covers two), padded
-    units = np.full((g, npad, chunks * CHUNK // 16), SCALE_PAD[block] if pad is None else pad, np.uint8)
+    units = np.full((g, npad, chunks * CHUNK // 16), SCALE_PAD[block], np.uint8)
     units[:, :n, :k // 16] = np.repeat(scales, block // 16, axis=-1)
     r0, r1, kb, half = _lane_coords(npad // ROWS, chunks, 2)
     return units[:, np.where(half == 0, r0, r1), kb // 16]
