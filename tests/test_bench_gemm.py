@@ -142,12 +142,14 @@ def test_plot_series_groups_rows_by_shape_sorted_by_m(bg):
             _row("grouped_linear/wo_a-flash", [1, 8, 4096, 1024], 11.0, None, 25.0, 6.0, "DeepSeek-V4-Flash"),
             {"op": "gemm/error", "error": "x"},
             _row("moe_linear/down", [16, 384, 8, 3072, 7168], 90.0, 80.0, None, 50.0, "DeepSeek-V4-Pro")]
+    rows[0]["w4a8_us"] = 22.0
+    rows[1]["w4a8_us"] = "unavailable: ValueError: ..."      # reported, not drawn
     s = bg.plot_series(rows)
     assert list(s) == ["wo_a DeepSeek-V4-Flash (G 8, K 4096, N 1024)",
                        "MoE down DeepSeek-V4-Pro (384 experts top-8, K 3072, N 7168)"]
     wo = s["wo_a DeepSeek-V4-Flash (G 8, K 4096, N 1024)"]
-    assert wo == {"x": [1, 64], "rawkv": [11.0, 27.0], "humming": [None, 30.0], "torch BF16": [25.0, 28.0],
-                  "floor": [6.0, 8.0]}
+    assert wo == {"x": [1, 64], "rawkv": [11.0, 27.0], "rawkv W4A8": [None, 22.0], "humming": [None, 30.0],
+                  "torch BF16": [25.0, 28.0], "floor": [6.0, 8.0]}
 
 
 def test_plot_skips_quietly_without_matplotlib(bg, monkeypatch, tmp_path):

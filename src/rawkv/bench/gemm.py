@@ -593,7 +593,8 @@ def run(rt, results, quick=False, peers=False):
 
 
 # ---- plot ----------------------------------------------------------------------
-SERIES = (("rawkv", "us"), ("humming", "peer_us"), ("torch BF16", "baseline_us"), ("floor", "floor_us"))
+SERIES = (("rawkv", "us"), ("rawkv W4A8", "w4a8_us"), ("humming", "peer_us"), ("torch BF16", "baseline_us"),
+          ("floor", "floor_us"))
 
 
 def _panel(row):
@@ -618,7 +619,9 @@ def plot_series(results) -> dict:
         if where is None:
             continue
         title, x = where
-        panels.setdefault(title, []).append((x, [row.get(key) for _, key in SERIES]))
+        # (a series not timed for a row, or reported as unavailable: no point)
+        panels.setdefault(title, []).append((x, [v if isinstance(v, (int, float)) else None
+                                                 for v in (row.get(key) for _, key in SERIES)]))
     out = {}
     for title, points in panels.items():
         points.sort(key=lambda p: p[0])
@@ -644,7 +647,7 @@ def plot(results, path):
     cols = min(4, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
-    style = {"rawkv": "o-", "humming": "s-", "torch BF16": "^-", "floor": "k--"}
+    style = {"rawkv": "o-", "rawkv W4A8": "D-", "humming": "s-", "torch BF16": "^-", "floor": "k--"}
     for ax, (title, s) in zip(axes.flat, panels.items()):
         for label, _ in SERIES:
             pts = [(x, y) for x, y in zip(s["x"], s[label]) if y is not None]
