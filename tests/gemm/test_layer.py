@@ -34,6 +34,31 @@ def test_layer_loads_mxfp4_and_nvfp4_checkpoints(rng):
         layer.load_mxfp4(torch.from_numpy(codes[:, :16]), torch.from_numpy(scales[:, :1]))
 
 
+def test_layer_w4a8_takes_fp8_activations(rng):
+    from rawkv.reference import gemm_w4a8 as W
+    g, n, k = 2, 16, 256
+    codes = rng.integers(0, 256, (g * n, k // 2), dtype=np.uint8)
+    scales = rng.integers(124, 130, (g * n, k // 32), dtype=np.uint8)
+    layer = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=4, device="cpu")
+    layer.load_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales), w4a8=True)
+    assert isinstance(layer.weight, rawkv.gemm.W4a8Weight)
+    xc, xs = rawkv.fp8.quantize_blocks(torch.randn(3, g, k))
+    want = W.grouped(xc.view(torch.uint8).numpy(), xs.numpy(), codes.reshape(g, n, k // 2),
+                     scales.reshape(g, n, k // 32))
+    for x in ((xc, xs), rawkv.fp8.Fp8Activation(xc, xs)):
+        got = layer(x)
+        assert got.shape == (3, g, n) and np.array_equal(_bits(got), ref.round_to_bf16(want))
+    with pytest.raises(ValueError, match="^x: 5 tokens"):
+        layer(rawkv.fp8.quantize_blocks(torch.randn(5, g, k)))
+    # row 0 spans 2^12 (6 x 2^10) down to 2^-18 (0.5 x 2^-17): more than E4M3
+    # holds, refused by name (block 1 of row 0, all of its elements 0.5)
+    bad_codes, bad = codes.copy(), scales.copy()
+    bad_codes[0, 16:32] = 0x11
+    bad[0, :2] = (137, 110)
+    with pytest.raises(ValueError, match=r"^weight: 1 MXFP4 block.*\(g=0, n=0, block=1: byte 110\)"):
+        layer.load_mxfp4(torch.from_numpy(bad_codes), torch.from_numpy(bad), w4a8=True)
+
+
 # ---------------------------------------------------------------------------
 # argument errors
 # ---------------------------------------------------------------------------

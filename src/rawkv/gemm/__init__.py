@@ -5,8 +5,10 @@
     w = rawkv.gemm.Fp4Weight.from_mxfp4(codes, scale)
 
 Modules: weights (Fp4Weight, load-time checks), pack (the packed layout in
-torch; rawkv.reference.gemm defines it), w4a8 (w4a8_weight: the W4A8 form of an MXFP4 weight, no op yet), linear (grouped_linear, moe_linear:
-the kernel launch or, on CPU, the reference), layer (Fp4GroupedLinear).
+torch; rawkv.reference.gemm defines it), w4a8 (w4a8_weight: the W4A8 form of an MXFP4 weight; the W4A8
+GEMM's operators, which grouped_linear / moe_linear call for a W4a8Weight),
+linear (grouped_linear, moe_linear: the kernel launch or, on CPU, the
+reference), layer (Fp4GroupedLinear).
 """
 from __future__ import annotations
 

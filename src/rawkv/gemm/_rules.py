@@ -82,12 +82,18 @@ def moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, ou
     w = weight(codes, scales, gs, fmt, n, k, where)
     A.check_outputs((("out", out), ("errors", errors)), (*parts, ("offsets", offsets)), w.spans)
     act = activation(x, x_sf, x_gs, 2, k, fmt, exp_lo, exp_hi, where, w.device)
-    if w.groups + 1 > K.MAX_SEGMENTS:
-        raise ValueError(f"weight: {w.groups} experts; the ragged kernel takes at most {K.MAX_SEGMENTS - 1}")
-    offsets = A.tensor(offsets, "offsets", _I32, where, shape=(w.groups + 1,), device=act.device)
+    return (where, act, w, *ragged(w.groups, offsets, out, errors, (act.lead[0], n), where, act.device))
+
+
+def ragged(experts, offsets, out, errors, out_shape, where, device) -> tuple:
+    """(offsets, out, errors) of a ragged call (both weight forms): offsets
+    int32 (E+1,), out of `out_shape`, errors None or an int32 counter."""
+    if experts + 1 > K.MAX_SEGMENTS:
+        raise ValueError(f"weight: {experts} experts; the ragged kernel takes at most {K.MAX_SEGMENTS - 1}")
+    offsets = A.tensor(offsets, "offsets", _I32, where, shape=(experts + 1,), device=device)
     if errors is not None:
-        errors = A.counter(errors, where, act.device)
-    return where, act, w, offsets, output(out, (act.lead[0], n), where, act.device), errors
+        errors = A.counter(errors, where, device)
+    return offsets, output(out, out_shape, where, device), errors
 
 
 def _parts(x, x_sf, x_gs) -> tuple:
@@ -285,12 +291,7 @@ def w4a8_moe(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors):
     w = weight8(codes, shifts, row_scale, gs, n, k, where)
     A.check_outputs((("out", out), ("errors", errors)), (*parts, ("offsets", offsets)), w.spans)
     act = activation8(x, x_sf, 2, k, where, w.device)
-    if w.groups + 1 > K.MAX_SEGMENTS:
-        raise ValueError(f"weight: {w.groups} experts; the ragged kernel takes at most {K.MAX_SEGMENTS - 1}")
-    offsets = A.tensor(offsets, "offsets", _I32, where, shape=(w.groups + 1,), device=act.device)
-    if errors is not None:
-        errors = A.counter(errors, where, act.device)
-    return where, act, w, offsets, output(out, (act.lead[0], n), where, act.device), errors
+    return (where, act, w, *ragged(w.groups, offsets, out, errors, (act.lead[0], n), where, act.device))
 
 
 def weight8(codes, shifts, row_scale, gs, n, k, where) -> Weight8:

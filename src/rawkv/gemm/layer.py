@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .._args import is_torch
 from .linear import grouped_linear
+from .w4a8 import W4a8Weight, w4a8_weight
 from .weights import Fp4Weight, checked_device, require_torch
 
 
@@ -30,7 +31,7 @@ class Fp4GroupedLinear:
             raise ValueError(f"in_features: {in_features} is not a multiple of 16 (NVFP4 blocks)")
         self.groups, self.in_features, self.out_features = groups, in_features, out_features
         self.max_tokens = max_tokens
-        self.weight: Fp4Weight | None = None
+        self.weight: Fp4Weight | W4a8Weight | None = None
         self.out = torch.empty((max_tokens, groups, out_features), dtype=torch.bfloat16,
                                device=checked_device(device))
 
@@ -48,9 +49,16 @@ class Fp4GroupedLinear:
         self._set(w.to(self.out.device), "weight")
         return self
 
-    def load_mxfp4(self, weight, scale) -> "Fp4GroupedLinear":
-        """MXFP4 codes and UE8M0 scales as DeepSeek ships FP4 weights."""
-        self._set(Fp4Weight.from_mxfp4(weight, scale, groups=self.groups).to(self.out.device), "weight")
+    def load_mxfp4(self, weight, scale, *, w4a8: bool = False) -> "Fp4GroupedLinear":
+        """MXFP4 codes and UE8M0 scales as DeepSeek ships FP4 weights. With
+        w4a8=True the layer keeps the weight's W4A8 form (rawkv.gemm.w4a8_weight:
+        a ValueError naming the blocks E4M3 cannot hold exactly) and its calls
+        take FP8 block activations, (codes, scales) from
+        rawkv.fp8.quantize_blocks, on the W4A8 GEMM (sm_90; docs/gemm.md)."""
+        w = Fp4Weight.from_mxfp4(weight, scale, groups=self.groups).to(self.out.device)
+        self._set(w, "weight")
+        if w4a8:
+            self.weight = w4a8_weight(w)
         return self
 
     def _set(self, w: Fp4Weight, name: str) -> None:
@@ -63,7 +71,10 @@ class Fp4GroupedLinear:
     def __call__(self, x, *, out=None, stream=None):
         if self.weight is None:
             raise RuntimeError("Fp4GroupedLinear: no weight yet; call set_weight / load_nvfp4 / load_mxfp4")
-        shape = getattr(x.q if hasattr(x, "q") else x, "shape", ())
+        # (x: a tensor, a QuantizedActivation's q, FP8 activations' codes)
+        lead = x.q if hasattr(x, "q") else x.codes if hasattr(x, "codes") else \
+            x[0] if isinstance(x, tuple) and len(x) == 2 else x
+        shape = getattr(lead, "shape", ())
         if out is None and len(shape):      # (no shape: grouped_linear's error naming x)
             tokens = shape[0]
             if tokens > self.max_tokens:

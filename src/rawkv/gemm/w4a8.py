@@ -21,12 +21,11 @@ import numpy as np
 
 from .. import _args as A
 from .._op import empty, op
-from ..nvfp4 import counters
 from ..reference import gemm as ref
 from ..reference import gemm_w4a8 as ref8
 from ..runtime import get_runtime
 from . import _rules as R
-from ._cpu import ragged_bf16, write_bf16
+from ._body import ragged_bf16, run_ragged, write_bf16
 from . import plans as P
 from .weights import Fp4Weight
 
@@ -148,11 +147,7 @@ def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, str
     if where == "cpu":
         ragged_bf16(_values(act), _weight_values(w), offsets, errors, out)
         return
-    rt = get_runtime(act.device)
-    if act.lead[0] and w.n:
-        if errors is None:
-            errors = rt.counter(counters.GEMM_OFFSETS, stream)
-        rt.run(P.w4a8_moe(rt, act, w, offsets, out, errors), stream)
+    run_ragged(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.w4a8_moe(rt, act, w, offsets, out, e))
 
 
 # ---- CPU ---------------------------------------------------------------------------------------

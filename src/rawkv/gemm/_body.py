@@ -1,6 +1,8 @@
-"""The GEMM ops' CPU output: the reference's float64 result rounded once to
-BF16, written into out (a bfloat16 tensor, or a numpy float32 array holding
-the BF16 values)."""
+"""What the GEMM ops' bodies (rawkv.gemm.linear, rawkv.gemm.w4a8) share: the
+CPU output (the reference's float64 result rounded once to BF16, written
+into out: a bfloat16 tensor, or a numpy float32 array holding the BF16
+values), the ragged product's CPU branch with its clamp count, and the
+ragged launch with its error counter."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,3 +27,13 @@ def ragged_bf16(x: np.ndarray, w: np.ndarray, offsets, errors, out) -> None:
     elif bad:
         errors.reshape(-1)[0] += bad         # (contiguous: a view) the kernel's errors[0]
     write_bf16(y, out)
+
+
+def run_ragged(rt, act, w, errors, stream, plan) -> None:
+    """A ragged call's launches on runtime rt (act's device): plan(rt, errors)
+    with errors the caller's counter or, when None, the device's
+    GEMM_OFFSETS counter; nothing for no rows or no features."""
+    if act.lead[0] and w.n:
+        if errors is None:
+            errors = rt.counter(counters.GEMM_OFFSETS, stream)
+        rt.run(plan(rt, errors), stream)
