@@ -1,5 +1,5 @@
-"""Writes rawkv/cu/wgmma_rs.cuh: the wgmma.mma_async wrappers the sm_90a GEMM
-uses (A from registers, B K-major in shared memory through a descriptor,
+"""Writes src/rawkv/cu/wgmma_rs.cuh: the wgmma.mma_async wrappers the sm_90a GEMMs
+use (A from registers, B K-major in shared memory through a descriptor,
 FP32 accumulators), one function per (N, input type), since inline PTX must
 name every accumulator register.
 

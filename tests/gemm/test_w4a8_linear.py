@@ -76,6 +76,48 @@ def test_nan_scale_reaches_the_output(rng):
     assert torch.isnan(got[1]).all() and not torch.isnan(got[[0, 2]]).any()
 
 
+def extreme_weight(g=1, n=24, k=256):
+    """MXFP4 bytes whose W4A8 form has every biased block shift an accepted
+    weight can have at the ends of the range: 0..4 (the exact, subnormal
+    rows of the table: e = -11..-7, only 4s) and 18..20 (e = 7..9, only
+    0.5s and 1s), beside a row maximum of 0.5 x 2^s (block 0)."""
+    codes = np.zeros((g, n, k // 2), np.uint8)
+    scales = np.zeros((g, n, k // 32), np.uint8)
+    e_of_block = [9, -11, -10, -9, -8, -7, 8, 7]                 # block 0 sets r = s0 - 9
+    for row in range(n):
+        s0 = 125 + row % 5
+        for b, e in enumerate(e_of_block[:k // 32]):
+            scales[:, row, b] = s0 - 9 + e                     # byte = 127 + r + e, r = s0 - 127 - 9
+            codes[:, row, 16 * b:16 * b + 16] = 0x11 if e >= 7 else 0x66 if row % 2 else 0xE6
+    return codes, scales
+
+
+def test_extreme_shifts_form_and_cpu(rng):
+    codes, scales = extreme_weight()
+    shifts, _ = W.w4a8_form(codes, scales)
+    assert set(np.unique(shifts)) == {0, 1, 2, 3, 4, 18, 19, 20}
+    w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales))
+    w8 = rawkv.gemm.w4a8_weight(w)
+    xc, xs = fp8_act(rng, (3, 1, 256))
+    got = rawkv.gemm.grouped_linear((xc, xs), w8)
+    assert np.array_equal(bits(got), G.round_to_bf16(W.grouped(xc.numpy(), xs.numpy(), codes, scales)))
+
+
+def test_cpu_refuses_shift_bytes_no_form_has(rng):
+    _, _, _, w8 = mx_weight(rng, 1, 16, 128)
+    bad = w8.shifts.clone()
+    bad[0, 0, 0, 3, 5] = 40
+    with pytest.raises(ValueError, match=r"^weight.shifts: biased block shifts lie in \[0, 20\], got 40"):
+        rawkv.gemm.grouped_linear(fp8_act(rng, (2, 1, 128)), w8._replace(shifts=bad))
+
+
+def test_k_zero_gives_zeros():
+    w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.zeros(1, 16, 0, dtype=u8), torch.zeros(1, 16, 0, dtype=u8))
+    w8 = rawkv.gemm.w4a8_weight(w)
+    out = rawkv.gemm.grouped_linear((buf(3, 1, 0), ones(3, 1, 0)), w8)
+    assert out.shape == (3, 1, 16) and (out == 0).all()
+
+
 # ---------------------------------------------------------------------------
 # argument errors: the same on CPU and CUDA (tests/guards/test_cpu_cuda_agreement.py)
 # ---------------------------------------------------------------------------
@@ -219,6 +261,30 @@ def test_ragged_clamps_count_and_unowned_rows_are_zero(sm90, rng):
     absolute, _ = G.ragged(np.abs(W.activation_values(xc.numpy(), xs.numpy())),
                            np.abs(W.weight_values(codes, scales)), offsets)
     B.assert_within_bound(out, exact, absolute, 128, "clamped")
+
+
+@pytest.mark.gpu
+def test_extreme_shifts_within_the_bound(sm90, rng):
+    # the table rows read from shared memory (subnormal entries) and the
+    # computed rows at the top of the range, on the GPU
+    codes, scales = extreme_weight(2, 40, 256)
+    w8 = rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales),
+                                                                groups=2))
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    xc, xs = fp8_act(rng, (70, 2, 256))
+    exact, absolute = _exact(xc, xs, codes, scales)
+    out = rawkv.gemm.grouped_linear((xc.cuda(), xs.cuda()), w8c)
+    B.assert_within_bound(out, exact, absolute, 256, "extreme shifts")
+
+
+@pytest.mark.gpu
+def test_k_zero_gives_zeros_on_the_gpu(sm90):
+    w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.zeros(1, 16, 0, dtype=u8), torch.zeros(1, 16, 0, dtype=u8))
+    w8 = rawkv.gemm.w4a8_weight(w)
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    out = torch.full((3, 1, 16), float("nan"), dtype=bf, device="cuda")
+    rawkv.gemm.grouped_linear((buf(3, 1, 0).cuda(), ones(3, 1, 0).cuda()), w8c, out=out)
+    assert (out == 0).all()
 
 
 @pytest.mark.gpu

@@ -42,16 +42,18 @@ constexpr int kThreads = 384;
 constexpr int kBM = 128, kTiles = kBM / 16;
 constexpr int kCodeBytes = 1024;        // one row tile, one 128-column chunk (2 planes x 32 lanes x 16 B)
 constexpr int kShiftBytes = 64;         // its shifts (8 row pairs x 8 B)
-constexpr int kTableRows = 32;          // shift rows of the E4M3 table (21 used; the rest zeros)
 // The table's row of shift 0 (magnitudes 0..3, 4..7: 0, 0.5, 1, 1.5; 2, 3,
 // 4, 6 as E4M3 bytes) and the biased shift from which every nonzero entry
 // of a row is a normal number (0.5 x 2^-5 = 2^-6, E4M3's least normal).
 constexpr u32 kTable0Lo = 0x3C383000u, kTable0Hi = 0x4C484440u;
 constexpr u32 kShiftBias = RKV_W4A8_SHIFT_BIAS;
 constexpr u32 kFastShift = kShiftBias - 5;
+// The shift rows read from shared memory (those below kFastShift).
+constexpr int kTableRows = kFastShift;
 
 // The E4M3 byte of E2M1 magnitude i times 2^(e - SHIFT_BIAS), row e of
-// rawkv.reference.gemm_w4a8.SHIFT_TABLE as two little-endian words.
+// rawkv.reference.gemm_w4a8.SHIFT_TABLE as two little-endian words (rows
+// 0 .. kTableRows - 1 are the ones the kernel reads).
 __constant__ u32 c_table[] = {RKV_W4A8_TABLE};
 constexpr int kTableWords = sizeof(c_table) / sizeof(u32);
 
@@ -80,11 +82,15 @@ __device__ __forceinline__ uint2 ld_shared8(u32 addr) {
     return v;
 }
 
-// The E4M3 bytes of magnitudes 0..7 times 2^(e - SHIFT_BIAS) (two words):
-// from kFastShift on, the shift-0 row with the shift added to its exponent
-// fields (every entry but 0 stays a normal E4M3 byte: no borrow, no carry);
-// below it, the exact row (subnormal entries) from the table in shared
-// memory, a load only the lanes that need it make.
+// The E4M3 bytes of magnitudes 0..7 times 2^(e - SHIFT_BIAS) (two words),
+// exact for every magnitude an accepted block (rawkv.gemm.w4a8_weight) can
+// hold at that shift: from kFastShift on, the shift-0 row with the shift
+// added to its exponent fields (no byte borrows or carries; an entry no
+// accepted block reads, e.g. 6 x 2^9, is a wrong finite byte where the
+// reference's table has NaN); below it, the exact row (subnormal entries)
+// from the table in shared memory, a load only the lanes that need it make.
+// A shift byte past the table (only a form not built by w4a8_weight) is
+// read modulo 32.
 __device__ __forceinline__ uint2 block_table(u32 table, u32 e) {
     if (e >= kFastShift) return make_uint2(kTable0Lo + (e - kShiftBias) * 0x08080800u, kTable0Hi + (e - kShiftBias) * 0x08080808u);
     return ld_shared8(table + 8 * e);
@@ -160,7 +166,8 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
     const int live_tiles = min(kTiles, tiles16 - tile0);
     const int rows = t1 - t0;
 
-    for (int i = threadIdx.x; i < 2 * kTableRows; i += kThreads) s_table[i] = i < kTableWords ? c_table[i] : 0u;
+    static_assert(2 * kTableRows <= kTableWords, "the table holds the rows read from shared memory");
+    for (int i = threadIdx.x; i < 2 * kTableRows; i += kThreads) s_table[i] = c_table[i];
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_full + 8 * s, 128);   // each producer thread's copies
@@ -212,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
             for (int j = 0; j < BN / 16; ++j)
                 cp_async16_zfill_if(r0 + 16 * j < rows, bdst + 2048 * j,
                                     bytes ? xsrc + (i64)16 * j * xs_t + 128 * c : xsrc, bytes);
-            cp_async4_if(p < rows && p < BN, smem_u32(s_s + s * kSStage) + sdst, fsrc + c);
+            cp_async4_if(p < rows, smem_u32(s_s + s * kSStage) + sdst, fsrc + c);
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar_full + 8 * s) : "memory");
             if (++s == STAGES) {
                 s = 0;
@@ -298,8 +305,10 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
         wgmma_wait<0>();
         promote(c, part);
     };
-    acquire(0);
-    fragments(0, a0);
+    if (chunks > 0) {                              // (K = 0: no chunk, the outputs are zeros)
+        acquire(0);
+        fragments(0, a0);
+    }
     for (int c = 0; c < chunks; c += 2) {
         chunk(c, a0, a1);
         if (c + 1 < chunks) chunk(c + 1, a1, a0);

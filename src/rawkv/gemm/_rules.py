@@ -300,14 +300,16 @@ def weight8(codes, shifts, row_scale, gs, n, k, where) -> Weight8:
     contiguous on one device; K a multiple of 32 (the MXFP4 block)."""
     if n < 0 or k < 0 or k % ref8.W_BLOCK:
         raise ValueError(f"weight: N = {n}, K = {k}: expected sizes >= 0, K a multiple of {ref8.W_BLOCK}")
-    codes = A.tensor(codes, "weight.codes", _BYTE, where, min_ndim=1)
+    # (16-byte aligned: the kernel copies them 16 bytes at a time)
+    codes = A.tensor(codes, "weight.codes", _BYTE, where, min_ndim=1, align=16)
     g, dev = codes.shape[0], A.device_of(codes)
     npad, chunks = ref8.padded8(n, k)
     tile = (g, npad // ref.ROWS, chunks)
     want = (*tile, ref8.PLANES, 32, ref8.LANE_BYTES // ref8.PLANES)
     if tuple(codes.shape) != want:
         raise ValueError(f"weight.codes: expected shape {want} for N = {n}, K = {k}, got {tuple(codes.shape)}")
-    shifts = A.tensor(shifts, "weight.shifts", _BYTE, where, shape=(*tile, 8, ref8.SHIFT_BYTES), device=dev)
+    shifts = A.tensor(shifts, "weight.shifts", _BYTE, where, shape=(*tile, 8, ref8.SHIFT_BYTES), device=dev,
+                      align=16)
     row_scale = A.tensor(row_scale, "weight.row_scale", _F32, where, shape=(g, npad), device=dev)
     gs = A.tensor(gs, "weight.gs", _F32, where, shape=(g,), device=dev)
     spans = A.detached_spans((("weight.codes", codes), ("weight.shifts", shifts),

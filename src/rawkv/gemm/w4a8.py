@@ -162,6 +162,11 @@ def _weight_values(w) -> np.ndarray:
     global scales), exactly."""
     codes = ref8.unpack_codes8(A.to_numpy(w.codes, "weight.codes"), w.n, w.k)
     shifts = ref8.unpack_shifts8(A.to_numpy(w.shifts, "weight.shifts"), w.n, w.k)
+    if shifts.size and shifts.max() > ref8.SHIFT_MAX + ref8.SHIFT_BIAS:
+        # (a form not built by w4a8_weight; the GPU reads such a byte modulo
+        # 32 without a check: reading the weight back would be a host sync)
+        raise ValueError(f"weight.shifts: biased block shifts lie in [0, {ref8.SHIFT_MAX + ref8.SHIFT_BIAS}], "
+                         f"got {int(shifts.max())}; build the form with rawkv.gemm.w4a8_weight")
     rows = A.to_numpy(w.row_scale, "weight.row_scale")[:, :w.n]
     gs = A.to_numpy(w.gs, "weight.gs").astype(np.float64)
     return ref8.form_values(codes, shifts, rows) * gs[:, None, None]

@@ -8,7 +8,8 @@ as the runtime does: the same options and the file's -D constants, plus
 shared memory, stack frame and spill bytes that ptxas reports, or the
 compiler error with file and line. Exits 1 on any compile error, on a
 registered kernel ptxas reported nothing for, on spills above
---max-spill-bytes, or when there is nothing to check (an unknown --file);
+--max-spill-bytes, on a kernel whose wgmmas ptxas serialized (its C7514
+note), or when there is nothing to check (an unknown --file);
 2 when NVRTC itself is unavailable, and on a bad command line (an --arch not
 in the list below, a negative --max-spill-bytes).
 """
