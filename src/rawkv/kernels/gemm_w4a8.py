@@ -21,8 +21,6 @@ FILE = KernelFile("gemm_w4a8_sm90.cu", targets={"sm_90": "sm_90a"},
                              "RKV_W4A8_SHIFT_BIAS": ref8.SHIFT_BIAS})
 #: (BN, STAGES) by the most tokens per group (or per expert) each serves.
 CONFIGS = {64: (64, 8), "large": (128, 6)}
-#: Further instances probe scripts time against CONFIGS.
-SWEEP = ((96, 8), (112, 7))
 
 
 def dynamic_smem(bn: int, stages: int) -> int:
@@ -36,5 +34,5 @@ def dynamic_smem(bn: int, stages: int) -> int:
 GEMM = FILE.kernel(
     "rkv_gemm_w4a8_sm90",
     (TParam("int", "BN", (64, 96, 112, 128)), TParam("int", "STAGES", (2, 3, 4, 5, 6, 7, 8))),
-    instances=list(dict.fromkeys((*CONFIGS.values(), *SWEEP))),
+    instances=list(dict.fromkeys(CONFIGS.values())),
     dynamic_smem=dynamic_smem)
