@@ -41,23 +41,11 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
     const int rw = warp % RW, ks = warp / RW;
     const int q = lane >> 2, t = lane & 3;
 
+    // (the block owns output features blockIdx.x RW MT 16 .. + RW MT 16: RW warps of MT row tiles)
     int g, t0, t1;
-    if (offsets) {
-        int seg;
-        ragged_slot(offsets, experts, tokens, TT, blockIdx.y, s_off, seg, t0, t1, errors);
-        if (seg < 0) return;
-        if (seg == 0 || seg == experts + 1) {  // unowned rows: zeros
-            if (ks != 0) return;
-            for (int i = 0; i < MT; ++i)
-                zero_rows(out, os_t, n, ((blockIdx.x * RW + rw) * MT + i) * 16, 16, t0, t1, lane, 32);
-            return;
-        }
-        g = seg - 1;
-    } else {
-        g = blockIdx.z;
-        t0 = blockIdx.y * TT;
-        t1 = min(tokens, t0 + TT);
-    }
+    if (!block_tokens(offsets, experts, tokens, TT, s_off, errors, out, os_t, n, blockIdx.x * RW * MT * 16,
+                      RW * MT * 16, g, t0, t1))
+        return;
 
     const int tiles16 = (n + 15) / 16, chunks = (k + 63) / 64;
     const int tile0 = (blockIdx.x * RW + rw) * MT;

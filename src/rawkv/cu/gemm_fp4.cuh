@@ -268,5 +268,32 @@ __device__ void ragged_slot(const int* __restrict__ offsets, int experts, int ro
     t1 = s_res[2];
 }
 
+// The block's group g and its tokens [t0, t1), for every GEMM kernel:
+// batched (offsets null), group blockIdx.z and token tile blockIdx.y of
+// `tile` tokens; ragged, the expert of slot blockIdx.y (ragged_slot). False
+// when the block has nothing to multiply: a slot past every expert's tiles,
+// or one of the rows no expert owns, whose output features row0 .. row0 +
+// rows - 1 the block's threads have then written as zeros. Every thread of
+// the block calls it (ragged_slot synchronizes the block).
+__device__ __forceinline__ bool block_tokens(const int* __restrict__ offsets, int experts, int tokens, int tile,
+                                             int* s_off, int* errors, __nv_bfloat16* __restrict__ out, i64 os_t,
+                                             int n, int row0, int rows, int& g, int& t0, int& t1) {
+    if (!offsets) {
+        g = blockIdx.z;
+        t0 = blockIdx.y * tile;
+        t1 = min(tokens, t0 + tile);
+        return true;
+    }
+    int seg;
+    ragged_slot(offsets, experts, tokens, tile, blockIdx.y, s_off, seg, t0, t1, errors);
+    if (seg < 0) return false;
+    if (seg == 0 || seg == experts + 1) {
+        zero_rows(out, os_t, n, row0, rows, t0, t1, threadIdx.x, blockDim.x);
+        return false;
+    }
+    g = seg - 1;
+    return true;
+}
+
 
 }  // namespace rkv

@@ -130,20 +130,8 @@ __device__ __forceinline__ void gemm_sm90(
     const int row_block = blockIdx.x / KSPLIT;
     const int split = blockIdx.x % KSPLIT;     // the block's rank in its cluster
     int g, t0, t1;
-    if (offsets) {
-        int seg;
-        ragged_slot(offsets, experts, tokens, BN, blockIdx.y, s_off, seg, t0, t1, errors);
-        if (seg < 0) return;
-        if (seg == 0 || seg == experts + 1) {  // unowned rows: zeros
-            zero_rows(out, os_t, n, row_block * kBM, kBM, t0, t1, threadIdx.x, kThreads);
-            return;
-        }
-        g = seg - 1;
-    } else {
-        g = blockIdx.z;
-        t0 = blockIdx.y * BN;
-        t1 = min(tokens, t0 + BN);
-    }
+    if (!block_tokens(offsets, experts, tokens, BN, s_off, errors, out, os_t, n, row_block * kBM, kBM, g, t0, t1))
+        return;
 
     const int tiles16 = (n + 15) / 16, chunks = (k + 63) / 64;
     // The block's run of chunks: all of them, or its KSPLIT-th.

@@ -147,20 +147,8 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
     const u32 bar_empty = bar_full + 8 * STAGES;
 
     int g, t0, t1;
-    if (offsets) {
-        int seg;
-        ragged_slot(offsets, experts, tokens, BN, blockIdx.y, s_off, seg, t0, t1, errors);
-        if (seg < 0) return;
-        if (seg == 0 || seg == experts + 1) {  // unowned rows: zeros
-            zero_rows(out, os_t, n, blockIdx.x * kBM, kBM, t0, t1, threadIdx.x, kThreads);
-            return;
-        }
-        g = seg - 1;
-    } else {
-        g = blockIdx.z;
-        t0 = blockIdx.y * BN;
-        t1 = min(tokens, t0 + BN);
-    }
+    if (!block_tokens(offsets, experts, tokens, BN, s_off, errors, out, os_t, n, blockIdx.x * kBM, kBM, g, t0, t1))
+        return;
     const int tiles16 = (n + 15) / 16, chunks = (k + 127) / 128;
     const int tile0 = blockIdx.x * kTiles;
     const int live_tiles = min(kTiles, tiles16 - tile0);
