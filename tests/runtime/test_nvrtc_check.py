@@ -1,5 +1,7 @@
 """The compile-check tool: all kernels, all archs, resource report, failures."""
 import io
+import os
+import random
 
 import pytest
 
@@ -55,10 +57,14 @@ def test_files_constants_reach_the_compiler(tmp_path, monkeypatch, declare):
     """A kernel file's constants are -D options of its compile, as in the
     runtime: the source fails to compile without them."""
     _needs_nvrtc()
+    # A value of this run in the code: a program NVRTC compiled before (an
+    # earlier run's, kept in the CUDA compute cache) would come back with no
+    # ptxas report, whatever check() asks of the cache.
+    nonce = random.getrandbits(31)
     (tmp_path / "consts.cu").write_text(
         "#ifndef RKV_TEST_N\n#error RKV_TEST_N is not defined\n#endif\n"
         "static_assert(RKV_TEST_N == 24, \"RKV_TEST_N\");\n"
-        'extern "C" __global__ void k(int* p) { p[0] = RKV_TEST_N; }\n')
+        f'extern "C" __global__ void k(int* p) {{ p[0] = RKV_TEST_N; p[1] = {nonce}; }}\n')
     monkeypatch.setattr(_nvrtc, "CU_DIR", tmp_path)
     declare("consts.cu", ["k"], {"RKV_TEST_N": 24})
     assert runtime.kernel_options("consts.cu") == ("-DRKV_TEST_N=24",)
@@ -106,6 +112,7 @@ def fake_compiler(tmp_path, monkeypatch, declare):
 
     def compile_cu(source, filename, arch, names, extra_options=(), verbose_ptxas=False):
         logs["calls"].append((filename, arch, tuple(names), tuple(extra_options), verbose_ptxas))
+        logs.setdefault("cache_disabled", []).append(os.environ.get("CUDA_CACHE_DISABLE"))
         return _nvrtc.CompileResult(b"\x7fELF", {"k1": K1, "k2": "_Z2k2v"}, logs["log"], arch)
     monkeypatch.setattr(_nvrtc, "compile_cu", compile_cu)
     return logs
@@ -118,6 +125,21 @@ def test_compiles_with_the_runtimes_names_and_options(fake_compiler):
         ("fake.cu", arch, runtime.registered_kernels()["fake.cu"], runtime.kernel_options("fake.cu"), True)
         for arch in ("sm_80", "sm_90")]
     assert runtime.kernel_options("fake.cu") == ("-DFAKE_N=7",)
+
+
+@pytest.mark.parametrize("before", [None, "0"])
+def test_compiles_past_the_cuda_compute_cache_and_restores_it(fake_compiler, monkeypatch, before):
+    """A program served from NVRTC's cache (12.9+) has no ptxas report: every
+    compile of the check runs with CUDA_CACHE_DISABLE=1, and the variable is
+    as it was afterwards."""
+    if before is None:
+        monkeypatch.delenv("CUDA_CACHE_DISABLE", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_CACHE_DISABLE", before)
+    fake_compiler["log"] = PTXAS_K2_CLEAN
+    nvrtc_check.check(("sm_80", "sm_90"), 0, files=["fake.cu"], out=io.StringIO())
+    assert fake_compiler["cache_disabled"] == ["1", "1"]
+    assert os.environ.get("CUDA_CACHE_DISABLE") == before
 
 
 def test_spill_threshold_decides_the_exit_code(fake_compiler):

@@ -12,10 +12,16 @@ registered kernel ptxas reported nothing for, on spills above
 note), or when there is nothing to check (an unknown --file);
 2 when NVRTC itself is unavailable, and on a bad command line (an --arch not
 in the list below, a negative --max-spill-bytes).
+
+NVRTC 12.9 and later keep compiled programs in the CUDA compute cache, and a
+program served from it runs no ptxas, so its log has no report: the check
+compiles with CUDA_CACHE_DISABLE=1 in its environment (set for the whole
+check: the variable is NVRTC's and the process's, not per program).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -72,7 +78,8 @@ def kernel_line(filename: str, arch: str, name: str, st, max_spill_bytes: int) -
     None when ptxas reported nothing for it (a failure: nothing was checked)."""
     where = f"{filename} [{arch}] {name}"
     if st is None:
-        return False, f"FAIL {where}: no ptxas report for this kernel (was it compiled?)"
+        return False, (f"FAIL {where}: no ptxas report for this kernel (was it compiled? served "
+                       "from the CUDA compute cache? CUDA_CACHE_DISABLE=1)")
     spills = st["spill_stores"] + st["spill_loads"]
     serial = st.get("serialized", 0)
     ok = spills <= max_spill_bytes and not serial
@@ -116,6 +123,21 @@ def check(archs, max_spill_bytes: int, files=None, jobs: int = 2, out=None) -> i
         except CompileError as exc:
             return filename, arch, None, str(exc)
 
+    cache_was = os.environ.get("CUDA_CACHE_DISABLE")
+    os.environ["CUDA_CACHE_DISABLE"] = "1"      # every program through ptxas, so each has its report
+    try:
+        return _check_all(one, registry, archs, max_spill_bytes, jobs, out)
+    finally:
+        if cache_was is None:
+            os.environ.pop("CUDA_CACHE_DISABLE", None)
+        else:
+            os.environ["CUDA_CACHE_DISABLE"] = cache_was
+
+
+def _check_all(one, registry, archs, max_spill_bytes: int, jobs: int, out) -> int:
+    """Compile every (file, arch) with `one` and print each kernel's line;
+    1 if anything failed, else 0."""
+    from ..runtime import compile_arch
     # A file of one architecture's own instructions is checked where it is built.
     jobs_list = [(f, a) for f in registry for a in archs if compile_arch(f, a) is not None]
     failures = 0
