@@ -125,3 +125,43 @@ class Launcher:
             err = self._raw(fn.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr, params, 0)
         if err:
             raise LaunchError(f"cuLaunchKernel failed: error {err}")
+
+
+def bound_launch(rt, fn, grid, block, st, shared_mem: int, what):
+    """A launch of `fn` with its geometry fixed, as a function of the
+    kernel's parameter values alone (positional, pointers as int
+    addresses): `go(*values)` is rt.launch(fn, grid, block, st, values,
+    None, shared_mem, what), with the lookups done once. What it binds:
+    the runtime's launcher, its device, the kernel's address. It launches
+    straight through the driver while the runtime's device is current and
+    its launch call is the plain launcher's; otherwise (another device
+    current, a recording or a test's spy on rt._launch_call) it takes
+    rt.launch. A struct parameter (a WideStruct) is not taken."""
+    if isinstance(st, WideStruct):
+        raise TypeError(f"{getattr(what, 'expr', 'kernel')}: a bound launch takes no struct parameter")
+    plain = getattr(rt, "_plain_launch_call", None)
+    if plain is None:               # a runtime without rawkv's launcher (a test's): its own launch
+        return lambda *values: rt.launch(fn, grid, block, st, values, None, shared_mem, what)
+    launcher = rt._launcher
+    tls, new_slots, raw = launcher._tls, launcher._new_slots, launcher._raw
+    get_device, device, stream_ptr = rt._get_device, rt.device_index, rt._current_stream_ptr
+    pack, fptr = st.pack_into, fn.ptr
+    (gx, gy, gz), (bx, by, bz) = dim3(grid), dim3(block)
+
+    def go(*values):
+        if get_device() != device or rt._launch_call is not plain:
+            rt.launch(fn, grid, block, st, values, None, shared_mem, what)
+            return
+        try:
+            slots = tls.slots
+        except AttributeError:
+            slots = new_slots()
+        try:
+            pack(slots[0], 0, *values)
+        except struct.error as exc:
+            raise TypeError(describe_bad_argument(what, values, exc)) from None
+        err = raw(fptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr(), slots[1], 0)
+        if err:
+            raise LaunchError(f"cuLaunchKernel failed: error {err}")
+    go.fn = fn          # holds the module: its address stays valid while go lives
+    return go

@@ -89,32 +89,41 @@ def _grid(rt, n) -> tuple:
     return g
 
 
-# (device, x dtype, out dtype) -> (Runtime, {vector?: Instance}, the device's
-# grids): filled by the checked path, read by the fast path of a decode step.
+# (x's device, out's device, x dtype, out dtype, n, both 16-byte aligned)
+# -> the bound launch (Instance.bind) of that encode / decode: filled by the
+# checked path when it launches on torch's current stream, read by the fast
+# path of a decode step's repeated calls; emptied when it grows large.
 _ENCODE_FAST: dict = {}
+_DECODE_FAST: dict = {}
+
+
+def _fast_key(a, out, n, ap, op_) -> tuple:
+    return a.get_device(), out.get_device(), a.dtype, out.dtype, n, (ap | op_) & 15 == 0
+
+
+def _remember(cache: dict, key: tuple, inst, rt, n) -> None:
+    if len(cache) > 4096:
+        cache.clear()
+    cache[key] = inst.bind(rt, _grid(rt, n), (_BLOCK,))
 
 
 @op("e4m3_encode", "Tensor x, Tensor(a!) out")
 def _encode(x, out, stream=None):
     """rawkv::e4m3_encode: the codes of x into out."""
-    # Fast path (CUDA tensors, a combination the checked path has accepted
-    # before): the same checks, inlined; whatever fails them takes the
-    # checked path, which raises the error naming the argument.
-    try:
-        ent = _ENCODE_FAST.get((x.get_device(), x.dtype, out.dtype)) if x.is_cuda is out.is_cuda is True else None
-    except AttributeError:
-        ent = None
-    if ent is not None and out.shape == x.shape and x.is_contiguous() and out.is_contiguous() \
-            and out.get_device() == ent[0].device_index:
-        n = x.numel()
-        xp, op_ = x.data_ptr(), out.data_ptr()
-        if not n:
-            return
-        if op_ + n <= xp or xp + n * x.element_size() <= op_:      # apart (else: the checked path refuses)
-            rt = ent[0]
-            ent[1][(xp | op_) & 15 == 0].launch(rt, ent[2].get(n) or _grid(rt, n), (_BLOCK,),
-                                                stream=stream, x=xp, out=op_, n=n)
-            return
+    # Fast path (CUDA tensors on torch's stream, a combination the checked
+    # path has launched before): the same checks, inlined; whatever fails
+    # them takes the checked path, which raises the error naming the argument.
+    if stream is None:
+        try:
+            if x.is_cuda is out.is_cuda is True and out.shape == x.shape and x.is_contiguous() \
+                    and out.is_contiguous():
+                xp, op_, n = x.data_ptr(), out.data_ptr(), x.numel()
+                go = _ENCODE_FAST.get(_fast_key(x, out, n, xp, op_))
+                if go is not None and (op_ + n <= xp or xp + n * x.element_size() <= op_):    # apart
+                    go(xp, op_, n)
+                    return
+        except AttributeError:
+            pass
     where, x, out = _encode_args(x, out)
     if where == "cpu":
         A.from_numpy(ref.e4m3_encode(A.to_numpy(x, "x")), x, torch_dtype="float8_e4m3fn", out=out)
@@ -122,10 +131,10 @@ def _encode(x, out, stream=None):
     n = x.numel()
     if n:
         rt = get_runtime(x.get_device())
-        K.ENCODE.launch(rt, _grid(rt, n), (_BLOCK,), x.dtype, A.aligned16(x, out), stream=stream,
-                        x=x, out=out, n=n)
-        _ENCODE_FAST.setdefault((rt.device_index, x.dtype, out.dtype), (
-            rt, {v: K.ENCODE.instance(x.dtype, v) for v in (False, True)}, _GRIDS[rt.device_index]))
+        inst = K.ENCODE.instance(x.dtype, A.aligned16(x, out))
+        inst.launch(rt, _grid(rt, n), (_BLOCK,), stream=stream, x=x, out=out, n=n)
+        if stream is None:
+            _remember(_ENCODE_FAST, _fast_key(x, out, n, x.data_ptr(), out.data_ptr()), inst, rt, n)
 
 
 @op("e4m3_decode", "Tensor codes, Tensor(a!) out")
@@ -133,6 +142,19 @@ def _decode(codes, out, stream=None, dtype=None):
     """rawkv::e4m3_decode: the values of codes into out, in out's dtype
     (`dtype`, the public op's, when out is a numpy float32 array holding
     bfloat16 values)."""
+    # Fast path: as the encode's (out is float32, float16 or bfloat16 once
+    # the checked path has launched the combination).
+    if stream is None:
+        try:
+            if codes.is_cuda is out.is_cuda is True and out.shape == codes.shape and codes.is_contiguous() \
+                    and out.is_contiguous():
+                cp, op_, n = codes.data_ptr(), out.data_ptr(), codes.numel()
+                go = _DECODE_FAST.get(_fast_key(codes, out, n, cp, op_))
+                if go is not None and (op_ + n * out.element_size() <= cp or cp + n <= op_):  # apart
+                    go(cp, op_, n)
+                    return
+        except AttributeError:
+            pass
     where, codes, out, name = _decode_args(codes, out, dtype)
     if where == "cpu":
         A.from_numpy(ref.round_to_dtype(ref.e4m3_decode(A.to_numpy(codes, "codes")), name), codes,
@@ -141,8 +163,10 @@ def _decode(codes, out, stream=None, dtype=None):
     n = codes.numel()
     if n:
         rt = get_runtime(codes.get_device())
-        K.DECODE.launch(rt, _grid(rt, n), (_BLOCK,), out.dtype, A.aligned16(codes, out), stream=stream,
-                        codes=codes, out=out, n=n)
+        inst = K.DECODE.instance(out.dtype, A.aligned16(codes, out))
+        inst.launch(rt, _grid(rt, n), (_BLOCK,), stream=stream, codes=codes, out=out, n=n)
+        if stream is None:
+            _remember(_DECODE_FAST, _fast_key(codes, out, n, codes.data_ptr(), out.data_ptr()), inst, rt, n)
 
 
 # ---- FP8 block activations ----------------------------------------------------------------------

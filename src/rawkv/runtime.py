@@ -257,7 +257,7 @@ class Runtime:
         self._maybe_exchange_device = getattr(torch.cuda, "_maybe_exchange_device", None) or (
             lambda d: (self._get_device(), set_device(d))[0])
         self._launcher = _launch.Launcher()
-        self._launch_call = self._launcher.__call__   # bound method: cheaper than calling the instance
+        self._launch_call = self._plain_launch_call = self._launcher.__call__   # bound method: cheaper than calling the instance
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:
             self._current_stream_ptr = functools.partial(raw, self.device_index)  # C-level call

@@ -266,6 +266,47 @@ def test_gpu_launch_geometry_is_the_runtimes(cuda, monkeypatch):
         assert launches[-2:] == [((grid,), (block,))] * 2, n
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+def test_gpu_fast_path_writes_the_references_bytes_and_is_captured(cuda, offset):
+    """The checked path remembers a combination (fp8._ENCODE_FAST /
+    _DECODE_FAST); later calls with other tensors of it take the bound
+    launch: the reference's bytes, at new addresses each call, aligned or
+    not (offset 1: x starts 4 bytes off a 16-byte boundary), and recorded
+    into a CUDA graph that replays with new data."""
+    n = 4096 + 16
+
+    def tensors():
+        x = torch.randn(n + offset, device="cuda")[offset:] * 300
+        return x, torch.empty(n + offset, dtype=torch.uint8, device="cuda")[offset:], \
+            torch.empty(n, dtype=torch.bfloat16, device="cuda")
+
+    def check(x, codes, y):
+        want = ref.e4m3_encode(x.cpu().numpy())
+        assert np.array_equal(codes.cpu().numpy(), want)
+        assert np.array_equal(y.float().cpu().numpy(), RF.round_to_dtype(ref.e4m3_decode(want), "bfloat16"))
+
+    def both(x, codes, y):
+        rawkv.fp8.e4m3_encode(x, out=codes)
+        rawkv.fp8.e4m3_decode(codes, out=y)
+    both(*tensors())
+    assert any(k[4] == n and k[5] == (offset == 0) for k in rawkv.fp8._ENCODE_FAST)
+    assert any(k[4] == n for k in rawkv.fp8._DECODE_FAST)
+    for _ in range(2):
+        t = tensors()
+        both(*t)
+        check(*t)
+    x, codes, y = tensors()
+    both(x, codes, y)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        both(x, codes, y)
+    x.copy_(torch.randn(n, device="cuda") * 3)
+    g.replay()
+    torch.cuda.synchronize()
+    check(x, codes, y)
+
+
 # ---- GPU: bit for bit against the reference ---------------------------------------------------------
 ALL_FP16 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 

@@ -107,7 +107,8 @@ def test_cpu_and_cuda_accept_and_refuse_alike(monkeypatch, name, case, build):
     fn, args, kw = build()
     cpu = _outcome(lambda: fn(*args, **kw))
     install(monkeypatch, (fp8, encode, activation, decode, scales, rms, swiglu, moe, linear, w4a8, *KV_MODULES))
-    monkeypatch.setattr(fp8, "_ENCODE_FAST", {})         # a combination the real runtime has seen
+    monkeypatch.setattr(fp8, "_ENCODE_FAST", {})         # combinations the real runtime has seen
+    monkeypatch.setattr(fp8, "_DECODE_FAST", {})
     cuda = _outcome(lambda: fn(*map(_as_cuda, args), **{k: _as_cuda(v) for k, v in kw.items()}))
     assert cpu == cuda
     assert (cpu == "accepted") == case.startswith("ok"), cpu

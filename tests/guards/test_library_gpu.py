@@ -41,6 +41,7 @@ def test_operator_runs_on_its_tensors_device(cuda, monkeypatch):
     real = rawkv.fp8.get_runtime
     monkeypatch.setattr(rawkv.fp8, "get_runtime", lambda d=None: asked.append(d) or real(d))
     monkeypatch.setattr(rawkv.fp8, "_ENCODE_FAST", {})     # the checked path asks for a runtime
+    monkeypatch.setattr(rawkv.fp8, "_DECODE_FAST", {})
     x = torch.randn(1000, device="cuda:0")
     out = torch.empty(1000, dtype=torch.uint8, device="cuda:0")
     torch.ops.rawkv.e4m3_encode(torch.randn(1000, device="cuda:0").add_(1), out)

@@ -61,6 +61,62 @@ def test_launcher_names_an_argument_its_c_type_cannot_take():
         kernels._decl._FILES.pop("test_launch_names.cu")
 
 
+class _BoundRuntime:
+    """What bound_launch reads of a Runtime: its launcher, the plain launch
+    call, its device and torch's current stream; rt.launch records."""
+    device_index = 0
+
+    def __init__(self):
+        self._launcher = _Recorder()
+        self._launch_call = self._plain_launch_call = self._launcher.__call__
+        self.current, self.stream, self.fallbacks = 0, 55, []
+        self._get_device = lambda: self.current
+        self._current_stream_ptr = lambda: self.stream
+
+    def launch(self, fn, grid, block, st, args, stream=None, shared_mem=0, what=None):
+        self.fallbacks.append((grid, block, args, stream, shared_mem, what))
+
+
+def test_bound_launch_goes_straight_to_the_driver_with_fixed_geometry():
+    rt, fn, st = _BoundRuntime(), _Fn(), struct.Struct("<qqq")
+    go = _launch.bound_launch(rt, fn, (6,), (256,), st, 32, "what")
+    go(1 << 40, 3, 4096)
+    rt.stream = 56                     # torch's current stream is read at each call
+    go(7, 8, 9)
+    (geo0, v0), (geo1, v1) = rt._launcher.calls
+    assert geo0 == (0x1234, 6, 1, 1, 256, 1, 1, 32, 55, 0) and v0[:3] == [1 << 40, 3, 4096]
+    assert geo1[8] == 56 and v1[:3] == [7, 8, 9] and not rt.fallbacks
+
+
+def test_bound_launch_takes_rt_launch_for_another_device_or_a_spy():
+    """Another device current, or rt._launch_call replaced (a recording, a
+    test's spy): the launch goes through rt.launch with the same values."""
+    rt, st = _BoundRuntime(), struct.Struct("<qq")
+    go = _launch.bound_launch(rt, _Fn(), (2, 3), 64, st, 0, "what")
+    rt.current = 1
+    go(1, 2)
+    rt.current = 0
+    rt._launch_call = lambda *a: None
+    go(3, 4)
+    assert not rt._launcher.calls
+    assert rt.fallbacks == [((2, 3), 64, (1, 2), None, 0, "what"), ((2, 3), 64, (3, 4), None, 0, "what")]
+
+
+def test_bound_launch_names_an_argument_and_refuses_struct_parameters():
+    f = kernels.KernelFile("test_bound_names.cu", source="__global__ void k(const float* p, long long n) {}")
+    try:
+        inst = f.kernel("k").instance()
+        rt = _BoundRuntime()
+        go = _launch.bound_launch(rt, _Fn(), (1,), (32,), inst.struct, 0, inst)
+        with pytest.raises(TypeError, match=r"k: argument n \(long long\) cannot take 1.5"):
+            go(0, 1.5)
+        assert not rt._launcher.calls
+        with pytest.raises(TypeError, match="struct parameter"):
+            _launch.bound_launch(rt, _Fn(), (1,), (32,), _launch.WideStruct("<qq", (0, 1)), 0, inst)
+    finally:
+        kernels._decl._FILES.pop("test_bound_names.cu")
+
+
 def test_memset_and_launch_make_their_device_current():
     """Runtime.memset and Runtime.launch both run with the runtime's device
     current, on the stream given, and give the caller's device back the way

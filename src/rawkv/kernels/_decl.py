@@ -295,6 +295,15 @@ class Instance:
     def __repr__(self):
         return f"<kernel instance {self.file}:{self.expr}>"
 
+    def bind(self, rt, grid, block, shared_mem: int = 0):
+        """This instance's launch on runtime `rt` with its geometry fixed,
+        as a function of the parameters' values alone, positional, in the
+        `.cu` order, pointers as int addresses (rawkv._launch.bound_launch):
+        for an op's fast path, which calls it with values it has checked.
+        The kernel is loaded now."""
+        fn = rt._functions.get(self.key) or rt.function(self.file, self.expr)
+        return _launch.bound_launch(rt, fn, grid, block, self.struct, shared_mem, self)
+
 
 class Kernel:
     """A `__global__` function of a KernelFile (see the module docstring).
