@@ -89,16 +89,16 @@ def _grid(rt, n) -> tuple:
     return g
 
 
-# (x's device, out's device, x dtype, out dtype, n, both 16-byte aligned)
-# -> the bound launch (Instance.bind) of that encode / decode: filled by the
+# (x's device, out's device, x dtype, out dtype, n, both 16-byte aligned,
+# the decode's `dtype` argument) -> the bound launch (Instance.bind) of that encode / decode: filled by the
 # checked path when it launches on torch's current stream, read by the fast
 # path of a decode step's repeated calls; emptied when it grows large.
 _ENCODE_FAST: dict = {}
 _DECODE_FAST: dict = {}
 
 
-def _fast_key(a, out, n, ap, op_) -> tuple:
-    return a.get_device(), out.get_device(), a.dtype, out.dtype, n, (ap | op_) & 15 == 0
+def _fast_key(a, out, n, ap, op_, dtype=None) -> tuple:
+    return a.get_device(), out.get_device(), a.dtype, out.dtype, n, (ap | op_) & 15 == 0, dtype
 
 
 def _remember(cache: dict, key: tuple, inst, rt, n) -> None:
@@ -142,14 +142,14 @@ def _decode(codes, out, stream=None, dtype=None):
     """rawkv::e4m3_decode: the values of codes into out, in out's dtype
     (`dtype`, the public op's, when out is a numpy float32 array holding
     bfloat16 values)."""
-    # Fast path: as the encode's (out is float32, float16 or bfloat16 once
-    # the checked path has launched the combination).
+    # Fast path: as the encode's; `dtype` is part of the combination (the
+    # checked path refuses one out's dtype contradicts).
     if stream is None:
         try:
             if codes.is_cuda is out.is_cuda is True and out.shape == codes.shape and codes.is_contiguous() \
                     and out.is_contiguous():
                 cp, op_, n = codes.data_ptr(), out.data_ptr(), codes.numel()
-                go = _DECODE_FAST.get(_fast_key(codes, out, n, cp, op_))
+                go = _DECODE_FAST.get(_fast_key(codes, out, n, cp, op_, dtype))
                 if go is not None and (op_ + n * out.element_size() <= cp or cp + n <= op_):  # apart
                     go(cp, op_, n)
                     return
@@ -166,7 +166,7 @@ def _decode(codes, out, stream=None, dtype=None):
         inst = K.DECODE.instance(out.dtype, A.aligned16(codes, out))
         inst.launch(rt, _grid(rt, n), (_BLOCK,), stream=stream, codes=codes, out=out, n=n)
         if stream is None:
-            _remember(_DECODE_FAST, _fast_key(codes, out, n, codes.data_ptr(), out.data_ptr()), inst, rt, n)
+            _remember(_DECODE_FAST, _fast_key(codes, out, n, codes.data_ptr(), out.data_ptr(), dtype), inst, rt, n)
 
 
 # ---- FP8 block activations ----------------------------------------------------------------------
