@@ -40,16 +40,22 @@ CONFIGS = {
 # shared memory, more blocks instead), four warps per block. From sweeps on
 # an H200 (docs/gemm.md, "Tuning"): at 64 tokens over 256 experts the
 # gate_up and down GEMMs take 22% and 37% less time than with CONFIGS[8].
+# The 8-token tile's ring is 2 stages of 4 chunks (was 4 of 2: the same
+# bytes, fewer waits; on an H100, 2026-11-26: 2-5% less time on Flash
+# gate_up / down at 16 and 64 tokens and Pro down at 16, the same bits).
 RAGGED_CONFIGS = {
-    8: (2, 1, 1, 4, 2, 4),
+    8: (2, 1, 1, 4, 4, 2),
     16: (2, 2, 1, 4, 1, 4),
     32: (2, 4, 1, 4, 1, 4),
 }
 # Ragged calls whose grid is too small for RAGGED_CONFIGS (a token or two per
 # expert, a few experts: rawkv.gemm.plans): two warps split K, four along the
 # rows. On an H100 at 1 token against CONFIGS[8]: Flash gate_up 27.2 / 30.1
-# us, down 16.3 / 21.7, Pro down 45.4 / 56.5, Pro gate_up 85.6 / 82.2.
-RAGGED_SMALL_CONFIG = (1, 1, 2, 4, 2, 3)
+# us, down 16.3 / 21.7, Pro down 45.4 / 56.5, Pro gate_up 85.6 / 82.2. Its
+# ring is 2 stages of 4 chunks (was 3 of 2; H100, 2026-11-26, 1 token: Pro
+# gate_up 76.1 against 85.4 us, Flash gate_up and Pro down 3% less, Flash
+# down the same; the same bits).
+RAGGED_SMALL_CONFIG = (1, 1, 2, 4, 4, 2)
 
 GEMM = FILE.kernel(
     "rkv_gemm_fp4",
