@@ -87,6 +87,35 @@ def test_a_weights_tensors_are_checked_again_when_they_change(rng):
         rawkv.gemm.grouped_linear(x, w)
 
 
+def test_a_w4a8_weights_tensors_are_checked_again_when_they_change():
+    # the same memo for the W4A8 form (rawkv.gemm._rules.weight8)
+    g, n, k = 2, 24, 160
+    w8 = rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(
+        torch.full((g, n, k // 2), 0x25, dtype=torch.uint8), torch.full((g, n, k // 32), 127, dtype=torch.uint8),
+        groups=g))
+    x = (torch.zeros(3, g, k, dtype=torch.uint8), torch.ones(3, g, 2))
+    first = rawkv.gemm.grouped_linear(x, w8)
+    from rawkv.gemm import _rules
+    assert _rules._CHECKED[id(w8.codes)][1] == ("w4a8", n, k)
+    assert torch.equal(rawkv.gemm.grouped_linear(x, w8), first)          # remembered: the same result
+    with pytest.raises(TypeError, match=r"^weight.row_scale: dtype float64"):
+        rawkv.gemm.grouped_linear(x, w8._replace(row_scale=w8.row_scale.double()))
+    w8.shifts.set_(w8.shifts.clone()[..., :1])            # the same object, other memory and shape
+    with pytest.raises(ValueError, match=r"^weight.shifts: expected shape"):
+        rawkv.gemm.grouped_linear(x, w8)
+
+
+def test_the_weight_memo_keeps_no_tensor_alive(rng):
+    import gc
+    import weakref
+    w = _weight(rng, 2, 16, 64)
+    rawkv.gemm.grouped_linear(torch.randn(3, 2, 64).bfloat16(), w)
+    alive = [weakref.ref(t) for t in (w.codes, w.scales, w.gs)]
+    del w
+    gc.collect()
+    assert [r() for r in alive] == [None, None, None]
+
+
 # ---------------------------------------------------------------------------
 # operator
 # ---------------------------------------------------------------------------

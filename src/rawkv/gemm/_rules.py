@@ -105,14 +105,35 @@ def _parts(x, x_sf, x_gs) -> tuple:
 
 
 # ---- the weight ------------------------------------------------------------------------------
-# Weights whose tensors passed the checks, by id(codes): (weak references to
-# codes, scales and gs, their data pointers, (fmt, n, k), G, device, their
-# detached spans). A weight's packed tensors are fixed once it is loaded and
-# an op sees the same ones on every step (the public ops from an Fp4Weight,
-# an engine's graph through the operator): a call with the same live tensors
-# at the same addresses and the same sizes skips their checks.
+# Weights whose tensors passed the checks, by id of their first tensor:
+# (weak references to the tensors, what else was checked (the form and
+# sizes), their data pointers, (G, device, detached spans)): nothing that
+# keeps a tensor alive. A weight's
+# packed tensors are fixed once it is loaded and an op sees the same ones on
+# every step (the public ops from an Fp4Weight / W4a8Weight, an engine's
+# graph through the operator): a call with the same live tensors at the
+# same addresses and the same sizes skips their checks.
 _CHECKED: dict = {}
 _CHECKED_MAX = 1024
+
+
+def _checked_before(given: tuple, what: tuple):
+    """(G, device, spans) remembered for these tensors and `what`, or None."""
+    hit = _CHECKED.get(id(given[0]))
+    if hit is None or hit[1] != what:
+        return None
+    for ref_, t in zip(hit[0], given):
+        if ref_() is not t:
+            return None
+    return hit[3] if hit[2] == tuple(t.data_ptr() for t in given) else None
+
+
+def _remember(given: tuple, what: tuple, found: tuple) -> None:
+    if all(map(A.is_torch, given)):         # (a DLPack array checked here is a new tensor each call)
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED[id(given[0])] = (tuple(weakref.ref(t) for t in given), what,
+                                  tuple(t.data_ptr() for t in given), found)
 
 
 def weight(codes, scales, gs, fmt, n, k, where) -> Weight:
@@ -120,16 +141,15 @@ def weight(codes, scales, gs, fmt, n, k, where) -> Weight:
     uint8 (G, NP/16, C, 32, 16), scales uint8 (G, NP/16, C, 32, 2), gs
     float32 (G,), all contiguous on one device; fmt one of FORMATS; K a
     multiple of the format's block."""
-    hit = _CHECKED.get(id(codes))
-    if hit is not None and hit[0]() is codes and hit[1]() is scales and hit[2]() is gs and hit[4] == (fmt, n, k) \
-            and hit[3] == (codes.data_ptr(), scales.data_ptr(), gs.data_ptr()):
-        return Weight(fmt, hit[5], n, k, codes, scales, gs, hit[6], hit[7])
+    given, what = (codes, scales, gs), ("w4a16", fmt, n, k)
+    hit = _checked_before(given, what)
+    if hit is not None:
+        return Weight(fmt, hit[0], n, k, codes, scales, gs, hit[1], hit[2])
     if fmt not in FORMATS:
         raise ValueError(f"weight: format {fmt!r} is not one of {FORMATS}")
     if n < 0 or k < 0 or k % ref.BLOCKS[fmt]:
         raise ValueError(f"weight: N = {n}, K = {k}: expected sizes >= 0, K a multiple of "
                          f"{ref.BLOCKS[fmt]} for {fmt}")
-    given = codes, scales, gs
     codes = A.tensor(codes, "weight.codes", _BYTE, where, min_ndim=1)
     g, dev = codes.shape[0], A.device_of(codes)
     tile = (g, -(-n // ref.ROWS), -(-k // ref.CHUNK), ref.LANES)
@@ -139,11 +159,7 @@ def weight(codes, scales, gs, fmt, n, k, where) -> Weight:
     scales = A.tensor(scales, "weight.scales", _BYTE, where, shape=(*tile, 2), device=dev)
     gs = A.tensor(gs, "weight.gs", _F32, where, shape=(g,), device=dev)
     spans = A.detached_spans((("weight.codes", codes), ("weight.scales", scales), ("weight.gs", gs)))
-    if all(map(A.is_torch, given)):         # (a DLPack array checked here is a new tensor each call)
-        if len(_CHECKED) >= _CHECKED_MAX:
-            _CHECKED.clear()
-        _CHECKED[id(codes)] = (weakref.ref(codes), weakref.ref(scales), weakref.ref(gs),
-                               (codes.data_ptr(), scales.data_ptr(), gs.data_ptr()), (fmt, n, k), g, dev, spans)
+    _remember(given, what, (g, dev, spans))
     return Weight(fmt, g, n, k, codes, scales, gs, dev, spans)
 
 
@@ -298,6 +314,10 @@ def weight8(codes, shifts, row_scale, gs, n, k, where) -> Weight8:
     """The W4A8 form's tensors: codes uint8 (G, NP/16, C, 2, 32, 16), shifts
     uint8 (G, NP/16, C, 8, 8), row_scale float32 (G, NP), gs float32 (G,),
     contiguous on one device; K a multiple of 32 (the MXFP4 block)."""
+    given, what = (codes, shifts, row_scale, gs), ("w4a8", n, k)
+    hit = _checked_before(given, what)
+    if hit is not None:
+        return Weight8(hit[0], n, k, codes, shifts, row_scale, gs, hit[1], hit[2])
     if n < 0 or k < 0 or k % ref8.W_BLOCK:
         raise ValueError(f"weight: N = {n}, K = {k}: expected sizes >= 0, K a multiple of {ref8.W_BLOCK}")
     # (16-byte aligned: the kernel copies them 16 bytes at a time)
@@ -314,6 +334,7 @@ def weight8(codes, shifts, row_scale, gs, n, k, where) -> Weight8:
     gs = A.tensor(gs, "weight.gs", _F32, where, shape=(g,), device=dev)
     spans = A.detached_spans((("weight.codes", codes), ("weight.shifts", shifts),
                               ("weight.row_scale", row_scale), ("weight.gs", gs)))
+    _remember(given, what, (g, dev, spans))
     return Weight8(g, n, k, codes, shifts, row_scale, gs, dev, spans)
 
 
