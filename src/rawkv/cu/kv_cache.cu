@@ -176,6 +176,31 @@ __device__ __forceinline__ i64 gather_target(const int* __restrict__ table, cons
     return r;
 }
 
+// The loop of the warp-per-row gathers: one warp per output row (b, j) of
+// B x K, grid-stride; `put(row, r)` writes output row `row` from pool row r
+// (gather_target's; r < 0: a zero row), then lane 0 adds the row's errors
+// to the counter.
+template <typename TID, bool DENSE, typename Put>
+__device__ __forceinline__ void gather_rows(const int* __restrict__ table, const int* __restrict__ request_ids,
+                                            const int* __restrict__ owners, const int* __restrict__ slots,
+                                            const TID* __restrict__ ids, const int* __restrict__ n_entries,
+                                            const bool* __restrict__ valid, const int* __restrict__ written,
+                                            const u8* __restrict__ marks, int* __restrict__ errors, i64 B, i64 K,
+                                            i64 slot0, i64 n0, i64 num_requests, i64 max_blocks, i64 num_blocks,
+                                            i64 epb, Put put) {
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < B * K; row += warps) {
+        const i64 b = (u32)row / (u32)K, j = row - b * K;   // host: B*K < 2^31
+        int errs = 0;
+        const i64 r = gather_target<TID, DENSE>(table, request_ids, owners, slots, ids, n_entries, valid, written,
+                                                marks, row, b, j, K, slot0, n0, num_requests, max_blocks,
+                                                num_blocks, epb, errs);
+        put(row, r);
+        if (lane == 0 && errs) atomicAdd(errors, errs);
+    }
+}
+
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xFFFF0000u); }
 
@@ -462,65 +487,58 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather(
         int* __restrict__ errors, i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks,
         i64 num_blocks, i64 epb, i64 nope_dim, i64 rope_dim) {
     const int lane = threadIdx.x & 31;
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-    const i64 rows = B * K;
     const i64 hd = nope_dim + rope_dim;
     const i64 nc = nope_dim / 8;
     const i64 tc = nc + rope_dim / 8;
-    for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < rows; row += warps) {
-        const i64 b = (u32)row / (u32)K, j = row - b * K;   // host: B*K < 2^31
-        int errs = 0;
-        const i64 r = gather_target<TID, DENSE>(table, request_ids, owners, slots, ids, n_entries, valid, written,
-                                                marks, row, b, j, K, slot0, n0, num_requests, max_blocks,
-                                                num_blocks, epb, errs);
+    gather_rows<TID, DENSE>(table, request_ids, owners, slots, ids, n_entries, valid, written, marks, errors, B, K,
+                            slot0, n0, num_requests, max_blocks, num_blocks, epb, [&](i64 row, i64 r) {
         TO* dst = out + row * hd;
         if (r < 0) {
             for (i64 q = lane; q < tc; q += 32) store8_zero(dst + q * 8);
-        } else {
-            const float s = scale[r];
-            const u8* codes = fp8 + r * nope_dim;
-            const __nv_bfloat16* rp = rope + r * rope_dim - nc * 8;   // chunk c >= nc is at rp + 8c
-            // Chunks lane, lane+32, lane+64, ...: two per step, both loads issued
-            // before either is converted (memory-level parallelism).
-            for (i64 q = lane; q < tc; q += 64) {
-                uint4 raw[2];
+            return;
+        }
+        const float s = scale[r];
+        const u8* codes = fp8 + r * nope_dim;
+        const __nv_bfloat16* rp = rope + r * rope_dim - nc * 8;   // chunk c >= nc is at rp + 8c
+        // Chunks lane, lane+32, lane+64, ...: two per step, both loads issued
+        // before either is converted (memory-level parallelism).
+        for (i64 q = lane; q < tc; q += 64) {
+            uint4 raw[2];
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const i64 c = q + 32 * h;
-                    raw[h] = make_uint4(0u, 0u, 0u, 0u);
-                    if (c < nc) {
-                        const uint2 w = *reinterpret_cast<const uint2*>(codes + c * 8);
-                        raw[h].x = w.x;
-                        raw[h].y = w.y;
-                    } else if (c < tc) {
-                        raw[h] = *reinterpret_cast<const uint4*>(rp + c * 8);
-                    }
+            for (int h = 0; h < 2; ++h) {
+                const i64 c = q + 32 * h;
+                raw[h] = make_uint4(0u, 0u, 0u, 0u);
+                if (c < nc) {
+                    const uint2 w = *reinterpret_cast<const uint2*>(codes + c * 8);
+                    raw[h].x = w.x;
+                    raw[h].y = w.y;
+                } else if (c < tc) {
+                    raw[h] = *reinterpret_cast<const uint4*>(rp + c * 8);
                 }
+            }
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const i64 c = q + 32 * h;
-                    if (c < nc) {
+            for (int h = 0; h < 2; ++h) {
+                const i64 c = q + 32 * h;
+                if (c < nc) {
+                    float v[8];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        v[i] = e4m3_decode((u8)((raw[h].x >> (i * 8)) & 0xFFu)) * s;
+                        v[i + 4] = e4m3_decode((u8)((raw[h].y >> (i * 8)) & 0xFFu)) * s;
+                    }
+                    store8(dst + c * 8, v);
+                } else if (c < tc) {
+                    if (IsBf16<TO>::value) {      // bits as stored (NaN payloads kept)
+                        *reinterpret_cast<uint4*>(dst + c * 8) = raw[h];
+                    } else {
                         float v[8];
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            v[i] = e4m3_decode((u8)((raw[h].x >> (i * 8)) & 0xFFu)) * s;
-                            v[i + 4] = e4m3_decode((u8)((raw[h].y >> (i * 8)) & 0xFFu)) * s;
-                        }
+                        bf16x8(raw[h], v);
                         store8(dst + c * 8, v);
-                    } else if (c < tc) {
-                        if (IsBf16<TO>::value) {      // bits as stored (NaN payloads kept)
-                            *reinterpret_cast<uint4*>(dst + c * 8) = raw[h];
-                        } else {
-                            float v[8];
-                            bf16x8(raw[h], v);
-                            store8(dst + c * 8, v);
-                        }
                     }
                 }
             }
         }
-        if (lane == 0 && errs) atomicAdd(errors, errs);
-    }
+    });
 }
 
 // ===========================================================================
@@ -626,13 +644,8 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_pages(
         int* __restrict__ errors, i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks,
         i64 num_blocks, i64 epb, i64 page_bytes) {
     const int lane = threadIdx.x & 31;
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-    for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < B * K; row += warps) {
-        const i64 b = (u32)row / (u32)K, j = row - b * K;   // host: B*K < 2^31
-        int errs = 0;
-        const i64 r = gather_target<TID, DENSE>(table, request_ids, owners, slots, ids, n_entries, valid, written,
-                                                marks, row, b, j, K, slot0, n0, num_requests, max_blocks,
-                                                num_blocks, epb, errs);
+    gather_rows<TID, DENSE>(table, request_ids, owners, slots, ids, n_entries, valid, written, marks, errors, B, K,
+                            slot0, n0, num_requests, max_blocks, num_blocks, epb, [&](i64 row, i64 r) {
         float v[16];
         if (r < 0) {
 #pragma unroll
@@ -642,8 +655,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_pages(
             rkvlay::model1_load_lane(pages + blk * page_bytes, r - blk * epb, epb, lane, v);
         }
         rkvlay::store16_as(out + row * rkvlay::kEntry + lane * 16, v);
-        if (lane == 0 && errs) atomicAdd(errors, errs);
-    }
+    });
 }
 
 // Indexer-key gather from index pages (DENSE rules of rkv_kv_gather): one
@@ -657,13 +669,8 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index_pages(
         int* __restrict__ errors, i64 B, i64 K, i64 slot0, i64 n0, i64 num_requests, i64 max_blocks,
         i64 num_blocks, i64 epb, i64 index_page_bytes) {
     const int lane = threadIdx.x & 31;
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-    for (i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < B * K; row += warps) {
-        const i64 b = (u32)row / (u32)K, j = row - b * K;
-        int errs = 0;
-        const i64 r = gather_target<int, true>(table, request_ids, owners, slots, nullptr, n_entries, valid, written,
-                                               marks, row, b, j, K, slot0, n0, num_requests, max_blocks,
-                                               num_blocks, epb, errs);
+    gather_rows<int, true>(table, request_ids, owners, slots, nullptr, n_entries, valid, written, marks, errors, B,
+                           K, slot0, n0, num_requests, max_blocks, num_blocks, epb, [&](i64 row, i64 r) {
         float v[4];
         if (r < 0) {
 #pragma unroll
@@ -673,8 +680,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index_pages(
             rkvlay::index_load_lane<MXFP4>(index_pages + blk * index_page_bytes, r - blk * epb, epb, lane, v);
         }
         rkvlay::store4_as(out + row * RKV_LAY_INDEX_DIM + lane * 4, v);
-        if (lane == 0 && errs) atomicAdd(errors, errs);
-    }
+    });
 }
 
 // ===========================================================================
