@@ -65,13 +65,36 @@ def test_mma_tiles_by_tokens(tokens, cfg):
     act, cw, out = _grouped(torch.ones(tokens, 3, 128, dtype=torch.bfloat16), w)
     a = _one(P.grouped(A100, act, cw, out))
     mt, nt, ks, rw = K.CONFIGS[cfg][:4]
-    assert a.kernel is K.GEMM.instance(R.BF16, False, *K.CONFIGS[cfg])
+    # a grid this small runs in one wave: tiles that prefetch do (PF)
+    assert a.kernel is K.GEMM.instance(R.BF16, False, *K.CONFIGS[cfg], K.CONFIGS[cfg][1] >= 2)
     assert a.block == (32 * ks * rw,)
     assert a.grid == (-(-72 // (16 * mt * rw)), -(-tokens // (8 * nt)), 3)
     assert a.args["x"] is act.x and a.args["out"] is out and a.args["wq"] is w.codes
     assert (a.args["xs_t"], a.args["xs_g"], a.args["os_t"], a.args["os_g"]) == (384, 128, 216, 72)
     assert (a.args["n"], a.args["k"], a.args["tokens"], a.args["experts"]) == (72, 128, tokens, 0)
     assert a.args["xsf"] is None and a.args["offsets"] is None and a.args["errors"] is None
+
+
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
+def test_mma_prefetch_up_to_its_blocks_per_sm(act_dtype):
+    """PF (activations a step ahead) where the tile has it (2+ n-tiles,
+    16-bit activations) and the grid has at most
+    MMA_PREFETCH_MAX_BLOCKS_PER_SM blocks per SM; never for one n-tile or
+    NVFP4 activations, whatever the grid."""
+    cfg = K.CONFIGS[16]
+    rows = 16 * cfg[0] * cfg[3]
+    for g, tokens, want in ((2, 16, True), (40, 16, True), (41, 16, False), (2, 8, False)):
+        # g groups of 8 feature blocks x one token tile: 8 g blocks on A100's 108 SMs (3 per SM: 324)
+        w = _weight(g=g, n=8 * rows)
+        act, cw, out = _grouped(torch.ones(tokens, g, 128, dtype=act_dtype), w)
+        a = _one(P.grouped(A100, act, cw, out))
+        assert a.kernel.kernel is K.GEMM and a.grid[0] * a.grid[1] * a.grid[2] == 8 * g
+        assert a.kernel.expr.endswith(f"{'true' if want else 'false'}>"), (g, tokens, a.kernel.expr)
+    assert not K.prefetches(R.NVFP4, cfg) and not K.prefetches(R.BF16, K.CONFIGS[8])
+    one_wave = P.Tuning(MMA_PREFETCH_MAX_BLOCKS_PER_SM=0)
+    w = _weight(g=2, n=8 * rows)
+    act, cw, out = _grouped(torch.ones(16, 2, 128, dtype=act_dtype), w)
+    assert _one(P.grouped(A100, act, cw, out, one_wave)).kernel.expr.endswith("false>")
 
 
 def test_hopper_takes_the_wgmma_kernel_from_256_tokens_and_other_gpus_never():
@@ -110,7 +133,7 @@ def test_nvfp4_activation_and_mxfp4_weight_arguments():
     q, sf, gs = rawkv.nvfp4.quantize(x, scope="row")
     act, cw, out = _grouped(rawkv.nvfp4.QuantizedActivation(q, sf, gs), w)
     a = _one(P.grouped(A100, act, cw, out))
-    assert a.kernel is K.GEMM.instance(R.NVFP4, True, *K.CONFIGS[8])
+    assert a.kernel is K.GEMM.instance(R.NVFP4, True, *K.CONFIGS[8], False)
     assert (a.args["xs_t"], a.args["xs_g"], a.args["ss_t"], a.args["ss_g"]) == (192, 64, 24, 8)
     assert (a.args["gs_t"], a.args["gs_g"]) == (3, 1) and a.args["xgs"] is gs
     scalar = rawkv.nvfp4.QuantizedActivation(q, sf, torch.ones(()))

@@ -19,11 +19,62 @@
 // UE8M0 per 32); MT m-tiles and NT n-tiles per warp; KS warps
 // splitting K inside a block (summed through shared memory in a fixed
 // order: deterministic); RW warps along the rows; a ring of S stages of U
-// chunks each per warp.
+// chunks each per warp; PF the activations loaded one step ahead.
 #include "gemm_fp4.cuh"
 using namespace rkv;
 
-template <int ACT, bool MX, int MT, int NT, int KS, int RW, int U, int S>
+// This lane's activations of chunks c .. c + U - 1, its n-tiles' tokens
+// (xrow / srow null: a token past the tile's last), zeros past c_end and k.
+template <int ACT, int U, int NT>
+__device__ __forceinline__ void load_acts(ActChunk<ACT> (&av)[U][NT], const u8* const (&xrow)[NT],
+                                          const u8* const (&srow)[NT], int c, int c_end, int k, int t) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int kb = (c + u) * 64 + 16 * t;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            if (c + u < c_end && xrow[j] && kb < k) av[u][j].load(xrow[j], srow[j], kb);
+            else av[u][j].clear();
+        }
+    }
+}
+
+// The MMAs of one ring stage (U chunks x MT m-tiles of 576 bytes: a lane's
+// 16 code bytes, then the tile's scales), its first `live` chunks, with the
+// activations `av`, into acc.
+template <int ACT, bool MX, int MT, int NT, int U>
+__device__ __forceinline__ void mma_stage(const u8* stage, int lane, int live, const ActChunk<ACT> (&av)[U][NT],
+                                          float (&acc)[MT][NT][4]) {
+    constexpr bool F16 = ACT == 1;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u >= live) break;
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            const u8* src = stage + (u * MT + i) * 576;
+            const uint4 wv = *reinterpret_cast<const uint4*>(src + lane * 16);
+            const u32 sv = *reinterpret_cast<const u16*>(src + 512 + lane * 2);
+            u32 f0, f1;
+            scale_factors<MX, F16>(sv, f0, f1);
+#pragma unroll
+            for (int s4 = 0; s4 < 4; ++s4) {
+                u32 a[4];
+                dequant_fragment<F16>(s4 == 0 ? wv.x : s4 == 1 ? wv.y : s4 == 2 ? wv.z : wv.w, f0, f1, a);
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    u32 b0, b1;
+                    av[u][j].fragment(s4, b0, b1);
+                    mma16816(acc[i][j], a, b0, b1, F16);
+                }
+            }
+        }
+    }
+}
+
+// PF: the activations are loaded one step ahead (rawkv.gemm.plans chooses:
+// the second register set costs blocks per SM, so it pays where the grid
+// is small enough to run in one wave anyway).
+template <int ACT, bool MX, int MT, int NT, int KS, int RW, int U, int S, bool PF>
 __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
     const u8* __restrict__ wq, const u8* __restrict__ wsf, const float* __restrict__ wgs,
     const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
@@ -115,45 +166,77 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
 #pragma unroll
     for (int p = 0; p < S - 1; ++p) issue(p, c_beg + p * U);
     int slot = 0, next = S - 1;  // the stage multiplied, the stage refilled
-    for (int c = c_beg; c < c_end; c += U) {
-        ActChunk<ACT> av[U][NT];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int kb = (c + u) * 64 + 16 * t;
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                if (c + u < c_end && xrow[j] && kb < k) av[u][j].load(xrow[j], srow[j], kb);
-                else av[u][j].clear();
-            }
+    if constexpr (PF) {
+        // The activations one step ahead: step c loads those of c + U
+        // before it multiplies, so their latency overlaps its MMAs (two
+        // register sets, swapped by the unrolled pair of steps, not copied).
+        // ready(c): chunk c's stage has landed in the warp's ring, and the
+        // stage freed by the previous step is refilled S - 1 steps ahead.
+        auto ready = [&](int c) {
+            cp_async_wait<S - 2>();
+            __syncwarp();
+            issue(next, c + (S - 1) * U);
+        };
+        auto multiply = [&](const ActChunk<ACT> (&av)[U][NT], int c) {
+            mma_stage<ACT, MX, MT, NT, U>(ring + slot * U * MT * 576, lane, c_end - c, av, acc);
+            slot = slot + 1 == S ? 0 : slot + 1;
+            next = next + 1 == S ? 0 : next + 1;
+        };
+        ActChunk<ACT> av0[U][NT], av1[U][NT];
+        load_acts<ACT, U, NT>(av0, xrow, srow, c_beg, c_end, k, t);
+        for (int c = c_beg; c < c_end; c += 2 * U) {
+            load_acts<ACT, U, NT>(av1, xrow, srow, c + U, c_end, k, t);
+            ready(c);
+            multiply(av0, c);
+            if (c + U >= c_end) break;
+            load_acts<ACT, U, NT>(av0, xrow, srow, c + 2 * U, c_end, k, t);
+            ready(c + U);
+            multiply(av1, c + U);
         }
-        cp_async_wait<S - 2>();
-        __syncwarp();
-        issue(next, c + (S - 1) * U);
+    } else {
+        // (Written out rather than through load_acts / mma_stage and the
+        // lambdas above: through them ptxas spills 16-32 bytes in the ragged
+        // 16-token tile on sm_90 / sm_100.)
+        for (int c = c_beg; c < c_end; c += U) {
+            ActChunk<ACT> av[U][NT];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (c + u >= c_end) break;
+            for (int u = 0; u < U; ++u) {
+                const int kb = (c + u) * 64 + 16 * t;
 #pragma unroll
-            for (int i = 0; i < MT; ++i) {
-                const u8* src = ring + ((slot * U + u) * MT + i) * 576;
-                const uint4 wv = *reinterpret_cast<const uint4*>(src + lane * 16);
-                const u32 sv = *reinterpret_cast<const u16*>(src + 512 + lane * 2);
-                u32 f0, f1;
-                scale_factors<MX, F16>(sv, f0, f1);
+                for (int j = 0; j < NT; ++j) {
+                    if (c + u < c_end && xrow[j] && kb < k) av[u][j].load(xrow[j], srow[j], kb);
+                    else av[u][j].clear();
+                }
+            }
+            cp_async_wait<S - 2>();
+            __syncwarp();
+            issue(next, c + (S - 1) * U);
 #pragma unroll
-                for (int s4 = 0; s4 < 4; ++s4) {
-                    u32 a[4];
-                    dequant_fragment<F16>(s4 == 0 ? wv.x : s4 == 1 ? wv.y : s4 == 2 ? wv.z : wv.w, f0, f1, a);
+            for (int u = 0; u < U; ++u) {
+                if (c + u >= c_end) break;
 #pragma unroll
-                    for (int j = 0; j < NT; ++j) {
-                        u32 b0, b1;
-                        av[u][j].fragment(s4, b0, b1);
-                        mma16816(acc[i][j], a, b0, b1, F16);
+                for (int i = 0; i < MT; ++i) {
+                    const u8* src = ring + ((slot * U + u) * MT + i) * 576;
+                    const uint4 wv = *reinterpret_cast<const uint4*>(src + lane * 16);
+                    const u32 sv = *reinterpret_cast<const u16*>(src + 512 + lane * 2);
+                    u32 f0, f1;
+                    scale_factors<MX, F16>(sv, f0, f1);
+#pragma unroll
+                    for (int s4 = 0; s4 < 4; ++s4) {
+                        u32 a[4];
+                        dequant_fragment<F16>(s4 == 0 ? wv.x : s4 == 1 ? wv.y : s4 == 2 ? wv.z : wv.w, f0, f1, a);
+#pragma unroll
+                        for (int j = 0; j < NT; ++j) {
+                            u32 b0, b1;
+                            av[u][j].fragment(s4, b0, b1);
+                            mma16816(acc[i][j], a, b0, b1, F16);
+                        }
                     }
                 }
             }
+            slot = slot + 1 == S ? 0 : slot + 1;
+            next = next + 1 == S ? 0 : next + 1;
         }
-        slot = slot + 1 == S ? 0 : slot + 1;
-        next = next + 1 == S ? 0 : next + 1;
     }
     cp_async_wait<0>();
 

@@ -53,6 +53,14 @@ class Tuning(NamedTuple):
     SM90_FORCE_KSPLIT: the wgmma kernel's split of K across a cluster of
     blocks (1 or 2), None to let sm90_tile choose; a split part has at
     least SM90_MIN_SPLIT_CHUNKS chunks of 64 columns.
+    MMA_PREFETCH_MAX_BLOCKS_PER_SM: the mma.sync kernel loads the
+    activations one step ahead (its PF instances, K.prefetches: tiles of 2+
+    n-tiles, 16-bit activations) when its grid has at most this many blocks
+    per SM: the second register set costs blocks per SM, so it pays where
+    the grid runs in one wave anyway. H100 (2026-11-26, against loading at
+    each step's start): Flash M = 16 and 32 (256 blocks) 13.6 -> 11.1 and
+    17.8 -> 14.2 us, seed 004 (384 blocks) 29.6 -> 26.0 and 37.6 -> 33.0;
+    Pro (512 blocks) 21.2 -> 23.3 and 25.2 -> 31.3.
     SM90_FORCE_BN: the wgmma kernel's token tile (64, 96 or 128), None to
     let the plan choose. SM90_FORCE_BM: its feature tile (128 or 256), None
     to let sm90_tile's cost model choose (the rule it replaced: 128 when
@@ -71,6 +79,7 @@ class Tuning(NamedTuple):
     SM90_RAGGED_96_MAX: int = 88
     SM90_FORCE_KSPLIT: int | None = None
     SM90_MIN_SPLIT_CHUNKS: int = 16
+    MMA_PREFETCH_MAX_BLOCKS_PER_SM: int = 3
 
 
 TUNED = Tuning()
@@ -202,7 +211,7 @@ def grouped(dev, act, w, out, tuning=TUNED) -> list[Launch]:
         return []
     tl = tile(dev, w, t, tuning=tuning)
     grid = (-(-w.n // tl.rows) * tl.splits, -(-t // tl.tokens), g)
-    return [_launch(tl, act, w, out, grid, t, None, 0, None)]
+    return [_launch(tl, act, w, out, grid, t, None, 0, None, _prefetch(dev, tl, act, grid, tuning))]
 
 
 def moe(dev, act, w, offsets, out, errors, tuning=TUNED) -> list[Launch]:
@@ -217,10 +226,20 @@ def moe(dev, act, w, offsets, out, errors, tuning=TUNED) -> list[Launch]:
     tl = tile(dev, w, -(-r // max(1, min(e, r))), ragged=True, tuning=tuning, rows=r)
     slots = ragged_slots(r, e, tl.tokens)
     grid = (-(-w.n // tl.rows), slots, 1)
-    return [_launch(tl, act, w, out, grid, r, offsets, e, errors)]
+    return [_launch(tl, act, w, out, grid, r, offsets, e, errors, _prefetch(dev, tl, act, grid, tuning))]
 
 
-def _launch(tl: Tile, act, w, out, grid, tokens, offsets, experts, errors) -> Launch:
+def _prefetch(dev, tl: Tile, act, grid, tuning) -> tuple:
+    """The mma.sync kernel's last template argument, PF (Tuning's
+    MMA_PREFETCH_MAX_BLOCKS_PER_SM); nothing for the wgmma kernels."""
+    if tl.kernel is not K.GEMM:
+        return ()
+    blocks = grid[0] * grid[1] * grid[2]
+    return (K.prefetches(act.kind, tl.targs)
+            and blocks <= tuning.MMA_PREFETCH_MAX_BLOCKS_PER_SM * dev.sm_count,)
+
+
+def _launch(tl: Tile, act, w, out, grid, tokens, offsets, experts, errors, pf: tuple) -> Launch:
     if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
         raise ValueError(f"x: {tokens} tokens x {w.groups} groups is past the launch grid's limit")
     xs_t, xs_g = _lead_strides(act.x)
@@ -230,7 +249,7 @@ def _launch(tl: Tile, act, w, out, grid, tokens, offsets, experts, errors) -> La
     else:
         gs_t, gs_g = (*act.gs.stride(), 0)[:2]
     os_t, os_g = _lead_strides(out)
-    inst = tl.kernel.instance(act.kind, w.fmt == "mxfp4", *tl.targs)
+    inst = tl.kernel.instance(act.kind, w.fmt == "mxfp4", *tl.targs, *pf)
     return Launch(inst, grid, tl.block, dict(
         wq=w.codes, wsf=w.scales, wgs=w.gs, x=act.x, xsf=act.sf, xgs=act.gs, xs_t=xs_t, xs_g=xs_g,
         ss_t=ss_t, ss_g=ss_g, gs_t=gs_t, gs_g=gs_g, out=out, os_t=os_t, os_g=os_g, n=w.n, k=w.k,
