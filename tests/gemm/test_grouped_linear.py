@@ -232,6 +232,24 @@ def test_batched_within_the_fp32_bound(cuda, rng, fmt, k, dtype, tokens):
     assert_within_bound(out, exact, absolute, k, f"{fmt} {dtype} T={tokens}")
 
 
+@pytest.mark.parametrize("tokens,dtype", [(9, "bfloat16"), (16, "float16"), (17, "bfloat16"), (32, "bfloat16")])
+def test_prefetch_gives_the_same_bits(cuda, rng, monkeypatch, tokens, dtype):
+    # the mma.sync kernel with the activations a step ahead (PF) and
+    # without: the same MMAs in the same order, so the same bits; K = 208
+    # ends in a partial chunk, 2,112 columns are 33 chunks (an odd number of
+    # ring steps for the unrolled pair)
+    for k in (208, 2112):
+        w, w64 = random_weight(rng, 3, 72, k, "nvfp4")
+        x = torch.from_numpy(rng.standard_normal((tokens, 3, k)).astype(np.float32)).to(getattr(torch, dtype)).cuda()
+        monkeypatch.setattr(linear, "MMA_PREFETCH_MAX_BLOCKS_PER_SM", 0)
+        plain = rawkv.gemm.grouped_linear(x, w)
+        monkeypatch.setattr(linear, "MMA_PREFETCH_MAX_BLOCKS_PER_SM", 1 << 20)
+        ahead = rawkv.gemm.grouped_linear(x, w)
+        assert torch.equal(plain.view(torch.int16), ahead.view(torch.int16)), (tokens, dtype, k)
+        exact, absolute = exact_grouped(x.double().cpu().numpy(), w64)
+        assert_within_bound(ahead, exact, absolute, k, f"PF {dtype} T={tokens} K={k}")
+
+
 def test_4096_tokens(cuda, rng):
     g, n, k = 2, 96, 256
     w, w64 = random_weight(rng, g, n, k, "nvfp4")
