@@ -58,13 +58,20 @@ RAGGED_CONFIGS = {
 RAGGED_SMALL_CONFIG = (1, 1, 2, 4, 4, 2)
 
 
+# Tiles with an instance that loads the activations one step ahead (PF,
+# for 16-bit activations; rawkv.gemm.plans takes it for grids of at most 3
+# blocks per SM): the tiles of two or more n-tiles, whose PF instances still
+# fit 3 blocks per SM. Not the one-n-tile tiles: the one-token MoE tile's
+# PF instance fits 2 blocks (H100: 21% slower at one token), the 8-token
+# ragged tile's grids are never that small, and CONFIGS[8]'s (Flash and
+# seed 004 at M = 1 6-7% faster on the H100) spills 32 bytes on sm_100.
+# NVFP4 activations, converted at each load, were not measured.
+PREFETCH_TILES = frozenset((CONFIGS[16], CONFIGS[32], CONFIGS["large"], RAGGED_CONFIGS[16], RAGGED_CONFIGS[32]))
+
+
 def prefetches(act: int, cfg: tuple) -> bool:
-    """Whether tile `cfg` has an instance that loads the activations one
-    step ahead (PF): tiles of two or more n-tiles with 16-bit activations.
-    (One n-tile: the second register set cost blocks per SM at every grid
-    measured, H100: Pro M = 1 8% and MoE at one token 21% slower. NVFP4
-    activations, converted at each load, were not measured.)"""
-    return cfg[1] >= 2 and act != ACT_CODES["nvfp4"]
+    """Whether tile `cfg` has a PF instance for activation kind `act`."""
+    return cfg in PREFETCH_TILES and act != ACT_CODES["nvfp4"]
 
 
 GEMM = FILE.kernel(
