@@ -108,11 +108,11 @@ def _parts(x, x_sf, x_gs) -> tuple:
 # Weights whose tensors passed the checks, by id of their first tensor:
 # (weak references to the tensors, what else was checked (the form and
 # sizes), their data pointers, (G, device, detached spans)): nothing that
-# keeps a tensor alive. A weight's
-# packed tensors are fixed once it is loaded and an op sees the same ones on
-# every step (the public ops from an Fp4Weight / W4a8Weight, an engine's
-# graph through the operator): a call with the same live tensors at the
-# same addresses and the same sizes skips their checks.
+# keeps a tensor alive. A weight's packed tensors are fixed once it is
+# loaded and an op sees the same ones on every step (the public ops from an
+# Fp4Weight / W4a8Weight, an engine's graph through the operator): a call
+# with the same live tensors at the same addresses and the same sizes skips
+# their checks.
 _CHECKED: dict = {}
 _CHECKED_MAX = 1024
 
