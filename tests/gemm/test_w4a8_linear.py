@@ -5,7 +5,9 @@ its argument errors (AGREEMENT: the same on CPU and CUDA); the launch plans;
 on an sm_90 GPU the kernel within the bound of tests/support/gemm_w4a8.py
 on every shape class (partial row tiles and 128-column chunks, 1 to 300
 tokens, empty experts, 384 experts, views), NaN where a block's scale is NaN,
-the same bits on every run; the operators (opcheck samples)."""
+the same bits on every run; shift bytes past the table read as zeros and
+counted (CPU against the reference; GPU: the CPU path's bits and count);
+the operators (opcheck samples)."""
 
 from __future__ import annotations
 
@@ -103,12 +105,100 @@ def test_extreme_shifts_form_and_cpu(rng):
     assert np.array_equal(bits(got), G.round_to_bf16(W.grouped(xc.numpy(), xs.numpy(), codes, scales)))
 
 
-def test_cpu_refuses_shift_bytes_no_form_has(rng):
-    _, _, _, w8 = mx_weight(rng, 1, 16, 128)
-    bad = w8.shifts.clone()
-    bad[0, 0, 0, 3, 5] = 40
-    with pytest.raises(ValueError, match=r"^weight.shifts: biased block shifts lie in \[0, 20\], got 40"):
-        rawkv.gemm.grouped_linear(fp8_act(rng, (2, 1, 128)), w8._replace(shifts=bad))
+# ---------------------------------------------------------------------------
+# shift bytes past the table (a form written by hand, or corrupted memory):
+# the block reads as zeros and is counted, on CPU and CUDA alike
+# ---------------------------------------------------------------------------
+def exact_weight(rng, g, n, k):
+    """MXFP4 codes of 0, +-0.5, +-1, +-2 under scale byte 127, the bytes and
+    their W4A8 form: with exact_act's activations every product is 2^-2 ..
+    2^1 and a 128-deep partial needs at most 11 bits, so the FP8 MMA is
+    exact and the kernel's bits are the CPU path's."""
+    mag = rng.choice(np.array([0, 1, 2, 4], np.uint8), (g, n, k))
+    nib = mag | (rng.integers(0, 2, (g, n, k), dtype=np.uint8) << 3)
+    codes = (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
+    scales = np.full((g, n, k // 32), 127, np.uint8)
+    w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales), groups=g)
+    return codes, scales, rawkv.gemm.w4a8_weight(w)
+
+
+def exact_act(rng, lead, k):
+    """FP8 block activations of +-0.5 and +-1 (E4M3 bytes), scales 2^-2 .. 2^2."""
+    codes = rng.choice(np.array([0x30, 0x38, 0xB0, 0xB8], np.uint8), (*lead, k))
+    scales = np.ldexp(1.0, rng.integers(-2, 3, (*lead, -(-k // 128)))).astype(np.float32)
+    return torch.from_numpy(codes), torch.from_numpy(scales)
+
+
+def past_table_form(rng, codes, w8, share=0.15):
+    """w8 with biased shift bytes past the table (21 .. 255, both ends among
+    them) written by hand into about `share` of the weight's blocks, and into
+    every padding block (rows past N, blocks past K/32: not the weight's,
+    never counted) -> (the hand-built form, bad (G, N, K/32) bool, the MXFP4
+    codes with the bad blocks zeroed)."""
+    g, n, k = w8.groups, w8.n, w8.k
+    npad, chunks = W.padded8(n, k)
+    shifts = W.unpack_shifts8(w8.shifts.numpy(), n, k)
+    bad = rng.random(shifts.shape) < share
+    past = rng.integers(W.SHIFT_ROWS, 256, shifts.shape).astype(np.uint8)
+    bad[:, 0, -1] = True                                                 # one at least in every group
+    bad[0, 0, 0], past[0, 0, 0] = True, W.SHIFT_ROWS                   # the first byte past the table
+    bad[-1, -1, -1], past[-1, -1, -1] = True, 255
+    full = rng.integers(W.SHIFT_ROWS, 256, (g, npad, chunks * 4)).astype(np.uint8)   # padding: past the table
+    full[:, :n, :k // 32] = np.where(bad, past, shifts)
+    hand = w8._replace(shifts=torch.from_numpy(W.pack_shifts8(full)))
+    assert np.array_equal(W.unpack_shifts8(hand.shifts.numpy(), n, k) >= W.SHIFT_ROWS, bad)
+    nib = np.stack([codes & 15, codes >> 4], -1).reshape(g, n, k)
+    nib.reshape(g, n, k // 32, 32)[bad] = 0
+    return hand, bad, (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _form_args(w8):
+    n, k = w8.n, w8.k
+    return (W.unpack_codes8(w8.codes.numpy(), n, k), W.unpack_shifts8(w8.shifts.numpy(), n, k),
+            w8.row_scale.numpy()[:, :n], w8.gs.numpy())
+
+
+def test_cpu_shift_bytes_past_the_table_read_as_zeros_and_are_counted(rng):
+    g, n, k = 3, 21, 160                                       # padding rows and blocks
+    codes, scales, w8 = exact_weight(rng, g, n, k)
+    hand, bad, zeroed = past_table_form(rng, codes, w8)
+    xc, xs = exact_act(rng, (5, g), k)
+    errors = torch.zeros(1, dtype=torch.int32)
+    got = rawkv.gemm.grouped_linear((xc, xs), hand, errors=errors)
+    # the reference defines it ...
+    want, count = W.form_grouped(xc.numpy(), xs.numpy(), *_form_args(hand))
+    assert count == int(bad.sum()) > 0 and int(errors[0]) == count      # each bad block once; padding not
+    assert np.array_equal(bits(got), G.round_to_bf16(want))
+    # ... as the product of the weight with those blocks zero (the MXFP4 values: no W4A8 code here)
+    x = W.activation_values(xc.numpy(), xs.numpy())
+    zero = G.grouped(x, G.dequantize_weight(zeroed, scales, None, "mxfp4"))
+    assert np.array_equal(bits(got), G.round_to_bf16(zero))
+    assert not np.array_equal(bits(got), bits(rawkv.gemm.grouped_linear((xc, xs), w8)))   # the blocks mattered
+    # errors=None: the host's GEMM_OFFSETS counter, as the ragged op's clamps
+    before = int(rawkv.nvfp4.error_counts("cpu")[rawkv.nvfp4.GEMM_OFFSETS])
+    again = rawkv.gemm.grouped_linear((xc, xs), hand)
+    assert int(rawkv.nvfp4.error_counts("cpu")[rawkv.nvfp4.GEMM_OFFSETS]) - before == count
+    assert np.array_equal(bits(again), bits(got))
+    # no tokens: nothing multiplied, nothing counted
+    errors.zero_()
+    rawkv.gemm.grouped_linear((xc[:0], xs[:0]), hand, errors=errors)
+    assert int(errors[0]) == 0
+
+
+def test_cpu_moe_counts_past_table_blocks_of_experts_that_own_rows(rng):
+    e, n, k = 4, 24, 160
+    codes, scales, w8 = exact_weight(rng, e, n, k)
+    hand, bad, zeroed = past_table_form(rng, codes, w8)
+    xc, xs = exact_act(rng, (12,), k)
+    offsets = np.array([2, 5, 3, 9, 10], np.int32)     # 3 < 5: one clamp; expert 1 owns no row; rows 0-1, 10-11 none
+    errors = torch.zeros(1, dtype=torch.int32)
+    got = rawkv.gemm.moe_linear((xc, xs), hand, torch.from_numpy(offsets), errors=errors)
+    want, count = W.form_ragged(xc.numpy(), xs.numpy(), *_form_args(hand), offsets)
+    assert bad[1].any() and count == 1 + int(bad[[0, 2, 3]].sum()) and int(errors[0]) == count   # not expert 1's
+    assert np.array_equal(bits(got), G.round_to_bf16(want))
+    zero, clamps = G.ragged(W.activation_values(xc.numpy(), xs.numpy()),
+                            G.dequantize_weight(zeroed, scales, None, "mxfp4"), offsets)
+    assert clamps == 1 and np.array_equal(bits(got), G.round_to_bf16(zero))
 
 
 def test_k_zero_gives_zeros():
@@ -125,6 +215,14 @@ def _w8(g=3, n=24, k=160):
     codes = torch.full((g, n, k // 2), 0x25, dtype=u8)
     scales = torch.full((g, n, k // 32), 127, dtype=u8)
     return rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(codes, scales, groups=g))
+
+
+def _w8_past():
+    """_w8() with shift bytes past the table (21 and 255) in two blocks."""
+    w8 = _w8()
+    shifts = w8.shifts.clone()
+    shifts[0, 0, 0, 0, 0], shifts[2, 1, 1, 3, 5] = 21, 255
+    return w8._replace(shifts=shifts)
 
 
 def _xa(*lead, k=160):
@@ -145,6 +243,8 @@ AGREEMENT = {
         ("ok-out", lambda: (_gl, (_xa(5, 3), _w8()), {"out": ones(5, 3, 24, dtype=bf)})),
         ("ok-codes-strided", lambda: (_gl, ((strided_last(5, 3, 160, dtype=u8), ones(5, 3, 2)), _w8()), {})),
         ("ok-empty", lambda: (_gl, (_xa(0, 3), _w8()), {})),
+        ("ok-errors", lambda: (_gl, (_xa(5, 3), _w8()), {"errors": buf(1, dtype=torch.int32)})),
+        ("ok-shifts-past-the-table", lambda: (_gl, (_xa(5, 3), _w8_past()), {"errors": buf(2, dtype=torch.int32)})),
         ("x-not-a-pair", lambda: (_gl, (buf(5, 3, 160), _w8()), {})),
         ("x.codes-bfloat16", lambda: (_gl, ((ones(5, 3, 160, dtype=bf), ones(5, 3, 2)), _w8()), {})),
         ("x.codes-K", lambda: (_gl, ((buf(5, 3, 128), ones(5, 3, 1)), _w8()), {})),
@@ -155,10 +255,13 @@ AGREEMENT = {
         ("out-float32", lambda: (_gl, (_xa(5, 3), _w8()), {"out": ones(5, 3, 24)})),
         ("out-shape", lambda: (_gl, (_xa(5, 3), _w8()), {"out": ones(5, 3, 23, dtype=bf)})),
         ("out-over-x", lambda: (lambda x, w: _gl(x, w, out=x[1].view(bf)[..., :0]), (_xa(5, 3), _w8()), {})),
+        ("errors-int64", lambda: (_gl, (_xa(5, 3), _w8()), {"errors": buf(1, dtype=torch.int64)})),
+        ("errors-empty", lambda: (_gl, (_xa(5, 3), _w8()), {"errors": buf(0, dtype=torch.int32)})),
     ],
     "gemm_moe_linear_w4a8": [
         ("ok", lambda: (_ml, (_xa(7), _w8(), _offs(0, 2, 2, 7)), {})),
         ("ok-clamped-errors", lambda: (_ml, (_xa(7), _w8(), _offs(0, 5, 2, 9)), {"errors": buf(1, dtype=torch.int32)})),
+        ("ok-shifts-past-the-table", lambda: (_ml, (_xa(7), _w8_past(), _offs(0, 2, 2, 7)), {})),
         ("x.codes-rank", lambda: (_ml, (_xa(7, 3), _w8(), _offs(0, 2, 2, 7)), {})),
         ("offsets-shape", lambda: (_ml, (_xa(7), _w8(), _offs(0, 2, 7)), {})),
         ("offsets-int64", lambda: (_ml, (_xa(7), _w8(), torch.tensor([0, 2, 2, 7])), {})),
@@ -322,6 +425,50 @@ def test_views_are_read_as_they_are_or_copied(sm90, rng):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["grouped", "ragged"])
+def test_shift_bytes_past_the_table_same_bits_and_count_as_the_cpu(sm90, rng, op):
+    # Products exact in the FP8 MMA (exact_weight / exact_act), so the
+    # kernel's bits are the CPU path's. Two feature blocks (N = 200: a
+    # partial row tile), a partial chunk (K = 288), two token tiles in a
+    # group (batched: 200 tokens, BN = 128; ragged: experts of 155 and 130
+    # rows): each bad block is counted once, by its group's first tile only;
+    # bytes past the table in the padding too (not counted); ragged: an
+    # expert without rows (its bad blocks not counted), a clamp, unowned rows.
+    n, k = 200, 288
+    if op == "grouped":
+        g, lead, offsets, live = 3, (200, 3), None, [0, 1, 2]
+    else:
+        g, lead, offsets, live = 4, (300,), np.array([2, 5, 3, 160, 290], np.int32), [0, 2, 3]
+    codes, scales, w8 = exact_weight(rng, g, n, k)
+    hand, bad, zeroed = past_table_form(rng, codes, w8)
+    xc, xs = exact_act(rng, lead, k)
+
+    def call(w, dev, errors):
+        xa = (xc.to(dev), xs.to(dev))
+        w = rawkv.gemm.W4a8Weight(w.n, w.k, *(t.to(dev) for t in w[2:]))
+        if offsets is None:
+            return rawkv.gemm.grouped_linear(xa, w, errors=errors)
+        return rawkv.gemm.moe_linear(xa, w, torch.from_numpy(offsets).to(dev), errors=errors)
+
+    cpu_errors = torch.zeros(1, dtype=torch.int32)
+    want = call(hand, "cpu", cpu_errors)
+    gpu_errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+    got = call(hand, "cuda", gpu_errors)
+    count = int(bad[live].sum()) + (0 if offsets is None else 1)          # (ragged: one clamp)
+    assert int(cpu_errors[0]) == count and int(gpu_errors[0]) == count, (int(gpu_errors[0]), count)
+    assert np.array_equal(bits(got), bits(want)), f"{op}: {int((bits(got) != bits(want)).sum())} outputs differ"
+    # the same bits as the form with those blocks' codes zeroed (shift bytes in the table)
+    w8z = w8._replace(codes=torch.from_numpy(W.pack_codes8(zeroed)))
+    assert np.array_equal(bits(call(w8z, "cuda", None)), bits(got))
+    # errors=None: the device's GEMM_OFFSETS counter
+    counter = rawkv.nvfp4.error_counts()
+    before = int(counter[rawkv.nvfp4.GEMM_OFFSETS])
+    again = call(hand, "cuda", None)
+    assert int(counter[rawkv.nvfp4.GEMM_OFFSETS]) - before == count
+    assert np.array_equal(bits(again), bits(got))
+
+
 # ---------------------------------------------------------------------------
 # the operators
 # ---------------------------------------------------------------------------
@@ -337,7 +484,10 @@ def opcheck_samples(rng, device="cpu"):
     offsets = torch.tensor([0, 2, 1, 5], dtype=torch.int32, device=device)
     return {
         "gemm_grouped_linear_w4a8": [
-            tuple((operator_args8(xa, w8) | {"out": torch.empty(5, 3, 24, dtype=bf, device=device)}).values())],
+            tuple((operator_args8(xa, w8) | {"out": torch.empty(5, 3, 24, dtype=bf, device=device),
+                                             "errors": torch.zeros(1, dtype=torch.int32, device=device)}).values()),
+            tuple((operator_args8(xa, w8) | {"out": torch.empty(5, 3, 24, dtype=bf, device=device),
+                                             "errors": None}).values())],
         "gemm_moe_linear_w4a8": [
             tuple((operator_args8(xr, w8) | {"offsets": offsets, "out": torch.empty(5, 24, dtype=bf, device=device),
                                              "errors": torch.zeros(1, dtype=torch.int32, device=device)}).values())],

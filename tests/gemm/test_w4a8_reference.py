@@ -133,6 +133,44 @@ def test_zero_blocks_take_any_byte_and_a_zero_row_rebases_by_one():
     assert shifts.tolist() == [[[W.ZERO_SHIFT, 6 + W.SHIFT_BIAS, W.ZERO_SHIFT], [W.ZERO_SHIFT] * 3]]
 
 
+def test_shift_bytes_past_the_table_read_as_zeros_and_are_counted(rng):
+    # the bytes past the table: from SHIFT_ROWS = 21 (no accepted block's) on
+    assert W.SHIFT_ROWS == W.SHIFT_MAX + W.SHIFT_BIAS + 1 == 21
+    assert W.past_table(np.arange(256, dtype=np.uint8)).tolist() == [b >= 21 for b in range(256)]
+    g, n, k = 2, 3, 128
+    nib = rng.integers(0, 16, (g, n, k), dtype=np.uint8)
+    codes = _mxfp4(nib)
+    shifts = rng.integers(0, W.SHIFT_ROWS, (g, n, k // 32)).astype(np.uint8)
+    shifts[0, 1, 2], shifts[1, 0, 0], shifts[1, 2, 3] = 21, 255, 20          # (20: the table's last row)
+    bad = shifts >= 21
+    e4m3 = W.w4a8_codes(codes, shifts).reshape(g, n, k // 32, 32)
+    nb = nib.reshape(g, n, k // 32, 32)
+    # a bad block's elements: +-0 (the code's sign, as the kernel keeps it); the others the table's
+    np.testing.assert_array_equal(e4m3[bad], (nb[bad] & 8) << 4)
+    np.testing.assert_array_equal(e4m3[~bad], W.SHIFT_TABLE[shifts[~bad][:, None], nb[~bad] & 7] | ((nb[~bad] & 8) << 4))
+    rows = np.ldexp(1.0, rng.integers(-8, 8, (g, n))).astype(np.float32)
+    gs = np.array([1.0, 0.5], np.float32)
+    vals = W.form_values(codes, shifts, rows, gs)
+    assert (vals.reshape(g, n, k // 32, 32)[bad] == 0).all()
+    # the other blocks as with the bad ones' bytes in the table; gs multiplies each group
+    clean = W.form_values(codes, np.where(bad, W.ZERO_SHIFT, shifts).astype(np.uint8), rows)
+    np.testing.assert_array_equal(vals.reshape(g, n, k // 32, 32)[~bad],
+                                  (clean * gs[:, None, None]).reshape(g, n, k // 32, 32)[~bad])
+    # counted once per block, in the groups that multiply a row
+    assert [W.shift_errors(shifts, live) for live in ([1, 1], [1, 0], [0, 1], [0, 0])] == [2, 1, 1, 0]
+    x_codes, x_scales = _activation(rng, (4, g), k, "fp32")
+    out, errors = W.form_grouped(x_codes, x_scales, codes, shifts, rows, gs)
+    assert errors == 2
+    np.testing.assert_array_equal(out, G.grouped(W.activation_values(x_codes, x_scales), vals))
+    assert W.form_grouped(x_codes[:0], x_scales[:0], codes, shifts, rows, gs)[1] == 0      # no rows: none
+    xr, sr = _activation(rng, (6,), k, "ue8m0")
+    for offsets, want in (([0, 3, 6], 2), ([0, 6, 6], 1), ([0, 0, 6], 1), ([4, 2, 6], 1 + 1), ([0, 0, 0], 0)):
+        out, errors = W.form_ragged(xr, sr, codes, shifts, rows, gs, np.array(offsets, np.int32))
+        assert errors == want, offsets
+        ref, _ = G.ragged(W.activation_values(xr, sr), vals, np.array(offsets, np.int32))
+        np.testing.assert_array_equal(out, ref)
+
+
 # -- the weight rule on random weights ----------------------------------------------------
 
 def test_random_weights_in_a_narrow_range_are_exact(rng):

@@ -307,6 +307,8 @@ OP_CASES = {
         ("x.gs-shape", lambda: (gl, (nv.QuantizedActivation(*qact()[:2], ones(5)), weight()), {})),
         ("weight-none", lambda: (gl, (bones(5, 3, 64), None), {})),
         ("weight.gs-float64", lambda: (gl, (bones(5, 3, 64), retyped_weight()), {})),
+        # (errors= counts a W4a8Weight's shift bytes past the table; an Fp4Weight has none)
+        ("errors-with-an-fp4-weight", lambda: (gl, (bones(5, 3, 64), weight()), {"errors": buf(1, dtype=torch.int32)})),
         ("out-float32", lambda: (gl, (bones(5, 3, 64), weight()), {"out": ones(5, 3, 24)})),
         ("out-shape", lambda: (gl, (bones(5, 3, 64), weight()), {"out": bones(5, 3, 23)})),
         ("out-strided-last-dim", lambda: (gl, (bones(5, 3, 64), weight()), {"out": strided_last(5, 3, 24, dtype=bf)})),

@@ -27,6 +27,25 @@
 //
 // Determinism: each output is one warpgroup's FP32 sum over the stages in
 // order; the same bits on every run.
+//
+// Shift bytes past the table (>= kShiftRows: only a form not built by
+// rawkv.gemm.w4a8_weight, i.e. written by hand or corrupted memory) are
+// device-side data out of range: skipped and counted, never followed, as
+// the CPU path (rawkv.reference.gemm_w4a8.form_grouped / form_ragged) does.
+// The block reads as zeros (+-0 by the code's sign): the byte already
+// loaded is compared as it picks its table (the computed rows are bytes
+// kFastShift .. kShiftRows - 1, one unsigned compare; every other byte
+// indexes the table in shared memory, whose rows past the table are zeros).
+// Each lane ORs a SIMD test of its shift words into a flag (a byte >= 21
+// sets its bit 7: four instructions per chunk), and only a lane that met
+// such a byte re-reads its row pair's bytes from global memory after the
+// epilogue and counts them: each bad block of the weight proper (rows < n,
+// blocks < k / 32; padding is not counted) once per call, by lane t = 0 of
+// the quad that owns its row pair, in the block of the first token tile of
+// its group (batched: blockIdx.y == 0; ragged: the tile that starts at the
+// expert's first row, so experts without rows count nothing), one atomicAdd
+// of that lane's count into errors[0]. Host-side checking would need a
+// host sync.
 #include "gemm_fp4.cuh"
 #include "sm90.cuh"
 #include "wgmma_rs.cuh"
@@ -48,14 +67,24 @@ constexpr int kShiftBytes = 64;         // its shifts (8 row pairs x 8 B)
 constexpr u32 kTable0Lo = 0x3C383000u, kTable0Hi = 0x4C484440u;
 constexpr u32 kShiftBias = RKV_W4A8_SHIFT_BIAS;
 constexpr u32 kFastShift = kShiftBias - 5;
-// The shift rows read from shared memory (those below kFastShift).
-constexpr int kTableRows = kFastShift;
+// The table in shared memory: one row per shift byte, so that any byte
+// indexes it (SHIFT_TABLE's rows, then zeros for the bytes past it; the
+// kernel reads the rows below kFastShift and those past the table).
+constexpr int kTableRows = 256;
 
 // The E4M3 byte of E2M1 magnitude i times 2^(e - SHIFT_BIAS), row e of
 // rawkv.reference.gemm_w4a8.SHIFT_TABLE as two little-endian words (rows
-// 0 .. kTableRows - 1 are the ones the kernel reads).
+// 0 .. kFastShift - 1 are the ones the kernel reads).
 __constant__ u32 c_table[] = {RKV_W4A8_TABLE};
 constexpr int kTableWords = sizeof(c_table) / sizeof(u32);
+// The table's rows (SHIFT_ROWS = 21): a biased shift byte from here on is
+// past the table.
+constexpr u32 kShiftRows = kTableWords / 2;
+static_assert(kShiftRows > kFastShift && kShiftRows <= 128, "the table's rows are the bytes below kShiftRows");
+// Added to a word of shift bytes: bit 7 of (w + kPastAdd) | w is set in a
+// byte iff some byte of w is >= kShiftRows (a byte >= 128 has it already; a
+// carry into the next byte comes only from one >= 149).
+constexpr u32 kPastAdd = (128u - kShiftRows) * 0x01010101u;
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 r;
@@ -89,11 +118,37 @@ __device__ __forceinline__ uint2 ld_shared8(u32 addr) {
 // accepted block reads, e.g. 6 x 2^9, is a wrong finite byte where the
 // reference's table has NaN); below it, the exact row (subnormal entries)
 // from the table in shared memory, a load only the lanes that need it make.
-// A shift byte past the table (only a form not built by w4a8_weight) is
-// read modulo 32.
+// A shift byte past the table (e >= kShiftRows: only a form not built by
+// w4a8_weight) takes the shared-memory path too, to a row of zeros: the
+// block is skipped (and counted, see above).
 __device__ __forceinline__ uint2 block_table(u32 table, u32 e) {
-    if (e >= kFastShift) return make_uint2(kTable0Lo + (e - kShiftBias) * 0x08080800u, kTable0Hi + (e - kShiftBias) * 0x08080808u);
+    if (e - kFastShift < kShiftRows - kFastShift)
+        return make_uint2(kTable0Lo + (e - kShiftBias) * 0x08080800u, kTable0Hi + (e - kShiftBias) * 0x08080808u);
     return ld_shared8(table + 8 * e);
+}
+
+// The bad shift bytes (past the table) of row pair q of a 16-row tile
+// whose bytes start at `src` (chunk c's 8 at src + 64 c, byte 2 s + h: row
+// 8 h + q of the tile, block 4 c + s), rows below n and blocks below
+// `blocks` only (padding is not the weight's). Only a lane whose fragments
+// met such a byte calls it: a cold path that re-reads the bytes.
+__device__ __noinline__ int count_past(const u8* __restrict__ src, int row0, int n, int chunks, int blocks) {
+    int bad = 0;
+    for (int c = 0; c < chunks; ++c)
+        for (int j = 0; j < 8; ++j)
+            bad += (row0 + 8 * (j & 1) < n && 4 * c + (j >> 1) < blocks && src[64 * c + j] >= kShiftRows) ? 1 : 0;
+    return bad;
+}
+
+// Whether the block's token tile is the first of its group (the one that
+// counts the group's bad shift bytes): batched, tile 0; ragged, the tile
+// starting at the expert's first row o'_g = min(max(offsets[0..g], 0),
+// tokens) (ragged_slot's clamp, from the raw offsets in s_off).
+__device__ __noinline__ bool first_tile(const int* s_off, bool ragged, int g, int t0, int tokens) {
+    if (!ragged) return blockIdx.y == 0;
+    int run = s_off[0];
+    for (int i = 1; i <= g; ++i) run = max(run, s_off[i]);
+    return t0 == min(max(run, 0), tokens);
 }
 __device__ __forceinline__ float4 ld_shared_f4(u32 addr) {
     float4 v;
@@ -154,8 +209,8 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
     const int live_tiles = min(kTiles, tiles16 - tile0);
     const int rows = t1 - t0;
 
-    static_assert(2 * kTableRows <= kTableWords, "the table holds the rows read from shared memory");
-    for (int i = threadIdx.x; i < 2 * kTableRows; i += kThreads) s_table[i] = c_table[i];
+    static_assert(2 * kFastShift <= kTableWords, "the table holds the rows read from shared memory");
+    for (int i = threadIdx.x; i < 2 * kTableRows; i += kThreads) s_table[i] = i < kTableWords ? c_table[i] : 0u;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_full + 8 * s, 128);   // each producer thread's copies
@@ -226,6 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
     float acc[BN / 2], part[BN / 2];
 #pragma unroll
     for (int j = 0; j < BN / 2; ++j) acc[j] = part[j] = 0.0f;   // (part: the first wgmma overwrites it)
+    u32 past = 0;                                  // bit 7 of a byte: a shift byte past the table seen
 
     // The E4M3 A fragments of a stage's four k32 steps: lane (q, t), step
     // s: word 2 s (row q) and 2 s + 1 (row q + 8) of its 32 packed bytes,
@@ -236,11 +292,12 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
         const uint4 c0 = ld_shared16(wst + my_tile * kCodeBytes + lane * 16);          // steps 0, 1
         const uint4 c1 = ld_shared16(wst + my_tile * kCodeBytes + 512 + lane * 16);    // steps 2, 3
         const uint2 sh = ld_shared8(wst + kTiles * kCodeBytes + my_tile * kShiftBytes + q * 8);
+        past |= (sh.x + kPastAdd) | sh.x | (sh.y + kPastAdd) | sh.y;
         const u32 words[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {
             const u32 shw = s4 < 2 ? sh.x : sh.y;
-            const u32 e0 = (shw >> (16 * (s4 & 1))) & 31u, e1 = (shw >> (16 * (s4 & 1) + 8)) & 31u;
+            const u32 e0 = (shw >> (16 * (s4 & 1))) & 255u, e1 = (shw >> (16 * (s4 & 1) + 8)) & 255u;
             const uint2 tq = block_table(table, e0), tq8 = block_table(table, e1);
             e4m3_of_e2m1(words[2 * s4], tq.x, tq.y, a[s4][0], a[s4][2]);
             e4m3_of_e2m1(words[2 * s4 + 1], tq8.x, tq8.y, a[s4][1], a[s4][3]);
@@ -320,5 +377,11 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
             if (row < n) orow[row] = __float2bfloat16_rn(acc[4 * j + h] * sc0);
             if (row + 8 < n) orow[row + 8] = __float2bfloat16_rn(acc[4 * j + 2 + h] * sc1);
         }
+    }
+    // The bad shift bytes this lane met, counted once per call (see the top).
+    if ((past & 0x80808080u) && t == 0 && errors && first_tile(s_off, offsets != nullptr, g, t0, tokens)) {
+        const int bad = count_past(wsh + ((i64)g * tiles16 + tile0 + my_tile) * chunks * kShiftBytes + q * 8, row, n,
+                                   chunks, k / 32);
+        if (bad) atomicAdd(errors, bad);
     }
 }

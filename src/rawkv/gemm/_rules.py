@@ -284,18 +284,22 @@ class Act8(NamedTuple):
     device: int
 
 
-def w4a8_grouped(x, x_sf, codes, shifts, row_scale, gs, n, k, out):
-    """(where, activation, weight, out) of rawkv::gemm_grouped_linear_w4a8:
-    x (T, G, K) FP8 codes with scales (T, G, ceil(K/128)), out (T, G, N)."""
+def w4a8_grouped(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors):
+    """(where, activation, weight, out, errors) of
+    rawkv::gemm_grouped_linear_w4a8: x (T, G, K) FP8 codes with scales
+    (T, G, ceil(K/128)), out (T, G, N), errors None or an int32 counter (the
+    ragged op's)."""
     parts = (("x.codes", x), ("x.scales", x_sf))
-    where = A.placement(*parts, ("weight", codes), ("out", out))
+    where = A.placement(*parts, ("weight", codes), ("out", out), ("errors", errors))
     w = weight8(codes, shifts, row_scale, gs, n, k, where)
-    A.check_outputs((("out", out),), parts, w.spans)
+    A.check_outputs((("out", out), ("errors", errors)), parts, w.spans)
     act = activation8(x, x_sf, 3, k, where, w.device)
     t, g = act.lead
     if g != w.groups:
         raise ValueError(f"x: has {g} groups, the weight {w.groups}")
-    return where, act, w, output(out, (t, g, n), where, act.device)
+    if errors is not None:
+        errors = A.counter(errors, where, act.device)
+    return where, act, w, output(out, (t, g, n), where, act.device), errors
 
 
 def w4a8_moe(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors):

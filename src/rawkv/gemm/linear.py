@@ -38,7 +38,7 @@ _TUNING = sys.modules[__name__]
 
 
 # ---- the public ops ------------------------------------------------------------------------
-def grouped_linear(x, weight, *, out=None, stream=None):
+def grouped_linear(x, weight, *, out=None, errors=None, stream=None):
     """out (T, G, N) BF16 = x[t, g, :] . weight[g, n, :] for every token t
     and group g, accumulated in FP32.
 
@@ -46,10 +46,18 @@ def grouped_linear(x, weight, *, out=None, stream=None):
     such an x (q (T, G, K/2), sf (T, G, K/16), gs a float32 tensor of shape
     () / (1,) or (T, G)); numpy arrays too (docs/gemm.md, "Arguments").
     weight: a rawkv.gemm.Fp4Weight of G groups; or a rawkv.gemm.W4a8Weight
-    with x FP8 block activations (codes, scales) (rawkv.gemm.w4a8)."""
+    with x FP8 block activations (codes, scales) (rawkv.gemm.w4a8), whose
+    blocks with a shift byte past the table read as zeros and are counted
+    in errors[0] (an int32 tensor) or, with errors=None, in
+    rawkv.nvfp4.error_counts()[GEMM_OFFSETS], as moe_linear counts. An
+    Fp4Weight's batched product reads no device data that can be out of
+    range: errors is taken with a W4a8Weight only."""
     if weight.__class__ is W4a8Weight:
-        return grouped_linear8(x, weight, out, stream)
+        return grouped_linear8(x, weight, out, errors, stream)
     _check_weight(weight)
+    if errors is not None:
+        raise TypeError("errors: the batched product counts bad inputs of a rawkv.gemm.W4a8Weight only "
+                        "(an Fp4Weight has none to count); pass errors=None")
     x, x_sf, x_gs = _split(x)
     if out is None:
         s = A.dims(x)

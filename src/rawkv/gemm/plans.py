@@ -284,15 +284,17 @@ def _w4a8_launch(dev, act, w, out, grid, bn_stages, tokens, offsets, experts, er
         experts=experts, errors=errors))
 
 
-def w4a8_grouped(dev, act, w, out) -> list[Launch]:
+def w4a8_grouped(dev, act, w, out, errors=None) -> list[Launch]:
     """rawkv.gemm.grouped_linear with a W4A8 weight: x (T, G, K) FP8 ->
-    out (T, G, N), one launch of a grid (feature blocks, token tiles, groups)."""
+    out (T, G, N), one launch of a grid (feature blocks, token tiles, groups).
+    `errors`: the counter's tensor or address (shift bytes past the table;
+    None: not counted)."""
     t, g = act.lead
     if t == 0 or w.n == 0:
         return []
     bn, stages = w4a8_tile(t)
     grid = (-(-w.n // K8.BM), -(-t // bn), g)
-    return [_w4a8_launch(dev, act, w, out, grid, (bn, stages), t, None, 0, None)]
+    return [_w4a8_launch(dev, act, w, out, grid, (bn, stages), t, None, 0, errors)]
 
 
 def w4a8_moe(dev, act, w, offsets, out, errors) -> list[Launch]:

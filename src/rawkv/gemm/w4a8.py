@@ -11,7 +11,14 @@ row, the rest folded into E4M3 values exactly; a weight the rule cannot
 hold is refused at load, naming its blocks), packed for the kernel
 (pack_codes8 / pack_shifts8). On CUDA tensors one launch of
 rawkv/cu/gemm_w4a8_sm90.cu (sm_90 only); on CPU tensors the reference's
-exact product rounded once to BF16.
+exact product rounded once to BF16 (gemm_w4a8.form_grouped / form_ragged).
+
+A shift byte past the table (only in a form not built by w4a8_weight:
+written by hand, or corrupted memory) is device-side data out of range:
+its block reads as zeros and is counted, on CPU and CUDA alike (checking
+the bytes on the host before a launch would be a host sync), once per call
+in errors[0], an int32 counter both ops take (errors=None: the device's,
+or the host's, GEMM_OFFSETS slot of rawkv.nvfp4.error_counts()).
 """
 from __future__ import annotations
 
@@ -21,11 +28,10 @@ import numpy as np
 
 from .. import _args as A
 from .._op import empty, op
-from ..reference import gemm as ref
 from ..reference import gemm_w4a8 as ref8
 from ..runtime import get_runtime
 from . import _rules as R
-from ._body import ragged_bf16, run_ragged, write_bf16
+from ._body import count_cpu, run_ragged, write_bf16
 from . import plans as P
 from .weights import Fp4Weight
 
@@ -35,7 +41,9 @@ class W4a8Weight(NamedTuple):
     sizes; codes uint8 (G, NP/16, C, 2, 32, 16) and shifts uint8
     (G, NP/16, C, 8, 8) (C = ceil(K/128); rawkv.reference.gemm_w4a8's
     pack_codes8 / pack_shifts8: the E2M1 codes and each 32-column block's
-    biased shift, the row of SHIFT_TABLE that turns its codes into E4M3);
+    biased shift, the row of SHIFT_TABLE that turns its codes into E4M3;
+    a byte past the table, which w4a8_weight never writes, makes its block
+    zeros and is counted by the ops);
     row_scale float32 (G, NP), 2^r of each row (padding rows 1); gs the
     Fp4Weight's float32 (G,) global scales (ones for MXFP4)."""
     n: int
@@ -91,14 +99,15 @@ def split8(x) -> tuple:
                     f"{'a tensor' if A.is_torch(x) else type(x).__name__}")
 
 
-def grouped_linear8(x, weight: W4a8Weight, out=None, stream=None):
-    """grouped_linear for a W4A8 weight (rawkv.gemm.grouped_linear calls it)."""
+def grouped_linear8(x, weight: W4a8Weight, out=None, errors=None, stream=None):
+    """grouped_linear for a W4A8 weight (rawkv.gemm.grouped_linear calls it);
+    errors as moe_linear8's (shift bytes past the table)."""
     codes, scales = split8(x)
     if out is None:
         s = A.dims(codes)
         out = empty(codes, (s[0] if s else 0, weight.groups, weight.n), "bfloat16", stream)
     _grouped8(codes, scales, weight.codes, weight.shifts, weight.row_scale, weight.gs, weight.n, weight.k, out,
-              stream)
+              errors, stream)
     return out
 
 
@@ -115,7 +124,7 @@ def moe_linear8(x, weight: W4a8Weight, offsets, out=None, errors=None, stream=No
 
 def operator_args8(x, weight: W4a8Weight) -> dict:
     """The keyword arguments of torch.ops.rawkv.gemm_grouped_linear_w4a8 /
-    gemm_moe_linear_w4a8 (add out=, and offsets= / errors= for MoE)."""
+    gemm_moe_linear_w4a8 (add out= and errors=, and offsets= for MoE)."""
     codes, scales = split8(x)
     return dict(x=codes, x_sf=scales, codes=weight.codes, shifts=weight.shifts, row_scale=weight.row_scale,
                 gs=weight.gs, n=weight.n, k=weight.k)
@@ -125,48 +134,51 @@ def operator_args8(x, weight: W4a8Weight) -> dict:
 _SCHEMA = "Tensor x, Tensor x_sf, Tensor codes, Tensor shifts, Tensor row_scale, Tensor gs, int n, int k"
 
 
-@op("gemm_grouped_linear_w4a8", f"{_SCHEMA}, Tensor(a!) out")
-def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, stream=None):
+@op("gemm_grouped_linear_w4a8", f"{_SCHEMA}, Tensor(a!) out, Tensor(b!)? errors")
+def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors, stream=None):
     """rawkv::gemm_grouped_linear_w4a8: FP8 x (T, G, K) with its block
-    scales times each group's W4A8 weight into out (T, G, N)."""
-    where, act, w, out = R.w4a8_grouped(x, x_sf, codes, shifts, row_scale, gs, n, k, out)
+    scales times each group's W4A8 weight into out (T, G, N); the weight's
+    blocks whose shift byte is past the table read as zeros and are counted
+    in errors[0] (None: the device's GEMM_OFFSETS counter), as
+    rawkv::gemm_moe_linear_w4a8 counts them."""
+    where, act, w, out, errors = R.w4a8_grouped(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors)
     if where == "cpu":
-        write_bf16(ref.grouped(_values(act), _weight_values(w)), out)
+        y, bad = ref8.form_grouped(*_activation(act), *_form(w))
+        count_cpu(errors, bad)
+        write_bf16(y, out)
         return
-    rt = get_runtime(act.device)
-    rt.run(P.w4a8_grouped(rt, act, w, out), stream)
+    run_ragged(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.w4a8_grouped(rt, act, w, out, e))
 
 
 @op("gemm_moe_linear_w4a8", f"{_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")
 def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, stream=None):
     """rawkv::gemm_moe_linear_w4a8: the rows of FP8 x (R, K) of expert e
     (offsets as rawkv::gemm_moe_linear takes them) times its W4A8 weight
-    into out (R, N)."""
+    into out (R, N); the clamps and the blocks past the table of the experts
+    that own a row counted in errors[0] (None: the device's GEMM_OFFSETS
+    counter)."""
     where, act, w, offsets, out, errors = R.w4a8_moe(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out,
                                                      errors)
     if where == "cpu":
-        ragged_bf16(_values(act), _weight_values(w), offsets, errors, out)
+        offs = A.to_numpy(offsets, "offsets").astype(np.int64)
+        y, bad = ref8.form_ragged(*_activation(act), *_form(w), offs)
+        count_cpu(errors, bad)
+        write_bf16(y, out)
         return
     run_ragged(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.w4a8_moe(rt, act, w, offsets, out, e))
 
 
 # ---- CPU ---------------------------------------------------------------------------------------
-def _values(act) -> np.ndarray:
-    """float64 of the FP8 activation, exactly (code x block scale)."""
-    codes = A.to_numpy(act.x, "x.codes").view(np.uint8)
-    return ref8.activation_values(codes, A.to_numpy(act.sf, "x.scales"))
+def _activation(act) -> tuple:
+    """(codes uint8, scales float32) of the FP8 activation as numpy arrays."""
+    return A.to_numpy(act.x, "x.codes").view(np.uint8), A.to_numpy(act.sf, "x.scales")
 
 
-def _weight_values(w) -> np.ndarray:
-    """float64 of the W4A8 weight (its codes, shifts, row powers of two and
-    global scales), exactly."""
+def _form(w) -> tuple:
+    """(codes, shifts, row_scale, gs) of the W4A8 weight unpacked, the
+    arguments of the reference's form_grouped / form_ragged (padding
+    dropped: its bytes are not the weight's, and are never counted)."""
     codes = ref8.unpack_codes8(A.to_numpy(w.codes, "weight.codes"), w.n, w.k)
     shifts = ref8.unpack_shifts8(A.to_numpy(w.shifts, "weight.shifts"), w.n, w.k)
-    if shifts.size and shifts.max() > ref8.SHIFT_MAX + ref8.SHIFT_BIAS:
-        # (a form not built by w4a8_weight; the GPU reads such a byte modulo
-        # 32 without a check: reading the weight back would be a host sync)
-        raise ValueError(f"weight.shifts: biased block shifts lie in [0, {ref8.SHIFT_MAX + ref8.SHIFT_BIAS}], "
-                         f"got {int(shifts.max())}; build the form with rawkv.gemm.w4a8_weight")
     rows = A.to_numpy(w.row_scale, "weight.row_scale")[:, :w.n]
-    gs = A.to_numpy(w.gs, "weight.gs").astype(np.float64)
-    return ref8.form_values(codes, shifts, rows) * gs[:, None, None]
+    return codes, shifts, rows, A.to_numpy(w.gs, "weight.gs")

@@ -25,10 +25,11 @@ CONFIGS = {64: (64, 8), "large": (128, 6)}
 
 def dynamic_smem(bn: int, stages: int) -> int:
     """Bytes of dynamic shared memory of one block: 1024 for aligning the
-    swizzled B stages, the stages, the E4M3 table's rows the kernel reads
-    from shared memory (at most 256 bytes) and two mbarriers per stage."""
+    swizzled B stages, the stages, the E4M3 table in shared memory (one
+    8-byte row per shift byte, 2048 bytes: the exact rows, and zeros for the
+    bytes past the table) and two mbarriers per stage."""
     return 1024 + stages * (bn * 128 + (BM // 16) * (ref8.LANE_BYTES * 32 + ref8.SHIFT_BYTES * 8) + bn * 4) \
-        + 256 + 16 * stages
+        + 256 * 8 + 16 * stages
 
 
 GEMM = FILE.kernel(

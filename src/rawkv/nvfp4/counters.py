@@ -9,9 +9,11 @@
 Slots: GATHER_INDEX counts the gather output rows whose index was outside
 [0, rows) in calls that passed no errors= (rows written as zeros);
 GIVEN_GS counts the quantize calls whose device gs the kernel found unusable
-(every block flagged). GEMM_OFFSETS counts the ragged rawkv.gemm offsets that
-were out of order or out of [0, rows) (clamped, docs/gemm.md), in calls that
-passed no errors=. Kernels add with atomics on the op's stream; nothing
+(every block flagged). GEMM_OFFSETS counts the GEMM's bad device inputs in
+calls that passed no errors=: the ragged rawkv.gemm offsets that were out of
+order or out of [0, rows) (clamped, docs/gemm.md), and the W4A8 weight
+blocks whose shift byte is past the table (read as zeros, rawkv.gemm.w4a8).
+Kernels add with atomics on the op's stream; nothing
 here synchronizes on the hot path. The CUDA counters are the device's
 runtime's (rawkv.runtime.Runtime.counters), created zeroed by rawkv.warmup()
 (or on first use outside graph capture).

@@ -31,6 +31,18 @@ The weight rule (what the kernel's in-register conversion must reproduce):
   (c & 8) << 4; the table holds 0x7F (NaN) where e2m1 * 2^e is not an E4M3
   value, entries no accepted weight reads.
 
+  Shift bytes past the table (>= SHIFT_ROWS = 21: no form w4a8_blocks
+  builds, only a form written by hand or corrupted memory) are device-side
+  data out of range: such a block is skipped, its elements read as zeros
+  (an all-zero table row; the code's sign bit kept, as the kernel's prmt
+  keeps it: -0 for a negative code, the same value), and counted. The
+  products of a form (form_grouped / form_ragged, what the CPU op runs and
+  the kernel reproduces) count each such block once per call, in the
+  groups that multiply at least one row (batched: every group when T > 0;
+  ragged: the experts that own a row after the offsets are clamped), blocks
+  of the weight proper only (padding rows and columns of the packed form
+  are not the weight's: unpack_shifts8 drops them).
+
 Why per row (not per row and 128-K block): the promotion then multiplies each
 128-deep FP32 partial by the activation's scale of that (token, block) only,
 DeepGEMM's promotion, and the row's power of two goes to the epilogue once.
@@ -100,6 +112,12 @@ def _shift_table() -> np.ndarray:
 #: (SHIFT_MAX - SHIFT_MIN + 1, 8) uint8: row e + SHIFT_BIAS, column the E2M1
 #: magnitude: the E4M3 byte of e2m1 * 2^e, 0x7F (NaN) where not exact.
 SHIFT_TABLE = _shift_table()
+#: Rows of SHIFT_TABLE: a biased shift byte >= SHIFT_ROWS is past the table.
+SHIFT_ROWS = SHIFT_TABLE.shape[0]
+#: SHIFT_TABLE indexed by any shift byte: the rows past the table all zeros
+#: (a block whose byte is past the table reads as zeros).
+_BYTE_TABLE = np.zeros((256, 8), np.uint8)
+_BYTE_TABLE[:SHIFT_ROWS] = SHIFT_TABLE
 
 
 def _check_mxfp4(codes, scales):
@@ -181,10 +199,30 @@ def w4a8_form(codes, scales, *, name: str = "weight"):
 def w4a8_codes(codes, shifts) -> np.ndarray:
     """The weight's E4M3 bytes (G, N, K): SHIFT_TABLE[shift of the element's
     block, magnitude] with the E2M1 sign, what the kernel builds in
-    registers from the packed codes and shifts."""
+    registers from the packed codes and shifts; a block whose shift byte
+    is past the table (past_table) gives 0x00 / 0x80 (+-0, the sign of
+    the code) for each of its elements."""
     nib = unpack_nibbles(np.asarray(codes, np.uint8))
     sh = np.repeat(np.asarray(shifts, np.uint8), W_BLOCK, axis=-1)
-    return (SHIFT_TABLE[sh, nib & 7] | ((nib & 8) << 4)).astype(np.uint8)
+    return (_BYTE_TABLE[sh, nib & 7] | ((nib & 8) << 4)).astype(np.uint8)
+
+
+def past_table(shifts) -> np.ndarray:
+    """True for the blocks whose biased shift byte is past SHIFT_TABLE
+    (>= SHIFT_ROWS): bytes no form w4a8_blocks builds. Such a block reads
+    as zeros (w4a8_codes) and is counted (shift_errors)."""
+    return np.asarray(shifts, np.uint8) >= SHIFT_ROWS
+
+
+def shift_errors(shifts, live) -> int:
+    """The count a product of the form adds for its shift bytes: the blocks
+    past the table (past_table) of the groups where `live` ((G,) bool) is
+    True, those that multiply at least one row, each once."""
+    bad = past_table(shifts)
+    live = np.asarray(live, bool)
+    if live.shape != bad.shape[:1]:
+        raise ValueError(f"live: expected shape {bad.shape[:1]}, got {live.shape}")
+    return int(bad[live].sum())
 
 
 def weight_values(codes, scales) -> np.ndarray:
@@ -309,9 +347,38 @@ def unpack_shifts8(packed, n: int, k: int) -> np.ndarray:
     return v.reshape(g, tiles * G.ROWS, chunks * 4)[:, :n, :k // W_BLOCK].copy()
 
 
-def form_values(codes, shifts, row_scale) -> np.ndarray:
+def form_values(codes, shifts, row_scale, gs=None) -> np.ndarray:
     """float64 (G, N, K) of a W4A8 form: E4M3(w4a8_codes(codes, shifts))
-    times the row's power of two (row_scale (G, N), float32 2^r). Equal to
-    weight_values for the form w4a8_form gives."""
+    times the row's power of two (row_scale (G, N), float32 2^r) and the
+    group's global scale (gs float32 (G,); None: 1). Equal to weight_values
+    for the form w4a8_form gives; a block whose shift byte is past the
+    table is zeros."""
     w8 = e4m3_decode(w4a8_codes(codes, shifts)).astype(np.float64)
-    return w8 * np.asarray(row_scale, np.float64)[..., None]
+    w = w8 * np.asarray(row_scale, np.float64)[..., None]
+    if gs is not None:
+        w = w * np.asarray(gs, np.float32).reshape(w.shape[0]).astype(np.float64)[:, None, None]
+    return w
+
+
+def form_grouped(x_codes, x_scales, codes, shifts, row_scale, gs=None) -> tuple[np.ndarray, int]:
+    """Batched mode on a W4A8 form (unpacked: codes (G, N, K/2), biased
+    shifts (G, N, K/32), row_scale (G, N), gs (G,) or None), activations
+    (T, G, K) with scales (T, G, ceil(K/128)) -> (float64 (T, G, N),
+    errors): the exact product of form_values and the blocks past the
+    table, counted in every group when T > 0 (shift_errors)."""
+    x = activation_values(x_codes, x_scales)
+    shifts = np.asarray(shifts, np.uint8)
+    out = G.grouped(x, form_values(codes, shifts, row_scale, gs))
+    return out, shift_errors(shifts, np.full(shifts.shape[0], x.shape[0] > 0))
+
+
+def form_ragged(x_codes, x_scales, codes, shifts, row_scale, gs, offsets) -> tuple[np.ndarray, int]:
+    """Ragged mode on a W4A8 form (as form_grouped), activations (R, K),
+    offsets (E + 1,) -> (float64 (R, N), errors): rawkv.reference.gemm's
+    offsets rule (its clamps counted), plus the blocks past the table of
+    the experts that own at least one row after the clamp (shift_errors)."""
+    x = activation_values(x_codes, x_scales)
+    shifts = np.asarray(shifts, np.uint8)
+    out, clamps = G.ragged(x, form_values(codes, shifts, row_scale, gs), offsets)
+    o, _ = G.clamp_offsets(offsets, x.shape[0])
+    return out, clamps + shift_errors(shifts, o[1:] > o[:-1])
