@@ -41,6 +41,19 @@ def test_cpu_moe_offsets_are_clamped_and_counted(rng):
     assert int(rawkv.nvfp4.error_counts("cpu")[rawkv.nvfp4.GEMM_OFFSETS]) == before + 2
 
 
+def test_cpu_moe_with_nothing_to_multiply_counts_nothing(rng):
+    # as the GPU, which launches no kernel then (docs/gemm.md, "Ragged offsets")
+    offsets = torch.tensor([1, 5, 3, 12, 9], dtype=torch.int32)
+    for rows, n in ((0, 16), (9, 0)):
+        w = _weight(rng, 4, n, 32) if n else rawkv.gemm.Fp4Weight.from_float(torch.zeros(4, 0, 32))
+        errors = np.zeros(1, np.int32)
+        before = int(rawkv.nvfp4.error_counts("cpu")[rawkv.nvfp4.GEMM_OFFSETS])
+        got = rawkv.gemm.moe_linear(torch.randn(rows, 32).bfloat16(), w, offsets, errors=errors)
+        rawkv.gemm.moe_linear(torch.randn(rows, 32).bfloat16(), w, offsets)
+        assert tuple(got.shape) == (rows, n) and errors[0] == 0
+        assert int(rawkv.nvfp4.error_counts("cpu")[rawkv.nvfp4.GEMM_OFFSETS]) == before
+
+
 def test_numpy_nvfp4_activations_and_moe(rng):
     # a QuantizedActivation of numpy arrays (what rawkv.nvfp4.quantize and
     # the fused producers return for numpy input) gives the bits of the same

@@ -270,6 +270,17 @@ def test_ragged_random_offsets(rng):
             np.testing.assert_array_equal(got[r], row)
 
 
+def test_ragged_counts_nothing_where_nothing_is_multiplied(rng):
+    # docs/gemm.md, "Ragged offsets": no rows or no output features, no count
+    # (the GPU runs no kernel to read the offsets then); the same offsets
+    # with rows and features are counted
+    bad = np.array([3, 1, 7, -2], np.int32)
+    assert R.ragged(_int_data(rng, (5, 16)), _int_data(rng, (3, 2, 16)), bad)[1] == 3
+    for rows, n in ((0, 2), (5, 0), (0, 0)):
+        got, errs = R.ragged(np.zeros((rows, 16)), np.zeros((3, n, 16)), bad)
+        assert errs == 0 and got.shape == (rows, n)
+
+
 def test_ragged_refuses_wrong_offsets_shape():
     with pytest.raises(ValueError, match="^offsets:"):
         R.ragged(np.zeros((4, 16)), np.zeros((2, 3, 16)), np.array([0, 4]))

@@ -228,7 +228,9 @@ def clamp_offsets(offsets, rows: int) -> tuple[np.ndarray, int]:
 def ragged(x, w, offsets) -> tuple[np.ndarray, int]:
     """Ragged mode: x (R, K), w (E, N, K), offsets (E + 1,) -> (float64 (R,
     N), errors). Expert e owns rows [o'_e, o'_{e+1}) of clamp_offsets; rows
-    outside [o'_0, o'_E) are zeros."""
+    outside [o'_0, o'_E) are zeros. errors: clamp_offsets' count in a call
+    that multiplies something, 0 with R = 0 or N = 0 (nothing is computed;
+    on a GPU no kernel runs to read the offsets)."""
     x = np.asarray(x, dtype=np.float64)
     w = np.asarray(w, dtype=np.float64)
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
@@ -236,6 +238,8 @@ def ragged(x, w, offsets) -> tuple[np.ndarray, int]:
     if np.shape(offsets) != (w.shape[0] + 1,):
         raise ValueError(f"offsets: expected shape ({w.shape[0] + 1},), got {np.shape(offsets)}")
     o, errors = clamp_offsets(offsets, x.shape[0])
+    if x.shape[0] == 0 or w.shape[1] == 0:
+        errors = 0
     out = np.zeros((x.shape[0], w.shape[1]))
     for e in range(w.shape[0]):
         out[o[e]:o[e + 1]] = _dot(x[o[e]:o[e + 1]], w[e])
