@@ -70,7 +70,8 @@ def gather(q, sf, gs, indices, dtype: str = "bfloat16"):
 
     An index outside [0, M) (negative ones included: there is no Python-style
     wrap-around) is not read: that output row is zeros, and it is counted in
-    `errors` (an int)."""
+    `errors` (an int). With N = 0 nothing is read and nothing counted (on a
+    GPU no kernel runs for an empty output)."""
     q = np.asarray(q, dtype=np.uint8)
     sf = np.asarray(sf, dtype=np.uint8)
     idx = np.asarray(indices).astype(np.int64).reshape(-1)
@@ -78,6 +79,8 @@ def gather(q, sf, gs, indices, dtype: str = "bfloat16"):
     g = np.asarray(gs, dtype=F32)
     out = np.zeros((idx.size, n), dtype=np.float16 if dtype == "float16" else F32)
     ok = (idx >= 0) & (idx < m)
+    if n == 0:
+        return out, 0
     sel = idx[ok]
     if sel.size:
         gsel = g[sel] if g.ndim else g

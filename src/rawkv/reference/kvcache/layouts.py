@@ -346,9 +346,14 @@ def page_write(layout: SplitLayout, cache, page_size: int, data, scales, slots, 
 def page_read(layout: SplitLayout, cache, page_size: int, slots):
     """Records at slot ids `slots` (any shape) -> (data (..., data_bytes),
     scales (..., scale_bytes), ok, errors): zeros where not ok (-1: not
-    counted; out of range: counted)."""
+    counted; out of range: counted). A cache of no pages holds no record:
+    every slot but -1 is out of range."""
     cache = _cache(layout, cache, page_size)
     page, off, ok, errors = locate(cache.shape[0], page_size, slots)
+    if cache.shape[0] == 0:
+        shape = np.shape(ok)
+        return (np.zeros((*shape, layout.data_bytes), np.uint8), np.zeros((*shape, layout.scale_bytes), np.uint8),
+                ok, errors)
     p, o = page[..., None], off[..., None]
     data = cache[p, o * layout.data_bytes + np.arange(layout.data_bytes)]
     scales = cache[p, layout.scale_offset(page_size) + o * layout.scale_bytes + np.arange(layout.scale_bytes)]
@@ -416,7 +421,8 @@ def topk_to_kvcache_indices(topk_ids, block_table, page_size: int, num_pages: in
 
     e == -1 -> -1, not counted. e < -1, e >= n_entries[b] (when given),
     e // P >= max_blocks, a row outside [0, R), or a block id outside
-    [0, num_pages) -> -1, counted."""
+    [0, num_pages) -> -1, counted (so with an empty table, R = 0 or
+    max_blocks = 0, every id but -1)."""
     p = _page_size(page_size)
     ids = _ints("topk_ids", topk_ids)
     if ids.ndim not in (2, 3):
@@ -437,7 +443,9 @@ def topk_to_kvcache_indices(topk_ids, block_table, page_size: int, num_pages: in
     row_ok = (rows >= 0) & (rows < table.shape[0])
     lb = np.where(flat >= 0, flat // p, -1)
     ok = row_ok[:, None] & (flat >= 0) & (flat < lim[:, None]) & (lb < table.shape[1])
-    blk = np.where(ok, table[np.where(row_ok, rows, 0)[:, None], np.where(ok, lb, 0)], -1)
+    # (the table is read only where an entry is ok: an empty table has none)
+    blk = np.where(ok, table[np.where(row_ok, rows, 0)[:, None], np.where(ok, lb, 0)], -1) if table.size \
+        else np.full(flat.shape, -1, np.int64)
     ok &= (blk >= 0) & (blk < num_pages)
     out = np.where(ok, blk * p + np.where(ok, flat % p, 0), -1).astype(np.int32)
     errors = int((~ok & (flat != -1)).sum())

@@ -190,7 +190,9 @@ def paged_gather_dense_batch(pool: PagedPoolRef, slots, n_entries, max_entries: 
     errors), K = max_entries: rows[b, j] = entry j of the request in
     slots[b] for j < n_entries[b], zero rows (not counted) past it.
     n_entries[b] < 0 or > K counts one error and gathers the first
-    min(max(n, 0), K) entries. valid_mask False: zero rows, not counted."""
+    min(max(n, 0), K) entries. valid_mask False: zero rows, not counted.
+    K = 0: nothing is gathered and nothing counted (on a GPU no kernel
+    runs)."""
     slots = _ints("slots", slots, ndim=1)
     B, K = slots.shape[0], int(max_entries)
     ne = _ints("n_entries", n_entries, ndim=1)
@@ -199,6 +201,8 @@ def paged_gather_dense_batch(pool: PagedPoolRef, slots, n_entries, max_entries: 
     valid = np.ones(B, bool) if valid_mask is None else _mask("valid_mask", valid_mask, B)
     width = pool.index_head_dim if index else pool.head_dim
     rows = np.zeros((B, K, width), np.float32)
+    if K == 0:
+        return rows, 0
     table = table_rows(pool, slots)
     written = written_of(pool, slots)
     fn = gather_index_keys if index else gather_dense
