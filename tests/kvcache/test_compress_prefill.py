@@ -121,8 +121,10 @@ def test_prefill_argument_errors(rng, kind):
         compress_prefill(pool, kv, z, ape, nw, 99, index=idx)
     with pytest.raises(TypeError, match="^slot"):
         compress_prefill(pool, kv, z, ape, nw, 0.5, index=idx)
-    with pytest.raises(ValueError, match="^start_entry"):
-        compress_prefill(pool, kv, z, ape, nw, s, start_entry=-1, index=idx)
+    for bad in (-1, 2 ** 31, 2 ** 57):           # (2^57 * m wrapped int64 in the reference: it overwrote entry 0)
+        with pytest.raises(ValueError, match="^start_entry"):
+            compress_prefill(pool, kv, z, ape, nw, s, start_entry=bad, index=idx)
+    assert pool.read_errors() == 0
     with pytest.raises(ValueError, match="^eps"):
         compress_prefill(pool, kv, z, ape, nw, s, index=idx, eps=float("nan"))
     if kind == "csa":

@@ -527,14 +527,16 @@ def compress_prefill(p, kv, z, ape, norm_weight, slot, start_entry, parts: tuple
     """(where, slot, start_entry, eps, kv, z, ape, norm_weight, index) of
     compress_prefill: kv, z (T, coff * head_dim) float32 / bfloat16 (z:
     kv's), ape (m, coff * head_dim) float32 or None, norm_weight (head_dim,)
-    float32, slot in [0, max_requests), start_entry >= 0, the index (an
+    float32, slot in [0, max_requests), start_entry in [0, 2^31), the index (an
     `index_cls` of rows (T, 256) of kv's dtype, ape (m, 256) and
     norm_weight (128,) float32) exactly for a pool with indexer keys."""
     compressible(p)
     d, m = p.head_dim, p.m
     w = (2 if p.kind == "csa" else 1) * d
     slot = host_int("slot", slot, 0, p.max_requests)
-    start_entry = host_int("start_entry", start_entry, 0)
+    # (below 2^31: an entry id, as the pool's tables hold them; the token
+    # arithmetic entry * m stays far inside int64)
+    start_entry = host_int("start_entry", start_entry, 0, 2 ** 31)
     eps = A.check_eps(eps)
     index = index_of(p, parts, index_cls)
     named = (("kv", kv), ("z", z), ("ape", ape), ("norm_weight", norm_weight))
