@@ -28,6 +28,19 @@ def test_bad_out_and_offsets_name_the_argument(rng):
 # ---------------------------------------------------------------------------
 # issue 21 item 5: one set of argument rules on CPU and CUDA
 # ---------------------------------------------------------------------------
+def test_out_views_whose_rows_are_apart_are_taken(rng):
+    # rows apart in any order (a permuted view, a gap between groups) are
+    # taken and written as the reference's product (only the refused ones
+    # are in the table below)
+    w = _weight(rng, 3, 16, 64)
+    x = torch.randn(2, 3, 64).bfloat16()
+    want = rawkv.gemm.grouped_linear(x, w)
+    for out in (torch.empty(3, 2, 16, dtype=torch.bfloat16).transpose(0, 1),
+                torch.empty(2, 3, 40, dtype=torch.bfloat16)[..., 4:20]):
+        got = rawkv.gemm.grouped_linear(x, w, out=out)
+        assert got is out and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_bad_arguments_are_refused_by_name_as_on_cuda(rng):
     check_bad_argument_cases(rng, "cpu")
 

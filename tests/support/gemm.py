@@ -186,6 +186,12 @@ def bad_argument_cases(rng, device):
         ("out last dim strided", lambda: gl(x, w, out=torch.empty(2, 3, 32, **bf)[..., ::2]),
          ValueError, "out: the last dimension"),
         ("out a number", lambda: gl(x, w, out=1.0), TypeError, "out: expected a tensor"),
+        ("out expanded", lambda: gl(x, w, out=torch.empty(1, 3, 16, **bf).expand(2, 3, 16)),
+         ValueError, "out: rows overlap"),
+        ("out rows over each other", lambda: gl(x, w, out=torch.empty(64, **bf).as_strided((2, 3, 16), (24, 8, 1))),
+         ValueError, "out: rows overlap"),
+        ("moe out rows over each other", lambda: ml(xm, w, offs, out=torch.empty(32, **bf).as_strided((2, 16), (8, 1))),
+         ValueError, "out: rows overlap"),
         ("moe out shape", lambda: ml(xm, w, offs, out=torch.empty(2, 15, **bf)), ValueError, "out: expected shape"),
     ]
 

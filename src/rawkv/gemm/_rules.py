@@ -241,19 +241,33 @@ def rows_aligned(x, align: int):
 
 
 # ---- out ---------------------------------------------------------------------------------------
+def _apart(shape, strides) -> bool:
+    """Whether no two elements of a strided view share memory, by the usual
+    sufficient rule: each dimension's stride, smallest first, steps past
+    everything the smaller ones span. (A view it refuses may still be
+    apart in an exotic interleaving; none a caller needs.)"""
+    span = 0
+    for st, d in sorted((abs(st), d) for st, d in zip(strides, shape) if d > 1):
+        if st <= span:
+            return False
+        span += (d - 1) * st
+    return True
+
+
 def output(out, shape, where, device):
     """out: bfloat16 (a numpy out: float32 holding BF16 values) of `shape`
     on `device`, its last dimension contiguous (the kernel takes the other
-    strides) and no two rows in one place (a stride-0 view: the kernel's
-    blocks would race, the reference's copy refuse)."""
+    strides) and no two rows in one place (an expanded view, or strides
+    smaller than the rows they step over: the kernel's blocks would race,
+    the reference's copy write over itself)."""
     out = A.tensor(out, "out", OUT_DTYPES_NUMPY if isinstance(out, np.ndarray) else OUT_DTYPES, where,
                    shape=shape, device=device, dense=False)
     st = A.strides(out)
     if st[-1] != 1:
         raise ValueError("out: the last dimension must be contiguous")
-    if any(s == 0 and d > 1 for s, d in zip(st, shape)):
-        raise ValueError(f"out: rows overlap (strides {st} for shape {tuple(shape)}: an expanded view); "
-                         "pass a tensor with its own memory")
+    if not _apart(shape, st):
+        raise ValueError(f"out: rows overlap (strides {st} for shape {tuple(shape)}); "
+                         "pass a tensor whose elements each have their own memory")
     return out
 
 
