@@ -517,7 +517,7 @@ def _positive_float32(v, name: str, what: str) -> float:
     if not _F32_ZERO_UP_TO < f < _F32_INF_FROM:      # NaN fails too
         raise ValueError(f"{name}: {what} must be a finite positive float32 "
                          f"(between {np.finfo(np.float32).smallest_subnormal:.3g} and "
-                         f"{np.finfo(np.float32).max:.4g}), got {v!r}")
+                         f"{np.finfo(np.float32).max:.4g}), got {v!r:.60}")
     return f
 
 

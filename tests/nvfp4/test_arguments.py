@@ -198,6 +198,21 @@ def test_sizes_and_empty_scales():
     assert y.shape == (2, 0)
 
 
+def test_a_number_gs_of_a_decode_is_a_positive_float32_and_eps_a_number():
+    # the rule quantize applies (check_gs_number): 1e39 decoded to inf, and
+    # 2**2000 was a bare OverflowError; eps likewise names itself
+    q, sf, _ = nv.quantize(np.ones((1, 16), np.float32))
+    idx = np.zeros(1, np.int32)
+    for gs in (1e39, 2 ** 2000, 0.0, -1.0, float("nan"), np.float64(1e-50)):
+        with pytest.raises(ValueError, match="^gs: a global scale must be a finite positive float32"):
+            nv.dequantize(q, sf, gs)
+        with pytest.raises(ValueError, match="^gs: a global scale must be a finite positive float32"):
+            nv.gather(q, sf, gs, idx)
+    assert np.array_equal(nv.dequantize(q, sf, 0.5), nv.dequantize(q, sf, np.float32(0.5)))
+    with pytest.raises(ValueError, match="^eps: epsilon must be a finite positive float32"):
+        rawkv.fused.rmsnorm_quantize(np.ones((1, 16), np.float32), np.ones(16, np.float32), eps=2 ** 2000)
+
+
 def test_bad_arguments_cpu():
     x = np.ones((2, 24), np.float32)
     with pytest.raises(ValueError, match="^x:"):

@@ -40,8 +40,14 @@ def mhc_rmsnorm_quantize(x, mix, weight, eps=1e-6, *, scope=None, gs=None, out=N
 
 def number(v):
     """A number argument as the operator's float (a numpy scalar is not
-    one); anything else as it is, for the op to refuse by name."""
-    return float(v) if v.__class__ is not float and A.is_number(v) else v
+    one); anything else, or a number no float holds (2**2000), as it is,
+    for the op to refuse by name."""
+    if v.__class__ is not float and A.is_number(v):
+        try:
+            return float(v)
+        except OverflowError:
+            return v
+    return v
 
 
 def activation(call, like, lead, n, scope, gs, out, stream, *inputs, inv=True):

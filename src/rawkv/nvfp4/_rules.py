@@ -37,11 +37,13 @@ def q_sf(q, sf, where):
 # ---- a decode's global scale -----------------------------------------------------------
 def decode_scale(gs, gs_value):
     """A decode gs from the operator's two arguments: a number as a Python
-    float, anything else as it is (placement refuses what is not an array,
-    decode_gs checks an array); None or a bool is a TypeError naming gs."""
+    float, finite and > 0 as a float32 (check_gs_number, the rule quantize
+    applies: 1e39 would decode to inf), anything else as it is (placement
+    refuses what is not an array, decode_gs checks an array); None or a
+    bool is a TypeError naming gs."""
     gs = A.op_gs(gs, gs_value)
     if A.is_number(gs):
-        return float(gs)
+        return A.check_gs_number(gs)
     if gs is None or isinstance(gs, (bool, np.bool_)):
         raise TypeError(f"gs: expected a float or a float32 tensor, got {gs!r}")
     return gs
