@@ -21,6 +21,19 @@ from support.outputs import _refused
 # ---------------------------------------------------------------------------
 # CPU
 # ---------------------------------------------------------------------------
+def test_sizes_are_checked_before_out_is_allocated():
+    # an n_entries / max_entries past what the op takes is a ValueError naming
+    # it, not a MemoryError from allocating out first
+    p = kc.PagedKVPool("hca", 4, 2, 2, 2, layout="rawkv", device="cpu")
+    s = p.add_request()
+    p.prepare_step([s], [255])
+    with pytest.raises(ValueError, match=r"^n_entries: 100000000 is out of range \[0, 5\)"):
+        kc.gather_dense(p, s, 10 ** 8)
+    with pytest.raises(ValueError, match="^max_entries: "):
+        kc.gather_dense_batch(p, np.array([s], np.int32), np.array([1], np.int32), max_entries=10 ** 13)
+    assert kc.gather_dense(p, s, 2, dtype="float32").shape == (2, p.head_dim)
+
+
 def test_cpu_argument_errors():
     rng = np.random.default_rng(1)
     p, slots = _cpu_pool_with_requests("csa", rng)

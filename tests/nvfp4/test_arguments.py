@@ -213,6 +213,12 @@ def test_a_number_gs_of_a_decode_is_a_positive_float32_and_eps_a_number():
         rawkv.fused.rmsnorm_quantize(np.ones((1, 16), np.float32), np.ones(16, np.float32), eps=2 ** 2000)
 
 
+def test_unswizzle_checks_the_size_before_it_allocates():
+    with pytest.raises(ValueError, match=r"^sw: expected 40000000000000 bytes for scales of shape \(10000000000000, 4\)"):
+        nv.unswizzle_scales(np.zeros(512, np.uint8), (10 ** 13, 4))
+    assert nv.unswizzle_scales(np.zeros(512, np.uint8), (3, 4)).shape == (3, 4)
+
+
 def test_bad_arguments_cpu():
     x = np.ones((2, 24), np.float32)
     with pytest.raises(ValueError, match="^x:"):

@@ -89,6 +89,10 @@ def _dense_one(call, pool, slot, n_entries, out, dtype, errors, stream, index):
     name = C.out_dtype(dtype, out)
     width = _width(pool, index)
     if out is None and width is not None and C.is_size(n_entries):
+        # before allocating (10**8 was a MemoryError): at most what a request
+        # can hold (static sizes only: traced by torch.compile, the count of
+        # the slot's entries, a tensor, would be data-dependent; the op checks it)
+        C.host_int("n_entries", n_entries, 0, pool.max_blocks_per_request * pool.entries_per_block + 1)
         out = empty(pool.block_table, (n_entries, width), name, stream)
     call(*V.pool_operands(pool, errors), slot, n_entries, out, stream=stream, pool=pool, dtype=name)
     return out
@@ -105,6 +109,8 @@ def _dense_batch(call, pool, slots, n_entries, max_entries, valid_mask, out, dty
         max_entries = C.host_int("max_entries", max_entries, 0)
     width, s = _width(pool, index), A.dims(slots)
     if out is None and width is not None and len(s) == 1:
+        # before allocating (10**13 was a MemoryError): the op's own limit
+        C.launch_rows("max_entries", s[0] * max_entries * (pool.index_head_dim // 16 if index else 1))
         out = empty(slots, (s[0], max_entries, width), name, stream)
     call(*V.pool_operands(pool, errors), slots, n_entries, valid_mask, out, stream=stream, pool=pool, dtype=name,
          max_entries=max_entries)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from . import _rules as C
 from ._geometry import BLOCK_THREADS
 from .. import _args as A
@@ -37,6 +39,7 @@ def unswizzle_scales(sw, shape, *, out=None, stream=None):
     `shape` (..., cols)."""
     shape = C.linear_shape(shape, out)
     if out is None:
+        _check_size(sw, shape)        # before allocating: (10**13, 4) was a MemoryError
         out = empty(sw, shape, "uint8", stream)
     _unswizzle(sw, out, stream)
     return A.as_sf(out)
@@ -85,6 +88,15 @@ def _swizzle_arguments(sf, out):
     return where, sf, rows, cols, out
 
 
+def _check_size(sw, shape) -> None:
+    """sw holds the swizzled bytes of linear scales of `shape` (a sw
+    without a size is left to the op's own checks)."""
+    n = A.numel(sw) if isinstance(sw, np.ndarray) or A.is_torch(sw) else None
+    size = ref_layouts.swizzled_size(math.prod(shape[:-1]), shape[-1])
+    if n is not None and n != size:
+        raise ValueError(f"sw: expected {size} bytes for scales of shape {tuple(shape)}, got {n}")
+
+
 def _unswizzle_arguments(sw, out):
     """(where, sw, rows, cols, out) of rawkv::nvfp4_unswizzle_scales: the
     linear shape is out's."""
@@ -92,8 +104,5 @@ def _unswizzle_arguments(sw, out):
     A.check_outputs((("out", out),), (("sw", sw),))
     sw = A.tensor(sw, "sw", A.BYTES, where, align=16)
     out = A.tensor(out, "out", A.BYTES, where, min_ndim=1, device=A.device_of(sw))
-    rows, cols = math.prod(out.shape[:-1]), out.shape[-1]
-    size = ref_layouts.swizzled_size(rows, cols)
-    if A.numel(sw) != size:
-        raise ValueError(f"sw: expected {size} bytes for scales of shape {tuple(out.shape)}, got {A.numel(sw)}")
-    return where, sw, rows, cols, out
+    _check_size(sw, tuple(out.shape))
+    return where, sw, math.prod(out.shape[:-1]), out.shape[-1], out
