@@ -41,6 +41,28 @@ def test_out_views_whose_rows_are_apart_are_taken(rng):
         assert got is out and torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+def test_an_mxfp4_weight_outside_the_scale_window_is_refused_for_every_activation(rng):
+    # Fp4Weight.from_mxfp4 refuses scale bytes outside MX_WINDOW; a weight
+    # built with the constructor (exp_range unknown) or given a wider span
+    # is refused by the ops too, whatever the activations: past the window
+    # the kernels' scale factor overflows its exponent field (BF16 too)
+    codes = torch.from_numpy(rng.integers(0, 256, (2, 16, 32), dtype=np.uint8))
+    scales = torch.full((2, 16, 2), 127, dtype=torch.uint8)
+    good = rawkv.gemm.Fp4Weight.from_mxfp4(codes, scales, groups=2)
+    x = torch.randn(3, 2, 64).bfloat16()
+    want = rawkv.gemm.grouped_linear(x, good)
+    hand = rawkv.gemm.Fp4Weight("mxfp4", 16, 64, good.codes, good.scales, good.gs)
+    wide = rawkv.gemm.Fp4Weight("mxfp4", 16, 64, good.codes, good.scales, good.gs, exp_range=(0, 255))
+    offs = torch.tensor([0, 1, 3], dtype=torch.int32)
+    for w in (hand, wide):
+        for call in (lambda: rawkv.gemm.grouped_linear(x, w), lambda: rawkv.gemm.grouped_linear(x.half(), w),
+                     lambda: rawkv.gemm.moe_linear(x[:, 0], w, offs)):
+            with pytest.raises(ValueError, match=r"^weight: MXFP4 scale bytes must lie in \[4, 137\]"):
+                call()
+    ok = rawkv.gemm.Fp4Weight("mxfp4", 16, 64, good.codes, good.scales, good.gs, exp_range=good.exp_range)
+    assert torch.equal(rawkv.gemm.grouped_linear(x, ok).view(torch.int16), want.view(torch.int16))
+
+
 def test_bad_arguments_are_refused_by_name_as_on_cuda(rng):
     check_bad_argument_cases(rng, "cpu")
 

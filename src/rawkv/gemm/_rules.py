@@ -17,7 +17,7 @@ from .. import _args as A
 from ..kernels import gemm_fp4 as K
 from ..reference import gemm as ref
 from ..reference import gemm_w4a8 as ref8
-from .weights import FORMATS, MX_WINDOW_FP16
+from .weights import FORMATS, MX_WINDOW, MX_WINDOW_FP16
 
 X_DTYPES = ("bfloat16", "float16")
 #: numpy has no bfloat16: a numpy float32 x stands for one, holding BF16
@@ -59,12 +59,25 @@ class Act:
 
 
 # ---- one function per op --------------------------------------------------------------------
+def mx_span(fmt, exp_lo, exp_hi) -> None:
+    """An MXFP4 weight's scale bytes span [exp_lo, exp_hi] (its exp_range;
+    (0, 0) when unknown), which must lie in MX_WINDOW, where the kernels'
+    dequantization is exact whatever the activations (past it their scale
+    factor's exponent overflows its field): Fp4Weight.from_mxfp4 measures
+    and checks it; a weight built otherwise is refused here."""
+    if fmt == "mxfp4" and not MX_WINDOW[0] <= exp_lo <= exp_hi <= MX_WINDOW[1]:
+        raise ValueError(f"weight: MXFP4 scale bytes must lie in [{MX_WINDOW[0]}, {MX_WINDOW[1]}], this weight's "
+                         f"exp_range is [{exp_lo}, {exp_hi}] (build it with rawkv.gemm.Fp4Weight.from_mxfp4, "
+                         "which measures and checks it)")
+
+
 def grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out):
     """(where, activation, weight, out) of rawkv::gemm_grouped_linear: x
     (T, G, K) against a weight of G groups, out (T, G, N)."""
     parts = _parts(x, x_sf, x_gs)
     where = A.placement(*parts, ("weight", codes), ("out", out))
     w = weight(codes, scales, gs, fmt, n, k, where)
+    mx_span(fmt, exp_lo, exp_hi)
     A.check_outputs((("out", out),), parts, w.spans)
     act = activation(x, x_sf, x_gs, 3, k, fmt, exp_lo, exp_hi, where, w.device)
     t, g = act.lead
@@ -80,6 +93,7 @@ def moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, ou
     parts = _parts(x, x_sf, x_gs)
     where = A.placement(*parts, ("offsets", offsets), ("errors", errors), ("out", out), ("weight", codes))
     w = weight(codes, scales, gs, fmt, n, k, where)
+    mx_span(fmt, exp_lo, exp_hi)
     A.check_outputs((("out", out), ("errors", errors)), (*parts, ("offsets", offsets)), w.spans)
     act = activation(x, x_sf, x_gs, 2, k, fmt, exp_lo, exp_hi, where, w.device)
     return (where, act, w, *ragged(w.groups, offsets, out, errors, (act.lead[0], n), where, act.device))
