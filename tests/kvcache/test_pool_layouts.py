@@ -229,6 +229,28 @@ def _dup_pool(device, index_layout="mxfp4"):
     return p
 
 
+@pytest.mark.parametrize("layout", ["rawkv", "model1"])
+def test_float32_entries_stand_for_their_bf16_rounding_in_both_layouts(rng, layout):
+    # a numpy float32 entry stands for a BF16 one (what a CUDA pool takes):
+    # both layouts store the BF16 rounding (the rawkv layout quantized the
+    # float32 values as they were, and disagreed with model1 and the GPU)
+    from rawkv.reference.formats import bf16_round
+
+    def run(ents, keys):
+        p = kc.PagedKVPool("csa", 4, 2, 2, 2, layout=layout, device="cpu")
+        s = p.add_request()
+        p.prepare_step([s], [3])
+        kc.flush_write(p, ents, np.ones(1, bool), np.array([s], np.int32), np.array([3], np.int32),
+                       index_keys=keys)
+        return kc.gather_dense(p, s, 1, dtype="float32"), kc.gather_index_keys(p, s, 1, dtype="float32")
+
+    e = rng.standard_normal((1, 512)).astype(np.float32)
+    k = rng.standard_normal((1, 128)).astype(np.float32)
+    assert not np.array_equal(e, bf16_round(e))
+    for got, want in zip(run(e, k), run(bf16_round(e), bf16_round(k))):
+        assert np.array_equal(got, want)
+
+
 def test_flush_duplicates_lowest_row_wins(rng):
     """Rows aimed at one entry: the lowest valid row writes it (its record,
     not a mix), the others are counted (the rawkv layout's rule)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..formats import bf16_round
 from . import layouts as L
 from ._checks import _f32, _ints, _mask
 from .constants import HEAD_DIM, INDEX_HEAD_DIM, NVFP4_BLOCK, ROPE_DIM
@@ -268,10 +269,12 @@ def _store(pool: PagedPoolRef, locs: list, entries: np.ndarray, index_keys) -> N
             lay = INDEX_LAYOUTS[pool.index_layout]
             L.page_write(lay, pool.index_pages, pool.page_size, *L.records(lay, index_keys), slots)
         return
+    # (float32 values stand for BF16 ones, as in the page layouts' quantizers
+    # and on the GPU, which takes BF16 entries: rounded first)
     pool.kv_fp8[blk, row], pool.kv_scale[blk, row], pool.kv_rope[blk, row] = \
-        fp8_entry_quantize(entries, pool.rope_dim)
+        fp8_entry_quantize(bf16_round(entries), pool.rope_dim)
     if index_keys is not None:
-        pool.idx_q[blk, row], pool.idx_sf[blk, row] = indexer_key_quantize(index_keys)
+        pool.idx_q[blk, row], pool.idx_sf[blk, row] = indexer_key_quantize(bf16_round(index_keys))
 
 
 def _located(pool: PagedPoolRef, table_row, ids, n_entries, pad_ok: bool):
