@@ -120,6 +120,12 @@ def test_a_weights_tensors_are_checked_again_when_they_change(rng):
     w.scales.set_(w.scales.clone()[..., :1])             # the same object, other memory and shape
     with pytest.raises(ValueError, match=r"^weight.scales: expected shape"):
         rawkv.gemm.grouped_linear(x, w)
+    # the same memory, another shape (an in-place view change keeps data_ptr)
+    w = _weight(rng, 2, 16, 64)
+    rawkv.gemm.grouped_linear(x, w)
+    w.gs.unsqueeze_(0)
+    with pytest.raises(ValueError, match=r"^weight.gs: expected shape"):
+        rawkv.gemm.grouped_linear(x, w)
 
 
 def test_a_w4a8_weights_tensors_are_checked_again_when_they_change():

@@ -125,10 +125,18 @@ def _parts(x, x_sf, x_gs) -> tuple:
 # keeps a tensor alive. A weight's packed tensors are fixed once it is
 # loaded and an op sees the same ones on every step (the public ops from an
 # Fp4Weight / W4a8Weight, an engine's graph through the operator): a call
-# with the same live tensors at the same addresses and the same sizes skips
-# their checks.
+# with the same live tensors at the same addresses, of the same versions
+# (torch counts every in-place change, of the data or of the shape and
+# strides: an unsqueeze_ or resize_ of a weight tensor is checked again) and
+# the same sizes skips their checks.
 _CHECKED: dict = {}
 _CHECKED_MAX = 1024
+
+
+def _stamp(given: tuple) -> tuple:
+    """What must not have changed since the check: each tensor's address
+    and version."""
+    return tuple((t.data_ptr(), t._version) for t in given)
 
 
 def _checked_before(given: tuple, what: tuple):
@@ -139,15 +147,14 @@ def _checked_before(given: tuple, what: tuple):
     for ref_, t in zip(hit[0], given):
         if ref_() is not t:
             return None
-    return hit[3] if hit[2] == tuple(t.data_ptr() for t in given) else None
+    return hit[3] if hit[2] == _stamp(given) else None
 
 
 def _remember(given: tuple, what: tuple, found: tuple) -> None:
     if all(map(A.is_torch, given)):         # (a DLPack array checked here is a new tensor each call)
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.clear()
-        _CHECKED[id(given[0])] = (tuple(weakref.ref(t) for t in given), what,
-                                  tuple(t.data_ptr() for t in given), found)
+        _CHECKED[id(given[0])] = (tuple(weakref.ref(t) for t in given), what, _stamp(given), found)
 
 
 def weight(codes, scales, gs, fmt, n, k, where) -> Weight:
