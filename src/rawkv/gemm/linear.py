@@ -118,8 +118,8 @@ def operator_args(x, weight) -> dict:
 
 # ---- the operators -------------------------------------------------------------------------
 # The weight travels as its tensors and sizes (exp_lo / exp_hi: an MXFP4
-# weight's scale-byte range, 0 for NVFP4); an NVFP4 activation as q (in
-# x), sf and gs.
+# weight's scale-byte range, which must lie in MX_WINDOW (0, 0: unknown,
+# refused); 0 for NVFP4); an NVFP4 activation as q (in x), sf and gs.
 _WEIGHT_SCHEMA = "Tensor codes, Tensor scales, Tensor gs, str fmt, int n, int k, int exp_lo, int exp_hi"
 _X_SCHEMA = "Tensor x, Tensor? x_sf, Tensor? x_gs"
 
