@@ -45,18 +45,22 @@ def test_layer_w4a8_takes_fp8_activations(rng):
     xc, xs = rawkv.fp8.quantize_blocks(torch.randn(3, g, k))
     want = W.grouped(xc.view(torch.uint8).numpy(), xs.numpy(), codes.reshape(g, n, k // 2),
                      scales.reshape(g, n, k // 32))
-    for x in ((xc, xs), rawkv.fp8.Fp8Activation(xc, xs)):
+    for x in ((xc, xs), [xc, xs], rawkv.fp8.Fp8Activation(xc, xs)):
         got = layer(x)
         assert got.shape == (3, g, n) and np.array_equal(_bits(got), ref.round_to_bf16(want))
-    with pytest.raises(ValueError, match="^x: 5 tokens"):
-        layer(rawkv.fp8.quantize_blocks(torch.randn(5, g, k)))
+        assert got.data_ptr() == layer.out.data_ptr()           # the layer's buffer, never a new one
+    for make in (tuple, list):
+        with pytest.raises(ValueError, match="^x: 5 tokens"):
+            layer(make(rawkv.fp8.quantize_blocks(torch.randn(5, g, k))))
     # row 0 spans 2^12 (6 x 2^10) down to 2^-18 (0.5 x 2^-17): more than E4M3
     # holds, refused by name (block 1 of row 0, all of its elements 0.5)
     bad_codes, bad = codes.copy(), scales.copy()
     bad_codes[0, 16:32] = 0x11
     bad[0, :2] = (137, 110)
+    held = layer.weight
     with pytest.raises(ValueError, match=r"^weight: 1 MXFP4 block.*\(g=0, n=0, block=1: byte 110\)"):
         layer.load_mxfp4(torch.from_numpy(bad_codes), torch.from_numpy(bad), w4a8=True)
+    assert layer.weight is held                                   # a refused load changes nothing
 
 
 # ---------------------------------------------------------------------------

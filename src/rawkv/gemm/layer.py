@@ -56,24 +56,26 @@ class Fp4GroupedLinear:
         take FP8 block activations, (codes, scales) from
         rawkv.fp8.quantize_blocks, on the W4A8 GEMM (sm_90; docs/gemm.md)."""
         w = Fp4Weight.from_mxfp4(weight, scale, groups=self.groups).to(self.out.device)
-        self._set(w, "weight")
-        if w4a8:
-            self.weight = w4a8_weight(w)
+        # (every check, the W4A8 form's included, before the weight is
+        # replaced: a refused load leaves the layer as it was)
+        self._set(w, "weight", w4a8_weight(w) if w4a8 else w)
         return self
 
-    def _set(self, w: Fp4Weight, name: str) -> None:
+    def _set(self, w: Fp4Weight, name: str, keep=None) -> None:
+        """Check w's sizes against the layer's, then hold `keep` (w itself
+        by default; its W4A8 form for load_mxfp4(w4a8=True))."""
         got = (w.groups, w.n, w.k)
         want = (self.groups, self.out_features, self.in_features)
         if got != want:
             raise ValueError(f"{name}: (groups, out_features, in_features) {got}, the layer was built for {want}")
-        self.weight = w
+        self.weight = w if keep is None else keep
 
     def __call__(self, x, *, out=None, stream=None):
         if self.weight is None:
             raise RuntimeError("Fp4GroupedLinear: no weight yet; call set_weight / load_nvfp4 / load_mxfp4")
         # (x: a tensor, a QuantizedActivation's q, FP8 activations' codes)
         lead = x.q if hasattr(x, "q") else x.codes if hasattr(x, "codes") else \
-            x[0] if isinstance(x, tuple) and len(x) == 2 else x
+            x[0] if isinstance(x, (tuple, list)) and len(x) == 2 else x
         shape = getattr(lead, "shape", ())
         if out is None and len(shape):      # (no shape: grouped_linear's error naming x)
             tokens = shape[0]
