@@ -609,6 +609,11 @@ def check_outputs(outputs, inputs=(), owned=()) -> None:
         if isinstance(a, np.ndarray) and not a.flags.writeable:
             raise ValueError(f"{name}: is read-only (a numpy array with flags.writeable False); "
                              "pass a writable array")
+        if getattr(a, "requires_grad", False):
+            # (the CPU path's copy into it would fail after other outputs were
+            # written; a kernel would write behind autograd's back)
+            raise ValueError(f"{name}: requires grad; rawkv's ops write their outputs in place, which "
+                             "autograd does not track: pass a tensor without requires_grad")
     spans_out = spans(outs)
     spans_in = spans(inputs) + tuple(owned)
     for i, (name, s) in enumerate(spans_out):
