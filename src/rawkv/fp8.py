@@ -205,7 +205,9 @@ def quantize_blocks(x, *, block: int = 128, scale_format: str = "fp32", out=None
     new_bytes = scales is None and scale_format != "fp32"
     if scales is None:
         scales = new_scales(x, s, block, scale_format, stream)
-    _quantize_blocks(x, block, scale_format, codes, scales, stream)
+    # (a float8_e8m0fnu out.scales reaches the operator as its bytes, as the
+    # fused producers pass it: e8m0_bytes)
+    _quantize_blocks(x, block, scale_format, codes, e8m0_bytes(scales), stream)
     return codes, (as_e8m0(scales) if new_bytes else scales)
 
 

@@ -459,3 +459,22 @@ def test_operator_writes_what_the_public_op_returns(rng):
     torch.ops.rawkv.fp8_quantize_blocks(x, 128, "ue8m0", codes, scales)
     c, s = fp8.quantize_blocks(x, scale_format="ue8m0")
     assert torch.equal(codes, c.view(torch.uint8)) and torch.equal(scales, s.view(torch.uint8))
+
+
+def test_an_e8m0_out_scales_reaches_the_operator_as_bytes(monkeypatch):
+    # torch.compile's inductor cannot functionalize an operator taking a
+    # float8_e8m0fnu tensor (rawkv.fp8.e8m0_bytes): quantize_blocks passes a
+    # caller's float8_e8m0fnu out.scales as its uint8 bytes, as the fused
+    # producers do, and returns the buffer it was given
+    seen = []
+    real = rawkv.fp8._quantize_blocks
+    monkeypatch.setattr(rawkv.fp8, "_quantize_blocks",
+                        lambda x, block, fmt, codes, scales, stream: seen.append(scales.dtype)
+                        or real(x, block, fmt, codes, scales, stream))
+    x = torch.randn(4, 128)
+    buf = torch.empty(4, 1, dtype=torch.float8_e8m0fnu)
+    codes, scales = rawkv.fp8.quantize_blocks(x, scale_format="ue8m0", out=(None, buf))
+    want = rawkv.fp8.quantize_blocks(x, scale_format="ue8m0")
+    assert seen == [torch.uint8, torch.uint8] and scales is buf
+    assert torch.equal(scales.view(torch.uint8), want[1].view(torch.uint8))
+    assert torch.equal(codes.view(torch.uint8), want[0].view(torch.uint8))
