@@ -374,16 +374,23 @@ def decode_dtype(dtype, out, default: str):
         hit = _DECODE_DTYPES.get(dtype)
     except TypeError:           # unhashable: refused below
         hit = None
-    if hit is not None:
-        return hit
-    name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
-    if name not in FLOATS:
-        raise TypeError(f"dtype: expected one of {', '.join(FLOATS)}; got {dtype!r}")
-    # remembered for names and torch dtypes only: torch.compile traces this
-    # lookup, and dynamo cannot hash a numpy dtype key anywhere in the dict
-    if isinstance(dtype, str) or type(dtype).__module__ == "torch":
-        _DECODE_DTYPES[dtype] = name
-    return name
+    if hit is None:
+        hit = name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+        if name not in FLOATS:
+            raise TypeError(f"dtype: expected one of {', '.join(FLOATS)}; got {dtype!r}")
+        # remembered for names and torch dtypes only: torch.compile traces this
+        # lookup, and dynamo cannot hash a numpy dtype key anywhere in the dict
+        if isinstance(dtype, str) or type(dtype).__module__ == "torch":
+            _DECODE_DTYPES[dtype] = name
+    if out is not None and is_torch(out) and out.dtype is not _torch_dtype(hit):
+        # (checked here too: the public function runs under torch.compile,
+        # while the operator it calls never sees `dtype`)
+        raise TypeError(f"out: dtype {str(out.dtype).replace('torch.', '')} is not supported (expected {hit})")
+    return hit
+
+
+def _torch_dtype(name: str):
+    return getattr(_torch, name)
 
 
 _DECODE_DTYPES: dict = {}

@@ -147,3 +147,26 @@ def test_compiled_steps_return_what_eager_returns(rng, name, make):
     assert [(t.dtype, t.shape) for t in got] == [(t.dtype, t.shape) for t in want]
     if name == "nvfp4_given_gs":
         assert got[2].data_ptr() == want[2].data_ptr() == args[1].data_ptr()
+
+
+@pytest.mark.parametrize("op", ["fp8.e4m3_decode", "fp8.dequantize_blocks", "nvfp4.dequantize"])
+def test_a_decode_dtype_against_out_is_refused_compiled_as_eager(op):
+    # the operator never sees the public `dtype`: checked against out in the
+    # public function (rawkv._args.decode_dtype), which torch.compile traces
+    import rawkv.fp8
+    codes = torch.arange(16, dtype=torch.uint8).reshape(1, 16) + 0x30
+    q, sf = torch.full((1, 8), 0x22, dtype=torch.uint8), torch.full((1, 1), 0x38, dtype=torch.uint8)
+    call = {"fp8.e4m3_decode": lambda out: rawkv.fp8.e4m3_decode(codes, dtype=torch.float16, out=out),
+            "fp8.dequantize_blocks": lambda out: rawkv.fp8.dequantize_blocks(codes, torch.ones(1, 1),
+                                                                            dtype=torch.float16, out=out),
+            "nvfp4.dequantize": lambda out: rawkv.nvfp4.dequantize(q, sf, 1.0, dtype=torch.float16, out=out)}[op]
+    out = torch.zeros(1, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^out: dtype bfloat16 is not supported \(expected float16\)"):
+        call(out)
+    torch._dynamo.reset()
+    with pytest.raises(Exception):
+        torch.compile(call, fullgraph=True, backend="aot_eager")(out)
+    assert not out.any()
+    torch._dynamo.reset()
+    good = torch.compile(call, fullgraph=True, backend="aot_eager")(torch.zeros(1, 16, dtype=torch.float16))
+    assert good.dtype == torch.float16 and good.any()
