@@ -3,7 +3,7 @@ CPU output (the reference's float64 result rounded once to BF16, written
 into out: a bfloat16 tensor, or a numpy float32 array holding the BF16
 values), the CPU count of bad inputs (offsets clamped, W4A8 shift bytes
 past the table), the ragged product's CPU branch with its clamp count, and
-the launch of an op that counts, with its error counter."""
+the launch of an op that counts (run_counted), with its error counter."""
 from __future__ import annotations
 
 import numpy as np
@@ -38,9 +38,9 @@ def ragged_bf16(x: np.ndarray, w: np.ndarray, offsets, errors, out) -> None:
     write_bf16(y, out)
 
 
-def run_ragged(rt, act, w, errors, stream, plan) -> None:
-    """The launches of a call that counts (a ragged call; W4A8's batched
-    one too) on runtime rt (act's device): plan(rt, errors) with errors the
+def run_counted(rt, act, w, errors, stream, plan) -> None:
+    """The launches of a call that counts bad device inputs (a ragged call;
+    W4A8's batched one too) on runtime rt (act's device): plan(rt, errors) with errors the
     caller's counter or, when None, the device's GEMM_OFFSETS counter;
     nothing for no rows (tokens) or no features."""
     if act.lead[0] and w.n:

@@ -22,7 +22,7 @@ from ..reference import formats as F
 from ..reference import gemm as ref
 from ..runtime import get_runtime
 from . import _rules as R
-from ._body import ragged_bf16, run_ragged, write_bf16
+from ._body import ragged_bf16, run_counted, write_bf16
 from . import pack
 from . import plans as P
 from .w4a8 import W4a8Weight, grouped_linear8, moe_linear8
@@ -147,7 +147,7 @@ def _moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, o
     if where == "cpu":
         ragged_bf16(_values(act), _weight_values(w), offsets, errors, out)
         return
-    run_ragged(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.moe(rt, act, w, offsets, out, e, _TUNING))
+    run_counted(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.moe(rt, act, w, offsets, out, e, _TUNING))
 
 
 # ---- CPU ---------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from .._op import empty, op
 from ..reference import gemm_w4a8 as ref8
 from ..runtime import get_runtime
 from . import _rules as R
-from ._body import count_cpu, run_ragged, write_bf16
+from ._body import count_cpu, run_counted, write_bf16
 from . import plans as P
 from .weights import Fp4Weight
 
@@ -147,7 +147,7 @@ def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors, stream=N
         count_cpu(errors, bad)
         write_bf16(y, out)
         return
-    run_ragged(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.w4a8_grouped(rt, act, w, out, e))
+    run_counted(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.w4a8_grouped(rt, act, w, out, e))
 
 
 @op("gemm_moe_linear_w4a8", f"{_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")
@@ -165,7 +165,7 @@ def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, str
         count_cpu(errors, bad)
         write_bf16(y, out)
         return
-    run_ragged(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.w4a8_moe(rt, act, w, offsets, out, e))
+    run_counted(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.w4a8_moe(rt, act, w, offsets, out, e))
 
 
 # ---- CPU ---------------------------------------------------------------------------------------
