@@ -27,7 +27,7 @@ def test_a_grad_output_is_refused_and_nothing_is_written():
 
 def test_a_grad_out_is_refused_by_the_gemm_and_the_fp8_decode():
     wt = rawkv.gemm.Fp4Weight.from_float(torch.linspace(-1, 1, 2 * 16 * 64).reshape(2, 16, 64))
-    out = torch.zeros(3, 2, 16, requires_grad=True).bfloat16().detach().requires_grad_()
+    out = torch.zeros(3, 2, 16, dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises(ValueError, match=f"^out: {MSG}"):
         rawkv.gemm.grouped_linear(torch.randn(3, 2, 64).bfloat16(), wt, out=out)
     dec = torch.zeros(4, 8, requires_grad=True)
