@@ -1,13 +1,14 @@
 """rawkv.gemm.grouped_linear / moe_linear with a W4a8Weight (issue 23;
-rawkv/gemm/w4a8.py, rawkv/cu/gemm_w4a8_sm90.cu): on CPU the reference's
-exact product (rawkv.reference.gemm_w4a8) rounded once to BF16, bit for bit;
-its argument errors (AGREEMENT: the same on CPU and CUDA); the launch plans;
-on an sm_90 GPU the kernel within the bound of tests/support/gemm_w4a8.py
-on every shape class (partial row tiles and 128-column chunks, 1 to 300
-tokens, empty experts, 384 experts, views), NaN where a block's scale is NaN,
-the same bits on every run; shift bytes past the table read as zeros and
-counted (CPU against the reference; GPU: the CPU path's bits and count);
-the operators (opcheck samples)."""
+rawkv/gemm/w4a8.py, rawkv/cu/gemm_w4a8_sm90.cu and gemm_w4a8_mma.cu): on CPU
+the reference's exact product (rawkv.reference.gemm_w4a8) rounded once to
+BF16, bit for bit; its argument errors (AGREEMENT: the same on CPU and CUDA);
+the launch plans; on an sm_90 GPU both kernels (the wgmma one and the FP8
+mma.sync one for few tokens, each forced in turn) within the bound of
+tests/support/gemm_w4a8.py on every shape class (partial row tiles and
+128-column chunks, 1 to 300 tokens, empty experts, 384 experts, views), NaN
+where a block's scale is NaN, the same bits on every run; shift bytes past
+the table read as zeros and counted (CPU against the reference; GPU: the CPU
+path's bits and count); the operators (opcheck samples)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import rawkv  # noqa: E402
-from rawkv.gemm import plans  # noqa: E402
+from rawkv.gemm import linear, plans  # noqa: E402
+from rawkv.kernels import gemm_w4a8 as K8  # noqa: E402
 from rawkv.reference import gemm as G  # noqa: E402
 from rawkv.reference import gemm_w4a8 as W  # noqa: E402
 from support import gemm_w4a8 as B  # noqa: E402
@@ -289,10 +291,63 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
     (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(64, 3, 300, dtype=bf))
     assert launch.grid == (3, 1, 3) and launch.kernel.expr.endswith("<64, 8>")
 
+    # up to W4A8_MMA_MAX_TOKENS per group: the mma.sync kernel, its tile by
+    # tokens (grid: feature blocks of 16 MT RW, token tiles of 8 NT)
+    for tokens, cfg in ((1, K8.MMA_CONFIGS[8]), (16, K8.MMA_CONFIGS[16])):
+        act = R.activation8(*_xa(tokens, 3, k=256), 3, 256, "cpu", -1)
+        (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(tokens, 3, 300, dtype=bf))
+        mt, nt, ks, rw, _ = cfg
+        assert launch.kernel.kernel is K8.GEMM_MMA and launch.kernel.expr.endswith(f"<{', '.join(map(str, cfg))}>")
+        assert launch.grid == (-(-300 // (16 * mt * rw)), -(-tokens // (8 * nt)), 3) and launch.block == (32 * ks * rw,)
+    # past it, or where the wgmma grid fills 90% of the SMs: the wgmma kernel
+    act = R.activation8(*_xa(17, 3, k=256), 3, 256, "cpu", -1)
+    (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(17, 3, 300, dtype=bf))
+    assert launch.kernel.kernel is K8.GEMM and launch.grid == (3, 1, 3)
+    w40 = _w8(40, 300, 256)                                      # 40 groups x 3 feature blocks: 120 blocks
+    wide = R.weight8(w40.codes, w40.shifts, w40.row_scale, w40.gs, w40.n, w40.k, "cpu")
+    act40 = R.activation8(*_xa(1, 40, k=256), 3, 256, "cpu", -1)
+    (launch,) = plans.w4a8_grouped(_Dev, act40, wide, torch.empty(1, 40, 300, dtype=bf))
+    assert launch.kernel.kernel is K8.GEMM and launch.grid == (3, 1, 40)
+    (launch,) = plans.w4a8_grouped(_Dev, act40, wide, torch.empty(1, 40, 300, dtype=bf),
+                                   tuning=plans.Tuning(W4A8_SM90_MIN_FILL=0.95))
+    assert launch.kernel.kernel is K8.GEMM_MMA
+    # forced either way
+    act = R.activation8(*_xa(16, 3, k=256), 3, 256, "cpu", -1)
+    (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(16, 3, 300, dtype=bf),
+                                   tuning=plans.Tuning(W4A8_PATH="sm90"))
+    assert launch.kernel.kernel is K8.GEMM and launch.grid == (3, 1, 3)
+    act = R.activation8(*_xa(65, 3, k=256), 3, 256, "cpu", -1)
+    (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(65, 3, 300, dtype=bf),
+                                   tuning=plans.Tuning(W4A8_PATH="mma"))
+    assert launch.kernel.kernel is K8.GEMM_MMA and launch.grid == (10, 5, 3)       # (16-token tiles)
+    with pytest.raises(ValueError, match="^W4A8_PATH"):
+        plans.w4a8_grouped(_Dev, act, wc, torch.empty(65, 3, 300, dtype=bf), tuning=plans.Tuning(W4A8_PATH="x"))
+
     class Ada:
         arch, sm_count = "sm_89", 142
     with pytest.raises(ValueError, match="^weight: the W4A8 GEMM runs on sm_90"):
-        plans.w4a8_grouped(Ada, act, wc, torch.empty(64, 3, 300, dtype=bf))
+        plans.w4a8_grouped(Ada, act, wc, torch.empty(65, 3, 300, dtype=bf))
+
+
+def test_plans_ragged_by_tokens_per_expert():
+    # MoE: few tokens per expert take the mma.sync kernel's ragged tiles
+    # (one warp streams all of K) when the grid has 2 blocks per SM, the
+    # small tile (warps split K) below; above W4A8_MMA_MAX_EXPERT_TOKENS (16)
+    # the wgmma kernel
+    from rawkv.gemm import _rules as R
+    w8 = _w8(256, 64, 256)
+    wc = R.weight8(w8.codes, w8.shifts, w8.row_scale, w8.gs, w8.n, w8.k, "cpu")
+    offsets = torch.zeros(257, dtype=torch.int32)
+    for rows, cfg in ((6, K8.MMA_RAGGED_SMALL_CONFIG), (384, K8.MMA_RAGGED_CONFIGS[8]),
+                      (256 * 12, K8.MMA_RAGGED_CONFIGS[16]), (256 * 16, K8.MMA_RAGGED_CONFIGS[16]), (256 * 17, None)):
+        act = R.activation8(*_xa(rows, k=256), 2, 256, "cpu", -1)
+        (launch,) = plans.w4a8_moe(_Dev, act, wc, offsets, torch.empty(rows, 64, dtype=bf), None)
+        if cfg is None:
+            assert launch.kernel.kernel is K8.GEMM
+            continue
+        mt, nt, ks, rw, _ = cfg
+        assert launch.kernel.kernel is K8.GEMM_MMA and launch.kernel.expr.endswith(f"<{', '.join(map(str, cfg))}>")
+        assert launch.grid == (-(-64 // (16 * mt * rw)), plans.ragged_slots(rows, 256, 8 * nt), 1)
 
 
 # ---------------------------------------------------------------------------
@@ -305,6 +360,13 @@ def sm90(cuda):
     return cuda
 
 
+@pytest.fixture(params=["sm90", "mma"])
+def path(request, monkeypatch):
+    """Each W4A8 kernel in turn, forced for every token count."""
+    monkeypatch.setattr(linear, "W4A8_PATH", request.param)
+    return request.param
+
+
 def _exact(xc, xs, codes, scales):
     return B.exact_and_absolute(xc.numpy(), xs.numpy(), codes, scales)
 
@@ -312,7 +374,7 @@ def _exact(xc, xs, codes, scales):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 65, 130, 300])
-def test_batched_within_the_bound(sm90, rng, tokens, scale_format):
+def test_batched_within_the_bound(sm90, path, rng, tokens, scale_format):
     # N = 24: a partial row tile; N = 200: a second block of 128 features;
     # K = 160: a partial 128-column chunk; K = 1024: eight chunks. Block
     # scales within 3 of each other take the kernel's computed tables only;
@@ -330,7 +392,7 @@ def test_batched_within_the_bound(sm90, rng, tokens, scale_format):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts, rows", [(4, 0), (4, 9), (8, 300), (384, 700)])
-def test_ragged_within_the_bound(sm90, rng, experts, rows):
+def test_ragged_within_the_bound(sm90, path, rng, experts, rows):
     n, k = 136, 288
     codes, scales, _, w8 = mx_weight(rng, experts, n, k)
     counts = rng.multinomial(rows, np.full(experts, 1 / experts)) if rows else np.zeros(experts, int)
@@ -350,7 +412,7 @@ def test_ragged_within_the_bound(sm90, rng, experts, rows):
 
 
 @pytest.mark.gpu
-def test_ragged_clamps_count_and_unowned_rows_are_zero(sm90, rng):
+def test_ragged_clamps_count_and_unowned_rows_are_zero(sm90, path, rng):
     codes, scales, _, w8 = mx_weight(rng, 3, 40, 128)
     xc, xs = fp8_act(rng, (12, 128))
     offsets = np.array([2, 6, 4, 9], np.int32)                  # 4 < 6: clamped; rows 9.. and ..2 unowned
@@ -367,7 +429,7 @@ def test_ragged_clamps_count_and_unowned_rows_are_zero(sm90, rng):
 
 
 @pytest.mark.gpu
-def test_extreme_shifts_within_the_bound(sm90, rng):
+def test_extreme_shifts_within_the_bound(sm90, path, rng):
     # the table rows read from shared memory (subnormal entries) and the
     # computed rows at the top of the range, on the GPU
     codes, scales = extreme_weight(2, 40, 256)
@@ -381,7 +443,7 @@ def test_extreme_shifts_within_the_bound(sm90, rng):
 
 
 @pytest.mark.gpu
-def test_k_zero_gives_zeros_on_the_gpu(sm90):
+def test_k_zero_gives_zeros_on_the_gpu(sm90, path):
     w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.zeros(1, 16, 0, dtype=u8), torch.zeros(1, 16, 0, dtype=u8))
     w8 = rawkv.gemm.w4a8_weight(w)
     w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
@@ -407,7 +469,25 @@ def test_same_bits_every_run_and_every_token_tiling(sm90, rng):
 
 
 @pytest.mark.gpu
-def test_views_are_read_as_they_are_or_copied(sm90, rng):
+def test_mma_kernel_same_bits_every_run_and_every_token_tiling(sm90, rng, monkeypatch):
+    # The mma.sync kernel's batched tiles (8 and 16 tokens) both split K in
+    # four warps the same way, so a token's row is the same whichever tile it
+    # lands in; forced to 65 tokens (16-token tiles, the last partial).
+    monkeypatch.setattr(linear, "W4A8_PATH", "mma")
+    assert len({cfg[2] for cfg in K8.MMA_CONFIGS.values()}) == 1
+    codes, scales, _, w8 = mx_weight(rng, 2, 264, 1024)
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    xc, xs = fp8_act(rng, (65, 2, 1024))
+    xc, xs = xc.cuda(), xs.cuda()
+    full = rawkv.gemm.grouped_linear((xc, xs), w8c)
+    assert torch.equal(full.view(torch.int16), rawkv.gemm.grouped_linear((xc, xs), w8c).view(torch.int16))
+    for tokens in (1, 8, 9, 16):
+        part = rawkv.gemm.grouped_linear((xc[:tokens].contiguous(), xs[:tokens].contiguous()), w8c)
+        assert torch.equal(part.view(torch.int16), full[:tokens].view(torch.int16)), tokens
+
+
+@pytest.mark.gpu
+def test_views_are_read_as_they_are_or_copied(sm90, path, rng):
     codes, scales, _, w8 = mx_weight(rng, 2, 48, 256)
     w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
     xc, xs = fp8_act(rng, (20, 2, 256))
@@ -427,7 +507,7 @@ def test_views_are_read_as_they_are_or_copied(sm90, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["grouped", "ragged"])
-def test_shift_bytes_past_the_table_same_bits_and_count_as_the_cpu(sm90, rng, op):
+def test_shift_bytes_past_the_table_same_bits_and_count_as_the_cpu(sm90, path, rng, op):
     # Products exact in the FP8 MMA (exact_weight / exact_act), so the
     # kernel's bits are the CPU path's. Two feature blocks (N = 200: a
     # partial row tile), a partial chunk (K = 288), two token tiles in a

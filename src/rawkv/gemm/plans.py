@@ -61,6 +61,17 @@ class Tuning(NamedTuple):
     each step's start): Flash M = 16 and 32 (256 blocks) 13.6 -> 11.1 and
     17.8 -> 14.2 us, seed 004 (384 blocks) 29.6 -> 26.0 and 37.6 -> 33.0;
     Pro (512 blocks) 21.2 -> 23.3 and 25.2 -> 31.3.
+    W4A8_PATH: the W4A8 kernel, "auto" (the rule below), or "mma" / "sm90"
+    to force one (tests run every shape class through both). W4A8 calls of
+    at most W4A8_MMA_MAX_TOKENS tokens per group (batched) or
+    W4A8_MMA_MAX_EXPERT_TOKENS per expert on average (ragged) take the
+    mma.sync kernel (K8.GEMM_MMA), the rest the wgmma kernel, except batched
+    calls whose wgmma grid already fills W4A8_SM90_MIN_FILL of the SMs (its
+    blocks then stream all of K at once: DeepSeek-V4-Pro's wo_a, 128 blocks
+    on 132 SMs, where the two measured within 3% at 1 token and the wgmma
+    kernel ahead at 8 and 16); a ragged call takes K8.MMA_RAGGED_CONFIGS
+    when its grid has MMA_RAGGED_MIN_BLOCKS blocks per SM, as the W4A16
+    mma.sync kernel's ragged tiles do.
     SM90_FORCE_BN: the wgmma kernel's token tile (64, 96 or 128), None to
     let the plan choose. SM90_FORCE_BM: its feature tile (128 or 256), None
     to let sm90_tile's cost model choose (the rule it replaced: 128 when
@@ -80,6 +91,10 @@ class Tuning(NamedTuple):
     SM90_FORCE_KSPLIT: int | None = None
     SM90_MIN_SPLIT_CHUNKS: int = 16
     MMA_PREFETCH_MAX_BLOCKS_PER_SM: int = 3
+    W4A8_PATH: str = "auto"
+    W4A8_MMA_MAX_TOKENS: int = 16
+    W4A8_MMA_MAX_EXPERT_TOKENS: int = 16
+    W4A8_SM90_MIN_FILL: float = 0.9
 
 
 TUNED = Tuning()
@@ -262,48 +277,87 @@ def _lead_strides(x) -> tuple:
     return (st[0], st[1]) if len(st) == 3 else (st[0], 0)
 
 
-# ---- W4A8 (rawkv/cu/gemm_w4a8_sm90.cu) ----------------------------------------------------------
+# ---- W4A8 (rawkv/cu/gemm_w4a8_sm90.cu, gemm_w4a8_mma.cu) -------------------------------------
 def w4a8_tile(tokens: int) -> tuple:
-    """(BN, STAGES) of the W4A8 kernel for `tokens` per group (ragged: per
-    expert on average)."""
+    """(BN, STAGES) of the W4A8 wgmma kernel for `tokens` per group (ragged:
+    per expert on average)."""
     return K8.CONFIGS[64] if tokens <= 64 else K8.CONFIGS["large"]
 
 
-def _w4a8_launch(dev, act, w, out, grid, bn_stages, tokens, offsets, experts, errors) -> Launch:
+def w4a8_mma_config(w, tokens: int, ragged: bool, rows: int, dev, tuning=TUNED) -> tuple | None:
+    """The W4A8 mma.sync kernel's (MT, NT, KS, RW, S) for `tokens` per group
+    (ragged: per expert on average, `rows` in all), or None where the wgmma
+    kernel serves (Tuning's W4A8_* rule)."""
+    path = tuning.W4A8_PATH
+    if path == "sm90":
+        return None
+    if path not in ("auto", "mma"):
+        raise ValueError(f"W4A8_PATH: expected 'auto', 'mma' or 'sm90', got {path!r}")
+    if path == "auto":
+        if tokens > (tuning.W4A8_MMA_MAX_EXPERT_TOKENS if ragged else tuning.W4A8_MMA_MAX_TOKENS):
+            return None
+        if not ragged and w.groups * -(-w.n // K8.BM) * -(-tokens // w4a8_tile(tokens)[0]) \
+                >= tuning.W4A8_SM90_MIN_FILL * dev.sm_count:
+            return None
+    if ragged and tokens <= max(K8.MMA_RAGGED_CONFIGS):
+        cfg = mma_config(tokens, K8.MMA_RAGGED_CONFIGS)
+        blocks = -(-w.n // (16 * cfg[0] * cfg[3])) * ragged_slots(rows, w.groups, 8 * cfg[1])
+        if blocks >= tuning.MMA_RAGGED_MIN_BLOCKS * dev.sm_count:
+            return cfg
+        if tokens <= 8:
+            return K8.MMA_RAGGED_SMALL_CONFIG
+    for tt in sorted(K8.MMA_CONFIGS):
+        if tokens <= tt:
+            return K8.MMA_CONFIGS[tt]
+    return K8.MMA_CONFIGS[max(K8.MMA_CONFIGS)]
+
+
+def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> Launch:
+    """The launch of either W4A8 kernel: its tile from the tokens per group
+    (ragged: per expert on average), a grid of (feature blocks, token tiles
+    or slots, groups)."""
     if dev.arch != "sm_90":
         raise ValueError(f"weight: the W4A8 GEMM runs on sm_90 (Hopper) devices, this one is {dev.arch}; "
                          "use the W4A16 path (an Fp4Weight and BF16 activations)")
+    ragged = offsets is not None
+    per = -(-tokens // max(1, min(experts, tokens))) if ragged else tokens
+    cfg = w4a8_mma_config(w, per, ragged, tokens, dev, tuning)
+    if cfg is None:
+        bn, stages = w4a8_tile(per)
+        inst, block, rows_per_block = K8.GEMM.instance(bn, stages), (K8.THREADS,), K8.BM
+    else:
+        mt, nt, ks, rw, _ = cfg
+        inst, block, rows_per_block, bn = K8.GEMM_MMA.instance(*cfg), (32 * ks * rw,), 16 * mt * rw, 8 * nt
+    if ragged:
+        grid = (-(-w.n // rows_per_block), ragged_slots(tokens, experts, bn), 1)
+    else:
+        grid = (-(-w.n // rows_per_block), -(-tokens // bn), act.lead[1])
     if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
         raise ValueError(f"x: {tokens} tokens x {w.groups} groups is past the launch grid's limit")
     xs_t, xs_g = _lead_strides(act.x)
     ss_t, ss_g = _lead_strides(act.sf)
     os_t, os_g = _lead_strides(out)
-    return Launch(K8.GEMM.instance(*bn_stages), grid, (K8.THREADS,), dict(
+    return Launch(inst, grid, block, dict(
         wq=w.codes, wsh=w.shifts, wrow=w.row_scale, wgs=w.gs, x=act.x, xsf=act.sf, xs_t=xs_t, xs_g=xs_g,
         ss_t=ss_t, ss_g=ss_g, out=out, os_t=os_t, os_g=os_g, n=w.n, k=w.k, tokens=tokens, offsets=offsets,
         experts=experts, errors=errors))
 
 
-def w4a8_grouped(dev, act, w, out, errors=None) -> list[Launch]:
+def w4a8_grouped(dev, act, w, out, errors=None, tuning=TUNED) -> list[Launch]:
     """rawkv.gemm.grouped_linear with a W4A8 weight: x (T, G, K) FP8 ->
     out (T, G, N), one launch of a grid (feature blocks, token tiles, groups).
     `errors`: the counter's tensor or address (shift bytes past the table;
     None: not counted)."""
-    t, g = act.lead
+    t, _ = act.lead
     if t == 0 or w.n == 0:
         return []
-    bn, stages = w4a8_tile(t)
-    grid = (-(-w.n // K8.BM), -(-t // bn), g)
-    return [_w4a8_launch(dev, act, w, out, grid, (bn, stages), t, None, 0, errors)]
+    return [_w4a8_launch(dev, act, w, out, t, None, 0, errors, tuning)]
 
 
-def w4a8_moe(dev, act, w, offsets, out, errors) -> list[Launch]:
+def w4a8_moe(dev, act, w, offsets, out, errors, tuning=TUNED) -> list[Launch]:
     """rawkv.gemm.moe_linear with a W4A8 weight: x (R, K) FP8 -> out (R, N)
     by expert, one launch over (feature blocks, slots) as `moe`."""
     (r,) = act.lead
     if r == 0 or w.n == 0:
         return []
-    e = w.groups
-    bn, stages = w4a8_tile(-(-r // max(1, min(e, r))))
-    grid = (-(-w.n // K8.BM), ragged_slots(r, e, bn), 1)
-    return [_w4a8_launch(dev, act, w, out, grid, (bn, stages), r, offsets, e, errors)]
+    return [_w4a8_launch(dev, act, w, out, r, offsets, w.groups, errors, tuning)]

@@ -10,7 +10,8 @@ The weight's form is rawkv.reference.gemm_w4a8's rule (a power of two per
 row, the rest folded into E4M3 values exactly; a weight the rule cannot
 hold is refused at load, naming its blocks), packed for the kernel
 (pack_codes8 / pack_shifts8). On CUDA tensors one launch of
-rawkv/cu/gemm_w4a8_sm90.cu (sm_90 only); on CPU tensors the reference's
+rawkv/cu/gemm_w4a8_sm90.cu, or for few tokens of gemm_w4a8_mma.cu
+(rawkv.gemm.plans.w4a8_mma_config; sm_90 only); on CPU tensors the reference's
 exact product rounded once to BF16 (gemm_w4a8.form_grouped / form_ragged).
 
 A shift byte past the table (only in a form not built by w4a8_weight:
@@ -22,6 +23,7 @@ or the host's, GEMM_OFFSETS slot of rawkv.nvfp4.error_counts()).
 """
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -147,7 +149,7 @@ def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors, stream=N
         count_cpu(errors, bad)
         write_bf16(y, out)
         return
-    run_counted(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.w4a8_grouped(rt, act, w, out, e))
+    run_counted(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.w4a8_grouped(rt, act, w, out, e, _tuning()))
 
 
 @op("gemm_moe_linear_w4a8", f"{_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")
@@ -165,7 +167,14 @@ def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, str
         count_cpu(errors, bad)
         write_bf16(y, out)
         return
-    run_counted(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.w4a8_moe(rt, act, w, offsets, out, e))
+    run_counted(get_runtime(act.device), act, w, errors, stream,
+                lambda rt, e: P.w4a8_moe(rt, act, w, offsets, out, e, _tuning()))
+
+
+def _tuning():
+    """The dispatch tunables: rawkv.gemm.linear's module attributes (plans.Tuning
+    says what each does; linear imports this module, so it is read here)."""
+    return sys.modules[__package__ + ".linear"]
 
 
 # ---- CPU ---------------------------------------------------------------------------------------

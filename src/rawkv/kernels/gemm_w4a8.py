@@ -1,12 +1,17 @@
-"""rawkv/cu/gemm_w4a8_sm90.cu: the W4A8 grouped GEMM on Hopper's FP8 wgmma
-(docs/gemm.md, "W4A8"): MXFP4 weights in their W4A8 form
-(rawkv.reference.gemm_w4a8: packed codes and shifts, a power of two per
-row), FP8 block activations (E4M3, one FP32 scale per token per 128
-channels). Compiled for sm_90a on sm_90 devices only.
+"""The W4A8 grouped GEMM kernels (docs/gemm.md, "W4A8"): MXFP4 weights in
+their W4A8 form (rawkv.reference.gemm_w4a8: packed codes and shifts, a
+power of two per row), FP8 block activations (E4M3, one FP32 scale per token
+per 128 channels). Both are built for sm_90 devices only (the W4A8 ops run
+there).
 
-A block computes BM = 128 output features x BN tokens, STAGES pipeline
-stages of 128 columns each (BN x 128 B of activations, 8 x (1024 + 64) B of
-packed codes and shifts, BN x 4 B of scales)."""
+rawkv/cu/gemm_w4a8_sm90.cu (GEMM, wgmma, sm_90a): a block computes BM = 128
+output features x BN tokens, STAGES pipeline stages of 128 columns each
+(BN x 128 B of activations, 8 x (1024 + 64) B of packed codes and shifts,
+BN x 4 B of scales).
+
+rawkv/cu/gemm_w4a8_mma.cu (GEMM_MMA, FP8 mma.sync) for few tokens per group
+or expert: (MT, NT, KS, RW, S) as the W4A16 mma.sync kernel's tiles, a ring
+of S stages of one 128-column chunk per warp."""
 from ..reference import gemm_w4a8 as ref8
 from ._decl import KernelFile, TParam
 from .gemm_fp4 import FILE as _FP4
@@ -15,10 +20,9 @@ BM = 128
 THREADS = 384
 #: The E4M3 table (SHIFT_TABLE) as little-endian words, two per shift row.
 TABLE_WORDS = ref8.SHIFT_TABLE.reshape(-1).view("<u4")
-FILE = KernelFile("gemm_w4a8_sm90.cu", targets={"sm_90": "sm_90a"},
-                  constants={**_FP4.constants,
-                             "RKV_W4A8_TABLE": ",".join(f"{int(w):#010x}u" for w in TABLE_WORDS),
-                             "RKV_W4A8_SHIFT_BIAS": ref8.SHIFT_BIAS})
+_CONSTANTS = {**_FP4.constants, "RKV_W4A8_TABLE": ",".join(f"{int(w):#010x}u" for w in TABLE_WORDS),
+              "RKV_W4A8_SHIFT_BIAS": ref8.SHIFT_BIAS}
+FILE = KernelFile("gemm_w4a8_sm90.cu", targets={"sm_90": "sm_90a"}, constants=_CONSTANTS)
 #: (BN, STAGES) by the most tokens per group (or per expert) each serves.
 CONFIGS = {64: (64, 8), "large": (128, 6)}
 
@@ -37,3 +41,26 @@ GEMM = FILE.kernel(
     (TParam("int", "BN", (64, 96, 112, 128)), TParam("int", "STAGES", (2, 3, 4, 5, 6, 7, 8))),
     instances=list(dict.fromkeys(CONFIGS.values())),
     dynamic_smem=dynamic_smem)
+
+
+# ---- the mma.sync kernel (rawkv/cu/gemm_w4a8_mma.cu) ---------------------------------------------
+MMA_FILE = KernelFile("gemm_w4a8_mma.cu", targets={"sm_90": "sm_90"}, constants=_CONSTANTS)
+#: (MT, NT, KS, RW, S) by the most tokens per group each serves (more: the
+#: 16-token tile, where a call is forced onto this kernel): a block covers
+#: 8 NT tokens and 16 MT RW output features; small token counts split K
+#: across warps so that every SM has weight bytes in flight at M = 1. From an
+#: H100 sweep (docs/gemm.md, "W4A8 for few tokens"): deeper rings (S = 4),
+#: two m-tiles per warp at 8 tokens, and KS = 2 were slower.
+MMA_CONFIGS = {8: (1, 1, 4, 2, 3), 16: (2, 2, 4, 1, 3)}
+#: Ragged calls (per expert on average) whose grid has enough blocks: one
+#: warp per m-tile row streams all of K (no partial sums through shared
+#: memory), four warps per block.
+MMA_RAGGED_CONFIGS = {8: (2, 1, 1, 4, 3), 16: (2, 2, 1, 4, 3)}
+#: Ragged calls of a few rows (a token over a few experts): two warps split K.
+MMA_RAGGED_SMALL_CONFIG = (1, 1, 2, 4, 3)
+
+GEMM_MMA = MMA_FILE.kernel(
+    "rkv_gemm_w4a8_mma",
+    (TParam("int", "MT", (1, 2)), TParam("int", "NT", (1, 2, 4)), TParam("int", "KS", (1, 2, 4)),
+     TParam("int", "RW", (1, 2, 4)), TParam("int", "S", (2, 3, 4))),
+    instances=list(dict.fromkeys((*MMA_CONFIGS.values(), *MMA_RAGGED_CONFIGS.values(), MMA_RAGGED_SMALL_CONFIG))))

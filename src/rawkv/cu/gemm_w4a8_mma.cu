@@ -1,0 +1,325 @@
+// gemm_w4a8_mma.cu: the W4A8 grouped GEMM for few tokens, on mma.sync
+// (built for sm_90, where the W4A8 ops run).
+//
+// The same product, arguments and packed weight form as gemm_w4a8_sm90.cu
+// (docs/gemm.md, "W4A8"): at a few tokens per group (decode) or per expert
+// (MoE), the wgmma kernel's 128-feature blocks leave most SMs without weight
+// bytes in flight, and its m64 x 64-token tile wastes most of each MMA. This
+// kernel is the W4A16 mma.sync kernel's shape (gemm_fp4.cu): the weight is
+// the MMA's A operand (16 output features per m-tile), the tokens its B
+// operand (8 per n-tile); a lane's 32 packed bytes per (m-tile, 128-column
+// chunk) are its A fragments of the chunk's four k32 steps (the form's 16-byte
+// loads are one warp's wgmma A fragment, which is mma.sync's too).
+//
+// FP16 MMAs, not FP8 ones: Hopper runs mma.sync on E4M3 operands as FP16
+// MMAs after converting both (ptxas emits F2FP + HMMA), so the kernel
+// converts each operand once itself. Every E4M3 value, and every E2M1 code,
+// is an FP16 value exactly, so the products stay exact and the sums are
+// FP32 (at least as precise as the bound of the FP8 tensor cores).
+// * Weights: each k32 step is one MXFP4 block of each row, so its power of
+//   two (the block's shift) is applied to the step's FP32 result, not to the
+//   codes: the codes go through the shift-0 table (E2M1 -> E4M3 by prmt, 9
+//   instructions per 8 codes, no table per block) and one E4M3 -> FP16
+//   conversion per pair. A shift byte past the table gives the factor 0:
+//   the block reads as zeros.
+// * The k order: step s's two m16n8k16 MMAs take columns 32 s + 16 h +
+//   4 t .. + 3 of lane (q, t) as k slots 2 t, 2 t + 1, 2 t + 8, 2 t + 9 (A:
+//   the E4M3 bytes of nibbles 4 h .. 4 h + 3 of the row's word; B: the
+//   token's 4 bytes at that column, one word), the same permutation for A
+//   and B.
+// * Per step, the result (FP32) times the rows' powers of two, times each
+//   token's scale of the chunk's block, is added to the accumulators: two
+//   FP32 operations per accumulator, in step order.
+//
+// Warps split K inside a block (KS) and sum their accumulators through
+// shared memory in a fixed order: the same bits on every run and for every
+// token tile of the same KS (not the wgmma kernel's bits: its order
+// differs).
+//
+// Template: MT m-tiles and NT n-tiles per warp, KS warps splitting K, RW
+// warps along the rows, a ring of S stages of one chunk per warp (cp.async
+// of the m-tiles' codes and shifts: 1088 bytes each).
+//
+// Shift bytes past the table read as zeros and are counted once per call,
+// as in the wgmma kernel: each warp counts the bad blocks of its m-tiles in
+// its own chunks, lane t = 0 of the quad that owns the row pair, in the
+// group's first token tile only.
+#include "gemm_fp4.cuh"
+#include "gemm_w4a8.cuh"
+#include "sm90.cuh"
+using namespace rkv;
+
+namespace {
+
+constexpr int kTileBytes = kCodeBytes + kShiftBytes;   // one m-tile's chunk in a ring stage
+
+// The FP16 pair of the two E4M3 bytes in the low (HI = 0) or high half of
+// w (one F2FP on the half: no shift or mask first).
+template <int HI>
+__device__ __forceinline__ u32 f16x2_of_e4m3x2(u32 w) {
+    u32 d;
+    if (HI) asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;\n}\n" : "=r"(d) : "r"(w));
+    else asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;\n}\n" : "=r"(d) : "r"(w));
+    return d;
+}
+
+// d = a . b (FP16 operands, FP32 out, from zero).
+__device__ __forceinline__ void mma16816_f16_zero(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// The biased FP32 exponents 2^(e - SHIFT_BIAS) of four shift bytes e, one
+// per byte, +0 for a byte past the table (the block reads as zeros). Every
+// byte of an accepted form is below kShiftRows, so one add (no byte carries)
+// unless the lane's SIMD test (`bad`: bit 7 of a byte, with false alarms
+// only beside a byte past the table) says otherwise.
+constexpr u32 kExpBias = (127u - kShiftBias) * 0x01010101u;
+static_assert(kShiftRows + 127u - kShiftBias < 256u, "a biased exponent fits its byte");
+__device__ __forceinline__ u32 factor_exponents(u32 w, u32 bad) {
+    if (!(bad & 0x80808080u)) return w + kExpBias;
+    const u32 past = __vcmpgeu4(w, kShiftRows * 0x01010101u);
+    return ((w & ~past) + kExpBias) & ~past;
+}
+
+// The factor of byte b of factor_exponents' word.
+__device__ __forceinline__ float shift_factor(u32 fe, int b) {
+    return __uint_as_float((b == 3 ? fe >> 1 : fe << (23 - 8 * b)) & 0x7F800000u);
+}
+
+}  // namespace
+
+template <int MT, int NT, int KS, int RW, int S>
+__global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
+    const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
+    const float* __restrict__ wgs, const u8* __restrict__ x, const float* __restrict__ xsf, i64 xs_t, i64 xs_g,
+    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g, int n, int k, int tokens,
+    const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    constexpr int TT = 8 * NT;  // tokens per block
+    __shared__ float s_red[KS > 1 ? (KS - 1) * RW * 32 * MT * NT * 4 : 1];
+    __shared__ int s_off[RKV_GEMM_MAX_SEGMENTS];
+    __shared__ __align__(16) u8 s_ring[KS * RW * S * MT * kTileBytes];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rw = warp % RW, ks = warp / RW;
+    const int q = lane >> 2, t = lane & 3;
+
+    int g, t0, t1;
+    if (!block_tokens(offsets, experts, tokens, TT, s_off, errors, out, os_t, n, blockIdx.x * RW * MT * 16,
+                      RW * MT * 16, g, t0, t1))
+        return;
+
+    const int tiles16 = (n + 15) / 16, chunks = (k + 127) / 128;
+    const int tile0 = (blockIdx.x * RW + rw) * MT;
+    const int per_warp = (chunks + KS - 1) / KS;
+    const int c_beg = min(chunks, ks * per_warp), c_end = min(chunks, c_beg + per_warp);
+
+    // This lane's B column: token q of each n-tile (null past the tile's
+    // last: zeros); its accumulators' tokens 8 j + 2 t + h (their scales).
+    const u8* xrow[NT];
+    const float* srow[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        const int tok = t0 + 8 * j + q;
+        xrow[j] = tok < t1 ? x + (i64)tok * xs_t + (i64)g * xs_g + 4 * t : nullptr;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int st = t0 + 8 * j + 2 * t + h;
+            srow[j][h] = st < t1 ? xsf + (i64)st * ss_t + (i64)g * ss_g : nullptr;
+        }
+    }
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+    u32 past[MT];                                     // bit 7 of a byte: a shift byte past the table seen
+#pragma unroll
+    for (int i = 0; i < MT; ++i) past[i] = 0;
+
+    // Each warp streams its m-tiles' chunks through its own ring (cp.async,
+    // S - 1 stages ahead; only the warp reads it, so a warp barrier orders
+    // it): per m-tile the 1024 code bytes (lane l: bytes 16 l and 512 + 16 l,
+    // its two planes) and the 64 shift bytes (lanes 0..3).
+    u8* const ring = s_ring + warp * (S * MT * kTileBytes);
+    const u32 ring_s = smem_u32(ring);
+    const u8* wsrc[MT];
+    const u8* ssrc[MT];
+    bool tile_ok[MT];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        const i64 at = ((i64)g * tiles16 + tile0 + i) * chunks;
+        tile_ok[i] = tile0 + i < tiles16;
+        wsrc[i] = wq + at * kCodeBytes + 16 * lane;
+        ssrc[i] = wsh + at * kShiftBytes + 16 * (lane & 3);
+    }
+    auto issue = [&](int slot, int c) {
+        const bool live = c < c_end;
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            const u32 dst = ring_s + (slot * MT + i) * kTileBytes;
+            const bool on = live && tile_ok[i];
+            cp_async16_if(on, dst + 16 * lane, wsrc[i] + (i64)c * kCodeBytes);
+            cp_async16_if(on, dst + 512 + 16 * lane, wsrc[i] + (i64)c * kCodeBytes + 512);
+            cp_async16_if(on && lane < 4, dst + kCodeBytes + 16 * lane, ssrc[i] + (i64)c * kShiftBytes);
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int p = 0; p < S - 1; ++p) issue(p, c_beg + p);
+
+    // A chunk's activations (zeros past k: K is a multiple of 32, so a
+    // 16-byte unit is wholly in or out) and the tokens' scales, loaded a
+    // chunk ahead so that their latency overlaps the chunk before.
+    auto load_acts = [&](int c, u32 (&bx)[NT][8], float (&sc)[NT][2]) {
+        const bool live = c < c_end;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                const int col = 128 * c + 16 * m;
+                bx[j][m] = live && xrow[j] && col < k ? __ldg(reinterpret_cast<const u32*>(xrow[j] + col)) : 0u;
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) sc[j][h] = live && srow[j][h] ? __ldg(srow[j][h] + c) : 0.0f;
+        }
+    };
+    u32 bx[NT][8];
+    float sc[NT][2];
+    load_acts(c_beg, bx, sc);
+    // The shift-0 table in registers (prmt takes no immediate operands; held
+    // opaque so that the compiler does not rebuild it at every use).
+    u32 tab0, tab1;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(tab0) : "n"(kTable0Lo));
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(tab1) : "n"(kTable0Hi));
+    int slot = 0, next = S - 1;                       // the stage multiplied, the stage refilled
+    for (int c = c_beg; c < c_end; ++c) {
+        u32 bxn[NT][8];
+        float scn[NT][2];
+        load_acts(c + 1, bxn, scn);
+        cp_async_wait<S - 2>();
+        __syncwarp();
+        issue(next, c + S - 1);
+        // The chunk's activations as FP16 pairs (word m of token q: its B
+        // fragments of step m / 2, MMA m % 2).
+        u32 bh[NT][8][2];
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int m = 0; m < 8; ++m) {
+                bh[j][m][0] = f16x2_of_e4m3x2<0>(bx[j][m]);
+                bh[j][m][1] = f16x2_of_e4m3x2<1>(bx[j][m]);
+            }
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            const u32 src = ring_s + (slot * MT + i) * kTileBytes;
+            const uint4 c0 = ld_shared16(src + 16 * lane);          // steps 0, 1
+            const uint4 c1 = ld_shared16(src + 512 + 16 * lane);    // steps 2, 3
+            const uint2 sh = ld_shared8(src + kCodeBytes + 8 * q);
+            const u32 badx = (sh.x + kPastAdd) | sh.x, bady = (sh.y + kPastAdd) | sh.y;
+            past[i] |= badx | bady;
+            const u32 fb[2] = {factor_exponents(sh.x, badx), factor_exponents(sh.y, bady)};
+            const u32 words[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+            for (int s4 = 0; s4 < 4; ++s4) {
+                u32 e[4];                                            // E4M3 bytes: rows q, q + 8 (lo, hi)
+                e4m3_of_e2m1(words[2 * s4], tab0, tab1, e[0], e[2]);
+                e4m3_of_e2m1(words[2 * s4 + 1], tab0, tab1, e[1], e[3]);
+                const float f0 = shift_factor(fb[s4 >> 1], 2 * (s4 & 1));       // row q's block s4
+                const float f1 = shift_factor(fb[s4 >> 1], 2 * (s4 & 1) + 1);   // row q + 8's
+                float d[NT][4];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u32 a[4] = {f16x2_of_e4m3x2<0>(e[2 * h]), f16x2_of_e4m3x2<0>(e[2 * h + 1]),
+                                      f16x2_of_e4m3x2<1>(e[2 * h]), f16x2_of_e4m3x2<1>(e[2 * h + 1])};
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        const u32* b = bh[j][2 * s4 + h];
+                        if (h == 0) mma16816_f16_zero(d[j], a, b[0], b[1]);
+                        else mma16816(d[j], a, b[0], b[1], true);
+                    }
+                }
+                // accumulator r: row q (r < 2) or q + 8, token 8 j + 2 t + (r & 1)
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r)
+                        acc[i][j][r] = fmaf(d[j][r] * (r < 2 ? f0 : f1), sc[j][r & 1], acc[i][j][r]);
+            }
+        }
+        slot = slot + 1 == S ? 0 : slot + 1;
+        next = next + 1 == S ? 0 : next + 1;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+            for (int m = 0; m < 8; ++m) bx[j][m] = bxn[j][m];
+            sc[j][0] = scn[j][0];
+            sc[j][1] = scn[j][1];
+        }
+    }
+    cp_async_wait<0>();
+
+    // The bad shift bytes this warp met in its own chunks, counted once per
+    // call (see the top).
+    if (t == 0 && errors) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            if (tile_ok[i] && (past[i] & 0x80808080u) && first_tile(s_off, offsets != nullptr, g, t0, tokens)) {
+                const int bad = count_past(wsh + ((i64)g * tiles16 + tile0 + i) * chunks * kShiftBytes + 8 * q,
+                                           (tile0 + i) * 16 + q, n, c_beg, c_end, k / 32);
+                if (bad) atomicAdd(errors, bad);
+            }
+        }
+    }
+
+    if (KS > 1) {
+        float* mine = s_red + ((ks - 1) * RW + rw) * 32 * MT * NT * 4;
+        if (ks > 0) {
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) mine[((i * NT + j) * 4 + r) * 32 + lane] = acc[i][j][r];
+        }
+        __syncthreads();
+        if (ks > 0) return;
+#pragma unroll
+        for (int p = 1; p < KS; ++p) {
+            const float* part = s_red + ((p - 1) * RW + rw) * 32 * MT * NT * 4;
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) acc[i][j][r] += part[((i * NT + j) * 4 + r) * 32 + lane];
+        }
+    }
+
+    // Epilogue: times the row's power of two and the group's global scale,
+    // one rounding to BF16 (as the wgmma kernel).
+    const float gsc = wgs[g];
+    __nv_bfloat16* const obase = out + (i64)g * os_g;
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        if (!tile_ok[i]) continue;
+        const int row = (tile0 + i) * 16 + q;
+        const float sc0 = wrow[(i64)g * tiles16 * 16 + row] * gsc, sc1 = wrow[(i64)g * tiles16 * 16 + row + 8] * gsc;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int tok = t0 + 8 * j + 2 * t + h;
+                if (tok >= t1) continue;
+                __nv_bfloat16* orow = obase + (i64)tok * os_t;
+                if (row < n) orow[row] = __float2bfloat16_rn(acc[i][j][h] * sc0);
+                if (row + 8 < n) orow[row + 8] = __float2bfloat16_rn(acc[i][j][2 + h] * sc1);
+            }
+        }
+    }
+}
