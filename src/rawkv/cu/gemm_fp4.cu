@@ -240,29 +240,7 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
     }
     cp_async_wait<0>();
 
-    if (KS > 1) {
-        float* mine = s_red + ((ks - 1) * RW + rw) * 32 * MT * NT * 4;
-        if (ks > 0) {
-#pragma unroll
-            for (int i = 0; i < MT; ++i)
-#pragma unroll
-                for (int j = 0; j < NT; ++j)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) mine[((i * NT + j) * 4 + r) * 32 + lane] = acc[i][j][r];
-        }
-        __syncthreads();
-        if (ks > 0) return;
-#pragma unroll
-        for (int p = 1; p < KS; ++p) {
-            const float* part = s_red + ((p - 1) * RW + rw) * 32 * MT * NT * 4;
-#pragma unroll
-            for (int i = 0; i < MT; ++i)
-#pragma unroll
-                for (int j = 0; j < NT; ++j)
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) acc[i][j][r] += part[((i * NT + j) * 4 + r) * 32 + lane];
-        }
-    }
+    if (KS > 1 && !sum_split_k<MT, NT, KS, RW>(s_red, acc, ks, rw, lane)) return;
 
     // Epilogue: the 2^-9 of each FP4 operand, the weight's global scale, and
     // (NVFP4 activations) the row's or tensor's global scale.

@@ -175,6 +175,38 @@ __device__ __forceinline__ void dequant_fragment(u32 w, u32 f0, u32 f1, u32 (&a)
     }
 }
 
+// The sum of the accumulators of the KS warps that split K in a block of
+// the mma.sync kernels (warp ks of row group rw: MT x NT fragments of 4),
+// through shared memory `red` ((KS - 1) x RW x 32 x MT x NT x 4 floats) in a
+// fixed order: warp ks = 0 adds those of warps 1 .. KS - 1 in turn to its
+// own and returns true, the others return false. Every thread of the block
+// calls it (it synchronizes the block).
+template <int MT, int NT, int KS, int RW>
+__device__ __forceinline__ bool sum_split_k(float* red, float (&acc)[MT][NT][4], int ks, int rw, int lane) {
+    if (ks > 0) {
+        float* mine = red + ((ks - 1) * RW + rw) * 32 * MT * NT * 4;
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) mine[((i * NT + j) * 4 + r) * 32 + lane] = acc[i][j][r];
+    }
+    __syncthreads();
+    if (ks > 0) return false;
+#pragma unroll
+    for (int p = 1; p < KS; ++p) {
+        const float* part = red + ((p - 1) * RW + rw) * 32 * MT * NT * 4;
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) acc[i][j][r] += part[((i * NT + j) * 4 + r) * 32 + lane];
+    }
+    return true;
+}
+
 // Zeros into output features row0 .. row0 + rows - 1 (those < n) of tokens
 // t0 .. t1 - 1: the rows no expert owns (docs/gemm.md, "Ragged offsets").
 // This thread writes items first, first + step, ... of the rows x tokens.
