@@ -108,12 +108,12 @@ def test_a_second_runtime_loads_every_instance_from_disk(cache_dir, monkeypatch)
 
 
 def test_warmup_builds_the_devices_instances_only(monkeypatch):
-    """A file of one architecture's instructions (the wgmma GEMM) is
+    """A file built for one architecture (the wgmma GEMM, the W4A8 kernels) is
     built on its devices only; an unknown file is refused by name."""
     sm90 = runtime.instances_for("sm_90")
     sm80 = runtime.instances_for("sm_80")
     assert len(sm90) == sum(map(len, runtime.registered_kernels().values()))
-    assert {f for f, _ in sm90} - {f for f, _ in sm80} == {"gemm_fp4_sm90.cu", "gemm_w4a8_sm90.cu"}
+    assert {f for f, _ in sm90} - {f for f, _ in sm80} == {"gemm_fp4_sm90.cu", "gemm_w4a8_sm90.cu", "gemm_w4a8_mma.cu"}
     assert runtime.instances_for("sm_80", ["gemm_fp4_sm90.cu"]) == []
     with pytest.raises(KeyError, match="nope.cu"):
         runtime.instances_for("sm_90", ["fp8.cu", "nope.cu"])
