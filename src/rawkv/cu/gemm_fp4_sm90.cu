@@ -50,36 +50,6 @@ constexpr int kThreads = 384;
 constexpr int kCodeBytes = 512;          // one row tile, one chunk (32 lanes x 16 B)
 constexpr int kScaleBytes = 64;          // its scales (32 lanes x 2 B)
 
-// ---- the cluster (split K) --------------------------------------------------
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// The address of the same shared-memory location in the cluster's block `rank`.
-__device__ __forceinline__ u32 cluster_addr(u32 addr, u32 rank) {
-    u32 r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ float ld_cluster_f32(u32 addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
-    return v;
-}
-// Arrive on an mbarrier of another block of the cluster, releasing this
-// thread's earlier shared-memory writes to whoever acquires the phase.
-__device__ __forceinline__ void mbar_arrive_cluster(u32 cluster_bar) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
-    u32 done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n .reg .pred p;\n"
-            " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-            " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    }
-}
-
 template <int BN, bool F16>
 __device__ __forceinline__ void wgmma_step(float (&d)[BN / 2], const u32 (&a)[4], u64 desc) {
     if constexpr (BN == 64) {
