@@ -323,6 +323,23 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
     with pytest.raises(ValueError, match="^W4A8_PATH"):
         plans.w4a8_grouped(_Dev, act, wc, torch.empty(65, 3, 300, dtype=bf), tuning=plans.Tuning(W4A8_PATH="x"))
 
+    # the wgmma kernel splits K in two where twice its grid fits one wave and
+    # each half has W4A8_MIN_SPLIT_CHUNKS chunks: grid x doubles
+    w16 = _w8(3, 300, 2048)
+    wl = R.weight8(w16.codes, w16.shifts, w16.row_scale, w16.gs, w16.n, w16.k, "cpu")
+    act = R.activation8(*_xa(40, 3, k=2048), 3, 2048, "cpu", -1)
+    (launch,) = plans.w4a8_grouped(_Dev, act, wl, torch.empty(40, 3, 300, dtype=bf))
+    assert launch.kernel.kernel is K8.GEMM_SPLITK and launch.kernel.expr.endswith("<64, 8, 2>")
+    assert launch.grid == (6, 1, 3)
+    (launch,) = plans.w4a8_grouped(_Dev, act, wl, torch.empty(40, 3, 300, dtype=bf),
+                                   tuning=plans.Tuning(W4A8_KSPLIT=1))
+    assert launch.kernel.kernel is K8.GEMM and launch.grid == (3, 1, 3)
+    (launch,) = plans.w4a8_grouped(_Dev, act, wl, torch.empty(40, 3, 300, dtype=bf),
+                                   tuning=plans.Tuning(W4A8_MIN_SPLIT_CHUNKS=9))
+    assert launch.kernel.kernel is K8.GEMM                       # 16 chunks: halves of 8 < 9
+    with pytest.raises(ValueError, match="^W4A8_KSPLIT"):
+        plans.w4a8_grouped(_Dev, act, wl, torch.empty(40, 3, 300, dtype=bf), tuning=plans.Tuning(W4A8_KSPLIT=3))
+
     class Ada:
         arch, sm_count = "sm_89", 142
     with pytest.raises(ValueError, match="^weight: the W4A8 GEMM runs on sm_90"):
@@ -360,10 +377,13 @@ def sm90(cuda):
     return cuda
 
 
-@pytest.fixture(params=["sm90", "mma"])
+@pytest.fixture(params=["sm90", "split", "mma"])
 def path(request, monkeypatch):
-    """Each W4A8 kernel in turn, forced for every token count."""
-    monkeypatch.setattr(linear, "W4A8_PATH", request.param)
+    """Each W4A8 kernel in turn, forced for every token count: the wgmma
+    kernel over all of K, split in two across a cluster (batched calls; a
+    ragged one never splits), the mma.sync kernel."""
+    monkeypatch.setattr(linear, "W4A8_PATH", "sm90" if request.param == "split" else request.param)
+    monkeypatch.setattr(linear, "W4A8_KSPLIT", 2 if request.param == "split" else 1)
     return request.param
 
 
@@ -464,6 +484,25 @@ def test_same_bits_every_run_and_every_token_tiling(sm90, rng):
     full = rawkv.gemm.grouped_linear((xc, xs), w8c)
     again = rawkv.gemm.grouped_linear((xc, xs), w8c)
     assert torch.equal(full.view(torch.int16), again.view(torch.int16))
+    part = rawkv.gemm.grouped_linear((xc[:64].contiguous(), xs[:64].contiguous()), w8c)
+    assert torch.equal(part.view(torch.int16), full[:64].view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_split_k_same_bits_every_run_and_every_token_tiling(sm90, rng, monkeypatch):
+    # Split in two, each output is rank 0's sum of its half plus rank 1's:
+    # the same bits on every run and whichever token tile (64 or 128
+    # tokens) it lands in; within the bound.
+    monkeypatch.setattr(linear, "W4A8_PATH", "sm90")
+    monkeypatch.setattr(linear, "W4A8_KSPLIT", 2)
+    codes, scales, _, w8 = mx_weight(rng, 2, 264, 1152)          # 9 chunks: halves of 5 and 4
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    xc, xs = fp8_act(rng, (300, 2, 1152))
+    exact, absolute = _exact(xc, xs, codes, scales)
+    xc, xs = xc.cuda(), xs.cuda()
+    full = rawkv.gemm.grouped_linear((xc, xs), w8c)
+    B.assert_within_bound(full, exact, absolute, 1152, "split")
+    assert torch.equal(full.view(torch.int16), rawkv.gemm.grouped_linear((xc, xs), w8c).view(torch.int16))
     part = rawkv.gemm.grouped_linear((xc[:64].contiguous(), xs[:64].contiguous()), w8c)
     assert torch.equal(part.view(torch.int16), full[:64].view(torch.int16))
 

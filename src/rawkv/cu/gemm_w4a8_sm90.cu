@@ -28,6 +28,15 @@
 // Determinism: each output is one warpgroup's FP32 sum over the stages in
 // order; the same bits on every run.
 //
+// Split K (rkv_gemm_w4a8_sm90_splitk, batched calls whose grid would leave
+// SMs idle: Flash wo_a's 64 blocks at up to 128 tokens): a cluster of KSPLIT
+// blocks shares one output tile, block r taking the r-th run of chunks; the
+// other ranks leave their sums in their own stage memory and rank 0 adds them
+// in rank order over distributed shared memory (gemm_fp4_sm90.cu's scheme):
+// no atomics, no workspace, the same bits on every run (not those of one
+// block over all of K). Each rank counts the bad shift bytes of its own
+// chunks.
+//
 // Shift bytes past the table (>= kShiftRows: only a form not built by
 // rawkv.gemm.w4a8_weight, i.e. written by hand or corrupted memory) are
 // device-side data out of range: skipped and counted, never followed, as
@@ -88,8 +97,8 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[BN / 2], const u32 (&a)[4],
 // Shared memory, per stage: the B tile (BN token rows of 128 bytes, 1024-byte
 // aligned for the swizzle), the packed codes and shifts of the block's row
 // tiles, the tokens' scales; then the E4M3 table and the mbarriers.
-template <int BN, int STAGES>
-__global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
+template <int BN, int STAGES, int KSPLIT>
+__device__ __forceinline__ void gemm_w4a8(
     const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
     const float* __restrict__ wgs, const u8* __restrict__ x, const float* __restrict__ xsf, i64 xs_t, i64 xs_g,
     i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g, int n, int k, int tokens,
@@ -98,7 +107,13 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
     constexpr int kWStage = kTiles * (kCodeBytes + kShiftBytes);
     constexpr int kSStage = BN * 4;
     static_assert(kBStage % 1024 == 0, "B stages stay 1024-byte aligned");
+    static_assert(KSPLIT == 1 || BN * 512 <= STAGES * (kBStage + kWStage + kSStage),
+                  "split K keeps the partial sums in the stages' shared memory");
     __shared__ int s_off[RKV_GEMM_MAX_SEGMENTS];
+    // Split K: rank 0's "the partial sums are ready" (every consumer thread
+    // of the other blocks arrives) and each other block's "rank 0 has read
+    // them" (rank 0's consumer threads arrive).
+    __shared__ __align__(8) u64 s_split_bar[2];
     extern __shared__ u8 s_dyn[];
     u8* smem = reinterpret_cast<u8*>((reinterpret_cast<size_t>(s_dyn) + 1023) & ~size_t(1023));
     u8* const s_b = smem;
@@ -108,11 +123,19 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
     const u32 bar_full = smem_u32(s_table + 2 * kTableRows);
     const u32 bar_empty = bar_full + 8 * STAGES;
 
+    const int row_block = blockIdx.x / KSPLIT;
+    const int split = blockIdx.x % KSPLIT;     // the block's rank in its cluster
     int g, t0, t1;
-    if (!block_tokens(offsets, experts, tokens, BN, s_off, errors, out, os_t, n, blockIdx.x * kBM, kBM, g, t0, t1))
+    if (!block_tokens(offsets, experts, tokens, BN, s_off, errors, out, os_t, n, row_block * kBM, kBM, g, t0, t1))
         return;
     const int tiles16 = (n + 15) / 16, chunks = (k + 127) / 128;
-    const int tile0 = blockIdx.x * kTiles;
+    // The block's run of chunks: all of them, or its KSPLIT-th; the
+    // consumers count them from 0 (`nloc`), the producer's copies address
+    // chunk c_beg + i.
+    const int per_split = (chunks + KSPLIT - 1) / KSPLIT;
+    const int c_beg = min(chunks, split * per_split), c_end = min(chunks, c_beg + per_split);
+    const int nloc = c_end - c_beg;
+    const int tile0 = row_block * kTiles;
     const int live_tiles = min(kTiles, tiles16 - tile0);
     const int rows = t1 - t0;
 
@@ -123,9 +146,16 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
             mbar_init(bar_full + 8 * s, 128);   // each producer thread's copies
             mbar_init(bar_empty + 8 * s, 8);    // the 8 consumer warps
         }
+        if (KSPLIT > 1) {
+            mbar_init(smem_u32(&s_split_bar[0]), (KSPLIT - 1) * 256);
+            mbar_init(smem_u32(&s_split_bar[1]), 256);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
+    // (Split K: the other blocks' barriers are initialized before anyone
+    // arrives on them.)
+    if (KSPLIT > 1) cluster_sync();
+    else __syncthreads();
 
     const int wg = threadIdx.x / 128;
     if (wg == 2) {
@@ -153,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
         const u32 sdst = 4 * (16 * (p >> 4) + 4 * ((p >> 1) & 3) + 2 * ((p >> 3) & 1) + (p & 1));
         int s = 0;
         u32 parity = 1;   // of the empty barriers: a fresh barrier passes parity 1
-        for (int c = 0; c < chunks; ++c) {
+        for (int c = c_beg; c < c_end; ++c) {
             mbar_wait(bar_empty + 8 * s, parity);
             const u32 wdst = smem_u32(s_w + s * kWStage);
 #pragma unroll
@@ -250,27 +280,64 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
     u32 a0[4][4], a1[4][4];
     auto chunk = [&](int c, const u32 (&a)[4][4], u32 (&next)[4][4]) {
         issue(c, a, part);
-        if (c + 1 < chunks) {
+        if (c + 1 < nloc) {
             acquire(c + 1);
             fragments(c + 1, next);
         }
         wgmma_wait<0>();
         promote(c, part);
     };
-    if (chunks > 0) {                              // (K = 0: no chunk, the outputs are zeros)
+    if (nloc > 0) {                                // (K = 0: no chunk, the outputs are zeros)
         acquire(0);
         fragments(0, a0);
     }
-    for (int c = 0; c < chunks; c += 2) {
+    for (int c = 0; c < nloc; c += 2) {
         chunk(c, a0, a1);
-        if (c + 1 < chunks) chunk(c + 1, a1, a0);
+        if (c + 1 < nloc) chunk(c + 1, a1, a0);
+    }
+    const int row = (tile0 + my_tile) * 16 + q;
+
+    // The bad shift bytes this lane met in the block's chunks, counted once
+    // per call (see the top).
+    if ((past & 0x80808080u) && t == 0 && errors && my_tile < live_tiles &&
+        first_tile(s_off, offsets != nullptr, g, t0, tokens)) {
+        const int bad = count_past(wsh + ((i64)g * tiles16 + tile0 + my_tile) * chunks * kShiftBytes + q * 8, row, n,
+                                   c_beg, c_end, k / 32);
+        if (bad) atomicAdd(errors, bad);
+    }
+
+    if constexpr (KSPLIT > 1) {
+        // Both consumer warpgroups are done with the stages (named barrier
+        // 1: the 256 consumer threads; every copy has landed): the other
+        // ranks leave their sums there, accumulator j of consumer thread ct
+        // at float j * 256 + ct, and rank 0 adds them to its own in rank
+        // order (the same sum on every run), as gemm_fp4_sm90.cu's split.
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        const u32 part_s = smem_u32(smem) + 4 * threadIdx.x;
+        const u32 ready = smem_u32(&s_split_bar[0]), read = smem_u32(&s_split_bar[1]);
+        if (split != 0) {
+#pragma unroll
+            for (int j = 0; j < BN / 2; ++j)
+                asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(part_s + 1024 * j), "f"(acc[j]) : "memory");
+            mbar_arrive_cluster(cluster_addr(ready, 0));
+            mbar_wait_cluster(read, 0);            // rank 0 has read them: this block may exit
+            return;
+        }
+        mbar_wait_cluster(ready, 0);
+#pragma unroll 1
+        for (int r = 1; r < KSPLIT; ++r) {
+            const u32 peer = cluster_addr(part_s, r);
+#pragma unroll
+            for (int j = 0; j < BN / 2; ++j) acc[j] += ld_cluster_f32(peer + 1024 * j);
+        }
+#pragma unroll 1
+        for (int r = 1; r < KSPLIT; ++r) mbar_arrive_cluster(cluster_addr(read, r));
     }
 
     // Epilogue: rows q and q + 8 of the warp's tile (the wgmma D fragment:
     // accumulator 4 j + h at row q, token 8 j + 2 t + h; 4 j + 2 + h at row
     // q + 8), times the row's power of two and the group's global scale.
     if (my_tile >= live_tiles) return;             // (rows past the padded N: no scales to read)
-    const int row = (tile0 + my_tile) * 16 + q;
     const float gsc = wgs[g];
     const float sc0 = wrow[(i64)g * tiles16 * 16 + row] * gsc, sc1 = wrow[(i64)g * tiles16 * 16 + row + 8] * gsc;
     __nv_bfloat16* const obase = out + (i64)g * os_g;
@@ -285,10 +352,27 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
             if (row + 8 < n) orow[row + 8] = __float2bfloat16_rn(acc[4 * j + 2 + h] * sc1);
         }
     }
-    // The bad shift bytes this lane met, counted once per call (see the top).
-    if ((past & 0x80808080u) && t == 0 && errors && first_tile(s_off, offsets != nullptr, g, t0, tokens)) {
-        const int bad = count_past(wsh + ((i64)g * tiles16 + tile0 + my_tile) * chunks * kShiftBytes + q * 8, row, n,
-                                   0, chunks, k / 32);
-        if (bad) atomicAdd(errors, bad);
-    }
+}
+
+// One block per output tile, all of K.
+template <int BN, int STAGES>
+__global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
+    const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
+    const float* __restrict__ wgs, const u8* __restrict__ x, const float* __restrict__ xsf, i64 xs_t, i64 xs_g,
+    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g, int n, int k, int tokens,
+    const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    gemm_w4a8<BN, STAGES, 1>(wq, wsh, wrow, wgs, x, xsf, xs_t, xs_g, ss_t, ss_g, out, os_t, os_g, n, k, tokens,
+                             offsets, experts, errors);
+}
+
+// A cluster of KSPLIT blocks per output tile, each a KSPLIT-th of K (batched
+// calls only: grid x is the feature blocks times KSPLIT).
+template <int BN, int STAGES, int KSPLIT>
+__global__ void __cluster_dims__(KSPLIT, 1, 1) __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90_splitk(
+    const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
+    const float* __restrict__ wgs, const u8* __restrict__ x, const float* __restrict__ xsf, i64 xs_t, i64 xs_g,
+    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g, int n, int k, int tokens,
+    const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    gemm_w4a8<BN, STAGES, KSPLIT>(wq, wsh, wrow, wgs, x, xsf, xs_t, xs_g, ss_t, ss_g, out, os_t, os_g, n, k, tokens,
+                                  nullptr, experts, errors);
 }

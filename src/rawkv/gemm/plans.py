@@ -72,6 +72,10 @@ class Tuning(NamedTuple):
     kernel ahead at 8 and 16); a ragged call takes K8.MMA_RAGGED_CONFIGS
     when its grid has MMA_RAGGED_MIN_BLOCKS blocks per SM, as the W4A16
     mma.sync kernel's ragged tiles do.
+    W4A8_KSPLIT: the W4A8 wgmma kernel's split of K across a cluster of
+    blocks (1 or 2; batched calls only), None for the rule: split in two
+    when twice the grid still fits one wave (one block per SM) and each
+    half has at least W4A8_MIN_SPLIT_CHUNKS chunks of 128 columns.
     SM90_FORCE_BN: the wgmma kernel's token tile (64, 96 or 128), None to
     let the plan choose. SM90_FORCE_BM: its feature tile (128 or 256), None
     to let sm90_tile's cost model choose (the rule it replaced: 128 when
@@ -95,6 +99,8 @@ class Tuning(NamedTuple):
     W4A8_MMA_MAX_TOKENS: int = 16
     W4A8_MMA_MAX_EXPERT_TOKENS: int = 16
     W4A8_SM90_MIN_FILL: float = 0.9
+    W4A8_KSPLIT: int | None = None
+    W4A8_MIN_SPLIT_CHUNKS: int = 8
 
 
 TUNED = Tuning()
@@ -312,6 +318,19 @@ def w4a8_mma_config(w, tokens: int, ragged: bool, rows: int, dev, tuning=TUNED) 
     return K8.MMA_CONFIGS[max(K8.MMA_CONFIGS)]
 
 
+def w4a8_splits(dev, w, tokens: int, bn: int, tuning=TUNED) -> int:
+    """The W4A8 wgmma kernel's split of K for a batched call of `tokens` per
+    group on its BN-token tile (Tuning's W4A8_KSPLIT rule)."""
+    if tuning.W4A8_KSPLIT is not None:
+        if tuning.W4A8_KSPLIT not in (1, *K8.SPLITS):
+            raise ValueError(f"W4A8_KSPLIT: expected 1 or one of {K8.SPLITS}, got {tuning.W4A8_KSPLIT}")
+        return tuning.W4A8_KSPLIT
+    blocks = w.groups * -(-w.n // K8.BM) * -(-tokens // bn)
+    sp = K8.SPLITS[0]
+    chunks = -(-w.k // 128)
+    return sp if blocks * sp <= dev.sm_count and chunks >= sp * tuning.W4A8_MIN_SPLIT_CHUNKS else 1
+
+
 def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> Launch:
     """The launch of either W4A8 kernel: its tile from the tokens per group
     (ragged: per expert on average), a grid of (feature blocks, token tiles
@@ -322,16 +341,21 @@ def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> 
     ragged = offsets is not None
     per = -(-tokens // max(1, min(experts, tokens))) if ragged else tokens
     cfg = w4a8_mma_config(w, per, ragged, tokens, dev, tuning)
+    splits = 1
     if cfg is None:
         bn, stages = w4a8_tile(per)
         inst, block, rows_per_block = K8.GEMM.instance(bn, stages), (K8.THREADS,), K8.BM
+        if not ragged:
+            splits = w4a8_splits(dev, w, tokens, bn, tuning)
+            if splits > 1:
+                inst = K8.GEMM_SPLITK.instance(bn, stages, splits)
     else:
         mt, nt, ks, rw, _ = cfg
         inst, block, rows_per_block, bn = K8.GEMM_MMA.instance(*cfg), (32 * ks * rw,), 16 * mt * rw, 8 * nt
     if ragged:
         grid = (-(-w.n // rows_per_block), ragged_slots(tokens, experts, bn), 1)
     else:
-        grid = (-(-w.n // rows_per_block), -(-tokens // bn), act.lead[1])
+        grid = (-(-w.n // rows_per_block) * splits, -(-tokens // bn), act.lead[1])
     if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
         raise ValueError(f"x: {tokens} tokens x {w.groups} groups is past the launch grid's limit")
     xs_t, xs_g = _lead_strides(act.x)

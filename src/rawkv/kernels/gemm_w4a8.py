@@ -41,6 +41,17 @@ GEMM = FILE.kernel(
     (TParam("int", "BN", (64, 96, 112, 128)), TParam("int", "STAGES", (2, 3, 4, 5, 6, 7, 8))),
     instances=list(dict.fromkeys(CONFIGS.values())),
     dynamic_smem=dynamic_smem)
+#: Split K (rkv_gemm_w4a8_sm90_splitk): a cluster of KSPLIT blocks per output
+#: tile, each a KSPLIT-th of the chunks, for batched calls whose grid leaves
+#: SMs idle; the partial sums stay in the stages' shared memory. The
+#: instances are CONFIGS' tiles with KSPLIT = 2.
+SPLITS = (2,)
+GEMM_SPLITK = FILE.kernel(
+    "rkv_gemm_w4a8_sm90_splitk",
+    (TParam("int", "BN", (64, 96, 112, 128)), TParam("int", "STAGES", (2, 3, 4, 5, 6, 7, 8)),
+     TParam("int", "KSPLIT", SPLITS)),
+    instances=[(*cfg, sp) for cfg in dict.fromkeys(CONFIGS.values()) for sp in SPLITS],
+    dynamic_smem=lambda bn, stages, ksplit: dynamic_smem(bn, stages))
 
 
 # ---- the mma.sync kernel (rawkv/cu/gemm_w4a8_mma.cu) ---------------------------------------------
