@@ -368,37 +368,12 @@ __device__ __forceinline__ void gemm_sm90(
     wgmma_wait<0>();
     // (The last stages are not released: nothing is loaded after them.)
 
+    // Split K: this block's sums join rank 0's (sm90.cuh, split_k_sum);
+    // accumulator m, j of consumer thread ct at float (m * BN / 2 + j) * 256 + ct.
     if constexpr (KSPLIT > 1) {
-        // Both consumer warpgroups are done with the stages (named barrier 1:
-        // the 256 consumer threads; the producer may have exited): they now
-        // hold this block's partial sums, accumulator i of consumer thread
-        // ct at float i * 256 + ct (a warp's stores and loads are 128
-        // contiguous bytes).
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");
-        const u32 part = smem_u32(smem) + 4 * threadIdx.x;
-        const u32 ready = smem_u32(&s_split_bar[0]), read = smem_u32(&s_split_bar[1]);
-        if (split != 0) {
-#pragma unroll
-            for (int m = 0; m < kMT; ++m)
-#pragma unroll
-                for (int j = 0; j < BN / 2; ++j)
-                    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(part + 1024 * (m * (BN / 2) + j)), "f"(acc[m][j])
-                                 : "memory");
-            mbar_arrive_cluster(cluster_addr(ready, 0));
-            mbar_wait_cluster(read, 0);            // rank 0 has read them: this block may exit
+        if (!split_k_sum<KSPLIT>(reinterpret_cast<float(&)[kMT * (BN / 2)]>(acc), smem_u32(smem), s_split_bar,
+                                 split))
             return;
-        }
-        mbar_wait_cluster(ready, 0);
-#pragma unroll 1
-        for (int r = 1; r < KSPLIT; ++r) {         // rank order: the same sum every run
-            const u32 peer = cluster_addr(part, r);
-#pragma unroll
-            for (int m = 0; m < kMT; ++m)
-#pragma unroll
-                for (int j = 0; j < BN / 2; ++j) acc[m][j] += ld_cluster_f32(peer + 1024 * (m * (BN / 2) + j));
-        }
-#pragma unroll 1
-        for (int r = 1; r < KSPLIT; ++r) mbar_arrive_cluster(cluster_addr(read, r));
     }
 
     // Epilogue: thread (warp, lane q = lane / 4, t = lane % 4) holds, for each

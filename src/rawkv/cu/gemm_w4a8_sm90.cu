@@ -306,32 +306,9 @@ __device__ __forceinline__ void gemm_w4a8(
         if (bad) atomicAdd(errors, bad);
     }
 
+    // Split K: this block's sums join rank 0's (sm90.cuh, split_k_sum).
     if constexpr (KSPLIT > 1) {
-        // Both consumer warpgroups are done with the stages (named barrier
-        // 1: the 256 consumer threads; every copy has landed): the other
-        // ranks leave their sums there, accumulator j of consumer thread ct
-        // at float j * 256 + ct, and rank 0 adds them to its own in rank
-        // order (the same sum on every run), as gemm_fp4_sm90.cu's split.
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");
-        const u32 part_s = smem_u32(smem) + 4 * threadIdx.x;
-        const u32 ready = smem_u32(&s_split_bar[0]), read = smem_u32(&s_split_bar[1]);
-        if (split != 0) {
-#pragma unroll
-            for (int j = 0; j < BN / 2; ++j)
-                asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(part_s + 1024 * j), "f"(acc[j]) : "memory");
-            mbar_arrive_cluster(cluster_addr(ready, 0));
-            mbar_wait_cluster(read, 0);            // rank 0 has read them: this block may exit
-            return;
-        }
-        mbar_wait_cluster(ready, 0);
-#pragma unroll 1
-        for (int r = 1; r < KSPLIT; ++r) {
-            const u32 peer = cluster_addr(part_s, r);
-#pragma unroll
-            for (int j = 0; j < BN / 2; ++j) acc[j] += ld_cluster_f32(peer + 1024 * j);
-        }
-#pragma unroll 1
-        for (int r = 1; r < KSPLIT; ++r) mbar_arrive_cluster(cluster_addr(read, r));
+        if (!split_k_sum<KSPLIT>(acc, smem_u32(smem), s_split_bar, split)) return;
     }
 
     // Epilogue: rows q and q + 8 of the warp's tile (the wgmma D fragment:

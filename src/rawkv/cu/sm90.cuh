@@ -89,4 +89,39 @@ __device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
     }
 }
 
+// Split K across a cluster of KSPLIT blocks (the wgmma kernels' split
+// instances): once a block's 256 consumer threads (warps 0..7) are done with
+// the stages, whose shared memory starts at `stages`, the other ranks leave
+// their N accumulators there (accumulator i of consumer thread ct at float
+// i * 256 + ct: a warp's stores and loads are 128 contiguous bytes) and
+// rank 0 adds them to its own in rank order over distributed shared memory:
+// a fixed order, no atomics, no workspace. bars[0]: rank 0's "the sums are
+// ready" ((KSPLIT - 1) x 256 arrivals), bars[1]: each other rank's "rank 0
+// has read them" (256), so that no block exits while its memory is read.
+// True on rank 0 (it goes on to the epilogue), false on the others.
+template <int KSPLIT, int N>
+__device__ __forceinline__ bool split_k_sum(float (&acc)[N], u32 stages, u64* bars, int split) {
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    const u32 part = stages + 4 * threadIdx.x;
+    const u32 ready = smem_u32(&bars[0]), read = smem_u32(&bars[1]);
+    if (split != 0) {
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(part + 1024 * i), "f"(acc[i]) : "memory");
+        mbar_arrive_cluster(cluster_addr(ready, 0));
+        mbar_wait_cluster(read, 0);
+        return false;
+    }
+    mbar_wait_cluster(ready, 0);
+#pragma unroll 1
+    for (int r = 1; r < KSPLIT; ++r) {
+        const u32 peer = cluster_addr(part, r);
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[i] += ld_cluster_f32(peer + 1024 * i);
+    }
+#pragma unroll 1
+    for (int r = 1; r < KSPLIT; ++r) mbar_arrive_cluster(cluster_addr(read, r));
+    return true;
+}
+
 }  // namespace rkv
