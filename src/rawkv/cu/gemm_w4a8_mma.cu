@@ -192,11 +192,6 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
     u32 bx[NT][8];
     float sc[NT][2];
     load_acts(c_beg, bx, sc);
-    // The shift-0 table in registers (prmt takes no immediate operands; held
-    // opaque so that the compiler does not rebuild it at every use).
-    u32 tab0, tab1;
-    asm volatile("mov.b32 %0, %1;\n" : "=r"(tab0) : "n"(kTable0Lo));
-    asm volatile("mov.b32 %0, %1;\n" : "=r"(tab1) : "n"(kTable0Hi));
     int slot = 0, next = S - 1;                       // the stage multiplied, the stage refilled
     for (int c = c_beg; c < c_end; ++c) {
         u32 bxn[NT][8];
@@ -228,8 +223,8 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
 #pragma unroll
             for (int s4 = 0; s4 < 4; ++s4) {
                 u32 e[4];                                            // E4M3 bytes: rows q, q + 8 (lo, hi)
-                e4m3_of_e2m1(words[2 * s4], tab0, tab1, e[0], e[2]);
-                e4m3_of_e2m1(words[2 * s4 + 1], tab0, tab1, e[1], e[3]);
+                e4m3_of_e2m1(words[2 * s4], kTable0Lo, kTable0Hi, e[0], e[2]);      // the shift-0 table
+                e4m3_of_e2m1(words[2 * s4 + 1], kTable0Lo, kTable0Hi, e[1], e[3]);
                 const float f0 = shift_factor(fb[s4 >> 1], 2 * (s4 & 1));       // row q's block s4
                 const float f1 = shift_factor(fb[s4 >> 1], 2 * (s4 & 1) + 1);   // row q + 8's
                 float d[NT][4];

@@ -149,7 +149,8 @@ def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors, stream=N
         count_cpu(errors, bad)
         write_bf16(y, out)
         return
-    run_counted(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.w4a8_grouped(rt, act, w, out, e, _tuning()))
+    run_counted(get_runtime(act.device), act, w, errors, stream,
+                lambda rt, e: P.w4a8_grouped(rt, act, w, out, e, _tuning()))
 
 
 @op("gemm_moe_linear_w4a8", f"{_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")

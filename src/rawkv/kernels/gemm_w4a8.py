@@ -9,8 +9,8 @@ output features x BN tokens, STAGES pipeline stages of 128 columns each
 (BN x 128 B of activations, 8 x (1024 + 64) B of packed codes and shifts,
 BN x 4 B of scales).
 
-rawkv/cu/gemm_w4a8_mma.cu (GEMM_MMA, FP8 mma.sync) for few tokens per group
-or expert: (MT, NT, KS, RW, S) as the W4A16 mma.sync kernel's tiles, a ring
+rawkv/cu/gemm_w4a8_mma.cu (GEMM_MMA, FP16 mma.sync on exact conversions of
+both operands) for few tokens per group or expert: (MT, NT, KS, RW, S) as the W4A16 mma.sync kernel's tiles, a ring
 of S stages of one 128-column chunk per warp."""
 from ..reference import gemm_w4a8 as ref8
 from ._decl import KernelFile, TParam
