@@ -463,6 +463,22 @@ def test_extreme_shifts_within_the_bound(sm90, path, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_nan_scale_reaches_the_output_on_the_gpu(sm90, path, rng, tokens):
+    # a NaN block scale of token 1 makes its whole row NaN, and no other
+    # token's (K = 1152: nine chunks, so that split K has two halves)
+    _, _, _, w8 = mx_weight(rng, 2, 40, 1152)
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    xc, xs = fp8_act(rng, (tokens, 2, 1152))
+    xs[1, 0, 7] = float("nan")
+    got = rawkv.gemm.grouped_linear((xc.cuda(), xs.cuda()), w8c).float().cpu()
+    assert torch.isnan(got[1, 0]).all()
+    nan = torch.isnan(got)
+    nan[1, 0] = False
+    assert not nan.any()
+
+
+@pytest.mark.gpu
 def test_k_zero_gives_zeros_on_the_gpu(sm90, path):
     w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.zeros(1, 16, 0, dtype=u8), torch.zeros(1, 16, 0, dtype=u8))
     w8 = rawkv.gemm.w4a8_weight(w)
