@@ -178,12 +178,14 @@ def sm90_tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED) -> Tile:
 
 
 def mma_config(tokens: int, table=K.CONFIGS) -> tuple:
-    """The mma.sync kernel's (MT, NT, KS, RW, U, S) for `tokens` per group
-    (or per expert, from K.RAGGED_CONFIGS)."""
+    """An mma.sync kernel's tile for `tokens` per group (or per expert, from
+    K.RAGGED_CONFIGS): the table's entry of the fewest tokens that holds
+    them, else its "large" one (K.CONFIGS' when it has none). W4A16's
+    (MT, NT, KS, RW, U, S); W4A8's tables (K8.MMA_*) have the same keys."""
     for tt in (8, 16, 32, 64):
         if tokens <= tt and tt in table:
             return table[tt]
-    return K.CONFIGS["large"]
+    return table.get("large", K.CONFIGS["large"])
 
 
 def ragged_slots(rows: int, experts: int, tile_tokens: int) -> int:
@@ -302,7 +304,7 @@ def w4a8_mma_config(w, tokens: int, ragged: bool, rows: int, dev, tuning=TUNED) 
     if path == "auto":
         if tokens > (tuning.W4A8_MMA_MAX_EXPERT_TOKENS if ragged else tuning.W4A8_MMA_MAX_TOKENS):
             return None
-        if not ragged and w.groups * -(-w.n // K8.BM) * -(-tokens // w4a8_tile(tokens)[0]) \
+        if not ragged and sm90_blocks(w, tokens, K8.BM, w4a8_tile(tokens)[0]) \
                 >= tuning.W4A8_SM90_MIN_FILL * dev.sm_count:
             return None
     if ragged and tokens <= max(K8.MMA_RAGGED_CONFIGS):
@@ -312,10 +314,7 @@ def w4a8_mma_config(w, tokens: int, ragged: bool, rows: int, dev, tuning=TUNED) 
             return cfg
         if tokens <= 8:
             return K8.MMA_RAGGED_SMALL_CONFIG
-    for tt in sorted(K8.MMA_CONFIGS):
-        if tokens <= tt:
-            return K8.MMA_CONFIGS[tt]
-    return K8.MMA_CONFIGS[max(K8.MMA_CONFIGS)]
+    return mma_config(tokens, K8.MMA_CONFIGS)
 
 
 def w4a8_splits(dev, w, tokens: int, bn: int, tuning=TUNED) -> int:
@@ -325,10 +324,10 @@ def w4a8_splits(dev, w, tokens: int, bn: int, tuning=TUNED) -> int:
         if tuning.W4A8_KSPLIT not in (1, *K8.SPLITS):
             raise ValueError(f"W4A8_KSPLIT: expected 1 or one of {K8.SPLITS}, got {tuning.W4A8_KSPLIT}")
         return tuning.W4A8_KSPLIT
-    blocks = w.groups * -(-w.n // K8.BM) * -(-tokens // bn)
     sp = K8.SPLITS[0]
-    chunks = -(-w.k // 128)
-    return sp if blocks * sp <= dev.sm_count and chunks >= sp * tuning.W4A8_MIN_SPLIT_CHUNKS else 1
+    chunks = -(-w.k // K8.CHUNK)
+    return sp if sm90_blocks(w, tokens, K8.BM, bn) * sp <= dev.sm_count \
+        and chunks >= sp * tuning.W4A8_MIN_SPLIT_CHUNKS else 1
 
 
 def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> Launch:

@@ -18,6 +18,8 @@ from .gemm_fp4 import FILE as _FP4
 
 BM = 128
 THREADS = 384
+#: Columns of K per chunk (one activation scale block, one pipeline stage).
+CHUNK = 128
 #: The E4M3 table (SHIFT_TABLE) as little-endian words, two per shift row.
 TABLE_WORDS = ref8.SHIFT_TABLE.reshape(-1).view("<u4")
 _CONSTANTS = {**_FP4.constants, "RKV_W4A8_TABLE": ",".join(f"{int(w):#010x}u" for w in TABLE_WORDS),
@@ -56,13 +58,13 @@ GEMM_SPLITK = FILE.kernel(
 
 # ---- the mma.sync kernel (rawkv/cu/gemm_w4a8_mma.cu) ---------------------------------------------
 MMA_FILE = KernelFile("gemm_w4a8_mma.cu", targets={"sm_90": "sm_90"}, constants=_CONSTANTS)
-#: (MT, NT, KS, RW, S) by the most tokens per group each serves (more: the
-#: 16-token tile, where a call is forced onto this kernel): a block covers
+#: (MT, NT, KS, RW, S) by the most tokens per group each serves ("large":
+#: the 16-token tile, for calls forced onto this kernel): a block covers
 #: 8 NT tokens and 16 MT RW output features; small token counts split K
 #: across warps so that every SM has weight bytes in flight at M = 1. From an
 #: H100 sweep (docs/gemm.md, "W4A8 for few tokens"): deeper rings (S = 4),
 #: two m-tiles per warp at 8 tokens, and KS = 2 were slower.
-MMA_CONFIGS = {8: (1, 1, 4, 2, 3), 16: (2, 2, 4, 1, 3)}
+MMA_CONFIGS = {8: (1, 1, 4, 2, 3), 16: (2, 2, 4, 1, 3), "large": (2, 2, 4, 1, 3)}
 #: Ragged calls (per expert on average) whose grid has enough blocks: one
 #: warp per m-tile row streams all of K (no partial sums through shared
 #: memory), four warps per block.
