@@ -79,6 +79,25 @@ __device__ __forceinline__ uint2 block_table(u32 table, u32 e) {
     return ld_shared8(table + 8 * e);
 }
 
+// block_table's computed row of byte i of the shift word w (a byte from
+// kFastShift to kShiftRows - 1), from the word itself: byte i replicated
+// into bytes 1..3 (lo, byte 0 from zero) or all four (hi) by prmt, then
+// times 8 into each exponent field (no carry: bytes below 32) plus the
+// shift-0 row less the bias; the same words as block_table, without
+// extracting the byte.
+__device__ __forceinline__ uint2 fast_table(u32 w, int i) {
+    const u32 lo = prmt(w, 0u, 0x0004u | (0x1110u * i)), hi = prmt(w, 0u, 0x1111u * i);
+    return make_uint2(lo * 8u + (kTable0Lo - kShiftBias * 0x08080800u), hi * 8u + (kTable0Hi - kShiftBias * 0x08080808u));
+}
+
+// Bit 7 of each byte of the result: that byte of w is not a computed row
+// (below kFastShift or from kShiftRows on, past the table included). A byte
+// below 128 adds without carrying out of its byte; a byte from 128 on sets
+// its own bit (its carry may flag its neighbour too: the test is "any").
+__device__ __forceinline__ u32 outside_fast(u32 w) {
+    return (w + (128u - kShiftRows) * 0x01010101u) | ~(w + (128u - kFastShift) * 0x01010101u) | w;
+}
+
 // The bad shift bytes (past the table) of row pair q of a 16-row tile
 // whose bytes start at `src` (chunk c's 8 at src + 64 c, byte 2 s + h: row
 // 8 h + q of the tile, block 4 c + s), rows below n and blocks below

@@ -22,8 +22,10 @@
 //   built while the wgmmas run;
 // * warpgroup 2 produces: 16-byte cp.async copies of the stage's packed
 //   codes and shifts and of the activation tile (each token row into the
-//   128-byte swizzle), 4-byte copies of the tokens' scales; each thread's
-//   copies arrive on the stage's "full" mbarrier when they land.
+//   128-byte swizzle), each thread's arriving on the stage's "full"
+//   mbarrier when they land; the tokens' scales loaded a chunk ahead and
+//   stored, each thread arriving again after its store. The consumers wait
+//   on the producer (ncu), so its per-chunk steps are address increments.
 //
 // Determinism: each output is one warpgroup's FP32 sum over the stages in
 // order; the same bits on every run.
@@ -75,10 +77,6 @@ __device__ __forceinline__ float4 ld_shared_f4(u32 addr) {
 __device__ __forceinline__ void cp_async16_zfill_if(bool on, u32 dst, const void* gmem, u32 bytes) {
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16, %3;\n}\n"
                  ::"r"(dst), "l"(gmem), "r"((int)on), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async4_if(bool on, u32 dst, const void* gmem) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.ca.shared.global [%0], [%1], 4;\n}\n"
-                 ::"r"(dst), "l"(gmem), "r"((int)on));
 }
 
 template <int BN>
@@ -143,7 +141,7 @@ __device__ __forceinline__ void gemm_w4a8(
     for (int i = threadIdx.x; i < 2 * kTableRows; i += kThreads) s_table[i] = i < kTableWords ? c_table[i] : 0u;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(bar_full + 8 * s, 128);   // each producer thread's copies
+            mbar_init(bar_full + 8 * s, 256);   // each producer thread's copies, then its scale store
             mbar_init(bar_empty + 8 * s, 8);    // the 8 consumer warps
         }
         if (KSPLIT > 1) {
@@ -178,29 +176,57 @@ __device__ __forceinline__ void gemm_w4a8(
         // The tokens' scales: token p on threads p < BN, stored in the order
         // the consumers read them: token 8 j + 2 t + h (j = 2 j2 + i) at float
         // 16 j2 + 4 t + 2 i + h, so lane t's 16-byte load j2 and its quad's
-        // are 64 contiguous bytes.
+        // are 64 contiguous bytes. Loaded one chunk ahead into a register and
+        // stored (a warp's 32 stores are one shared-memory wavefront; a 4-byte
+        // cp.async costs one per thread: 14% of the kernel's wavefronts, ncu).
         const float* fsrc = xsf + (i64)(t0 + p) * ss_t + (i64)g * ss_g;
         const u32 sdst = 4 * (16 * (p >> 4) + 4 * ((p >> 1) & 3) + 2 * ((p >> 3) & 1) + (p & 1));
+        const bool sown = p < rows;
+        // Every per-chunk step is an address increment from here (the
+        // producer is what the consumers wait on: ncu showed their full
+        // barrier's wait looping ~7 times per chunk, the producer's empty
+        // wait ~1.3): 32-bit strides, running pointers, liveness as bits.
+        const u32 tile2 = (u32)(2 * tile_bytes);          // from tile p / 64 + 2 i to + 2 (i + 1)
+        const u64 row16 = (u64)(16 * xs_t);               // token rows 16 apart
+        u32 wlive = 0, xlive = 0;
+#pragma unroll
+        for (int i = 0; i < kTiles / 2; ++i) wlive |= (u32)((p >> 6) + 2 * i < live_tiles) << i;
+#pragma unroll
+        for (int j = 0; j < BN / 16; ++j) xlive |= (u32)(r0 + 16 * j < rows) << j;
+        const u8* wcur = wsrc + (i64)c_beg * kCodeBytes;
+        const u8* scur = ssrc + (i64)c_beg * kShiftBytes;
+        const u8* xcur = xsrc + (i64)128 * c_beg;
+        const float* fcur = fsrc + c_beg;
+        int kcol = c_beg * 128 + 16 * unit;              // the thread's activation column in chunk c
+        const u32 wdst0 = smem_u32(s_w) + 16 * p, bdst0 = smem_u32(s_b) + xdst, sdst0 = smem_u32(s_s) + sdst;
+        float sc_next = sown && c_beg < c_end ? __ldg(fcur) : 0.0f;
         int s = 0;
         u32 parity = 1;   // of the empty barriers: a fresh barrier passes parity 1
         for (int c = c_beg; c < c_end; ++c) {
             mbar_wait(bar_empty + 8 * s, parity);
-            const u32 wdst = smem_u32(s_w + s * kWStage);
+            const u32 wdst = wdst0 + s * kWStage;
+            const u8* wp = wcur;
 #pragma unroll
-            for (int i = 0; i < kTiles / 2; ++i)
-                cp_async16_if((p >> 6) + 2 * i < live_tiles, wdst + 16 * p + 2048 * i,
-                              wsrc + 2 * i * tile_bytes + (i64)c * kCodeBytes);
-            cp_async16_if(slive, wdst + kTiles * kCodeBytes + 16 * p, ssrc + (i64)c * kShiftBytes);
+            for (int i = 0; i < kTiles / 2; ++i, wp += tile2) cp_async16_if((wlive >> i) & 1u, wdst + 2048 * i, wp);
+            cp_async16_if(slive, wdst + kTiles * kCodeBytes, scur);
             // Columns past k are zeros (K is a multiple of 32: a 16-byte
-            // unit is wholly in or out).
-            const u32 bytes = c * 128 + 16 * unit < k ? 16u : 0u;
-            const u32 bdst = smem_u32(s_b + s * kBStage) + xdst;
+            // unit is wholly in or out; such a unit reads no bytes, from the
+            // row's start).
+            const u32 bytes = kcol < k ? 16u : 0u;
+            const u32 bdst = bdst0 + s * kBStage;
+            const u8* xp = bytes ? xcur : xsrc;
 #pragma unroll
-            for (int j = 0; j < BN / 16; ++j)
-                cp_async16_zfill_if(r0 + 16 * j < rows, bdst + 2048 * j,
-                                    bytes ? xsrc + (i64)16 * j * xs_t + 128 * c : xsrc, bytes);
-            cp_async4_if(p < rows, smem_u32(s_s + s * kSStage) + sdst, fsrc + c);
+            for (int j = 0; j < BN / 16; ++j, xp += row16) cp_async16_zfill_if((xlive >> j) & 1u, bdst + 2048 * j, xp, bytes);
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar_full + 8 * s) : "memory");
+            const float sc = sc_next;
+            if (sown && c + 1 < c_end) sc_next = __ldg(fcur + 1);
+            if (p < BN) st_shared(sdst0 + s * kSStage, __float_as_uint(sc));
+            mbar_arrive(bar_full + 8 * s);     // (release: the scale's store)
+            wcur += kCodeBytes;
+            scur += kShiftBytes;
+            xcur += 128;
+            ++fcur;
+            kcol += 128;
             if (++s == STAGES) {
                 s = 0;
                 parity ^= 1;
@@ -220,44 +246,67 @@ __device__ __forceinline__ void gemm_w4a8(
     for (int j = 0; j < BN / 2; ++j) acc[j] = part[j] = 0.0f;   // (part: the first wgmma overwrites it)
     u32 past = 0;                                  // bit 7 of a byte: a shift byte past the table seen
 
+    // Per stage st: the lane's packed codes and shifts, the tokens' scales,
+    // the B tile's descriptor (linear in the address: + 2 per 32 bytes).
+    const u32 w_lane = smem_u32(s_w) + my_tile * kCodeBytes + lane * 16;
+    const u32 sh_lane = smem_u32(s_w) + kTiles * kCodeBytes + my_tile * kShiftBytes + q * 8;
+    const u32 sc_lane = smem_u32(s_s) + 16 * t;
+    const u64 desc0 = b_desc(smem_u32(s_b));
+
     // The E4M3 A fragments of a stage's four k32 steps: lane (q, t), step
     // s: word 2 s (row q) and 2 s + 1 (row q + 8) of its 32 packed bytes,
     // each through its block's table (the shift bytes 2 s, 2 s + 1 of row
-    // pair q).
-    auto fragments = [&](int c, u32 (&a)[4][4]) {
-        const u32 wst = smem_u32(s_w + (c % STAGES) * kWStage);
-        const uint4 c0 = ld_shared16(wst + my_tile * kCodeBytes + lane * 16);          // steps 0, 1
-        const uint4 c1 = ld_shared16(wst + my_tile * kCodeBytes + 512 + lane * 16);    // steps 2, 3
-        const uint2 sh = ld_shared8(wst + kTiles * kCodeBytes + my_tile * kShiftBytes + q * 8);
-        past |= (sh.x + kPastAdd) | sh.x | (sh.y + kPastAdd) | sh.y;
+    // pair q). When every shift byte the warp reads is one of the computed
+    // rows (kFastShift .. kShiftRows - 1: every block of a real checkpoint
+    // but those 2^11 below their row's largest), each table is two prmt and
+    // two multiply-adds from the shift word; otherwise (a warp-uniform
+    // branch) block_table, which also reads the exact rows and the zero
+    // rows past the table, and the bytes past the table are flagged.
+    auto fragments = [&](u32 st, u32 (&a)[4][4]) {
+        const u32 wst = w_lane + st * kWStage;
+        const uint4 c0 = ld_shared16(wst);            // steps 0, 1
+        const uint4 c1 = ld_shared16(wst + 512);      // steps 2, 3
+        const uint2 sh = ld_shared8(sh_lane + st * kWStage);
         const u32 words[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        if (__any_sync(0xffffffffu, ((outside_fast(sh.x) | outside_fast(sh.y)) & 0x80808080u) != 0)) {
+            past |= (sh.x + kPastAdd) | sh.x | (sh.y + kPastAdd) | sh.y;
 #pragma unroll
-        for (int s4 = 0; s4 < 4; ++s4) {
-            const u32 shw = s4 < 2 ? sh.x : sh.y;
-            const u32 e0 = (shw >> (16 * (s4 & 1))) & 255u, e1 = (shw >> (16 * (s4 & 1) + 8)) & 255u;
-            const uint2 tq = block_table(table, e0), tq8 = block_table(table, e1);
-            e4m3_of_e2m1(words[2 * s4], tq.x, tq.y, a[s4][0], a[s4][2]);
-            e4m3_of_e2m1(words[2 * s4 + 1], tq8.x, tq8.y, a[s4][1], a[s4][3]);
+            for (int s4 = 0; s4 < 4; ++s4) {
+                const u32 shw = s4 < 2 ? sh.x : sh.y;
+                const u32 e0 = (shw >> (16 * (s4 & 1))) & 255u, e1 = (shw >> (16 * (s4 & 1) + 8)) & 255u;
+                const uint2 tq = block_table(table, e0), tq8 = block_table(table, e1);
+                e4m3_of_e2m1(words[2 * s4], tq.x, tq.y, a[s4][0], a[s4][2]);
+                e4m3_of_e2m1(words[2 * s4 + 1], tq8.x, tq8.y, a[s4][1], a[s4][3]);
+            }
+        } else {
+#pragma unroll
+            for (int s4 = 0; s4 < 4; ++s4) {
+                const u32 shw = s4 < 2 ? sh.x : sh.y;
+                const uint2 tq = fast_table(shw, 2 * (s4 & 1)), tq8 = fast_table(shw, 2 * (s4 & 1) + 1);
+                e4m3_of_e2m1(words[2 * s4], tq.x, tq.y, a[s4][0], a[s4][2]);
+                e4m3_of_e2m1(words[2 * s4 + 1], tq8.x, tq8.y, a[s4][1], a[s4][3]);
+            }
         }
     };
-    auto acquire = [&](int c) {
-        mbar_wait(bar_full + 8 * (c % STAGES), (c / STAGES) & 1);
+    auto acquire = [&](u32 st, u32 ph) {
+        mbar_wait(bar_full + 8 * st, ph);
         // The producer's cp.async writes (generic proxy), acquired through
         // the barrier, ordered before this warpgroup's wgmma reads.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     };
-    // Chunk c's four wgmmas into a block partial (the first overwrites it).
-    auto issue = [&](int c, const u32 (&a)[4][4], float (&part)[BN / 2]) {
-        const u32 btile = smem_u32(s_b + (c % STAGES) * kBStage);
+    // The chunk of stage st: its four wgmmas into a block partial (the
+    // first overwrites it).
+    auto issue = [&](u32 st, const u32 (&a)[4][4], float (&part)[BN / 2]) {
+        const u64 desc = desc0 + st * (kBStage >> 4);
         wgmma_fence();
 #pragma unroll
-        for (int s4 = 0; s4 < 4; ++s4) wgmma_k32<BN>(part, a[s4], b_desc(btile + 32 * s4), s4);
+        for (int s4 = 0; s4 < 4; ++s4) wgmma_k32<BN>(part, a[s4], desc + 2 * s4, s4);
         wgmma_commit();
     };
-    // Chunk c's partial into the accumulators with the tokens' scales of
-    // its block; then its stage goes back to the producer.
-    auto promote = [&](int c, const float (&part)[BN / 2]) {
-        const u32 sc = smem_u32(s_s + (c % STAGES) * kSStage) + 16 * t;
+    // The partial into the accumulators with the tokens' scales of its
+    // block; then its stage goes back to the producer.
+    auto promote = [&](u32 st, const float (&part)[BN / 2]) {
+        const u32 sc = sc_lane + st * kSStage;
 #pragma unroll
         for (int j2 = 0; j2 < BN / 16; ++j2) {
             const float4 f = ld_shared_f4(sc + 64 * j2);    // tokens 8 j + 2 t, + 1 of j = 2 j2, 2 j2 + 1
@@ -272,28 +321,42 @@ __device__ __forceinline__ void gemm_w4a8(
             }
         }
         __syncwarp();
-        if (lane == 0) mbar_arrive(bar_empty + 8 * (c % STAGES));
+        if (lane == 0) mbar_arrive(bar_empty + 8 * st);
     };
-    // Chunk c: its four wgmmas into the block partial; meanwhile chunk
-    // c + 1's A fragments into the other register set (`next`); then the
-    // promotion, which needs the partial complete.
+    // Chunk c (stage st): its four wgmmas into the block partial; meanwhile
+    // chunk c + 1's A fragments into the other register set (`next`); then
+    // the promotion, which needs the partial complete. The stage and the
+    // full barrier's parity are carried along (no division by STAGES).
     u32 a0[4][4], a1[4][4];
-    auto chunk = [&](int c, const u32 (&a)[4][4], u32 (&next)[4][4]) {
-        issue(c, a, part);
+    auto chunk = [&](int c, u32 st, u32 ph, const u32 (&a)[4][4], u32 (&next)[4][4]) {
+        issue(st, a, part);
         if (c + 1 < nloc) {
-            acquire(c + 1);
-            fragments(c + 1, next);
+            const bool wrap = st + 1 == STAGES;
+            const u32 st1 = wrap ? 0u : st + 1;
+            acquire(st1, wrap ? ph ^ 1u : ph);
+            fragments(st1, next);
         }
         wgmma_wait<0>();
-        promote(c, part);
+        promote(st, part);
+    };
+    u32 st = 0, ph = 0;                            // chunk c's stage and its full barrier's parity
+    auto advance = [&]() {
+        if (++st == STAGES) {
+            st = 0;
+            ph ^= 1u;
+        }
     };
     if (nloc > 0) {                                // (K = 0: no chunk, the outputs are zeros)
-        acquire(0);
+        acquire(0, 0);
         fragments(0, a0);
     }
     for (int c = 0; c < nloc; c += 2) {
-        chunk(c, a0, a1);
-        if (c + 1 < nloc) chunk(c + 1, a1, a0);
+        chunk(c, st, ph, a0, a1);
+        advance();
+        if (c + 1 < nloc) {
+            chunk(c + 1, st, ph, a1, a0);
+            advance();
+        }
     }
     const int row = (tile0 + my_tile) * 16 + q;
 
