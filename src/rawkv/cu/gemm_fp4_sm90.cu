@@ -423,13 +423,7 @@ __device__ __forceinline__ void gemm_sm90(
                 }
             }
         }
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");
-        constexpr int kUnits = kBM / 8;                                // 16-byte units per token
-        for (int u = threadIdx.x; u < (t1 - t0) * kUnits; u += 256) {
-            const int tl = u / kUnits, c = u % kUnits;
-            const uint4 v = *reinterpret_cast<const uint4*>(stile + tl * kPitch + 8 * c);
-            *reinterpret_cast<uint4*>(obase + (i64)(t0 + tl) * os_t + row0 + 8 * c) = v;
-        }
+        store_staged<kBM, kPitch>(stile, obase + (i64)t0 * os_t + row0, os_t, t1 - t0);
         return;
     }
 #pragma unroll

@@ -377,10 +377,38 @@ __device__ __forceinline__ void gemm_w4a8(
     // Epilogue: rows q and q + 8 of the warp's tile (the wgmma D fragment:
     // accumulator 4 j + h at row q, token 8 j + 2 t + h; 4 j + 2 + h at row
     // q + 8), times the row's power of two and the group's global scale.
+    __nv_bfloat16* const obase = out + (i64)g * os_g;
+    const int row0 = tile0 * 16;                   // the block's first output feature
+    // Where the block's BM features exist and each token's run of them is
+    // 16-byte aligned, through shared memory as the W4A16 wgmma kernel's
+    // (sm90.cuh, store_staged): token rows of BM + 8 values, 16 bytes of
+    // padding putting a quad's four tokens in different banks. Both consumer
+    // warpgroups are done with the stages first (the producer's last copies
+    // were acquired with the last stage; split K: rank 0's stages hold no
+    // partial sums).
+    if (row0 + kBM <= n && ((reinterpret_cast<size_t>(obase + row0) | ((size_t)os_t * 2)) & 15) == 0) {
+        constexpr int kPitch = kBM + 8;
+        static_assert(BN * kPitch * 2 <= STAGES * (kBStage + kWStage + kSStage), "the staged tile fits in the stages");
+        __nv_bfloat16* const stile = reinterpret_cast<__nv_bfloat16*>(smem);
+        const float gsc = wgs[g];
+        const float sc0 = wrow[(i64)g * tiles16 * 16 + row] * gsc, sc1 = wrow[(i64)g * tiles16 * 16 + row + 8] * gsc;
+        const int r = my_tile * 16 + q;
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int tl = 8 * j + 2 * t + h;
+                stile[tl * kPitch + r] = __float2bfloat16_rn(acc[4 * j + h] * sc0);
+                stile[tl * kPitch + r + 8] = __float2bfloat16_rn(acc[4 * j + 2 + h] * sc1);
+            }
+        }
+        store_staged<kBM, kPitch>(stile, obase + (i64)t0 * os_t + row0, os_t, t1 - t0);
+        return;
+    }
     if (my_tile >= live_tiles) return;             // (rows past the padded N: no scales to read)
     const float gsc = wgs[g];
     const float sc0 = wrow[(i64)g * tiles16 * 16 + row] * gsc, sc1 = wrow[(i64)g * tiles16 * 16 + row + 8] * gsc;
-    __nv_bfloat16* const obase = out + (i64)g * os_g;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll

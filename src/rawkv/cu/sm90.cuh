@@ -89,6 +89,24 @@ __device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
     }
 }
 
+// The last step of a wgmma kernel's staged epilogue (its two consumer
+// warpgroups, threads 0..255): once each thread's values are in `stile`, a
+// token-major tile of `rows` tokens of PITCH values (BM outputs and
+// padding), every token's BM outputs go out as 16-byte runs from `orow0`
+// (token 0's first output; tokens os_t apart, 16-byte aligned). ncu had
+// shown the D fragments' own 2-byte stores using half of each 32-byte
+// sector.
+template <int BM, int PITCH>
+__device__ __forceinline__ void store_staged(const __nv_bfloat16* stile, __nv_bfloat16* orow0, i64 os_t, int rows) {
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    constexpr int kUnits = BM / 8;                                 // 16-byte units per token
+    for (int u = threadIdx.x; u < rows * kUnits; u += 256) {
+        const int tl = u / kUnits, c = u % kUnits;
+        const uint4 v = *reinterpret_cast<const uint4*>(stile + tl * PITCH + 8 * c);
+        *reinterpret_cast<uint4*>(orow0 + (i64)tl * os_t + 8 * c) = v;
+    }
+}
+
 // Split K across a cluster of KSPLIT blocks (the wgmma kernels' split
 // instances): once a block's 256 consumer threads (warps 0..7) are done with
 // the stages, whose shared memory starts at `stages`, the other ranks leave
