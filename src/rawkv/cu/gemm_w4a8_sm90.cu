@@ -24,8 +24,9 @@
 //   codes and shifts and of the activation tile (each token row into the
 //   128-byte swizzle), each thread's arriving on the stage's "full"
 //   mbarrier when they land; the tokens' scales loaded a chunk ahead and
-//   stored, each thread arriving again after its store. The consumers wait
-//   on the producer (ncu), so its per-chunk steps are address increments.
+//   stored, each thread arriving again after its store. Its per-chunk
+//   steps are address increments: with 64-bit arithmetic per copy it was
+//   what the consumers waited on (ncu).
 //
 // Determinism: each output is one warpgroup's FP32 sum over the stages in
 // order; the same bits on every run.
@@ -182,10 +183,10 @@ __device__ __forceinline__ void gemm_w4a8(
         const float* fsrc = xsf + (i64)(t0 + p) * ss_t + (i64)g * ss_g;
         const u32 sdst = 4 * (16 * (p >> 4) + 4 * ((p >> 1) & 3) + 2 * ((p >> 3) & 1) + (p & 1));
         const bool sown = p < rows;
-        // Every per-chunk step is an address increment from here (the
-        // producer is what the consumers wait on: ncu showed their full
-        // barrier's wait looping ~7 times per chunk, the producer's empty
-        // wait ~1.3): 32-bit strides, running pointers, liveness as bits.
+        // Every per-chunk step is an address increment from here: 32-bit
+        // strides, running pointers, liveness as bits (with the arithmetic
+        // per copy, ncu showed the consumers' full-barrier wait looping ~7
+        // times per chunk against the producer's empty wait ~1.3).
         const u32 tile2 = (u32)(2 * tile_bytes);          // from tile p / 64 + 2 i to + 2 (i + 1)
         const u64 row16 = (u64)(16 * xs_t);               // token rows 16 apart
         u32 wlive = 0, xlive = 0;
