@@ -12,14 +12,17 @@ one piece of the kernel's per-chunk work:
                  packed E2M1 codes (the kernel's prmt conversion)
 
 A from registers (RS, the kernel's form) or from shared memory (SS), where the
-variant allows. A standalone CUDA program: on a GPU machine with nvcc,
+variant allows. The promotion and the code conversion are the kernel's own
+(gemm_w4a8.cuh: promote_partial, e4m3_of_e2m1), included from the source
+tree. A standalone CUDA program: on a GPU machine with nvcc,
 
     python tools/wgmma_fp8_ceiling.py
 
 writes it to a temporary directory, compiles it for sm_90a and prints TFLOP/s
-per variant (an H100 printed, on 2026-11-26: chain 1,921 RS / 1,928 SS,
-promote const 1,389 / 1,471, promote lds 1,319 / 1,346, two partials 1,259 /
-1,252, fragments 1,114).
+per variant (an H100, three runs on 2026-11-26, RS / SS: chain 1,921-1,926 /
+1,928-1,934, promote const 1,361-1,391 / 1,471-1,474, promote lds 1,317-1,319
+/ 1,343-1,348, two partials 1,257-1,261 / 1,252-1,253, fragments
+1,113-1,115).
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ import sys
 import tempfile
 
 _HERE = pathlib.Path(__file__).resolve().parent
+_CU = _HERE.parent / "src" / "rawkv" / "cu"
+sys.path.insert(0, str(_HERE.parent / "src"))
 _spec = importlib.util.spec_from_file_location("gen_wgmma", _HERE / "gen_wgmma.py")
 gen_wgmma = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gen_wgmma)
@@ -54,36 +59,17 @@ def wrapper_ss(n: int) -> str:
 
 BODY = r'''
 #include <cstdio>
-#include <cstdint>
 #include <cuda_runtime.h>
-typedef uint32_t u32;
-typedef uint64_t u64;
-typedef uint8_t u8;
+#include "gemm_w4a8.cuh"
+using namespace rkv;
 #define WRAPPERS
 
-// K-major, 128-byte swizzle, 1024 bytes per 8 rows (the kernel's b_desc).
-__device__ __forceinline__ u64 desc(u32 addr) {
-    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
-}
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void wfence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wcommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int K> __device__ __forceinline__ void wwait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(K) : "memory"); }
-__device__ __forceinline__ float4 lds4(u32 a) {
-    float4 v;
-    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
-    return v;
-}
-__device__ __forceinline__ uint4 ldsu4(u32 a) {
-    uint4 v;
-    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-    return v;
-}
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(s));
-    return r;
-}
+// (b_desc: K-major, 128-byte swizzle, 1024 bytes per 8 rows; the A tile of
+// the SS variant has the same layout.)
+__device__ __forceinline__ u64 desc(u32 addr) { return b_desc(addr); }
+__device__ __forceinline__ void wfence() { wgmma_fence(); }
+__device__ __forceinline__ void wcommit() { wgmma_commit(); }
+template <int K> __device__ __forceinline__ void wwait() { wgmma_wait<K>(); }
 
 constexpr int S = 4, N = 128, BST = N * 128, AST = 128 * 128;
 enum { CHAIN, PROMOTE_CONST, PROMOTE_LDS, TWO_PARTIALS, FRAGMENTS };
@@ -119,37 +105,20 @@ __global__ void __launch_bounds__(256, 1) ceiling(float* out, int iters) {
         if constexpr (MODE == PROMOTE_CONST) {
             for (int j = 0; j < N / 2; ++j) acc[j] = fmaf(p[j], fs, acc[j]);
         } else {
-            const u32 sc = smem_u32(ss + (c % S) * N) + 16 * t;
-#pragma unroll
-            for (int j2 = 0; j2 < N / 16; ++j2) {
-                const float4 f = lds4(sc + 64 * j2);
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const int j = 2 * j2 + i;
-                    const float f0 = i ? f.z : f.x, f1 = i ? f.w : f.y;
-                    acc[4 * j] = fmaf(p[4 * j], f0, acc[4 * j]);
-                    acc[4 * j + 1] = fmaf(p[4 * j + 1], f1, acc[4 * j + 1]);
-                    acc[4 * j + 2] = fmaf(p[4 * j + 2], f0, acc[4 * j + 2]);
-                    acc[4 * j + 3] = fmaf(p[4 * j + 3], f1, acc[4 * j + 3]);
-                }
-            }
+            promote_partial(acc, p, smem_u32(ss + (c % S) * N) + 16 * t);
         }
     };
-    // The kernel's conversion: per 8 codes, two prmt on the magnitudes and
-    // two in sign-replicate mode (gemm_w4a8.cuh, e4m3_of_e2m1).
+    // The kernel's conversion of the packed codes (a table per chunk here,
+    // not per block).
     auto fragments = [&](int c, u32 (&f)[4][4]) {
         const u32 w = smem_u32(sw + (c % S) * 8192 + (wg * 4 + warp) * 1024 + lane * 16);
-        const uint4 c0 = ldsu4(w), c1 = ldsu4(w + 512);
+        const uint4 c0 = ld_shared16(w), c1 = ld_shared16(w + 512);
         const u32 words[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-        const u32 t0 = 0x3C383000u + c, t1 = 0x4C484440u;
 #pragma unroll
-        for (int s = 0; s < 4; ++s)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const u32 wd = words[2 * s + h], m = wd & 0x77777777u, sw4 = wd << 4;
-                f[s][h] = prmt(t0, t1, m) | (prmt(sw4, wd, 0xD9C8u) & 0x80808080u);
-                f[s][h + 2] = prmt(t0, t1, m >> 16) | (prmt(sw4, wd, 0xFBEAu) & 0x80808080u);
-            }
+        for (int s = 0; s < 4; ++s) {
+            e4m3_of_e2m1(words[2 * s], kTable0Lo + c, kTable0Hi, f[s][0], f[s][2]);
+            e4m3_of_e2m1(words[2 * s + 1], kTable0Lo + c, kTable0Hi, f[s][1], f[s][3]);
+        }
     };
     const u32 abase = smem_u32(sa) + wg * 64 * 128;
     for (int c = 0; c < iters; ++c) {
@@ -249,7 +218,11 @@ int main() {
 
 
 def source() -> str:
-    return BODY.replace("#define WRAPPERS", gen_wgmma.wrapper_fp8(128) + wrapper_ss(128))
+    """The program: the W4A8 kernel file's constants (the E4M3 table, ...) as
+    #defines (nvcc would split a -D value at its commas), then the body."""
+    from rawkv.kernels import gemm_w4a8
+    defines = "".join(f"#define {k} {v}\n" for k, v in gemm_w4a8.FILE.constants.items())
+    return defines + BODY.replace("#define WRAPPERS", gen_wgmma.wrapper_fp8(128) + wrapper_ss(128))
 
 
 def main() -> int:
@@ -257,7 +230,7 @@ def main() -> int:
         cu, exe = pathlib.Path(d, "ceiling.cu"), pathlib.Path(d, "ceiling")
         cu.write_text(source())
         build = subprocess.run(["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
-                                str(cu), "-o", str(exe)], capture_output=True, text=True)
+                                f"-I{_CU}", str(cu), "-o", str(exe)], capture_output=True, text=True)
         if build.returncode:
             print(build.stdout + build.stderr, file=sys.stderr)
             return build.returncode

@@ -4,6 +4,7 @@
 // gemm_w4a8_sm90.cu (wgmma, sm_90a) and gemm_w4a8_mma.cu (mma.sync) include it.
 #pragma once
 #include "common.cuh"
+#include "sm90.cuh"
 
 #if !defined(RKV_W4A8_TABLE) || !defined(RKV_W4A8_SHIFT_BIAS)
 #error "RKV_W4A8_TABLE and RKV_W4A8_SHIFT_BIAS must come from rawkv/kernels/gemm_w4a8.py"
@@ -96,6 +97,30 @@ __device__ __forceinline__ uint2 fast_table(u32 w, int i) {
 // its own bit (its carry may flag its neighbour too: the test is "any").
 __device__ __forceinline__ u32 outside_fast(u32 w) {
     return (w + (128u - kShiftRows) * 0x01010101u) | ~(w + (128u - kFastShift) * 0x01010101u) | w;
+}
+
+// The wgmma kernel's promotion (DeepGEMM's recipe): a 128-column block's
+// FP32 partial (the wgmma D fragment of lane (q, t): partial 4 j + r at token
+// 8 j + 2 t + (r & 1)) into the accumulators, each times its token's scale of
+// the block, one FMA per accumulator. `sc`: this lane's scales in shared
+// memory as the producer stores them (token 8 j + 2 t + h, j = 2 j2 + i, at
+// float 16 j2 + 4 t + 2 i + h of the block's run, `sc` already 16 t bytes
+// in: a 16-byte load per two 8-token groups).
+template <int NP>
+__device__ __forceinline__ void promote_partial(float (&acc)[NP], const float (&part)[NP], u32 sc) {
+#pragma unroll
+    for (int j2 = 0; j2 < NP / 8; ++j2) {
+        const float4 f = ld_shared_f4(sc + 64 * j2);    // tokens 8 j + 2 t, + 1 of j = 2 j2, 2 j2 + 1
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int j = 2 * j2 + i;
+            const float f0 = i ? f.z : f.x, f1 = i ? f.w : f.y;
+            acc[4 * j] = fmaf(part[4 * j], f0, acc[4 * j]);
+            acc[4 * j + 1] = fmaf(part[4 * j + 1], f1, acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(part[4 * j + 2], f0, acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(part[4 * j + 3], f1, acc[4 * j + 3]);
+        }
+    }
 }
 
 // The bad shift bytes (past the table) of row pair q of a 16-row tile

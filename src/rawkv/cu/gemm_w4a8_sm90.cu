@@ -69,11 +69,6 @@ namespace {
 constexpr int kThreads = 384;
 constexpr int kBM = 128, kTiles = kBM / 16;
 
-__device__ __forceinline__ float4 ld_shared_f4(u32 addr) {
-    float4 v;
-    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
-    return v;
-}
 // 16 bytes, or zeros where `bytes` is 0 (the source is then not read).
 __device__ __forceinline__ void cp_async16_zfill_if(bool on, u32 dst, const void* gmem, u32 bytes) {
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16, %3;\n}\n"
@@ -307,20 +302,7 @@ __device__ __forceinline__ void gemm_w4a8(
     // The partial into the accumulators with the tokens' scales of its
     // block; then its stage goes back to the producer.
     auto promote = [&](u32 st, const float (&part)[BN / 2]) {
-        const u32 sc = sc_lane + st * kSStage;
-#pragma unroll
-        for (int j2 = 0; j2 < BN / 16; ++j2) {
-            const float4 f = ld_shared_f4(sc + 64 * j2);    // tokens 8 j + 2 t, + 1 of j = 2 j2, 2 j2 + 1
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int j = 2 * j2 + i;
-                const float f0 = i ? f.z : f.x, f1 = i ? f.w : f.y;
-                acc[4 * j] = fmaf(part[4 * j], f0, acc[4 * j]);
-                acc[4 * j + 1] = fmaf(part[4 * j + 1], f1, acc[4 * j + 1]);
-                acc[4 * j + 2] = fmaf(part[4 * j + 2], f0, acc[4 * j + 2]);
-                acc[4 * j + 3] = fmaf(part[4 * j + 3], f1, acc[4 * j + 3]);
-            }
-        }
+        promote_partial(acc, part, sc_lane + st * kSStage);
         __syncwarp();
         if (lane == 0) mbar_arrive(bar_empty + 8 * st);
     };
