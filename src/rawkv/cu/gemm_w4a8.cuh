@@ -1,6 +1,7 @@
 // gemm_w4a8.cuh: what both W4A8 GEMM kernels share (docs/gemm.md, "W4A8"):
 // the packed form's sizes, the E4M3 table of each shift byte and the E2M1 ->
-// E4M3 conversion through it, and the count of shift bytes past the table.
+// E4M3 conversion through it, and the count of shift bytes past the table;
+// and the wgmma kernel's promotion (tools/wgmma_fp8_ceiling.py times it too).
 // gemm_w4a8_sm90.cu (wgmma, sm_90a) and gemm_w4a8_mma.cu (mma.sync) include it.
 #pragma once
 #include "common.cuh"
