@@ -11,7 +11,7 @@ SHAPES = (64, 96, 128)
 TYPES = ("bf16", "f16")
 OUT = Path(__file__).resolve().parent.parent / "src" / "rawkv" / "cu" / "wgmma_rs.cuh"
 #: The W4A8 kernel's FP8 (E4M3 x E4M3) shapes.
-FP8_SHAPES = (64, 96, 112, 128)
+FP8_SHAPES = (16, 64, 96, 112, 128)
 
 
 def wrapper(n: int, ty: str) -> str:

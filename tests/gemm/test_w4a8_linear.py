@@ -291,18 +291,24 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
     (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(64, 3, 300, dtype=bf))
     assert launch.grid == (3, 1, 3) and launch.kernel.expr.endswith("<64, 8>")
 
-    # up to W4A8_MMA_MAX_TOKENS per group: the mma.sync kernel, its tile by
-    # tokens (grid: feature blocks of 16 MT RW, token tiles of 8 NT)
-    for tokens, cfg in ((1, K8.MMA_CONFIGS[8]), (16, K8.MMA_CONFIGS[16])):
+    # up to W4A8_MMA_MAX_TOKENS (8) per group: the mma.sync kernel, its tile
+    # by tokens (grid: feature blocks of 16 MT RW, token tiles of 8 NT); a
+    # forced mma.sync call of 16 tokens takes MMA_CONFIGS[16]
+    for tokens, cfg, path in ((1, K8.MMA_CONFIGS[8], "auto"), (8, K8.MMA_CONFIGS[8], "auto"),
+                              (16, K8.MMA_CONFIGS[16], "mma")):
         act = R.activation8(*_xa(tokens, 3, k=256), 3, 256, "cpu", -1)
-        (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(tokens, 3, 300, dtype=bf))
+        (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(tokens, 3, 300, dtype=bf),
+                                       tuning=plans.Tuning(W4A8_PATH=path))
         mt, nt, ks, rw, _ = cfg
         assert launch.kernel.kernel is K8.GEMM_MMA and launch.kernel.expr.endswith(f"<{', '.join(map(str, cfg))}>")
         assert launch.grid == (-(-300 // (16 * mt * rw)), -(-tokens // (8 * nt)), 3) and launch.block == (32 * ks * rw,)
-    # past it, or where the wgmma grid fills 90% of the SMs: the wgmma kernel
-    act = R.activation8(*_xa(17, 3, k=256), 3, 256, "cpu", -1)
-    (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(17, 3, 300, dtype=bf))
-    assert launch.kernel.kernel is K8.GEMM and launch.grid == (3, 1, 3)
+    # past it, or where the wgmma grid fills 90% of the SMs: the wgmma kernel,
+    # its 16-token tile up to 16 tokens, 64 up to 64
+    for tokens, tile in ((9, (16, 8)), (16, (16, 8)), (17, (64, 8))):
+        act = R.activation8(*_xa(tokens, 3, k=256), 3, 256, "cpu", -1)
+        (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(tokens, 3, 300, dtype=bf))
+        assert launch.kernel.kernel is K8.GEMM and launch.grid == (3, -(-tokens // tile[0]), 3), tokens
+        assert launch.kernel.expr.endswith(f"<{tile[0]}, {tile[1]}>"), tokens
     w40 = _w8(40, 300, 256)                                      # 40 groups x 3 feature blocks: 120 blocks
     wide = R.weight8(w40.codes, w40.shifts, w40.row_scale, w40.gs, w40.n, w40.k, "cpu")
     act40 = R.activation8(*_xa(1, 40, k=256), 3, 256, "cpu", -1)

@@ -77,11 +77,12 @@ __device__ __forceinline__ void cp_async16_zfill_if(bool on, u32 dst, const void
 
 template <int BN>
 __device__ __forceinline__ void wgmma_k32(float (&d)[BN / 2], const u32 (&a)[4], u64 desc, int scale_d) {
-    if constexpr (BN == 64) wgmma_m64n64k32_e4m3(d, a, desc, scale_d);
+    if constexpr (BN == 16) wgmma_m64n16k32_e4m3(d, a, desc, scale_d);
+    else if constexpr (BN == 64) wgmma_m64n64k32_e4m3(d, a, desc, scale_d);
     else if constexpr (BN == 96) wgmma_m64n96k32_e4m3(d, a, desc, scale_d);
     else if constexpr (BN == 112) wgmma_m64n112k32_e4m3(d, a, desc, scale_d);
     else {
-        static_assert(BN == 128, "BN is 64, 96, 112 or 128");
+        static_assert(BN == 128, "BN is 16, 64, 96, 112 or 128");
         wgmma_m64n128k32_e4m3(d, a, desc, scale_d);
     }
 }

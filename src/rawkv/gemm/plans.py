@@ -68,8 +68,13 @@ class Tuning(NamedTuple):
     mma.sync kernel (K8.GEMM_MMA), the rest the wgmma kernel, except batched
     calls whose wgmma grid already fills W4A8_SM90_MIN_FILL of the SMs (its
     blocks then stream all of K at once: DeepSeek-V4-Pro's wo_a, 128 blocks
-    on 132 SMs, where the two measured within 3% at 1 token and the wgmma
-    kernel ahead at 8 and 16); a ragged call takes K8.MMA_RAGGED_CONFIGS
+    on 132 SMs). The wgmma kernel's 16-token tile (K8.CONFIGS[16]) measured
+    on an H100 (2026-11-26, us, mma.sync kernel against it): Pro wo_a at 1
+    and 16 tokens 21.1 / 18.6 and 21.5 / 19.1, Flash at 16 (split in two)
+    16.2 / 13.4, seed 004 at 16 34.8 / 31.6 and at 8 31.9 / 31.2; at 1 token
+    Flash 12.8 / 13.4 and seed 004 30.2 / 31.1 (so W4A8_MMA_MAX_TOKENS is 8);
+    ragged calls at 1 token 15-30% slower (one block per SM against the
+    mma.sync kernel's small blocks). A ragged call takes K8.MMA_RAGGED_CONFIGS
     when its grid has MMA_RAGGED_MIN_BLOCKS blocks per SM, as the W4A16
     mma.sync kernel's ragged tiles do.
     W4A8_KSPLIT: the W4A8 wgmma kernel's split of K across a cluster of
@@ -96,7 +101,7 @@ class Tuning(NamedTuple):
     SM90_MIN_SPLIT_CHUNKS: int = 16
     MMA_PREFETCH_MAX_BLOCKS_PER_SM: int = 3
     W4A8_PATH: str = "auto"
-    W4A8_MMA_MAX_TOKENS: int = 16
+    W4A8_MMA_MAX_TOKENS: int = 8
     W4A8_MMA_MAX_EXPERT_TOKENS: int = 16
     W4A8_SM90_MIN_FILL: float = 0.9
     W4A8_KSPLIT: int | None = None
@@ -289,7 +294,7 @@ def _lead_strides(x) -> tuple:
 def w4a8_tile(tokens: int) -> tuple:
     """(BN, STAGES) of the W4A8 wgmma kernel for `tokens` per group (ragged:
     per expert on average)."""
-    return K8.CONFIGS[64] if tokens <= 64 else K8.CONFIGS["large"]
+    return K8.CONFIGS[16] if tokens <= 16 else K8.CONFIGS[64] if tokens <= 64 else K8.CONFIGS["large"]
 
 
 def w4a8_mma_config(w, tokens: int, ragged: bool, rows: int, dev, tuning=TUNED) -> tuple | None:

@@ -26,7 +26,11 @@ _CONSTANTS = {**_FP4.constants, "RKV_W4A8_TABLE": ",".join(f"{int(w):#010x}u" fo
               "RKV_W4A8_SHIFT_BIAS": ref8.SHIFT_BIAS}
 FILE = KernelFile("gemm_w4a8_sm90.cu", targets={"sm_90": "sm_90a"}, constants=_CONSTANTS)
 #: (BN, STAGES) by the most tokens per group (or per expert) each serves.
-CONFIGS = {64: (64, 8), "large": (128, 6)}
+#: 16: decode calls the wgmma kernel takes (rawkv.gemm.plans: batched calls
+#: of 9 to 16 tokens per group, or fewer where its grid fills the SMs); on an
+#: H100 against its 64-token tile at 1 token on DeepSeek-V4-Pro's wo_a, 18.6
+#: against 21.1 us (docs/gemm.md, "W4A8 for few tokens").
+CONFIGS = {16: (16, 8), 64: (64, 8), "large": (128, 6)}
 
 
 def dynamic_smem(bn: int, stages: int) -> int:
@@ -40,7 +44,7 @@ def dynamic_smem(bn: int, stages: int) -> int:
 
 GEMM = FILE.kernel(
     "rkv_gemm_w4a8_sm90",
-    (TParam("int", "BN", (64, 96, 112, 128)), TParam("int", "STAGES", (2, 3, 4, 5, 6, 7, 8))),
+    (TParam("int", "BN", (16, 64, 96, 112, 128)), TParam("int", "STAGES", (2, 3, 4, 5, 6, 7, 8))),
     instances=list(dict.fromkeys(CONFIGS.values())),
     dynamic_smem=dynamic_smem)
 #: Split K (rkv_gemm_w4a8_sm90_splitk): a cluster of KSPLIT blocks per output
@@ -50,7 +54,7 @@ GEMM = FILE.kernel(
 SPLITS = (2,)
 GEMM_SPLITK = FILE.kernel(
     "rkv_gemm_w4a8_sm90_splitk",
-    (TParam("int", "BN", (64, 96, 112, 128)), TParam("int", "STAGES", (2, 3, 4, 5, 6, 7, 8)),
+    (TParam("int", "BN", (16, 64, 96, 112, 128)), TParam("int", "STAGES", (2, 3, 4, 5, 6, 7, 8)),
      TParam("int", "KSPLIT", SPLITS)),
     instances=[(*cfg, sp) for cfg in dict.fromkeys(CONFIGS.values()) for sp in SPLITS],
     dynamic_smem=lambda bn, stages, ksplit: dynamic_smem(bn, stages))
