@@ -87,6 +87,17 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[BN / 2], const u32 (&a)[4],
     }
 }
 
+// Blocks per SM and the warpgroups' registers (setmaxnreg; the sums stay
+// within what the launch bounds give a block: 384 x 168 for one block, 384
+// x 80 for two). The 16-token tile (decode) needs few registers and fits
+// twice per SM, whose second block's warps hide the chunk loop's latency;
+// the others take one, their consumers 232 registers.
+template <int BN> constexpr int kBlocksPerSM = BN <= 16 ? 2 : 1;
+template <int BN> constexpr int kConsumerRegs = BN <= 16 ? 96 : 232;
+constexpr int kProducerRegs = 40;
+static_assert(256 * 232 + 128 * kProducerRegs <= 384 * 168 && 256 * 96 + 128 * kProducerRegs <= 384 * 80,
+              "the warpgroups' registers fit the block's");
+
 }  // namespace
 
 // Shared memory, per stage: the B tile (BN token rows of 128 bytes, 1024-byte
@@ -134,8 +145,6 @@ __device__ __forceinline__ void gemm_w4a8(
     const int live_tiles = min(kTiles, tiles16 - tile0);
     const int rows = t1 - t0;
 
-    static_assert(2 * kFastShift <= kTableWords, "the table holds the rows read from shared memory");
-    for (int i = threadIdx.x; i < 2 * kTableRows; i += kThreads) s_table[i] = i < kTableWords ? c_table[i] : 0u;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_full + 8 * s, 256);   // each producer thread's copies, then its scale store
@@ -155,7 +164,7 @@ __device__ __forceinline__ void gemm_w4a8(
     const int wg = threadIdx.x / 128;
     if (wg == 2) {
         // ---------------- producer ----------------
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
         const int p = threadIdx.x - 256;
         // Codes: kTiles x 64 pieces of 16 bytes, piece p + 128 i (tile p / 64 + 2 i).
         const i64 tile_bytes = (i64)chunks * kCodeBytes;
@@ -233,7 +242,16 @@ __device__ __forceinline__ void gemm_w4a8(
     }
 
     // ---------------- consumers ----------------
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs<BN>));
+    // The E4M3 table in shared memory (only the rare blocks off the computed
+    // rows read it), written by the consumers while the producer's first
+    // copies are in flight: its constant loads (divergent addresses, each
+    // its own constant-cache request) cost 0.5-0.7 us per block on the
+    // path to the first chunk when every thread wrote it before the split
+    // (H100: Pro wo_a at 1 token 18.9-19.4 -> 18.1 us).
+    static_assert(2 * kFastShift <= kTableWords, "the table holds the rows read from shared memory");
+    for (int i = threadIdx.x; i < 2 * kTableRows; i += 256) s_table[i] = i < kTableWords ? c_table[i] : 0u;
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int q = lane >> 2, t = lane & 3;
     const int my_tile = wg * 4 + warp;             // within the block
@@ -408,7 +426,7 @@ __device__ __forceinline__ void gemm_w4a8(
 
 // One block per output tile, all of K.
 template <int BN, int STAGES>
-__global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
+__global__ void __launch_bounds__(kThreads, kBlocksPerSM<BN>) rkv_gemm_w4a8_sm90(
     const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
     const float* __restrict__ wgs, const u8* __restrict__ x, const float* __restrict__ xsf, i64 xs_t, i64 xs_g,
     i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g, int n, int k, int tokens,
@@ -420,7 +438,7 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90(
 // A cluster of KSPLIT blocks per output tile, each a KSPLIT-th of K (batched
 // calls only: grid x is the feature blocks times KSPLIT).
 template <int BN, int STAGES, int KSPLIT>
-__global__ void __cluster_dims__(KSPLIT, 1, 1) __launch_bounds__(kThreads, 1) rkv_gemm_w4a8_sm90_splitk(
+__global__ void __cluster_dims__(KSPLIT, 1, 1) __launch_bounds__(kThreads, kBlocksPerSM<BN>) rkv_gemm_w4a8_sm90_splitk(
     const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
     const float* __restrict__ wgs, const u8* __restrict__ x, const float* __restrict__ xsf, i64 xs_t, i64 xs_g,
     i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g, int n, int k, int tokens,

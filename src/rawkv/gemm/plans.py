@@ -73,8 +73,17 @@ class Tuning(NamedTuple):
     and 16 tokens 21.1 / 18.6 and 21.5 / 19.1, Flash at 16 (split in two)
     16.2 / 13.4, seed 004 at 16 34.8 / 31.6 and at 8 31.9 / 31.2; at 1 token
     Flash 12.8 / 13.4 and seed 004 30.2 / 31.1 (so W4A8_MMA_MAX_TOKENS is 8);
-    ragged calls at 1 token 15-30% slower (one block per SM against the
-    mma.sync kernel's small blocks). A ragged call takes K8.MMA_RAGGED_CONFIGS
+    ragged calls at 1 token 15-30% slower at one block per SM; at two per SM
+    (the 16-token tile's registers allow it) and with its E4M3 table written
+    off the path to the first chunk, ragged calls of K >= 4096 (gate_up) ran
+    2-15% faster than on the mma.sync kernel (Flash gate_up at 1, 16, 64
+    and 256 tokens 31.5 / 32.4, 262 / 266, 631-652 / 640-674, 872-895 /
+    991-1,050 us; Pro gate_up at 1 78 / 83) and those of smaller K mixed
+    (Flash down at 1 and 64 tokens 18.8 / 19.5 and 361 / 330, Pro down at 1
+    and 16 47.5-50.4 / 50.8-51.2 and 495 / 489-493): so ragged calls of at
+    most W4A8_MMA_MAX_EXPERT_TOKENS per expert take the mma.sync kernel only
+    where K is below W4A8_RAGGED_SM90_MIN_K. A ragged call on the mma.sync
+    kernel takes K8.MMA_RAGGED_CONFIGS
     when its grid has MMA_RAGGED_MIN_BLOCKS blocks per SM, as the W4A16
     mma.sync kernel's ragged tiles do.
     W4A8_KSPLIT: the W4A8 wgmma kernel's split of K across a cluster of
@@ -103,6 +112,7 @@ class Tuning(NamedTuple):
     W4A8_PATH: str = "auto"
     W4A8_MMA_MAX_TOKENS: int = 8
     W4A8_MMA_MAX_EXPERT_TOKENS: int = 16
+    W4A8_RAGGED_SM90_MIN_K: int = 4096
     W4A8_SM90_MIN_FILL: float = 0.9
     W4A8_KSPLIT: int | None = None
     W4A8_MIN_SPLIT_CHUNKS: int = 8
@@ -308,6 +318,8 @@ def w4a8_mma_config(w, tokens: int, ragged: bool, rows: int, dev, tuning=TUNED) 
         raise ValueError(f"W4A8_PATH: expected 'auto', 'mma' or 'sm90', got {path!r}")
     if path == "auto":
         if tokens > (tuning.W4A8_MMA_MAX_EXPERT_TOKENS if ragged else tuning.W4A8_MMA_MAX_TOKENS):
+            return None
+        if ragged and w.k >= tuning.W4A8_RAGGED_SM90_MIN_K:
             return None
         if not ragged and sm90_blocks(w, tokens, K8.BM, w4a8_tile(tokens)[0]) \
                 >= tuning.W4A8_SM90_MIN_FILL * dev.sm_count:
