@@ -103,7 +103,8 @@ def instances_for(arch: str, files: Iterable[str] | None = None,
     return list(dict.fromkeys(out))
 
 
-# Dynamic shared memory a kernel may take without raising its limit.
+# Shared memory (static and dynamic) a launch may take without raising the
+# kernel's dynamic limit.
 _DEFAULT_SMEM_LIMIT = 48 * 1024
 
 
@@ -319,9 +320,14 @@ class Runtime:
             module.load(result.cubin)
             fn = module.get_function(result.lowered[name])
             smem = kernels.dynamic_smem(filename, name)
-            if smem > _DEFAULT_SMEM_LIMIT:
+            if smem:
+                # The 48 KB a launch may take without opting in counts the
+                # kernel's static shared memory too: an instance of 46 KB
+                # dynamic and 4 KB static failed to launch (invalid argument).
                 drv = cupy.cuda.driver
-                drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+                static = drv.funcGetAttribute(drv.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn.ptr)
+                if smem + static > _DEFAULT_SMEM_LIMIT:
+                    drv.funcSetAttribute(fn.ptr, drv.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
         finally:
             self._restore_current(prev)
         self._modules[(filename, name)] = module
