@@ -505,10 +505,12 @@ def test_k_zero_gives_zeros_on_the_gpu(sm90, path):
 
 
 @pytest.mark.gpu
-def test_same_bits_every_run_and_every_token_tiling(sm90, rng):
-    # 64 tokens take BN = 64 tiles, 300 take BN = 128: each output is one
-    # warpgroup's sum over the chunks in order, so a token's row is the same
-    # whichever tile it lands in, and the same on every run.
+def test_same_bits_every_run_and_every_token_tiling(sm90, rng, monkeypatch):
+    # 16 tokens take BN = 16 tiles, 64 BN = 64, 300 BN = 128: each output is
+    # one warpgroup's sum over the chunks in order, so a token's row is the
+    # same whichever tile it lands in, and the same on every run.
+    monkeypatch.setattr(linear, "W4A8_PATH", "sm90")
+    monkeypatch.setattr(linear, "W4A8_KSPLIT", 1)
     codes, scales, _, w8 = mx_weight(rng, 2, 264, 1024)
     w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
     xc, xs = fp8_act(rng, (300, 2, 1024))
@@ -516,8 +518,28 @@ def test_same_bits_every_run_and_every_token_tiling(sm90, rng):
     full = rawkv.gemm.grouped_linear((xc, xs), w8c)
     again = rawkv.gemm.grouped_linear((xc, xs), w8c)
     assert torch.equal(full.view(torch.int16), again.view(torch.int16))
-    part = rawkv.gemm.grouped_linear((xc[:64].contiguous(), xs[:64].contiguous()), w8c)
-    assert torch.equal(part.view(torch.int16), full[:64].view(torch.int16))
+    for tokens in (64, 16):
+        part = rawkv.gemm.grouped_linear((xc[:tokens].contiguous(), xs[:tokens].contiguous()), w8c)
+        assert torch.equal(part.view(torch.int16), full[:tokens].view(torch.int16)), tokens
+
+
+@pytest.mark.gpu
+def test_instance_past_48k_of_static_and_dynamic_shared_memory_launches(sm90, rng, monkeypatch):
+    # (16, 4): 46,400 bytes of dynamic shared memory and the kernel's static
+    # 4 KB pass the 48 KB a launch takes without raising the kernel's limit
+    # (the runtime raises it by their sum; by the dynamic bytes alone this
+    # launch failed with "invalid argument")
+    assert K8.dynamic_smem(16, 4) < 48 * 1024 < K8.dynamic_smem(16, 4) + 4096
+    monkeypatch.setattr(K8.GEMM, "_instance_args", [*K8.GEMM._instance_args, (16, 4)])
+    monkeypatch.setattr(plans, "w4a8_tile", lambda tokens: (16, 4))
+    monkeypatch.setattr(linear, "W4A8_PATH", "sm90")
+    monkeypatch.setattr(linear, "W4A8_KSPLIT", 1)
+    codes, scales, _, w8 = mx_weight(rng, 2, 200, 1024)
+    xc, xs = fp8_act(rng, (5, 2, 1024))
+    exact, absolute = _exact(xc, xs, codes, scales)
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    out = rawkv.gemm.grouped_linear((xc.cuda(), xs.cuda()), w8c)
+    B.assert_within_bound(out, exact, absolute, 1024, "(16, 4)")
 
 
 @pytest.mark.gpu
