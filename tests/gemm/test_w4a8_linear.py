@@ -345,6 +345,18 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
     assert launch.kernel.kernel is K8.GEMM                       # 16 chunks: halves of 8 < 9
     with pytest.raises(ValueError, match="^W4A8_KSPLIT"):
         plans.w4a8_grouped(_Dev, act, wl, torch.empty(40, 3, 300, dtype=bf), tuning=plans.Tuning(W4A8_KSPLIT=3))
+    # on 12 SMs the grid of 9 blocks fills less than 90% of them: the 16-token
+    # tile (two blocks per SM) splits, 18 <= 24; the 64-token one does not,
+    # 18 > 12; nor does either where the grid fills 90% (10 SMs)
+    class Twelve:
+        arch, sm_count = "sm_90", 12
+
+    class Ten:
+        arch, sm_count = "sm_90", 10
+    for dev, tokens, kernel in ((Twelve, 16, K8.GEMM_SPLITK), (Twelve, 17, K8.GEMM), (Ten, 16, K8.GEMM)):
+        act = R.activation8(*_xa(tokens, 3, k=2048), 3, 2048, "cpu", -1)
+        (launch,) = plans.w4a8_grouped(dev, act, wl, torch.empty(tokens, 3, 300, dtype=bf))
+        assert launch.kernel.kernel is kernel, (dev.sm_count, tokens)
 
     class Ada:
         arch, sm_count = "sm_89", 142

@@ -88,8 +88,12 @@ class Tuning(NamedTuple):
     mma.sync kernel's ragged tiles do.
     W4A8_KSPLIT: the W4A8 wgmma kernel's split of K across a cluster of
     blocks (1 or 2; batched calls only), None for the rule: split in two
-    when twice the grid still fits one wave (one block per SM) and each
-    half has at least W4A8_MIN_SPLIT_CHUNKS chunks of 128 columns.
+    when the grid fills less than W4A8_SM90_MIN_FILL of the SMs, twice the
+    grid still fits one wave (K8.blocks_per_sm: one block per SM, two of the
+    16-token tile) and each half has at least W4A8_MIN_SPLIT_CHUNKS chunks
+    of 128 columns. (H100, 16 tokens: seed 004's 96 blocks split 30.8-30.9
+    against 31.6-31.8 us; Pro's 128 split 21.5 against 19.3; a split in four
+    took 21 us at Flash against 13.3 in two.)
     SM90_FORCE_BN: the wgmma kernel's token tile (64, 96 or 128), None to
     let the plan choose. SM90_FORCE_BM: its feature tile (128 or 256), None
     to let sm90_tile's cost model choose (the rule it replaced: 128 when
@@ -343,7 +347,9 @@ def w4a8_splits(dev, w, tokens: int, bn: int, tuning=TUNED) -> int:
         return tuning.W4A8_KSPLIT
     sp = K8.SPLITS[0]
     chunks = -(-w.k // K8.CHUNK)
-    return sp if sm90_blocks(w, tokens, K8.BM, bn) * sp <= dev.sm_count \
+    blocks = sm90_blocks(w, tokens, K8.BM, bn)
+    return sp if blocks < tuning.W4A8_SM90_MIN_FILL * dev.sm_count \
+        and blocks * sp <= dev.sm_count * K8.blocks_per_sm(bn) \
         and chunks >= sp * tuning.W4A8_MIN_SPLIT_CHUNKS else 1
 
 

@@ -33,6 +33,12 @@ FILE = KernelFile("gemm_w4a8_sm90.cu", targets={"sm_90": "sm_90a"}, constants=_C
 CONFIGS = {16: (16, 8), 64: (64, 8), "large": (128, 6)}
 
 
+def blocks_per_sm(bn: int) -> int:
+    """Blocks of the wgmma kernel an SM holds at once (its launch bounds:
+    the 16-token tile's registers allow two, gemm_w4a8_sm90.cu)."""
+    return 2 if bn <= 16 else 1
+
+
 def dynamic_smem(bn: int, stages: int) -> int:
     """Bytes of dynamic shared memory of one block: 1024 for aligning the
     swizzled B stages, the stages, the E4M3 table in shared memory (one
