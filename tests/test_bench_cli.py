@@ -283,3 +283,20 @@ def test_the_tools_entry_points_run_the_package(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(ROOT / "tools")], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120)
     assert r.stdout.strip() == "rawkv.bench.timing", r.stderr
+
+
+def test_a_timing_after_a_pause_warms_the_gpu_first(monkeypatch):
+    # keep_warm runs `busy` only when the last timing ended more than IDLE_S
+    # ago (a pause that may have dropped the GPU's clocks), not between
+    # timings back to back
+    from rawkv.bench import timing
+    now = [100.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(timing, "_LAST_TIMED", [0.0])
+    warmed = []
+    assert timing.keep_warm(busy=warmed.append) and warmed == [timing.WARM_S]
+    timing._timed()
+    now[0] += timing.IDLE_S / 2
+    assert not timing.keep_warm(busy=warmed.append) and len(warmed) == 1
+    now[0] += timing.IDLE_S
+    assert timing.keep_warm(busy=warmed.append) and len(warmed) == 2

@@ -2,12 +2,49 @@
 time from CUDA-graph replays (cuda_time_us), one graph's replay time
 (graph_time_us), issue 14's latency floor (latency), host time per call
 (host_us_interleaved), the copy bandwidth every fraction is taken of
-(copy_bandwidth_GBps, kept in COPY for the run) and a result row (entry).
+(copy_bandwidth_GBps, kept in COPY for the run), a result row (entry), and
+keep_warm, which the device timings call so that a pause before them does
+not leave the GPU at idle clocks.
 They import torch / CuPy when called, so this module imports without a GPU."""
 from __future__ import annotations
 
 import statistics
 import time
+
+
+#: A GPU idle this long (weights built on the host, a peer's JIT compile)
+#: may have dropped its clocks: the next timing first keeps it busy for
+#: WARM_S, so that the first op timed after a pause is not timed at idle
+#: clocks (H100: the first row of the GEMM group, timed after the peer's
+#: 12 s compile, took 15.6 us where the same call measured 10.9-11.1 us in
+#: runs without the pause; the peer, timed second, had the warm GPU).
+IDLE_S = 0.25
+WARM_S = 0.2
+_LAST_TIMED = [0.0]
+
+
+def keep_warm(idle_s: float = IDLE_S, warm_s: float = WARM_S, busy=None) -> bool:
+    """Before a timing: when the last one ended more than `idle_s` ago, run
+    `busy(warm_s)` (default: BF16 matmuls on the GPU for that long). True
+    when it warmed."""
+    idle = time.perf_counter() - _LAST_TIMED[0] > idle_s
+    if idle:
+        (busy or _busy_matmuls)(warm_s)
+    return idle
+
+
+def _busy_matmuls(seconds: float) -> None:
+    import torch
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def _timed() -> None:
+    _LAST_TIMED[0] = time.perf_counter()
 
 
 def cuda_time_us(fn, reps: int = 50, warmup: int = 5, per_graph: int = 20) -> float:
@@ -21,6 +58,7 @@ def cuda_time_us(fn, reps: int = 50, warmup: int = 5, per_graph: int = 20) -> fl
     time). Ops that cannot be captured fall back to events around a loop of
     back-to-back calls."""
     import torch
+    keep_warm()
     for i in range(warmup):
         fn(i)
     torch.cuda.synchronize()
@@ -43,6 +81,7 @@ def cuda_time_us(fn, reps: int = 50, warmup: int = 5, per_graph: int = 20) -> fl
             b.synchronize()
             times.append(a.elapsed_time(b) * 1e3 / per_graph)
         del g
+        _timed()
         return statistics.median(times)
     except Exception as exc:  # noqa: BLE001 - not capturable: time eagerly
         print(f"[bench] graph capture failed ({type(exc).__name__}: {exc}); timing eagerly")
@@ -53,6 +92,7 @@ def cuda_time_us(fn, reps: int = 50, warmup: int = 5, per_graph: int = 20) -> fl
             fn(i)
         b.record()
         b.synchronize()
+        _timed()
         return a.elapsed_time(b) * 1e3 / reps
 
 
@@ -61,6 +101,7 @@ def graph_time_us(fn, reps: int = 200, warmup: int = 3) -> float:
     over back-to-back replays between two CUDA events (what a decode loop
     that replays one graph per step sees on the GPU)."""
     import torch
+    keep_warm()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -82,6 +123,7 @@ def graph_time_us(fn, reps: int = 200, warmup: int = 3) -> float:
         b.record()
         b.synchronize()
         per.append(a.elapsed_time(b) * 1e3 / max(1, reps // 5))
+    _timed()
     return statistics.median(per)
 
 
