@@ -294,9 +294,9 @@ def test_a_timing_after_a_pause_warms_the_gpu_first(monkeypatch):
     monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(timing, "_LAST_TIMED", [0.0])
     warmed = []
-    assert timing.keep_warm(busy=warmed.append) and warmed == [timing.WARM_S]
+    assert timing.keep_warm(warmed.append) and warmed == [timing.WARM_S]
     timing._timed()
     now[0] += timing.IDLE_S / 2
-    assert not timing.keep_warm(busy=warmed.append) and len(warmed) == 1
+    assert not timing.keep_warm(warmed.append) and len(warmed) == 1
     now[0] += timing.IDLE_S
-    assert timing.keep_warm(busy=warmed.append) and len(warmed) == 2
+    assert timing.keep_warm(warmed.append) and len(warmed) == 2

@@ -59,7 +59,7 @@ def test_peer_fields_without_a_working_mode_have_no_time(bg):
 def test_a_wrong_peer_output_is_reported_not_timed(bg, bench, monkeypatch):
     torch = pytest.importorskip("torch")
     timed = []
-    monkeypatch.setattr(bench, "cuda_time_us", lambda fn, reps: timed.append(fn) or 7.0)
+    monkeypatch.setattr(bench, "cuda_time_us", lambda fn, reps, *a, **kw: timed.append(fn) or 7.0)
     ref = torch.arange(1.0, 13.0).reshape(3, 4)
     good, bad = ref.to(torch.bfloat16), ref.flip(1)
     ran = []
@@ -78,7 +78,7 @@ def test_a_wrong_peer_output_is_reported_not_timed(bg, bench, monkeypatch):
 
 
 def test_a_peer_that_cannot_set_up_costs_its_rows_not_the_run(bg, bench, monkeypatch, capsys):
-    monkeypatch.setattr(bench, "cuda_time_us", lambda fn, reps: pytest.fail("nothing may be timed"))
+    monkeypatch.setattr(bench, "cuda_time_us", lambda fn, reps, *a, **kw: pytest.fail("nothing may be timed"))
 
     class Peer:
         name = "humming-kernels 0.1.19"

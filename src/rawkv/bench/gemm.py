@@ -8,7 +8,8 @@ move: E2M1 codes, block scales, activations, output; for MoE only the experts
 the tokens touch, at the copy bandwidth of the same run), frac_of_floor,
 TFLOPs, and peer / peer_us (null when humming is not installed). Weights
 rotate over several copies when they would fit in L2, for rawkv and the peer
-alike; every op is timed by bench.cuda_time_us (CUDA-graph replays). The
+alike; every op is timed by bench.warm_cuda_time_us (CUDA-graph replays, the GPU kept busy after a
+pause: timing.keep_warm). The
 weights are random NVFP4 checkpoint bytes in ModelOpt's form; rawkv gets them
 through its loader (Fp4Weight.from_nvfp4), humming through its own.
 
@@ -346,7 +347,7 @@ def _time_peer(peer, make_calls, ref, reps: int, flops: int) -> dict:
     """make_calls() -> {mode: (fn(i), result())}, each mode writing its own
     NaN-filled output. Each mode runs once, its output is checked against ref
     (rawkv's), then it is timed like rawkv."""
-    from .timing import cuda_time_us
+    from .timing import warm_cuda_time_us as cuda_time_us
     if peer is None:
         return peer_fields(None, {}, {}, {}, flops)
     modes_us, errs, notes = {}, {}, {}
@@ -429,7 +430,7 @@ def _fp8_loop(torch, x, w8, scale):
 def _wo_a(rt, results, peer, quick, reps, copy):
     import torch
     import rawkv
-    from .timing import cuda_time_us, entry, rotation
+    from .timing import entry, rotation, warm_cuda_time_us as cuda_time_us
     dev = "cuda"
     ms = WO_A_MS_QUICK if quick else WO_A_MS
     for name, (g, k, n) in WO_A.items():
@@ -521,7 +522,7 @@ def _moe_jobs(peer, tokens):
 def _moe(rt, results, peer, quick, reps, copy):
     import torch
     import rawkv
-    from .timing import cuda_time_us, entry
+    from .timing import entry, warm_cuda_time_us as cuda_time_us
     dev = "cuda"
     tokens_list = MOE_TOKENS_QUICK if quick else MOE_TOKENS
     gen = torch.Generator().manual_seed(0)

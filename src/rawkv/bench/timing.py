@@ -3,8 +3,8 @@ time from CUDA-graph replays (cuda_time_us), one graph's replay time
 (graph_time_us), issue 14's latency floor (latency), host time per call
 (host_us_interleaved), the copy bandwidth every fraction is taken of
 (copy_bandwidth_GBps, kept in COPY for the run), a result row (entry), and
-keep_warm, which the device timings call so that a pause before them does
-not leave the GPU at idle clocks.
+warm_cuda_time_us, the GEMM group's timing: cuda_time_us after keep_warm,
+so that a pause before it does not leave the GPU at idle clocks.
 They import torch / CuPy when called, so this module imports without a GPU."""
 from __future__ import annotations
 
@@ -13,41 +13,46 @@ import time
 
 
 #: A GPU idle this long (weights built on the host, a peer's JIT compile)
-#: may have dropped its clocks: the next timing first keeps it busy for
-#: WARM_S, so that the first op timed after a pause is not timed at idle
+#: may have dropped its clocks: the next warm timing (warm_cuda_time_us)
+#: first calls the op itself for WARM_S, so that the first op timed after a pause is not timed at idle
 #: clocks (H100: the first row of the GEMM group, timed after the peer's
-#: 12 s compile, took 15.6 us where the same call measured 10.9-11.1 us in
-#: runs without the pause; the peer, timed second, had the warm GPU).
+#: 12 s compile, took 15.6 us where the same call measures 10.9-11.1 us in
+#: runs without the pause; the peer, timed second, had the warm GPU). Not
+#: BF16 matmuls: measured, small ops timed right after them ran 5-20% slower
+#: (their power draw lowers the clocks for a while).
 IDLE_S = 0.25
 WARM_S = 0.2
 _LAST_TIMED = [0.0]
 
 
-def keep_warm(idle_s: float = IDLE_S, warm_s: float = WARM_S, busy=None) -> bool:
+def keep_warm(busy, idle_s: float = IDLE_S, warm_s: float = WARM_S) -> bool:
     """Before a timing: when the last one ended more than `idle_s` ago, run
-    `busy(warm_s)` (default: BF16 matmuls on the GPU for that long). True
-    when it warmed."""
+    `busy(warm_s)` (the timings pass a loop calling the op). True when it
+    warmed."""
     idle = time.perf_counter() - _LAST_TIMED[0] > idle_s
     if idle:
-        (busy or _busy_matmuls)(warm_s)
+        busy(warm_s)
     return idle
 
 
-def _busy_matmuls(seconds: float) -> None:
-    import torch
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(10):
-            a @ a
-        torch.cuda.synchronize()
+def _calling(fn):
+    """busy(seconds) for keep_warm: fn(i) over and over for that long."""
+    def busy(seconds: float) -> None:
+        import torch
+        t0, i = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(8):
+                fn(i)
+                i += 1
+            torch.cuda.synchronize()
+    return busy
 
 
 def _timed() -> None:
     _LAST_TIMED[0] = time.perf_counter()
 
 
-def cuda_time_us(fn, reps: int = 50, warmup: int = 5, per_graph: int = 20) -> float:
+def cuda_time_us(fn, reps: int = 50, warmup: int = 5, per_graph: int = 20, warm_after_idle: bool = False) -> float:
     """Device time of one fn(i) call in microseconds (i = call index, for
     rotating buffers).
 
@@ -58,7 +63,8 @@ def cuda_time_us(fn, reps: int = 50, warmup: int = 5, per_graph: int = 20) -> fl
     time). Ops that cannot be captured fall back to events around a loop of
     back-to-back calls."""
     import torch
-    keep_warm()
+    if warm_after_idle:
+        keep_warm(_calling(fn))
     for i in range(warmup):
         fn(i)
     torch.cuda.synchronize()
@@ -96,12 +102,18 @@ def cuda_time_us(fn, reps: int = 50, warmup: int = 5, per_graph: int = 20) -> fl
         return a.elapsed_time(b) * 1e3 / reps
 
 
+def warm_cuda_time_us(fn, reps: int = 50, warmup: int = 5, per_graph: int = 20) -> float:
+    """cuda_time_us after keep_warm: for stateless ops (the GEMM group's),
+    which may be called any number of times; a stateful op (a cache write)
+    takes cuda_time_us, whose calls are the ones it plans for."""
+    return cuda_time_us(fn, reps, warmup, per_graph, warm_after_idle=True)
+
+
 def graph_time_us(fn, reps: int = 200, warmup: int = 3) -> float:
     """Time of one replay of a CUDA graph that captures fn() once, measured
     over back-to-back replays between two CUDA events (what a decode loop
     that replays one graph per step sees on the GPU)."""
     import torch
-    keep_warm()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
