@@ -14,12 +14,12 @@ import time
 
 #: A GPU idle this long (weights built on the host, a peer's JIT compile)
 #: may have dropped its clocks: the next warm timing (warm_cuda_time_us)
-#: first calls the op itself for WARM_S, so that the first op timed after a pause is not timed at idle
-#: clocks (H100: the first row of the GEMM group, timed after the peer's
-#: 12 s compile, took 15.6 us where the same call measures 10.9-11.1 us in
-#: runs without the pause; the peer, timed second, had the warm GPU). Not
-#: BF16 matmuls: measured, small ops timed right after them ran 5-20% slower
-#: (their power draw lowers the clocks for a while).
+#: first calls the op itself for WARM_S, so that the first op timed after a
+#: pause is not timed at idle clocks (H100: the first row of the GEMM group,
+#: timed after the peer's 12 s compile, took 15.6 us where the same call
+#: measures 10.9-11.1 us in runs without the pause; the peer, timed second,
+#: had the warm GPU). Not BF16 matmuls: small ops timed right after them ran
+#: 5-20% slower (f560ac3's run; their power draw may hold the clocks down).
 IDLE_S = 0.25
 WARM_S = 0.2
 _LAST_TIMED = [0.0]
