@@ -536,6 +536,27 @@ def test_same_bits_every_run_and_every_token_tiling(sm90, rng, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ksplit", [1, 2])
+def test_16_token_tile_past_its_ring_within_the_bound_and_same_bits(sm90, rng, monkeypatch, ksplit):
+    # K = 2,304: 18 chunks through the tile's 8 stages (9 per half when split),
+    # so every stage is reused; within the bound, and a token's row the same
+    # bits as the 128-token tile gives it (70 tokens; each split alike)
+    monkeypatch.setattr(linear, "W4A8_PATH", "sm90")
+    monkeypatch.setattr(linear, "W4A8_KSPLIT", ksplit)
+    k = 2304
+    assert -(-k // K8.CHUNK) // ksplit > K8.CONFIGS[16][1]
+    codes, scales, _, w8 = mx_weight(rng, 3, 200, k)
+    xc, xs = fp8_act(rng, (70, 3, k))
+    exact, absolute = _exact(xc[:16], xs[:16], codes, scales)
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    xc, xs = xc.cuda(), xs.cuda()
+    small = rawkv.gemm.grouped_linear((xc[:16].contiguous(), xs[:16].contiguous()), w8c)    # 16-token tile
+    B.assert_within_bound(small, exact, absolute, k, f"16-token tile, split {ksplit}")
+    large = rawkv.gemm.grouped_linear((xc, xs), w8c)                                          # 128-token tile
+    assert torch.equal(small.view(torch.int16), large[:16].view(torch.int16))
+
+
+@pytest.mark.gpu
 def test_instance_past_48k_of_static_and_dynamic_shared_memory_launches(sm90, rng, monkeypatch):
     # (16, 4): 46,400 bytes of dynamic shared memory and the kernel's static
     # 4 KB pass the 48 KB a launch takes without raising the kernel's limit
