@@ -64,6 +64,10 @@
 #include "wgmma_rs.cuh"
 using namespace rkv;
 
+#ifndef RKV_W4A8_TWO_BLOCKS_MAX_BN
+#error "RKV_W4A8_TWO_BLOCKS_MAX_BN must come from rawkv/kernels/gemm_w4a8.py"
+#endif
+
 namespace {
 
 constexpr int kThreads = 384;
@@ -92,8 +96,10 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[BN / 2], const u32 (&a)[4],
 // x 80 for two). The 16-token tile (decode) needs few registers and fits
 // twice per SM, whose second block's warps hide the chunk loop's latency;
 // the others take one, their consumers 232 registers.
-template <int BN> constexpr int kBlocksPerSM = BN <= 16 ? 2 : 1;
-template <int BN> constexpr int kConsumerRegs = BN <= 16 ? 96 : 232;
+// (RKV_W4A8_TWO_BLOCKS_MAX_BN: rawkv.kernels.gemm_w4a8.blocks_per_sm's, so
+// the dispatch and the launch bounds agree.)
+template <int BN> constexpr int kBlocksPerSM = BN <= RKV_W4A8_TWO_BLOCKS_MAX_BN ? 2 : 1;
+template <int BN> constexpr int kConsumerRegs = kBlocksPerSM<BN> == 2 ? 96 : 232;
 constexpr int kProducerRegs = 40;
 static_assert(256 * 232 + 128 * kProducerRegs <= 384 * 168 && 256 * 96 + 128 * kProducerRegs <= 384 * 80,
               "the warpgroups' registers fit the block's");

@@ -24,7 +24,11 @@ CHUNK = 128
 TABLE_WORDS = ref8.SHIFT_TABLE.reshape(-1).view("<u4")
 _CONSTANTS = {**_FP4.constants, "RKV_W4A8_TABLE": ",".join(f"{int(w):#010x}u" for w in TABLE_WORDS),
               "RKV_W4A8_SHIFT_BIAS": ref8.SHIFT_BIAS}
-FILE = KernelFile("gemm_w4a8_sm90.cu", targets={"sm_90": "sm_90a"}, constants=_CONSTANTS)
+#: The wgmma kernel's token tiles of at most this many tokens fit two blocks
+#: per SM (their launch bounds; blocks_per_sm).
+TWO_BLOCKS_MAX_BN = 16
+FILE = KernelFile("gemm_w4a8_sm90.cu", targets={"sm_90": "sm_90a"},
+                  constants={**_CONSTANTS, "RKV_W4A8_TWO_BLOCKS_MAX_BN": TWO_BLOCKS_MAX_BN})
 #: (BN, STAGES) by the most tokens per group (or per expert) each serves.
 #: 16: decode calls the wgmma kernel takes (rawkv.gemm.plans: batched calls
 #: of 9 to 16 tokens per group, or fewer where its grid fills the SMs); on an
@@ -36,7 +40,7 @@ CONFIGS = {16: (16, 8), 64: (64, 8), "large": (128, 6)}
 def blocks_per_sm(bn: int) -> int:
     """Blocks of the wgmma kernel an SM holds at once (its launch bounds:
     the 16-token tile's registers allow two, gemm_w4a8_sm90.cu)."""
-    return 2 if bn <= 16 else 1
+    return 2 if bn <= TWO_BLOCKS_MAX_BN else 1
 
 
 def dynamic_smem(bn: int, stages: int) -> int:
