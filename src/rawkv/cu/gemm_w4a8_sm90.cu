@@ -289,24 +289,22 @@ __device__ __forceinline__ void gemm_w4a8(
         const uint4 c1 = ld_shared16(wst + 512);      // steps 2, 3
         const uint2 sh = ld_shared8(sh_lane + st * kWStage);
         const u32 words[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        // Step s4's two words through the tables of bytes 2 (s4 & 1) and
+        // 2 (s4 & 1) + 1 of its shift word, `table_of(word, byte)`.
+        auto convert = [&](auto table_of) {
+#pragma unroll
+            for (int s4 = 0; s4 < 4; ++s4) {
+                const u32 shw = s4 < 2 ? sh.x : sh.y;
+                const uint2 tq = table_of(shw, 2 * (s4 & 1)), tq8 = table_of(shw, 2 * (s4 & 1) + 1);
+                e4m3_of_e2m1(words[2 * s4], tq.x, tq.y, a[s4][0], a[s4][2]);
+                e4m3_of_e2m1(words[2 * s4 + 1], tq8.x, tq8.y, a[s4][1], a[s4][3]);
+            }
+        };
         if (__any_sync(0xffffffffu, ((outside_fast(sh.x) | outside_fast(sh.y)) & 0x80808080u) != 0)) {
             past |= (sh.x + kPastAdd) | sh.x | (sh.y + kPastAdd) | sh.y;
-#pragma unroll
-            for (int s4 = 0; s4 < 4; ++s4) {
-                const u32 shw = s4 < 2 ? sh.x : sh.y;
-                const u32 e0 = (shw >> (16 * (s4 & 1))) & 255u, e1 = (shw >> (16 * (s4 & 1) + 8)) & 255u;
-                const uint2 tq = block_table(table, e0), tq8 = block_table(table, e1);
-                e4m3_of_e2m1(words[2 * s4], tq.x, tq.y, a[s4][0], a[s4][2]);
-                e4m3_of_e2m1(words[2 * s4 + 1], tq8.x, tq8.y, a[s4][1], a[s4][3]);
-            }
+            convert([&](u32 w, int i) { return block_table(table, (w >> (8 * i)) & 255u); });
         } else {
-#pragma unroll
-            for (int s4 = 0; s4 < 4; ++s4) {
-                const u32 shw = s4 < 2 ? sh.x : sh.y;
-                const uint2 tq = fast_table(shw, 2 * (s4 & 1)), tq8 = fast_table(shw, 2 * (s4 & 1) + 1);
-                e4m3_of_e2m1(words[2 * s4], tq.x, tq.y, a[s4][0], a[s4][2]);
-                e4m3_of_e2m1(words[2 * s4 + 1], tq8.x, tq8.y, a[s4][1], a[s4][3]);
-            }
+            convert(fast_table);
         }
     };
     auto acquire = [&](u32 st, u32 ph) {
@@ -394,12 +392,14 @@ __device__ __forceinline__ void gemm_w4a8(
     // warpgroups are done with the stages first (the producer's last copies
     // were acquired with the last stage; split K: rank 0's stages hold no
     // partial sums).
+    // Rows q and q + 8's power of two times the group's global scale (rows
+    // of the padded N only).
+    auto row_scale = [&](int r) { return wrow[(i64)g * tiles16 * 16 + r] * wgs[g]; };
     if (row0 + kBM <= n && ((reinterpret_cast<size_t>(obase + row0) | ((size_t)os_t * 2)) & 15) == 0) {
         constexpr int kPitch = kBM + 8;
         static_assert(BN * kPitch * 2 <= STAGES * (kBStage + kWStage + kSStage), "the staged tile fits in the stages");
         __nv_bfloat16* const stile = reinterpret_cast<__nv_bfloat16*>(smem);
-        const float gsc = wgs[g];
-        const float sc0 = wrow[(i64)g * tiles16 * 16 + row] * gsc, sc1 = wrow[(i64)g * tiles16 * 16 + row + 8] * gsc;
+        const float sc0 = row_scale(row), sc1 = row_scale(row + 8);
         const int r = my_tile * 16 + q;
         asm volatile("bar.sync 1, 256;\n" ::: "memory");
 #pragma unroll
@@ -415,8 +415,7 @@ __device__ __forceinline__ void gemm_w4a8(
         return;
     }
     if (my_tile >= live_tiles) return;             // (rows past the padded N: no scales to read)
-    const float gsc = wgs[g];
-    const float sc0 = wrow[(i64)g * tiles16 * 16 + row] * gsc, sc1 = wrow[(i64)g * tiles16 * 16 + row + 8] * gsc;
+    const float sc0 = row_scale(row), sc1 = row_scale(row + 8);
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
