@@ -536,6 +536,44 @@ def test_same_bits_every_run_and_every_token_tiling(sm90, rng, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_every_column_count_within_the_bound_and_same_bits_as_16_token_tiles(sm90, rng, monkeypatch):
+    # A block's MMAs cover its tokens rounded up to 16 columns (gemm_w4a8_sm90.cu,
+    # run_tile): experts of 1 .. 250 rows in 128-token tiles reach every count
+    # from 16 to 128 (a last tile of 1, 16, 17, ... rows); each row within the
+    # bound and the same bits as 16-token tiles give it, ragged and batched.
+    monkeypatch.setattr(linear, "W4A8_PATH", "sm90")
+    monkeypatch.setattr(linear, "W4A8_KSPLIT", 1)
+    n, k = 136, 1152
+    counts = np.array([1, 16, 17, 32, 33, 48, 49, 64, 65, 80, 81, 96, 97, 112, 113, 128, 129, 250, 0, 7])
+    assert {-(-(c % 128 or 128) // 16) for c in counts if c} == set(range(1, 9))
+    codes, scales, _, w8 = mx_weight(rng, len(counts), n, k)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    rows = int(offsets[-1])
+    xc, xs = fp8_act(rng, (rows, k))
+    exact, bad = W.ragged(xc.numpy(), xs.numpy(), codes, scales, offsets)
+    absolute, _ = G.ragged(np.abs(W.activation_values(xc.numpy(), xs.numpy())),
+                           np.abs(W.weight_values(codes, scales)), offsets)
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    act, offs = (xc.cuda(), xs.cuda()), torch.from_numpy(offsets).cuda()
+    outs = {}
+    for tile in (K8.CONFIGS["large"], K8.CONFIGS[16]):
+        monkeypatch.setattr(plans, "w4a8_tile", lambda tokens, tile=tile: tile)
+        outs[tile[0]] = rawkv.gemm.moe_linear(act, w8c, offs)
+    B.assert_within_bound(outs[128], exact, absolute, k, "ragged, 128-token tiles")
+    assert torch.equal(outs[128].view(torch.int16), outs[16].view(torch.int16))
+    # batched: the last token tile of 1, 17, 40, 100 and 127 tokens
+    xb, sb = fp8_act(rng, (127, 2, k))
+    wb = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t[:2].cuda() for t in w8[2:]))
+    xb, sb = xb.cuda(), sb.cuda()
+    for tokens in (1, 17, 40, 100, 127):
+        got = {}
+        for tile in (K8.CONFIGS["large"], K8.CONFIGS[16]):
+            monkeypatch.setattr(plans, "w4a8_tile", lambda t, tile=tile: tile)
+            got[tile[0]] = rawkv.gemm.grouped_linear((xb[:tokens].contiguous(), sb[:tokens].contiguous()), wb)
+        assert torch.equal(got[128].view(torch.int16), got[16].view(torch.int16)), tokens
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("ksplit", [1, 2])
 def test_16_token_tile_past_its_ring_within_the_bound_and_same_bits(sm90, rng, monkeypatch, ksplit):
     # K = 2,304: 18 chunks through the tile's 8 stages (9 per half when split),

@@ -79,16 +79,17 @@ __device__ __forceinline__ void cp_async16_zfill_if(bool on, u32 dst, const void
                  ::"r"(dst), "l"(gmem), "r"((int)on), "r"(bytes));
 }
 
-template <int BN>
-__device__ __forceinline__ void wgmma_k32(float (&d)[BN / 2], const u32 (&a)[4], u64 desc, int scale_d) {
-    if constexpr (BN == 16) wgmma_m64n16k32_e4m3(d, a, desc, scale_d);
-    else if constexpr (BN == 64) wgmma_m64n64k32_e4m3(d, a, desc, scale_d);
-    else if constexpr (BN == 96) wgmma_m64n96k32_e4m3(d, a, desc, scale_d);
-    else if constexpr (BN == 112) wgmma_m64n112k32_e4m3(d, a, desc, scale_d);
-    else {
-        static_assert(BN == 128, "BN is 16, 64, 96, 112 or 128");
-        wgmma_m64n128k32_e4m3(d, a, desc, scale_d);
-    }
+template <int N>
+__device__ __forceinline__ void wgmma_k32(float (&d)[N / 2], const u32 (&a)[4], u64 desc, int scale_d) {
+    static_assert(N % 16 == 0 && N >= 16 && N <= 128, "N is a multiple of 16 up to 128");
+    if constexpr (N == 16) wgmma_m64n16k32_e4m3(d, a, desc, scale_d);
+    else if constexpr (N == 32) wgmma_m64n32k32_e4m3(d, a, desc, scale_d);
+    else if constexpr (N == 48) wgmma_m64n48k32_e4m3(d, a, desc, scale_d);
+    else if constexpr (N == 64) wgmma_m64n64k32_e4m3(d, a, desc, scale_d);
+    else if constexpr (N == 80) wgmma_m64n80k32_e4m3(d, a, desc, scale_d);
+    else if constexpr (N == 96) wgmma_m64n96k32_e4m3(d, a, desc, scale_d);
+    else if constexpr (N == 112) wgmma_m64n112k32_e4m3(d, a, desc, scale_d);
+    else wgmma_m64n128k32_e4m3(d, a, desc, scale_d);
 }
 
 // Blocks per SM and the warpgroups' registers (setmaxnreg; the sums stay
@@ -262,9 +263,6 @@ __device__ __forceinline__ void gemm_w4a8(
     const int q = lane >> 2, t = lane & 3;
     const int my_tile = wg * 4 + warp;             // within the block
     const u32 table = smem_u32(s_table);
-    float acc[BN / 2], part[BN / 2];
-#pragma unroll
-    for (int j = 0; j < BN / 2; ++j) acc[j] = part[j] = 0.0f;   // (part: the first wgmma overwrites it)
     u32 past = 0;                                  // bit 7 of a byte: a shift byte past the table seen
 
     // Per stage st: the lane's packed codes and shifts, the tokens' scales,
@@ -313,120 +311,137 @@ __device__ __forceinline__ void gemm_w4a8(
         // the barrier, ordered before this warpgroup's wgmma reads.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     };
-    // The chunk of stage st: its four wgmmas into a block partial (the
-    // first overwrites it).
-    auto issue = [&](u32 st, const u32 (&a)[4][4], float (&part)[BN / 2]) {
-        const u64 desc = desc0 + st * (kBStage >> 4);
-        wgmma_fence();
+    // The rest runs on the block's tokens at N columns, the least multiple
+    // of 16 that holds them (run_tile): a ragged block's last tile of an
+    // expert, or a batched call's last token tile, issues m64nNk32 wgmmas
+    // and promotes N / 2 accumulators instead of the tile's BN / 2. Each
+    // token's column of a wgmma is computed alone, so its bits are those of
+    // the full tile (tested: the same bits for every token tiling). The
+    // stages keep the tile's layout (B rows 128 bytes apart, whatever N).
+    auto run = [&](auto n_tag) {
+        constexpr int N = decltype(n_tag)::value;
+        float acc[N / 2], part[N / 2];
 #pragma unroll
-        for (int s4 = 0; s4 < 4; ++s4) wgmma_k32<BN>(part, a[s4], desc + 2 * s4, s4);
-        wgmma_commit();
-    };
-    // The partial into the accumulators with the tokens' scales of its
-    // block; then its stage goes back to the producer.
-    auto promote = [&](u32 st, const float (&part)[BN / 2]) {
-        promote_partial(acc, part, sc_lane + st * kSStage);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar_empty + 8 * st);
-    };
-    // Chunk c (stage st): its four wgmmas into the block partial; meanwhile
-    // chunk c + 1's A fragments into the other register set (`next`); then
-    // the promotion, which needs the partial complete. The stage and the
-    // full barrier's parity are carried along (no division by STAGES).
-    u32 a0[4][4], a1[4][4];
-    auto chunk = [&](int c, u32 st, u32 ph, const u32 (&a)[4][4], u32 (&next)[4][4]) {
-        issue(st, a, part);
-        if (c + 1 < nloc) {
-            const bool wrap = st + 1 == STAGES;
-            const u32 st1 = wrap ? 0u : st + 1;
-            acquire(st1, wrap ? ph ^ 1u : ph);
-            fragments(st1, next);
+        for (int j = 0; j < N / 2; ++j) acc[j] = part[j] = 0.0f;    // (part: the first wgmma overwrites it)
+        // The chunk of stage st: its four wgmmas into a block partial (the
+        // first overwrites it).
+        auto issue = [&](u32 st, const u32 (&a)[4][4], float (&part)[N / 2]) {
+            const u64 desc = desc0 + st * (kBStage >> 4);
+            wgmma_fence();
+#pragma unroll
+            for (int s4 = 0; s4 < 4; ++s4) wgmma_k32<N>(part, a[s4], desc + 2 * s4, s4);
+            wgmma_commit();
+        };
+        // The partial into the accumulators with the tokens' scales of its
+        // block; then its stage goes back to the producer.
+        auto promote = [&](u32 st, const float (&part)[N / 2]) {
+            promote_partial(acc, part, sc_lane + st * kSStage);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bar_empty + 8 * st);
+        };
+        // Chunk c (stage st): its four wgmmas into the block partial; meanwhile
+        // chunk c + 1's A fragments into the other register set (`next`); then
+        // the promotion, which needs the partial complete. The stage and the
+        // full barrier's parity are carried along (no division by STAGES).
+        u32 a0[4][4], a1[4][4];
+        auto chunk = [&](int c, u32 st, u32 ph, const u32 (&a)[4][4], u32 (&next)[4][4]) {
+            issue(st, a, part);
+            if (c + 1 < nloc) {
+                const bool wrap = st + 1 == STAGES;
+                const u32 st1 = wrap ? 0u : st + 1;
+                acquire(st1, wrap ? ph ^ 1u : ph);
+                fragments(st1, next);
+            }
+            wgmma_wait<0>();
+            promote(st, part);
+        };
+        u32 st = 0, ph = 0;                            // chunk c's stage and its full barrier's parity
+        auto advance = [&]() {
+            if (++st == STAGES) {
+                st = 0;
+                ph ^= 1u;
+            }
+        };
+        if (nloc > 0) {                                // (K = 0: no chunk, the outputs are zeros)
+            acquire(0, 0);
+            fragments(0, a0);
         }
-        wgmma_wait<0>();
-        promote(st, part);
-    };
-    u32 st = 0, ph = 0;                            // chunk c's stage and its full barrier's parity
-    auto advance = [&]() {
-        if (++st == STAGES) {
-            st = 0;
-            ph ^= 1u;
-        }
-    };
-    if (nloc > 0) {                                // (K = 0: no chunk, the outputs are zeros)
-        acquire(0, 0);
-        fragments(0, a0);
-    }
-    for (int c = 0; c < nloc; c += 2) {
-        chunk(c, st, ph, a0, a1);
-        advance();
-        if (c + 1 < nloc) {
-            chunk(c + 1, st, ph, a1, a0);
+        for (int c = 0; c < nloc; c += 2) {
+            chunk(c, st, ph, a0, a1);
             advance();
-        }
-    }
-    const int row = (tile0 + my_tile) * 16 + q;
-
-    // The bad shift bytes this lane met in the block's chunks, counted once
-    // per call (see the top).
-    if ((past & 0x80808080u) && t == 0 && errors && my_tile < live_tiles &&
-        first_tile(s_off, offsets != nullptr, g, t0, tokens)) {
-        const int bad = count_past(wsh + ((i64)g * tiles16 + tile0 + my_tile) * chunks * kShiftBytes + q * 8, row, n,
-                                   c_beg, c_end, k / 32);
-        if (bad) atomicAdd(errors, bad);
-    }
-
-    // Split K: this block's sums join rank 0's (sm90.cuh, split_k_sum).
-    if constexpr (KSPLIT > 1) {
-        if (!split_k_sum<KSPLIT>(acc, smem_u32(smem), s_split_bar, split)) return;
-    }
-
-    // Epilogue: rows q and q + 8 of the warp's tile (the wgmma D fragment:
-    // accumulator 4 j + h at row q, token 8 j + 2 t + h; 4 j + 2 + h at row
-    // q + 8), times the row's power of two and the group's global scale.
-    __nv_bfloat16* const obase = out + (i64)g * os_g;
-    const int row0 = tile0 * 16;                   // the block's first output feature
-    // Where the block's BM features exist and each token's run of them is
-    // 16-byte aligned, through shared memory as the W4A16 wgmma kernel's
-    // (sm90.cuh, store_staged): token rows of BM + 8 values, 16 bytes of
-    // padding putting a quad's four tokens in different banks. Both consumer
-    // warpgroups are done with the stages first (the producer's last copies
-    // were acquired with the last stage; split K: rank 0's stages hold no
-    // partial sums).
-    // Rows q and q + 8's power of two times the group's global scale (rows
-    // of the padded N only).
-    auto row_scale = [&](int r) { return wrow[(i64)g * tiles16 * 16 + r] * wgs[g]; };
-    if (row0 + kBM <= n && ((reinterpret_cast<size_t>(obase + row0) | ((size_t)os_t * 2)) & 15) == 0) {
-        constexpr int kPitch = kBM + 8;
-        static_assert(BN * kPitch * 2 <= STAGES * (kBStage + kWStage + kSStage), "the staged tile fits in the stages");
-        __nv_bfloat16* const stile = reinterpret_cast<__nv_bfloat16*>(smem);
-        const float sc0 = row_scale(row), sc1 = row_scale(row + 8);
-        const int r = my_tile * 16 + q;
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int tl = 8 * j + 2 * t + h;
-                stile[tl * kPitch + r] = __float2bfloat16_rn(acc[4 * j + h] * sc0);
-                stile[tl * kPitch + r + 8] = __float2bfloat16_rn(acc[4 * j + 2 + h] * sc1);
+            if (c + 1 < nloc) {
+                chunk(c + 1, st, ph, a1, a0);
+                advance();
             }
         }
-        store_staged<kBM, kPitch>(stile, obase + (i64)t0 * os_t + row0, os_t, t1 - t0);
-        return;
-    }
-    if (my_tile >= live_tiles) return;             // (rows past the padded N: no scales to read)
-    const float sc0 = row_scale(row), sc1 = row_scale(row + 8);
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int tok = t0 + 8 * j + 2 * t + h;
-            if (tok >= t1) continue;
-            __nv_bfloat16* orow = obase + (i64)tok * os_t;
-            if (row < n) orow[row] = __float2bfloat16_rn(acc[4 * j + h] * sc0);
-            if (row + 8 < n) orow[row + 8] = __float2bfloat16_rn(acc[4 * j + 2 + h] * sc1);
+        const int row = (tile0 + my_tile) * 16 + q;
+
+        // The bad shift bytes this lane met in the block's chunks, counted once
+        // per call (see the top).
+        if ((past & 0x80808080u) && t == 0 && errors && my_tile < live_tiles &&
+            first_tile(s_off, offsets != nullptr, g, t0, tokens)) {
+            const int bad = count_past(wsh + ((i64)g * tiles16 + tile0 + my_tile) * chunks * kShiftBytes + q * 8,
+                                       row, n, c_beg, c_end, k / 32);
+            if (bad) atomicAdd(errors, bad);
         }
-    }
+
+        // Split K: this block's sums join rank 0's (sm90.cuh, split_k_sum).
+        if constexpr (KSPLIT > 1) {
+            if (!split_k_sum<KSPLIT>(acc, smem_u32(smem), s_split_bar, split)) return;
+        }
+
+        // Epilogue: rows q and q + 8 of the warp's tile (the wgmma D fragment:
+        // accumulator 4 j + h at row q, token 8 j + 2 t + h; 4 j + 2 + h at row
+        // q + 8), times the row's power of two and the group's global scale.
+        __nv_bfloat16* const obase = out + (i64)g * os_g;
+        const int row0 = tile0 * 16;                   // the block's first output feature
+        // Where the block's BM features exist and each token's run of them is
+        // 16-byte aligned, through shared memory as the W4A16 wgmma kernel's
+        // (sm90.cuh, store_staged): token rows of BM + 8 values, 16 bytes of
+        // padding putting a quad's four tokens in different banks. Both consumer
+        // warpgroups are done with the stages first (the producer's last copies
+        // were acquired with the last stage; split K: rank 0's stages hold no
+        // partial sums).
+        // Rows q and q + 8's power of two times the group's global scale (rows
+        // of the padded N only).
+        auto row_scale = [&](int r) { return wrow[(i64)g * tiles16 * 16 + r] * wgs[g]; };
+        if (row0 + kBM <= n && ((reinterpret_cast<size_t>(obase + row0) | ((size_t)os_t * 2)) & 15) == 0) {
+            constexpr int kPitch = kBM + 8;
+            static_assert(N * kPitch * 2 <= STAGES * (kBStage + kWStage + kSStage),
+                          "the staged tile fits in the stages");
+            __nv_bfloat16* const stile = reinterpret_cast<__nv_bfloat16*>(smem);
+            const float sc0 = row_scale(row), sc1 = row_scale(row + 8);
+            const int r = my_tile * 16 + q;
+            asm volatile("bar.sync 1, 256;\n" ::: "memory");
+#pragma unroll
+            for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int tl = 8 * j + 2 * t + h;
+                    stile[tl * kPitch + r] = __float2bfloat16_rn(acc[4 * j + h] * sc0);
+                    stile[tl * kPitch + r + 8] = __float2bfloat16_rn(acc[4 * j + 2 + h] * sc1);
+                }
+            }
+            store_staged<kBM, kPitch>(stile, obase + (i64)t0 * os_t + row0, os_t, t1 - t0);
+            return;
+        }
+        if (my_tile >= live_tiles) return;             // (rows past the padded N: no scales to read)
+        const float sc0 = row_scale(row), sc1 = row_scale(row + 8);
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int tok = t0 + 8 * j + 2 * t + h;
+                if (tok >= t1) continue;
+                __nv_bfloat16* orow = obase + (i64)tok * os_t;
+                if (row < n) orow[row] = __float2bfloat16_rn(acc[4 * j + h] * sc0);
+                if (row + 8 < n) orow[row + 8] = __float2bfloat16_rn(acc[4 * j + 2 + h] * sc1);
+            }
+        }
+    };
+    // (Split K: the partial sums' exchange is laid out for BN columns.)
+    if constexpr (KSPLIT > 1) run(IntC<BN>{});
+    else run_tile<BN>(rows, run);
 }
 
 // One block per output tile, all of K.

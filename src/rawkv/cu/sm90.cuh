@@ -147,4 +147,26 @@ __device__ __forceinline__ bool split_k_sum(float (&acc)[N], u32 stages, u64* ba
     return true;
 }
 
+// A compile-time int as a value, for generic lambdas (run_tile).
+template <int V>
+struct IntC {
+    static constexpr int value = V;
+};
+
+// f(IntC<N>{}) for the least multiple of 16 N with rows <= N, for 1 <= rows
+// <= BN: the token columns a wgmma GEMM block's MMAs, promotion and epilogue
+// cover (a block of a ragged expert's last tile, or a batched call's last
+// token tile, holds fewer tokens than its tile). Tried from BN down, so the
+// full tile's code comes first.
+template <int BN, class F>
+__device__ __forceinline__ void run_tile(int rows, F& f) {
+    static_assert(BN % 16 == 0 && BN >= 16, "token tiles are multiples of 16");
+    if constexpr (BN == 16) {
+        f(IntC<16>{});
+    } else {
+        if (rows > BN - 16) f(IntC<BN>{});
+        else run_tile<BN - 16>(rows, f);
+    }
+}
+
 }  // namespace rkv
