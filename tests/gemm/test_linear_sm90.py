@@ -167,6 +167,45 @@ def test_96_token_tiles_same_bits_as_128(cuda, rng, monkeypatch, fmt, act):
     assert torch.equal(rawkv.gemm.grouped_linear(xb, wb).view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("fmt,act", [("nvfp4", "bfloat16"), ("mxfp4", "float16")])
+def test_every_column_count_within_the_bound_and_same_bits_for_every_tile(cuda, rng, monkeypatch, fmt, act):
+    # A block's wgmmas cover its tokens rounded up to 16 columns (sm90.cuh,
+    # run_tile): experts of 1 .. 250 rows in 64-, 96- and 128-token tiles
+    # reach every count from 16 to 128, the same token at different counts
+    # (100 rows: 112 columns in a 128-token tile, 96 + 16 in 96-token tiles,
+    # 64 + 48 in 64-token ones); within the bound, and the same bits for every
+    # tile, ragged and batched.
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
+    monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
+    n, k = 136, 1056
+    counts = np.array([1, 16, 17, 32, 33, 48, 49, 64, 65, 80, 81, 96, 97, 100, 112, 113, 128, 129, 250, 0, 7])
+    for bn in (64, 96, 128):
+        assert {-(-(c % bn or bn) // 16) for c in counts if c} == set(range(1, bn // 16 + 1))
+    offsets, rows, w, w64, x, x64 = _ragged_case(rng, counts, n, k, fmt)
+    x = x.to(getattr(torch, act))
+    offs = torch.from_numpy(offsets).cuda()
+    x64 = x.double().cpu().numpy()
+    exact, _ = ref.ragged(x64, w64, offsets)
+    absolute, _ = ref.ragged(np.abs(x64), np.abs(w64), offsets)
+    got = {}
+    for bn in (128, 96, 64):
+        monkeypatch.setattr(linear, "SM90_FORCE_BN", bn)
+        got[bn] = rawkv.gemm.moe_linear(x, w, offs)
+    assert_within_bound(got[128], exact, absolute, k, f"{fmt} {act} ragged")
+    for bn in (96, 64):
+        assert torch.equal(got[bn].view(torch.int16), got[128].view(torch.int16)), bn
+    xb = torch.randn(127, 2, k, device="cuda").to(getattr(torch, act))
+    wb, _ = random_weight(rng, 2, n, k, fmt)
+    for tokens in (1, 17, 40, 100, 127):
+        outs = []
+        for bn in (128, 96, 64):
+            monkeypatch.setattr(linear, "SM90_FORCE_BN", bn)
+            outs.append(rawkv.gemm.grouped_linear(xb[:tokens].contiguous(), wb))
+        for o in outs[1:]:
+            assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16)), tokens
+
+
 @pytest.mark.parametrize("k", [64, 128, 4160])
 def test_split_k_same_bits_every_run_and_within_the_bound(cuda, rng, monkeypatch, k):
     # The split-K kernel's own plan (seed 004's shape class at 64 tokens: a

@@ -50,16 +50,16 @@ constexpr int kThreads = 384;
 constexpr int kCodeBytes = 512;          // one row tile, one chunk (32 lanes x 16 B)
 constexpr int kScaleBytes = 64;          // its scales (32 lanes x 2 B)
 
-template <int BN, bool F16>
-__device__ __forceinline__ void wgmma_step(float (&d)[BN / 2], const u32 (&a)[4], u64 desc) {
-    if constexpr (BN == 64) {
-        if constexpr (F16) wgmma_m64n64k16_f16(d, a, desc); else wgmma_m64n64k16_bf16(d, a, desc);
-    } else if constexpr (BN == 96) {
-        if constexpr (F16) wgmma_m64n96k16_f16(d, a, desc); else wgmma_m64n96k16_bf16(d, a, desc);
-    } else {
-        static_assert(BN == 128, "BN is 64, 96 or 128");
-        if constexpr (F16) wgmma_m64n128k16_f16(d, a, desc); else wgmma_m64n128k16_bf16(d, a, desc);
+template <int N, bool F16>
+__device__ __forceinline__ void wgmma_step(float (&d)[N / 2], const u32 (&a)[4], u64 desc) {
+    static_assert(N % 16 == 0 && N >= 16 && N <= 128, "N is a multiple of 16 up to 128");
+#define RKV_STEP(n)                                                  \
+    if constexpr (N == n) {                                          \
+        if constexpr (F16) wgmma_m64n##n##k16_f16(d, a, desc);       \
+        else wgmma_m64n##n##k16_bf16(d, a, desc);                    \
     }
+    RKV_STEP(16) RKV_STEP(32) RKV_STEP(48) RKV_STEP(64) RKV_STEP(80) RKV_STEP(96) RKV_STEP(112) RKV_STEP(128)
+#undef RKV_STEP
 }
 
 }  // namespace
@@ -261,187 +261,200 @@ __device__ __forceinline__ void gemm_sm90(
     int my_tile[kMT];                                   // within the block
 #pragma unroll
     for (int m = 0; m < kMT; ++m) my_tile[m] = wg * (kTiles / 2) + 4 * m + warp;
-    float acc[kMT][BN / 2];
+    // The rest runs on the block's tokens at N columns, the least multiple
+    // of 16 that holds them (run_tile in sm90.cuh): a ragged block's last
+    // tile of an expert, or a batched call's last token tile, issues
+    // m64nNk16 wgmmas on N / 2 accumulators instead of the tile's BN / 2.
+    // Each token's column of a wgmma is computed alone, so its bits are
+    // those of the full tile (tested). The stages keep the tile's layout.
+    auto run = [&](auto n_tag) {
+        constexpr int N = decltype(n_tag)::value;
+        float acc[kMT][N / 2];
 #pragma unroll
-    for (int m = 0; m < kMT; ++m)
+        for (int m = 0; m < kMT; ++m)
 #pragma unroll
-        for (int j = 0; j < BN / 2; ++j) acc[m][j] = 0.0f;
+            for (int j = 0; j < N / 2; ++j) acc[m][j] = 0.0f;
 
-    // Each m-tile's four wgmmas of a stage are one commit group, so the
-    // tensor cores always have a group queued while the next m-tile's
-    // fragments are dequantized: m-tile 0 of stage c is issued once m-tile 0
-    // of stage c - 1 has completed (its A registers are free again), m-tile 1
-    // once m-tile 1 of c - 1 has, which also frees stage c - 1's buffers.
-    // A fragment registers are never written while a wgmma reading them is
-    // in flight (else ptxas serializes every wgmma).
-    u32 a0[4][4], a1[4][4];
-    // A stage's codes and scales of both m-tiles are read as soon as the
-    // stage is full, so the loads' latency is not on the path from a wgmma
-    // wait to the next issue.
-    uint4 wv[kMT];
-    u32 sv[kMT];
-    auto fetch = [&](u32 wst, int m) {
-        wv[m] = make_uint4(0, 0, 0, 0);
-        sv[m] = 0;
-        if (my_tile[m] < live_tiles) {
-            wv[m] = ld_shared16(wst + my_tile[m] * kCodeBytes + lane * 16);
-            sv[m] = ld_shared_u16(wst + kTiles * kCodeBytes + my_tile[m] * kScaleBytes + lane * 2);
-        }
-    };
-    auto dequant = [&](int m, u32 (&a)[4][4]) {
-        u32 f0, f1;
-        scale_factors<MX, F16>(sv[m], f0, f1);
-        dequant_fragment<F16>(wv[m].x, f0, f1, a[0]);
-        dequant_fragment<F16>(wv[m].y, f0, f1, a[1]);
-        dequant_fragment<F16>(wv[m].z, f0, f1, a[2]);
-        dequant_fragment<F16>(wv[m].w, f0, f1, a[3]);
-    };
-    int s = 0, prev = STAGES - 1, prev2 = STAGES - 2;   // chunk c's stage, c - 1's, c - 2's
-    u32 parity = 0;
-    auto next_stage = [&]() {
-        prev2 = prev;
-        prev = s;
-        if (++s == STAGES) {
-            s = 0;
-            parity ^= 1;
-        }
-    };
-    auto release = [&](int st) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar_empty + 8 * st);
-    };
-    // The producer's activation stores (generic proxy), acquired through the
-    // barrier, ordered before this warpgroup's wgmma reads (async proxy).
-    auto acquire = [&]() {
-        mbar_wait(bar_full + 8 * s, parity);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    };
-    if constexpr (kMT == 2) {
-        for (int c = c_beg; c < c_end; ++c) {
-            acquire();
-            const u32 wst = smem_u32(s_w + s * kWStage);
-            const u32 btile = smem_u32(s_b + s * kBStage);
-            fetch(wst, 0);
-            fetch(wst, 1);
-            if (c > c_beg) wgmma_wait<1>();             // m-tile 0 of c - 1 done
-            dequant(0, a0);
-            wgmma_fence();
-#pragma unroll
-            for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[0], a0[s4], b_desc(btile + 32 * s4));
-            wgmma_commit();
-            if (c > c_beg) {
-                wgmma_wait<1>();                        // m-tile 1 of c - 1 done: stage c - 1 is free
-                release(prev);
+        // Each m-tile's four wgmmas of a stage are one commit group, so the
+        // tensor cores always have a group queued while the next m-tile's
+        // fragments are dequantized: m-tile 0 of stage c is issued once m-tile 0
+        // of stage c - 1 has completed (its A registers are free again), m-tile 1
+        // once m-tile 1 of c - 1 has, which also frees stage c - 1's buffers.
+        // A fragment registers are never written while a wgmma reading them is
+        // in flight (else ptxas serializes every wgmma).
+        u32 a0[4][4], a1[4][4];
+        // A stage's codes and scales of both m-tiles are read as soon as the
+        // stage is full, so the loads' latency is not on the path from a wgmma
+        // wait to the next issue.
+        uint4 wv[kMT];
+        u32 sv[kMT];
+        auto fetch = [&](u32 wst, int m) {
+            wv[m] = make_uint4(0, 0, 0, 0);
+            sv[m] = 0;
+            if (my_tile[m] < live_tiles) {
+                wv[m] = ld_shared16(wst + my_tile[m] * kCodeBytes + lane * 16);
+                sv[m] = ld_shared_u16(wst + kTiles * kCodeBytes + my_tile[m] * kScaleBytes + lane * 2);
             }
-            dequant(1, a1);
-            wgmma_fence();
-#pragma unroll
-            for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[kMT - 1], a1[s4], b_desc(btile + 32 * s4));
-            wgmma_commit();
-            next_stage();
-        }
-    } else {
-        // One m-tile: its A fragments alternate between two register sets by
-        // chunk, so chunk c is dequantized while chunk c - 1's wgmmas run;
-        // set a0 is free again once chunk c - 2 has completed, which also
-        // frees c - 2's stage.
-        auto chunk = [&](int c, u32 (&a)[4][4]) {
-            acquire();
-            const u32 btile = smem_u32(s_b + s * kBStage);
-            fetch(smem_u32(s_w + s * kWStage), 0);
-            if (c >= c_beg + 2) {
-                wgmma_wait<1>();                        // chunk c - 2 done
-                release(prev2);
-            }
-            dequant(0, a);
-            wgmma_fence();
-#pragma unroll
-            for (int s4 = 0; s4 < 4; ++s4) wgmma_step<BN, F16>(acc[0], a[s4], b_desc(btile + 32 * s4));
-            wgmma_commit();
-            next_stage();
         };
-        for (int c = c_beg; c < c_end; c += 2) {
-            chunk(c, a0);
-            if (c + 1 < c_end) chunk(c + 1, a1);
+        auto dequant = [&](int m, u32 (&a)[4][4]) {
+            u32 f0, f1;
+            scale_factors<MX, F16>(sv[m], f0, f1);
+            dequant_fragment<F16>(wv[m].x, f0, f1, a[0]);
+            dequant_fragment<F16>(wv[m].y, f0, f1, a[1]);
+            dequant_fragment<F16>(wv[m].z, f0, f1, a[2]);
+            dequant_fragment<F16>(wv[m].w, f0, f1, a[3]);
+        };
+        int s = 0, prev = STAGES - 1, prev2 = STAGES - 2;   // chunk c's stage, c - 1's, c - 2's
+        u32 parity = 0;
+        auto next_stage = [&]() {
+            prev2 = prev;
+            prev = s;
+            if (++s == STAGES) {
+                s = 0;
+                parity ^= 1;
+            }
+        };
+        auto release = [&](int st) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bar_empty + 8 * st);
+        };
+        // The producer's activation stores (generic proxy), acquired through the
+        // barrier, ordered before this warpgroup's wgmma reads (async proxy).
+        auto acquire = [&]() {
+            mbar_wait(bar_full + 8 * s, parity);
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        };
+        if constexpr (kMT == 2) {
+            for (int c = c_beg; c < c_end; ++c) {
+                acquire();
+                const u32 wst = smem_u32(s_w + s * kWStage);
+                const u32 btile = smem_u32(s_b + s * kBStage);
+                fetch(wst, 0);
+                fetch(wst, 1);
+                if (c > c_beg) wgmma_wait<1>();             // m-tile 0 of c - 1 done
+                dequant(0, a0);
+                wgmma_fence();
+#pragma unroll
+                for (int s4 = 0; s4 < 4; ++s4) wgmma_step<N, F16>(acc[0], a0[s4], b_desc(btile + 32 * s4));
+                wgmma_commit();
+                if (c > c_beg) {
+                    wgmma_wait<1>();                        // m-tile 1 of c - 1 done: stage c - 1 is free
+                    release(prev);
+                }
+                dequant(1, a1);
+                wgmma_fence();
+#pragma unroll
+                for (int s4 = 0; s4 < 4; ++s4) wgmma_step<N, F16>(acc[kMT - 1], a1[s4], b_desc(btile + 32 * s4));
+                wgmma_commit();
+                next_stage();
+            }
+        } else {
+            // One m-tile: its A fragments alternate between two register sets by
+            // chunk, so chunk c is dequantized while chunk c - 1's wgmmas run;
+            // set a0 is free again once chunk c - 2 has completed, which also
+            // frees c - 2's stage.
+            auto chunk = [&](int c, u32 (&a)[4][4]) {
+                acquire();
+                const u32 btile = smem_u32(s_b + s * kBStage);
+                fetch(smem_u32(s_w + s * kWStage), 0);
+                if (c >= c_beg + 2) {
+                    wgmma_wait<1>();                        // chunk c - 2 done
+                    release(prev2);
+                }
+                dequant(0, a);
+                wgmma_fence();
+#pragma unroll
+                for (int s4 = 0; s4 < 4; ++s4) wgmma_step<N, F16>(acc[0], a[s4], b_desc(btile + 32 * s4));
+                wgmma_commit();
+                next_stage();
+            };
+            for (int c = c_beg; c < c_end; c += 2) {
+                chunk(c, a0);
+                if (c + 1 < c_end) chunk(c + 1, a1);
+            }
         }
-    }
-    wgmma_wait<0>();
-    // (The last stages are not released: nothing is loaded after them.)
+        wgmma_wait<0>();
+        // (The last stages are not released: nothing is loaded after them.)
 
-    // Split K: this block's sums join rank 0's (sm90.cuh, split_k_sum);
-    // accumulator m, j of consumer thread ct at float (m * BN / 2 + j) * 256 + ct.
-    if constexpr (KSPLIT > 1) {
-        if (!split_k_sum<KSPLIT>(reinterpret_cast<float(&)[kMT * (BN / 2)]>(acc), smem_u32(smem), s_split_bar,
-                                 split))
-            return;
-    }
+        // Split K: this block's sums join rank 0's (sm90.cuh, split_k_sum);
+        // accumulator m, j of consumer thread ct at float (m * BN / 2 + j) * 256 + ct.
+        if constexpr (KSPLIT > 1) {
+            if (!split_k_sum<KSPLIT>(reinterpret_cast<float(&)[kMT * (N / 2)]>(acc), smem_u32(smem), s_split_bar,
+                                     split))
+                return;
+        }
 
-    // Epilogue: thread (warp, lane q = lane / 4, t = lane % 4) holds, for each
-    // 8-token group j, rows q and q + 8 of its 16-row tile at tokens
-    // 8j + 2t and 8j + 2t + 1 (the wgmma D fragment). The 2^-9 of each FP4
-    // operand, the weight's global scale and (NVFP4 activations) the token's
-    // global scale.
-    const int q = lane >> 2, t = lane & 3;
-    const float wscale = wgs[g] * (ACT == 2 ? 512.0f * 512.0f : 512.0f);
-    const int row0 = tile0 * 16;                      // the block's first output feature
-    __nv_bfloat16* const obase = out + (i64)g * os_g;
-    // Where the block's BM features exist and each token's run of them is
-    // 16-byte aligned, the tile goes through shared memory: the fragments'
-    // 2-byte values into a token-major tile, then 16-byte stores, a token's
-    // BM features contiguous (ncu: the fragments' own 2-byte global stores
-    // used half of each 32-byte sector). Else each value is stored alone.
-    const bool staged = row0 + kBM <= n && ((reinterpret_cast<size_t>(obase + row0) | ((size_t)os_t * 2)) & 15) == 0;
-    if (staged) {
-        // Token rows of BM + 8 values: 16 bytes of padding put a quad's
-        // four tokens in different banks.
-        constexpr int kPitch = kBM + 8;
-        static_assert(BN * kPitch * 2 + BN * 4 <= STAGES * (kBStage + kWStage), "the staged tile fits in the stages");
-        __nv_bfloat16* const stile = reinterpret_cast<__nv_bfloat16*>(smem);
-        // NVFP4 activations: each token's scale, read once into shared
-        // memory (as 32 loads per thread, hoisted by the compiler, they
-        // spilled beside the 128 accumulators).
-        float* const s_scale = reinterpret_cast<float*>(smem + BN * kPitch * 2);
-        // Both consumer warpgroups are done with the stages (the producer's
-        // last writes were acquired with the last stage).
-        asm volatile("bar.sync 1, 256;\n" ::: "memory");
-        if (ACT == 2) {
-            for (int i = threadIdx.x; i < BN; i += 256)     // (rows past t1 are never stored)
-                s_scale[i] = wscale * xgs[(i64)min(t0 + i, t1 - 1) * gs_t + (i64)g * gs_g];
+        // Epilogue: thread (warp, lane q = lane / 4, t = lane % 4) holds, for each
+        // 8-token group j, rows q and q + 8 of its 16-row tile at tokens
+        // 8j + 2t and 8j + 2t + 1 (the wgmma D fragment). The 2^-9 of each FP4
+        // operand, the weight's global scale and (NVFP4 activations) the token's
+        // global scale.
+        const int q = lane >> 2, t = lane & 3;
+        const float wscale = wgs[g] * (ACT == 2 ? 512.0f * 512.0f : 512.0f);
+        const int row0 = tile0 * 16;                      // the block's first output feature
+        __nv_bfloat16* const obase = out + (i64)g * os_g;
+        // Where the block's BM features exist and each token's run of them is
+        // 16-byte aligned, the tile goes through shared memory: the fragments'
+        // 2-byte values into a token-major tile, then 16-byte stores, a token's
+        // BM features contiguous (ncu: the fragments' own 2-byte global stores
+        // used half of each 32-byte sector). Else each value is stored alone.
+        const bool staged =
+            row0 + kBM <= n && ((reinterpret_cast<size_t>(obase + row0) | ((size_t)os_t * 2)) & 15) == 0;
+        if (staged) {
+            // Token rows of BM + 8 values: 16 bytes of padding put a quad's
+            // four tokens in different banks.
+            constexpr int kPitch = kBM + 8;
+            static_assert(N * kPitch * 2 + N * 4 <= STAGES * (kBStage + kWStage), "the staged tile fits in the stages");
+            __nv_bfloat16* const stile = reinterpret_cast<__nv_bfloat16*>(smem);
+            // NVFP4 activations: each token's scale, read once into shared
+            // memory (as 32 loads per thread, hoisted by the compiler, they
+            // spilled beside the 128 accumulators).
+            float* const s_scale = reinterpret_cast<float*>(smem + N * kPitch * 2);
+            // Both consumer warpgroups are done with the stages (the producer's
+            // last writes were acquired with the last stage).
             asm volatile("bar.sync 1, 256;\n" ::: "memory");
+            if (ACT == 2) {
+                for (int i = threadIdx.x; i < N; i += 256)      // (rows past t1 are never stored)
+                    s_scale[i] = wscale * xgs[(i64)min(t0 + i, t1 - 1) * gs_t + (i64)g * gs_g];
+                asm volatile("bar.sync 1, 256;\n" ::: "memory");
+            }
+#pragma unroll
+            for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int tl = 8 * j + 2 * t + h;                     // token within the tile
+                    const float sc = ACT == 2 ? s_scale[tl] : wscale;
+#pragma unroll
+                    for (int m = 0; m < kMT; ++m) {
+                        const int r = my_tile[m] * 16 + q;
+                        stile[tl * kPitch + r] = __float2bfloat16_rn(acc[m][4 * j + h] * sc);
+                        stile[tl * kPitch + r + 8] = __float2bfloat16_rn(acc[m][4 * j + 2 + h] * sc);
+                    }
+                }
+            }
+            store_staged<kBM, kPitch>(stile, obase + (i64)t0 * os_t + row0, os_t, t1 - t0);
+            return;
         }
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
+        for (int j = 0; j < N / 8; ++j) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int tl = 8 * j + 2 * t + h;                     // token within the tile
-                const float sc = ACT == 2 ? s_scale[tl] : wscale;
+                const int tok = t0 + 8 * j + 2 * t + h;
+                if (tok >= t1) continue;
+                const float sc = ACT == 2 ? wscale * xgs[(i64)tok * gs_t + (i64)g * gs_g] : wscale;
+                __nv_bfloat16* orow = obase + (i64)tok * os_t;
 #pragma unroll
                 for (int m = 0; m < kMT; ++m) {
-                    const int r = my_tile[m] * 16 + q;
-                    stile[tl * kPitch + r] = __float2bfloat16_rn(acc[m][4 * j + h] * sc);
-                    stile[tl * kPitch + r + 8] = __float2bfloat16_rn(acc[m][4 * j + 2 + h] * sc);
+                    const int row = row0 + my_tile[m] * 16 + q;
+                    if (row < n) orow[row] = __float2bfloat16_rn(acc[m][4 * j + h] * sc);
+                    if (row + 8 < n) orow[row + 8] = __float2bfloat16_rn(acc[m][4 * j + 2 + h] * sc);
                 }
             }
         }
-        store_staged<kBM, kPitch>(stile, obase + (i64)t0 * os_t + row0, os_t, t1 - t0);
-        return;
-    }
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int tok = t0 + 8 * j + 2 * t + h;
-            if (tok >= t1) continue;
-            const float sc = ACT == 2 ? wscale * xgs[(i64)tok * gs_t + (i64)g * gs_g] : wscale;
-            __nv_bfloat16* orow = obase + (i64)tok * os_t;
-#pragma unroll
-            for (int m = 0; m < kMT; ++m) {
-                const int row = row0 + my_tile[m] * 16 + q;
-                if (row < n) orow[row] = __float2bfloat16_rn(acc[m][4 * j + h] * sc);
-                if (row + 8 < n) orow[row + 8] = __float2bfloat16_rn(acc[m][4 * j + 2 + h] * sc);
-            }
-        }
-    }
+    };
+    // (Split K: the partial sums' exchange is laid out for BN columns.)
+    if constexpr (KSPLIT > 1) run(IntC<BN>{});
+    else run_tile<BN>(t1 - t0, run);
 }
 
 // One block per output tile, all of K.
