@@ -193,6 +193,16 @@ def test_ragged_calls_take_the_ragged_tiles_when_the_grid_is_large_enough(rows, 
     assert (t.kernel is K.GEMM_SM90) == (rows == 7200)
 
 
+@pytest.mark.parametrize("per_expert,bn", [(28, 64), (64, 64), (65, 128), (85, 128), (96, 128), (300, 128)])
+def test_ragged_wgmma_tiles_are_64_or_128_tokens(per_expert, bn):
+    # A block's MMAs cover its tokens rounded up to 16 (run_tile), so an
+    # expert's last tile costs what it holds: 128-token tiles from 65 tokens
+    # per expert on average (DeepSeek-V4-Pro at 4,096 tokens: 85; a 96-token
+    # tile served 65-88 before, measured slower since on the H100)
+    t = P.tile(H100, _Sizes(384, 7168), per_expert, ragged=True, rows=384 * per_expert)
+    assert t.kernel is K.GEMM_SM90 and t.tokens == bn and t.targs[0] == bn
+
+
 def test_a_grid_past_the_limit_is_refused():
     w = _weight(g=1, n=16)
     act, cw, out = _grouped(torch.ones(1, 1, 128, dtype=torch.bfloat16), w)

@@ -48,8 +48,6 @@ class Tuning(NamedTuple):
     K (sm90_tile) and the split grid has SM90_MIN_BLOCKS blocks: on an
     H200 at 48 and 64 tokens it won on all three wo_a shapes (seed 004 at
     64: 44.5 against 65.0 us), at 32 it lost on all three.
-    SM90_RAGGED_96_MAX: ragged calls of 65 to this many tokens per expert
-    on average take 96-token tiles (K.SM90_RAGGED_96), more take 128.
     SM90_FORCE_KSPLIT: the wgmma kernel's split of K across a cluster of
     blocks (1 or 2), None to let sm90_tile choose; a split part has at
     least SM90_MIN_SPLIT_CHUNKS chunks of 64 columns.
@@ -94,7 +92,7 @@ class Tuning(NamedTuple):
     of 128 columns. (H100, 16 tokens: seed 004's 96 blocks split 30.8-30.9
     against 31.6-31.8 us; Pro's 128 split 21.5 against 19.3; a split in four
     took 21 us at Flash against 13.3 in two.)
-    SM90_FORCE_BN: the wgmma kernel's token tile (64, 96 or 128), None to
+    SM90_FORCE_BN: the wgmma kernel's token tile (64 or 128), None to
     let the plan choose. SM90_FORCE_BM: its feature tile (128 or 256), None
     to let sm90_tile's cost model choose (the rule it replaced: 128 when
     twice the grid of 256-feature blocks still fits in one wave; on the
@@ -109,7 +107,6 @@ class Tuning(NamedTuple):
     SM90_FORCE_BN: int | None = None
     SM90_FORCE_BM: int | None = None
     SM90_MIN_TOKENS_SPLIT: int = 48
-    SM90_RAGGED_96_MAX: int = 88
     SM90_FORCE_KSPLIT: int | None = None
     SM90_MIN_SPLIT_CHUNKS: int = 16
     MMA_PREFETCH_MAX_BLOCKS_PER_SM: int = 3
@@ -154,11 +151,10 @@ def takes_sm90(w, tokens: int, ragged: bool, tuning=TUNED) -> bool:
 # Time of one chunk in a block of the wgmma kernel, relative to the
 # (BN, BM) = (128, 256) tile's, from the H200 sweep of 2026-11-26 (one wave
 # of blocks, Flash wo_a: 0.64, 0.59 and 0.86 us per chunk).
-SM90_CHUNK_COST = {(64, 256): 0.75, (96, 256): 0.9, (128, 128): 0.7, (128, 256): 1.0}
+SM90_CHUNK_COST = {(64, 256): 0.75, (128, 128): 0.7, (128, 256): 1.0}
 # The non-split instances: {(BN, BM): STAGES}.
 SM90_STAGES = {(K.SM90_CONFIGS[64][0], K.SM90_BM): K.SM90_CONFIGS[64][1],
                (K.SM90_CONFIGS["large"][0], K.SM90_BM): K.SM90_CONFIGS["large"][1],
-               (K.SM90_RAGGED_96[0], K.SM90_BM): K.SM90_RAGGED_96[1],
                (K.SM90_SMALL_CONFIG[0], 128): K.SM90_SMALL_CONFIG[1]}
 
 
@@ -171,8 +167,7 @@ def sm90_tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED) -> Tile:
     thin last wave takes 128-feature blocks or splits K (seed 004 at 64 tokens: 48 blocks of
     256 x 64 become 96 half-K blocks). Ragged calls never split (their grid
     depends on the experts' sizes). The SM90_FORCE_* tunables fix a choice."""
-    bn = tuning.SM90_FORCE_BN or (
-        64 if tokens <= 64 else 96 if ragged and tokens <= tuning.SM90_RAGGED_96_MAX else 128)
+    bn = tuning.SM90_FORCE_BN or (64 if tokens <= 64 else 128)
     chunks = -(-w.k // K.CHUNK)
     options = []
     for bm in (tuning.SM90_FORCE_BM,) if tuning.SM90_FORCE_BM else (256, 128):

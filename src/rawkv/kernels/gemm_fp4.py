@@ -94,10 +94,11 @@ SM90_THREADS = 384
 SM90_FILE = KernelFile("gemm_fp4_sm90.cu", constants=FILE.constants, targets={"sm_90": "sm_90a"})
 # (BN, STAGES) by the most tokens per group or expert each serves.
 SM90_CONFIGS = {64: (64, 6), "large": (128, 5)}
-# (BN, STAGES) of ragged calls of 65 to SM90_RAGGED_96_MAX tokens per expert
-# on average: an expert's tokens more often fill one 96-token tile than
-# 0.66 of a 128-token one (DeepSeek-V4-Pro at 4,096 tokens: 85 per expert).
-SM90_RAGGED_96 = (96, 6)
+# (A 96-token tile for ragged calls of 65-88 tokens per expert served until a
+# block's MMAs covered only its tokens (rounded up to 16, run_tile): with
+# that, 128-token tiles were faster there too, H100, DeepSeek-V4-Pro at
+# 4,096 tokens (85 per expert): gate_up 6,659 / 6,649 us against 6,857 /
+# 6,836, down 3,577 / 3,587 against 3,650 / 3,681; docs/gemm.md.)
 # (BN, STAGES) of the 128-feature blocks.
 SM90_SMALL_CONFIG = (128, 6)
 
@@ -113,7 +114,7 @@ GEMM_SM90 = SM90_FILE.kernel(
     (TParam("int", "ACT", (0, 1, 2)), TParam("bool", "MX", (False, True)), TParam("int", "BN", (64, 96, 128)),
      TParam("int", "STAGES", (2, 3, 4, 5, 6)), TParam("int", "BM", (128, 256))),
     instances=[(a, mx, *cfg) for a in ACT_CODES.values() for mx in (False, True)
-               for cfg in [(*c, SM90_BM) for c in (*dict.fromkeys(SM90_CONFIGS.values()), SM90_RAGGED_96)]
+               for cfg in [(*c, SM90_BM) for c in dict.fromkeys(SM90_CONFIGS.values())]
                + [(*SM90_SMALL_CONFIG, 128)]],
     dynamic_smem=sm90_dynamic_smem)
 
