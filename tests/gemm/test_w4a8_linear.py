@@ -367,14 +367,15 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
 def test_plans_ragged_by_tokens_per_expert():
     # MoE: few tokens per expert take the mma.sync kernel's ragged tiles
     # (one warp streams all of K) when the grid has 2 blocks per SM, the
-    # small tile (warps split K) below; above W4A8_MMA_MAX_EXPERT_TOKENS (16)
+    # small tile (warps split K) below; above W4A8_MMA_MAX_EXPERT_TOKENS (3)
     # the wgmma kernel
     from rawkv.gemm import _rules as R
     w8 = _w8(256, 64, 256)
     wc = R.weight8(w8.codes, w8.shifts, w8.row_scale, w8.gs, w8.n, w8.k, "cpu")
     offsets = torch.zeros(257, dtype=torch.int32)
+    assert plans.TUNED.W4A8_MMA_MAX_EXPERT_TOKENS == 3
     for rows, cfg in ((6, K8.MMA_RAGGED_SMALL_CONFIG), (384, K8.MMA_RAGGED_CONFIGS[8]),
-                      (256 * 12, K8.MMA_RAGGED_CONFIGS[16]), (256 * 16, K8.MMA_RAGGED_CONFIGS[16]), (256 * 17, None)):
+                      (256 * 3, K8.MMA_RAGGED_CONFIGS[8]), (256 * 3 + 1, None), (256 * 12, None)):
         act = R.activation8(*_xa(rows, k=256), 2, 256, "cpu", -1)
         (launch,) = plans.w4a8_moe(_Dev, act, wc, offsets, torch.empty(rows, 64, dtype=bf), None)
         if cfg is None:

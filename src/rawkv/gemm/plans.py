@@ -80,8 +80,15 @@ class Tuning(NamedTuple):
     (Flash down at 1 and 64 tokens 18.8 / 19.5 and 361 / 330, Pro down at 1
     and 16 47.5-50.4 / 50.8-51.2 and 495 / 489-493): so ragged calls of at
     most W4A8_MMA_MAX_EXPERT_TOKENS per expert take the mma.sync kernel only
-    where K is below W4A8_RAGGED_SM90_MIN_K. A ragged call on the mma.sync
-    kernel takes K8.MMA_RAGGED_CONFIGS
+    where K is below W4A8_RAGGED_SM90_MIN_K. Since the wgmma kernel's blocks
+    multiply only their own tokens (rounded up to 16), it also wins below
+    that K from a few tokens per expert: H100 (2026-11-26, us, mma.sync /
+    wgmma, two runs each), Flash down at 128, 256 and 512 tokens (3, 6 and
+    12 per expert) 435-432 / 458-455, 501-498 / 483-480, 710-689 / 547-545;
+    Pro down at 128, 256 and 512 (3, 6, 11) 1,578-1,584 / 1,620, 1,847 /
+    1,712-1,716, 2,489-2,535 / 1,869-1,870; so W4A8_MMA_MAX_EXPERT_TOKENS is
+    3 (it was 16). A ragged call on the mma.sync kernel takes
+    K8.MMA_RAGGED_CONFIGS
     when its grid has MMA_RAGGED_MIN_BLOCKS blocks per SM, as the W4A16
     mma.sync kernel's ragged tiles do.
     W4A8_KSPLIT: the W4A8 wgmma kernel's split of K across a cluster of
@@ -112,7 +119,7 @@ class Tuning(NamedTuple):
     MMA_PREFETCH_MAX_BLOCKS_PER_SM: int = 3
     W4A8_PATH: str = "auto"
     W4A8_MMA_MAX_TOKENS: int = 8
-    W4A8_MMA_MAX_EXPERT_TOKENS: int = 16
+    W4A8_MMA_MAX_EXPERT_TOKENS: int = 3
     W4A8_RAGGED_SM90_MIN_K: int = 4096
     W4A8_SM90_MIN_FILL: float = 0.9
     W4A8_KSPLIT: int | None = None
