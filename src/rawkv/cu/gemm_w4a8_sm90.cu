@@ -439,7 +439,9 @@ __device__ __forceinline__ void gemm_w4a8(
             }
         }
     };
-    // (Split K: the partial sums' exchange is laid out for BN columns.)
+    // (Split-K instances keep BN columns: they serve batched calls, whose
+    // token tiles are full but the last, and one main loop keeps their
+    // compile time.)
     if constexpr (KSPLIT > 1) run(IntC<BN>{});
     else run_tile<BN>(rows, run);
 }
