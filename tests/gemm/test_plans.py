@@ -203,6 +203,11 @@ def test_ragged_wgmma_tiles_are_64_or_128_tokens(per_expert, bn):
     assert t.kernel is K.GEMM_SM90 and t.tokens == bn and t.targs[0] == bn
 
 
+def test_a_forced_token_tile_without_an_instance_is_refused():
+    with pytest.raises(ValueError, match="^SM90_FORCE_BN: expected 64, 128 or None, got 96"):
+        P.tile(H100, _Sizes(8, 1024), 300, tuning=P.Tuning(KERNEL_PATH="sm90", SM90_FORCE_BN=96))
+
+
 def test_a_grid_past_the_limit_is_refused():
     w = _weight(g=1, n=16)
     act, cw, out = _grouped(torch.ones(1, 1, 128, dtype=torch.bfloat16), w)

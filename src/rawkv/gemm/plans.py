@@ -174,6 +174,8 @@ def sm90_tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED) -> Tile:
     thin last wave takes 128-feature blocks or splits K (seed 004 at 64 tokens: 48 blocks of
     256 x 64 become 96 half-K blocks). Ragged calls never split (their grid
     depends on the experts' sizes). The SM90_FORCE_* tunables fix a choice."""
+    if tuning.SM90_FORCE_BN not in (None, 64, 128):
+        raise ValueError(f"SM90_FORCE_BN: expected 64, 128 or None, got {tuning.SM90_FORCE_BN!r}")
     bn = tuning.SM90_FORCE_BN or (64 if tokens <= 64 else 128)
     chunks = -(-w.k // K.CHUNK)
     options = []
