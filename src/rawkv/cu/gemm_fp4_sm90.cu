@@ -52,14 +52,8 @@ constexpr int kScaleBytes = 64;          // its scales (32 lanes x 2 B)
 
 template <int N, bool F16>
 __device__ __forceinline__ void wgmma_step(float (&d)[N / 2], const u32 (&a)[4], u64 desc) {
-    static_assert(N % 16 == 0 && N >= 16 && N <= 128, "N is a multiple of 16 up to 128");
-#define RKV_STEP(n)                                                  \
-    if constexpr (N == n) {                                          \
-        if constexpr (F16) wgmma_m64n##n##k16_f16(d, a, desc);       \
-        else wgmma_m64n##n##k16_bf16(d, a, desc);                    \
-    }
-    RKV_STEP(16) RKV_STEP(32) RKV_STEP(48) RKV_STEP(64) RKV_STEP(80) RKV_STEP(96) RKV_STEP(112) RKV_STEP(128)
-#undef RKV_STEP
+    if constexpr (F16) wgmma_k16_f16<N>(d, a, desc);
+    else wgmma_k16_bf16<N>(d, a, desc);
 }
 
 }  // namespace

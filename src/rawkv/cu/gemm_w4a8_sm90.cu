@@ -79,19 +79,6 @@ __device__ __forceinline__ void cp_async16_zfill_if(bool on, u32 dst, const void
                  ::"r"(dst), "l"(gmem), "r"((int)on), "r"(bytes));
 }
 
-template <int N>
-__device__ __forceinline__ void wgmma_k32(float (&d)[N / 2], const u32 (&a)[4], u64 desc, int scale_d) {
-    static_assert(N % 16 == 0 && N >= 16 && N <= 128, "N is a multiple of 16 up to 128");
-    if constexpr (N == 16) wgmma_m64n16k32_e4m3(d, a, desc, scale_d);
-    else if constexpr (N == 32) wgmma_m64n32k32_e4m3(d, a, desc, scale_d);
-    else if constexpr (N == 48) wgmma_m64n48k32_e4m3(d, a, desc, scale_d);
-    else if constexpr (N == 64) wgmma_m64n64k32_e4m3(d, a, desc, scale_d);
-    else if constexpr (N == 80) wgmma_m64n80k32_e4m3(d, a, desc, scale_d);
-    else if constexpr (N == 96) wgmma_m64n96k32_e4m3(d, a, desc, scale_d);
-    else if constexpr (N == 112) wgmma_m64n112k32_e4m3(d, a, desc, scale_d);
-    else wgmma_m64n128k32_e4m3(d, a, desc, scale_d);
-}
-
 // Blocks per SM and the warpgroups' registers (setmaxnreg; the sums stay
 // within what the launch bounds give a block: 384 x 168 for one block, 384
 // x 80 for two). The 16-token tile (decode) needs few registers and fits
@@ -329,7 +316,7 @@ __device__ __forceinline__ void gemm_w4a8(
             const u64 desc = desc0 + st * (kBStage >> 4);
             wgmma_fence();
 #pragma unroll
-            for (int s4 = 0; s4 < 4; ++s4) wgmma_k32<N>(part, a[s4], desc + 2 * s4, s4);
+            for (int s4 = 0; s4 < 4; ++s4) wgmma_k32_e4m3<N>(part, a[s4], desc + 2 * s4, s4);
             wgmma_commit();
         };
         // The partial into the accumulators with the tokens' scales of its

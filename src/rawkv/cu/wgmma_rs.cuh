@@ -4,7 +4,8 @@
 // K-major, through its matrix descriptor); scale-d is 1, no negation,
 // B not transposed; and the E4M3 x E4M3 k32 shapes of the W4A8 GEMM
 // (A the 8-bit fragment: rows q, q + 8, columns 4 t .. 4 t + 3 and
-// 16 + 4 t .. + 3), scale-d given. sm_90a only.
+// 16 + 4 t .. + 3), scale-d given. sm_90a only. wgmma_k16_bf16<N>,
+// wgmma_k16_f16<N>, wgmma_k32_e4m3<N>: the wrapper of shape N.
 #pragma once
 #include "common.cuh"
 
@@ -233,6 +234,42 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], const u32 
         "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+template <int N>
+__device__ __forceinline__ void wgmma_k16_bf16(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b) {
+    if constexpr (N == 16) wgmma_m64n16k16_bf16(d, a, desc_b);
+    else if constexpr (N == 32) wgmma_m64n32k16_bf16(d, a, desc_b);
+    else if constexpr (N == 48) wgmma_m64n48k16_bf16(d, a, desc_b);
+    else if constexpr (N == 64) wgmma_m64n64k16_bf16(d, a, desc_b);
+    else if constexpr (N == 80) wgmma_m64n80k16_bf16(d, a, desc_b);
+    else if constexpr (N == 96) wgmma_m64n96k16_bf16(d, a, desc_b);
+    else if constexpr (N == 112) wgmma_m64n112k16_bf16(d, a, desc_b);
+    else if constexpr (N == 128) wgmma_m64n128k16_bf16(d, a, desc_b);
+    else static_assert(N < 0, "no wgmma wrapper of this N");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_k16_f16(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b) {
+    if constexpr (N == 16) wgmma_m64n16k16_f16(d, a, desc_b);
+    else if constexpr (N == 32) wgmma_m64n32k16_f16(d, a, desc_b);
+    else if constexpr (N == 48) wgmma_m64n48k16_f16(d, a, desc_b);
+    else if constexpr (N == 64) wgmma_m64n64k16_f16(d, a, desc_b);
+    else if constexpr (N == 80) wgmma_m64n80k16_f16(d, a, desc_b);
+    else if constexpr (N == 96) wgmma_m64n96k16_f16(d, a, desc_b);
+    else if constexpr (N == 112) wgmma_m64n112k16_f16(d, a, desc_b);
+    else if constexpr (N == 128) wgmma_m64n128k16_f16(d, a, desc_b);
+    else static_assert(N < 0, "no wgmma wrapper of this N");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_k32_e4m3(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b, int scale_d) {
+    if constexpr (N == 16) wgmma_m64n16k32_e4m3(d, a, desc_b, scale_d);
+    else if constexpr (N == 32) wgmma_m64n32k32_e4m3(d, a, desc_b, scale_d);
+    else if constexpr (N == 48) wgmma_m64n48k32_e4m3(d, a, desc_b, scale_d);
+    else if constexpr (N == 64) wgmma_m64n64k32_e4m3(d, a, desc_b, scale_d);
+    else if constexpr (N == 80) wgmma_m64n80k32_e4m3(d, a, desc_b, scale_d);
+    else if constexpr (N == 96) wgmma_m64n96k32_e4m3(d, a, desc_b, scale_d);
+    else if constexpr (N == 112) wgmma_m64n112k32_e4m3(d, a, desc_b, scale_d);
+    else if constexpr (N == 128) wgmma_m64n128k32_e4m3(d, a, desc_b, scale_d);
+    else static_assert(N < 0, "no wgmma wrapper of this N");
 }
 
 }  // namespace rkv
