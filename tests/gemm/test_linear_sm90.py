@@ -19,19 +19,22 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(params=[(128, None), (256, None), (128, 2), (256, 2)],
-                ids=["bm128", "bm256", "bm128-split2", "bm256-split2"])
+@pytest.fixture(params=[(128, None, True), (256, None, True), (128, 2, True), (256, 2, True), (256, None, False)],
+                ids=["bm128", "bm256", "bm128-split2", "bm256-split2", "bm256-copy"])
 def sm90(cuda, monkeypatch, request):
     """The runtime of an sm_90 device, every launch forced onto the wgmma
     kernel with blocks of 128 or 256 output features, and batched launches
     also onto the split-K kernel (a cluster of 2 blocks per output tile,
-    each half of K: with K of 1 to 4 chunks a half may have none)."""
+    each half of K: with K of 1 to 4 chunks a half may have none); 16-bit
+    activation tiles by TMA where the view allows it, and ("copy") by the
+    producer's threads."""
     if cuda.arch != "sm_90":
         pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
-    bm, splits = request.param
+    bm, splits, act_tma = request.param
     monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
     monkeypatch.setattr(linear, "SM90_FORCE_BM", bm)
     monkeypatch.setattr(linear, "SM90_FORCE_KSPLIT", splits)
+    monkeypatch.setattr(linear, "SM90_ACT_TMA", act_tma)
     return cuda
 
 
@@ -210,3 +213,73 @@ def test_dispatch_takes_the_wgmma_kernel_from_256_tokens(cuda, monkeypatch):
     assert plans.tile(cuda, w, 27, ragged=True, tuning=linear).kernel is plans.K.GEMM
     assert plans.tile(cuda, w, 28, ragged=True, tuning=linear).kernel is plans.K.GEMM_SM90
 
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_activation_tiles_by_tma_give_the_threads_bits(cuda, rng, monkeypatch, dtype, fmt):
+    # The same MMAs on the same B tiles whoever brings them: batched (a
+    # partial 64-column chunk, partial token tiles, one group) and ragged
+    # (rows of the next expert in a tile, empty experts), split and whole.
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
+    monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
+    dt = getattr(torch, dtype)
+    k = 224 if fmt == "mxfp4" else 208
+    cases = []
+    for g, n, tokens in ((3, 300, 130), (1, 72, 65), (2, 520, 300)):
+        w, _ = random_weight(rng, g, n, k, fmt)
+        x = torch.from_numpy(rng.standard_normal((tokens, g, k)).astype(np.float32)).to(dt).cuda()
+        cases.append(lambda w=w, x=x: rawkv.gemm.grouped_linear(x, w))
+    w, _ = random_weight(rng, 5, 264, k, fmt)
+    offsets = torch.tensor([0, 0, 70, 71, 200, 333], dtype=torch.int32, device="cuda")
+    xr = torch.from_numpy(rng.standard_normal((333, k)).astype(np.float32)).to(dt).cuda()
+    cases.append(lambda: rawkv.gemm.moe_linear(xr, w, offsets))
+    for splits in (None, 2):
+        monkeypatch.setattr(linear, "SM90_FORCE_KSPLIT", splits)
+        for i, call in enumerate(cases):
+            if splits and i == len(cases) - 1:
+                continue                                   # (ragged calls never split)
+            got = []
+            for act_tma in (True, False):
+                monkeypatch.setattr(linear, "SM90_ACT_TMA", act_tma)
+                got.append(call())
+            assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16)), (fmt, dtype, splits, i)
+
+
+def test_the_plan_maps_the_activations_where_tma_can_take_them(cuda, rng, monkeypatch):
+    # 16-bit activations on the GPU get a tensor map (the op hands the
+    # kernel rows 16-byte aligned, a view as it is: its strides go into the
+    # map, the same bits as the threads' copies); SM90_ACT_TMA off gets none;
+    # activation_map refuses what TMA cannot take (a CPU tensor, rows or
+    # strides off 16 bytes).
+    from rawkv.gemm import _rules as R, tma
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
+    w, _ = random_weight(rng, 2, 264, 1024, "nvfp4")
+    out = torch.empty(300, 2, 264, dtype=torch.bfloat16, device="cuda")
+
+    def plan(x, sf=None, gs=None, tuning=plans.TUNED):
+        _, act, cw, o = R.grouped(x, sf, gs, w.codes, w.scales, w.gs, w.fmt, w.n, w.k, 0, 0, out)
+        (launch,) = plans.grouped(cuda, act, cw, o, tuning)
+        return launch
+
+    x = torch.randn(300, 2, 1024, dtype=torch.bfloat16, device="cuda")
+    launch = plan(x)
+    assert launch.args["act_tma"] == 1 and any(launch.args["xmap"].values())
+    launch = plan(x, tuning=plans.TUNED._replace(SM90_ACT_TMA=False))
+    assert launch.args["act_tma"] == 0 and launch.args["xmap"] == tma.NONE
+    wide = torch.randn(300, 2, 1088, dtype=torch.bfloat16, device="cuda")[..., 8:1032]   # rows 2,176 B apart
+    launch = plan(wide)
+    assert launch.args["act_tma"] == 1 and launch.args["xmap"] != plan(x).args["xmap"]
+    monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
+    got = []
+    for act_tma in (True, False):
+        monkeypatch.setattr(linear, "SM90_ACT_TMA", act_tma)
+        got.append(rawkv.gemm.grouped_linear(wide, w))
+    assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16))
+    assert torch.equal(got[0].view(torch.int16), rawkv.gemm.grouped_linear(wide.contiguous(), w).view(torch.int16))
+    assert tma.activation_map(x.cpu(), False, 128) is None
+    assert tma.activation_map(torch.randn(300, 2, 1028, dtype=torch.bfloat16, device="cuda")[..., 2:1026], False,
+                              128) is None
+    assert tma.activation_map(x.float(), False, 128) is None

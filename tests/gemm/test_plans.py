@@ -53,6 +53,9 @@ def _one(plan):
         value = launch.args[p.name]
         if p.pointer:
             assert value is None or isinstance(value, int) or hasattr(value, "shape"), p
+        elif p.fields is not None:                # a struct by value: a dict of its fields
+            assert set(value) == {f.name for f in p.fields}, p
+            struct.pack("<" + "".join(f.fmt for f in p.fields), *(value[f.name] for f in p.fields))
         else:
             struct.pack("<" + p.slot, value)      # fits its C type
     assert all(isinstance(d, int) and d > 0 for d in (*launch.grid, *launch.block)), launch

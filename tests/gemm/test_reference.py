@@ -16,9 +16,9 @@ from rawkv.reference.formats import E2M1_VALUES, e4m3_decode
 from support.ragged import RAGGED_OFFSET_CASES
 
 # docs/gemm.md, "Packed form": nibble n_i of word W_s -> (row, column offset
-# from kb + 4s), copied from the table.
+# from kb = 64c + 16t + 2s), copied from the table.
 TABLE_ROW = ["r0", "r1", "r0", "r1", "r0", "r1", "r0", "r1"]
-TABLE_COL = [0, 0, 2, 2, 1, 1, 3, 3]
+TABLE_COL = [0, 0, 8, 8, 1, 1, 9, 9]
 
 
 def _table_source(shape, n, k):
@@ -26,13 +26,14 @@ def _table_source(shape, n, k):
     16), the (g, row, col) the table says it holds, as flat index
     (g * n + row) * k + col + 1, or 0 for padding."""
     src = np.zeros((*shape, 2), np.int64)
-    for g, r, c, lane, byte, half in np.ndindex(*shape, 2):
+    for g, r, c, slot, byte, half in np.ndindex(*shape, 2):
         s, i = byte // 4, 2 * (byte % 4) + half          # little-endian: byte b holds n_2b, n_2b+1
-        q, t = lane // 4, lane % 4
+        t = slot // 8                                    # slot 8t + (q ^ 2t) holds lane 4q + t
+        q = (slot % 8) ^ (2 * t)
         row = 16 * r + q + (8 if TABLE_ROW[i] == "r1" else 0)
-        col = 64 * c + 16 * t + 4 * s + TABLE_COL[i]
+        col = 64 * c + 16 * t + 2 * s + TABLE_COL[i]
         if row < n and col < k:
-            src[g, r, c, lane, byte, half] = (g * n + row) * k + col + 1
+            src[g, r, c, slot, byte, half] = (g * n + row) * k + col + 1
     return src
 
 
@@ -53,11 +54,16 @@ def test_codes_land_where_the_table_says():
 @pytest.mark.parametrize("block", [16, 32])
 def test_scales_land_where_the_doc_says(block):
     # docs/gemm.md: byte 0 the scale of (r0, kb), byte 1 of (r1, kb); block
-    # kb // block; padding 0x00 (NVFP4) / 127 (MXFP4).
+    # kb // block; padding 0x00 (NVFP4) / 127 (MXFP4). NVFP4 scales as their
+    # factor bytes: read back through the inverse table (bytes of 7 bits,
+    # the E4M3 scales 0x00 .. 0x7E and one more).
     g, n, k = 2, 21, 160
     ident = np.arange(g * n * (k // block), dtype=np.int64).reshape(g, n, k // block)
-    lo, hi = R.pack_scales((ident & 0xFF).astype(np.uint8), block), \
-        R.pack_scales((ident >> 8).astype(np.uint8), block)
+    bits = 7 if block == 16 else 8
+    back = (lambda p: R.E4M3_OF_NV_FACTOR[p]) if block == 16 else (lambda p: p)
+    mask = (1 << bits) - 1
+    lo, hi = back(R.pack_scales((ident & mask).astype(np.uint8), block)), \
+        back(R.pack_scales((ident >> bits).astype(np.uint8), block))
     pad = {16: 0, 32: 127}[block]
     for gi, r, c, lane, half in np.ndindex(*lo.shape):
         row = 16 * r + lane // 4 + 8 * half
@@ -65,7 +71,7 @@ def test_scales_land_where_the_doc_says(block):
         if row < n and kb < k:
             want = ident[gi, row, kb // block]
             assert (int(lo[gi, r, c, lane, half]), int(hi[gi, r, c, lane, half])) == \
-                (want & 0xFF, want >> 8)
+                (want & mask, want >> bits)
         else:
             assert lo[gi, r, c, lane, half] == pad == hi[gi, r, c, lane, half]
 
@@ -80,7 +86,8 @@ def test_pack_round_trip(rng, g, n, k):
     for block in (16, 32):
         if k % block:
             continue
-        scales = rng.integers(0, 256, (g, n, k // block), dtype=np.uint8)
+        # (NVFP4: the E4M3 scales a loader takes, 0x00 .. 0x7E, zeros and subnormals among them)
+        scales = rng.integers(0, 0x7F if block == 16 else 256, (g, n, k // block), dtype=np.uint8)
         ps = R.pack_scales(scales, block)
         assert ps.shape == (g, npad // 16, chunks, 32, 2)
         np.testing.assert_array_equal(R.unpack_scales(ps, n, k, block), scales)
@@ -368,3 +375,21 @@ def test_round_to_bf16_matches_torch_on_float32_inputs(rng):
     v = v[~np.isnan(v)]
     want = torch.from_numpy(v).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(R.round_to_bf16(v), want)
+
+
+def test_nvfp4_factor_bytes_give_the_kernels_factors_exactly():
+    # docs/gemm.md, "Packed form": the factor byte b of every E4M3 scale
+    # (0x00 .. 0x7E) gives scale * 2^117 as BF16 bits 0x7000 + (b << 4) and
+    # scale * 2^5 as FP16 bits b << 7 (zero: b = 0, FP16 0), and unpacks to
+    # the same byte.
+    v = np.arange(0x7F, dtype=np.uint8)
+    b = R.NV_FACTOR_OF_E4M3[v].astype(np.uint32)
+    scale = e4m3_decode(v).astype(np.float64)
+    bf16 = ((0x7000 + (b << 4)) << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+    nz = scale != 0
+    np.testing.assert_array_equal(bf16[nz], scale[nz] * 2.0 ** 117)
+    f16 = (b << 7).astype(np.uint16).view(np.float16).astype(np.float64)
+    np.testing.assert_array_equal(f16, scale * 2.0 ** 5)
+    assert b[0] == 0 and (b[1:] >= 88).all()
+    np.testing.assert_array_equal(R.E4M3_OF_NV_FACTOR[R.NV_FACTOR_OF_E4M3[v]], v)
+    assert R.NV_FACTOR_OF_E4M3[0x7F] == 0xFF and R.E4M3_OF_NV_FACTOR[0xFF] == 0x7F

@@ -49,7 +49,9 @@ def random_weight(rng, g, n, k, fmt, device="cuda"):
     its exact float64 values."""
     codes = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
     if fmt == "nvfp4":
-        scales = rng.integers(0x01, 0x7E, (g, n, k // 16), dtype=np.uint8)   # finite E4M3, subnormals too
+        # finite E4M3, subnormals too, and some zero scales (their blocks pack with zero codes)
+        scales = rng.integers(0x01, 0x7E, (g, n, k // 16), dtype=np.uint8)
+        scales[rng.random(scales.shape) < 0.05] = 0
         gs = (rng.random(g) * 0.01 + 1e-3).astype(np.float32)
         w = rawkv.gemm.Fp4Weight.from_nvfp4(torch.from_numpy(codes), torch.from_numpy(scales),
                                             torch.from_numpy(gs), groups=g)

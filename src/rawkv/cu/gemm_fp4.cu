@@ -7,10 +7,15 @@
 // The weight is the MMA's A operand (16 output features per m-tile) and the
 // tokens its B operand (8 per n-tile), so one token wastes 7/8 of an n-tile
 // rather than 15/16 of an m-tile. Weights come packed as docs/gemm.md gives:
-// one 16-byte load per lane per (m-tile, 64-column chunk) is that lane's
-// A fragment for the chunk's four k16 steps, and the lane's activations are
-// the 16 contiguous columns kb .. kb+15 of its token (the MMA's k index is a
-// permutation of the physical columns, the same for A and B).
+// one 16-byte load per lane per (m-tile, 64-column chunk), the lane's record,
+// is that lane's A fragment for the chunk's four k16 steps (word s: its rows'
+// columns 16t + 2s + {0, 1, 8, 9}, all in its NVFP4 block 16t .. 16t + 15,
+// so one scale per chunk), and the lane's activations are the 16 contiguous
+// columns kb = 64c + 16t .. kb + 15 of its token (ActChunk: step s's B
+// fragment is their words s and s + 4). The MMA's k index is a permutation
+// of the physical columns, the same for A and B. (The Hopper kernel reads
+// the same records as word t of lanes (q, 0..3), its k16 step s being the
+// physical columns 16s .. 16s + 15: that is what TMA brings it.)
 //
 // The dequantization and the helpers both GEMM kernels use: gemm_fp4.cuh.
 //
@@ -39,8 +44,14 @@ __device__ __forceinline__ void load_acts(ActChunk<ACT> (&av)[U][NT], const u8* 
     }
 }
 
-// The MMAs of one ring stage (U chunks x MT m-tiles of 576 bytes: a lane's
-// 16 code bytes, then the tile's scales), its first `live` chunks, with the
+// This lane (q, t)'s A fragments of steps 0..3 in a tile's 512 code bytes
+// at src: its own 16-byte record (docs/gemm.md, "Packed form").
+__device__ __forceinline__ uint4 own_record(const u8* src, int lane) {
+    return *reinterpret_cast<const uint4*>(src + record_offset(lane >> 2, lane & 3));
+}
+
+// The MMAs of one ring stage (U chunks x MT m-tiles of 576 bytes: the tile's
+// 512 code bytes, then its scales), its first `live` chunks, with the
 // activations `av`, into acc.
 template <int ACT, bool MX, int MT, int NT, int U>
 __device__ __forceinline__ void mma_stage(const u8* stage, int lane, int live, const ActChunk<ACT> (&av)[U][NT],
@@ -52,19 +63,19 @@ __device__ __forceinline__ void mma_stage(const u8* stage, int lane, int live, c
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
             const u8* src = stage + (u * MT + i) * 576;
-            const uint4 wv = *reinterpret_cast<const uint4*>(src + lane * 16);
+            const uint4 wv = own_record(src, lane);
             const u32 sv = *reinterpret_cast<const u16*>(src + 512 + lane * 2);
             u32 f0, f1;
             scale_factors<MX, F16>(sv, f0, f1);
 #pragma unroll
             for (int s4 = 0; s4 < 4; ++s4) {
                 u32 a[4];
-                dequant_fragment<F16>(s4 == 0 ? wv.x : s4 == 1 ? wv.y : s4 == 2 ? wv.z : wv.w, f0, f1, a);
+                dequant_fragment<F16>(word_of(wv, s4), f0, f1, a);
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
                     u32 b0, b1;
                     av[u][j].fragment(s4, b0, b1);
-                    mma16816(acc[i][j], a, b0, b1, F16);
+                    mma_step(acc[i][j], a, b0, b1, F16);
                 }
             }
         }
@@ -217,19 +228,19 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
 #pragma unroll
                 for (int i = 0; i < MT; ++i) {
                     const u8* src = ring + ((slot * U + u) * MT + i) * 576;
-                    const uint4 wv = *reinterpret_cast<const uint4*>(src + lane * 16);
+                    const uint4 wv = own_record(src, lane);
                     const u32 sv = *reinterpret_cast<const u16*>(src + 512 + lane * 2);
                     u32 f0, f1;
                     scale_factors<MX, F16>(sv, f0, f1);
 #pragma unroll
                     for (int s4 = 0; s4 < 4; ++s4) {
                         u32 a[4];
-                        dequant_fragment<F16>(s4 == 0 ? wv.x : s4 == 1 ? wv.y : s4 == 2 ? wv.z : wv.w, f0, f1, a);
+                        dequant_fragment<F16>(word_of(wv, s4), f0, f1, a);
 #pragma unroll
                         for (int j = 0; j < NT; ++j) {
                             u32 b0, b1;
                             av[u][j].fragment(s4, b0, b1);
-                            mma16816(acc[i][j], a, b0, b1, F16);
+                            mma_step(acc[i][j], a, b0, b1, F16);
                         }
                     }
                 }

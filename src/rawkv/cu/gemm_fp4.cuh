@@ -41,6 +41,30 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b
     }
 }
 
+// One k16 step of the mma.sync kernel: b0 (activation word s) and b1 (word
+// s + 4: the packed record pairs them, docs/gemm.md "Packed form") are no
+// register pair, so ptxas moves them into one for the m16n8k16. On sm_100
+// and up that cost ptxas registers it spilled (16-32 bytes in the decode
+// and ragged tiles), so the step there is two m16n8k8 MMAs, which take one
+// B register each (the same products; the k16 FP32 sum in two halves).
+__device__ __forceinline__ void mma_step(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1, bool f16) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+    if (f16) {
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(b0));
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[2]), "r"(a[3]), "r"(b1));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(b0));
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[2]), "r"(a[3]), "r"(b1));
+    }
+#else
+    mma16816(c, a, b0, b1, f16);
+#endif
+}
+
 // a * b on two packed 16-bit floats, round to nearest, subnormals kept.
 __device__ __forceinline__ u32 mul2(u32 a, u32 b, bool f16) {
     u32 d;
@@ -72,33 +96,55 @@ __device__ __forceinline__ u32 act_scale_factor(u32 b) {
 }
 
 // The weight rows' packed factors that turn e2m1 bits into
-// e2m1 * scale * 2^-9: NVFP4 (E4M3 byte) scale * 2^117 (BF16) / * 2^5
-// (FP16); MXFP4 (UE8M0 byte e) 2^(e - 10) / 2^(e - 122). docs/gemm.md gives
-// the exponent window in which these are exact; loaders refuse weights
-// outside it. Both rows at once from their two scale bytes (sv: row q in
-// the low byte, row q + 8 in the next): the E4M3 pair goes through one
-// paired conversion; MXFP4 builds the powers of two with integer ops.
+// e2m1 * scale * 2^-9, from the packed form's scale bytes (docs/gemm.md,
+// "Packed form"): NVFP4 scale * 2^117 (BF16) / * 2^5 (FP16); MXFP4 (UE8M0
+// byte e) 2^(e - 10) / 2^(e - 122). docs/gemm.md gives the exponent window
+// in which the MXFP4 ones are exact; loaders refuse weights outside it.
+//
+// An NVFP4 scale is packed as its factor byte b = (E << 3) | m for the value
+// 1.m * 2^(E - 20) (E4M3's normals and subnormals, normalized: E 11..28), 0
+// for a zero scale, whose block's codes the packed form holds as zeros: the
+// FP16 factor is b << 7 and the BF16 one 0x7000 + (b << 4) (exponent
+// 224 + E; 2^97 for b = 0, times zero codes): two integer operations per
+// row, where the E4M3 byte took a conversion through FP32.
+__device__ __forceinline__ u32 splat_byte(u32 v, int i) { return __byte_perm(v, 0, 0x4040 | (i << 8) | i); }
+
 template <bool MX, bool F16>
-__device__ __forceinline__ void scale_factors(u32 sv, u32& f0, u32& f1) {
-    u32 p;
+__device__ __forceinline__ u32 scale_factor(u32 sv, int i) {
     if (MX) {
-        const u32 e0 = sv & 0xFFu, e1 = (sv >> 8) & 0xFFu;
-        p = F16 ? ((e0 - 107u) << 10) | ((e1 - 107u) << 26) : ((e0 + 117u) << 7) | ((e1 + 117u) << 23);
-    } else {
-        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(sv & 0xFFFFu), __NV_E4M3);
-        if (F16) {
-            p = mul2(*reinterpret_cast<const u32*>(&h), 0x50005000u, true);  // x 32 (FP16 2^5), exact
-        } else {
-            const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&h));
-            const __nv_bfloat162 b = __floats2bfloat162_rn(v.x * kTwoPow117, v.y * kTwoPow117);
-            p = *reinterpret_cast<const u32*>(&b);
-        }
+        const u32 e = splat_byte(sv, i);
+        // (e - 107) << 10, (e + 117) << 7 in each half (inside the window: no
+        // borrow, no carry between the halves)
+        return F16 ? (e - 0x006B006Bu) << 10 : e * 128u + 0x3A803A80u;
     }
-    f0 = __byte_perm(p, 0, 0x1010);
-    f1 = __byte_perm(p, 0, 0x3232);
+    return F16 ? splat_byte(sv, i) << 7 : splat_byte(sv, i) * 16u + 0x70007000u;
 }
 
-template <int ACT> struct ActChunk;  // one lane's activations of one chunk, one n-tile
+// Both rows' factors of one block from their two scale bytes (sv: row q in
+// the low byte, row q + 8 in the next).
+template <bool MX, bool F16>
+__device__ __forceinline__ void scale_factors(u32 sv, u32& f0, u32& f1) {
+    f0 = scale_factor<MX, F16>(sv, 0);
+    f1 = scale_factor<MX, F16>(sv, 1);
+}
+
+// The factors of rows q and q + 8 of a chunk's four 16-column blocks (the
+// wgmma kernel's k16 steps) from their 8 scale bytes (block s's pair at
+// bytes 2s, 2s + 1).
+template <bool MX, bool F16>
+__device__ __forceinline__ void block_factors(const uint2& sv, u32 (&f)[4][2]) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        f[s][0] = scale_factor<MX, F16>(s < 2 ? sv.x : sv.y, 2 * (s & 1));
+        f[s][1] = scale_factor<MX, F16>(s < 2 ? sv.x : sv.y, 2 * (s & 1) + 1);
+    }
+}
+
+template <int ACT> struct ActChunk;
+
+__device__ __forceinline__ u32 word_of(const uint4& v, int s) {
+    return s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w;
+}
 
 template <> struct ActChunk<0> {  // 16 x 16-bit values
     uint4 lo, hi;
@@ -109,9 +155,12 @@ template <> struct ActChunk<0> {  // 16 x 16-bit values
         hi = __ldg(p + 1);
     }
     __device__ __forceinline__ void fragment(int s, u32& b0, u32& b1) const {
-        const uint4& v = s < 2 ? lo : hi;
-        b0 = (s & 1) ? v.z : v.x;
-        b1 = (s & 1) ? v.w : v.y;
+        b0 = word_of(lo, s);
+        b1 = word_of(hi, s);
+    }
+    __device__ __forceinline__ void words(uint4& w0, uint4& w1) const {
+        w0 = lo;
+        w1 = hi;
     }
 };
 template <> struct ActChunk<1> : ActChunk<0> {};
@@ -124,14 +173,40 @@ template <> struct ActChunk<2> {  // 16 E2M1 codes + their E4M3 block scale
         q = __ldg(reinterpret_cast<const uint2*>(row + kb / 2));
         f = act_scale_factor(__ldg(sf_row + kb / 16));
     }
+    // Byte s of the codes holds columns 2s, 2s + 1; byte s + 4 columns 2s + 8, + 9.
     __device__ __forceinline__ void fragment(int s, u32& b0, u32& b1) const {
-        const u32 w = s < 2 ? q.x : q.y;
-        const u32 lo = (w >> (16 * (s & 1))) & 0xFFu, hi = (w >> (16 * (s & 1) + 8)) & 0xFFu;
+        const u32 lo = (q.x >> (8 * s)) & 0xFFu, hi = (q.y >> (8 * s)) & 0xFFu;
         // byte * 0x01001000: its low nibble at bits 12..15, high at 28..31.
         b0 = mul2(e2m1_pair_bits(lo * 0x01001000u, false), f, false);
         b1 = mul2(e2m1_pair_bits(hi * 0x01001000u, false), f, false);
     }
+    __device__ __forceinline__ void words(uint4& w0, uint4& w1) const {
+        fragment(0, w0.x, w1.x);
+        fragment(1, w0.y, w1.y);
+        fragment(2, w0.z, w1.z);
+        fragment(3, w0.w, w1.w);
+    }
 };
+
+// The byte offset, in a row tile's 512 packed code bytes of a chunk, of the
+// 16-byte record of lane (q, t): its slot 8t + (q ^ 2t) (docs/gemm.md,
+// "Packed form"). The mma.sync kernel reads a lane's own record (16 bytes);
+// the Hopper kernel reads word t of the records of lanes (q, 0..3) (four
+// 4-byte loads, gather_record). Both sets of loads hit 32 distinct banks.
+__device__ __forceinline__ int record_offset(int q, int t) { return 16 * (8 * t + (q ^ (2 * t))); }
+
+// Lane (q, t)'s wgmma A fragments of k16 steps 0..3 from a tile's 512 code
+// bytes at shared-window address `tile`: word t of lane (q, s)'s record for
+// step s (its rows' physical columns 16s + 2t + {0, 1, 8, 9}), at
+// tile + 128 s + ((16 q + 4 t) ^ 32 s). `lq` = 16 q + 4 t.
+__device__ __forceinline__ uint4 gather_record(u32 tile, u32 lq) {
+    uint4 w;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w.x) : "r"(tile + lq));
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w.y) : "r"(tile + 128 + (lq ^ 32)));
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w.z) : "r"(tile + 256 + (lq ^ 64)));
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w.w) : "r"(tile + 384 + (lq ^ 96)));
+    return w;
+}
 
 // 16 bytes global -> shared without passing through registers (L2 only:
 // weights are read once per token tile).
@@ -149,8 +224,8 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// The four A-fragment registers of k-step s of one m-tile: word w of the
-// lane's packed codes (pair j = nibbles j and j + 4), times the rows' scale
+// The four A-fragment registers of one k-step of one m-tile from a packed
+// code word w (pair j = nibbles j and j + 4), times the rows' scale
 // factors f0 (row q) and f1 (row q + 8).
 //
 // BF16: for a nibble pair at bits p and p + 16 (p = 0 or 4), one multiply

@@ -9,24 +9,23 @@
 // Warp specialization (384 threads, three warpgroups):
 // * warpgroups 0 and 1 consume: each owns BM / 2 features, BM / 128 m64
 //   wgmma tiles. Warp w of warpgroup c holds row tiles c BM / 32 + 4 m + w;
-//   a lane's 16 packed bytes of a row tile and chunk ARE its wgmma A
-//   fragments for the chunk's four k16 steps (the packed layout was built
-//   for mma.sync's A fragment, which is wgmma's register A fragment per
-//   warp), dequantized in registers exactly as the mma.sync kernel does;
+//   a lane (q, t)'s wgmma A fragments of a row tile and chunk are word t of
+//   the 16-byte records of lanes (q, 0..3) (gather_record: step s's word
+//   holds its rows' physical columns 16s + 2t + {0, 1, 8, 9}; docs/gemm.md,
+//   "Packed form"), dequantized in registers as the mma.sync kernel does,
+//   with the factors of block s for step s (block_factors: two integer
+//   operations per factor from the packed scale bytes);
 // * warpgroup 2 produces: its 128 threads bring each stage's packed codes
-//   and scales with cp.async (16 bytes a copy, 36 per row tile), write the
-//   activation tile into shared memory in the MMA's k order (below), and
-//   arrive on the stage's "full" mbarrier.
+//   and scales with cp.async (16 bytes a copy, 36 per row tile), bring the
+//   activation tile (16-bit activations by one TMA copy where the view
+//   allows it, else loaded and stored by the threads), and arrive on the
+//   stage's "full" mbarrier.
 //
 // The B operand (activations) is K-major with the 128-byte swizzle: token
-// row n of a stage is 128 bytes (64 columns), its 16-byte unit u stored at
-// unit u ^ (n % 8). The packed weight's k index is a permutation of the
-// physical columns within a chunk: in k16 step s, the MMA's k = 2t + e and
-// 2t + 8 + e (t = 0..3, e = 0, 1) are physical columns 16t + 4s + e and
-// 16t + 4s + 2 + e. So logical unit u = 2s + h holds physical 32-bit words
-// 8i + u (i = 0..3: the column pair 16i + 4s + 2h): word i of unit u is the
-// mma.sync kernel's B fragment register of lane t = i, step s (ActChunk's
-// fragment(s) gives both), which is how the producer writes it.
+// row n of a stage is 128 bytes (64 columns), its 16-byte unit u (physical
+// columns 8u .. 8u + 7, in order) stored at unit u ^ (n % 8): k16 step s is
+// the physical columns 16s .. 16s + 15 (units 2s, 2s + 1), what TMA's
+// 128-byte swizzle writes.
 //
 // Determinism: each output is one warpgroup's FP32 accumulation over the
 // chunks in order, the k16 steps in order: the same bits on every run.
@@ -50,6 +49,7 @@ constexpr int kThreads = 384;
 constexpr int kCodeBytes = 512;          // one row tile, one chunk (32 lanes x 16 B)
 constexpr int kScaleBytes = 64;          // its scales (32 lanes x 2 B)
 
+
 template <int N, bool F16>
 __device__ __forceinline__ void wgmma_step(float (&d)[N / 2], const u32 (&a)[4], u64 desc) {
     if constexpr (F16) wgmma_k16_f16<N>(d, a, desc);
@@ -58,13 +58,22 @@ __device__ __forceinline__ void wgmma_step(float (&d)[N / 2], const u32 (&a)[4],
 
 }  // namespace
 
+// A tensor map (the driver's CUtensorMap: 128 bytes, 64-byte aligned),
+// passed by value as a __grid_constant__ parameter so that its address is
+// the parameter's: the 16-bit activations' map (rawkv.gemm.tma), or zeros
+// when the producer's threads copy the tile (act_tma == 0).
+struct alignas(64) TmaMap {
+    u64 w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15;
+};
+
 template <int ACT, bool MX, int BN, int STAGES, int BM, int KSPLIT>
 __device__ __forceinline__ void gemm_sm90(
     const u8* __restrict__ wq, const u8* __restrict__ wsf, const float* __restrict__ wgs,
     const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
     i64 xs_t, i64 xs_g, i64 ss_t, i64 ss_g, i64 gs_t, i64 gs_g,
     __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
-    int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors,
+    const TmaMap& xmap, int act_tma) {
     constexpr bool F16 = ACT == 1;
     // BM output features per block: 256 (each consumer warpgroup two m64
     // tiles) or 128 (one, for grids too small to fill the GPU with 256).
@@ -89,7 +98,7 @@ __device__ __forceinline__ void gemm_sm90(
     const u32 bar_full = smem_u32(s_w + STAGES * kWStage);
     const u32 bar_empty = bar_full + 8 * STAGES;
 
-    static_assert(KSPLIT == 1 || (BM / 128) * BN * 128 * 4 <= STAGES * (BN * 128 + (BM / 16) * 576),
+    static_assert(KSPLIT == 1 || (BM / 128) * BN * 128 * 4 <= STAGES * (kBStage + kWStage),
                   "split K keeps the partial sums in the stages' shared memory");
     const int row_block = blockIdx.x / KSPLIT;
     const int split = blockIdx.x % KSPLIT;     // the block's rank in its cluster
@@ -154,6 +163,40 @@ __device__ __forceinline__ void gemm_sm90(
 #pragma unroll
         for (int i = 0; i < kCodeCopies; ++i) wlive |= (u32)((p >> 5) + 4 * i < live_tiles) << i;
         const bool slive = p < 4 * kTiles && (p >> 2) < live_tiles;
+        // The stage's packed weights as cp.async copies; each thread's arrive
+        // fires when its copies have landed. (Bulk copies, one per row tile
+        // and part, measured slower: 32 small TMA copies per stage.)
+        auto copy_weights = [&](int s) {
+            const u32 dst = smem_u32(s_w + s * kWStage) + 16 * p;
+#pragma unroll
+            for (int i = 0; i < kCodeCopies; ++i) cp_async16_if(wlive >> i & 1, dst + 2048 * i, wsrc + i * wstep);
+            wsrc += kCodeBytes;
+            cp_async16_if(slive, dst + kTiles * kCodeBytes, ssrc);
+            ssrc += kScaleBytes;
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar_full + 8 * s) : "memory");
+        };
+        if (ACT != 2 && act_tma) {
+            // 16-bit activations by TMA: thread 0 brings each stage's tile,
+            // BN token rows from t0 (rows past the tensor and columns past
+            // k read as zeros; a ragged tile's rows of the next expert only
+            // reach outputs that are not written), in the 128-byte swizzle.
+            int s = 0;
+            u32 parity = 1;   // of the empty barriers: a fresh barrier passes parity 1
+            for (int c = c_beg; c < c_end; ++c) {
+                mbar_wait(bar_empty + 8 * s, parity);
+                if (p == 0) {
+                    mbar_expect_tx(bar_full + 8 * s, kBStage);
+                    tma_load_3d(smem_u32(s_b + s * kBStage), &xmap, 64 * c, offsets ? 0 : g, t0, bar_full + 8 * s);
+                }
+                copy_weights(s);
+                if (plane == 0) mbar_arrive(bar_full + 8 * s);
+                if (++s == STAGES) {
+                    s = 0;
+                    parity ^= 1;
+                }
+            }
+            return;
+        }
         // A row past the tile's last token reads the last token again: its
         // B column only reaches outputs the epilogue does not write (the
         // MMA's columns are independent), so it needs no zeros and no test.
@@ -166,11 +209,13 @@ __device__ __forceinline__ void gemm_sm90(
             xrow[j] = x + (ACT == 2 ? xo + 32 * c_beg : 2 * xo + 128 * c_beg);   // chunk c_beg; `load` steps it
             srow[j] = ACT == 2 ? xsf + (i64)tok * ss_t + (i64)g * ss_g + 4 * c_beg : nullptr;
         }
-        // Item j's word for unit u goes to row (p / 4 + 32 j), unit u ^ (row % 8),
-        // word slot: row % 8 is the same for every j.
-        u32 uoff[8];
+        // Item j's columns 16 slot .. + 7 and + 8 .. + 15 (units 2 slot and
+        // 2 slot + 1) go to row (p / 4 + 32 j), units (2 slot + h) ^ (row % 8):
+        // row % 8 is the same for every j. (A phase of 8 lanes, two rows x
+        // four slots, stores to 8 distinct units: no bank conflicts.)
+        u32 uoff[2];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) uoff[u] = (p >> 2) * 128 + ((u ^ ((p >> 2) & 7)) << 4) + 4 * slot;
+        for (int h = 0; h < 2; ++h) uoff[h] = (p >> 2) * 128 + (((2 * slot + h) ^ ((p >> 2) & 7)) << 4);
 
         ActChunk<ACT> buf[kAhead][kItems];
         // Columns past k must be zeros (the weight's zero padding times a
@@ -207,31 +252,14 @@ __device__ __forceinline__ void gemm_sm90(
                 const int c = c0 + d;
                 if (c >= c_end) break;
                 mbar_wait(bar_empty + 8 * s, parity);
-                {
-                    // The stage's packed weights as cp.async copies; each
-                    // thread's arrive below fires when its copies have
-                    // landed. (Bulk copies, one per row tile and part,
-                    // measured slower: 32 small TMA copies per stage.)
-                    const u32 dst = smem_u32(s_w + s * kWStage) + 16 * p;
-#pragma unroll
-                    for (int i = 0; i < kCodeCopies; ++i)
-                        cp_async16_if(wlive >> i & 1, dst + 2048 * i, wsrc + i * wstep);
-                    wsrc += kCodeBytes;
-                    cp_async16_if(slive, dst + kTiles * kCodeBytes, ssrc);
-                    ssrc += kScaleBytes;
-                    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar_full + 8 * s)
-                                 : "memory");
-                }
+                copy_weights(s);
                 const u32 btile = smem_u32(s_b + s * kBStage);
 #pragma unroll
                 for (int j = 0; j < kItems; ++j) {
-#pragma unroll
-                    for (int s4 = 0; s4 < 4; ++s4) {
-                        u32 b0, b1;
-                        buf[d][j].fragment(s4, b0, b1);
-                        st_shared(btile + uoff[2 * s4] + 4096 * j, b0);
-                        st_shared(btile + uoff[2 * s4 + 1] + 4096 * j, b1);
-                    }
+                    uint4 w0, w1;
+                    buf[d][j].words(w0, w1);
+                    st_shared16(btile + uoff[0] + 4096 * j, w0);
+                    st_shared16(btile + uoff[1] + 4096 * j, w1);
                 }
                 // The arrive releases these stores; each consumer orders them
                 // before its tensor-core reads with its own proxy fence: a
@@ -277,26 +305,30 @@ __device__ __forceinline__ void gemm_sm90(
         // A fragment registers are never written while a wgmma reading them is
         // in flight (else ptxas serializes every wgmma).
         u32 a0[4][4], a1[4][4];
-        // A stage's codes and scales of both m-tiles are read as soon as the
-        // stage is full, so the loads' latency is not on the path from a wgmma
-        // wait to the next issue.
+        // A stage's codes (word t of the records of lanes (q, 0..3):
+        // gather_record) and scales (rows q and q + 8 of the chunk's four
+        // 16-column blocks: 8 bytes, block s's pair at byte 2s) of both
+        // m-tiles are read as soon as the stage is full, so the loads'
+        // latency is not on the path from a wgmma wait to the next issue.
+        const u32 lq = 4 * lane;                        // 16 q + 4 t
+        const u32 sq = 8 * (lane >> 2);
         uint4 wv[kMT];
-        u32 sv[kMT];
+        uint2 sv[kMT];
         auto fetch = [&](u32 wst, int m) {
             wv[m] = make_uint4(0, 0, 0, 0);
-            sv[m] = 0;
+            sv[m] = make_uint2(0, 0);
             if (my_tile[m] < live_tiles) {
-                wv[m] = ld_shared16(wst + my_tile[m] * kCodeBytes + lane * 16);
-                sv[m] = ld_shared_u16(wst + kTiles * kCodeBytes + my_tile[m] * kScaleBytes + lane * 2);
+                wv[m] = gather_record(wst + my_tile[m] * kCodeBytes, lq);
+                sv[m] = ld_shared_v2(wst + kTiles * kCodeBytes + my_tile[m] * kScaleBytes + sq);
             }
         };
         auto dequant = [&](int m, u32 (&a)[4][4]) {
-            u32 f0, f1;
-            scale_factors<MX, F16>(sv[m], f0, f1);
-            dequant_fragment<F16>(wv[m].x, f0, f1, a[0]);
-            dequant_fragment<F16>(wv[m].y, f0, f1, a[1]);
-            dequant_fragment<F16>(wv[m].z, f0, f1, a[2]);
-            dequant_fragment<F16>(wv[m].w, f0, f1, a[3]);
+            u32 f[4][2];
+            block_factors<MX, F16>(sv[m], f);
+            dequant_fragment<F16>(wv[m].x, f[0][0], f[0][1], a[0]);
+            dequant_fragment<F16>(wv[m].y, f[1][0], f[1][1], a[1]);
+            dequant_fragment<F16>(wv[m].z, f[2][0], f[2][1], a[2]);
+            dequant_fragment<F16>(wv[m].w, f[3][0], f[3][1], a[3]);
         };
         int s = 0, prev = STAGES - 1, prev2 = STAGES - 2;   // chunk c's stage, c - 1's, c - 2's
         u32 parity = 0;
@@ -460,9 +492,10 @@ __global__ void __launch_bounds__(kThreads, 1) rkv_gemm_fp4_sm90(
     const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
     i64 xs_t, i64 xs_g, i64 ss_t, i64 ss_g, i64 gs_t, i64 gs_g,
     __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
-    int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors,
+    const __grid_constant__ TmaMap xmap, int act_tma) {
     gemm_sm90<ACT, MX, BN, STAGES, BM, 1>(wq, wsf, wgs, x, xsf, xgs, xs_t, xs_g, ss_t, ss_g, gs_t, gs_g, out, os_t,
-                                          os_g, n, k, tokens, offsets, experts, errors);
+                                          os_g, n, k, tokens, offsets, experts, errors, xmap, act_tma);
 }
 
 // A cluster of KSPLIT blocks per output tile, each a KSPLIT-th of K (batched
@@ -473,7 +506,8 @@ __global__ void __cluster_dims__(KSPLIT, 1, 1) __launch_bounds__(kThreads, 1) rk
     const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
     i64 xs_t, i64 xs_g, i64 ss_t, i64 ss_g, i64 gs_t, i64 gs_g,
     __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
-    int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors,
+    const __grid_constant__ TmaMap xmap, int act_tma) {
     gemm_sm90<ACT, MX, BN, STAGES, BM, KSPLIT>(wq, wsf, wgs, x, xsf, xgs, xs_t, xs_g, ss_t, ss_g, gs_t, gs_g, out,
-                                               os_t, os_g, n, k, tokens, nullptr, experts, errors);
+                                               os_t, os_g, n, k, tokens, nullptr, experts, errors, xmap, act_tma);
 }

@@ -41,6 +41,11 @@ __device__ __forceinline__ float4 ld_shared_f4(u32 addr) {
     asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
     return v;
 }
+__device__ __forceinline__ uint2 ld_shared_v2(u32 addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+    return v;
+}
 __device__ __forceinline__ u32 ld_shared_u16(u32 addr) {
     u16 v;
     asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr));
@@ -48,6 +53,25 @@ __device__ __forceinline__ u32 ld_shared_u16(u32 addr) {
 }
 __device__ __forceinline__ void st_shared(u32 addr, u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared16(u32 addr, const uint4& v) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+// TMA: the box at (c0, c1, c2) of the 3-d tensor map at `map` (a
+// __grid_constant__ kernel parameter's address) into shared memory at dst,
+// completing its bytes on the mbarrier's transaction count when it lands
+// (elements past the tensor's ends read as zeros). The mbarrier's phase must
+// expect them first (mbar_expect_tx).
+__device__ __forceinline__ void tma_load_3d(u32 dst, const void* map, int c0, int c1, int c2, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 
 // Matrix descriptor of a K-major B tile with the 128-byte swizzle: start

@@ -5,14 +5,16 @@ index formulas; tests/gemm/test_weights.py checks these equal it.
 
 Axis names used below: a padded row is 16 r + 8 j + q (row tile r, half j:
 0 for the lane's r0, 1 for r1, q = lane // 4); a padded column is 64 c +
-16 t + 4 s + p (chunk c, t = lane % 4, k-step / word s, p = the column
-within the step's 4, held by byte COL_OF_BYTE^-1[p] of the word).
+16 t + 8 h + 2 s + e (chunk c, t = lane % 4: the lane's 16-column block,
+word s; p = 2 h + e the word's column of its 4, held by byte
+COL_OF_BYTE^-1[p] of the word). Lane 4 q + t's 16 bytes sit at slot
+SLOT_OF_LANE[4 q + t].
 """
 from __future__ import annotations
 
 from .._args import is_torch, require_array
-from ..reference.gemm import (CHUNK, COL_OF_BYTE, LANES, ROWS, SCALE_PAD, check_block, check_bytes,
-                              check_packed, padded_sizes)
+from ..reference.gemm import (CHUNK, COL_OF_BYTE, E4M3_OF_NV_FACTOR, LANE_OF_SLOT, LANES, NV_FACTOR_OF_E4M3, ROWS,
+                              SCALE_PAD, SLOT_OF_LANE, check_block, check_bytes, check_packed, padded_sizes)
 
 
 def _dtype(t, name: str) -> str:
@@ -53,11 +55,12 @@ def pack_codes(codes):
     npad, chunks = padded_sizes(n, k)
     nib = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(g, n, k)
     nib = _padded(nib, npad, chunks * CHUNK, 0)
-    # (g, r, j, q, c, t, s, p) -> (g, r, c, q, t, s, p, j)
-    v = nib.reshape(g, npad // ROWS, 2, 8, chunks, 4, 4, 4).permute(0, 1, 4, 3, 5, 6, 7, 2)
-    # byte i of a word holds column p = COL_OF_BYTE[i]
-    order = torch.as_tensor(COL_OF_BYTE, device=codes.device)
-    v = v.index_select(6, order)
+    # (g, r, j, q, c, t, h, s, e) -> (g, r, c, q, t, s, h, e, j)
+    v = nib.reshape(g, npad // ROWS, 2, 8, chunks, 4, 2, 4, 2).permute(0, 1, 4, 3, 5, 7, 6, 8, 2)
+    v = v.reshape(g, npad // ROWS, chunks, LANES, 4, 4, 2)       # (g, r, c, lane, s, p, j)
+    # byte i of a word holds column p = COL_OF_BYTE[i]; slot i holds lane LANE_OF_SLOT[i]
+    v = v.index_select(5, torch.as_tensor(COL_OF_BYTE, device=codes.device))
+    v = v.index_select(3, torch.as_tensor(LANE_OF_SLOT, device=codes.device))
     return (v[..., 0] | (v[..., 1] << 4)).reshape(g, npad // ROWS, chunks, LANES, 16).contiguous()
 
 
@@ -67,11 +70,13 @@ def unpack_codes(packed, n: int, k: int):
     n, k = _packed(packed, n, k)
     g = packed.shape[0]
     npad, chunks = padded_sizes(n, k)
-    v = torch.stack((packed & 0xF, packed >> 4), dim=-1)          # (..., byte, j)
+    v = torch.stack((packed & 0xF, packed >> 4), dim=-1)          # (..., slot, byte, j)
+    v = v.index_select(3, torch.as_tensor(SLOT_OF_LANE, device=packed.device))
     v = v.reshape(g, npad // ROWS, chunks, 8, 4, 4, 4, 2)         # (g, r, c, q, t, s, i, j)
-    # COL_OF_BYTE is its own inverse: byte i = COL_OF_BYTE[p]
+    # COL_OF_BYTE is its own inverse: byte i = COL_OF_BYTE[p]; p = 2 h + e
     v = v.index_select(6, torch.as_tensor(COL_OF_BYTE, device=packed.device))
-    nib = v.permute(0, 1, 7, 3, 2, 4, 5, 6).reshape(g, npad, chunks * CHUNK)[:, :n, :k]
+    v = v.reshape(g, npad // ROWS, chunks, 8, 4, 4, 2, 2, 2)      # (g, r, c, q, t, s, h, e, j)
+    nib = v.permute(0, 1, 8, 3, 2, 4, 6, 5, 7).reshape(g, npad, chunks * CHUNK)[:, :n, :k]
     return (nib[..., 0::2] | (nib[..., 1::2] << 4)).contiguous()
 
 
@@ -87,7 +92,14 @@ def pack_scales(scales, block: int):
     units = _padded(scales.repeat_interleave(block // 16, dim=-1), npad, chunks * 4, SCALE_PAD[block])
     # (g, r, j, q, c, t) -> (g, r, c, q, t, j)
     v = units.reshape(g, npad // ROWS, 2, 8, chunks, 4).permute(0, 1, 4, 3, 5, 2)
-    return v.reshape(g, npad // ROWS, chunks, LANES, 2).contiguous()
+    v = v.reshape(g, npad // ROWS, chunks, LANES, 2)
+    return _through(NV_FACTOR_OF_E4M3, v) if block == 16 else v.contiguous()
+
+
+def _through(table, v):
+    """Each byte of uint8 tensor v replaced by table[byte] (on v's device)."""
+    import torch
+    return torch.as_tensor(table, device=v.device)[v.long()].contiguous()
 
 
 def unpack_scales(packed, n: int, k: int, block: int):
@@ -99,4 +111,5 @@ def unpack_scales(packed, n: int, k: int, block: int):
     npad, chunks = padded_sizes(n, k)
     v = packed.reshape(g, npad // ROWS, chunks, 8, 4, 2).permute(0, 1, 5, 3, 2, 4)
     units = v.reshape(g, npad, chunks * 4)[:, :n, :k // 16]
-    return units[..., ::block // 16].contiguous()
+    units = units[..., ::block // 16]
+    return _through(E4M3_OF_NV_FACTOR, units) if block == 16 else units.contiguous()

@@ -16,6 +16,7 @@ from typing import NamedTuple
 from .._plan import Launch
 from ..kernels import gemm_fp4 as K
 from ..kernels import gemm_w4a8 as K8
+from . import tma
 
 #: The grid's y and z dimensions (token tiles, groups) stop at 65535.
 MAX_GRID_YZ = 65535
@@ -104,7 +105,10 @@ class Tuning(NamedTuple):
     to let sm90_tile's cost model choose (the rule it replaced: 128 when
     twice the grid of 256-feature blocks still fits in one wave; on the
     H100 128-feature blocks won with 48 and 64 blocks of 256 and lost with
-    96 and 128, each of them adding a pass over the activations)."""
+    96 and 128, each of them adding a pass over the activations).
+    SM90_ACT_TMA: the W4A16 wgmma kernel's 16-bit activation tiles by TMA
+    (rawkv.gemm.tma) where the view allows it; False: its producer threads
+    copy them (the same bits)."""
     KERNEL_PATH: str = "auto"
     SM90_MIN_TOKENS: int = 256
     SM90_MIN_TOKENS_SMALL: int = 128
@@ -124,6 +128,7 @@ class Tuning(NamedTuple):
     W4A8_SM90_MIN_FILL: float = 0.9
     W4A8_KSPLIT: int | None = None
     W4A8_MIN_SPLIT_CHUNKS: int = 8
+    SM90_ACT_TMA: bool = True
 
 
 TUNED = Tuning()
@@ -257,7 +262,7 @@ def grouped(dev, act, w, out, tuning=TUNED) -> list[Launch]:
         return []
     tl = tile(dev, w, t, tuning=tuning)
     grid = (-(-w.n // tl.rows) * tl.splits, -(-t // tl.tokens), g)
-    return [_launch(tl, act, w, out, grid, t, None, 0, None, _prefetch(dev, tl, act, grid, tuning))]
+    return [_launch(tl, act, w, out, grid, t, None, 0, None, _prefetch(dev, tl, act, grid, tuning), tuning)]
 
 
 def moe(dev, act, w, offsets, out, errors, tuning=TUNED) -> list[Launch]:
@@ -272,7 +277,7 @@ def moe(dev, act, w, offsets, out, errors, tuning=TUNED) -> list[Launch]:
     tl = tile(dev, w, -(-r // max(1, min(e, r))), ragged=True, tuning=tuning, rows=r)
     slots = ragged_slots(r, e, tl.tokens)
     grid = (-(-w.n // tl.rows), slots, 1)
-    return [_launch(tl, act, w, out, grid, r, offsets, e, errors, _prefetch(dev, tl, act, grid, tuning))]
+    return [_launch(tl, act, w, out, grid, r, offsets, e, errors, _prefetch(dev, tl, act, grid, tuning), tuning)]
 
 
 def _prefetch(dev, tl: Tile, act, grid, tuning) -> tuple:
@@ -285,7 +290,20 @@ def _prefetch(dev, tl: Tile, act, grid, tuning) -> tuple:
             and blocks <= tuning.MMA_PREFETCH_MAX_BLOCKS_PER_SM * dev.sm_count,)
 
 
-def _launch(tl: Tile, act, w, out, grid, tokens, offsets, experts, errors, pf: tuple) -> Launch:
+def _act_map(tl: Tile, act, ragged: bool, tuning) -> dict:
+    """The wgmma kernel's activation arguments: `xmap` (the 16-bit
+    activations' tensor map, rawkv.gemm.tma) and `act_tma` (1 where there is
+    one); none for NVFP4 activations (the producer dequantizes them), the
+    mma.sync kernel, SM90_ACT_TMA off, or a view TMA cannot take."""
+    if tl.kernel is K.GEMM:
+        return {}
+    xmap = None
+    if tuning.SM90_ACT_TMA and act.kind != K.ACT_CODES["nvfp4"]:
+        xmap = tma.activation_map(act.x, ragged, tl.tokens)
+    return dict(xmap=xmap or tma.NONE, act_tma=int(xmap is not None))
+
+
+def _launch(tl: Tile, act, w, out, grid, tokens, offsets, experts, errors, pf: tuple, tuning=TUNED) -> Launch:
     if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
         raise ValueError(f"x: {tokens} tokens x {w.groups} groups is past the launch grid's limit")
     xs_t, xs_g = _lead_strides(act.x)
@@ -299,7 +317,8 @@ def _launch(tl: Tile, act, w, out, grid, tokens, offsets, experts, errors, pf: t
     return Launch(inst, grid, tl.block, dict(
         wq=w.codes, wsf=w.scales, wgs=w.gs, x=act.x, xsf=act.sf, xgs=act.gs, xs_t=xs_t, xs_g=xs_g,
         ss_t=ss_t, ss_g=ss_g, gs_t=gs_t, gs_g=gs_g, out=out, os_t=os_t, os_g=os_g, n=w.n, k=w.k,
-        tokens=tokens, offsets=offsets, experts=experts, errors=errors))
+        tokens=tokens, offsets=offsets, experts=experts, errors=errors,
+        **_act_map(tl, act, offsets is not None, tuning)))
 
 
 def _lead_strides(x) -> tuple:

@@ -170,6 +170,32 @@ def _group_gs_list(gs, g: int) -> list[float]:
     return [check_gs_number(v, "gs") for v in vals]
 
 
+def check_nv_packed(codes, scales) -> None:
+    """An NVFP4 weight's packed scales (docs/gemm.md, "Packed form"): each
+    byte a factor byte of an E4M3 scale (rawkv.reference.gemm.NV_FACTOR_OF_E4M3:
+    0 or 0x58 .. 0xE6, and 0xFF for NaN), and a block whose byte is 0 has
+    zero codes (the kernels read it as 2^-20 in BF16, 0 in FP16; its values
+    are zeros). A ValueError naming `scales` or `codes` otherwise. Reads
+    both tensors (a host sync: load time)."""
+    import torch
+    # (A histogram of the bytes: no temporary the size of the weight, which
+    # moved later allocations and with them the GEMM's speed in a benchmark.)
+    counts = torch.bincount(scales.reshape(-1), minlength=256).cpu().numpy()
+    if counts[~ref.NV_FACTOR_VALID].any():
+        raise ValueError("scales: an NVFP4 weight's packed scales must be factor bytes of E4M3 scales "
+                         "(rawkv.gemm.pack_scales of bytes 0x00 .. 0x7E); got other bytes")
+    if codes.numel() and counts[0]:
+        zero = scales.eq(0)                                        # (G, T, C, lane, row half)
+        # Only the records under a zero scale are read.
+        g, t, c, lane, half = zero.nonzero(as_tuple=True)
+        slot = torch.as_tensor(ref.SLOT_OF_LANE, device=codes.device)[lane]
+        rec = codes[g, t, c, slot]                                  # (Z, 16)
+        nib = torch.where(half.unsqueeze(-1) == 0, rec & 0x0F, rec & 0xF0)
+        if bool(nib.ne(0).any()):
+            raise ValueError("codes: an NVFP4 block whose packed scale is zero must have zero codes "
+                             "(pack through Fp4Weight.from_nvfp4 / from_float, which zero them)")
+
+
 class Fp4Weight:
     """An FP4 weight of `groups` groups, each `n x k`, packed (docs/gemm.md).
 
@@ -179,10 +205,11 @@ class Fp4Weight:
     not applied); exp_range (min, max) of the MXFP4 scale bytes (None for
     NVFP4; (127, 127) when there are none). Build one with from_float,
     from_nvfp4 or from_mxfp4; the constructor takes packed tensors as they
-    are and checks only their shapes."""
+    are and checks their shapes, and for NVFP4 the packed scales' rule
+    (check_nv_packed: a host sync, load time)."""
 
     def __init__(self, fmt: str, n: int, k: int, codes, scales, gs, input_scale=None,
-                 exp_range=None):
+                 exp_range=None, *, checked=False):
         if fmt not in FORMATS:
             raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
         g = codes.shape[0]
@@ -194,6 +221,8 @@ class Fp4Weight:
                 raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
         if input_scale is not None and tuple(input_scale.shape) != (g,):
             raise ValueError(f"input_scale: expected shape {(g,)}, got {tuple(input_scale.shape)}")
+        if fmt == "nvfp4" and not checked:
+            check_nv_packed(codes, scales)
         self.fmt, self.groups, self.n, self.k = fmt, g, n, k
         self.codes, self.scales, self.gs = codes, scales, gs
         self.input_scale = input_scale
@@ -217,10 +246,15 @@ class Fp4Weight:
 
     @classmethod
     def _packed(cls, fmt, codes, scales, gs, input_scale=None, exp_range=None):
-        """From the unpacked form (G, N, K/2), (G, N, K/block) on one device."""
+        """From the unpacked form (G, N, K/2), (G, N, K/block) on one device.
+        An NVFP4 block whose scale is zero packs with zero codes (its values
+        are zeros either way; the kernels read its scale byte 0 as 2^-20 in
+        BF16: docs/gemm.md, "Packed form")."""
         n, k = codes.shape[1], 2 * codes.shape[2]
+        if fmt == "nvfp4":
+            codes = codes * (scales != 0).repeat_interleave(8, dim=-1).to(codes.dtype)
         return cls(fmt, n, k, pack.pack_codes(codes), pack.pack_scales(scales, ref.BLOCKS[fmt]),
-                   gs, input_scale, exp_range)
+                   gs, input_scale, exp_range, checked=True)
 
     @classmethod
     def from_float(cls, w, *, gs=None) -> "Fp4Weight":
@@ -297,7 +331,9 @@ class Fp4Weight:
 
     def unpack(self):
         """(codes (G, N, K/2) uint8, scales (G, N, K/block) uint8, gs (G,)
-        float32) on the weight's device: the checkpoint form, exactly."""
+        float32) on the weight's device: the checkpoint form, exactly, but
+        for the codes of NVFP4 blocks whose scale is zero, which come back
+        as zeros (the same values)."""
         return (pack.unpack_codes(self.codes, self.n, self.k),
                 pack.unpack_scales(self.scales, self.n, self.k, self.block), self.gs)
 
@@ -318,4 +354,4 @@ class Fp4Weight:
         device = checked_device(device)
         mv = (lambda t: None if t is None else t.to(device))
         return Fp4Weight(self.fmt, self.n, self.k, mv(self.codes), mv(self.scales), mv(self.gs),
-                         mv(self.input_scale), self.exp_range)
+                         mv(self.input_scale), self.exp_range, checked=True)

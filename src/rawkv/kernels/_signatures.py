@@ -14,13 +14,15 @@ import re
 
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _TEMPLATE_TAIL = re.compile(r"template\s*<([^<>]*)>\s*$")
-_STRUCT = re.compile(r"(?:template\s*<([^<>]*)>\s*)?\bstruct\s+(\w+)\s*\{")
+_STRUCT = re.compile(r"(?:template\s*<([^<>]*)>\s*)?\bstruct\s+(?:alignas\s*\(\s*\d+\s*\)\s*)?(\w+)\s*\{")
 
 
 def normalize_ctype(ctype: str) -> str:
     """A C parameter type as the declarations compare and pack it:
-    `__restrict__` dropped, whitespace collapsed, '*' attached to the type."""
-    t = ctype.replace("__restrict__", " ")
+    `__restrict__` and `__grid_constant__` (a struct parameter whose
+    address is the parameter's) dropped, whitespace collapsed, '*' attached
+    to the type."""
+    t = ctype.replace("__restrict__", " ").replace("__grid_constant__", " ")
     t = " ".join(t.split())
     return t.replace(" *", "*").replace("* ", "*")
 

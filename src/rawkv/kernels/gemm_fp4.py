@@ -103,10 +103,14 @@ SM90_CONFIGS = {64: (64, 6), "large": (128, 5)}
 SM90_SMALL_CONFIG = (128, 6)
 
 
+# Bytes of one packed row tile in a stage: its 512 code bytes and 64 scale bytes.
+SM90_TILE_STAGE_BYTES = 512 + 64
+
+
 def sm90_dynamic_smem(act, mx, bn, stages, bm) -> int:
     """Bytes of dynamic shared memory of one block: 1024 for aligning the
     swizzled B stages, the stages, and two mbarriers per stage."""
-    return 1024 + stages * (bn * 128 + (bm // 16) * 576) + 16 * stages
+    return 1024 + stages * (bn * 128 + (bm // 16) * SM90_TILE_STAGE_BYTES) + 16 * stages
 
 
 GEMM_SM90 = SM90_FILE.kernel(

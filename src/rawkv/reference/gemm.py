@@ -24,10 +24,50 @@ LANES = 32
 BLOCKS = {"nvfp4": 16, "mxfp4": 32}
 #: Scale byte of padding rows / columns: E4M3 0 (NVFP4), UE8M0 2^0 (MXFP4).
 SCALE_PAD = {16: 0x00, 32: 127}
-#: Column offset, within a lane's 4-column group of a k-step, of the codes in
-#: byte i of a word: byte i holds nibbles n_2i (row r0) and n_2i+1 (row r1),
-#: both of column kb + 4s + COL_OF_BYTE[i] (docs/gemm.md's table).
+#: Which of a word's four columns byte i holds: byte i holds nibbles n_2i
+#: (row r0) and n_2i+1 (row r1), both of column 64c + 16t + 2s +
+#: PAIR_OFFSET[COL_OF_BYTE[i]] (word s of lane 4q + t; docs/gemm.md's table).
 COL_OF_BYTE = np.array([0, 2, 1, 3])
+#: Column offsets, from 16t + 2s, of word s's four columns: an m16n8k16 /
+#: wgmma A fragment's k = 2s, 2s + 1, 2s + 8, 2s + 9 of 16. The mma.sync
+#: kernel's lane (q, t) takes its own record's word s as its step s (all in
+#: its NVFP4 block t); the wgmma kernel's lane (q, t) takes word t of lane
+#: (q, s)'s record as its k16 step s (physical columns 16s .. 16s + 15).
+PAIR_OFFSET = np.array([0, 1, 8, 9])
+#: The 16-byte record of lane l = 4q + t sits at slot SLOT_OF_LANE[l] of its
+#: tile's 32: 8t + (q XOR 2t), so that both kernels' shared-memory reads
+#: are free of bank conflicts (docs/gemm.md, "Packed form").
+SLOT_OF_LANE = np.array([8 * (l % 4) + ((l // 4) ^ (2 * (l % 4))) for l in range(32)])
+LANE_OF_SLOT = np.argsort(SLOT_OF_LANE)
+
+
+def _nv_factor_tables() -> tuple[np.ndarray, np.ndarray]:
+    """(factor byte of each E4M3 byte, E4M3 byte of each factor byte).
+    A packed NVFP4 scale is the factor byte b = (E << 3) | m of the value
+    1.m * 2^(E - 20), 0 for zero (docs/gemm.md, "Packed form"): the kernels
+    make its BF16 factor scale * 2^117 as 0x7000 + (b << 4) and its FP16 one
+    scale * 2^5 as b << 7. E4M3's normals are b = byte + 104, its
+    subnormals m * 2^-9 normalized (E 11..13); E4M3 NaN and the negative
+    scales (which the loaders refuse) pack as 0xFF, NaN; a factor byte with
+    no E4M3 value unpacks as 0x7F."""
+    fwd = np.full(256, 0xFF, np.uint8)
+    vals = e4m3_decode(np.arange(0x7F, dtype=np.uint8)).astype(np.float64)
+    for v, x in enumerate(vals):
+        if x == 0:
+            fwd[v] = 0
+        else:
+            mant, exp = np.frexp(x)                    # x = mant * 2^exp, mant in [0.5, 1)
+            e, m = int(exp) - 1, int(round((mant * 2 - 1) * 8))
+            fwd[v] = ((e + 20) << 3) | m
+    inv = np.full(256, 0x7F, np.uint8)
+    inv[fwd[:0x7F]] = np.arange(0x7F, dtype=np.uint8)
+    return fwd, inv
+
+
+#: NVFP4 scale bytes (E4M3) -> packed factor bytes, and back (_nv_factor_tables).
+NV_FACTOR_OF_E4M3, E4M3_OF_NV_FACTOR = _nv_factor_tables()
+#: The factor bytes a packed NVFP4 weight may hold (those of E4M3 0x00 .. 0x7F).
+NV_FACTOR_VALID = np.isin(np.arange(256), NV_FACTOR_OF_E4M3[:0x80])
 
 
 def padded_sizes(n: int, k: int) -> tuple[int, int]:
@@ -105,9 +145,11 @@ def pack_codes(codes) -> np.ndarray:
     npad, chunks = padded_sizes(n, k)
     nib = np.zeros((g, npad, chunks * CHUNK), np.uint8)          # padding codes are 0
     nib[:, :n, :k] = unpack_nibbles(codes)
-    r0, r1, kb, b = _lane_coords(npad // ROWS, chunks, 16)
-    col = kb + 4 * (b // 4) + COL_OF_BYTE[b % 4]                 # word s = b // 4
-    return (nib[:, r0, col] | (nib[:, r1, col] << 4)).astype(np.uint8)
+    r, c, slot, b = np.indices((npad // ROWS, chunks, LANES, 16), dtype=np.int64)
+    lane = LANE_OF_SLOT[slot]
+    r0 = ROWS * r + lane // 4
+    col = CHUNK * c + 16 * (lane % 4) + 2 * (b // 4) + PAIR_OFFSET[COL_OF_BYTE[b % 4]]   # word s = b // 4
+    return (nib[:, r0, col] | (nib[:, r0 + 8, col] << 4)).astype(np.uint8)
 
 
 def unpack_codes(packed, n: int, k: int) -> np.ndarray:
@@ -117,16 +159,19 @@ def unpack_codes(packed, n: int, k: int) -> np.ndarray:
     row, col = np.indices((n, k), dtype=np.int64)
     q, half = row % 8, (row % ROWS) // 8                          # half 0: r0, 1: r1
     u = col % CHUNK
-    lane = 4 * q + u // 16
-    # byte i = COL_OF_BYTE^-1[p] of word s = (u % 16) // 4; COL_OF_BYTE is its own inverse
-    byte = 4 * ((u % 16) // 4) + COL_OF_BYTE[u % 4]
-    nib = (packed[:, row // ROWS, col // CHUNK, lane, byte] >> (4 * half)) & 0xF
+    t, v = u // 16, u % 16                                        # lane t's block, column v of its 16
+    s = (v % 8) // 2                                              # word s
+    p = v % 2 + 2 * (v // 8)                                      # PAIR_OFFSET[p] = v - 2s
+    # byte i = COL_OF_BYTE^-1[p] of word s; COL_OF_BYTE is its own inverse
+    byte = 4 * s + COL_OF_BYTE[p]
+    nib = (packed[:, row // ROWS, col // CHUNK, SLOT_OF_LANE[4 * q + t], byte] >> (4 * half)) & 0xF
     return (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
 
 
 def pack_scales(scales, block: int) -> np.ndarray:
     """scales (G, N, K/block) uint8 -> packed (G, NP/16, C, 32, 2) uint8;
-    padding bytes SCALE_PAD[block]."""
+    padding bytes SCALE_PAD[block]; NVFP4 scales as their factor bytes
+    (NV_FACTOR_OF_E4M3)."""
     scales = _check_ndim(scales, 3, "scales")
     block = check_block(block)
     g, n, k = scales.shape[0], scales.shape[1], block * scales.shape[2]
@@ -135,7 +180,8 @@ def pack_scales(scales, block: int) -> np.ndarray:
     units = np.full((g, npad, chunks * CHUNK // 16), SCALE_PAD[block], np.uint8)
     units[:, :n, :k // 16] = np.repeat(scales, block // 16, axis=-1)
     r0, r1, kb, half = _lane_coords(npad // ROWS, chunks, 2)
-    return units[:, np.where(half == 0, r0, r1), kb // 16]
+    packed = units[:, np.where(half == 0, r0, r1), kb // 16]
+    return NV_FACTOR_OF_E4M3[packed] if block == 16 else packed
 
 
 def unpack_scales(packed, n: int, k: int, block: int) -> np.ndarray:
@@ -148,7 +194,8 @@ def unpack_scales(packed, n: int, k: int, block: int) -> np.ndarray:
     row, blk = np.indices((n, k // block), dtype=np.int64)
     kb = blk * block
     lane = 4 * (row % 8) + (kb % CHUNK) // 16
-    return packed[:, row // ROWS, kb // CHUNK, lane, (row % ROWS) // 8].astype(np.uint8)
+    out = packed[:, row // ROWS, kb // CHUNK, lane, (row % ROWS) // 8].astype(np.uint8)
+    return E4M3_OF_NV_FACTOR[out] if block == 16 else out
 
 
 def scale_values(scales, fmt: str) -> np.ndarray:
