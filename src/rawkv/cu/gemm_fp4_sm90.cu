@@ -49,7 +49,6 @@ constexpr int kThreads = 384;
 constexpr int kCodeBytes = 512;          // one row tile, one chunk (32 lanes x 16 B)
 constexpr int kScaleBytes = 64;          // its scales (32 lanes x 2 B)
 
-
 template <int N, bool F16>
 __device__ __forceinline__ void wgmma_step(float (&d)[N / 2], const u32 (&a)[4], u64 desc) {
     if constexpr (F16) wgmma_k16_f16<N>(d, a, desc);
