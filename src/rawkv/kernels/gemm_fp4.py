@@ -115,7 +115,7 @@ def sm90_dynamic_smem(act, mx, bn, stages, bm) -> int:
 
 GEMM_SM90 = SM90_FILE.kernel(
     "rkv_gemm_fp4_sm90",
-    (TParam("int", "ACT", (0, 1, 2)), TParam("bool", "MX", (False, True)), TParam("int", "BN", (64, 96, 128)),
+    (TParam("int", "ACT", (0, 1, 2)), TParam("bool", "MX", (False, True)), TParam("int", "BN", (64, 128)),
      TParam("int", "STAGES", (2, 3, 4, 5, 6)), TParam("int", "BM", (128, 256))),
     instances=[(a, mx, *cfg) for a in ACT_CODES.values() for mx in (False, True)
                for cfg in [(*c, SM90_BM) for c in dict.fromkeys(SM90_CONFIGS.values())]
