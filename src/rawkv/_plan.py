@@ -24,11 +24,14 @@ class Device(NamedTuple):
 
 class Launch(NamedTuple):
     """One kernel launch: `kernel` a rawkv.kernels Instance, `args` its
-    parameters by name (tensors, None for a null pointer, numbers)."""
+    parameters by name (tensors, None for a null pointer, numbers). `tma`:
+    the geometry of a tensor map among the args (rawkv.gemm.tma.geometry),
+    for a fast path that encodes it again at a new address; None for most."""
     kernel: object
     grid: tuple
     block: tuple
     args: dict
+    tma: tuple | None = None
 
 
 class Memset(NamedTuple):

@@ -290,17 +290,21 @@ def _prefetch(dev, tl: Tile, act, grid, tuning) -> tuple:
             and blocks <= tuning.MMA_PREFETCH_MAX_BLOCKS_PER_SM * dev.sm_count,)
 
 
-def _act_map(tl: Tile, act, ragged: bool, tuning) -> dict:
-    """The wgmma kernel's activation arguments: `xmap` (the 16-bit
+def _act_map(tl: Tile, act, ragged: bool, tuning) -> tuple[dict, tuple | None]:
+    """The wgmma kernel's activation arguments, `xmap` (the 16-bit
     activations' tensor map, rawkv.gemm.tma) and `act_tma` (1 where there is
-    one); none for NVFP4 activations (the producer dequantizes them), the
-    mma.sync kernel, SM90_ACT_TMA off, or a view TMA cannot take."""
+    one), and the map's geometry (Launch.tma); no map for NVFP4 activations
+    (the producer dequantizes them), SM90_ACT_TMA off, or a view TMA cannot
+    take; no arguments for the mma.sync kernel."""
     if tl.kernel is K.GEMM:
-        return {}
-    xmap = None
+        return {}, None
+    geo = xmap = None
     if tuning.SM90_ACT_TMA and act.kind != K.ACT_CODES["nvfp4"]:
-        xmap = tma.activation_map(act.x, ragged, tl.tokens)
-    return dict(xmap=xmap or tma.NONE, act_tma=int(xmap is not None))
+        geo = tma.geometry(act.x, ragged, tl.tokens)
+        xmap = None if geo is None else tma.encode(act.x.data_ptr(), *geo)
+    if xmap is None:
+        return dict(xmap=tma.NONE, act_tma=0), None
+    return dict(xmap=xmap, act_tma=1), geo
 
 
 def _launch(tl: Tile, act, w, out, grid, tokens, offsets, experts, errors, pf: tuple, tuning=TUNED) -> Launch:
@@ -314,11 +318,11 @@ def _launch(tl: Tile, act, w, out, grid, tokens, offsets, experts, errors, pf: t
         gs_t, gs_g = (*act.gs.stride(), 0)[:2]
     os_t, os_g = _lead_strides(out)
     inst = tl.kernel.instance(act.kind, w.fmt == "mxfp4", *tl.targs, *pf)
+    xmap, geo = _act_map(tl, act, offsets is not None, tuning)
     return Launch(inst, grid, tl.block, dict(
         wq=w.codes, wsf=w.scales, wgs=w.gs, x=act.x, xsf=act.sf, xgs=act.gs, xs_t=xs_t, xs_g=xs_g,
         ss_t=ss_t, ss_g=ss_g, gs_t=gs_t, gs_g=gs_g, out=out, os_t=os_t, os_g=os_g, n=w.n, k=w.k,
-        tokens=tokens, offsets=offsets, experts=experts, errors=errors,
-        **_act_map(tl, act, offsets is not None, tuning)))
+        tokens=tokens, offsets=offsets, experts=experts, errors=errors, **xmap), geo)
 
 
 def _lead_strides(x) -> tuple:

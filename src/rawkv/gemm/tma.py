@@ -34,6 +34,15 @@ def activation_map(x, ragged: bool, rows: int) -> dict | None:
     """The TmaMap fields of 16-bit activations `x` (batched (T, G, K) or
     ragged (R, K), bfloat16 or float16 on a CUDA device) for boxes of BOX_K
     columns x one group x `rows` token rows, or None where TMA cannot take x."""
+    g = geometry(x, ragged, rows)
+    return None if g is None else encode(x.data_ptr(), *g)
+
+
+def geometry(x, ragged: bool, rows: int) -> tuple | None:
+    """(dims, byte strides, rows) of x's activation map (activation_map),
+    or None where TMA cannot take x. They depend on x's shape, strides and
+    16-byte alignment only, so a call with the same ones at another
+    address encodes the same geometry there (rawkv.gemm.fast)."""
     if not x.is_cuda or x.element_size() != 2 or x.numel() == 0 or x.stride(-1) != 1:
         return None
     if ragged:
@@ -45,14 +54,16 @@ def activation_map(x, ragged: bool, rows: int) -> dict | None:
         st_g = 2 * x.stride(1) if g > 1 else 2 * x.stride(0)
         st_t = 2 * x.stride(0) if t > 1 else st_g
         dims, strides = (k, g, t), (st_g, st_t)
-    ptr = x.data_ptr()
-    if ptr % 16 or any(s % 16 or s <= 0 or s >= 1 << 40 for s in strides) or any(d >= 1 << 32 for d in dims):
+    if x.data_ptr() % 16 or any(s % 16 or s <= 0 or s >= 1 << 40 for s in strides) \
+            or any(d >= 1 << 32 for d in dims):
         return None
-    return _encode(ptr, dims, strides, rows)
+    return dims, strides, rows
 
 
 @functools.lru_cache(maxsize=256)
-def _encode(ptr: int, dims: tuple, strides: tuple, rows: int) -> dict | None:
+def encode(ptr: int, dims: tuple, strides: tuple, rows: int) -> dict | None:
+    """The map of `geometry` at address `ptr` (None if the driver cannot
+    encode it), cached by all four."""
     try:
         from cuda.bindings import driver as drv
     except ImportError:                                   # pragma: no cover - cuda-python < 12.6 layout
