@@ -13,6 +13,7 @@ out and calls it."""
 from __future__ import annotations
 
 import sys
+import types
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from ..reference import gemm as ref
 from ..runtime import get_runtime
 from . import _rules as R
 from ._body import ragged_bf16, run_counted, write_bf16
+from . import fast
 from . import pack
 from . import plans as P
 from .w4a8 import W4a8Weight, grouped_linear8, moe_linear8
@@ -35,6 +37,21 @@ from .weights import Fp4Weight
 # at its tuned value: the field list is written once, in P.Tuning.
 globals().update(P.TUNED._asdict())
 _TUNING = sys.modules[__name__]
+_TUNABLES = frozenset(P.Tuning._fields)
+
+
+class _TunableModule(types.ModuleType):
+    """This module's class: setting one of the dispatch tunables (a test's
+    monkeypatch, tools/probe_gemm_paths.py) drops the fast path's launches,
+    planned with the values before (rawkv.gemm.fast)."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in _TUNABLES:
+            fast.forget()
+
+
+_TUNING.__class__ = _TunableModule
 
 
 # ---- the public ops ------------------------------------------------------------------------
@@ -128,12 +145,27 @@ _X_SCHEMA = "Tensor x, Tensor? x_sf, Tensor? x_gs"
 def _grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, stream=None):
     """rawkv::gemm_grouped_linear: x (T, G, K) times each group's weight
     into out (T, G, N)."""
+    # Fast path (rawkv.gemm.fast): 16-bit CUDA activations on torch's
+    # stream, arguments like a call the checked path launched; anything it
+    # does not take comes through the checked path, which names the argument.
+    if stream is None and x_sf is None and x_gs is None:
+        try:
+            if x.is_cuda is out.is_cuda is True \
+                    and fast.try_grouped(get_runtime, x, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out):
+                return
+        except AttributeError:
+            pass
     where, act, w, out = R.grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out)
     if where == "cpu":
         write_bf16(ref.grouped(_values(act), _weight_values(w)), out)
         return
     rt = get_runtime(act.device)
-    rt.run(P.grouped(rt, act, w, out, _TUNING), stream)
+    plan = P.grouped(rt, act, w, out, _TUNING)
+    rt.run(plan, stream)
+    if stream is None and len(plan) == 1 and act.kind != R.NVFP4 and act.x is x \
+            and A.is_torch(out) and all(map(A.is_torch, (codes, scales, gs))):
+        fast.remember(fast.GROUPED, fast.grouped_key(x, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out),
+                      (codes, scales, gs), plan[0], x, out)
 
 
 @op("gemm_moe_linear", f"{_X_SCHEMA}, {_WEIGHT_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")
@@ -142,12 +174,30 @@ def _moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, o
     <= r < offsets[e+1], clamped and counted in errors[0], or with errors
     None in the device's GEMM_OFFSETS counter) times its weight into out
     (R, N)."""
+    if stream is None and x_sf is None and x_gs is None:              # fast path: as _grouped's
+        try:
+            if x.is_cuda is out.is_cuda is offsets.is_cuda is True and (errors is None or errors.is_cuda is True) \
+                    and fast.try_moe(get_runtime, x, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, out,
+                                     errors):
+                return
+        except AttributeError:
+            pass
+    given_offsets, given_errors = offsets, errors
     where, act, w, offsets, out, errors = R.moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi,
                                                 offsets, out, errors)
     if where == "cpu":
         ragged_bf16(_values(act), _weight_values(w), offsets, errors, out)
         return
-    run_counted(get_runtime(act.device), act, w, errors, stream, lambda rt, e: P.moe(rt, act, w, offsets, out, e, _TUNING))
+    plan = []
+
+    def planned(rt, e):
+        plan[:] = P.moe(rt, act, w, offsets, out, e, _TUNING)
+        return plan
+    run_counted(get_runtime(act.device), act, w, errors, stream, planned)
+    if stream is None and len(plan) == 1 and act.kind != R.NVFP4 and act.x is x and offsets is given_offsets \
+            and errors is given_errors and A.is_torch(out) and all(map(A.is_torch, (codes, scales, gs))):
+        fast.remember(fast.MOE, fast.moe_key(x, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, out, errors),
+                      (codes, scales, gs), plan[0], x, out, offsets, errors)
 
 
 # ---- CPU ---------------------------------------------------------------------------------------
