@@ -66,6 +66,7 @@ def run(rt, results, quick=False):
            "ratio_vs_add_min": round(t["rawkv"][1] / t["add_"][1], 2),
            "bare_cupy_driver_launch_us": round(med["bare_cupy_driver"], 2)}
     results.append(row)
+    _gemm_host(results, torch, rawkv, calls // 2, 5 if quick else 9, fns["add_"])
     # E4M3 encode / decode bandwidth on a large tensor.
     m = 1 << 28
     xb = torch.randn(m, device="cuda", dtype=torch.bfloat16)
@@ -92,3 +93,55 @@ def run(rt, results, quick=False):
             results.append(entry(f"{op}/graph", [rows, 7168], "bfloat16", lat["device_us"], 3 * m,
                                  COPY["GBps"], **lat))
 
+
+
+def _gemm_host(results, torch, rawkv, calls, rounds, add_):
+    """Host us per call of the W4A16 GEMM ops on small weights (kernels of a
+    few us, so the host is what is timed): the fast path a repeated call
+    takes (rawkv.gemm.fast), the checked path (a stream= argument takes it
+    on every call) and torch's BF16 einsum / add_ beside them, interleaved."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+
+    def weight(g, n, k):
+        codes = torch.from_numpy(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8))
+        scales = torch.from_numpy(rng.integers(0x20, 0x50, (g, n, k // 16), dtype=np.uint8))
+        return rawkv.gemm.Fp4Weight.from_nvfp4(codes, scales, torch.full((g,), 1e-3), groups=g).to("cuda")
+
+    s = torch.cuda.current_stream()
+    g, n, k = 8, 256, 256
+    w = weight(g, n, k)
+    wb = torch.randn(g, n, k, dtype=torch.bfloat16, device="cuda")
+    cases = []
+    for m, path in ((1, "mma.sync"), (256, "wgmma" if rawkv.get_runtime(0).arch == "sm_90" else "mma.sync")):
+        x = torch.randn(m, g, k, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(m, g, n, dtype=torch.bfloat16, device="cuda")
+        cases.append((f"gemm_grouped_linear/{path}", [m, g, n, k],
+                      lambda x=x, out=out: rawkv.gemm.grouped_linear(x, w, out=out),
+                      lambda x=x, out=out: rawkv.gemm.grouped_linear(x, w, out=out, stream=s),
+                      lambda x=x: torch.einsum("tgk,gnk->tgn", x, wb)))
+    e, rows = 16, 6
+    wm = weight(e, n, k)
+    offsets = torch.tensor([0] * 10 + [1, 2, 3, 4, 5, 6, 6], dtype=torch.int32, device="cuda")
+    xm = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    om = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+    cases.append(("gemm_moe_linear/mma.sync", [rows, e, n, k],
+                  lambda: rawkv.gemm.moe_linear(xm, wm, offsets, out=om),
+                  lambda: rawkv.gemm.moe_linear(xm, wm, offsets, out=om, stream=s), None))
+    for name, shape, fast, checked, einsum in cases:
+        fns = {"fast": fast, "checked": checked, "add_": add_}
+        if einsum is not None:
+            fns["einsum"] = einsum
+        med = {kk: v[0] for kk, v in host_us_interleaved(fns, calls, rounds).items()}
+        row = {"op": f"launch_overhead/{name}", "shape": shape, "dtype": "bfloat16",
+               "host_us": round(med["fast"], 2), "checked_path_us": round(med["checked"], 2),
+               "torch_add_us": round(med["add_"], 2), "ratio_vs_add": round(med["fast"] / med["add_"], 2),
+               "baseline": "the checked path (stream= given)", "baseline_us": round(med["checked"], 2),
+               "speedup": round(med["checked"] / med["fast"], 2),
+               "timing": f"median of {rounds} interleaved rounds of {calls} calls"}
+        if einsum is not None:
+            row["torch_einsum_bf16_us"] = round(med["einsum"], 2)
+        results.append(row)
+        print(f"{row['op']} {shape}: {row['host_us']} us host (checked path {row['checked_path_us']}, "
+              f"torch add_ {row['torch_add_us']}"
+              + (f", einsum {row['torch_einsum_bf16_us']}" if einsum is not None else "") + ")", flush=True)
