@@ -1,4 +1,4 @@
-"""The W4A16 GEMM ops' fast path (rawkv.gemm.fast): a call like one the
+"""The GEMM ops' fast path (rawkv.gemm.fast): a call like one the
 checked path launched reuses that launch at its own addresses. It must
 launch exactly what the checked path would (the same bits, on every route
 the dispatcher takes), and accept nothing the checked path refuses: an out
@@ -23,7 +23,7 @@ def calls(monkeypatch):
     """Counts of the checked path's argument rules (a call that takes the
     fast path runs none), per op; a fresh fast-path cache."""
     fast.forget()
-    seen = {"grouped": 0, "moe": 0}
+    seen = {"grouped": 0, "moe": 0, "w4a8_grouped": 0, "w4a8_moe": 0}
     for name in seen:
         real = getattr(_rules, name)
 
@@ -39,16 +39,21 @@ def _bits(t):
     return t.view(torch.int16).cpu().numpy()
 
 
+def _kept(op):
+    """The launches the cache keeps for `op`."""
+    return [k for k in fast.LAUNCHES if k[0] == op]
+
+
 # ---- CPU: the tunables' hook and the byte ranges ---------------------------------------------
 def test_setting_a_tunable_forgets_every_launch(monkeypatch):
-    fast.GROUPED["k"] = fast.MOE["k"] = None
+    fast.LAUNCHES[("grouped",)] = fast.LAUNCHES[("moe8",)] = None
     before = fast._version[0]
-    monkeypatch.setattr(linear, "KERNEL_PATH", "mma")
-    assert not fast.GROUPED and not fast.MOE and fast._version[0] == before + 1
+    monkeypatch.setattr(linear, "W4A8_PATH", "mma")
+    assert not fast.LAUNCHES and fast._version[0] == before + 1
     linear.not_a_tunable = 1                   # other attributes leave them
-    fast.GROUPED["k"] = None
+    fast.LAUNCHES[("grouped",)] = None
     del linear.not_a_tunable
-    assert fast.GROUPED
+    assert fast.LAUNCHES
     fast.forget()
 
 
@@ -90,7 +95,7 @@ def test_grouped_fast_path_launches_what_the_checked_path_does(cuda, monkeypatch
     xs = [torch.randn(t, g, k, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
     out = torch.empty(t, g, n, dtype=torch.bfloat16, device="cuda")
     rawkv.gemm.grouped_linear(xs[0], w, out=out)
-    assert calls["grouped"] == 1 and len(fast.GROUPED) == 1
+    assert calls["grouped"] == 1 and len(_kept("grouped")) == 1
     got = [_bits(rawkv.gemm.grouped_linear(x, w, out=out)) for x in xs[1:]]
     assert calls["grouped"] == 1                          # both took the fast path
     want = []
@@ -141,7 +146,7 @@ def test_an_out_overlapping_x_on_a_known_call_is_refused(cuda, calls, rng):
     flat = torch.zeros(t * g * (k + n) + 64, dtype=torch.bfloat16, device="cuda")
     x = flat[:t * g * k].view(t, g, k)
     rawkv.gemm.grouped_linear(x, w, out=flat[t * g * k:t * g * (k + n)].view(t, g, n))
-    assert len(fast.GROUPED) == 1
+    assert len(_kept("grouped")) == 1
     before = flat.clone()
     with pytest.raises(ValueError, match="out: overlaps x"):
         rawkv.gemm.grouped_linear(x, w, out=flat[8:8 + t * g * n].view(t, g, n))   # same key, inside x
@@ -200,7 +205,7 @@ def test_a_view_the_rules_copy_is_not_remembered(cuda, calls, rng):
     x = torch.randn(3, g, k + 2, dtype=torch.bfloat16, device="cuda")[..., 1:k + 1]   # rows 2 bytes off
     a = rawkv.gemm.grouped_linear(x, w)
     b = rawkv.gemm.grouped_linear(x, w)
-    assert calls["grouped"] == 2 and not fast.GROUPED
+    assert calls["grouped"] == 2 and not fast.LAUNCHES
     np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
@@ -214,4 +219,67 @@ def test_the_cache_keeps_no_tensor_alive(cuda, calls, rng):
     del x, out, w
     gc.collect()
     assert all(r() is None for r in refs)
-    assert len(fast.GROUPED) == 1                         # its entry stays, and can no longer match
+    assert len(_kept("grouped")) == 1                     # its entry stays, and can no longer match
+
+
+# ---- W4A8 -------------------------------------------------------------------------------------
+def _w4a8_weight(rng, g, n, k):
+    codes = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
+    scales = (127 + rng.integers(-3, 4, (g, n, k // 32))).astype(np.uint8)
+    w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales), groups=g)
+    w8 = rawkv.gemm.w4a8_weight(w)
+    return rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+
+
+def _fp8(*shape):
+    codes, scales = rawkv.fp8.quantize_blocks(torch.randn(*shape, device="cuda") * 3)
+    return codes.view(torch.uint8), scales
+
+
+@pytest.mark.parametrize("path,tokens", [("mma", 4), ("sm90", 200)])
+@pytest.mark.parametrize("with_errors", [False, True])
+def test_w4a8_fast_path_launches_and_counts_as_the_checked_path(cuda, monkeypatch, calls, rng, path, tokens,
+                                                                 with_errors):
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the W4A8 kernels run on sm_90 devices; this one is {cuda.arch}")
+    monkeypatch.setattr(linear, "W4A8_PATH", path)
+    g, e, n, k = 2, 12, 200, 512
+    w8, m8 = _w4a8_weight(rng, g, n, k), _w4a8_weight(rng, e, n, k)
+    errors = torch.zeros(4, dtype=torch.int32, device="cuda") if with_errors else None
+    xs = [_fp8(tokens, g, k) for _ in range(3)]
+    out = torch.empty(tokens, g, n, dtype=torch.bfloat16, device="cuda")
+    rows = tokens * 3
+    cuts = np.sort(rng.integers(0, rows + 1, e - 1))
+    offsets = torch.tensor([0, *cuts, rows + 5], dtype=torch.int32, device="cuda")    # one clamp per call
+    ms = [_fp8(rows, k) for _ in range(3)]
+    mout = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+    got = [_bits(rawkv.gemm.grouped_linear(x, w8, out=out, errors=errors)) for x in xs][1:]
+    mgot = [_bits(rawkv.gemm.moe_linear(x, m8, offsets, out=mout, errors=errors)) for x in ms][1:]
+    assert calls["w4a8_grouped"] == 1 and calls["w4a8_moe"] == 1
+    if with_errors:
+        assert int(errors[0]) == 3
+    want, mwant = [], []
+    for x, m in zip(xs[1:], ms[1:]):
+        fast.forget()
+        want.append(_bits(rawkv.gemm.grouped_linear(x, w8, errors=errors)))
+        mwant.append(_bits(rawkv.gemm.moe_linear(m, m8, offsets, errors=errors)))
+    assert calls["w4a8_grouped"] == 3 and calls["w4a8_moe"] == 3
+    for a, b in zip(got + mgot, want + mwant):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_w4a8_errors_overlapping_the_activation_scales_is_refused(cuda, calls, rng):
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the W4A8 kernels run on sm_90 devices; this one is {cuda.arch}")
+    g, n, k, t = 2, 64, 256, 3
+    w8 = _w4a8_weight(rng, g, n, k)
+    codes, scales = _fp8(t, g, k)
+    flat = torch.zeros(64, dtype=torch.float32, device="cuda")
+    sc = flat[:t * g * 2].view(t, g, 2)
+    sc.copy_(scales)
+    errors = flat[32:36].view(torch.int32)
+    rawkv.gemm.grouped_linear((codes, sc), w8, errors=errors)
+    rawkv.gemm.grouped_linear((codes, sc), w8, errors=flat[40:44].view(torch.int32))
+    assert calls["w4a8_grouped"] == 1
+    with pytest.raises(ValueError, match="errors: overlaps x.scales"):
+        rawkv.gemm.grouped_linear((codes, sc), w8, errors=flat[4:8].view(torch.int32))

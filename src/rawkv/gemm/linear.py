@@ -138,6 +138,11 @@ def operator_args(x, weight) -> dict:
 # weight's scale-byte range, which must lie in MX_WINDOW (0, 0: unknown,
 # refused); 0 for NVFP4); an NVFP4 activation as q (in x), sf and gs.
 _WEIGHT_SCHEMA = "Tensor codes, Tensor scales, Tensor gs, str fmt, int n, int k, int exp_lo, int exp_hi"
+# The kernels' arguments of the weight's tensors and of the call's others,
+# outputs first, in the order the fast path (rawkv.gemm.fast) takes them.
+_WEIGHT_ARGS = ("wq", "wsf", "wgs")
+_GROUPED_ARGS = ("out", "x")
+_MOE_ARGS = ("out", "errors", "x", "offsets")
 _X_SCHEMA = "Tensor x, Tensor? x_sf, Tensor? x_gs"
 
 
@@ -148,10 +153,12 @@ def _grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, s
     # Fast path (rawkv.gemm.fast): 16-bit CUDA activations on torch's
     # stream, arguments like a call the checked path launched; anything it
     # does not take comes through the checked path, which names the argument.
+    weight = (codes, scales, gs)
     if stream is None and x_sf is None and x_gs is None:
         try:
-            if x.is_cuda is out.is_cuda is True \
-                    and fast.try_grouped(get_runtime, x, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out):
+            if x.is_cuda is out.is_cuda is True and fast.try_launch(
+                    fast.key("grouped", (out, x), weight, (fmt, n, k, exp_lo, exp_hi)), weight, _WEIGHT_ARGS,
+                    _GROUPED_ARGS, (out, x), 1, get_runtime):
                 return
         except AttributeError:
             pass
@@ -163,9 +170,9 @@ def _grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, s
     plan = P.grouped(rt, act, w, out, _TUNING)
     rt.run(plan, stream)
     if stream is None and len(plan) == 1 and act.kind != R.NVFP4 and act.x is x \
-            and A.is_torch(out) and all(map(A.is_torch, (codes, scales, gs))):
-        fast.remember(fast.GROUPED, fast.grouped_key(x, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out),
-                      (codes, scales, gs), plan[0], x, out)
+            and A.is_torch(out) and all(map(A.is_torch, weight)):
+        fast.remember(fast.key("grouped", (out, x), weight, (fmt, n, k, exp_lo, exp_hi)), weight, plan[0],
+                      _GROUPED_ARGS, (out, x), _WEIGHT_ARGS)
 
 
 @op("gemm_moe_linear", f"{_X_SCHEMA}, {_WEIGHT_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")
@@ -174,15 +181,17 @@ def _moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, o
     <= r < offsets[e+1], clamped and counted in errors[0], or with errors
     None in the device's GEMM_OFFSETS counter) times its weight into out
     (R, N)."""
+    weight = (codes, scales, gs)
     if stream is None and x_sf is None and x_gs is None:              # fast path: as _grouped's
         try:
+            call = (out, errors, x, offsets)
             if x.is_cuda is out.is_cuda is offsets.is_cuda is True and (errors is None or errors.is_cuda is True) \
-                    and fast.try_moe(get_runtime, x, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, out,
-                                     errors):
+                    and fast.try_launch(fast.key("moe", call, weight, (fmt, n, k, exp_lo, exp_hi)), weight,
+                                        _WEIGHT_ARGS, _MOE_ARGS, call, 2, get_runtime):
                 return
         except AttributeError:
             pass
-    given_offsets, given_errors = offsets, errors
+    given = (offsets, errors)
     where, act, w, offsets, out, errors = R.moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi,
                                                 offsets, out, errors)
     if where == "cpu":
@@ -194,10 +203,11 @@ def _moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, o
         plan[:] = P.moe(rt, act, w, offsets, out, e, _TUNING)
         return plan
     run_counted(get_runtime(act.device), act, w, errors, stream, planned)
-    if stream is None and len(plan) == 1 and act.kind != R.NVFP4 and act.x is x and offsets is given_offsets \
-            and errors is given_errors and A.is_torch(out) and all(map(A.is_torch, (codes, scales, gs))):
-        fast.remember(fast.MOE, fast.moe_key(x, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, out, errors),
-                      (codes, scales, gs), plan[0], x, out, offsets, errors)
+    if stream is None and len(plan) == 1 and act.kind != R.NVFP4 and act.x is x and offsets is given[0] \
+            and errors is given[1] and A.is_torch(out) and all(map(A.is_torch, weight)):
+        call = (out, errors, x, offsets)
+        fast.remember(fast.key("moe", call, weight, (fmt, n, k, exp_lo, exp_hi)), weight, plan[0], _MOE_ARGS,
+                      call, _WEIGHT_ARGS)
 
 
 # ---- CPU ---------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from ..reference import gemm_w4a8 as ref8
 from ..runtime import get_runtime
 from . import _rules as R
 from ._body import count_cpu, run_counted, write_bf16
+from . import fast
 from . import plans as P
 from .weights import Fp4Weight
 
@@ -134,6 +135,11 @@ def operator_args8(x, weight: W4a8Weight) -> dict:
 
 # ---- the operators -------------------------------------------------------------------------
 _SCHEMA = "Tensor x, Tensor x_sf, Tensor codes, Tensor shifts, Tensor row_scale, Tensor gs, int n, int k"
+# The kernels' arguments of the weight's tensors and of the call's others,
+# outputs first (rawkv.gemm.fast).
+_WEIGHT_ARGS = ("wq", "wsh", "wrow", "wgs")
+_GROUPED_ARGS = ("out", "errors", "x", "xsf")
+_MOE_ARGS = ("out", "errors", "x", "xsf", "offsets")
 
 
 @op("gemm_grouped_linear_w4a8", f"{_SCHEMA}, Tensor(a!) out, Tensor(b!)? errors")
@@ -143,14 +149,33 @@ def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors, stream=N
     blocks whose shift byte is past the table read as zeros and are counted
     in errors[0] (None: the device's GEMM_OFFSETS counter), as
     rawkv::gemm_moe_linear_w4a8 counts them."""
+    weight = (codes, shifts, row_scale, gs)
+    if stream is None:                          # the fast path (rawkv.gemm.fast), as W4A16's
+        try:
+            call = (out, errors, x, x_sf)
+            if x.is_cuda is x_sf.is_cuda is out.is_cuda is True and (errors is None or errors.is_cuda is True) \
+                    and fast.try_launch(fast.key("grouped8", call, weight, (n, k)), weight, _WEIGHT_ARGS,
+                                        _GROUPED_ARGS, call, 2, get_runtime):
+                return
+        except AttributeError:
+            pass
+    given = (x, x_sf, errors)
     where, act, w, out, errors = R.w4a8_grouped(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors)
     if where == "cpu":
         y, bad = ref8.form_grouped(*_activation(act), *_form(w))
         count_cpu(errors, bad)
         write_bf16(y, out)
         return
-    run_counted(get_runtime(act.device), act, w, errors, stream,
-                lambda rt, e: P.w4a8_grouped(rt, act, w, out, e, _tuning()))
+    plan = []
+
+    def planned(rt, e):
+        plan[:] = P.w4a8_grouped(rt, act, w, out, e, _tuning())
+        return plan
+    run_counted(get_runtime(act.device), act, w, errors, stream, planned)
+    if stream is None and len(plan) == 1 and _as_given(given, (act.x, act.sf, errors), out, weight):
+        call = (out, errors, x, x_sf)
+        fast.remember(fast.key("grouped8", call, weight, (n, k)), weight, plan[0], _GROUPED_ARGS, call,
+                      _WEIGHT_ARGS)
 
 
 @op("gemm_moe_linear_w4a8", f"{_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")
@@ -160,6 +185,18 @@ def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, str
     into out (R, N); the clamps and the blocks past the table of the experts
     that own a row counted in errors[0] (None: the device's GEMM_OFFSETS
     counter)."""
+    weight = (codes, shifts, row_scale, gs)
+    if stream is None:                          # the fast path, as the batched op's
+        try:
+            call = (out, errors, x, x_sf, offsets)
+            if x.is_cuda is x_sf.is_cuda is offsets.is_cuda is out.is_cuda is True \
+                    and (errors is None or errors.is_cuda is True) \
+                    and fast.try_launch(fast.key("moe8", call, weight, (n, k)), weight, _WEIGHT_ARGS, _MOE_ARGS,
+                                        call, 2, get_runtime):
+                return
+        except AttributeError:
+            pass
+    given = (x, x_sf, errors, offsets)
     where, act, w, offsets, out, errors = R.w4a8_moe(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out,
                                                      errors)
     if where == "cpu":
@@ -168,8 +205,21 @@ def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, str
         count_cpu(errors, bad)
         write_bf16(y, out)
         return
-    run_counted(get_runtime(act.device), act, w, errors, stream,
-                lambda rt, e: P.w4a8_moe(rt, act, w, offsets, out, e, _tuning()))
+    plan = []
+
+    def planned(rt, e):
+        plan[:] = P.w4a8_moe(rt, act, w, offsets, out, e, _tuning())
+        return plan
+    run_counted(get_runtime(act.device), act, w, errors, stream, planned)
+    if stream is None and len(plan) == 1 and _as_given(given, (act.x, act.sf, errors, offsets), out, weight):
+        call = (out, errors, x, x_sf, offsets)
+        fast.remember(fast.key("moe8", call, weight, (n, k)), weight, plan[0], _MOE_ARGS, call, _WEIGHT_ARGS)
+
+
+def _as_given(given: tuple, checked: tuple, out, weight: tuple) -> bool:
+    """Whether the checked path launched the caller's own torch tensors (no
+    copy of a view, no DLPack wrapper): only then is its launch remembered."""
+    return all(a is b for a, b in zip(given, checked)) and A.is_torch(out) and all(map(A.is_torch, weight))
 
 
 def _tuning():
