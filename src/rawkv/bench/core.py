@@ -94,7 +94,6 @@ def run(rt, results, quick=False):
                                  COPY["GBps"], **lat))
 
 
-
 def _gemm_host(results, torch, rawkv, calls, rounds, add_):
     """Host us per call of the W4A16 GEMM ops on small weights (kernels of a
     few us, so the host is what is timed): the fast path a repeated call
