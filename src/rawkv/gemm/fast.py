@@ -32,6 +32,7 @@ from __future__ import annotations
 import weakref
 from typing import NamedTuple
 
+from .. import _args as A
 from .._plan import Launch
 from . import tma
 
@@ -58,17 +59,17 @@ def forget() -> None:
 
 
 def extent(t) -> tuple:
-    """The byte range a strided tensor addresses, relative to its data
-    pointer: (lo, hi), hi exclusive ((0, 0) when empty)."""
-    if t.numel() == 0:
-        return 0, 0
-    es, lo, hi = t.element_size(), 0, 0
-    for d, s in zip(t.shape, t.stride()):
-        if s < 0:
-            lo += s * (d - 1)
-        else:
-            hi += s * (d - 1)
-    return lo * es, (hi + 1) * es
+    """The byte range a tensor addresses, relative to its data pointer:
+    (lo, hi), hi exclusive ((0, 0) when empty); rawkv._args.spans' range."""
+    span = A.spans((("t", t),))[0][1]
+    return (0, 0) if span is None else (span[1] - t.data_ptr(), span[2] - t.data_ptr())
+
+
+def as_given(given: tuple, checked: tuple, out, weight: tuple) -> bool:
+    """Whether the checked path launched the caller's own torch tensors (its
+    rules copied no view and wrapped no DLPack array): only such a launch is
+    kept. `given` / `checked`: the call's tensors before and after the rules."""
+    return all(a is b for a, b in zip(given, checked)) and A.is_torch(out) and all(map(A.is_torch, weight))
 
 
 def key(op: str, tensors: tuple, weight: tuple, sizes: tuple) -> tuple:
@@ -90,7 +91,7 @@ def remember(k: tuple, weight: tuple, launch: Launch, names: tuple, tensors: tup
     drop = {*weight_names, *(n for n, t in zip(names, tensors) if t is not None)}
     args = {n: v for n, v in launch.args.items() if n not in drop}
     LAUNCHES[k] = _Entry(tuple(weakref.ref(t) for t in weight), tuple((t.data_ptr(), t._version) for t in weight),
-                         tuple((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in weight),
+                         tuple((t.data_ptr() + e[0], t.data_ptr() + e[1]) for t, e in zip(weight, map(extent, weight))),
                          launch._replace(args=args), tuple(None if t is None else extent(t) for t in tensors))
 
 

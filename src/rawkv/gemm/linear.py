@@ -169,8 +169,7 @@ def _grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, s
     rt = get_runtime(act.device)
     plan = P.grouped(rt, act, w, out, _TUNING)
     rt.run(plan, stream)
-    if stream is None and len(plan) == 1 and act.kind != R.NVFP4 and act.x is x \
-            and A.is_torch(out) and all(map(A.is_torch, weight)):
+    if stream is None and len(plan) == 1 and act.kind != R.NVFP4 and fast.as_given((x,), (act.x,), out, weight):
         fast.remember(fast.key("grouped", (out, x), weight, (fmt, n, k, exp_lo, exp_hi)), weight, plan[0],
                       _GROUPED_ARGS, (out, x), _WEIGHT_ARGS)
 
@@ -203,8 +202,8 @@ def _moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, o
         plan[:] = P.moe(rt, act, w, offsets, out, e, _TUNING)
         return plan
     run_counted(get_runtime(act.device), act, w, errors, stream, planned)
-    if stream is None and len(plan) == 1 and act.kind != R.NVFP4 and act.x is x and offsets is given[0] \
-            and errors is given[1] and A.is_torch(out) and all(map(A.is_torch, weight)):
+    if stream is None and len(plan) == 1 and act.kind != R.NVFP4 \
+            and fast.as_given((x, *given), (act.x, offsets, errors), out, weight):
         call = (out, errors, x, offsets)
         fast.remember(fast.key("moe", call, weight, (fmt, n, k, exp_lo, exp_hi)), weight, plan[0], _MOE_ARGS,
                       call, _WEIGHT_ARGS)

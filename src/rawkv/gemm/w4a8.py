@@ -172,7 +172,7 @@ def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors, stream=N
         plan[:] = P.w4a8_grouped(rt, act, w, out, e, _tuning())
         return plan
     run_counted(get_runtime(act.device), act, w, errors, stream, planned)
-    if stream is None and len(plan) == 1 and _as_given(given, (act.x, act.sf, errors), out, weight):
+    if stream is None and len(plan) == 1 and fast.as_given(given, (act.x, act.sf, errors), out, weight):
         call = (out, errors, x, x_sf)
         fast.remember(fast.key("grouped8", call, weight, (n, k)), weight, plan[0], _GROUPED_ARGS, call,
                       _WEIGHT_ARGS)
@@ -211,15 +211,9 @@ def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, str
         plan[:] = P.w4a8_moe(rt, act, w, offsets, out, e, _tuning())
         return plan
     run_counted(get_runtime(act.device), act, w, errors, stream, planned)
-    if stream is None and len(plan) == 1 and _as_given(given, (act.x, act.sf, errors, offsets), out, weight):
+    if stream is None and len(plan) == 1 and fast.as_given(given, (act.x, act.sf, errors, offsets), out, weight):
         call = (out, errors, x, x_sf, offsets)
         fast.remember(fast.key("moe8", call, weight, (n, k)), weight, plan[0], _MOE_ARGS, call, _WEIGHT_ARGS)
-
-
-def _as_given(given: tuple, checked: tuple, out, weight: tuple) -> bool:
-    """Whether the checked path launched the caller's own torch tensors (no
-    copy of a view, no DLPack wrapper): only then is its launch remembered."""
-    return all(a is b for a, b in zip(given, checked)) and A.is_torch(out) and all(map(A.is_torch, weight))
 
 
 def _tuning():
