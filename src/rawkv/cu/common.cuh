@@ -90,6 +90,10 @@ __device__ __forceinline__ void store16(T* p, const Vec16<T>& r) {
     *reinterpret_cast<uint4*>(p) = r.raw;
 }
 
+// A compile-time flag passed by value, for a generic lambda to branch on
+// with `if constexpr` (NVRTC has no <type_traits>).
+template <bool B> struct Flag { static constexpr bool value = B; };
+
 // Grid-stride loop helpers (64-bit indices: tensors past 2^31 elements exist).
 __device__ __forceinline__ i64 global_thread() { return (i64)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ i64 grid_threads() { return (i64)gridDim.x * blockDim.x; }

@@ -28,19 +28,25 @@
 #include "gemm_fp4.cuh"
 using namespace rkv;
 
-// This lane's activations of chunks c .. c + U - 1, its n-tiles' tokens
-// (xrow / srow null: a token past the tile's last), zeros past c_end and k.
-template <int ACT, int U, int NT>
-__device__ __forceinline__ void load_acts(ActChunk<ACT> (&av)[U][NT], const u8* const (&xrow)[NT],
-                                          const u8* const (&srow)[NT], int c, int c_end, int k, int t) {
+// This lane's activations of chunks c .. c + U - 1, its n-tiles' tokens,
+// from xc / sc (its columns of chunk c: running pointers, stepped here to
+// chunk c + U). FULL: every chunk is the warp's and wholly inside K, so no
+// load needs a predicate; else zeros past c_end and k.
+template <int ACT, int U, int NT, bool FULL>
+__device__ __forceinline__ void load_acts(ActChunk<ACT> (&av)[U][NT], const u8* (&xc)[NT], const u8* (&sc)[NT],
+                                          int c, int c_end, int k, int t) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        const int kb = (c + u) * 64 + 16 * t;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            if (c + u < c_end && xrow[j] && kb < k) av[u][j].load(xrow[j], srow[j], kb);
+            if (FULL || (c + u < c_end && (c + u) * 64 + 16 * t < k)) av[u][j].load(xc[j], sc[j], u * 64);
             else av[u][j].clear();
         }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        xc[j] += ACT == 2 ? 32 * U : 128 * U;
+        if (ACT == 2) sc[j] += 4 * U;
     }
 }
 
@@ -114,20 +120,19 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
     const int per_warp = (chunks + KS - 1) / KS;
     const int c_beg = ks * per_warp, c_end = min(chunks, c_beg + per_warp);
 
-    // This lane's token in each n-tile (B fragment column q).
+    // This lane's token in each n-tile (B fragment column q). A column past
+    // the block's last token reads that last token's row instead: column q
+    // of an MMA's result depends only on column q of B, and the epilogue
+    // stores no column past t1, so the loads need no per-token predicate
+    // and no zeroed registers (the lanes of one row load the same bytes).
     const u8* xrow[NT];
     const u8* srow[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-        const int tok = t0 + 8 * j + q;
-        if (tok < t1) {
-            const i64 xo = (i64)tok * xs_t + (i64)g * xs_g;
-            xrow[j] = x + (ACT == 2 ? xo : 2 * xo);
-            srow[j] = ACT == 2 ? xsf + (i64)tok * ss_t + (i64)g * ss_g : nullptr;
-        } else {
-            xrow[j] = nullptr;
-            srow[j] = nullptr;
-        }
+        const int tok = min(t0 + 8 * j + q, t1 - 1);
+        const i64 xo = (i64)tok * xs_t + (i64)g * xs_g;
+        xrow[j] = x + (ACT == 2 ? xo : 2 * xo);
+        srow[j] = ACT == 2 ? xsf + (i64)tok * ss_t + (i64)g * ss_g : nullptr;
     }
 
     float acc[MT][NT][4];
@@ -148,7 +153,7 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
     u8* ring = s_ring + warp * (S * U * MT * 576);
     // Per m-tile, the source of chunk c_beg (codes, lane's 16 bytes; scales,
     // the tile's 64 bytes): consecutive chunks are 512 / 64 bytes apart.
-    const u8* wsrc[MT];
+    const u8* wsrc[MT];  // (running: issue() steps them)
     const u8* ssrc[MT];
     bool tile_ok[MT];
 #pragma unroll
@@ -158,73 +163,95 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
         wsrc[i] = wbase + at * 512;
         ssrc[i] = sbase + at * 64 + lane * 16;
     }
+    // The refill: each issue() copies the next U chunks of the warp's range
+    // (chunk cn on, from wsrc / ssrc) into the next stage (at wr), those of
+    // chunks past the range predicated off: running addresses, so a step
+    // costs additions rather than 64-bit products.
     const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
-    auto issue = [&](int slot, int c) {
+    const u32 ring_end = ring_s + S * U * MT * 576;
+    u32 wr = ring_s;
+    int cn = c_beg;
+    auto issue = [&]() {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int dc = c + u - c_beg;
-            const bool live = c + u < c_end;
+            const bool live = cn + u < c_end;
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
-                const u32 dst = ring_s + ((slot * U + u) * MT + i) * 576;
+                const u32 dst = wr + (u * MT + i) * 576;
                 const bool on = live && tile_ok[i];
-                cp_async16_if(on, dst + lane * 16, wsrc[i] + dc * 512);
-                cp_async16_if(on && lane < 4, dst + 512 + lane * 16, ssrc[i] + dc * 64);
+                cp_async16_if(on, dst + lane * 16, wsrc[i] + u * 512);
+                cp_async16_if(on && lane < 4, dst + 512 + lane * 16, ssrc[i] + u * 64);
             }
         }
         cp_async_commit();
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            wsrc[i] += U * 512;
+            ssrc[i] += U * 64;
+        }
+        cn += U;
+        wr = wr + U * MT * 576 == ring_end ? ring_s : wr + U * MT * 576;
     };
 #pragma unroll
-    for (int p = 0; p < S - 1; ++p) issue(p, c_beg + p * U);
-    int slot = 0, next = S - 1;  // the stage multiplied, the stage refilled
+    for (int p = 0; p < S - 1; ++p) issue();
+    int slot = 0;  // the stage multiplied
+    // This lane's activations of chunk c_beg, by token (running: load_acts
+    // steps them); chunks before c_full are the warp's and wholly inside K.
+    const int kb0 = c_beg * 64 + 16 * t;
+    const u8* xc[NT];
+    const u8* sc[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        xc[j] = xrow[j] + (ACT == 2 ? kb0 / 2 : 2 * kb0);
+        sc[j] = ACT == 2 ? srow[j] + kb0 / 16 : nullptr;
+    }
+    const int c_full = min(c_end, k / 64);
     if constexpr (PF) {
         // The activations one step ahead: step c loads those of c + U
         // before it multiplies, so their latency overlaps its MMAs (two
         // register sets, swapped by the unrolled pair of steps, not copied).
-        // ready(c): chunk c's stage has landed in the warp's ring, and the
+        // ready(): the step's stage has landed in the warp's ring, and the
         // stage freed by the previous step is refilled S - 1 steps ahead.
-        auto ready = [&](int c) {
+        auto ready = [&]() {
             cp_async_wait<S - 2>();
             __syncwarp();
-            issue(next, c + (S - 1) * U);
+            issue();
         };
         auto multiply = [&](const ActChunk<ACT> (&av)[U][NT], int c) {
             mma_stage<ACT, MX, MT, NT, U>(ring + slot * U * MT * 576, lane, c_end - c, av, acc);
             slot = slot + 1 == S ? 0 : slot + 1;
-            next = next + 1 == S ? 0 : next + 1;
+        };
+        auto load = [&](ActChunk<ACT> (&av)[U][NT], int c) {
+            if (c + U <= c_full) load_acts<ACT, U, NT, true>(av, xc, sc, c, c_end, k, t);
+            else load_acts<ACT, U, NT, false>(av, xc, sc, c, c_end, k, t);
         };
         ActChunk<ACT> av0[U][NT], av1[U][NT];
-        load_acts<ACT, U, NT>(av0, xrow, srow, c_beg, c_end, k, t);
+        load(av0, c_beg);
         for (int c = c_beg; c < c_end; c += 2 * U) {
-            load_acts<ACT, U, NT>(av1, xrow, srow, c + U, c_end, k, t);
-            ready(c);
+            load(av1, c + U);
+            ready();
             multiply(av0, c);
             if (c + U >= c_end) break;
-            load_acts<ACT, U, NT>(av0, xrow, srow, c + 2 * U, c_end, k, t);
-            ready(c + U);
+            load(av0, c + 2 * U);
+            ready();
             multiply(av1, c + U);
         }
     } else {
-        // (Written out rather than through load_acts / mma_stage and the
-        // lambdas above: through them ptxas spills 16-32 bytes in the ragged
-        // 16-token tile on sm_90 / sm_100.)
-        for (int c = c_beg; c < c_end; c += U) {
+        // (Written out rather than through mma_stage: through it ptxas
+        // spills 16-32 bytes in the ragged 16-token tile on sm_90 / sm_100.)
+        // FULL: every chunk of the step is the warp's and wholly inside K
+        // (all but a warp's last step or two), so its loads and MMAs need
+        // no predicate and no zeroed registers.
+        auto step = [&](int c, auto full) {
+            constexpr bool FULL = decltype(full)::value;
             ActChunk<ACT> av[U][NT];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int kb = (c + u) * 64 + 16 * t;
-#pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    if (c + u < c_end && xrow[j] && kb < k) av[u][j].load(xrow[j], srow[j], kb);
-                    else av[u][j].clear();
-                }
-            }
+            load_acts<ACT, U, NT, FULL>(av, xc, sc, c, c_end, k, t);
             cp_async_wait<S - 2>();
             __syncwarp();
-            issue(next, c + (S - 1) * U);
+            issue();
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                if (c + u >= c_end) break;
+                if (!FULL && c + u >= c_end) break;
 #pragma unroll
                 for (int i = 0; i < MT; ++i) {
                     const u8* src = ring + ((slot * U + u) * MT + i) * 576;
@@ -246,8 +273,10 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
                 }
             }
             slot = slot + 1 == S ? 0 : slot + 1;
-            next = next + 1 == S ? 0 : next + 1;
-        }
+        };
+        int c = c_beg;
+        for (; c + U <= c_full; c += U) step(c, Flag<true>{});
+        for (; c < c_end; c += U) step(c, Flag<false>{});
     }
     cp_async_wait<0>();
 
