@@ -116,18 +116,22 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
     const int per_warp = (chunks + KS - 1) / KS;
     const int c_beg = min(chunks, ks * per_warp), c_end = min(chunks, c_beg + per_warp);
 
-    // This lane's B column: token q of each n-tile (null past the tile's
-    // last: zeros); its accumulators' tokens 8 j + 2 t + h (their scales).
+    // This lane's B column: token q of each n-tile; its accumulators'
+    // tokens 8 j + 2 t + h (their scales). A token past the block's last
+    // reads that last token's row and scales instead: column q of an MMA
+    // and the accumulators of a token depend only on that token's values,
+    // and the epilogue stores no token past t1, so no load tests the token
+    // (as gemm_fp4.cu). Running pointers at chunk c_beg: load_acts steps them.
     const u8* xrow[NT];
     const float* srow[NT][2];
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-        const int tok = t0 + 8 * j + q;
-        xrow[j] = tok < t1 ? x + (i64)tok * xs_t + (i64)g * xs_g + 4 * t : nullptr;
+        const int tok = min(t0 + 8 * j + q, t1 - 1);
+        xrow[j] = x + (i64)tok * xs_t + (i64)g * xs_g + 4 * t + 128 * c_beg;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int st = t0 + 8 * j + 2 * t + h;
-            srow[j][h] = st < t1 ? xsf + (i64)st * ss_t + (i64)g * ss_g : nullptr;
+            const int st = min(t0 + 8 * j + 2 * t + h, t1 - 1);
+            srow[j][h] = xsf + (i64)st * ss_t + (i64)g * ss_g + c_beg;
         }
     }
 
@@ -148,58 +152,77 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
     // its two planes) and the 64 shift bytes (lanes 0..3).
     u8* const ring = s_ring + warp * (S * MT * kTileBytes);
     const u32 ring_s = smem_u32(ring);
+    // issue(): the next chunk of the warp's range (chunk cn, from wsrc /
+    // ssrc: running pointers) into the next stage (at wr), predicated off
+    // past the range.
     const u8* wsrc[MT];
     const u8* ssrc[MT];
     bool tile_ok[MT];
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
-        const i64 at = ((i64)g * tiles16 + tile0 + i) * chunks;
+        const i64 at = ((i64)g * tiles16 + tile0 + i) * chunks + c_beg;
         tile_ok[i] = tile0 + i < tiles16;
         wsrc[i] = wq + at * kCodeBytes + 16 * lane;
         ssrc[i] = wsh + at * kShiftBytes + 16 * (lane & 3);
     }
-    auto issue = [&](int slot, int c) {
-        const bool live = c < c_end;
+    const u32 ring_end = ring_s + S * MT * kTileBytes;
+    u32 wr = ring_s;
+    int cn = c_beg;
+    auto issue = [&]() {
+        const bool live = cn < c_end;
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
-            const u32 dst = ring_s + (slot * MT + i) * kTileBytes;
+            const u32 dst = wr + i * kTileBytes;
             const bool on = live && tile_ok[i];
-            cp_async16_if(on, dst + 16 * lane, wsrc[i] + (i64)c * kCodeBytes);
-            cp_async16_if(on, dst + 512 + 16 * lane, wsrc[i] + (i64)c * kCodeBytes + 512);
-            cp_async16_if(on && lane < 4, dst + kCodeBytes + 16 * lane, ssrc[i] + (i64)c * kShiftBytes);
+            cp_async16_if(on, dst + 16 * lane, wsrc[i]);
+            cp_async16_if(on, dst + 512 + 16 * lane, wsrc[i] + 512);
+            cp_async16_if(on && lane < 4, dst + kCodeBytes + 16 * lane, ssrc[i]);
+            wsrc[i] += kCodeBytes;
+            ssrc[i] += kShiftBytes;
         }
         cp_async_commit();
+        ++cn;
+        wr = wr + MT * kTileBytes == ring_end ? ring_s : wr + MT * kTileBytes;
     };
 #pragma unroll
-    for (int p = 0; p < S - 1; ++p) issue(p, c_beg + p);
+    for (int p = 0; p < S - 1; ++p) issue();
 
     // A chunk's activations (zeros past k: K is a multiple of 32, so a
     // 16-byte unit is wholly in or out) and the tokens' scales, loaded a
     // chunk ahead so that their latency overlaps the chunk before.
-    auto load_acts = [&](int c, u32 (&bx)[NT][8], float (&sc)[NT][2]) {
-        const bool live = c < c_end;
+    // A chunk before c_full is the warp's and wholly inside K: its loads
+    // need no predicate.
+    const int c_full = min(c_end, k / 128);
+    auto load_acts = [&](int c, u32 (&bx)[NT][8], float (&sc)[NT][2], auto full_tag) {
+        const bool full = decltype(full_tag)::value, live = c < c_end;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
 #pragma unroll
             for (int m = 0; m < 8; ++m) {
-                const int col = 128 * c + 16 * m;
-                bx[j][m] = live && xrow[j] && col < k ? __ldg(reinterpret_cast<const u32*>(xrow[j] + col)) : 0u;
+                const bool on = full || (live && 128 * c + 16 * m < k);
+                bx[j][m] = on ? __ldg(reinterpret_cast<const u32*>(xrow[j] + 16 * m)) : 0u;
             }
 #pragma unroll
-            for (int h = 0; h < 2; ++h) sc[j][h] = live && srow[j][h] ? __ldg(srow[j][h] + c) : 0.0f;
+            for (int h = 0; h < 2; ++h) sc[j][h] = full || live ? __ldg(srow[j][h]) : 0.0f;
+            xrow[j] += 128;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) ++srow[j][h];
         }
     };
     u32 bx[NT][8];
     float sc[NT][2];
-    load_acts(c_beg, bx, sc);
-    int slot = 0, next = S - 1;                       // the stage multiplied, the stage refilled
-    for (int c = c_beg; c < c_end; ++c) {
+    if (c_beg < c_full) load_acts(c_beg, bx, sc, Flag<true>{});
+    else load_acts(c_beg, bx, sc, Flag<false>{});
+    int slot = 0;                                     // the stage multiplied
+    // FULL: the next chunk's loads need no predicate (the steps but the
+    // warp's last one or two, written apart: gemm_fp4.cu's lean steps).
+    auto step = [&](int c, auto full) {
         u32 bxn[NT][8];
         float scn[NT][2];
-        load_acts(c + 1, bxn, scn);
+        load_acts(c + 1, bxn, scn, full);
         cp_async_wait<S - 2>();
         __syncwarp();
-        issue(next, c + S - 1);
+        issue();
         // The chunk's activations as FP16 pairs (word m of token q: its B
         // fragments of step m / 2, MMA m % 2).
         u32 bh[NT][8][2];
@@ -248,7 +271,6 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
             }
         }
         slot = slot + 1 == S ? 0 : slot + 1;
-        next = next + 1 == S ? 0 : next + 1;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
 #pragma unroll
@@ -256,7 +278,10 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
             sc[j][0] = scn[j][0];
             sc[j][1] = scn[j][1];
         }
-    }
+    };
+    int c = c_beg;
+    for (; c + 1 < c_full; ++c) step(c, Flag<true>{});
+    for (; c < c_end; ++c) step(c, Flag<false>{});
     cp_async_wait<0>();
 
     // The bad shift bytes this warp met in its own chunks, counted once per
