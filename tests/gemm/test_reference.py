@@ -15,40 +15,59 @@ from rawkv.reference import gemm as R
 from rawkv.reference.formats import E2M1_VALUES, e4m3_decode
 from support.ragged import RAGGED_OFFSET_CASES
 
-# docs/gemm.md, "Packed form": nibble n_i of word W_s -> (row, column offset
-# from kb = 64c + 16t + 2s), copied from the table.
+# docs/gemm.md, "Packed form": code n_i of word W_s -> (row, column offset
+# from kb = 64c + 16t + 2s), and the bits of the little-endian word that
+# hold its bits 0..3 (m, e0, e1, sign), copied from the table.
 TABLE_ROW = ["r0", "r1", "r0", "r1", "r0", "r1", "r0", "r1"]
 TABLE_COL = [0, 0, 8, 8, 1, 1, 9, 9]
+TABLE_BITS = [[6, 7, 8, 15], [3, 4, 5, 12], [0, 1, 2, 9], [14, 10, 11, 13],
+              [22, 23, 24, 31], [19, 20, 21, 28], [16, 17, 18, 25], [30, 26, 27, 29]]
 
 
 def _table_source(shape, n, k):
-    """For every nibble of a packed codes array of `shape` (G, NP/16, C, 32,
-    16), the (g, row, col) the table says it holds, as flat index
-    (g * n + row) * k + col + 1, or 0 for padding."""
-    src = np.zeros((*shape, 2), np.int64)
-    for g, r, c, slot, byte, half in np.ndindex(*shape, 2):
-        s, i = byte // 4, 2 * (byte % 4) + half          # little-endian: byte b holds n_2b, n_2b+1
+    """For every code of a packed codes array of `shape` (G, NP/16, C, 32,
+    16), as (G, NP/16, C, 32, word s, code i), the (g, row, col) the table
+    says it holds, as flat index (g * n + row) * k + col + 1, or 0 for
+    padding."""
+    src = np.zeros((*shape[:4], 4, 8), np.int64)
+    for g, r, c, slot, s, i in np.ndindex(*shape[:4], 4, 8):
         t = slot // 8                                    # slot 8t + (q ^ 2t) holds lane 4q + t
         q = (slot % 8) ^ (2 * t)
         row = 16 * r + q + (8 if TABLE_ROW[i] == "r1" else 0)
         col = 64 * c + 16 * t + 2 * s + TABLE_COL[i]
         if row < n and col < k:
-            src[g, r, c, slot, byte, half] = (g * n + row) * k + col + 1
+            src[g, r, c, slot, s, i] = (g * n + row) * k + col + 1
     return src
+
+
+def _table_codes(packed):
+    """The codes of packed bytes (..., 16) read where the table puts their
+    bits: (..., word s, code i)."""
+    w = np.ascontiguousarray(packed).view("<u4").astype(np.int64)
+    return np.stack([sum(((w >> TABLE_BITS[i][b]) & 1) << b for b in range(4)) for i in range(8)], -1)
 
 
 def test_codes_land_where_the_table_says():
     # Every element gets a distinct number (its flat index + 1); four packs
-    # carry it 4 bits at a time, so every packed nibble names its source.
+    # carry it 4 bits at a time, so every packed code names its source.
     g, n, k = 2, 20, 80                       # padding rows (NP = 32) and columns (C = 2)
     ident = np.arange(g * n * k, dtype=np.int64).reshape(g, n, k) + 1
     got = 0
     for b in range(4):
         nib = ((ident >> (4 * b)) & 0xF).astype(np.uint8)
         packed = R.pack_codes((nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8))
-        got = got + (np.stack((packed & 0xF, packed >> 4), -1).astype(np.int64) << (4 * b))
+        got = got + (_table_codes(packed) << (4 * b))
     assert packed.shape == (g, 2, 2, 32, 16)
     np.testing.assert_array_equal(got, _table_source(packed.shape, n, k))
+
+
+def test_the_table_bits_fill_each_word_once():
+    # Every bit of a word belongs to exactly one code, and each 16-bit half
+    # holds the codes of one BF16 half (n_0 .. n_3 the low, n_4 .. n_7 the high).
+    bits = sorted(p for row in TABLE_BITS for p in row)
+    assert bits == list(range(32))
+    assert all(p < 16 for row in TABLE_BITS[:4] for p in row)
+    np.testing.assert_array_equal(np.asarray(TABLE_BITS), R.CODE_BITS)
 
 
 @pytest.mark.parametrize("block", [16, 32])

@@ -457,5 +457,5 @@ def test_nvfp4_constructor_refuses_packed_scales_off_the_rule(rng):
     with pytest.raises(ValueError, match="^codes:"):
         Fp4Weight("nvfp4", n, k, w.codes, sc, w.gs)
     cz = w.codes.clone()
-    cz[0, 0, 0, R.SLOT_OF_LANE[5]] &= 0x0F                                  # lane 5's row r1 codes zero
+    cz[0, 0, 0, R.SLOT_OF_LANE[5]] &= _t(np.tile(R.R0_BITS_OF_BYTE, 4).astype(np.uint8))   # lane 5's r1 codes zero
     Fp4Weight("nvfp4", n, k, cz, sc, w.gs)

@@ -91,8 +91,18 @@ __device__ __forceinline__ void mma_stage(const u8* stage, int lane, int live, c
 // PF: the activations are loaded one step ahead (rawkv.gemm.plans chooses:
 // the second register set costs blocks per SM, so it pays where the grid
 // is small enough to run in one wave anyway).
+// ptxas's own register choice (no minimum of blocks per SM: 0) spills 8-16
+// bytes in two places, which a minimum of one block lifts (it may then use
+// what registers it needs): NVFP4 activations (their codes converted at
+// each load) and sm_120's tiles (two m16n8k8 per step, mma_step).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+#define RKV_GEMM_MIN_BLOCKS(ACT) 1
+#else
+#define RKV_GEMM_MIN_BLOCKS(ACT) ((ACT) == 2 ? 1 : 0)
+#endif
+
 template <int ACT, bool MX, int MT, int NT, int KS, int RW, int U, int S, bool PF>
-__global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_fp4(
+__global__ void __launch_bounds__(32 * KS * RW, RKV_GEMM_MIN_BLOCKS(ACT)) rkv_gemm_fp4(
     const u8* __restrict__ wq, const u8* __restrict__ wsf, const float* __restrict__ wgs,
     const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
     i64 xs_t, i64 xs_g, i64 ss_t, i64 ss_g, i64 gs_t, i64 gs_g,

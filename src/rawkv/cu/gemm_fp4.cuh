@@ -225,28 +225,33 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 }
 
 // The four A-fragment registers of one k-step of one m-tile from a packed
-// code word w (pair j = nibbles j and j + 4), times the rows' scale
-// factors f0 (row q) and f1 (row q + 8).
+// code word w, times the rows' scale factors f0 (row q) and f1 (row q + 8).
+// Register p's two codes (its low half: n_p, its high half: n_p+4) sit in w
+// where docs/gemm.md's "Packed form" puts them (rawkv.reference.gemm
+// CODE_BITS) so that few operations lay them out as 16-bit floats:
 //
-// BF16: for a nibble pair at bits p and p + 16 (p = 0 or 4), one multiply
-// by 2^(12-p) + 2^(6-p) lays two copies of each nibble side by side, one
-// with the sign at bit 15 (31), one with the magnitude at bits 6..8
-// (22..24); the mask keeps those. The copies never overlap, so nothing
-// carries. Pairs 2 and 3 are pairs 0 and 1 of w >> 8. FP16 (magnitude at
-// bits 9..11, where the copies would overlap) uses shifts.
+// BF16 (sign at bit 15, magnitude m, e0, e1 at bits 6, 7, 8; +16 for the
+// high half): registers 0, 1, 2 are w, w << 3 and w << 6 masked, and
+// register 3's bits (m 14, e0 10, e1 11, sign 13) go to theirs by one
+// multiply of (w >> 8)'s four bits by 1 + 2^5 + 2^10: three copies that
+// never overlap, so nothing carries (9 integer operations per word where
+// the nibble-per-code layout took 13).
+// FP16 (magnitude at bits 9, 10, 11): two masked shifts per register.
 template <bool F16>
 __device__ __forceinline__ void dequant_fragment(u32 w, u32 f0, u32 f1, u32 (&a)[4]) {
+    const u32 w3 = w << 3, w6 = w << 6;
     if (F16) {
-        a[0] = mul2(e2m1_pair_bits(w << 12, true), f0, true);
-        a[1] = mul2(e2m1_pair_bits(w << 8, true), f1, true);
-        a[2] = mul2(e2m1_pair_bits(w << 4, true), f0, true);
-        a[3] = mul2(e2m1_pair_bits(w, true), f1, true);
+        constexpr u32 S = 0x80008000u, M = 0x0E000E00u;
+        a[0] = mul2((w & S) | (w3 & M), f0, true);
+        a[1] = mul2((w3 & S) | (w6 & M), f1, true);
+        a[2] = mul2((w6 & S) | ((w << 9) & M), f0, true);
+        a[3] = mul2((w & 0x0C000C00u) | ((w >> 5) & 0x02000200u) | ((w << 2) & S), f1, true);
     } else {
-        const u32 h = w >> 8;
-        a[0] = mul2(((w & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, f0, false);
-        a[1] = mul2(((w & 0x00F000F0u) * 0x0104u) & 0x81C081C0u, f1, false);
-        a[2] = mul2(((h & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, f0, false);
-        a[3] = mul2(((h & 0x00F000F0u) * 0x0104u) & 0x81C081C0u, f1, false);
+        constexpr u32 F = 0x81C081C0u;
+        a[0] = mul2(w & F, f0, false);
+        a[1] = mul2(w3 & F, f1, false);
+        a[2] = mul2(w6 & F, f0, false);
+        a[3] = mul2((((w >> 8) & 0x006C006Cu) * 0x421u) & F, f1, false);
     }
 }
 

@@ -1,19 +1,21 @@
-"""The packed FP4 weight layout of docs/gemm.md in torch: reshapes, permutes
-and one index_select, so the same code packs CPU and CUDA tensors (no numpy
-round trip, no host sync). rawkv.reference.gemm defines the layout with
-index formulas; tests/gemm/test_weights.py checks these equal it.
+"""The packed FP4 weight layout of docs/gemm.md in torch: reshapes, permutes,
+an index_select and the codes' bits moved with shifts, so the same code
+packs CPU and CUDA tensors (no numpy round trip, no host sync).
+rawkv.reference.gemm defines the layout with index formulas;
+tests/gemm/test_weights.py checks these equal it.
 
 Axis names used below: a padded row is 16 r + 8 j + q (row tile r, half j:
 0 for the lane's r0, 1 for r1, q = lane // 4); a padded column is 64 c +
 16 t + 8 h + 2 s + e (chunk c, t = lane % 4: the lane's 16-column block,
-word s; p = 2 h + e the word's column of its 4, held by byte
-COL_OF_BYTE^-1[p] of the word). Lane 4 q + t's 16 bytes sit at slot
-SLOT_OF_LANE[4 q + t].
+word s; p = 2 h + e the word's column of its 4: offset 0, 1, 8 or 9 from
+16 t + 2 s). Code n_i of a word (ROW_OF_CODE[i], COL_OF_CODE[i]) has its
+bits at CODE_BITS[i]. Lane 4 q + t's 16 bytes sit at slot SLOT_OF_LANE[4 q + t].
 """
 from __future__ import annotations
 
 from .._args import is_torch, require_array
-from ..reference.gemm import (CHUNK, COL_OF_BYTE, E4M3_OF_NV_FACTOR, LANE_OF_SLOT, LANES, NV_FACTOR_OF_E4M3, ROWS,
+from ..reference.gemm import (CHUNK, CODE_BITS, COL_OF_CODE, E4M3_OF_NV_FACTOR, LANE_OF_SLOT, LANES, NV_FACTOR_OF_E4M3,
+                              ROW_OF_CODE, ROWS,
                               SCALE_PAD, SLOT_OF_LANE, check_block, check_bytes, check_packed, padded_sizes)
 
 
@@ -47,6 +49,10 @@ def _padded(t, rows: int, cols: int, fill: int):
     return out
 
 
+#: The column index p (offset 0, 1, 8, 9: p = 0, 1, 2, 3) of each code n_i.
+_P_OF_CODE = [(0, 1, None, None, None, None, None, None, 2, 3)[int(o)] for o in COL_OF_CODE]
+
+
 def pack_codes(codes):
     """codes (G, N, K/2) uint8 -> packed (G, NP/16, C, 32, 16) uint8."""
     import torch
@@ -58,10 +64,18 @@ def pack_codes(codes):
     # (g, r, j, q, c, t, h, s, e) -> (g, r, c, q, t, s, h, e, j)
     v = nib.reshape(g, npad // ROWS, 2, 8, chunks, 4, 2, 4, 2).permute(0, 1, 4, 3, 5, 7, 6, 8, 2)
     v = v.reshape(g, npad // ROWS, chunks, LANES, 4, 4, 2)       # (g, r, c, lane, s, p, j)
-    # byte i of a word holds column p = COL_OF_BYTE[i]; slot i holds lane LANE_OF_SLOT[i]
-    v = v.index_select(5, torch.as_tensor(COL_OF_BYTE, device=codes.device))
-    v = v.index_select(3, torch.as_tensor(LANE_OF_SLOT, device=codes.device))
-    return (v[..., 0] | (v[..., 1] << 4)).reshape(g, npad // ROWS, chunks, LANES, 16).contiguous()
+    v = v.index_select(3, torch.as_tensor(LANE_OF_SLOT, device=codes.device))   # slot i holds lane LANE_OF_SLOT[i]
+    # each 16-bit half of a word from its four codes' bits (int32: no sign bit reached)
+    halves = []
+    for lo in (0, 4):
+        h = None
+        for i in range(lo, lo + 4):
+            code = v[..., _P_OF_CODE[i], int(ROW_OF_CODE[i])].to(torch.int32)
+            for b in range(4):
+                bit = ((code >> b) & 1) << (int(CODE_BITS[i, b]) - 4 * lo)
+                h = bit if h is None else h | bit
+        halves += [h & 0xFF, h >> 8]
+    return torch.stack(halves, dim=-1).to(torch.uint8).reshape(g, npad // ROWS, chunks, LANES, 16).contiguous()
 
 
 def unpack_codes(packed, n: int, k: int):
@@ -70,11 +84,15 @@ def unpack_codes(packed, n: int, k: int):
     n, k = _packed(packed, n, k)
     g = packed.shape[0]
     npad, chunks = padded_sizes(n, k)
-    v = torch.stack((packed & 0xF, packed >> 4), dim=-1)          # (..., slot, byte, j)
+    b = packed.reshape(g, npad // ROWS, chunks, LANES, 4, 2, 2).to(torch.int32)   # (..., slot, s, half, byte)
+    halves = b[..., 0] | (b[..., 1] << 8)
+    code = {}
+    for i in range(8):
+        h = halves[..., i // 4]
+        code[_P_OF_CODE[i], int(ROW_OF_CODE[i])] = sum(((h >> (int(CODE_BITS[i, bit]) - 16 * (i // 4))) & 1) << bit
+                                                       for bit in range(4))
+    v = torch.stack([code[p, j] for p in range(4) for j in range(2)], dim=-1).to(torch.uint8)   # (..., slot, s, p*2+j)
     v = v.index_select(3, torch.as_tensor(SLOT_OF_LANE, device=packed.device))
-    v = v.reshape(g, npad // ROWS, chunks, 8, 4, 4, 4, 2)         # (g, r, c, q, t, s, i, j)
-    # COL_OF_BYTE is its own inverse: byte i = COL_OF_BYTE[p]; p = 2 h + e
-    v = v.index_select(6, torch.as_tensor(COL_OF_BYTE, device=packed.device))
     v = v.reshape(g, npad // ROWS, chunks, 8, 4, 4, 2, 2, 2)      # (g, r, c, q, t, s, h, e, j)
     nib = v.permute(0, 1, 8, 3, 2, 4, 6, 5, 7).reshape(g, npad, chunks * CHUNK)[:, :n, :k]
     return (nib[..., 0::2] | (nib[..., 1::2] << 4)).contiguous()

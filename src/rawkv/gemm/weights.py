@@ -190,8 +190,9 @@ def check_nv_packed(codes, scales) -> None:
         g, t, c, lane, half = zero.nonzero(as_tuple=True)
         slot = torch.as_tensor(ref.SLOT_OF_LANE, device=codes.device)[lane]
         rec = codes[g, t, c, slot]                                  # (Z, 16)
-        nib = torch.where(half.unsqueeze(-1) == 0, rec & 0x0F, rec & 0xF0)
-        if bool(nib.ne(0).any()):
+        r0 = torch.as_tensor(np.tile(ref.R0_BITS_OF_BYTE, 4).astype(np.uint8), device=codes.device)
+        bits = torch.where(half.unsqueeze(-1) == 0, rec & r0, rec & ~r0)   # the half's rows' code bits
+        if bool(bits.ne(0).any()):
             raise ValueError("codes: an NVFP4 block whose packed scale is zero must have zero codes "
                              "(pack through Fp4Weight.from_nvfp4 / from_float, which zero them)")
 

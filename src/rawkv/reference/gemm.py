@@ -24,16 +24,27 @@ LANES = 32
 BLOCKS = {"nvfp4": 16, "mxfp4": 32}
 #: Scale byte of padding rows / columns: E4M3 0 (NVFP4), UE8M0 2^0 (MXFP4).
 SCALE_PAD = {16: 0x00, 32: 127}
-#: Which of a word's four columns byte i holds: byte i holds nibbles n_2i
-#: (row r0) and n_2i+1 (row r1), both of column 64c + 16t + 2s +
-#: PAIR_OFFSET[COL_OF_BYTE[i]] (word s of lane 4q + t; docs/gemm.md's table).
-COL_OF_BYTE = np.array([0, 2, 1, 3])
-#: Column offsets, from 16t + 2s, of word s's four columns: an m16n8k16 /
-#: wgmma A fragment's k = 2s, 2s + 1, 2s + 8, 2s + 9 of 16. The mma.sync
-#: kernel's lane (q, t) takes its own record's word s as its step s (all in
-#: its NVFP4 block t); the wgmma kernel's lane (q, t) takes word t of lane
-#: (q, s)'s record as its k16 step s (physical columns 16s .. 16s + 15).
-PAIR_OFFSET = np.array([0, 1, 8, 9])
+#: The eight codes n_0 .. n_7 of word s of lane (q, t) (docs/gemm.md's
+#: table): n_i is the code of row r0 (ROW_OF_CODE 0) or r1 (1) at column
+#: 64c + 16t + 2s + COL_OF_CODE[i]. Codes n_p and n_p+4 are A-fragment
+#: register p of k-step s (an m16n8k16 / wgmma A fragment: rows r0, r1 at
+#: k = 2s, 2s + 1, 2s + 8, 2s + 9 of 16). The mma.sync kernel's lane (q, t)
+#: takes its own record's word s as its step s (all in its NVFP4 block t);
+#: the wgmma kernel's lane (q, t) takes word t of lane (q, s)'s record as its
+#: k16 step s (physical columns 16s .. 16s + 15).
+ROW_OF_CODE = np.array([0, 1, 0, 1, 0, 1, 0, 1])
+COL_OF_CODE = np.array([0, 0, 8, 8, 1, 1, 9, 9])
+#: Where the bits of code n_i sit in its little-endian 32-bit word:
+#: CODE_BITS[i] = the positions of its bits 0..3 (m, e0, e1, sign). Register
+#: p's low half from n_p, its high half from n_p+4 (+16): BF16 wants the
+#: sign at bit 15 and m, e0, e1 at bits 6, 7, 8 (e2m1 * 2^-126), so n_0 sits
+#: there, n_1 three bits lower and n_2 six (a shift and a mask each), n_3 in
+#: the four bits left (one multiply moves them: docs/gemm.md).
+CODE_BITS = np.array([[6, 7, 8, 15], [3, 4, 5, 12], [0, 1, 2, 9], [14, 10, 11, 13],
+                      [22, 23, 24, 31], [19, 20, 21, 28], [16, 17, 18, 25], [30, 26, 27, 29]])
+#: The bits of row r0's codes in each byte of a word (the rest are r1's).
+R0_BITS_OF_BYTE = np.array([sum(1 << (int(p) - 8 * j) for i in range(8) if ROW_OF_CODE[i] == 0
+                                for p in CODE_BITS[i] if 8 * j <= p < 8 * j + 8) for j in range(4)])
 #: The 16-byte record of lane l = 4q + t sits at slot SLOT_OF_LANE[l] of its
 #: tile's 32: 8t + (q XOR 2t), so that both kernels' shared-memory reads
 #: are free of bank conflicts (docs/gemm.md, "Packed form").
@@ -145,26 +156,32 @@ def pack_codes(codes) -> np.ndarray:
     npad, chunks = padded_sizes(n, k)
     nib = np.zeros((g, npad, chunks * CHUNK), np.uint8)          # padding codes are 0
     nib[:, :n, :k] = unpack_nibbles(codes)
-    r, c, slot, b = np.indices((npad // ROWS, chunks, LANES, 16), dtype=np.int64)
+    r, c, slot, s = np.indices((npad // ROWS, chunks, LANES, 4), dtype=np.int64)
     lane = LANE_OF_SLOT[slot]
     r0 = ROWS * r + lane // 4
-    col = CHUNK * c + 16 * (lane % 4) + 2 * (b // 4) + PAIR_OFFSET[COL_OF_BYTE[b % 4]]   # word s = b // 4
-    return (nib[:, r0, col] | (nib[:, r0 + 8, col] << 4)).astype(np.uint8)
+    kb = CHUNK * c + 16 * (lane % 4) + 2 * s                      # word s's first column
+    word = np.zeros((g, *r.shape), np.uint32)
+    for i in range(8):
+        code = nib[:, r0 + 8 * ROW_OF_CODE[i], kb + COL_OF_CODE[i]].astype(np.uint32)
+        for b in range(4):
+            word |= ((code >> b) & 1) << np.uint32(CODE_BITS[i, b])
+    return word.astype("<u4").view(np.uint8).reshape(g, npad // ROWS, chunks, LANES, 16)
 
 
 def unpack_codes(packed, n: int, k: int) -> np.ndarray:
     """packed (G, NP/16, C, 32, 16) -> codes (G, N, K/2), padding dropped."""
     packed = np.asarray(packed)
     n, k = check_packed(packed.shape, str(packed.dtype), n, k)
+    words = np.ascontiguousarray(packed).view("<u4")              # (G, NP/16, C, 32, 4)
     row, col = np.indices((n, k), dtype=np.int64)
     q, half = row % 8, (row % ROWS) // 8                          # half 0: r0, 1: r1
     u = col % CHUNK
     t, v = u // 16, u % 16                                        # lane t's block, column v of its 16
     s = (v % 8) // 2                                              # word s
-    p = v % 2 + 2 * (v // 8)                                      # PAIR_OFFSET[p] = v - 2s
-    # byte i = COL_OF_BYTE^-1[p] of word s; COL_OF_BYTE is its own inverse
-    byte = 4 * s + COL_OF_BYTE[p]
-    nib = (packed[:, row // ROWS, col // CHUNK, SLOT_OF_LANE[4 * q + t], byte] >> (4 * half)) & 0xF
+    off = v - 2 * s                                               # COL_OF_CODE of the code: 0, 1, 8 or 9
+    i = half + np.select([off == 0, off == 1, off == 8], [0, 4, 2], 6)   # ROW_OF_CODE[i] = half
+    w = words[:, row // ROWS, col // CHUNK, SLOT_OF_LANE[4 * q + t], s]
+    nib = sum(((w >> CODE_BITS[i, b].astype(np.uint32)) & 1) << b for b in range(4)).astype(np.uint8)
     return (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
 
 
