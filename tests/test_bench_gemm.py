@@ -207,3 +207,20 @@ def test_the_peer_is_loaded_only_when_asked_for(bg, monkeypatch):
     bg.run(None, [], quick=True, peers=True)
     assert loads == ["cuda"] and seen[2:] == [None, None]       # load found no humming: None
     assert bg.PEERS == ("humming-kernels",)
+
+
+def test_moe_rows_rotate_weights_whose_token_experts_fit_in_l2(bg):
+    # H100: 50 MiB of L2. One token of DeepSeek-V4-Flash reads 6 experts: 57 MB
+    # (gate_up) or 28 MB (down), within 4 x L2, so the rows rotate copies
+    # (3 of gate_up's 2.4 GB fit MOE_SET_BYTES, 4 of down's); Pro's 8 experts
+    # are 198 MB / 99 MB, but one copy of its 9.5 / 4.8 GB weights is all
+    # that fits.
+    l2 = 50 << 20
+    experts, top_k, layers = bg.MOE["flash"]
+    assert bg.moe_sets(experts, top_k, *layers["gate_up"], l2) == 3
+    assert bg.moe_sets(experts, top_k, *layers["down"], l2) == 4
+    experts, top_k, layers = bg.MOE["pro"]
+    assert bg.moe_sets(experts, top_k, *layers["gate_up"], l2) == 1
+    assert bg.moe_sets(experts, top_k, *layers["down"], l2) == 1
+    assert bg.moe_sets(256, 6, 4096, 4096, 1 << 40) == 3          # capped by MOE_SET_BYTES, not by L2
+    assert bg.moe_sets(8, 1, 64, 64, 50 << 20) == bg.MOE_MAX_SETS   # tiny experts: the cap

@@ -8,7 +8,7 @@ move: E2M1 codes, block scales, activations, output; for MoE only the experts
 the tokens touch, at the copy bandwidth of the same run), frac_of_floor,
 TFLOPs, and peer / peer_us (null when humming is not installed). Weights
 rotate over several copies when they would fit in L2, for rawkv and the peer
-alike; every op is timed by bench.warm_cuda_time_us (CUDA-graph replays, the GPU kept busy after a
+alike (MoE: when one token's experts would, moe_sets; the row's weight_sets); every op is timed by bench.warm_cuda_time_us (CUDA-graph replays, the GPU kept busy after a
 pause: timing.keep_warm). The
 weights are random NVFP4 checkpoint bytes in ModelOpt's form; rawkv gets them
 through its loader (Fp4Weight.from_nvfp4), humming through its own.
@@ -77,6 +77,12 @@ MOE = {"flash": (256, 6, {"gate_up": (4096, 4096), "down": (4096, 2048)}),
        "pro": (384, 8, {"gate_up": (2 * 3072, 7168), "down": (7168, 3072)})}
 MOE_TOKENS, MOE_TOKENS_QUICK = (1, 16, 64, 256, 4096), (1, 4096)
 MODEL = {"flash": "DeepSeek-V4-Flash", "pro": "DeepSeek-V4-Pro", "seed004": "seed 004"}
+
+#: The MoE rows' weight copies: as many as rotation() asks for the experts one
+#: token reads (top_k of them), at most MOE_MAX_SETS and as many as fit
+#: MOE_SET_BYTES (each kind of weight: rawkv's, W4A8's, the peer's).
+MOE_MAX_SETS = 4
+MOE_SET_BYTES = 8 << 30
 
 PEER_PACKAGE = "humming-kernels"
 #: the peers --peer adds (rawkv.bench.cli passes peers= to a group that names some)
@@ -488,12 +494,23 @@ def _routing(torch, gen, experts, top_k, tokens):
     return counts, offsets
 
 
+def moe_sets(experts: int, top_k: int, n: int, k: int, l2_bytes: int) -> int:
+    """How many copies of an MoE weight the rows rotate over (MOE_MAX_SETS,
+    MOE_SET_BYTES): at one token the experts read may fit in L2, and
+    back-to-back calls on one copy would read them from there."""
+    from .timing import rotation
+    per_expert = n * k // 2 + n * k // 16
+    fit = max(1, MOE_SET_BYTES // max(1, experts * per_expert))
+    return max(1, min(MOE_MAX_SETS, fit, rotation(top_k * per_expert, l2_bytes)))
+
+
 def _moe_calls(peer, torch, hw, x, out_n, offs, rows, why=None):
-    """{mode: (fn(i), result())} for one batch of sorted rows. why: the
-    weights' failure, raised here."""
+    """{mode: (fn(i), result())} for one batch of sorted rows; hw: the
+    peer's weight copies, call i using copy i % len(hw). why: the weights'
+    failure, raised here."""
     if hw is None:
         raise RuntimeError(f"no weights ({why})")
-    cfg, t = hw
+    cfg, _ = hw[0]
     oc, oi = (torch.full((rows, out_n), float("nan"), device=x.device, dtype=torch.bfloat16) for _ in range(2))
     locks = peer.locks()
     iv_c = peer.intervals(cfg, "grouped_contiguous", [rows])
@@ -501,10 +518,12 @@ def _moe_calls(peer, torch, hw, x, out_n, offs, rows, why=None):
     sorted_ids, expert_ids, padded = _indexed_layout(torch, offs, int(iv_i[0][2]["block_shape"][0]))
 
     def contiguous(i):
-        peer.gemm(cfg, t, x, oc, "grouped_contiguous", iv_c, locks, expert_layout=offs)
+        c, t = hw[i % len(hw)]
+        peer.gemm(c, t, x, oc, "grouped_contiguous", iv_c, locks, expert_layout=offs)
 
     def indexed(i):
-        peer.gemm(cfg, t, x, oi, "indexed", iv_i, locks, sorted_ids=sorted_ids, expert_ids=expert_ids,
+        c, t = hw[i % len(hw)]
+        peer.gemm(c, t, x, oi, "indexed", iv_i, locks, sorted_ids=sorted_ids, expert_ids=expert_ids,
                   num_tokens_padded=padded)
     return {"grouped_contiguous": (contiguous, lambda: oc), "indexed": (indexed, lambda: oi)}
 
@@ -528,11 +547,12 @@ def _moe(rt, results, peer, quick, reps, copy):
     gen = torch.Generator().manual_seed(0)
     for model, (experts, top_k, layers) in MOE.items():
         for name, (n, k) in layers.items():
-            ckpt = _checkpoint(torch, experts, n, k, dev)
-            w = _rawkv_weight(torch, *ckpt)
-            w8 = _w4a8_weight(torch, experts, n, k, dev) if rt.arch == "sm_90" else None
-            hw, why = _peer_build(peer, lambda: peer.weight(*ckpt, experts))
-            ckpt = None
+            sets = moe_sets(experts, top_k, n, k, rt.l2_bytes)
+            ckpts = [_checkpoint(torch, experts, n, k, dev) for _ in range(sets)]
+            ws = [_rawkv_weight(torch, *c) for c in ckpts]
+            w8s = [_w4a8_weight(torch, experts, n, k, dev) for _ in range(sets)] if rt.arch == "sm_90" else None
+            hw, why = _peer_build(peer, lambda: [peer.weight(*c, experts) for c in ckpts])
+            ckpts = None
             torch.cuda.empty_cache()
             wb = None
             for tokens in tokens_list:
@@ -541,12 +561,12 @@ def _moe(rt, results, peer, quick, reps, copy):
                 offs = offsets.to(dev)
                 x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
                 out = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
-                us = cuda_time_us(lambda i: rawkv.gemm.moe_linear(x, w, offs, out=out), reps=reps)
+                us = cuda_time_us(lambda i: rawkv.gemm.moe_linear(x, ws[i % sets], offs, out=out), reps=reps)
                 touched = int((counts > 0).sum())
                 nbytes = touched * (n * k // 2 + n * k // 16) + rows * (k + n) * 2
                 flops = 2 * rows * n * k
                 extra = {"model": MODEL[model], "floor_us": round(nbytes / copy / 1e3, 2),
-                         "TFLOPs": round(flops / us / 1e6, 1), "experts_touched": touched}
+                         "TFLOPs": round(flops / us / 1e6, 1), "experts_touched": touched, "weight_sets": sets}
                 extra["frac_of_floor"] = round(extra["floor_us"] / us, 3)
                 base = None
                 if hasattr(torch, "_grouped_mm"):
@@ -559,11 +579,11 @@ def _moe(rt, results, peer, quick, reps, copy):
                     except Exception as exc:  # noqa: BLE001 - reported, not fatal
                         extra["baseline_error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
                         base = None
-                if w8 is not None:
+                if w8s is not None:
                     xa = rawkv.fp8.quantize_blocks(x)
                     extra.update(_w4a8_fields(lambda: cuda_time_us(
-                        lambda i: rawkv.gemm.moe_linear(xa, w8, offs, out=out), reps=reps), us, flops))
-                ref = rawkv.gemm.moe_linear(x, w, offs) if peer else None
+                        lambda i: rawkv.gemm.moe_linear(xa, w8s[i % sets], offs, out=out), reps=reps), us, flops))
+                ref = rawkv.gemm.moe_linear(x, ws[0], offs) if peer else None
                 extra.update(_time_peer(peer, lambda: _moe_calls(peer, torch, hw, x, n, offs, rows, why), ref,
                                         reps, flops))
                 row = entry(f"moe_linear/{name}", (tokens, experts, top_k, k, n), "nvfp4xbf16", us, nbytes, copy,
@@ -574,7 +594,7 @@ def _moe(rt, results, peer, quick, reps, copy):
                 print(f"[gemm] moe {model} {name} tokens={tokens}: {us:.1f} us ({extra['frac_of_floor']:.0%} of "
                       f"floor {extra['floor_us']} us, {extra['TFLOPs']} TFLOP/s); grouped_mm "
                       f"{'-' if base is None else f'{base:.1f} us'}" + _peer_text(row) + _w4a8_text(row), flush=True)
-            w = wb = w8 = hw = None
+            ws = wb = w8s = hw = None
             torch.cuda.empty_cache()
 
 
