@@ -8,8 +8,9 @@ move: E2M1 codes, block scales, activations, output; for MoE only the experts
 the tokens touch, at the copy bandwidth of the same run), frac_of_floor,
 TFLOPs, and peer / peer_us (null when humming is not installed). Weights
 rotate over several copies when they would fit in L2, for rawkv and the peer
-alike (MoE: when one token's experts would, moe_sets; the row's weight_sets); every op is timed by bench.warm_cuda_time_us (CUDA-graph replays, the GPU kept busy after a
-pause: timing.keep_warm). The
+alike (MoE: when one token's experts would, moe_sets; the row's weight_sets);
+every op is timed by bench.warm_cuda_time_us (CUDA-graph replays, the GPU kept
+busy after a pause: timing.keep_warm). The
 weights are random NVFP4 checkpoint bytes in ModelOpt's form; rawkv gets them
 through its loader (Fp4Weight.from_nvfp4), humming through its own.
 
