@@ -38,12 +38,15 @@ def ragged_bf16(x: np.ndarray, w: np.ndarray, offsets, errors, out) -> None:
     write_bf16(y, out)
 
 
-def run_counted(rt, act, w, errors, stream, plan) -> None:
+def run_counted(rt, act, w, errors, stream, plan) -> list:
     """The launches of a call that counts bad device inputs (a ragged call;
     W4A8's batched one too) on runtime rt (act's device): plan(rt, errors) with errors the
     caller's counter or, when None, the device's GEMM_OFFSETS counter;
-    nothing for no rows (tokens) or no features."""
-    if act.lead[0] and w.n:
-        if errors is None:
-            errors = rt.counter(counters.GEMM_OFFSETS, stream)
-        rt.run(plan(rt, errors), stream)
+    nothing for no rows (tokens) or no features. Returns the launches run."""
+    if not (act.lead[0] and w.n):
+        return []
+    if errors is None:
+        errors = rt.counter(counters.GEMM_OFFSETS, stream)
+    launches = plan(rt, errors)
+    rt.run(launches, stream)
+    return launches

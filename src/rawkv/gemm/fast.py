@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 from .. import _args as A
 from .._plan import Launch
+from ..runtime import get_runtime
 from . import tma
 
 #: The dispatch tunables' version: part of every key, bumped by forget().
@@ -128,3 +129,24 @@ def try_launch(k: tuple, weight: tuple, weight_names: tuple, names: tuple, tenso
     kernel = ln.kernel
     kernel.launch(rt_of(tensors[0].get_device()), ln.grid, ln.block, stream=None, shared_mem=kernel.smem, **args)
     return True
+
+
+def launched(op: str, call: tuple, outputs: int, weight: tuple, sizes: tuple, names: tuple,
+             weight_names: tuple) -> bool:
+    """An op's fast path: whether its call (CUDA tensors or None, in `names`
+    order, the first `outputs` of them written) was launched here. False
+    sends it to the checked path, which also names a bad argument (a
+    non-tensor reads as one the fast path does not take)."""
+    try:
+        if not all(t is None or t.is_cuda is True for t in call):
+            return False
+        return try_launch(key(op, call, weight, sizes), weight, weight_names, names, call, outputs, get_runtime)
+    except AttributeError:
+        return False
+
+
+def keep(op: str, call: tuple, weight: tuple, sizes: tuple, plan: list, names: tuple, weight_names: tuple) -> None:
+    """After the checked path ran `plan` for a call the fast path may take
+    (the caller has checked as_given): remember its one launch."""
+    if len(plan) == 1:
+        remember(key(op, call, weight, sizes), weight, plan[0], names, call, weight_names)

@@ -153,15 +153,10 @@ def _grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, s
     # Fast path (rawkv.gemm.fast): 16-bit CUDA activations on torch's
     # stream, arguments like a call the checked path launched; anything it
     # does not take comes through the checked path, which names the argument.
-    weight = (codes, scales, gs)
-    if stream is None and x_sf is None and x_gs is None:
-        try:
-            if x.is_cuda is out.is_cuda is True and fast.try_launch(
-                    fast.key("grouped", (out, x), weight, (fmt, n, k, exp_lo, exp_hi)), weight, _WEIGHT_ARGS,
-                    _GROUPED_ARGS, (out, x), 1, get_runtime):
-                return
-        except AttributeError:
-            pass
+    weight, call, sizes = (codes, scales, gs), (out, x), (fmt, n, k, exp_lo, exp_hi)
+    fastable = stream is None and x_sf is None and x_gs is None
+    if fastable and fast.launched("grouped", call, 1, weight, sizes, _GROUPED_ARGS, _WEIGHT_ARGS):
+        return
     where, act, w, out = R.grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out)
     if where == "cpu":
         write_bf16(ref.grouped(_values(act), _weight_values(w)), out)
@@ -169,9 +164,8 @@ def _grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, s
     rt = get_runtime(act.device)
     plan = P.grouped(rt, act, w, out, _TUNING)
     rt.run(plan, stream)
-    if stream is None and len(plan) == 1 and act.kind != R.NVFP4 and fast.as_given((x,), (act.x,), out, weight):
-        fast.remember(fast.key("grouped", (out, x), weight, (fmt, n, k, exp_lo, exp_hi)), weight, plan[0],
-                      _GROUPED_ARGS, (out, x), _WEIGHT_ARGS)
+    if fastable and fast.as_given((x,), (act.x,), out, weight):
+        fast.keep("grouped", call, weight, sizes, plan, _GROUPED_ARGS, _WEIGHT_ARGS)
 
 
 @op("gemm_moe_linear", f"{_X_SCHEMA}, {_WEIGHT_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")
@@ -180,33 +174,20 @@ def _moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, o
     <= r < offsets[e+1], clamped and counted in errors[0], or with errors
     None in the device's GEMM_OFFSETS counter) times its weight into out
     (R, N)."""
-    weight = (codes, scales, gs)
-    if stream is None and x_sf is None and x_gs is None:              # fast path: as _grouped's
-        try:
-            call = (out, errors, x, offsets)
-            if x.is_cuda is out.is_cuda is offsets.is_cuda is True and (errors is None or errors.is_cuda is True) \
-                    and fast.try_launch(fast.key("moe", call, weight, (fmt, n, k, exp_lo, exp_hi)), weight,
-                                        _WEIGHT_ARGS, _MOE_ARGS, call, 2, get_runtime):
-                return
-        except AttributeError:
-            pass
+    weight, call, sizes = (codes, scales, gs), (out, errors, x, offsets), (fmt, n, k, exp_lo, exp_hi)
+    fastable = stream is None and x_sf is None and x_gs is None      # the fast path: as _grouped's
+    if fastable and fast.launched("moe", call, 2, weight, sizes, _MOE_ARGS, _WEIGHT_ARGS):
+        return
     given = (offsets, errors)
     where, act, w, offsets, out, errors = R.moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi,
                                                 offsets, out, errors)
     if where == "cpu":
         ragged_bf16(_values(act), _weight_values(w), offsets, errors, out)
         return
-    plan = []
-
-    def planned(rt, e):
-        plan[:] = P.moe(rt, act, w, offsets, out, e, _TUNING)
-        return plan
-    run_counted(get_runtime(act.device), act, w, errors, stream, planned)
-    if stream is None and len(plan) == 1 and act.kind != R.NVFP4 \
-            and fast.as_given((x, *given), (act.x, offsets, errors), out, weight):
-        call = (out, errors, x, offsets)
-        fast.remember(fast.key("moe", call, weight, (fmt, n, k, exp_lo, exp_hi)), weight, plan[0], _MOE_ARGS,
-                      call, _WEIGHT_ARGS)
+    plan = run_counted(get_runtime(act.device), act, w, errors, stream,
+                       lambda rt, e: P.moe(rt, act, w, offsets, out, e, _TUNING))
+    if fastable and fast.as_given((x, *given), (act.x, offsets, errors), out, weight):
+        fast.keep("moe", call, weight, sizes, plan, _MOE_ARGS, _WEIGHT_ARGS)
 
 
 # ---- CPU ---------------------------------------------------------------------------------------

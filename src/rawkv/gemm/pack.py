@@ -49,8 +49,8 @@ def _padded(t, rows: int, cols: int, fill: int):
     return out
 
 
-#: The column index p (offset 0, 1, 8, 9: p = 0, 1, 2, 3) of each code n_i.
-_P_OF_CODE = [(0, 1, None, None, None, None, None, None, 2, 3)[int(o)] for o in COL_OF_CODE]
+#: The column index p of each code n_i (its offset 0, 1, 8 or 9: p = 0, 1, 2, 3).
+_P_OF_CODE = [(0, 1, 8, 9).index(int(o)) for o in COL_OF_CODE]
 
 
 def pack_codes(codes):

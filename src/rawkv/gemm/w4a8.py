@@ -149,16 +149,9 @@ def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors, stream=N
     blocks whose shift byte is past the table read as zeros and are counted
     in errors[0] (None: the device's GEMM_OFFSETS counter), as
     rawkv::gemm_moe_linear_w4a8 counts them."""
-    weight = (codes, shifts, row_scale, gs)
-    if stream is None:                          # the fast path (rawkv.gemm.fast), as W4A16's
-        try:
-            call = (out, errors, x, x_sf)
-            if x.is_cuda is x_sf.is_cuda is out.is_cuda is True and (errors is None or errors.is_cuda is True) \
-                    and fast.try_launch(fast.key("grouped8", call, weight, (n, k)), weight, _WEIGHT_ARGS,
-                                        _GROUPED_ARGS, call, 2, get_runtime):
-                return
-        except AttributeError:
-            pass
+    weight, call = (codes, shifts, row_scale, gs), (out, errors, x, x_sf)
+    if stream is None and fast.launched("grouped8", call, 2, weight, (n, k), _GROUPED_ARGS, _WEIGHT_ARGS):
+        return                                  # the fast path (rawkv.gemm.fast), as W4A16's
     given = (x, x_sf, errors)
     where, act, w, out, errors = R.w4a8_grouped(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors)
     if where == "cpu":
@@ -166,16 +159,10 @@ def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors, stream=N
         count_cpu(errors, bad)
         write_bf16(y, out)
         return
-    plan = []
-
-    def planned(rt, e):
-        plan[:] = P.w4a8_grouped(rt, act, w, out, e, _tuning())
-        return plan
-    run_counted(get_runtime(act.device), act, w, errors, stream, planned)
-    if stream is None and len(plan) == 1 and fast.as_given(given, (act.x, act.sf, errors), out, weight):
-        call = (out, errors, x, x_sf)
-        fast.remember(fast.key("grouped8", call, weight, (n, k)), weight, plan[0], _GROUPED_ARGS, call,
-                      _WEIGHT_ARGS)
+    plan = run_counted(get_runtime(act.device), act, w, errors, stream,
+                       lambda rt, e: P.w4a8_grouped(rt, act, w, out, e, _tuning()))
+    if stream is None and fast.as_given(given, (act.x, act.sf, errors), out, weight):
+        fast.keep("grouped8", call, weight, (n, k), plan, _GROUPED_ARGS, _WEIGHT_ARGS)
 
 
 @op("gemm_moe_linear_w4a8", f"{_SCHEMA}, Tensor offsets, Tensor(a!) out, Tensor(b!)? errors")
@@ -185,17 +172,9 @@ def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, str
     into out (R, N); the clamps and the blocks past the table of the experts
     that own a row counted in errors[0] (None: the device's GEMM_OFFSETS
     counter)."""
-    weight = (codes, shifts, row_scale, gs)
-    if stream is None:                          # the fast path, as the batched op's
-        try:
-            call = (out, errors, x, x_sf, offsets)
-            if x.is_cuda is x_sf.is_cuda is offsets.is_cuda is out.is_cuda is True \
-                    and (errors is None or errors.is_cuda is True) \
-                    and fast.try_launch(fast.key("moe8", call, weight, (n, k)), weight, _WEIGHT_ARGS, _MOE_ARGS,
-                                        call, 2, get_runtime):
-                return
-        except AttributeError:
-            pass
+    weight, call = (codes, shifts, row_scale, gs), (out, errors, x, x_sf, offsets)
+    if stream is None and fast.launched("moe8", call, 2, weight, (n, k), _MOE_ARGS, _WEIGHT_ARGS):
+        return                                  # the fast path, as the batched op's
     given = (x, x_sf, errors, offsets)
     where, act, w, offsets, out, errors = R.w4a8_moe(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out,
                                                      errors)
@@ -205,15 +184,10 @@ def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, str
         count_cpu(errors, bad)
         write_bf16(y, out)
         return
-    plan = []
-
-    def planned(rt, e):
-        plan[:] = P.w4a8_moe(rt, act, w, offsets, out, e, _tuning())
-        return plan
-    run_counted(get_runtime(act.device), act, w, errors, stream, planned)
-    if stream is None and len(plan) == 1 and fast.as_given(given, (act.x, act.sf, errors, offsets), out, weight):
-        call = (out, errors, x, x_sf, offsets)
-        fast.remember(fast.key("moe8", call, weight, (n, k)), weight, plan[0], _MOE_ARGS, call, _WEIGHT_ARGS)
+    plan = run_counted(get_runtime(act.device), act, w, errors, stream,
+                       lambda rt, e: P.w4a8_moe(rt, act, w, offsets, out, e, _tuning()))
+    if stream is None and fast.as_given(given, (act.x, act.sf, errors, offsets), out, weight):
+        fast.keep("moe8", call, weight, (n, k), plan, _MOE_ARGS, _WEIGHT_ARGS)
 
 
 def _tuning():

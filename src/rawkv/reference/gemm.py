@@ -42,6 +42,9 @@ COL_OF_CODE = np.array([0, 0, 8, 8, 1, 1, 9, 9])
 #: the four bits left (one multiply moves them: docs/gemm.md).
 CODE_BITS = np.array([[6, 7, 8, 15], [3, 4, 5, 12], [0, 1, 2, 9], [14, 10, 11, 13],
                       [22, 23, 24, 31], [19, 20, 21, 28], [16, 17, 18, 25], [30, 26, 27, 29]])
+#: The index i of the code at (row half, column offset): CODE_AT[ROW_OF_CODE[i], COL_OF_CODE[i]] = i.
+CODE_AT = np.full((2, 10), -1)
+CODE_AT[ROW_OF_CODE, COL_OF_CODE] = np.arange(8)
 #: The bits of row r0's codes in each byte of a word (the rest are r1's).
 R0_BITS_OF_BYTE = np.array([sum(1 << (int(p) - 8 * j) for i in range(8) if ROW_OF_CODE[i] == 0
                                 for p in CODE_BITS[i] if 8 * j <= p < 8 * j + 8) for j in range(4)])
@@ -178,8 +181,7 @@ def unpack_codes(packed, n: int, k: int) -> np.ndarray:
     u = col % CHUNK
     t, v = u // 16, u % 16                                        # lane t's block, column v of its 16
     s = (v % 8) // 2                                              # word s
-    off = v - 2 * s                                               # COL_OF_CODE of the code: 0, 1, 8 or 9
-    i = half + np.select([off == 0, off == 1, off == 8], [0, 4, 2], 6)   # ROW_OF_CODE[i] = half
+    i = CODE_AT[half, v - 2 * s]                                  # the code's index in its word
     w = words[:, row // ROWS, col // CHUNK, SLOT_OF_LANE[4 * q + t], s]
     nib = sum(((w >> CODE_BITS[i, b].astype(np.uint32)) & 1) << b for b in range(4)).astype(np.uint8)
     return (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
