@@ -224,3 +224,61 @@ def test_moe_rows_rotate_weights_whose_token_experts_fit_in_l2(bg):
     assert bg.moe_sets(experts, top_k, *layers["down"], l2) == 1
     assert bg.moe_sets(256, 6, 4096, 4096, 1 << 40) == 3          # capped by MOE_SET_BYTES, not by L2
     assert bg.moe_sets(8, 1, 64, 64, 50 << 20) == bg.MOE_MAX_SETS   # tiny experts: the cap
+
+
+def test_the_weight_read_kernel_compiles_without_a_gpu(bg):
+    """The wo_a rows' read_us kernel (READ_SRC), compiled by NVRTC for the
+    H100 as CuPy would: a source error would only show on the GPU run."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python is not installed")
+    from rawkv import _nvrtc
+    res = _nvrtc.compile_cu(bg.READ_SRC, "rkv_bench_read.cu", "sm_90", ["rkv_bench_read"])
+    assert res.cubin and "rkv_bench_read" in res.lowered
+
+
+def test_read_weight_us_rotates_buffers_and_keeps_the_faster_grid(bg, monkeypatch):
+    """read_weight_us times each READ_GRIDS grid through the given timer over
+    `sets` rotated buffers of whole 16-byte words and returns the least time."""
+    torch = pytest.importorskip("torch")
+    launches = []
+
+    class FakeKernel:
+        def __init__(self, src, name):
+            assert name == "rkv_bench_read"
+
+        def __call__(self, grid, block, args, stream=None):
+            launches.append((grid[0], block[0], args[0], args[1]))
+
+    class FakeCupy:
+        RawKernel = FakeKernel
+
+        class cuda:
+            @staticmethod
+            def ExternalStream(ptr):
+                return ptr
+
+    made = []
+    real_randint = torch.randint
+
+    def randint(lo, hi, size, dtype=None, device=None):
+        t = real_randint(lo, hi, size, dtype=dtype)
+        made.append(t)
+        return t
+
+    class FakeCurrent:
+        cuda_stream = 0
+    monkeypatch.setitem(sys.modules, "cupy", FakeCupy)
+    monkeypatch.setattr(torch, "randint", randint)
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: torch.empty(1, dtype=torch.int32))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: FakeCurrent)
+    times = iter([7.5, 7.25])
+
+    def time_us(fn):
+        for i in range(3):
+            fn(i)
+        return next(times)
+    us = bg.read_weight_us(torch, 1000, 2, 132, time_us)
+    assert us == 7.25
+    assert [t.numel() for t in made] == [992, 992]          # whole 16-byte words, one buffer per set
+    assert [(g, b) for g, b, _, _ in launches] == [(4 * 132, 512)] * 3 + [(16 * 132, 256)] * 3
+    assert [p for _, _, p, _ in launches[:3]] == [made[0].data_ptr(), made[1].data_ptr(), made[0].data_ptr()]
+    assert {n for _, _, _, n in launches} == {62}

@@ -6,7 +6,10 @@ and the peer, humming-kernels, timed in the same run.
 Every row: us (rawkv), baseline_us (torch BF16), floor_us (the bytes that must
 move: E2M1 codes, block scales, activations, output; for MoE only the experts
 the tokens touch, at the copy bandwidth of the same run), frac_of_floor,
-TFLOPs, and peer / peer_us (null when humming is not installed). Weights
+TFLOPs, and peer / peer_us (null when humming is not installed); the wo_a rows
+also read_us, a plain streaming read of the same weight bytes timed the same
+way (read_weight_us: what any kernel that streams them takes at this size,
+launch, ramp and tail included) and frac_of_read = read_us / us. Weights
 rotate over several copies when they would fit in L2, for rawkv and the peer
 alike (MoE: when one token's experts would, moe_sets; the row's weight_sets);
 every op is timed by bench.warm_cuda_time_us (CUDA-graph replays, the GPU kept
@@ -99,6 +102,51 @@ PEER_LOCKS = 1 << 14
 #: bytes of codes packed per rawkv loader call (its temporaries are a few
 #: times this; a 384-expert weight at once would not fit beside the rest)
 PACK_CHUNK = 1 << 30
+
+
+# ---- a plain read of the weight bytes -------------------------------------------
+# Each thread streams 16-byte words past L1 (__ldcs), four independent loads a
+# step; a word is stored only on an impossible value, so no load is dropped.
+READ_SRC = r"""
+extern "C" __global__ void rkv_bench_read(const uint4* __restrict__ p, long long n16, unsigned* out) {
+    unsigned acc = 0;
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    const long long st = (long long)gridDim.x * blockDim.x;
+    for (; i + 3 * st < n16; i += 4 * st) {
+        const uint4 a = __ldcs(p + i), b = __ldcs(p + i + st), c = __ldcs(p + i + 2 * st), d = __ldcs(p + i + 3 * st);
+        acc ^= a.x ^ a.w ^ b.x ^ b.y ^ c.y ^ c.z ^ d.z ^ d.w;
+    }
+    for (; i < n16; i += st) {
+        const uint4 a = __ldcs(p + i);
+        acc ^= a.x ^ a.w;
+    }
+    if (acc == 0x9E3779B9u) out[0] = acc;
+}
+"""
+#: (blocks per SM, threads per block) of the read; read_weight_us keeps the
+#: faster (H100, 18.9 / 37.7 / 56.6 MB: within 1-2% of each other and of two
+#: other grids).
+READ_GRIDS = ((4, 512), (16, 256))
+
+
+def read_weight_us(torch, nbytes: int, sets: int, sm_count: int, time_us) -> float:
+    """Device time of a plain streaming read of `nbytes` (whole 16-byte words),
+    rotating over `sets` buffers as the op's weights rotate, timed by
+    `time_us(fn)` as the op is: the least time any kernel that streams those
+    bytes takes at this size (launch, ramp and tail included), which the
+    floor at copy bandwidth does not count."""
+    import cupy
+    kernel = cupy.RawKernel(READ_SRC, "rkv_bench_read")
+    n16 = nbytes // 16
+    bufs = [torch.randint(0, 256, (n16 * 16,), dtype=torch.uint8, device="cuda") for _ in range(sets)]
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    best = float("inf")
+    for per_sm, threads in READ_GRIDS:
+        def call(i, blocks=per_sm * sm_count, threads=threads):
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+            kernel((blocks,), (threads,), (bufs[i % sets].data_ptr(), n16, sink.data_ptr()), stream=stream)
+        best = min(best, time_us(call))
+    return best
 
 
 # ---- weights -------------------------------------------------------------------
@@ -448,6 +496,7 @@ def _wo_a(rt, results, peer, quick, reps, copy):
         hw, why = _peer_build(peer, lambda: [_wo_a_peer(peer, c, g) for c in ckpts])
         ckpts = None
         locks = peer.locks() if peer else None
+        read_us = round(read_weight_us(torch, wbytes, sets, rt.sm_count, lambda f: cuda_time_us(f, reps=reps)), 2)
         wb = torch.randn(g, n, k, device=dev, dtype=torch.bfloat16)
         w8 = wb.to(torch.float8_e4m3fn) if hasattr(torch, "float8_e4m3fn") else None
         w8s = [_w4a8_weight(torch, g, n, k, dev) for _ in range(sets)] if rt.arch == "sm_90" else None
@@ -461,6 +510,7 @@ def _wo_a(rt, results, peer, quick, reps, copy):
             extra = {"model": MODEL[name], "floor_us": round(nbytes / copy / 1e3, 2),
                      "TFLOPs": round(flops / us / 1e6, 1), "baseline_TFLOPs": round(flops / base / 1e6, 1)}
             extra["frac_of_floor"] = round(extra["floor_us"] / us, 3)
+            extra["read_us"], extra["frac_of_read"] = read_us, round(read_us / us, 3)
             if w8 is not None and m % 16 == 0:
                 try:
                     x8 = x.to(torch.float8_e4m3fn)
@@ -479,7 +529,7 @@ def _wo_a(rt, results, peer, quick, reps, copy):
                         baseline="torch-einsum-bf16", baseline_us=base, **extra)
             results.append(row)
             print(f"[gemm] wo_a {name} M={m}: {us:.1f} us ({extra['frac_of_floor']:.0%} of floor "
-                  f"{extra['floor_us']} us, {extra['TFLOPs']} TFLOP/s); einsum {base:.1f} us"
+                  f"{extra['floor_us']} us, {extra['TFLOPs']} TFLOP/s; weight read {read_us} us); einsum {base:.1f} us"
                   + _peer_text(row) + _w4a8_text(row), flush=True)
         ws = wb = w8 = w8s = hw = None  # free before the next shape
         torch.cuda.empty_cache()
