@@ -219,6 +219,18 @@ __device__ __forceinline__ void cp_async16_if(bool on, u32 dst, const void* gmem
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n"
                  ::"r"(dst), "l"(gmem), "r"((int)on));
 }
+// cp_async16_if with the L2 prefetch hint .L2::128B: a miss brings the whole
+// 128-byte line from DRAM, not only the 32-byte sectors asked for, so a
+// tile's 64-byte scale copy (lanes 0..3) also brings its next chunk's
+// scales. The mma.sync kernel's weight stream (decode, MoE up to 28 tokens
+// per expert) takes it: H100, MoE Flash at 16 and 64 tokens (weight streams
+// of 0.4-0.9 GB) 1.3-1.6% less time, decode within 2% either way
+// (docs/gemm.md, "Streaming"); the wgmma kernels' producers measured no
+// better with it and keep cp_async16_if.
+__device__ __forceinline__ void cp_async16_line_if(bool on, u32 dst, const void* gmem) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n}\n"
+                 ::"r"(dst), "l"(gmem), "r"((int)on));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
