@@ -124,8 +124,8 @@ extern "C" __global__ void rkv_bench_read(const uint4* __restrict__ p, long long
 }
 """
 #: (blocks per SM, threads per block) of the read; read_weight_us keeps the
-#: faster (H100, 18.9 / 37.7 / 56.6 MB: within 1-2% of each other and of two
-#: other grids).
+#: faster (H100, 18.9 / 37.7 / 56.6 MB: 7.55 / 13.79 / 19.59 us and 7.90 /
+#: 13.70 / 20.08; 8 x 256 and 2 x 1024 were no faster).
 READ_GRIDS = ((4, 512), (16, 256))
 
 

@@ -222,8 +222,8 @@ __device__ __forceinline__ void cp_async16_if(bool on, u32 dst, const void* gmem
 // cp_async16_if with the L2 prefetch hint .L2::128B: a miss brings the whole
 // 128-byte line from DRAM, not only the 32-byte sectors asked for, so a
 // tile's 64-byte scale copy (lanes 0..3) also brings its next chunk's
-// scales. The mma.sync kernel's weight stream (decode, MoE up to 28 tokens
-// per expert) takes it: H100, MoE Flash at 16 and 64 tokens (weight streams
+// scales. The mma.sync kernel's weight stream (on Hopper decode and MoE
+// below 28 tokens per expert; every batch elsewhere) takes it: H100, MoE Flash at 16 and 64 tokens (weight streams
 // of 0.4-0.9 GB) 1.3-1.6% less time, decode within 2% either way
 // (docs/gemm.md, "Streaming"); the wgmma kernels' producers measured no
 // better with it and keep cp_async16_if.
