@@ -77,10 +77,10 @@ __device__ __forceinline__ u32 mul2(u32 a, u32 b, bool f16) {
 }
 
 // The E2M1 codes at bits 12..15 (low half) and 28..31 (high half) of w as a
-// packed pair of e2m1 * 2^-126 (BF16) or e2m1 * 2^-14 (FP16).
-__device__ __forceinline__ u32 e2m1_pair_bits(u32 w, bool f16) {
-    return f16 ? (w & 0x80008000u) | ((w >> 3) & 0x0E000E00u)
-               : (w & 0x80008000u) | ((w >> 6) & 0x01C001C0u);
+// packed pair of BF16 e2m1 * 2^-126 (NVFP4 activations, which the kernels
+// multiply in BF16 whatever the output).
+__device__ __forceinline__ u32 e2m1_pair_bits(u32 w) {
+    return (w & 0x80008000u) | ((w >> 6) & 0x01C001C0u);
 }
 
 // Both halves of a packed pair set to the 16-bit float f.
@@ -177,8 +177,8 @@ template <> struct ActChunk<2> {  // 16 E2M1 codes + their E4M3 block scale
     __device__ __forceinline__ void fragment(int s, u32& b0, u32& b1) const {
         const u32 lo = (q.x >> (8 * s)) & 0xFFu, hi = (q.y >> (8 * s)) & 0xFFu;
         // byte * 0x01001000: its low nibble at bits 12..15, high at 28..31.
-        b0 = mul2(e2m1_pair_bits(lo * 0x01001000u, false), f, false);
-        b1 = mul2(e2m1_pair_bits(hi * 0x01001000u, false), f, false);
+        b0 = mul2(e2m1_pair_bits(lo * 0x01001000u), f, false);
+        b1 = mul2(e2m1_pair_bits(hi * 0x01001000u), f, false);
     }
     __device__ __forceinline__ void words(uint4& w0, uint4& w1) const {
         fragment(0, w0.x, w1.x);
