@@ -168,6 +168,28 @@ def test_ragged_tiles_same_bits_every_run(cuda, rng, monkeypatch):
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_ragged_tile_same_bits_alone_or_with_other_tokens(cuda, rng, monkeypatch, fmt):
+    # A token's output from the 8-token ragged tile has the same bits whether
+    # its block holds it alone or with other tokens: an MMA's column depends
+    # only on its own token (what lets a column past the block's last token
+    # read that token's row). Token x[0] through expert 0 alone, then among
+    # three tokens of expert 0; both calls take the tile. K = 352: a partial
+    # 64-column chunk, and whole MXFP4 blocks.
+    from rawkv.gemm import linear
+    from rawkv.kernels import gemm_fp4 as K
+    monkeypatch.setattr(linear, "MMA_RAGGED_MIN_BLOCKS", 0)
+    monkeypatch.setattr(linear, "SM90_MIN_EXPERT_TOKENS", 1 << 30)
+    w, _ = random_weight(rng, 2, 200, 352, fmt)
+    x = torch.randn(4, 352, dtype=torch.bfloat16, device="cuda")
+    tile = plans.mma_config(1, K.RAGGED_CONFIGS)
+    assert tile[:2] == (2, 1) and tile == plans.mma_config(2, K.RAGGED_CONFIGS)
+    alone = rawkv.gemm.moe_linear(x[:2], w, torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda"))
+    among = rawkv.gemm.moe_linear(x[[0, 2, 3, 1]], w, torch.tensor([0, 3, 4], dtype=torch.int32, device="cuda"))
+    assert torch.equal(alone[0].view(torch.int16), among[0].view(torch.int16))
+    assert torch.equal(alone[1].view(torch.int16), among[3].view(torch.int16))
+
+
 def test_ragged_many_experts_and_the_default_counter(cuda, rng):
     e, n, k = 256, 32, 64
     counts = rng.integers(0, 4, e)
