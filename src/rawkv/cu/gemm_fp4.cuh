@@ -154,6 +154,17 @@ template <> struct ActChunk<0> {  // 16 x 16-bit values
         lo = __ldg(p);
         hi = __ldg(p + 1);
     }
+    // The same values as eight 4-byte loads: each lands in whatever register
+    // ptxas picks, so a step's pair (words s and s + 4) is loaded into the
+    // MMA's B register pair directly instead of moved there from two 16-byte
+    // loads. More load instructions, fewer moves: the mma.sync kernel takes
+    // it where a block of its two-m-tile, one-n-tile tile holds one or two
+    // tokens (gemm_fp4.cu, `words`).
+    __device__ __forceinline__ void load_words(const u8* row, int kb) {
+        const u32* p = reinterpret_cast<const u32*>(row + 2 * (i64)kb);
+        lo = make_uint4(__ldg(p), __ldg(p + 1), __ldg(p + 2), __ldg(p + 3));
+        hi = make_uint4(__ldg(p + 4), __ldg(p + 5), __ldg(p + 6), __ldg(p + 7));
+    }
     __device__ __forceinline__ void fragment(int s, u32& b0, u32& b1) const {
         b0 = word_of(lo, s);
         b1 = word_of(hi, s);
