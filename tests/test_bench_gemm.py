@@ -69,9 +69,10 @@ def test_a_wrong_peer_output_is_reported_not_timed(bg, bench, monkeypatch):
     calls = {"dense": (lambda i: ran.append(("dense", i)), lambda: bad),
              "grouped_contiguous": (lambda i: ran.append(("grouped", i)), lambda: good),
              "indexed": (lambda i: (_ for _ in ()).throw(RuntimeError("no kernel")), lambda: good)}
-    row = bg._time_peer(Peer(), lambda: calls, ref, reps=10, flops=96)
+    best, failed, row = bg._timed_row({"rawkv": lambda: 5.0}, Peer(), lambda: calls, ref, reps=10, flops=96)
     assert ran == [("dense", 0), ("grouped", 0)]              # each ran once before any timing
-    assert len(timed) == 1                                      # only the matching mode was timed
+    assert len(timed) == bg.ROUNDS                              # only the matching mode was timed
+    assert best == {"rawkv": 5.0, "peer grouped_contiguous": 7.0} and failed == {}
     assert row["peer_mode"] == "grouped_contiguous" and row["peer_us"] == 7.0
     assert row["peer_rel_err"] < 1e-2
     assert "dense: output differs" in row["peer_error"] and "indexed: RuntimeError: no kernel" in row["peer_error"]
@@ -84,10 +85,58 @@ def test_a_peer_that_cannot_set_up_costs_its_rows_not_the_run(bg, bench, monkeyp
         name = "humming-kernels 0.1.19"
     hw, why = bg._peer_build(Peer(), lambda: 1 / 0)
     assert hw is None and why.startswith("ZeroDivisionError")
-    row = bg._time_peer(Peer(), lambda: bg._moe_calls(Peer(), None, hw, None, 8, None, 4, why), None, 10, 1)
+    best, failed, row = bg._timed_row({"rawkv": lambda: 5.0}, Peer(),
+                                      lambda: bg._moe_calls(Peer(), None, hw, None, 8, None, 4, why), None, 10, 1)
+    assert best == {"rawkv": 5.0}
     assert row["peer_us"] is None and "setup: RuntimeError: no weights (ZeroDivisionError" in row["peer_error"]
     assert "peer weights failed" in capsys.readouterr().out
     assert bg._peer_build(None, lambda: 1 / 0) == (None, None)      # no peer: nothing built
+
+
+def test_best_of_alternates_and_keeps_each_fastest(bg):
+    order = []
+    times = {"rawkv": iter([9.0, 7.0]), "baseline": iter([5.0, 6.0]), "peer dense": iter([8.0, 8.5])}
+
+    def timer(name):
+        def run():
+            order.append(name)
+            return next(times[name])
+        return run
+    best, failed = bg.best_of({name: timer(name) for name in times}, rounds=2)
+    assert order == ["rawkv", "baseline", "peer dense"] * 2       # one of each in turn, not all of one first
+    assert best == {"rawkv": 7.0, "baseline": 5.0, "peer dense": 8.0} and failed == {}
+
+
+def test_best_of_reports_a_failing_timer_and_skips_it_after(bg, capsys):
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise RuntimeError("no kernel image")
+    best, failed = bg.best_of({"rawkv": lambda: 3.0, "peer indexed": broken}, rounds=3)
+    assert best == {"rawkv": 3.0}
+    assert failed == {"peer indexed": "RuntimeError: no kernel image"} and len(calls) == 1
+    assert "peer indexed failed" in capsys.readouterr().out
+
+
+def test_a_failing_rawkv_timing_fails_the_row(bg):
+    with pytest.raises(RuntimeError, match="rawkv's timing failed: ZeroDivisionError"):
+        bg._timed_row({"rawkv": lambda: 1 / 0}, None, None, None, 10, 1)
+
+
+def test_peer_timing_failures_are_the_rows_notes(bg):
+    class Peer:
+        name = "humming-kernels 0.1.19"
+    row = bg._peer_row(Peer(), {"rawkv": 4.0, "peer dense": 6.0}, {"peer indexed": "RuntimeError: launch"},
+                       {"dense": 0.001, "indexed": 0.001}, {}, 12 * 10**6)
+    assert row["peer_us"] == 6.0 and row["peer_modes_us"] == {"dense": 6.0}
+    assert row["peer_error"] == "indexed: RuntimeError: launch"
+    assert bg._peer_row(None, {}, {}, {}, {}, 1) == {"peer": None, "peer_us": None}
+
+
+def test_w4a8_fields_from_a_time_or_a_failure(bg):
+    assert bg._w4a8_fields(5.0, 10.0, 10**7) == {"w4a8_us": 5.0, "w4a8_TFLOPs": 2.0, "w4a8_speedup": 2.0}
+    assert bg._w4a8_fields("ValueError: weight", 10.0, 1) == {"w4a8_us": "unavailable: ValueError: weight"}
 
 
 def test_rel_err(bg):
