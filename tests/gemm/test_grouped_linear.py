@@ -250,6 +250,27 @@ def test_prefetch_gives_the_same_bits(cuda, rng, monkeypatch, tokens, dtype):
         assert_within_bound(ahead, exact, absolute, k, f"PF {dtype} T={tokens} K={k}")
 
 
+@pytest.mark.parametrize("tokens,dtype", [(9, "bfloat16"), (16, "float16")])
+def test_the_16_token_tile_of_large_grids_gives_the_same_bits(cuda, rng, monkeypatch, tokens, dtype):
+    # K.CONFIG_16_LARGE_GRID (64-feature blocks) with and without PF against
+    # CONFIGS[16] with PF: the same KS, so the same bits. One 64-feature
+    # block per group and sm_count groups: CONFIGS[16]'s grid (two blocks a
+    # group) is past one block per SM, the wide tile's is not. N = 56: a
+    # partial row tile; K = 2,112: 33 chunks (an odd number of ring steps).
+    sms = rawkv.runtime.get_runtime().sm_count
+    k = 2112
+    w, w64 = random_weight(rng, sms, 56, k, "nvfp4")
+    x = torch.from_numpy(rng.standard_normal((tokens, sms, k)).astype(np.float32)).to(getattr(torch, dtype)).cuda()
+    outs = {}
+    for limit in (1 << 20, 1, 0):          # CONFIGS[16] with PF; the wide tile with PF; without
+        monkeypatch.setattr(linear, "MMA_PREFETCH_MAX_BLOCKS_PER_SM", limit)
+        outs[limit] = rawkv.gemm.grouped_linear(x, w)
+    for limit in (1, 0):
+        assert torch.equal(outs[limit].view(torch.int16), outs[1 << 20].view(torch.int16)), (tokens, dtype, limit)
+    exact, absolute = exact_grouped(x.double().cpu().numpy(), w64)
+    assert_within_bound(outs[1], exact, absolute, k, f"wide 16-token tile {dtype} T={tokens}")
+
+
 def test_4096_tokens(cuda, rng):
     g, n, k = 2, 96, 256
     w, w64 = random_weight(rng, g, n, k, "nvfp4")

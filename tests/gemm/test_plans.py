@@ -86,7 +86,7 @@ def test_mma_prefetch_up_to_its_blocks_per_sm(act_dtype):
     NVFP4 activations, whatever the grid."""
     cfg = K.CONFIGS[16]
     rows = 16 * cfg[0] * cfg[3]
-    for g, tokens, want in ((2, 16, True), (40, 16, True), (41, 16, False), (2, 8, False)):
+    for g, tokens, want in ((2, 16, True), (40, 16, True), (2, 8, False)):
         # g groups of 8 feature blocks x one token tile: 8 g blocks on A100's 108 SMs (3 per SM: 324)
         w = _weight(g=g, n=8 * rows)
         act, cw, out = _grouped(torch.ones(tokens, g, 128, dtype=act_dtype), w)
@@ -94,10 +94,33 @@ def test_mma_prefetch_up_to_its_blocks_per_sm(act_dtype):
         assert a.kernel.kernel is K.GEMM and a.grid[0] * a.grid[1] * a.grid[2] == 8 * g
         assert a.kernel.expr.endswith(f"{'true' if want else 'false'}>"), (g, tokens, a.kernel.expr)
     assert not K.prefetches(R.NVFP4, cfg) and not K.prefetches(R.BF16, K.CONFIGS[8])
+
+
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
+def test_a_16_token_grid_too_large_to_prefetch_takes_64_feature_blocks(act_dtype):
+    """Where CONFIGS[16]'s grid has more than MMA_PREFETCH_MAX_BLOCKS_PER_SM
+    blocks per SM, CONFIG_16_LARGE_GRID (the same KS: the same bits) with
+    half the grid, itself prefetching by the same rule; NVFP4 activations
+    (no PF instance) keep CONFIGS[16]."""
+    cfg, wide = K.CONFIGS[16], K.CONFIG_16_LARGE_GRID
+    rows = 16 * cfg[0] * cfg[3]
+    assert 16 * wide[0] * wide[3] == 2 * rows and wide[2] == cfg[2] and 8 * wide[1] == 8 * cfg[1] == 16
+    for g, tokens, tile, pf in ((40, 16, cfg, True), (41, 16, wide, True), (81, 9, wide, True), (82, 9, wide, False)):
+        # 8 g blocks of CONFIGS[16] on A100's 108 SMs (3 per SM: 324), 4 g of the wide tile
+        w = _weight(g=g, n=8 * rows)
+        act, cw, out = _grouped(torch.ones(tokens, g, 128, dtype=act_dtype), w)
+        a = _one(P.grouped(A100, act, cw, out))
+        assert a.kernel is K.GEMM.instance(R.BF16 if act_dtype == torch.bfloat16 else R.FP16, False, *tile, pf)
+        assert a.grid == (8 * rows // (16 * tile[0] * tile[3]), 1, g) and a.block == (32 * tile[2] * tile[3],)
+    w = _weight(g=41, n=8 * rows)
+    act, cw, out = _grouped(torch.ones(16, 41, 128, dtype=act_dtype), w)
     one_wave = P.Tuning(MMA_PREFETCH_MAX_BLOCKS_PER_SM=0)
-    w = _weight(g=2, n=8 * rows)
-    act, cw, out = _grouped(torch.ones(16, 2, 128, dtype=act_dtype), w)
-    assert _one(P.grouped(A100, act, cw, out, one_wave)).kernel.expr.endswith("false>")
+    assert _one(P.grouped(A100, act, cw, out, one_wave)).kernel is K.GEMM.instance(
+        R.BF16 if act_dtype == torch.bfloat16 else R.FP16, False, *wide, False)
+    q, sf, gs = rawkv.nvfp4.quantize(torch.ones(16, 41, 128), scope="row")
+    act, cw, out = _grouped(rawkv.nvfp4.QuantizedActivation(q, sf, gs), w)
+    a = _one(P.grouped(A100, act, cw, out))
+    assert a.kernel is K.GEMM.instance(R.NVFP4, False, *cfg, False) and a.grid == (8, 1, 41)
 
 
 def test_hopper_takes_the_wgmma_kernel_from_256_tokens_and_other_gpus_never():

@@ -59,7 +59,11 @@ class Tuning(NamedTuple):
     the grid runs in one wave anyway. H100 (2026-11-26, against loading at
     each step's start): Flash M = 16 and 32 (256 blocks) 13.6 -> 11.1 and
     17.8 -> 14.2 us, seed 004 (384 blocks) 29.6 -> 26.0 and 37.6 -> 33.0;
-    Pro (512 blocks) 21.2 -> 23.3 and 25.2 -> 31.3.
+    Pro (512 blocks) 21.2 -> 23.3 and 25.2 -> 31.3. A batched call of 9-16
+    tokens with 16-bit activations whose CONFIGS[16] grid is past this
+    limit takes K.CONFIG_16_LARGE_GRID instead (64-feature blocks, half the
+    grid; PF again by this rule): H100, Pro at 16 tokens 18.7-19.0 against
+    19.6 us.
     W4A8_PATH: the W4A8 kernel, "auto" (the rule below), or "mma" / "sm90"
     to force one (tests run every shape class through both). W4A8 calls of
     at most W4A8_MMA_MAX_TOKENS tokens per group (batched) or
@@ -262,6 +266,9 @@ def grouped(dev, act, w, out, tuning=TUNED) -> list[Launch]:
         return []
     tl = tile(dev, w, t, tuning=tuning)
     grid = (-(-w.n // tl.rows) * tl.splits, -(-t // tl.tokens), g)
+    if tl.targs == K.CONFIGS[16] and K.prefetches(act.kind, tl.targs) and not _prefetch(dev, tl, act, grid, tuning)[0]:
+        tl = _mma_tile(K.CONFIG_16_LARGE_GRID)      # its grid too large to prefetch: 64-feature blocks
+        grid = (-(-w.n // tl.rows), grid[1], g)
     return [_launch(tl, act, w, out, grid, t, None, 0, None, _prefetch(dev, tl, act, grid, tuning), tuning)]
 
 

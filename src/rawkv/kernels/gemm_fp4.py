@@ -56,6 +56,15 @@ RAGGED_CONFIGS = {
 # gate_up 76.1 against 85.4 us, Flash gate_up and Pro down 3% less, Flash
 # down the same; the same bits).
 RAGGED_SMALL_CONFIG = (1, 1, 2, 4, 4, 2)
+# The tile of 9-16 tokens per group, 16-bit activations, where CONFIGS[16]'s
+# grid is too large for its PF instance (rawkv.gemm.plans: DeepSeek-V4-Pro's
+# wo_a, 512 blocks): eight warps over 64 features, so each block's activation
+# loads feed twice the weights, and with half the blocks its own PF instance
+# fits. The same KS, so the same bits. H100 (2026-11-27, .probe sweep, two
+# runs): Pro M = 16 18.73-18.97 us against CONFIGS[16]'s 19.55-19.62; 64-feature
+# tiles of four warps (MT = 4) 20.1-20.6. Where CONFIGS[16] prefetches it
+# loses (Flash 12.4-12.6 against 11.5-11.6, seed 004 29.9 against 25.8).
+CONFIG_16_LARGE_GRID = (2, 2, 4, 2, 1, 2)
 
 
 # Tiles with an instance that loads the activations one step ahead (PF,
@@ -66,7 +75,8 @@ RAGGED_SMALL_CONFIG = (1, 1, 2, 4, 4, 2)
 # ragged tile's grids are never that small, and CONFIGS[8]'s (Flash and
 # seed 004 at M = 1 6-7% faster on the H100) spills 32 bytes on sm_100.
 # NVFP4 activations, converted at each load, were not measured.
-PREFETCH_TILES = frozenset((CONFIGS[16], CONFIGS[32], CONFIGS["large"], RAGGED_CONFIGS[16], RAGGED_CONFIGS[32]))
+PREFETCH_TILES = frozenset((CONFIGS[16], CONFIGS[32], CONFIGS["large"], RAGGED_CONFIGS[16], RAGGED_CONFIGS[32],
+                            CONFIG_16_LARGE_GRID))
 
 
 def prefetches(act: int, cfg: tuple) -> bool:
@@ -80,7 +90,8 @@ GEMM = FILE.kernel(
      TParam("int", "KS", (1, 2, 4)), TParam("int", "RW", (1, 2, 4)), TParam("int", "U", (1, 2, 4)),
      TParam("int", "S", (2, 3, 4)), TParam("bool", "PF", (False, True))),
     instances=[(a, mx, *cfg, pf) for a in ACT_CODES.values() for mx in (False, True)
-               for cfg in dict.fromkeys((*CONFIGS.values(), *RAGGED_CONFIGS.values(), RAGGED_SMALL_CONFIG))
+               for cfg in dict.fromkeys((*CONFIGS.values(), *RAGGED_CONFIGS.values(), RAGGED_SMALL_CONFIG,
+                                          CONFIG_16_LARGE_GRID))
                for pf in ((False, True) if prefetches(a, cfg) else (False,))])
 
 # ---- the Hopper kernel (rawkv/cu/gemm_fp4_sm90.cu: wgmma, sm_90a) -----------
