@@ -134,6 +134,53 @@ def test_peer_timing_failures_are_the_rows_notes(bg):
     assert bg._peer_row(None, {}, {}, {}, {}, 1) == {"peer": None, "peer_us": None}
 
 
+def test_the_peers_w4a8_mode_is_timed_in_the_same_alternation(bg, bench, monkeypatch):
+    torch = pytest.importorskip("torch")
+    times = iter([6.0, 5.0])                             # w4a8 dense, twice (grouped is wrong)
+    monkeypatch.setattr(bench, "cuda_time_us", lambda fn, reps, *a, **kw: next(times))
+    ref = torch.arange(1.0, 13.0).reshape(3, 4)
+    order = []
+
+    class Peer:
+        name = "humming-kernels 0.1.19"
+    calls8 = {"dense": (lambda i: order.append("w8 dense"), lambda: ref),
+              "grouped_contiguous": (lambda i: order.append("w8 grouped"), lambda: ref.flip(1))}
+    best, failed, row = bg._timed_row({"rawkv": lambda: order.append("rawkv") or 4.0}, Peer(),
+                                      lambda: {}, ref, 10, 96, w4a8=(lambda: calls8, ref))
+    assert order == ["w8 dense", "w8 grouped", "rawkv", "rawkv"]   # each checked once; then timed in turn
+    assert best == {"rawkv": 4.0, "peer8 dense": 5.0} and failed == {}
+    assert row["w4a8_peer"] == "humming-kernels 0.1.19 dense" and row["w4a8_peer_us"] == 5.0
+    assert row["w4a8_peer_rel_err"] == 0.0 and "grouped_contiguous: output differs" in row["w4a8_peer_error"]
+    assert row["peer_us"] is None                            # the W4A16 peer had no mode
+    assert "w4a8_peer_us" not in bg._timed_row({"rawkv": lambda: 4.0}, None, None, None, 10, 1)[2]
+
+
+def test_mxfp4_values_are_the_loaders_dequantization(bg):
+    torch = pytest.importorskip("torch")
+    import rawkv
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 256, (2, 3, 32), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(bg.W4A8_SCALE_LO, bg.W4A8_SCALE_HI, (2, 3, 2), dtype=torch.uint8, generator=gen)
+    want = rawkv.gemm.Fp4Weight.from_mxfp4(codes, scales, groups=2).dequantize()
+    assert torch.equal(bg.mxfp4_values(torch, codes, scales), want)
+
+
+def test_w4a8_reference_is_the_product_of_the_dequantized_operands(bg):
+    torch = pytest.importorskip("torch")
+    import numpy as np
+    import rawkv
+    from rawkv.reference import fp8_blocks
+    gen = torch.Generator().manual_seed(6)
+    codes, scales = bg._mxfp4_checkpoint(torch, 2, 5, 256, "cpu")
+    x = torch.randn(3, 2, 256, generator=gen).to(torch.bfloat16)
+    got = bg.w4a8_reference(torch, rawkv, x, codes, scales)
+    q, sc = fp8_blocks.quantize_blocks(x.float().numpy(), 128)
+    xa = fp8_blocks.dequantize_blocks(q, sc, 128).astype(np.float64)
+    w = bg.mxfp4_values(torch, codes, scales).double().numpy()
+    np.testing.assert_allclose(got.numpy(), np.einsum("mgk,gnk->mgn", xa, w), rtol=1e-5, atol=1e-6)
+    assert ((scales >= bg.W4A8_SCALE_LO) & (scales < bg.W4A8_SCALE_HI)).all() and codes.shape == (2, 5, 128)
+
+
 def test_w4a8_fields_from_a_time_or_a_failure(bg):
     assert bg._w4a8_fields(5.0, 10.0, 10**7) == {"w4a8_us": 5.0, "w4a8_TFLOPs": 2.0, "w4a8_speedup": 2.0}
     assert bg._w4a8_fields("ValueError: weight", 10.0, 1) == {"w4a8_us": "unavailable: ValueError: weight"}
@@ -192,13 +239,14 @@ def test_plot_series_groups_rows_by_shape_sorted_by_m(bg):
             {"op": "gemm/error", "error": "x"},
             _row("moe_linear/down", [16, 384, 8, 3072, 7168], 90.0, 80.0, None, 50.0, "DeepSeek-V4-Pro")]
     rows[0]["w4a8_us"] = 22.0
+    rows[0]["w4a8_peer_us"] = 19.5
     rows[1]["w4a8_us"] = "unavailable: ValueError: ..."      # reported, not drawn
     s = bg.plot_series(rows)
     assert list(s) == ["wo_a DeepSeek-V4-Flash (G 8, K 4096, N 1024)",
                        "MoE down DeepSeek-V4-Pro (384 experts top-8, K 3072, N 7168)"]
     wo = s["wo_a DeepSeek-V4-Flash (G 8, K 4096, N 1024)"]
     assert wo == {"x": [1, 64], "rawkv": [11.0, 27.0], "rawkv W4A8": [None, 22.0], "humming": [None, 30.0],
-                  "torch BF16": [25.0, 28.0], "floor": [6.0, 8.0]}
+                  "humming W4A8": [None, 19.5], "torch BF16": [25.0, 28.0], "floor": [6.0, 8.0]}
 
 
 def test_plot_skips_quietly_without_matplotlib(bg, monkeypatch, tmp_path):

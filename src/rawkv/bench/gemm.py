@@ -60,6 +60,18 @@ What is called, in humming's own modules:
   all. Activations are handed over in humming's layout ((G, M, K) contiguous
   for wo_a, a transpose of rawkv's (M, G, K) made outside the timed region),
   which can only flatter the peer.
+* Its W4A8 mode (wo_a rows, sm_90; issue 23), beside rawkv's W4A8 row:
+  schema.mxfp4.Mxfp4WeightSchema on random MXFP4 checkpoints (E2M1 codes, E8M0
+  scales per 32 columns) and HummingInputSchema(a_dtype=float8e4m3,
+  input_scale_group_size=128, input_scale_dtype=float32,
+  input_quant_mode="dynamic_group") (E4M3 activations, a float32 scale per
+  token per 128 columns: DeepSeek's recipe), the same modes; the activations
+  quantized by forward.may_quant_input outside the timed calls, so its
+  w4a8_peer_us, like rawkv's w4a8_us, is the GEMM on FP8 activations already
+  written. Checked against w4a8_reference (the float32 product of the
+  dequantized weights and rawkv's FP8 block activations of the same input).
+  Fields: w4a8_peer, w4a8_peer_us, w4a8_peer_mode, w4a8_peer_modes_us,
+  w4a8_peer_rel_err, w4a8_peer_error.
 * Check: before a mode is timed at a (shape, M), its output is compared with
   rawkv's for the same inputs (relative Frobenius error, peer_rel_err); above
   PEER_TOL the mode is reported in peer_error instead of timed, so a wrong
@@ -212,7 +224,12 @@ def _w4a8_text(row: dict) -> str:
     us = row.get("w4a8_us")
     if us is None:
         return ""
-    return f"; w4a8 {us:.1f} us (x{row['w4a8_speedup']})" if isinstance(us, float) else f"; w4a8 {us}"
+    text = f"; w4a8 {us:.1f} us (x{row['w4a8_speedup']})" if isinstance(us, float) else f"; w4a8 {us}"
+    if row.get("w4a8_peer_us") is not None:
+        text += f", {row['w4a8_peer']} {row['w4a8_peer_us']:.1f} us (err {row['w4a8_peer_rel_err']})"
+    elif row.get("w4a8_peer") is not None:
+        text += f", peer's W4A8 failed ({row.get('w4a8_peer_error')})"
+    return text
 
 
 # ---- the peer ------------------------------------------------------------------
@@ -272,6 +289,7 @@ class Humming:
         from humming.kernel.humming import HummingKernel
         from humming.schema import HummingInputSchema
         from humming.schema.modelopt import ModeloptNvfp4WeightSchema
+        from humming.schema.mxfp4 import Mxfp4WeightSchema
         from humming.tune import get_heuristics_config
         self.torch = torch
         self.index = torch.device(dev).index
@@ -283,6 +301,11 @@ class Humming:
         self.heuristics = get_heuristics_config
         self.schema = ModeloptNvfp4WeightSchema()
         self.input = HummingInputSchema(a_dtype=dtypes.DataType.from_torch_dtype(torch.bfloat16))
+        # Its W4A8 mode (peer_w4a8): MXFP4 weights, E4M3 activations with a
+        # float32 scale per token per 128 columns (DeepSeek's recipe).
+        self.w8_schema = Mxfp4WeightSchema()
+        self.w8_input = HummingInputSchema(a_dtype=dtypes.float8e4m3, input_scale_group_size=W4A8_GROUP,
+                                           input_scale_dtype=dtypes.float32, input_quant_mode="dynamic_group")
 
     @classmethod
     def load(cls, torch, dev):
@@ -295,28 +318,43 @@ class Humming:
                   flush=True)
             return None
 
-    def layer_config(self, n: int, k: int, experts: int):
+    def layer_config(self, n: int, k: int, experts: int, w4a8: bool = False):
         """The LayerConfig its transform makes for an (N, K) NVFP4 weight of
-        `experts` experts (0: a dense weight), without the weight."""
+        `experts` experts (0: a dense weight), without the weight; w4a8: an
+        MXFP4 weight for its W4A8 mode."""
+        schema, inputs = (self.w8_schema, self.w8_input) if w4a8 else (self.schema, self.input)
         return self.transform.prepare_layer_config(
-            shape_n=n, shape_k=k, weight_schema=self.schema.to_humming_schema(self.torch.bfloat16),
-            input_schema=self.input, num_experts=experts or None, torch_dtype=self.torch.bfloat16,
+            shape_n=n, shape_k=k, weight_schema=schema.to_humming_schema(self.torch.bfloat16),
+            input_schema=inputs, num_experts=experts or None, torch_dtype=self.torch.bfloat16,
             device=self.dev)
 
     def weight(self, codes, scales, gs, experts: int):
         """(LayerConfig, its tensors) of one checkpoint weight: codes (E, N,
         K/2) or (N, K/2), scales likewise (K/16), gs (E,) or (1,)."""
+        src = {"weight": codes, "weight_scale": scales.view(self.torch.float8_e4m3fn), "weight_scale_2": gs}
+        return self._converted(self.schema, self.input, src, experts)
+
+    def weight8(self, codes, scales, experts: int):
+        """(LayerConfig, its tensors) of one MXFP4 checkpoint weight for the
+        W4A8 mode: codes as weight's, E8M0 scale bytes (..., K/32) uint8."""
+        return self._converted(self.w8_schema, self.w8_input, {"weight": codes, "weight_scale": scales}, experts)
+
+    def _converted(self, schema, inputs, src, experts: int):
         torch, t = self.torch, self.transform
-        n, k = codes.shape[-2], 2 * codes.shape[-1]
-        src = {"weight": codes, "weight_scale": scales.view(torch.float8_e4m3fn), "weight_scale_2": gs}
-        schema, tensors = self.schema.convert_humming(src, shape_n_stacks=[n], shape_k_stacks=[k],
-                                                      param_dtype=torch.bfloat16, num_experts=experts or None,
-                                                      device=self.dev)
-        cfg = t.prepare_layer_config(shape_n=n, shape_k=k, weight_schema=schema, input_schema=self.input,
+        n, k = src["weight"].shape[-2], 2 * src["weight"].shape[-1]
+        schema, tensors = schema.convert_humming(src, shape_n_stacks=[n], shape_k_stacks=[k],
+                                                 param_dtype=torch.bfloat16, num_experts=experts or None,
+                                                 device=self.dev)
+        cfg = t.prepare_layer_config(shape_n=n, shape_k=k, weight_schema=schema, input_schema=inputs,
                                      num_experts=experts or None, torch_dtype=torch.bfloat16, device=self.dev,
                                      tensors=tensors)
         cfg, tensors = t.prepare_fp16_e8m0_scale(cfg, tensors)
         return cfg, t.transform_humming_tensors(cfg, tensors)
+
+    def quant_input(self, cfg, x):
+        """(E4M3 codes, scales) of x (rows, K) BF16 for the W4A8 layer cfg,
+        by humming's own quantizer, in the layout its GEMM reads."""
+        return self.forward.may_quant_input(cfg, x)
 
     def intervals(self, cfg, mode: str, rows) -> list:
         """The default heuristic intervals that hold `rows` (_pick_intervals)."""
@@ -355,14 +393,15 @@ class Humming:
     def locks(self):
         return self.torch.zeros(PEER_LOCKS, dtype=self.torch.int32, device=self.dev)
 
-    def gemm(self, cfg, tensors, x, out, mode: str, ivs, locks, **route):
+    def gemm(self, cfg, tensors, x, out, mode: str, ivs, locks, input_scale=None, **route):
         """out = x . W^T in BF16 through humming_forward; route: expert_layout
         (grouped_contiguous) or sorted_ids / expert_ids / num_tokens_padded
-        (indexed)."""
+        (indexed); the W4A8 mode: x the E4M3 codes quant_input made and
+        input_scale their scales."""
         return self.forward.humming_forward(
             cfg, inputs=x, weight=tensors["weight"], weight_scale=tensors.get("weight_scale"),
             weight_scale_2=tensors.get("weight_scale_2"), outputs=out, locks=locks, top_k=1,
-            compute_config=_compute(mode), tuning_config=json.dumps(ivs), **route)
+            compute_config=_compute(mode), tuning_config=json.dumps(ivs), input_scale=input_scale, **route)
 
 
 def _compute(mode: str) -> str:
@@ -424,15 +463,17 @@ def best_of(timers: dict, rounds: int = ROUNDS) -> tuple[dict, dict]:
     return best, failed
 
 
-#: best_of's name of the peer's mode m: PEER_TIMER + m.
+#: best_of's name of the peer's mode m: PEER_TIMER + m (its W4A8 mode's:
+#: PEER8_TIMER + m; neither prefix starts the other's names).
 PEER_TIMER = "peer "
+PEER8_TIMER = "peer8 "
 
 
-def _peer_timers(peer, make_calls, ref, reps: int) -> tuple[dict, dict, dict]:
+def _peer_timers(peer, make_calls, ref, reps: int, prefix: str = PEER_TIMER) -> tuple[dict, dict, dict]:
     """make_calls() -> {mode: (fn(i), result())}, each mode writing its own
     NaN-filled output. Each mode runs once and its output is checked against
-    ref (rawkv's): ({PEER_TIMER + mode: timer} of the modes that match, to
-    time like rawkv in best_of; their relative errors; notes on the rest)."""
+    ref (rawkv's): ({prefix + mode: timer} of the modes that match, to time
+    like rawkv in best_of; their relative errors; notes on the rest)."""
     from .timing import warm_cuda_time_us as cuda_time_us
     timers, errs, notes = {}, {}, {}
     if peer is None:
@@ -442,43 +483,57 @@ def _peer_timers(peer, make_calls, ref, reps: int) -> tuple[dict, dict, dict]:
     except Exception as exc:  # noqa: BLE001 - the peer failing is reported in the row
         calls = {}
         notes["setup"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-        print(f"[gemm] peer setup failed: {notes['setup']}", flush=True)
+        print(f"[gemm] {prefix}setup failed: {notes['setup']}", flush=True)
     for mode, (fn, result) in calls.items():
         try:
             fn(0)
             errs[mode] = _rel_err(result(), ref)
         except Exception as exc:  # noqa: BLE001 - the peer failing is reported in the row
             notes[mode] = f"{type(exc).__name__}: {str(exc)[:160]}"
-            print(f"[gemm] peer {mode} failed: {notes[mode]}", flush=True)
+            print(f"[gemm] {prefix}{mode} failed: {notes[mode]}", flush=True)
             continue
         if not errs[mode] <= PEER_TOL:
             notes[mode] = f"output differs from rawkv's (relative error {errs[mode]:.3g} > {PEER_TOL})"
-            print(f"[gemm] PEER MISMATCH {mode}: {notes[mode]}", flush=True)
+            print(f"[gemm] PEER MISMATCH {prefix}{mode}: {notes[mode]}", flush=True)
             continue
-        timers[PEER_TIMER + mode] = lambda fn=fn: cuda_time_us(fn, reps=reps)
+        timers[prefix + mode] = lambda fn=fn: cuda_time_us(fn, reps=reps)
     return timers, errs, notes
 
 
-def _peer_row(peer, best: dict, failed: dict, errs: dict, notes: dict, flops: int) -> dict:
+def _peer_row(peer, best: dict, failed: dict, errs: dict, notes: dict, flops: int,
+              prefix: str = PEER_TIMER) -> dict:
     """The row's peer fields (peer_fields) from best_of's results of the
-    timers _peer_timers made."""
+    timers _peer_timers made with `prefix`."""
     if peer is None:
         return peer_fields(None, {}, {}, {}, flops)
-    n = len(PEER_TIMER)
-    modes_us = {name[n:]: us for name, us in best.items() if name.startswith(PEER_TIMER)}
-    notes = {**notes, **{name[n:]: why for name, why in failed.items() if name.startswith(PEER_TIMER)}}
+    n = len(prefix)
+    modes_us = {name[n:]: us for name, us in best.items() if name.startswith(prefix)}
+    notes = {**notes, **{name[n:]: why for name, why in failed.items() if name.startswith(prefix)}}
     return peer_fields(peer.name, modes_us, errs, notes, flops)
 
 
-def _timed_row(timers: dict, peer, peer_calls, ref, reps: int, flops: int) -> tuple[dict, dict, dict]:
+def _timed_row(timers: dict, peer, peer_calls, ref, reps: int, flops: int,
+               w4a8=None) -> tuple[dict, dict, dict]:
     """A row's timings: `timers` (rawkv first) and the peer's matching modes
-    through best_of; (best, failed, the row's peer fields). rawkv's own
-    timer failing fails the run, as a single timing of it did."""
+    through best_of; (best, failed, the row's fields of the peer). `w4a8`:
+    (make_calls, ref) of the peer's W4A8 mode, whose fields join the row's
+    as w4a8_peer, w4a8_peer_us, ... (w4a8_fields). rawkv's own timer failing
+    fails the run, as a single timing of it did."""
     ptimers, errs, notes = _peer_timers(peer, peer_calls, ref, reps)
-    best, failed = best_of({**timers, **ptimers})
+    p8 = _peer_timers(peer, w4a8[0], w4a8[1], reps, PEER8_TIMER) if w4a8 else ({}, {}, {})
+    best, failed = best_of({**timers, **ptimers, **p8[0]})
     if "rawkv" in failed:
         raise RuntimeError(f"rawkv's timing failed: {failed['rawkv']}")
-    return best, failed, _peer_row(peer, best, failed, errs, notes, flops)
+    row = _peer_row(peer, best, failed, errs, notes, flops)
+    if w4a8 and peer is not None:
+        row.update(w4a8_fields(_peer_row(peer, best, failed, p8[1], p8[2], flops, PEER8_TIMER)))
+    return best, failed, row
+
+
+def w4a8_fields(peer_row: dict) -> dict:
+    """A peer row's fields (peer_fields) as the W4A8 peer's: peer ->
+    w4a8_peer, peer_us -> w4a8_peer_us, and so on."""
+    return {"w4a8_" + key: value for key, value in peer_row.items()}
 
 
 def _peer_text(row: dict) -> str:
@@ -495,10 +550,13 @@ def _wo_a_peer(peer, ckpt, g):
     return {"dense": dense, "grouped_contiguous": peer.weight(codes, scales, gs, g)}
 
 
-def _wo_a_calls(peer, torch, hw, x, n, locks, why=None):
+def _wo_a_calls(peer, torch, hw, x, n, locks, why=None, quant=False):
     """{mode: (fn(i), result())} for x (M, G, K) and the weight sets hw:
     activations in humming's (G, M, K) layout, its output (G, M, N) returned
-    as rawkv's (M, G, N). why: the weights' failure, raised here."""
+    as rawkv's (M, G, N). why: the weights' failure, raised here. quant: the
+    W4A8 mode's weights (weight8), the activations quantized by humming
+    (quant_input) here, outside the timed calls, as rawkv's W4A8 row times
+    its GEMM on activations a producer wrote."""
     if hw is None:
         raise RuntimeError(f"no weights ({why})")
     m, g = x.shape[0], x.shape[1]
@@ -510,24 +568,73 @@ def _wo_a_calls(peer, torch, hw, x, n, locks, why=None):
     iv_d = peer.intervals(cfg_d, "dense", [m])
     iv_g = peer.intervals(cfg_g, "grouped_contiguous", [g * m])
     layout = torch.arange(g + 1, dtype=torch.int32, device=x.device) * m
+    xd, xr = [(xg[j], None) for j in range(g)], (xg.view(g * m, -1), None)
+    if quant:
+        xd, xr = [peer.quant_input(cfg_d, a) for a, _ in xd], peer.quant_input(cfg_g, xr[0])
 
     def dense(i):
         for j, (cfg, t) in enumerate(hw[i % sets]["dense"]):
-            peer.gemm(cfg, t, xg[j], od[j], "dense", iv_d, locks)
+            peer.gemm(cfg, t, xd[j][0], od[j], "dense", iv_d, locks, input_scale=xd[j][1])
 
     def grouped(i):
         cfg, t = hw[i % sets]["grouped_contiguous"]
-        peer.gemm(cfg, t, xg.view(g * m, -1), og.view(g * m, n), "grouped_contiguous", iv_g, locks,
+        peer.gemm(cfg, t, xr[0], og.view(g * m, n), "grouped_contiguous", iv_g, locks, input_scale=xr[1],
                   expert_layout=layout)
     return {"dense": (dense, lambda: od.transpose(0, 1)), "grouped_contiguous": (grouped, lambda: og.transpose(0, 1))}
 
 
-def _wo_a_jobs(peer, ms):
+def _wo_a_jobs(peer, ms, w4a8: bool = False):
     jobs = []
     for g, k, n in WO_A.values():
-        jobs += peer.jobs(peer.layer_config(n, k, 0), "dense", ms)
-        jobs += peer.jobs(peer.layer_config(n, k, g), "grouped_contiguous", [g * m for m in ms])
+        for w8 in (False, True) if w4a8 else (False,):
+            jobs += peer.jobs(peer.layer_config(n, k, 0, w8), "dense", ms)
+            jobs += peer.jobs(peer.layer_config(n, k, g, w8), "grouped_contiguous", [g * m for m in ms])
     return jobs
+
+
+# ---- the peer's W4A8 mode (wo_a rows) ---------------------------------------------
+#: humming's W4A8 mode beside rawkv's W4A8 rows (issue 23): random MXFP4
+#: checkpoints (E2M1 codes, element 2j in the low nibble; E8M0 scale bytes in
+#: [W4A8_SCALE_LO, W4A8_SCALE_HI), 2^-5 .. 2^2, one per 32 columns), E4M3
+#: activations with a float32 scale per token per W4A8_GROUP columns. Checked
+#: against w4a8_reference, not rawkv's W4A8 output: rawkv's W4A8 rows time
+#: random W4A8 forms (_w4a8_weight), not these weights. Not on the MoE rows:
+#: a fourth copy of the experts beside the others and torch's BF16 ones
+#: would not fit the GPU at DeepSeek-V4-Pro's gate_up (docs/gemm.md).
+W4A8_GROUP = 128
+W4A8_SCALE_LO, W4A8_SCALE_HI = 122, 130
+
+
+def _mxfp4_checkpoint(torch, g, n, k, dev):
+    """Random MXFP4 checkpoint bytes: codes (G, N, K/2), scales (G, N, K/32)."""
+    codes = torch.randint(0, 256, (g, n, k // 2), dtype=torch.uint8, device=dev)
+    scales = torch.randint(W4A8_SCALE_LO, W4A8_SCALE_HI, (g, n, k // 32), dtype=torch.uint8, device=dev)
+    return codes, scales
+
+
+def mxfp4_values(torch, codes, scales):
+    """float32 (..., N, K): the values of MXFP4 codes (..., N, K/2), element
+    2j in the low nibble, and E8M0 scale bytes (..., N, K/32) (2^(byte - 127))."""
+    from ..reference.formats import E2M1_VALUES
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    c = codes.to(torch.int64)
+    v = torch.stack((lut[c & 15], lut[c >> 4]), dim=-1).flatten(-2)
+    return v * torch.exp2(scales.float() - 127).repeat_interleave(32, dim=-1)
+
+
+def w4a8_reference(torch, rawkv, x, codes, scales):
+    """float32 (M, G, N): x (M, G, K) as rawkv's FP8 block activations
+    (quantize_blocks, DeepSeek's rule), dequantized, times the MXFP4 weights'
+    values, in float32."""
+    xa = rawkv.fp8.dequantize_blocks(*rawkv.fp8.quantize_blocks(x, block=W4A8_GROUP), block=W4A8_GROUP)
+    return torch.einsum("mgk,gnk->mgn", xa, mxfp4_values(torch, codes, scales))
+
+
+def _wo_a_peer8(peer, ckpt, g):
+    """humming's W4A8-mode weights of one wo_a set: dense (one per group) and grouped."""
+    codes, scales = ckpt
+    return {"dense": [peer.weight8(codes[i], scales[i], 0) for i in range(g)],
+            "grouped_contiguous": peer.weight8(codes, scales, g)}
 
 
 def _fp8_loop(torch, x, w8, scale):
@@ -554,6 +661,9 @@ def _wo_a(rt, results, peer, quick, reps, copy):
         wb = torch.randn(g, n, k, device=dev, dtype=torch.bfloat16)
         w8 = wb.to(torch.float8_e4m3fn) if hasattr(torch, "float8_e4m3fn") else None
         w8s = [_w4a8_weight(torch, g, n, k, dev) for _ in range(sets)] if rt.arch == "sm_90" else None
+        ck8 = [_mxfp4_checkpoint(torch, g, n, k, dev) for _ in range(sets)] if peer and w8s else None
+        hw8, why8 = _peer_build(peer if ck8 else None, lambda: [_wo_a_peer8(peer, c, g) for c in ck8])
+        ck8 = ck8[0] if ck8 else None          # (the reference's weights: set 0's)
         for m in ms:
             x = torch.randn(m, g, k, device=dev, dtype=torch.bfloat16)
             out = torch.empty(m, g, n, device=dev, dtype=torch.bfloat16)
@@ -566,8 +676,12 @@ def _wo_a(rt, results, peer, quick, reps, copy):
                 timers["w4a8"] = lambda: cuda_time_us(
                     lambda i: rawkv.gemm.grouped_linear(xa, w8s[i % sets], out=out), reps=reps)
             ref = rawkv.gemm.grouped_linear(x, ws[0]) if peer else None
+            w4a8 = None
+            if ck8 is not None:
+                w4a8 = (lambda: _wo_a_calls(peer, torch, hw8, x, n, locks, why8, quant=True),
+                        w4a8_reference(torch, rawkv, x, *ck8))
             best, failed, peer_row = _timed_row(
-                timers, peer, lambda: _wo_a_calls(peer, torch, hw, x, n, locks, why), ref, reps, flops)
+                timers, peer, lambda: _wo_a_calls(peer, torch, hw, x, n, locks, why), ref, reps, flops, w4a8)
             if "baseline" in failed:
                 raise RuntimeError(f"torch's einsum timing failed: {failed['baseline']}")
             us, base = best["rawkv"], best["baseline"]
@@ -593,7 +707,7 @@ def _wo_a(rt, results, peer, quick, reps, copy):
             print(f"[gemm] wo_a {name} M={m}: {us:.1f} us ({extra['frac_of_floor']:.0%} of floor "
                   f"{extra['floor_us']} us, {extra['TFLOPs']} TFLOP/s; weight read {read_us} us); einsum {base:.1f} us"
                   + _peer_text(row) + _w4a8_text(row), flush=True)
-        ws = wb = w8 = w8s = hw = None  # free before the next shape
+        ws = wb = w8 = w8s = hw = hw8 = ck8 = None  # free before the next shape
         torch.cuda.empty_cache()
 
 
@@ -728,14 +842,15 @@ def run(rt, results, quick=False, peers=False):
     reps = 10 if quick else 40
     peer = Humming.load(torch, "cuda") if peers else None
     if peer:
-        peer.prepare(_wo_a_jobs(peer, WO_A_MS_QUICK if quick else WO_A_MS)
+        peer.prepare(_wo_a_jobs(peer, WO_A_MS_QUICK if quick else WO_A_MS, w4a8=rt.arch == "sm_90")
                      + _moe_jobs(peer, MOE_TOKENS_QUICK if quick else MOE_TOKENS))
     _wo_a(rt, results, peer, quick, reps, copy)
     _moe(rt, results, peer, quick, reps, copy)
 
 
 # ---- plot ----------------------------------------------------------------------
-SERIES = (("rawkv", "us"), ("rawkv W4A8", "w4a8_us"), ("humming", "peer_us"), ("torch BF16", "baseline_us"),
+SERIES = (("rawkv", "us"), ("rawkv W4A8", "w4a8_us"), ("humming", "peer_us"), ("humming W4A8", "w4a8_peer_us"),
+          ("torch BF16", "baseline_us"),
           ("floor", "floor_us"))
 
 
@@ -774,8 +889,8 @@ def plot_series(results) -> dict:
 
 
 def plot(results, path):
-    """Time against M, log axes, one panel per shape: rawkv, humming, torch
-    BF16 and the floor. Returns the path written, or None when matplotlib is
+    """Time against M, log axes, one panel per shape: rawkv, humming (and
+    the two's W4A8 rows), torch BF16 and the floor. Returns the path written, or None when matplotlib is
     not importable or there is nothing to draw."""
     try:
         import matplotlib
@@ -789,7 +904,8 @@ def plot(results, path):
     cols = min(4, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
-    style = {"rawkv": "o-", "rawkv W4A8": "D-", "humming": "s-", "torch BF16": "^-", "floor": "k--"}
+    style = {"rawkv": "o-", "rawkv W4A8": "D-", "humming": "s-", "humming W4A8": "v:", "torch BF16": "^-",
+             "floor": "k--"}
     for ax, (title, s) in zip(axes.flat, panels.items()):
         for label, _ in SERIES:
             pts = [(x, y) for x, y in zip(s["x"], s[label]) if y is not None]
