@@ -1,4 +1,4 @@
-"""rawkv.bench.gemm's pure logic on the CPU: the peer's row fields and
+"""rawkv.bench.gemm's (and its gemm_peer's and gemm_plot's) pure logic on the CPU: the peer's row fields and
 check, humming's indexed routing for sorted rows, the plot's series and its
 quiet skip without matplotlib, and the driver's plot hook. The GPU run
 itself is python -m rawkv bench --only gemm --peer (docs/gemm.md)."""
@@ -10,6 +10,8 @@ import pytest
 
 from rawkv.bench import cli
 from rawkv.bench import gemm as _gemm
+from rawkv.bench import gemm_peer as gp
+from rawkv.bench import gemm_plot as gplot
 from rawkv.bench import timing
 
 
@@ -34,13 +36,13 @@ def test_imports_without_gpu_or_peer(bg):
 def test_peer_is_null_when_humming_is_missing(bg, monkeypatch, capsys):
     torch = pytest.importorskip("torch")
     monkeypatch.setitem(sys.modules, "humming", None)        # import humming -> ImportError
-    assert bg.Humming.load(torch, "cuda") is None
+    assert gp.Humming.load(torch, "cuda") is None
     assert "unavailable" in capsys.readouterr().out
-    assert bg.peer_fields(None, {}, {}, {}, 1) == {"peer": None, "peer_us": None}
+    assert gp.peer_fields(None, {}, {}, {}, 1) == {"peer": None, "peer_us": None}
 
 
 def test_peer_fields_report_the_fastest_mode(bg):
-    row = bg.peer_fields("humming-kernels 0.1.19", {"dense": 20.0, "grouped_contiguous": 12.5},
+    row = gp.peer_fields("humming-kernels 0.1.19", {"dense": 20.0, "grouped_contiguous": 12.5},
                          {"dense": 0.004, "grouped_contiguous": 0.0031234}, {}, 2 * 10**6)
     assert row["peer"] == "humming-kernels 0.1.19 grouped_contiguous"
     assert row["peer_us"] == 12.5 and row["peer_mode"] == "grouped_contiguous"
@@ -51,7 +53,7 @@ def test_peer_fields_report_the_fastest_mode(bg):
 
 
 def test_peer_fields_without_a_working_mode_have_no_time(bg):
-    row = bg.peer_fields("humming-kernels 0.1.19", {}, {"dense": 0.9}, {"dense": "output differs"}, 1)
+    row = gp.peer_fields("humming-kernels 0.1.19", {}, {"dense": 0.9}, {"dense": "output differs"}, 1)
     assert row["peer_us"] is None and row["peer_rel_err"] == 0.9
     assert "dense: output differs" in row["peer_error"]
 
@@ -69,9 +71,9 @@ def test_a_wrong_peer_output_is_reported_not_timed(bg, bench, monkeypatch):
     calls = {"dense": (lambda i: ran.append(("dense", i)), lambda: bad),
              "grouped_contiguous": (lambda i: ran.append(("grouped", i)), lambda: good),
              "indexed": (lambda i: (_ for _ in ()).throw(RuntimeError("no kernel")), lambda: good)}
-    best, failed, row = bg._timed_row({"rawkv": lambda: 5.0}, Peer(), lambda: calls, ref, reps=10, flops=96)
+    best, failed, row = gp.timed_row({"rawkv": lambda: 5.0}, Peer(), lambda: calls, ref, reps=10, flops=96)
     assert ran == [("dense", 0), ("grouped", 0)]              # each ran once before any timing
-    assert len(timed) == bg.ROUNDS                              # only the matching mode was timed
+    assert len(timed) == gp.ROUNDS                              # only the matching mode was timed
     assert best == {"rawkv": 5.0, "peer grouped_contiguous": 7.0} and failed == {}
     assert row["peer_mode"] == "grouped_contiguous" and row["peer_us"] == 7.0
     assert row["peer_rel_err"] < 1e-2
@@ -83,14 +85,14 @@ def test_a_peer_that_cannot_set_up_costs_its_rows_not_the_run(bg, bench, monkeyp
 
     class Peer:
         name = "humming-kernels 0.1.19"
-    hw, why = bg._peer_build(Peer(), lambda: 1 / 0)
+    hw, why = gp.peer_build(Peer(), lambda: 1 / 0)
     assert hw is None and why.startswith("ZeroDivisionError")
-    best, failed, row = bg._timed_row({"rawkv": lambda: 5.0}, Peer(),
+    best, failed, row = gp.timed_row({"rawkv": lambda: 5.0}, Peer(),
                                       lambda: bg._moe_calls(Peer(), None, hw, None, 8, None, 4, why), None, 10, 1)
     assert best == {"rawkv": 5.0}
     assert row["peer_us"] is None and "setup: RuntimeError: no weights (ZeroDivisionError" in row["peer_error"]
     assert "peer weights failed" in capsys.readouterr().out
-    assert bg._peer_build(None, lambda: 1 / 0) == (None, None)      # no peer: nothing built
+    assert gp.peer_build(None, lambda: 1 / 0) == (None, None)      # no peer: nothing built
 
 
 def test_best_of_alternates_and_keeps_each_fastest(bg):
@@ -102,7 +104,7 @@ def test_best_of_alternates_and_keeps_each_fastest(bg):
             order.append(name)
             return next(times[name])
         return run
-    best, failed = bg.best_of({name: timer(name) for name in times}, rounds=2)
+    best, failed = gp.best_of({name: timer(name) for name in times}, rounds=2)
     assert order == ["rawkv", "baseline", "peer dense"] * 2       # one of each in turn, not all of one first
     assert best == {"rawkv": 7.0, "baseline": 5.0, "peer dense": 8.0} and failed == {}
 
@@ -113,7 +115,7 @@ def test_best_of_reports_a_failing_timer_and_skips_it_after(bg, capsys):
     def broken():
         calls.append(1)
         raise RuntimeError("no kernel image")
-    best, failed = bg.best_of({"rawkv": lambda: 3.0, "peer indexed": broken}, rounds=3)
+    best, failed = gp.best_of({"rawkv": lambda: 3.0, "peer indexed": broken}, rounds=3)
     assert best == {"rawkv": 3.0}
     assert failed == {"peer indexed": "RuntimeError: no kernel image"} and len(calls) == 1
     assert "peer indexed failed" in capsys.readouterr().out
@@ -121,17 +123,17 @@ def test_best_of_reports_a_failing_timer_and_skips_it_after(bg, capsys):
 
 def test_a_failing_rawkv_timing_fails_the_row(bg):
     with pytest.raises(RuntimeError, match="rawkv's timing failed: ZeroDivisionError"):
-        bg._timed_row({"rawkv": lambda: 1 / 0}, None, None, None, 10, 1)
+        gp.timed_row({"rawkv": lambda: 1 / 0}, None, None, None, 10, 1)
 
 
 def test_peer_timing_failures_are_the_rows_notes(bg):
     class Peer:
         name = "humming-kernels 0.1.19"
-    row = bg._peer_row(Peer(), {"rawkv": 4.0, "peer dense": 6.0}, {"peer indexed": "RuntimeError: launch"},
+    row = gp.peer_row_fields(Peer(), {"rawkv": 4.0, "peer dense": 6.0}, {"peer indexed": "RuntimeError: launch"},
                        {"dense": 0.001, "indexed": 0.001}, {}, 12 * 10**6)
     assert row["peer_us"] == 6.0 and row["peer_modes_us"] == {"dense": 6.0}
     assert row["peer_error"] == "indexed: RuntimeError: launch"
-    assert bg._peer_row(None, {}, {}, {}, {}, 1) == {"peer": None, "peer_us": None}
+    assert gp.peer_row_fields(None, {}, {}, {}, {}, 1) == {"peer": None, "peer_us": None}
 
 
 def test_the_peers_w4a8_mode_is_timed_in_the_same_alternation(bg, bench, monkeypatch):
@@ -145,14 +147,14 @@ def test_the_peers_w4a8_mode_is_timed_in_the_same_alternation(bg, bench, monkeyp
         name = "humming-kernels 0.1.19"
     calls8 = {"dense": (lambda i: order.append("w8 dense"), lambda: ref),
               "grouped_contiguous": (lambda i: order.append("w8 grouped"), lambda: ref.flip(1))}
-    best, failed, row = bg._timed_row({"rawkv": lambda: order.append("rawkv") or 4.0}, Peer(),
+    best, failed, row = gp.timed_row({"rawkv": lambda: order.append("rawkv") or 4.0}, Peer(),
                                       lambda: {}, ref, 10, 96, w4a8=(lambda: calls8, ref))
     assert order == ["w8 dense", "w8 grouped", "rawkv", "rawkv"]   # each checked once; then timed in turn
     assert best == {"rawkv": 4.0, "peer8 dense": 5.0} and failed == {}
     assert row["w4a8_peer"] == "humming-kernels 0.1.19 dense" and row["w4a8_peer_us"] == 5.0
     assert row["w4a8_peer_rel_err"] == 0.0 and "grouped_contiguous: output differs" in row["w4a8_peer_error"]
     assert row["peer_us"] is None                            # the W4A16 peer had no mode
-    assert "w4a8_peer_us" not in bg._timed_row({"rawkv": lambda: 4.0}, None, None, None, 10, 1)[2]
+    assert "w4a8_peer_us" not in gp.timed_row({"rawkv": lambda: 4.0}, None, None, None, 10, 1)[2]
 
 
 def test_mxfp4_values_are_the_loaders_dequantization(bg):
@@ -160,9 +162,9 @@ def test_mxfp4_values_are_the_loaders_dequantization(bg):
     import rawkv
     gen = torch.Generator().manual_seed(5)
     codes = torch.randint(0, 256, (2, 3, 32), dtype=torch.uint8, generator=gen)
-    scales = torch.randint(bg.W4A8_SCALE_LO, bg.W4A8_SCALE_HI, (2, 3, 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(gp.W4A8_SCALE_LO, gp.W4A8_SCALE_HI, (2, 3, 2), dtype=torch.uint8, generator=gen)
     want = rawkv.gemm.Fp4Weight.from_mxfp4(codes, scales, groups=2).dequantize()
-    assert torch.equal(bg.mxfp4_values(torch, codes, scales), want)
+    assert torch.equal(gp.mxfp4_values(torch, codes, scales), want)
 
 
 def test_w4a8_reference_is_the_product_of_the_dequantized_operands(bg):
@@ -171,14 +173,14 @@ def test_w4a8_reference_is_the_product_of_the_dequantized_operands(bg):
     import rawkv
     from rawkv.reference import fp8_blocks
     gen = torch.Generator().manual_seed(6)
-    codes, scales = bg._mxfp4_checkpoint(torch, 2, 5, 256, "cpu")
+    codes, scales = gp.mxfp4_checkpoint(torch, 2, 5, 256, "cpu")
     x = torch.randn(3, 2, 256, generator=gen).to(torch.bfloat16)
-    got = bg.w4a8_reference(torch, rawkv, x, codes, scales)
+    got = gp.w4a8_reference(torch, rawkv, x, codes, scales)
     q, sc = fp8_blocks.quantize_blocks(x.float().numpy(), 128)
     xa = fp8_blocks.dequantize_blocks(q, sc, 128).astype(np.float64)
-    w = bg.mxfp4_values(torch, codes, scales).double().numpy()
+    w = gp.mxfp4_values(torch, codes, scales).double().numpy()
     np.testing.assert_allclose(got.numpy(), np.einsum("mgk,gnk->mgn", xa, w), rtol=1e-5, atol=1e-6)
-    assert ((scales >= bg.W4A8_SCALE_LO) & (scales < bg.W4A8_SCALE_HI)).all() and codes.shape == (2, 5, 128)
+    assert ((scales >= gp.W4A8_SCALE_LO) & (scales < gp.W4A8_SCALE_HI)).all() and codes.shape == (2, 5, 128)
 
 
 def test_w4a8_fields_from_a_time_or_a_failure(bg):
@@ -189,16 +191,16 @@ def test_w4a8_fields_from_a_time_or_a_failure(bg):
 def test_rel_err(bg):
     torch = pytest.importorskip("torch")
     ref = torch.tensor([3.0, 4.0])
-    assert bg._rel_err(ref, ref) == 0.0
-    assert bg._rel_err(torch.tensor([3.0, 5.0]), ref) == pytest.approx(0.2)
-    assert bg._rel_err(torch.tensor([1.0, 0.0]), torch.zeros(2)) == 1.0
-    assert not bg._rel_err(torch.tensor([float("nan"), 0.0]), ref) <= bg.PEER_TOL
+    assert gp.rel_err(ref, ref) == 0.0
+    assert gp.rel_err(torch.tensor([3.0, 5.0]), ref) == pytest.approx(0.2)
+    assert gp.rel_err(torch.tensor([1.0, 0.0]), torch.zeros(2)) == 1.0
+    assert not gp.rel_err(torch.tensor([float("nan"), 0.0]), ref) <= gp.PEER_TOL
 
 
 def test_indexed_layout_pads_each_expert_to_the_block(bg):
     torch = pytest.importorskip("torch")
     offsets = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32)   # experts of 3, 0, 5, 1 rows
-    ids, experts, padded = bg._indexed_layout(torch, offsets, 4)
+    ids, experts, padded = gp.indexed_layout(torch, offsets, 4)
     assert ids.tolist() == [0, 1, 2, 9, 3, 4, 5, 6, 7, 9, 9, 9, 8, 9, 9, 9]
     assert experts.tolist() == [0, 2, 2, 3]
     assert ids.dtype == experts.dtype == padded.dtype == torch.int32
@@ -207,21 +209,21 @@ def test_indexed_layout_pads_each_expert_to_the_block(bg):
 
 def test_interval_is_the_launchers_choice(bg):
     ivs = [[0, 8, "a"], [8, 64, "b"], [64, 1 << 30, "c"]]
-    assert [bg._interval(ivs, r)[2] for r in (1, 8, 9, 64, 65)] == ["a", "a", "b", "b", "c"]
+    assert [gp.interval(ivs, r)[2] for r in (1, 8, 9, 64, 65)] == ["a", "a", "b", "b", "c"]
     with pytest.raises(ValueError, match="rows"):
-        bg._interval(ivs[:2], 65)
+        gp.interval(ivs[:2], 65)
 
 
 def test_picked_intervals_hold_the_rows_and_start_at_zero(bg):
     ivs = [[0, 8, {"b": 8}], [8, 64, {"b": 16}], [64, 512, {"b": 64}], [512, 1 << 30, {"b": 128}]]
-    picked = bg._pick_intervals(ivs, [100, 4096, 65, 2048])
+    picked = gp.pick_intervals(ivs, [100, 4096, 65, 2048])
     # one row in the launcher's lookup (lo < rows <= hi) for each M, the same config the full list gives,
     # and the first interval reaching down to one row (the launcher looks that up first)
     assert picked == [[0, 512, {"b": 64}], [512, 1 << 30, {"b": 128}]]
     for rows in (1, 65, 100, 2048, 4096):
-        assert bg._interval(picked, rows) is not None
+        assert gp.interval(picked, rows) is not None
     for rows in (65, 100, 2048, 4096):
-        assert bg._interval(picked, rows)[2] == bg._interval(ivs, rows)[2]
+        assert gp.interval(picked, rows)[2] == gp.interval(ivs, rows)[2]
     picked[0][2]["b"] = 0
     assert ivs[2][2] == {"b": 64}                                 # copies: humming's cached list untouched
 
@@ -241,7 +243,7 @@ def test_plot_series_groups_rows_by_shape_sorted_by_m(bg):
     rows[0]["w4a8_us"] = 22.0
     rows[0]["w4a8_peer_us"] = 19.5
     rows[1]["w4a8_us"] = "unavailable: ValueError: ..."      # reported, not drawn
-    s = bg.plot_series(rows)
+    s = gplot.plot_series(rows)
     assert list(s) == ["wo_a DeepSeek-V4-Flash (G 8, K 4096, N 1024)",
                        "MoE down DeepSeek-V4-Pro (384 experts top-8, K 3072, N 7168)"]
     wo = s["wo_a DeepSeek-V4-Flash (G 8, K 4096, N 1024)"]
@@ -294,7 +296,7 @@ def test_the_peer_is_loaded_only_when_asked_for(bg, monkeypatch):
     """--peer (run(..., peers=True)) loads humming; without it nothing of the
     peer is touched and every row gets peer: null."""
     loads, seen = [], []
-    monkeypatch.setattr(bg.Humming, "load", classmethod(lambda cls, torch, dev: loads.append(dev)))
+    monkeypatch.setattr(gp.Humming, "load", classmethod(lambda cls, torch, dev: loads.append(dev)))
     monkeypatch.setattr(timing, "copy_bandwidth_GBps", lambda: 1.0)
     monkeypatch.setattr(bg, "_wo_a", lambda rt, results, peer, quick, reps, copy: seen.append(peer))
     monkeypatch.setattr(bg, "_moe", lambda rt, results, peer, quick, reps, copy: seen.append(peer))
