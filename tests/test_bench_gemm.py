@@ -41,6 +41,41 @@ def test_peer_is_null_when_humming_is_missing(bg, monkeypatch, capsys):
     assert gp.peer_fields(None, {}, {}, {}, 1) == {"peer": None, "peer_us": None}
 
 
+def _fake_humming(monkeypatch, mxfp4: bool):
+    """sys.modules entries for the humming names Humming.__init__ imports
+    (humming.schema.mxfp4 only where `mxfp4`)."""
+    import types
+
+    def module(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+        return m
+    dtypes = types.SimpleNamespace(DataType=types.SimpleNamespace(from_torch_dtype=lambda d: "bf16"),
+                                   float8e4m3="e4m3", float32="f32")
+    module("humming", __version__="0.1.19", dtypes=dtypes, forward=object(), transform=object())
+    module("humming.kernel"), module("humming.kernel.humming", HummingKernel=object)
+    module("humming.schema", HummingInputSchema=lambda **kw: kw)
+    module("humming.schema.modelopt", ModeloptNvfp4WeightSchema=object)
+    module("humming.tune", get_heuristics_config=None)
+    if mxfp4:
+        module("humming.schema.mxfp4", Mxfp4WeightSchema=object)
+    else:
+        monkeypatch.setitem(sys.modules, "humming.schema.mxfp4", None)      # import -> ImportError
+
+
+def test_a_humming_without_the_w4a8_schema_still_is_the_w4a16_peer(monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    _fake_humming(monkeypatch, mxfp4=False)
+    peer = gp.Humming.load(torch, "cuda:0")
+    assert peer is not None and peer.name == "humming-kernels 0.1.19" and not peer.has_w4a8
+    assert "no W4A8 mode" in capsys.readouterr().out
+    _fake_humming(monkeypatch, mxfp4=True)
+    peer = gp.Humming.load(torch, "cuda:0")
+    assert peer.has_w4a8 and peer.w8_input == {"a_dtype": "e4m3", "input_scale_group_size": 128,
+                                              "input_scale_dtype": "f32", "input_quant_mode": "dynamic_group"}
+
+
 def test_peer_fields_report_the_fastest_mode(bg):
     row = gp.peer_fields("humming-kernels 0.1.19", {"dense": 20.0, "grouped_contiguous": 12.5},
                          {"dense": 0.004, "grouped_contiguous": 0.0031234}, {}, 2 * 10**6)

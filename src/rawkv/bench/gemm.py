@@ -242,7 +242,7 @@ def _wo_a(rt, results, peer, quick, reps, copy):
         wb = torch.randn(g, n, k, device=dev, dtype=torch.bfloat16)
         w8 = wb.to(torch.float8_e4m3fn) if hasattr(torch, "float8_e4m3fn") else None
         w8s = [_w4a8_weight(torch, g, n, k, dev) for _ in range(sets)] if rt.arch == "sm_90" else None
-        ck8 = [mxfp4_checkpoint(torch, g, n, k, dev) for _ in range(sets)] if peer and w8s else None
+        ck8 = [mxfp4_checkpoint(torch, g, n, k, dev) for _ in range(sets)] if peer and peer.has_w4a8 and w8s else None
         hw8, why8 = peer_build(peer if ck8 else None, lambda: [_wo_a_peer8(peer, c, g) for c in ck8])
         ck8 = ck8[0] if ck8 else None          # (the reference's weights: set 0's)
         for m in ms:
@@ -423,7 +423,7 @@ def run(rt, results, quick=False, peers=False):
     reps = 10 if quick else 40
     peer = Humming.load(torch, "cuda") if peers else None
     if peer:
-        peer.prepare(_wo_a_jobs(peer, WO_A_MS_QUICK if quick else WO_A_MS, w4a8=rt.arch == "sm_90")
+        peer.prepare(_wo_a_jobs(peer, WO_A_MS_QUICK if quick else WO_A_MS, w4a8=rt.arch == "sm_90" and peer.has_w4a8)
                      + _moe_jobs(peer, MOE_TOKENS_QUICK if quick else MOE_TOKENS))
     _wo_a(rt, results, peer, quick, reps, copy)
     _moe(rt, results, peer, quick, reps, copy)
