@@ -92,6 +92,7 @@ GEMM = FILE.kernel(
     instances=[(a, mx, *cfg, pf) for a in ACT_CODES.values() for mx in (False, True)
                for cfg in dict.fromkeys((*CONFIGS.values(), *RAGGED_CONFIGS.values(), RAGGED_SMALL_CONFIG,
                                           CONFIG_16_LARGE_GRID))
+               if cfg != CONFIG_16_LARGE_GRID or prefetches(a, cfg)      # (its calls are 16-bit only)
                for pf in ((False, True) if prefetches(a, cfg) else (False,))])
 
 # ---- the Hopper kernel (rawkv/cu/gemm_fp4_sm90.cu: wgmma, sm_90a) -----------
