@@ -266,10 +266,12 @@ def grouped(dev, act, w, out, tuning=TUNED) -> list[Launch]:
         return []
     tl = tile(dev, w, t, tuning=tuning)
     grid = (-(-w.n // tl.rows) * tl.splits, -(-t // tl.tokens), g)
-    if tl.targs == K.CONFIGS[16] and K.prefetches(act.kind, tl.targs) and not _prefetch(dev, tl, act, grid, tuning)[0]:
+    pf = _prefetch(dev, tl, act, grid, tuning)
+    if pf == (False,) and tl.targs == K.CONFIGS[16] and K.prefetches(act.kind, tl.targs):
         tl = _mma_tile(K.CONFIG_16_LARGE_GRID)      # its grid too large to prefetch: 64-feature blocks
         grid = (-(-w.n // tl.rows), grid[1], g)
-    return [_launch(tl, act, w, out, grid, t, None, 0, None, _prefetch(dev, tl, act, grid, tuning), tuning)]
+        pf = _prefetch(dev, tl, act, grid, tuning)
+    return [_launch(tl, act, w, out, grid, t, None, 0, None, pf, tuning)]
 
 
 def moe(dev, act, w, offsets, out, errors, tuning=TUNED) -> list[Launch]:
