@@ -210,7 +210,7 @@ def test_w4a8_reference_is_the_product_of_the_dequantized_operands(bg):
     gen = torch.Generator().manual_seed(6)
     codes, scales = gp.mxfp4_checkpoint(torch, 2, 5, 256, "cpu")
     x = torch.randn(3, 2, 256, generator=gen).to(torch.bfloat16)
-    got = gp.w4a8_reference(torch, rawkv, x, codes, scales)
+    got = gp.w4a8_reference(torch, rawkv, x, gp.mxfp4_values(torch, codes, scales))
     q, sc = fp8_blocks.quantize_blocks(x.float().numpy(), 128)
     xa = fp8_blocks.dequantize_blocks(q, sc, 128).astype(np.float64)
     w = gp.mxfp4_values(torch, codes, scales).double().numpy()

@@ -30,8 +30,8 @@ path) (called by rawkv.bench.cli)."""
 from __future__ import annotations
 
 from . import gemm_plot
-from .gemm_peer import (MOE_MODES, PEER_PACKAGE, Humming, indexed_layout, mxfp4_checkpoint, peer_build, peer_text,
-                        timed_row, w4a8_reference)
+from .gemm_peer import (MOE_MODES, PEER_PACKAGE, Humming, indexed_layout, mxfp4_checkpoint, mxfp4_values, peer_build,
+                        peer_text, timed_row, w4a8_reference)
 
 WO_A = {"flash": (8, 4096, 1024), "pro": (16, 4096, 1024), "seed004": (8, 8192, 1536)}
 WO_A_MS, WO_A_MS_QUICK = (1, 8, 16, 64, 128, 512, 2048, 4096), (1, 16, 4096)
@@ -244,7 +244,8 @@ def _wo_a(rt, results, peer, quick, reps, copy):
         w8s = [_w4a8_weight(torch, g, n, k, dev) for _ in range(sets)] if rt.arch == "sm_90" else None
         ck8 = [mxfp4_checkpoint(torch, g, n, k, dev) for _ in range(sets)] if peer and peer.has_w4a8 and w8s else None
         hw8, why8 = peer_build(peer if ck8 else None, lambda: [_wo_a_peer8(peer, c, g) for c in ck8])
-        ck8 = ck8[0] if ck8 else None          # (the reference's weights: set 0's)
+        w8ref = mxfp4_values(torch, *ck8[0]) if ck8 else None   # (the reference's weights: set 0's)
+        ck8 = None
         for m in ms:
             x = torch.randn(m, g, k, device=dev, dtype=torch.bfloat16)
             out = torch.empty(m, g, n, device=dev, dtype=torch.bfloat16)
@@ -258,9 +259,9 @@ def _wo_a(rt, results, peer, quick, reps, copy):
                     lambda i: rawkv.gemm.grouped_linear(xa, w8s[i % sets], out=out), reps=reps)
             ref = rawkv.gemm.grouped_linear(x, ws[0]) if peer else None
             w4a8 = None
-            if ck8 is not None:
+            if w8ref is not None:
                 w4a8 = (lambda: _wo_a_calls(peer, torch, hw8, x, n, locks, why8, quant=True),
-                        w4a8_reference(torch, rawkv, x, *ck8))
+                        w4a8_reference(torch, rawkv, x, w8ref))
             best, failed, peer_row = timed_row(
                 timers, peer, lambda: _wo_a_calls(peer, torch, hw, x, n, locks, why), ref, reps, flops, w4a8)
             if "baseline" in failed:
@@ -288,7 +289,7 @@ def _wo_a(rt, results, peer, quick, reps, copy):
             print(f"[gemm] wo_a {name} M={m}: {us:.1f} us ({extra['frac_of_floor']:.0%} of floor "
                   f"{extra['floor_us']} us, {extra['TFLOPs']} TFLOP/s; weight read {read_us} us); einsum {base:.1f} us"
                   + peer_text(row) + _w4a8_text(row), flush=True)
-        ws = wb = w8 = w8s = hw = hw8 = ck8 = None  # free before the next shape
+        ws = wb = w8 = w8s = hw = hw8 = w8ref = None  # free before the next shape
         torch.cuda.empty_cache()
 
 

@@ -111,12 +111,12 @@ def mxfp4_values(torch, codes, scales):
     return v * torch.exp2(scales.float() - 127).repeat_interleave(32, dim=-1)
 
 
-def w4a8_reference(torch, rawkv, x, codes, scales):
+def w4a8_reference(torch, rawkv, x, w):
     """float32 (M, G, N): x (M, G, K) as rawkv's FP8 block activations
-    (quantize_blocks, DeepSeek's rule), dequantized, times the MXFP4 weights'
-    values, in float32."""
+    (quantize_blocks, DeepSeek's rule), dequantized, times the weights'
+    values w (G, N, K) float32 (mxfp4_values, worked out once per shape)."""
     xa = rawkv.fp8.dequantize_blocks(*rawkv.fp8.quantize_blocks(x, block=W4A8_GROUP), block=W4A8_GROUP)
-    return torch.einsum("mgk,gnk->mgn", xa, mxfp4_values(torch, codes, scales))
+    return torch.einsum("mgk,gnk->mgn", xa, w)
 
 
 def interval(intervals, rows: int):
