@@ -214,7 +214,10 @@ def test_w4a8_reference_is_the_product_of_the_dequantized_operands(bg):
     q, sc = fp8_blocks.quantize_blocks(x.float().numpy(), 128)
     xa = fp8_blocks.dequantize_blocks(q, sc, 128).astype(np.float64)
     w = gp.mxfp4_values(torch, codes, scales).double().numpy()
-    np.testing.assert_allclose(got.numpy(), np.einsum("mgk,gnk->mgn", xa, w), rtol=1e-5, atol=1e-6)
+    # float32 sums of K = 256 products: within K 2^-24 of the products' absolute sum (a fixed
+    # relative tolerance failed on outputs that cancel, with the codes drawn fresh each run)
+    bound = 256 * 2.0 ** -24 * np.einsum("mgk,gnk->mgn", np.abs(xa), np.abs(w))
+    assert (np.abs(got.numpy() - np.einsum("mgk,gnk->mgn", xa, w)) <= bound).all()
     assert ((scales >= gp.W4A8_SCALE_LO) & (scales < gp.W4A8_SCALE_HI)).all() and codes.shape == (2, 5, 128)
 
 
