@@ -417,9 +417,12 @@ def test_packed_codes_and_shifts_round_trip(rng, g, n, k):
 def test_packed_code_positions_are_the_fp8_fragment(rng):
     """Every code's place, from the layout's definition (one index at a time):
     plane s // 2, lane 4 q + t, bytes 8 (s % 2) + 4 h .. + 3 (k32 step s,
-    row q for h = 0, q + 8 for h = 1), nibble j holds
-    column 32 s + 16 (j // 4) + 4 t + j % 4: the wgmma E4M3 A fragment
-    (a0 / a1: columns 4 t .. + 3 of rows q / q + 8, a2 / a3: 16 + 4 t ..)."""
+    row q for h = 0, q + 8 for h = 1) hold code j, the one at column
+    32 s + 16 (j // 4) + 4 t + j % 4 (the wgmma E4M3 A fragment: a0 / a1
+    columns 4 t .. + 3 of rows q / q + 8, a2 / a3 16 + 4 t ..), its
+    magnitude at bits 4 j .. 4 j + 2 and its sign at bit 8 j + 3 (j < 4) or
+    8 (j - 4) + 7: the bit 7 of E4M3 byte j % 4 of (w << 4) for codes 0..3,
+    of w for 4..7 (gemm_w4a8.cuh, e4m3_of_e2m1)."""
     g, n, k = 1, 24, 160
     nib = rng.integers(0, 16, (g, n, k), dtype=np.uint8)
     codes = (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
@@ -435,7 +438,9 @@ def test_packed_code_positions_are_the_fp8_fragment(rng):
                         for j in range(8):
                             row, col = 16 * tile + 8 * h + q, 128 * c + 32 * s + 16 * (j // 4) + 4 * t + j % 4
                             want = nib[0, row, col] if row < n and col < k else 0
-                            assert (word >> (4 * j)) & 15 == want, (tile, c, lane, s, h, j)
+                            sign_bit = 8 * j + 3 if j < 4 else 8 * (j - 4) + 7
+                            got = (word >> (4 * j)) & 7 | ((word >> sign_bit) & 1) << 3
+                            assert got == want, (tile, c, lane, s, h, j)
 
 
 def test_packed_shift_positions(rng):

@@ -46,17 +46,16 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     return r;
 }
 
-// Eight E2M1 codes (code j at bits 4 j .. 4 j + 3) -> the E4M3 bytes of
-// codes 0..3 (lo) and 4..7 (hi) through the block's table (t0, t1: the
-// E4M3 bytes of magnitudes 0..7). The magnitudes index the table; the
-// signs come from a second prmt in its sign-replicate mode (selector bit
-// 3): byte i of w << 4 holds code 2 i's sign at its top bit, byte i of w
-// code 2 i + 1's.
+// Eight E2M1 codes of a packed word (pack_codes8: code j's magnitude at
+// bits 4 j .. 4 j + 2; byte b's bit 3 holds code b's sign, its bit 7 code
+// 4 + b's) -> the E4M3 bytes of codes 0..3 (lo) and 4..7 (hi) through the
+// block's table (t0, t1: the E4M3 bytes of magnitudes 0..7): prmt on the
+// magnitudes, then the signs ORed in at bit 7 of each byte, from w << 4
+// (lo) and w (hi) as they lie: 7 instructions.
 __device__ __forceinline__ void e4m3_of_e2m1(u32 w, u32 t0, u32 t1, u32& lo, u32& hi) {
     const u32 m = w & 0x77777777u;
-    const u32 sw = w << 4;
-    lo = prmt(t0, t1, m) | (prmt(sw, w, 0xD9C8u) & 0x80808080u);
-    hi = prmt(t0, t1, m >> 16) | (prmt(sw, w, 0xFBEAu) & 0x80808080u);
+    lo = prmt(t0, t1, m) | ((w << 4) & 0x80808080u);
+    hi = prmt(t0, t1, m >> 16) | (w & 0x80808080u);
 }
 
 __device__ __forceinline__ uint2 ld_shared8(u32 addr) {
@@ -82,14 +81,14 @@ __device__ __forceinline__ uint2 block_table(u32 table, u32 e) {
 }
 
 // block_table's computed row of byte i of the shift word w (a byte from
-// kFastShift to kShiftRows - 1), from the word itself: byte i replicated
-// into bytes 1..3 (lo, byte 0 from zero) or all four (hi) by prmt, then
-// times 8 into each exponent field (no carry: bytes below 32) plus the
-// shift-0 row less the bias; the same words as block_table, without
-// extracting the byte.
+// kFastShift to kShiftRows - 1), from the word itself: the byte extracted
+// by one prmt, then two multiply-adds put it times 8 into each exponent
+// field (no carry: bytes below 32) plus the shift-0 row less the bias; the
+// same words as block_table in three instructions.
 __device__ __forceinline__ uint2 fast_table(u32 w, int i) {
-    const u32 lo = prmt(w, 0u, 0x0004u | (0x1110u * i)), hi = prmt(w, 0u, 0x1111u * i);
-    return make_uint2(lo * 8u + (kTable0Lo - kShiftBias * 0x08080800u), hi * 8u + (kTable0Hi - kShiftBias * 0x08080808u));
+    const u32 e = prmt(w, 0u, 0x4440u | i);
+    return make_uint2(e * 0x08080800u + (kTable0Lo - kShiftBias * 0x08080800u),
+                      e * 0x08080808u + (kTable0Hi - kShiftBias * 0x08080808u));
 }
 
 // Bit 7 of each byte of the result: that byte of w is not a computed row

@@ -293,14 +293,24 @@ def padded8(n: int, k: int) -> tuple[int, int]:
     return -(-n // G.ROWS) * G.ROWS, -(-k // CHUNK8)
 
 
+#: The sign bits of a packed word: bit 3 of nibble j (bit 4 j + 3) holds the
+#: sign of code SIGN_OF[j] (code i's magnitude stays in nibble i's bits
+#: 0..2). So byte b's bit 3 is code b's sign and its bit 7 code 4 + b's: the
+#: kernel's E4M3 bytes of codes 0..3 take their signs from (w << 4) and those
+#: of codes 4..7 from w itself, one AND-OR each (gemm_w4a8.cuh,
+#: e4m3_of_e2m1), where signs in their own nibbles took a prmt each.
+SIGN_OF = np.array([0, 4, 1, 5, 2, 6, 3, 7])
+
+
 def pack_codes8(codes) -> np.ndarray:
     """MXFP4 code bytes (G, N, K/2) (two E2M1 codes per byte, low nibble
     first) -> the kernel's codes uint8 (G, NP/16, C, 2, 32, 16): plane s // 2,
     lane l = 4 q + t, bytes 8 (s % 2) .. + 3 hold k32 step s of row q and
-    8 (s % 2) + 4 .. + 7 of row q + 8, each a little-endian word whose
-    nibble j (bits 4 j .. 4 j + 3) is the code at column
-    128 c + 32 s + 16 (j // 4) + 4 t + j % 4. Padding (rows past N,
-    columns past K) is code 0."""
+    8 (s % 2) + 4 .. + 7 of row q + 8, each a little-endian word of eight
+    codes: code j is the one at column 128 c + 32 s + 16 (j // 4) + 4 t + j % 4,
+    its magnitude (bits 0..2) at bits 4 j .. 4 j + 2, its sign at bit 3 of
+    the nibble i with SIGN_OF[i] = j. Padding (rows past N, columns past K)
+    is code 0."""
     codes = np.asarray(codes, np.uint8)
     g, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
     npad, chunks = padded8(n, k)
@@ -310,6 +320,7 @@ def pack_codes8(codes) -> np.ndarray:
     v = full.reshape(g, npad // G.ROWS, 2, 8, chunks, PLANES, 2, 2, 4, 4)
     # -> g, tile, c, plane, q, t, s2, half, jh, jl
     v = v.transpose(0, 1, 4, 5, 3, 8, 6, 2, 7, 9).reshape(g, npad // G.ROWS, chunks, PLANES, 32, 2, 2, 8)
+    v = (v & 7) | (v[..., SIGN_OF] & 8)
     return (v[..., 0::2] | (v[..., 1::2] << 4)).reshape(g, npad // G.ROWS, chunks, PLANES, 32, 16)
 
 
@@ -318,7 +329,10 @@ def unpack_codes8(packed, n: int, k: int) -> np.ndarray:
     packed = np.asarray(packed, np.uint8)
     g, tiles, chunks = packed.shape[:3]
     v = packed.reshape(g, tiles, chunks, PLANES, 32, 2, 2, 4)
-    nib = np.stack([v & 0xF, v >> 4], axis=-1).reshape(g, tiles, chunks, PLANES, 8, 4, 2, 2, 2, 4)
+    nib = np.stack([v & 0xF, v >> 4], axis=-1).reshape(g, tiles, chunks, PLANES, 32, 2, 2, 8)
+    signs = np.empty_like(nib)
+    signs[..., SIGN_OF] = nib & 8
+    nib = ((nib & 7) | signs).reshape(g, tiles, chunks, PLANES, 8, 4, 2, 2, 2, 4)
     # axes: g, tile, c, plane, q, t, s2, half, jh, jl -> g, tile, half, q, c, plane, s2, jh, t, jl
     full = nib.transpose(0, 1, 7, 4, 2, 3, 6, 8, 5, 9).reshape(g, tiles * G.ROWS, chunks * CHUNK8)
     v = full[:, :n, :k]
