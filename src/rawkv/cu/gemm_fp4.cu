@@ -197,8 +197,8 @@ __global__ void __launch_bounds__(32 * KS * RW, RKV_GEMM_MIN_BLOCKS(ACT)) rkv_ge
             for (int i = 0; i < MT; ++i) {
                 const u32 dst = wr + (u * MT + i) * 576;
                 const bool on = live && tile_ok[i];
-                cp_async16_line_if(on, dst + lane * 16, wsrc[i] + u * 512);
-                cp_async16_line_if(on && lane < 4, dst + 512 + lane * 16, ssrc[i] + u * 64);
+                cp_async16_if<true>(on, dst + lane * 16, wsrc[i] + u * 512);
+                cp_async16_if<true>(on && lane < 4, dst + 512 + lane * 16, ssrc[i] + u * 64);
             }
         }
         cp_async_commit();

@@ -226,22 +226,22 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
 }
 // The same when `on`, else nothing: a predicated instruction, not a branch.
+// LINE adds the L2 prefetch hint .L2::128B: a miss brings the whole 128-byte
+// line from DRAM, not only the 32-byte sectors asked for, so a tile's
+// 64-byte scale copy (lanes 0..3) also brings its next chunk's scales. Both
+// mma.sync kernels' weight streams take it (W4A16: on Hopper decode and MoE
+// below 28 tokens per expert, every batch elsewhere; W4A8's few-token
+// kernel). H100: MoE Flash at 16 and 64 tokens 1.3-1.6% less time (W4A16)
+// and 0.5-1.3% (W4A8), decode within 2-3% either way (docs/gemm.md,
+// "Streaming"); the wgmma kernels' producers measured no better with it.
+template <bool LINE = false>
 __device__ __forceinline__ void cp_async16_if(bool on, u32 dst, const void* gmem) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n"
-                 ::"r"(dst), "l"(gmem), "r"((int)on));
-}
-// cp_async16_if with the L2 prefetch hint .L2::128B: a miss brings the whole
-// 128-byte line from DRAM, not only the 32-byte sectors asked for, so a
-// tile's 64-byte scale copy (lanes 0..3) also brings its next chunk's
-// scales. Both mma.sync kernels' weight streams take it (W4A16: on Hopper
-// decode and MoE below 28 tokens per expert, every batch elsewhere; W4A8's
-// few-token kernel). H100: MoE Flash at 16 and 64 tokens 1.3-1.6% less time
-// (W4A16) and 0.5-1.3% (W4A8), decode within 2-3% either way (docs/gemm.md,
-// "Streaming"); the wgmma kernels' producers measured no better with it
-// and keep cp_async16_if.
-__device__ __forceinline__ void cp_async16_line_if(bool on, u32 dst, const void* gmem) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n}\n"
-                 ::"r"(dst), "l"(gmem), "r"((int)on));
+    if constexpr (LINE)
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n}\n"
+                     ::"r"(dst), "l"(gmem), "r"((int)on));
+    else
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16;\n}\n"
+                     ::"r"(dst), "l"(gmem), "r"((int)on));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {

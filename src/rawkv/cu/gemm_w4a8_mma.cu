@@ -174,9 +174,9 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
         for (int i = 0; i < MT; ++i) {
             const u32 dst = wr + i * kTileBytes;
             const bool on = live && tile_ok[i];
-            cp_async16_line_if(on, dst + 16 * lane, wsrc[i]);
-            cp_async16_line_if(on, dst + 512 + 16 * lane, wsrc[i] + 512);
-            cp_async16_line_if(on && lane < 4, dst + kCodeBytes + 16 * lane, ssrc[i]);
+            cp_async16_if<true>(on, dst + 16 * lane, wsrc[i]);
+            cp_async16_if<true>(on, dst + 512 + 16 * lane, wsrc[i] + 512);
+            cp_async16_if<true>(on && lane < 4, dst + kCodeBytes + 16 * lane, ssrc[i]);
             wsrc[i] += kCodeBytes;
             ssrc[i] += kShiftBytes;
         }
