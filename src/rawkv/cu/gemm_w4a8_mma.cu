@@ -18,7 +18,7 @@
 // FP32 (at least as precise as the bound of the FP8 tensor cores).
 // * Weights: each k32 step is one MXFP4 block of each row, so its power of
 //   two (the block's shift) is applied to the step's FP32 result, not to the
-//   codes: the codes go through the shift-0 table (E2M1 -> E4M3 by prmt, 9
+//   codes: the codes go through the shift-0 table (E2M1 -> E4M3 by prmt, 7
 //   instructions per 8 codes, no table per block) and one E4M3 -> FP16
 //   conversion per pair. A shift byte past the table gives the factor 0:
 //   the block reads as zeros.
