@@ -64,6 +64,13 @@ __device__ __forceinline__ uint2 ld_shared8(u32 addr) {
     return v;
 }
 
+// The computed row of shift byte e (kFastShift .. kShiftRows - 1): the
+// shift-0 row with the shift added to each exponent field (no byte borrows
+// or carries: bytes below 32).
+__device__ __forceinline__ uint2 computed_row(u32 e) {
+    return make_uint2(kTable0Lo + (e - kShiftBias) * 0x08080800u, kTable0Hi + (e - kShiftBias) * 0x08080808u);
+}
+
 // The E4M3 bytes of magnitudes 0..7 times 2^(e - SHIFT_BIAS) (two words),
 // exact for every magnitude an accepted block (rawkv.gemm.w4a8_weight) can
 // hold at that shift: from kFastShift on, the shift-0 row with the shift
@@ -75,21 +82,14 @@ __device__ __forceinline__ uint2 ld_shared8(u32 addr) {
 // w4a8_weight) takes the shared-memory path too, to a row of zeros: the
 // block is skipped (and counted, see above).
 __device__ __forceinline__ uint2 block_table(u32 table, u32 e) {
-    if (e - kFastShift < kShiftRows - kFastShift)
-        return make_uint2(kTable0Lo + (e - kShiftBias) * 0x08080800u, kTable0Hi + (e - kShiftBias) * 0x08080808u);
+    if (e - kFastShift < kShiftRows - kFastShift) return computed_row(e);
     return ld_shared8(table + 8 * e);
 }
 
 // block_table's computed row of byte i of the shift word w (a byte from
-// kFastShift to kShiftRows - 1), from the word itself: the byte extracted
-// by one prmt, then two multiply-adds put it times 8 into each exponent
-// field (no carry: bytes below 32) plus the shift-0 row less the bias; the
-// same words as block_table in three instructions.
-__device__ __forceinline__ uint2 fast_table(u32 w, int i) {
-    const u32 e = prmt(w, 0u, 0x4440u | i);
-    return make_uint2(e * 0x08080800u + (kTable0Lo - kShiftBias * 0x08080800u),
-                      e * 0x08080808u + (kTable0Hi - kShiftBias * 0x08080808u));
-}
+// kFastShift to kShiftRows - 1), the byte extracted by one prmt: three
+// instructions with computed_row's two multiply-adds.
+__device__ __forceinline__ uint2 fast_table(u32 w, int i) { return computed_row(prmt(w, 0u, 0x4440u | i)); }
 
 // Bit 7 of each byte of the result: that byte of w is not a computed row
 // (below kFastShift or from kShiftRows on, past the table included). A byte
