@@ -396,7 +396,7 @@ def peer_timers(peer, make_calls, ref, reps: int, prefix: str = PEER_TIMER) -> t
 
 
 def peer_row_fields(peer, best: dict, failed: dict, errs: dict, notes: dict, flops: int,
-              prefix: str = PEER_TIMER) -> dict:
+                    prefix: str = PEER_TIMER) -> dict:
     """The row's peer fields (peer_fields) from best_of's results of the
     timers peer_timers made with `prefix`."""
     if peer is None:
@@ -408,7 +408,7 @@ def peer_row_fields(peer, best: dict, failed: dict, errs: dict, notes: dict, flo
 
 
 def timed_row(timers: dict, peer, peer_calls, ref, reps: int, flops: int,
-               w4a8=None) -> tuple[dict, dict, dict]:
+              w4a8=None) -> tuple[dict, dict, dict]:
     """A row's timings: `timers` (rawkv first) and the peer's matching modes
     through best_of; (best, failed, the row's fields of the peer). `w4a8`:
     (make_calls, ref) of the peer's W4A8 mode, whose fields join the row's
