@@ -7,13 +7,13 @@ name every accumulator register.
 """
 from pathlib import Path
 
-#: Every multiple of 16 up to the 128-token tile: a block's MMAs cover its
-#: tokens rounded up to 16 (sm90.cuh, run_tile).
-SHAPES = (16, 32, 48, 64, 80, 96, 112, 128)
+#: Every multiple of 16 up to the 256-token tile of the W4A16 kernel: a
+#: block's MMAs cover its tokens rounded up to 16 (sm90.cuh, run_tile).
+SHAPES = tuple(range(16, 257, 16))
 TYPES = ("bf16", "f16")
 OUT = Path(__file__).resolve().parent.parent / "src" / "rawkv" / "cu" / "wgmma_rs.cuh"
-#: The W4A8 kernel's FP8 (E4M3 x E4M3) shapes, the same.
-FP8_SHAPES = SHAPES
+#: The W4A8 kernel's FP8 (E4M3 x E4M3) shapes: up to its 128-token tile.
+FP8_SHAPES = tuple(range(16, 129, 16))
 
 
 def wrapper(n: int, ty: str) -> str:

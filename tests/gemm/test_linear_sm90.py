@@ -19,19 +19,23 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(params=[(128, None, True), (256, None, True), (128, 2, True), (256, 2, True), (256, None, False)],
-                ids=["bm128", "bm256", "bm128-split2", "bm256-split2", "bm256-copy"])
+@pytest.fixture(params=[(128, None, True, None), (256, None, True, None), (128, 2, True, None),
+                        (256, 2, True, None), (256, None, False, None), (128, None, True, 256),
+                        (128, 2, True, 256)],
+                ids=["bm128", "bm256", "bm128-split2", "bm256-split2", "bm256-copy", "bn256", "bn256-split2"])
 def sm90(cuda, monkeypatch, request):
     """The runtime of an sm_90 device, every launch forced onto the wgmma
     kernel with blocks of 128 or 256 output features, and batched launches
     also onto the split-K kernel (a cluster of 2 blocks per output tile,
     each half of K: with K of 1 to 4 chunks a half may have none); 16-bit
     activation tiles by TMA where the view allows it, and ("copy") by the
-    producer's threads."""
+    producer's threads; ("bn256") the 256-token tile wherever TMA can bring
+    the activations (elsewhere the plan's 128-token tile)."""
     if cuda.arch != "sm_90":
         pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
-    bm, splits, act_tma = request.param
+    bm, splits, act_tma, bn = request.param
     monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
+    monkeypatch.setattr(linear, "SM90_FORCE_BN", bn)
     monkeypatch.setattr(linear, "SM90_FORCE_BM", bm)
     monkeypatch.setattr(linear, "SM90_FORCE_KSPLIT", splits)
     monkeypatch.setattr(linear, "SM90_ACT_TMA", act_tma)
@@ -148,18 +152,20 @@ def test_ragged_384_experts_some_empty(sm90, rng):
 @pytest.mark.parametrize("fmt,act", [("nvfp4", "bfloat16"), ("mxfp4", "float16")])
 def test_every_column_count_within_the_bound_and_same_bits_for_every_tile(cuda, rng, monkeypatch, fmt, act):
     # A block's wgmmas cover its tokens rounded up to 16 columns (sm90.cuh,
-    # run_tile): experts of 1 .. 250 rows in 64- and 128-token tiles reach
-    # every count from 16 to 128, the same token at different counts (100
-    # rows: 112 columns in a 128-token tile, 64 + 48 in 64-token ones; 85
-    # rows, DeepSeek-V4-Pro's mean at 4,096 tokens, the plan's 128-token
-    # tile); within the bound, and the same bits for either tile, ragged
+    # run_tile): experts of 1 .. 250 rows in 64-, 128- and 256-token tiles
+    # reach every count from 16 to 256, the same token at different counts
+    # (100 rows: 112 columns in a 128-token tile, 64 + 48 in 64-token ones;
+    # 85 rows, DeepSeek-V4-Pro's mean at 4,096 tokens, the plan's 128-token
+    # tile); within the bound, and the same bits for every tile, ragged
     # (empty experts, N past a block, K past a chunk) and batched.
     if cuda.arch != "sm_90":
         pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
     monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
     n, k = 136, 1056
-    counts = np.array([1, 16, 17, 32, 33, 48, 49, 64, 65, 80, 81, 85, 96, 97, 100, 112, 113, 128, 129, 250, 0, 7])
-    for bn in (64, 128):
+    counts = np.array([1, 16, 17, 32, 33, 48, 49, 64, 65, 80, 81, 85, 96, 97, 100, 112, 113, 128, 129, 250, 0, 7,
+                       145, 161, 177, 193, 209, 225, 241])
+    tiles = (256, 128, 64)
+    for bn in tiles:
         assert {-(-(c % bn or bn) // 16) for c in counts if c} == set(range(1, bn // 16 + 1))
     offsets, rows, w, w64, x, x64 = _ragged_case(rng, counts, n, k, fmt)
     assert plans.tile(cuda, w, 85, ragged=True, tuning=linear).tokens == 128
@@ -168,20 +174,24 @@ def test_every_column_count_within_the_bound_and_same_bits_for_every_tile(cuda, 
     x64 = x.double().cpu().numpy()
     exact, _ = ref.ragged(x64, w64, offsets)
     absolute, _ = ref.ragged(np.abs(x64), np.abs(w64), offsets)
+    assert plans.tma.activation_map(x, True, 256) is not None       # (so the 256-token tile serves)
     got = {}
-    for bn in (128, 64):
+    for bn in tiles:
         monkeypatch.setattr(linear, "SM90_FORCE_BN", bn)
+        assert plans.tile(cuda, w, 85, ragged=True, tuning=linear, wide=True).tokens == bn
         got[bn] = rawkv.gemm.moe_linear(x, w, offs)
     assert_within_bound(got[128], exact, absolute, k, f"{fmt} {act} ragged")
-    assert torch.equal(got[64].view(torch.int16), got[128].view(torch.int16))
-    xb = torch.randn(127, 2, k, device="cuda").to(getattr(torch, act))
+    for bn in (256, 64):
+        assert torch.equal(got[bn].view(torch.int16), got[128].view(torch.int16)), bn
+    xb = torch.randn(250, 2, k, device="cuda").to(getattr(torch, act))
     wb, _ = random_weight(rng, 2, n, k, fmt)
-    for tokens in (1, 17, 40, 100, 127):
+    for tokens in (1, 17, 40, 100, 127, 129, 200, 250):
         outs = []
-        for bn in (128, 64):
+        for bn in tiles:
             monkeypatch.setattr(linear, "SM90_FORCE_BN", bn)
             outs.append(rawkv.gemm.grouped_linear(xb[:tokens].contiguous(), wb))
-        assert torch.equal(outs[1].view(torch.int16), outs[0].view(torch.int16)), tokens
+        for o in outs[1:]:
+            assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16)), tokens
 
 
 @pytest.mark.parametrize("k", [64, 128, 4160])

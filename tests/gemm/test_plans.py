@@ -229,8 +229,66 @@ def test_ragged_wgmma_tiles_are_64_or_128_tokens(per_expert, bn):
     assert t.kernel is K.GEMM_SM90 and t.tokens == bn and t.targs[0] == bn
 
 
+@pytest.mark.parametrize("shape,tokens,wide,splits", [
+    ((16, 1024), 4096, True, 1),       # DeepSeek-V4-Pro wo_a: full waves either way
+    ((8, 1024), 512, True, 1),         # Flash: 128 blocks of either tile, one wave
+    ((8, 1024), 128, False, None),     # 128 tokens: the 128-token tiles
+    ((8, 1536, 8192), 512, True, 2),   # seed 004: 192 blocks; split in two, 384 fill 3 waves better
+])
+def test_the_256_token_tile_where_its_waves_are_cheapest(shape, tokens, wide, splits):
+    # The 256-token tile (128 features) costs 0.86 of a 128 x 256 tile's
+    # chunk (H100, 2026-11-27): it replaces that tile wherever the waves
+    # are the same, and only where the activations can come by TMA (`wide`).
+    t = P.tile(H100, _Sizes(*shape), tokens, wide=True)
+    narrow = P.tile(H100, _Sizes(*shape), tokens, wide=False)
+    assert narrow.tokens <= 128
+    if wide:
+        kernel = K.GEMM_SM90 if splits == 1 else K.GEMM_SM90_SPLITK
+        assert t.kernel is kernel and t.targs[:3] == (*K.SM90_WIDE_CONFIG, 128) and t.rows == 128, t
+        assert t.tokens == 256 and t.splits == splits
+    else:
+        assert t == narrow
+
+
+def test_the_256_token_tile_forced(monkeypatch):
+    # Forced, it serves any token count that can take it, split or not;
+    # where the call's activations cannot come by TMA, or 256-feature blocks
+    # are forced too, the 128-token tile serves instead (also with the ops'
+    # tunables, rawkv.gemm.linear's attributes).
+    w = _Sizes(8, 1024)
+    monkeypatch.setattr(linear, "SM90_FORCE_BN", 256)
+    monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
+    assert P.tile(H100, w, 3000, tuning=linear, wide=False).tokens == 128
+    assert P.tile(H100, w, 3000, tuning=linear, wide=True).tokens == 256
+    wide = P.Tuning(KERNEL_PATH="sm90", SM90_FORCE_BN=256)
+    assert P.tile(H100, w, 3, tuning=wide, wide=True).targs == (*K.SM90_WIDE_CONFIG, 128, 2)   # split in two
+    assert P.tile(H100, w, 3000, tuning=wide, wide=True).targs == (*K.SM90_WIDE_CONFIG, 128)
+    assert P.tile(H100, w, 3, ragged=True, rows=40, tuning=wide, wide=True).tokens == 256
+    assert P.tile(H100, w, 3000, tuning=wide, wide=False).tokens == 128
+    assert P.tile(H100, w, 3000, tuning=wide._replace(SM90_FORCE_BM=256), wide=True).tokens == 128
+    t = P.tile(H100, w, 3000, tuning=wide._replace(SM90_FORCE_KSPLIT=2), wide=True)
+    assert t.splits == 2 and t.tokens == 256
+
+
+def test_only_tma_activations_take_the_256_token_tile():
+    # CPU tensors have no tensor map (the plan on them is what a GPU without
+    # TMA for the view gets); NVFP4 activations, SM90_ACT_TMA off, fewer
+    # than 129 tokens or another GPU: never.
+    w = _weight(g=2, n=64)
+    act, cw, out = _grouped(torch.ones(300, 2, 128, dtype=torch.bfloat16), w)
+    assert not P.wide_tile(H100, act, 300, False, linear)
+    a = _one(P.grouped(H100, act, cw, out, linear))
+    assert a.kernel.kernel is K.GEMM_SM90 and a.grid[1] == 3         # 128-token tiles
+    q, sf, gs = rawkv.nvfp4.quantize(torch.ones(300, 2, 128), scope="row")
+    nv, _, _ = _grouped(rawkv.nvfp4.QuantizedActivation(q, sf, gs), w)
+    forced = P.Tuning(SM90_FORCE_BN=256)
+    for dev, a, tokens, tuning in ((H100, nv, 300, forced), (H100, act, 300, P.Tuning(SM90_ACT_TMA=False)),
+                                   (H100, act, 128, P.TUNED), (A100, act, 300, forced)):
+        assert not P.wide_tile(dev, a, tokens, False, tuning)
+
+
 def test_a_forced_token_tile_without_an_instance_is_refused():
-    with pytest.raises(ValueError, match="^SM90_FORCE_BN: expected 64, 128 or None, got 96"):
+    with pytest.raises(ValueError, match="^SM90_FORCE_BN: expected 64, 128, 256 or None, got 96"):
         P.tile(H100, _Sizes(8, 1024), 300, tuning=P.Tuning(KERNEL_PATH="sm90", SM90_FORCE_BN=96))
 
 

@@ -3,8 +3,8 @@
 // Same operation, arguments and packed weights as gemm_fp4.cu (docs/gemm.md):
 // out[t, g, n] = sum_k x[t, g, k] * w[g, n, k] (batched), or rows sorted by
 // expert with offsets (ragged). A block computes BM = 256 or 128 output
-// features (16 or 8 row tiles) x BN tokens, one 64-column chunk per pipeline
-// stage.
+// features (16 or 8 row tiles) x BN tokens (64 or 128; 256 with BM = 128
+// and TMA activations), one 64-column chunk per pipeline stage.
 //
 // Warp specialization (384 threads, three warpgroups):
 // * warpgroups 0 and 1 consume: each owns BM / 2 features, BM / 128 m64
@@ -82,6 +82,17 @@ __device__ __forceinline__ void gemm_sm90(
     constexpr int kMT = BM / 128;            // m64 tiles per consumer warpgroup
     constexpr int kWStage = kTiles * (kCodeBytes + kScaleBytes);
     constexpr int kBStage = BN * 128;    // BN token rows of 64 16-bit columns
+    // The 256-token tile (BM = 128) takes its activations by TMA only: the
+    // producer threads' path would hold 256 token rows in registers.
+    constexpr bool kTmaOnly = BN > 128;
+    static_assert(!kTmaOnly || (BM == 128 && ACT != 2), "the 256-token tile is BM = 128, 16-bit activations");
+    // Registers per thread of the producer and the consumers after
+    // setmaxnreg: 128 x P + 256 x C must stay at the launch's 384 x 168 (an
+    // increase past it never returns). The TMA-only producer needs few; the
+    // 256-token tile's consumers hold 128 accumulators.
+    constexpr int kProducerRegs = kTmaOnly ? 56 : 120;
+    constexpr int kConsumerRegs = kTmaOnly ? 224 : 192;
+    static_assert(128 * kProducerRegs + 256 * kConsumerRegs == kThreads * 168, "the register split");
     static_assert(BN % 8 == 0 && kBStage % 1024 == 0, "B stages must stay 1024-byte aligned");
     __shared__ int s_off[RKV_GEMM_MAX_SEGMENTS];
     // Split K: rank 0's "the partial sums are ready" (every consumer thread
@@ -131,16 +142,7 @@ __device__ __forceinline__ void gemm_sm90(
     const int wg = threadIdx.x / 128;
     if (wg == 2) {
         // ---------------- producer ----------------
-        // Thread p owns kItems (token row, slot) items of every stage: rows
-        // p / 4 + 32 j, slot i = p % 4, so a warp's 32 items are 8 rows x 4
-        // slots, whose stores hit 32 distinct banks. Its activations run
-        // kAhead chunks ahead in registers: a chunk's loads are issued kAhead
-        // stages before they are stored, which hides the L2 / DRAM latency.
-        constexpr int kItems = BN * 4 / 128;
-        constexpr int kAhead = ACT == 2 ? 1 : 2;   // (NVFP4 rows: 2 spills in 120 registers)
-        // Registers: 256 x 192 (consumers) + 128 x 120 (producer) = 384 x 168,
-        // what the block was launched with (an increase past it never returns).
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 120;\n");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
         const int p = threadIdx.x - 256;
         const int plane = p & 31, slot = p & 3;
         // Everything per chunk below is an address step from what is set up
@@ -196,80 +198,91 @@ __device__ __forceinline__ void gemm_sm90(
             }
             return;
         }
-        // A row past the tile's last token reads the last token again: its
-        // B column only reaches outputs the epilogue does not write (the
-        // MMA's columns are independent), so it needs no zeros and no test.
-        const u8* xrow[kItems];
-        const u8* srow[kItems];
-#pragma unroll
-        for (int j = 0; j < kItems; ++j) {
-            const int tok = min(t0 + (p >> 2) + 32 * j, t1 - 1);
-            const i64 xo = (i64)tok * xs_t + (i64)g * xs_g;
-            xrow[j] = x + (ACT == 2 ? xo + 32 * c_beg : 2 * xo + 128 * c_beg);   // chunk c_beg; `load` steps it
-            srow[j] = ACT == 2 ? xsf + (i64)tok * ss_t + (i64)g * ss_g + 4 * c_beg : nullptr;
-        }
-        // Item j's columns 16 slot .. + 7 and + 8 .. + 15 (units 2 slot and
-        // 2 slot + 1) go to row (p / 4 + 32 j), units (2 slot + h) ^ (row % 8):
-        // row % 8 is the same for every j. (A phase of 8 lanes, two rows x
-        // four slots, stores to 8 distinct units: no bank conflicts.)
-        u32 uoff[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) uoff[h] = (p >> 2) * 128 + (((2 * slot + h) ^ ((p >> 2) & 7)) << 4);
-
-        ActChunk<ACT> buf[kAhead][kItems];
-        // Columns past k must be zeros (the weight's zero padding times a
-        // NaN would be NaN): only the chunk that holds k's end, and chunks
-        // past the last, test them.
-        const int full_chunks = k / 64;
-        // `load` is called for chunks c_beg, c_beg + 1, ... in order: it reads
-        // columns 16 slot .. + 15 of xrow / srow and steps them one chunk.
-        auto load = [&](ActChunk<ACT> (&b)[kItems], int c) {
-            if (c < full_chunks) {
-#pragma unroll
-                for (int j = 0; j < kItems; ++j) b[j].load(xrow[j], srow[j], 16 * slot);
-            } else {
-                const bool live = c * 64 + 16 * slot < k;
-#pragma unroll
-                for (int j = 0; j < kItems; ++j) {
-                    if (live) b[j].load(xrow[j], srow[j], 16 * slot);
-                    else b[j].clear();
-                }
-            }
+        if constexpr (kTmaOnly) {
+            __trap();   // (the plan gives this tile a tensor map or does not take it)
+        } else {
+            // Thread p owns kItems (token row, slot) items of every stage: rows
+            // p / 4 + 32 j, slot i = p % 4, so a warp's 32 items are 8 rows x 4
+            // slots, whose stores hit 32 distinct banks. Its activations run
+            // kAhead chunks ahead in registers: a chunk's loads are issued kAhead
+            // stages before they are stored, which hides the L2 / DRAM latency.
+            constexpr int kItems = BN * 4 / 128;
+            constexpr int kAhead = ACT == 2 ? 1 : 2;   // (NVFP4 rows: 2 spills in 120 registers)
+            // A row past the tile's last token reads the last token again: its
+            // B column only reaches outputs the epilogue does not write (the
+            // MMA's columns are independent), so it needs no zeros and no test.
+            const u8* xrow[kItems];
+            const u8* srow[kItems];
 #pragma unroll
             for (int j = 0; j < kItems; ++j) {
-                xrow[j] += ACT == 2 ? 32 : 128;
-                if (ACT == 2) srow[j] += 4;
+                const int tok = min(t0 + (p >> 2) + 32 * j, t1 - 1);
+                const i64 xo = (i64)tok * xs_t + (i64)g * xs_g;
+                xrow[j] = x + (ACT == 2 ? xo + 32 * c_beg : 2 * xo + 128 * c_beg);   // chunk c_beg; `load` steps it
+                srow[j] = ACT == 2 ? xsf + (i64)tok * ss_t + (i64)g * ss_g + 4 * c_beg : nullptr;
             }
-        };
+            // Item j's columns 16 slot .. + 7 and + 8 .. + 15 (units 2 slot and
+            // 2 slot + 1) go to row (p / 4 + 32 j), units (2 slot + h) ^ (row % 8):
+            // row % 8 is the same for every j. (A phase of 8 lanes, two rows x
+            // four slots, stores to 8 distinct units: no bank conflicts.)
+            u32 uoff[2];
 #pragma unroll
-        for (int d = 0; d < kAhead; ++d) load(buf[d], c_beg + d);
-        int s = 0;
-        u32 parity = 1;   // of the empty barriers: a fresh barrier passes parity 1
-        for (int c0 = c_beg; c0 < c_end; c0 += kAhead) {
+            for (int h = 0; h < 2; ++h) uoff[h] = (p >> 2) * 128 + (((2 * slot + h) ^ ((p >> 2) & 7)) << 4);
+
+            ActChunk<ACT> buf[kAhead][kItems];
+            // Columns past k must be zeros (the weight's zero padding times a
+            // NaN would be NaN): only the chunk that holds k's end, and chunks
+            // past the last, test them.
+            const int full_chunks = k / 64;
+            // `load` is called for chunks c_beg, c_beg + 1, ... in order: it reads
+            // columns 16 slot .. + 15 of xrow / srow and steps them one chunk.
+            auto load = [&](ActChunk<ACT> (&b)[kItems], int c) {
+                if (c < full_chunks) {
 #pragma unroll
-            for (int d = 0; d < kAhead; ++d) {
-                const int c = c0 + d;
-                if (c >= c_end) break;
-                mbar_wait(bar_empty + 8 * s, parity);
-                copy_weights(s);
-                const u32 btile = smem_u32(s_b + s * kBStage);
+                    for (int j = 0; j < kItems; ++j) b[j].load(xrow[j], srow[j], 16 * slot);
+                } else {
+                    const bool live = c * 64 + 16 * slot < k;
+#pragma unroll
+                    for (int j = 0; j < kItems; ++j) {
+                        if (live) b[j].load(xrow[j], srow[j], 16 * slot);
+                        else b[j].clear();
+                    }
+                }
 #pragma unroll
                 for (int j = 0; j < kItems; ++j) {
-                    uint4 w0, w1;
-                    buf[d][j].words(w0, w1);
-                    st_shared16(btile + uoff[0] + 4096 * j, w0);
-                    st_shared16(btile + uoff[1] + 4096 * j, w1);
+                    xrow[j] += ACT == 2 ? 32 : 128;
+                    if (ACT == 2) srow[j] += 4;
                 }
-                // The arrive releases these stores; each consumer orders them
-                // before its tensor-core reads with its own proxy fence: a
-                // proxy fence here would also wait for this thread's loads in
-                // flight (measured: one load latency per stage).
-                __syncwarp();
-                if (plane == 0) mbar_arrive(bar_full + 8 * s);
-                load(buf[d], c + kAhead);
-                if (++s == STAGES) {
-                    s = 0;
-                    parity ^= 1;
+            };
+#pragma unroll
+            for (int d = 0; d < kAhead; ++d) load(buf[d], c_beg + d);
+            int s = 0;
+            u32 parity = 1;   // of the empty barriers: a fresh barrier passes parity 1
+            for (int c0 = c_beg; c0 < c_end; c0 += kAhead) {
+#pragma unroll
+                for (int d = 0; d < kAhead; ++d) {
+                    const int c = c0 + d;
+                    if (c >= c_end) break;
+                    mbar_wait(bar_empty + 8 * s, parity);
+                    copy_weights(s);
+                    const u32 btile = smem_u32(s_b + s * kBStage);
+#pragma unroll
+                    for (int j = 0; j < kItems; ++j) {
+                        uint4 w0, w1;
+                        buf[d][j].words(w0, w1);
+                        st_shared16(btile + uoff[0] + 4096 * j, w0);
+                        st_shared16(btile + uoff[1] + 4096 * j, w1);
+                    }
+                    // The arrive releases these stores; each consumer orders them
+                    // before its tensor-core reads with its own proxy fence: a
+                    // proxy fence here would also wait for this thread's loads in
+                    // flight (measured: one load latency per stage).
+                    __syncwarp();
+                    if (plane == 0) mbar_arrive(bar_full + 8 * s);
+                    load(buf[d], c + kAhead);
+                    if (++s == STAGES) {
+                        s = 0;
+                        parity ^= 1;
+                    }
                 }
             }
         }
@@ -277,7 +290,7 @@ __device__ __forceinline__ void gemm_sm90(
     }
 
     // ---------------- consumers ----------------
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 192;\n");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     int my_tile[kMT];                                   // within the block
 #pragma unroll

@@ -104,8 +104,9 @@ class Tuning(NamedTuple):
     of 128 columns. (H100, 16 tokens: seed 004's 96 blocks split 30.8-30.9
     against 31.6-31.8 us; Pro's 128 split 21.5 against 19.3; a split in four
     took 21 us at Flash against 13.3 in two.)
-    SM90_FORCE_BN: the wgmma kernel's token tile (64 or 128), None to
-    let the plan choose. SM90_FORCE_BM: its feature tile (128 or 256), None
+    SM90_FORCE_BN: the wgmma kernel's token tile (64, 128 or 256), None to
+    let the plan choose (256 where the 256-token tile can serve the call,
+    sm90_tile's `wide`, else 128). SM90_FORCE_BM: its feature tile (128 or 256), None
     to let sm90_tile's cost model choose (the rule it replaced: 128 when
     twice the grid of 256-feature blocks still fits in one wave; on the
     H100 128-feature blocks won with 48 and 64 blocks of 256 and lost with
@@ -166,15 +167,18 @@ def takes_sm90(w, tokens: int, ragged: bool, tuning=TUNED) -> bool:
 
 # Time of one chunk in a block of the wgmma kernel, relative to the
 # (BN, BM) = (128, 256) tile's, from the H200 sweep of 2026-11-26 (one wave
-# of blocks, Flash wo_a: 0.64, 0.59 and 0.86 us per chunk).
-SM90_CHUNK_COST = {(64, 256): 0.75, (128, 128): 0.7, (128, 256): 1.0}
+# of blocks, Flash wo_a: 0.64, 0.59 and 0.86 us per chunk); (256, 128) from
+# the H100 run of 2026-11-27 (Flash and Pro wo_a at 4,096 tokens, full waves:
+# 0.76-0.77 us per chunk against 0.87-0.89 for (128, 256)).
+SM90_CHUNK_COST = {(64, 256): 0.75, (128, 128): 0.7, (128, 256): 1.0, (256, 128): 0.86}
 # The non-split instances: {(BN, BM): STAGES}.
 SM90_STAGES = {(K.SM90_CONFIGS[64][0], K.SM90_BM): K.SM90_CONFIGS[64][1],
                (K.SM90_CONFIGS["large"][0], K.SM90_BM): K.SM90_CONFIGS["large"][1],
-               (K.SM90_SMALL_CONFIG[0], 128): K.SM90_SMALL_CONFIG[1]}
+               (K.SM90_SMALL_CONFIG[0], 128): K.SM90_SMALL_CONFIG[1],
+               (K.SM90_WIDE_CONFIG[0], 128): K.SM90_WIDE_CONFIG[1]}
 
 
-def sm90_tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED) -> Tile:
+def sm90_tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED, wide: bool = False) -> Tile:
     """The wgmma kernel's tile: BN = 64 tokens up to 64 per group, else 128;
     then the feature tile BM (128 or 256) and, batched, the split of K (1 or
     2 blocks per output tile) of least modelled time: waves of blocks
@@ -182,15 +186,34 @@ def sm90_tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED) -> Tile:
     splits and larger tiles. So a grid that would leave SMs idle or end in a
     thin last wave takes 128-feature blocks or splits K (seed 004 at 64 tokens: 48 blocks of
     256 x 64 become 96 half-K blocks). Ragged calls never split (their grid
-    depends on the experts' sizes). The SM90_FORCE_* tunables fix a choice."""
-    if tuning.SM90_FORCE_BN not in (None, 64, 128):
-        raise ValueError(f"SM90_FORCE_BN: expected 64, 128 or None, got {tuning.SM90_FORCE_BN!r}")
-    bn = tuning.SM90_FORCE_BN or (64 if tokens <= 64 else 128)
+    depends on the experts' sizes). `wide`: the call's activations can come
+    by TMA in boxes of 256 token rows (wide_tile), which the 256-token tile
+    (K.SM90_WIDE_CONFIG, 128 features) needs; it is then one more choice
+    for more than 128 tokens. The SM90_FORCE_* tunables fix a choice
+    (SM90_FORCE_BN = 256 where the call is not `wide`: 128)."""
+    wide_bn = K.SM90_WIDE_CONFIG[0]
+    if tuning.SM90_FORCE_BN not in (None, 64, 128, wide_bn):
+        raise ValueError(f"SM90_FORCE_BN: expected 64, 128, 256 or None, got {tuning.SM90_FORCE_BN!r}")
+    wide = wide and tuning.SM90_FORCE_BM in (None, 128)
+    force_bn = tuning.SM90_FORCE_BN
+    if force_bn == wide_bn and not wide:
+        force_bn = 128                          # (forced where it cannot serve: the 128-token tile)
+    bn = force_bn or (64 if tokens <= 64 else 128)
+    # The (BN, BM) tiles to weigh.
+    if bn == wide_bn:
+        tiles = [(wide_bn, 128)]
+    else:
+        tiles = []
+        for bm in (tuning.SM90_FORCE_BM,) if tuning.SM90_FORCE_BM else (256, 128):
+            tbn = 128 if bm == 128 else bn      # (128-feature blocks have 128-token tiles only)
+            if bm == 256 or tbn == bn or tuning.SM90_FORCE_BM:
+                tiles.append((tbn, bm))         # (64-token tiles stay 256 features)
+        if wide and tokens > 128 and force_bn is None:
+            tiles.append((wide_bn, 128))
     chunks = -(-w.k // K.CHUNK)
+    splits = (tuning.SM90_FORCE_KSPLIT,) if tuning.SM90_FORCE_KSPLIT else (1, *K.SM90_SPLITS)
     options = []
-    for bm in (tuning.SM90_FORCE_BM,) if tuning.SM90_FORCE_BM else (256, 128):
-        tbn = 128 if bm == 128 else bn          # (128-feature blocks have 128-token tiles only)
-        splits = (tuning.SM90_FORCE_KSPLIT,) if tuning.SM90_FORCE_KSPLIT else (1, *K.SM90_SPLITS)
+    for tbn, bm in tiles:
         for sp in (1,) if ragged else splits:
             if sp > 1 and (tbn, bm) not in K.SM90_SPLITK_STAGES:
                 if tuning.SM90_FORCE_KSPLIT:
@@ -198,8 +221,6 @@ def sm90_tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED) -> Tile:
                 continue
             if sp > 1 and chunks < sp * tuning.SM90_MIN_SPLIT_CHUNKS and not tuning.SM90_FORCE_KSPLIT:
                 continue
-            if bm == 128 and tbn != bn and not tuning.SM90_FORCE_BM:
-                continue                        # 64-token tiles stay 256 features
             waves = -(-sm90_blocks(w, tokens, bm, tbn) * sp // dev.sm_count)
             options.append((waves * chunks / sp * SM90_CHUNK_COST[tbn, bm], sp, -bm, tbn))
     _, sp, bm, bn = min(options)
@@ -232,21 +253,21 @@ def _mma_tile(cfg) -> Tile:
     return Tile(K.GEMM, cfg, (32 * ks * rw,), 16 * mt * rw, 8 * nt)
 
 
-def tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED, rows: int = 0) -> Tile:
+def tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED, rows: int = 0, wide: bool = False) -> Tile:
     """The kernel and tile for `tokens` tokens per group (batched) or per
     expert on average (ragged: `rows` the rows in all) on device `dev` (its
-    arch and sm_count)."""
+    arch and sm_count); `wide`: sm90_tile's."""
     path = tuning.KERNEL_PATH
     if path == "auto":
         path = "sm90" if dev.arch == "sm_90" and takes_sm90(w, tokens, ragged, tuning) else "mma"
         if path == "mma" and dev.arch == "sm_90" and not ragged and tokens >= tuning.SM90_MIN_TOKENS_SPLIT:
-            tl = sm90_tile(dev, w, tokens, tuning=tuning)
+            tl = sm90_tile(dev, w, tokens, tuning=tuning, wide=wide)
             if tl.splits > 1 and sm90_blocks(w, tokens, tl.rows, tl.tokens) * tl.splits >= tuning.SM90_MIN_BLOCKS:
                 return tl
     if path == "sm90":
         if dev.arch != "sm_90":
             raise ValueError(f"x: the wgmma GEMM kernel runs on sm_90 devices, this one is {dev.arch}")
-        return sm90_tile(dev, w, tokens, ragged, tuning)
+        return sm90_tile(dev, w, tokens, ragged, tuning, wide)
     if ragged and tokens <= max(K.RAGGED_CONFIGS):
         tl = _mma_tile(mma_config(tokens, K.RAGGED_CONFIGS))
         blocks = -(-w.n // tl.rows) * ragged_slots(rows, w.groups, tl.tokens)
@@ -264,7 +285,7 @@ def grouped(dev, act, w, out, tuning=TUNED) -> list[Launch]:
     t, g = act.lead
     if t == 0 or w.n == 0:
         return []
-    tl = tile(dev, w, t, tuning=tuning)
+    tl = tile(dev, w, t, tuning=tuning, wide=wide_tile(dev, act, t, False, tuning))
     grid = (-(-w.n // tl.rows) * tl.splits, -(-t // tl.tokens), g)
     pf = _prefetch(dev, tl, act, grid, tuning)
     if pf == (False,) and tl.targs == K.CONFIGS[16] and K.prefetches(act.kind, tl.targs):
@@ -283,10 +304,25 @@ def moe(dev, act, w, offsets, out, errors, tuning=TUNED) -> list[Launch]:
     if r == 0 or w.n == 0:
         return []
     e = w.groups
-    tl = tile(dev, w, -(-r // max(1, min(e, r))), ragged=True, tuning=tuning, rows=r)
+    per_expert = -(-r // max(1, min(e, r)))
+    tl = tile(dev, w, per_expert, ragged=True, tuning=tuning, rows=r,
+              wide=wide_tile(dev, act, per_expert, True, tuning))
     slots = ragged_slots(r, e, tl.tokens)
     grid = (-(-w.n // tl.rows), slots, 1)
     return [_launch(tl, act, w, out, grid, r, offsets, e, errors, _prefetch(dev, tl, act, grid, tuning), tuning)]
+
+
+def wide_tile(dev, act, tokens: int, ragged: bool, tuning) -> bool:
+    """Whether the wgmma kernel's 256-token tile can serve the call (sm90_tile's
+    `wide`): an sm_90 device, 16-bit activations with SM90_ACT_TMA on and a
+    view TMA can map in boxes of 256 token rows (its producer has no other
+    way to bring them), more than 128 tokens per group or expert on average
+    (or the tile forced)."""
+    if dev.arch != "sm_90" or not tuning.SM90_ACT_TMA or act.kind == K.ACT_CODES["nvfp4"]:
+        return False
+    if tokens <= 128 and tuning.SM90_FORCE_BN != K.SM90_WIDE_CONFIG[0]:
+        return False
+    return tma.activation_map(act.x, ragged, K.SM90_WIDE_CONFIG[0]) is not None
 
 
 def _prefetch(dev, tl: Tile, act, grid, tuning) -> tuple:

@@ -113,6 +113,9 @@ SM90_CONFIGS = {64: (64, 6), "large": (128, 5)}
 # 6,836, down 3,577 / 3,587 against 3,650 / 3,681; docs/gemm.md.)
 # (BN, STAGES) of the 128-feature blocks.
 SM90_SMALL_CONFIG = (128, 6)
+# (BN, STAGES) of the 256-token tile (128-feature blocks, 16-bit activations
+# by TMA only: rawkv/cu/gemm_fp4_sm90.cu, kTmaOnly).
+SM90_WIDE_CONFIG = (256, 5)
 
 
 # Bytes of one packed row tile in a stage: its 512 code bytes and 64 scale bytes.
@@ -127,11 +130,12 @@ def sm90_dynamic_smem(act, mx, bn, stages, bm) -> int:
 
 GEMM_SM90 = SM90_FILE.kernel(
     "rkv_gemm_fp4_sm90",
-    (TParam("int", "ACT", (0, 1, 2)), TParam("bool", "MX", (False, True)), TParam("int", "BN", (64, 128)),
+    (TParam("int", "ACT", (0, 1, 2)), TParam("bool", "MX", (False, True)), TParam("int", "BN", (64, 128, 256)),
      TParam("int", "STAGES", (2, 3, 4, 5, 6)), TParam("int", "BM", (128, 256))),
     instances=[(a, mx, *cfg) for a in ACT_CODES.values() for mx in (False, True)
                for cfg in [(*c, SM90_BM) for c in dict.fromkeys(SM90_CONFIGS.values())]
-               + [(*SM90_SMALL_CONFIG, 128)]],
+               + [(*SM90_SMALL_CONFIG, 128)]]
+    + [(a, mx, *SM90_WIDE_CONFIG, 128) for a in (ACT_CODES["bfloat16"], ACT_CODES["float16"]) for mx in (False, True)],
     dynamic_smem=sm90_dynamic_smem)
 
 # Split K (rkv_gemm_fp4_sm90_splitk): a cluster of KSPLIT = 2 blocks per
@@ -140,13 +144,14 @@ GEMM_SM90 = SM90_FILE.kernel(
 # are those whose stages hold them: {(BN, BM): STAGES}. (A split in 4 measured
 # slower than in 2 on an H200: rank 0 reads three partial tiles over the
 # cluster's shared memory.)
-SM90_SPLITK_STAGES = {(64, 256): 6, (128, 128): 6, (128, 256): 6}
+SM90_SPLITK_STAGES = {(64, 256): 6, (128, 128): 6, (128, 256): 6, (SM90_WIDE_CONFIG[0], 128): SM90_WIDE_CONFIG[1]}
 SM90_SPLITS = (2,)
 
 GEMM_SM90_SPLITK = SM90_FILE.kernel(
     "rkv_gemm_fp4_sm90_splitk",
-    (TParam("int", "ACT", (0, 1, 2)), TParam("bool", "MX", (False, True)), TParam("int", "BN", (64, 128)),
+    (TParam("int", "ACT", (0, 1, 2)), TParam("bool", "MX", (False, True)), TParam("int", "BN", (64, 128, 256)),
      TParam("int", "STAGES", (2, 3, 4, 5, 6)), TParam("int", "BM", (128, 256)), TParam("int", "KSPLIT", SM90_SPLITS)),
     instances=[(a, mx, bn, st, bm, ks) for a in ACT_CODES.values() for mx in (False, True)
-               for (bn, bm), st in SM90_SPLITK_STAGES.items() for ks in SM90_SPLITS],
+               for (bn, bm), st in SM90_SPLITK_STAGES.items() for ks in SM90_SPLITS
+               if bn <= 128 or a != ACT_CODES["nvfp4"]],        # (the 256-token tile: 16-bit activations)
     dynamic_smem=lambda act, mx, bn, stages, bm, ksplit: sm90_dynamic_smem(act, mx, bn, stages, bm))
