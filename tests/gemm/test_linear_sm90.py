@@ -151,9 +151,10 @@ def test_ragged_384_experts_some_empty(sm90, rng):
 
 @pytest.mark.parametrize("fmt,act", [("nvfp4", "bfloat16"), ("mxfp4", "float16")])
 def test_every_column_count_within_the_bound_and_same_bits_for_every_tile(cuda, rng, monkeypatch, fmt, act):
-    # A block's wgmmas cover its tokens rounded up to 16 columns (sm90.cuh,
-    # run_tile): experts of 1 .. 250 rows in 64-, 128- and 256-token tiles
-    # reach every count from 16 to 256, the same token at different counts
+    # A block's wgmmas cover its tokens rounded up to 16 columns (32 in the
+    # 256-token tile; sm90.cuh, run_tile): experts of 1 .. 250 rows in 64-,
+    # 128- and 256-token tiles reach every column count of each tile, the
+    # same token at different counts
     # (100 rows: 112 columns in a 128-token tile, 64 + 48 in 64-token ones;
     # 85 rows, DeepSeek-V4-Pro's mean at 4,096 tokens, the plan's 128-token
     # tile); within the bound, and the same bits for every tile, ragged

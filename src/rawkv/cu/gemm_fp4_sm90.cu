@@ -296,7 +296,8 @@ __device__ __forceinline__ void gemm_sm90(
 #pragma unroll
     for (int m = 0; m < kMT; ++m) my_tile[m] = wg * (kTiles / 2) + 4 * m + warp;
     // The rest runs on the block's tokens at N columns, the least multiple
-    // of 16 that holds them (run_tile in sm90.cuh): a ragged block's last
+    // of 16 (32 in the 256-token tile) that holds them (run_tile in
+    // sm90.cuh): a ragged block's last
     // tile of an expert, or a batched call's last token tile, issues
     // m64nNk16 wgmmas on N / 2 accumulators instead of the tile's BN / 2.
     // Each token's column of a wgmma is computed alone, so its bits are
@@ -493,8 +494,11 @@ __device__ __forceinline__ void gemm_sm90(
     // (Split-K instances keep BN columns: they serve batched calls, whose
     // token tiles are full but the last, and one main loop keeps their
     // compile time.)
+    // (The 256-token tile in steps of 32 tokens: 8 copies of the main loop,
+    // not 16, which doubled the file's compile time; a partial last tile
+    // multiplies at most 31 columns it does not store.)
     if constexpr (KSPLIT > 1) run(IntC<BN>{});
-    else run_tile<BN>(t1 - t0, run);
+    else run_tile<BN, kTmaOnly ? 32 : 16>(t1 - t0, run);
 }
 
 // One block per output tile, all of K.

@@ -177,19 +177,20 @@ struct IntC {
     static constexpr int value = V;
 };
 
-// f(IntC<N>{}) for the least multiple of 16 N with rows <= N, for 1 <= rows
-// <= BN: the token columns a wgmma GEMM block's MMAs, promotion and epilogue
-// cover (a block of a ragged expert's last tile, or a batched call's last
-// token tile, holds fewer tokens than its tile). Tried from BN down, so the
-// full tile's code comes first.
-template <int BN, class F>
+// f(IntC<N>{}) for the least multiple of STEP N with rows <= N, for 1 <=
+// rows <= BN: the token columns a wgmma GEMM block's MMAs, promotion and
+// epilogue cover (a block of a ragged expert's last tile, or a batched call's
+// last token tile, holds fewer tokens than its tile). Tried from BN down, so
+// the full tile's code comes first. Each N is one more copy of the main loop
+// (compile time: a larger STEP for a wide tile).
+template <int BN, int STEP = 16, class F>
 __device__ __forceinline__ void run_tile(int rows, F& f) {
-    static_assert(BN % 16 == 0 && BN >= 16, "token tiles are multiples of 16");
-    if constexpr (BN == 16) {
-        f(IntC<16>{});
+    static_assert(STEP % 16 == 0 && BN % STEP == 0 && BN >= STEP, "token tiles are multiples of the step, of 16");
+    if constexpr (BN == STEP) {
+        f(IntC<STEP>{});
     } else {
-        if (rows > BN - 16) f(IntC<BN>{});
-        else run_tile<BN - 16>(rows, f);
+        if (rows > BN - STEP) f(IntC<BN>{});
+        else run_tile<BN - STEP, STEP>(rows, f);
     }
 }
 
