@@ -233,3 +233,11 @@ def test_ci_and_readme_count_the_architectures_it_builds():
         text = " ".join((root / name).read_text().replace("#", " ").split())
         said = re.findall(r"compile-check for all (\w+) architecture", text)
         assert said == [n], (name, said)
+
+
+def test_files_built_for_one_architecture_compile_first():
+    # The wgmma files (sm_90 only) are the longest single jobs: started
+    # first, they overlap the other files' jobs instead of ending the check.
+    jobs = [("a.cu", "sm_80"), ("a.cu", "sm_90"), ("w.cu", "sm_90"), ("b.cu", "sm_80"), ("b.cu", "sm_90")]
+    assert nvrtc_check.job_order(jobs) == [("w.cu", "sm_90"), ("a.cu", "sm_80"), ("a.cu", "sm_90"),
+                                           ("b.cu", "sm_80"), ("b.cu", "sm_90")]
