@@ -154,11 +154,11 @@ def test_every_column_count_within_the_bound_and_same_bits_for_every_tile(cuda, 
     # A block's wgmmas cover its tokens rounded up to 16 columns (32 in the
     # 256-token tile; sm90.cuh, run_tile): experts of 1 .. 250 rows in 64-,
     # 128- and 256-token tiles reach every column count of each tile, the
-    # same token at different counts
-    # (100 rows: 112 columns in a 128-token tile, 64 + 48 in 64-token ones;
-    # 85 rows, DeepSeek-V4-Pro's mean at 4,096 tokens, the plan's 128-token
-    # tile); within the bound, and the same bits for every tile, ragged
-    # (empty experts, N past a block, K past a chunk) and batched.
+    # same token at different counts (100 rows: 112 columns in a 128-token
+    # tile, 64 + 48 in 64-token ones; 85 rows, DeepSeek-V4-Pro's mean at
+    # 4,096 tokens, the plan's 128-token tile); within the bound, and the
+    # same bits for every tile, ragged (empty experts, N past a block, K past
+    # a chunk) and batched.
     if cuda.arch != "sm_90":
         pytest.skip(f"the wgmma kernel runs on sm_90 devices; this one is {cuda.arch}")
     monkeypatch.setattr(linear, "KERNEL_PATH", "sm90")
