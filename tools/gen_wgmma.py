@@ -7,9 +7,10 @@ name every accumulator register.
 """
 from pathlib import Path
 
-#: Every multiple of 16 up to the 256-token tile of the W4A16 kernel: a
-#: block's MMAs cover its tokens rounded up to 16 (sm90.cuh, run_tile).
-SHAPES = tuple(range(16, 257, 16))
+#: The token counts a block's MMAs cover (sm90.cuh, run_tile): its tokens
+#: rounded up to 16 in the tiles of up to 128 tokens, to 32 in the W4A16
+#: kernel's 256-token tile.
+SHAPES = tuple(range(16, 129, 16)) + tuple(range(160, 257, 32))
 TYPES = ("bf16", "f16")
 OUT = Path(__file__).resolve().parent.parent / "src" / "rawkv" / "cu" / "wgmma_rs.cuh"
 #: The W4A8 kernel's FP8 (E4M3 x E4M3) shapes: up to its 128-token tile.
