@@ -76,6 +76,72 @@ def describe_bad_argument(what, args, exc) -> str:
     return f"kernel arguments could not be packed: {exc}"
 
 
+# Programmatic dependent launch (docs/runtime.md): cuLaunchKernelEx with
+# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, for the instances
+# declared `pdl` (they wait with griddepcontrol.wait before they read
+# anything but their weights) on sm_90+ devices. CuPy's binding has no
+# cuLaunchKernelEx; ctypes calls the driver's on a per-thread config.
+_PDL_ATTRIBUTE = 6          # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: the id, 4 bytes of padding, a 64-byte value union."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (56 bytes: hStream 8-byte aligned at 32)."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+# The same 56 bytes written by one pack_into per launch (the geometry, the
+# shared memory, the stream, the attribute array's address and count).
+_CONFIG_PACK = struct.Struct("<7I4xQQI4x")
+
+
+class PdlLaunch:
+    """raw(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra) as the
+    plain launch takes it, through cuLaunchKernelEx with the programmatic
+    stream serialization attribute set; returns the CUresult. Each thread
+    owns its config and attribute, built once."""
+
+    def __init__(self, lib=None):
+        if lib is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+        self._fn = lib.cuLaunchKernelEx
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self._fn.restype = ctypes.c_int
+        self._tls = threading.local()
+
+    def _config(self):
+        attr = _LaunchAttribute()
+        attr.id = _PDL_ATTRIBUTE
+        attr.value[0] = 1   # programmaticStreamSerializationAllowed
+        cfg = _LaunchConfig()
+        made = self._tls.made = (memoryview(cfg).cast("B"), ctypes.addressof(cfg), ctypes.addressof(attr), cfg, attr)
+        return made
+
+    def __call__(self, f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        try:
+            buf, addr, attr, _, _ = self._tls.made
+        except AttributeError:
+            buf, addr, attr, _, _ = self._config()
+        _CONFIG_PACK.pack_into(buf, 0, gx, gy, gz, bx, by, bz, smem, stream, attr, 1)
+        return self._fn(addr, f, params, extra or None)
+
+
+def pdl_launch():
+    """The programmatic launch where the driver has cuLaunchKernelEx (CUDA
+    12+), else None (the GEMMs then launch as the rest)."""
+    try:
+        return PdlLaunch()
+    except (OSError, AttributeError):
+        return None
+
+
 class Launcher:
     """Each thread owns MAX_ARGS 8-byte value slots and a void* array
     pointing at them, built once (the binding releases the GIL during the
@@ -83,11 +149,13 @@ class Launcher:
 
     name = "cupy-driver"
 
-    def __init__(self, raw=None):
+    def __init__(self, raw=None, pdl=None):
         if raw is None:
             import cupy
             raw = cupy.cuda.driver.launchKernel   # raises CUDADriverError itself
         self._raw = raw
+        # The launch of instances declared `pdl` (None: they launch as the rest).
+        self._pdl = pdl
         self._tls = threading.local()
 
     def _new_slots(self):
@@ -117,12 +185,13 @@ class Launcher:
         except struct.error as exc:
             raise TypeError(describe_bad_argument(what, args, exc)) from None
         params = slots[1] if st.__class__ is not WideStruct else self._params_at(slots, st.starts)
+        raw = self._pdl if self._pdl is not None and getattr(what, "pdl", False) else self._raw
         if type(grid) is tuple and type(block) is tuple and len(grid) == 1 and len(block) == 1:
-            err = self._raw(fn.ptr, grid[0], 1, 1, block[0], 1, 1, shared_mem, stream_ptr, params, 0)
+            err = raw(fn.ptr, grid[0], 1, 1, block[0], 1, 1, shared_mem, stream_ptr, params, 0)
         else:
             gx, gy, gz = dim3(grid)
             bx, by, bz = dim3(block)
-            err = self._raw(fn.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr, params, 0)
+            err = raw(fn.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr, params, 0)
         if err:
             raise LaunchError(f"cuLaunchKernel failed: error {err}")
 
@@ -144,6 +213,8 @@ def bound_launch(rt, fn, grid, block, st, shared_mem: int, what):
         return lambda *values: rt.launch(fn, grid, block, st, values, None, shared_mem, what)
     launcher = rt._launcher
     tls, new_slots, raw = launcher._tls, launcher._new_slots, launcher._raw
+    if launcher._pdl is not None and getattr(what, "pdl", False):
+        raw = launcher._pdl
     get_device, device, stream_ptr = rt._get_device, rt.device_index, rt._current_stream_ptr
     pack, fptr = st.pack_into, fn.ptr
     (gx, gy, gz), (bx, by, bz) = dim3(grid), dim3(block)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import numbers
+import os
 import re
 import threading
 from typing import Iterable
@@ -257,7 +258,10 @@ class Runtime:
             lambda d: (self._get_device(), set_device(d))[0])
         self._maybe_exchange_device = getattr(torch.cuda, "_maybe_exchange_device", None) or (
             lambda d: (self._get_device(), set_device(d))[0])
-        self._launcher = _launch.Launcher()
+        # Programmatic dependent launch for the kernels declared `pdl`, on
+        # sm_90+ devices; RAWKV_PDL=0 turns it off (docs/runtime.md).
+        pdl = self.compute_capability >= (9, 0) and os.environ.get("RAWKV_PDL", "1") != "0"
+        self._launcher = _launch.Launcher(pdl=_launch.pdl_launch() if pdl else None)
         self._launch_call = self._plain_launch_call = self._launcher.__call__   # bound method: cheaper than calling the instance
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         if raw is not None:

@@ -174,3 +174,56 @@ def test_launch_takes_a_double_scalar(cuda, rng):
         a, b = torch.as_tensor(a), torch.as_tensor(b)
         assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
                            b.view(torch.uint8) if b.dtype.itemsize == 1 else b.to(a.dtype))
+
+
+def test_pdl_instances_take_the_programmatic_launch_the_rest_the_plain_one():
+    # the mma.sync GEMM is declared `pdl` (it waits with griddepcontrol.wait
+    # before it reads anything but its weights); fp8's encoder is not
+    plain, pdl = [], []
+    launcher = _launch.Launcher(raw=lambda *a: plain.append(a) or 0, pdl=lambda *a: pdl.append(a) or 0)
+    gemm = kernels.gemm_fp4.GEMM.instance(*kernels.gemm_fp4.GEMM._instance_args[0])
+    enc = kernels.fp8.ENCODE.instance("float32", True)
+    assert gemm.pdl and not enc.pdl
+    assert not kernels.gemm_fp4.GEMM_SM90.instance(*kernels.gemm_fp4.GEMM_SM90._instance_args[0]).pdl
+    launcher(_Fn(), (3, 2, 1), (128,), enc.struct, (0, 0, 5), 0, 77, enc)
+    assert len(plain) == 1 and not pdl
+    zeros = tuple(0 for _ in range(gemm.struct.size // 8))
+    launcher(_Fn(), (3, 2, 1), (128,), gemm.struct, zeros, 512, 77, gemm)
+    assert len(pdl) == 1 and pdl[0][:9] == (0x1234, 3, 2, 1, 128, 1, 1, 512, 77)
+    # no programmatic launch given (not sm_90+, RAWKV_PDL=0, no cuLaunchKernelEx): the plain one
+    only = _launch.Launcher(raw=lambda *a: plain.append(a) or 0)
+    only(_Fn(), (3, 2, 1), (128,), gemm.struct, zeros, 512, 77, gemm)
+    assert len(plain) == 2 and len(pdl) == 1
+
+
+def test_pdl_launch_config_is_the_driver_struct():
+    # CUlaunchConfig (cuda.h): 7 unsigned ints, then the stream handle at
+    # 32, the attribute pointer at 40, their count at 48; CUlaunchAttribute:
+    # the id, 4 bytes of padding, a 64-byte value union
+    c = _launch._LaunchConfig
+    assert ctypes.sizeof(c) == 56 == _launch._CONFIG_PACK.size
+    assert (c.hStream.offset, c.attrs.offset, c.numAttrs.offset) == (32, 40, 48)
+    assert ctypes.sizeof(_launch._LaunchAttribute) == 72 and _launch._LaunchAttribute.value.offset == 8
+    seen = []
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+    def fake(cfg, f, params, extra):
+        conf = _launch._LaunchConfig.from_address(cfg)
+        attr = conf.attrs[0]
+        seen.append(((conf.gridDimX, conf.gridDimY, conf.gridDimZ, conf.blockDimX, conf.blockDimY,
+                      conf.blockDimZ, conf.sharedMemBytes, conf.hStream, conf.numAttrs), attr.id,
+                     attr.value[0], f, params, extra))
+        return 0
+    cb = proto(fake)
+    launch = _launch.PdlLaunch(types.SimpleNamespace(cuLaunchKernelEx=cb))
+    assert launch(0x1234, 4, 5, 6, 128, 1, 1, 1024, 0x99, 0x5678, 0) == 0
+    assert launch(0x1234, 7, 1, 1, 32, 2, 1, 0, 0x98, 0x5678, 0) == 0        # (the same config, rewritten)
+    assert seen == [((4, 5, 6, 128, 1, 1, 1024, 0x99, 1), 6, 1, 0x1234, 0x5678, None),
+                    ((7, 1, 1, 32, 2, 1, 0, 0x98, 1), 6, 1, 0x1234, 0x5678, None)]
+
+
+def test_no_driver_means_no_programmatic_launch(monkeypatch):
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(_launch.ctypes, "CDLL", missing)
+    assert _launch.pdl_launch() is None

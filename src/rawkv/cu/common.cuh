@@ -94,6 +94,25 @@ __device__ __forceinline__ void store16(T* p, const Vec16<T>& r) {
 // with `if constexpr` (NVRTC has no <type_traits>).
 template <bool B> struct Flag { static constexpr bool value = B; };
 
+// Programmatic dependent launch (sm_90+; docs/runtime.md): the GEMM kernels
+// may be launched so that they start while the kernel before them in the
+// stream finishes. pdl_wait() returns once that kernel has completed and its
+// writes are visible: before it a kernel reads only its weights (constants
+// of the call, never written by a kernel that lets its dependents start
+// early); after it, everything else. pdl_launch_dependents() lets the next
+// kernel start. Both are no-ops in a launch without the attribute, and on
+// older architectures.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Grid-stride loop helpers (64-bit indices: tensors past 2^31 elements exist).
 __device__ __forceinline__ i64 global_thread() { return (i64)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ i64 grid_threads() { return (i64)gridDim.x * blockDim.x; }

@@ -125,6 +125,10 @@ __global__ void __launch_bounds__(32 * KS * RW, RKV_GEMM_MIN_BLOCKS(ACT)) rkv_ge
     const int q = lane >> 2, t = lane & 3;
 
     // (the block owns output features blockIdx.x RW MT 16 .. + RW MT 16: RW warps of MT row tiles)
+    // Programmatic dependent launch (common.cuh): a batched call streams its
+    // first stages of weights before it waits for the kernel before it; a
+    // ragged one reads its offsets (and may write rows) at once.
+    if (offsets) pdl_wait();
     int g, t0, t1;
     if (!block_tokens(offsets, experts, tokens, TT, s_off, errors, out, os_t, n, blockIdx.x * RW * MT * 16,
                       RW * MT * 16, g, t0, t1))
@@ -189,6 +193,11 @@ __global__ void __launch_bounds__(32 * KS * RW, RKV_GEMM_MIN_BLOCKS(ACT)) rkv_ge
     const u32 ring_end = ring_s + S * U * MT * 576;
     u32 wr = ring_s;
     int cn = c_beg;
+    // Programmatic dependent launch: once the warp has requested its last
+    // weights (and waited for the kernel before it), the next kernel may
+    // start and stream its own weights while this one multiplies what it
+    // holds (H100: docs/gemm.md, "Programmatic dependent launch").
+    bool waited = offsets != nullptr;
     auto issue = [&]() {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -207,11 +216,17 @@ __global__ void __launch_bounds__(32 * KS * RW, RKV_GEMM_MIN_BLOCKS(ACT)) rkv_ge
             wsrc[i] += U * 512;
             ssrc[i] += U * 64;
         }
+        if (waited && cn < c_end && cn + U >= c_end) pdl_launch_dependents();
         cn += U;
         wr = wr + U * MT * 576 == ring_end ? ring_s : wr + U * MT * 576;
     };
 #pragma unroll
     for (int p = 0; p < S - 1; ++p) issue();
+    if (!offsets) {
+        pdl_wait();              // (the activations and the outputs from here on)
+        waited = true;
+        if (cn >= c_end) pdl_launch_dependents();   // (its last weights went before the wait)
+    }
     int slot = 0;  // the stage multiplied
     // This lane's activations of chunk c_beg, by token (running: load_acts
     // steps them); chunks before c_full are the warp's and wholly inside K.

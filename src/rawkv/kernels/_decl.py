@@ -253,18 +253,20 @@ class KernelFile:
                 k.instance(*targs)
 
     def kernel(self, name: str, template: Sequence[TParam] = (),
-               instances: Iterable[tuple] | None = None, dynamic_smem=None) -> "Kernel":
+               instances: Iterable[tuple] | None = None, dynamic_smem=None, pdl: bool = False) -> "Kernel":
         """Declare the `__global__` function `name` of this file with its
         template parameters; its parameters are the source's.
         `instances`: the template arguments rawkv compiles (default: every
         combination of the values). `dynamic_smem`: a function of an
         instance's template arguments giving the dynamic shared memory its
         launches take (bytes); the runtime raises the kernel's limit to it
-        when loading past 48 KB."""
+        when loading past 48 KB. `pdl`: launched as a programmatic dependent
+        launch on sm_90+ devices (docs/runtime.md): the kernel reads nothing
+        but its weights before griddepcontrol.wait (common.cuh, pdl_wait)."""
         if isinstance(template, str):
             raise TypeError(f"{self.filename}: {name}: a declaration takes no parameter list "
                             "(the .cu signature is read); pass the template parameters only")
-        k = Kernel(self, name, tuple(template), instances, dynamic_smem)
+        k = Kernel(self, name, tuple(template), instances, dynamic_smem, pdl)
         if name in self.kernels:
             raise ValueError(f"{self.filename}: kernel {name} declared twice")
         self.kernels[name] = k
@@ -279,12 +281,13 @@ class Instance:
     packer. `launch` is the hot path: a function generated for this
     instance (see _make_launch), so a call is one Python frame before the
     runtime's."""
-    __slots__ = ("kernel", "file", "expr", "key", "struct", "pack", "launch", "smem")
+    __slots__ = ("kernel", "file", "expr", "key", "struct", "pack", "launch", "smem", "pdl")
 
     def __init__(self, kernel: "Kernel", targs: tuple):
         self.kernel = kernel
         self.file = kernel.file.filename
         self.smem = kernel.smem(targs)
+        self.pdl = kernel.pdl
         self.expr = kernel.expr(targs)
         self.key = (self.file, self.expr)
         self.struct = _launch.slot_struct("".join(p.slot for p in kernel.params),
@@ -310,9 +313,10 @@ class Kernel:
     `params` and `packer` come from the file's source on first use."""
 
     def __init__(self, file: KernelFile, name: str, template: tuple[TParam, ...], instances,
-                 dynamic_smem=None):
+                 dynamic_smem=None, pdl: bool = False):
         self.file, self.name, self.template = file, name, template
         self.dynamic_smem = dynamic_smem
+        self.pdl = pdl
         if instances is None:
             instances = itertools.product(*(t.values for t in template))
         self._instance_args = [tuple(i) for i in instances]

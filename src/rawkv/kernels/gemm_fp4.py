@@ -93,7 +93,7 @@ GEMM = FILE.kernel(
                for cfg in dict.fromkeys((*CONFIGS.values(), *RAGGED_CONFIGS.values(), RAGGED_SMALL_CONFIG,
                                           CONFIG_16_LARGE_GRID))
                if cfg != CONFIG_16_LARGE_GRID or prefetches(a, cfg)      # (its calls are 16-bit only)
-               for pf in ((False, True) if prefetches(a, cfg) else (False,))])
+               for pf in ((False, True) if prefetches(a, cfg) else (False,))], pdl=True)
 
 # ---- the Hopper kernel (rawkv/cu/gemm_fp4_sm90.cu: wgmma, sm_90a) -----------
 # Same parameters and packed weights; compiled for sm_90a on sm_90 devices

@@ -1,0 +1,72 @@
+"""Programmatic dependent launch of the GEMMs (docs/runtime.md): a GEMM that
+reads the output of the GEMM before it, both captured in one CUDA graph (the
+second may start while the first finishes), gives the same bits as the two
+run one at a time with a device sync between them, on every kernel the
+dispatcher routes to (the mma.sync kernel batched and ragged, the wgmma
+kernel); the outputs start as NaN, so a read before the first GEMM's writes
+would show."""
+import numpy as np
+import pytest
+
+import rawkv
+from support.gemm import random_weight
+
+torch = pytest.importorskip("torch")
+
+
+def _chain(steps, x, outs, sync):
+    """outs[i] = steps[i](input), the input x, then outs[i - 1]."""
+    src = x
+    for step, out in zip(steps, outs):
+        step(src, out)
+        if sync:
+            torch.cuda.synchronize()
+        src = out
+
+
+def _graph_and_one_at_a_time(steps, x, outs):
+    """The chain's outputs run one call at a time, then from NaN in a graph."""
+    _chain(steps, x, outs, sync=True)
+    want = [o.clone() for o in outs]
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _chain(steps, x, outs, sync=False)     # (loads the kernels before capture)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=s):
+            _chain(steps, x, outs, sync=False)
+    for _ in range(3):
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for i, (o, w) in enumerate(zip(outs, want)):
+            diff = o.view(torch.int16) != w.view(torch.int16)
+            assert not diff.any(), (f"step {i}: {int(diff.sum())} of {diff.numel()} differ, "
+                                    f"{int(o.isnan().sum())} NaN (want {int(w.isnan().sum())})")
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 16, 300])
+def test_dependent_gemms_same_bits_in_a_graph(cuda, rng, tokens):
+    # (G, K, N = K): each GEMM's output is the next one's activations; 1-16
+    # tokens take the mma.sync kernel (weights streamed before the wait),
+    # 300 the wgmma kernel on sm_90
+    g, k = 4, 1024
+    ws = [random_weight(rng, g, k, k, "nvfp4")[0] for _ in range(4)]
+    x = torch.from_numpy(rng.standard_normal((tokens, g, k)).astype(np.float32)).to(torch.bfloat16).cuda()
+    outs = [torch.empty(tokens, g, k, dtype=torch.bfloat16, device="cuda") for _ in ws]
+    steps = [lambda a, o, w=w: rawkv.gemm.grouped_linear(a, w, out=o) for w in ws]
+    _graph_and_one_at_a_time(steps, x, outs)
+
+
+def test_dependent_ragged_gemms_same_bits_in_a_graph(cuda, rng):
+    # MoE: the offsets are read (and unowned rows zeroed) after the wait
+    e, k, rows = 8, 512, 40
+    ws = [random_weight(rng, e, k, k, "nvfp4")[0] for _ in range(3)]
+    counts = rng.multinomial(rows - 4, np.full(e, 1 / e))
+    offsets = torch.from_numpy(np.concatenate([[2], 2 + np.cumsum(counts)]).astype(np.int32)).cuda()
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16).cuda()
+    outs = [torch.empty(rows, k, dtype=torch.bfloat16, device="cuda") for _ in ws]
+    steps = [lambda a, o, w=w: rawkv.gemm.moe_linear(a, w, offsets, out=o) for w in ws]
+    _graph_and_one_at_a_time(steps, x, outs)
