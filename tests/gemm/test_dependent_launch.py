@@ -2,13 +2,15 @@
 reads the output of the GEMM before it, both captured in one CUDA graph (the
 second may start while the first finishes), gives the same bits as the two
 run one at a time with a device sync between them, on every kernel the
-dispatcher routes to (the mma.sync kernel batched and ragged, the wgmma
-kernel); the outputs start as NaN, so a read before the first GEMM's writes
+dispatcher routes to (the W4A16 mma.sync kernel, which takes the
+programmatic launch on sm_90+, batched and ragged; the wgmma and W4A8 kernels,
+which launch the plain way); the outputs start as NaN, so a read before the first GEMM's writes
 would show."""
 import numpy as np
 import pytest
 
 import rawkv
+from rawkv.gemm import linear
 from support.gemm import random_weight
 
 torch = pytest.importorskip("torch")
@@ -69,4 +71,30 @@ def test_dependent_ragged_gemms_same_bits_in_a_graph(cuda, rng):
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16).cuda()
     outs = [torch.empty(rows, k, dtype=torch.bfloat16, device="cuda") for _ in ws]
     steps = [lambda a, o, w=w: rawkv.gemm.moe_linear(a, w, offsets, out=o) for w in ws]
+    _graph_and_one_at_a_time(steps, x, outs)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_dependent_w4a8_gemms_same_bits_in_a_graph(cuda, rng, monkeypatch, tokens):
+    # W4A8 (plain launches): each step's activations are quantized by
+    # rawkv.fp8.quantize_blocks (into buffers of its own: a capture allocates
+    # nothing) from the GEMM before's output
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the W4A8 GEMM runs on sm_90 devices; this one is {cuda.arch}")
+    g, k = 4, 1024
+    codes = rng.integers(0, 256, (g, k, k // 2), dtype=np.uint8)
+    ws = []
+    for _ in range(3):
+        scales = (127 + rng.integers(-3, 4, (g, k, k // 32))).astype(np.uint8)
+        w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales), groups=g)
+        w8 = rawkv.gemm.w4a8_weight(w)
+        ws.append(rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:])))
+    x = torch.from_numpy(rng.standard_normal((tokens, g, k)).astype(np.float32)).to(torch.bfloat16).cuda()
+    outs = [torch.empty(tokens, g, k, dtype=torch.bfloat16, device="cuda") for _ in ws]
+    qs = [(torch.empty(tokens, g, k, dtype=torch.float8_e4m3fn, device="cuda"),
+           torch.empty(tokens, g, k // 128, dtype=torch.float32, device="cuda")) for _ in ws]
+    steps = [lambda a, o, w=w, q=q: rawkv.gemm.grouped_linear(rawkv.fp8.quantize_blocks(a, out=q), w, out=o)
+             for w, q in zip(ws, qs)]
+    _graph_and_one_at_a_time(steps, x, outs)
+    monkeypatch.setattr(linear, "W4A8_PATH", "mma")       # (the mma.sync kernel at every token count)
     _graph_and_one_at_a_time(steps, x, outs)
