@@ -229,6 +229,11 @@ def warmup(device=None, files: Iterable[str] | None = None, instances: Iterable 
     return rt
 
 
+# The oldest CUDA driver (cudaDriverGetVersion) whose stream capture records a
+# programmatic dependent launch as a graph edge.
+PDL_MIN_DRIVER = 12030
+
+
 class Runtime:
     """Compilation, module cache, streams, capture rules and launch geometry
     for one CUDA device. Use `get_runtime()`; do not construct directly."""
@@ -259,8 +264,10 @@ class Runtime:
         self._maybe_exchange_device = getattr(torch.cuda, "_maybe_exchange_device", None) or (
             lambda d: (self._get_device(), set_device(d))[0])
         # Programmatic dependent launch for the kernels declared `pdl`, on
-        # sm_90+ devices; RAWKV_PDL=0 turns it off (docs/runtime.md).
-        pdl = self.compute_capability >= (9, 0) and os.environ.get("RAWKV_PDL", "1") != "0"
+        # sm_90+ devices with a driver whose graph capture records it (CUDA
+        # 12.3+); RAWKV_PDL=0 turns it off (docs/runtime.md).
+        pdl = (self.compute_capability >= (9, 0) and os.environ.get("RAWKV_PDL", "1") != "0"
+               and cupy.cuda.runtime.driverGetVersion() >= PDL_MIN_DRIVER)
         self._launcher = _launch.Launcher(pdl=_launch.pdl_launch() if pdl else None)
         self._launch_call = self._plain_launch_call = self._launcher.__call__   # bound method: cheaper than calling the instance
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
