@@ -3,9 +3,11 @@ reads the output of the GEMM before it, both captured in one CUDA graph (the
 second may start while the first finishes), gives the same bits as the two
 run one at a time with a device sync between them, on every kernel the
 dispatcher routes to (the W4A16 mma.sync kernel, which takes the
-programmatic launch on sm_90+, batched and ragged; the wgmma and W4A8 kernels,
-which launch the plain way); the outputs start as NaN, so a read before the first GEMM's writes
-would show."""
+programmatic launch on sm_90+, batched and ragged; the wgmma and W4A8
+kernels, which launch the plain way); the outputs start as NaN, so a read
+before the first GEMM's writes would show."""
+import os
+
 import numpy as np
 import pytest
 
@@ -54,6 +56,8 @@ def test_dependent_gemms_same_bits_in_a_graph(cuda, rng, tokens):
     # (G, K, N = K): each GEMM's output is the next one's activations; 1-16
     # tokens take the mma.sync kernel (weights streamed before the wait),
     # 300 the wgmma kernel on sm_90
+    if cuda.compute_capability >= (9, 0) and os.environ.get("RAWKV_PDL", "1") != "0":
+        assert cuda._launcher._pdl is not None          # (so the chain below is programmatic)
     g, k = 4, 1024
     ws = [random_weight(rng, g, k, k, "nvfp4")[0] for _ in range(4)]
     x = torch.from_numpy(rng.standard_normal((tokens, g, k)).astype(np.float32)).to(torch.bfloat16).cuda()
