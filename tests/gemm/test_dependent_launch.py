@@ -51,14 +51,15 @@ def _graph_and_one_at_a_time(steps, x, outs):
                                     f"{int(o.isnan().sum())} NaN (want {int(w.isnan().sum())})")
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 16, 300])
-def test_dependent_gemms_same_bits_in_a_graph(cuda, rng, tokens):
+@pytest.mark.parametrize("tokens,k", [(1, 1024), (8, 1024), (16, 1024), (300, 1024), (1, 2048), (16, 2048)])
+def test_dependent_gemms_same_bits_in_a_graph(cuda, rng, tokens, k):
     # (G, K, N = K): each GEMM's output is the next one's activations; 1-16
-    # tokens take the mma.sync kernel (weights streamed before the wait),
-    # 300 the wgmma kernel on sm_90
+    # tokens take the mma.sync kernel (weights streamed before the wait; at
+    # K = 2,048 its small-grid tiles on sm_90, eight warps along K), 300 the
+    # wgmma kernel on sm_90
     if cuda.compute_capability >= (9, 0) and os.environ.get("RAWKV_PDL", "1") != "0":
         assert cuda._launcher._pdl is not None          # (so the chain below is programmatic)
-    g, k = 4, 1024
+    g = 4
     ws = [random_weight(rng, g, k, k, "nvfp4")[0] for _ in range(4)]
     x = torch.from_numpy(rng.standard_normal((tokens, g, k)).astype(np.float32)).to(torch.bfloat16).cuda()
     outs = [torch.empty(tokens, g, k, dtype=torch.bfloat16, device="cuda") for _ in ws]

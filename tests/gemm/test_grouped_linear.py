@@ -271,6 +271,44 @@ def test_the_16_token_tile_of_large_grids_gives_the_same_bits(cuda, rng, monkeyp
     assert_within_bound(outs[1], exact, absolute, k, f"wide 16-token tile {dtype} T={tokens}")
 
 
+def _plan_instance(x, w):
+    """The kernel instance rawkv.gemm.grouped_linear(x, w) launches on this GPU."""
+    from rawkv.gemm import _rules
+    out = torch.empty(x.shape[0], w.groups, w.n, dtype=torch.bfloat16, device=x.device)
+    lo, hi = w.exp_range or (0, 0)
+    _, act, cw, out = _rules.grouped(x, None, None, w.codes, w.scales, w.gs, w.fmt, w.n, w.k, lo, hi, out)
+    (launch,) = plans.grouped(rawkv.runtime.get_runtime(), act, cw, out, linear)
+    return launch.kernel
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_small_grid_tiles_within_the_bound_and_the_same_bits_for_1_to_16_tokens(cuda, rng, monkeypatch, fmt,
+                                                                                  dtype):
+    # plans' MMA_SMALL_GRID_* rule (sm_90): 3 groups x 56 features (two 32-feature
+    # blocks a group, the second partial), K = 2,112 (33 chunks: eight warps of
+    # 5, the last with none). Both tiles split K in eight: a token's bits are
+    # the same in calls of 1 to 16 tokens; CONFIGS' tiles (four warps) stay
+    # within the bound too.
+    k = 2112
+    w, w64 = random_weight(rng, 3, 56, k, fmt)
+    x = torch.from_numpy(rng.standard_normal((16, 3, k)).astype(np.float32)).to(getattr(torch, dtype)).cuda()
+    exact, absolute = exact_grouped(x.double().cpu().numpy(), w64)
+    full = rawkv.gemm.grouped_linear(x, w)
+    assert_within_bound(full, exact, absolute, k, f"small grid {fmt} {dtype}")
+    for m in (1, 5, 8, 9, 15):
+        part = rawkv.gemm.grouped_linear(x[:m], w)
+        assert torch.equal(part.view(torch.int16), full[:m].view(torch.int16)), m
+    kinds = {"bfloat16": 0, "float16": 1}
+    if rawkv.runtime.get_runtime().arch == "sm_90":
+        for m, tt, pf in ((8, 8, False), (16, 16, True)):
+            assert _plan_instance(x[:m], w) is plans.K.GEMM.instance(kinds[dtype], fmt == "mxfp4",
+                                                                     *plans.K.SMALL_GRID_CONFIGS[tt], pf)
+    monkeypatch.setattr(linear, "MMA_SMALL_GRID_BLOCKS_PER_SM", 0)
+    assert_within_bound(rawkv.gemm.grouped_linear(x, w), exact, absolute, k, f"CONFIGS[16] {fmt} {dtype}")
+    assert _plan_instance(x, w) is plans.K.GEMM.instance(kinds[dtype], fmt == "mxfp4", *plans.K.CONFIGS[16], True)
+
+
 def test_4096_tokens(cuda, rng):
     g, n, k = 2, 96, 256
     w, w64 = random_weight(rng, g, n, k, "nvfp4")

@@ -123,6 +123,46 @@ def test_a_16_token_grid_too_large_to_prefetch_takes_64_feature_blocks(act_dtype
     assert a.kernel is K.GEMM.instance(R.NVFP4, False, *cfg, False) and a.grid == (8, 1, 41)
 
 
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
+def test_small_grids_on_hopper_split_k_in_eight(act_dtype):
+    """On sm_90, below MMA_SMALL_GRID_BLOCKS_PER_SM blocks per SM and from
+    K = MMA_SMALL_GRID_MIN_K, calls of 1-16 tokens take K.SMALL_GRID_CONFIGS'
+    tiles (the same grid as CONFIGS[8] / [16]: 32 features and 8 / 16 tokens
+    a block; eight warps split K, both tiles alike, so 1-16 tokens give the
+    same bits); at the limits, with NVFP4 activations, past 16 tokens and on
+    other GPUs, CONFIGS."""
+    kind = R.BF16 if act_dtype == torch.bfloat16 else R.FP16
+    for tt in (8, 16):
+        cfg, small = K.CONFIGS[tt], K.SMALL_GRID_CONFIGS[tt]
+        assert 16 * small[0] * small[3] == 16 * cfg[0] * cfg[3] == 32 and small[1] == cfg[1] and small[2] == 8
+    limit = P.TUNED.MMA_SMALL_GRID_BLOCKS_PER_SM * H100.sm_count      # 264 blocks of 32 features
+    k = P.TUNED.MMA_SMALL_GRID_MIN_K
+
+    def tile(g, k, tokens, dev=H100, tuning=P.TUNED):
+        """(MT, NT, KS, RW, U, S) of the mma.sync instance the plan takes."""
+        w = _weight(g=g, n=32, k=k, fmt="mxfp4")
+        a = _one(P.grouped(dev, *_grouped(torch.ones(tokens, g, k, dtype=act_dtype), w), tuning))
+        assert a.kernel.kernel is K.GEMM
+        return tuple(int(v) for v in a.kernel.expr.split("<")[1].rstrip(">").split(", ")[2:8])
+
+    for tokens, small, pf in ((1, K.SMALL_GRID_CONFIGS[8], False), (8, K.SMALL_GRID_CONFIGS[8], False),
+                             (9, K.SMALL_GRID_CONFIGS[16], True), (16, K.SMALL_GRID_CONFIGS[16], True)):
+        w = _weight(g=limit - 1, n=32, k=k, fmt="mxfp4")
+        a = _one(P.grouped(H100, *_grouped(torch.ones(tokens, limit - 1, k, dtype=act_dtype), w)))
+        assert a.kernel is K.GEMM.instance(kind, True, *small, pf), (tokens, a.kernel.expr)
+        assert a.grid == (1, 1, limit - 1) and a.block == (32 * small[2] * small[3],)
+        cfg = K.CONFIGS[8 if tokens <= 8 else 16]
+        for g, kk in ((limit, k), (limit - 1, k - 32)):           # the grid / K at the limit
+            assert tile(g, kk, tokens) == cfg, (g, kk)
+        assert tile(limit - 1, k, tokens, tuning=P.Tuning(MMA_SMALL_GRID_BLOCKS_PER_SM=0)) == cfg
+    assert tile(limit - 1, k, 17) == K.CONFIGS[32]
+    assert tile(A100.sm_count, k, 1, dev=A100) == K.CONFIGS[8]
+    q, sf, gs = rawkv.nvfp4.quantize(torch.ones(1, 8, k), scope="row")
+    w = _weight(g=8, n=32, k=k, fmt="mxfp4")
+    a = _one(P.grouped(H100, *_grouped(rawkv.nvfp4.QuantizedActivation(q, sf, gs), w)))
+    assert a.kernel is K.GEMM.instance(R.NVFP4, True, *K.CONFIGS[8], False)
+
+
 def test_hopper_takes_the_wgmma_kernel_from_256_tokens_and_other_gpus_never():
     w = _weight(g=2, n=64)
     for tokens, kernel in ((255, K.GEMM), (256, K.GEMM_SM90)):

@@ -64,6 +64,22 @@ class Tuning(NamedTuple):
     limit takes K.CONFIG_16_LARGE_GRID instead (64-feature blocks, half the
     grid; PF again by this rule): H100, Pro at 16 tokens 18.7-19.0 against
     19.6 us.
+    MMA_SMALL_GRID_BLOCKS_PER_SM, MMA_SMALL_GRID_MIN_K: on sm_90, a batched
+    call of up to 16 tokens per group with 16-bit activations whose CONFIGS[8]
+    or CONFIGS[16] grid has fewer than this many blocks per SM, and K of at
+    least this many columns, takes K.SMALL_GRID_CONFIGS' tile (the same
+    grid, eight warps splitting K instead of four). H100 (2026-11-27, us,
+    under the programmatic dependent launch, CONFIGS against it, two runs):
+    Flash wo_a (256 blocks) at 1 / 8 / 16 tokens 8.69-9.89 / 9.48-9.52 /
+    11.43-11.47 against 7.83-7.89 / 8.40-8.43 / 9.58-9.60; one group of K
+    7,168, N 2,048 (64 blocks) at 1 and 16 tokens 8.17-8.18 / 10.93-11.01
+    against 7.33-7.34 / 9.16-9.21; K 4,096, N 4,096 (128 blocks) 5.78-5.80 /
+    7.36-7.38 against 5.43-5.47 / 6.31-6.44; but at K 1,024 (N 7,168, 224
+    blocks; two chunks a warp) 2.90-3.00 against 2.96-3.09 at 1 token and at
+    K 512 (8 x 1,024) 2.25-2.27 against 2.36-2.49 (16 tokens gained there
+    too: one rule for both tiles keeps calls of 1 to 16 tokens on the same
+    bits). seed 004 (384 blocks) and Pro (512) keep CONFIGS (eight warps
+    measured 8-25% slower there).
     W4A8_PATH: the W4A8 kernel, "auto" (the rule below), or "mma" / "sm90"
     to force one (tests run every shape class through both). W4A8 calls of
     at most W4A8_MMA_MAX_TOKENS tokens per group (batched) or
@@ -126,6 +142,8 @@ class Tuning(NamedTuple):
     SM90_FORCE_KSPLIT: int | None = None
     SM90_MIN_SPLIT_CHUNKS: int = 16
     MMA_PREFETCH_MAX_BLOCKS_PER_SM: int = 3
+    MMA_SMALL_GRID_BLOCKS_PER_SM: float = 2
+    MMA_SMALL_GRID_MIN_K: int = 2048
     W4A8_PATH: str = "auto"
     W4A8_MMA_MAX_TOKENS: int = 8
     W4A8_MMA_MAX_EXPERT_TOKENS: int = 3
@@ -287,6 +305,7 @@ def grouped(dev, act, w, out, tuning=TUNED) -> list[Launch]:
         return []
     tl = tile(dev, w, t, tuning=tuning, wide=wide_tile(dev, act, t, False, tuning))
     grid = (-(-w.n // tl.rows) * tl.splits, -(-t // tl.tokens), g)
+    tl = _small_grid_tile(dev, tl, act, w, grid, tuning)
     pf = _prefetch(dev, tl, act, grid, tuning)
     if pf == (False,) and tl.targs == K.CONFIGS[16] and K.prefetches(act.kind, tl.targs):
         tl = _mma_tile(K.CONFIG_16_LARGE_GRID)      # its grid too large to prefetch: 64-feature blocks
@@ -323,6 +342,16 @@ def wide_tile(dev, act, tokens: int, ragged: bool, tuning) -> bool:
     if tokens <= 128 and tuning.SM90_FORCE_BN != K.SM90_WIDE_CONFIG[0]:
         return False
     return tma.activation_map(act.x, ragged, K.SM90_WIDE_CONFIG[0]) is not None
+
+
+def _small_grid_tile(dev, tl: Tile, act, w, grid, tuning) -> Tile:
+    """K.SMALL_GRID_CONFIGS' tile (the same grid) in place of CONFIGS[8] /
+    CONFIGS[16] where Tuning's MMA_SMALL_GRID_* rule takes it, else `tl`."""
+    small = K.SMALL_GRID_CONFIGS.get(8 if tl.targs == K.CONFIGS[8] else 16 if tl.targs == K.CONFIGS[16] else 0)
+    if (small is None or dev.arch != "sm_90" or act.kind == K.ACT_CODES["nvfp4"] or w.k < tuning.MMA_SMALL_GRID_MIN_K
+            or grid[0] * grid[1] * grid[2] >= tuning.MMA_SMALL_GRID_BLOCKS_PER_SM * dev.sm_count):
+        return tl
+    return _mma_tile(small)
 
 
 def _prefetch(dev, tl: Tile, act, grid, tuning) -> tuple:

@@ -65,6 +65,16 @@ RAGGED_SMALL_CONFIG = (1, 1, 2, 4, 4, 2)
 # tiles of four warps (MT = 4) 20.1-20.6. Where CONFIGS[16] prefetches it
 # loses (Flash 12.4-12.6 against 11.5-11.6, seed 004 29.9 against 25.8).
 CONFIG_16_LARGE_GRID = (2, 2, 4, 2, 1, 2)
+# The tiles of up to 8 and 9-16 tokens per group, 16-bit activations, on
+# sm_90, for grids that CONFIGS[8] / CONFIGS[16] would leave below two
+# blocks per SM (rawkv.gemm.plans, Tuning.MMA_SMALL_GRID_*: DeepSeek-V4-Flash's
+# wo_a, 256 blocks on 132 SMs): the same 32 features a block, but eight
+# warps split K instead of four, so twice the warps stream half as much each
+# and hide each other's latency. Both split K in eight (the same bits as each
+# other, not CONFIGS[8]'s). H100 (2026-11-27, .probe sweep under the
+# programmatic dependent launch, two runs, us): Flash wo_a M = 1 / 8 / 16
+# 7.83-7.89 / 8.40-8.43 / 9.58-9.60 against 8.69-9.89 / 9.48-9.52 / 11.43-11.47.
+SMALL_GRID_CONFIGS = {8: (1, 1, 8, 2, 2, 2), 16: (2, 2, 8, 1, 1, 3)}
 
 
 # Tiles with an instance that loads the activations one step ahead (PF,
@@ -76,7 +86,9 @@ CONFIG_16_LARGE_GRID = (2, 2, 4, 2, 1, 2)
 # seed 004 at M = 1 6-7% faster on the H100) spills 32 bytes on sm_100.
 # NVFP4 activations, converted at each load, were not measured.
 PREFETCH_TILES = frozenset((CONFIGS[16], CONFIGS[32], CONFIGS["large"], RAGGED_CONFIGS[16], RAGGED_CONFIGS[32],
-                            CONFIG_16_LARGE_GRID))
+                            CONFIG_16_LARGE_GRID, SMALL_GRID_CONFIGS[16]))
+# Tiles only the 16-bit activations' calls take (no NVFP4 instances).
+SIXTEEN_BIT_TILES = frozenset((CONFIG_16_LARGE_GRID, *SMALL_GRID_CONFIGS.values()))
 
 
 def prefetches(act: int, cfg: tuple) -> bool:
@@ -87,12 +99,12 @@ def prefetches(act: int, cfg: tuple) -> bool:
 GEMM = FILE.kernel(
     "rkv_gemm_fp4",
     (TParam("int", "ACT", (0, 1, 2)), TParam("bool", "MX", (False, True)), TParam("int", "MT", (1, 2, 4)), TParam("int", "NT", (1, 2, 4, 8)),
-     TParam("int", "KS", (1, 2, 4)), TParam("int", "RW", (1, 2, 4)), TParam("int", "U", (1, 2, 4)),
+     TParam("int", "KS", (1, 2, 4, 8)), TParam("int", "RW", (1, 2, 4)), TParam("int", "U", (1, 2, 4)),
      TParam("int", "S", (2, 3, 4)), TParam("bool", "PF", (False, True))),
     instances=[(a, mx, *cfg, pf) for a in ACT_CODES.values() for mx in (False, True)
                for cfg in dict.fromkeys((*CONFIGS.values(), *RAGGED_CONFIGS.values(), RAGGED_SMALL_CONFIG,
-                                          CONFIG_16_LARGE_GRID))
-               if cfg != CONFIG_16_LARGE_GRID or prefetches(a, cfg)      # (its calls are 16-bit only)
+                                          CONFIG_16_LARGE_GRID, *SMALL_GRID_CONFIGS.values()))
+               if cfg not in SIXTEEN_BIT_TILES or a != ACT_CODES["nvfp4"]
                for pf in ((False, True) if prefetches(a, cfg) else (False,))], pdl=True)
 
 # ---- the Hopper kernel (rawkv/cu/gemm_fp4_sm90.cu: wgmma, sm_90a) -----------
