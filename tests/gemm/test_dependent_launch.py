@@ -2,10 +2,11 @@
 reads the output of the GEMM before it, both captured in one CUDA graph (the
 second may start while the first finishes), gives the same bits as the two
 run one at a time with a device sync between them, on every kernel the
-dispatcher routes to (the W4A16 mma.sync kernel, which takes the
-programmatic launch on sm_90+, batched and ragged; the wgmma and W4A8
-kernels, which launch the plain way); the outputs start as NaN, so a read
-before the first GEMM's writes would show."""
+dispatcher routes to (the W4A16 mma.sync kernel and the W4A8 mma.sync
+kernel, which take the programmatic launch on sm_90+, batched and ragged,
+the W4A8 one where plans' W4A8_MMA_PDL rule takes it; the wgmma kernels,
+which launch the plain way); the outputs start as NaN, so a read before the
+first GEMM's writes would show."""
 import os
 
 import numpy as np
@@ -81,9 +82,10 @@ def test_dependent_ragged_gemms_same_bits_in_a_graph(cuda, rng):
 
 @pytest.mark.parametrize("tokens", [1, 16, 300])
 def test_dependent_w4a8_gemms_same_bits_in_a_graph(cuda, rng, monkeypatch, tokens):
-    # W4A8 (plain launches): each step's activations are quantized by
-    # rawkv.fp8.quantize_blocks (into buffers of its own: a capture allocates
-    # nothing) from the GEMM before's output
+    # W4A8: each step's activations are quantized by rawkv.fp8.quantize_blocks
+    # (into buffers of its own: a capture allocates nothing) from the GEMM
+    # before's output; the mma.sync kernel launched plainly (its grid, 128
+    # blocks, is below W4A8_MMA_PDL_MIN_BLOCKS_PER_SM) and programmatically
     if cuda.arch != "sm_90":
         pytest.skip(f"the W4A8 GEMM runs on sm_90 devices; this one is {cuda.arch}")
     g, k = 4, 1024
@@ -102,4 +104,31 @@ def test_dependent_w4a8_gemms_same_bits_in_a_graph(cuda, rng, monkeypatch, token
              for w, q in zip(ws, qs)]
     _graph_and_one_at_a_time(steps, x, outs)
     monkeypatch.setattr(linear, "W4A8_PATH", "mma")       # (the mma.sync kernel at every token count)
+    _graph_and_one_at_a_time(steps, x, outs)
+    monkeypatch.setattr(linear, "W4A8_MMA_PDL_MIN_BLOCKS_PER_SM", 0)
+    _graph_and_one_at_a_time(steps, x, outs)
+
+
+def test_dependent_w4a8_ragged_gemms_same_bits_in_a_graph(cuda, rng, monkeypatch):
+    # the W4A8 mma.sync kernel in ragged calls (programmatic on sm_90): offsets
+    # read and unowned rows zeroed after the wait
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the W4A8 GEMM runs on sm_90 devices; this one is {cuda.arch}")
+    e, k, rows = 8, 512, 40
+    ws = []
+    for _ in range(3):
+        codes = rng.integers(0, 256, (e, k, k // 2), dtype=np.uint8)
+        scales = (127 + rng.integers(-3, 4, (e, k, k // 32))).astype(np.uint8)
+        w8 = rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales),
+                                                                     groups=e))
+        ws.append(rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:])))
+    counts = rng.multinomial(rows - 4, np.full(e, 1 / e))
+    offsets = torch.from_numpy(np.concatenate([[2], 2 + np.cumsum(counts)]).astype(np.int32)).cuda()
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16).cuda()
+    outs = [torch.empty(rows, k, dtype=torch.bfloat16, device="cuda") for _ in ws]
+    qs = [(torch.empty(rows, k, dtype=torch.float8_e4m3fn, device="cuda"),
+           torch.empty(rows, k // 128, dtype=torch.float32, device="cuda")) for _ in ws]
+    steps = [lambda a, o, w=w, q=q: rawkv.gemm.moe_linear(rawkv.fp8.quantize_blocks(a, out=q), w, offsets, out=o)
+             for w, q in zip(ws, qs)]
+    monkeypatch.setattr(linear, "W4A8_PATH", "mma")
     _graph_and_one_at_a_time(steps, x, outs)

@@ -364,6 +364,34 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
         plans.w4a8_grouped(Ada, act, wc, torch.empty(65, 3, 300, dtype=bf))
 
 
+def test_plans_launch_the_mma_kernel_programmatically_by_its_grid():
+    """W4A8_MMA_PDL_MIN_BLOCKS_PER_SM (2.5: 330 blocks on 132 SMs): batched
+    grids below it launch the mma.sync kernel the plain way, grids at it and
+    every ragged call programmatically; the same function either way."""
+    from rawkv.gemm import _rules as R
+    limit = int(plans.TUNED.W4A8_MMA_PDL_MIN_BLOCKS_PER_SM * _Dev.sm_count)
+    assert limit == 330
+    mma = plans.Tuning(W4A8_PATH="mma")       # (grids this large would take the wgmma kernel)
+
+    def launch(g, tokens=1, offsets=None):
+        w8 = _w8(g, 32, 128)                   # one 32-feature block a group (MMA_CONFIGS[8])
+        wc = R.weight8(w8.codes, w8.shifts, w8.row_scale, w8.gs, w8.n, w8.k, "cpu")
+        if offsets is None:
+            act = R.activation8(*_xa(tokens, g, k=128), 3, 128, "cpu", -1)
+            (a,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(tokens, g, 32, dtype=bf), tuning=mma)
+        else:
+            act = R.activation8(*_xa(tokens, k=128), 2, 128, "cpu", -1)
+            (a,) = plans.w4a8_moe(_Dev, act, wc, _offs(*offsets), torch.empty(tokens, 32, dtype=bf), None, mma)
+        assert a.kernel.kernel is K8.GEMM_MMA
+        return a
+
+    below, at = launch(limit - 1), launch(limit)
+    assert below.grid == (1, 1, limit - 1) and not below.kernel.pdl
+    assert at.grid == (1, 1, limit) and at.kernel.pdl
+    assert below.kernel.expr == at.kernel.expr and below.kernel.key == at.kernel.key
+    assert launch(4, tokens=2, offsets=(0, 1, 1, 2, 2)).kernel.pdl
+
+
 def test_plans_ragged_by_tokens_per_expert():
     # MoE: few tokens per expert take the mma.sync kernel's ragged tiles
     # (one warp streams all of K) when the grid has 2 blocks per SM, the

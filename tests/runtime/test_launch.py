@@ -194,6 +194,16 @@ def test_pdl_instances_take_the_programmatic_launch_the_rest_the_plain_one():
     only = _launch.Launcher(raw=lambda *a: plain.append(a) or 0)
     only(_Fn(), (3, 2, 1), (128,), gemm.struct, zeros, 512, 77, gemm)
     assert len(plain) == 2 and len(pdl) == 1
+    # a plan's per-call choice: the same function, launched the plain way
+    # (Kernel.instance(..., pdl=False)); True or None: as declared
+    w8 = kernels.gemm_w4a8.GEMM_MMA
+    targs = w8._instance_args[0]
+    sibling = w8.instance(*targs, pdl=False)
+    assert w8.instance(*targs).pdl and w8.instance(*targs, pdl=True) is w8.instance(*targs)
+    assert not sibling.pdl and sibling is w8.instance(*targs, pdl=False) and sibling.key == w8.instance(*targs).key
+    launcher(_Fn(), (3, 2, 1), (128,), sibling.struct, zeros[:sibling.struct.size // 8], 0, 77, sibling)
+    assert len(plain) == 3 and len(pdl) == 1
+    assert not enc.kernel.instance("float32", True, pdl=False).pdl and enc.kernel.instance("float32", True) is enc
 
 
 def test_pdl_launch_config_is_the_driver_struct():

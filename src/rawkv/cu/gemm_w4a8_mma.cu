@@ -106,6 +106,11 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
     const int rw = warp % RW, ks = warp / RW;
     const int q = lane >> 2, t = lane & 3;
 
+    // Programmatic dependent launch (common.cuh; gemm_fp4.cu's scheme): a
+    // batched call streams its first stages of weights before it waits for
+    // the kernel before it; a ragged one reads its offsets (and may write
+    // rows) at once.
+    if (offsets) pdl_wait();
     int g, t0, t1;
     if (!block_tokens(offsets, experts, tokens, TT, s_off, errors, out, os_t, n, blockIdx.x * RW * MT * 16,
                       RW * MT * 16, g, t0, t1))
@@ -168,6 +173,11 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
     const u32 ring_end = ring_s + S * MT * kTileBytes;
     u32 wr = ring_s;
     int cn = c_beg;
+    // Once the warp has issued its last chunk's copies (chunk `last`) and
+    // waited, the next kernel may start: `trigger` is -1 (no chunk) until
+    // the wait.
+    const int last = c_end > c_beg ? c_end - 1 : -1;
+    int trigger = offsets ? last : -1;
     auto issue = [&]() {
         const bool live = cn < c_end;
 #pragma unroll
@@ -181,11 +191,17 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
             ssrc[i] += kShiftBytes;
         }
         cp_async_commit();
+        if (cn == trigger) pdl_launch_dependents();
         ++cn;
         wr = wr + MT * kTileBytes == ring_end ? ring_s : wr + MT * kTileBytes;
     };
 #pragma unroll
     for (int p = 0; p < S - 1; ++p) issue();
+    if (!offsets) {
+        pdl_wait();              // (the activations, their scales and the outputs from here on)
+        trigger = last;
+        if (cn > last) pdl_launch_dependents();   // (its last weights went before the wait)
+    }
 
     // A chunk's activations (zeros past k: K is a multiple of 32, so a
     // 16-byte unit is wholly in or out) and the tokens' scales, loaded a

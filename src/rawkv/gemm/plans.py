@@ -112,6 +112,18 @@ class Tuning(NamedTuple):
     K8.MMA_RAGGED_CONFIGS
     when its grid has MMA_RAGGED_MIN_BLOCKS blocks per SM, as the W4A16
     mma.sync kernel's ragged tiles do.
+    W4A8_MMA_PDL_MIN_BLOCKS_PER_SM: the W4A8 mma.sync kernel is a
+    programmatic dependent launch (docs/runtime.md) in ragged calls and in
+    batched calls whose grid has at least this many blocks per SM; other
+    batched calls launch it the plain way. Its 80 registers hold 3 blocks
+    of 256 threads per SM: a grid of about two per SM (Flash wo_a, 256
+    blocks) leaves the next call room for only some of its blocks, while one
+    that fills the slots hands them over as its blocks finish. H100
+    (2026-11-27, us, plain / dependent, two runs): seed 004 (384 blocks) at
+    1 and 8 tokens 25.13-25.21 / 23.71-23.78 and 26.12-26.22 / 25.79-25.86,
+    Flash (256) 10.73-10.74 / 11.06 and 11.91-11.92 / 13.22-13.25; MoE Flash
+    down at 1 token 16.51-16.54 / 16.09-16.14, Pro down at 1 44.66-48.52 /
+    43.92-44.26, at 16 and 64 tokens within the noise.
     W4A8_KSPLIT: the W4A8 wgmma kernel's split of K across a cluster of
     blocks (1 or 2; batched calls only), None for the rule: split in two
     when the grid fills less than W4A8_SM90_MIN_FILL of the SMs, twice the
@@ -150,6 +162,7 @@ class Tuning(NamedTuple):
     W4A8_RAGGED_SM90_MIN_K: int = 4096
     W4A8_SM90_MIN_FILL: float = 0.9
     W4A8_KSPLIT: int | None = None
+    W4A8_MMA_PDL_MIN_BLOCKS_PER_SM: float = 2.5
     W4A8_MIN_SPLIT_CHUNKS: int = 8
     SM90_ACT_TMA: bool = True
 
@@ -474,11 +487,14 @@ def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> 
                 inst = K8.GEMM_SPLITK.instance(bn, stages, splits)
     else:
         mt, nt, ks, rw, _ = cfg
-        inst, block, rows_per_block, bn = K8.GEMM_MMA.instance(*cfg), (32 * ks * rw,), 16 * mt * rw, 8 * nt
+        inst, block, rows_per_block, bn = None, (32 * ks * rw,), 16 * mt * rw, 8 * nt
     if ragged:
         grid = (-(-w.n // rows_per_block), ragged_slots(tokens, experts, bn), 1)
     else:
         grid = (-(-w.n // rows_per_block) * splits, -(-tokens // bn), act.lead[1])
+    if inst is None:       # the mma.sync kernel: dependent launch or not (Tuning.W4A8_MMA_PDL_MIN_BLOCKS_PER_SM)
+        blocks = grid[0] * grid[1] * grid[2]
+        inst = K8.GEMM_MMA.instance(*cfg, pdl=ragged or blocks >= tuning.W4A8_MMA_PDL_MIN_BLOCKS_PER_SM * dev.sm_count)
     if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
         raise ValueError(f"x: {tokens} tokens x {w.groups} groups is past the launch grid's limit")
     xs_t, xs_g = _lead_strides(act.x)

@@ -283,11 +283,11 @@ class Instance:
     runtime's."""
     __slots__ = ("kernel", "file", "expr", "key", "struct", "pack", "launch", "smem", "pdl")
 
-    def __init__(self, kernel: "Kernel", targs: tuple):
+    def __init__(self, kernel: "Kernel", targs: tuple, pdl: bool | None = None):
         self.kernel = kernel
         self.file = kernel.file.filename
         self.smem = kernel.smem(targs)
-        self.pdl = kernel.pdl
+        self.pdl = kernel.pdl if pdl is None else pdl
         self.expr = kernel.expr(targs)
         self.key = (self.file, self.expr)
         self.struct = _launch.slot_struct("".join(p.slot for p in kernel.params),
@@ -358,9 +358,17 @@ class Kernel:
     def expressions(self) -> tuple[str, ...]:
         return tuple(self.expr(a) for a in self._instance_args)
 
-    def instance(self, *targs) -> Instance:
+    def instance(self, *targs, pdl: bool | None = None) -> Instance:
         """The instantiation for template arguments `targs` (Python values:
-        dtype names or torch dtypes, bools, ints), cached."""
+        dtype names or torch dtypes, bools, ints), cached. `pdl`: for a
+        kernel declared `pdl`, False gives the same function launched the
+        plain way (a plan that chooses per call); None or True, as declared."""
+        if pdl is False and self.pdl:
+            key = (*targs, "plain")
+            inst = self._instances.get(key)
+            if inst is None:
+                inst = self._instances[key] = Instance(self, targs, pdl=False)
+            return inst
         inst = self._instances.get(targs)
         if inst is None:
             inst = self._instances[targs] = Instance(self, targs)

@@ -90,4 +90,5 @@ GEMM_MMA = MMA_FILE.kernel(
     "rkv_gemm_w4a8_mma",
     (TParam("int", "MT", (1, 2)), TParam("int", "NT", (1, 2, 4)), TParam("int", "KS", (1, 2, 4)),
      TParam("int", "RW", (1, 2, 4)), TParam("int", "S", (2, 3, 4))),
-    instances=list(dict.fromkeys((*MMA_CONFIGS.values(), *MMA_RAGGED_CONFIGS.values(), MMA_RAGGED_SMALL_CONFIG))))
+    instances=list(dict.fromkeys((*MMA_CONFIGS.values(), *MMA_RAGGED_CONFIGS.values(), MMA_RAGGED_SMALL_CONFIG))),
+    pdl=True)    # (rawkv.gemm.plans launches it plainly where that measured faster: Tuning.W4A8_MMA_PDL_*)
