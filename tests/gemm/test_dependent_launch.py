@@ -5,8 +5,9 @@ run one at a time with a device sync between them, on every kernel the
 dispatcher routes to (the W4A16 mma.sync kernel and the W4A8 mma.sync
 kernel, which take the programmatic launch on sm_90+, batched and ragged,
 the W4A8 one where plans' W4A8_MMA_PDL rule takes it; the wgmma kernels,
-which launch the plain way); the outputs start as NaN, so a read before the
-first GEMM's writes would show."""
+which launch the plain way), and with the producers between them
+(quantize_blocks, rmsnorm_quantize: programmatic too, waiting first); the
+outputs start as NaN, so a read before the first GEMM's writes would show."""
 import os
 
 import numpy as np
@@ -131,4 +132,27 @@ def test_dependent_w4a8_ragged_gemms_same_bits_in_a_graph(cuda, rng, monkeypatch
     steps = [lambda a, o, w=w, q=q: rawkv.gemm.moe_linear(rawkv.fp8.quantize_blocks(a, out=q), w, offsets, out=o)
              for w, q in zip(ws, qs)]
     monkeypatch.setattr(linear, "W4A8_PATH", "mma")
+    _graph_and_one_at_a_time(steps, x, outs)
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_dependent_producer_and_gemm_chain_same_bits_in_a_graph(cuda, rng, tokens):
+    # rmsnorm_quantize (a producer: it waits for the GEMM before it, then lets
+    # the next GEMM start) feeding each GEMM its NVFP4 activations from the
+    # GEMM before's output
+    from rawkv.fused import rmsnorm_quantize
+    from rawkv.nvfp4 import QuantizedActivation
+    k = 2048
+    ws = [random_weight(rng, 1, k, k, "nvfp4")[0] for _ in range(3)]
+    norm = torch.from_numpy(rng.standard_normal(k).astype(np.float32)).cuda()
+    x = torch.from_numpy(rng.standard_normal((tokens, 1, k)).astype(np.float32)).to(torch.bfloat16).cuda()
+    outs = [torch.empty(tokens, 1, k, dtype=torch.bfloat16, device="cuda") for _ in ws]
+    bufs = [tuple(t for t in rmsnorm_quantize(x.view(tokens, k), norm) if t is not None) for _ in ws]
+
+    def step(a, o, w, buf):
+        r = rmsnorm_quantize(a.view(tokens, k), norm, out=buf)
+        act = QuantizedActivation(r.q.view(tokens, 1, -1), r.sf.view(tokens, 1, -1), r.gs.view(tokens, 1))
+        rawkv.gemm.grouped_linear(act, w, out=o)
+
+    steps = [lambda a, o, w=w, b=b: step(a, o, w, b) for w, b in zip(ws, bufs)]
     _graph_and_one_at_a_time(steps, x, outs)

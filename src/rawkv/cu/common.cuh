@@ -113,6 +113,17 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// A producer's start (the kernels that write a GEMM's activations, declared
+// `pdl`): it waits for the kernel before it, whose output it reads, then lets
+// the next kernel start, so that a GEMM after it streams its weights while
+// this one runs. After the wait, not before: the GEMM reads its weights
+// before its own wait, and the kernel two back has completed by then, so a
+// kernel that wrote those weights there is ordered as with plain launches.
+__device__ __forceinline__ void pdl_producer_start() {
+    pdl_wait();
+    pdl_launch_dependents();
+}
+
 // Grid-stride loop helpers (64-bit indices: tensors past 2^31 elements exist).
 __device__ __forceinline__ i64 global_thread() { return (i64)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ i64 grid_threads() { return (i64)gridDim.x * blockDim.x; }

@@ -15,6 +15,7 @@ __global__ void rkv_fp8_quantize_blocks(const T* __restrict__ x, u8* __restrict_
     static_assert(UE8M0 || !SBYTE, "an E8M0 byte holds a power of two only");
     constexpr int TPB = BLOCK / Vec16<T>::N;
     static_assert(TPB >= 1 && TPB <= 32 && (TPB & (TPB - 1)) == 0, "BLOCK / N must be a power of two <= 32");
+    pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     fp8_quantize_rows<T>(x, codes, scales, rows, K, BLOCK, UE8M0, SBYTE);
 }
 

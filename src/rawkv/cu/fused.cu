@@ -489,6 +489,7 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms(
         const void* __restrict__ w, long long w_kind, double eps, long long n,
         u8* __restrict__ q, u8* __restrict__ sf, float* gs_out, float* __restrict__ inv_out,
         const float* gs_in, double gs_val, long long mode, int* errors) {
+    pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     const i64 row = blockIdx.x;
     RmsProducer<T, MIX> p;
     set_rms_producer(p, x, mix, mix_kind, n_hc, w, w_kind, n, row);
@@ -505,6 +506,7 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu(
         const T* __restrict__ h, long long inter, long long g,
         u8* __restrict__ q, u8* __restrict__ sf, float* gs_out,
         const float* gs_in, double gs_val, long long mode, int* errors) {
+    pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     const i64 row = blockIdx.x;
     SwigluProducer<T, VEC> p;
     p.h = h + row * 2 * inter;
@@ -524,6 +526,7 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms_fp8(
         const T* __restrict__ x, const void* __restrict__ mix, long long mix_kind, long long n_hc,
         const void* __restrict__ w, long long w_kind, double eps, long long n, long long blk, long long ue8m0,
         long long sbyte, u8* __restrict__ codes, void* __restrict__ scales, float* __restrict__ inv_out) {
+    pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     const i64 row = blockIdx.x;
     RmsProducer<T, MIX> p;
     set_rms_producer(p, x, mix, mix_kind, n_hc, w, w_kind, n, row);
@@ -537,6 +540,7 @@ template <typename T, bool VEC, int REG>
 __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu_fp8(
         const T* __restrict__ h, long long inter, long long g, long long blk, long long ue8m0, long long sbyte,
         u8* __restrict__ codes, void* __restrict__ scales) {
+    pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     const i64 row = blockIdx.x;
     SwigluProducer<T, VEC> p;
     p.h = h + row * 2 * inter;
@@ -551,6 +555,7 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu_fp8(
 // what write gs, so one thread gives it its value on the op's stream (gs_in:
 // a given device scale, else gs_val: the given number, or 1).
 __global__ void rkv_fused_set_gs(float* gs_out, const float* gs_in, double gs_val) {
+    pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     if (threadIdx.x == 0 && blockIdx.x == 0) gs_out[0] = gs_in != nullptr ? *gs_in : (float)gs_val;
 }
 
@@ -584,6 +589,7 @@ __global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeMinBlocks) rkv_moe_st
         const T* __restrict__ x, long long n_units, u8* __restrict__ q, u32* __restrict__ sf,
         const ID* __restrict__ ids, long long n_ids, long long* __restrict__ ids_out,
         const u8* __restrict__ wts, long long w_bytes, u8* __restrict__ wts_out) {
+    pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     const i64 halves = 2 * n_units;
     for (i64 u = global_thread(); u < halves; u += grid_threads()) {
         const T* src = x + u * 32;
@@ -608,6 +614,7 @@ __global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK) rkv_moe_stage_fp8(
         u8* __restrict__ codes, void* __restrict__ scales,
         const ID* __restrict__ ids, long long n_ids, long long* __restrict__ ids_out,
         const u8* __restrict__ wts, long long w_bytes, u8* __restrict__ wts_out) {
+    pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     fp8_quantize_rows<T>(x, codes, scales, rows, K, (int)blk, ue8m0 != 0, sbyte != 0);
     moe_copy_topk(ids, n_ids, ids_out, wts, w_bytes, wts_out);
 }

@@ -20,7 +20,8 @@ QUANTIZE = FILE.kernel(
     "rkv_fp8_quantize_blocks",
     (TParam("typename", "T", _FLOATS), TParam("int", "BLOCK", BLOCKS), TParam("bool", "UE8M0", (False, True)),
      TParam("bool", "SBYTE", (False, True))),
-    instances=[(t, b, *f) for t in _FLOATS for b in BLOCKS for f in (SCALE_FP32, SCALE_UE8M0_F32, SCALE_UE8M0)])
+    instances=[(t, b, *f) for t in _FLOATS for b in BLOCKS for f in (SCALE_FP32, SCALE_UE8M0_F32, SCALE_UE8M0)],
+    pdl=True)    # (a producer: common.cuh's pdl_producer_start)
 DEQUANTIZE = FILE.kernel(
     "rkv_fp8_dequantize_blocks", (TParam("typename", "OutT", _FLOATS), TParam("bool", "UE8M0", (False, True))))
 #: Codes per thread of rkv_fp8_dequantize_blocks.

@@ -56,30 +56,30 @@ _REG = TParam("int", "REG", (REG,))
 # [mHC mix +] RMSNorm + quantize; MIX = the mHC form (x is (rows, n_hc, N)).
 RMS = FILE.kernel(
     "rkv_fused_rms",
-    (_T, TParam("bool", "MIX", (False, True)), _REG))
+    (_T, TParam("bool", "MIX", (False, True)), _REG), pdl=True)
 
 # gs of an op with no rows (scopes tensor / given / none): one thread.
-SET_GS = FILE.kernel("rkv_fused_set_gs")
+SET_GS = FILE.kernel("rkv_fused_set_gs", pdl=True)
 
 # SwiGLU de-interleave + silu * up + quantize; VEC: granularity % 8 == 0 (16-byte loads).
 SWIGLU = FILE.kernel(
     "rkv_fused_swiglu",
-    (_T, TParam("bool", "VEC", (True, False)), _REG))
+    (_T, TParam("bool", "VEC", (True, False)), _REG), pdl=True)
 
 # One-level NVFP4 + scales packed four per int32 + top-k copy, one grid-stride launch.
 MOE_STAGE = FILE.kernel(
     "rkv_moe_stage",
-    (_T, TParam("typename", "ID", ("int32", "int64"))))
+    (_T, TParam("typename", "ID", ("int32", "int64"))), pdl=True)
 
 # The FP8 block outputs (fp8_blocks.cuh's rule on the T-rounded y): the block
 # (32, 64, 128) and the scale format (ue8m0, sbyte: rawkv.kernels.fp8_blocks's
 # SCALE_* pairs) are run-time arguments, so one instance serves them all.
 RMS_FP8 = FILE.kernel(
     "rkv_fused_rms_fp8",
-    (_T, TParam("bool", "MIX", (False, True)), _REG))
+    (_T, TParam("bool", "MIX", (False, True)), _REG), pdl=True)
 SWIGLU_FP8 = FILE.kernel(
     "rkv_fused_swiglu_fp8",
-    (_T, TParam("bool", "VEC", (True, False)), _REG))
+    (_T, TParam("bool", "VEC", (True, False)), _REG), pdl=True)
 MOE_STAGE_FP8 = FILE.kernel(
     "rkv_moe_stage_fp8",
-    (_T, TParam("typename", "ID", ("int32", "int64"))))
+    (_T, TParam("typename", "ID", ("int32", "int64"))), pdl=True)
