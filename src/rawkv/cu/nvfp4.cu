@@ -142,6 +142,7 @@ __device__ __forceinline__ float load_gs(const float* gs_ptr, double gs_val) {
 // into amax_bits (the gs output buffer, zeroed by a memset node before).
 template <typename T>
 __global__ void rkv_nvfp4_amax(const T* __restrict__ x, i64 M, i64 N, i64 ldx, u32* amax_bits) {
+    pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     __shared__ float smem[32];
     const i64 vpr = N / Vec16<T>::N;                       // 16-byte vectors per row
     const i64 total = M * vpr;
@@ -168,6 +169,7 @@ template <typename T, int BPT, int MODE>
 __global__ void rkv_nvfp4_quantize(const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ sf,
                                    i64 M, i64 upr, i64 ldx, i64 tpr_,
                                    const float* gs_ptr, double gs_val, float* gs_out, int* errors) {
+    pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     static_assert(MODE == RKV_NVFP4_MODE_GIVEN || MODE == RKV_NVFP4_MODE_AMAX, "MODE");
     constexpr bool kAmax = MODE == RKV_NVFP4_MODE_AMAX;
     const int tpr = (int)tpr_;
@@ -197,6 +199,7 @@ __global__ void rkv_nvfp4_quantize(const T* __restrict__ x, u8* __restrict__ q, 
 }
 
 __global__ void rkv_nvfp4_finalize_gs(float* gs) {
+    pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     if (threadIdx.x == 0 && blockIdx.x == 0) *gs = nvfp4_global_scale(*gs);
 }
 
@@ -206,6 +209,7 @@ __global__ void rkv_nvfp4_finalize_gs(float* gs) {
 template <typename T, int BPT>
 __global__ void __launch_bounds__(RKV_NVFP4_MAX_BLOCK_THREADS) rkv_nvfp4_quantize_small(const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ sf,
                                          i64 M, i64 upr, i64 ldx, float* gs_out) {
+    pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     __shared__ float smem[32];
     const u32 vpr = (u32)(upr * (16 * BPT) / Vec16<T>::N);
     const u32 nvec = (u32)M * vpr;
@@ -233,6 +237,7 @@ __global__ void __launch_bounds__(RKV_NVFP4_MAX_BLOCK_THREADS) rkv_nvfp4_quantiz
 template <typename T, int BPT, int R>
 __global__ void __launch_bounds__(RKV_NVFP4_MAX_BLOCK_THREADS) rkv_nvfp4_quantize_rows(const T* __restrict__ x, u8* __restrict__ q, u8* __restrict__ sf,
                                         float* __restrict__ gs_out, i64 M, i64 upr, i64 ldx, i64 tpr_) {
+    pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     static_assert(R == 0 || R == 1, "R: 1 (one unit per lane, the host keeps upr <= tpr) or 0");
     __shared__ float smem[32];
     const int tpr = (int)tpr_;

@@ -33,14 +33,16 @@ _T = TParam("typename", "T", FLOATS)
 # blocks of 16 per work unit: 2 when N % 32 == 0 (16-byte code stores), else 1
 _BPT = TParam("int", "BPT", (1, 2))
 
-AMAX = FILE.kernel("rkv_nvfp4_amax", (_T,))
+# The quantize kernels are producers of a GEMM's activations: programmatic
+# dependent launches (common.cuh's pdl_producer_start; docs/runtime.md).
+AMAX = FILE.kernel("rkv_nvfp4_amax", (_T,), pdl=True)
 QUANTIZE = FILE.kernel(
     "rkv_nvfp4_quantize",
-    (_T, _BPT, TParam("int", "MODE", (MODE_GIVEN, MODE_AMAX))))
-FINALIZE_GS = FILE.kernel("rkv_nvfp4_finalize_gs")
-QUANTIZE_SMALL = FILE.kernel("rkv_nvfp4_quantize_small", (_T, _BPT))
+    (_T, _BPT, TParam("int", "MODE", (MODE_GIVEN, MODE_AMAX))), pdl=True)
+FINALIZE_GS = FILE.kernel("rkv_nvfp4_finalize_gs", pdl=True)
+QUANTIZE_SMALL = FILE.kernel("rkv_nvfp4_quantize_small", (_T, _BPT), pdl=True)
 # R = 1: the row stays in registers (one unit per thread); 0: read twice
-QUANTIZE_ROWS = FILE.kernel("rkv_nvfp4_quantize_rows", (_T, _BPT, TParam("int", "R", (0, 1))))
+QUANTIZE_ROWS = FILE.kernel("rkv_nvfp4_quantize_rows", (_T, _BPT, TParam("int", "R", (0, 1))), pdl=True)
 GATHER = FILE.kernel(
     "rkv_nvfp4_gather",
     (TParam("typename", "OutT", FLOATS), TParam("typename", "IdxT", ("int32", "int64")),
