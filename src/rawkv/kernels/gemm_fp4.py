@@ -67,8 +67,8 @@ RAGGED_SMALL_CONFIG = (1, 1, 2, 4, 4, 2)
 CONFIG_16_LARGE_GRID = (2, 2, 4, 2, 1, 2)
 # The tiles of up to 8 and 9-16 tokens per group, 16-bit activations, on
 # sm_90, for grids that CONFIGS[8] / CONFIGS[16] would leave below two
-# blocks per SM (rawkv.gemm.plans, Tuning.MMA_SMALL_GRID_*: DeepSeek-V4-Flash's
-# wo_a, 256 blocks on 132 SMs): the same 32 features a block, but eight
+# blocks per SM, K from 2,048 (rawkv.gemm.plans, Tuning.MMA_SMALL_GRID_*:
+# DeepSeek-V4-Flash's wo_a, 256 blocks on 132 SMs): the same 32 features a block, but eight
 # warps split K instead of four, so twice the warps stream half as much each
 # and hide each other's latency. Both split K in eight (the same bits as each
 # other, not CONFIGS[8]'s). H100 (2026-11-27, .probe sweep under the
