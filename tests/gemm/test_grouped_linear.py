@@ -241,6 +241,7 @@ def test_prefetch_gives_the_same_bits(cuda, rng, monkeypatch, tokens, dtype):
     for k in (208, 2112):
         w, w64 = random_weight(rng, 3, 72, k, "nvfp4")
         x = torch.from_numpy(rng.standard_normal((tokens, 3, k)).astype(np.float32)).to(getattr(torch, dtype)).cuda()
+        monkeypatch.setattr(linear, "MMA_SMALL_GRID_BLOCKS_PER_SM", 0)    # (CONFIGS' tiles, whatever the GPU)
         monkeypatch.setattr(linear, "MMA_PREFETCH_MAX_BLOCKS_PER_SM", 0)
         plain = rawkv.gemm.grouped_linear(x, w)
         monkeypatch.setattr(linear, "MMA_PREFETCH_MAX_BLOCKS_PER_SM", 1 << 20)

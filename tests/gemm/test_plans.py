@@ -155,6 +155,10 @@ def test_small_grids_on_hopper_split_k_in_eight(act_dtype):
         for g, kk in ((limit, k), (limit - 1, k - 32)):           # the grid / K at the limit
             assert tile(g, kk, tokens) == cfg, (g, kk)
         assert tile(limit - 1, k, tokens, tuning=P.Tuning(MMA_SMALL_GRID_BLOCKS_PER_SM=0)) == cfg
+    # the 16-token tile only with PF (its one instance): without, CONFIGS[16]'s rules
+    assert tile(limit - 1, k, 16, tuning=P.Tuning(MMA_PREFETCH_MAX_BLOCKS_PER_SM=1)) == K.CONFIG_16_LARGE_GRID
+    assert tile(limit - 1, k, 8, tuning=P.Tuning(MMA_PREFETCH_MAX_BLOCKS_PER_SM=1)) == K.SMALL_GRID_CONFIGS[8]
+    assert (0, False, *K.SMALL_GRID_CONFIGS[16], False) not in K.GEMM._instance_args
     assert tile(limit - 1, k, 17) == K.CONFIGS[32]
     assert tile(A100.sm_count, k, 1, dev=A100) == K.CONFIGS[8]
     q, sf, gs = rawkv.nvfp4.quantize(torch.ones(1, 8, k), scope="row")

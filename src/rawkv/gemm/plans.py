@@ -359,12 +359,17 @@ def wide_tile(dev, act, tokens: int, ragged: bool, tuning) -> bool:
 
 def _small_grid_tile(dev, tl: Tile, act, w, grid, tuning) -> Tile:
     """K.SMALL_GRID_CONFIGS' tile (the same grid) in place of CONFIGS[8] /
-    CONFIGS[16] where Tuning's MMA_SMALL_GRID_* rule takes it, else `tl`."""
+    CONFIGS[16] where Tuning's MMA_SMALL_GRID_* rule takes it, else `tl`.
+    The 16-token one only with PF (its one instance; a grid this small
+    prefetches unless MMA_PREFETCH_MAX_BLOCKS_PER_SM is set below 2)."""
     small = K.SMALL_GRID_CONFIGS.get(8 if tl.targs == K.CONFIGS[8] else 16 if tl.targs == K.CONFIGS[16] else 0)
     if (small is None or dev.arch != "sm_90" or act.kind == K.ACT_CODES["nvfp4"] or w.k < tuning.MMA_SMALL_GRID_MIN_K
             or grid[0] * grid[1] * grid[2] >= tuning.MMA_SMALL_GRID_BLOCKS_PER_SM * dev.sm_count):
         return tl
-    return _mma_tile(small)
+    small = _mma_tile(small)
+    if small.targs == K.SMALL_GRID_CONFIGS[16] and _prefetch(dev, small, act, grid, tuning) != (True,):
+        return tl
+    return small
 
 
 def _prefetch(dev, tl: Tile, act, grid, tuning) -> tuple:

@@ -105,7 +105,8 @@ GEMM = FILE.kernel(
                for cfg in dict.fromkeys((*CONFIGS.values(), *RAGGED_CONFIGS.values(), RAGGED_SMALL_CONFIG,
                                           CONFIG_16_LARGE_GRID, *SMALL_GRID_CONFIGS.values()))
                if cfg not in SIXTEEN_BIT_TILES or a != ACT_CODES["nvfp4"]
-               for pf in ((False, True) if prefetches(a, cfg) else (False,))], pdl=True)
+               for pf in ((True,) if cfg == SMALL_GRID_CONFIGS[16]      # (taken only with PF: plans)
+                          else (False, True) if prefetches(a, cfg) else (False,))], pdl=True)
 
 # ---- the Hopper kernel (rawkv/cu/gemm_fp4_sm90.cu: wgmma, sm_90a) -----------
 # Same parameters and packed weights; compiled for sm_90a on sm_90 devices
