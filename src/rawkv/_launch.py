@@ -158,6 +158,11 @@ class Launcher:
         self._pdl = pdl
         self._tls = threading.local()
 
+    def raw_for(self, what):
+        """The driver call that launches instance `what`: the programmatic
+        one for a `pdl` instance where there is one, else the plain one."""
+        return self._pdl if self._pdl is not None and getattr(what, "pdl", False) else self._raw
+
     def _new_slots(self):
         vals = (ctypes.c_uint64 * MAX_ARGS)()
         base = ctypes.addressof(vals)
@@ -185,7 +190,7 @@ class Launcher:
         except struct.error as exc:
             raise TypeError(describe_bad_argument(what, args, exc)) from None
         params = slots[1] if st.__class__ is not WideStruct else self._params_at(slots, st.starts)
-        raw = self._pdl if self._pdl is not None and getattr(what, "pdl", False) else self._raw
+        raw = self.raw_for(what)
         if type(grid) is tuple and type(block) is tuple and len(grid) == 1 and len(block) == 1:
             err = raw(fn.ptr, grid[0], 1, 1, block[0], 1, 1, shared_mem, stream_ptr, params, 0)
         else:
@@ -212,9 +217,7 @@ def bound_launch(rt, fn, grid, block, st, shared_mem: int, what):
     if plain is None:               # a runtime without rawkv's launcher (a test's): its own launch
         return lambda *values: rt.launch(fn, grid, block, st, values, None, shared_mem, what)
     launcher = rt._launcher
-    tls, new_slots, raw = launcher._tls, launcher._new_slots, launcher._raw
-    if launcher._pdl is not None and getattr(what, "pdl", False):
-        raw = launcher._pdl
+    tls, new_slots, raw = launcher._tls, launcher._new_slots, launcher.raw_for(what)
     get_device, device, stream_ptr = rt._get_device, rt.device_index, rt._current_stream_ptr
     pack, fptr = st.pack_into, fn.ptr
     (gx, gy, gz), (bx, by, bz) = dim3(grid), dim3(block)
