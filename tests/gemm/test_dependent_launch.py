@@ -53,6 +53,25 @@ def _graph_and_one_at_a_time(steps, x, outs):
                                     f"{int(o.isnan().sum())} NaN (want {int(w.isnan().sum())})")
 
 
+def _w4a8_weights(rng, groups, k, count=3):
+    """`count` W4A8 weights (groups, K x K) on the GPU, from random MXFP4
+    codes and block scales near 2^0."""
+    ws = []
+    for _ in range(count):
+        codes = rng.integers(0, 256, (groups, k, k // 2), dtype=np.uint8)
+        scales = (127 + rng.integers(-3, 4, (groups, k, k // 32))).astype(np.uint8)
+        w8 = rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales),
+                                                                     groups=groups))
+        ws.append(rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:])))
+    return ws
+
+
+def _fp8_buffers(lead, k, count=3):
+    """quantize_blocks' out= pairs (codes, float32 scales per 128) for `count` steps."""
+    return [(torch.empty(*lead, k, dtype=torch.float8_e4m3fn, device="cuda"),
+             torch.empty(*lead, k // 128, dtype=torch.float32, device="cuda")) for _ in range(count)]
+
+
 @pytest.mark.parametrize("tokens,k", [(1, 1024), (8, 1024), (16, 1024), (300, 1024), (1, 2048), (16, 2048)])
 def test_dependent_gemms_same_bits_in_a_graph(cuda, rng, tokens, k):
     # (G, K, N = K): each GEMM's output is the next one's activations; 1-16
@@ -90,17 +109,10 @@ def test_dependent_w4a8_gemms_same_bits_in_a_graph(cuda, rng, monkeypatch, token
     if cuda.arch != "sm_90":
         pytest.skip(f"the W4A8 GEMM runs on sm_90 devices; this one is {cuda.arch}")
     g, k = 4, 1024
-    codes = rng.integers(0, 256, (g, k, k // 2), dtype=np.uint8)
-    ws = []
-    for _ in range(3):
-        scales = (127 + rng.integers(-3, 4, (g, k, k // 32))).astype(np.uint8)
-        w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales), groups=g)
-        w8 = rawkv.gemm.w4a8_weight(w)
-        ws.append(rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:])))
+    ws = _w4a8_weights(rng, g, k)
     x = torch.from_numpy(rng.standard_normal((tokens, g, k)).astype(np.float32)).to(torch.bfloat16).cuda()
     outs = [torch.empty(tokens, g, k, dtype=torch.bfloat16, device="cuda") for _ in ws]
-    qs = [(torch.empty(tokens, g, k, dtype=torch.float8_e4m3fn, device="cuda"),
-           torch.empty(tokens, g, k // 128, dtype=torch.float32, device="cuda")) for _ in ws]
+    qs = _fp8_buffers((tokens, g), k)
     steps = [lambda a, o, w=w, q=q: rawkv.gemm.grouped_linear(rawkv.fp8.quantize_blocks(a, out=q), w, out=o)
              for w, q in zip(ws, qs)]
     _graph_and_one_at_a_time(steps, x, outs)
@@ -116,19 +128,12 @@ def test_dependent_w4a8_ragged_gemms_same_bits_in_a_graph(cuda, rng, monkeypatch
     if cuda.arch != "sm_90":
         pytest.skip(f"the W4A8 GEMM runs on sm_90 devices; this one is {cuda.arch}")
     e, k, rows = 8, 512, 40
-    ws = []
-    for _ in range(3):
-        codes = rng.integers(0, 256, (e, k, k // 2), dtype=np.uint8)
-        scales = (127 + rng.integers(-3, 4, (e, k, k // 32))).astype(np.uint8)
-        w8 = rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales),
-                                                                     groups=e))
-        ws.append(rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:])))
+    ws = _w4a8_weights(rng, e, k)
     counts = rng.multinomial(rows - 4, np.full(e, 1 / e))
     offsets = torch.from_numpy(np.concatenate([[2], 2 + np.cumsum(counts)]).astype(np.int32)).cuda()
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32)).to(torch.bfloat16).cuda()
     outs = [torch.empty(rows, k, dtype=torch.bfloat16, device="cuda") for _ in ws]
-    qs = [(torch.empty(rows, k, dtype=torch.float8_e4m3fn, device="cuda"),
-           torch.empty(rows, k // 128, dtype=torch.float32, device="cuda")) for _ in ws]
+    qs = _fp8_buffers((rows,), k)
     steps = [lambda a, o, w=w, q=q: rawkv.gemm.moe_linear(rawkv.fp8.quantize_blocks(a, out=q), w, offsets, out=o)
              for w, q in zip(ws, qs)]
     monkeypatch.setattr(linear, "W4A8_PATH", "mma")
