@@ -174,7 +174,16 @@ H100 = Device(sm_count=132, max_threads_per_sm=2048, arch="sm_90")
     # of 2026-11-26 (docs/gemm.md, "Dispatch"): the best measured tile in
     # every case, and the mma.sync kernel below 48 tokens
     (8, 1024, 4096, 32, "mma"),
-    (8, 1024, 4096, 64, (64, 256, 2)),        # Flash: 32 blocks of 256 x 64 -> 64 half-K blocks
+    # Flash at 48 and 64 tokens: 128 x 128 split in two (128 blocks) fills the SMs where 256 x 64
+    # split in two (64 blocks) leaves half of them idle (H100, 2026-11-27, us: 20.2-20.8 against
+    # 24.2-25.2); Pro and seed 004 keep 256 x 64 split in two (H100, the same run: Pro at 48
+    # and 64 tokens 25.8-26.7 against 40.3-41.0 on 128 x 128 split in two; seed 004 42.1-42.5
+    # against 62.1-62.9)
+    (8, 1024, 4096, 48, (128, 128, 2)),
+    (8, 1024, 4096, 64, (128, 128, 2)),
+    (16, 1024, 4096, 48, (64, 256, 2)),
+    (16, 1024, 4096, 64, (64, 256, 2)),       # Pro: 64 blocks of 256 x 64 -> 128 half-K blocks
+    (8, 1536, 8192, 48, (64, 256, 2)),
     (8, 1536, 8192, 64, (64, 256, 2)),        # seed 004: 48 -> 96
     (8, 1024, 4096, 96, (128, 128, 2)),       # 64 blocks of 128 x 128 -> 128
     (16, 1024, 4096, 128, (128, 256, 2)),     # Pro: 64 blocks of 256 x 128 -> 128

@@ -210,9 +210,11 @@ SM90_STAGES = {(K.SM90_CONFIGS[64][0], K.SM90_BM): K.SM90_CONFIGS[64][1],
 
 
 def sm90_tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED, wide: bool = False) -> Tile:
-    """The wgmma kernel's tile: BN = 64 tokens up to 64 per group, else 128;
-    then the feature tile BM (128 or 256) and, batched, the split of K (1 or
-    2 blocks per output tile) of least modelled time: waves of blocks
+    """The wgmma kernel's tile: BN = 64 tokens up to 64 per group, else 128,
+    on 256-feature blocks, or 128-token tiles on 128-feature blocks (at any
+    token count: Flash wo_a at 48 and 64 tokens fills the SMs that way);
+    the (BN, BM) and, batched, the split of K (1 or 2 blocks per output
+    tile) of least modelled time: waves of blocks
     (one block per SM) x chunks per block x SM90_CHUNK_COST, ties to fewer
     splits and larger tiles. So a grid that would leave SMs idle or end in a
     thin last wave takes 128-feature blocks or splits K (seed 004 at 64 tokens: 48 blocks of
@@ -236,9 +238,7 @@ def sm90_tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED, wide: boo
     else:
         tiles = []
         for bm in (tuning.SM90_FORCE_BM,) if tuning.SM90_FORCE_BM else (256, 128):
-            tbn = 128 if bm == 128 else bn      # (128-feature blocks have 128-token tiles only)
-            if bm == 256 or tbn == bn or tuning.SM90_FORCE_BM:
-                tiles.append((tbn, bm))         # (64-token tiles stay 256 features)
+            tiles.append((128 if bm == 128 else bn, bm))    # (128-feature blocks have 128-token tiles only)
         if wide and tokens > 128 and force_bn is None:
             tiles.append((wide_bn, 128))
     chunks = -(-w.k // K.CHUNK)
