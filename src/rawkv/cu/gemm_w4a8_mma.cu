@@ -27,9 +27,13 @@
 //   the E4M3 bytes of nibbles 4 h .. 4 h + 3 of the row's word; B: the
 //   token's 4 bytes at that column, one word), the same permutation for A
 //   and B.
-// * Per step, the result (FP32) times the rows' powers of two, times each
-//   token's scale of the chunk's block, is added to the accumulators: two
-//   FP32 operations per accumulator, in step order.
+// * Per step, the result (FP32) times the rows' powers of two (exact) is
+//   added to the chunk's partial sums, in step order (one FMA each); per
+//   chunk, the partial sums times each token's scale of the chunk are added
+//   to the accumulators (one FMA each). (Until session 44 each step's result
+//   took both factors, two FP32 operations per accumulator, and the exact
+//   shift test below ran on every chunk: 284 instructions a chunk in the
+//   decode tile's loop against about 247, 2-3% more time.)
 //
 // Warps split K inside a block (KS) and sum their accumulators through
 // shared memory in a fixed order: the same bits on every run and for every
@@ -73,13 +77,13 @@ __device__ __forceinline__ void mma16816_f16_zero(float (&d)[4], const u32 (&a)[
 
 // The biased FP32 exponents 2^(e - SHIFT_BIAS) of four shift bytes e, one
 // per byte, +0 for a byte past the table (the block reads as zeros). Every
-// byte of an accepted form is below kShiftRows, so one add (no byte carries)
-// unless the lane's SIMD test (`bad`: bit 7 of a byte, with false alarms
-// only beside a byte past the table) says otherwise.
+// byte of an accepted form is below kShiftRows, so the kernel adds
+// kExpBias (no byte carries) unless the lane's SIMD test (bit 7 of a byte of
+// (w + kPastAdd) | w, with false alarms only beside a byte past the table)
+// says otherwise; then this exact form.
 constexpr u32 kExpBias = (127u - kShiftBias) * 0x01010101u;
 static_assert(kShiftRows + 127u - kShiftBias < 256u, "a biased exponent fits its byte");
-__device__ __forceinline__ u32 factor_exponents(u32 w, u32 bad) {
-    if (!(bad & 0x80808080u)) return w + kExpBias;
+__device__ __forceinline__ u32 factor_exponents(u32 w) {
     const u32 past = __vcmpgeu4(w, kShiftRows * 0x01010101u);
     return ((w & ~past) + kExpBias) & ~past;
 }
@@ -257,8 +261,14 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
             const uint2 sh = ld_shared8(src + kCodeBytes + 8 * q);
             const u32 badx = (sh.x + kPastAdd) | sh.x, bady = (sh.y + kPastAdd) | sh.y;
             past[i] |= badx | bady;
-            const u32 fb[2] = {factor_exponents(sh.x, badx), factor_exponents(sh.y, bady)};
+            // (a branch, not a select: the exact test of each byte is rare work)
+            u32 fb[2] = {sh.x + kExpBias, sh.y + kExpBias};
+            if ((badx | bady) & 0x80808080u) {
+                fb[0] = factor_exponents(sh.x);
+                fb[1] = factor_exponents(sh.y);
+            }
             const u32 words[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+            float part[NT][4];                               // the chunk's sum, before the tokens' scales
 #pragma unroll
             for (int s4 = 0; s4 < 4; ++s4) {
                 u32 e[4];                                            // E4M3 bytes: rows q, q + 8 (lo, hi)
@@ -278,13 +288,20 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
                         else mma16816(d[j], a, b[0], b[1], true);
                     }
                 }
-                // accumulator r: row q (r < 2) or q + 8, token 8 j + 2 t + (r & 1)
+                // partial r: row q (r < 2) or q + 8, token 8 j + 2 t + (r & 1); the
+                // step's result times its blocks' powers of two is exact
 #pragma unroll
                 for (int j = 0; j < NT; ++j)
 #pragma unroll
                     for (int r = 0; r < 4; ++r)
-                        acc[i][j][r] = fmaf(d[j][r] * (r < 2 ? f0 : f1), sc[j][r & 1], acc[i][j][r]);
+                        part[j][r] = s4 == 0 ? d[j][r] * (r < 2 ? f0 : f1)
+                                             : fmaf(d[j][r], r < 2 ? f0 : f1, part[j][r]);
             }
+            // the chunk's partial sums times each token's scale of the chunk
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) acc[i][j][r] = fmaf(part[j][r], sc[j][r & 1], acc[i][j][r]);
         }
         slot = slot + 1 == S ? 0 : slot + 1;
 #pragma unroll
