@@ -413,13 +413,21 @@ def test_plans_ragged_by_tokens_per_expert():
         assert launch.kernel.kernel is K8.GEMM_MMA and launch.kernel.expr.endswith(f"<{', '.join(map(str, cfg))}>")
         assert launch.grid == (-(-64 // (16 * mt * rw)), plans.ragged_slots(rows, 256, 8 * nt), 1)
     # from K = W4A8_RAGGED_SM90_MIN_K (gate_up), the wgmma kernel's 16-token
-    # tile at any few tokens per expert
+    # tile at any few tokens per expert, but for calls of at most
+    # W4A8_MMA_FEW_ROWS rows (12: a token or two), which take the small tile
+    few = plans.TUNED.W4A8_MMA_FEW_ROWS
+    assert few == 12
     w4k = _w8(8, 64, plans.TUNED.W4A8_RAGGED_SM90_MIN_K)
     wc = R.weight8(w4k.codes, w4k.shifts, w4k.row_scale, w4k.gs, w4k.n, w4k.k, "cpu")
     offsets = torch.zeros(9, dtype=torch.int32)
-    for rows in (1, 6, 128):
+    for rows in (1, 6, few, few + 1, 128):
         act = R.activation8(*_xa(rows, k=w4k.k), 2, w4k.k, "cpu", -1)
         (launch,) = plans.w4a8_moe(_Dev, act, wc, offsets, torch.empty(rows, 64, dtype=bf), None)
+        if rows <= few:
+            assert launch.kernel.kernel is K8.GEMM_MMA, rows
+            assert launch.kernel.expr.endswith(f"<{', '.join(map(str, K8.MMA_RAGGED_SMALL_CONFIG))}>")
+            assert launch.grid == (-(-64 // 64), plans.ragged_slots(rows, 8, 8), 1)
+            continue
         assert launch.kernel.kernel is K8.GEMM and launch.kernel.expr.endswith("<16, 8>"), rows
         assert launch.grid == (1, plans.ragged_slots(rows, 8, 16), 1)
 

@@ -112,6 +112,15 @@ class Tuning(NamedTuple):
     K8.MMA_RAGGED_CONFIGS
     when its grid has MMA_RAGGED_MIN_BLOCKS blocks per SM, as the W4A16
     mma.sync kernel's ragged tiles do.
+    W4A8_MMA_FEW_ROWS: a ragged call of K >= W4A8_RAGGED_SM90_MIN_K with at
+    most this many rows (a token or two over the experts) takes the mma.sync
+    kernel's small tile (K8.MMA_RAGGED_SMALL_CONFIG: two warps split K) all
+    the same: since both kernels' dependent launch (sessions 42-43) it is the
+    faster there. H100 (2026-11-27, us, wgmma / small tile / ragged tile):
+    Flash gate_up at 1 token (6 rows) 26.9-29.3 / 26.65-26.66, at 2 (12
+    rows) 52.4-54.5 / 49.7-49.8 / 49.2-49.3; Pro gate_up at 1 (8 rows)
+    84.0-84.4 / 78.1-79.1 / 81.2-84.1, at 2 (16 rows) 140.0-140.3 /
+    149.8-150.1 / 171.0.
     W4A8_MMA_PDL_MIN_BLOCKS_PER_SM: the W4A8 mma.sync kernel is a
     programmatic dependent launch (docs/runtime.md) in ragged calls and in
     batched calls whose grid has at least this many blocks per SM; other
@@ -160,6 +169,7 @@ class Tuning(NamedTuple):
     W4A8_MMA_MAX_TOKENS: int = 8
     W4A8_MMA_MAX_EXPERT_TOKENS: int = 3
     W4A8_RAGGED_SM90_MIN_K: int = 4096
+    W4A8_MMA_FEW_ROWS: int = 12
     W4A8_SM90_MIN_FILL: float = 0.9
     W4A8_KSPLIT: int | None = None
     W4A8_MMA_PDL_MIN_BLOCKS_PER_SM: float = 2.5
@@ -443,7 +453,7 @@ def w4a8_mma_config(w, tokens: int, ragged: bool, rows: int, dev, tuning=TUNED) 
         if tokens > (tuning.W4A8_MMA_MAX_EXPERT_TOKENS if ragged else tuning.W4A8_MMA_MAX_TOKENS):
             return None
         if ragged and w.k >= tuning.W4A8_RAGGED_SM90_MIN_K:
-            return None
+            return K8.MMA_RAGGED_SMALL_CONFIG if rows <= tuning.W4A8_MMA_FEW_ROWS else None
         if not ragged and sm90_blocks(w, tokens, K8.BM, w4a8_tile(tokens)[0]) \
                 >= tuning.W4A8_SM90_MIN_FILL * dev.sm_count:
             return None
