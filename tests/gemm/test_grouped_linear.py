@@ -203,6 +203,19 @@ def test_the_wgmma_tile_is_the_modelled_fastest(groups, n, k, tokens, tile):
     assert t.targs[2] == t.rows and t.targs[0] == t.tokens
 
 
+def test_a_forced_token_tile_is_kept(monkeypatch):
+    # Flash at 64 tokens takes 128 x 128 tiles unforced; SM90_FORCE_BN = 64
+    # keeps the 64-token tile (tests compare the bits of every token tile)
+    w = _Sizes(8, 1024, 4096)
+    assert (plans.tile(H100, w, 64, tuning=linear).tokens, plans.tile(H100, w, 64, tuning=linear).rows) == (128, 128)
+    for bn in (64, 128):
+        monkeypatch.setattr(linear, "SM90_FORCE_BN", bn)
+        assert plans.tile(H100, w, 64, tuning=linear).tokens == bn
+        assert plans.tile(H100, w, 64, ragged=True, tuning=linear).tokens == bn
+    monkeypatch.setattr(linear, "SM90_FORCE_BM", 128)      # (128-feature blocks have 128-token tiles only)
+    assert plans.tile(H100, w, 64, tuning=linear).tokens == 128
+
+
 def test_the_tunables_set_on_linear_steer_the_plan(monkeypatch):
     # tests/gemm/test_linear_sm90.py and tools/probe_gemm_paths.py set them there
     w = _Sizes(8, 1024)

@@ -248,7 +248,9 @@ def sm90_tile(dev, w, tokens: int, ragged: bool = False, tuning=TUNED, wide: boo
     else:
         tiles = []
         for bm in (tuning.SM90_FORCE_BM,) if tuning.SM90_FORCE_BM else (256, 128):
-            tiles.append((128 if bm == 128 else bn, bm))    # (128-feature blocks have 128-token tiles only)
+            tbn = 128 if bm == 128 else bn      # (128-feature blocks have 128-token tiles only)
+            if tbn == bn or force_bn is None or tuning.SM90_FORCE_BM:
+                tiles.append((tbn, bm))         # (a forced token tile is kept)
         if wide and tokens > 128 and force_bn is None:
             tiles.append((wide_bn, 128))
     chunks = -(-w.k // K.CHUNK)
