@@ -142,8 +142,8 @@ class Tuning(NamedTuple):
     against 31.6-31.8 us; Pro's 128 split 21.5 against 19.3; a split in four
     took 21 us at Flash against 13.3 in two.)
     SM90_FORCE_BN: the wgmma kernel's token tile (64, 128 or 256), None to
-    let the plan choose (256 where the 256-token tile can serve the call,
-    sm90_tile's `wide`, else 128). SM90_FORCE_BM: its feature tile (128 or 256), None
+    let the plan choose (sm90_tile: 64 or 128 up to 64 tokens, 128 or, where
+    the 256-token tile can serve the call (`wide`), 256 above). SM90_FORCE_BM: its feature tile (128 or 256), None
     to let sm90_tile's cost model choose (the rule it replaced: 128 when
     twice the grid of 256-feature blocks still fits in one wave; on the
     H100 128-feature blocks won with 48 and 64 blocks of 256 and lost with
