@@ -494,26 +494,24 @@ def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> 
     ragged = offsets is not None
     per = -(-tokens // max(1, min(experts, tokens))) if ragged else tokens
     cfg = w4a8_mma_config(w, per, ragged, tokens, dev, tuning)
-    splits = 1
     if cfg is None:
         bn, stages = w4a8_tile(per)
-        inst, block, rows_per_block = K8.GEMM.instance(bn, stages), (K8.THREADS,), K8.BM
-        if not ragged:
-            splits = w4a8_splits(dev, w, tokens, bn, tuning)
-            if splits > 1:
-                inst = K8.GEMM_SPLITK.instance(bn, stages, splits)
+        block, rows_per_block = (K8.THREADS,), K8.BM
+        splits = 1 if ragged else w4a8_splits(dev, w, tokens, bn, tuning)
     else:
         mt, nt, ks, rw, _ = cfg
-        inst, block, rows_per_block, bn = None, (32 * ks * rw,), 16 * mt * rw, 8 * nt
+        block, rows_per_block, bn, splits = (32 * ks * rw,), 16 * mt * rw, 8 * nt, 1
     if ragged:
         grid = (-(-w.n // rows_per_block), ragged_slots(tokens, experts, bn), 1)
     else:
         grid = (-(-w.n // rows_per_block) * splits, -(-tokens // bn), act.lead[1])
-    if inst is None:       # the mma.sync kernel: dependent launch or not (Tuning.W4A8_MMA_PDL_MIN_BLOCKS_PER_SM)
-        blocks = grid[0] * grid[1] * grid[2]
-        inst = K8.GEMM_MMA.instance(*cfg, pdl=ragged or blocks >= tuning.W4A8_MMA_PDL_MIN_BLOCKS_PER_SM * dev.sm_count)
     if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
         raise ValueError(f"x: {tokens} tokens x {w.groups} groups is past the launch grid's limit")
+    if cfg is None:
+        inst = K8.GEMM_SPLITK.instance(bn, stages, splits) if splits > 1 else K8.GEMM.instance(bn, stages)
+    else:                  # the mma.sync kernel: dependent launch or not (Tuning.W4A8_MMA_PDL_MIN_BLOCKS_PER_SM)
+        blocks = grid[0] * grid[1] * grid[2]
+        inst = K8.GEMM_MMA.instance(*cfg, pdl=ragged or blocks >= tuning.W4A8_MMA_PDL_MIN_BLOCKS_PER_SM * dev.sm_count)
     xs_t, xs_g = _lead_strides(act.x)
     ss_t, ss_g = _lead_strides(act.sf)
     os_t, os_g = _lead_strides(out)
