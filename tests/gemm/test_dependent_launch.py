@@ -9,12 +9,14 @@ which launch the plain way), and with the producers between them
 (quantize_blocks, rmsnorm_quantize: programmatic too, waiting first); the
 outputs start as NaN, so a read before the first GEMM's writes would show."""
 import os
+import types
 
 import numpy as np
 import pytest
 
 import rawkv
-from rawkv.gemm import linear
+from rawkv.gemm import linear, plans
+from rawkv.kernels import gemm_w4a8 as K8
 from support.gemm import random_weight
 
 torch = pytest.importorskip("torch")
@@ -161,3 +163,30 @@ def test_dependent_producer_and_gemm_chain_same_bits_in_a_graph(cuda, rng, token
 
     steps = [lambda a, o, w=w, b=b: step(a, o, w, b) for w, b in zip(ws, bufs)]
     _graph_and_one_at_a_time(steps, x, outs)
+
+
+@pytest.mark.parametrize("tile", ["small", "wide"])
+def test_dependent_w4a8_decode_tiles_same_bits_in_a_graph(cuda, rng, monkeypatch, tile):
+    # W4A8 at 1 and 8 tokens on the batched decode tiles the grid rule takes
+    # (plans._w4a8_tile_by_grid; always programmatic): G = 4, K = N = 2,048
+    # takes the small-grid one where 256 blocks are below two per SM (an
+    # H100's 132 SMs), the wide one forced through the tunables
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the W4A8 GEMM runs on sm_90 devices; this one is {cuda.arch}")
+    g, k = 4, 2048
+    if tile == "wide":
+        monkeypatch.setattr(linear, "W4A8_MMA_SMALL_GRID_BLOCKS_PER_SM", 0)
+        monkeypatch.setattr(linear, "W4A8_MMA_WIDE_MIN_BLOCKS_PER_SM", -1)
+        monkeypatch.setattr(linear, "W4A8_MMA_WIDE_MAX_BLOCKS_PER_SM", 1e9)
+    else:
+        monkeypatch.setattr(linear, "W4A8_MMA_SMALL_GRID_BLOCKS_PER_SM", 1e9)
+    want = K8.MMA_WIDE_CONFIG if tile == "wide" else K8.MMA_SMALL_GRID_CONFIG
+    assert plans._w4a8_tile_by_grid(types.SimpleNamespace(n=k, k=k, groups=g), cuda, linear) == want
+    ws = _w4a8_weights(rng, g, k)
+    for tokens in (1, 8):
+        x = torch.from_numpy(rng.standard_normal((tokens, g, k)).astype(np.float32)).to(torch.bfloat16).cuda()
+        outs = [torch.empty(tokens, g, k, dtype=torch.bfloat16, device="cuda") for _ in ws]
+        qs = _fp8_buffers((tokens, g), k)
+        steps = [lambda a, o, w=w, q=q: rawkv.gemm.grouped_linear(rawkv.fp8.quantize_blocks(a, out=q), w, out=o)
+                 for w, q in zip(ws, qs)]
+        _graph_and_one_at_a_time(steps, x, outs)

@@ -12,6 +12,8 @@ path's bits and count); the operators (opcheck samples)."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -309,14 +311,18 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
         (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(tokens, 3, 300, dtype=bf))
         assert launch.kernel.kernel is K8.GEMM and launch.grid == (3, -(-tokens // tile[0]), 3), tokens
         assert launch.kernel.expr.endswith(f"<{tile[0]}, {tile[1]}>"), tokens
+    # (40 groups x 10 blocks of 32 features: 3.03 per SM, which takes the
+    # mma.sync kernel's wide tile, test_plans_batched_decode_tile_by_grid;
+    # here that rule is closed)
     w40 = _w8(40, 300, 256)                                      # 40 groups x 3 feature blocks: 120 blocks
     wide = R.weight8(w40.codes, w40.shifts, w40.row_scale, w40.gs, w40.n, w40.k, "cpu")
     act40 = R.activation8(*_xa(1, 40, k=256), 3, 256, "cpu", -1)
-    (launch,) = plans.w4a8_grouped(_Dev, act40, wide, torch.empty(1, 40, 300, dtype=bf))
+    no_wide = plans.Tuning(W4A8_MMA_WIDE_MAX_BLOCKS_PER_SM=0)
+    (launch,) = plans.w4a8_grouped(_Dev, act40, wide, torch.empty(1, 40, 300, dtype=bf), tuning=no_wide)
     assert launch.kernel.kernel is K8.GEMM and launch.grid == (3, 1, 40)
     (launch,) = plans.w4a8_grouped(_Dev, act40, wide, torch.empty(1, 40, 300, dtype=bf),
-                                   tuning=plans.Tuning(W4A8_SM90_MIN_FILL=0.95))
-    assert launch.kernel.kernel is K8.GEMM_MMA
+                                   tuning=no_wide._replace(W4A8_SM90_MIN_FILL=0.95))
+    assert launch.kernel.kernel is K8.GEMM_MMA and launch.kernel.expr.endswith(f"<{', '.join(map(str, K8.MMA_CONFIGS[8]))}>")
     # forced either way
     act = R.activation8(*_xa(16, 3, k=256), 3, 256, "cpu", -1)
     (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(16, 3, 300, dtype=bf),
@@ -362,6 +368,55 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
         arch, sm_count = "sm_89", 142
     with pytest.raises(ValueError, match="^weight: the W4A8 GEMM runs on sm_90"):
         plans.w4a8_grouped(Ada, act, wc, torch.empty(65, 3, 300, dtype=bf))
+
+
+def test_plans_batched_decode_tile_by_grid():
+    """Up to W4A8_MMA_MAX_TOKENS tokens per group, by MMA_CONFIGS[8]'s
+    grid (32 features a block) per SM, on 4 SMs: below 2 (K from 2,048) the
+    small-grid tile, 2 to 3 MMA_CONFIGS[8], past 3 and up to 4 the wide tile
+    (its own grid half as large), past 4 the rule before (the wgmma kernel
+    where its grid fills 90% of the SMs); both tiles are programmatic
+    dependent launches; a forced mma.sync path keeps MMA_CONFIGS."""
+    from rawkv.gemm import _rules as R
+
+    class Four:
+        arch, sm_count = "sm_90", 4
+
+    def launch(n, k, tokens=1, g=1, tuning=plans.TUNED):
+        w8 = _w8(g, n, k)
+        wc = R.weight8(w8.codes, w8.shifts, w8.row_scale, w8.gs, w8.n, w8.k, "cpu")
+        act = R.activation8(*_xa(tokens, g, k=k), 3, k, "cpu", -1)
+        (a,) = plans.w4a8_grouped(Four, act, wc, torch.empty(tokens, g, n, dtype=bf), tuning=tuning)
+        return a
+
+    def tile(a):
+        return tuple(int(v) for v in a.kernel.expr.split("<")[1].rstrip(">").split(", "))
+
+    assert plans.TUNED.W4A8_MMA_SMALL_GRID_MIN_K == 2048
+    for n, g, tokens, cfg, grid_x in ((224, 1, 1, K8.MMA_SMALL_GRID_CONFIG, 7),      # 7 blocks: 1.75 per SM
+                                      (96, 2, 8, K8.MMA_SMALL_GRID_CONFIG, 3),       # 3 x 2 groups
+                                      (256, 1, 1, K8.MMA_CONFIGS[8], 8),             # 2 per SM
+                                      (384, 1, 8, K8.MMA_CONFIGS[8], 12),            # 3
+                                      (400, 1, 1, K8.MMA_WIDE_CONFIG, 7),            # 13 of 32: 3.25 -> 7 of 64
+                                      (512, 1, 5, K8.MMA_WIDE_CONFIG, 8)):           # 16: 4 -> 8
+        a = launch(n, 2048, tokens, g)
+        assert a.kernel.kernel is K8.GEMM_MMA and tile(a) == cfg, (n, g, tokens)
+        assert a.grid == (grid_x, 1, g) and a.block == (32 * cfg[2] * cfg[3],), (n, g, tokens)
+        assert a.kernel.pdl == (cfg != K8.MMA_CONFIGS[8] or grid_x * g >= 2.5 * Four.sm_count), (n, g, tokens)
+    # K below W4A8_MMA_SMALL_GRID_MIN_K: MMA_CONFIGS[8] (plain: 7 blocks on 4 SMs)
+    a = launch(224, 1024)
+    assert tile(a) == K8.MMA_CONFIGS[8] and not a.kernel.pdl
+    assert tile(launch(224, 1024, tuning=plans.Tuning(W4A8_MMA_SMALL_GRID_MIN_K=1024))) == K8.MMA_SMALL_GRID_CONFIG
+    # past 4 per SM (17 blocks): the wgmma kernel (its 4 blocks of 128 fill the SMs); past 8 tokens too
+    assert launch(544, 2048).kernel.kernel is K8.GEMM
+    assert launch(224, 2048, tokens=9).kernel.kernel is K8.GEMM_SPLITK     # (2 blocks of 128, split in two)
+    # the bounds are Tuning's; W4A8_PATH = "mma" keeps MMA_CONFIGS
+    wide = plans.Tuning(W4A8_MMA_WIDE_MIN_BLOCKS_PER_SM=1, W4A8_MMA_SMALL_GRID_BLOCKS_PER_SM=0)
+    assert tile(launch(224, 2048, tuning=wide)) == K8.MMA_WIDE_CONFIG
+    # (the rule before: the wgmma kernel's 4 blocks of 128 fill the 4 SMs)
+    assert launch(512, 2048, tuning=plans.Tuning(W4A8_MMA_WIDE_MAX_BLOCKS_PER_SM=3.9)).kernel.kernel is K8.GEMM
+    for n in (224, 400):
+        assert tile(launch(n, 2048, tuning=plans.Tuning(W4A8_PATH="mma"))) == K8.MMA_CONFIGS[8]
 
 
 def test_plans_launch_the_mma_kernel_programmatically_by_its_grid():
@@ -473,6 +528,51 @@ def test_batched_within_the_bound(sm90, path, rng, tokens, scale_format):
         out = torch.full((tokens, g, n), float("nan"), dtype=bf, device="cuda")
         rawkv.gemm.grouped_linear((xc.cuda(), xs.cuda()), w8c, out=out)
         B.assert_within_bound(out, exact, absolute, k, f"T={tokens} G={g} N={n} K={k}")
+
+
+# The batched decode tiles the grid rule takes (test_plans_batched_decode_tile_by_grid),
+# each forced through the tunables: every call of up to 8 tokens takes it.
+_BY_GRID = {"small": dict(W4A8_MMA_SMALL_GRID_BLOCKS_PER_SM=1e9, W4A8_MMA_SMALL_GRID_MIN_K=0),
+            "wide": dict(W4A8_MMA_SMALL_GRID_BLOCKS_PER_SM=0, W4A8_MMA_WIDE_MIN_BLOCKS_PER_SM=-1,
+                         W4A8_MMA_WIDE_MAX_BLOCKS_PER_SM=1e9)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", sorted(_BY_GRID))
+@pytest.mark.parametrize("scale_format", ["fp32", "ue8m0"])
+def test_decode_tiles_by_grid_within_the_bound_and_their_bits(sm90, rng, monkeypatch, tile, scale_format):
+    """K8.MMA_SMALL_GRID_CONFIG / MMA_WIDE_CONFIG: within the bound at 1 to 8
+    tokens on partial row tiles (N = 24, 200), a partial chunk (K = 160),
+    more chunks than eight warps' rings hold (K = 4,096) and blocks that
+    need the exact table (spread 6); the same bits every run and for every
+    token count; the wide tile (K split in four) MMA_CONFIGS[8]'s bits, the
+    small one (in eight) its own."""
+    assert K8.MMA_WIDE_CONFIG[2] == K8.MMA_CONFIGS[8][2] and K8.MMA_SMALL_GRID_CONFIG[2] == 8
+    for g, n, k, spread in ((3, 24, 160, 3), (2, 200, 4096, 3), (2, 136, 512, 6)):
+        codes, scales, _, w8 = mx_weight(rng, g, n, k, spread)
+        w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+        xc, xs = fp8_act(rng, (8, g, k), scale_format)
+        exact, absolute = _exact(xc, xs, codes, scales)
+        xc, xs = xc.cuda(), xs.cuda()
+        monkeypatch.setattr(linear, "W4A8_PATH", "mma")          # MMA_CONFIGS[8]
+        base = rawkv.gemm.grouped_linear((xc, xs), w8c)
+        monkeypatch.setattr(linear, "W4A8_PATH", "auto")
+        for name, value in _BY_GRID[tile].items():
+            monkeypatch.setattr(linear, name, value)
+        shape = types.SimpleNamespace(n=n, k=k, groups=g)
+        assert plans._w4a8_tile_by_grid(shape, sm90, linear) == (K8.MMA_SMALL_GRID_CONFIG if tile == "small"
+                                                                 else K8.MMA_WIDE_CONFIG)
+        full = rawkv.gemm.grouped_linear((xc, xs), w8c)
+        what = f"{tile} G={g} N={n} K={k}"
+        B.assert_within_bound(full, exact, absolute, k, what)
+        assert torch.equal(full.view(torch.int16), rawkv.gemm.grouped_linear((xc, xs), w8c).view(torch.int16)), what
+        if tile == "wide":
+            assert torch.equal(full.view(torch.int16), base.view(torch.int16)), what
+        for tokens in (1, 3, 7):
+            part = rawkv.gemm.grouped_linear((xc[:tokens].contiguous(), xs[:tokens].contiguous()), w8c)
+            assert torch.equal(part.view(torch.int16), full[:tokens].view(torch.int16)), (what, tokens)
+        for name in _BY_GRID[tile]:
+            monkeypatch.setattr(linear, name, getattr(plans.TUNED, name))
 
 
 @pytest.mark.gpu

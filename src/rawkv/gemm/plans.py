@@ -121,10 +121,25 @@ class Tuning(NamedTuple):
     rows) 52.4-54.5 / 49.7-49.8 / 49.2-49.3; Pro gate_up at 1 (8 rows)
     84.0-84.4 / 78.1-79.1 / 81.2-84.1, at 2 (16 rows) 140.0-140.3 /
     149.8-150.1 / 171.0.
+    W4A8_MMA_SMALL_GRID_BLOCKS_PER_SM, W4A8_MMA_SMALL_GRID_MIN_K,
+    W4A8_MMA_WIDE_MIN_BLOCKS_PER_SM, W4A8_MMA_WIDE_MAX_BLOCKS_PER_SM: a
+    batched call of at most W4A8_MMA_MAX_TOKENS tokens per group (W4A8_PATH
+    "auto") whose K8.MMA_CONFIGS[8] grid has fewer than
+    W4A8_MMA_SMALL_GRID_BLOCKS_PER_SM blocks per SM, K from
+    W4A8_MMA_SMALL_GRID_MIN_K (two chunks for each of its eight warps),
+    takes K8.MMA_SMALL_GRID_CONFIG (DeepSeek-V4-Flash's wo_a); one whose
+    grid has more than W4A8_MMA_WIDE_MIN_BLOCKS_PER_SM (past the one wave
+    MMA_CONFIGS[8]'s registers allow) and at most
+    W4A8_MMA_WIDE_MAX_BLOCKS_PER_SM (the wide tile's half as many blocks in
+    one wave at its two per SM) takes K8.MMA_WIDE_CONFIG, in place of the
+    wgmma kernel's 16-token tile (DeepSeek-V4-Pro's wo_a); both run as
+    programmatic dependent launches (their H100 measurements are at the
+    tiles, rawkv.kernels.gemm_w4a8; launched the plain way Flash M = 1 took
+    10.8-10.9 us against 8.9-9.0, Pro 17.1 against 15.1).
     W4A8_MMA_PDL_MIN_BLOCKS_PER_SM: the W4A8 mma.sync kernel is a
-    programmatic dependent launch (docs/runtime.md) in ragged calls and in
-    batched calls whose grid has at least this many blocks per SM; other
-    batched calls launch it the plain way. Its 80 registers hold 3 blocks
+    programmatic dependent launch (docs/runtime.md) in ragged calls, on the
+    two tiles above and in batched calls whose grid has at least this many
+    blocks per SM; other batched calls launch it the plain way. Its 80 registers hold 3 blocks
     of 256 threads per SM: a grid of about two per SM (Flash wo_a, 256
     blocks) leaves the next call room for only some of its blocks, while one
     that fills the slots hands them over as its blocks finish. H100
@@ -172,6 +187,10 @@ class Tuning(NamedTuple):
     W4A8_MMA_FEW_ROWS: int = 12
     W4A8_SM90_MIN_FILL: float = 0.9
     W4A8_KSPLIT: int | None = None
+    W4A8_MMA_SMALL_GRID_BLOCKS_PER_SM: float = 2
+    W4A8_MMA_SMALL_GRID_MIN_K: int = 2048
+    W4A8_MMA_WIDE_MIN_BLOCKS_PER_SM: float = 3
+    W4A8_MMA_WIDE_MAX_BLOCKS_PER_SM: float = 4
     W4A8_MMA_PDL_MIN_BLOCKS_PER_SM: float = 2.5
     W4A8_MIN_SPLIT_CHUNKS: int = 8
     SM90_ACT_TMA: bool = True
@@ -456,9 +475,12 @@ def w4a8_mma_config(w, tokens: int, ragged: bool, rows: int, dev, tuning=TUNED) 
             return None
         if ragged and w.k >= tuning.W4A8_RAGGED_SM90_MIN_K:
             return K8.MMA_RAGGED_SMALL_CONFIG if rows <= tuning.W4A8_MMA_FEW_ROWS else None
-        if not ragged and sm90_blocks(w, tokens, K8.BM, w4a8_tile(tokens)[0]) \
-                >= tuning.W4A8_SM90_MIN_FILL * dev.sm_count:
-            return None
+        if not ragged:
+            by_grid = _w4a8_tile_by_grid(w, dev, tuning)
+            if by_grid is not None:
+                return by_grid
+            if sm90_blocks(w, tokens, K8.BM, w4a8_tile(tokens)[0]) >= tuning.W4A8_SM90_MIN_FILL * dev.sm_count:
+                return None
     if ragged and tokens <= max(K8.MMA_RAGGED_CONFIGS):
         cfg = mma_config(tokens, K8.MMA_RAGGED_CONFIGS)
         blocks = -(-w.n // (16 * cfg[0] * cfg[3])) * ragged_slots(rows, w.groups, 8 * cfg[1])
@@ -467,6 +489,20 @@ def w4a8_mma_config(w, tokens: int, ragged: bool, rows: int, dev, tuning=TUNED) 
         if tokens <= 8:
             return K8.MMA_RAGGED_SMALL_CONFIG
     return mma_config(tokens, K8.MMA_CONFIGS)
+
+
+def _w4a8_tile_by_grid(w, dev, tuning) -> tuple | None:
+    """K8.MMA_SMALL_GRID_CONFIG or K8.MMA_WIDE_CONFIG where the size of
+    K8.MMA_CONFIGS[8]'s grid takes one (a batched call of at most
+    W4A8_MMA_MAX_TOKENS tokens per group: one token tile; Tuning's
+    W4A8_MMA_SMALL_GRID_* / W4A8_MMA_WIDE_* rule), else None."""
+    mt, _, _, rw, _ = K8.MMA_CONFIGS[8]
+    per_sm = -(-w.n // (16 * mt * rw)) * w.groups / dev.sm_count
+    if per_sm < tuning.W4A8_MMA_SMALL_GRID_BLOCKS_PER_SM and w.k >= tuning.W4A8_MMA_SMALL_GRID_MIN_K:
+        return K8.MMA_SMALL_GRID_CONFIG
+    if tuning.W4A8_MMA_WIDE_MIN_BLOCKS_PER_SM < per_sm <= tuning.W4A8_MMA_WIDE_MAX_BLOCKS_PER_SM:
+        return K8.MMA_WIDE_CONFIG
+    return None
 
 
 def w4a8_splits(dev, w, tokens: int, bn: int, tuning=TUNED) -> int:
@@ -511,7 +547,9 @@ def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> 
         inst = K8.GEMM_SPLITK.instance(bn, stages, splits) if splits > 1 else K8.GEMM.instance(bn, stages)
     else:                  # the mma.sync kernel: dependent launch or not (Tuning.W4A8_MMA_PDL_MIN_BLOCKS_PER_SM)
         blocks = grid[0] * grid[1] * grid[2]
-        inst = K8.GEMM_MMA.instance(*cfg, pdl=ragged or blocks >= tuning.W4A8_MMA_PDL_MIN_BLOCKS_PER_SM * dev.sm_count)
+        pdl = ragged or cfg in (K8.MMA_SMALL_GRID_CONFIG, K8.MMA_WIDE_CONFIG) \
+            or blocks >= tuning.W4A8_MMA_PDL_MIN_BLOCKS_PER_SM * dev.sm_count
+        inst = K8.GEMM_MMA.instance(*cfg, pdl=pdl)
     xs_t, xs_g = _lead_strides(act.x)
     ss_t, ss_g = _lead_strides(act.sf)
     os_t, os_g = _lead_strides(out)

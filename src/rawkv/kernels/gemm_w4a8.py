@@ -85,10 +85,30 @@ MMA_CONFIGS = {8: (1, 1, 4, 2, 3), 16: (2, 2, 4, 1, 3), "large": (2, 2, 4, 1, 3)
 MMA_RAGGED_CONFIGS = {8: (2, 1, 1, 4, 3), 16: (2, 2, 1, 4, 3)}
 #: Ragged calls of a few rows (a token over a few experts): two warps split K.
 MMA_RAGGED_SMALL_CONFIG = (1, 1, 2, 4, 3)
+#: Batched calls of up to 8 tokens per group by the size of MMA_CONFIGS[8]'s
+#: grid (rawkv.gemm.plans, Tuning.W4A8_MMA_SMALL_GRID_* / _WIDE_*): two
+#: m-tiles per warp, so a warp converts its tokens' activations once for
+#: twice the weights, at 118-119 registers (two blocks of 256 threads per
+#: SM). Grids below two blocks per SM (DeepSeek-V4-Flash's wo_a) take
+#: MMA_SMALL_GRID_CONFIG: the same 32 features a block, eight warps split K
+#: (other bits than MMA_CONFIGS'); grids past the three per SM that
+#: MMA_CONFIGS[8]'s 80 registers allow (DeepSeek-V4-Pro's wo_a) take
+#: MMA_WIDE_CONFIG: 64 features a block, half the blocks, K split in four
+#: as MMA_CONFIGS' (the same bits). H100 (2026-11-27, .probe/w8sweep.py,
+#: CUDA-graph replays of back-to-back calls, us, MMA_CONFIGS[8] / this
+#: tile; W4A16 beside): Flash M = 1, 2, 4, 8 10.9, 10.9-11.2, 11.3, 13.2 /
+#: 8.9-9.1, 9.1, 9.1-9.2, 9.7 (W4A16 7.8-8.2); Pro M = 1, 2, 4, 8 (the
+#: wgmma kernel's 16-token tile served it) 17.0-17.1, 17.0, 17.1-17.2,
+#: 17.3-17.4 / 14.9-15.1, 15.1-15.2, 15.3-15.4, 15.8-16.0 (W4A16 15.2,
+#: 15.3, 15.6, 16.0); seed 004 (384 blocks: one wave at three per SM) keeps
+#: MMA_CONFIGS[8], 23.1-23.6 at 1-2 tokens against 25.3-25.4 and 28.7-29.1.
+MMA_SMALL_GRID_CONFIG = (2, 1, 8, 1, 2)
+MMA_WIDE_CONFIG = (2, 1, 4, 2, 2)
 
 GEMM_MMA = MMA_FILE.kernel(
     "rkv_gemm_w4a8_mma",
-    (TParam("int", "MT", (1, 2)), TParam("int", "NT", (1, 2, 4)), TParam("int", "KS", (1, 2, 4)),
+    (TParam("int", "MT", (1, 2)), TParam("int", "NT", (1, 2, 4)), TParam("int", "KS", (1, 2, 4, 8)),
      TParam("int", "RW", (1, 2, 4)), TParam("int", "S", (2, 3, 4))),
-    instances=list(dict.fromkeys((*MMA_CONFIGS.values(), *MMA_RAGGED_CONFIGS.values(), MMA_RAGGED_SMALL_CONFIG))),
+    instances=list(dict.fromkeys((*MMA_CONFIGS.values(), *MMA_RAGGED_CONFIGS.values(), MMA_RAGGED_SMALL_CONFIG,
+                                  MMA_SMALL_GRID_CONFIG, MMA_WIDE_CONFIG))),
     pdl=True)    # (rawkv.gemm.plans launches it plainly where that measured faster: Tuning.W4A8_MMA_PDL_*)
