@@ -322,7 +322,8 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
     assert launch.kernel.kernel is K8.GEMM and launch.grid == (3, 1, 40)
     (launch,) = plans.w4a8_grouped(_Dev, act40, wide, torch.empty(1, 40, 300, dtype=bf),
                                    tuning=no_wide._replace(W4A8_SM90_MIN_FILL=0.95))
-    assert launch.kernel.kernel is K8.GEMM_MMA and launch.kernel.expr.endswith(f"<{', '.join(map(str, K8.MMA_CONFIGS[8]))}>")
+    assert launch.kernel.kernel is K8.GEMM_MMA
+    assert launch.kernel.expr.endswith(f"<{', '.join(map(str, K8.MMA_CONFIGS[8]))}>")
     # forced either way
     act = R.activation8(*_xa(16, 3, k=256), 3, 256, "cpu", -1)
     (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(16, 3, 300, dtype=bf),

@@ -139,10 +139,11 @@ class Tuning(NamedTuple):
     W4A8_MMA_PDL_MIN_BLOCKS_PER_SM: the W4A8 mma.sync kernel is a
     programmatic dependent launch (docs/runtime.md) in ragged calls, on the
     two tiles above and in batched calls whose grid has at least this many
-    blocks per SM; other batched calls launch it the plain way. Its 80 registers hold 3 blocks
-    of 256 threads per SM: a grid of about two per SM (Flash wo_a, 256
-    blocks) leaves the next call room for only some of its blocks, while one
-    that fills the slots hands them over as its blocks finish. H100
+    blocks per SM; other batched calls launch it the plain way. Its 80
+    registers hold 3 blocks of 256 threads per SM: a grid of about two per
+    SM (Flash wo_a, 256 blocks) leaves the next call room for only some of
+    its blocks, while one that fills the slots hands them over as its
+    blocks finish. H100
     (2026-11-27, us, plain / dependent, two runs): seed 004 (384 blocks) at
     1 and 8 tokens 25.13-25.21 / 23.71-23.78 and 26.12-26.22 / 25.79-25.86,
     Flash (256) 10.73-10.74 / 11.06 and 11.91-11.92 / 13.22-13.25; MoE Flash

@@ -95,8 +95,8 @@ MMA_RAGGED_SMALL_CONFIG = (1, 1, 2, 4, 3)
 #: MMA_CONFIGS[8]'s 80 registers allow (DeepSeek-V4-Pro's wo_a) take
 #: MMA_WIDE_CONFIG: 64 features a block, half the blocks, K split in four
 #: as MMA_CONFIGS' (the same bits). H100 (2026-11-27, .probe/w8sweep.py,
-#: CUDA-graph replays of back-to-back calls, us, MMA_CONFIGS[8] / this
-#: tile; W4A16 beside): Flash M = 1, 2, 4, 8 10.9, 10.9-11.2, 11.3, 13.2 /
+#: CUDA-graph replays of back-to-back calls, us, the plan before / this
+#: tile; W4A16 beside): Flash M = 1, 2, 4, 8 10.7-10.9, 10.7-11.1, 11.3, 11.9-12.4 /
 #: 8.9-9.1, 9.1, 9.1-9.2, 9.7 (W4A16 7.8-8.2); Pro M = 1, 2, 4, 8 (the
 #: wgmma kernel's 16-token tile served it) 17.0-17.1, 17.0, 17.1-17.2,
 #: 17.3-17.4 / 14.9-15.1, 15.1-15.2, 15.3-15.4, 15.8-16.0 (W4A16 15.2,
