@@ -468,6 +468,18 @@ def test_plans_ragged_by_tokens_per_expert():
         mt, nt, ks, rw, _ = cfg
         assert launch.kernel.kernel is K8.GEMM_MMA and launch.kernel.expr.endswith(f"<{', '.join(map(str, cfg))}>")
         assert launch.grid == (-(-64 // (16 * mt * rw)), plans.ragged_slots(rows, 256, 8 * nt), 1)
+    # a grid large enough for MMA_RAGGED_CONFIGS[8] (N = 4,096: 32 blocks of 128
+    # features x 12 slots = 384 >= 264) at up to W4A8_MMA_FEW_ROWS rows: its two-stage form
+    # (the same bits), past it the tile itself
+    wide = _w8(8, 4096, 256)
+    wc = R.weight8(wide.codes, wide.shifts, wide.row_scale, wide.gs, wide.n, wide.k, "cpu")
+    for rows, cfg in ((12, K8.MMA_RAGGED_FEW_ROWS_CONFIG), (13, K8.MMA_RAGGED_CONFIGS[8])):
+        act = R.activation8(*_xa(rows, k=256), 2, 256, "cpu", -1)
+        (launch,) = plans.w4a8_moe(_Dev, act, wc, torch.zeros(9, dtype=torch.int32), torch.empty(rows, 4096, dtype=bf),
+                                   None)
+        assert launch.kernel.expr.endswith(f"<{', '.join(map(str, cfg))}>"), rows
+        assert launch.grid == (32, plans.ragged_slots(rows, 8, 8), 1) and launch.kernel.pdl, rows
+    assert K8.MMA_RAGGED_FEW_ROWS_CONFIG[:4] == K8.MMA_RAGGED_CONFIGS[8][:4]
     # from K = W4A8_RAGGED_SM90_MIN_K (gate_up), the wgmma kernel's 16-token
     # tile at any few tokens per expert, but for calls of at most
     # W4A8_MMA_FEW_ROWS rows (12: a token or two), which take the small tile
@@ -595,6 +607,33 @@ def test_ragged_within_the_bound(sm90, path, rng, experts, rows):
     out = rawkv.gemm.moe_linear((xc.cuda(), xs.cuda()), w8c, torch.from_numpy(offsets).cuda(), errors=errors)
     B.assert_within_bound(out, exact, absolute, k, f"E={experts} R={rows}")
     assert int(errors[0]) == 0
+
+
+@pytest.mark.gpu
+def test_ragged_few_rows_tile_within_the_bound_and_its_three_stage_bits(sm90, rng, monkeypatch):
+    """K8.MMA_RAGGED_FEW_ROWS_CONFIG (MMA_RAGGED_CONFIGS[8] with a ring of
+    two stages, at up to W4A8_MMA_FEW_ROWS rows; forced here on a small grid
+    through MMA_RAGGED_MIN_BLOCKS = 0): within the bound, with an empty
+    expert and K past its ring (eight chunks), and the bits of the tile
+    itself (W4A8_MMA_FEW_ROWS = 0)."""
+    experts, rows, n, k = 4, 9, 136, 1024
+    codes, scales, _, w8 = mx_weight(rng, experts, n, k)
+    offsets = np.array([0, 0, 4, 6, 9], dtype=np.int32)          # expert 0 empty
+    xc, xs = fp8_act(rng, (rows, k))
+    exact, _ = W.ragged(xc.numpy(), xs.numpy(), codes, scales, offsets)
+    absolute, _ = G.ragged(np.abs(W.activation_values(xc.numpy(), xs.numpy())),
+                           np.abs(W.weight_values(codes, scales)), offsets)
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    args = ((xc.cuda(), xs.cuda()), w8c, torch.from_numpy(offsets).cuda())
+    monkeypatch.setattr(linear, "W4A8_PATH", "mma")
+    monkeypatch.setattr(linear, "MMA_RAGGED_MIN_BLOCKS", 0)
+    shape = types.SimpleNamespace(n=n, k=k, groups=experts)
+    assert plans.w4a8_mma_config(shape, 3, True, rows, sm90, linear) == K8.MMA_RAGGED_FEW_ROWS_CONFIG
+    few = rawkv.gemm.moe_linear(*args)
+    B.assert_within_bound(few, exact, absolute, k, f"E={experts} R={rows}")
+    monkeypatch.setattr(linear, "W4A8_MMA_FEW_ROWS", 0)
+    assert plans.w4a8_mma_config(shape, 3, True, rows, sm90, linear) == K8.MMA_RAGGED_CONFIGS[8]
+    assert torch.equal(few.view(torch.int16), rawkv.gemm.moe_linear(*args).view(torch.int16))
 
 
 @pytest.mark.gpu

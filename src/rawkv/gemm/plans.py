@@ -120,7 +120,9 @@ class Tuning(NamedTuple):
     Flash gate_up at 1 token (6 rows) 26.9-29.3 / 26.65-26.66, at 2 (12
     rows) 52.4-54.5 / 49.7-49.8 / 49.2-49.3; Pro gate_up at 1 (8 rows)
     84.0-84.4 / 78.1-79.1 / 81.2-84.1, at 2 (16 rows) 140.0-140.3 /
-    149.8-150.1 / 171.0.
+    149.8-150.1 / 171.0. Ragged calls of at most this many rows that take
+    K8.MMA_RAGGED_CONFIGS[8] take its two-stage form instead
+    (K8.MMA_RAGGED_FEW_ROWS_CONFIG: the same bits).
     W4A8_MMA_SMALL_GRID_BLOCKS_PER_SM, W4A8_MMA_SMALL_GRID_MIN_K,
     W4A8_MMA_WIDE_MIN_BLOCKS_PER_SM, W4A8_MMA_WIDE_MAX_BLOCKS_PER_SM: a
     batched call of at most W4A8_MMA_MAX_TOKENS tokens per group (W4A8_PATH
@@ -486,7 +488,8 @@ def w4a8_mma_config(w, tokens: int, ragged: bool, rows: int, dev, tuning=TUNED) 
         cfg = mma_config(tokens, K8.MMA_RAGGED_CONFIGS)
         blocks = -(-w.n // (16 * cfg[0] * cfg[3])) * ragged_slots(rows, w.groups, 8 * cfg[1])
         if blocks >= tuning.MMA_RAGGED_MIN_BLOCKS * dev.sm_count:
-            return cfg
+            few = cfg == K8.MMA_RAGGED_CONFIGS[8] and rows <= tuning.W4A8_MMA_FEW_ROWS
+            return K8.MMA_RAGGED_FEW_ROWS_CONFIG if few else cfg
         if tokens <= 8:
             return K8.MMA_RAGGED_SMALL_CONFIG
     return mma_config(tokens, K8.MMA_CONFIGS)

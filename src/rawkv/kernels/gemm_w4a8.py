@@ -77,14 +77,28 @@ MMA_FILE = KernelFile("gemm_w4a8_mma.cu", targets={"sm_90": "sm_90"}, constants=
 #: 8 NT tokens and 16 MT RW output features; small token counts split K
 #: across warps so that every SM has weight bytes in flight at M = 1. From an
 #: H100 sweep (docs/gemm.md, "W4A8 for few tokens"): deeper rings (S = 4),
-#: two m-tiles per warp at 8 tokens, and KS = 2 were slower.
-MMA_CONFIGS = {8: (1, 1, 4, 2, 3), 16: (2, 2, 4, 1, 3), "large": (2, 2, 4, 1, 3)}
+#: two m-tiles per warp at 8 tokens, and KS = 2 were slower. The 8-token
+#: tile's ring is two stages (three until session 45; H100, interleaved
+#: twice, us: seed 004 wo_a at 1 and 8 tokens 21.9-22.3 / 24.1-24.2
+#: against 22.8-23.1 / 25.5-25.6; the same bits).
+MMA_CONFIGS = {8: (1, 1, 4, 2, 2), 16: (2, 2, 4, 1, 3), "large": (2, 2, 4, 1, 3)}
 #: Ragged calls (per expert on average) whose grid has enough blocks: one
 #: warp per m-tile row streams all of K (no partial sums through shared
 #: memory), four warps per block.
 MMA_RAGGED_CONFIGS = {8: (2, 1, 1, 4, 3), 16: (2, 2, 1, 4, 3)}
-#: Ragged calls of a few rows (a token over a few experts): two warps split K.
-MMA_RAGGED_SMALL_CONFIG = (1, 1, 2, 4, 3)
+#: MMA_RAGGED_CONFIGS[8] with a ring of two stages, for ragged calls of a
+#: few rows (Tuning.W4A8_MMA_FEW_ROWS: a token or two over the experts);
+#: the same bits. H100 (session 45, us): Pro down at 1 token 41.3-41.4
+#: against 42.9-43.2 (W4A16 42.1); at 16 and 64 tokens two stages were
+#: 1-5% slower (Pro down 16 458-474 against 442-450).
+MMA_RAGGED_FEW_ROWS_CONFIG = (2, 1, 1, 4, 2)
+#: Ragged calls of a few rows (a token over a few experts) whose grid is
+#: too small for MMA_RAGGED_CONFIGS: two warps split K. Its ring is two
+#: stages (three until session 45; H100, us: Flash down at 1 and 2 tokens
+#: 14.4-14.9 and 27.9-28.1 against 15.7-16.2 and 29.3-29.9, gate_up at 1
+#: 25.0-25.3 against 26.1-26.7, Pro gate_up at 1 75.6-76.1 against
+#: 75.9-76.5; the same bits).
+MMA_RAGGED_SMALL_CONFIG = (1, 1, 2, 4, 2)
 #: Batched calls of up to 8 tokens per group by the size of MMA_CONFIGS[8]'s
 #: grid (rawkv.gemm.plans, Tuning.W4A8_MMA_SMALL_GRID_* / _WIDE_*): two
 #: m-tiles per warp, so a warp converts its tokens' activations once for
@@ -109,6 +123,6 @@ GEMM_MMA = MMA_FILE.kernel(
     "rkv_gemm_w4a8_mma",
     (TParam("int", "MT", (1, 2)), TParam("int", "NT", (1, 2, 4)), TParam("int", "KS", (1, 2, 4, 8)),
      TParam("int", "RW", (1, 2, 4)), TParam("int", "S", (2, 3, 4))),
-    instances=list(dict.fromkeys((*MMA_CONFIGS.values(), *MMA_RAGGED_CONFIGS.values(), MMA_RAGGED_SMALL_CONFIG,
-                                  MMA_SMALL_GRID_CONFIG, MMA_WIDE_CONFIG))),
+    instances=list(dict.fromkeys((*MMA_CONFIGS.values(), *MMA_RAGGED_CONFIGS.values(), MMA_RAGGED_FEW_ROWS_CONFIG,
+                                  MMA_RAGGED_SMALL_CONFIG, MMA_SMALL_GRID_CONFIG, MMA_WIDE_CONFIG))),
     pdl=True)    # (rawkv.gemm.plans launches it plainly where that measured faster: Tuning.W4A8_MMA_PDL_*)
