@@ -89,7 +89,7 @@ MMA_RAGGED_CONFIGS = {8: (2, 1, 1, 4, 3), 16: (2, 2, 1, 4, 3)}
 #: MMA_RAGGED_CONFIGS[8] with a ring of two stages, for ragged calls of a
 #: few rows (Tuning.W4A8_MMA_FEW_ROWS: a token or two over the experts);
 #: the same bits. H100 (session 45, us): Pro down at 1 token 41.3-41.4
-#: against 42.9-43.2 (W4A16 42.1); at 16 and 64 tokens two stages were
+#: against 42.9-43.8 (W4A16 42.1-47.2); at 16 and 64 tokens two stages were
 #: 1-5% slower (Pro down 16 458-474 against 442-450).
 MMA_RAGGED_FEW_ROWS_CONFIG = (2, 1, 1, 4, 2)
 #: Ragged calls of a few rows (a token over a few experts) whose grid is
