@@ -74,6 +74,19 @@ def _fp8_buffers(lead, k, count=3):
              torch.empty(*lead, k // 128, dtype=torch.float32, device="cuda")) for _ in range(count)]
 
 
+def _w4a8_chain(rng, ws, tokens, g, k):
+    """A batched W4A8 chain over the weights `ws` (groups g, K x K): its
+    input x (tokens, g, k) BF16, each step's output buffer, and the steps,
+    each quantizing the output before (quantize_blocks into buffers of its
+    own: a capture allocates nothing) and multiplying it by its weight."""
+    x = torch.from_numpy(rng.standard_normal((tokens, g, k)).astype(np.float32)).to(torch.bfloat16).cuda()
+    outs = [torch.empty(tokens, g, k, dtype=torch.bfloat16, device="cuda") for _ in ws]
+    qs = _fp8_buffers((tokens, g), k)
+    steps = [lambda a, o, w=w, q=q: rawkv.gemm.grouped_linear(rawkv.fp8.quantize_blocks(a, out=q), w, out=o)
+             for w, q in zip(ws, qs)]
+    return x, outs, steps
+
+
 @pytest.mark.parametrize("tokens,k", [(1, 1024), (8, 1024), (16, 1024), (300, 1024), (1, 2048), (16, 2048)])
 def test_dependent_gemms_same_bits_in_a_graph(cuda, rng, tokens, k):
     # (G, K, N = K): each GEMM's output is the next one's activations; 1-16
@@ -111,12 +124,7 @@ def test_dependent_w4a8_gemms_same_bits_in_a_graph(cuda, rng, monkeypatch, token
     if cuda.arch != "sm_90":
         pytest.skip(f"the W4A8 GEMM runs on sm_90 devices; this one is {cuda.arch}")
     g, k = 4, 1024
-    ws = _w4a8_weights(rng, g, k)
-    x = torch.from_numpy(rng.standard_normal((tokens, g, k)).astype(np.float32)).to(torch.bfloat16).cuda()
-    outs = [torch.empty(tokens, g, k, dtype=torch.bfloat16, device="cuda") for _ in ws]
-    qs = _fp8_buffers((tokens, g), k)
-    steps = [lambda a, o, w=w, q=q: rawkv.gemm.grouped_linear(rawkv.fp8.quantize_blocks(a, out=q), w, out=o)
-             for w, q in zip(ws, qs)]
+    x, outs, steps = _w4a8_chain(rng, _w4a8_weights(rng, g, k), tokens, g, k)
     _graph_and_one_at_a_time(steps, x, outs)
     monkeypatch.setattr(linear, "W4A8_PATH", "mma")       # (the mma.sync kernel at every token count)
     _graph_and_one_at_a_time(steps, x, outs)
@@ -184,9 +192,5 @@ def test_dependent_w4a8_decode_tiles_same_bits_in_a_graph(cuda, rng, monkeypatch
     assert plans._w4a8_tile_by_grid(types.SimpleNamespace(n=k, k=k, groups=g), cuda, linear) == want
     ws = _w4a8_weights(rng, g, k)
     for tokens in (1, 8):
-        x = torch.from_numpy(rng.standard_normal((tokens, g, k)).astype(np.float32)).to(torch.bfloat16).cuda()
-        outs = [torch.empty(tokens, g, k, dtype=torch.bfloat16, device="cuda") for _ in ws]
-        qs = _fp8_buffers((tokens, g), k)
-        steps = [lambda a, o, w=w, q=q: rawkv.gemm.grouped_linear(rawkv.fp8.quantize_blocks(a, out=q), w, out=o)
-                 for w, q in zip(ws, qs)]
+        x, outs, steps = _w4a8_chain(rng, ws, tokens, g, k)
         _graph_and_one_at_a_time(steps, x, outs)
