@@ -567,7 +567,7 @@ def test_decode_tiles_by_grid_within_the_bound_and_their_bits(sm90, rng, monkeyp
         xc, xs = fp8_act(rng, (8, g, k), scale_format)
         exact, absolute = _exact(xc, xs, codes, scales)
         xc, xs = xc.cuda(), xs.cuda()
-        monkeypatch.setattr(linear, "W4A8_PATH", "mma")          # MMA_CONFIGS[8]
+        monkeypatch.setattr(linear, "W4A8_PATH", "mma")          # MMA_CONFIGS[8], whatever the tunables below
         base = rawkv.gemm.grouped_linear((xc, xs), w8c)
         monkeypatch.setattr(linear, "W4A8_PATH", "auto")
         for name, value in _BY_GRID[tile].items():
@@ -584,8 +584,6 @@ def test_decode_tiles_by_grid_within_the_bound_and_their_bits(sm90, rng, monkeyp
         for tokens in (1, 3, 7):
             part = rawkv.gemm.grouped_linear((xc[:tokens].contiguous(), xs[:tokens].contiguous()), w8c)
             assert torch.equal(part.view(torch.int16), full[:tokens].view(torch.int16)), (what, tokens)
-        for name in _BY_GRID[tile]:
-            monkeypatch.setattr(linear, name, getattr(plans.TUNED, name))
 
 
 @pytest.mark.gpu
