@@ -306,28 +306,38 @@ def _plan_instance(x, w):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_small_grid_tiles_within_the_bound_and_the_same_bits_for_1_to_16_tokens(cuda, rng, monkeypatch, fmt,
-                                                                                  dtype):
-    # plans' MMA_SMALL_GRID_* rule (sm_90): 3 groups x 56 features (two 32-feature
-    # blocks a group, the second partial), K = 2,112 (33 chunks: eight warps of
-    # 5, the last with none). Both tiles split K in eight: a token's bits are
-    # the same in calls of 1 to 16 tokens; CONFIGS' tiles (four warps) stay
-    # within the bound too.
+@pytest.mark.parametrize("tiles", ["small", "wide"])
+def test_grid_tiles_within_the_bound_and_the_same_bits_for_1_to_16_tokens(cuda, rng, monkeypatch, fmt, dtype,
+                                                                         tiles):
+    # plans' MMA_SMALL_GRID_* rule (sm_90) and its MMA_WIDE_GRID_* rule (forced
+    # here, whatever the grid): 3 groups x 120 features (four 32-feature or two
+    # 64-feature blocks a group, the last partial, its last m-tile too), K =
+    # 2,112 (33 chunks: eight warps of 5, the last with none). Every such tile
+    # splits K in eight: a token's bits are the same in calls of 1 to 16 tokens
+    # and in either tile; CONFIGS' tiles (four warps) stay within the bound too.
     k = 2112
-    w, w64 = random_weight(rng, 3, 56, k, fmt)
+    w, w64 = random_weight(rng, 3, 120, k, fmt)
     x = torch.from_numpy(rng.standard_normal((16, 3, k)).astype(np.float32)).to(getattr(torch, dtype)).cuda()
     exact, absolute = exact_grouped(x.double().cpu().numpy(), w64)
+    small = rawkv.gemm.grouped_linear(x, w)
+    configs = plans.K.SMALL_GRID_CONFIGS
+    if tiles == "wide":
+        monkeypatch.setattr(linear, "MMA_SMALL_GRID_BLOCKS_PER_SM", 0)
+        monkeypatch.setattr(linear, "MMA_WIDE_GRID_MIN_BLOCKS_PER_SM", 0)
+        monkeypatch.setattr(linear, "MMA_WIDE_GRID_MAX_BLOCKS_PER_SM", 1 << 20)
+        configs = plans.K.WIDE_GRID_CONFIGS
     full = rawkv.gemm.grouped_linear(x, w)
-    assert_within_bound(full, exact, absolute, k, f"small grid {fmt} {dtype}")
+    assert_within_bound(full, exact, absolute, k, f"{tiles} grid {fmt} {dtype}")
+    assert torch.equal(full.view(torch.int16), small.view(torch.int16))
     for m in (1, 5, 8, 9, 15):
         part = rawkv.gemm.grouped_linear(x[:m], w)
         assert torch.equal(part.view(torch.int16), full[:m].view(torch.int16)), m
     kinds = {"bfloat16": 0, "float16": 1}
     if rawkv.runtime.get_runtime().arch == "sm_90":
         for m, tt, pf in ((8, 8, False), (16, 16, True)):
-            assert _plan_instance(x[:m], w) is plans.K.GEMM.instance(kinds[dtype], fmt == "mxfp4",
-                                                                     *plans.K.SMALL_GRID_CONFIGS[tt], pf)
+            assert _plan_instance(x[:m], w) is plans.K.GEMM.instance(kinds[dtype], fmt == "mxfp4", *configs[tt], pf)
     monkeypatch.setattr(linear, "MMA_SMALL_GRID_BLOCKS_PER_SM", 0)
+    monkeypatch.setattr(linear, "MMA_WIDE_GRID_MAX_BLOCKS_PER_SM", 0)
     assert_within_bound(rawkv.gemm.grouped_linear(x, w), exact, absolute, k, f"CONFIGS[16] {fmt} {dtype}")
     assert _plan_instance(x, w) is plans.K.GEMM.instance(kinds[dtype], fmt == "mxfp4", *plans.K.CONFIGS[16], True)
 

@@ -167,6 +167,54 @@ def test_small_grids_on_hopper_split_k_in_eight(act_dtype):
     assert a.kernel is K.GEMM.instance(R.NVFP4, True, *K.CONFIGS[8], False)
 
 
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
+def test_wide_grids_on_hopper_take_64_feature_tiles(act_dtype):
+    """On sm_90, where CONFIGS[8] / [16]'s grid has more than
+    MMA_WIDE_GRID_MIN_BLOCKS_PER_SM and at most MMA_WIDE_GRID_MAX_BLOCKS_PER_SM
+    blocks per SM, from K = MMA_SMALL_GRID_MIN_K, calls of 1-16 tokens take
+    K.WIDE_GRID_CONFIGS' tiles (64 features a block: half the grid; eight
+    warps split K, both tiles alike and as the small-grid tiles, so 1-16
+    tokens give the same bits; the 16-token one prefetching); at the limits,
+    below that K, with NVFP4 activations, past 16 tokens, on other GPUs and
+    where the 16-token tile could not prefetch, the rules before."""
+    kind = R.BF16 if act_dtype == torch.bfloat16 else R.FP16
+    for tt in (8, 16):
+        cfg, wide = K.CONFIGS[tt], K.WIDE_GRID_CONFIGS[tt]
+        assert 16 * wide[0] * wide[3] == 2 * 16 * cfg[0] * cfg[3] == 64 and 8 * wide[1] == tt
+        assert wide[2] == K.SMALL_GRID_CONFIGS[tt][2] == 8
+    sm90 = Device(sm_count=8, max_threads_per_sm=2048, arch="sm_90")
+    lo = int(P.TUNED.MMA_WIDE_GRID_MIN_BLOCKS_PER_SM * sm90.sm_count)    # 24 blocks of 32 features
+    hi = int(P.TUNED.MMA_WIDE_GRID_MAX_BLOCKS_PER_SM * sm90.sm_count)    # 32
+    k = P.TUNED.MMA_SMALL_GRID_MIN_K
+
+    def plan(blocks, tokens, kk=k, dev=sm90, tuning=P.TUNED):
+        """The launch for one group of `blocks` 32-feature blocks."""
+        w = _weight(g=1, n=32 * blocks, k=kk, fmt="mxfp4")
+        return _one(P.grouped(dev, *_grouped(torch.ones(tokens, 1, kk, dtype=act_dtype), w), tuning))
+
+    def targs(a):
+        assert a.kernel.kernel is K.GEMM
+        return tuple(int(v) for v in a.kernel.expr.split("<")[1].rstrip(">").split(", ")[2:8])
+
+    for tokens, wide, pf in ((1, K.WIDE_GRID_CONFIGS[8], False), (8, K.WIDE_GRID_CONFIGS[8], False),
+                             (9, K.WIDE_GRID_CONFIGS[16], True), (16, K.WIDE_GRID_CONFIGS[16], True)):
+        for blocks in (lo + 1, hi):
+            a = plan(blocks, tokens)
+            assert a.kernel is K.GEMM.instance(kind, True, *wide, pf), (tokens, blocks, a.kernel.expr)
+            assert a.grid == (-(-blocks // 2), 1, 1) and a.block == (256,)
+        for blocks, kk in ((lo, k), (hi + 1, k), (hi, k - 32)):          # the grid / K past the limits
+            assert targs(plan(blocks, tokens, kk)) not in K.WIDE_GRID_CONFIGS.values(), (tokens, blocks, kk)
+        assert targs(plan(hi, tokens, dev=A100)) == K.CONFIGS[8 if tokens <= 8 else 16]
+    assert targs(plan(hi, 17)) == K.CONFIGS[32]
+    # the 16-token tile only with PF (its one instance): without, CONFIGS[16]'s rules
+    assert targs(plan(hi, 16, tuning=P.Tuning(MMA_PREFETCH_MAX_BLOCKS_PER_SM=1))) == K.CONFIG_16_LARGE_GRID
+    assert (0, False, *K.WIDE_GRID_CONFIGS[16], False) not in K.GEMM._instance_args
+    q, sf, gs = rawkv.nvfp4.quantize(torch.ones(1, 1, k), scope="row")
+    w = _weight(g=1, n=32 * hi, k=k, fmt="mxfp4")
+    a = _one(P.grouped(sm90, *_grouped(rawkv.nvfp4.QuantizedActivation(q, sf, gs), w)))
+    assert a.kernel is K.GEMM.instance(R.NVFP4, True, *K.CONFIGS[8], False) and a.grid == (hi, 1, 1)
+
+
 def test_hopper_takes_the_wgmma_kernel_from_256_tokens_and_other_gpus_never():
     w = _weight(g=2, n=64)
     for tokens, kernel in ((255, K.GEMM), (256, K.GEMM_SM90)):

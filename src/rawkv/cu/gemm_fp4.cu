@@ -99,15 +99,19 @@ __device__ __forceinline__ void mma_stage(const u8* stage, int lane, int live, c
 // ptxas's own register choice (no minimum of blocks per SM: 0) spills 8-16
 // bytes in two places, which a minimum of one block lifts (it may then use
 // what registers it needs): NVFP4 activations (their codes converted at
-// each load) and sm_120's tiles (two m16n8k8 per step, mma_step).
+// each load), sm_120's tiles (two m16n8k8 per step, mma_step) and on sm_100
+// the four-m-tile, two-n-tile one (K.WIDE_GRID_CONFIGS[16], FP16 with PF;
+// the plans take it on sm_90 only, where it fits without).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
-#define RKV_GEMM_MIN_BLOCKS(ACT) 1
+#define RKV_GEMM_MIN_BLOCKS(ACT, MT, NT) 1
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#define RKV_GEMM_MIN_BLOCKS(ACT, MT, NT) ((ACT) == 2 || ((MT) == 4 && (NT) == 2) ? 1 : 0)
 #else
-#define RKV_GEMM_MIN_BLOCKS(ACT) ((ACT) == 2 ? 1 : 0)
+#define RKV_GEMM_MIN_BLOCKS(ACT, MT, NT) ((ACT) == 2 ? 1 : 0)
 #endif
 
 template <int ACT, bool MX, int MT, int NT, int KS, int RW, int U, int S, bool PF>
-__global__ void __launch_bounds__(32 * KS * RW, RKV_GEMM_MIN_BLOCKS(ACT)) rkv_gemm_fp4(
+__global__ void __launch_bounds__(32 * KS * RW, RKV_GEMM_MIN_BLOCKS(ACT, MT, NT)) rkv_gemm_fp4(
     const u8* __restrict__ wq, const u8* __restrict__ wsf, const float* __restrict__ wgs,
     const u8* __restrict__ x, const u8* __restrict__ xsf, const float* __restrict__ xgs,
     i64 xs_t, i64 xs_g, i64 ss_t, i64 ss_g, i64 gs_t, i64 gs_g,
@@ -115,10 +119,18 @@ __global__ void __launch_bounds__(32 * KS * RW, RKV_GEMM_MIN_BLOCKS(ACT)) rkv_ge
     int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
     constexpr bool F16 = ACT == 1;
     constexpr int TT = 8 * NT;  // tokens per block
-    __shared__ float s_red[KS > 1 ? (KS - 1) * RW * 32 * MT * NT * 4 : 1];
+    // The rings (per warp: S stages x U chunks x MT m-tiles x (512 B codes +
+    // 64 B scales)), the split-K partial sums and the offsets. Where they
+    // would pass the 48 KB of static shared memory (eight warps along K over
+    // 64 features: K.WIDE_GRID_CONFIGS), the sums take the rings' bytes once
+    // every warp has left its main loop.
+    constexpr int RING_BYTES = KS * RW * S * U * MT * 576;
+    constexpr int RED_BYTES = KS > 1 ? (KS - 1) * RW * 32 * MT * NT * 4 * 4 : 4;
+    constexpr bool RED_IN_RING = RING_BYTES + RED_BYTES + 4 * RKV_GEMM_MAX_SEGMENTS > 48 * 1024;
+    __shared__ float s_red_own[RED_IN_RING ? 1 : RED_BYTES / 4];
     __shared__ int s_off[RKV_GEMM_MAX_SEGMENTS];
-    // Per warp: S stages x U chunks x MT m-tiles x (512 B codes + 64 B scales).
-    __shared__ __align__(16) u8 s_ring[KS * RW * S * U * MT * 576];
+    __shared__ __align__(16) u8 s_ring[RED_IN_RING && RED_BYTES > RING_BYTES ? RED_BYTES : RING_BYTES];
+    float* const s_red = RED_IN_RING ? reinterpret_cast<float*>(s_ring) : s_red_own;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rw = warp % RW, ks = warp / RW;
@@ -329,6 +341,7 @@ __global__ void __launch_bounds__(32 * KS * RW, RKV_GEMM_MIN_BLOCKS(ACT)) rkv_ge
     }
     cp_async_wait<0>();
 
+    if constexpr (RED_IN_RING) __syncthreads();   // (every warp's ring read before the sums overwrite it)
     if (KS > 1 && !sum_split_k<MT, NT, KS, RW>(s_red, acc, ks, rw, lane)) return;
 
     // Epilogue: the 2^-9 of each FP4 operand, the weight's global scale, and

@@ -78,8 +78,16 @@ class Tuning(NamedTuple):
     blocks; two chunks a warp) 2.90-3.00 against 2.96-3.09 at 1 token and at
     K 512 (8 x 1,024) 2.25-2.27 against 2.36-2.49 (16 tokens gained there
     too: one rule for both tiles keeps calls of 1 to 16 tokens on the same
-    bits). seed 004 (384 blocks) and Pro (512) keep CONFIGS (eight warps
-    measured 8-25% slower there).
+    bits). seed 004 (384 blocks) and Pro (512) keep CONFIGS' features a
+    block (eight warps on 32 features measured 8-25% slower there).
+    MMA_WIDE_GRID_MIN_BLOCKS_PER_SM, MMA_WIDE_GRID_MAX_BLOCKS_PER_SM: on
+    sm_90, such a call (16-bit activations, K from MMA_SMALL_GRID_MIN_K)
+    whose CONFIGS[8] / CONFIGS[16] grid has more than the first and at most
+    the second many blocks per SM takes K.WIDE_GRID_CONFIGS' tile instead
+    (64 features a block, half the grid, eight warps splitting K: the same
+    bits for 1 to 16 tokens; DeepSeek-V4-Pro's wo_a, 512 blocks; its H100
+    measurements are at the tiles). seed 004 (384 blocks, 2.9 per SM) keeps
+    CONFIGS: the wide tiles measured 2-7% slower there at 8 and 16 tokens.
     W4A8_PATH: the W4A8 kernel, "auto" (the rule below), or "mma" / "sm90"
     to force one (tests run every shape class through both). W4A8 calls of
     at most W4A8_MMA_MAX_TOKENS tokens per group (batched) or
@@ -183,6 +191,8 @@ class Tuning(NamedTuple):
     MMA_PREFETCH_MAX_BLOCKS_PER_SM: int = 3
     MMA_SMALL_GRID_BLOCKS_PER_SM: float = 2
     MMA_SMALL_GRID_MIN_K: int = 2048
+    MMA_WIDE_GRID_MIN_BLOCKS_PER_SM: float = 3
+    MMA_WIDE_GRID_MAX_BLOCKS_PER_SM: float = 4
     W4A8_PATH: str = "auto"
     W4A8_MMA_MAX_TOKENS: int = 8
     W4A8_MMA_MAX_EXPERT_TOKENS: int = 3
@@ -353,6 +363,7 @@ def grouped(dev, act, w, out, tuning=TUNED) -> list[Launch]:
     tl = tile(dev, w, t, tuning=tuning, wide=wide_tile(dev, act, t, False, tuning))
     grid = (-(-w.n // tl.rows) * tl.splits, -(-t // tl.tokens), g)
     tl = _small_grid_tile(dev, tl, act, w, grid, tuning)
+    tl, grid = _wide_grid_tile(dev, tl, act, w, grid, tuning)
     pf = _prefetch(dev, tl, act, grid, tuning)
     if pf == (False,) and tl.targs == K.CONFIGS[16] and K.prefetches(act.kind, tl.targs):
         tl = _mma_tile(K.CONFIG_16_LARGE_GRID)      # its grid too large to prefetch: 64-feature blocks
@@ -404,6 +415,24 @@ def _small_grid_tile(dev, tl: Tile, act, w, grid, tuning) -> Tile:
     if small.targs == K.SMALL_GRID_CONFIGS[16] and _prefetch(dev, small, act, grid, tuning) != (True,):
         return tl
     return small
+
+
+def _wide_grid_tile(dev, tl: Tile, act, w, grid, tuning) -> tuple[Tile, tuple]:
+    """K.WIDE_GRID_CONFIGS' tile and its grid (64-feature blocks: half as
+    many) in place of CONFIGS[8] / CONFIGS[16] where Tuning's MMA_WIDE_GRID_*
+    rule takes it, else (`tl`, `grid`). The 16-token one only with PF (its
+    one instance; its grid, at most two blocks per SM, prefetches unless
+    MMA_PREFETCH_MAX_BLOCKS_PER_SM is set below that)."""
+    wide = K.WIDE_GRID_CONFIGS.get(8 if tl.targs == K.CONFIGS[8] else 16 if tl.targs == K.CONFIGS[16] else 0)
+    per_sm = grid[0] * grid[1] * grid[2] / dev.sm_count
+    if (wide is None or dev.arch != "sm_90" or act.kind == K.ACT_CODES["nvfp4"] or w.k < tuning.MMA_SMALL_GRID_MIN_K
+            or not tuning.MMA_WIDE_GRID_MIN_BLOCKS_PER_SM < per_sm <= tuning.MMA_WIDE_GRID_MAX_BLOCKS_PER_SM):
+        return tl, grid
+    wide = _mma_tile(wide)
+    wide_grid = (-(-w.n // wide.rows), grid[1], grid[2])
+    if wide.targs == K.WIDE_GRID_CONFIGS[16] and _prefetch(dev, wide, act, wide_grid, tuning) != (True,):
+        return tl, grid
+    return wide, wide_grid
 
 
 def _prefetch(dev, tl: Tile, act, grid, tuning) -> tuple:

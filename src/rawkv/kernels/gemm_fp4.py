@@ -75,6 +75,20 @@ CONFIG_16_LARGE_GRID = (2, 2, 4, 2, 1, 2)
 # programmatic dependent launch, two runs, us): Flash wo_a M = 1 / 8 / 16
 # 7.83-7.89 / 8.40-8.43 / 9.58-9.60 against 8.69-9.89 / 9.48-9.52 / 11.43-11.47.
 SMALL_GRID_CONFIGS = {8: (1, 1, 8, 2, 2, 2), 16: (2, 2, 8, 1, 1, 3)}
+# The tiles of up to 8 and 9-16 tokens per group, 16-bit activations, on
+# sm_90, for grids that CONFIGS[8] / CONFIGS[16] would give past three and up
+# to four blocks per SM, K from 2,048 (rawkv.gemm.plans, Tuning.MMA_WIDE_GRID_*:
+# DeepSeek-V4-Pro's wo_a, 512 blocks on 132 SMs): 64 features a block, four
+# m-tiles a warp, eight warps split K, so half the grid streams in one wave at
+# two blocks per SM and each activation load feeds twice the weights. Both
+# split K in eight (the same bits as each other and as SMALL_GRID_CONFIGS';
+# the split partial sums take the rings' bytes: gemm_fp4.cu). H100
+# (2026-11-27, .probe sweep, the plan's tiles against them, two runs, us):
+# Pro wo_a M = 1 / 8 / 12 / 16 15.06-15.18 / 15.89 / 16.88-17.01 / 17.16
+# against 14.42-14.48 / 15.46-15.47 / 15.97-16.00 / 16.20-16.22. On seed 004
+# (384 blocks, 2.9 per SM) 64-feature tiles were slower at 8 and 16 tokens
+# (23.3 / 26.4-26.7 against 22.8 / 24.6) and on Flash at every count.
+WIDE_GRID_CONFIGS = {8: (4, 1, 8, 1, 1, 2), 16: (4, 2, 8, 1, 1, 2)}
 
 
 # Tiles with an instance that loads the activations one step ahead (PF,
@@ -86,9 +100,11 @@ SMALL_GRID_CONFIGS = {8: (1, 1, 8, 2, 2, 2), 16: (2, 2, 8, 1, 1, 3)}
 # seed 004 at M = 1 6-7% faster on the H100) spills 32 bytes on sm_100.
 # NVFP4 activations, converted at each load, were not measured.
 PREFETCH_TILES = frozenset((CONFIGS[16], CONFIGS[32], CONFIGS["large"], RAGGED_CONFIGS[16], RAGGED_CONFIGS[32],
-                            CONFIG_16_LARGE_GRID, SMALL_GRID_CONFIGS[16]))
+                            CONFIG_16_LARGE_GRID, SMALL_GRID_CONFIGS[16], WIDE_GRID_CONFIGS[16]))
 # Tiles only the 16-bit activations' calls take (no NVFP4 instances).
-SIXTEEN_BIT_TILES = frozenset((CONFIG_16_LARGE_GRID, *SMALL_GRID_CONFIGS.values()))
+SIXTEEN_BIT_TILES = frozenset((CONFIG_16_LARGE_GRID, *SMALL_GRID_CONFIGS.values(), *WIDE_GRID_CONFIGS.values()))
+# The 16-token tiles taken only with PF (rawkv.gemm.plans: grids this small prefetch).
+PREFETCH_ONLY_TILES = frozenset((SMALL_GRID_CONFIGS[16], WIDE_GRID_CONFIGS[16]))
 
 
 def prefetches(act: int, cfg: tuple) -> bool:
@@ -103,9 +119,10 @@ GEMM = FILE.kernel(
      TParam("int", "S", (2, 3, 4)), TParam("bool", "PF", (False, True))),
     instances=[(a, mx, *cfg, pf) for a in ACT_CODES.values() for mx in (False, True)
                for cfg in dict.fromkeys((*CONFIGS.values(), *RAGGED_CONFIGS.values(), RAGGED_SMALL_CONFIG,
-                                          CONFIG_16_LARGE_GRID, *SMALL_GRID_CONFIGS.values()))
+                                          CONFIG_16_LARGE_GRID, *SMALL_GRID_CONFIGS.values(),
+                                          *WIDE_GRID_CONFIGS.values()))
                if cfg not in SIXTEEN_BIT_TILES or a != ACT_CODES["nvfp4"]
-               for pf in ((True,) if cfg == SMALL_GRID_CONFIGS[16]      # (taken only with PF: plans)
+               for pf in ((True,) if cfg in PREFETCH_ONLY_TILES
                           else (False, True) if prefetches(a, cfg) else (False,))], pdl=True)
 
 # ---- the Hopper kernel (rawkv/cu/gemm_fp4_sm90.cu: wgmma, sm_90a) -----------
