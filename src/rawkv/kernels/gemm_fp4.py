@@ -74,7 +74,11 @@ CONFIG_16_LARGE_GRID = (2, 2, 4, 2, 1, 2)
 # other, not CONFIGS[8]'s). H100 (2026-11-27, .probe sweep under the
 # programmatic dependent launch, two runs, us): Flash wo_a M = 1 / 8 / 16
 # 7.83-7.89 / 8.40-8.43 / 9.58-9.60 against 8.69-9.89 / 9.48-9.52 / 11.43-11.47.
-SMALL_GRID_CONFIGS = {8: (1, 1, 8, 2, 2, 2), 16: (2, 2, 8, 1, 1, 3)}
+# The 16-token one's ring is 2 stages of 2 chunks (3 of 1 until session 46,
+# when its split-K sums could take the rings' bytes: gemm_fp4.cu; the same
+# bits; H100, us: Flash M = 12 / 16 8.96-9.12 / 9.05 against 9.33-9.46 /
+# 9.35-9.38, 4 stages of 1 9.87-9.93 / 9.90-9.91).
+SMALL_GRID_CONFIGS = {8: (1, 1, 8, 2, 2, 2), 16: (2, 2, 8, 1, 2, 2)}
 # The tiles of up to 8 and 9-16 tokens per group, 16-bit activations, on
 # sm_90, for grids that CONFIGS[8] / CONFIGS[16] would give past three and up
 # to four blocks per SM, K from 2,048 (rawkv.gemm.plans, Tuning.MMA_WIDE_GRID_*:
