@@ -362,8 +362,7 @@ def grouped(dev, act, w, out, tuning=TUNED) -> list[Launch]:
         return []
     tl = tile(dev, w, t, tuning=tuning, wide=wide_tile(dev, act, t, False, tuning))
     grid = (-(-w.n // tl.rows) * tl.splits, -(-t // tl.tokens), g)
-    tl = _small_grid_tile(dev, tl, act, w, grid, tuning)
-    tl, grid = _wide_grid_tile(dev, tl, act, w, grid, tuning)
+    tl, grid = _tile_by_grid(dev, tl, act, w, grid, tuning)
     pf = _prefetch(dev, tl, act, grid, tuning)
     if pf == (False,) and tl.targs == K.CONFIGS[16] and K.prefetches(act.kind, tl.targs):
         tl = _mma_tile(K.CONFIG_16_LARGE_GRID)      # its grid too large to prefetch: 64-feature blocks
@@ -402,37 +401,30 @@ def wide_tile(dev, act, tokens: int, ragged: bool, tuning) -> bool:
     return tma.activation_map(act.x, ragged, K.SM90_WIDE_CONFIG[0]) is not None
 
 
-def _small_grid_tile(dev, tl: Tile, act, w, grid, tuning) -> Tile:
-    """K.SMALL_GRID_CONFIGS' tile (the same grid) in place of CONFIGS[8] /
-    CONFIGS[16] where Tuning's MMA_SMALL_GRID_* rule takes it, else `tl`.
-    The 16-token one only with PF (its one instance; a grid this small
-    prefetches unless MMA_PREFETCH_MAX_BLOCKS_PER_SM is set below 2)."""
-    small = K.SMALL_GRID_CONFIGS.get(8 if tl.targs == K.CONFIGS[8] else 16 if tl.targs == K.CONFIGS[16] else 0)
-    if (small is None or dev.arch != "sm_90" or act.kind == K.ACT_CODES["nvfp4"] or w.k < tuning.MMA_SMALL_GRID_MIN_K
-            or grid[0] * grid[1] * grid[2] >= tuning.MMA_SMALL_GRID_BLOCKS_PER_SM * dev.sm_count):
-        return tl
-    small = _mma_tile(small)
-    if small.targs == K.SMALL_GRID_CONFIGS[16] and _prefetch(dev, small, act, grid, tuning) != (True,):
-        return tl
-    return small
-
-
-def _wide_grid_tile(dev, tl: Tile, act, w, grid, tuning) -> tuple[Tile, tuple]:
-    """K.WIDE_GRID_CONFIGS' tile and its grid (64-feature blocks: half as
-    many) in place of CONFIGS[8] / CONFIGS[16] where Tuning's MMA_WIDE_GRID_*
-    rule takes it, else (`tl`, `grid`). The 16-token one only with PF (its
-    one instance; its grid, at most two blocks per SM, prefetches unless
-    MMA_PREFETCH_MAX_BLOCKS_PER_SM is set below that)."""
-    wide = K.WIDE_GRID_CONFIGS.get(8 if tl.targs == K.CONFIGS[8] else 16 if tl.targs == K.CONFIGS[16] else 0)
+def _tile_by_grid(dev, tl: Tile, act, w, grid, tuning) -> tuple[Tile, tuple]:
+    """In place of CONFIGS[8] / CONFIGS[16] on sm_90 (16-bit activations, K
+    from MMA_SMALL_GRID_MIN_K), by how many blocks per SM their grid has:
+    below MMA_SMALL_GRID_BLOCKS_PER_SM K.SMALL_GRID_CONFIGS' tile (the same
+    grid), past MMA_WIDE_GRID_MIN_BLOCKS_PER_SM and up to
+    MMA_WIDE_GRID_MAX_BLOCKS_PER_SM K.WIDE_GRID_CONFIGS' (64-feature blocks:
+    half the grid); with its grid, else (`tl`, `grid`). Their 16-token tiles
+    only with PF (their one instance; grids this small prefetch unless
+    MMA_PREFETCH_MAX_BLOCKS_PER_SM is set below them)."""
+    tokens = 8 if tl.targs == K.CONFIGS[8] else 16 if tl.targs == K.CONFIGS[16] else 0
+    if not tokens or dev.arch != "sm_90" or act.kind == K.ACT_CODES["nvfp4"] or w.k < tuning.MMA_SMALL_GRID_MIN_K:
+        return tl, grid
     per_sm = grid[0] * grid[1] * grid[2] / dev.sm_count
-    if (wide is None or dev.arch != "sm_90" or act.kind == K.ACT_CODES["nvfp4"] or w.k < tuning.MMA_SMALL_GRID_MIN_K
-            or not tuning.MMA_WIDE_GRID_MIN_BLOCKS_PER_SM < per_sm <= tuning.MMA_WIDE_GRID_MAX_BLOCKS_PER_SM):
+    if per_sm < tuning.MMA_SMALL_GRID_BLOCKS_PER_SM:
+        table = K.SMALL_GRID_CONFIGS
+    elif tuning.MMA_WIDE_GRID_MIN_BLOCKS_PER_SM < per_sm <= tuning.MMA_WIDE_GRID_MAX_BLOCKS_PER_SM:
+        table = K.WIDE_GRID_CONFIGS
+    else:
         return tl, grid
-    wide = _mma_tile(wide)
-    wide_grid = (-(-w.n // wide.rows), grid[1], grid[2])
-    if wide.targs == K.WIDE_GRID_CONFIGS[16] and _prefetch(dev, wide, act, wide_grid, tuning) != (True,):
+    by_grid = _mma_tile(table[tokens])
+    by_grid_grid = (-(-w.n // by_grid.rows), grid[1], grid[2])
+    if tokens == 16 and _prefetch(dev, by_grid, act, by_grid_grid, tuning) != (True,):
         return tl, grid
-    return wide, wide_grid
+    return by_grid, by_grid_grid
 
 
 def _prefetch(dev, tl: Tile, act, grid, tuning) -> tuple:
