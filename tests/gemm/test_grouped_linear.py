@@ -309,7 +309,7 @@ def _plan_instance(x, w):
 @pytest.mark.parametrize("tiles", ["small", "wide"])
 def test_grid_tiles_within_the_bound_and_the_same_bits_for_1_to_16_tokens(cuda, rng, monkeypatch, fmt, dtype,
                                                                          tiles):
-    # plans' MMA_SMALL_GRID_* rule (sm_90) and its MMA_WIDE_GRID_* rule (forced
+    # plans' MMA_SMALL_GRID_* rule (sm_90) and its MMA_WIDE_* rule (forced
     # here, whatever the grid): 3 groups x 120 features (four 32-feature or two
     # 64-feature blocks a group, the last partial, its last m-tile too), K =
     # 2,112 (33 chunks: eight warps of 5, the last with none). Every such tile
@@ -323,8 +323,8 @@ def test_grid_tiles_within_the_bound_and_the_same_bits_for_1_to_16_tokens(cuda, 
     configs = plans.K.SMALL_GRID_CONFIGS
     if tiles == "wide":
         monkeypatch.setattr(linear, "MMA_SMALL_GRID_BLOCKS_PER_SM", 0)
-        monkeypatch.setattr(linear, "MMA_WIDE_GRID_MIN_BLOCKS_PER_SM", 0)
-        monkeypatch.setattr(linear, "MMA_WIDE_GRID_MAX_BLOCKS_PER_SM", 1 << 20)
+        monkeypatch.setattr(linear, "MMA_WIDE_MIN_BLOCKS_PER_SM", 0)
+        monkeypatch.setattr(linear, "MMA_WIDE_MAX_BLOCKS_PER_SM", 1 << 20)
         configs = plans.K.WIDE_GRID_CONFIGS
     full = rawkv.gemm.grouped_linear(x, w)
     assert_within_bound(full, exact, absolute, k, f"{tiles} grid {fmt} {dtype}")
@@ -337,7 +337,7 @@ def test_grid_tiles_within_the_bound_and_the_same_bits_for_1_to_16_tokens(cuda, 
         for m, tt, pf in ((8, 8, False), (16, 16, True)):
             assert _plan_instance(x[:m], w) is plans.K.GEMM.instance(kinds[dtype], fmt == "mxfp4", *configs[tt], pf)
     monkeypatch.setattr(linear, "MMA_SMALL_GRID_BLOCKS_PER_SM", 0)
-    monkeypatch.setattr(linear, "MMA_WIDE_GRID_MAX_BLOCKS_PER_SM", 0)
+    monkeypatch.setattr(linear, "MMA_WIDE_MAX_BLOCKS_PER_SM", 0)
     assert_within_bound(rawkv.gemm.grouped_linear(x, w), exact, absolute, k, f"CONFIGS[16] {fmt} {dtype}")
     assert _plan_instance(x, w) is plans.K.GEMM.instance(kinds[dtype], fmt == "mxfp4", *plans.K.CONFIGS[16], True)
 

@@ -170,7 +170,7 @@ def test_small_grids_on_hopper_split_k_in_eight(act_dtype):
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
 def test_wide_grids_on_hopper_take_64_feature_tiles(act_dtype):
     """On sm_90, where CONFIGS[8] / [16]'s grid has more than
-    MMA_WIDE_GRID_MIN_BLOCKS_PER_SM and at most MMA_WIDE_GRID_MAX_BLOCKS_PER_SM
+    MMA_WIDE_MIN_BLOCKS_PER_SM and at most MMA_WIDE_MAX_BLOCKS_PER_SM
     blocks per SM, from K = MMA_SMALL_GRID_MIN_K, calls of 1-16 tokens take
     K.WIDE_GRID_CONFIGS' tiles (64 features a block: half the grid; eight
     warps split K, both tiles alike and as the small-grid tiles, so 1-16
@@ -183,8 +183,8 @@ def test_wide_grids_on_hopper_take_64_feature_tiles(act_dtype):
         assert 16 * wide[0] * wide[3] == 2 * 16 * cfg[0] * cfg[3] == 64 and 8 * wide[1] == tt
         assert wide[2] == K.SMALL_GRID_CONFIGS[tt][2] == 8
     sm90 = Device(sm_count=8, max_threads_per_sm=2048, arch="sm_90")
-    lo = int(P.TUNED.MMA_WIDE_GRID_MIN_BLOCKS_PER_SM * sm90.sm_count)    # 24 blocks of 32 features
-    hi = int(P.TUNED.MMA_WIDE_GRID_MAX_BLOCKS_PER_SM * sm90.sm_count)    # 32
+    lo = int(P.TUNED.MMA_WIDE_MIN_BLOCKS_PER_SM * sm90.sm_count)    # 24 blocks of 32 features
+    hi = int(P.TUNED.MMA_WIDE_MAX_BLOCKS_PER_SM * sm90.sm_count)    # 32
     k = P.TUNED.MMA_SMALL_GRID_MIN_K
 
     def plan(blocks, tokens, kk=k, dev=sm90, tuning=P.TUNED):

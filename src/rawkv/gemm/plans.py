@@ -80,7 +80,7 @@ class Tuning(NamedTuple):
     too: one rule for both tiles keeps calls of 1 to 16 tokens on the same
     bits). seed 004 (384 blocks) and Pro (512) keep CONFIGS' features a
     block (eight warps on 32 features measured 8-25% slower there).
-    MMA_WIDE_GRID_MIN_BLOCKS_PER_SM, MMA_WIDE_GRID_MAX_BLOCKS_PER_SM: on
+    MMA_WIDE_MIN_BLOCKS_PER_SM, MMA_WIDE_MAX_BLOCKS_PER_SM: on
     sm_90, such a call (16-bit activations, K from MMA_SMALL_GRID_MIN_K)
     whose CONFIGS[8] / CONFIGS[16] grid has more than the first and at most
     the second many blocks per SM takes K.WIDE_GRID_CONFIGS' tile instead
@@ -191,8 +191,8 @@ class Tuning(NamedTuple):
     MMA_PREFETCH_MAX_BLOCKS_PER_SM: int = 3
     MMA_SMALL_GRID_BLOCKS_PER_SM: float = 2
     MMA_SMALL_GRID_MIN_K: int = 2048
-    MMA_WIDE_GRID_MIN_BLOCKS_PER_SM: float = 3
-    MMA_WIDE_GRID_MAX_BLOCKS_PER_SM: float = 4
+    MMA_WIDE_MIN_BLOCKS_PER_SM: float = 3
+    MMA_WIDE_MAX_BLOCKS_PER_SM: float = 4
     W4A8_PATH: str = "auto"
     W4A8_MMA_MAX_TOKENS: int = 8
     W4A8_MMA_MAX_EXPERT_TOKENS: int = 3
@@ -405,8 +405,8 @@ def _tile_by_grid(dev, tl: Tile, act, w, grid, tuning) -> tuple[Tile, tuple]:
     """In place of CONFIGS[8] / CONFIGS[16] on sm_90 (16-bit activations, K
     from MMA_SMALL_GRID_MIN_K), by how many blocks per SM their grid has:
     below MMA_SMALL_GRID_BLOCKS_PER_SM K.SMALL_GRID_CONFIGS' tile (the same
-    grid), past MMA_WIDE_GRID_MIN_BLOCKS_PER_SM and up to
-    MMA_WIDE_GRID_MAX_BLOCKS_PER_SM K.WIDE_GRID_CONFIGS' (64-feature blocks:
+    grid), past MMA_WIDE_MIN_BLOCKS_PER_SM and up to
+    MMA_WIDE_MAX_BLOCKS_PER_SM K.WIDE_GRID_CONFIGS' (64-feature blocks:
     half the grid); with its grid, else (`tl`, `grid`). Their 16-token tiles
     only with PF (their one instance; grids this small prefetch unless
     MMA_PREFETCH_MAX_BLOCKS_PER_SM is set below them)."""
@@ -416,7 +416,7 @@ def _tile_by_grid(dev, tl: Tile, act, w, grid, tuning) -> tuple[Tile, tuple]:
     per_sm = grid[0] * grid[1] * grid[2] / dev.sm_count
     if per_sm < tuning.MMA_SMALL_GRID_BLOCKS_PER_SM:
         table = K.SMALL_GRID_CONFIGS
-    elif tuning.MMA_WIDE_GRID_MIN_BLOCKS_PER_SM < per_sm <= tuning.MMA_WIDE_GRID_MAX_BLOCKS_PER_SM:
+    elif tuning.MMA_WIDE_MIN_BLOCKS_PER_SM < per_sm <= tuning.MMA_WIDE_MAX_BLOCKS_PER_SM:
         table = K.WIDE_GRID_CONFIGS
     else:
         return tl, grid

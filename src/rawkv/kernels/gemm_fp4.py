@@ -81,7 +81,7 @@ CONFIG_16_LARGE_GRID = (2, 2, 4, 2, 1, 2)
 SMALL_GRID_CONFIGS = {8: (1, 1, 8, 2, 2, 2), 16: (2, 2, 8, 1, 2, 2)}
 # The tiles of up to 8 and 9-16 tokens per group, 16-bit activations, on
 # sm_90, for grids that CONFIGS[8] / CONFIGS[16] would give past three and up
-# to four blocks per SM, K from 2,048 (rawkv.gemm.plans, Tuning.MMA_WIDE_GRID_*:
+# to four blocks per SM, K from 2,048 (rawkv.gemm.plans, Tuning.MMA_WIDE_*:
 # DeepSeek-V4-Pro's wo_a, 512 blocks on 132 SMs): 64 features a block, four
 # m-tiles a warp, eight warps split K, so half the grid streams in one wave at
 # two blocks per SM and each activation load feeds twice the weights. Both
