@@ -25,7 +25,6 @@ variant and N, TFLOP/s and the time per chunk in nanoseconds.
 """
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
