@@ -28,13 +28,12 @@ variant and N, TFLOP/s and the time per chunk in nanoseconds.
 from __future__ import annotations
 
 import pathlib
-import subprocess
 import sys
-import tempfile
 
 _HERE = pathlib.Path(__file__).resolve().parent
-_CU = _HERE.parent / "src" / "rawkv" / "cu"
 sys.path.insert(0, str(_HERE.parent / "src"))
+sys.path.insert(0, str(_HERE))
+import ceiling_program  # noqa: E402
 
 NS = (64, 96, 128)
 
@@ -84,7 +83,8 @@ __global__ void __launch_bounds__(256, 1) ceiling(float* out, int iters) {
     u8* sb = sm;
     u8* sa = sb + S * BST;
     u8* sw = sa + S * AST;
-    for (int i = threadIdx.x; i < (S * BST + S * AST) / 4; i += 256) ((u32*)sm)[i] = 0x3F803F80u ^ ((i * 2654435761u) & 0x007F007Fu);
+    for (int i = threadIdx.x; i < (S * BST + S * AST) / 4; i += 256)
+        ((u32*)sm)[i] = 0x3F803F80u ^ ((i * 2654435761u) & 0x007F007Fu);     // BF16 values near 1
     for (int i = threadIdx.x; i < S * kWStage / 4; i += 256) ((u32*)sw)[i] = (i * 2654435761u) & 0x77777777u;
     __syncthreads();
     const int wg = threadIdx.x / 128, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
@@ -228,20 +228,12 @@ INSTANCES = tuple(f"ceiling<{n}, {mode}>" for mode in range(4) for n in NS)
 def source() -> str:
     """The program: the W4A16 kernel file's constants as #defines, then the body."""
     from rawkv.kernels import gemm_fp4
-    defines = "".join(f"#define {k} {v}\n" for k, v in gemm_fp4.FILE.constants.items())
-    return defines + BODY.replace("#define WRAPPERS", "".join(wrapper_ss(n) for n in NS))
+    wrappers = "".join(wrapper_ss(n) for n in NS)
+    return ceiling_program.defines(gemm_fp4.FILE) + BODY.replace("#define WRAPPERS", wrappers)
 
 
 def main() -> int:
-    with tempfile.TemporaryDirectory() as d:
-        cu, exe = pathlib.Path(d, "ceiling.cu"), pathlib.Path(d, "ceiling")
-        cu.write_text(source())
-        build = subprocess.run(["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
-                                f"-I{_CU}", str(cu), "-o", str(exe)], capture_output=True, text=True)
-        if build.returncode:
-            print(build.stdout + build.stderr, file=sys.stderr)
-            return build.returncode
-        return subprocess.run([str(exe)]).returncode
+    return ceiling_program.build_and_run(source())
 
 
 if __name__ == "__main__":

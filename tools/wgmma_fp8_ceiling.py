@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-import subprocess
 import sys
-import tempfile
 
 _HERE = pathlib.Path(__file__).resolve().parent
-_CU = _HERE.parent / "src" / "rawkv" / "cu"
 sys.path.insert(0, str(_HERE.parent / "src"))
+sys.path.insert(0, str(_HERE))
+import ceiling_program  # noqa: E402
 _spec = importlib.util.spec_from_file_location("gen_wgmma", _HERE / "gen_wgmma.py")
 gen_wgmma = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gen_wgmma)
@@ -229,20 +228,12 @@ def source() -> str:
     """The program: the W4A8 kernel file's constants (the E4M3 table, ...) as
     #defines (nvcc would split a -D value at its commas), then the body."""
     from rawkv.kernels import gemm_w4a8
-    defines = "".join(f"#define {k} {v}\n" for k, v in gemm_w4a8.FILE.constants.items())
-    return defines + BODY.replace("#define WRAPPERS", gen_wgmma.wrapper_fp8(128) + wrapper_ss(128))
+    wrappers = gen_wgmma.wrapper_fp8(128) + wrapper_ss(128)
+    return ceiling_program.defines(gemm_w4a8.FILE) + BODY.replace("#define WRAPPERS", wrappers)
 
 
 def main() -> int:
-    with tempfile.TemporaryDirectory() as d:
-        cu, exe = pathlib.Path(d, "ceiling.cu"), pathlib.Path(d, "ceiling")
-        cu.write_text(source())
-        build = subprocess.run(["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
-                                f"-I{_CU}", str(cu), "-o", str(exe)], capture_output=True, text=True)
-        if build.returncode:
-            print(build.stdout + build.stderr, file=sys.stderr)
-            return build.returncode
-        return subprocess.run([str(exe)]).returncode
+    return ceiling_program.build_and_run(source())
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def test_ceiling_kernels_compile_unserialized(name):
     pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python is not installed")
     tool = _tool(name)
     res = _nvrtc.compile_cu(tool.source(), "ceiling.cu", "sm_90a", tool.INSTANCES,
-                            ("-std=c++17", f"-I{tool._CU}"), verbose_ptxas=True)
+                            ("-std=c++17", f"-I{tool.ceiling_program.CU}"), verbose_ptxas=True)
     assert "C7514" not in res.log, res.log
     assert " 0 bytes spill stores" in res.log
     assert "bytes spill stores" not in res.log.replace(" 0 bytes spill stores", "")
