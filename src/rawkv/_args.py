@@ -109,7 +109,10 @@ def to_numpy(x, name: str) -> np.ndarray:
         if x.dtype in byte_dtypes(torch):
             return x.detach().view(torch.uint8).numpy()
         return x.detach().numpy()
-    return np.from_dlpack(x)
+    view = _dlpack_view(x)        # (torch first: numpy has no BF16 or FP8)
+    if view is None:
+        raise TypeError(f"{name}: could not be read through DLPack (neither torch nor numpy takes it)")
+    return to_numpy(view, name)
 
 
 def byte_dtypes(torch) -> tuple:
@@ -269,12 +272,16 @@ def is_dense(a) -> bool:
 def _as_array(a, name: str, where: str):
     """`a` (already an array) as what the op's placement computes on: a torch
     tensor or numpy array as it is, another DLPack array as a torch CUDA
-    tensor ('cuda') or a numpy array ('cpu')."""
+    tensor ('cuda') or a zero-copy CPU torch tensor ('cpu'; a numpy array
+    without torch: numpy has no BF16 or FP8)."""
     if isinstance(a, np.ndarray) or is_torch(a):
         return a
     if where == "cuda":
         return as_cuda_tensor(a, name)
-    return to_numpy(a, name)
+    view = _dlpack_view(a)
+    if view is None:
+        raise TypeError(f"{name}: could not be read through DLPack (neither torch nor numpy takes it)")
+    return view
 
 
 def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, device=None,
@@ -655,10 +662,15 @@ def same_memory(a, b) -> bool:
 def _span(a):
     """(address space, first byte, end byte, dense, source) of the memory
     `a` addresses; None for an empty array or one that is neither a numpy
-    array nor a torch tensor. `source` is the array when it is dense (its
-    bytes are the range: its geometry is read only if an overlap test needs
-    it; every op call spans its arrays), else its geometry (_geometry; a
-    detached span has it for a dense array too)."""
+    array, a torch tensor nor a DLPack array either library can view.
+    `source` is the array when it is dense (its bytes are the range: its
+    geometry is read only if an overlap test needs it; every op call spans
+    its arrays), else its geometry (_geometry; a detached span has it for a
+    dense array too)."""
+    if not isinstance(a, np.ndarray) and not is_torch(a) and hasattr(a, "__dlpack__"):
+        # Another library's array (CuPy, JAX, ...): the ops accept them, so
+        # their memory is compared too, through a zero-copy view.
+        a = _dlpack_view(a)
     if isinstance(a, np.ndarray):
         if a.size == 0:
             return None
@@ -682,6 +694,20 @@ def _span(a):
     lo = ptr + sum(s * (d - 1) for d, s in zip(shape, strides) if s < 0)
     hi = ptr + sum(s * (d - 1) for d, s in zip(shape, strides) if s > 0) + item
     return space, lo, hi, False, g
+
+
+def _dlpack_view(a):
+    """A zero-copy torch tensor over a DLPack array (numpy array where torch
+    is missing or cannot take it); None where neither can."""
+    try:
+        import torch
+        return torch.from_dlpack(a)
+    except Exception:  # noqa: BLE001 - not every producer suits torch
+        pass
+    try:
+        return np.from_dlpack(a)
+    except Exception:  # noqa: BLE001 - nor numpy: the array cannot be compared
+        return None
 
 
 def _array_geometry(a) -> tuple:
