@@ -271,6 +271,13 @@ def test_nothing_to_do_is_no_launch():
     assert P.grouped(H100, *_grouped(torch.ones(0, 3, 128, dtype=torch.bfloat16), w)) == []
     act, cw, offsets, out, errors = _moe(torch.ones(0, 128, dtype=torch.bfloat16), w, torch.zeros(4, dtype=torch.int32))
     assert P.moe(H100, act, cw, offsets, out, 0) == []
+    # A weight of no groups (the constructors refuse one; the operators take raw tensors) and
+    # x (T, 0, K): the CPU path returns the empty (T, 0, N); a launch's grid would be empty.
+    w1 = _weight(g=1, n=16, k=64)
+    w0 = rawkv.gemm.Fp4Weight("nvfp4", 16, 64, w1.codes[:0], w1.scales[:0], w1.gs[:0])
+    assert w0.groups == 0
+    assert P.grouped(H100, *_grouped(torch.ones(5, 0, 64, dtype=torch.bfloat16), w0)) == []
+    assert rawkv.gemm.grouped_linear(torch.ones(5, 0, 64, dtype=torch.bfloat16), w0).shape == (5, 0, 16)
 
 
 @pytest.mark.parametrize("rows,experts,tokens_per_expert", [(7, 3, 3), (4096, 8, 512), (3, 8, 1)])

@@ -292,6 +292,12 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
     act = R.activation8(*_xa(64, 3, k=256), 3, 256, "cpu", -1)
     (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(64, 3, 300, dtype=bf))
     assert launch.grid == (3, 1, 3) and launch.kernel.expr.endswith("<64, 8>")
+    # No groups (a weight of none, x (T, 0, K)): nothing to write, no launch (its grid would be empty).
+    w0 = _w8(1, 300, 256)
+    w0 = w0._replace(codes=w0.codes[:0], shifts=w0.shifts[:0], row_scale=w0.row_scale[:0], gs=w0.gs[:0])
+    act = R.activation8(*_xa(5, 0, k=256), 3, 256, "cpu", -1)
+    wc = R.weight8(w0.codes, w0.shifts, w0.row_scale, w0.gs, w0.n, w0.k, "cpu")
+    assert plans.w4a8_grouped(_Dev, act, wc, torch.empty(5, 0, 300, dtype=bf)) == []
 
     # up to W4A8_MMA_MAX_TOKENS (8) per group: the mma.sync kernel, its tile
     # by tokens (grid: feature blocks of 16 MT RW, token tiles of 8 NT); a

@@ -164,6 +164,7 @@ def test_from_nvfp4_errors(rng):
         ((c2[:, :4], s2[:, :1], gs), dict(groups=g), ValueError, "^weight:.*multiple of 16"),
         ((c2.reshape(-1), s2, gs), dict(groups=g), ValueError, "^weight:"),
         ((c2, None, gs), dict(groups=g), TypeError, "^weight_scale:"),
+        ((codes[:0], scales[:0], gs), {}, ValueError, "^weight: has no groups"),    # (as from_float)
     ]
     for args, kw, exc, msg in cases:
         with pytest.raises(exc, match=msg):

@@ -358,7 +358,7 @@ def grouped(dev, act, w, out, tuning=TUNED) -> list[Launch]:
     """rawkv.gemm.grouped_linear: x (T, G, K) -> out (T, G, N), one launch
     of a grid (feature blocks, token tiles, groups)."""
     t, g = act.lead
-    if t == 0 or w.n == 0:
+    if t == 0 or g == 0 or w.n == 0:        # (nothing to write: no launch, whose grid would be empty)
         return []
     tl = tile(dev, w, t, tuning=tuning, wide=wide_tile(dev, act, t, False, tuning))
     grid = (-(-w.n // tl.rows) * tl.splits, -(-t // tl.tokens), g)
@@ -589,8 +589,8 @@ def w4a8_grouped(dev, act, w, out, errors=None, tuning=TUNED) -> list[Launch]:
     out (T, G, N), one launch of a grid (feature blocks, token tiles, groups).
     `errors`: the counter's tensor or address (shift bytes past the table;
     None: not counted)."""
-    t, _ = act.lead
-    if t == 0 or w.n == 0:
+    t, g = act.lead
+    if t == 0 or g == 0 or w.n == 0:        # (nothing to write: no launch, whose grid would be empty)
         return []
     return [_w4a8_launch(dev, act, w, out, t, None, 0, errors, tuning)]
 

@@ -101,6 +101,8 @@ def _rows_of(weight, groups: int, name: str = "weight") -> tuple[int, int]:
             raise ValueError(f"groups: {groups} does not divide the {weight.shape[0]} rows of {name}")
         return groups, weight.shape[0] // groups
     if weight.dim() == 3:
+        if weight.shape[0] == 0:       # (as from_float: a weight has at least one group)
+            raise ValueError(f"{name}: has no groups (shape {tuple(weight.shape)})")
         if groups not in (1, weight.shape[0]):
             raise ValueError(f"groups: {groups} does not match {name}'s {weight.shape[0]} groups "
                              f"(shape {tuple(weight.shape)})")
