@@ -166,6 +166,32 @@ def test_views_refuse_what_a_pool_cannot_be():
         assert str(e.value).startswith(lead), e.value
 
 
+def _misaligned(t):
+    """A copy of `t` whose first byte is one element past a 16-byte boundary."""
+    item = t.element_size()
+    raw = torch.zeros(t.numel() * item + 32, dtype=torch.uint8)
+    base = (-raw.data_ptr()) % 16 + item
+    out = raw[base:base + t.numel() * item].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["rawkv", "model1"])
+def test_views_refuse_misaligned_data_buffers(layout):
+    """The kernels move a pool's entries, pages and keys and a state's rows 16
+    bytes at a time (a misaligned one faults on CUDA, a sticky error): a view
+    over such a buffer is refused naming it, on the host as on the GPU."""
+    good = V.pool_args(_pool("csa", layout=layout))
+    names = ("pages", "index_pages") if layout == "model1" else ("fp8", "scale", "rope", "index_q", "index_sf")
+    for name in names:
+        with pytest.raises(ValueError, match=rf"^{name}: .*aligned"):
+            V.pool_view(**_bad(good, name, _misaligned(good[name])))
+    st = V.state_args(kvc.DecodeState("csa", 2, device="cpu"))
+    for name in ("kv_a", "z_a", "kv_b", "z_b"):
+        with pytest.raises(ValueError, match=rf"^{name}: .*aligned"):
+            V.state_view(**_bad(st, name, _misaligned(st[name])))
+
+
 def test_operator_errors_name_the_argument(rng):
     p = _pool("csa")
     ids = torch.zeros((2, 3), dtype=torch.float32)

@@ -148,6 +148,12 @@ def _where(x) -> tuple:
     return "cpu", -1
 
 
+#: The first-byte alignment of a view's data buffers (entries, pages, keys,
+#: the decode state's rows): the kernels load and store them 16 bytes at a
+#: time, as the buffers a pool or state allocates itself are aligned.
+DATA_ALIGN = 16
+
+
 def _buf(x, name: str, dtypes: tuple, at: tuple, **kw):
     """A view's buffer, checked (C.arg); on the host as numpy (the
     reference's), sharing the memory."""
@@ -177,10 +183,10 @@ def pool_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, blo
     if index_pages is not None:
         raise ValueError("index_pages: given without pages (a 'model1' pool has both)")
     at = _where(fp8)
-    f = _buf(fp8, "fp8", U8, at, ndim=3)
+    f = _buf(fp8, "fp8", U8, at, ndim=3, align=DATA_ALIGN)
     nb, epb, nope = f.shape
-    s = _buf(scale, "scale", C.F32, at, shape=(nb, epb))
-    r = _buf(rope, "rope", C.BF16 if at[0] == "cuda" else C.F32, at, ndim=3)
+    s = _buf(scale, "scale", C.F32, at, shape=(nb, epb), align=DATA_ALIGN)
+    r = _buf(rope, "rope", C.BF16 if at[0] == "cuda" else C.F32, at, ndim=3, align=DATA_ALIGN)
     _blocks_of(r, "rope", nb, epb)
     if (index_q is None) != (index_sf is None):
         raise ValueError("index_q: index_q and index_sf are given together (a pool with indexer "
@@ -188,10 +194,10 @@ def pool_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, blo
     ih = None
     iq = isf = None
     if index_q is not None:
-        iq = _buf(index_q, "index_q", U8, at, ndim=3)
+        iq = _buf(index_q, "index_q", U8, at, ndim=3, align=DATA_ALIGN)
         _blocks_of(iq, "index_q", nb, epb)
         ih = 2 * iq.shape[2]
-        isf = _buf(index_sf, "index_sf", U8, at, shape=(nb, epb, ih // 16))
+        isf = _buf(index_sf, "index_sf", U8, at, shape=(nb, epb, ih // 16), align=DATA_ALIGN)
     bt, ids, own, wr, mk, err = _table_args(block_table, request_ids, owners, written, marks, errors, at,
                                             (nb, epb))
     p = PagedKVPool.__new__(PagedKVPool)
@@ -252,7 +258,7 @@ def _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, b
         if x is not None:
             raise ValueError(f"{name}: a 'model1' pool (pages given) has no {name} buffer; pass None")
     at = _where(pages)
-    pg = _buf(pages, "pages", U8, at, ndim=2)
+    pg = _buf(pages, "pages", U8, at, ndim=2, align=DATA_ALIGN)
     mk = _buf(marks, "marks", U8, at, ndim=2)
     nb, epb = mk.shape
     if pg.shape[0] != nb or pg.shape[1] != R.MODEL1.page_bytes(epb):
@@ -260,7 +266,7 @@ def _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, b
                          f"MODEL1 pages of {epb} entries), got {tuple(pg.shape)}")
     ih, il, ip = None, "fp8", None
     if index_pages is not None:
-        ip = _buf(index_pages, "index_pages", U8, at, ndim=2)
+        ip = _buf(index_pages, "index_pages", U8, at, ndim=2, align=DATA_ALIGN)
         by_bytes = {lay.page_bytes(epb): name for name, lay in ref.INDEX_LAYOUTS.items()}
         if ip.shape[0] != nb or ip.shape[1] not in by_bytes:
             raise ValueError(f"index_pages: expected shape ({nb}, one of {sorted(by_bytes)}) (FP8 or MXFP4 "
@@ -281,7 +287,7 @@ def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:
     `errors` None: a state for ops that count nothing (state_seed, the
     compressor's read of it)."""
     at = _where(kv_a)
-    a = _buf(kv_a, "kv_a", C.F32, at, ndim=3)
+    a = _buf(kv_a, "kv_a", C.F32, at, ndim=3, align=DATA_ALIGN)
     R, m, w = a.shape
     kind = "hca" if kv_b is None else "csa"
     coff = 2 if kind == "csa" else 1
@@ -291,13 +297,13 @@ def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:
                          f"got {tuple(a.shape)}")
     st = DecodeState.__new__(DecodeState)
     st._set_geometry(kind, R, w // coff)
-    za = _buf(z_a, "z_a", C.F32, at, shape=(R, m, w))
+    za = _buf(z_a, "z_a", C.F32, at, shape=(R, m, w), align=DATA_ALIGN)
     if (kv_b is None) != (z_b is None):
         raise ValueError("z_b: kv_b and z_b are given together (a CSA state) or both None (HCA)")
     kb = zb = None
     if kv_b is not None:
-        kb = _buf(kv_b, "kv_b", C.F32, at, shape=(R, m, st.head_dim))
-        zb = _buf(z_b, "z_b", C.F32, at, shape=(R, m, st.head_dim))
+        kb = _buf(kv_b, "kv_b", C.F32, at, shape=(R, m, st.head_dim), align=DATA_ALIGN)
+        zb = _buf(z_b, "z_b", C.F32, at, shape=(R, m, st.head_dim), align=DATA_ALIGN)
     c = _buf(count, "count", C.I32, at, shape=(R,))
     cuda = at[0] == "cuda"
     st.is_cuda, st.device_index = cuda, (at[1] if cuda else None)
