@@ -126,6 +126,12 @@ def test_state_append_and_clear(rng):
     assert _unchanged_slots(before, st, [1, 2, 3])
     ref.state_append(st, kv, z, np.array([True, False, False, False]), np.array([0, 0, 0, 0]), ape)
     assert st.count[0] == 2 and np.array_equal(st.a_z[0, 1], z[0] + ape[1])
+    # a negative count (corrupted memory) is skipped and counted, as the kernel does: never followed
+    st.count[1] = -1
+    before = st.copy()
+    assert ref.state_append(st, kv, z, np.array([False, True, False, False]), np.array([0, 1, 0, 0]), ape) == 1
+    assert st.count[1] == -1 and _unchanged_slots(before, st, [0, 1, 2, 3])
+    st.count[1] = 0
     st.b_z[3] = 1.0
     assert ref.state_clear(st, np.array([3, 0, 11])) == 1
     for s in (0, 3):

@@ -162,8 +162,9 @@ def state_append(state: DecodeStateRef, kv, z, valid_mask, slots, ape=None) -> i
     ape: (m, coff*d) or None, ape[count] is added to z (count == t mod m for
     windows aligned at multiples of m). Returns the number of valid rows
     skipped: slot out of range, a duplicate slot (only the lowest valid row
-    of a slot appends, _owner_rows), or window already full (count == m:
-    the caller missed a flush).
+    of a slot appends, _owner_rows), window already full (count == m:
+    the caller missed a flush), or a count outside 0..m (corrupted memory:
+    never followed, as the kernel).
     """
     valid_mask, slots = _slots_and_mask(state, valid_mask, slots)
     w = state.a_kv.shape[2]
@@ -178,7 +179,7 @@ def state_append(state: DecodeStateRef, kv, z, valid_mask, slots, ape=None) -> i
     rows, errors = _owner_rows(valid_mask, slots, lambda s: _slot_ok(state, s))
     for b in rows:
         s = int(slots[b])
-        if state.count[s] >= state.m:
+        if not 0 <= state.count[s] < state.m:    # (a negative count: corrupted memory; never followed)
             errors += 1
             continue
         r = int(state.count[s])
