@@ -156,6 +156,24 @@ def test_layout_ops_refuse_read_only_or_overlapping_outputs():
     assert R.MODEL1.page_bytes(p) == cache.shape[1]
 
 
+def test_a_view_of_part_of_each_page_is_checked_as_the_whole_pages():
+    """A torch cache given as a slice of each page (pages along dimension 0,
+    page_bytes apart: accepted) is written whole by the op, so an errors= in
+    a page's bytes past the slice is refused, not overwritten by a record."""
+    torch = pytest.importorskip("torch")
+    p = 4
+    full = kc.new_layout_cache("model1", 2, p, device="cpu")
+    err = full[0, 16:20].view(torch.int32)
+    rows = torch.randn(2, 512)
+    slots = torch.tensor([0, 99], dtype=torch.int32)
+    _refused("errors", "cache", lambda: kc.model1_store(full[:, :8], rows, slots, page_size=p, errors=err))
+    assert not full.any()
+    out = full[1, 64:64 + 512 * 4].view(torch.float32).view(1, 512)
+    _refused("out", "cache", lambda: kc.model1_gather(full[:, :8], slots[:1], page_size=p, out=out))
+    kc.model1_store(full[:, :8], rows, slots, page_size=p, errors=torch.zeros(1, dtype=torch.int32))
+    assert full[0].any()
+
+
 # ---------------------------------------------------------------------------
 # properties (hypothesis): the op against the reference, at most one wrong argument
 # ---------------------------------------------------------------------------
