@@ -439,6 +439,43 @@ def test_zero_nvfp4_scales_pack_with_zero_codes(rng):
     np.testing.assert_array_equal(w.dequantize().numpy(), want.astype(np.float32))
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_constructor_refuses_packed_scales_the_kernels_read_otherwise(rng, fmt):
+    """A weight given packed (Fp4Weight(...)): a padding column's scale byte
+    other than the padding byte (NaN there made every GPU output NaN, the
+    CPU drops padding), an MXFP4 block's two copies differing (each kernel
+    lane applies its own, the reference the first), or MXFP4 bytes outside
+    the exp_range given (the kernels' factors assume it) are refused by
+    name; the form from_* packs is taken as it is."""
+    g, n, k = 2, 20, 96                          # K = 96: the second chunk's columns 96 .. 127 are padding
+    codes = _t(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8))
+    if fmt == "nvfp4":
+        w = Fp4Weight.from_nvfp4(codes, _t(rng.integers(0x08, 0x7F, (g, n, k // 16), dtype=np.uint8)), 1.0,
+                                 groups=g)
+    else:
+        w = Fp4Weight.from_mxfp4(codes, _t(rng.integers(120, 131, (g, n, k // 32), dtype=np.uint8)), groups=g)
+    Fp4Weight(fmt, n, k, w.codes, w.scales, w.gs, exp_range=w.exp_range)          # as packed: taken
+    for lane, half in ((2, 0), (31, 1), (14, 0)):                  # units 2 and 3 of chunk 1: columns 96 .. 127
+        sc = w.scales.clone()
+        sc[1, 1, 1, lane, half] = 0xFF
+        with pytest.raises(ValueError, match="^scales: the packed scales of the columns past K = 96"):
+            Fp4Weight(fmt, n, k, w.codes, sc, w.gs, exp_range=w.exp_range)
+    if fmt == "nvfp4":
+        return
+    sc = w.scales.clone()
+    sc[0, 0, 0, 5, 1] ^= 1                                         # lane 5: unit 1, block 0's second copy
+    with pytest.raises(ValueError, match="^scales: an MXFP4 block's two packed copies"):
+        Fp4Weight(fmt, n, k, w.codes, sc, w.gs, exp_range=w.exp_range)
+    lo, hi = w.exp_range
+    for rng_given in ((lo + 1, hi), (lo, hi - 1)):
+        with pytest.raises(ValueError, match=r"^exp_range: .* span \[%d, %d\]" % (lo, hi)):
+            Fp4Weight(fmt, n, k, w.codes, w.scales, w.gs, exp_range=rng_given)
+    # a padding row's byte (rows past N: computed, never stored) is not the weight's
+    sc = w.scales.clone()
+    sc[0, 1, 0, 4 * 7, 1] = 200                                    # row 16 + 7 + 8 = 31 >= 20
+    assert Fp4Weight(fmt, n, k, w.codes, sc, w.gs, exp_range=w.exp_range).exp_range == (lo, hi)
+
+
 def test_nvfp4_constructor_refuses_packed_scales_off_the_rule(rng):
     # A packed NVFP4 weight built by hand: scale bytes that are no E4M3
     # scale's factor byte, or a zero scale over nonzero codes, are refused

@@ -172,6 +172,51 @@ def _group_gs_list(gs, g: int) -> list[float]:
     return [check_gs_number(v, "gs") for v in vals]
 
 
+def check_packed_scales(fmt: str, n: int, k: int, scales, exp_range):
+    """The packed scales' rules the kernels rely on that the reference does
+    not read (docs/gemm.md, "Packed form"), for a weight given packed: the
+    columns past K hold the padding byte (the kernels multiply them by the
+    zero activations past K: a NaN factor there made every output NaN on the
+    GPU alone); an MXFP4 block's two copies (one per 16-column half) agree
+    (each lane of the mma.sync kernel applies its own); and its real blocks'
+    bytes lie in `exp_range` where one is given, which the kernels' factor
+    arithmetic assumes (None: unknown, and the ops refuse the weight:
+    _rules.mx_span). Returns the exp_range (None for NVFP4). A
+    ValueError naming `scales` or `exp_range` otherwise; reads the scales
+    (a host sync: load time)."""
+    import torch
+    g, t, c = scales.shape[:3]
+    if scales.numel() == 0:
+        return exp_range
+    by_unit = scales.reshape(g, t, c, 8, 4, 2)            # (.., chunk, row % 8, 16-column unit, row half)
+    dev = scales.device
+    col = (torch.arange(c, device=dev)[:, None, None, None] * ref.CHUNK
+           + 16 * torch.arange(4, device=dev)[None, None, :, None]).expand(c, 8, 4, 2)
+    pad = ref.SCALE_PAD[ref.BLOCKS[fmt]]
+    pad = int(ref.NV_FACTOR_OF_E4M3[pad]) if fmt == "nvfp4" else pad
+    if bool(by_unit.masked_select(col >= k).ne(pad).any()):
+        raise ValueError(f"scales: the packed scales of the columns past K = {k} must be the padding byte "
+                         f"{pad:#04x} (pack through Fp4Weight.from_float / from_nvfp4 / from_mxfp4)")
+    if fmt != "mxfp4":
+        return exp_range
+    # (Rows past N: computed, never stored; their bytes are not the weight's.)
+    row = (torch.arange(t, device=dev)[:, None, None, None, None] * ref.ROWS
+           + torch.arange(8, device=dev)[None, None, :, None, None]
+           + 8 * torch.arange(2, device=dev)[None, None, None, None, :])
+    stored = (row < n).expand(t, c, 8, 2, 2)
+    if bool(by_unit[..., 0::2, :].ne(by_unit[..., 1::2, :]).masked_select(stored).any()):
+        raise ValueError("scales: an MXFP4 block's two packed copies (its 16-column halves) must be the same "
+                         "byte (pack through Fp4Weight.from_mxfp4)")
+    if exp_range is None:
+        return None
+    real = by_unit.masked_select((row < n) & (col < k))
+    rng = (int(real.min()), int(real.max())) if real.numel() else (127, 127)
+    if not exp_range[0] <= rng[0] <= rng[1] <= exp_range[1]:
+        raise ValueError(f"exp_range: {tuple(exp_range)} does not hold the weight's scale bytes, which span "
+                         f"[{rng[0]}, {rng[1]}] (the kernels' factors assume it does)")
+    return tuple(exp_range)
+
+
 def check_nv_packed(codes, scales) -> None:
     """An NVFP4 weight's packed scales (docs/gemm.md, "Packed form"): each
     byte a factor byte of an E4M3 scale (rawkv.reference.gemm.NV_FACTOR_OF_E4M3:
@@ -224,8 +269,10 @@ class Fp4Weight:
                 raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
         if input_scale is not None and tuple(input_scale.shape) != (g,):
             raise ValueError(f"input_scale: expected shape {(g,)}, got {tuple(input_scale.shape)}")
-        if fmt == "nvfp4" and not checked:
-            check_nv_packed(codes, scales)
+        if not checked:
+            exp_range = check_packed_scales(fmt, n, k, scales, exp_range)
+            if fmt == "nvfp4":
+                check_nv_packed(codes, scales)
         self.fmt, self.groups, self.n, self.k = fmt, g, n, k
         self.codes, self.scales, self.gs = codes, scales, gs
         self.input_scale = input_scale
