@@ -178,3 +178,26 @@ def test_the_operators_check_the_weight_tensors(rng):
             torch.ops.rawkv.gemm_grouped_linear(**{**args, key: bad}, out=out)
     torch.ops.rawkv.gemm_grouped_linear(**args, out=out)
     assert torch.equal(out.view(torch.int16), rawkv.gemm.grouped_linear(x, w).view(torch.int16))
+
+
+def test_a_launch_grid_past_the_limit_is_refused_on_cpu_as_on_cuda():
+    """The plans refuse a grid past 65535 token tiles, slots or groups; the
+    same calls are refused on CPU (the shared rule, _rules.grid_fits, at 32
+    tokens a tile: the fewest any kernel takes past 64), naming x."""
+    from rawkv.gemm import _rules as R
+    g = R.MAX_GRID_YZ + 1
+    w = rawkv.gemm.Fp4Weight.from_nvfp4(torch.zeros(g, 16, 8, dtype=torch.uint8),
+                                        torch.full((g, 16, 1), 0x38, dtype=torch.uint8), 1.0)
+    with pytest.raises(ValueError, match=r"^x: 1 tokens x 65536 groups is past the launch grid's limit"):
+        rawkv.gemm.grouped_linear(torch.zeros(1, g, 16, dtype=torch.bfloat16), w)
+    # the bounds themselves: (the most tokens that fit, groups or experts, ragged); one more is refused
+    top = R.MAX_GRID_YZ
+    for t, groups, ragged in ((32 * top, top, False),            # 65535 tiles of 32 tokens, 65535 groups
+                              (32 * (top - 3), 1, True),          # one expert: its tiles + 3 slots
+                              (32 * (top - 1025), 1023, True)):   # 1023 experts: their tiles + 1025 slots
+        R.grid_fits(t, groups, ragged)
+        with pytest.raises(ValueError, match=r"^x: .* past the launch grid's limit"):
+            R.grid_fits(t + 1, groups, ragged)
+    with pytest.raises(ValueError, match=r"^x: 1 tokens x 65536 groups"):
+        R.grid_fits(1, top + 1, False)
+    R.grid_fits(top, 1023, True)          # a ragged call of few rows has at most one slot a row

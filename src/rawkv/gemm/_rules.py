@@ -58,6 +58,29 @@ class Act:
         self.kind, self.x, self.sf, self.gs, self.lead, self.device = kind, x, sf, gs, lead, device
 
 
+#: The launch grid's limit in y and z (the token tiles or ragged slots, the
+#: groups).
+MAX_GRID_YZ = 65535
+#: The fewest tokens a tile of any kernel and GPU takes once a call has more
+#: than 64 tokens per group or expert (the mma.sync kernel's CONFIGS["large"]).
+_LARGE_TILE_TOKENS = 32
+
+
+def grid_fits(tokens: int, groups: int, ragged: bool) -> None:
+    """A call whose launch grid could pass MAX_GRID_YZ on some GPU or kernel
+    path is refused on every placement (the plans, which know the tile, find
+    the same; the CPU path launches nothing but refuses alike): batched,
+    ceil(T / 32) token tiles and G groups; ragged, the slot bound
+    (plans.ragged_slots) at 32 tokens a tile, whatever E experts give."""
+    tiles = -(-tokens // _LARGE_TILE_TOKENS)
+    if ragged:
+        over = min(tokens, tiles + groups + 2) > MAX_GRID_YZ
+    else:
+        over = tiles > MAX_GRID_YZ or groups > MAX_GRID_YZ
+    if over:
+        raise ValueError(f"x: {tokens} tokens x {groups} groups is past the launch grid's limit")
+
+
 # ---- one function per op --------------------------------------------------------------------
 def mx_span(fmt, exp_lo, exp_hi) -> None:
     """An MXFP4 weight's scale bytes span [exp_lo, exp_hi] (its exp_range;
@@ -83,6 +106,7 @@ def grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out):
     t, g = act.lead
     if g != w.groups:
         raise ValueError(f"x: has {g} groups, the weight {w.groups}")
+    grid_fits(t, g, False)
     return where, act, w, output(out, (t, g, n), where, act.device)
 
 
@@ -104,6 +128,7 @@ def ragged(experts, offsets, out, errors, out_shape, where, device) -> tuple:
     int32 (E+1,), out of `out_shape`, errors None or an int32 counter."""
     if experts + 1 > K.MAX_SEGMENTS:
         raise ValueError(f"weight: {experts} experts; the ragged kernel takes at most {K.MAX_SEGMENTS - 1}")
+    grid_fits(out_shape[0], experts, True)
     offsets = A.tensor(offsets, "offsets", _I32, where, shape=(experts + 1,), device=device)
     if errors is not None:
         errors = A.counter(errors, where, device)
@@ -344,6 +369,7 @@ def w4a8_grouped(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors):
     t, g = act.lead
     if g != w.groups:
         raise ValueError(f"x: has {g} groups, the weight {w.groups}")
+    grid_fits(t, g, False)
     if errors is not None:
         errors = A.counter(errors, where, act.device)
     return where, act, w, output(out, (t, g, n), where, act.device), errors

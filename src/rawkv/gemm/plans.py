@@ -17,9 +17,7 @@ from .._plan import Launch
 from ..kernels import gemm_fp4 as K
 from ..kernels import gemm_w4a8 as K8
 from . import tma
-
-#: The grid's y and z dimensions (token tiles, groups) stop at 65535.
-MAX_GRID_YZ = 65535
+from ._rules import MAX_GRID_YZ     # (the grid's y and z: token tiles or slots, groups)
 
 
 class Tuning(NamedTuple):
