@@ -144,6 +144,9 @@ def test_cpu_dtypes_are_the_cuda_dtypes():
     assert p.read_errors() == 0 and st.read_errors() == 0
     # accepted: torch CPU tensors of the CUDA dtypes, BF16 included
     torch = pytest.importorskip("torch")
+    # a torch out of another dtype and no dtype given: the out is named, not the dtype it set
+    with pytest.raises(TypeError, match="^out: expected bfloat16, float16 or float32"):
+        kc.gather_topk(p, s, ids, out=torch.zeros(2, 3, 512, dtype=torch.float64))
     kc.flush_write(p, torch.from_numpy(ents).bfloat16(), torch.from_numpy(v), torch.from_numpy(s),
                    torch.from_numpy(pos), index_keys=torch.from_numpy(keys).bfloat16())
     assert p.read_errors() == 0 and p.written[s[0]] == 1

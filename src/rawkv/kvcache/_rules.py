@@ -146,9 +146,12 @@ def out_dtype(dtype, out) -> str:
             _agrees(name, out)
             return name
         dtype = out.dtype
+        given = "out"                     # (the dtype is out's: a wrong one is out's error)
+    else:
+        given = "dtype"
     name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
     if name not in OUT:
-        raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype!r}")
+        raise TypeError(f"{given}: expected bfloat16, float16 or float32, got {dtype!r}")
     if not isinstance(dtype, str) and A.is_torch(out):
         _OUT_NAMES[dtype] = name
     if out is not None:
