@@ -37,6 +37,15 @@ def test_initial_state_is_empty():
     assert h.a_kv.shape == (2, 128, 8) and h.b_kv is None
 
 
+def test_a_window_past_the_kernels_32_bit_rows_is_refused():
+    """The state kernels find a window row with a 32-bit division: a state
+    of m x width >= 2^32 values is refused (before it is allocated), naming
+    head_dim."""
+    for kind, hd in (("hca", 1 << 25), ("csa", 1 << 29)):            # m = 128 x head_dim, 4 x 2 head_dim
+        with pytest.raises(ValueError, match="^head_dim: .*past the kernels' 2\\^32"):
+            kc.DecodeState(kind, 1, head_dim=hd, device="cpu")
+
+
 def _state_arrays(st):
     return [a for a in (st.a_kv, st.a_z, st.count, st.b_kv, st.b_z) if a is not None]
 

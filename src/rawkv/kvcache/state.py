@@ -73,6 +73,10 @@ class DecodeState(ErrorCounter):
             raise ValueError(f"head_dim: expected a multiple of 4, got {head_dim}")
         self.coff = 2 if kind == "csa" else 1
         self.width = self.coff * self.head_dim
+        if self.m * self.width >= 1 << 32:
+            # (the state kernels find a row of the window with a 32-bit division)
+            raise ValueError(f"head_dim: {head_dim} makes a {kind.upper()} window of {self.m} x {self.width} "
+                             "values, past the kernels' 2^32")
 
     def __repr__(self):
         return (f"<DecodeState {self.kind} m={self.m} requests={self.max_requests} "
