@@ -84,3 +84,18 @@ def test_cpu_dlpack_bfloat16_and_fp8_inputs_are_read():
         codes8 = codes.view(torch.float8_e4m3fn)
         assert np.array_equal(rawkv.fp8.dequantize_blocks(DL(codes8), scales),
                               rawkv.fp8.dequantize_blocks(codes8, scales))
+
+
+def test_gpu_outputs_over_inputs_through_dlpack_are_refused(cuda):
+    """The same on CUDA: a DLPack-wrapped device array (CuPy's, JAX's) as
+    out= over x, or as x under out=, is refused before the launch."""
+    w = _weight().to("cuda")
+    buf = torch.randn(3, 3, 64, device="cuda").bfloat16()
+    before = buf.clone()
+    _refused("out", "x", lambda: rawkv.gemm.grouped_linear(DL(buf), w, out=buf[..., :16]))
+    _refused("out", "x", lambda: rawkv.gemm.grouped_linear(buf, w, out=DL(buf[..., :16])))
+    torch.cuda.synchronize()
+    assert torch.equal(buf, before)
+    out = torch.empty(3, 3, 16, device="cuda", dtype=torch.bfloat16)
+    rawkv.gemm.grouped_linear(DL(buf), w, out=DL(out))                # apart: written
+    assert torch.equal(out, rawkv.gemm.grouped_linear(buf, w))
