@@ -206,8 +206,13 @@ def quantize_blocks(x, *, block: int = 128, scale_format: str = "fp32", out=None
     if scales is None:
         scales = new_scales(x, s, block, scale_format, stream)
     # (a float8_e8m0fnu out.scales reaches the operator as its bytes, as the
-    # fused producers pass it: e8m0_bytes)
-    _quantize_blocks(x, block, scale_format, codes, e8m0_bytes(scales), stream)
+    # fused producers pass it: e8m0_bytes; for 'fp32' scales it is refused
+    # here, naming its own dtype, not the bytes' the operator would see)
+    byte_scales = e8m0_bytes(scales)
+    if byte_scales is not scales and scale_format == "fp32":
+        raise TypeError("scales: dtype float8_e8m0fnu is not supported for scale_format 'fp32' "
+                        "(expected float32; E8M0 scales are scale_format 'ue8m0')")
+    _quantize_blocks(x, block, scale_format, codes, byte_scales, stream)
     return codes, (as_e8m0(scales) if new_bytes else scales)
 
 

@@ -478,3 +478,6 @@ def test_an_e8m0_out_scales_reaches_the_operator_as_bytes(monkeypatch):
     assert seen == [torch.uint8, torch.uint8] and scales is buf
     assert torch.equal(scales.view(torch.uint8), want[1].view(torch.uint8))
     assert torch.equal(codes.view(torch.uint8), want[0].view(torch.uint8))
+    # for FP32 scales the same buffer is refused naming its own dtype, not the bytes the operator sees
+    with pytest.raises(TypeError, match="^scales: dtype float8_e8m0fnu is not supported for scale_format 'fp32'"):
+        rawkv.fp8.quantize_blocks(x, out=(None, buf))
