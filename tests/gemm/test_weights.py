@@ -113,6 +113,12 @@ def test_from_float_errors():
         Fp4Weight.from_float(w, gs=[0.1, -1.0])
     with pytest.raises(ValueError, match="^gs:"):
         Fp4Weight.from_float(w, gs=1e38)             # above the float32-input bound
+    # inf / NaN elements: their blocks would load as NaN (from_nvfp4 refuses those scale bytes)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        wb = torch.ones(2, 8, 32)
+        wb[1, 3, 20] = bad
+        with pytest.raises(ValueError, match=r"^w: 1 block\(s\) of 16 hold inf or NaN"):
+            Fp4Weight.from_float(wb, gs=1.0 if bad != bad else None)
 
 
 def _checkpoint(rng, g, n, k):

@@ -332,6 +332,13 @@ class Fp4Weight:
         parts = [nvfp4.quantize(w3[i], scope="tensor") if given is None
                  else nvfp4.quantize(w3[i], scope="given", gs=given[i]) for i in range(g)]
         codes, scales = (torch.stack([p[j].view(torch.uint8) for p in parts]) for j in (0, 1))
+        # A block holding inf or NaN quantizes to the flagged scale 0x7F (NaN): the loaders refuse
+        # those bytes (from_nvfp4), so this does too rather than load NaN weights (a host sync:
+        # load time).
+        flagged = int(scales.gt(NV_SCALE_MAX).sum())
+        if flagged:
+            raise ValueError(f"w: {flagged} block(s) of 16 hold inf or NaN, which NVFP4 cannot hold "
+                             "(their scales would load as NaN)")
         gsv = torch.stack([s.reshape(()) for _, _, s in parts]).to(torch.float32)
         return cls._packed("nvfp4", codes, scales, gsv)
 
