@@ -311,6 +311,12 @@ def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, d
     if device is not None and v.get_device() != device:
         raise ValueError(f"{name}: is on {_device_name(v.get_device())} but the op runs on "
                          f"{_device_name(device)}")
+    if v is not a and any(st % a.itemsize for st in a.strides):
+        # (a numpy view with byte strides that are no whole elements: a record
+        # field, an as_strided view; no torch tensor has them, and the stride
+        # rules below count elements)
+        raise ValueError(f"{name}: strides {a.strides} (bytes) are not whole {a.itemsize}-byte elements; "
+                         "pass a copy (numpy.ascontiguousarray)")
     if dense and not v.is_contiguous():
         raise ValueError(f"{name}: must be contiguous (got strides {tuple(v.stride())}); "
                          "call .contiguous() first")

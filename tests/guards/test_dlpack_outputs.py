@@ -99,3 +99,4 @@ def test_gpu_outputs_over_inputs_through_dlpack_are_refused(cuda):
     out = torch.empty(3, 3, 16, device="cuda", dtype=torch.bfloat16)
     rawkv.gemm.grouped_linear(DL(buf), w, out=DL(out))                # apart: written
     assert torch.equal(out, rawkv.gemm.grouped_linear(buf, w))
+

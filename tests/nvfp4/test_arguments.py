@@ -331,3 +331,15 @@ def test_empty_inputs_launch_nothing(rt):
     rawkv.nvfp4.gather(fake(torch.zeros(3, 16, dtype=torch.uint8)), fake(torch.zeros(3, 2, dtype=torch.uint8)),
                        1.0, fake(torch.zeros(0, dtype=torch.int64)))
     assert rt.calls == []
+
+
+def test_host_arrays_with_strides_of_no_whole_elements_are_refused():
+    """A numpy view whose byte strides are not whole elements (a record
+    field, 130-byte rows of float32) has no torch or CUDA counterpart: the
+    stride rules, which count elements, are not fooled by it (130 // 4 read
+    as 32), and it is refused by name."""
+    rec = np.zeros(4, dtype=[("a", np.float32, (32,)), ("pad", np.uint8, 2)])
+    with pytest.raises(ValueError, match=r"^x: strides \(130, 4\) \(bytes\) are not whole 4-byte elements"):
+        rawkv.nvfp4.quantize(rec["a"])
+    q, sf, gs = rawkv.nvfp4.quantize(np.ascontiguousarray(rec["a"]))        # the copy is taken
+    assert q.shape == (4, 16)
