@@ -45,8 +45,10 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
 
     scope: 'tensor' (gs = amax(x)/2688, shape ()), 'row' (one gs per row,
     shape x.shape[:-1]), 'given' (gs: a number, Python or numpy, or a
-    1-element float32 tensor), 'none' (gs = 1); None: 'given' when gs is
-    given, else 'tensor'. A given gs must satisfy 0 < gs < the bound of x's
+    1-element float32 tensor), 'none' (gs = 1); scope=None: 'given' when
+    gs is given, else 'tensor' (the default stays 'tensor', so a gs passed
+    without a scope is refused, naming gs: say scope='given', or None). A
+    given gs must satisfy 0 < gs < the bound of x's
     dtype (docs/format.md): a number or a host array outside it is a
     ValueError; a device tensor is checked by the kernel, which then flags
     every block (sf 0x7F, codes 0) and counts the call in
