@@ -109,10 +109,7 @@ def to_numpy(x, name: str) -> np.ndarray:
         if x.dtype in byte_dtypes(torch):
             return x.detach().view(torch.uint8).numpy()
         return x.detach().numpy()
-    view = _dlpack_view(x)        # (torch first: numpy has no BF16 or FP8)
-    if view is None:
-        raise TypeError(f"{name}: could not be read through DLPack (neither torch nor numpy takes it)")
-    return to_numpy(view, name)
+    return to_numpy(_dlpack_array(x, name), name)
 
 
 def byte_dtypes(torch) -> tuple:
@@ -278,10 +275,7 @@ def _as_array(a, name: str, where: str):
         return a
     if where == "cuda":
         return as_cuda_tensor(a, name)
-    view = _dlpack_view(a)
-    if view is None:
-        raise TypeError(f"{name}: could not be read through DLPack (neither torch nor numpy takes it)")
-    return view
+    return _dlpack_array(a, name)
 
 
 def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, device=None,
@@ -673,10 +667,6 @@ def _span(a):
     geometry is read only if an overlap test needs it; every op call spans
     its arrays), else its geometry (_geometry; a detached span has it for a
     dense array too)."""
-    if not isinstance(a, np.ndarray) and not is_torch(a) and hasattr(a, "__dlpack__"):
-        # Another library's array (CuPy, JAX, ...): the ops accept them, so
-        # their memory is compared too, through a zero-copy view.
-        a = _dlpack_view(a)
     if isinstance(a, np.ndarray):
         if a.size == 0:
             return None
@@ -693,6 +683,11 @@ def _span(a):
             return None
         if a.is_contiguous():
             return ("host" if a.device.type == "cpu" else str(a.device)), ptr, ptr + n * a.element_size(), True, a
+    elif hasattr(a, "__dlpack__"):
+        # Another library's array (CuPy, JAX, ...): the ops accept them, so
+        # their memory is compared too, through a zero-copy view.
+        view = _dlpack_view(a)
+        return None if view is None else _span(view)
     else:
         return None
     g = _array_geometry(a)
@@ -714,6 +709,15 @@ def _dlpack_view(a):
         return np.from_dlpack(a)
     except Exception:  # noqa: BLE001 - nor numpy: the array cannot be compared
         return None
+
+
+def _dlpack_array(a, name: str):
+    """_dlpack_view of a DLPack array an op computes on (torch first: numpy
+    has no BF16 or FP8), or a TypeError naming it."""
+    view = _dlpack_view(a)
+    if view is None:
+        raise TypeError(f"{name}: could not be read through DLPack (neither torch nor numpy takes it)")
+    return view
 
 
 def _array_geometry(a) -> tuple:
