@@ -176,25 +176,11 @@ __global__ void __launch_bounds__(256, 1) ceiling(float* out, int iters) {
 }
 
 #ifndef __CUDACC_RTC__     // (the host part: tests compile the kernels alone with NVRTC)
+#define TIMING
 template <int N, int MODE>
 void run(const char* name, float* out, int sms) {
     const int smem = S * (N * 128 + 128 * 128) + S * kWStage + 1024, iters = 4000;
-    auto k = ceiling<N, MODE>;
-    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    k<<<sms, 256, smem>>>(out, 10);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    float best = 1e30f;
-    for (int rep = 0; rep < 3; ++rep) {
-        cudaEventRecord(e0);
-        k<<<sms, 256, smem>>>(out, iters);
-        cudaEventRecord(e1);
-        cudaEventSynchronize(e1);
-        float ms;
-        cudaEventElapsedTime(&ms, e0, e1);
-        best = ms < best ? ms : best;
-    }
+    const float best = best_ms(ceiling<N, MODE>, sms, smem, out, iters, 3);
     const cudaError_t err = cudaGetLastError();
     const int chunks = MODE == DEQUANT3 ? (iters + 2) / 3 * 3 : iters;
     const double flops = (double)sms * chunks * 2 * 2 * 4 * 64.0 * N * 16 * 2;
@@ -232,7 +218,8 @@ def source() -> str:
     """The program: the W4A16 kernel file's constants as #defines, then the body."""
     from rawkv.kernels import gemm_fp4
     wrappers = "".join(wrapper_ss(n) for n in NS)
-    return ceiling_program.defines(gemm_fp4.FILE) + BODY.replace("#define WRAPPERS", wrappers)
+    body = BODY.replace("#define WRAPPERS", wrappers).replace("#define TIMING", ceiling_program.TIMING)
+    return ceiling_program.defines(gemm_fp4.FILE) + body
 
 
 def main() -> int:

@@ -179,21 +179,11 @@ __global__ void __launch_bounds__(256, 1) ceiling(float* out, int iters) {
 }
 
 #ifndef __CUDACC_RTC__     // (the host part: tests compile the kernels alone with NVRTC)
+#define TIMING
 template <bool SS, int MODE>
 void run(const char* name, float* out, int sms) {
     const int smem = S * (BST + AST) + S * N * 4 + S * 8192 + 1024, iters = 4000;
-    auto k = ceiling<SS, MODE>;
-    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    k<<<sms, 256, smem>>>(out, 10);
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    cudaEventRecord(e0);
-    k<<<sms, 256, smem>>>(out, iters);
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms;
-    cudaEventElapsedTime(&ms, e0, e1);
+    const float ms = best_ms(ceiling<SS, MODE>, sms, smem, out, iters, 1);
     const cudaError_t err = cudaGetLastError();
     const double flops = (double)sms * iters * 2 * 4 * 64.0 * N * 32 * 2;
     printf("%-28s %s %8.1f TFLOP/s %s\n", name, SS ? "SS" : "RS", flops / (ms * 1e-3) / 1e12,
@@ -229,7 +219,8 @@ def source() -> str:
     #defines (nvcc would split a -D value at its commas), then the body."""
     from rawkv.kernels import gemm_w4a8
     wrappers = gen_wgmma.wrapper_fp8(128) + wrapper_ss(128)
-    return ceiling_program.defines(gemm_w4a8.FILE) + BODY.replace("#define WRAPPERS", wrappers)
+    body = BODY.replace("#define WRAPPERS", wrappers).replace("#define TIMING", ceiling_program.TIMING)
+    return ceiling_program.defines(gemm_w4a8.FILE) + body
 
 
 def main() -> int:
