@@ -457,18 +457,24 @@ __device__ __forceinline__ void gemm_sm90(
                     s_scale[i] = wscale * xgs[(i64)min(t0 + i, t1 - 1) * gs_t + (i64)g * gs_g];
                 asm volatile("bar.sync 1, 256;\n" ::: "memory");
             }
+            // Two 8-token groups at a time, by stmatrix: the D fragments of
+            // rows q and q + 8 of group j are two 8 x 8 matrices (features x
+            // tokens) in the MMA fragment layout, stored transposed, each
+            // token's 8 features as 16 bytes (lane 8 i + c: matrix i's token
+            // c), in place of one 2-byte store per value.
+            const int mi = lane >> 3, mc = lane & 7;
 #pragma unroll
-            for (int j = 0; j < N / 8; ++j) {
+            for (int j = 0; j < N / 8; j += 2) {
+                const int tl = 8 * j + 2 * t;                         // this lane's first token
+                const float s0 = ACT == 2 ? s_scale[tl] : wscale, s1 = ACT == 2 ? s_scale[tl + 1] : wscale;
+                const float s2 = ACT == 2 ? s_scale[tl + 8] : wscale, s3 = ACT == 2 ? s_scale[tl + 9] : wscale;
+                const int tok = 8 * (j + (mi >> 1)) + mc;             // the token whose row this lane addresses
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int tl = 8 * j + 2 * t + h;                     // token within the tile
-                    const float sc = ACT == 2 ? s_scale[tl] : wscale;
-#pragma unroll
-                    for (int m = 0; m < kMT; ++m) {
-                        const int r = my_tile[m] * 16 + q;
-                        stile[tl * kPitch + r] = __float2bfloat16_rn(acc[m][4 * j + h] * sc);
-                        stile[tl * kPitch + r + 8] = __float2bfloat16_rn(acc[m][4 * j + 2 + h] * sc);
-                    }
+                for (int m = 0; m < kMT; ++m) {
+                    const float* a = &acc[m][4 * j];
+                    stmatrix_x4_trans(smem_u32(stile + tok * kPitch + my_tile[m] * 16 + 8 * (mi & 1)),
+                                      bf16x2_rn(a[0] * s0, a[1] * s1), bf16x2_rn(a[2] * s0, a[3] * s1),
+                                      bf16x2_rn(a[4] * s2, a[5] * s3), bf16x2_rn(a[6] * s2, a[7] * s3));
                 }
             }
             store_staged<kBM, kPitch>(stile, obase + (i64)t0 * os_t + row0, os_t, t1 - t0);

@@ -118,6 +118,23 @@ __device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
     }
 }
 
+// Two floats as a packed BF16 pair, each rounded to nearest even (lo in
+// bits 0..15): one conversion for both, __float2bfloat16_rn's rounding.
+__device__ __forceinline__ u32 bf16x2_rn(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// A warp's four 8 x 8 matrices of 16-bit values, each held as an MMA
+// accumulator fragment (lane (q, t): row q, columns 2t and 2t + 1 packed in
+// r[i]), stored transposed: lane 8 i + c gives the shared address of
+// matrix i's column c, whose 8 values land there as 16 contiguous bytes.
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
 // The last step of a wgmma kernel's staged epilogue (its two consumer
 // warpgroups, threads 0..255): once each thread's values are in `stile`, a
 // token-major tile of `rows` tokens of PITCH values (BM outputs and
