@@ -1,0 +1,73 @@
+"""tools/ab_gemm.py, the A/B timing of two source trees' GEMM kernels: its
+row selection, its summary (ratio of the fastest timings, whether every
+output's bytes agree) and its driver (a git worktree of the base revision,
+rounds of base then new, the worktree removed afterwards). The timings
+themselves need a GPU; here the workers are replaced by fixed results."""
+import importlib.util
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("ab_gemm", ROOT / "tools" / "ab_gemm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rows_are_named_sets_in_order_once():
+    ab = _tool()
+    assert ab.parse_rows("moe, wo_a,moe") == ("moe", "wo_a")
+    assert ab.parse_rows("w4a8") == ("w4a8",)
+    for bad in ("", "moe,dense", " , "):
+        with pytest.raises(ValueError, match="--rows"):
+            ab.parse_rows(bad)
+
+
+def test_summary_compares_fastest_and_bytes():
+    ab = _tool()
+    base = [{"a": (10.0, "h1"), "b": (5.0, "h2")}, {"a": (11.0, "h1"), "b": (5.5, "h2")}]
+    new = [{"a": (9.5, "h1"), "b": (6.0, "hX"), "c": (1.0, "h3")}, {"a": (9.0, "h1"), "b": (5.0, "h2")}]
+    lines = {ln.split()[0]: ln for ln in ab.summary(base, new)[1:]}
+    assert lines["a"].split()[-2:] == ["0.900", "same"]          # 9.0 / 10.0
+    assert lines["b"].split()[-2:] == ["1.000", "DIFFER"]        # one new round gave other bytes
+    assert lines["c"].split()[-2:] == ["-", "same"]              # no base timing to compare with
+    assert "10.0 11.0" in lines["a"] and "9.5 9.0" in lines["a"]
+
+
+def test_driver_runs_rounds_on_a_worktree_and_removes_it(monkeypatch, capsys):
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    ab = _tool()
+    calls = []
+
+    def fake_run(src, rows):
+        calls.append((src, rows))
+        assert pathlib.Path(src, "rawkv", "__init__.py").is_file()     # the tree's package is there
+        return {"row": (2.0 if str(ROOT / "src") == src else 4.0, "h")}
+
+    monkeypatch.setattr(ab, "_run_tree", fake_run)
+    assert ab.main(["--base", head, "--rounds", "2", "--rows", "moe"]) == 0
+    assert [c[0] == str(ROOT / "src") for c in calls] == [False, True, False, True]   # base, then new, twice
+    assert all(c[1] == ("moe",) for c in calls)
+    out = capsys.readouterr().out
+    assert "0.500" in out and "same" in out
+    listed = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
+    assert calls[0][0].rsplit("/src", 1)[0] not in listed
+
+
+def test_driver_needs_a_base_and_rounds():
+    ab = _tool()
+    with pytest.raises(SystemExit):
+        ab.main(["--rows", "moe"])
+    with pytest.raises(SystemExit):
+        ab.main(["--base", "HEAD", "--rounds", "0"])
+    with pytest.raises(SystemExit):
+        ab.main(["--base", "HEAD", "--rows", "dense"])

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""A/B timing of the GEMM kernels of two source trees on one GPU, interleaved:
+the rows a kernel change touches, each row's time (CUDA-graph replays,
+rawkv.bench.timing.warm_cuda_time_us) and the SHA-1 of its output bytes, so a
+change meant to keep the bits shows that it does, and a timing is compared only
+with one taken in the same call.
+
+    python3 tools/ab_gemm.py --base HEAD~1 [--rounds 2] [--rows moe,wo_a,w4a8]
+
+The base revision is checked out with `git worktree add` under a temporary
+directory (removed afterwards); each round runs the base tree, then the working
+tree, each in a process of its own with its own src/ on PYTHONPATH (the kernel
+cache is keyed by the sources' digest, so each compiles its own kernels).
+Inputs are drawn from fixed seeds, the same in every process. Rows:
+  wo_a  the wo_a shapes (Flash, Pro) at 128, 512, 2,048 and 4,096 tokens (W4A16)
+  moe   DeepSeek-V4-Flash's MoE gate_up and down at 256 and 4,096 tokens (W4A16)
+  w4a8  the same wo_a and MoE rows with W4A8 weights and FP8 block activations
+The weights are random NVFP4 checkpoint bytes through the loaders
+(rawkv.bench.gemm), rotated over four copies for the wo_a rows."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROW_SETS = ("wo_a", "moe", "w4a8")
+WO_A = {"flash": (8, 4096, 1024), "pro": (16, 4096, 1024)}      # (G, K, N)
+WO_A_MS = (128, 512, 2048, 4096)
+MOE = {"gate_up": (4096, 4096), "down": (4096, 2048)}             # (N, K); 256 experts, top 6
+MOE_TOKENS = (256, 4096)
+
+
+def parse_rows(text: str) -> tuple[str, ...]:
+    """The row sets named in `text` (comma-separated, from ROW_SETS), in the
+    order given, each once."""
+    names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    bad = [n for n in names if n not in ROW_SETS]
+    if bad or not names:
+        raise ValueError(f"--rows: expected names from {', '.join(ROW_SETS)}, got {text!r}")
+    return names
+
+
+def summary(base: list[dict], new: list[dict]) -> list[str]:
+    """Lines comparing the rounds of both trees: per row the base and new
+    times (us, every round), new / base of the fastest of each, and whether
+    every output's SHA-1 was the same in every round of both."""
+    rows = list(dict.fromkeys(r for res in base + new for r in res))
+    lines = [f"{'row':24} {'base us':>22} {'new us':>22} {'new/base':>8}  bytes"]
+    for r in rows:
+        b = [res[r] for res in base if r in res]
+        n = [res[r] for res in new if r in res]
+        ratio = f"{min(x[0] for x in n) / min(x[0] for x in b):8.3f}" if b and n else f"{'-':>8}"
+        same = "same" if len({x[1] for x in b + n}) == 1 else "DIFFER"
+        lines.append(f"{r:24} {' '.join(f'{x[0]:.1f}' for x in b):>22} {' '.join(f'{x[0]:.1f}' for x in n):>22} "
+                     f"{ratio}  {same}")
+    return lines
+
+
+def _digest(torch, t) -> str:
+    import hashlib
+    return hashlib.sha1(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:12]
+
+
+def worker(rows: tuple[str, ...]) -> dict:
+    """{"rawkv": the package file imported, "rows": {row: (us, sha1)}} for
+    the row sets on this process's rawkv (CUDA)."""
+    import torch
+    import rawkv
+    from rawkv.bench.gemm import _checkpoint, _rawkv_weight, _routing, _w4a8_weight
+    from rawkv.bench.timing import warm_cuda_time_us
+
+    res = {}
+
+    def row(name, fn):
+        res[name] = (round(warm_cuda_time_us(fn), 2), _digest(torch, fn(0)))
+
+    w8 = "w4a8" in rows
+    if "wo_a" in rows or w8:
+        for shape, (g, k, n) in WO_A.items():
+            torch.manual_seed(1)
+            ws = [_rawkv_weight(torch, *_checkpoint(torch, g, n, k, "cuda")) for _ in range(4)] \
+                if "wo_a" in rows else None
+            w8s = [_w4a8_weight(torch, g, n, k, "cuda") for _ in range(4)] if w8 else None
+            for m in WO_A_MS:
+                torch.manual_seed(2)
+                x = torch.randn(m, g, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(m, g, n, device="cuda", dtype=torch.bfloat16)
+                if ws:
+                    row(f"wo_a {shape} {m}", lambda i: rawkv.gemm.grouped_linear(x, ws[i % 4], out=out))
+                if w8s:
+                    xa = rawkv.fp8.quantize_blocks(x)
+                    row(f"w4a8 wo_a {shape} {m}", lambda i: rawkv.gemm.grouped_linear(xa, w8s[i % 4], out=out))
+            ws = w8s = None
+    if "moe" in rows or w8:
+        for layer, (n, k) in MOE.items():
+            torch.manual_seed(3)
+            w = _rawkv_weight(torch, *_checkpoint(torch, 256, n, k, "cuda")) if "moe" in rows else None
+            wa = _w4a8_weight(torch, 256, n, k, "cuda") if w8 else None
+            for tokens in MOE_TOKENS:
+                _, offs = _routing(torch, torch.Generator().manual_seed(0), 256, 6, tokens)
+                offs = offs.cuda()
+                torch.manual_seed(4)
+                x = torch.randn(tokens * 6, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(tokens * 6, n, device="cuda", dtype=torch.bfloat16)
+                if w is not None:
+                    row(f"moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(x, w, offs, out=out))
+                if wa is not None:
+                    xa = rawkv.fp8.quantize_blocks(x)
+                    row(f"w4a8 moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(xa, wa, offs, out=out))
+            w = wa = None
+            torch.cuda.empty_cache()
+    return {"rawkv": rawkv.__file__, "rows": res}
+
+
+def _run_tree(src: str, rows: tuple[str, ...]) -> dict:
+    env = dict(os.environ, PYTHONPATH=src)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--rows", ",".join(rows)],
+                          env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the worker on {src} failed:\n{proc.stderr[-3000:]}")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not os.path.realpath(got["rawkv"]).startswith(os.path.realpath(src) + os.sep):
+        raise RuntimeError(f"the worker for {src} imported rawkv from {got['rawkv']} (an installed copy?)")
+    return {r: tuple(v) for r, v in got["rows"].items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", help="the git revision to compare the working tree with")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of base then new (default 2)")
+    ap.add_argument("--rows", default="wo_a,moe", help=f"comma-separated from {', '.join(ROW_SETS)}")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    try:
+        rows = parse_rows(args.rows)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.worker:
+        print(json.dumps(worker(rows)))
+        return 0
+    if not args.base or args.rounds < 1:
+        ap.error("--base REV is required, and --rounds at least 1")
+    with tempfile.TemporaryDirectory(prefix="ab-gemm-") as tmp:
+        tree = os.path.join(tmp, "base")
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree, args.base], check=True)
+        try:
+            base, new = [], []
+            for r in range(args.rounds):
+                base.append(_run_tree(os.path.join(tree, "src"), rows))
+                new.append(_run_tree(os.path.join(ROOT, "src"), rows))
+                print(f"round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
+        finally:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=False)
+    print("\n".join(summary(base, new)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
