@@ -226,6 +226,31 @@ def test_operators_refuse_outputs_in_the_objects_buffers():
     assert not p.written.any() and not out.any() and p.read_errors() == 0
 
 
+def test_operators_refuse_a_counter_over_their_inputs(rng):
+    """On the operators' path the view's counter is the caller's errors=, so
+    it is the object's own counter there; it is still checked against the
+    op's inputs, as the public op checks it (an errors= over slots or
+    positions had the op add its count into them), eager, as an operator and
+    compiled."""
+    p = _pool("csa")
+    ents, valid, slots, pos, keys = _flush_inputs(rng, "csa")
+    before = pos.clone()
+    for counter, name in ((pos[:1], "positions"), (slots[4:5], "slots")):
+        _refused("errors", name, lambda: kvc.flush_write(p, ents, valid, slots, pos, index_keys=keys,
+                                                         errors=counter))
+        _refused("errors", name, lambda: OPS.kv_flush_write(*V.pool_operands(p, counter), ents, valid, slots,
+                                                            pos, keys))
+    st = kc.DecodeState("csa", 4, head_dim=8, device="cpu")
+    sl = torch.tensor([7, 0], dtype=torch.int32)              # slot 7: out of range, counted
+    v = torch.ones(2, dtype=torch.bool)
+    _refused("errors", "slots", lambda: OPS.kv_csa_rotate(*V.state_operands(st, sl[1:]), v, sl))
+    torch._dynamo.reset()
+    step = torch.compile(lambda s_, e_: kvc.csa_rotate(st, v, s_, errors=e_), fullgraph=True, backend="eager")
+    _refused("errors", "slots", lambda: step(sl, sl[1:]))
+    assert torch.equal(pos, before) and sl.tolist() == [7, 0]
+    assert p.read_errors() == 0 and st.read_errors() == 0 and not p.written.any()
+
+
 def test_compiled_gather_of_a_cpu_pool_needs_out_for_the_same_type(rng):
     """Without a tensor argument a CPU pool's eager gather_dense returns numpy
     (the reference's arrays); compiled it returns a tensor of the same bits."""

@@ -110,13 +110,28 @@ def owned(obj, name: str) -> tuple:
     return sp
 
 
+def owned_but_counter(obj, name: str) -> tuple:
+    """owned() without the object's own counter: what its own counter is
+    checked against (it is one of the object's buffers, and the op writes
+    it), made once per object as owned() is."""
+    sp = obj.__dict__.get("_owned_but_counter")
+    if sp is None:
+        sp = tuple(o for o in owned(obj, name) if o[0] != f"{name}.errors")
+        obj._owned_but_counter = sp
+    return sp
+
+
 def outputs(obj, name: str, errors, where: str, dev: int, outs=(), inputs=()):
     """The counter an op on obj adds to, checked with the op's other
     outputs `outs` against its inputs and obj's buffers (check_outputs): obj's
     own counter as it is, another one an int32 array of at least one
-    element on obj's device (A.counter). Returns the counter."""
+    element on obj's device (A.counter). Returns the counter. Either one is
+    checked against the inputs: on the operators' path (views.pool_view /
+    state_view) the object's counter is the caller's `errors`, which may be
+    a view of `slots` or `positions` (the op would add its count into them)."""
     mine = own_counter(obj, errors)
-    A.check_outputs(((*outs, ("errors", None if mine else errors))), inputs, owned(obj, name))
+    A.check_outputs(((*outs, ("errors", errors))), inputs,
+                    owned_but_counter(obj, name) if mine else owned(obj, name))
     return errors if mine else A.counter(errors, where, dev)
 
 
