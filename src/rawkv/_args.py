@@ -43,6 +43,16 @@ def is_torch(x) -> bool:
     return t is not None and isinstance(x, t.Tensor)
 
 
+def version(t):
+    """A tensor's version (torch's count of its in-place changes), or None
+    for an inference tensor (one made under torch.inference_mode, as
+    serving code loads its weights): torch counts no change of one, and
+    reading `_version` raises. *Decision*: a GEMM weight of inference
+    tensors is checked once at its addresses like any other; an in-place
+    change of its bytes afterwards is not seen (docs/gemm.md, "Arguments")."""
+    return None if t.is_inference() else t._version
+
+
 def placement(*named) -> str:
     """'cpu' if the arrays are numpy arrays / CPU tensors, 'cuda' if they are
     CUDA tensors or other DLPack device arrays; mixing the two is an error.

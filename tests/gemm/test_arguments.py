@@ -146,6 +146,64 @@ def test_a_w4a8_weights_tensors_are_checked_again_when_they_change():
         rawkv.gemm.grouped_linear(x, w8)
 
 
+def test_weights_loaded_under_inference_mode_are_taken(rng):
+    """Serving code loads its weights under torch.inference_mode; torch
+    counts no in-place change of an inference tensor (reading `_version`
+    raised, so every GEMM call on such a weight failed). Both forms, inside
+    and outside inference_mode, the remembered check's second call too, and
+    the layer: the results of the same bytes loaded the plain way."""
+    g, n, k = 2, 24, 160
+    codes = torch.from_numpy(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8))
+    scales = torch.from_numpy(rng.integers(120, 130, (g, n, k // 32), dtype=np.uint8))
+    x = torch.from_numpy(rng.standard_normal((5, g, k)).astype(np.float32)).bfloat16()
+    xa = rawkv.fp8.quantize_blocks(x.float())
+    plain = rawkv.gemm.Fp4Weight.from_mxfp4(codes, scales, groups=g)
+    want, want8 = rawkv.gemm.grouped_linear(x, plain), rawkv.gemm.grouped_linear(xa, rawkv.gemm.w4a8_weight(plain))
+    with torch.inference_mode():
+        w = rawkv.gemm.Fp4Weight.from_mxfp4(codes, scales, groups=g)
+        w8 = rawkv.gemm.w4a8_weight(w)
+        assert w.codes.is_inference() and w8.shifts.is_inference()
+        for _ in range(2):
+            assert torch.equal(rawkv.gemm.grouped_linear(x, w), want)
+            assert torch.equal(rawkv.gemm.grouped_linear(xa, w8), want8)
+    for _ in range(2):
+        assert torch.equal(rawkv.gemm.grouped_linear(x, w), want)
+        assert torch.equal(rawkv.gemm.grouped_linear(xa, w8), want8)
+    layer = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=8, device="cpu")
+    with torch.inference_mode():
+        layer.load_mxfp4(codes, scales, w4a8=True)
+        assert torch.equal(layer(xa), want8)
+
+
+def test_the_fast_paths_stamp_takes_inference_tensors():
+    """rawkv.gemm.fast keeps a launch by its weight tensors' addresses and
+    versions; an inference tensor has no version (None in the stamp): its
+    launch is reused, and a plain tensor changed in place is still not."""
+    from rawkv._plan import Launch
+    from rawkv.gemm import fast
+    launched = []
+
+    class Kernel:
+        smem = 0
+
+        def launch(self, rt, grid, block, stream=None, shared_mem=0, **args):
+            launched.append(args)
+    with torch.inference_mode():
+        frozen = torch.zeros(4, dtype=torch.uint8)
+    plain = torch.zeros(4, dtype=torch.uint8)
+    x, out = torch.zeros(8), torch.zeros(8)
+    try:
+        for w in (frozen, plain):
+            fast.remember(("probe", id(w)), (w,), Launch(Kernel(), (1,), (1,), {"w": w, "x": x, "out": out}),
+                          ("out", "x"), (out, x), ("w",))
+            assert fast.try_launch(("probe", id(w)), (w,), ("w",), ("out", "x"), (out, x), 1, lambda d: None)
+        plain.add_(1)                                        # counted: the stamp no longer matches
+        assert not fast.try_launch(("probe", id(plain)), (plain,), ("w",), ("out", "x"), (out, x), 1, lambda d: None)
+        assert len(launched) == 2 and launched[0]["w"] is frozen
+    finally:
+        fast.forget()
+
+
 def test_the_weight_memo_keeps_no_tensor_alive(rng):
     import gc
     import weakref

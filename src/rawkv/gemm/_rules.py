@@ -161,7 +161,7 @@ _CHECKED_MAX = 1024
 def _stamp(given: tuple) -> tuple:
     """What must not have changed since the check: each tensor's address
     and version."""
-    return tuple((t.data_ptr(), t._version) for t in given)
+    return tuple((t.data_ptr(), A.version(t)) for t in given)
 
 
 def _checked_before(given: tuple, what: tuple):

@@ -91,7 +91,7 @@ def remember(k: tuple, weight: tuple, launch: Launch, names: tuple, tensors: tup
         LAUNCHES.clear()
     drop = {*weight_names, *(n for n, t in zip(names, tensors) if t is not None)}
     args = {n: v for n, v in launch.args.items() if n not in drop}
-    LAUNCHES[k] = _Entry(tuple(weakref.ref(t) for t in weight), tuple((t.data_ptr(), t._version) for t in weight),
+    LAUNCHES[k] = _Entry(tuple(weakref.ref(t) for t in weight), tuple((t.data_ptr(), A.version(t)) for t in weight),
                          tuple((t.data_ptr() + e[0], t.data_ptr() + e[1]) for t, e in zip(weight, map(extent, weight))),
                          launch._replace(args=args), tuple(None if t is None else extent(t) for t in tensors))
 
@@ -107,7 +107,7 @@ def try_launch(k: tuple, weight: tuple, weight_names: tuple, names: tuple, tenso
         return False
     refs, stamp = entry.weights, entry.stamp
     for r, t, s in zip(refs, weight, stamp):
-        if r() is not t or s != (t.data_ptr(), t._version):
+        if r() is not t or s[0] != t.data_ptr() or (s[1] is not None and s[1] != t._version):
             return False
     ranges = [None if t is None else (t.data_ptr() + e[0], t.data_ptr() + e[1])
               for t, e in zip(tensors, entry.extents)]
