@@ -204,6 +204,38 @@ def test_the_fast_paths_stamp_takes_inference_tensors():
         fast.forget()
 
 
+def test_w4a8_bad_sizes_and_activations_are_named_before_out_is_allocated():
+    """A W4a8Weight is a NamedTuple: a float or bool N passed every shape
+    comparison (24.0 == 24, the weight memo's key too) and failed in the
+    body, a negative N in torch's allocation of out; x of the wrong rank
+    sized out before its check (a stride-0 view of 2^40 codes: terabytes).
+    Each is now refused naming the argument, before out is allocated."""
+    g, n, k = 2, 24, 160
+    w8 = rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(
+        torch.full((g, n, k // 2), 0x25, dtype=torch.uint8), torch.full((g, n, k // 32), 127, dtype=torch.uint8),
+        groups=g))
+    codes, scales = rawkv.fp8.quantize_blocks(torch.ones(5, g, k))
+    rawkv.gemm.grouped_linear((codes, scales), w8)           # (the weight's check is remembered)
+    offsets = torch.tensor([0, 2, 5], dtype=torch.int32)
+    flat = (codes[:, 0].contiguous(), scales[:, 0].contiguous())
+    for bad in (24.0, True, np.float64(24.0)):
+        with pytest.raises(TypeError, match=r"^weight: N = "):
+            rawkv.gemm.grouped_linear((codes, scales), w8._replace(n=bad))
+        with pytest.raises(TypeError, match=r"^weight: N = "):
+            rawkv.gemm.moe_linear(flat, w8._replace(n=bad), offsets)
+    with pytest.raises(TypeError, match=r"^weight: N = 24, K = 160.0"):
+        rawkv.gemm.grouped_linear((codes, scales), w8._replace(k=160.0), out=torch.zeros(5, g, n).bfloat16())
+    with pytest.raises(ValueError, match=r"^weight: N = -1"):
+        rawkv.gemm.grouped_linear((codes, scales), w8._replace(n=-1))
+    with pytest.raises(ValueError, match=r"^weight: N = -1"):
+        rawkv.gemm.moe_linear(flat, w8._replace(n=-1), offsets)
+    huge = torch.zeros(1, dtype=torch.uint8).expand(2 ** 40)
+    with pytest.raises(ValueError, match=r"^x.codes: expected shape \(\.\.\., 160\) with 3 dimensions"):
+        rawkv.gemm.grouped_linear((huge, scales), w8)
+    with pytest.raises(ValueError, match=r"^x.codes: expected shape \(\.\.\., 160\) with 2 dimensions"):
+        rawkv.gemm.moe_linear((huge, scales), w8, offsets)
+
+
 def test_the_weight_memo_keeps_no_tensor_alive(rng):
     import gc
     import weakref

@@ -66,6 +66,12 @@ MAX_GRID_YZ = 65535
 _LARGE_TILE_TOKENS = 32
 
 
+def is_size(v) -> bool:
+    """An integer size (a Python or numpy integer, not a bool): a float N
+    passed every shape comparison, 2.0 == 2, and failed in the op's body."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def grid_fits(tokens: int, groups: int, ragged: bool) -> None:
     """A call whose launch grid could pass MAX_GRID_YZ on some GPU or kernel
     path is refused on every placement (the plans, which know the tile, find
@@ -391,6 +397,8 @@ def weight8(codes, shifts, row_scale, gs, n, k, where) -> Weight8:
     """The W4A8 form's tensors: codes uint8 (G, NP/16, C, 2, 32, 16), shifts
     uint8 (G, NP/16, C, 8, 8), row_scale float32 (G, NP), gs float32 (G,),
     contiguous on one device; K a multiple of 32 (the MXFP4 block)."""
+    if not (is_size(n) and is_size(k)):         # (before the memo: 24.0 == 24 would find the weight's check)
+        raise TypeError(f"weight: N = {n!r}, K = {k!r}: expected integers")
     given, what = (codes, shifts, row_scale, gs), ("w4a8", n, k)
     hit = _checked_before(given, what)
     if hit is not None:

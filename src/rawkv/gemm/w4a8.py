@@ -102,13 +102,30 @@ def split8(x) -> tuple:
                     f"{'a tensor' if A.is_torch(x) else type(x).__name__}")
 
 
+def _new_out(codes, weight: W4a8Weight, ndim: int, stream):
+    """A call's out when it gives none, of its size only where the argument
+    rules will take x's rank and K, its tokens, and the weight's sizes;
+    else an empty stand-in, so that the rules name the bad argument, which
+    they check before out, before anything is allocated (a wrong rank or a
+    stride-0 view of 2^40 codes allocated terabytes first, a negative N
+    failed in torch)."""
+    s, ws, n = A.dims(codes), A.dims(weight.codes), weight.n
+    shape = (0,)
+    if len(s) == ndim and s[-1] == weight.k and ws and R.is_size(n) and n >= 0:
+        try:
+            R.grid_fits(s[0], ws[0], ndim == 2)
+            shape = (s[0], ws[0], n) if ndim == 3 else (s[0], n)
+        except ValueError:
+            pass
+    return empty(codes, shape, "bfloat16", stream)
+
+
 def grouped_linear8(x, weight: W4a8Weight, out=None, errors=None, stream=None):
     """grouped_linear for a W4A8 weight (rawkv.gemm.grouped_linear calls it);
     errors as moe_linear8's (shift bytes past the table)."""
     codes, scales = split8(x)
     if out is None:
-        s = A.dims(codes)
-        out = empty(codes, (s[0] if s else 0, weight.groups, weight.n), "bfloat16", stream)
+        out = _new_out(codes, weight, 3, stream)
     _grouped8(codes, scales, weight.codes, weight.shifts, weight.row_scale, weight.gs, weight.n, weight.k, out,
               errors, stream)
     return out
@@ -118,8 +135,7 @@ def moe_linear8(x, weight: W4a8Weight, offsets, out=None, errors=None, stream=No
     """moe_linear for a W4A8 weight (rawkv.gemm.moe_linear calls it)."""
     codes, scales = split8(x)
     if out is None:
-        s = A.dims(codes)
-        out = empty(codes, (s[0] if s else 0, weight.n), "bfloat16", stream)
+        out = _new_out(codes, weight, 2, stream)
     _moe8(codes, scales, weight.codes, weight.shifts, weight.row_scale, weight.gs, weight.n, weight.k, offsets,
           out, errors, stream)
     return out
