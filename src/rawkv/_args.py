@@ -647,6 +647,20 @@ def check_outputs(outputs, inputs=(), owned=()) -> None:
                                  f"the other (pass separate buffers)")
 
 
+def check_reads_apart(inputs, owned) -> None:
+    """The arrays an op reads while it writes the buffers `owned` ((name,
+    span) pairs, spans(): a pool's or decode state's) may not lie in them:
+    the op would read what it overwrites (a state_seed kv that is a view of
+    state.kv_a read rows the op had just cleared; on a GPU, blocks race). A
+    ValueError naming both, before anything is written. `inputs` as
+    check_outputs takes them (None and numbers skipped)."""
+    for name, s in spans(inputs):
+        for other, t in owned:
+            if _overlap(s, t):
+                raise ValueError(f"{name}: overlaps {other} in memory; the op writes {other} while it "
+                                 f"reads {name} (pass a copy)")
+
+
 def spans(pairs) -> tuple:
     """((name, span), ...) of the arrays of (name, array or None) `pairs`
     (None and numbers skipped): the memory check_outputs compares. Buffers

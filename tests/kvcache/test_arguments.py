@@ -215,6 +215,38 @@ def test_pool_ops_refuse_outputs_in_the_pools_buffers():
     assert p.read_errors() == 0
 
 
+def test_inputs_in_the_buffers_an_op_writes_are_refused():
+    """An op that writes a pool's or decode state's buffers may not read an
+    input that lies in them: a state_seed kv over state.kv_a read the rows
+    the op had just cleared (the slot then claimed rows of zeros), a
+    state_append's row 1 read row 0's new values; on a GPU blocks race.
+    Refused naming both, before anything is written."""
+    torch = pytest.importorskip("torch")
+    st = kc.DecodeState("hca", 2, head_dim=8, device="cpu")
+    kv = torch.arange(40.).reshape(5, 8) + 1
+    kc.state_seed(st, 0, kv, torch.ones(5, 8))
+    before = st.to_reference()
+    kv_a, z_a = torch.from_numpy(st.kv_a), torch.from_numpy(st.z_a)
+    count = torch.from_numpy(st.count)
+    _refused("kv", "state.kv_a", lambda: kc.state_seed(st, 0, kv_a[0, :5], z_a[0, :5]))
+    _refused("z", "state.z_a", lambda: kc.state_seed(st, 1, kv, z_a[0, :5]))
+    _refused("kv", "state.kv_a", lambda: kc.state_append(st, kv_a[0, :2], z_a[1, :2].clone(),
+                                                         torch.ones(2, dtype=torch.bool),
+                                                         torch.tensor([0, 1], dtype=torch.int32)))
+    _refused("slots", "state.count", lambda: kc.hca_reset(st, torch.ones(1, dtype=torch.bool), count[1:]))
+    assert_state_equal(st.to_reference(), before)
+    p, s = _small_hca_pool()
+    pbefore = p.to_reference()
+    rids = torch.from_numpy(p.request_ids)
+    ents = torch.zeros(1, p.head_dim, dtype=torch.bfloat16)
+    _refused("slots", "pool.request_ids", lambda: kc.flush_write(
+        p, ents, torch.ones(1, dtype=torch.bool), rids[s:s + 1], torch.zeros(1, dtype=torch.int32)))
+    _refused("blocks", "pool.request_ids", lambda: kc.assign_pages(p, torch.tensor([s], dtype=torch.int32),
+                                                                   rids[:1]))
+    assert_pool_equal(p.to_reference(), pbefore)
+    assert p.read_errors() == 0 and st.read_errors() == 0
+
+
 def test_the_objects_own_counter_given_explicitly_is_the_default():
     """errors=pool.errors / state.errors (or a tensor over it) is the op's
     default counter, not an overlap."""

@@ -121,17 +121,21 @@ def owned_but_counter(obj, name: str) -> tuple:
     return sp
 
 
-def outputs(obj, name: str, errors, where: str, dev: int, outs=(), inputs=()):
+def outputs(obj, name: str, errors, where: str, dev: int, outs=(), inputs=(), writes: bool = False):
     """The counter an op on obj adds to, checked with the op's other
     outputs `outs` against its inputs and obj's buffers (check_outputs): obj's
     own counter as it is, another one an int32 array of at least one
     element on obj's device (A.counter). Returns the counter. Either one is
     checked against the inputs: on the operators' path (views.pool_view /
     state_view) the object's counter is the caller's `errors`, which may be
-    a view of `slots` or `positions` (the op would add its count into them)."""
+    a view of `slots` or `positions` (the op would add its count into them).
+    `writes`: the op writes obj's buffers, so no input may lie in them
+    (A.check_reads_apart; a gather only reads them)."""
     mine = own_counter(obj, errors)
-    A.check_outputs(((*outs, ("errors", errors))), inputs,
-                    owned_but_counter(obj, name) if mine else owned(obj, name))
+    own = owned_but_counter(obj, name) if mine else owned(obj, name)
+    A.check_outputs(((*outs, ("errors", errors))), inputs, own)
+    if writes:
+        A.check_reads_apart(inputs, own)
     return errors if mine else A.counter(errors, where, dev)
 
 
@@ -340,6 +344,7 @@ def state_seed(st, slot, kv, z, ape):
         raise ValueError(f"kv: expected shape (T, {st.width}), got {tuple(k.shape)}")
     zz = arg(z, "z", ROWS, where, dev, shape=tuple(k.shape))
     a = opt(ape, "ape", F32, where, dev, shape=(st.m, st.width))
+    A.check_reads_apart((("kv", k), ("z", zz), ("ape", a)), owned(st, "state"))
     return where, slot, k, zz, a
 
 
@@ -359,7 +364,7 @@ def state_append(st, errors, kv, z, valid_mask, slots, ape):
     s = arg(slots, "slots", I32, where, dev, shape=(B,))
     a = opt(ape, "ape", F32, where, dev, shape=(st.m, w), align=16)
     errors = outputs(st, "state", errors, where, dev,
-                     inputs=(("kv", k), ("z", zz), ("valid_mask", v), ("slots", s), ("ape", a)))
+                     inputs=(("kv", k), ("z", zz), ("valid_mask", v), ("slots", s), ("ape", a)), writes=True)
     return where, k, zz, v, s, a, errors
 
 
@@ -378,7 +383,7 @@ def state_reset(st, mode_name: str, errors, valid_mask, slots):
     where, dev = placed(st, "state", *inputs, ("errors", errors))
     s = arg(slots, "slots", I32, where, dev, ndim=1)
     v = opt(valid_mask, "valid_mask", BOOL, where, dev, shape=(s.shape[0],))
-    errors = outputs(st, "state", errors, where, dev, inputs=(("slots", s), ("valid_mask", v)))
+    errors = outputs(st, "state", errors, where, dev, inputs=(("slots", s), ("valid_mask", v)), writes=True)
     return where, v, s, errors
 
 
@@ -407,7 +412,7 @@ def flush_write(p, errors, entries, valid_mask, slots, positions, index_keys):
     else:
         k = None
     errors = outputs(p, "pool", errors, where, dev, inputs=(
-        ("entries", e), ("valid_mask", v), ("slots", s), ("positions", pos), ("index_keys", k)))
+        ("entries", e), ("valid_mask", v), ("slots", s), ("positions", pos), ("index_keys", k)), writes=True)
     return where, e, v, s, pos, k, errors
 
 
@@ -416,7 +421,7 @@ def assign_pages(p, errors, slots, blocks):
     where, dev = placed(p, "pool", ("slots", slots), ("blocks", blocks), ("errors", errors))
     s = arg(slots, "slots", I32, where, dev, ndim=1)
     b = arg(blocks, "blocks", I32, where, dev, shape=(s.shape[0],))
-    errors = outputs(p, "pool", errors, where, dev, inputs=(("slots", s), ("blocks", b)))
+    errors = outputs(p, "pool", errors, where, dev, inputs=(("slots", s), ("blocks", b)), writes=True)
     launch_rows("blocks", s.shape[0])
     return where, s, b, errors
 
@@ -586,6 +591,10 @@ def compress_prefill(p, kv, z, ape, norm_weight, slot, start_entry, parts: tuple
                           opt(index.ape, "index.ape", F32, where, dev, shape=(m, iw)),
                           arg(index.norm_weight, "index.norm_weight", F32, where, dev,
                               shape=(KC.INDEX_HEAD_DIM,)))
+    read = (("kv", k), ("z", zz), ("ape", a), ("norm_weight", nw))
+    if index is not None:
+        read += tuple((f"index.{f}", x) for f, x in zip(index_cls._fields, index))
+    A.check_reads_apart(read, owned(p, "pool"))
     return where, slot, start_entry, eps, k, zz, a, nw, index
 
 
