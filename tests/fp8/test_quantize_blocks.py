@@ -284,6 +284,8 @@ ONES = torch.ones(4, 128)
     (lambda: fp8.quantize_blocks(torch.ones(4, 128, dtype=torch.float64)), TypeError, "^x: dtype float64"),
     (lambda: fp8.quantize_blocks(torch.tensor(1.0)), ValueError, "^x: expected at least 1 dimension"),
     (lambda: fp8.quantize_blocks(ONES.t()), ValueError, "^x: must be contiguous"),
+    # (a stride-0 view of 2^40 elements: named before codes and scales of its shape were allocated)
+    (lambda: fp8.quantize_blocks(torch.zeros(1).expand(2 ** 40)), ValueError, "^x: must be contiguous"),
     (lambda: fp8.quantize_blocks(torch.ones(4 * 128 + 1)[1:].view(4, 128)), ValueError, "^x: data must be 16-byte"),
     (lambda: fp8.quantize_blocks(ONES, out=torch.empty(4, 128)), TypeError, "^out: expected a tuple"),
     (lambda: fp8.quantize_blocks(ONES, out=(torch.empty(4, 64, dtype=torch.uint8), None)), ValueError,
