@@ -271,6 +271,16 @@ def numel(a) -> int:
     return a.size if isinstance(a, np.ndarray) else a.numel()
 
 
+def out_lead(ids) -> tuple:
+    """The shape an op's new output takes from its index argument `ids`
+    (ids.shape), or (0,) where the op's rules will refuse ids as not
+    contiguous, which they check before the output: a stride-0 view of
+    2^32 ids sized terabytes of output before it was named."""
+    if (is_torch(ids) or isinstance(ids, np.ndarray)) and not is_dense(ids):
+        return (0,)
+    return dims(ids)
+
+
 def is_dense(a) -> bool:
     """C-contiguous (dimensions of size 1 take any stride, as in torch)."""
     return a.flags.c_contiguous if isinstance(a, np.ndarray) else a.is_contiguous()

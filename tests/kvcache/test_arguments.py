@@ -32,6 +32,18 @@ def test_sizes_are_checked_before_out_is_allocated():
     with pytest.raises(ValueError, match="^max_entries: "):
         kc.gather_dense_batch(p, np.array([s], np.int32), np.array([1], np.int32), max_entries=10 ** 13)
     assert kc.gather_dense(p, s, 2, dtype="float32").shape == (2, p.head_dim)
+    # index arguments of 2^32 ids in 4 bytes (a stride-0 view) sized out before they were refused
+    torch = pytest.importorskip("torch")
+    ids = torch.zeros(1, 1, dtype=torch.int32).expand(1 << 16, 1 << 16)
+    slots = torch.zeros(1 << 16, dtype=torch.int32)
+    for call in (lambda: kc.gather_topk(p, slots, ids), lambda: kc.kvcache_indices(p, slots, ids),
+                 lambda: kc.topk_to_kvcache_indices(ids, torch.zeros(1, 1, dtype=torch.int32), page_size=2,
+                                                    num_pages=4)):
+        with pytest.raises(ValueError, match=r"^topk_ids: must be contiguous"):
+            call()
+    from rawkv.kvcache import layouts
+    with pytest.raises(ValueError, match=r"^indices: must be contiguous"):
+        layouts.model1_gather(layouts.new_layout_cache("model1", 1, 4, device="cpu"), ids, page_size=4)
 
 
 def test_cpu_argument_errors():
