@@ -204,7 +204,7 @@ def test_the_fast_paths_stamp_takes_inference_tensors():
         fast.forget()
 
 
-def test_w4a8_bad_sizes_and_activations_are_named_before_out_is_allocated():
+def test_bad_sizes_and_activations_are_named_before_out_is_allocated():
     """A W4a8Weight is a NamedTuple: a float or bool N passed every shape
     comparison (24.0 == 24, the weight memo's key too) and failed in the
     body, a negative N in torch's allocation of out; x of the wrong rank
@@ -234,6 +234,16 @@ def test_w4a8_bad_sizes_and_activations_are_named_before_out_is_allocated():
         rawkv.gemm.grouped_linear((huge, scales), w8)
     with pytest.raises(ValueError, match=r"^x.codes: expected shape \(\.\.\., 160\) with 2 dimensions"):
         rawkv.gemm.moe_linear((huge, scales), w8, offsets)
+    # the W4A16 ops the same way (an x of the right rank but past the launch grid too)
+    w16 = rawkv.gemm.Fp4Weight.from_mxfp4(torch.full((g, n, k // 2), 0x25, dtype=torch.uint8),
+                                          torch.full((g, n, k // 32), 127, dtype=torch.uint8), groups=g)
+    bf = torch.zeros(1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^x: expected shape \(\.\.\., 160\) with 3 dimensions"):
+        rawkv.gemm.grouped_linear(bf.expand(2 ** 40), w16)
+    with pytest.raises(ValueError, match=r"^x: 1073741824 tokens x 2 groups is past the launch grid"):
+        rawkv.gemm.grouped_linear(bf.view(1, 1, 1).expand(2 ** 30, g, k), w16)
+    with pytest.raises(ValueError, match=r"^x: 2147483647 tokens x 2 groups is past the launch grid"):
+        rawkv.gemm.moe_linear(bf.view(1, 1).expand(2 ** 31 - 1, k), w16, offsets)
 
 
 def test_the_weight_memo_keeps_no_tensor_alive(rng):

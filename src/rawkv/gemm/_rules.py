@@ -87,6 +87,22 @@ def grid_fits(tokens: int, groups: int, ragged: bool) -> None:
         raise ValueError(f"x: {tokens} tokens x {groups} groups is past the launch grid's limit")
 
 
+def out_shape(s: tuple, ndim: int, groups, n) -> tuple:
+    """The shape of a call's new output from x's shape `s`: (T, G, N)
+    batched (ndim 3) or (R, N) ragged (ndim 2); (0,), an empty stand-in,
+    where the rules will refuse the call before they read out (x's rank, a
+    launch grid past the limit, N not a size, no weight groups), so that
+    they name the argument before anything is allocated (a stride-0 view of
+    2^40 codes sized terabytes of output first)."""
+    if len(s) != ndim or groups is None or not is_size(n) or n < 0:
+        return (0,)
+    try:
+        grid_fits(s[0], groups, ndim == 2)
+    except ValueError:
+        return (0,)
+    return (s[0], groups, n) if ndim == 3 else (s[0], n)
+
+
 # ---- one function per op --------------------------------------------------------------------
 def mx_span(fmt, exp_lo, exp_hi) -> None:
     """An MXFP4 weight's scale bytes span [exp_lo, exp_hi] (its exp_range;

@@ -103,21 +103,10 @@ def split8(x) -> tuple:
 
 
 def _new_out(codes, weight: W4a8Weight, ndim: int, stream):
-    """A call's out when it gives none, of its size only where the argument
-    rules will take x's rank and K, its tokens, and the weight's sizes;
-    else an empty stand-in, so that the rules name the bad argument, which
-    they check before out, before anything is allocated (a wrong rank or a
-    stride-0 view of 2^40 codes allocated terabytes first, a negative N
-    failed in torch)."""
-    s, ws, n = A.dims(codes), A.dims(weight.codes), weight.n
-    shape = (0,)
-    if len(s) == ndim and s[-1] == weight.k and ws and R.is_size(n) and n >= 0:
-        try:
-            R.grid_fits(s[0], ws[0], ndim == 2)
-            shape = (s[0], ws[0], n) if ndim == 3 else (s[0], n)
-        except ValueError:
-            pass
-    return empty(codes, shape, "bfloat16", stream)
+    """A call's out when it gives none (R.out_shape: sized only where the
+    rules will take the call)."""
+    ws = A.dims(weight.codes)
+    return empty(codes, R.out_shape(A.dims(codes), ndim, ws[0] if ws else None, weight.n), "bfloat16", stream)
 
 
 def grouped_linear8(x, weight: W4a8Weight, out=None, errors=None, stream=None):
