@@ -53,6 +53,17 @@ def version(t):
     return None if t.is_inference() else t._version
 
 
+def check_stream(stream) -> None:
+    """`stream` (not None) must be what the CUDA runtime takes
+    (runtime.Runtime.stream_ptr: a torch or CuPy stream, or an int handle),
+    on CPU too: a CPU call took any object and a CUDA one refused it."""
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return
+    if hasattr(stream, "cuda_stream") or hasattr(stream, "ptr"):
+        return
+    raise TypeError(f"stream: expected a torch.cuda.Stream, cupy Stream or int, got {type(stream).__name__}")
+
+
 def placement(*named) -> str:
     """'cpu' if the arrays are numpy arrays / CPU tensors, 'cuda' if they are
     CUDA tensors or other DLPack device arrays; mixing the two is an error.
@@ -648,6 +659,12 @@ def check_outputs(outputs, inputs=(), owned=()) -> None:
             # written; a kernel would write behind autograd's back)
             raise ValueError(f"{name}: requires grad; rawkv's ops write their outputs in place, which "
                              "autograd does not track: pass a tensor without requires_grad")
+        if is_torch(a) and a.is_inference() and not sys.modules["torch"].is_inference_mode_enabled():
+            # (the same: torch lets nothing change an inference tensor outside
+            # inference_mode; the CPU path raised after writing, a kernel wrote)
+            raise ValueError(f"{name}: is an inference tensor (made under torch.inference_mode), which may "
+                             "only be written inside torch.inference_mode: call the op there, or pass a plain "
+                             "tensor")
     spans_out = spans(outs)
     spans_in = spans(inputs) + tuple(owned)
     for i, (name, s) in enumerate(spans_out):

@@ -133,15 +133,21 @@ def op(name: str, schema: str):
     def wrap(body):
         decl = Op(name, schema, body)
         n = len(decl.args)
+        params = list(inspect.signature(body).parameters)
+        si = params.index("stream") if "stream" in params else len(params)     # (the stream's position)
 
         def call(*args):
             if _compiler.is_dynamo_compiling() or _compiler._is_compiling_flag:     # _is_compiling(), inlined
                 return _traced(decl, args[:n])
+            if len(args) > si and args[si] is not None:
+                A.check_stream(args[si])        # (on CPU as the CUDA runtime would)
             return body(*args)
 
         def call_variadic(*args, **extras):
             if _compiler.is_dynamo_compiling() or _compiler._is_compiling_flag:
                 return _traced(decl, args)
+            if extras.get("stream") is not None:
+                A.check_stream(extras["stream"])
             return body(*args, **extras)
         if decl.variadic:
             call = call_variadic

@@ -32,8 +32,12 @@ class Fp4GroupedLinear:
         self.groups, self.in_features, self.out_features = groups, in_features, out_features
         self.max_tokens = max_tokens
         self.weight: Fp4Weight | W4a8Weight | None = None
-        self.out = torch.empty((max_tokens, groups, out_features), dtype=torch.bfloat16,
-                               device=checked_device(device))
+        # (a plain tensor even when the layer is built under inference_mode,
+        # as serving code builds it: torch lets nothing write an inference
+        # tensor outside inference_mode, and the layer is called there too)
+        with torch.inference_mode(False):
+            self.out = torch.empty((max_tokens, groups, out_features), dtype=torch.bfloat16,
+                                   device=checked_device(device))
 
     def set_weight(self, w, *, gs=None) -> "Fp4GroupedLinear":
         """Quantize a BF16/FP32 weight (G, N, K) to NVFP4 with ModelOpt's
@@ -77,7 +81,7 @@ class Fp4GroupedLinear:
         lead = x.q if hasattr(x, "q") else x.codes if hasattr(x, "codes") else \
             x[0] if isinstance(x, (tuple, list)) and len(x) == 2 else x
         shape = getattr(lead, "shape", ())
-        if out is None and len(shape):      # (no shape: grouped_linear's error naming x)
+        if out is None and len(shape) == 3:     # (another rank: grouped_linear's error naming x's shape)
             tokens = shape[0]
             if tokens > self.max_tokens:
                 raise ValueError(f"x: {tokens} tokens, the layer was built for max_tokens={self.max_tokens}")

@@ -62,9 +62,13 @@ def checked_device(device):
     AssertionError) is a rawkv.GpuUnavailableError and a missing index a
     ValueError naming `device`."""
     torch = require_torch("rawkv.gemm")
-    if getattr(device, "type", None) == "cpu" or (
-            isinstance(device, str) and device.partition(":")[0].strip() == "cpu"):
+    if getattr(device, "type", None) == "cpu":
         return torch.device(device)
+    if isinstance(device, str) and device.partition(":")[0].strip() == "cpu":
+        try:
+            return torch.device(device.strip())
+        except RuntimeError:
+            raise ValueError(f"device: {device!r} is not a device torch knows ('cpu', 'cuda', 'cuda:N')") from None
     if device is None:
         raise TypeError("device: expected 'cpu', 'cuda', 'cuda:N', a CUDA index or a torch.device, got None")
     return torch.device("cuda", get_runtime(device).device_index)
