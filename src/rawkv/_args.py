@@ -351,6 +351,35 @@ def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, d
     return a
 
 
+def row_stride(a):
+    """The elements between the rows of `a` (at least one dimension) read
+    as rows (rows()): its last dimension contiguous and its leading
+    dimensions collapsing into one evenly strided row index at least a row
+    apart; None for any other layout (a stride-0 view among them)."""
+    n = a.shape[-1]
+    if is_dense(a):
+        return n
+    st = strides(a)
+    if st[-1] != 1:
+        return None
+    lead = [(s, t) for s, t in zip(a.shape[:-1], st[:-1]) if s != 1]
+    ok = all(lead[i][1] == lead[i + 1][1] * lead[i + 1][0] for i in range(len(lead) - 1))
+    if ok and (not lead or lead[-1][1] >= n):
+        return lead[-1][1] if lead else n
+    return None
+
+
+def out_rows(x) -> tuple:
+    """The shape new outputs of an op that reads x as rows() are sized
+    from: x's shape, or (0,) where rows() will refuse x's layout, which
+    the op checks before its outputs (a stride-0 view of 2^34 rows sized
+    terabytes of output before it was named)."""
+    s = dims(x)
+    if s and (is_torch(x) or isinstance(x, np.ndarray)) and row_stride(x) is None:
+        return (0,)
+    return s
+
+
 def rows(a, name: str, dtypes, where: str, *, align: int = 1) -> tuple:
     """(array, M, N, ldx) of an input read as rows (an encode's x): `a`
     checked by tensor() (at least one dimension, strides its own), its
@@ -362,15 +391,9 @@ def rows(a, name: str, dtypes, where: str, *, align: int = 1) -> tuple:
     n, m = a.shape[-1], math.prod(a.shape[:-1])
     if is_dense(a):
         return a, m, n, n
-    ldx = None
-    st = strides(a)
-    if st[-1] == 1:
-        # leading dims that collapse into one evenly strided row index
-        lead = [(s, t) for s, t in zip(a.shape[:-1], st[:-1]) if s != 1]
-        ok = all(lead[i][1] == lead[i + 1][1] * lead[i + 1][0] for i in range(len(lead) - 1))
-        if ok and (not lead or lead[-1][1] >= n):
-            ldx = lead[-1][1] if lead else n
+    ldx = row_stride(a)
     if ldx is None:
+        st = strides(a)
         raise ValueError(f"{name}: unsupported strides {st} for shape {tuple(a.shape)}: "
                          "the last dimension must be contiguous and the rows evenly strided "
                          "(e.g. a row slice of a 2-D tensor); call .contiguous() first")

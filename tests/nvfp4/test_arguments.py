@@ -343,3 +343,18 @@ def test_host_arrays_with_strides_of_no_whole_elements_are_refused():
         rawkv.nvfp4.quantize(rec["a"])
     q, sf, gs = rawkv.nvfp4.quantize(np.ascontiguousarray(rec["a"]))        # the copy is taken
     assert q.shape == (4, 16)
+
+
+def test_a_layout_quantize_refuses_is_named_before_its_outputs_are_sized():
+    """A stride-0 view of 2^34 rows sized q and sf (TBs) before x was
+    refused (rawkv._args.out_rows); row-strided views, which quantize takes,
+    still size their outputs."""
+    huge = torch.zeros(1, 16, dtype=torch.bfloat16).expand(2 ** 34, 16)
+    with pytest.raises(ValueError, match=r"^x: unsupported strides \(0, 1\)"):
+        rawkv.nvfp4.quantize(huge, scope="row")
+    x = torch.randn(8, 64).bfloat16()
+    for view in (x[:, :32], x[::2, :32]):
+        q, sf, gs = rawkv.nvfp4.quantize(view, scope="row")
+        ref = rawkv.nvfp4.quantize(view.contiguous(), scope="row")
+        assert q.shape == (view.shape[0], 16) and torch.equal(q.view(torch.uint8), ref[0].view(torch.uint8))
+        assert torch.equal(sf.view(torch.uint8), ref[1].view(torch.uint8)) and torch.equal(gs, ref[2])

@@ -68,7 +68,7 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
     # a gs tensor given without an out gs is the gs
     if q is None or sf is None or (g is None and gs_t is None):
         scope = A.default_scope(scope, gs, "tensor")
-        s = tuple(getattr(x, "shape", None) or ())         # (none: the op refuses x)
+        s = A.out_rows(x)         # (no shape, or a layout the op refuses: the op names x)
         lead, n = s[:-1], (s[-1] if s else 0)
         if q is None:
             q = empty(x, (*lead, n // 2), "uint8", stream)
