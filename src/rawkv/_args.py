@@ -43,6 +43,12 @@ def is_torch(x) -> bool:
     return t is not None and isinstance(x, t.Tensor)
 
 
+def is_int(v) -> bool:
+    """A Python or numpy int, not a bool (a float size passed every shape
+    comparison, 2.0 == 2)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def version(t):
     """A tensor's version (torch's count of its in-place changes), or None
     for an inference tensor (one made under torch.inference_mode, as
@@ -283,10 +289,11 @@ def numel(a) -> int:
 
 
 def out_lead(ids) -> tuple:
-    """The shape an op's new output takes from its index argument `ids`
-    (ids.shape), or (0,) where the op's rules will refuse ids as not
-    contiguous, which they check before the output: a stride-0 view of
-    2^32 ids sized terabytes of output before it was named."""
+    """The shape an op's new output takes from an input `ids` the op needs
+    contiguous (an index argument, fp8's x): ids.shape, or (0,) where the
+    op's rules will refuse ids as not contiguous, which they check before
+    the output: a stride-0 view of 2^32 ids sized terabytes of output
+    before it was named."""
     if (is_torch(ids) or isinstance(ids, np.ndarray)) and not is_dense(ids):
         return (0,)
     return dims(ids)
@@ -651,7 +658,7 @@ def op_gs(gs, gs_value, required: bool = False):
 
 
 # ---- outputs: writable, and apart from each other and from the inputs ----------------------
-def check_outputs(outputs, inputs=(), owned=()) -> None:
+def check_outputs(outputs, inputs=(), owned=(), reads_apart: bool = False) -> None:
     """The arrays an op writes, checked before anything is written.
 
     `outputs` and `inputs` are (name, array or None) pairs (None and numbers
@@ -672,6 +679,8 @@ def check_outputs(outputs, inputs=(), owned=()) -> None:
     byte do not overlap), and is a ValueError naming both."""
     outs = [(n, a) for n, a in outputs if a is not None and not is_number(a)]
     if not outs:
+        if reads_apart:
+            check_reads_apart(inputs, owned)
         return
     for name, a in outs:
         if isinstance(a, np.ndarray) and not a.flags.writeable:
@@ -689,12 +698,15 @@ def check_outputs(outputs, inputs=(), owned=()) -> None:
                              "only be written inside torch.inference_mode: call the op there, or pass a plain "
                              "tensor")
     spans_out = spans(outs)
-    spans_in = spans(inputs) + tuple(owned)
+    read = spans(inputs)
+    spans_in = read + tuple(owned)
     for i, (name, s) in enumerate(spans_out):
         for other, t in spans_out[:i] + spans_in:
             if _overlap(s, t):
                 raise ValueError(f"{name}: overlaps {other} in memory; the op would write one over "
                                  f"the other (pass separate buffers)")
+    if reads_apart:
+        _reads_apart(read, owned)
 
 
 def check_reads_apart(inputs, owned) -> None:
@@ -703,8 +715,13 @@ def check_reads_apart(inputs, owned) -> None:
     the op would read what it overwrites (a state_seed kv that is a view of
     state.kv_a read rows the op had just cleared; on a GPU, blocks race). A
     ValueError naming both, before anything is written. `inputs` as
-    check_outputs takes them (None and numbers skipped)."""
-    for name, s in spans(inputs):
+    check_outputs takes them (None and numbers skipped); check_outputs(...,
+    reads_apart=True) checks the same with the spans it has made."""
+    _reads_apart(spans(inputs), owned)
+
+
+def _reads_apart(read: tuple, owned) -> None:
+    for name, s in read:
         for other, t in owned:
             if _overlap(s, t):
                 raise ValueError(f"{name}: overlaps {other} in memory; the op writes {other} while it "

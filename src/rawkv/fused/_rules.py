@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-import numpy as np
-
 from .. import _args as A
 from .. import fp8 as FP8
 from ..kernels import fused as K
@@ -172,9 +170,7 @@ def rms(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, fresh=
     return Rows(where, x, math.prod(lead), n, xdt, scope, gs, q, sf, gs_out, inv_rms), mix, weight, eps, n_hc
 
 
-def is_int(v) -> bool:
-    """A Python or numpy int, not a bool."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+is_int = A.is_int
 
 
 def granularity(g) -> int:

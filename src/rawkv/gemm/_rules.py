@@ -66,12 +66,6 @@ MAX_GRID_YZ = 65535
 _LARGE_TILE_TOKENS = 32
 
 
-def is_size(v) -> bool:
-    """An integer size (a Python or numpy integer, not a bool): a float N
-    passed every shape comparison, 2.0 == 2, and failed in the op's body."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
 def grid_fits(tokens: int, groups: int, ragged: bool) -> None:
     """A call whose launch grid could pass MAX_GRID_YZ on some GPU or kernel
     path is refused on every placement (the plans, which know the tile, find
@@ -94,7 +88,7 @@ def out_shape(s: tuple, ndim: int, groups, n) -> tuple:
     launch grid past the limit, N not a size, no weight groups), so that
     they name the argument before anything is allocated (a stride-0 view of
     2^40 codes sized terabytes of output first)."""
-    if len(s) != ndim or groups is None or not is_size(n) or n < 0:
+    if len(s) != ndim or groups is None or not A.is_int(n) or n < 0:
         return (0,)
     try:
         grid_fits(s[0], groups, ndim == 2)
@@ -413,7 +407,7 @@ def weight8(codes, shifts, row_scale, gs, n, k, where) -> Weight8:
     """The W4A8 form's tensors: codes uint8 (G, NP/16, C, 2, 32, 16), shifts
     uint8 (G, NP/16, C, 8, 8), row_scale float32 (G, NP), gs float32 (G,),
     contiguous on one device; K a multiple of 32 (the MXFP4 block)."""
-    if not (is_size(n) and is_size(k)):         # (before the memo: 24.0 == 24 would find the weight's check)
+    if not (A.is_int(n) and A.is_int(k)):         # (before the memo: 24.0 == 24 would find the weight's check)
         raise TypeError(f"weight: N = {n!r}, K = {k!r}: expected integers")
     given, what = (codes, shifts, row_scale, gs), ("w4a8", n, k)
     hit = _checked_before(given, what)

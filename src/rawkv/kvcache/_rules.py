@@ -133,9 +133,7 @@ def outputs(obj, name: str, errors, where: str, dev: int, outs=(), inputs=(), wr
     (A.check_reads_apart; a gather only reads them)."""
     mine = own_counter(obj, errors)
     own = owned_but_counter(obj, name) if mine else owned(obj, name)
-    A.check_outputs(((*outs, ("errors", errors))), inputs, own)
-    if writes:
-        A.check_reads_apart(inputs, own)
+    A.check_outputs(((*outs, ("errors", errors))), inputs, own, reads_apart=writes)
     return errors if mine else A.counter(errors, where, dev)
 
 
@@ -506,7 +504,7 @@ def dense_batch(p, errors, slots, n_entries, valid_mask, out, dtype, index: bool
 
 def is_size(v) -> bool:
     """A host int >= 0 (not a bool): a shape a public op may allocate."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 0
+    return A.is_int(v) and v >= 0
 
 
 # ---- the compressor ------------------------------------------------------------------------------
