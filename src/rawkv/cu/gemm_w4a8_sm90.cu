@@ -398,16 +398,19 @@ __device__ __forceinline__ void gemm_w4a8(
                           "the staged tile fits in the stages");
             __nv_bfloat16* const stile = reinterpret_cast<__nv_bfloat16*>(smem);
             const float sc0 = row_scale(row), sc1 = row_scale(row + 8);
-            const int r = my_tile * 16 + q;
             asm volatile("bar.sync 1, 256;\n" ::: "memory");
+            // Two 8-token groups at a time by stmatrix, as the W4A16 wgmma
+            // kernel's epilogue (rows q and q + 8 of group j: matrices 0 and
+            // 1, of group j + 1: 2 and 3; lane 8 i + c addresses matrix i's
+            // token c).
+            const int mi = lane >> 3, mc = lane & 7;
+            const u32 sbase = smem_u32(stile + my_tile * 16 + 8 * (mi & 1));
 #pragma unroll
-            for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int tl = 8 * j + 2 * t + h;
-                    stile[tl * kPitch + r] = __float2bfloat16_rn(acc[4 * j + h] * sc0);
-                    stile[tl * kPitch + r + 8] = __float2bfloat16_rn(acc[4 * j + 2 + h] * sc1);
-                }
+            for (int j = 0; j < N / 8; j += 2) {
+                const float* a = &acc[4 * j];
+                stmatrix_x4_trans(sbase + 2 * (8 * (j + (mi >> 1)) + mc) * kPitch,
+                                  bf16x2_rn(a[0] * sc0, a[1] * sc0), bf16x2_rn(a[2] * sc1, a[3] * sc1),
+                                  bf16x2_rn(a[4] * sc0, a[5] * sc0), bf16x2_rn(a[6] * sc1, a[7] * sc1));
             }
             store_staged<kBM, kPitch>(stile, obase + (i64)t0 * os_t + row0, os_t, t1 - t0);
             return;
