@@ -658,6 +658,17 @@ def op_gs(gs, gs_value, required: bool = False):
 
 
 # ---- outputs: writable, and apart from each other and from the inputs ----------------------
+def writable_here(outputs) -> bool:
+    """Whether torch lets these tensors (or Nones) be written here: none is
+    an inference tensor while torch.inference_mode is off. The fast paths
+    ask it before a remembered launch (check_outputs names such an output;
+    a launch remembered inside inference_mode would write it outside)."""
+    for t in outputs:
+        if t is not None and t.is_inference():
+            return sys.modules["torch"].is_inference_mode_enabled()
+    return True
+
+
 def check_outputs(outputs, inputs=(), owned=(), reads_apart: bool = False) -> None:
     """The arrays an op writes, checked before anything is written.
 

@@ -120,7 +120,7 @@ def _encode(x, out, stream=None):
     if stream is None:
         try:
             if x.is_cuda is out.is_cuda is True and out.shape == x.shape and x.is_contiguous() \
-                    and out.is_contiguous() and not out.requires_grad:
+                    and out.is_contiguous() and not out.requires_grad and A.writable_here((out,)):
                 xp, op_, n = x.data_ptr(), out.data_ptr(), x.numel()
                 go = _ENCODE_FAST.get(_fast_key(x, out, n, xp, op_))
                 if go is not None and (op_ + n <= xp or xp + n * x.element_size() <= op_):    # apart
@@ -151,7 +151,7 @@ def _decode(codes, out, stream=None, dtype=None):
     if stream is None:
         try:
             if codes.is_cuda is out.is_cuda is True and out.shape == codes.shape and codes.is_contiguous() \
-                    and out.is_contiguous() and not out.requires_grad:
+                    and out.is_contiguous() and not out.requires_grad and A.writable_here((out,)):
                 cp, op_, n = codes.data_ptr(), out.data_ptr(), codes.numel()
                 go = _DECODE_FAST.get(_fast_key(codes, out, n, cp, op_, dtype))
                 if go is not None and (op_ + n * out.element_size() <= cp or cp + n <= op_):  # apart

@@ -14,6 +14,8 @@ tensors, after what depends on their addresses alone:
 
 * the weight's tensors are the same objects, at the same addresses, of the
   same versions (torch counts every in-place change);
+* no output is an inference tensor outside torch.inference_mode (the
+  checked path refuses it by name; the key does not tell the mode);
 * no output's byte range meets an input's or another output's. Ranges that
   meet send the call to the checked path, which decides with the exact
   test (interleaved views may touch no common byte) and names the
@@ -103,7 +105,7 @@ def try_launch(k: tuple, weight: tuple, weight_names: tuple, names: tuple, tenso
     remembered), its first `outputs` of them written (out, errors), the
     rest read; `rt_of`: device index -> runtime."""
     entry = LAUNCHES.get(k)
-    if entry is None:
+    if entry is None or not A.writable_here(tensors[:outputs]):
         return False
     refs, stamp = entry.weights, entry.stamp
     for r, t, s in zip(refs, weight, stamp):
