@@ -28,9 +28,11 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW_SETS = ("wo_a", "moe", "w4a8")
-WO_A = {"flash": (8, 4096, 1024), "pro": (16, 4096, 1024)}      # (G, K, N)
+# The benchmark's shapes (rawkv.bench.gemm, read in the worker from its own
+# tree): these of them are timed.
+WO_A_SHAPES = ("flash", "pro")
 WO_A_MS = (128, 512, 2048, 4096)
-MOE = {"gate_up": (4096, 4096), "down": (4096, 2048)}             # (N, K); 256 experts, top 6
+MOE_MODEL = "flash"
 MOE_TOKENS = (256, 4096)
 
 
@@ -70,7 +72,7 @@ def worker(rows: tuple[str, ...]) -> dict:
     the row sets on this process's rawkv (CUDA)."""
     import torch
     import rawkv
-    from rawkv.bench.gemm import _checkpoint, _rawkv_weight, _routing, _w4a8_weight
+    from rawkv.bench.gemm import MOE, WO_A, _checkpoint, _rawkv_weight, _routing, _w4a8_weight
     from rawkv.bench.timing import warm_cuda_time_us
 
     res = {}
@@ -80,7 +82,8 @@ def worker(rows: tuple[str, ...]) -> dict:
 
     w8 = "w4a8" in rows
     if "wo_a" in rows or w8:
-        for shape, (g, k, n) in WO_A.items():
+        for shape in WO_A_SHAPES:
+            g, k, n = WO_A[shape]
             torch.manual_seed(1)
             ws = [_rawkv_weight(torch, *_checkpoint(torch, g, n, k, "cuda")) for _ in range(4)] \
                 if "wo_a" in rows else None
@@ -96,16 +99,17 @@ def worker(rows: tuple[str, ...]) -> dict:
                     row(f"w4a8 wo_a {shape} {m}", lambda i: rawkv.gemm.grouped_linear(xa, w8s[i % 4], out=out))
             ws = w8s = None
     if "moe" in rows or w8:
-        for layer, (n, k) in MOE.items():
+        experts, top_k, layers = MOE[MOE_MODEL]
+        for layer, (n, k) in layers.items():
             torch.manual_seed(3)
-            w = _rawkv_weight(torch, *_checkpoint(torch, 256, n, k, "cuda")) if "moe" in rows else None
-            wa = _w4a8_weight(torch, 256, n, k, "cuda") if w8 else None
+            w = _rawkv_weight(torch, *_checkpoint(torch, experts, n, k, "cuda")) if "moe" in rows else None
+            wa = _w4a8_weight(torch, experts, n, k, "cuda") if w8 else None
             for tokens in MOE_TOKENS:
-                _, offs = _routing(torch, torch.Generator().manual_seed(0), 256, 6, tokens)
+                _, offs = _routing(torch, torch.Generator().manual_seed(0), experts, top_k, tokens)
                 offs = offs.cuda()
                 torch.manual_seed(4)
-                x = torch.randn(tokens * 6, k, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty(tokens * 6, n, device="cuda", dtype=torch.bfloat16)
+                x = torch.randn(tokens * top_k, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(tokens * top_k, n, device="cuda", dtype=torch.bfloat16)
                 if w is not None:
                     row(f"moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(x, w, offs, out=out))
                 if wa is not None:
