@@ -300,3 +300,84 @@ def test_cuda_argument_errors_write_nothing(cuda):
         assert re.match(rf"{re.escape(name)}[:\s(]", str(ei.value)), (name, str(ei.value))
         torch.cuda.synchronize()
         assert _untouched(out), name
+
+
+def test_inputs_the_rules_refuse_are_named_before_the_outputs_are_sized():
+    """Each producer sized its new outputs from its input before the rules
+    had checked it: a stride-0 view of 2^34 rows, or a 1-D hidden of 2^20
+    (q of 2^20 x 2^19 bytes), allocated terabytes before it was named; a
+    numpy string topk_weights failed in torch (rawkv.nvfp4._rules.out_dims,
+    moe._sizes)."""
+    def big(*row, dtype=BF16):
+        return torch.zeros(1, *row, dtype=dtype).expand(2 ** 34, *row)
+    w, ids, wts = torch.ones(64), torch.zeros(4, 2, dtype=torch.int32), torch.ones(4, 2)
+    hid, mix = torch.zeros(4, 128, dtype=BF16), big(2, dtype=F32)
+    strs = np.array([["a", "b"]] * 4)
+    cases = [
+        ("x", lambda: F.rmsnorm_quantize(big(64), w)),
+        ("x", lambda: F.rmsnorm_quantize(np.broadcast_to(np.zeros((1, 64), np.float32), (2 ** 34, 64)), w.numpy())),
+        ("x", lambda: F.mhc_rmsnorm_quantize(big(2, 64), mix, w)),
+        ("x", lambda: F.rmsnorm_quantize_fp8(big(64), w)),
+        ("x", lambda: F.mhc_rmsnorm_quantize_fp8(big(2, 64), mix, w)),
+        ("h", lambda: F.swiglu_quantize(big(64))),
+        ("h", lambda: F.swiglu_quantize_fp8(big(64))),
+        ("hidden", lambda: F.moe_stage(big(128), ids, wts)),
+        ("hidden", lambda: F.moe_stage(torch.zeros(2 ** 20, dtype=BF16), ids, wts)),
+        ("hidden", lambda: F.moe_stage_fp8(big(128), ids, wts)),
+        ("topk_ids", lambda: F.moe_stage(hid, big(2, dtype=torch.int32), wts)),
+        ("topk_ids", lambda: F.moe_stage_fp8(hid, big(2, dtype=torch.int32), wts)),
+        ("topk_weights", lambda: F.moe_stage(hid, ids, strs)),
+        ("topk_weights", lambda: F.moe_stage_fp8(hid, ids, strs)),
+    ]
+    for name, call in cases:
+        with pytest.raises((ValueError, TypeError)) as ei:
+            call()
+        assert _names(str(ei.value), name), (name, str(ei.value))
+
+
+class _Bare:
+    """A DLPack producer offering the protocol alone: no .shape, no .dtype."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+class _NoDtype(_Bare):
+    """One with a .shape but no .dtype."""
+
+    def __init__(self, a):
+        super().__init__(a)
+        self.shape = a.shape
+
+
+def test_a_dlpack_input_without_shape_or_dtype_is_read_as_its_tensor():
+    """The DLPack protocol promises no .shape or .dtype: moe_stage sized no
+    copy of a topk_weights without .dtype and returned topk_weights None,
+    and an input without .shape sized outputs of no rows (the reference
+    failed writing them; on CUDA, where the op trusts outputs it has just
+    sized, the kernel would write past them). Each is sized from the view
+    the rules read (rawkv.nvfp4._rules.as_read) and gives the tensor's bits."""
+    a = Args("cpu")
+    moe8 = F.moe_stage_fp8
+    for got, want in [
+            (_moe(a.hid, a.ids, _NoDtype(a.wts)), _moe(a.hid, a.ids, a.wts)),
+            (_moe(a.hid, a.ids, _Bare(a.wts)), _moe(a.hid, a.ids, a.wts)),
+            (_moe(_Bare(a.hid), _Bare(a.ids), a.wts), _moe(a.hid, a.ids, a.wts)),
+            (moe8(a.hid, a.ids, _NoDtype(a.wts)), moe8(a.hid, a.ids, a.wts)),
+            (moe8(_Bare(a.hid), _Bare(a.ids), a.wts), moe8(a.hid, a.ids, a.wts)),
+            (_rms(_Bare(a.x), a.w), _rms(a.x, a.w)),
+            (_mhc(_Bare(a.X), a.mix, a.w), _mhc(a.X, a.mix, a.w)),
+            (F.rmsnorm_quantize_fp8(_Bare(a.x), a.w), F.rmsnorm_quantize_fp8(a.x, a.w)),
+            (_sw(_Bare(a.h)), _sw(a.h)),
+            (F.swiglu_quantize_fp8(_Bare(a.h)), F.swiglu_quantize_fp8(a.h))]:
+        assert got[-1] is not None or want[-1] is None
+        # (a host DLPack input gets numpy outputs: BF16 as float32)
+        got = [None if t is None else torch.as_tensor(t).to(w.dtype) if w.element_size() > 1 else
+               torch.as_tensor(t).view(w.dtype) for t, w in zip(got, want)]
+        assert _same(_bits(got), _bits(want))

@@ -358,3 +358,52 @@ def test_a_layout_quantize_refuses_is_named_before_its_outputs_are_sized():
         ref = rawkv.nvfp4.quantize(view.contiguous(), scope="row")
         assert q.shape == (view.shape[0], 16) and torch.equal(q.view(torch.uint8), ref[0].view(torch.uint8))
         assert torch.equal(sf.view(torch.uint8), ref[1].view(torch.uint8)) and torch.equal(gs, ref[2])
+
+
+def test_decode_inputs_the_rules_refuse_are_named_before_out_is_sized():
+    """dequantize sized out from q, gather from q and indices, before the
+    rules had checked them: a stride-0 view of 2^34 rows (or of one row of
+    2^38 bytes) allocated terabytes first (_rules.out_dims)."""
+    q, sf = torch.zeros(1, 8, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.uint8)
+    idx = torch.zeros(4, dtype=torch.int32)
+    long_row = torch.zeros(1, 1, dtype=torch.uint8).expand(1, 2 ** 38)
+    cases = [
+        ("q", lambda: nv.dequantize(q.expand(2 ** 34, 8), sf.expand(2 ** 34, 1), 1.0)),
+        ("q", lambda: nv.dequantize(np.broadcast_to(q.numpy(), (2 ** 34, 8)),
+                                    np.broadcast_to(sf.numpy(), (2 ** 34, 1)), 1.0)),
+        ("q", lambda: nv.dequantize(long_row, sf, 1.0)),
+        ("q", lambda: nv.gather(long_row, sf, 1.0, idx)),
+        ("indices", lambda: nv.gather(q, sf, 1.0, idx[:1].expand(2 ** 34))),
+    ]
+    for name, call in cases:
+        with pytest.raises(ValueError, match=f"^{name}: must be contiguous"):
+            call()
+
+
+class _Bare:
+    """A DLPack producer offering the protocol alone: no .shape, no .dtype."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+def test_a_dlpack_input_without_shape_is_sized_as_the_rules_read_it():
+    """The DLPack protocol promises no .shape: a bare producer's x, q or
+    indices sized outputs of no rows, then refused as out[0] / out
+    (_rules.as_read sizes them from the view the rules wrap it in)."""
+    x = torch.randn(4, 64)
+    q, sf, gs = nv.quantize(x, scope="row")
+    q8, idx = q.view(torch.uint8), torch.tensor([3, 0, 3], dtype=torch.int32)
+    for got, want in [(nv.quantize(_Bare(x), scope="row"), nv.quantize(x, scope="row")),
+                      ((nv.dequantize(_Bare(q8), sf, gs),), (nv.dequantize(q8, sf, gs),)),
+                      ((nv.gather(_Bare(q8), sf, gs, idx),), (nv.gather(q8, sf, gs, idx),)),
+                      ((nv.gather(q8, sf, gs, _Bare(idx)),), (nv.gather(q8, sf, gs, idx),))]:
+        for g, w in zip(got, want):         # (a host DLPack input gets numpy outputs: BF16 as float32)
+            g, w = (t.view(torch.uint8) if t.element_size() == 1 else t.float() for t in (torch.as_tensor(g), w))
+            assert torch.equal(g, w)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from . import _rules as R
 from . import plans
 from .._op import empties, op
+from ..nvfp4._rules import as_read, out_dims
 from ..reference import fused as ref
 from ..runtime import get_runtime
 from .. import _args as A
@@ -31,16 +34,29 @@ def moe_stage(hidden, topk_ids, topk_weights, *, out=None, stream=None):
     int32/int64 -> int64 copy; topk_weights (M, k) copied (same dtype).
     Returns MoEStaged(q, sf, topk_ids, topk_weights)."""
     q, sf, ids, w = R.split_out(out, _OUT, least=4)
-    s = getattr(hidden, "shape", ())
-    m, k = (s[0], s[-1]) if s else (0, 0)
-    ids_s = tuple(getattr(topk_ids, "shape", ()))
-    dt = getattr(topk_weights, "dtype", None)
+    (m, k), ids_s, wdt = _sizes(hidden, topk_ids, topk_weights)
     q, sf, ids, w = (o if o is not None else s_ for o, s_ in zip((q, sf, ids, w), empties(
         hidden, stream, ((m, k // 2), "uint8") if q is None else None, ((m, k // 64), "int32") if sf is None else None,
         (ids_s, "int64") if ids is None else None,
-        (ids_s, A.dtype_name(topk_weights)) if w is None and dt is not None else None)))
+        (ids_s, wdt) if w is None and wdt is not None else None)))
     _moe_stage(hidden, topk_ids, topk_weights, q, sf, ids, w, stream, out is None)
     return MoEStaged(q, sf, ids, w)
+
+
+def _sizes(hidden, topk_ids, topk_weights) -> tuple:
+    """(hidden's (M, K), topk_ids' shape, topk_weights' dtype name) that a
+    call's new outputs are sized from, as the rules will read the inputs
+    (out_dims, as_read: a DLPack array without .dtype is read as the rules
+    wrap it, where it gave no topk_weights); where the rules will refuse an
+    input, which they check before the outputs, a stand-in that sizes
+    nothing: (0, 0) for a hidden not 2-D or not contiguous (a 1-D hidden of
+    2^17 sized a q of 2^33 bytes, a stride-0 view of 2^34 rows terabytes),
+    (0,) for topk_ids not contiguous, None (no output) for weights of a
+    dtype they refuse or no array (a numpy string dtype failed in torch)."""
+    hs = out_dims(hidden, "hidden")
+    w = as_read(topk_weights, "topk_weights")
+    wdt = A.dtype_name(w) if A.is_torch(w) or isinstance(w, np.ndarray) else None
+    return (hs if len(hs) == 2 else (0, 0)), out_dims(topk_ids, "topk_ids"), (wdt if wdt in R.PARAM else None)
 
 
 @op("moe_stage", "Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor(a!) q, Tensor(b!) sf, "
@@ -80,16 +96,14 @@ def moe_stage_fp8(hidden, topk_ids, topk_weights, *, block=128, scale_format="fp
     copy; topk_weights (M, k) copied (same dtype). Returns
     MoEStagedFp8(codes, scales, topk_ids, topk_weights)."""
     codes, scales, ids, w = R.split_out(out, _OUT_FP8, least=4)
-    s = getattr(hidden, "shape", ())
-    ids_s = tuple(getattr(topk_ids, "shape", ()))
-    dt = getattr(topk_weights, "dtype", None)
+    s, ids_s, wdt = _sizes(hidden, topk_ids, topk_weights)
     new_bytes = scales is None and scale_format != "fp32"
     codes, ids, w = (o if o is not None else s_ for o, s_ in zip((codes, ids, w), empties(
-        hidden, stream, (tuple(s), "float8_e4m3fn") if codes is None else None,
+        hidden, stream, (s, "float8_e4m3fn") if codes is None else None,
         (ids_s, "int64") if ids is None else None,
-        (ids_s, A.dtype_name(topk_weights)) if w is None and dt is not None else None)))
+        (ids_s, wdt) if w is None and wdt is not None else None)))
     if scales is None:
-        scales = FP8.new_scales(hidden, tuple(s), block, scale_format, stream)
+        scales = FP8.new_scales(hidden, s, block, scale_format, stream)
     _moe_stage_fp8(hidden, topk_ids, topk_weights, block, scale_format, codes, FP8.e8m0_bytes(scales), ids, w,
                    stream, out is None)
     return MoEStagedFp8(codes, FP8.as_e8m0(scales) if new_bytes else scales, ids, w)
