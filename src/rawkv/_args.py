@@ -59,14 +59,19 @@ def version(t):
     return None if t.is_inference() else t._version
 
 
-def check_stream(stream) -> None:
-    """`stream` (not None) must be what the CUDA runtime takes
-    (runtime.Runtime.stream_ptr: a torch or CuPy stream, or an int handle),
-    on CPU too: a CPU call took any object and a CUDA one refused it."""
+def check_stream(stream):
+    """The one rule for what a stream argument (not None) may be: an int
+    handle (not a bool), a torch stream (its handle in `cuda_stream`) or a
+    CuPy stream (in `ptr`); anything else is a TypeError naming `stream`.
+    Returns the attribute holding the handle, None for an int. The CUDA
+    runtime reads a stream through it (runtime.Runtime.stream_ptr), and the
+    op wrapper applies it on CPU too: a CPU call took any object and a CUDA
+    one refused it."""
     if isinstance(stream, int) and not isinstance(stream, bool):
-        return
-    if hasattr(stream, "cuda_stream") or hasattr(stream, "ptr"):
-        return
+        return None
+    for attr in ("cuda_stream", "ptr"):
+        if hasattr(stream, attr):
+            return attr
     raise TypeError(f"stream: expected a torch.cuda.Stream, cupy Stream or int, got {type(stream).__name__}")
 
 

@@ -36,6 +36,7 @@ import threading
 from typing import Iterable
 
 from . import _cache, _compile, _launch, _plan, _version, kernels
+from ._args import check_stream
 from ._plan import Launch, Memset
 from .errors import CaptureError, GpuUnavailableError
 
@@ -395,12 +396,8 @@ class Runtime:
         torch's current stream on this device."""
         if stream is None:
             return self._current_stream_ptr()
-        if isinstance(stream, int):
-            return stream
-        for attr in ("cuda_stream", "ptr"):
-            if hasattr(stream, attr):
-                return int(getattr(stream, attr))
-        raise TypeError(f"stream: expected a torch.cuda.Stream, cupy Stream or int, got {type(stream).__name__}")
+        attr = check_stream(stream)         # (the rule the ops apply on CPU too: a bool is refused)
+        return stream if attr is None else int(getattr(stream, attr))
 
     def torch_stream(self, stream=None):
         """`stream` as a torch stream, for torch ops that must run on an op's

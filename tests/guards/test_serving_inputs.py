@@ -67,3 +67,17 @@ def test_a_stream_is_checked_on_cpu_as_on_cuda(bad):
     with pytest.raises(TypeError, match="^stream: "):
         layer(torch.randn(3, 2, 64).bfloat16(), stream=bad)
     rawkv.fp8.e4m3_encode(x, stream=0)                # an int handle is taken (the CPU path ignores it)
+
+
+@pytest.mark.parametrize("bad", ["bogus", object(), 1.5, True])
+def test_the_runtime_takes_the_streams_the_cpu_check_takes(bad):
+    # one rule (rawkv._args.check_stream): Runtime.stream_ptr restated it and
+    # took True as the stream handle 1
+    from types import SimpleNamespace
+
+    from rawkv.runtime import Runtime
+    rt = SimpleNamespace(_current_stream_ptr=lambda: 7)      # (what stream_ptr reads of a Runtime)
+    assert [Runtime.stream_ptr(rt, s) for s in (None, 5, SimpleNamespace(cuda_stream=11),
+                                                SimpleNamespace(ptr=12))] == [7, 5, 11, 12]
+    with pytest.raises(TypeError, match="^stream: expected a torch.cuda.Stream, cupy Stream or int"):
+        Runtime.stream_ptr(rt, bad)
