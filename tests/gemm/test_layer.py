@@ -81,6 +81,32 @@ def test_layer_checks(rng):
     assert y.shape == (3, 2, 16) and y.data_ptr() == layer.out.data_ptr()
 
 
+def test_layer_checks_a_weights_sizes_before_quantizing_or_packing_it(monkeypatch):
+    # set_weight quantized every group and the loaders packed the checkpoint
+    # before the sizes were compared with the layer's; and a checkpoint of
+    # other groups was "groups: 2 does not match weight's 4 groups", naming an
+    # argument the layer's caller does not pass
+    from rawkv.gemm import weights as W
+    layer = rawkv.gemm.Fp4GroupedLinear(2, 64, 16, max_tokens=4, device="cpu")
+    done = []
+    monkeypatch.setattr(rawkv.nvfp4, "quantize", lambda *a, **k: done.append("quantize"))
+    monkeypatch.setattr(W.Fp4Weight, "_packed", classmethod(lambda cls, *a, **k: done.append("pack")))
+    sizes = r"\(groups, out_features, in_features\) \({}\), the layer was built for \(2, 16, 64\)"
+    with pytest.raises(ValueError, match="^w: " + sizes.format("4, 16, 64")):
+        layer.set_weight(torch.randn(4, 16, 64))
+    with pytest.raises(ValueError, match="^w: " + sizes.format("1, 16, 64")):
+        layer.set_weight(torch.randn(16, 64))
+    codes = torch.zeros(4, 16, 32, dtype=torch.uint8)
+    loads = ((layer.load_mxfp4, torch.full((4, 16, 2), 127, dtype=torch.uint8)),
+             (lambda c, s: layer.load_nvfp4(c, s, 1.0), torch.full((4, 16, 4), 0x30, dtype=torch.uint8)))
+    for load, scale in loads:
+        with pytest.raises(ValueError, match="^weight: " + sizes.format("4, 16, 64")):
+            load(codes, scale)
+        with pytest.raises(ValueError, match=r"^weight: expected shape \(32, 32\) .* or \(2, 16, 32\), got \(64, 32\)"):
+            load(codes.reshape(64, 32), scale.reshape(64, -1))
+    assert done == [] and layer.weight is None
+
+
 def test_layer_arguments_are_refused_by_name(rng):
     # a wrong type is a TypeError, a bad value a ValueError (both were
     # ValueErrors); no weight / no activation: TypeErrors naming them (were

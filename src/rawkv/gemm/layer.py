@@ -43,12 +43,16 @@ class Fp4GroupedLinear:
         """Quantize a BF16/FP32 weight (G, N, K) to NVFP4 with ModelOpt's
         rules (gs per group: computed as ModelOpt does, or given)."""
         if is_torch(w):         # (anything else: from_float's error naming w)
+            if w.dim() in (2, 3):       # (another rank: from_float's error naming w)
+                # (before the copy and the quantization: a refused call does nothing)
+                self._check_sizes("w", tuple(w.shape) if w.dim() == 3 else (1, *w.shape))
             w = w.to(self.out.device)
         self._set(Fp4Weight.from_float(w, gs=gs), "w")
         return self
 
     def load_nvfp4(self, weight, weight_scale, weight_scale_2, input_scale=None) -> "Fp4GroupedLinear":
         """A ModelOpt NVFP4 checkpoint's tensors, stacked (G*N, ...) or (G, N, ...)."""
+        self._check_codes(weight)
         w = Fp4Weight.from_nvfp4(weight, weight_scale, weight_scale_2, input_scale, groups=self.groups)
         self._set(w.to(self.out.device), "weight")
         return self
@@ -59,19 +63,41 @@ class Fp4GroupedLinear:
         a ValueError naming the blocks E4M3 cannot hold exactly) and its calls
         take FP8 block activations, (codes, scales) from
         rawkv.fp8.quantize_blocks, on the W4A8 GEMM (sm_90; docs/gemm.md)."""
+        self._check_codes(weight)
         w = Fp4Weight.from_mxfp4(weight, scale, groups=self.groups).to(self.out.device)
         # (every check, the W4A8 form's included, before the weight is
         # replaced: a refused load leaves the layer as it was)
         self._set(w, "weight", w4a8_weight(w) if w4a8 else w)
         return self
 
-    def _set(self, w: Fp4Weight, name: str, keep=None) -> None:
-        """Check w's sizes against the layer's, then hold `keep` (w itself
-        by default; its W4A8 form for load_mxfp4(w4a8=True))."""
-        got = (w.groups, w.n, w.k)
+    def _check_sizes(self, name: str, got: tuple) -> None:
+        """The (groups, out_features, in_features) `got` of the weight the
+        user passed as `name` against the layer's: a ValueError naming it,
+        checked before the weight is copied, quantized or packed."""
         want = (self.groups, self.out_features, self.in_features)
         if got != want:
             raise ValueError(f"{name}: (groups, out_features, in_features) {got}, the layer was built for {want}")
+
+    def _check_codes(self, weight) -> None:
+        """A checkpoint's codes against the layer's sizes (_check_sizes),
+        before the loader reads them: (G, N, K/2), or (G*N, K/2) stacked
+        over the layer's G groups. (The loader, given groups=G, named
+        `groups` for a weight of other groups, which the user did not pass.)
+        Anything but a 2-D or 3-D tensor: the loader's error naming it."""
+        if not is_torch(weight) or weight.dim() not in (2, 3):
+            return
+        s = tuple(weight.shape)
+        if len(s) == 3:
+            self._check_sizes("weight", (s[0], s[1], 2 * s[2]))
+        elif s != (self.groups * self.out_features, self.in_features // 2):
+            raise ValueError(f"weight: expected shape {(self.groups * self.out_features, self.in_features // 2)} "
+                             f"(groups x out_features rows of in_features / 2 bytes) or "
+                             f"{(self.groups, self.out_features, self.in_features // 2)}, got {s}")
+
+    def _set(self, w: Fp4Weight, name: str, keep=None) -> None:
+        """Hold `keep` (w itself by default; its W4A8 form for
+        load_mxfp4(w4a8=True)), w's sizes checked against the layer's."""
+        self._check_sizes(name, (w.groups, w.n, w.k))
         self.weight = w if keep is None else keep
 
     def __call__(self, x, *, out=None, stream=None):
