@@ -488,8 +488,12 @@ def split_number(v) -> tuple:
     operator's two arguments (`Tensor? gs`, `float? gs_value`), unchecked:
     (None, v) for a number (Python or numpy, a numpy one as a Python float:
     the schema takes no numpy scalar), else (v, None). Plain Python:
-    torch.compile traces it."""
-    if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)):
+    torch.compile traces it (as_number: traced, the 0-d array a NumPy
+    scalar becomes is a number too)."""
+    n = as_number(v)
+    if n is not v:                      # a NumPy scalar
+        return None, float(n)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
         return None, (v if isinstance(v, int) else float(v))
     return v, None
 
@@ -579,6 +583,37 @@ def check_cpu_array(a, name: str, allowed, shape=None) -> str:
 def is_number(v) -> bool:
     """A Python or numpy real scalar (not a bool, not an array)."""
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+def as_number(v):
+    """`v`, an argument where a number goes, with a NumPy integer or float
+    scalar as the Python int or float it holds (np.int64(64) is 64,
+    np.float32(0.5) is 0.5); anything else (a NumPy bool, an array, None)
+    as it is, for the op's rules to check.
+
+    *Decision* (docs/runtime.md, "Numbers"): a NumPy scalar is the number it
+    holds, eagerly, through torch.ops.rawkv.* (torch converts it) and under
+    torch.compile, so the op checks the same value everywhere. Dynamo
+    traces a NumPy scalar as a 0-d array, which went on as a tensor (a gs
+    of 0 decoded zeros where the eager op refused it) or failed the
+    operator call; traced, one of a real dtype becomes the Python number
+    (the value of one the compiled function is given, unless int64 or
+    float64, is a symbol the operator cannot take: torch names the
+    argument). Dynamo cannot tell a 0-d array from a NumPy scalar: compiled,
+    a 0-d array where a number goes is one."""
+    c = v.__class__
+    if c is int or c is float or v is None:                 # (the hot path)
+        return v
+    if isinstance(v, (np.integer, np.floating)):
+        return v.item()
+    if isinstance(v, np.ndarray) and _torch is not None and _torch.compiler.is_dynamo_compiling() \
+            and v.ndim == 0:
+        d = _torch.as_tensor(v).dtype                       # (dynamo reads no ndarray.dtype)
+        if d.is_floating_point:
+            return float(v)
+        if d is not _torch.bool and not d.is_complex:
+            return v.tolist()       # (int(v) fails dynamo for a scalar made while it traces)
+    return v
 
 
 # The doubles that round (to nearest, ties to even) to a finite positive

@@ -135,10 +135,16 @@ def op(name: str, schema: str):
         n = len(decl.args)
         params = list(inspect.signature(body).parameters)
         si = params.index("stream") if "stream" in params else len(params)     # (the stream's position)
+        nums = decl.numbers
 
         def call(*args):
             if _compiler.is_dynamo_compiling() or _compiler._is_compiling_flag:     # _is_compiling(), inlined
                 return _traced(decl, args[:n])
+            if nums:
+                for i in nums:
+                    if i < len(args) and args[i].__class__ not in _PLAIN:      # a NumPy scalar, perhaps
+                        args = _numbers(decl, args)
+                        break
             if len(args) > si and args[si] is not None:
                 A.check_stream(args[si])        # (on CPU as the CUDA runtime would)
             return body(*args)
@@ -146,6 +152,11 @@ def op(name: str, schema: str):
         def call_variadic(*args, **extras):
             if _compiler.is_dynamo_compiling() or _compiler._is_compiling_flag:
                 return _traced(decl, args)
+            if nums:
+                for i in nums:
+                    if i < len(args) and args[i].__class__ not in _PLAIN:
+                        args = _numbers(decl, args)
+                        break
             if extras.get("stream") is not None:
                 A.check_stream(extras["stream"])
             return body(*args, **extras)
@@ -158,6 +169,24 @@ def op(name: str, schema: str):
     return wrap
 
 
+# what a number argument of the schema usually is: nothing to convert (an
+# eager test only: dynamo cannot hash the class of a value it traces)
+_PLAIN = frozenset((int, float, type(None)))
+
+
+def _numbers(decl: Op, args: tuple) -> tuple:
+    """`args` with a NumPy scalar where the schema takes a number (its int
+    and float arguments) as the Python number it holds (A.as_number), so
+    the body gets what torch.ops.rawkv.* passes it, eagerly and compiled."""
+    for i in decl.numbers:
+        if i < len(args):
+            v = args[i]
+            w = A.as_number(v)
+            if w is not v:
+                args = (*args[:i], w, *args[i + 1:])
+    return args
+
+
 def _traced(decl: Op, args):
     """Under torch.compile: the registered operator (with the schema's
     arguments only), which dynamo records in its graph."""
@@ -165,6 +194,15 @@ def _traced(decl: Op, args):
     if ov is None:
         raise RuntimeError(f"rawkv::{decl.name} is not registered with torch: import rawkv.library "
                            "before torch.compile")
+    args = _numbers(decl, args)
+    for i in decl.numbers:
+        v = args[i] if i < len(args) else None
+        if isinstance(v, np.ndarray) or A.is_torch(v):
+            # (a NumPy bool, an array or a tensor where the schema takes a number:
+            # the eager op refuses it by name, the operator call would fail
+            # making its fake tensor call)
+            raise TypeError(f"{decl.args[i][0]}: expected a number, got "
+                            f"{'a tensor' if A.is_torch(v) else 'a NumPy bool or array'}")
     ov(*args)
 
 

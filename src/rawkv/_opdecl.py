@@ -47,6 +47,8 @@ class OpDecl:
             if m["default"] is not None:
                 self.defaults[m["name"]] = _literal(m["default"], name)
         self.mutates = tuple(n for n, _, w in self.args if w)
+        # the positions of the number arguments (int, float; optional or not)
+        self.numbers = tuple(i for i, (_, t, _) in enumerate(self.args) if t.rstrip("?") in ("int", "float"))
         if not self.mutates:
             raise ValueError(f"rawkv::{name}: a mutating op writes at least one argument")
         if name in _OPS:

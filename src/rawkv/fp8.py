@@ -243,7 +243,8 @@ class Fp8Activation(NamedTuple):
 
 # ---- the block format's rules, shared with the fused producers' FP8 outputs -------------------
 def check_block(block) -> None:
-    """block: one of BLOCKS (a Python int; a bool or float is refused)."""
+    """block: one of BLOCKS (a Python int, as the op's body gets a NumPy
+    one: rawkv._op; a bool or float is refused)."""
     if block.__class__ is not int or block not in BLOCKS:
         raise ValueError(f"block: expected one of {BLOCKS}, got {block!r}")
 
@@ -275,7 +276,9 @@ def new_scales(like, s: tuple, block, scale_format: str, stream=None):
     float32 for 'fp32', else uint8 E8M0 bytes (as_e8m0 views them for the
     caller); no columns for a block the op will refuse."""
     # (isinstance, not `__class__ is int`: dynamo evaluates the latter False
-    # while torch.compile traces, giving a scales buffer of no columns)
+    # while torch.compile traces, giving a scales buffer of no columns; a
+    # NumPy int is the int it holds, as the op takes it: rawkv._op)
+    block = A.as_number(block)
     nb = bref.block_count(s[-1], block) if s and isinstance(block, int) and block in BLOCKS else 0
     # New E8M0 scales are written as uint8 and returned as a float8_e8m0fnu
     # view: torch.compile's inductor cannot functionalize an operator that

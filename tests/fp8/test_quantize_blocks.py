@@ -313,6 +313,20 @@ def test_bad_arguments_are_refused_by_name(call, exc, msg):
         call()
 
 
+def test_block_may_be_a_numpy_int():
+    # (np.int64(64) was refused as "block: expected one of (32, 64, 128)";
+    # a NumPy bool is refused as a bool is: test_bad_arguments_are_refused_by_name)
+    c, s = fp8.quantize_blocks(ONES, block=64)
+    for block in (np.int64(64), np.int32(64)):
+        cn, sn = fp8.quantize_blocks(ONES, block=block)
+        assert sn.shape == (4, 2) and torch.equal(sn, s) and np.array_equal(_u8(cn), _u8(c))
+        assert torch.equal(fp8.dequantize_blocks(cn, sn, block=block), fp8.dequantize_blocks(c, s, block=64))
+    with pytest.raises(ValueError, match=r"^block: expected one of \(32, 64, 128\), got 96"):
+        fp8.quantize_blocks(ONES, block=np.int64(96))
+    with pytest.raises(ValueError, match="^block: expected one of"):
+        fp8.quantize_blocks(ONES, block=np.True_)
+
+
 def test_refused_call_writes_nothing():
     codes = torch.full((4, 128), 0xAB, dtype=torch.uint8)
     with pytest.raises(ValueError, match="^scales: expected shape"):

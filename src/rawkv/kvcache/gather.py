@@ -88,6 +88,7 @@ def _dense_one(call, pool, slot, n_entries, out, dtype, errors, stream, index):
     C.pool(pool)
     name = C.out_dtype(dtype, out)
     width = _width(pool, index)
+    n_entries = A.as_number(n_entries)     # (a NumPy int sizes out as the int it holds)
     if out is None and width is not None and C.is_size(n_entries):
         # before allocating (10**8 was a MemoryError): at most what a request
         # can hold (static sizes only: traced by torch.compile, the count of
