@@ -293,12 +293,28 @@ def numel(a) -> int:
     return a.size if isinstance(a, np.ndarray) else a.numel()
 
 
-def out_lead(ids) -> tuple:
-    """The shape an op's new output takes from an input `ids` the op needs
-    contiguous (an index argument, fp8's x): ids.shape, or (0,) where the
-    op's rules will refuse ids as not contiguous, which they check before
-    the output: a stride-0 view of 2^32 ids sized terabytes of output
-    before it was named."""
+def as_read(a, name: str):
+    """`a` as the op's rules will read it, for a public function that sizes
+    its new outputs before they run: a torch tensor, numpy array or
+    non-array (the rules name it) as it is; another DLPack array (CuPy,
+    JAX, ...) through the zero-copy view the rules wrap it in. The protocol
+    promises such an array no .shape or .dtype: a bare producer sized
+    outputs of no rows (then refused as out; where an op trusts the outputs
+    it has just sized, a kernel would write past them), and moe_stage gave
+    no topk_weights."""
+    if is_torch(a) or isinstance(a, np.ndarray) or not hasattr(a, "__dlpack__"):
+        return a
+    return _dlpack_array(a, name)
+
+
+def out_lead(ids, name: str) -> tuple:
+    """The shape an op's new output takes from an input `ids` (argument
+    `name`) the op needs contiguous (an index argument, fp8's x): its shape
+    as the rules read it (as_read), or (0,) where the op's rules will
+    refuse it as not contiguous, which they check before the output: a
+    stride-0 view of 2^32 ids sized terabytes of output before it was
+    named."""
+    ids = as_read(ids, name)
     if (is_torch(ids) or isinstance(ids, np.ndarray)) and not is_dense(ids):
         return (0,)
     return dims(ids)
@@ -381,11 +397,13 @@ def row_stride(a):
     return None
 
 
-def out_rows(x) -> tuple:
-    """The shape new outputs of an op that reads x as rows() are sized
-    from: x's shape, or (0,) where rows() will refuse x's layout, which
-    the op checks before its outputs (a stride-0 view of 2^34 rows sized
-    terabytes of output before it was named)."""
+def out_rows(x, name: str) -> tuple:
+    """The shape new outputs of an op that reads x (argument `name`) as
+    rows() are sized from: x's shape as the rules read it (as_read), or
+    (0,) where rows() will refuse x's layout, which the op checks before
+    its outputs (a stride-0 view of 2^34 rows sized terabytes of output
+    before it was named)."""
+    x = as_read(x, name)
     s = dims(x)
     if s and (is_torch(x) or isinstance(x, np.ndarray)) and row_stride(x) is None:
         return (0,)

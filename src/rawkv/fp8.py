@@ -199,7 +199,7 @@ def quantize_blocks(x, *, block: int = 128, scale_format: str = "fp32", out=None
     if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
         raise TypeError("out: expected a tuple (codes, scales) of buffers (entries may be None)")
     codes, scales = out if out is not None else (None, None)
-    s = A.out_lead(x)       # ((0,) for a layout the rules refuse before the buffers)
+    s = A.out_lead(x, "x")       # ((0,) for a layout the rules refuse before the buffers)
     if codes is None:
         codes = empty(x, s, "float8_e4m3fn", stream)
     new_bytes = scales is None and scale_format != "fp32"

@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from rawkv import fused as F  # noqa: E402
+from support.dlpack import Bare, NoDtype  # noqa: E402
 from support.fused import _names  # noqa: E402
 
 
@@ -306,7 +307,7 @@ def test_inputs_the_rules_refuse_are_named_before_the_outputs_are_sized():
     """Each producer sized its new outputs from its input before the rules
     had checked it: a stride-0 view of 2^34 rows, or a 1-D hidden of 2^20
     (q of 2^20 x 2^19 bytes), allocated terabytes before it was named; a
-    numpy string topk_weights failed in torch (rawkv.nvfp4._rules.out_dims,
+    numpy string topk_weights failed in torch (rawkv._args.out_lead,
     moe._sizes)."""
     def big(*row, dtype=BF16):
         return torch.zeros(1, *row, dtype=dtype).expand(2 ** 34, *row)
@@ -335,25 +336,6 @@ def test_inputs_the_rules_refuse_are_named_before_the_outputs_are_sized():
         assert _names(str(ei.value), name), (name, str(ei.value))
 
 
-class _Bare:
-    """A DLPack producer offering the protocol alone: no .shape, no .dtype."""
-
-    def __init__(self, a):
-        self.a = a
-
-    def __dlpack__(self, **kw):
-        return self.a.__dlpack__(**kw)
-
-    def __dlpack_device__(self):
-        return self.a.__dlpack_device__()
-
-
-class _NoDtype(_Bare):
-    """One with a .shape but no .dtype."""
-
-    def __init__(self, a):
-        super().__init__(a)
-        self.shape = a.shape
 
 
 def test_a_dlpack_input_without_shape_or_dtype_is_read_as_its_tensor():
@@ -362,20 +344,20 @@ def test_a_dlpack_input_without_shape_or_dtype_is_read_as_its_tensor():
     and an input without .shape sized outputs of no rows (the reference
     failed writing them; on CUDA, where the op trusts outputs it has just
     sized, the kernel would write past them). Each is sized from the view
-    the rules read (rawkv.nvfp4._rules.as_read) and gives the tensor's bits."""
+    the rules read (rawkv._args.as_read) and gives the tensor's bits."""
     a = Args("cpu")
     moe8 = F.moe_stage_fp8
     for got, want in [
-            (_moe(a.hid, a.ids, _NoDtype(a.wts)), _moe(a.hid, a.ids, a.wts)),
-            (_moe(a.hid, a.ids, _Bare(a.wts)), _moe(a.hid, a.ids, a.wts)),
-            (_moe(_Bare(a.hid), _Bare(a.ids), a.wts), _moe(a.hid, a.ids, a.wts)),
-            (moe8(a.hid, a.ids, _NoDtype(a.wts)), moe8(a.hid, a.ids, a.wts)),
-            (moe8(_Bare(a.hid), _Bare(a.ids), a.wts), moe8(a.hid, a.ids, a.wts)),
-            (_rms(_Bare(a.x), a.w), _rms(a.x, a.w)),
-            (_mhc(_Bare(a.X), a.mix, a.w), _mhc(a.X, a.mix, a.w)),
-            (F.rmsnorm_quantize_fp8(_Bare(a.x), a.w), F.rmsnorm_quantize_fp8(a.x, a.w)),
-            (_sw(_Bare(a.h)), _sw(a.h)),
-            (F.swiglu_quantize_fp8(_Bare(a.h)), F.swiglu_quantize_fp8(a.h))]:
+            (_moe(a.hid, a.ids, NoDtype(a.wts)), _moe(a.hid, a.ids, a.wts)),
+            (_moe(a.hid, a.ids, Bare(a.wts)), _moe(a.hid, a.ids, a.wts)),
+            (_moe(Bare(a.hid), Bare(a.ids), a.wts), _moe(a.hid, a.ids, a.wts)),
+            (moe8(a.hid, a.ids, NoDtype(a.wts)), moe8(a.hid, a.ids, a.wts)),
+            (moe8(Bare(a.hid), Bare(a.ids), a.wts), moe8(a.hid, a.ids, a.wts)),
+            (_rms(Bare(a.x), a.w), _rms(a.x, a.w)),
+            (_mhc(Bare(a.X), a.mix, a.w), _mhc(a.X, a.mix, a.w)),
+            (F.rmsnorm_quantize_fp8(Bare(a.x), a.w), F.rmsnorm_quantize_fp8(a.x, a.w)),
+            (_sw(Bare(a.h)), _sw(a.h)),
+            (F.swiglu_quantize_fp8(Bare(a.h)), F.swiglu_quantize_fp8(a.h))]:
         assert got[-1] is not None or want[-1] is None
         # (a host DLPack input gets numpy outputs: BF16 as float32)
         got = [None if t is None else torch.as_tensor(t).to(w.dtype) if w.element_size() > 1 else

@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import rawkv  # noqa: E402
 from rawkv.reference import nvfp4 as R  # noqa: E402
+from support.dlpack import Bare  # noqa: E402
 from support.fake_cuda import fake  # noqa: E402
 from support.nvfp4 import u8  # noqa: E402
 
@@ -363,7 +364,7 @@ def test_a_layout_quantize_refuses_is_named_before_its_outputs_are_sized():
 def test_decode_inputs_the_rules_refuse_are_named_before_out_is_sized():
     """dequantize sized out from q, gather from q and indices, before the
     rules had checked them: a stride-0 view of 2^34 rows (or of one row of
-    2^38 bytes) allocated terabytes first (_rules.out_dims)."""
+    2^38 bytes) allocated terabytes first (rawkv._args.out_lead)."""
     q, sf = torch.zeros(1, 8, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.uint8)
     idx = torch.zeros(4, dtype=torch.int32)
     long_row = torch.zeros(1, 1, dtype=torch.uint8).expand(1, 2 ** 38)
@@ -380,30 +381,18 @@ def test_decode_inputs_the_rules_refuse_are_named_before_out_is_sized():
             call()
 
 
-class _Bare:
-    """A DLPack producer offering the protocol alone: no .shape, no .dtype."""
-
-    def __init__(self, a):
-        self.a = a
-
-    def __dlpack__(self, **kw):
-        return self.a.__dlpack__(**kw)
-
-    def __dlpack_device__(self):
-        return self.a.__dlpack_device__()
-
 
 def test_a_dlpack_input_without_shape_is_sized_as_the_rules_read_it():
     """The DLPack protocol promises no .shape: a bare producer's x, q or
     indices sized outputs of no rows, then refused as out[0] / out
-    (_rules.as_read sizes them from the view the rules wrap it in)."""
+    (rawkv._args.as_read sizes them from the view the rules wrap it in)."""
     x = torch.randn(4, 64)
     q, sf, gs = nv.quantize(x, scope="row")
     q8, idx = q.view(torch.uint8), torch.tensor([3, 0, 3], dtype=torch.int32)
-    for got, want in [(nv.quantize(_Bare(x), scope="row"), nv.quantize(x, scope="row")),
-                      ((nv.dequantize(_Bare(q8), sf, gs),), (nv.dequantize(q8, sf, gs),)),
-                      ((nv.gather(_Bare(q8), sf, gs, idx),), (nv.gather(q8, sf, gs, idx),)),
-                      ((nv.gather(q8, sf, gs, _Bare(idx)),), (nv.gather(q8, sf, gs, idx),))]:
+    for got, want in [(nv.quantize(Bare(x), scope="row"), nv.quantize(x, scope="row")),
+                      ((nv.dequantize(Bare(q8), sf, gs),), (nv.dequantize(q8, sf, gs),)),
+                      ((nv.gather(Bare(q8), sf, gs, idx),), (nv.gather(q8, sf, gs, idx),)),
+                      ((nv.gather(q8, sf, gs, Bare(idx)),), (nv.gather(q8, sf, gs, idx),))]:
         for g, w in zip(got, want):         # (a host DLPack input gets numpy outputs: BF16 as float32)
             g, w = (t.view(torch.uint8) if t.element_size() == 1 else t.float() for t in (torch.as_tensor(g), w))
             assert torch.equal(g, w)

@@ -9,7 +9,6 @@ import numpy as np
 from . import _rules as R
 from . import plans
 from .._op import empties, op
-from ..nvfp4._rules import as_read, out_dims
 from ..reference import fused as ref
 from ..runtime import get_runtime
 from .. import _args as A
@@ -46,17 +45,17 @@ def moe_stage(hidden, topk_ids, topk_weights, *, out=None, stream=None):
 def _sizes(hidden, topk_ids, topk_weights) -> tuple:
     """(hidden's (M, K), topk_ids' shape, topk_weights' dtype name) that a
     call's new outputs are sized from, as the rules will read the inputs
-    (out_dims, as_read: a DLPack array without .dtype is read as the rules
+    (A.out_lead, A.as_read: a DLPack array without .dtype is read as the rules
     wrap it, where it gave no topk_weights); where the rules will refuse an
     input, which they check before the outputs, a stand-in that sizes
     nothing: (0, 0) for a hidden not 2-D or not contiguous (a 1-D hidden of
     2^17 sized a q of 2^33 bytes, a stride-0 view of 2^34 rows terabytes),
     (0,) for topk_ids not contiguous, None (no output) for weights of a
     dtype they refuse or no array (a numpy string dtype failed in torch)."""
-    hs = out_dims(hidden, "hidden")
-    w = as_read(topk_weights, "topk_weights")
+    hs = A.out_lead(hidden, "hidden")
+    w = A.as_read(topk_weights, "topk_weights")
     wdt = A.dtype_name(w) if A.is_torch(w) or isinstance(w, np.ndarray) else None
-    return (hs if len(hs) == 2 else (0, 0)), out_dims(topk_ids, "topk_ids"), (wdt if wdt in R.PARAM else None)
+    return (hs if len(hs) == 2 else (0, 0)), A.out_lead(topk_ids, "topk_ids"), (wdt if wdt in R.PARAM else None)
 
 
 @op("moe_stage", "Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor(a!) q, Tensor(b!) sf, "

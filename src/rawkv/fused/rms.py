@@ -9,7 +9,6 @@ from . import plans
 from .. import fp8 as FP8
 from .._op import empties, op
 from ..nvfp4 import counters
-from ..nvfp4._rules import out_dims
 from ..nvfp4.activation import QuantizedActivation
 from ..reference import fused as ref
 from ..reference import nvfp4 as ref_nvfp4
@@ -23,7 +22,7 @@ def rmsnorm_quantize(x, weight, eps=1e-6, *, scope=None, gs=None, out=None, stre
     x (..., N) bfloat16/float16, N % 16 == 0; weight (N,) float32/bfloat16/float16;
     eps a finite number > 0. Returns QuantizedActivation(q, sf, gs, inv_rms);
     gs per row by default."""
-    s = out_dims(x, "x")        # (a layout the op refuses: it names x before the outputs are sized)
+    s = A.out_lead(x, "x")        # (a layout the op refuses: it names x before the outputs are sized)
     return activation(_rmsnorm_quantize, x, tuple(s[:-1]), s[-1] if s else 0, scope, gs, out, stream,
                       x, weight, number(eps))
 
@@ -34,7 +33,7 @@ def mhc_rmsnorm_quantize(x, mix, weight, eps=1e-6, *, scope=None, gs=None, out=N
 
     x (..., n_hc, N) bfloat16/float16 with n_hc <= 4; mix (..., n_hc)
     float32/bfloat16/float16; weight (N,). Returns QuantizedActivation."""
-    s = out_dims(x, "x")
+    s = A.out_lead(x, "x")
     return activation(_mhc_rmsnorm_quantize, x, tuple(s[:-2]), s[-1] if s else 0, scope, gs, out, stream,
                       x, mix, weight, number(eps))
 
@@ -83,7 +82,7 @@ def rmsnorm_quantize_fp8(x, weight, eps=1e-6, *, block=128, scale_format="fp32",
     x, weight, eps as rmsnorm_quantize's; block 32, 64 or 128; scale_format
     'fp32' or 'ue8m0'. Returns rawkv.fp8.Fp8Activation(codes, scales,
     inv_rms); out= takes (codes, scales[, inv_rms])."""
-    s = out_dims(x, "x")
+    s = A.out_lead(x, "x")
     return fp8_activation(_rmsnorm_quantize_fp8, x, s[:-1], s[-1] if s else 0, block, scale_format, out, stream,
                           x, weight, number(eps))
 
@@ -91,7 +90,7 @@ def rmsnorm_quantize_fp8(x, weight, eps=1e-6, *, block=128, scale_format="fp32",
 def mhc_rmsnorm_quantize_fp8(x, mix, weight, eps=1e-6, *, block=128, scale_format="fp32", out=None, stream=None):
     """mHC pre-block + RMSNorm with an FP8 block output: quantize_blocks of
     the y mhc_rmsnorm_quantize quantizes. Returns Fp8Activation."""
-    s = out_dims(x, "x")
+    s = A.out_lead(x, "x")
     return fp8_activation(_mhc_rmsnorm_quantize_fp8, x, s[:-2], s[-1] if s else 0, block, scale_format, out,
                           stream, x, mix, weight, number(eps))
 

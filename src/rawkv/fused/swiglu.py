@@ -6,7 +6,6 @@ from __future__ import annotations
 from . import _rules as R
 from . import plans
 from .._op import op
-from ..nvfp4._rules import out_dims
 from ..reference import fused as ref
 from ..runtime import get_runtime
 from .. import _args as A
@@ -19,7 +18,7 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
     up columns; I % 16 == 0 and I % granularity == 0. silu uses rawkv's
     deterministic float32 exp (rawkv.reference.fused.exp_f32).
     Returns QuantizedActivation(q, sf, gs, None); gs per row by default."""
-    s = out_dims(h, "h")        # (a layout the op refuses: it names h before the outputs are sized)
+    s = A.out_lead(h, "h")        # (a layout the op refuses: it names h before the outputs are sized)
     g = int(granularity) if R.is_int(granularity) else granularity
     return activation(_swiglu_quantize, h, tuple(s[:-1]), (s[-1] if s else 0) // 2, scope, gs, out, stream,
                       h, g, inv=False)
@@ -44,7 +43,7 @@ def swiglu_quantize_fp8(h, granularity=8, *, block=128, scale_format="fp32", out
     rawkv.fp8.quantize_blocks(y, block=, scale_format=) of the BF16 (FP16) y
     the unfused SwiGLU stores. Returns rawkv.fp8.Fp8Activation(codes,
     scales, None); out= takes (codes, scales)."""
-    s = out_dims(h, "h")        # (a layout the op refuses: it names h before the outputs are sized)
+    s = A.out_lead(h, "h")        # (a layout the op refuses: it names h before the outputs are sized)
     g = int(granularity) if R.is_int(granularity) else granularity
     return fp8_activation(_swiglu_quantize_fp8, h, tuple(s[:-1]), (s[-1] if s else 0) // 2, block, scale_format,
                           out, stream, h, g, inv=False)

@@ -77,7 +77,7 @@ def grouped_linear(x, weight, *, out=None, errors=None, stream=None):
                         "(an Fp4Weight has none to count); pass errors=None")
     x, x_sf, x_gs = _split(x)
     if out is None:
-        out = empty(x, R.out_shape(A.dims(x), 3, weight.groups, weight.n), "bfloat16", stream)
+        out = empty(x, R.out_shape(A.dims(A.as_read(x, "x")), 3, weight.groups, weight.n), "bfloat16", stream)
     lo, hi = weight.exp_range or (0, 0)
     _grouped(x, x_sf, x_gs, weight.codes, weight.scales, weight.gs, weight.fmt, weight.n, weight.k, lo, hi,
              out, stream)
@@ -100,7 +100,7 @@ def moe_linear(x, weight, offsets, *, out=None, errors=None, stream=None):
     _check_weight(weight)
     x, x_sf, x_gs = _split(x)
     if out is None:
-        out = empty(x, R.out_shape(A.dims(x), 2, weight.groups, weight.n), "bfloat16", stream)
+        out = empty(x, R.out_shape(A.dims(A.as_read(x, "x")), 2, weight.groups, weight.n), "bfloat16", stream)
     lo, hi = weight.exp_range or (0, 0)
     _moe(x, x_sf, x_gs, weight.codes, weight.scales, weight.gs, weight.fmt, weight.n, weight.k, lo, hi,
          offsets, out, errors, stream)

@@ -36,7 +36,7 @@ def kvcache_indices(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, o
     with out=."""
     C.pool(pool)
     if out is None:
-        out = empty(topk_ids, A.out_lead(topk_ids), "int32", stream)
+        out = empty(topk_ids, A.out_lead(topk_ids, "topk_ids"), "int32", stream)
     _kvcache_indices(*V.pool_operands(pool, errors), slots, topk_ids, n_entries, valid_mask, out,
                      stream=stream, pool=pool)
     return out

@@ -33,7 +33,7 @@ def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=N
     C.pool(pool)
     name = C.out_dtype(dtype, out)
     if out is None:
-        out = empty(topk_ids, (*A.out_lead(topk_ids), pool.head_dim), name, stream)
+        out = empty(topk_ids, (*A.out_lead(topk_ids, "topk_ids"), pool.head_dim), name, stream)
     _gather_topk(*V.pool_operands(pool, errors), slots, topk_ids, n_entries, valid_mask, out,
                  stream=stream, pool=pool, dtype=name)
     return out

@@ -129,7 +129,7 @@ def model1_gather(cache, indices, *, page_size: int, out=None, dtype=None, error
     errors += 1. One launch (one warp per row), capturable with out=."""
     name = C.out_dtype(dtype, out)
     if out is None:
-        out = empty(indices, (*A.out_lead(indices), R.ENTRY_DIM), name, stream)
+        out = empty(indices, (*A.out_lead(indices, "indices"), R.ENTRY_DIM), name, stream)
     _model1_gather(cache, indices, page_size, out, errors, stream, name)
     return out
 
@@ -146,7 +146,7 @@ def topk_to_kvcache_indices(topk_ids, block_table, *, page_size: int, num_pages:
     [0, R) or a block id outside [0, num_pages) -> -1, errors += 1
     (reference.topk_to_kvcache_indices). One launch, capturable with out=."""
     if out is None:
-        out = empty(topk_ids, A.out_lead(topk_ids), "int32", stream)
+        out = empty(topk_ids, A.out_lead(topk_ids, "topk_ids"), "int32", stream)
     _topk_to_kvcache_indices(topk_ids, block_table, page_size, num_pages, slots, n_entries, out, errors, stream)
     return out
 

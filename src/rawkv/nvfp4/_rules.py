@@ -64,30 +64,6 @@ def decode_gs(gs, lead, where, device):
     return ("scalar" if one else "row"), gs
 
 
-# ---- what a public function sizes its new outputs from ---------------------------------
-def as_read(a, name: str):
-    """`a` as the op's rules will read it, for a public function that sizes
-    its new outputs before they run: a torch tensor, numpy array or
-    non-array (the rules name it) as it is; another DLPack array (CuPy,
-    JAX, ...) through the zero-copy view the rules wrap it in. The protocol
-    promises such an array no .shape or .dtype: a bare producer sized
-    outputs of no rows (then refused as out; where an op trusts the outputs
-    it has just sized, a kernel would write past them), and moe_stage gave
-    no topk_weights. (Shared with rawkv.fused; its place is rawkv._args.)"""
-    if A.is_torch(a) or isinstance(a, np.ndarray) or not hasattr(a, "__dlpack__"):
-        return a
-    return A._dlpack_array(a, name)
-
-
-def out_dims(a, name: str) -> tuple:
-    """The shape new outputs are sized from, of an input `a` the op needs
-    contiguous: a's shape as the rules read it (as_read), or (0,) where
-    they will refuse its layout, which they check before the outputs (a
-    stride-0 view of 2^34 rows sized terabytes of output before it was
-    named; A.out_lead)."""
-    return A.out_lead(as_read(a, name))
-
-
 # ---- public-only arguments ---------------------------------------------------------------
 def size(v, name: str) -> int:
     """A size argument: an int (Python, numpy or anything with __index__,

@@ -43,7 +43,7 @@ def dequantize(q, sf=None, gs=None, *, dtype=None, out=None, stream=None):
         q, sf, gs = _activation_parts(q, sf, gs)
     name = A.decode_dtype(dtype, out, "bfloat16")
     if out is None:
-        sq = C.out_dims(q, "q")        # (a layout the op refuses: it names q before out is sized)
+        sq = A.out_lead(q, "q")        # (a layout the op refuses: it names q before out is sized)
         out = empty(q, (*sq[:-1], sq[-1] * 2 if sq else 0), name, stream)
     gs_t, gs_v = A.split_number(gs)
     _dequantize(q, sf, gs_t, gs_v, out, stream, name)

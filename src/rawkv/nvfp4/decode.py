@@ -46,8 +46,8 @@ def gather(q, sf, gs, indices, *, dtype=None, out=None, errors=None, stream=None
     name = A.decode_dtype(dtype, out, "bfloat16")
     if out is None:
         # (q or indices in a layout the op refuses: it names them before out is sized)
-        sq = C.out_dims(q, "q")
-        out = empty(q, (*C.out_dims(indices, "indices"), sq[-1] * 2 if sq else 0), name, stream)
+        sq = A.out_lead(q, "q")
+        out = empty(q, (*A.out_lead(indices, "indices"), sq[-1] * 2 if sq else 0), name, stream)
     gs_t, gs_v = A.split_number(gs)
     _gather(q, sf, gs_t, gs_v, indices, out, errors, stream, name)
     return out

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import _rules as C
 from . import counters
 from ._geometry import BLOCK_THREADS, grid, groups
 from .. import _args as A
@@ -69,7 +68,7 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
     # a gs tensor given without an out gs is the gs
     if q is None or sf is None or (g is None and gs_t is None):
         scope = A.default_scope(scope, gs, "tensor")
-        s = A.out_rows(C.as_read(x, "x"))      # (no shape, or a layout the op refuses: the op names x)
+        s = A.out_rows(x, "x")      # (no shape, or a layout the op refuses: the op names x)
         lead, n = s[:-1], (s[-1] if s else 0)
         if q is None:
             q = empty(x, (*lead, n // 2), "uint8", stream)
