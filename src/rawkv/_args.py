@@ -760,7 +760,7 @@ def check_outputs(outputs, inputs=(), owned=(), reads_apart: bool = False) -> No
             # written; a kernel would write behind autograd's back)
             raise ValueError(f"{name}: requires grad; rawkv's ops write their outputs in place, which "
                              "autograd does not track: pass a tensor without requires_grad")
-        if is_torch(a) and a.is_inference() and not sys.modules["torch"].is_inference_mode_enabled():
+        if is_torch(a) and not writable_here((a,)):
             # (the same: torch lets nothing change an inference tensor outside
             # inference_mode; the CPU path raised after writing, a kernel wrote)
             raise ValueError(f"{name}: is an inference tensor (made under torch.inference_mode), which may "

@@ -105,8 +105,8 @@ def split8(x) -> tuple:
 def _new_out(codes, weight: W4a8Weight, ndim: int, stream):
     """A call's out when it gives none (R.out_shape: sized only where the
     rules will take the call)."""
-    ws = A.dims(weight.codes)
-    return empty(codes, R.out_shape(A.dims(A.as_read(codes, "x.codes")), ndim, ws[0] if ws else None, weight.n), "bfloat16", stream)
+    ws, s = A.dims(weight.codes), A.dims(A.as_read(codes, "x.codes"))
+    return empty(codes, R.out_shape(s, ndim, ws[0] if ws else None, weight.n), "bfloat16", stream)
 
 
 def grouped_linear8(x, weight: W4a8Weight, out=None, errors=None, stream=None):

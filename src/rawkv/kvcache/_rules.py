@@ -51,7 +51,7 @@ def host_int(name: str, v, lo: int, hi: int | None = None) -> int:
     """A host int argument in [lo, hi) (a NumPy one as the int it holds,
     traced by torch.compile too: rawkv._args.as_number)."""
     v = A.as_number(v)
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+    if not A.is_int(v):
         raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
     if v < lo or (hi is not None and v >= hi):
         raise ValueError(f"{name}: {v} is out of range [{lo}, {hi if hi is not None else 'inf'})")
