@@ -6,9 +6,13 @@ change meant to keep the bits shows that it does, and a timing is compared only
 with one taken in the same call.
 
     python3 tools/ab_gemm.py --base HEAD~1 [--rounds 2] [--rows moe,wo_a,w4a8]
+    python3 tools/ab_gemm.py --base-src DIR ...    # DIR/src the base tree's sources
 
 The base revision is checked out with `git worktree add` under a temporary
-directory (removed afterwards); each round runs the base tree, then the working
+directory (removed afterwards), or `--base-src` names a directory holding
+the base tree's src/ (`git archive REV src | tar -x -C DIR`: for a machine
+whose copy of the repository's history is not the tree's, as the device
+machines' is); each round runs the base tree, then the working
 tree, each in a process of its own with its own src/ on PYTHONPATH (the kernel
 cache is keyed by the sources' digest, so each compiles its own kernels).
 Inputs are drawn from fixed seeds, the same in every process. Rows:
@@ -135,6 +139,7 @@ def _run_tree(src: str, rows: tuple[str, ...]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", help="the git revision to compare the working tree with")
+    ap.add_argument("--base-src", help="a directory with the base tree's src/, in place of --base")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of base then new (default 2)")
     ap.add_argument("--rows", default="wo_a,moe", help=f"comma-separated from {', '.join(ROW_SETS)}")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -146,21 +151,32 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(worker(rows)))
         return 0
-    if not args.base or args.rounds < 1:
-        ap.error("--base REV is required, and --rounds at least 1")
-    with tempfile.TemporaryDirectory(prefix="ab-gemm-") as tmp:
-        tree = os.path.join(tmp, "base")
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree, args.base], check=True)
-        try:
-            base, new = [], []
-            for r in range(args.rounds):
-                base.append(_run_tree(os.path.join(tree, "src"), rows))
-                new.append(_run_tree(os.path.join(ROOT, "src"), rows))
-                print(f"round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
-        finally:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=False)
+    if bool(args.base) == bool(args.base_src) or args.rounds < 1:
+        ap.error("one of --base REV or --base-src DIR is required, and --rounds at least 1")
+    if args.base_src:
+        if not os.path.isdir(os.path.join(args.base_src, "src", "rawkv")):
+            ap.error(f"--base-src: {args.base_src} has no src/rawkv")
+        base, new = _rounds(os.path.abspath(args.base_src), rows, args.rounds)
+    else:
+        with tempfile.TemporaryDirectory(prefix="ab-gemm-") as tmp:
+            tree = os.path.join(tmp, "base")
+            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree, args.base], check=True)
+            try:
+                base, new = _rounds(tree, rows, args.rounds)
+            finally:
+                subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=False)
     print("\n".join(summary(base, new)))
     return 0
+
+
+def _rounds(tree: str, rows, rounds: int) -> tuple[list, list]:
+    """`rounds` of the base tree's process, then the working tree's."""
+    base, new = [], []
+    for r in range(rounds):
+        base.append(_run_tree(os.path.join(tree, "src"), rows))
+        new.append(_run_tree(os.path.join(ROOT, "src"), rows))
+        print(f"round {r + 1} of {rounds} done", file=sys.stderr, flush=True)
+    return base, new
 
 
 if __name__ == "__main__":

@@ -71,3 +71,19 @@ def test_driver_needs_a_base_and_rounds():
         ab.main(["--base", "HEAD", "--rounds", "0"])
     with pytest.raises(SystemExit):
         ab.main(["--base", "HEAD", "--rows", "dense"])
+
+
+def test_driver_takes_a_base_source_directory(monkeypatch, capsys, tmp_path):
+    # --base-src: the base tree's src/ from a directory (git archive), for a
+    # machine whose copy of the history is not the tree's (the device's)
+    ab = _tool()
+    (tmp_path / "src" / "rawkv").mkdir(parents=True)
+    calls = []
+    monkeypatch.setattr(ab, "_run_tree", lambda src, rows: calls.append(src) or {"row": (3.0, "h")})
+    assert ab.main(["--base-src", str(tmp_path), "--rounds", "1", "--rows", "w4a8"]) == 0
+    assert calls == [str(tmp_path / "src"), str(ROOT / "src")]
+    assert "1.000" in capsys.readouterr().out
+    with pytest.raises(SystemExit):                                  # not both
+        ab.main(["--base-src", str(tmp_path), "--base", "HEAD"])
+    with pytest.raises(SystemExit):                                  # a directory without the package
+        ab.main(["--base-src", str(tmp_path / "src")])
