@@ -189,7 +189,8 @@ def _numbers(decl: Op, args: tuple) -> tuple:
 
 def _traced(decl: Op, args):
     """Under torch.compile: the registered operator (with the schema's
-    arguments only), which dynamo records in its graph."""
+    arguments only), which dynamo records in its graph. A bool, an array or
+    a tensor where the schema takes a number is refused here, by name."""
     ov = decl.overload
     if ov is None:
         raise RuntimeError(f"rawkv::{decl.name} is not registered with torch: import rawkv.library "
@@ -197,6 +198,12 @@ def _traced(decl: Op, args):
     args = _numbers(decl, args)
     for i in decl.numbers:
         v = args[i] if i < len(args) else None
+        if isinstance(v, bool):
+            # (torch's argument parser would make it 1 or 1.0, which the op
+            # then takes, where the eager op refuses the bool: docs/runtime.md,
+            # "Numbers". Without fullgraph, dynamo then runs the call eagerly.)
+            what = "an int" if decl.args[i][1].rstrip("?") == "int" else "a number"
+            raise TypeError(f"{decl.args[i][0]}: expected {what}, got bool")
         if isinstance(v, np.ndarray) or A.is_torch(v):
             # (a NumPy bool, an array or a tensor where the schema takes a number:
             # the eager op refuses it by name, the operator call would fail
