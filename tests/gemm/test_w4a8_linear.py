@@ -82,6 +82,77 @@ def test_nan_scale_reaches_the_output(rng):
     assert torch.isnan(got[1]).all() and not torch.isnan(got[[0, 2]]).any()
 
 
+def e8m0_act(rng, shape):
+    """FP8 block activations with E8M0-byte scales (DeepSeek-V4's act_quant:
+    quantize_blocks' 'ue8m0' bytes, float8_e8m0fnu) and the same scales as
+    their float32 powers of two; block 1 of the first row's first group
+    (where K has two blocks) takes byte 0 (2^-127, an FP32 subnormal), and
+    a block of the last row byte 254 (2^127) over zero codes."""
+    x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 3)
+    codes, scales = rawkv.fp8.quantize_blocks(x, scale_format="ue8m0")
+    b = scales.view(torch.uint8).clone()
+    lead = (0,) * (len(shape) - 1)
+    if b.shape[-1] > 1:
+        b[lead + (1,)] = 0
+    last = (shape[0] - 1,) + (0,) * (len(shape) - 2)
+    b[last + (0,)] = 254
+    codes = codes.view(torch.uint8).clone()
+    codes[last + (slice(0, 128),)] = 0
+    return codes, b.view(torch.float8_e8m0fnu), torch.from_numpy(W.ue8m0_value(b.numpy()))
+
+
+@pytest.mark.parametrize("g, n, k", [(1, 16, 128), (2, 21, 160), (3, 40, 288)])
+def test_cpu_e8m0_byte_scales_are_their_float32_values(rng, g, n, k):
+    """E8M0 bytes (float8_e8m0fnu or uint8) give the bits of their float32
+    powers of two, batched and ragged, and the reference's product."""
+    codes, scales, _, w8 = mx_weight(rng, g, n, k)
+    xc, xb, xf = e8m0_act(rng, (5, g, k))
+    want = rawkv.gemm.grouped_linear((xc, xf), w8)
+    assert np.array_equal(bits(want), G.round_to_bf16(W.grouped(xc.numpy(), xf.numpy(), codes, scales)))
+    for sb in (xb, xb.view(torch.uint8)):
+        assert torch.equal(rawkv.gemm.grouped_linear((xc, sb), w8), want)
+        assert torch.equal(rawkv.gemm.grouped_linear(rawkv.fp8.Fp8Activation(xc, sb), w8), want)
+    offsets = torch.tensor([0, 2] + [5] * (g - 1), dtype=torch.int32)
+    rc, rb, rf = e8m0_act(rng, (5, k))
+    ragged = rawkv.gemm.moe_linear((rc, rf), w8, offsets)
+    assert torch.equal(rawkv.gemm.moe_linear((rc, rb), w8, offsets), ragged)
+
+
+def test_cpu_e8m0_byte_ff_is_nan_in_its_row(rng):
+    _, _, _, w8 = mx_weight(rng, 1, 16, 256)
+    xc, xb, _ = e8m0_act(rng, (3, 1, 256))
+    xb = xb.view(torch.uint8).clone()
+    xb[1, 0, 1] = 0xFF
+    got = rawkv.gemm.grouped_linear((xc, xb), w8).float()
+    assert torch.isnan(got[1]).all() and not torch.isnan(got[[0, 2]]).any()
+
+
+def test_producers_e8m0_outputs_feed_the_gemm_as_they_are(rng):
+    """rmsnorm_quantize_fp8(scale_format='ue8m0') returns float8_e8m0fnu
+    scales; the W4A8 GEMM takes its Fp8Activation as it is, with the bits
+    of the same scales as float32."""
+    _, _, _, w8 = mx_weight(rng, 1, 24, 256)
+    h = torch.from_numpy(rng.standard_normal((4, 1, 256)).astype(np.float32)).to(bf)
+    fa = rawkv.fused.rmsnorm_quantize_fp8(h, torch.ones(256, dtype=bf), 1e-6, scale_format="ue8m0")
+    assert fa.scales.dtype == torch.float8_e8m0fnu
+    as_f32 = torch.from_numpy(W.ue8m0_value(fa.scales.view(torch.uint8).numpy()))
+    assert torch.equal(rawkv.gemm.grouped_linear(fa, w8), rawkv.gemm.grouped_linear((fa.codes, as_f32), w8))
+
+
+def test_an_e8m0_scales_tensor_reaches_the_operator_as_bytes(rng, monkeypatch):
+    # torch.compile's inductor cannot functionalize an operator taking a
+    # float8_e8m0fnu tensor (rawkv.fp8.e8m0_bytes): the public op passes
+    # the scales' uint8 bytes, as the FP8 producers do
+    from rawkv.gemm import w4a8
+    seen = []
+    real = w4a8._grouped8
+    monkeypatch.setattr(w4a8, "_grouped8", lambda x, x_sf, *a: seen.append(x_sf.dtype) or real(x, x_sf, *a))
+    _, _, _, w8 = mx_weight(rng, 1, 16, 128)
+    xc, xb, xf = e8m0_act(rng, (2, 1, 128))
+    got = rawkv.gemm.grouped_linear((xc, xb), w8)
+    assert seen == [torch.uint8] and torch.equal(got, rawkv.gemm.grouped_linear((xc, xf), w8))
+
+
 def extreme_weight(g=1, n=24, k=256):
     """MXFP4 bytes whose W4A8 form has every biased block shift an accepted
     weight can have at the ends of the range: 0..4 (the exact, subnormal
@@ -254,7 +325,8 @@ AGREEMENT = {
         ("x.codes-K", lambda: (_gl, ((buf(5, 3, 128), ones(5, 3, 1)), _w8()), {})),
         ("x.codes-rank", lambda: (_gl, ((buf(5, 160), ones(5, 2)), _w8()), {})),
         ("x.codes-groups", lambda: (_gl, (_xa(5, 2), _w8()), {})),
-        ("x.scales-uint8", lambda: (_gl, ((buf(5, 3, 160), buf(5, 3, 2)), _w8()), {})),
+        ("ok-scales-e8m0-bytes", lambda: (_gl, ((buf(5, 3, 160), buf(5, 3, 2)), _w8()), {})),
+        ("x.scales-float16", lambda: (_gl, ((buf(5, 3, 160), ones(5, 3, 2, dtype=torch.float16)), _w8()), {})),
         ("x.scales-shape", lambda: (_gl, ((buf(5, 3, 160), ones(5, 3, 1)), _w8()), {})),
         ("out-float32", lambda: (_gl, (_xa(5, 3), _w8()), {"out": ones(5, 3, 24)})),
         ("out-shape", lambda: (_gl, (_xa(5, 3), _w8()), {"out": ones(5, 3, 23, dtype=bf)})),
@@ -288,10 +360,10 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
     act = R.activation8(*_xa(65, 3, k=256), 3, 256, "cpu", -1)
     wc = R.weight8(w8.codes, w8.shifts, w8.row_scale, w8.gs, w8.n, w8.k, "cpu")
     (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(65, 3, 300, dtype=bf))
-    assert launch.grid == (3, 1, 3) and launch.kernel.expr.endswith("<128, 6>")
+    assert launch.grid == (3, 1, 3) and launch.kernel.expr.endswith("<128, 6, false>")
     act = R.activation8(*_xa(64, 3, k=256), 3, 256, "cpu", -1)
     (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(64, 3, 300, dtype=bf))
-    assert launch.grid == (3, 1, 3) and launch.kernel.expr.endswith("<64, 8>")
+    assert launch.grid == (3, 1, 3) and launch.kernel.expr.endswith("<64, 8, false>")
     # No groups (a weight of none, x (T, 0, K)): nothing to write, no launch (its grid would be empty).
     w0 = _w8(1, 300, 256)
     w0 = w0._replace(codes=w0.codes[:0], shifts=w0.shifts[:0], row_scale=w0.row_scale[:0], gs=w0.gs[:0])
@@ -308,7 +380,8 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
         (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(tokens, 3, 300, dtype=bf),
                                        tuning=plans.Tuning(W4A8_PATH=path))
         mt, nt, ks, rw, _ = cfg
-        assert launch.kernel.kernel is K8.GEMM_MMA and launch.kernel.expr.endswith(f"<{', '.join(map(str, cfg))}>")
+        assert launch.kernel.kernel is K8.GEMM_MMA
+        assert launch.kernel.expr.endswith(f"<{', '.join(map(str, cfg))}, false>")
         assert launch.grid == (-(-300 // (16 * mt * rw)), -(-tokens // (8 * nt)), 3) and launch.block == (32 * ks * rw,)
     # past it, or where the wgmma grid fills 90% of the SMs: the wgmma kernel,
     # its 16-token tile up to 16 tokens, 64 up to 64
@@ -316,7 +389,7 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
         act = R.activation8(*_xa(tokens, 3, k=256), 3, 256, "cpu", -1)
         (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(tokens, 3, 300, dtype=bf))
         assert launch.kernel.kernel is K8.GEMM and launch.grid == (3, -(-tokens // tile[0]), 3), tokens
-        assert launch.kernel.expr.endswith(f"<{tile[0]}, {tile[1]}>"), tokens
+        assert launch.kernel.expr.endswith(f"<{tile[0]}, {tile[1]}, false>"), tokens
     # (40 groups x 10 blocks of 32 features: 3.03 per SM, which takes the
     # mma.sync kernel's wide tile, test_plans_batched_decode_tile_by_grid;
     # here that rule is closed)
@@ -329,7 +402,7 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
     (launch,) = plans.w4a8_grouped(_Dev, act40, wide, torch.empty(1, 40, 300, dtype=bf),
                                    tuning=no_wide._replace(W4A8_SM90_MIN_FILL=0.95))
     assert launch.kernel.kernel is K8.GEMM_MMA
-    assert launch.kernel.expr.endswith(f"<{', '.join(map(str, K8.MMA_CONFIGS[8]))}>")
+    assert launch.kernel.expr.endswith(f"<{', '.join(map(str, K8.MMA_CONFIGS[8]))}, false>")
     # forced either way
     act = R.activation8(*_xa(16, 3, k=256), 3, 256, "cpu", -1)
     (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(16, 3, 300, dtype=bf),
@@ -348,7 +421,7 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
     wl = R.weight8(w16.codes, w16.shifts, w16.row_scale, w16.gs, w16.n, w16.k, "cpu")
     act = R.activation8(*_xa(40, 3, k=2048), 3, 2048, "cpu", -1)
     (launch,) = plans.w4a8_grouped(_Dev, act, wl, torch.empty(40, 3, 300, dtype=bf))
-    assert launch.kernel.kernel is K8.GEMM_SPLITK and launch.kernel.expr.endswith("<64, 8, 2>")
+    assert launch.kernel.kernel is K8.GEMM_SPLITK and launch.kernel.expr.endswith("<64, 8, 2, false>")
     assert launch.grid == (6, 1, 3)
     (launch,) = plans.w4a8_grouped(_Dev, act, wl, torch.empty(40, 3, 300, dtype=bf),
                                    tuning=plans.Tuning(W4A8_KSPLIT=1))
@@ -377,6 +450,26 @@ def test_plans_tile_by_tokens_and_refuse_other_archs():
         plans.w4a8_grouped(Ada, act, wc, torch.empty(65, 3, 300, dtype=bf))
 
 
+def test_plans_read_e8m0_byte_scales_in_either_kernel():
+    """E8M0-byte scales take each kernel's SB = true instance of the tile
+    float32 scales take (the wgmma kernel whole and split, the mma.sync
+    kernel)."""
+    from rawkv.gemm import _rules as R
+    for k, tokens, kernel in ((256, 65, K8.GEMM), (256, 4, K8.GEMM_MMA), (2048, 16, K8.GEMM_SPLITK)):
+        w8 = _w8(3, 300, k)
+        wc = R.weight8(w8.codes, w8.shifts, w8.row_scale, w8.gs, w8.n, w8.k, "cpu")
+        xc, xs = _xa(tokens, 3, k=k)
+        nb = -(-k // 128)
+        exprs = set()
+        for scales, sb in ((xs, "false"), (buf(tokens, 3, nb), "true"),
+                           (buf(tokens, 3, nb).view(torch.float8_e8m0fnu), "true")):
+            act = R.activation8(xc, scales, 3, k, "cpu", -1)
+            (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(tokens, 3, 300, dtype=bf))
+            assert launch.kernel.kernel is kernel and launch.kernel.expr.endswith(f", {sb}>"), (tokens, sb)
+            exprs.add(launch.kernel.expr.rsplit(", ", 1)[0])
+        assert len(exprs) == 1, exprs                                # the same tile
+
+
 def test_plans_batched_decode_tile_by_grid():
     """Up to W4A8_MMA_MAX_TOKENS tokens per group, by MMA_CONFIGS[8]'s
     grid (32 features a block) per SM, on 4 SMs: below 2 (K from 2,048) the
@@ -396,8 +489,10 @@ def test_plans_batched_decode_tile_by_grid():
         (a,) = plans.w4a8_grouped(Four, act, wc, torch.empty(tokens, g, n, dtype=bf), tuning=tuning)
         return a
 
-    def tile(a):
-        return tuple(int(v) for v in a.kernel.expr.split("<")[1].rstrip(">").split(", "))
+    def tile(a):                    # (the instance's tile: its template arguments but SB, false here)
+        *cfg, sb = a.kernel.expr.split("<")[1].rstrip(">").split(", ")
+        assert sb == "false"
+        return tuple(int(v) for v in cfg)
 
     assert plans.TUNED.W4A8_MMA_SMALL_GRID_MIN_K == 2048
     for n, g, tokens, cfg, grid_x in ((224, 1, 1, K8.MMA_SMALL_GRID_CONFIG, 7),      # 7 blocks: 1.75 per SM
@@ -472,7 +567,8 @@ def test_plans_ragged_by_tokens_per_expert():
             assert launch.kernel.kernel is K8.GEMM
             continue
         mt, nt, ks, rw, _ = cfg
-        assert launch.kernel.kernel is K8.GEMM_MMA and launch.kernel.expr.endswith(f"<{', '.join(map(str, cfg))}>")
+        assert launch.kernel.kernel is K8.GEMM_MMA
+        assert launch.kernel.expr.endswith(f"<{', '.join(map(str, cfg))}, false>")
         assert launch.grid == (-(-64 // (16 * mt * rw)), plans.ragged_slots(rows, 256, 8 * nt), 1)
     # a grid large enough for MMA_RAGGED_CONFIGS[8] (N = 4,096: 32 blocks of 128
     # features x 12 slots = 384 >= 264) at up to W4A8_MMA_FEW_ROWS rows: its two-stage form
@@ -483,7 +579,7 @@ def test_plans_ragged_by_tokens_per_expert():
         act = R.activation8(*_xa(rows, k=256), 2, 256, "cpu", -1)
         (launch,) = plans.w4a8_moe(_Dev, act, wc, torch.zeros(9, dtype=torch.int32), torch.empty(rows, 4096, dtype=bf),
                                    None)
-        assert launch.kernel.expr.endswith(f"<{', '.join(map(str, cfg))}>"), rows
+        assert launch.kernel.expr.endswith(f"<{', '.join(map(str, cfg))}, false>"), rows
         assert launch.grid == (32, plans.ragged_slots(rows, 8, 8), 1) and launch.kernel.pdl, rows
     assert K8.MMA_RAGGED_FEW_ROWS_CONFIG[:4] == K8.MMA_RAGGED_CONFIGS[8][:4]
     # from K = W4A8_RAGGED_SM90_MIN_K (gate_up), the wgmma kernel's 16-token
@@ -499,10 +595,10 @@ def test_plans_ragged_by_tokens_per_expert():
         (launch,) = plans.w4a8_moe(_Dev, act, wc, offsets, torch.empty(rows, 64, dtype=bf), None)
         if rows <= few:
             assert launch.kernel.kernel is K8.GEMM_MMA, rows
-            assert launch.kernel.expr.endswith(f"<{', '.join(map(str, K8.MMA_RAGGED_SMALL_CONFIG))}>")
+            assert launch.kernel.expr.endswith(f"<{', '.join(map(str, K8.MMA_RAGGED_SMALL_CONFIG))}, false>")
             assert launch.grid == (-(-64 // 64), plans.ragged_slots(rows, 8, 8), 1)
             continue
-        assert launch.kernel.kernel is K8.GEMM and launch.kernel.expr.endswith("<16, 8>"), rows
+        assert launch.kernel.kernel is K8.GEMM and launch.kernel.expr.endswith("<16, 8, false>"), rows
         assert launch.grid == (1, plans.ragged_slots(rows, 8, 16), 1)
 
 
@@ -831,6 +927,60 @@ def test_mma_kernel_same_bits_every_run_and_every_token_tiling(sm90, rng, monkey
         assert torch.equal(part.view(torch.int16), full[:tokens].view(torch.int16)), tokens
 
 
+# Every tile of both kernels with E8M0-byte scales (their SB = true
+# instances): (what, tunables, batched
+# tokens per group or ragged (rows, experts)).
+_E8M0_CASES = [
+    ("wgmma", dict(W4A8_PATH="sm90"), [1, 16, 64, 130]),
+    ("wgmma split", dict(W4A8_PATH="sm90", W4A8_KSPLIT=2), [1, 16, 64, 130]),
+    ("mma", dict(W4A8_PATH="mma"), [1, 8, 16]),
+    *((f"mma {tile} grid", dict(_BY_GRID[tile]), [8]) for tile in sorted(_BY_GRID)),
+    ("wgmma ragged", dict(W4A8_PATH="sm90"), [(300, 8)]),
+    ("mma ragged", dict(W4A8_PATH="mma", MMA_RAGGED_MIN_BLOCKS=0, W4A8_MMA_FEW_ROWS=0), [(40, 8), (100, 8)]),
+    ("mma ragged few rows", dict(W4A8_PATH="mma", MMA_RAGGED_MIN_BLOCKS=0), [(9, 8)]),
+    ("mma ragged small", dict(W4A8_PATH="mma", MMA_RAGGED_MIN_BLOCKS=1e9), [(9, 8)]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what, tunables, calls", _E8M0_CASES, ids=[c[0] for c in _E8M0_CASES])
+def test_e8m0_byte_scales_give_the_bits_of_their_float32_values(sm90, rng, monkeypatch, what, tunables, calls):
+    """Scales as E8M0 bytes (float8_e8m0fnu and uint8; byte 0, 2^-127, and
+    254 among them: e8m0_act) give the bits of the same scales as float32,
+    in every tile, and byte 0xFF a NaN row of its token alone. K = 1152:
+    nine chunks (split K has two halves), partial row tiles (N = 200)."""
+    for name, value in tunables.items():
+        monkeypatch.setattr(linear, name, value)
+    n, k = 200, 1152
+    for call in calls:
+        ragged = isinstance(call, tuple)
+        g = call[1] if ragged else 2
+        _, _, _, w8 = mx_weight(rng, g, n, k)
+        w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+        if ragged:
+            rows = call[0]
+            counts = rng.multinomial(rows, np.full(g, 1 / g))
+            offs = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)).cuda()
+            xc, xb, xf = (t.cuda() for t in e8m0_act(rng, (rows, k)))
+            run = lambda x: rawkv.gemm.moe_linear(x, w8c, offs)  # noqa: E731
+        else:
+            xc, xb, xf = (t.cuda() for t in e8m0_act(rng, (call, g, k)))
+            run = lambda x: rawkv.gemm.grouped_linear(x, w8c)  # noqa: E731
+        want = run((xc, xf)).view(torch.int16)
+        for sb in (xb, xb.view(torch.uint8)):
+            assert torch.equal(run((xc, sb)).view(torch.int16), want), (what, call, sb.dtype)
+        nan = xb.view(torch.uint8).clone()
+        nan[-1].view(-1)[-1] = 0xFF                              # the last token's last block
+        got = run((xc, nan)).float()
+        bad = torch.isnan(got)
+        assert bad[-1].all() if ragged else bad[-1, -1].all(), (what, call)
+        if ragged:
+            bad[-1] = False
+        else:
+            bad[-1, -1] = False
+        assert not bad.any(), (what, call)
+
+
 @pytest.mark.gpu
 def test_views_are_read_as_they_are_or_copied(sm90, path, rng):
     codes, scales, _, w8 = mx_weight(rng, 2, 48, 256)
@@ -912,7 +1062,9 @@ def opcheck_samples(rng, device="cpu"):
             tuple((operator_args8(xa, w8) | {"out": torch.empty(5, 3, 24, dtype=bf, device=device),
                                              "errors": torch.zeros(1, dtype=torch.int32, device=device)}).values()),
             tuple((operator_args8(xa, w8) | {"out": torch.empty(5, 3, 24, dtype=bf, device=device),
-                                             "errors": None}).values())],
+                                             "errors": None}).values()),
+            tuple((operator_args8((xc.to(device), e8m0_act(rng, (5, 3, 160))[1].to(device)), w8)
+                   | {"out": torch.empty(5, 3, 24, dtype=bf, device=device), "errors": None}).values())],
         "gemm_moe_linear_w4a8": [
             tuple((operator_args8(xr, w8) | {"offsets": offsets, "out": torch.empty(5, 24, dtype=bf, device=device),
                                              "errors": torch.zeros(1, dtype=torch.int32, device=device)}).values())],

@@ -43,6 +43,16 @@ __device__ __forceinline__ float e4m3_decode(u8 b) {
     return __half2float(__half(h));
 }
 
+// ---- UE8M0 -----------------------------------------------------------------
+// The value of an E8M0 scale byte: 2^(e - 127), NaN for 0xFF; 0 is 2^-127,
+// an FP32 subnormal, exactly (rawkv/reference/fp8_blocks.py, ue8m0_value).
+// (Bytes 0 and 0xFF are the two whose (e + 1) & 0xFE is 0: each takes
+// mantissa bit 22, 2^-127 from 0 and a quiet NaN from 0xFF's Inf; no
+// constant held in a register.)
+__device__ __forceinline__ float e8m0_value(u32 e) {
+    return __uint_as_float((e << 23) | (((e + 1u) & 0xFEu) == 0u ? 0x00400000u : 0u));
+}
+
 // ---- E2M1 ------------------------------------------------------------------
 // RNE with saturation at 6; alternating strict/non-strict thresholds send the
 // ties 0.25, 1.25, 2.5, 5 down and 0.75, 1.75, 3.5 up: always to the even code.

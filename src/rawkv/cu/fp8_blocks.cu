@@ -33,9 +33,7 @@ __global__ void rkv_fp8_dequantize_blocks(const u8* __restrict__ codes, const vo
         const i64 si = row * nb + col / blk;
         float s;
         if (UE8M0) {
-            const u32 e = static_cast<const u8*>(scales)[si];
-            s = e == 0xFFu ? __uint_as_float(0x7FC00000u)
-                           : (e == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(e << 23));
+            s = e8m0_value(static_cast<const u8*>(scales)[si]);
         } else {
             s = static_cast<const float*>(scales)[si];
         }

@@ -13,6 +13,26 @@
 
 namespace rkv {
 
+// An activation scale (one per token per 128 columns): float32, or an E8M0
+// byte, 2^(b - 127), as DeepSeek-V4's act_quant stores it. The same FP32
+// value either way, so the same products and bits. Each kernel takes the
+// format per instance (template SB): read per call, the load kind cost the
+// mma.sync kernel's loop 4-31 registers and the wgmma kernel's 16-token
+// tile 3-7% (docs/gemm.md, "E8M0-byte scales").
+// ActScale<BYTES>: T the stored element, load() what a register holds until
+// the scale is used (bytes kept as bytes: converted where used, they cost the
+// loop fewer registers), value() its FP32 value.
+template <bool BYTES> struct ActScale {
+    using T = float;
+    static __device__ __forceinline__ u32 load(const T* p) { return __float_as_uint(__ldg(p)); }
+    static __device__ __forceinline__ float value(u32 r) { return __uint_as_float(r); }
+};
+template <> struct ActScale<true> {
+    using T = u8;
+    static __device__ __forceinline__ u32 load(const T* p) { return __ldg(p); }
+    static __device__ __forceinline__ float value(u32 r) { return e8m0_value(r); }
+};
+
 constexpr int kCodeBytes = 1024;        // one row tile, one 128-column chunk (2 planes x 32 lanes x 16 B)
 constexpr int kShiftBytes = 64;         // its shifts (8 row pairs x 8 B)
 // The table's row of shift 0 (magnitudes 0..3, 4..7: 0, 0.5, 1, 1.5; 2, 3,

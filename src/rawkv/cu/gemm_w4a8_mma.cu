@@ -95,10 +95,10 @@ __device__ __forceinline__ float shift_factor(u32 fe, int b) {
 
 }  // namespace
 
-template <int MT, int NT, int KS, int RW, int S>
+template <int MT, int NT, int KS, int RW, int S, bool SB>
 __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
     const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
-    const float* __restrict__ wgs, const u8* __restrict__ x, const float* __restrict__ xsf, i64 xs_t, i64 xs_g,
+    const float* __restrict__ wgs, const u8* __restrict__ x, const u8* __restrict__ xsf, i64 xs_t, i64 xs_g,
     i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g, int n, int k, int tokens,
     const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
     constexpr int TT = 8 * NT;  // tokens per block
@@ -131,8 +131,10 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
     // and the accumulators of a token depend only on that token's values,
     // and the epilogue stores no token past t1, so no load tests the token
     // (as gemm_fp4.cu). Running pointers at chunk c_beg: load_acts steps them.
+    // (SB: the scales are E8M0 bytes, else float32: ActScale.)
+    using Scale = ActScale<SB>;
     const u8* xrow[NT];
-    const float* srow[NT][2];
+    const typename Scale::T* srow[NT][2];
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
         const int tok = min(t0 + 8 * j + q, t1 - 1);
@@ -140,7 +142,7 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int st = min(t0 + 8 * j + 2 * t + h, t1 - 1);
-            srow[j][h] = xsf + (i64)st * ss_t + (i64)g * ss_g + c_beg;
+            srow[j][h] = reinterpret_cast<const typename Scale::T*>(xsf) + (i64)st * ss_t + (i64)g * ss_g + c_beg;
         }
     }
 
@@ -213,7 +215,7 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
     // A chunk before c_full is the warp's and wholly inside K: its loads
     // need no predicate.
     const int c_full = min(c_end, k / 128);
-    auto load_acts = [&](int c, u32 (&bx)[NT][8], float (&sc)[NT][2], auto full_tag) {
+    auto load_acts = [&](int c, u32 (&bx)[NT][8], u32 (&sc)[NT][2], auto full_tag) {
         const bool full = decltype(full_tag)::value, live = c < c_end;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
@@ -223,14 +225,14 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
                 bx[j][m] = on ? __ldg(reinterpret_cast<const u32*>(xrow[j] + 16 * m)) : 0u;
             }
 #pragma unroll
-            for (int h = 0; h < 2; ++h) sc[j][h] = full || live ? __ldg(srow[j][h]) : 0.0f;
+            for (int h = 0; h < 2; ++h) sc[j][h] = full || live ? Scale::load(srow[j][h]) : 0u;
             xrow[j] += 128;
 #pragma unroll
             for (int h = 0; h < 2; ++h) ++srow[j][h];
         }
     };
     u32 bx[NT][8];
-    float sc[NT][2];
+    u32 sc[NT][2];                                    // (Scale::load's: Scale::value where used)
     if (c_beg < c_full) load_acts(c_beg, bx, sc, Flag<true>{});
     else load_acts(c_beg, bx, sc, Flag<false>{});
     int slot = 0;                                     // the stage multiplied
@@ -238,7 +240,7 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
     // warp's last one or two, written apart: gemm_fp4.cu's lean steps).
     auto step = [&](int c, auto full) {
         u32 bxn[NT][8];
-        float scn[NT][2];
+        u32 scn[NT][2];
         load_acts(c + 1, bxn, scn, full);
         cp_async_wait<S - 2>();
         __syncwarp();
@@ -301,7 +303,7 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
 #pragma unroll
             for (int j = 0; j < NT; ++j)
 #pragma unroll
-                for (int r = 0; r < 4; ++r) acc[i][j][r] = fmaf(part[j][r], sc[j][r & 1], acc[i][j][r]);
+                for (int r = 0; r < 4; ++r) acc[i][j][r] = fmaf(part[j][r], Scale::value(sc[j][r & 1]), acc[i][j][r]);
         }
         slot = slot + 1 == S ? 0 : slot + 1;
 #pragma unroll

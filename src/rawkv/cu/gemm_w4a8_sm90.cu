@@ -6,8 +6,8 @@
 //   32-column block (rawkv.reference.gemm_w4a8's rule: the code times 2^shift
 //   is an E4M3 value exactly) and one power of two per row, 2^r, for the
 //   epilogue, packed as pack_codes8 / pack_shifts8 give;
-// * x FP8 block activations: E4M3 codes and one FP32 scale per token per 128
-//   channels (rawkv.fp8.quantize_blocks).
+// * x FP8 block activations: E4M3 codes and one scale per token per 128
+//   channels (rawkv.fp8.quantize_blocks), FP32 or its E8M0 byte (SB).
 //
 // A block computes BM = 128 output features x BN tokens, 128 columns of K
 // per pipeline stage (one activation scale block; one 128-byte row of the
@@ -97,12 +97,12 @@ static_assert(256 * 232 + 128 * kProducerRegs <= 384 * 168 && 256 * 96 + 128 * k
 // Shared memory, per stage: the B tile (BN token rows of 128 bytes, 1024-byte
 // aligned for the swizzle), the packed codes and shifts of the block's row
 // tiles, the tokens' scales; then the E4M3 table and the mbarriers.
-template <int BN, int STAGES, int KSPLIT>
+template <int BN, int STAGES, int KSPLIT, bool SB>
 __device__ __forceinline__ void gemm_w4a8(
     const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
-    const float* __restrict__ wgs, const u8* __restrict__ x, const float* __restrict__ xsf, i64 xs_t, i64 xs_g,
-    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g, int n, int k, int tokens,
-    const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    const float* __restrict__ wgs, const u8* __restrict__ x, const u8* __restrict__ xsf, i64 xs_t, i64 xs_g,
+    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
+    int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
     constexpr int kBStage = BN * 128;
     constexpr int kWStage = kTiles * (kCodeBytes + kShiftBytes);
     constexpr int kSStage = BN * 4;
@@ -179,7 +179,10 @@ __device__ __forceinline__ void gemm_w4a8(
         // are 64 contiguous bytes. Loaded one chunk ahead into a register and
         // stored (a warp's 32 stores are one shared-memory wavefront; a 4-byte
         // cp.async costs one per thread: 14% of the kernel's wavefronts, ncu).
-        const float* fsrc = xsf + (i64)(t0 + p) * ss_t + (i64)g * ss_g;
+        // Float32 scales, or E8M0 bytes (SB: ActScale).
+        using Scale = ActScale<SB>;
+        const typename Scale::T* fsrc = reinterpret_cast<const typename Scale::T*>(xsf) + (i64)(t0 + p) * ss_t
+                                        + (i64)g * ss_g;
         const u32 sdst = 4 * (16 * (p >> 4) + 4 * ((p >> 1) & 3) + 2 * ((p >> 3) & 1) + (p & 1));
         const bool sown = p < rows;
         // Every per-chunk step is an address increment from here: 32-bit
@@ -196,10 +199,10 @@ __device__ __forceinline__ void gemm_w4a8(
         const u8* wcur = wsrc + (i64)c_beg * kCodeBytes;
         const u8* scur = ssrc + (i64)c_beg * kShiftBytes;
         const u8* xcur = xsrc + (i64)128 * c_beg;
-        const float* fcur = fsrc + c_beg;
+        const typename Scale::T* fcur = fsrc + c_beg;
         int kcol = c_beg * 128 + 16 * unit;              // the thread's activation column in chunk c
         const u32 wdst0 = smem_u32(s_w) + 16 * p, bdst0 = smem_u32(s_b) + xdst, sdst0 = smem_u32(s_s) + sdst;
-        float sc_next = sown && c_beg < c_end ? __ldg(fcur) : 0.0f;
+        float sc_next = sown && c_beg < c_end ? Scale::value(Scale::load(fcur)) : 0.0f;
         int s = 0;
         u32 parity = 1;   // of the empty barriers: a fresh barrier passes parity 1
         for (int c = c_beg; c < c_end; ++c) {
@@ -219,7 +222,7 @@ __device__ __forceinline__ void gemm_w4a8(
             for (int j = 0; j < BN / 16; ++j, xp += row16) cp_async16_zfill_if((xlive >> j) & 1u, bdst + 2048 * j, xp, bytes);
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar_full + 8 * s) : "memory");
             const float sc = sc_next;
-            if (sown && c + 1 < c_end) sc_next = __ldg(fcur + 1);
+            if (sown && c + 1 < c_end) sc_next = Scale::value(Scale::load(fcur + 1));
             if (p < BN) st_shared(sdst0 + s * kSStage, __float_as_uint(sc));
             mbar_arrive(bar_full + 8 * s);     // (release: the scale's store)
             wcur += kCodeBytes;
@@ -437,24 +440,24 @@ __device__ __forceinline__ void gemm_w4a8(
 }
 
 // One block per output tile, all of K.
-template <int BN, int STAGES>
+template <int BN, int STAGES, bool SB>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSM<BN>) rkv_gemm_w4a8_sm90(
     const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
-    const float* __restrict__ wgs, const u8* __restrict__ x, const float* __restrict__ xsf, i64 xs_t, i64 xs_g,
-    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g, int n, int k, int tokens,
-    const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
-    gemm_w4a8<BN, STAGES, 1>(wq, wsh, wrow, wgs, x, xsf, xs_t, xs_g, ss_t, ss_g, out, os_t, os_g, n, k, tokens,
-                             offsets, experts, errors);
+    const float* __restrict__ wgs, const u8* __restrict__ x, const u8* __restrict__ xsf, i64 xs_t, i64 xs_g,
+    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
+    int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    gemm_w4a8<BN, STAGES, 1, SB>(wq, wsh, wrow, wgs, x, xsf, xs_t, xs_g, ss_t, ss_g, out, os_t, os_g, n, k, tokens,
+                                 offsets, experts, errors);
 }
 
 // A cluster of KSPLIT blocks per output tile, each a KSPLIT-th of K (batched
 // calls only: grid x is the feature blocks times KSPLIT).
-template <int BN, int STAGES, int KSPLIT>
+template <int BN, int STAGES, int KSPLIT, bool SB>
 __global__ void __cluster_dims__(KSPLIT, 1, 1) __launch_bounds__(kThreads, kBlocksPerSM<BN>) rkv_gemm_w4a8_sm90_splitk(
     const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
-    const float* __restrict__ wgs, const u8* __restrict__ x, const float* __restrict__ xsf, i64 xs_t, i64 xs_g,
-    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g, int n, int k, int tokens,
-    const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
-    gemm_w4a8<BN, STAGES, KSPLIT>(wq, wsh, wrow, wgs, x, xsf, xs_t, xs_g, ss_t, ss_g, out, os_t, os_g, n, k, tokens,
-                                  nullptr, experts, errors);
+    const float* __restrict__ wgs, const u8* __restrict__ x, const u8* __restrict__ xsf, i64 xs_t, i64 xs_g,
+    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
+    int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
+    gemm_w4a8<BN, STAGES, KSPLIT, SB>(wq, wsh, wrow, wgs, x, xsf, xs_t, xs_g, ss_t, ss_g, out, os_t, os_g, n, k,
+                                      tokens, nullptr, experts, errors);
 }

@@ -28,6 +28,8 @@ OUT_DTYPES = ("bfloat16",)
 OUT_DTYPES_NUMPY = ("bfloat16", "float32")
 _BYTE = ("uint8",)                  # the packed weight's codes and scales
 _F32 = ("float32",)
+#: The W4A8 activations' scales: float32, or E8M0 bytes (DeepSeek-V4's act_quant).
+ACT8_SCALES = ("float32", "uint8", "float8_e8m0fnu")
 _I32 = ("int32",)
 #: The activation kinds the kernels take (template argument ACT).
 BF16, FP16, NVFP4 = K.ACT_CODES["bfloat16"], K.ACT_CODES["float16"], K.ACT_CODES["nvfp4"]
@@ -435,8 +437,9 @@ def weight8(codes, shifts, row_scale, gs, n, k, where) -> Weight8:
 
 def activation8(x, x_sf, ndim, k, where, device) -> Act8:
     """x (..., K) E4M3 codes with `ndim` dimensions and x_sf (..., ceil(K/128))
-    float32 scales (rawkv.fp8.quantize_blocks with block 128; E8M0 scales as
-    their float32 powers of two). On CUDA, codes whose rows are not 16-byte
+    scales (rawkv.fp8.quantize_blocks with block 128): float32, or E8M0
+    bytes (uint8 / float8_e8m0fnu, 'ue8m0'), which the kernels read as
+    their float32 powers of two. On CUDA, codes whose rows are not 16-byte
     aligned and contiguous, or scales whose last dimension is strided, are
     copied once (as for the W4A16 activations)."""
     x = A.tensor(x, "x.codes", FP8_CODES, where, dense=False)
@@ -445,7 +448,7 @@ def activation8(x, x_sf, ndim, k, where, device) -> Act8:
         raise ValueError(f"x.codes: expected shape (..., {k}) with {ndim} dimensions for K = {k}, got {s}")
     dev = A.device_of(x)
     nb = -(-k // 128)
-    x_sf = A.tensor(x_sf, "x.scales", _F32, where, shape=(*s[:-1], nb), device=dev, dense=False)
+    x_sf = A.tensor(x_sf, "x.scales", ACT8_SCALES, where, shape=(*s[:-1], nb), device=dev, dense=False)
     if dev != device:
         raise ValueError(f"weight: is on {_device_name(device)}, x on {_device_name(dev)}; rawkv does not move data")
     if where == "cuda":

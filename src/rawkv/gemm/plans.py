@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .. import _args as A
 from .._plan import Launch
 from ..kernels import gemm_fp4 as K
 from ..kernels import gemm_w4a8 as K8
@@ -553,6 +554,7 @@ def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> 
     ragged = offsets is not None
     per = -(-tokens // max(1, min(experts, tokens))) if ragged else tokens
     cfg = w4a8_mma_config(w, per, ragged, tokens, dev, tuning)
+    sb = A.itemsize(act.sf) == 1                # (E8M0 bytes, else float32 scales: K8.SCALE_BYTES)
     if cfg is None:
         bn, stages = w4a8_tile(per)
         block, rows_per_block = (K8.THREADS,), K8.BM
@@ -567,12 +569,12 @@ def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> 
     if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
         raise ValueError(f"x: {tokens} tokens x {w.groups} groups is past the launch grid's limit")
     if cfg is None:
-        inst = K8.GEMM_SPLITK.instance(bn, stages, splits) if splits > 1 else K8.GEMM.instance(bn, stages)
+        inst = K8.GEMM_SPLITK.instance(bn, stages, splits, sb) if splits > 1 else K8.GEMM.instance(bn, stages, sb)
     else:                  # the mma.sync kernel: dependent launch or not (Tuning.W4A8_MMA_PDL_MIN_BLOCKS_PER_SM)
         blocks = grid[0] * grid[1] * grid[2]
         pdl = ragged or cfg in (K8.MMA_SMALL_GRID_CONFIG, K8.MMA_WIDE_CONFIG) \
             or blocks >= tuning.W4A8_MMA_PDL_MIN_BLOCKS_PER_SM * dev.sm_count
-        inst = K8.GEMM_MMA.instance(*cfg, pdl=pdl)
+        inst = K8.GEMM_MMA.instance(*cfg, sb, pdl=pdl)
     xs_t, xs_g = _lead_strides(act.x)
     ss_t, ss_g = _lead_strides(act.sf)
     os_t, os_g = _lead_strides(out)

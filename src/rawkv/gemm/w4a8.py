@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _args as A
+from .. import fp8 as FP8
 from .._op import empty, op
 from ..reference import gemm_w4a8 as ref8
 from ..runtime import get_runtime
@@ -92,11 +93,12 @@ def w4a8_weight(weight) -> W4a8Weight:
 # ---- the public ops (rawkv.gemm.grouped_linear / moe_linear with a W4a8Weight) --------------
 def split8(x) -> tuple:
     """(codes, scales) of FP8 block activations: a rawkv.fp8.Fp8Activation,
-    a (codes, scales) pair as rawkv.fp8.quantize_blocks returns it."""
+    a (codes, scales) pair as rawkv.fp8.quantize_blocks returns it; E8M0
+    scales as their uint8 bytes (what the operators take: FP8.e8m0_bytes)."""
     if hasattr(x, "codes") and hasattr(x, "scales"):
-        return x.codes, x.scales
+        return x.codes, FP8.e8m0_bytes(x.scales)
     if isinstance(x, (tuple, list)) and len(x) == 2:
-        return x[0], x[1]
+        return x[0], FP8.e8m0_bytes(x[1])
     raise TypeError("x: a W4A8 weight takes FP8 block activations: (codes, scales) from "
                     "rawkv.fp8.quantize_blocks or an Fp8Activation, got "
                     f"{'a tensor' if A.is_torch(x) else type(x).__name__}")
@@ -203,8 +205,10 @@ def _tuning():
 
 # ---- CPU ---------------------------------------------------------------------------------------
 def _activation(act) -> tuple:
-    """(codes uint8, scales float32) of the FP8 activation as numpy arrays."""
-    return A.to_numpy(act.x, "x.codes").view(np.uint8), A.to_numpy(act.sf, "x.scales")
+    """(codes uint8, scales float32 or E8M0 bytes uint8: what the reference
+    takes) of the FP8 activation as numpy arrays."""
+    sf = A.to_numpy(act.sf, "x.scales")
+    return A.to_numpy(act.x, "x.codes").view(np.uint8), sf if sf.dtype == np.float32 else sf.view(np.uint8)
 
 
 def _form(w) -> tuple:

@@ -1,7 +1,7 @@
 """The W4A8 grouped GEMM kernels (docs/gemm.md, "W4A8"): MXFP4 weights in
 their W4A8 form (rawkv.reference.gemm_w4a8: packed codes and shifts, a
-power of two per row), FP8 block activations (E4M3, one FP32 scale per token
-per 128 channels). Both are built for sm_90 devices only (the W4A8 ops run
+power of two per row), FP8 block activations (E4M3, one scale per token per
+128 channels: FP32, or E8M0 bytes). Both are built for sm_90 devices only (the W4A8 ops run
 there).
 
 rawkv/cu/gemm_w4a8_sm90.cu (GEMM, wgmma, sm_90a): a block computes BM = 128
@@ -52,11 +52,18 @@ def dynamic_smem(bn: int, stages: int) -> int:
         + 256 * 8 + 16 * stages
 
 
+#: Both kernels' last template argument, SB: the activation scales are E8M0
+#: bytes (else float32); every tile has both instances (a module each,
+#: compiled where used: rawkv.runtime). Read per call instead, the load kind
+#: cost the mma.sync kernel's loop 4-31 registers and the wgmma kernel's
+#: 16-token tile 3-7% (docs/gemm.md, "E8M0-byte scales").
+SCALE_BYTES = (False, True)
 GEMM = FILE.kernel(
     "rkv_gemm_w4a8_sm90",
-    (TParam("int", "BN", (16, 64, 96, 112, 128)), TParam("int", "STAGES", (2, 3, 4, 5, 6, 7, 8))),
-    instances=list(dict.fromkeys(CONFIGS.values())),
-    dynamic_smem=dynamic_smem)
+    (TParam("int", "BN", (16, 64, 96, 112, 128)), TParam("int", "STAGES", (2, 3, 4, 5, 6, 7, 8)),
+     TParam("bool", "SB", SCALE_BYTES)),
+    instances=[(*cfg, sb) for cfg in dict.fromkeys(CONFIGS.values()) for sb in SCALE_BYTES],
+    dynamic_smem=lambda bn, stages, sb: dynamic_smem(bn, stages))
 #: Split K (rkv_gemm_w4a8_sm90_splitk): a cluster of KSPLIT blocks per output
 #: tile, each a KSPLIT-th of the chunks, for batched calls whose grid leaves
 #: SMs idle; the partial sums stay in the stages' shared memory. The
@@ -65,9 +72,9 @@ SPLITS = (2,)
 GEMM_SPLITK = FILE.kernel(
     "rkv_gemm_w4a8_sm90_splitk",
     (TParam("int", "BN", (16, 64, 96, 112, 128)), TParam("int", "STAGES", (2, 3, 4, 5, 6, 7, 8)),
-     TParam("int", "KSPLIT", SPLITS)),
-    instances=[(*cfg, sp) for cfg in dict.fromkeys(CONFIGS.values()) for sp in SPLITS],
-    dynamic_smem=lambda bn, stages, ksplit: dynamic_smem(bn, stages))
+     TParam("int", "KSPLIT", SPLITS), TParam("bool", "SB", SCALE_BYTES)),
+    instances=[(*cfg, sp, sb) for cfg in dict.fromkeys(CONFIGS.values()) for sp in SPLITS for sb in SCALE_BYTES],
+    dynamic_smem=lambda bn, stages, ksplit, sb: dynamic_smem(bn, stages))
 
 
 # ---- the mma.sync kernel (rawkv/cu/gemm_w4a8_mma.cu) ---------------------------------------------
@@ -122,7 +129,9 @@ MMA_WIDE_CONFIG = (2, 1, 4, 2, 2)
 GEMM_MMA = MMA_FILE.kernel(
     "rkv_gemm_w4a8_mma",
     (TParam("int", "MT", (1, 2)), TParam("int", "NT", (1, 2, 4)), TParam("int", "KS", (1, 2, 4, 8)),
-     TParam("int", "RW", (1, 2, 4)), TParam("int", "S", (2, 3, 4))),
-    instances=list(dict.fromkeys((*MMA_CONFIGS.values(), *MMA_RAGGED_CONFIGS.values(), MMA_RAGGED_FEW_ROWS_CONFIG,
-                                  MMA_RAGGED_SMALL_CONFIG, MMA_SMALL_GRID_CONFIG, MMA_WIDE_CONFIG))),
+     TParam("int", "RW", (1, 2, 4)), TParam("int", "S", (2, 3, 4)), TParam("bool", "SB", SCALE_BYTES)),
+    instances=[(*cfg, sb) for cfg in dict.fromkeys((*MMA_CONFIGS.values(), *MMA_RAGGED_CONFIGS.values(),
+                                                    MMA_RAGGED_FEW_ROWS_CONFIG, MMA_RAGGED_SMALL_CONFIG,
+                                                    MMA_SMALL_GRID_CONFIG, MMA_WIDE_CONFIG))
+               for sb in SCALE_BYTES],
     pdl=True)    # (rawkv.gemm.plans launches it plainly where that measured faster: Tuning.W4A8_MMA_PDL_*)
