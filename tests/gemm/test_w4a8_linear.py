@@ -878,7 +878,7 @@ def test_instance_past_48k_of_static_and_dynamic_shared_memory_launches(sm90, rn
     # (the runtime raises it by their sum; by the dynamic bytes alone this
     # launch failed with "invalid argument")
     assert K8.dynamic_smem(16, 4) < 48 * 1024 < K8.dynamic_smem(16, 4) + 4096
-    monkeypatch.setattr(K8.GEMM, "_instance_args", [*K8.GEMM._instance_args, (16, 4)])
+    monkeypatch.setattr(K8.GEMM, "_instance_args", [*K8.GEMM._instance_args, (16, 4, False)])
     monkeypatch.setattr(plans, "w4a8_tile", lambda tokens: (16, 4))
     monkeypatch.setattr(linear, "W4A8_PATH", "sm90")
     monkeypatch.setattr(linear, "W4A8_KSPLIT", 1)
