@@ -1,8 +1,8 @@
 """The W4A8 grouped GEMM kernels (docs/gemm.md, "W4A8"): MXFP4 weights in
 their W4A8 form (rawkv.reference.gemm_w4a8: packed codes and shifts, a
 power of two per row), FP8 block activations (E4M3, one scale per token per
-128 channels: FP32, or E8M0 bytes). Both are built for sm_90 devices only (the W4A8 ops run
-there).
+128 channels: FP32, or E8M0 bytes). Both are built for sm_90 devices only
+(the W4A8 ops run there).
 
 rawkv/cu/gemm_w4a8_sm90.cu (GEMM, wgmma, sm_90a): a block computes BM = 128
 output features x BN tokens, STAGES pipeline stages of 128 columns each
