@@ -355,3 +355,45 @@ def test_gpu_gather_dense_and_index_keys(cuda, dtype, rng):
             want = fn(twin, sl, ne, max_entries=K, valid_mask=vm, dtype=dtype)
             assert_same(out.float().cpu().numpy(), want, f"{fn.__name__}")
             assert p.read_errors() == twin.read_errors() > 0
+
+
+# ---------------------------------------------------------------------------
+# the operators: kv_gather_dense / kv_gather_index_keys
+# ---------------------------------------------------------------------------
+def test_compiled_and_operator_dense_gathers_bound_n_entries_as_eagerly():
+    """gather_dense(pool, slot, n) with n past pool.n_entries(slot) is refused
+    under torch.compile and through torch.ops.rawkv.* on the pool's buffers as
+    eagerly (docs/kvcache.md, "What a view cannot check"). Before, the
+    operator's view of the buffers had no host count: compiled
+    gather_dense(p, 0, 9) on a slot of 8 prepared entries returned 9 rows."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("rawkv.library")         # (torch.ops.rawkv.*)
+    from rawkv.kvcache import views as V
+    p = kc.PagedKVPool("csa", 8, 4, 2, 4, device="cpu")
+    p.add_request()
+    p.prepare_step([0], [8 * p.m - 1])
+    rule = "^n_entries: 9 entries asked of slot 0, which holds 8 after the steps prepared so far"
+    for fn, width in ((kc.gather_dense, p.head_dim), (kc.gather_index_keys, p.index_head_dim)):
+        with pytest.raises(ValueError, match=rule):
+            fn(p, 0, 9)
+        torch._dynamo.reset()
+        step = torch.compile(lambda n: fn(p, 0, n), fullgraph=True, backend="eager")
+        assert np.array_equal(step(8).float().numpy(), fn(p, 0, 8))
+        with pytest.raises(ValueError, match=rule):
+            step(9)
+        op = getattr(torch.ops.rawkv, "kv_gather_index_keys" if fn is kc.gather_index_keys else "kv_gather_dense")
+        out = torch.full((9, width), 7.0, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=rule):
+            op(*V.pool_operands(p), 0, 9, out)
+        assert (out == 7).all()
+    # the count is the pool's as it is now, not as it was when the step was traced
+    p.prepare_step([0], [12 * p.m - 1])
+    assert step(9).shape == (9, p.index_head_dim)
+    with pytest.raises(ValueError, match="^n_entries: 13 entries asked of slot 0, which holds 12"):
+        step(13)
+    # a view over an engine's own buffers (no pool's) has no host count: the kernel's bound alone
+    mine = {k: None if t is None else t.clone() for k, t in V.pool_args(p).items() if k != "kind"}
+    mine["errors"].zero_()
+    out = torch.full((13, p.head_dim), 7.0, dtype=torch.bfloat16)
+    torch.ops.rawkv.kv_gather_dense(p.kind, **mine, slot=0, n_entries=13, out=out)
+    assert (out == 0).all() and int(mine["errors"][0]) == 13

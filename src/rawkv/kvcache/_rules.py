@@ -461,8 +461,9 @@ def index_width(p, index: bool):
 def dense(p, errors, slot, n_entries, out, dtype, index: bool):
     """(where, slot, n, out, dtype name, errors) of gather_dense /
     gather_index_keys (`index`): slot and n_entries host ints, n_entries at
-    most what the slot's prepared steps make (a pool object's count; a
-    view has none), out (n, width)."""
+    most what the slot's prepared steps make (a pool object's count, which
+    a view over its buffers reads; a view over an engine's own buffers has
+    none), out (n, width)."""
     width = index_width(p, index)
     slot = host_int("slot", slot, 0, p.max_requests)
     # n is a host int, so it is checked against the host's count of the slot's

@@ -60,6 +60,7 @@ numpy reference on it.
 from __future__ import annotations
 
 import sys
+import weakref
 
 import numpy as np
 
@@ -76,6 +77,31 @@ LAYOUTS = ("rawkv", "model1")
 _DEFAULT = object()
 #: the largest request id (request_ids and owners are int32)
 _MAX_ID = 2 ** 31 - 1
+
+
+# The pools by their block table's memory: a view over a pool's own buffers
+# (views.pool_view, the operator of a public op's call, compiled or given
+# pool_args(pool)) reads that pool's host bookkeeping (pool_of_table).
+_BY_TABLE = weakref.WeakValueDictionary()
+
+
+def _table_key(block_table) -> tuple:
+    """(address space, first byte) of a block table: a pool's (numpy on the
+    host, a CUDA tensor) or a view's (the same, over the operator's tensors)."""
+    if isinstance(block_table, np.ndarray):
+        return "host", block_table.__array_interface__["data"][0]
+    return ("host" if block_table.device.type == "cpu" else str(block_table.device)), block_table.data_ptr()
+
+
+def pool_of_table(block_table):
+    """The PagedKVPool whose block table `block_table` is (its memory, of
+    its shape), or None (an engine's own buffers, a copy): the view over it
+    takes the pool's count of prepared entries, which gather_dense bounds
+    n_entries by (docs/kvcache.md, "What a view cannot check")."""
+    p = _BY_TABLE.get(_table_key(block_table))
+    if p is None or tuple(block_table.shape) != (p.max_requests, p.max_blocks_per_request):
+        return None
+    return p
 
 
 def _pos_int(name: str, v) -> int:
@@ -284,6 +310,7 @@ class PagedKVPool(ErrorCounter):
             self.errors = np.zeros(1, np.int32)
         self._init_torch_buffers()
         self._seal()
+        _BY_TABLE[_table_key(self.block_table)] = self
 
     def _set_geometry(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                       head_dim, rope_dim, index_head_dim, layout="rawkv", index_layout="fp8") -> None:

@@ -11,8 +11,9 @@ when the operator runs (torch.compile, an engine's graph), a view rebuilt
 over the buffers (pool_view / state_view: checked, no allocation). A view
 has no host bookkeeping (free list, prepared entries): the ops need none,
 except gather_dense's bound of n_entries by pool.n_entries(slot), which a
-view cannot check (the kernel still bounds every id by pool.written), and
-compress_decode's test that its states are attached to the pool (the
+view over a pool's own buffers reads from that pool (pool_of_table; over
+an engine's own buffers the kernel's bound by pool.written alone holds),
+and compress_decode's test that its states are attached to the pool (the
 public op's, on the objects).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .. import _args as A
 from ..reference import kvcache as ref
 from ..reference.kvcache import layouts as R
 from . import _rules as C
-from .pool import KINDS, PagedKVPool
+from .pool import KINDS, PagedKVPool, pool_of_table
 from .state import DecodeState
 
 U8 = ("uint8",)
@@ -229,8 +230,12 @@ def _finish_view(p, at, first, bt, ids, own, wr, mk, err) -> PagedKVPool:
     p.is_cuda, p.device_index = cuda, (at[1] if cuda else None)
     p.device = first.device if cuda else "cpu"
     p.block_table, p.request_ids, p.owners, p.written, p.marks, p.errors = bt, ids, own, wr, mk, err
-    p._table = p._free = p._active = p._nblocks = p._n_entries = p._staging = None
+    p._table = p._free = p._active = p._nblocks = p._staging = None
     p._ids = p._next_id = None
+    # over a pool's own buffers: that pool's count of prepared entries, read
+    # when the op runs (gather_dense's bound of n_entries, as eagerly)
+    owner = pool_of_table(bt)
+    p._n_entries = None if owner is None else owner._n_entries
     p._seal()
     _counter_apart(p, "pool")
     return p
