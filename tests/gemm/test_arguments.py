@@ -246,6 +246,31 @@ def test_bad_sizes_and_activations_are_named_before_out_is_allocated():
         rawkv.gemm.moe_linear(bf.view(1, 1).expand(2 ** 31 - 1, k), w16, offsets)
 
 
+def test_a_w4a16_weights_sizes_and_exp_range_are_integers():
+    """An Fp4Weight's N, K and exp_range reach the operator's int arguments:
+    a float or bool there passed every shape comparison (24.0 == 24, the
+    weight memo's key too, True == 1) and a bool exp_range passed the MXFP4
+    window test, where the operator under torch.compile refuses a bool
+    (rawkv._op). Now refused eagerly too, naming the weight, on every path."""
+    g, n, k = 2, 24, 160
+    w = rawkv.gemm.Fp4Weight.from_mxfp4(torch.full((g, n, k // 2), 0x25, dtype=torch.uint8),
+                                        torch.full((g, n, k // 32), 127, dtype=torch.uint8), groups=g)
+    x = torch.ones(5, g, k, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 2, 5], dtype=torch.int32)
+    rawkv.gemm.grouped_linear(x, w)                          # (the weight's check is remembered)
+    for name, bad, match in (("n", 24.0, r"^weight: N = 24.0"), ("n", True, r"^weight: N = True"),
+                             ("k", np.float64(160.0), r"^weight: N = 24, K = 160.0"),
+                             ("exp_range", (True, 127), r"^weight: exp_range \(True, 127\)"),
+                             ("exp_range", (120, 130.0), r"^weight: exp_range \(120, 130.0\)")):
+        w2 = rawkv.gemm.Fp4Weight.from_mxfp4(torch.full((g, n, k // 2), 0x25, dtype=torch.uint8),
+                                             torch.full((g, n, k // 32), 127, dtype=torch.uint8), groups=g)
+        setattr(w2, name, bad)
+        with pytest.raises(TypeError, match=match):
+            rawkv.gemm.grouped_linear(x, w2, out=torch.zeros(5, g, n, dtype=torch.bfloat16))
+        with pytest.raises(TypeError, match=match):
+            rawkv.gemm.moe_linear(x[:, 0].contiguous(), w2, offsets, out=torch.zeros(5, n, dtype=torch.bfloat16))
+
+
 def test_the_weight_memo_keeps_no_tensor_alive(rng):
     import gc
     import weakref

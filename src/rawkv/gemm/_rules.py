@@ -105,7 +105,11 @@ def mx_span(fmt, exp_lo, exp_hi) -> None:
     (0, 0) when unknown), which must lie in MX_WINDOW, where the kernels'
     dequantization is exact whatever the activations (past it their scale
     factor's exponent overflows its field): Fp4Weight.from_mxfp4 measures
-    and checks it; a weight built otherwise is refused here."""
+    and checks it; a weight built otherwise is refused here. Integers, not
+    bools, for every format (the operator's int arguments: a bool is refused
+    under torch.compile by the op wrapper, so eagerly too)."""
+    if not (A.is_int(exp_lo) and A.is_int(exp_hi)):
+        raise TypeError(f"weight: exp_range ({exp_lo!r}, {exp_hi!r}): expected integers")
     if fmt == "mxfp4" and not MX_WINDOW[0] <= exp_lo <= exp_hi <= MX_WINDOW[1]:
         raise ValueError(f"weight: MXFP4 scale bytes must lie in [{MX_WINDOW[0]}, {MX_WINDOW[1]}], this weight's "
                          f"exp_range is [{exp_lo}, {exp_hi}] (build it with rawkv.gemm.Fp4Weight.from_mxfp4, "
@@ -205,6 +209,8 @@ def weight(codes, scales, gs, fmt, n, k, where) -> Weight:
     uint8 (G, NP/16, C, 32, 16), scales uint8 (G, NP/16, C, 32, 2), gs
     float32 (G,), all contiguous on one device; fmt one of FORMATS; K a
     multiple of the format's block."""
+    if not (A.is_int(n) and A.is_int(k)):         # (before the memo, as weight8: 24.0 == 24 would find a check)
+        raise TypeError(f"weight: N = {n!r}, K = {k!r}: expected integers")
     given, what = (codes, scales, gs), ("w4a16", fmt, n, k)
     hit = _checked_before(given, what)
     if hit is not None:
