@@ -49,7 +49,7 @@ __device__ __forceinline__ float e4m3_decode(u8 b) {
 // (Bytes 0 and 0xFF are the two whose (e + 1) & 0xFE is 0: each takes
 // mantissa bit 22, 2^-127 from 0 and a quiet NaN from 0xFF's Inf; no
 // constant held in a register.)
-__device__ __forceinline__ float e8m0_value(u32 e) {
+__device__ __forceinline__ float ue8m0_value(u32 e) {
     return __uint_as_float((e << 23) | (((e + 1u) & 0xFEu) == 0u ? 0x00400000u : 0u));
 }
 

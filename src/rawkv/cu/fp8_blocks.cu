@@ -33,7 +33,7 @@ __global__ void rkv_fp8_dequantize_blocks(const u8* __restrict__ codes, const vo
         const i64 si = row * nb + col / blk;
         float s;
         if (UE8M0) {
-            s = e8m0_value(static_cast<const u8*>(scales)[si]);
+            s = ue8m0_value(static_cast<const u8*>(scales)[si]);
         } else {
             s = static_cast<const float*>(scales)[si];
         }

@@ -30,7 +30,7 @@ template <bool BYTES> struct ActScale {
 template <> struct ActScale<true> {
     using T = u8;
     static __device__ __forceinline__ u32 load(const T* p) { return __ldg(p); }
-    static __device__ __forceinline__ float value(u32 r) { return e8m0_value(r); }
+    static __device__ __forceinline__ float value(u32 r) { return ue8m0_value(r); }
 };
 
 constexpr int kCodeBytes = 1024;        // one row tile, one 128-column chunk (2 planes x 32 lanes x 16 B)

@@ -28,6 +28,7 @@ namespace rkvlay {
 using rkv::u8;
 using rkv::u32;
 using rkv::i64;
+using rkv::ue8m0_value;
 
 constexpr u32 kFull = 0xffffffffu;
 constexpr int kEntry = RKV_LAY_NOPE + RKV_LAY_ROPE;
@@ -125,10 +126,7 @@ __device__ __forceinline__ int ue8m0_exponent(float amax, float floor, float fma
 // 2^e for e in [-126, 127] (a normal float32).
 __device__ __forceinline__ float pow2_normal(int e) { return __uint_as_float((u32)(e + 127) << 23); }
 
-// The value of a UE8M0 byte: 2^(byte - 127), byte 0 = 2^-127 (subnormal), 0xFF = NaN.
-__device__ __forceinline__ float ue8m0_value(u32 byte) {
-    return byte == 0xFFu ? f32_qnan() : byte == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(byte << 23);
-}
+// (The value of a UE8M0 byte: ue8m0_value, common.cuh.)
 
 // 16 float32 values stored as T at p (16-byte aligned).
 __device__ __forceinline__ void store16_as(__nv_bfloat16* p, const float (&v)[16]) {
