@@ -179,7 +179,7 @@ SCALE_FORMATS = bref.SCALE_FORMATS
 #: x's last dimension must be a multiple of this: whole 16-byte vectors of x
 #: and of the codes, so a partial last block is a whole number of vectors.
 K_MULTIPLE = 16
-_UE8M0_SCALES = ("uint8", "float8_e8m0fnu", "float32")     # bytes, or the power of two as float32
+UE8M0_SCALES = ("uint8", "float8_e8m0fnu", "float32")     # bytes, or the power of two as float32
 
 
 def quantize_blocks(x, *, block: int = 128, scale_format: str = "fp32", out=None, stream=None):
@@ -258,7 +258,7 @@ def check_scales(scales, name: str, scale_format: str, where: str, shape, device
     """(scales, (UE8M0, SBYTE)): a scales buffer of `shape` checked (float32
     for 'fp32'; for 'ue8m0' E8M0 bytes or their float32 values), and the
     kernels' scale format (rawkv.kernels.fp8_blocks SCALE_*) it asks for."""
-    scales = A.tensor(scales, name, ("float32",) if scale_format == "fp32" else _UE8M0_SCALES, where, shape=shape,
+    scales = A.tensor(scales, name, ("float32",) if scale_format == "fp32" else UE8M0_SCALES, where, shape=shape,
                       device=device)
     return scales, scales_kind(scale_format, scales)
 
@@ -381,7 +381,7 @@ def _dequantize_blocks_args(codes, scales, block, out, dtype):
     codes = A.tensor(codes, "codes", CODES, where, min_ndim=1, align=8)
     rows, k = _block_rows(codes, "codes", block)
     dev = A.device_of(codes)
-    scales = A.tensor(scales, "scales", _UE8M0_SCALES, where,
+    scales = A.tensor(scales, "scales", UE8M0_SCALES, where,
                       shape=(*codes.shape[:-1], bref.block_count(k, block)), device=dev)
     out, name = A.decoded(out, dtype, where, codes.shape, dev, align=16)
     return where, codes, scales, rows, k, out, name

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _args as A
+from ..fp8 import UE8M0_SCALES      # (the W4A8 activations' scales: E8M0 bytes or float32)
 from ..kernels import gemm_fp4 as K
 from ..reference import gemm as ref
 from ..reference import gemm_w4a8 as ref8
@@ -28,8 +29,6 @@ OUT_DTYPES = ("bfloat16",)
 OUT_DTYPES_NUMPY = ("bfloat16", "float32")
 _BYTE = ("uint8",)                  # the packed weight's codes and scales
 _F32 = ("float32",)
-#: The W4A8 activations' scales: float32, or E8M0 bytes (DeepSeek-V4's act_quant).
-ACT8_SCALES = ("float32", "uint8", "float8_e8m0fnu")
 _I32 = ("int32",)
 #: The activation kinds the kernels take (template argument ACT).
 BF16, FP16, NVFP4 = K.ACT_CODES["bfloat16"], K.ACT_CODES["float16"], K.ACT_CODES["nvfp4"]
@@ -454,7 +453,7 @@ def activation8(x, x_sf, ndim, k, where, device) -> Act8:
         raise ValueError(f"x.codes: expected shape (..., {k}) with {ndim} dimensions for K = {k}, got {s}")
     dev = A.device_of(x)
     nb = -(-k // 128)
-    x_sf = A.tensor(x_sf, "x.scales", ACT8_SCALES, where, shape=(*s[:-1], nb), device=dev, dense=False)
+    x_sf = A.tensor(x_sf, "x.scales", UE8M0_SCALES, where, shape=(*s[:-1], nb), device=dev, dense=False)
     if dev != device:
         raise ValueError(f"weight: is on {_device_name(device)}, x on {_device_name(dev)}; rawkv does not move data")
     if where == "cuda":
