@@ -310,8 +310,9 @@ def _plan_instance(x, w):
 def test_grid_tiles_within_the_bound_and_the_same_bits_for_1_to_16_tokens(cuda, rng, monkeypatch, fmt, dtype,
                                                                          tiles):
     # plans' MMA_SMALL_GRID_* rule (sm_90) and its MMA_WIDE_* rule (forced
-    # here, whatever the grid): 3 groups x 120 features (four 32-feature or two
-    # 64-feature blocks a group, the last partial, its last m-tile too), K =
+    # here, whatever the grid): 3 groups x 120 features (eight 16-feature, four
+    # 32-feature or two 64-feature blocks a group, the last partial, its last
+    # m-tile too), K =
     # 2,112 (33 chunks: eight warps of 5, the last with none). Every such tile
     # splits K in eight: a token's bits are the same in calls of 1 to 16 tokens
     # and in either tile; CONFIGS' tiles (four warps) stay within the bound too.

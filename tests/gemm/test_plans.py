@@ -127,14 +127,15 @@ def test_a_16_token_grid_too_large_to_prefetch_takes_64_feature_blocks(act_dtype
 def test_small_grids_on_hopper_split_k_in_eight(act_dtype):
     """On sm_90, below MMA_SMALL_GRID_BLOCKS_PER_SM blocks per SM and from
     K = MMA_SMALL_GRID_MIN_K, calls of 1-16 tokens take K.SMALL_GRID_CONFIGS'
-    tiles (the same grid as CONFIGS[8] / [16]: 32 features and 8 / 16 tokens
-    a block; eight warps split K, both tiles alike, so 1-16 tokens give the
-    same bits); at the limits, with NVFP4 activations, past 16 tokens and on
-    other GPUs, CONFIGS."""
+    tiles (9-16 tokens CONFIGS[16]'s grid, 32 features a block; 1-8 tokens 16
+    features a block, twice CONFIGS[8]'s grid; eight warps split K, both
+    tiles alike, so 1-16 tokens give the same bits); at the limits, with
+    NVFP4 activations, past 16 tokens and on other GPUs, CONFIGS."""
     kind = R.BF16 if act_dtype == torch.bfloat16 else R.FP16
-    for tt in (8, 16):
+    for tt, features in ((8, 16), (16, 32)):
         cfg, small = K.CONFIGS[tt], K.SMALL_GRID_CONFIGS[tt]
-        assert 16 * small[0] * small[3] == 16 * cfg[0] * cfg[3] == 32 and small[1] == cfg[1] and small[2] == 8
+        assert 16 * cfg[0] * cfg[3] == 32 and 16 * small[0] * small[3] == features
+        assert small[1] == cfg[1] and small[2] == 8
     limit = P.TUNED.MMA_SMALL_GRID_BLOCKS_PER_SM * H100.sm_count      # 264 blocks of 32 features
     k = P.TUNED.MMA_SMALL_GRID_MIN_K
 
@@ -150,7 +151,7 @@ def test_small_grids_on_hopper_split_k_in_eight(act_dtype):
         w = _weight(g=limit - 1, n=32, k=k, fmt="mxfp4")
         a = _one(P.grouped(H100, *_grouped(torch.ones(tokens, limit - 1, k, dtype=act_dtype), w)))
         assert a.kernel is K.GEMM.instance(kind, True, *small, pf), (tokens, a.kernel.expr)
-        assert a.grid == (1, 1, limit - 1) and a.block == (32 * small[2] * small[3],)
+        assert a.grid == (32 // (16 * small[0] * small[3]), 1, limit - 1) and a.block == (32 * small[2] * small[3],)
         cfg = K.CONFIGS[8 if tokens <= 8 else 16]
         for g, kk in ((limit, k), (limit - 1, k - 32)):           # the grid / K at the limit
             assert tile(g, kk, tokens) == cfg, (g, kk)

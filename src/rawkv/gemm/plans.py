@@ -66,8 +66,9 @@ class Tuning(NamedTuple):
     MMA_SMALL_GRID_BLOCKS_PER_SM, MMA_SMALL_GRID_MIN_K: on sm_90, a batched
     call of up to 16 tokens per group with 16-bit activations whose CONFIGS[8]
     or CONFIGS[16] grid has fewer than this many blocks per SM, and K of at
-    least this many columns, takes K.SMALL_GRID_CONFIGS' tile (the same
-    grid, eight warps splitting K instead of four). H100 (2026-11-27, us,
+    least this many columns, takes K.SMALL_GRID_CONFIGS' tile (eight warps
+    splitting K instead of four; 9-16 tokens the same grid, 1-8 tokens 16
+    features a block, twice the grid: H100 figures at the tiles). H100 (2026-11-27, us,
     under the programmatic dependent launch, CONFIGS against it, two runs):
     Flash wo_a (256 blocks) at 1 / 8 / 16 tokens 8.69-9.89 / 9.48-9.52 /
     11.43-11.47 against 7.83-7.89 / 8.40-8.43 / 9.58-9.60; one group of K
@@ -404,7 +405,8 @@ def _tile_by_grid(dev, tl: Tile, act, w, grid, tuning) -> tuple[Tile, tuple]:
     """In place of CONFIGS[8] / CONFIGS[16] on sm_90 (16-bit activations, K
     from MMA_SMALL_GRID_MIN_K), by how many blocks per SM their grid has:
     below MMA_SMALL_GRID_BLOCKS_PER_SM K.SMALL_GRID_CONFIGS' tile (the same
-    grid), past MMA_WIDE_MIN_BLOCKS_PER_SM and up to
+    grid at 9-16 tokens, 16-feature blocks, twice the grid, at 1-8), past
+    MMA_WIDE_MIN_BLOCKS_PER_SM and up to
     MMA_WIDE_MAX_BLOCKS_PER_SM K.WIDE_GRID_CONFIGS' (64-feature blocks:
     half the grid); with its grid, else (`tl`, `grid`). Their 16-token tiles
     only with PF (their one instance; grids this small prefetch unless

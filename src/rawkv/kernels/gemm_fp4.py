@@ -68,17 +68,26 @@ CONFIG_16_LARGE_GRID = (2, 2, 4, 2, 1, 2)
 # The tiles of up to 8 and 9-16 tokens per group, 16-bit activations, on
 # sm_90, for grids that CONFIGS[8] / CONFIGS[16] would leave below two
 # blocks per SM, K from 2,048 (rawkv.gemm.plans, Tuning.MMA_SMALL_GRID_*:
-# DeepSeek-V4-Flash's wo_a, 256 blocks on 132 SMs): the same 32 features a block, but eight
-# warps split K instead of four, so twice the warps stream half as much each
-# and hide each other's latency. Both split K in eight (the same bits as each
-# other, not CONFIGS[8]'s). H100 (2026-11-27, .probe sweep under the
-# programmatic dependent launch, two runs, us): Flash wo_a M = 1 / 8 / 16
-# 7.83-7.89 / 8.40-8.43 / 9.58-9.60 against 8.69-9.89 / 9.48-9.52 / 11.43-11.47.
+# DeepSeek-V4-Flash's wo_a, 256 blocks on 132 SMs): eight warps split K
+# instead of four, so twice the warps stream half as much each and hide each
+# other's latency. Both split K in eight (the same bits as each other, not
+# CONFIGS[8]'s). The 9-16-token tile keeps CONFIGS[16]'s 32 features and grid;
+# the 1-8-token one has 16 features a block (one warp along the rows, twice
+# the grid: since session 51; until then two, 32 features). H100 (2026-11-27,
+# .probe sweep under the programmatic dependent launch, two runs, us): Flash
+# wo_a M = 1 / 8 / 16 7.83-7.89 / 8.40-8.43 / 9.58-9.60 against CONFIGS'
+# 8.69-9.89 / 9.48-9.52 / 11.43-11.47. (2026-11-28, .probe/tdec.py, three
+# rounds, us, 32 against 16 features a block, the same bits: Flash M = 1 / 2 /
+# 4 / 8 7.86-7.91 / 8.09-8.12 / 8.18-8.27 / 8.27-8.33 against 7.57-7.68 /
+# 7.77-7.82 / 7.98-7.99 / 8.19-8.23; one group of K 7,168, N 2,048 at 1 / 8
+# 5.54-5.95 / 5.96-6.00 against 4.52-4.55 / 4.95-5.11; K 2,048, N 1,024
+# 2.58-2.62 / 2.81-2.84 against 2.19-2.21 / 2.38-2.43; K 4,096, N 4,096 the
+# same, 4.16-4.57 either way.)
 # The 16-token one's ring is 2 stages of 2 chunks (3 of 1 until session 46,
 # when its split-K sums could take the rings' bytes: gemm_fp4.cu; the same
 # bits; H100, us: Flash M = 12 / 16 8.96-9.12 / 9.05 against 9.33-9.46 /
 # 9.35-9.38, 4 stages of 1 9.87-9.93 / 9.90-9.91).
-SMALL_GRID_CONFIGS = {8: (1, 1, 8, 2, 2, 2), 16: (2, 2, 8, 1, 2, 2)}
+SMALL_GRID_CONFIGS = {8: (1, 1, 8, 1, 2, 2), 16: (2, 2, 8, 1, 2, 2)}
 # The tiles of up to 8 and 9-16 tokens per group, 16-bit activations, on
 # sm_90, for grids that CONFIGS[8] / CONFIGS[16] would give past three and up
 # to four blocks per SM, K from 2,048 (rawkv.gemm.plans, Tuning.MMA_WIDE_*:
