@@ -76,13 +76,17 @@ def test_operators_do_what_the_public_ops_do(rng, kind):
     w = 2 * D if kind == "csa" else D
     m = pub.m
     st_pub, st_op = kvc.DecodeState(kind, 2, device="cpu"), kvc.DecodeState(kind, 2, device="cpu")
-    pub.attach(st_pub)          # the public op's pool; the operator's views have no host bookkeeping
+    # each pool's states attached to it: the operator on a pool's own buffers
+    # requires it as the public op does (test_operator_refuses_states_not_attached_to_the_pool)
+    pub.attach(st_pub)
+    op.attach(st_op)
     rows = torch.from_numpy(rng.standard_normal((2 * m - 1, w)).astype(np.float32))
     nw = torch.from_numpy((1 + 0.1 * rng.standard_normal(D)).astype(np.float32))
     index = None
     if kind == "csa":
         ist = [kvc.DecodeState("csa", 2, DI, device="cpu") for _ in range(2)]
         pub.attach(ist[0])
+        op.attach(ist[1])
         irows = torch.from_numpy(rng.standard_normal((2 * m - 1, 2 * DI)).astype(np.float32))
         inw = torch.from_numpy(np.ones(DI, np.float32))
     for st in (st_pub, st_op):
@@ -190,6 +194,101 @@ def test_views_refuse_misaligned_data_buffers(layout):
     for name in ("kv_a", "z_a", "kv_b", "z_b"):
         with pytest.raises(ValueError, match=rf"^{name}: .*aligned"):
             V.state_view(**_bad(st, name, _misaligned(st[name])))
+
+
+def _decode_layer(rng, kind):
+    """A pool with its decode states (and, for CSA, the indexer's) attached,
+    slot 0 of each holding a complete window: a compress_decode of slot 0
+    at position m - 1 writes entry 0."""
+    p = _pool(kind)
+    m = p.m
+    states = [kvc.DecodeState(kind, 2, device="cpu")]
+    if kind == "csa":
+        states.append(kvc.DecodeState("csa", 2, DI, device="cpu"))
+    p.attach(*states)
+    for st in states:
+        rows = torch.from_numpy(rng.standard_normal((m, st.width)).astype(np.float32))
+        kvc.state_seed(st, 0, rows[:m - 1], rows[:m - 1])
+        kvc.state_append(st, rows[m - 1:], rows[m - 1:], torch.tensor([True]), torch.tensor([0], dtype=torch.int32))
+    return p, states
+
+
+def _decode_operator(pool_args, st, ist, m):
+    """torch.ops.rawkv.kv_compress_decode of slot 0 at position m - 1, on the
+    buffers given (`st` / `ist`: state_args dicts, ist None: no indexer)."""
+    ist = V.state_args(None, prefix="index_", counter=False) if ist is None else ist
+    OPS.kv_compress_decode(**pool_args, **st, **ist, norm_weight=torch.ones(D),
+                           valid_mask=torch.ones(1, dtype=torch.bool), slots=torch.zeros(1, dtype=torch.int32),
+                           positions=torch.full((1,), m - 1, dtype=torch.int32),
+                           index_norm_weight=None if ist.get("index_kv_a") is None else torch.ones(DI),
+                           eps=ref.RMS_EPS, theta=ref.COMPRESS_ROPE_THETA, yarn=None)
+
+
+def _refusal(call):
+    with pytest.raises((TypeError, ValueError)) as ei:
+        call()
+    return type(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_operator_refuses_states_not_attached_to_the_pool(rng, kind):
+    """kv_compress_decode on a pool's own buffers (pool_args(pool), CPU
+    tensors: the reference runs) requires what the public compress_decode
+    requires of the objects: each state's buffers are those of a state
+    attached to that pool (docs/kvcache.md, "Admission"). Another pool's
+    state, an unattached state or buffers that are no state's (a copy) are
+    refused with the public op's ValueError naming state / index.state
+    before anything is read or written. Before, the operator's views skipped
+    the check and the operator flushed another pool's state into this pool."""
+    a, sa = _decode_layer(rng, kind)          # sa attached to a
+    b, sb = _decode_layer(rng, kind)          # sb attached to b
+    m = a.m
+    loose = [kvc.DecodeState(st.kind, 2, st.head_dim, device="cpu") for st in sa]
+    for st, src in zip(loose, sa):            # the same rows, never attached
+        for n in ("kv_a", "z_a", "kv_b", "z_b", "count"):
+            if getattr(st, n) is not None:
+                getattr(st, n)[...] = getattr(src, n)
+    objs = [a, b, *sa, *sb, *loose]
+    before = [{n: None if t is None else t.clone() for n, t in o.torch_buffers().items()} for o in objs]
+    nw, v = torch.ones(D), torch.ones(1, dtype=torch.bool)
+    sl, pos = torch.zeros(1, dtype=torch.int32), torch.full((1,), m - 1, dtype=torch.int32)
+
+    def public(pool, states):
+        ix = None if len(states) == 1 else kvc.DecodeIndex(states[1], torch.ones(DI))
+        kvc.compress_decode(pool, states[0], nw, v, sl, pos, index=ix, yarn=None)
+
+    def operator(pool, states):
+        ist = None if len(states) == 1 else V.state_args(states[1], prefix="index_", counter=False)
+        _decode_operator(V.pool_args(pool), V.state_args(states[0], counter=False), ist, m)
+
+    cases = [("state", b, sa),                # another pool's states
+             ("state", a, loose)]             # states attached to no pool
+    if kind == "csa":
+        cases.append(("index.state", a, [sa[0], loose[1]]))     # the indexer's state unattached
+    for name, pool, states in cases:
+        want = _refusal(lambda: public(pool, states))
+        assert want[0] is ValueError and want[1].startswith(f"{name}: is not attached to this pool"), want
+        assert _refusal(lambda: operator(pool, states)) == want
+    # buffers that are no state's (a copy of an attached state's): no pool would empty them
+    copy = {n: None if t is None else t.clone() for n, t in V.state_args(sa[0], counter=False).items()}
+    ist = None if kind == "hca" else V.state_args(sa[1], prefix="index_", counter=False)
+    err = _refusal(lambda: _decode_operator(V.pool_args(a), copy, ist, m))
+    assert err[0] is ValueError and err[1].startswith("state: is not attached to this pool"), err
+    for o, was in zip(objs, before):          # nothing read into the pools, nothing written
+        for n, t in o.torch_buffers().items():
+            assert (t is None and was[n] is None) or torch.equal(t, was[n]), (o, n)
+
+    # the pool's own states: accepted, entry 0 written, as the public op writes it on the twin
+    operator(a, sa)
+    public(b, sb)
+    assert a.written[0] == b.written[0] == 1 and a.read_errors() == b.read_errors() == 0
+    # an engine's own pool buffers (no pool object, so no attachment to ask of):
+    # the engine owns admission (docs/kvcache.md, "What a view cannot check")
+    own = {n: (t.clone() if hasattr(t, "clone") else t) for n, t in V.pool_args(b).items()}
+    own["written"].zero_()
+    ist = None if kind == "hca" else V.state_args(loose[1], prefix="index_", counter=False)
+    _decode_operator(own, V.state_args(loose[0], counter=False), ist, m)
+    assert own["written"][0] == 1
 
 
 def test_operator_errors_name_the_argument(rng):

@@ -15,14 +15,33 @@ from support.agreement import (  # noqa: E402
 )
 
 
-def kpool(kind="csa", layout="model1"):
-    """A view of a CPU pool's buffers (8 blocks of 4 entries, 2 requests:
-    entries 0..7 and 0..4 prepared); CSA pools have indexer keys."""
+def _kpool(kind="csa", layout="model1"):
     p = kvc.PagedKVPool(kind, 8, 4, 2, 4, device="cpu", layout=layout)
     for _ in range(2):
         p.add_request()
     p.prepare_step([0, 1], [8 * p.m - 1, 5 * p.m - 1])
-    return V.pool_view(**V.pool_args(p))
+    return p
+
+
+def kpool(kind="csa", layout="model1"):
+    """A view of a CPU pool's buffers (8 blocks of 4 entries, 2 requests:
+    entries 0..7 and 0..4 prepared); CSA pools have indexer keys."""
+    return V.pool_view(**V.pool_args(_kpool(kind, layout)))
+
+
+def klayer(kind="csa"):
+    """(pool, state, index state or None): views of a CPU pool's buffers
+    (kpool's) and of its decode states' (2 slots; for CSA the indexer's,
+    head_dim 128), the states attached to the pool, as compress_decode
+    requires of them (through their views too: docs/kvcache.md, "What a
+    view cannot check")."""
+    p = _kpool(kind)
+    states = [kvc.DecodeState(kind, 2, device="cpu")]
+    if kind == "csa":
+        states.append(kvc.DecodeState("csa", 2, 128, device="cpu"))
+    p.attach(*states)
+    views = [V.state_view(**V.state_args(st)) for st in states]
+    return V.pool_view(**V.pool_args(p)), views[0], (views[1] if kind == "csa" else None)
 
 
 def kstate(kind="csa", head_dim=512):
@@ -49,6 +68,16 @@ IDS = lambda: torch.zeros((2, 3), dtype=i32)       # noqa: E731
 
 
 PI = kvc.PrefillIndex
+
+
+def _decode(layer, valid, slots, positions, index_norm_weight=None):
+    """A compress_decode case on klayer's views (norm_weight ones; a CSA
+    layer's DecodeIndex of its indexer state and `index_norm_weight`, ones
+    by default)."""
+    pool, st, ist = layer
+    kw = {} if ist is None else {"index": kvc.DecodeIndex(ist, ones(128) if index_norm_weight is None
+                                                          else index_norm_weight)}
+    return kvc.compress_decode, (pool, st, ones(512), valid, slots, positions), kw
 
 
 # op name -> [(case id, lambda: (public function, args, kwargs))]; the args
@@ -154,21 +183,16 @@ KV_CASES = {
         ("index-missing", lambda: (kvc.compress_prefill, (kpool(), rows_kv(8), rows_kv(8), None, ones(512), 0), {})),
     ],
     "kv_compress_decode": [
-        ("ok-hca", lambda: (kvc.compress_decode, (kpool("hca"), kstate("hca"), ones(512), mask(1, 1), ints(0, 1),
-                                                  ints(127, 5)), {})),
-        ("ok-csa", lambda: (kvc.compress_decode, (kpool(), kstate(), ones(512), mask(1, 1), ints(0, 1, dtype=i64),
-                                                  ints(3, 7, dtype=i64)),
-                            {"index": kvc.DecodeIndex(kstate("csa", 128), ones(128))})),
-        ("positions-not-slots-dtype", lambda: (kvc.compress_decode, (kpool("hca"), kstate("hca"), ones(512),
-                                                                     mask(1, 1), ints(0, 1), ints(0, 1, dtype=i64)), {})),
+        ("ok-hca", lambda: _decode(klayer("hca"), mask(1, 1), ints(0, 1), ints(127, 5))),
+        ("ok-csa", lambda: _decode(klayer(), mask(1, 1), ints(0, 1, dtype=i64), ints(3, 7, dtype=i64))),
+        ("positions-not-slots-dtype", lambda: _decode(klayer("hca"), mask(1, 1), ints(0, 1),
+                                                      ints(0, 1, dtype=i64))),
         ("state-kind", lambda: (kvc.compress_decode, (kpool("hca"), kstate("csa"), ones(512), mask(1, 1), ints(0, 1),
                                                       ints(0, 1)), {})),
-        ("valid_mask-strided", lambda: (kvc.compress_decode, (kpool("hca"), kstate("hca"), ones(512),
-                                                              strided_last(2, dtype=torch.bool), ints(0, 1),
-                                                              ints(0, 1)), {})),
-        ("index.norm_weight-unaligned-shape", lambda: (kvc.compress_decode, (kpool(), kstate(), ones(512), mask(1, 1),
-                                                                             ints(0, 1), ints(3, 7)),
-                                                       {"index": kvc.DecodeIndex(kstate("csa", 128), ones(64))})),
+        ("valid_mask-strided", lambda: _decode(klayer("hca"), strided_last(2, dtype=torch.bool), ints(0, 1),
+                                               ints(0, 1))),
+        ("index.norm_weight-unaligned-shape", lambda: _decode(klayer(), mask(1, 1), ints(0, 1), ints(3, 7),
+                                                              index_norm_weight=ones(64))),
     ],
     # ---- rawkv.kvcache: decode-state ops ----
     "kv_state_seed": [

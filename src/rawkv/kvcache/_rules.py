@@ -618,12 +618,19 @@ def _state_of_pool(p, st, name: str, kind: str, head_dim: int) -> None:
 
 def _attached(p, st, name: str) -> None:
     """A pool object's decode state is attached to it (pool.attach), so its
-    slots are emptied when they change owner. A view (the kv_compress_decode
-    operator's buffers) has no host bookkeeping: its engine owns admission
-    (docs/kvcache.md, "Admission")."""
-    if p._states is None:
-        return
-    if st._pool is not p:
+    slots are emptied when they change owner. The kv_compress_decode
+    operator's views are held to the same rule through the objects whose
+    buffers they are over (views: pool_of_table, state_of_buffers): over a
+    pool's own buffers, the state's buffers must be those of a state
+    attached to that pool (an unattached state, another pool's, or buffers
+    that are no state's are refused, as eagerly). Over an engine's own pool
+    buffers no pool object exists: its engine owns admission
+    (docs/kvcache.md, "Admission", "What a view cannot check")."""
+    if p._states is None:           # a view: the objects its buffers are
+        p, st = p._owner, st._owner
+        if p is None:
+            return
+    if st is None or st._pool is not p:
         raise ValueError(f"{name}: is not attached to this pool; call pool.attach(state) when the layer "
                          "is built (the pool then empties a slot's decode state when the slot changes "
                          "owner, so no request's entry is pooled from another's rows)")

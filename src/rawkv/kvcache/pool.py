@@ -85,20 +85,23 @@ _MAX_ID = 2 ** 31 - 1
 _BY_TABLE = weakref.WeakValueDictionary()
 
 
-def _table_key(block_table) -> tuple:
-    """(address space, first byte) of a block table: a pool's (numpy on the
-    host, a CUDA tensor) or a view's (the same, over the operator's tensors)."""
-    if isinstance(block_table, np.ndarray):
-        return "host", block_table.__array_interface__["data"][0]
-    return ("host" if block_table.device.type == "cpu" else str(block_table.device)), block_table.data_ptr()
+def _buffer_key(buf) -> tuple:
+    """(address space, first byte) of a buffer: an object's (numpy on the
+    host, a CUDA tensor) or a view's (the same, over the operator's
+    tensors). The key of the pool and decode state registries (a block
+    table's, a state's kv_a)."""
+    if isinstance(buf, np.ndarray):
+        return "host", buf.__array_interface__["data"][0]
+    return ("host" if buf.device.type == "cpu" else str(buf.device)), buf.data_ptr()
 
 
 def pool_of_table(block_table):
     """The PagedKVPool whose block table `block_table` is (its memory, of
     its shape), or None (an engine's own buffers, a copy): the view over it
     takes the pool's count of prepared entries, which gather_dense bounds
-    n_entries by (docs/kvcache.md, "What a view cannot check")."""
-    p = _BY_TABLE.get(_table_key(block_table))
+    n_entries by, and its attached decode states, which compress_decode
+    requires (docs/kvcache.md, "What a view cannot check")."""
+    p = _BY_TABLE.get(_buffer_key(block_table))
     if p is None or tuple(block_table.shape) != (p.max_requests, p.max_blocks_per_request):
         return None
     return p
@@ -246,6 +249,7 @@ class PagedKVPool(ErrorCounter):
     BUFFERS = ("fp8", "scale", "rope", "index_q", "index_sf", "pages", "index_pages", "block_table",
                "request_ids", "owners", "written", "marks", "errors")
     _states = None      # the attached DecodeStates (attach); None for a view (views.pool_view)
+    _owner = None       # a view's: the pool whose buffers it is over (pool_of_table), or None
 
     def __init__(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                  *, head_dim=ref.HEAD_DIM, rope_dim=ref.ROPE_DIM, index_head_dim=_DEFAULT,
@@ -310,7 +314,7 @@ class PagedKVPool(ErrorCounter):
             self.errors = np.zeros(1, np.int32)
         self._init_torch_buffers()
         self._seal()
-        _BY_TABLE[_table_key(self.block_table)] = self
+        _BY_TABLE[_buffer_key(self.block_table)] = self
 
     def _set_geometry(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                       head_dim, rope_dim, index_head_dim, layout="rawkv", index_layout="fp8") -> None:

@@ -23,10 +23,27 @@ prompt's tail. device="cpu" keeps numpy arrays and runs the reference.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..reference import kvcache as ref
-from .pool import ErrorCounter, _kind, _pos_int, resolve_device
+from .pool import ErrorCounter, _buffer_key, _kind, _pos_int, resolve_device
+
+# The decode states by their kv_a's memory: a view over a state's own
+# buffers (views.state_view, the operator of a public op's call, compiled or
+# given state_args(state)) finds the state, so kv_compress_decode can ask
+# which pool it is attached to (state_of_buffers).
+_BY_KV_A = weakref.WeakValueDictionary()
+
+
+def state_of_buffers(kv_a):
+    """The DecodeState whose kv_a `kv_a` is (its memory, of its shape), or
+    None (an engine's own buffers, a copy)."""
+    st = _BY_KV_A.get(_buffer_key(kv_a))
+    if st is None or tuple(kv_a.shape) != (st.max_requests, st.m, st.width):
+        return None
+    return st
 
 
 class DecodeState(ErrorCounter):
@@ -34,6 +51,7 @@ class DecodeState(ErrorCounter):
 
     BUFFERS = ("kv_a", "z_a", "kv_b", "z_b", "count", "errors")
     _pool = None        # the PagedKVPool it is attached to (PagedKVPool.attach)
+    _owner = None       # a view's: the state whose buffers it is over (state_of_buffers), or None
 
     def __init__(self, kind, max_requests, head_dim=ref.HEAD_DIM, *, device="cuda"):
         self._set_geometry(kind, max_requests, head_dim)
@@ -61,6 +79,7 @@ class DecodeState(ErrorCounter):
             self.errors = np.zeros(1, np.int32)
         self._init_torch_buffers()
         self._seal()
+        _BY_KV_A[_buffer_key(self.kv_a)] = self
 
     def _set_geometry(self, kind, max_requests, head_dim) -> None:
         """The state's sizes, checked (the constructor's rules, and

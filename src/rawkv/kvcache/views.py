@@ -13,8 +13,10 @@ has no host bookkeeping (free list, prepared entries): the ops need none,
 except gather_dense's bound of n_entries by pool.n_entries(slot), which a
 view over a pool's own buffers reads from that pool (pool_of_table; over
 an engine's own buffers the kernel's bound by pool.written alone holds),
-and compress_decode's test that its states are attached to the pool (the
-public op's, on the objects).
+and compress_decode's test that its states are attached to the pool: a
+view over a pool's own buffers requires state views over the buffers of
+states attached to that pool (state_of_buffers), as the public op requires
+of the objects; over an engine's own pool buffers there is no pool to ask.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from ..reference import kvcache as ref
 from ..reference.kvcache import layouts as R
 from . import _rules as C
 from .pool import KINDS, PagedKVPool, pool_of_table
-from .state import DecodeState
+from .state import DecodeState, state_of_buffers
 
 U8 = ("uint8",)
 
@@ -233,8 +235,10 @@ def _finish_view(p, at, first, bt, ids, own, wr, mk, err) -> PagedKVPool:
     p._table = p._free = p._active = p._nblocks = p._staging = None
     p._ids = p._next_id = None
     # over a pool's own buffers: that pool's count of prepared entries, read
-    # when the op runs (gather_dense's bound of n_entries, as eagerly)
+    # when the op runs (gather_dense's bound of n_entries, as eagerly), and
+    # the pool itself (compress_decode's states must be attached to it)
     owner = pool_of_table(bt)
+    p._owner = owner
     p._n_entries = None if owner is None else owner._n_entries
     p._seal()
     _counter_apart(p, "pool")
@@ -315,6 +319,7 @@ def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:
     st.device = a.device if cuda else "cpu"
     st.kv_a, st.z_a, st.kv_b, st.z_b, st.count = a, za, kb, zb, c
     st.errors = None if errors is None else _counter(errors, at)
+    st._owner = state_of_buffers(a)      # over a state's own buffers: that state (its pool, if attached)
     st._seal()
     _counter_apart(st, "state")
     return st
