@@ -86,13 +86,18 @@ def _is_compiling() -> bool:
 class Op(OpDecl):
     """The declaration of an op written with @op: its body is the
     implementation rawkv.library registers (called positionally by the
-    dispatcher), and `overload` the registered torch.ops.rawkv.<name>.default."""
+    dispatcher), and `overload` the registered torch.ops.rawkv.<name>.default.
+    `host`: the op's own rule for its arguments that are not tensors (a
+    scope, a gs given as a number or a bool), a function of the schema's
+    arguments by name (a dict) that raises the eager op's error; _traced
+    runs it when a tensor argument holds a bool (op())."""
 
     variadic = False        # the body takes the schema's arguments as *args, its extras by keyword
 
-    def __init__(self, name: str, schema: str, body):
+    def __init__(self, name: str, schema: str, body, host=None):
         super().__init__(name, body, schema)
         self.body = body
+        self.host = host
         _check_body(self)
 
 
@@ -127,11 +132,17 @@ def _check_body(decl: Op) -> None:
             raise ValueError(f"rawkv::{decl.name}: extra parameter {p.name} needs a default")
 
 
-def op(name: str, schema: str):
+def op(name: str, schema: str, *, host=None):
     """Decorator: declare the body as rawkv::<name>(<schema>) -> () and
-    return the function public code calls (see the module docstring)."""
+    return the function public code calls (see the module docstring).
+    `host` (optional): the body's rule for its arguments that are not
+    tensors, `host(args)` with the schema's arguments by name, raising what
+    the body raises; an op whose public argument may be a number or a
+    tensor (a gs: `Tensor? gs, float? gs_value`, where a bool lands in the
+    tensor) names it, so a compiled call refuses a bool there with the
+    eager op's error (Op)."""
     def wrap(body):
-        decl = Op(name, schema, body)
+        decl = Op(name, schema, body, host)
         n = len(decl.args)
         params = list(inspect.signature(body).parameters)
         si = params.index("stream") if "stream" in params else len(params)     # (the stream's position)
@@ -190,7 +201,9 @@ def _numbers(decl: Op, args: tuple) -> tuple:
 def _traced(decl: Op, args):
     """Under torch.compile: the registered operator (with the schema's
     arguments only), which dynamo records in its graph. A bool, an array or
-    a tensor where the schema takes a number is refused here, by name."""
+    a tensor where the schema takes a number is refused here, by name; a
+    bool where it takes a tensor (a gs) by the op's own rule (Op.host, the
+    eager error), else by name."""
     ov = decl.overload
     if ov is None:
         raise RuntimeError(f"rawkv::{decl.name} is not registered with torch: import rawkv.library "
@@ -210,6 +223,16 @@ def _traced(decl: Op, args):
             # making its fake tensor call)
             raise TypeError(f"{decl.args[i][0]}: expected a number, got "
                             f"{'a tensor' if A.is_torch(v) else 'a NumPy bool or array'}")
+    for i in decl.tensors:
+        v = args[i] if i < len(args) else None
+        if isinstance(v, (bool, np.bool_)):
+            # (a bool where a number or a tensor goes, a gs: split_number puts
+            # it in the tensor argument, which torch's parser refuses in its
+            # own words while dynamo makes the fake call. The op's own rule
+            # refuses it as eagerly: docs/runtime.md, "Numbers".)
+            if decl.host is not None:
+                decl.host(dict(zip((a[0] for a in decl.args), args)))
+            A.require_array(v, decl.args[i][0])     # (the argument layer's error, by name)
     ov(*args)
 
 

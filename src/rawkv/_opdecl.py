@@ -49,6 +49,8 @@ class OpDecl:
         self.mutates = tuple(n for n, _, w in self.args if w)
         # the positions of the number arguments (int, float; optional or not)
         self.numbers = tuple(i for i, (_, t, _) in enumerate(self.args) if t.rstrip("?") in ("int", "float"))
+        # the positions of the tensor arguments (optional or not)
+        self.tensors = tuple(i for i, (_, t, _) in enumerate(self.args) if t.rstrip("?") == "Tensor")
         if not self.mutates:
             raise ValueError(f"rawkv::{name}: a mutating op writes at least one argument")
         if name in _OPS:

@@ -134,6 +134,19 @@ def _scope(scope, gs, gs_value):
     return A.check_scope_gs(scope, A.op_gs(gs, gs_value), SCOPES, "row")
 
 
+# The op wrapper's host rules (rawkv._op.op): rms's and swiglu's first
+# checks, on their arguments that are no tensor, in their order, so a
+# compiled call's bool gs gets the eager error.
+def rms_scalars(a) -> None:
+    A.check_eps(a["eps"])
+    _scope(a["scope"], a["gs"], a["gs_value"])
+
+
+def swiglu_scalars(a) -> None:
+    granularity(a["granularity"])
+    _scope(a["scope"], a["gs"], a["gs_value"])
+
+
 # ---- one function per op ----------------------------------------------------------------
 def _rms_inputs(x, mix, weight, where):
     """(x, mix, weight, lead, n_hc, N, device) of rmsnorm_quantize (mix

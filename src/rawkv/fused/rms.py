@@ -122,7 +122,8 @@ def fp8_activation(call, like, lead, n, block, scale_format, out, stream, *input
 _OUTS = "Tensor(a!) q, Tensor(b!) sf, Tensor(c!) gs_out, Tensor(d!) inv_rms"
 
 
-@op("rmsnorm_quantize", f"Tensor x, Tensor weight, float eps, str scope, Tensor? gs, float? gs_value, {_OUTS}")
+@op("rmsnorm_quantize", f"Tensor x, Tensor weight, float eps, str scope, Tensor? gs, float? gs_value, {_OUTS}",
+    host=R.rms_scalars)
 def _rmsnorm_quantize(x, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, stream=None, fresh=False):
     """rawkv::rmsnorm_quantize: writes q, sf, gs_out and inv_rms; a gs is a
     tensor `gs` or a number `gs_value`. fresh: the public function
@@ -131,7 +132,8 @@ def _rmsnorm_quantize(x, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rm
 
 
 @op("mhc_rmsnorm_quantize",
-    f"Tensor x, Tensor mix, Tensor weight, float eps, str scope, Tensor? gs, float? gs_value, {_OUTS}")
+    f"Tensor x, Tensor mix, Tensor weight, float eps, str scope, Tensor? gs, float? gs_value, {_OUTS}",
+    host=R.rms_scalars)
 def _mhc_rmsnorm_quantize(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, stream=None,
                           fresh=False):
     """rawkv::mhc_rmsnorm_quantize: as rmsnorm_quantize, of the mix of x's

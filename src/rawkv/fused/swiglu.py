@@ -25,7 +25,7 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
 
 
 @op("swiglu_quantize", "Tensor h, int granularity, str scope, Tensor? gs, float? gs_value, Tensor(a!) q, "
-                       "Tensor(b!) sf, Tensor(c!) gs_out")
+                       "Tensor(b!) sf, Tensor(c!) gs_out", host=R.swiglu_scalars)
 def _swiglu_quantize(h, granularity, scope, gs, gs_value, q, sf, gs_out, stream=None, fresh=False):
     """rawkv::swiglu_quantize: writes q, sf and gs_out; a gs is a tensor
     `gs` or a number `gs_value`; fresh as for rmsnorm_quantize."""

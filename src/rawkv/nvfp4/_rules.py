@@ -49,6 +49,12 @@ def decode_scale(gs, gs_value):
     return gs
 
 
+def decode_scalars(a) -> None:
+    """decode_scale of a decode op's schema arguments by name (the op
+    wrapper's host rule: a compiled call's bool gs gets the eager error)."""
+    decode_scale(a["gs"], a["gs_value"])
+
+
 def decode_gs(gs, lead, where, device):
     """A decode gs as ('value', float) | ('scalar', 1-element float32
     tensor) | ('row', contiguous float32 tensor of shape `lead`)."""

@@ -54,7 +54,7 @@ def gather(q, sf, gs, indices, *, dtype=None, out=None, errors=None, stream=None
 
 
 @op("nvfp4_gather", "Tensor q, Tensor sf, Tensor? gs, float? gs_value, Tensor indices, Tensor(a!) out, "
-                    "Tensor(b!)? errors")
+                    "Tensor(b!)? errors", host=C.decode_scalars)
 def _gather(q, sf, gs, gs_value, indices, out, errors, stream=None, dtype=None):
     """rawkv::nvfp4_gather: the rows `indices` of (q, sf) decoded into out,
     in out's dtype (`dtype`, the public op's, when out is a numpy float32

@@ -80,8 +80,14 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
     return A.as_q(q), A.as_sf(sf), g if g is not None else gs_t.reshape(())
 
 
+def _scalars(a):
+    """_arguments' first rule, on the scope and the gs alone (the op
+    wrapper's host rule: a compiled call's bool gs gets the eager error)."""
+    A.check_scope_gs(a["scope"], A.op_gs(a["gs"], a["gs_value"]), SCOPES, "tensor")
+
+
 @op("nvfp4_quantize", "Tensor x, str scope, Tensor? gs, float? gs_value, Tensor(a!) q, Tensor(b!) sf, "
-                      "Tensor(c!)? gs_out, Tensor(d!)? errors")
+                      "Tensor(c!)? gs_out, Tensor(d!)? errors", host=_scalars)
 def _quantize(x, scope, gs, gs_value, q, sf, gs_out, errors, stream=None):
     """rawkv::nvfp4_quantize: writes q, sf and gs_out (which may be None
     only with a gs tensor: that is the gs) and, with a device gs, errors. A
