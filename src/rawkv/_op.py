@@ -148,7 +148,7 @@ def op(name: str, schema: str, *, host=None):
         si = params.index("stream") if "stream" in params else len(params)     # (the stream's position)
         nums = decl.numbers
 
-        def call(*args):
+        def call_fixed(*args):
             if _compiler.is_dynamo_compiling() or _compiler._is_compiling_flag:     # _is_compiling(), inlined
                 return _traced(decl, args[:n])
             if nums:
@@ -171,8 +171,9 @@ def op(name: str, schema: str, *, host=None):
             if extras.get("stream") is not None:
                 A.check_stream(extras["stream"])
             return body(*args, **extras)
-        if decl.variadic:
-            call = call_variadic
+        # the schema's arguments in order (and the extras by position), or a
+        # *args body's (its extras by keyword)
+        call = call_variadic if decl.variadic else call_fixed
         call.op = decl
         call.__name__ = call.__qualname__ = body.__name__
         call.__doc__ = body.__doc__
