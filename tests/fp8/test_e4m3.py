@@ -188,6 +188,26 @@ def _read_only(a):
     return a
 
 
+def test_inputs_the_rules_refuse_are_named_before_out_is_sized():
+    """e4m3_encode / e4m3_decode sized a new out from the input's shape before
+    the rules read it: a stride-0 view of 2^40 elements allocated terabytes
+    (an allocator error naming nothing) before x / codes was refused, and a
+    DLPack producer without .shape (the protocol promises none) sized an out
+    of shape () that was then refused as `out`. Both now size out as the
+    rules read the input (rawkv._args.out_lead)."""
+    from support.dlpack import Bare
+    with pytest.raises(ValueError, match="^x: must be contiguous"):
+        rawkv.fp8.e4m3_encode(torch.zeros(1, dtype=torch.bfloat16).expand(2 ** 40))
+    with pytest.raises(ValueError, match="^codes: must be contiguous"):
+        rawkv.fp8.e4m3_decode(torch.zeros(1, dtype=torch.uint8).expand(2 ** 40))
+    x = torch.linspace(-500, 500, 96).reshape(4, 24)
+    codes = rawkv.fp8.e4m3_encode(x)
+    got = rawkv.fp8.e4m3_encode(Bare(x))
+    assert got.shape == (4, 24) and np.array_equal(np.asarray(got), codes.view(torch.uint8).numpy())
+    got = rawkv.fp8.e4m3_decode(Bare(codes.view(torch.uint8)))
+    assert got.shape == (4, 24) and np.array_equal(np.asarray(got), rawkv.fp8.e4m3_decode(codes).numpy())
+
+
 @SETTINGS
 @given(seed=seeds, shape=shapes, dt=st.sampled_from(FLOATS + WRONG), lib=libs, layout=layouts,
        special=st.booleans(), out_dt=st.sampled_from([None, "uint8", "float8_e4m3fn", "float32"]))

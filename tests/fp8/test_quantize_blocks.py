@@ -313,6 +313,22 @@ def test_bad_arguments_are_refused_by_name(call, exc, msg):
         call()
 
 
+def test_dequantize_codes_the_rules_refuse_are_named_before_out_is_sized():
+    """dequantize_blocks sized a new out from codes' shape before the rules
+    read it: a stride-0 view of 2^34 rows allocated terabytes (an allocator
+    error naming nothing) before codes was refused, and a DLPack producer
+    without .shape sized an out of shape () then refused as `out`; now out
+    is sized as the rules read codes (rawkv._args.out_lead), as
+    quantize_blocks sizes its outputs from x."""
+    from support.dlpack import Bare
+    with pytest.raises(ValueError, match="^codes: must be contiguous"):
+        fp8.dequantize_blocks(torch.zeros(1, 128, dtype=torch.uint8).expand(2 ** 34, 128),
+                              torch.ones(1, 1).expand(2 ** 34, 1))
+    c, s = fp8.quantize_blocks(ONES * 3, block=64)
+    got = fp8.dequantize_blocks(Bare(c.view(torch.uint8)), s, block=64)
+    assert got.shape == (4, 128) and np.array_equal(np.asarray(got), fp8.dequantize_blocks(c, s, block=64).numpy())
+
+
 def test_block_may_be_a_numpy_int():
     # (np.int64(64) was refused as "block: expected one of (32, 64, 128)";
     # a NumPy bool is refused as a bool is: test_bad_arguments_are_refused_by_name)
