@@ -92,6 +92,20 @@ def test_nvfp4_swizzled_size(rows, cols):
     judge(lambda: rawkv.nvfp4.swizzled_size(rows, cols), ("rows", "cols"), reference)
 
 
+def test_an_sf_the_rules_refuse_is_named_before_out_is_sized():
+    """swizzle_scales sized its new out from sf's raw shape before the rules
+    read sf: a stride-0 view of 2^36 rows allocated 256 GiB (an allocator
+    error naming nothing) before sf was refused, and a DLPack producer
+    without .shape sized an out of 0 bytes that was refused as `out`; now
+    out is sized as the rules read sf (rawkv._args.out_lead)."""
+    from support.dlpack import Bare
+    with pytest.raises(ValueError, match="^sf: must be contiguous"):
+        rawkv.nvfp4.swizzle_scales(torch.zeros(1, 4, dtype=torch.uint8).expand(2 ** 36, 4))
+    sf = torch.arange(5 * 3, dtype=torch.uint8).reshape(5, 3)
+    got = rawkv.nvfp4.swizzle_scales(Bare(sf))
+    assert np.array_equal(np.asarray(got), swizzle_by_reshape(sf.numpy()))
+
+
 # ---- launch plan ------------------------------------------------------------------------------------
 def test_swizzle(rt):
     sf = fake(torch.zeros(130, 7, dtype=torch.uint8))

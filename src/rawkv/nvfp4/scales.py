@@ -28,7 +28,7 @@ def swizzle_scales(sf, *, out=None, stream=None):
     contiguous) -> the 1-D tensor-core layout of swizzled_size(rows, cols)
     bytes (zero padding)."""
     if out is None:
-        s = A.dims(sf)
+        s = A.out_lead(sf, "sf")      # (as the rules read sf: a layout they refuse names sf before out is sized)
         out = empty(sf, (ref_layouts.swizzled_size(math.prod(s[:-1]), s[-1]) if s else 0,), "uint8", stream)
     _swizzle(sf, out, stream)
     return A.as_sf(out)
