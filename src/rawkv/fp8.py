@@ -207,14 +207,7 @@ def quantize_blocks(x, *, block: int = 128, scale_format: str = "fp32", out=None
     new_bytes = scales is None and scale_format != "fp32"
     if scales is None:
         scales = new_scales(x, s, block, scale_format, stream)
-    # (a float8_e8m0fnu out.scales reaches the operator as its bytes, as the
-    # fused producers pass it: e8m0_bytes; for 'fp32' scales it is refused
-    # here, naming its own dtype, not the bytes' the operator would see)
-    byte_scales = e8m0_bytes(scales)
-    if byte_scales is not scales and scale_format == "fp32":
-        raise TypeError("scales: dtype float8_e8m0fnu is not supported for scale_format 'fp32' "
-                        "(expected float32; E8M0 scales are scale_format 'ue8m0')")
-    _quantize_blocks(x, block, scale_format, codes, byte_scales, stream)
+    _quantize_blocks(x, block, scale_format, codes, scales_bytes(scales, scale_format, "scales"), stream)
     return codes, (as_e8m0(scales) if new_bytes else scales)
 
 
@@ -306,6 +299,20 @@ def e8m0_bytes(scales):
     if t is not None and getattr(scales, "dtype", None) is getattr(t, "float8_e8m0fnu", False):
         return scales.view(t.uint8)       # (a dtype test, not a string built per call)
     return scales
+
+
+def scales_bytes(scales, scale_format, name: str):
+    """A public op's scales buffer as its operator takes it (e8m0_bytes: a
+    float8_e8m0fnu buffer as its uint8 bytes), for quantize_blocks and the
+    fused producers' FP8 outputs alike. A float8_e8m0fnu buffer for
+    scale_format 'fp32' is refused here, a TypeError naming `name` and its
+    own dtype: the operator would see its bytes and name a uint8 buffer the
+    caller never passed."""
+    byte_scales = e8m0_bytes(scales)
+    if byte_scales is not scales and scale_format == "fp32":
+        raise TypeError(f"{name}: dtype float8_e8m0fnu is not supported for scale_format 'fp32' "
+                        "(expected float32; E8M0 scales are scale_format 'ue8m0')")
+    return byte_scales
 
 
 def host_scales(scales, fmt):

@@ -235,6 +235,28 @@ def test_bad_arguments_are_refused_by_name(case):
     assert _names(str(ei.value), name), str(ei.value)
 
 
+def test_e8m0_scales_for_fp32_are_refused_by_their_own_dtype():
+    """A float8_e8m0fnu out.scales with scale_format 'fp32' reached the
+    operator as its uint8 bytes and was refused as 'out.scales: dtype uint8
+    is not supported': a dtype the caller never passed. Each producer now
+    names the buffer's own dtype, as quantize_blocks does
+    (rawkv.fp8.scales_bytes), and writes nothing."""
+    a = _A()
+    codes = torch.full((4, 128), 0xAB, **u8)
+    e8 = lambda rows: torch.empty(rows, 1, dtype=torch.float8_e8m0fnu)      # noqa: E731
+    calls = [lambda: _rms(a.x, a.w, out=(codes, e8(4))),
+             lambda: _mhc(a.X, a.mix, a.w, out=(codes, e8(4))),
+             lambda: _sw(a.h, out=(codes, e8(4))),
+             lambda: _moe(a.hid, a.ids, a.wts, out=(None, e8(2), None, None))]
+    for call in calls:
+        with pytest.raises(TypeError, match="^out.scales: dtype float8_e8m0fnu is not supported for scale_format "
+                                            "'fp32'"):
+            call()
+    assert (codes == 0xAB).all()
+    with pytest.raises(TypeError, match="^scales: dtype float8_e8m0fnu is not supported for scale_format 'fp32'"):
+        fp8.quantize_blocks(a.x, out=(None, e8(4)))
+
+
 def test_refused_call_writes_nothing():
     a = _A()
     codes, inv = torch.full((4, 128), 0xAB, **u8), torch.full((4,), 7.0)

@@ -103,8 +103,8 @@ def moe_stage_fp8(hidden, topk_ids, topk_weights, *, block=128, scale_format="fp
         (ids_s, wdt) if w is None and wdt is not None else None)))
     if scales is None:
         scales = FP8.new_scales(hidden, s, block, scale_format, stream)
-    _moe_stage_fp8(hidden, topk_ids, topk_weights, block, scale_format, codes, FP8.e8m0_bytes(scales), ids, w,
-                   stream, out is None)
+    _moe_stage_fp8(hidden, topk_ids, topk_weights, block, scale_format, codes,
+                   FP8.scales_bytes(scales, scale_format, "out.scales"), ids, w, stream, out is None)
     return MoEStagedFp8(codes, FP8.as_e8m0(scales) if new_bytes else scales, ids, w)
 
 

@@ -101,7 +101,8 @@ def fp8_activation(call, like, lead, n, block, scale_format, out, stream, *input
     entries (codes, scales[, inv_rms]) kept and the others allocated where
     `like` lives. New codes are float8_e4m3fn; new 'ue8m0' scales are
     written as uint8 and returned as float8_e8m0fnu (rawkv.fp8.new_scales),
-    and a float8_e8m0fnu out.scales reaches the op as its bytes."""
+    and a float8_e8m0fnu out.scales reaches the op as its bytes (for
+    scale_format 'fp32' refused by its own dtype: rawkv.fp8.scales_bytes)."""
     codes, scales, i = R.split_out(out, ("codes", "scales", "inv_rms"), least=2)
     if i is not None and not inv:
         raise ValueError(f"out.inv_rms: {call.__name__.lstrip('_')} has no inv_rms output")
@@ -112,10 +113,11 @@ def fp8_activation(call, like, lead, n, block, scale_format, out, stream, *input
         (lead, "float32") if inv and i is None else None)))
     if scales is None:
         scales = FP8.new_scales(like, (*lead, n), block, scale_format, stream)
+    byte_scales = FP8.scales_bytes(scales, scale_format, "out.scales")
     if inv:
-        call(*inputs, block, scale_format, codes, FP8.e8m0_bytes(scales), i, stream, fresh)
+        call(*inputs, block, scale_format, codes, byte_scales, i, stream, fresh)
     else:
-        call(*inputs, block, scale_format, codes, FP8.e8m0_bytes(scales), stream, fresh)
+        call(*inputs, block, scale_format, codes, byte_scales, stream, fresh)
     return FP8.Fp8Activation(codes, FP8.as_e8m0(scales) if new_bytes else scales, i if inv else None)
 
 
