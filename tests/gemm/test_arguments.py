@@ -41,6 +41,37 @@ def test_out_views_whose_rows_are_apart_are_taken(rng):
         assert got is out and torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+def _one_feature_outs(rng, device):
+    # N = 1: torch calls a tensor whose last dimension has size one contiguous
+    # whatever its stride there (a transposed (T, 1, G) buffer); the rule
+    # took only stride 1. Now taken, and written with the bits of a plain
+    # out; a strided last dimension of two features is still refused
+    w = _weight(rng, 3, 1, 64).to(device)
+    x = torch.randn(2, 3, 64).bfloat16().to(device)
+    want = rawkv.gemm.grouped_linear(x, w)
+    out = torch.empty(2, 1, 3, dtype=torch.bfloat16, device=device).transpose(1, 2)
+    assert out.shape == (2, 3, 1) and out.stride(-1) != 1 and out.is_contiguous()
+    got = rawkv.gemm.grouped_linear(x, w, out=out)
+    assert got is out and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    wm = _weight(rng, 2, 1, 64).to(device)
+    offsets = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    want = rawkv.gemm.moe_linear(x[:, 0], wm, offsets)
+    out = torch.empty(1, 2, dtype=torch.bfloat16, device=device).t()
+    got = rawkv.gemm.moe_linear(x[:, 0], wm, offsets, out=out)
+    assert got is out and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    w2 = _weight(rng, 3, 2, 64).to(device)
+    with pytest.raises(ValueError, match=r"^out: the last dimension must be contiguous"):
+        rawkv.gemm.grouped_linear(x, w2, out=torch.empty(2, 3, 4, dtype=torch.bfloat16, device=device)[..., ::2])
+
+
+def test_an_out_of_one_feature_takes_any_last_stride(rng):
+    _one_feature_outs(rng, "cpu")
+
+
+def test_an_out_of_one_feature_takes_any_last_stride_on_cuda(cuda, rng):
+    _one_feature_outs(rng, "cuda")
+
+
 def test_an_mxfp4_weight_outside_the_scale_window_is_refused_for_every_activation(rng):
     # Fp4Weight.from_mxfp4 refuses scale bytes outside MX_WINDOW; a weight
     # built with the constructor (exp_range unknown) or given a wider span

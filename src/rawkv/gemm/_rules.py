@@ -338,13 +338,14 @@ def _apart(shape, strides) -> bool:
 def output(out, shape, where, device):
     """out: bfloat16 (a numpy out: float32 holding BF16 values) of `shape`
     on `device`, its last dimension contiguous (the kernel takes the other
-    strides) and no two rows in one place (an expanded view, or strides
-    smaller than the rows they step over: the kernel's blocks would race,
-    the reference's copy write over itself)."""
+    strides; a last dimension of one feature has no step, so any stride
+    there, as torch's contiguity has it) and no two rows in one place (an
+    expanded view, or strides smaller than the rows they step over: the
+    kernel's blocks would race, the reference's copy write over itself)."""
     out = A.tensor(out, "out", OUT_DTYPES_NUMPY if isinstance(out, np.ndarray) else OUT_DTYPES, where,
                    shape=shape, device=device, dense=False)
     st = A.strides(out)
-    if st[-1] != 1:
+    if st[-1] != 1 and shape[-1] > 1:
         raise ValueError("out: the last dimension must be contiguous")
     if not _apart(shape, st):
         raise ValueError(f"out: rows overlap (strides {st} for shape {tuple(shape)}); "
