@@ -3,7 +3,6 @@ innermost loops holding tensor-core instructions, nested ones not counted
 twice), its refusal without nvdisasm, and its driver (NVRTC's cubin of the
 named instance handed to nvdisasm; a stand-in nvdisasm here)."""
 import importlib.util
-import os
 import pathlib
 import stat
 
