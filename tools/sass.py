@@ -10,8 +10,9 @@ MODULE is a module of rawkv.kernels, KERNEL its declared kernel (its Python
 name), then the template arguments as Python literals. nvdisasm comes from
 $NVDISASM or PATH; no CUDA toolkit needed: PyPI's wheel has it
 (`pip download --no-deps nvidia-cuda-nvdisasm`, unzip, nvidia/cu13/bin/nvdisasm).
-`--count` prints, per loop closed by a backward branch that holds an
-(H)GMMA or HMMA, its instruction count and most common opcodes instead."""
+`--count` prints, per innermost loop closed by a backward branch that holds
+a tensor-core instruction (HGMMA, QGMMA, HMMA, ...), its instruction count
+and most common opcodes instead."""
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,7 @@ def loops(sass: str) -> list[tuple[int, collections.Counter]]:
             continue
         body = [_INSTR.match(x).group(1) for x in lines[lo:hi + 1] if _INSTR.match(x)]
         ops = collections.Counter(op.split(".")[0] for op in body)
-        if ops["HGMMA"] or ops["HMMA"]:
+        if any(op.endswith("MMA") for op in ops):       # (HGMMA, QGMMA, HMMA, IMMA, ...)
             out.append((len(body), ops))
     return out
 

@@ -35,6 +35,11 @@ def _tool():
     return mod
 
 
+def test_an_fp8_wgmma_loop_counts_too():
+    (n, ops), = _tool().loops(SASS.replace("HGMMA.64x96x16.F32.BF16", "QGMMA.64x96x32.F32.E4M3.E4M3"))
+    assert n == 4 and ops["QGMMA"] == 1
+
+
 def test_loops_counts_the_innermost_tensor_core_loop_once():
     (n, ops), = _tool().loops(SASS)     # not the outer loop, not the FADD loop (no tensor op)
     assert n == 4 and ops["HGMMA"] == 1 and ops["LDS"] == 1 and ops["BRA"] == 1 and ops["HMUL2"] == 1
