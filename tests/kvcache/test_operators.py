@@ -291,6 +291,74 @@ def test_operator_refuses_states_not_attached_to_the_pool(rng, kind):
     assert own["written"][0] == 1
 
 
+@pytest.mark.parametrize("layout", ["rawkv", "model1"])
+def test_operator_refuses_a_view_over_two_pools_buffers(rng, layout):
+    """A view's buffers that are a pool's are that pool's, each in its own
+    role (docs/kvcache.md, "What a view cannot check"). Request ids are
+    numbered per pool, so pool A's block table and request ids over pool
+    B's pages, owners, marks and written passed the ownership check: A's
+    slot 0 read B's request's entries as its own, with no error. Now each
+    mix is refused, naming the buffer, before anything is read or written;
+    an engine's own block table beside a pool's other buffers (engines.md)
+    is still accepted."""
+    a, b = _pool("csa", layout=layout), _pool("csa", layout=layout)
+    ents, valid, slots, pos, keys = _flush_inputs(rng, "csa")
+    kvc.flush_write(b, ents, valid, slots, pos, index_keys=keys)
+    kvc.flush_write(a, ents, valid, slots, pos, index_keys=keys)
+    ids, sl = torch.tensor([[0, 1, 2]], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+
+    def gather(args):
+        out = torch.zeros((1, 3, D), dtype=torch.bfloat16)
+        OPS.kv_gather_topk(**args, slots=sl, topk_ids=ids, n_entries=None, valid_mask=None, out=out)
+        return out
+
+    mine = V.pool_args(a)
+    theirs = V.pool_args(b)
+    entry = "pages" if layout == "model1" else "fp8"
+    for names, first in [(("fp8", "scale", "rope", "index_q", "index_sf", "pages", "index_pages", "owners",
+                           "marks", "written"), entry),
+                         (("block_table", "request_ids"), entry),
+                         (("owners",), "owners")]:
+        mixed = {**mine, **{n: theirs[n] for n in names}}
+        with pytest.raises(ValueError, match=f"^{first}: belongs to another PagedKVPool than block_table"):
+            gather(mixed)
+    # a buffer of the pool in another buffer's role (same shape and dtype)
+    with pytest.raises(ValueError, match="^request_ids: is the written buffer of a PagedKVPool"):
+        gather({**mine, "request_ids": mine["written"]})
+    assert a.read_errors() == b.read_errors() == 1        # (the flushes' slot 5)
+    # the engine's own table beside the pool's other buffers: accepted, the pool's own rows
+    want = kvc.gather_topk(a, sl, ids)
+    got = gather({**mine, "block_table": mine["block_table"].clone()})
+    assert torch.equal(got, want) and want.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_operator_refuses_a_view_over_two_states_buffers(rng, kind):
+    """kv_compress_decode over a pool's own buffers with a state view whose
+    kv_a is the attached state's but whose z_a, count (or kv_b, z_b) are
+    another pool's state's: before, accepted, and pool A's entry 0 was
+    pooled from pool B's request's rows. Now refused naming the buffer,
+    before anything is written; the state ops' views likewise."""
+    a, sa = _decode_layer(rng, kind)
+    b, sb = _decode_layer(rng, kind)
+    sa[0].count[0] = 0                          # A's request has no complete window
+    theirs = V.state_args(sb[0], counter=False)
+    ist = None if kind == "hca" else V.state_args(sa[1], prefix="index_", counter=False)
+    names = ("z_a", "count") + (("kv_b", "z_b") if kind == "csa" else ())
+    for n in names:
+        st = {**V.state_args(sa[0], counter=False), n: theirs[n]}
+        with pytest.raises(ValueError, match=f"^{n}: belongs to another DecodeState than kv_a"):
+            _decode_operator(V.pool_args(a), st, ist, a.m)
+    assert int(a.written[0]) == 0 and a.read_errors() == 0
+    st = {**V.state_args(sa[0]), "count": theirs["count"]}
+    with pytest.raises(ValueError, match="^count: belongs to another DecodeState than kv_a"):
+        OPS.kv_hca_reset(**st, valid_mask=torch.ones(1, dtype=torch.bool),
+                         slots=torch.zeros(1, dtype=torch.int32)) if kind == "hca" else \
+            OPS.kv_csa_rotate(**st, valid_mask=torch.ones(1, dtype=torch.bool),
+                              slots=torch.zeros(1, dtype=torch.int32))
+    assert int(sb[0].count[0]) == b.m
+
+
 def test_operator_errors_name_the_argument(rng):
     p = _pool("csa")
     ids = torch.zeros((2, 3), dtype=torch.float32)

@@ -95,6 +95,55 @@ def _buffer_key(buf) -> tuple:
     return ("host" if buf.device.type == "cpu" else str(buf.device)), buf.data_ptr()
 
 
+# Every pool's and decode state's buffers by their memory (first byte): the
+# object and the buffer's name. A view (views.pool_view / state_view) takes
+# a buffer of an object only in that buffer's own role and only beside
+# buffers of the same object (an engine's own buffers beside them are its
+# business): request ids are numbered per pool, so pool A's block table and
+# request ids over pool B's pages, owners and marks read B's requests'
+# entries as A's, and a state view mixing two states' buffers pools one
+# request's rows into another's entry (docs/kvcache.md, "What a view
+# cannot check").
+_BY_BUFFER = weakref.WeakValueDictionary()
+
+
+def register_buffers(obj) -> None:
+    """Record obj's buffers (its BUFFERS that are not None) in _BY_BUFFER."""
+    for n in obj.BUFFERS:
+        b = getattr(obj, n)
+        if b is not None:
+            _BY_BUFFER[_buffer_key(b)] = obj
+
+
+def check_one_owner(view, what: str, anchor: str) -> None:
+    """A view's buffers (all but its counter, the caller's errors=) that
+    are a pool's or decode state's are each that object's buffer of the
+    same name, and all of one object; `what`: 'pool' or 'state', the
+    view's kind; `anchor` (block_table, kv_a) is compared first.
+    ValueError naming the first buffer that is not."""
+    first = None
+    for n in sorted(view.BUFFERS[:-1], key=lambda n: n != anchor):
+        b = getattr(view, n)
+        if b is None:
+            continue
+        key = _buffer_key(b)
+        o = _BY_BUFFER.get(key)
+        if o is None:
+            continue                                # the engine's own buffer
+        kind = type(o).__name__
+        mine = getattr(o, n, None) if n in o.BUFFERS else None
+        if mine is None or _buffer_key(mine) != key:
+            role = next((r for r in o.BUFFERS if getattr(o, r) is not None
+                         and _buffer_key(getattr(o, r)) == key), "?")
+            raise ValueError(f"{n}: is the {role} buffer of a {kind}, not a {what}'s {n}")
+        if first is None:
+            first = (n, o)
+        elif o is not first[1]:
+            raise ValueError(f"{n}: belongs to another {kind} than {first[0]} (a {what} view's buffers are "
+                             f"one object's, or the engine's own); request ids and slots are numbered per "
+                             f"object, so one request would read or write another's entries")
+
+
 def pool_of_table(block_table):
     """The PagedKVPool whose block table `block_table` is (its memory, of
     its shape), or None (an engine's own buffers, a copy): the view over it
@@ -315,6 +364,7 @@ class PagedKVPool(ErrorCounter):
         self._init_torch_buffers()
         self._seal()
         _BY_TABLE[_buffer_key(self.block_table)] = self
+        register_buffers(self)
 
     def _set_geometry(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                       head_dim, rope_dim, index_head_dim, layout="rawkv", index_layout="fp8") -> None:

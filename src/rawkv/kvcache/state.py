@@ -28,7 +28,7 @@ import weakref
 import numpy as np
 
 from ..reference import kvcache as ref
-from .pool import ErrorCounter, _buffer_key, _kind, _pos_int, resolve_device
+from .pool import ErrorCounter, _buffer_key, _kind, _pos_int, register_buffers, resolve_device
 
 # The decode states by their kv_a's memory: a view over a state's own
 # buffers (views.state_view, the operator of a public op's call, compiled or
@@ -80,6 +80,7 @@ class DecodeState(ErrorCounter):
         self._init_torch_buffers()
         self._seal()
         _BY_KV_A[_buffer_key(self.kv_a)] = self
+        register_buffers(self)
 
     def _set_geometry(self, kind, max_requests, head_dim) -> None:
         """The state's sizes, checked (the constructor's rules, and

@@ -27,7 +27,7 @@ from .. import _args as A
 from ..reference import kvcache as ref
 from ..reference.kvcache import layouts as R
 from . import _rules as C
-from .pool import KINDS, PagedKVPool, pool_of_table
+from .pool import KINDS, PagedKVPool, check_one_owner, pool_of_table
 from .state import DecodeState, state_of_buffers
 
 U8 = ("uint8",)
@@ -240,6 +240,7 @@ def _finish_view(p, at, first, bt, ids, own, wr, mk, err) -> PagedKVPool:
     owner = pool_of_table(bt)
     p._owner = owner
     p._n_entries = None if owner is None else owner._n_entries
+    check_one_owner(p, "pool", "block_table")
     p._seal()
     _counter_apart(p, "pool")
     return p
@@ -320,6 +321,7 @@ def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:
     st.kv_a, st.z_a, st.kv_b, st.z_b, st.count = a, za, kb, zb, c
     st.errors = None if errors is None else _counter(errors, at)
     st._owner = state_of_buffers(a)      # over a state's own buffers: that state (its pool, if attached)
+    check_one_owner(st, "state", "kv_a")
     st._seal()
     _counter_apart(st, "state")
     return st
