@@ -359,6 +359,41 @@ def test_operator_refuses_a_view_over_two_states_buffers(rng, kind):
     assert int(sb[0].count[0]) == b.m
 
 
+def test_operator_refuses_a_view_whose_buffers_overlap(rng):
+    """An engine's own buffers (no pool's or state's) that overlap in memory
+    are refused naming both, before anything is read or written. Before,
+    `written` over `request_ids` was accepted: this flush, raising
+    written[0] to 8, renumbered slot 0's request from 1 to 8 with no error
+    (its own blocks no longer its; a block of request 8 in its row would
+    have been read as its own)."""
+    p = _pool("csa", layout="model1")
+    own = {n: (t.clone() if hasattr(t, "clone") else t) for n, t in V.pool_args(p).items()}
+    ents, valid, slots, pos, keys = _flush_inputs(rng, "csa")
+
+    def flush(args):
+        OPS.kv_flush_write(**args, entries=ents, valid_mask=valid, slots=slots, positions=pos,
+                           index_keys=keys)
+
+    ids = own["request_ids"].clone()
+    pages = own["pages"]
+    nb, epb = own["marks"].shape
+    for args, msg in [({**own, "written": own["request_ids"]}, "^written: overlaps request_ids in memory"),
+                      ({**own, "owners": own["block_table"].view(-1)[:nb]}, "^owners: overlaps block_table"),
+                      ({**own, "marks": pages.view(-1)[pages.shape[1] - nb * epb:][:nb * epb].view(nb, epb)},
+                       "^marks: overlaps pages in memory")]:
+        with pytest.raises(ValueError, match=msg):
+            flush(args)
+    assert torch.equal(own["request_ids"], ids) and int(own["errors"][0]) == 0
+    st = kvc.DecodeState("hca", 2, device="cpu")
+    sa = {n: (t.clone() if hasattr(t, "clone") else t) for n, t in V.state_args(st).items()}
+    with pytest.raises(ValueError, match="^z_a: overlaps kv_a in memory"):
+        OPS.kv_hca_reset(**{**sa, "z_a": sa["kv_a"]}, valid_mask=torch.ones(1, dtype=torch.bool),
+                         slots=torch.zeros(1, dtype=torch.int32))
+    flush(own)                                  # apart: accepted, as the public op on the pool
+    kvc.flush_write(p, ents, valid, slots, pos, index_keys=keys)
+    assert torch.equal(own["pages"], V.pool_args(p)["pages"]) and int(own["errors"][0]) == p.read_errors() == 1
+
+
 def test_operator_errors_name_the_argument(rng):
     p = _pool("csa")
     ids = torch.zeros((2, 3), dtype=torch.float32)

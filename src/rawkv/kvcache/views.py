@@ -247,16 +247,33 @@ def _finish_view(p, at, first, bt, ids, own, wr, mk, err) -> PagedKVPool:
 
 
 def _counter_apart(view, name: str) -> None:
-    """A view's counter must not overlap its other buffers: under
+    """A view's counter, then each of its other buffers, must not overlap
+    its other buffers (_buffers_apart for the latter). Under
     torch.compile a public op's errors= becomes the counter of the view its
     operator runs on (pool_operands / state_operands), so this is the eager
     ops' rule for errors= (_rules.outputs: 'errors: overlaps pool.written')
     on the operators' path. The spans stay cached on the view for the op's
     own check of out=."""
-    if view.errors is None:
-        return
     counter = f"{name}.errors"
-    A.check_outputs((("errors", view.errors),), (), tuple(o for o in C.owned(view, name) if o[0] != counter))
+    if view.errors is not None:
+        A.check_outputs((("errors", view.errors),), (), tuple(o for o in C.owned(view, name) if o[0] != counter))
+    _buffers_apart(tuple(o for o in C.owned(view, name) if o[0] != counter), name)
+
+
+def _buffers_apart(spans: tuple, name: str) -> None:
+    """A view's buffers lie apart in memory, as a pool's or state's own
+    allocations do: an engine's buffers carved from one allocation that
+    overlap (written over request_ids, owners inside the block table, marks
+    inside pages) would let an op's writes change the tables the next op
+    reads, e.g. a flush raising written[s] renumbering slot s's request, with
+    no error. A ValueError naming both (`written: overlaps request_ids`)."""
+    cut = len(name) + 1
+    for i, (n, sp) in enumerate(spans):
+        for other, t in spans[:i]:
+            if A._overlap(sp, t):
+                raise ValueError(f"{n[cut:]}: overlaps {other[cut:]} in memory; a {name}'s buffers are "
+                                 "separate (an op writing one would change what the next op reads in the "
+                                 "other): pass separate buffers")
 
 
 def _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table, request_ids,
