@@ -3,20 +3,18 @@ row selection, its summary (ratio of the fastest timings, whether every
 output's bytes agree) and its driver (a git worktree of the base revision,
 rounds of base then new, the worktree removed afterwards). The timings
 themselves need a GPU; here the workers are replaced by fixed results."""
-import importlib.util
 import pathlib
 import subprocess
 
 import pytest
 
+from support.tools import load_tool
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("ab_gemm", ROOT / "tools" / "ab_gemm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("ab_gemm")
 
 
 def test_rows_are_named_sets_in_order_once():

@@ -2,13 +2,12 @@
 innermost loops holding tensor-core instructions, nested ones not counted
 twice), its refusal without nvdisasm, and its driver (NVRTC's cubin of the
 named instance handed to nvdisasm; a stand-in nvdisasm here)."""
-import importlib.util
-import pathlib
 import stat
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from support.tools import load_tool
+
 
 SASS = """\
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -29,10 +28,7 @@ SASS = """\
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("sass_tool", ROOT / "tools" / "sass.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("sass")
 
 
 def test_an_fp8_wgmma_loop_counts_too():
