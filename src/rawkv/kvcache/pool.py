@@ -79,12 +79,6 @@ _DEFAULT = object()
 _MAX_ID = 2 ** 31 - 1
 
 
-# The pools by their block table's memory: a view over a pool's own buffers
-# (views.pool_view, the operator of a public op's call, compiled or given
-# pool_args(pool)) reads that pool's host bookkeeping (pool_of_table).
-_BY_TABLE = weakref.WeakValueDictionary()
-
-
 def _buffer_key(buf) -> tuple:
     """(address space, first byte) of a buffer: an object's (numpy on the
     host, a CUDA tensor) or a view's (the same, over the operator's
@@ -144,16 +138,27 @@ def check_one_owner(view, what: str, anchor: str) -> None:
                              f"object, so one request would read or write another's entries")
 
 
-def pool_of_table(block_table):
-    """The PagedKVPool whose block table `block_table` is (its memory, of
-    its shape), or None (an engine's own buffers, a copy): the view over it
-    takes the pool's count of prepared entries, which gather_dense bounds
-    n_entries by, and its attached decode states, which compress_decode
-    requires (docs/kvcache.md, "What a view cannot check")."""
-    p = _BY_TABLE.get(_buffer_key(block_table))
-    if p is None or tuple(block_table.shape) != (p.max_requests, p.max_blocks_per_request):
+def owner_of(buf, cls, name: str):
+    """The `cls` object (a pool or decode state) whose buffer `name` is
+    `buf` (its memory, of its shape), or None (an engine's own buffers, a
+    copy): _BY_BUFFER, the one registry of objects by their buffers."""
+    o = _BY_BUFFER.get(_buffer_key(buf))
+    if not isinstance(o, cls):
         return None
-    return p
+    mine = getattr(o, name)
+    if _buffer_key(mine) != _buffer_key(buf) or tuple(mine.shape) != tuple(buf.shape):
+        return None
+    return o
+
+
+def pool_of_table(block_table):
+    """The PagedKVPool whose block table `block_table` is, or None: a view
+    over a pool's own buffers (views.pool_view, the operator of a public
+    op's call, compiled or given pool_args(pool)) takes the pool's count of
+    prepared entries, which gather_dense bounds n_entries by, and its
+    attached decode states, which compress_decode requires (docs/kvcache.md,
+    "What a view cannot check")."""
+    return owner_of(block_table, PagedKVPool, "block_table")
 
 
 def _pos_int(name: str, v) -> int:
@@ -363,7 +368,6 @@ class PagedKVPool(ErrorCounter):
             self.errors = np.zeros(1, np.int32)
         self._init_torch_buffers()
         self._seal()
-        _BY_TABLE[_buffer_key(self.block_table)] = self
         register_buffers(self)
 
     def _set_geometry(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,

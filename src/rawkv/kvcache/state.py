@@ -23,27 +23,19 @@ prompt's tail. device="cpu" keeps numpy arrays and runs the reference.
 """
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from ..reference import kvcache as ref
-from .pool import ErrorCounter, _buffer_key, _kind, _pos_int, register_buffers, resolve_device
-
-# The decode states by their kv_a's memory: a view over a state's own
-# buffers (views.state_view, the operator of a public op's call, compiled or
-# given state_args(state)) finds the state, so kv_compress_decode can ask
-# which pool it is attached to (state_of_buffers).
-_BY_KV_A = weakref.WeakValueDictionary()
+from .pool import ErrorCounter, _kind, _pos_int, owner_of, register_buffers, resolve_device
 
 
 def state_of_buffers(kv_a):
-    """The DecodeState whose kv_a `kv_a` is (its memory, of its shape), or
-    None (an engine's own buffers, a copy)."""
-    st = _BY_KV_A.get(_buffer_key(kv_a))
-    if st is None or tuple(kv_a.shape) != (st.max_requests, st.m, st.width):
-        return None
-    return st
+    """The DecodeState whose kv_a `kv_a` is, or None (an engine's own
+    buffers, a copy): a view over a state's own buffers (views.state_view,
+    the operator of a public op's call, compiled or given state_args(state))
+    finds the state, so kv_compress_decode can ask which pool it is attached
+    to."""
+    return owner_of(kv_a, DecodeState, "kv_a")
 
 
 class DecodeState(ErrorCounter):
@@ -79,7 +71,6 @@ class DecodeState(ErrorCounter):
             self.errors = np.zeros(1, np.int32)
         self._init_torch_buffers()
         self._seal()
-        _BY_KV_A[_buffer_key(self.kv_a)] = self
         register_buffers(self)
 
     def _set_geometry(self, kind, max_requests, head_dim) -> None:
