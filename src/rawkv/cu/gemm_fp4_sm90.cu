@@ -327,13 +327,12 @@ __device__ __forceinline__ void gemm_sm90(
         const u32 sq = 8 * (lane >> 2);
         uint4 wv[kMT];
         uint2 sv[kMT];
+        // A row tile past the weight's rows (my_tile >= live_tiles: never
+        // copied) reads whatever its stage holds, unguarded: an MMA row
+        // depends on its own A row alone, and those rows are never stored.
         auto fetch = [&](u32 wst, int m) {
-            wv[m] = make_uint4(0, 0, 0, 0);
-            sv[m] = make_uint2(0, 0);
-            if (my_tile[m] < live_tiles) {
-                wv[m] = gather_record(wst + my_tile[m] * kCodeBytes, lq);
-                sv[m] = ld_shared_v2(wst + kTiles * kCodeBytes + my_tile[m] * kScaleBytes + sq);
-            }
+            wv[m] = gather_record(wst + my_tile[m] * kCodeBytes, lq);
+            sv[m] = ld_shared_v2(wst + kTiles * kCodeBytes + my_tile[m] * kScaleBytes + sq);
         };
         auto dequant = [&](int m, u32 (&a)[4][4]) {
             u32 f[4][2];
@@ -343,6 +342,9 @@ __device__ __forceinline__ void gemm_sm90(
             dequant_fragment<F16>(wv[m].z, f[2][0], f[2][1], a[2]);
             dequant_fragment<F16>(wv[m].w, f[3][0], f[3][1], a[3]);
         };
+        // The B tile's descriptor is linear in its address (+ 2 per 32
+        // bytes): stepped from stage 0's, not rebuilt per chunk and k16 step.
+        const u32 desc0 = b_desc_lo(smem_u32(s_b));
         int s = 0, prev = STAGES - 1, prev2 = STAGES - 2;   // chunk c's stage, c - 1's, c - 2's
         u32 parity = 0;
         auto next_stage = [&]() {
@@ -367,14 +369,14 @@ __device__ __forceinline__ void gemm_sm90(
             for (int c = c_beg; c < c_end; ++c) {
                 acquire();
                 const u32 wst = smem_u32(s_w + s * kWStage);
-                const u32 btile = smem_u32(s_b + s * kBStage);
+                const u32 desc = desc0 + s * (kBStage >> 4);
                 fetch(wst, 0);
                 fetch(wst, 1);
                 if (c > c_beg) wgmma_wait<1>();             // m-tile 0 of c - 1 done
                 dequant(0, a0);
                 wgmma_fence();
 #pragma unroll
-                for (int s4 = 0; s4 < 4; ++s4) wgmma_step<N, F16>(acc[0], a0[s4], b_desc(btile + 32 * s4));
+                for (int s4 = 0; s4 < 4; ++s4) wgmma_step<N, F16>(acc[0], a0[s4], b_desc_of_lo(desc + 2 * s4));
                 wgmma_commit();
                 if (c > c_beg) {
                     wgmma_wait<1>();                        // m-tile 1 of c - 1 done: stage c - 1 is free
@@ -383,7 +385,7 @@ __device__ __forceinline__ void gemm_sm90(
                 dequant(1, a1);
                 wgmma_fence();
 #pragma unroll
-                for (int s4 = 0; s4 < 4; ++s4) wgmma_step<N, F16>(acc[kMT - 1], a1[s4], b_desc(btile + 32 * s4));
+                for (int s4 = 0; s4 < 4; ++s4) wgmma_step<N, F16>(acc[kMT - 1], a1[s4], b_desc_of_lo(desc + 2 * s4));
                 wgmma_commit();
                 next_stage();
             }
@@ -394,7 +396,7 @@ __device__ __forceinline__ void gemm_sm90(
             // frees c - 2's stage.
             auto chunk = [&](int c, u32 (&a)[4][4]) {
                 acquire();
-                const u32 btile = smem_u32(s_b + s * kBStage);
+                const u32 desc = desc0 + s * (kBStage >> 4);
                 fetch(smem_u32(s_w + s * kWStage), 0);
                 if (c >= c_beg + 2) {
                     wgmma_wait<1>();                        // chunk c - 2 done
@@ -403,7 +405,7 @@ __device__ __forceinline__ void gemm_sm90(
                 dequant(0, a);
                 wgmma_fence();
 #pragma unroll
-                for (int s4 = 0; s4 < 4; ++s4) wgmma_step<N, F16>(acc[0], a[s4], b_desc(btile + 32 * s4));
+                for (int s4 = 0; s4 < 4; ++s4) wgmma_step<N, F16>(acc[0], a[s4], b_desc_of_lo(desc + 2 * s4));
                 wgmma_commit();
                 next_stage();
             };

@@ -81,6 +81,11 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
 __device__ __forceinline__ u64 b_desc(u32 addr) {
     return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
+// The same descriptor from its low word, which alone depends on the address
+// (+ 2 per 32 bytes, carry-free inside shared memory's 256 KB window): a loop
+// steps the low word in 32-bit adds and the constant high word costs a move.
+__device__ __forceinline__ u32 b_desc_lo(u32 addr) { return (u32)b_desc(addr); }
+__device__ __forceinline__ u64 b_desc_of_lo(u32 lo) { return (u64)lo | (b_desc(0) & ~(u64)0xFFFFFFFFu); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
