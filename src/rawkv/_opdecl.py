@@ -18,6 +18,16 @@ import re
 from typing import Callable
 
 _OPS: dict[str, "OpDecl"] = {}
+# The schema types of number arguments. An integer a caller passes as a
+# request's slot or a page size (kvcache: slot, n_entries, start_entry,
+# page_size, num_pages) is `Scalar`, not `int`: torch's argument parser makes
+# a bool given as an `int` 1 or 0 before the body runs (slot=True read slot
+# 1's request), and keeps it a bool in a `Scalar`, which the body's own rule
+# refuses by name as the public op does (docs/runtime.md, "Numbers"). A
+# `Scalar` argument of a rawkv op is an integer (the op wrapper's error for a
+# traced bool says so).
+NUMBER_TYPES = ("int", "float", "Scalar")
+INT_TYPES = ("int", "Scalar")
 _ARG = re.compile(r"^\s*(?P<type>[\w\[\]?]+)(?P<alias>\([a-z]!\))?(?P<optional>\?)?\s+(?P<name>\w+)"
                   r"(?:\s*=\s*(?P<default>\S+))?\s*$")
 
@@ -47,8 +57,8 @@ class OpDecl:
             if m["default"] is not None:
                 self.defaults[m["name"]] = _literal(m["default"], name)
         self.mutates = tuple(n for n, _, w in self.args if w)
-        # the positions of the number arguments (int, float; optional or not)
-        self.numbers = tuple(i for i, (_, t, _) in enumerate(self.args) if t.rstrip("?") in ("int", "float"))
+        # the positions of the number arguments (int, float, Scalar; optional or not)
+        self.numbers = tuple(i for i, (_, t, _) in enumerate(self.args) if t.rstrip("?") in NUMBER_TYPES)
         # the positions of the tensor arguments (optional or not)
         self.tensors = tuple(i for i, (_, t, _) in enumerate(self.args) if t.rstrip("?") == "Tensor")
         if not self.mutates:

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 import rawkv  # noqa: E402
+import rawkv._opdecl  # noqa: E402
 import rawkv.kvcache as kvc  # noqa: E402
 import rawkv.library  # noqa: E402,F401  (torch.ops.rawkv.*)
+from rawkv.kvcache import views as V  # noqa: E402
+from rawkv.reference.kvcache import layouts as RL  # noqa: E402
 
 X = torch.linspace(-3, 3, 4 * 128).reshape(4, 128)
 BF16 = torch.bfloat16
@@ -159,3 +163,168 @@ def test_a_bool_tensor_argument_without_a_host_rule_is_refused_by_name():
     assert _error(lambda: _compiled(call, False)) == eager
     with pytest.raises(Exception, match=re.escape(eager[1])):
         _compiled(call, True)
+
+
+# ---- kvcache's integer arguments through the operator -------------------------------------
+# slot, n_entries, start_entry, page_size, num_pages are `Scalar` in the
+# operators' schemas (rawkv._opdecl.NUMBER_TYPES): torch's parser keeps a
+# bool a bool there, so torch.ops.rawkv.kv_* refuses it with the public op's
+# TypeError. As `int`, the parser made it 1 or 0 first: kv_gather_dense with
+# slot=True read slot 1's request.
+OPS = torch.ops.rawkv
+
+
+def _kv_pool(kind="hca"):
+    p = kvc.PagedKVPool(kind, 8, 4, 2, 4, device="cpu")
+    for _ in range(2):
+        p.add_request()
+    p.prepare_step([0, 1], [8 * p.m - 1, 5 * p.m - 1])
+    return p
+
+
+def _buffers(*objs):
+    """Every tensor the case may write (a pool's, a state's, caches, outs)."""
+    out = []
+    for o in objs:
+        out += list(o.torch_buffers().values()) if hasattr(o, "torch_buffers") else [o]
+    return [t for t in out if t is not None]
+
+
+def _gather_case(arg, index):
+    p = _kv_pool("csa" if index else "hca")
+    width = p.index_head_dim if index else p.head_dim
+    public, op = ((kvc.gather_index_keys, OPS.kv_gather_index_keys) if index else
+                  (kvc.gather_dense, OPS.kv_gather_dense))
+    out = torch.zeros(2, width, dtype=BF16)
+    a = {"slot": 0, "n_entries": 2}
+    return (lambda v: public(p, *{**a, arg: v}.values()),
+            lambda v: op(**V.pool_args(p), **{**a, arg: v}, out=out),
+            a[arg], _buffers(p, out))
+
+
+def _seed_case(arg):
+    st = kvc.DecodeState("hca", 2, device="cpu")
+    rows = torch.zeros(3, st.head_dim)
+    return (lambda v: kvc.state_seed(st, v, rows, rows),
+            lambda v: OPS.kv_state_seed(**V.state_args(st, counter=False), slot=v, kv=rows, z=rows, ape=None),
+            0, _buffers(st))
+
+
+def _prefill_case(arg):
+    p = _kv_pool("hca")
+    rows, nw = torch.ones(2 * p.m, p.head_dim), torch.ones(p.head_dim)
+    a = {"slot": 0, "start_entry": 0}
+    none = {f"index_{n}": None for n in ("kv", "z", "ape", "norm_weight")}
+    return (lambda v: kvc.compress_prefill(p, rows, rows, None, nw, **{**a, arg: v}),
+            lambda v: OPS.kv_compress_prefill(**V.pool_args(p), kv=rows, z=rows, ape=None, norm_weight=nw,
+                                              **{**a, arg: v}, **none, eps=1e-6, theta=10000.0, yarn=None),
+            0, _buffers(p))
+
+
+def _layout_case(name):
+    lay = RL.LAYOUTS["model1" if name.startswith("model1") else name.removesuffix("_store")]
+    cache = torch.zeros(2, lay.page_bytes(4), dtype=torch.uint8)
+    width = 512 if lay is RL.MODEL1 else 128
+    rows, slots, err = torch.ones(2, width, dtype=BF16), torch.tensor([0, 5], dtype=torch.int32), None
+    if name == "model1_gather":
+        out = torch.zeros(2, 512, dtype=BF16)
+        return (lambda v: kvc.model1_gather(cache, slots, page_size=v),
+                lambda v: OPS.kv_model1_gather(cache, slots, v, out, err), 4, _buffers(cache, out))
+    if name == "model1_window_insert":
+        return (lambda v: kvc.model1_window_insert(cache, rows, slots, page_size=v),
+                lambda v: OPS.kv_model1_window_insert(cache, rows, slots, v, err), 4, _buffers(cache))
+    return (lambda v: getattr(kvc, name)(cache, rows, slots, page_size=v),
+            lambda v: getattr(OPS, "kv_" + name)(cache, rows, slots, v, None, err), 4, _buffers(cache))
+
+
+def _bridge_case(arg):
+    ids, table = torch.tensor([[0, 5, -1], [3, 1, 2]], dtype=torch.int32), torch.tensor([[1, 0], [0, 1]],
+                                                                                        dtype=torch.int32)
+    out = torch.zeros(2, 3, dtype=torch.int32)
+    a = {"page_size": 4, "num_pages": 2}
+    return (lambda v: kvc.topk_to_kvcache_indices(ids, table, **{**a, arg: v}),
+            lambda v: OPS.kv_topk_to_kvcache_indices(ids, table, **{**a, arg: v}, slots=None, n_entries=None,
+                                                     out=out, errors=None),
+            a[arg], _buffers(out))
+
+
+# (operator, argument, lambda: (public(v), operator(v), a good value, the tensors it may write))
+KV_INT_CASES = [
+    ("kv_gather_dense", "slot", lambda: _gather_case("slot", False)),
+    ("kv_gather_dense", "n_entries", lambda: _gather_case("n_entries", False)),
+    ("kv_gather_index_keys", "slot", lambda: _gather_case("slot", True)),
+    ("kv_gather_index_keys", "n_entries", lambda: _gather_case("n_entries", True)),
+    ("kv_state_seed", "slot", lambda: _seed_case("slot")),
+    ("kv_compress_prefill", "slot", lambda: _prefill_case("slot")),
+    ("kv_compress_prefill", "start_entry", lambda: _prefill_case("start_entry")),
+    ("kv_model1_store", "page_size", lambda: _layout_case("model1_store")),
+    ("kv_model1_window_insert", "page_size", lambda: _layout_case("model1_window_insert")),
+    ("kv_index_fp8_store", "page_size", lambda: _layout_case("index_fp8_store")),
+    ("kv_index_mxfp4_store", "page_size", lambda: _layout_case("index_mxfp4_store")),
+    ("kv_model1_gather", "page_size", lambda: _layout_case("model1_gather")),
+    ("kv_topk_to_kvcache_indices", "page_size", lambda: _bridge_case("page_size")),
+    ("kv_topk_to_kvcache_indices", "num_pages", lambda: _bridge_case("num_pages")),
+]
+KV_IDS = [f"{o}-{a}" for o, a, _ in KV_INT_CASES]
+
+
+def test_the_cases_are_every_kvcache_integer_argument():
+    """Every int / Scalar argument of a kv_* operator is a case here (a new
+    one is a Scalar, refused as a bool, and tested)."""
+    want = {(n, a) for n, d in rawkv._opdecl.declared().items() if n.startswith("kv_")
+            for a, t, _ in d.args if t.rstrip("?") in ("int", "Scalar")}
+    assert want == {(o, a) for o, a, _ in KV_INT_CASES}
+
+
+@pytest.mark.parametrize("value", [True, False])
+@pytest.mark.parametrize("name,arg,make", KV_INT_CASES, ids=KV_IDS)
+def test_a_kvcache_operator_refuses_a_bool_integer_as_its_public_op(name, arg, make, value):
+    """torch.ops.rawkv.kv_* given True / False where an integer goes: the
+    public op's TypeError naming the argument (kvcache's host_int), before
+    anything is written; before, the operator read it as 1 / 0."""
+    public, operator, _, written = make()
+    before = [t.clone() for t in written]
+    for call in (public, operator):
+        with pytest.raises(TypeError, match=f"^{arg}: expected an int, got bool$"):
+            call(value)
+    assert all(torch.equal(a, b) for a, b in zip(written, before))
+
+
+@pytest.mark.parametrize("name,arg,make", KV_INT_CASES, ids=KV_IDS)
+def test_a_kvcache_integer_argument_takes_an_int(name, arg, make):
+    """A Python int runs through both (a NumPy one through the public op);
+    a float is the public op's TypeError through both."""
+    public, operator, good, _ = make()
+    public(good)
+    public(np.int64(good))
+    operator(good)
+    for call in (public, operator):
+        with pytest.raises(TypeError, match=f"^{arg}: expected an int, got float$"):
+            call(float(good))
+
+
+def test_a_numpy_integer_through_a_kvcache_operator_is_torchs_error():
+    """The price of `Scalar`: torch's parser refuses a NumPy integer there
+    (naming the argument), where an `int` took it; the public op and a
+    compiled call take it (the op wrapper passes the int it holds). Pass
+    int(v) to torch.ops.rawkv.kv_* (docs/runtime.md, "Numbers")."""
+    public, operator, _, _ = _gather_case("slot", False)
+    public(np.int64(1))
+    with pytest.raises(RuntimeError, match="argument 'slot'"):
+        operator(np.int64(1))
+
+
+def test_a_compiled_kvcache_op_refuses_a_float_integer_and_takes_a_given_int32():
+    """Compiled, a float slot is the eager TypeError (the op wrapper refuses it
+    while it traces: a Scalar's fake call would take it), and a NumPy int32
+    the compiled function is given (an unbacked symbol, which an `int` took
+    only without fullgraph) runs."""
+    public, _, _, _ = _gather_case("slot", False)
+    eager = _error(lambda: public(1.5))
+    assert eager == (TypeError, "slot: expected an int, got float")
+    assert _error(lambda: _compiled(lambda: public(1.5), False)) == eager
+    with pytest.raises(Exception, match=re.escape(eager[1])):
+        _compiled(lambda: public(1.5), True)
+    torch._dynamo.reset()
+    got = torch.compile(public, fullgraph=True, backend="eager")(np.int32(1))
+    assert np.array_equal(got.float().numpy(), public(1))       # (eager: the CPU pool's numpy rows)

@@ -156,7 +156,7 @@ def _run_dense(pool, index, slots, n_entries, valid, slot0, n0, B, Kk, out, err,
 def _dense_op(name: str, index: bool):
     """rawkv::kv_gather_dense / kv_gather_index_keys: one body, the entries'
     or (index) the indexer keys' rows."""
-    @op(name, V.schema(_READ, "int slot, int n_entries, Tensor(!) out"))
+    @op(name, V.schema(_READ, "Scalar slot, Scalar n_entries, Tensor(!) out"))
     def body(*args, stream=None, pool=None, dtype=None):
         pool, errors, (slot, n_entries, out) = V.pool_of(args, pool)
         where, slot, n, out, dname, err = C.dense(pool, errors, slot, n_entries, out, dtype, index)

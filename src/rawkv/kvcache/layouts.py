@@ -152,7 +152,7 @@ def topk_to_kvcache_indices(topk_ids, block_table, *, page_size: int, num_pages:
 
 
 # ---- the ops ----------------------------------------------------------------------------------
-_STORE = "Tensor(a!) cache, Tensor {rows}, Tensor {slots}, int page_size, {offsets}Tensor(b!)? errors"
+_STORE = "Tensor(a!) cache, Tensor {rows}, Tensor {slots}, Scalar page_size, {offsets}Tensor(b!)? errors"
 
 
 @op("kv_model1_store", _STORE.format(rows="entries", slots="slots", offsets="Tensor? offsets, "))
@@ -201,7 +201,7 @@ def _store(lay, kernel, targs, write, checked, stream):
             N=N, num_pages=n, page_size=p, page_bytes=lay.page_bytes(p))
 
 
-@op("kv_model1_gather", "Tensor cache, Tensor indices, int page_size, Tensor(a!) out, Tensor(b!)? errors")
+@op("kv_model1_gather", "Tensor cache, Tensor indices, Scalar page_size, Tensor(a!) out, Tensor(b!)? errors")
 def _model1_gather(cache, indices, page_size, out, errors, stream=None, dtype=None):
     """rawkv::kv_model1_gather: the MODEL1 entries at indices into out, in
     `dtype` (the public op's; None: out's own)."""
@@ -221,7 +221,7 @@ def _model1_gather(cache, indices, page_size, out, errors, stream=None, dtype=No
             num_pages=n, page_size=p, page_bytes=R.MODEL1.page_bytes(p))
 
 
-@op("kv_topk_to_kvcache_indices", "Tensor topk_ids, Tensor block_table, int page_size, int num_pages, "
+@op("kv_topk_to_kvcache_indices", "Tensor topk_ids, Tensor block_table, Scalar page_size, Scalar num_pages, "
                                   "Tensor? slots, Tensor? n_entries, Tensor(a!) out, Tensor(b!)? errors")
 def _topk_to_kvcache_indices(topk_ids, block_table, page_size, num_pages, slots, n_entries, out, errors,
                              stream=None):

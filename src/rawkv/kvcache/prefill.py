@@ -47,7 +47,7 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
 
 
 @op("kv_compress_prefill", V.schema(
-    V.pool_schema(True), "Tensor kv, Tensor z, Tensor? ape, Tensor norm_weight, int slot, int start_entry",
+    V.pool_schema(True), "Tensor kv, Tensor z, Tensor? ape, Tensor norm_weight, Scalar slot, Scalar start_entry",
     "Tensor? index_kv, Tensor? index_z, Tensor? index_ape, Tensor? index_norm_weight",
     "float eps, float theta, float[]? yarn"))
 def _compress_prefill(*args, stream=None, pool=None, rope=None):

@@ -77,7 +77,7 @@ def state_clear(state, slots, *, valid_mask=None, errors=None, stream=None):
 # ---- the ops ----------------------------------------------------------------------------------
 # A body takes the schema's arguments as *args (the state's buffers first:
 # V.state_of) and, from an eager call, the state itself.
-@op("kv_state_seed", V.schema(V.state_schema(True, counter=False), "int slot, Tensor kv, Tensor z, Tensor? ape"))
+@op("kv_state_seed", V.schema(V.state_schema(True, counter=False), "Scalar slot, Tensor kv, Tensor z, Tensor? ape"))
 def _state_seed(*args, stream=None, state=None):
     """rawkv::kv_state_seed: the prompt's tail into a slot of the state."""
     state, _, (slot, kv, z, ape) = V.state_of(args, state, counter=False)
