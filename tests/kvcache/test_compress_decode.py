@@ -1,8 +1,9 @@
 """compress_decode: the decode states' complete windows compressed into the pool
 (rawkv/kvcache/decode.py, rawkv/cu/kv_compress.cu): the reference's flush
 rule, the argument rules (the states' fit to the pool), states out of step,
-written[], decode == prefill, duplicates counted, the kernel against the CPU
-pool (tolerance: tests/support/kvcache_compress.py) and in a CUDA graph."""
+written[], decode == prefill, duplicate slots and entries counted (the lowest
+valid row of a slot flushes), the kernel against the CPU pool (tolerance:
+tests/support/kvcache_compress.py) and in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 from rawkv import kvcache as kc  # noqa: E402
 from rawkv.kvcache import DecodeState, compress_decode, compress_prefill  # noqa: E402
 from rawkv.reference import kvcache as ref  # noqa: E402
-from support.kvcache import D, DI, F32, _Dev, _changed, _random_state  # noqa: E402
+from support.kvcache import D, DI, F32, _Dev, _changed, _random_state, assert_pool_equal  # noqa: E402
 from support.kvcache_compress import (  # noqa: E402
     M, _arr, assert_entries_close, _entries, _inputs, _pool, _sl, _t,
 )
@@ -66,6 +67,60 @@ def test_compress_decode_flush_rule(rng):
     np.testing.assert_array_equal(hp.written, [1, 0])
 
 
+def _slot_rule_batch(rng, B, R, m):
+    """(valid, slots, positions) of B rows over R slots: slots repeated
+    often, some out of range; positions of entries 0..4 (4: past the
+    block table), some negative; about one row in five invalid."""
+    slots = rng.integers(-1, R + 1, B)
+    slots = np.where(rng.random(B) < 0.5, rng.integers(0, 2, B), slots).astype(np.int32)  # crowd slots 0, 1
+    e = rng.integers(-1, 5, B)
+    pos = np.where(e < 0, -rng.integers(1, m + 1, B), e * m + rng.integers(0, m, B)).astype(np.int32)
+    return rng.random(B) > 0.2, slots, pos
+
+
+def test_compress_decode_duplicate_slot_rule(rng):
+    """docs/kvcache.md decision 11 for compress_decode, on random batches
+    with repeated slots (some rows invalid, slots out of range, windows
+    complete / partial / out of step with the indexer's, positions negative
+    or past the block table): among the valid rows with an in-range slot,
+    the lowest row of a slot is the only one that may flush; every other
+    such row is skipped and counts exactly one error, whatever its window
+    or position. So the call leaves the pool bit for bit as the call on the
+    batch without those rows, with one more error each. The test's own
+    model of a duplicate: a valid, in-range row whose slot a lower valid
+    row names."""
+    for trial in range(60):
+        kind = ("csa", "hca")[trial % 2]
+        m, d = (4, 512) if kind == "csa" else (128, 128)
+        R = int(rng.integers(1, 5))
+        pool = ref.PagedPoolRef.create(4 * R + 2, 2, m, head_dim=d, index_head_dim=128 if kind == "csa" else None,
+                                       max_requests=R, max_blocks_per_request=2)
+        pool.block_table[:] = rng.permutation(4 * R + 2)[:2 * R].reshape(R, 2)
+        pool.block_table[rng.random((R, 2)) < 0.1] = -1
+        st = _random_state(rng, kind, R, d)
+        st.count[:] = rng.choice([0, 1, m - 1, m, m, m], size=R)
+        ix = None
+        if kind == "csa":
+            ist = _random_state(rng, "csa", R, 128)
+            ist.count[:] = np.where(rng.random(R) < 0.8, st.count, rng.choice([0, m], size=R))
+            ix = (ist, (1 + 0.1 * rng.standard_normal(128)).astype(F32))
+        nw = (1 + 0.1 * rng.standard_normal(d)).astype(F32)
+        valid, slots, pos = _slot_rule_batch(rng, int(rng.integers(1, 9)), R, m)
+        seen, dup = set(), np.zeros(slots.shape[0], bool)
+        for b in range(slots.shape[0]):
+            if valid[b] and 0 <= slots[b] < R:
+                dup[b] = int(slots[b]) in seen
+                seen.add(int(slots[b]))
+        got, want = pool.copy(), pool.copy()
+        err = ref.paged_compress_decode(got, st, nw, valid, slots, pos, index=ix)
+        keep = ~dup
+        err_solo = ref.paged_compress_decode(want, st, nw, valid[keep], slots[keep], pos[keep], index=ix)
+        what = f"trial {trial} ({kind}): valid {valid.tolist()} slots {slots.tolist()} positions {pos.tolist()}"
+        assert err == err_solo + int(dup.sum()), what
+        assert_pool_equal(got, want, what)
+        np.testing.assert_array_equal(got.written, want.written, err_msg=what)
+
+
 def _decode_run(kind, device, rng_inputs, lengths, prefill_upto, torch_mod=None):
     """Requests of `lengths` tokens: prefill the first prefill_upto[i] tokens
     (a multiple of m) with compress_prefill, then decode the rest token by
@@ -88,7 +143,6 @@ def _decode_run(kind, device, rng_inputs, lengths, prefill_upto, torch_mod=None)
         kvc.state_seed(st, s, conv(kv[:P]), conv(z[:P]), ape=conv(ape))
         if kind == "csa":
             kvc.state_seed(ist, s, conv(idx[0][:P]), conv(idx[1][:P]), ape=conv(idx[2]))
-    B = len(lengths)
     steps = max(L - P for L, P in zip(lengths, prefill_upto))
     for t in range(steps):
         pos = np.array([P + t for P in prefill_upto], np.int32)
@@ -337,7 +391,9 @@ def test_kvcache_compress_decode(seed, kind, layout, has_index, b, sdt, lib, eps
 # ---------------------------------------------------------------------------
 def _decode_dups(device, rng, kind):
     """compress_decode with two rows on the same slot and position (the
-    same entry) and one on the same slot at another entry's position."""
+    same entry) and one on the same slot at another entry's position: both
+    repeats of slot 1 are skipped and counted (the lowest row of a slot
+    flushes, decision 11)."""
     dv = _Dev(device)
     m = ref.CSA_RATIO if kind == "csa" else ref.HCA_RATIO
     pool = kc.PagedKVPool(kind, 9, 2, 3, 3, layout="rawkv", device=device)
@@ -367,11 +423,12 @@ def _decode_dups(device, rng, kind):
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 def test_cpu_compress_decode_duplicates_counted(rng, kind):
     pool = _decode_dups("cpu", rng, kind)
-    # row 2 repeats row 0's (slot 1, entry 1): skipped and counted; row 3 is entry 2
-    assert pool.read_errors() == 1
-    np.testing.assert_array_equal(pool.written, [1, 3, 2])
-    rows = kc.gather_topk(pool, np.array([1], np.int32), np.array([[0, 1, 2]], np.int32))
-    assert pool.read_errors() == 2 and np.asarray(rows)[0, 1:].any()   # entry 0 of slot 1: not written
+    # rows 2 and 3 repeat row 0's slot 1 (at entry 1, at entry 2): skipped and counted
+    assert pool.read_errors() == 2
+    np.testing.assert_array_equal(pool.written, [1, 2, 2])
+    rows = np.asarray(kc.gather_topk(pool, np.array([1], np.int32), np.array([[0, 1, 2]], np.int32)))
+    assert pool.read_errors() == 4                      # entries 0 and 2 of slot 1: not written
+    assert rows[0, 1].any() and not rows[0, 0].any() and not rows[0, 2].any()
 
 
 @pytest.mark.parametrize("kind", ["csa", "hca"])
@@ -385,7 +442,7 @@ def test_gpu_compress_decode_duplicates_deterministic(cuda, rng, kind):
     for run in range(10):
         p = _decode_dups("cuda", np.random.default_rng(seed), kind)
         got = p.to_reference()
-        assert p.read_errors() == 1
+        assert p.read_errors() == 2
         np.testing.assert_array_equal(got.written, cpu.written)
         np.testing.assert_array_equal(got.marks, cpu.marks)
         if first is None:
@@ -393,6 +450,157 @@ def test_gpu_compress_decode_duplicates_deterministic(cuda, rng, kind):
         for name in ("kv_fp8", "kv_scale", "kv_rope"):
             np.testing.assert_array_equal(getattr(got, name).view(np.uint8), getattr(first, name).view(np.uint8),
                                           err_msg=f"run {run}: {name}")
+
+
+# rows (slot, entry, valid) of one compress_decode over _dup_slot_scene's
+# slots 0..3 (entry -1: position -1), and the rows that repeat a lower valid
+# row's slot (docs/kvcache.md decision 11: the lowest row of a slot acts)
+DUP_SLOT_ROWS = [
+    (1, 1, True),     # 0: slot 1's owner: flushes entry 1
+    (0, 2, False),    # 1: invalid: ignored, owns nothing
+    (0, 2, True),     # 2: slot 0's owner (the invalid row 1 is not): flushes entry 2
+    (1, 2, True),     # 3: slot 1 again, another entry: skipped, counted (wrote entry 2 before the rule)
+    (9, 0, True),     # 4: slot out of range: counted
+    (1, 1, True),     # 5: slot 1 again, its owner's entry: counted once
+    (2, 1, True),     # 6: slot 2's owner, window incomplete: skipped silently
+    (2, 3, True),     # 7: slot 2 again: counted, though its owner does not flush
+    (1, -1, True),    # 8: slot 1 again, negative position: counted once
+    (-1, 0, True),    # 9: slot out of range: counted
+    (3, 3, True),     # 10: slot 3's owner: flushes entry 3
+]
+DUP_SLOT_REPEATS = (3, 5, 7, 8)
+# the same with slot 1 reading slot 0's block-table row and request id (an
+# engine's error, "Page ownership"): slot 0's repeat (row 1) claims no entry,
+# so slot 1's owner (row 2) writes the entry row 1 named; row 3 repeats slot 1
+DUP_SHARED_ROWS = [(0, 1, True), (0, 2, True), (1, 2, True), (1, 1, True)]
+DUP_SHARED_REPEATS = (1, 3)
+
+
+def _dup_slot_scene(device, seed, kind, shared=False):
+    """A pool of 4 requests (slots 0..3, entries 0..3 prepared) and its
+    attached decode states, filled from `seed`: slots 0, 1, 3 hold a
+    complete window (both states), slot 2 m - 1 rows. shared: slot 1's
+    block-table row and request id are slot 0's. Returns (pool, state,
+    DecodeIndex or None, norm_weight)."""
+    rng = np.random.default_rng(seed)
+    dv = _Dev(device)
+    m = M[kind]
+    pool = kc.PagedKVPool(kind, 16, 2, 4, 2, layout="rawkv", device=device)
+    slots = [pool.add_request() for _ in range(4)]
+    pool.prepare_step(slots, [4 * m - 1] * 4)
+    if shared:
+        pool.block_table[1] = pool.block_table[0]
+        pool.request_ids[1] = pool.request_ids[0]
+    st = kc.DecodeState(kind, 4, device=device)
+    ist = kc.DecodeState("csa", 4, DI, device=device) if kind == "csa" else None
+    pool.attach(*(x for x in (st, ist) if x is not None))
+    for state in (st, ist):
+        if state is None:
+            continue
+        for s in slots:                                # a full window, then m - 1 rows
+            kv = rng.standard_normal((2 * m - 1, state.width)).astype(F32)
+            kc.state_seed(state, s, dv.t(kv), dv.t((1.5 * rng.standard_normal(kv.shape)).astype(F32)))
+        kv = rng.standard_normal((4, state.width)).astype(F32)
+        kc.state_append(state, dv.t(kv), dv.t(0.5 * kv), dv.t(np.array([True, True, False, True])),
+                        dv.t(np.arange(4, dtype=np.int32)))      # the window's last row, but slot 2's
+    nw = dv.t((1 + 0.1 * rng.standard_normal(D)).astype(F32))
+    index = None if ist is None else kc.DecodeIndex(ist, dv.t((1 + 0.1 * rng.standard_normal(DI)).astype(F32)))
+    return pool, st, index, nw
+
+
+def _dup_slot_run(device, seed, kind, rows, keep=None, shared=False):
+    """_dup_slot_scene(seed), then one compress_decode of `rows` (those
+    numbered in `keep`; None: all). Positions: entry * m plus an offset
+    drawn from `seed` per row, so a row's position is the same whichever
+    rows are kept. Returns (pool, errors)."""
+    pool, st, index, nw = _dup_slot_scene(device, seed, kind, shared)
+    assert pool.read_errors() == 0
+    dv, m = _Dev(device), M[kind]
+    off = np.random.default_rng(seed + 1).integers(0, m, len(rows))
+    keep = range(len(rows)) if keep is None else keep
+    slots = np.array([rows[i][0] for i in keep], np.int32)
+    pos = np.array([rows[i][1] * m + off[i] if rows[i][1] >= 0 else -1 for i in keep], np.int32)
+    valid = np.array([rows[i][2] for i in keep])
+    kc.compress_decode(pool, st, nw, dv.t(valid), dv.t(slots), dv.t(pos), index=index)
+    return pool, pool.read_errors()
+
+
+def _without(rows, repeats):
+    return [i for i in range(len(rows)) if i not in repeats]
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_cpu_compress_decode_duplicate_slots(rng, kind):
+    """A slot named by several valid rows: its lowest valid row flushes (or
+    not, by the flush rule), every other row of the slot writes nothing and
+    counts one error, whether or not the owner flushes and whatever the
+    row's own position; invalid rows own nothing; out-of-range slots count
+    as before. The pool is bit for bit the call's without the repeats."""
+    seed = int(rng.integers(1 << 30))
+    pool, err = _dup_slot_run("cpu", seed, kind, DUP_SLOT_ROWS)
+    solo, err_solo = _dup_slot_run("cpu", seed, kind, DUP_SLOT_ROWS, _without(DUP_SLOT_ROWS, DUP_SLOT_REPEATS))
+    assert err_solo == 2                                  # rows 4, 9: slots out of range
+    assert err == err_solo + len(DUP_SLOT_REPEATS)
+    got, want = pool.to_reference(), solo.to_reference()
+    assert_pool_equal(got, want)
+    np.testing.assert_array_equal(got.written, [3, 2, 0, 4])
+    np.testing.assert_array_equal(got.written, want.written)
+    table = got.block_table
+    written = {tuple(x) for x in np.argwhere(got.marks)}
+    assert written == {(table[0, 1], 0), (table[1, 0], 1), (table[3, 1], 1)}   # entries 2, 1, 3 (2 per block)
+    # the shared table: slot 0's repeat claims no entry, so slot 1's owner writes it
+    pool, err = _dup_slot_run("cpu", seed, kind, DUP_SHARED_ROWS, shared=True)
+    solo, err_solo = _dup_slot_run("cpu", seed, kind, DUP_SHARED_ROWS, _without(DUP_SHARED_ROWS, DUP_SHARED_REPEATS),
+                                   shared=True)
+    assert err_solo == 0 and err == len(DUP_SHARED_REPEATS)
+    got, want = pool.to_reference(), solo.to_reference()
+    assert_pool_equal(got, want)
+    np.testing.assert_array_equal(got.written, [2, 3, 0, 0])
+    np.testing.assert_array_equal(got.written, want.written)
+
+
+def _marked_entries(pool: ref.PagedPoolRef, marks):
+    """(codes, scale, rope[, index codes, index scales]) of the entries
+    `marks` flags, in block-major order (assert_entries_close's input)."""
+    blk, row = np.nonzero(marks)
+    out = [pool.kv_fp8[blk, row], pool.kv_scale[blk, row], pool.kv_rope[blk, row]]
+    if pool.idx_q is not None:
+        out += [pool.idx_q[blk, row], pool.idx_sf[blk, row]]
+    return out
+
+
+def _dup_slot_agreement(device, seed, kind, shared):
+    """test_gpu_compress_decode_duplicate_slots on `device` against the CPU
+    op (device "cpu" checks the test itself)."""
+    rows, repeats = (DUP_SHARED_ROWS, DUP_SHARED_REPEATS) if shared else (DUP_SLOT_ROWS, DUP_SLOT_REPEATS)
+    cpu, err_cpu = _dup_slot_run("cpu", seed, kind, rows, shared=shared)
+    want = cpu.to_reference()
+    solo, err_solo = _dup_slot_run(device, seed, kind, rows, _without(rows, repeats), shared=shared)
+    solo = solo.to_reference()
+    assert err_cpu == err_solo + len(repeats)
+    for run in range(3):
+        pool, err = _dup_slot_run(device, seed, kind, rows, shared=shared)
+        got = pool.to_reference()
+        what = f"{kind}, run {run}"
+        assert err == err_cpu, what
+        np.testing.assert_array_equal(got.written, want.written, err_msg=what)
+        np.testing.assert_array_equal(got.marks, want.marks, err_msg=what)
+        np.testing.assert_array_equal(got.block_table, want.block_table, err_msg=what)
+        assert_pool_equal(got, solo, what)               # the repeats wrote nothing, on every run
+        assert_entries_close(_marked_entries(got, want.marks), _marked_entries(want, want.marks))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["slots", "shared-table"])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_gpu_compress_decode_duplicate_slots(cuda, rng, kind, shared):
+    """The kernel's slot rule is the reference's: on the rows of
+    test_cpu_compress_decode_duplicate_slots (and its shared block table)
+    the CUDA op counts exactly the CPU op's errors and leaves exactly its
+    written[] and marks (the entries the slots' lowest rows flush, nothing
+    else), on every run; its pool is bit for bit the one of its own call
+    without the repeated rows, and its entries are within the compressor
+    tolerance (docs/kvcache.md) of the CPU op's."""
+    _dup_slot_agreement("cuda", int(rng.integers(1 << 30)), kind, shared)
 
 
 # ---------------------------------------------------------------------------

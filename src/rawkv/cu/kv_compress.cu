@@ -44,11 +44,16 @@
 //      *errors; written[row] = max(written[row], entry + 1) and
 //      marks[dest] = 1 (the entry is written by its block's owner: gathers
 //      read only marked entries).
-//      Decode duplicates: a lower row that writes the same pool entry owns
-//      it; this row writes nothing and is counted (every CTA scans the rows
-//      below it with the same decision, decode_target; run-order free).
-//      Decode: rows with valid_mask false are skipped silently; an
-//      out-of-range slot is counted. The flush decision is taken per ROW,
+//      Decode: rows with valid_mask false are skipped silently (and own
+//      nothing); an out-of-range slot is counted. Duplicate slots
+//      (docs/kvcache.md decision 11, as the state ops): the lowest valid row
+//      of a slot owns it; every other valid row of that slot writes nothing
+//      and is counted, whether or not the owner flushes (every CTA scans the
+//      rows below it, slot_taken_below; run-order free). Duplicate entries:
+//      among the slots' owners, a lower row that writes the same pool entry
+//      owns it; this row writes nothing and is counted (every CTA scans the
+//      rows below it with the same decision, decode_target and
+//      repeats_a_slot). The flush decision is taken per ROW,
 //      identically by both parts, from both states' counts: neither window
 //      complete -> skipped silently; both complete (or the one, without an
 //      indexer) -> flushed; exactly one complete (the states are out of
@@ -238,10 +243,35 @@ __device__ __forceinline__ bool owned_by(const int* __restrict__ request_ids, co
     return rid > 0 && owners[blk] == rid;
 }
 
-// Pool entry row that decode row q writes (the kernel's own decision: valid,
-// slot in range, both windows complete, position >= 0, entry inside the RoPE
-// table and the block table, block in range and owned by the slot's
-// request), or -1.
+// Decode duplicates of a slot (docs/kvcache.md decision 11, the state ops'
+// rule: kv_cache.cu's slot_taken_below): among the valid rows with an
+// in-range slot, the lowest row of a slot owns it; a lower valid row naming
+// slot s makes row b a repeat. Every thread of the CTA calls it (a barrier).
+template <typename I>
+__device__ __forceinline__ bool slot_taken_below(const u8* __restrict__ valid, const I* __restrict__ slots,
+                                                 i64 b, i64 s) {
+    bool hit = false;
+    for (i64 q = threadIdx.x; q < b; q += blockDim.x)
+        hit |= valid[q] && (i64)slots[q] == s;
+    return block_any(hit);
+}
+
+// The same question asked by one thread about row q (valid, slot in range):
+// whether q repeats a lower row's slot. Only asked of a row that would write
+// the entry this CTA writes (rare: a caller error), so the serial scan costs
+// nothing in the common case.
+template <typename I>
+__device__ __forceinline__ bool repeats_a_slot(const u8* __restrict__ valid, const I* __restrict__ slots, i64 q) {
+    const I s = slots[q];
+    for (i64 r = 0; r < q; ++r)
+        if (valid[r] && slots[r] == s) return true;
+    return false;
+}
+
+// Pool entry row that decode row q would write (the kernel's own decision:
+// valid, slot in range, both windows complete, position >= 0, entry inside
+// the RoPE table and the block table, block in range and owned by the slot's
+// request), or -1. Whether q owns its slot is asked apart (repeats_a_slot).
 template <typename I>
 __device__ __forceinline__ i64 decode_target(i64 q, const u8* __restrict__ valid, const I* __restrict__ slots,
                                              const I* __restrict__ positions, const int* __restrict__ count0,
@@ -355,6 +385,13 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
             if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
             return;
         }
+        // A lower valid row names this slot: it owns the slot, this row is
+        // skipped and counted whatever the windows and the position (one
+        // window is never pooled into two entries). CTA-uniform, as above.
+        if (slot_taken_below(valid, slots, n, s)) {
+            if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
+            return;
+        }
         // Nothing in this launch writes the counts: every thread of both
         // parts reads the same values, so the decision is CTA- and part-uniform.
         const bool full0 = (i64)p0.count[s] == pool.m;
@@ -419,7 +456,8 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
     if constexpr (DECODE) {
         bool hit = false;
         for (i64 q = threadIdx.x; q < n; q += blockDim.x)
-            hit |= decode_target(q, valid, slots, positions, p0.count, p1.count, pool, n_slots, n_tab) == dest;
+            hit |= decode_target(q, valid, slots, positions, p0.count, p1.count, pool, n_slots, n_tab) == dest &&
+                   !repeats_a_slot(valid, slots, q);   // a slot's repeat writes nothing, claims nothing
         if (block_any(hit)) {                       // a lower row owns this entry
             if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
             return;

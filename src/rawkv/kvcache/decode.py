@@ -25,8 +25,11 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
     e = positions[b] // m, write it through pool.block_table[s] and raise
     pool.written[s] to e + 1. An out-of-range slot, a negative position, or
     an entry outside the block table / pool is skipped and counted in
-    pool.errors. The caller then runs csa_rotate / hca_reset for the rows
-    that flushed.
+    pool.errors. Duplicate slots (docs/kvcache.md decision 11, as the state
+    ops): only the lowest valid row of a slot may flush; every other valid
+    row of that slot writes nothing and counts one error, whether or not
+    the lowest row flushes. The caller then runs csa_rotate / hca_reset for
+    the rows that flushed.
 
     state:       DecodeState of the pool's kind and head_dim, one row per
                  request slot of the pool (max_requests rows: slot s of the

@@ -15,7 +15,7 @@ from .finish import finish_entry, finish_index_key
 from .paged import paged_flush_write
 from .pool import PagedPoolRef
 from .pooling import compress_csa, compress_hca
-from .state import DecodeStateRef, state_pool
+from .state import DecodeStateRef, _owner_rows, state_pool
 
 
 def reference_prefill(kind, kv, z, ape, norm_weight, *, start_entry=0, index=None,
@@ -64,9 +64,10 @@ def paged_compress_decode(pool: PagedPoolRef, state: DecodeStateRef, norm_weight
     """compress_decode: flush the complete windows of the decode state into
     the pool. index: (indexer DecodeStateRef, indexer norm_weight) or None.
 
-    The flush rule, row by row (rows with valid_mask False are skipped
-    silently):
+    The flush rule, row by row, the first line that applies (rows with
+    valid_mask False are skipped silently and own no slot):
       slot outside the state's or the block table's rows  -> counted
+      a lower valid row names the same slot (a duplicate) -> counted
       neither window complete (count != m)                -> skipped silently
       exactly one of the entry's / key's windows complete -> nothing written,
           counted (an entry without its key, or a key without its entry,
@@ -75,6 +76,14 @@ def paged_compress_decode(pool: PagedPoolRef, state: DecodeStateRef, norm_weight
       else entry positions[b] // m (and its key) pooled, finished and written
           through paged_flush_write (which counts bad blocks and raises
           written[]).
+    Duplicate slots (docs/kvcache.md decision 11; the state ops' rule,
+    state._owner_rows): among the valid rows with an in-range slot, the
+    lowest row of a slot owns it and is the only one that may flush. Every
+    other row of that slot writes nothing and counts one error, always:
+    whether or not the owner flushes, whatever the row's own position. So
+    a slot's window is pooled at most once and never written into two
+    entries. Among the owners, paged_flush_write's rule for rows aimed at
+    one pool entry (the lowest writes, the others are counted) still holds.
     Returns the rows counted."""
     ist, iw = (None, None) if index is None else index
     slots = _ints("slots", slots, ndim=1)
@@ -85,12 +94,10 @@ def paged_compress_decode(pool: PagedPoolRef, state: DecodeStateRef, norm_weight
         raise ValueError(f"positions: expected shape ({B},), got {pos.shape}")
     m = pool.m
     n_rows = min(state.num_slots, pool.block_table.shape[0])
-    rows, errors = [], 0
-    for b in np.flatnonzero(valid):
+    owners, errors = _owner_rows(valid, slots, lambda s: 0 <= s < n_rows)
+    rows = []
+    for b in owners:
         s = int(slots[b])
-        if not 0 <= s < n_rows:
-            errors += 1
-            continue
         full0 = int(state.count[s]) == m
         full1 = int(ist.count[s]) == m if ist is not None else full0
         if not (full0 or full1):

@@ -78,10 +78,11 @@ def _slots_and_mask(state, valid_mask, slots):
 
 def _owner_rows(valid_mask, slots, slot_ok):
     """(rows that own their slot, in batch order; the number of valid rows
-    skipped and counted). The duplicate rule of every state op: among the
-    valid rows whose slot is in range, the lowest row of a slot owns it;
-    the other rows of that slot are skipped and counted, so the result
-    never depends on the order rows run in."""
+    skipped and counted). The duplicate rule of every state op and of
+    paged_compress_decode (compressor.py): among the valid rows whose slot
+    is in range, the lowest row of a slot owns it; the other rows of that
+    slot are skipped and counted, so the result never depends on the order
+    rows run in."""
     rows, seen, errors = [], set(), 0
     for b in np.flatnonzero(valid_mask):
         s = int(slots[b])
