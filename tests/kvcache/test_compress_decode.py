@@ -471,8 +471,9 @@ DUP_SLOT_ROWS = [
 DUP_SLOT_REPEATS = (3, 5, 7, 8)
 # the same with slot 1 reading slot 0's block-table row and request id (an
 # engine's error, "Page ownership"): slot 0's repeat (row 1) claims no entry,
-# so slot 1's owner (row 2) writes the entry row 1 named; row 3 repeats slot 1
-DUP_SHARED_ROWS = [(0, 1, True), (0, 2, True), (1, 2, True), (1, 1, True)]
+# so slot 1's owner (row 2) writes the entry row 1 named; row 3 repeats slot 1;
+# slot 3 flushes entry 1 (a third entry for the GPU test's code tolerance)
+DUP_SHARED_ROWS = [(0, 1, True), (0, 2, True), (1, 2, True), (1, 1, True), (3, 1, True)]
 DUP_SHARED_REPEATS = (1, 3)
 
 
@@ -555,7 +556,7 @@ def test_cpu_compress_decode_duplicate_slots(rng, kind):
     assert err_solo == 0 and err == len(DUP_SHARED_REPEATS)
     got, want = pool.to_reference(), solo.to_reference()
     assert_pool_equal(got, want)
-    np.testing.assert_array_equal(got.written, [2, 3, 0, 0])
+    np.testing.assert_array_equal(got.written, [2, 3, 0, 2])
     np.testing.assert_array_equal(got.written, want.written)
 
 
