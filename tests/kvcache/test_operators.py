@@ -359,6 +359,86 @@ def test_operator_refuses_a_view_over_two_states_buffers(rng, kind):
     assert int(sb[0].count[0]) == b.m
 
 
+def _cut(args, names, s):
+    """args with each of `names` (present and not None) sliced by s."""
+    return {n: (t[s] if n in names and t is not None else t) for n, t in args.items()}
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_operator_refuses_a_view_inside_an_objects_buffers(rng, kind):
+    """A tensor lying in a pool's or decode state's buffer without being it
+    (a slice, another shape of its memory) is refused naming the argument
+    and the buffer, before anything is read or written (docs/kvcache.md,
+    "One object's buffers per view"). Before, the registry knew a buffer
+    only by its first byte (and pool_of_table also by its shape), so
+    kv_compress_decode over pool A's buffers with block_table[:1],
+    request_ids[:1], written[:1] and pool B's attached state's rows [:1]
+    was a view over "an engine's own" pool: the attachment check was
+    skipped and B's request's rows were pooled into A's slot 0 entry 0
+    (written[0] 0 -> 1, no error); the slices [1:2] were accepted alike."""
+    a, sa = _decode_layer(rng, kind)
+    b, sb = _decode_layer(rng, kind)
+    m = a.m
+    table = ("block_table", "request_ids", "written")
+    before = [{n: None if t is None else t.clone() for n, t in o.torch_buffers().items()} for o in (a, b, *sa, *sb)]
+    for s in (slice(0, 1), slice(1, 2)):
+        st = _cut(V.state_args(sb[0], counter=False), V._STATE, s)
+        ist = None if kind == "hca" else _cut(V.state_args(sb[1], prefix="index_", counter=False),
+                                               tuple("index_" + n for n in V._STATE), s)
+        with pytest.raises(ValueError, match="^block_table: overlaps the block_table buffer of a PagedKVPool "
+                                             "without being it"):
+            _decode_operator(_cut(V.pool_args(a), table, s), st, ist, m)
+        # the pool whole, its state sliced: refused naming the state's buffer
+        with pytest.raises(ValueError, match="^kv_a: overlaps the kv_a buffer of a DecodeState"):
+            _decode_operator(V.pool_args(a), _cut(V.state_args(sa[0], counter=False), V._STATE, s), None, m)
+    # a state op over slot 1 of one state's rows and another state's count
+    args = {**_cut(V.state_args(sa[0]), V._STATE, slice(1, 2)), "count": V.state_args(sb[0])["count"][1:]}
+    with pytest.raises(ValueError, match="^kv_a: overlaps the kv_a buffer of a DecodeState"):
+        op = OPS.kv_hca_reset if kind == "hca" else OPS.kv_csa_rotate
+        op(**args, valid_mask=torch.ones(1, dtype=torch.bool), slots=torch.zeros(1, dtype=torch.int32))
+    for o, was in zip((a, b, *sa, *sb), before):        # nothing read into the pools, nothing written
+        for n, t in o.torch_buffers().items():
+            assert (t is None and was[n] is None) or torch.equal(t, was[n]), (o, n)
+
+    # the objects' whole buffers: accepted (the pool's own states), entry 0 written
+    _decode_operator(V.pool_args(a), V.state_args(sa[0], counter=False),
+                     None if kind == "hca" else V.state_args(sa[1], prefix="index_", counter=False), m)
+    assert int(a.written[0]) == 1 and a.read_errors() == 0
+    # an engine's own buffers, sliced (its memory, no object's): accepted, a one-slot pool
+    own = {n: (t.clone() if hasattr(t, "clone") else t) for n, t in V.pool_args(b).items()}
+    own["written"].zero_()
+    loose = [{n: None if t is None else t.clone() for n, t in V.state_args(st, prefix=p, counter=False).items()}
+             for st, p in zip(sb, ("", "index_"))]
+    _decode_operator(_cut(own, table, slice(0, 1)), _cut(loose[0], V._STATE, slice(0, 1)),
+                     None if kind == "hca" else _cut(loose[1], tuple("index_" + n for n in V._STATE), slice(0, 1)),
+                     m)
+    assert own["written"].tolist() == [1, 0]
+
+
+def test_registry_forgets_a_dead_objects_memory(rng):
+    """Once a pool is gone its memory is no object's: a tensor still holding
+    it (here its old block table) is an engine's own buffer, slices too."""
+    import gc
+    p = _pool("csa")
+    old = V.pool_args(p)["block_table"]
+    own = {n: (t.clone() if hasattr(t, "clone") else t) for n, t in V.pool_args(p).items()}
+    ids, sl = torch.tensor([[0, 1, 2]], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    want = kvc.gather_topk(p, sl, ids)
+
+    def gather(args):
+        out = torch.zeros((1, 3, D), dtype=torch.bfloat16)
+        OPS.kv_gather_topk(**args, slots=sl, topk_ids=ids, n_entries=None, valid_mask=None, out=out)
+        return out
+
+    with pytest.raises(ValueError, match="^block_table: overlaps the block_table buffer"):
+        gather({**own, "block_table": old[:1], "request_ids": own["request_ids"][:1],
+                "written": own["written"][:1]})
+    del p
+    gc.collect()
+    got = gather({**own, "block_table": old[:1], "request_ids": own["request_ids"][:1], "written": own["written"][:1]})
+    assert torch.equal(got, want)
+
+
 def test_operator_refuses_a_view_whose_buffers_overlap(rng):
     """An engine's own buffers (no pool's or state's) that overlap in memory
     are refused naming both, before anything is read or written. Before,

@@ -59,11 +59,13 @@ numpy reference on it.
 """
 from __future__ import annotations
 
+import bisect
 import sys
 import weakref
 
 import numpy as np
 
+from .. import _args as A
 from ..errors import CaptureError
 from ..reference import kvcache as ref
 from ..reference.kvcache import layouts as R
@@ -90,15 +92,25 @@ def _buffer_key(buf) -> tuple:
 
 
 # Every pool's and decode state's buffers by their memory (first byte): the
-# object and the buffer's name. A view (views.pool_view / state_view) takes
-# a buffer of an object only in that buffer's own role and only beside
-# buffers of the same object (an engine's own buffers beside them are its
-# business): request ids are numbered per pool, so pool A's block table and
-# request ids over pool B's pages, owners and marks read B's requests'
-# entries as A's, and a state view mixing two states' buffers pools one
-# request's rows into another's entry (docs/kvcache.md, "What a view
-# cannot check").
+# object. A view (views.pool_view / state_view) takes a buffer of an object
+# only whole, in that buffer's own role and only beside buffers of the same
+# object (an engine's own buffers beside them are its business): request ids
+# are numbered per pool, so pool A's block table and request ids over pool
+# B's pages, owners and marks read B's requests' entries as A's, and a state
+# view mixing two states' buffers pools one request's rows into another's
+# entry (docs/kvcache.md, "What a view cannot check"). A tensor lying in an
+# object's buffer without being it (a slice, another shape) is found through
+# _SPANS, the registered buffers' byte ranges, and refused (_registered).
 _BY_BUFFER = weakref.WeakValueDictionary()
+
+# The registered buffers' byte ranges per address space, sorted by first
+# byte: {space: (starts, rows)}, rows[i] = (end, geometry, role, weak ref to
+# the object) of the buffer starting at starts[i]; rebuilt from _BY_BUFFER
+# at the first lookup after an object registered or died (_STALE: a dead
+# object's memory may be an engine's buffer now). The objects' buffers are
+# their own allocations, so the ranges never overlap.
+_SPANS: dict = {}
+_STALE = [True]
 
 
 def register_buffers(obj) -> None:
@@ -107,28 +119,81 @@ def register_buffers(obj) -> None:
         b = getattr(obj, n)
         if b is not None:
             _BY_BUFFER[_buffer_key(b)] = obj
+    _STALE[0] = True
+
+
+def _stale(_ref=None) -> None:
+    _STALE[0] = True
+
+
+def _index() -> dict:
+    """_SPANS, rebuilt if an object registered or died since it was built."""
+    if _STALE[0]:
+        _STALE[0] = False
+        rows: dict = {}
+        for o in set(_BY_BUFFER.values()):
+            ref_o = weakref.ref(o, _stale)
+            for n in o.BUFFERS:
+                sp = A._span(getattr(o, n))
+                if sp is not None:
+                    rows.setdefault(sp[0], []).append((sp[1], sp[2], A._geometry(sp), n, ref_o))
+        _SPANS.clear()
+        for space, rs in rows.items():
+            rs.sort(key=lambda r: r[0])
+            _SPANS[space] = ([r[0] for r in rs], [r[1:] for r in rs])
+    return _SPANS
+
+
+def _registered(buf, name: str):
+    """(object, role) when `buf` is exactly a pool's or decode state's
+    buffer (its memory, shape and strides), None when it shares no byte
+    with any (an engine's own buffer, a copy). A buffer whose memory
+    overlaps one of theirs without being it (a slice such as
+    block_table[1:] or count[:1], a reshape, a span across two of them) is
+    a ValueError naming `name` and the buffer: a view over it would skip
+    the rules a view over the object's own buffers keeps (its attached
+    states, its prepared entries, one object per view) while reading and
+    writing that object's rows. One bisection per buffer, not a scan."""
+    sp = A._span(buf)
+    if sp is None:
+        return None
+    index = _index().get(sp[0])
+    if index is None:
+        return None
+    starts, rows = index
+    i = bisect.bisect_left(starts, sp[2]) - 1          # the last buffer starting before buf ends
+    if i < 0:
+        return None
+    end, geometry, role, ref_o = rows[i]
+    o = ref_o()
+    if end <= sp[1] or o is None:
+        return None
+    if starts[i] == sp[1] and A._geometry(sp) == geometry:
+        return o, role
+    raise ValueError(f"{name}: overlaps the {role} buffer of a {type(o).__name__} without being it (a slice "
+                     f"or another shape of its memory); an operator takes a pool's or decode state's "
+                     f"buffer whole, or a buffer of the engine's own that shares no memory with one "
+                     f"(otherwise its slots and request ids would escape the object's checks)")
 
 
 def check_one_owner(view, what: str, anchor: str) -> None:
     """A view's buffers (all but its counter, the caller's errors=) that
     are a pool's or decode state's are each that object's buffer of the
-    same name, and all of one object; `what`: 'pool' or 'state', the
+    same name, whole, and all of one object; `what`: 'pool' or 'state', the
     view's kind; `anchor` (block_table, kv_a) is compared first.
-    ValueError naming the first buffer that is not."""
+    ValueError naming the first buffer that is not (_registered: one that
+    lies in an object's buffer without being it)."""
     first = None
     for n in sorted(view.BUFFERS[:-1], key=lambda n: n != anchor):
         b = getattr(view, n)
         if b is None:
             continue
-        key = _buffer_key(b)
-        o = _BY_BUFFER.get(key)
-        if o is None:
+        found = _registered(b, n)
+        if found is None:
             continue                                # the engine's own buffer
+        o, role = found
         kind = type(o).__name__
-        mine = getattr(o, n, None) if n in o.BUFFERS else None
-        if mine is None or _buffer_key(mine) != key:
-            role = next((r for r in o.BUFFERS if getattr(o, r) is not None
-                         and _buffer_key(getattr(o, r)) == key), "?")
+        if role != n:
             raise ValueError(f"{n}: is the {role} buffer of a {kind}, not a {what}'s {n}")
         if first is None:
             first = (n, o)
@@ -140,15 +205,14 @@ def check_one_owner(view, what: str, anchor: str) -> None:
 
 def owner_of(buf, cls, name: str):
     """The `cls` object (a pool or decode state) whose buffer `name` is
-    `buf` (its memory, of its shape), or None (an engine's own buffers, a
-    copy): _BY_BUFFER, the one registry of objects by their buffers."""
-    o = _BY_BUFFER.get(_buffer_key(buf))
-    if not isinstance(o, cls):
+    `buf` (its memory, of its shape and strides), or None (an engine's own
+    buffers, a copy): _BY_BUFFER, the one registry of objects by their
+    buffers (_registered; a buffer lying in an object's without being it
+    is a ValueError naming `name`)."""
+    found = _registered(buf, name)
+    if found is None or not isinstance(found[0], cls) or found[1] != name:
         return None
-    mine = getattr(o, name)
-    if _buffer_key(mine) != _buffer_key(buf) or tuple(mine.shape) != tuple(buf.shape):
-        return None
-    return o
+    return found[0]
 
 
 def pool_of_table(block_table):
