@@ -439,6 +439,34 @@ def test_registry_forgets_a_dead_objects_memory(rng):
     assert torch.equal(got, want)
 
 
+def test_operator_counter_is_no_other_buffer_of_an_object():
+    """The caller's `errors=` may be any object's counter or the engine's
+    own tensor, but not another buffer of a pool or state, nor part of one:
+    the op adds its count there. Before, pool B's `written` as pool A's
+    counter was accepted, and an out-of-range id in A's gather raised B's
+    request 0 to one written entry, with no error anywhere."""
+    a, b = _pool("csa"), _pool("csa")
+    ids, sl = torch.tensor([[0, 99]], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+
+    def gather(errors):
+        out = torch.zeros((1, 2, D), dtype=torch.bfloat16)
+        OPS.kv_gather_topk(**V.pool_args(a, errors), slots=sl, topk_ids=ids, n_entries=None, valid_mask=None,
+                           out=out)
+
+    before = {n: None if t is None else t.clone() for n, t in b.torch_buffers().items()}
+    with pytest.raises(ValueError, match="^errors: is the written buffer of a PagedKVPool, not an error counter"):
+        gather(V.pool_args(b)["written"])
+    with pytest.raises(ValueError, match="^errors: overlaps the written buffer of a PagedKVPool without being it"):
+        gather(V.pool_args(b)["written"][1:2])
+    for n, t in b.torch_buffers().items():
+        assert (t is None and before[n] is None) or torch.equal(t, before[n]), n
+    own = torch.zeros(1, dtype=torch.int32)        # the engine's own counter
+    gather(own)
+    assert int(own[0]) >= 1                        # (id 99, and entry 0 never written)
+    gather(V.pool_args(b)["errors"])               # another pool's counter: the same count there
+    assert b.read_errors() == int(own[0]) and a.read_errors() == 0
+
+
 def test_operator_refuses_a_view_whose_buffers_overlap(rng):
     """An engine's own buffers (no pool's or state's) that overlap in memory
     are refused naming both, before anything is read or written. Before,

@@ -203,6 +203,21 @@ def check_one_owner(view, what: str, anchor: str) -> None:
                              f"object, so one request would read or write another's entries")
 
 
+def check_counter_owner(view) -> None:
+    """A view's counter (the caller's errors=) may be any object's counter
+    or the engine's own tensor, but no other buffer of a pool or decode
+    state nor a part of one: the op adds its count there (into another
+    pool's `written` it would raise a request's entry count). ValueError
+    naming `errors`. (Checked after views' _counter_apart, which refuses a
+    counter over the view's own buffers in its own words.)"""
+    counter = view.BUFFERS[-1]
+    c = getattr(view, counter)
+    found = None if c is None else _registered(c, counter)
+    if found is not None and found[1] != counter:
+        raise ValueError(f"{counter}: is the {found[1]} buffer of a {type(found[0]).__name__}, not an error "
+                         f"counter (the op would add its count into that object's {found[1]})")
+
+
 def owner_of(buf, cls, name: str):
     """The `cls` object (a pool or decode state) whose buffer `name` is
     `buf` (its memory, of its shape and strides), or None (an engine's own

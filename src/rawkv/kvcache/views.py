@@ -27,7 +27,7 @@ from .. import _args as A
 from ..reference import kvcache as ref
 from ..reference.kvcache import layouts as R
 from . import _rules as C
-from .pool import KINDS, PagedKVPool, check_one_owner, pool_of_table
+from .pool import KINDS, PagedKVPool, check_counter_owner, check_one_owner, pool_of_table
 from .state import DecodeState, state_of_buffers
 
 U8 = ("uint8",)
@@ -243,6 +243,7 @@ def _finish_view(p, at, first, bt, ids, own, wr, mk, err) -> PagedKVPool:
     check_one_owner(p, "pool", "block_table")
     p._seal()
     _counter_apart(p, "pool")
+    check_counter_owner(p)
     return p
 
 
@@ -341,5 +342,6 @@ def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:
     check_one_owner(st, "state", "kv_a")
     st._seal()
     _counter_apart(st, "state")
+    check_counter_owner(st)
     return st
 
