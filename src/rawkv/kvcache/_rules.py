@@ -620,7 +620,7 @@ def _attached(p, st, name: str) -> None:
     """A pool object's decode state is attached to it (pool.attach), so its
     slots are emptied when they change owner. The kv_compress_decode
     operator's views are held to the same rule through the objects whose
-    buffers they are over (views: pool_of_table, state_of_buffers): over a
+    buffers they are over (views: pool.check_one_owner): over a
     pool's own buffers, the state's buffers must be those of a state
     attached to that pool (an unattached state, another pool's, or buffers
     that are no state's are refused, as eagerly). Over an engine's own pool

@@ -81,31 +81,21 @@ _DEFAULT = object()
 _MAX_ID = 2 ** 31 - 1
 
 
-def _buffer_key(buf) -> tuple:
-    """(address space, first byte) of a buffer: an object's (numpy on the
-    host, a CUDA tensor) or a view's (the same, over the operator's
-    tensors). The key of the pool and decode state registries (a block
-    table's, a state's kv_a)."""
-    if isinstance(buf, np.ndarray):
-        return "host", buf.__array_interface__["data"][0]
-    return ("host" if buf.device.type == "cpu" else str(buf.device)), buf.data_ptr()
-
-
-# Every pool's and decode state's buffers by their memory (first byte): the
-# object. A view (views.pool_view / state_view) takes a buffer of an object
-# only whole, in that buffer's own role and only beside buffers of the same
-# object (an engine's own buffers beside them are its business): request ids
-# are numbered per pool, so pool A's block table and request ids over pool
-# B's pages, owners and marks read B's requests' entries as A's, and a state
+# Every live pool and decode state, whose buffers _SPANS indexes. A view
+# (views.pool_view / state_view) takes a buffer of an object only whole, in
+# that buffer's own role and only beside buffers of the same object (an
+# engine's own buffers beside them are its business): request ids are
+# numbered per pool, so pool A's block table and request ids over pool B's
+# pages, owners and marks read B's requests' entries as A's, and a state
 # view mixing two states' buffers pools one request's rows into another's
 # entry (docs/kvcache.md, "What a view cannot check"). A tensor lying in an
 # object's buffer without being it (a slice, another shape) is found through
 # _SPANS, the registered buffers' byte ranges, and refused (_registered).
-_BY_BUFFER = weakref.WeakValueDictionary()
+_OBJECTS = weakref.WeakSet()
 
 # The registered buffers' byte ranges per address space, sorted by first
 # byte: {space: (starts, rows)}, rows[i] = (end, geometry, role, weak ref to
-# the object) of the buffer starting at starts[i]; rebuilt from _BY_BUFFER
+# the object) of the buffer starting at starts[i]; rebuilt from _OBJECTS
 # at the first lookup after an object registered or died (_STALE: a dead
 # object's memory may be an engine's buffer now). The objects' buffers are
 # their own allocations, so the ranges never overlap.
@@ -114,11 +104,9 @@ _STALE = [True]
 
 
 def register_buffers(obj) -> None:
-    """Record obj's buffers (its BUFFERS that are not None) in _BY_BUFFER."""
-    for n in obj.BUFFERS:
-        b = getattr(obj, n)
-        if b is not None:
-            _BY_BUFFER[_buffer_key(b)] = obj
+    """Record obj (a pool or decode state) so views find its buffers
+    (_registered: its BUFFERS that are not None, by their memory)."""
+    _OBJECTS.add(obj)
     _STALE[0] = True
 
 
@@ -131,7 +119,7 @@ def _index() -> dict:
     if _STALE[0]:
         _STALE[0] = False
         rows: dict = {}
-        for o in set(_BY_BUFFER.values()):
+        for o in list(_OBJECTS):
             ref_o = weakref.ref(o, _stale)
             for n in o.BUFFERS:
                 sp = A._span(getattr(o, n))
@@ -182,8 +170,10 @@ def check_one_owner(view, what: str, anchor: str) -> None:
     same name, whole, and all of one object; `what`: 'pool' or 'state', the
     view's kind; `anchor` (block_table, kv_a) is compared first.
     ValueError naming the first buffer that is not (_registered: one that
-    lies in an object's buffer without being it)."""
-    first = None
+    lies in an object's buffer without being it). Returns the object whose
+    `anchor` the view's is (a pool's block table, a state's kv_a: the view
+    reads that object's host bookkeeping), or None (the engine's own)."""
+    first, anchored = None, None
     for n in sorted(view.BUFFERS[:-1], key=lambda n: n != anchor):
         b = getattr(view, n)
         if b is None:
@@ -195,12 +185,15 @@ def check_one_owner(view, what: str, anchor: str) -> None:
         kind = type(o).__name__
         if role != n:
             raise ValueError(f"{n}: is the {role} buffer of a {kind}, not a {what}'s {n}")
+        if n == anchor:
+            anchored = o
         if first is None:
             first = (n, o)
         elif o is not first[1]:
             raise ValueError(f"{n}: belongs to another {kind} than {first[0]} (a {what} view's buffers are "
                              f"one object's, or the engine's own); request ids and slots are numbered per "
                              f"object, so one request would read or write another's entries")
+    return anchored
 
 
 def check_counter_owner(view) -> None:
@@ -216,28 +209,6 @@ def check_counter_owner(view) -> None:
     if found is not None and found[1] != counter:
         raise ValueError(f"{counter}: is the {found[1]} buffer of a {type(found[0]).__name__}, not an error "
                          f"counter (the op would add its count into that object's {found[1]})")
-
-
-def owner_of(buf, cls, name: str):
-    """The `cls` object (a pool or decode state) whose buffer `name` is
-    `buf` (its memory, of its shape and strides), or None (an engine's own
-    buffers, a copy): _BY_BUFFER, the one registry of objects by their
-    buffers (_registered; a buffer lying in an object's without being it
-    is a ValueError naming `name`)."""
-    found = _registered(buf, name)
-    if found is None or not isinstance(found[0], cls) or found[1] != name:
-        return None
-    return found[0]
-
-
-def pool_of_table(block_table):
-    """The PagedKVPool whose block table `block_table` is, or None: a view
-    over a pool's own buffers (views.pool_view, the operator of a public
-    op's call, compiled or given pool_args(pool)) takes the pool's count of
-    prepared entries, which gather_dense bounds n_entries by, and its
-    attached decode states, which compress_decode requires (docs/kvcache.md,
-    "What a view cannot check")."""
-    return owner_of(block_table, PagedKVPool, "block_table")
 
 
 def _pos_int(name: str, v) -> int:
@@ -382,7 +353,7 @@ class PagedKVPool(ErrorCounter):
     BUFFERS = ("fp8", "scale", "rope", "index_q", "index_sf", "pages", "index_pages", "block_table",
                "request_ids", "owners", "written", "marks", "errors")
     _states = None      # the attached DecodeStates (attach); None for a view (views.pool_view)
-    _owner = None       # a view's: the pool whose buffers it is over (pool_of_table), or None
+    _owner = None       # a view's: the pool whose buffers it is over (check_one_owner), or None
 
     def __init__(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                  *, head_dim=ref.HEAD_DIM, rope_dim=ref.ROPE_DIM, index_head_dim=_DEFAULT,

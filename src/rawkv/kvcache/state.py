@@ -26,16 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..reference import kvcache as ref
-from .pool import ErrorCounter, _kind, _pos_int, owner_of, register_buffers, resolve_device
-
-
-def state_of_buffers(kv_a):
-    """The DecodeState whose kv_a `kv_a` is, or None (an engine's own
-    buffers, a copy): a view over a state's own buffers (views.state_view,
-    the operator of a public op's call, compiled or given state_args(state))
-    finds the state, so kv_compress_decode can ask which pool it is attached
-    to."""
-    return owner_of(kv_a, DecodeState, "kv_a")
+from .pool import ErrorCounter, _kind, _pos_int, register_buffers, resolve_device
 
 
 class DecodeState(ErrorCounter):
@@ -43,7 +34,7 @@ class DecodeState(ErrorCounter):
 
     BUFFERS = ("kv_a", "z_a", "kv_b", "z_b", "count", "errors")
     _pool = None        # the PagedKVPool it is attached to (PagedKVPool.attach)
-    _owner = None       # a view's: the state whose buffers it is over (state_of_buffers), or None
+    _owner = None       # a view's: the state whose buffers it is over (pool.check_one_owner), or None
 
     def __init__(self, kind, max_requests, head_dim=ref.HEAD_DIM, *, device="cuda"):
         self._set_geometry(kind, max_requests, head_dim)

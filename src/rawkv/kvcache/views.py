@@ -11,11 +11,11 @@ when the operator runs (torch.compile, an engine's graph), a view rebuilt
 over the buffers (pool_view / state_view: checked, no allocation). A view
 has no host bookkeeping (free list, prepared entries): the ops need none,
 except gather_dense's bound of n_entries by pool.n_entries(slot), which a
-view over a pool's own buffers reads from that pool (pool_of_table; over
+view over a pool's own buffers reads from that pool (check_one_owner; over
 an engine's own buffers the kernel's bound by pool.written alone holds),
 and compress_decode's test that its states are attached to the pool: a
 view over a pool's own buffers requires state views over the buffers of
-states attached to that pool (state_of_buffers), as the public op requires
+states attached to that pool (check_one_owner), as the public op requires
 of the objects; over an engine's own pool buffers there is no pool to ask.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ from .. import _args as A
 from ..reference import kvcache as ref
 from ..reference.kvcache import layouts as R
 from . import _rules as C
-from .pool import KINDS, PagedKVPool, check_counter_owner, check_one_owner, pool_of_table
-from .state import DecodeState, state_of_buffers
+from .pool import KINDS, PagedKVPool, check_counter_owner, check_one_owner
+from .state import DecodeState
 
 U8 = ("uint8",)
 
@@ -234,13 +234,13 @@ def _finish_view(p, at, first, bt, ids, own, wr, mk, err) -> PagedKVPool:
     p.block_table, p.request_ids, p.owners, p.written, p.marks, p.errors = bt, ids, own, wr, mk, err
     p._table = p._free = p._active = p._nblocks = p._staging = None
     p._ids = p._next_id = None
-    # over a pool's own buffers: that pool's count of prepared entries, read
-    # when the op runs (gather_dense's bound of n_entries, as eagerly), and
-    # the pool itself (compress_decode's states must be attached to it)
-    owner = pool_of_table(bt)
+    # over a pool's own buffers (its block table, and no other object's
+    # buffer): that pool's count of prepared entries, read when the op runs
+    # (gather_dense's bound of n_entries, as eagerly), and the pool itself
+    # (compress_decode's states must be attached to it)
+    owner = check_one_owner(p, "pool", "block_table")
     p._owner = owner
     p._n_entries = None if owner is None else owner._n_entries
-    check_one_owner(p, "pool", "block_table")
     p._seal()
     _counter_apart(p, "pool")
     check_counter_owner(p)
@@ -338,8 +338,7 @@ def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:
     st.device = a.device if cuda else "cpu"
     st.kv_a, st.z_a, st.kv_b, st.z_b, st.count = a, za, kb, zb, c
     st.errors = None if errors is None else _counter(errors, at)
-    st._owner = state_of_buffers(a)      # over a state's own buffers: that state (its pool, if attached)
-    check_one_owner(st, "state", "kv_a")
+    st._owner = check_one_owner(st, "state", "kv_a")    # over a state's own buffers: that state (its pool, if attached)
     st._seal()
     _counter_apart(st, "state")
     check_counter_owner(st)
