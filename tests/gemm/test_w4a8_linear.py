@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import rawkv  # noqa: E402
-from rawkv.gemm import linear, plans  # noqa: E402
+from rawkv.gemm import _rules as R, linear, plans  # noqa: E402
 from rawkv.kernels import gemm_w4a8 as K8  # noqa: E402
 from rawkv.reference import gemm as G  # noqa: E402
 from rawkv.reference import gemm_w4a8 as W  # noqa: E402
@@ -356,7 +356,6 @@ class _Dev:
 
 def test_plans_tile_by_tokens_and_refuse_other_archs():
     w8 = _w8(3, 300, 256)
-    from rawkv.gemm import _rules as R
     act = R.activation8(*_xa(65, 3, k=256), 3, 256, "cpu", -1)
     wc = R.weight8(w8.codes, w8.shifts, w8.row_scale, w8.gs, w8.n, w8.k, "cpu")
     (launch,) = plans.w4a8_grouped(_Dev, act, wc, torch.empty(65, 3, 300, dtype=bf))
@@ -998,6 +997,62 @@ def test_views_are_read_as_they_are_or_copied(sm90, path, rng):
     tx[..., 1:] = xc                                          # misaligned rows: copied
     got = rawkv.gemm.grouped_linear((tx.cuda()[..., 1:], xs.cuda()), w8c)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def mn_major(s):
+    """Scales s (T, ..., nb) as DeepGEMM's SM90 FP8 GEMM holds activation
+    scales (deep_gemm get_mn_major_tma_aligned_tensor at 54e22612: the token
+    index contiguous, each block's column of tokens padded to a multiple of
+    4): the same values, a strided view of a new buffer. E8M0 scales as
+    their uint8 bytes."""
+    t, d = s.shape[0], s.dim()
+    store = torch.full((*s.shape[1:], -(-t // 4) * 4), 7, dtype=s.dtype, device=s.device)  # (padding: junk)
+    store[..., :t] = s.permute(*range(1, d), 0)
+    view = store[..., :t].permute(d - 1, *range(d - 1))
+    assert view.stride(0) == 1 and torch.equal(view, s)
+    return view
+
+
+def test_cpu_mn_major_scales_give_the_row_major_bits(rng):
+    codes, scales, _, w8 = mx_weight(rng, 2, 24, 288)
+    xc, xs = fp8_act(rng, (6, 2, 288))
+    want = rawkv.gemm.grouped_linear((xc, xs), w8).view(torch.int16)
+    assert torch.equal(rawkv.gemm.grouped_linear((xc, mn_major(xs)), w8).view(torch.int16), want)
+    rc, rs = fp8_act(rng, (9, 288))
+    offsets = torch.tensor([0, 4, 9], dtype=torch.int32)
+    want = rawkv.gemm.moe_linear((rc, rs), w8, offsets).view(torch.int16)
+    assert torch.equal(rawkv.gemm.moe_linear((rc, mn_major(rs)), w8, offsets).view(torch.int16), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["grouped", "ragged"])
+@pytest.mark.parametrize("tokens", [1, 12, 64, 200])
+def test_mn_major_scales_are_read_in_place(sm90, path, rng, op, tokens):
+    # DeepGEMM's MN-major scale layout (mn_major) is read where it lies, by
+    # every kernel and token tile: the bits of the same scales row-major,
+    # FP32 and E8M0 bytes (uint8 and float8_e8m0fnu), and the launch gets
+    # the caller's buffer, not a copy. K = 1,056: eight full 128-column
+    # chunks and a partial one (the scales' block stride steps nine times).
+    g, n, k = 2, 200, 1056
+    _, _, _, w8 = mx_weight(rng, g, n, k)
+    w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
+    if op == "grouped":
+        xc, xb, xf = (t.cuda() for t in e8m0_act(rng, (tokens, g, k)))
+        run = lambda sf: rawkv.gemm.grouped_linear((xc, sf), w8c)  # noqa: E731
+        plan = lambda sf: R.w4a8_grouped(xc, sf, *w8c[2:], n, k, None, None)  # noqa: E731
+    else:
+        rows = tokens * g
+        xc, xb, xf = (t.cuda() for t in e8m0_act(rng, (rows, k)))
+        offs = torch.tensor([0, rows // 3, rows], dtype=torch.int32, device="cuda")
+        run = lambda sf: rawkv.gemm.moe_linear((xc, sf), w8c, offs)  # noqa: E731
+        plan = lambda sf: R.w4a8_moe(xc, sf, *w8c[2:], n, k, offs, None, None)  # noqa: E731
+    for sf in (xf, xb.view(torch.uint8)):
+        want = run(sf).view(torch.int16)
+        mn = mn_major(sf)
+        forms = (mn, mn.view(torch.float8_e8m0fnu)) if sf.dtype == torch.uint8 else (mn,)
+        for form in forms:
+            assert torch.equal(run(form).view(torch.int16), want), (op, tokens, form.dtype)
+        assert plan(mn)[1].sf.data_ptr() == mn.data_ptr()
 
 
 @pytest.mark.gpu

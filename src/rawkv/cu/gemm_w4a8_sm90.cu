@@ -7,7 +7,9 @@
 //   is an E4M3 value exactly) and one power of two per row, 2^r, for the
 //   epilogue, packed as pack_codes8 / pack_shifts8 give;
 // * x FP8 block activations: E4M3 codes and one scale per token per 128
-//   channels (rawkv.fp8.quantize_blocks), FP32 or its E8M0 byte (SB).
+//   channels (rawkv.fp8.quantize_blocks), FP32 or its E8M0 byte (SB), read
+//   in place at any strides (ss_t, ss_g, ss_b: token, group, block), so
+//   DeepGEMM's MN-major layout needs no copy.
 //
 // A block computes BM = 128 output features x BN tokens, 128 columns of K
 // per pipeline stage (one activation scale block; one 128-byte row of the
@@ -101,7 +103,7 @@ template <int BN, int STAGES, int KSPLIT, bool SB>
 __device__ __forceinline__ void gemm_w4a8(
     const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
     const float* __restrict__ wgs, const u8* __restrict__ x, const u8* __restrict__ xsf, i64 xs_t, i64 xs_g,
-    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
+    i64 ss_t, i64 ss_g, i64 ss_b, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
     int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
     constexpr int kBStage = BN * 128;
     constexpr int kWStage = kTiles * (kCodeBytes + kShiftBytes);
@@ -199,7 +201,7 @@ __device__ __forceinline__ void gemm_w4a8(
         const u8* wcur = wsrc + (i64)c_beg * kCodeBytes;
         const u8* scur = ssrc + (i64)c_beg * kShiftBytes;
         const u8* xcur = xsrc + (i64)128 * c_beg;
-        const typename Scale::T* fcur = fsrc + c_beg;
+        const typename Scale::T* fcur = fsrc + c_beg * ss_b;
         int kcol = c_beg * 128 + 16 * unit;              // the thread's activation column in chunk c
         const u32 wdst0 = smem_u32(s_w) + 16 * p, bdst0 = smem_u32(s_b) + xdst, sdst0 = smem_u32(s_s) + sdst;
         float sc_next = sown && c_beg < c_end ? Scale::value(Scale::load(fcur)) : 0.0f;
@@ -222,13 +224,13 @@ __device__ __forceinline__ void gemm_w4a8(
             for (int j = 0; j < BN / 16; ++j, xp += row16) cp_async16_zfill_if((xlive >> j) & 1u, bdst + 2048 * j, xp, bytes);
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar_full + 8 * s) : "memory");
             const float sc = sc_next;
-            if (sown && c + 1 < c_end) sc_next = Scale::value(Scale::load(fcur + 1));
+            if (sown && c + 1 < c_end) sc_next = Scale::value(Scale::load(fcur + ss_b));
             if (p < BN) st_shared(sdst0 + s * kSStage, __float_as_uint(sc));
             mbar_arrive(bar_full + 8 * s);     // (release: the scale's store)
             wcur += kCodeBytes;
             scur += kShiftBytes;
             xcur += 128;
-            ++fcur;
+            fcur += ss_b;
             kcol += 128;
             if (++s == STAGES) {
                 s = 0;
@@ -444,10 +446,10 @@ template <int BN, int STAGES, bool SB>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSM<BN>) rkv_gemm_w4a8_sm90(
     const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
     const float* __restrict__ wgs, const u8* __restrict__ x, const u8* __restrict__ xsf, i64 xs_t, i64 xs_g,
-    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
+    i64 ss_t, i64 ss_g, i64 ss_b, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
     int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
-    gemm_w4a8<BN, STAGES, 1, SB>(wq, wsh, wrow, wgs, x, xsf, xs_t, xs_g, ss_t, ss_g, out, os_t, os_g, n, k, tokens,
-                                 offsets, experts, errors);
+    gemm_w4a8<BN, STAGES, 1, SB>(wq, wsh, wrow, wgs, x, xsf, xs_t, xs_g, ss_t, ss_g, ss_b, out, os_t, os_g, n, k,
+                                 tokens, offsets, experts, errors);
 }
 
 // A cluster of KSPLIT blocks per output tile, each a KSPLIT-th of K (batched
@@ -456,8 +458,8 @@ template <int BN, int STAGES, int KSPLIT, bool SB>
 __global__ void __cluster_dims__(KSPLIT, 1, 1) __launch_bounds__(kThreads, kBlocksPerSM<BN>) rkv_gemm_w4a8_sm90_splitk(
     const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
     const float* __restrict__ wgs, const u8* __restrict__ x, const u8* __restrict__ xsf, i64 xs_t, i64 xs_g,
-    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
+    i64 ss_t, i64 ss_g, i64 ss_b, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g,
     int n, int k, int tokens, const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
-    gemm_w4a8<BN, STAGES, KSPLIT, SB>(wq, wsh, wrow, wgs, x, xsf, xs_t, xs_g, ss_t, ss_g, out, os_t, os_g, n, k,
+    gemm_w4a8<BN, STAGES, KSPLIT, SB>(wq, wsh, wrow, wgs, x, xsf, xs_t, xs_g, ss_t, ss_g, ss_b, out, os_t, os_g, n, k,
                                       tokens, nullptr, experts, errors);
 }

@@ -446,8 +446,9 @@ def activation8(x, x_sf, ndim, k, where, device) -> Act8:
     scales (rawkv.fp8.quantize_blocks with block 128): float32, or E8M0
     bytes (uint8 / float8_e8m0fnu, 'ue8m0'), which the kernels read as
     their float32 powers of two. On CUDA, codes whose rows are not 16-byte
-    aligned and contiguous, or scales whose last dimension is strided, are
-    copied once (as for the W4A16 activations)."""
+    aligned and contiguous are copied once (as for the W4A16 activations);
+    the scales are read in place at any strides (DeepGEMM's MN-major,
+    TMA-aligned layout included: docs/gemm.md, "Scale layouts")."""
     x = A.tensor(x, "x.codes", FP8_CODES, where, dense=False)
     s = tuple(x.shape)
     if len(s) != ndim or s[-1] != k:
@@ -459,5 +460,4 @@ def activation8(x, x_sf, ndim, k, where, device) -> Act8:
         raise ValueError(f"weight: is on {_device_name(device)}, x on {_device_name(dev)}; rawkv does not move data")
     if where == "cuda":
         x = rows_aligned(x, 16)
-        x_sf = x_sf if x_sf.stride(-1) == 1 else x_sf.contiguous()
     return Act8(x, x_sf, s[:-1], dev)

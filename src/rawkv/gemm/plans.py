@@ -582,7 +582,7 @@ def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> 
     os_t, os_g = _lead_strides(out)
     return Launch(inst, grid, block, dict(
         wq=w.codes, wsh=w.shifts, wrow=w.row_scale, wgs=w.gs, x=act.x, xsf=act.sf, xs_t=xs_t, xs_g=xs_g,
-        ss_t=ss_t, ss_g=ss_g, out=out, os_t=os_t, os_g=os_g, n=w.n, k=w.k, tokens=tokens, offsets=offsets,
+        ss_t=ss_t, ss_g=ss_g, ss_b=act.sf.stride(-1), out=out, os_t=os_t, os_g=os_g, n=w.n, k=w.k, tokens=tokens, offsets=offsets,
         experts=experts, errors=errors))
 
 
