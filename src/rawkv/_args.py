@@ -812,6 +812,31 @@ def detached_spans(pairs) -> tuple:
                  for n, s in spans(pairs))
 
 
+def apart(shape, strides) -> bool:
+    """Whether no two elements of a strided view share memory, by the usual
+    sufficient rule: each dimension's stride, smallest first, steps past
+    everything the smaller ones span. (A view it refuses may still be
+    apart in an exotic interleaving; none a caller needs.) The dimensions
+    are tried in their own order first, innermost first: the usual layout
+    passes without a sort (this runs on every GEMM call)."""
+    span, i = 0, len(shape)
+    while i:
+        i -= 1
+        if shape[i] > 1:
+            if strides[i] <= span:
+                break
+            span += (shape[i] - 1) * strides[i]
+    else:
+        return True
+    span = 0
+    for st, d in sorted(zip(map(abs, strides), shape)):
+        if d > 1:
+            if st <= span:
+                return False
+            span += (d - 1) * st
+    return True
+
+
 def same_memory(a, b) -> bool:
     """`a` and `b` address the same bytes the same way (one array, or two
     views of it alike: a numpy array and torch.from_numpy of it)."""

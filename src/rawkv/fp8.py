@@ -250,12 +250,43 @@ def check_scale_format(scale_format) -> None:
 
 
 def check_scales(scales, name: str, scale_format: str, where: str, shape, device) -> tuple:
-    """(scales, (UE8M0, SBYTE)): a scales buffer of `shape` checked (float32
-    for 'fp32'; for 'ue8m0' E8M0 bytes or their float32 values), and the
-    kernels' scale format (rawkv.kernels.fp8_blocks SCALE_*) it asks for."""
+    """(scales, (UE8M0, SBYTE)): a scales buffer of `shape` to write,
+    checked (float32 for 'fp32'; for 'ue8m0' E8M0 bytes or their float32
+    values; any layout check_scale_layout takes), and the kernels' scale
+    format (rawkv.kernels.fp8_blocks SCALE_*) it asks for."""
     scales = A.tensor(scales, name, ("float32",) if scale_format == "fp32" else UE8M0_SCALES, where, shape=shape,
-                      device=device)
+                      device=device, dense=False)
+    check_scale_layout(scales, name, write=True)
     return scales, scales_kind(scale_format, scales)
+
+
+def check_scale_layout(scales, name: str, write: bool) -> None:
+    """Scales (..., nb) are taken at any strides whose leading dimensions
+    collapse into one evenly strided row index (scale (row, b) at
+    row * s_row + b * s_blk: scale_strides), DeepSeek's row-major and
+    DeepGEMM's MN-major layouts alike (docs/format.md, "Scale layouts"); to
+    be written, no two of them may share memory (each is written once, by
+    one thread). A ValueError names `name` otherwise."""
+    if A.is_dense(scales):
+        return                               # (the usual layout: nothing to work out)
+    shape, st = tuple(scales.shape), A.strides(scales)
+    lead = [(d, s) for d, s in zip(shape[:-1], st[:-1]) if d != 1]
+    if any(s != s_in * d_in for (_, s), (d_in, s_in) in zip(lead, lead[1:])):
+        raise ValueError(f"{name}: its leading dimensions {shape[:-1]} (strides {st[:-1]}) are not one evenly "
+                         "strided row index; the FP8 kernels take scales (row, block) at two strides")
+    if write and not A.apart(shape, st):
+        raise ValueError(f"{name}: strides {st} make two scales share memory; "
+                         "a scales buffer to write holds each scale once")
+
+
+def scale_strides(scales) -> tuple:
+    """(s_row, s_blk): the elements between a scales view's rows (its
+    leading dimensions as one index, check_scale_layout) and between its
+    blocks; the kernels read and write scale (row, b) at row * s_row +
+    b * s_blk. (One row: its own stride, which nothing steps by.)"""
+    shape, st = tuple(scales.shape), A.strides(scales)
+    rows = [s for d, s in zip(shape[:-1], st[:-1]) if d != 1] or list(st[-2:-1]) or [0]
+    return rows[-1], (st[-1] if st else 1)
 
 
 def scales_kind(scale_format: str, scales) -> tuple:
@@ -365,8 +396,9 @@ def plan_quantize_blocks(dev, x, codes, scales, rows, k, block, fmt) -> list:
     per_vec = 16 // x.element_size()
     units = rows * bref.block_count(k, block)
     grid, threads = grid_stride(dev, units * (block // per_vec), _BLOCK)
+    s_row, s_blk = scale_strides(scales)
     return [Launch(KB.QUANTIZE.instance(x.dtype, block, *fmt), (grid,), (threads,),
-                   dict(x=x, codes=codes, scales=scales, rows=rows, K=k))]
+                   dict(x=x, codes=codes, scales=scales, s_row=s_row, s_blk=s_blk, rows=rows, K=k))]
 
 
 @op("fp8_quantize_blocks", "Tensor x, int block, str scale_format, Tensor(a!) codes, Tensor(b!) scales")
@@ -391,7 +423,8 @@ def _dequantize_blocks_args(codes, scales, block, out, dtype):
     rows, k = _block_rows(codes, "codes", block)
     dev = A.device_of(codes)
     scales = A.tensor(scales, "scales", UE8M0_SCALES, where,
-                      shape=(*codes.shape[:-1], bref.block_count(k, block)), device=dev)
+                      shape=(*codes.shape[:-1], bref.block_count(k, block)), device=dev, dense=False)
+    check_scale_layout(scales, "scales", write=False)
     out, name = A.decoded(out, dtype, where, codes.shape, dev, align=16)
     return where, codes, scales, rows, k, out, name
 
@@ -400,8 +433,9 @@ def plan_dequantize_blocks(dev, codes, scales, out, rows, k, block) -> list:
     """The launch of a dequantize_blocks of rows x K > 0 codes: one thread
     per DEQUANTIZE_UNIT codes."""
     grid, threads = grid_stride(dev, rows * k // KB.DEQUANTIZE_UNIT, _BLOCK)
+    s_row, s_blk = scale_strides(scales)
     return [Launch(KB.DEQUANTIZE.instance(out.dtype, scales.element_size() == 1), (grid,), (threads,),
-                   dict(codes=codes, scales=scales, out=out, rows=rows, K=k, blk=block))]
+                   dict(codes=codes, scales=scales, s_row=s_row, s_blk=s_blk, out=out, rows=rows, K=k, blk=block))]
 
 
 @op("fp8_dequantize_blocks", "Tensor codes, Tensor scales, int block, Tensor(a!) out")

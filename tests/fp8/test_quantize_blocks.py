@@ -367,8 +367,9 @@ class _Meta:
 @pytest.mark.parametrize("dtype,block,per_unit", [(torch.bfloat16, 128, 16), (torch.float32, 128, 32),
                                                   (torch.float16, 32, 4), (torch.float32, 64, 16)])
 def test_plan_is_one_thread_per_vector_of_each_unit(dtype, block, per_unit):
-    x, c, s = _Meta(dtype), object(), object()
+    x, c = _Meta(dtype), object()
     for rows, k in ((1, 128), (7, 144), (4096, 7168)):
+        s = torch.empty(rows, -(-k // block), dtype=torch.uint8)
         plan = fp8.plan_quantize_blocks(H100, x, c, s, rows, k, block, KB.SCALE_UE8M0)
         (launch,) = plan
         units = rows * -(-k // block)
@@ -377,15 +378,15 @@ def test_plan_is_one_thread_per_vector_of_each_unit(dtype, block, per_unit):
         assert grid * threads <= max(units * per_unit, threads) + threads
         assert grid == min(-(-units * per_unit // threads), 132 * (2048 // threads) * 2)
         assert launch.kernel is KB.QUANTIZE.instance(dtype, block, *KB.SCALE_UE8M0)
-        assert launch.args == dict(x=x, codes=c, scales=s, rows=rows, K=k)
+        assert launch.args == dict(x=x, codes=c, scales=s, s_row=s.shape[-1], s_blk=1, rows=rows, K=k)
 
 
 def test_dequantize_plan_counts_eight_codes_per_thread():
-    c, s, out = object(), type("S", (), {"element_size": lambda self: 1})(), _Meta(torch.bfloat16)
+    c, s, out = object(), torch.empty(10, 5, dtype=torch.uint8), _Meta(torch.bfloat16)
     (launch,) = fp8.plan_dequantize_blocks(H100, c, s, out, 10, 160, 32)
     assert launch.grid == (-(-(10 * 160 // 8) // 256),) and launch.block == (256,)
     assert launch.kernel is KB.DEQUANTIZE.instance(torch.bfloat16, True)
-    assert launch.args == dict(codes=c, scales=s, out=out, rows=10, K=160, blk=32)
+    assert launch.args == dict(codes=c, scales=s, s_row=5, s_blk=1, out=out, rows=10, K=160, blk=32)
 
 
 # ---- CUDA against the reference (the lead runs these on a GPU) --------------------------------

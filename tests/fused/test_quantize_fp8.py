@@ -418,12 +418,12 @@ def test_row_plans_are_one_launch_of_one_cta_per_row(rows, n, block, fmt):
     assert launch.grid == (rows,) and launch.block == (threads,) and threads % 32 == 0
     assert launch.args == dict(x=a.x, mix=None, mix_kind=0, n_hc=1, w=w, w_kind=K.PARAM_KIND["float32"], eps=1e-6,
                                n=n, inv_out=a.inv, blk=block, ue8m0=int(fmt[0]), sbyte=int(fmt[1]),
-                               codes=a.codes, scales=a.scales)
+                               codes=a.codes, scales=a.scales, s_row=-(-n // block), s_blk=1)
     h = _fp8_rows(rows, _meta(rows, 2 * n), n, block, fmt, inv=False)
     (launch,) = plans.swiglu_fp8(H100, h, 4, False)
     assert launch.kernel is K.SWIGLU_FP8.instance(BF16, False, K.REG) and launch.grid == (rows,)
     assert launch.args == dict(h=h.x, inter=n, g=4, blk=block, ue8m0=int(fmt[0]), sbyte=int(fmt[1]),
-                               codes=h.codes, scales=h.scales)
+                               codes=h.codes, scales=h.scales, s_row=-(-n // block), s_blk=1)
 
 
 def test_row_plans_with_no_rows_launch_nothing():
@@ -447,7 +447,8 @@ def test_moe_plan_is_one_grid_stride_launch(rows, k, top):
     assert launch.kernel is K.MOE_STAGE_FP8.instance(BF16, torch.int32)
     grid, block = grid_stride(H100, work, block=K.MOE_BLOCK)
     assert launch.grid == (grid,) and launch.block == (block,)
-    assert launch.args == dict(x=hid, rows=rows, K=k, blk=128, ue8m0=0, sbyte=0, codes=c, scales=s, ids=ids,
+    assert launch.args == dict(x=hid, rows=rows, K=k, blk=128, ue8m0=0, sbyte=0, codes=c, scales=s,
+                               s_row=k // 128, s_blk=1, ids=ids,
                                n_ids=rows * top, ids_out=io, wts=wts, w_bytes=rows * top * 4, wts_out=wo)
 
 

@@ -11,26 +11,26 @@ using namespace rkv;
 // producers); here the block and the scale format are template constants.
 template <typename T, int BLOCK, bool UE8M0, bool SBYTE>
 __global__ void rkv_fp8_quantize_blocks(const T* __restrict__ x, u8* __restrict__ codes,
-                                        void* __restrict__ scales, i64 rows, i64 K) {
+                                        void* __restrict__ scales, i64 s_row, i64 s_blk, i64 rows, i64 K) {
     static_assert(UE8M0 || !SBYTE, "an E8M0 byte holds a power of two only");
     constexpr int TPB = BLOCK / Vec16<T>::N;
     static_assert(TPB >= 1 && TPB <= 32 && (TPB & (TPB - 1)) == 0, "BLOCK / N must be a power of two <= 32");
     pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
-    fp8_quantize_rows<T>(x, codes, scales, rows, K, BLOCK, UE8M0, SBYTE);
+    fp8_quantize_rows<T>(x, codes, scales, s_row, s_blk, rows, K, BLOCK, UE8M0, SBYTE);
 }
 
 // Dequantize: one thread per 8 codes (K % 16 == 0: a unit never crosses a
 // row or a block); out = FP32(decode(code) * scale), rounded to OutT, stored
-// 16 bytes at a time (out 16-byte aligned).
+// 16 bytes at a time (out 16-byte aligned). Scale (row, b) at row * s_row +
+// b * s_blk.
 template <typename OutT, bool UE8M0>
 __global__ void rkv_fp8_dequantize_blocks(const u8* __restrict__ codes, const void* __restrict__ scales,
-                                          OutT* __restrict__ out, i64 rows, i64 K, int blk) {
+                                          i64 s_row, i64 s_blk, OutT* __restrict__ out, i64 rows, i64 K, int blk) {
     const i64 upr = K / 8;
-    const i64 nb = (K + blk - 1) / blk;
     const i64 units = rows * upr;
     for (i64 u = global_thread(); u < units; u += grid_threads()) {
         const i64 row = u / upr, col = (u - row * upr) * 8;
-        const i64 si = row * nb + col / blk;
+        const i64 si = row * s_row + col / blk * s_blk;
         float s;
         if (UE8M0) {
             s = ue8m0_value(static_cast<const u8*>(scales)[si]);

@@ -75,11 +75,13 @@ template <> struct CodesWord<4> { typedef u32 type; };
 // runs the same number of iterations (the shuffles need them all), each with
 // the warp's next 32 / tpb units. Rows are K elements apart (contiguous x
 // and codes); K % 16 == 0, so every vector is whole and a partial last block
-// is a whole number of vectors.
+// is a whole number of vectors. Scale (row, b) is element row * s_row +
+// b * s_blk of `scales` (any layout: DeepSeek's row-major, DeepGEMM's
+// MN-major).
 template <typename T>
 __device__ __forceinline__ void fp8_quantize_rows(const T* __restrict__ x, u8* __restrict__ codes,
-                                                  void* __restrict__ scales, i64 rows, i64 K, int block,
-                                                  bool ue8m0, bool sbyte) {
+                                                  void* __restrict__ scales, i64 s_row, i64 s_blk, i64 rows,
+                                                  i64 K, int block, bool ue8m0, bool sbyte) {
     constexpr int N = Vec16<T>::N;
     const int tpb = block / N;
     const int upw = 32 / tpb;                       // units per warp per iteration
@@ -115,7 +117,7 @@ __device__ __forceinline__ void fp8_quantize_rows(const T* __restrict__ x, u8* _
 #pragma unroll
         for (int j = 0; j < N; ++j) out.b[j] = fp8_block_code(v[j], s, flag);
         *reinterpret_cast<W*>(codes + row * K + col) = out.w;
-        if (t == 0) fp8_store_scale(scales, u, s, byte, flag, sbyte);
+        if (t == 0) fp8_store_scale(scales, row * s_row + b * s_blk, s, byte, flag, sbyte);
     }
 }
 

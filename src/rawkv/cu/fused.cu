@@ -410,10 +410,10 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
 // each (blockDim is a multiple of 32, so c / lanes is the same block for
 // them): they reduce its amax with shuffles, so every thread of the warp
 // calls this, with or without a chunk. The block's first thread writes the
-// scale (index srow + c / lanes).
+// scale (index srow + (c / lanes) * s_blk).
 template <typename T>
 __device__ __forceinline__ void fp8_chunk(const u32 (&w)[8], bool has, i64 c, int lanes, u8* __restrict__ crow,
-                                          void* __restrict__ scales, i64 srow, bool ue8m0, bool sbyte) {
+                                          void* __restrict__ scales, i64 srow, i64 s_blk, bool ue8m0, bool sbyte) {
     const u32 m = has ? chunk_absmax_bits(w) : 0u;
     int flag = m >= Bits<T>::kInf;
     float amax = flag ? 0.0f : bits_f32<T>(m);
@@ -427,28 +427,29 @@ __device__ __forceinline__ void fp8_chunk(const u32 (&w)[8], bool has, i64 c, in
 #pragma unroll
     for (int j = 0; j < 16; ++j) out.b[j] = fp8_block_code(v[j], s, flag);
     *reinterpret_cast<uint4*>(crow + c * 16) = out.w;
-    if (c % lanes == 0) fp8_store_scale(scales, srow + c / lanes, s, byte, flag, sbyte);
+    if (c % lanes == 0) fp8_store_scale(scales, srow + c / lanes * s_blk, s, byte, flag, sbyte);
 }
 
 // A row's FP8 block output (phases 1 and 3 of row_quantize with no global
-// scale): codes (N bytes at codes + row * N), ceil(N / block) scales from
-// scales[row * that], inv_rms for NORM producers. The loop past the
+// scale): codes (N bytes at codes + row * N), ceil(N / block) scales at
+// scales[row * s_row + b * s_blk], inv_rms for NORM producers. The loop past the
 // registers runs the same number of times in every thread (the shuffles).
 template <typename T, int REG, class P>
 __device__ __forceinline__ void row_quantize_fp8(const P& p, u32 (&st)[REG][8], i64 row, i64 C, float eps, i64 n,
-                                                 u8* __restrict__ codes, void* __restrict__ scales,
-                                                 float* __restrict__ inv_out, int block, bool ue8m0, bool sbyte) {
+                                                 u8* __restrict__ codes, void* __restrict__ scales, i64 s_row,
+                                                 i64 s_blk, float* __restrict__ inv_out, int block, bool ue8m0,
+                                                 bool sbyte) {
     const int tid = threadIdx.x;
     const i64 B = blockDim.x;
     const float inv = row_inv_rms<T, REG>(p, st, C, eps, n);
     const int lanes = block / 16;
-    const i64 srow = row * ((C + lanes - 1) / lanes);
+    const i64 srow = row * s_row;
     u8* crow = codes + row * C * 16;
 #pragma unroll
     for (int r = 0; r < REG; ++r) {
         const i64 c = tid + r * B;
         if constexpr (P::NORM) { if (c < C) p.norm(c, st[r], inv); }
-        fp8_chunk<T>(st[r], c < C, c, lanes, crow, scales, srow, ue8m0, sbyte);
+        fp8_chunk<T>(st[r], c < C, c, lanes, crow, scales, srow, s_blk, ue8m0, sbyte);
     }
     for (i64 c0 = REG * B; c0 < C; c0 += B) {
         const i64 c = c0 + tid;
@@ -457,7 +458,7 @@ __device__ __forceinline__ void row_quantize_fp8(const P& p, u32 (&st)[REG][8], 
             p.load(c, w);
             p.norm(c, w, inv);
         }
-        fp8_chunk<T>(w, c < C, c, lanes, crow, scales, srow, ue8m0, sbyte);
+        fp8_chunk<T>(w, c < C, c, lanes, crow, scales, srow, s_blk, ue8m0, sbyte);
     }
     if constexpr (P::NORM) { if (tid == 0 && inv_out != nullptr) inv_out[row] = inv; }
 }
@@ -518,28 +519,30 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu(
 }
 
 // FP8 block outputs of the row producers: codes (M, N) / (M, I), scales
-// (M, ceil(N / blk)) of E8M0 bytes (sbyte) or float32 (ue8m0: powers of two),
+// (M, ceil(N / blk)) at strides (s_row, s_blk) of E8M0 bytes (sbyte) or
+// float32 (ue8m0: powers of two),
 // inv_out (M,) or null; the other arguments as rkv_fused_rms's /
 // rkv_fused_swiglu's. One CTA per row, blockDim a multiple of 32.
 template <typename T, bool MIX, int REG>
 __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms_fp8(
         const T* __restrict__ x, const void* __restrict__ mix, long long mix_kind, long long n_hc,
         const void* __restrict__ w, long long w_kind, double eps, long long n, long long blk, long long ue8m0,
-        long long sbyte, u8* __restrict__ codes, void* __restrict__ scales, float* __restrict__ inv_out) {
+        long long sbyte, u8* __restrict__ codes, void* __restrict__ scales, long long s_row, long long s_blk,
+        float* __restrict__ inv_out) {
     pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     const i64 row = blockIdx.x;
     RmsProducer<T, MIX> p;
     set_rms_producer(p, x, mix, mix_kind, n_hc, w, w_kind, n, row);
     u32 st[REG][8];
     load_row<REG>(p, n / 16, st);
-    row_quantize_fp8<T, REG>(p, st, row, n / 16, (float)eps, n, codes, scales, inv_out, (int)blk, ue8m0 != 0,
-                             sbyte != 0);
+    row_quantize_fp8<T, REG>(p, st, row, n / 16, (float)eps, n, codes, scales, s_row, s_blk, inv_out, (int)blk,
+                             ue8m0 != 0, sbyte != 0);
 }
 
 template <typename T, bool VEC, int REG>
 __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu_fp8(
         const T* __restrict__ h, long long inter, long long g, long long blk, long long ue8m0, long long sbyte,
-        u8* __restrict__ codes, void* __restrict__ scales) {
+        u8* __restrict__ codes, void* __restrict__ scales, long long s_row, long long s_blk) {
     pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     const i64 row = blockIdx.x;
     SwigluProducer<T, VEC> p;
@@ -547,8 +550,8 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu_fp8(
     p.g = (u32)g;
     u32 st[REG][8];
     load_row<REG>(p, inter / 16, st);
-    row_quantize_fp8<T, REG>(p, st, row, inter / 16, 0.0f, inter, codes, scales, nullptr, (int)blk, ue8m0 != 0,
-                             sbyte != 0);
+    row_quantize_fp8<T, REG>(p, st, row, inter / 16, 0.0f, inter, codes, scales, s_row, s_blk, nullptr, (int)blk,
+                             ue8m0 != 0, sbyte != 0);
 }
 
 // Scope tensor / given / none with no rows: no row CTA runs, and those are
@@ -606,15 +609,15 @@ __global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeMinBlocks) rkv_moe_st
 }
 
 // MoE input staging with an FP8 block output: hidden (M, K) -> codes (M, K)
-// and scales (M, ceil(K / blk)) by fp8_blocks.cuh's grid-stride quantizer
+// and scales (M, ceil(K / blk), at strides (s_row, s_blk)) by fp8_blocks.cuh's grid-stride quantizer
 // (a thread per 16-byte vector of x; every warp whole), then the top-k copy.
 template <typename T, typename ID>
 __global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK) rkv_moe_stage_fp8(
         const T* __restrict__ x, long long rows, long long K, long long blk, long long ue8m0, long long sbyte,
-        u8* __restrict__ codes, void* __restrict__ scales,
+        u8* __restrict__ codes, void* __restrict__ scales, long long s_row, long long s_blk,
         const ID* __restrict__ ids, long long n_ids, long long* __restrict__ ids_out,
         const u8* __restrict__ wts, long long w_bytes, u8* __restrict__ wts_out) {
     pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
-    fp8_quantize_rows<T>(x, codes, scales, rows, K, (int)blk, ue8m0 != 0, sbyte != 0);
+    fp8_quantize_rows<T>(x, codes, scales, s_row, s_blk, rows, K, (int)blk, ue8m0 != 0, sbyte != 0);
     moe_copy_topk(ids, n_ids, ids_out, wts, w_bytes, wts_out);
 }

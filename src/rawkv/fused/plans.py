@@ -8,6 +8,7 @@ outputs (*_fp8) have no global scale: one launch each."""
 from __future__ import annotations
 
 from .. import _args as A
+from .. import fp8 as FP8
 from .._plan import Launch, grid_stride
 from ..kernels import fused as K
 from ..nvfp4.encode import Gs, Passes, empty_gs, plan_scope
@@ -108,8 +109,11 @@ def _moe(dev, kernel, units, hidden, topk_ids, topk_weights, ids_out, w_out, arg
 # ---- the FP8 block outputs (one launch; no global scale, so no pass of an amax) --------------------
 def _fp8(block, fmt, codes, scales) -> dict:
     """An FP8 kernel's output arguments: the block, the scale format
-    (UE8M0, SBYTE) as run-time flags, codes and scales."""
-    return dict(blk=block, ue8m0=int(fmt[0]), sbyte=int(fmt[1]), codes=codes, scales=scales)
+    (UE8M0, SBYTE) as run-time flags, codes, and scales at their row and
+    block strides (rawkv.fp8.scale_strides: any layout check_scales takes)."""
+    s_row, s_blk = FP8.scale_strides(scales)
+    return dict(blk=block, ue8m0=int(fmt[0]), sbyte=int(fmt[1]), codes=codes, scales=scales, s_row=s_row,
+                s_blk=s_blk)
 
 
 def _row_launch(dev, inst, a, args) -> list:

@@ -310,31 +310,6 @@ def rows_aligned(x, align: int):
 
 
 # ---- out ---------------------------------------------------------------------------------------
-def _apart(shape, strides) -> bool:
-    """Whether no two elements of a strided view share memory, by the usual
-    sufficient rule: each dimension's stride, smallest first, steps past
-    everything the smaller ones span. (A view it refuses may still be
-    apart in an exotic interleaving; none a caller needs.) The dimensions
-    are tried in their own order first, innermost first: the usual layout
-    passes without a sort (this runs on every GEMM call)."""
-    span, i = 0, len(shape)
-    while i:
-        i -= 1
-        if shape[i] > 1:
-            if strides[i] <= span:
-                break
-            span += (shape[i] - 1) * strides[i]
-    else:
-        return True
-    span = 0
-    for st, d in sorted(zip(map(abs, strides), shape)):
-        if d > 1:
-            if st <= span:
-                return False
-            span += (d - 1) * st
-    return True
-
-
 def output(out, shape, where, device):
     """out: bfloat16 (a numpy out: float32 holding BF16 values) of `shape`
     on `device`, its last dimension contiguous (the kernel takes the other
@@ -347,7 +322,7 @@ def output(out, shape, where, device):
     st = A.strides(out)
     if st[-1] != 1 and shape[-1] > 1:
         raise ValueError("out: the last dimension must be contiguous")
-    if not _apart(shape, st):
+    if not A.apart(shape, st):
         raise ValueError(f"out: rows overlap (strides {st} for shape {tuple(shape)}); "
                          "pass a tensor whose elements each have their own memory")
     return out
