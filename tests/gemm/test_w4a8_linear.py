@@ -1039,13 +1039,15 @@ def test_mn_major_scales_are_read_in_place(sm90, path, rng, op, tokens):
     if op == "grouped":
         xc, xb, xf = (t.cuda() for t in e8m0_act(rng, (tokens, g, k)))
         run = lambda sf: rawkv.gemm.grouped_linear((xc, sf), w8c)  # noqa: E731
-        plan = lambda sf: R.w4a8_grouped(xc, sf, *w8c[2:], n, k, None, None)  # noqa: E731
+        out = torch.empty(tokens, g, n, dtype=bf, device="cuda")
+        plan = lambda sf: R.w4a8_grouped(xc, sf, *w8c[2:], n, k, out, None)  # noqa: E731
     else:
         rows = tokens * g
         xc, xb, xf = (t.cuda() for t in e8m0_act(rng, (rows, k)))
         offs = torch.tensor([0, rows // 3, rows], dtype=torch.int32, device="cuda")
         run = lambda sf: rawkv.gemm.moe_linear((xc, sf), w8c, offs)  # noqa: E731
-        plan = lambda sf: R.w4a8_moe(xc, sf, *w8c[2:], n, k, offs, None, None)  # noqa: E731
+        out = torch.empty(rows, n, dtype=bf, device="cuda")
+        plan = lambda sf: R.w4a8_moe(xc, sf, *w8c[2:], n, k, offs, out, None)  # noqa: E731
     for sf in (xf, xb.view(torch.uint8)):
         want = run(sf).view(torch.int16)
         mn = mn_major(sf)
