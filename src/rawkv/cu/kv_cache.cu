@@ -94,17 +94,6 @@ __device__ __forceinline__ i64 flush_target(const bool* __restrict__ valid, cons
                   num_blocks, epb);
 }
 
-// Whether a valid row below b names state slot s (the duplicate rule of the
-// state kernels; valid == nullptr: every row is valid). Every thread of the
-// CTA calls it.
-__device__ __forceinline__ bool slot_taken_below(const bool* __restrict__ valid,
-                                                 const int* __restrict__ slots, i64 b, i64 s) {
-    bool hit = false;
-    for (i64 q = threadIdx.x; q < b; q += blockDim.x)
-        hit |= (valid == nullptr || valid[q]) && (i64)slots[q] == s;
-    return __syncthreads_or(hit) != 0;
-}
-
 // The pool row flush row b writes, claimed by the warp of row b (every lane
 // calls it): -1 when the row is invalid (not counted), or out of range, or a
 // lower row writes the same pool row (both counted: lane 0 adds 1).
@@ -376,7 +365,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_append(
     const i64 b = blockIdx.x;
     if (!valid[b]) return;                                   // CTA-uniform (read-only input)
     const i64 s = slots[b];
-    if (s < 0 || s >= S || slot_taken_below(valid, slots, b, s)) {
+    if (s < 0 || s >= S || slot_taken_below</*NULL_IS_ALL=*/true>(valid, slots, b, s)) {
         if (threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }
@@ -426,7 +415,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_state_reset(
     const i64 b = blockIdx.x;
     if (valid != nullptr && !valid[b]) return;
     const i64 s = slots[b];
-    if (s < 0 || s >= S || slot_taken_below(valid, slots, b, s)) {
+    if (s < 0 || s >= S || slot_taken_below</*NULL_IS_ALL=*/true>(valid, slots, b, s)) {
         if (threadIdx.x == 0) atomicAdd(errors, 1);
         return;
     }

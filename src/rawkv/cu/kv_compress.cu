@@ -49,11 +49,11 @@
 //      (docs/kvcache.md decision 11, as the state ops): the lowest valid row
 //      of a slot owns it; every other valid row of that slot writes nothing
 //      and is counted, whether or not the owner flushes (every CTA scans the
-//      rows below it, slot_taken_below; run-order free). Duplicate entries:
-//      among the slots' owners, a lower row that writes the same pool entry
-//      owns it; this row writes nothing and is counted (every CTA scans the
-//      rows below it with the same decision, decode_target and
-//      repeats_a_slot). The flush decision is taken per ROW,
+//      rows below it, slot_taken_below in kv_layouts.cuh; run-order free).
+//      Duplicate entries: among the slots' owners, a lower row that writes
+//      the same pool entry owns it; this row writes nothing and is counted
+//      (every CTA scans the rows below it with the same decision,
+//      decode_target and repeats_a_slot). The flush decision is taken per ROW,
 //      identically by both parts, from both states' counts: neither window
 //      complete -> skipped silently; both complete (or the one, without an
 //      indexer) -> flushed; exactly one complete (the states are out of
@@ -243,23 +243,10 @@ __device__ __forceinline__ bool owned_by(const int* __restrict__ request_ids, co
     return rid > 0 && owners[blk] == rid;
 }
 
-// Decode duplicates of a slot (docs/kvcache.md decision 11, the state ops'
-// rule: kv_cache.cu's slot_taken_below): among the valid rows with an
-// in-range slot, the lowest row of a slot owns it; a lower valid row naming
-// slot s makes row b a repeat. Every thread of the CTA calls it (a barrier).
-template <typename I>
-__device__ __forceinline__ bool slot_taken_below(const u8* __restrict__ valid, const I* __restrict__ slots,
-                                                 i64 b, i64 s) {
-    bool hit = false;
-    for (i64 q = threadIdx.x; q < b; q += blockDim.x)
-        hit |= valid[q] && (i64)slots[q] == s;
-    return block_any(hit);
-}
-
-// The same question asked by one thread about row q (valid, slot in range):
-// whether q repeats a lower row's slot. Only asked of a row that would write
-// the entry this CTA writes (rare: a caller error), so the serial scan costs
-// nothing in the common case.
+// slot_taken_below's question (kv_layouts.cuh) asked by one thread about row
+// q (valid, slot in range): whether q repeats a lower row's slot. Only asked
+// of a row that would write the entry this CTA writes (rare: a caller error),
+// so the serial scan costs nothing in the common case.
 template <typename I>
 __device__ __forceinline__ bool repeats_a_slot(const u8* __restrict__ valid, const I* __restrict__ slots, i64 q) {
     const I s = slots[q];
@@ -388,7 +375,7 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
         // A lower valid row names this slot: it owns the slot, this row is
         // skipped and counted whatever the windows and the position (one
         // window is never pooled into two entries). CTA-uniform, as above.
-        if (slot_taken_below(valid, slots, n, s)) {
+        if (slot_taken_below</*NULL_IS_ALL=*/false>(valid, slots, n, s)) {
             if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
             return;
         }

@@ -11,6 +11,8 @@
 //   MXFP4 key  DATA 64 = 128 E2M1 (2j low nibble),   SCALE 4 = 4 UE8M0
 // The *_lane functions are called by every lane of one warp for one record
 // (they shuffle): MODEL1 maps dims 16l .. 16l+15 to lane l, the keys 4l .. 4l+3.
+// Beside the layouts, at the end: slot_taken_below, the duplicate-slot rule
+// of the state kernels (kv_cache.cu) and the decode compressor (kv_compress.cu).
 #pragma once
 #include "common.cuh"
 
@@ -295,3 +297,23 @@ __device__ __forceinline__ void index_load_lane(const u8* page_base, i64 off, i6
 }
 
 }  // namespace rkvlay
+
+namespace rkv {
+
+// The duplicate-slot rule (docs/kvcache.md decision 11): among the valid rows
+// with an in-range slot, the lowest row of a slot owns it. Returns whether a
+// valid row below b names slot s, i.e. whether row b repeats a lower row's
+// slot. NULL_IS_ALL: valid == nullptr means every row is valid (the state
+// kernels of kv_cache.cu); without it valid is never null and the loop tests
+// no pointer (kv_compress.cu). Every thread of the CTA must call it: it is a
+// barrier (__syncthreads_or).
+template <bool NULL_IS_ALL, typename V, typename I>
+__device__ __forceinline__ bool slot_taken_below(const V* __restrict__ valid, const I* __restrict__ slots,
+                                                 i64 b, i64 s) {
+    bool hit = false;
+    for (i64 q = threadIdx.x; q < b; q += blockDim.x)
+        hit |= ((NULL_IS_ALL && valid == nullptr) || valid[q]) && (i64)slots[q] == s;
+    return __syncthreads_or(hit ? 1 : 0) != 0;
+}
+
+}  // namespace rkv
