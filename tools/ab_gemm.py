@@ -19,6 +19,8 @@ Inputs are drawn from fixed seeds, the same in every process. Rows:
   wo_a  the wo_a shapes (Flash, Pro) at 128, 512, 2,048 and 4,096 tokens (W4A16)
   moe   DeepSeek-V4-Flash's MoE gate_up and down at 256 and 4,096 tokens (W4A16)
   w4a8  the same wo_a and MoE rows with W4A8 weights and FP8 block activations
+  decode  the three wo_a shapes at 1, 8 and 16 tokens and Flash's MoE gate_up and
+        down at 1, 16 and 64 tokens (W4A16: the mma.sync kernel's rows)
 The weights are random NVFP4 checkpoint bytes through the loaders
 (rawkv.bench.gemm), rotated over four copies for the wo_a rows."""
 from __future__ import annotations
@@ -31,13 +33,16 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROW_SETS = ("wo_a", "moe", "w4a8")
+ROW_SETS = ("wo_a", "moe", "w4a8", "decode")
 # The benchmark's shapes (rawkv.bench.gemm, read in the worker from its own
 # tree): these of them are timed.
 WO_A_SHAPES = ("flash", "pro")
 WO_A_MS = (128, 512, 2048, 4096)
 MOE_MODEL = "flash"
 MOE_TOKENS = (256, 4096)
+DECODE_SHAPES = ("flash", "pro", "seed004")
+DECODE_MS = (1, 8, 16)
+DECODE_MOE_TOKENS = (1, 16, 64)
 
 
 def parse_rows(text: str) -> tuple[str, ...]:
@@ -120,6 +125,30 @@ def worker(rows: tuple[str, ...]) -> dict:
                     xa = rawkv.fp8.quantize_blocks(x)
                     row(f"w4a8 moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(xa, wa, offs, out=out))
             w = wa = None
+            torch.cuda.empty_cache()
+    if "decode" in rows:
+        for shape in DECODE_SHAPES:
+            g, k, n = WO_A[shape]
+            torch.manual_seed(1)
+            ws = [_rawkv_weight(torch, *_checkpoint(torch, g, n, k, "cuda")) for _ in range(4)]
+            for m in DECODE_MS:
+                torch.manual_seed(2)
+                x = torch.randn(m, g, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(m, g, n, device="cuda", dtype=torch.bfloat16)
+                row(f"dec wo_a {shape} {m}", lambda i: rawkv.gemm.grouped_linear(x, ws[i % 4], out=out))
+            ws = None
+        experts, top_k, layers = MOE[MOE_MODEL]
+        for layer, (n, k) in layers.items():
+            torch.manual_seed(3)
+            w = _rawkv_weight(torch, *_checkpoint(torch, experts, n, k, "cuda"))
+            for tokens in DECODE_MOE_TOKENS:
+                _, offs = _routing(torch, torch.Generator().manual_seed(0), experts, top_k, tokens)
+                offs = offs.cuda()
+                torch.manual_seed(4)
+                x = torch.randn(tokens * top_k, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(tokens * top_k, n, device="cuda", dtype=torch.bfloat16)
+                row(f"dec moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(x, w, offs, out=out))
+            w = None
             torch.cuda.empty_cache()
     return {"rawkv": rawkv.__file__, "rows": res}
 

@@ -21,6 +21,7 @@ def test_rows_are_named_sets_in_order_once():
     ab = _tool()
     assert ab.parse_rows("moe, wo_a,moe") == ("moe", "wo_a")
     assert ab.parse_rows("w4a8") == ("w4a8",)
+    assert ab.parse_rows("decode,moe") == ("decode", "moe")
     for bad in ("", "moe,dense", " , "):
         with pytest.raises(ValueError, match="--rows"):
             ab.parse_rows(bad)
