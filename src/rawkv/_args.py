@@ -654,6 +654,17 @@ def _positive_float32(v, name: str, what: str) -> float:
     return f
 
 
+def refuse_bool(v, name: str, what: str) -> None:
+    """A bool (Python or NumPy) where a number goes is a TypeError naming the
+    argument, in the words the op wrapper uses for a traced one
+    (`eps: expected a number, got bool`, `block: expected an int, got
+    bool`): never 1 or 0 (docs/runtime.md, "Numbers"; the operators take it
+    as a `Scalar`, which keeps it a bool)."""
+    c = v.__class__
+    if c is bool or c is np.bool_:
+        raise TypeError(f"{name}: expected {what}, got bool")
+
+
 def check_gs_number(gs, name: str = "gs") -> float:
     """A global decode scale given as a number: the kernels read it as float32,
     so it must be finite and > 0 *as a float32* (1e39 would become inf, 1e-46
@@ -707,7 +718,10 @@ def op_gs(gs, gs_value, required: bool = False):
     """A public op's gs from its custom operator's two arguments (a schema
     argument has one type, rawkv._opdecl): a tensor `gs` or a number
     `gs_value`, at most one of them, exactly one when `required` (else
-    None: neither)."""
+    None: neither). A bool gs_value (the operator's `Scalar? gs_value`
+    keeps it) is a TypeError naming it (a bool gs is the op's rule's)."""
+    if gs_value is not None:
+        refuse_bool(gs_value, "gs_value", "a number")
     if gs is not None and gs_value is not None:
         raise ValueError("gs: expected a gs tensor or a gs_value number, got both")
     if gs is None and gs_value is None and required:

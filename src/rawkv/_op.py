@@ -43,7 +43,7 @@ import warnings
 import numpy as np
 
 from . import _args as A
-from ._opdecl import INT_TYPES, OpDecl
+from ._opdecl import OpDecl
 from .runtime import get_runtime
 
 
@@ -216,7 +216,7 @@ def _traced(decl: Op, args):
             # (torch's argument parser would make it 1 or 1.0, which the op
             # then takes, where the eager op refuses the bool: docs/runtime.md,
             # "Numbers". Without fullgraph, dynamo then runs the call eagerly.)
-            what = "an int" if decl.args[i][1].rstrip("?") in INT_TYPES else "a number"
+            what = "an int" if i in decl.ints else "a number"
             raise TypeError(f"{decl.args[i][0]}: expected {what}, got bool")
         if isinstance(v, np.ndarray) or A.is_torch(v):
             # (a NumPy bool, an array or a tensor where the schema takes a number:
@@ -224,10 +224,11 @@ def _traced(decl: Op, args):
             # making its fake tensor call)
             raise TypeError(f"{decl.args[i][0]}: expected a number, got "
                             f"{'a tensor' if A.is_torch(v) else 'a NumPy bool or array'}")
-        if decl.args[i][1].rstrip("?") == "Scalar" and isinstance(v, (float, complex)):
+        if i in decl.ints and decl.args[i][1].rstrip("?") == "Scalar" and isinstance(v, (float, complex)):
             # (a float where an integer Scalar goes: the fake call would take
             # it, the op refuses it when it runs; refused here as eagerly, in
-            # kvcache's host_int's words. A dynamic int is a SymInt: taken.)
+            # kvcache's host_int's words. A dynamic int is a SymInt: taken.
+            # A float Scalar, FLOAT_SCALARS, takes it.)
             raise TypeError(f"{decl.args[i][0]}: expected an int, got {type(v).__name__}")
     for i in decl.tensors:
         v = args[i] if i < len(args) else None

@@ -18,16 +18,19 @@ import re
 from typing import Callable
 
 _OPS: dict[str, "OpDecl"] = {}
-# The schema types of number arguments. An integer a caller passes as a
-# request's slot or a page size (kvcache: slot, n_entries, start_entry,
-# page_size, num_pages) is `Scalar`, not `int`: torch's argument parser makes
-# a bool given as an `int` 1 or 0 before the body runs (slot=True read slot
-# 1's request), and keeps it a bool in a `Scalar`, which the body's own rule
-# refuses by name as the public op does (docs/runtime.md, "Numbers"). A
-# `Scalar` argument of a rawkv op is an integer (the op wrapper's error for a
-# traced bool says so).
+# The schema types of number arguments. A number a caller passes (kvcache's
+# slot, page_size, ...; block, granularity, GEMM's n / k / exp_lo / exp_hi;
+# eps, theta, gs_value) is `Scalar`, not `int` / `float`: torch's argument
+# parser makes a bool given as an `int` or `float` 1 / 1.0 (0, 0.0) before
+# the body runs (slot=True read slot 1's request, eps=True normalized with
+# 1.0), and keeps it a bool in a `Scalar`, which the body's own rule refuses
+# by name as the public op does (docs/runtime.md, "Numbers"). A `Scalar`
+# argument of a rawkv op is an integer unless its name is one of
+# FLOAT_SCALARS (a float, which takes an int too): the op wrapper's error for
+# a traced bool or float says which.
 NUMBER_TYPES = ("int", "float", "Scalar")
 INT_TYPES = ("int", "Scalar")
+FLOAT_SCALARS = ("eps", "theta", "gs_value")
 _ARG = re.compile(r"^\s*(?P<type>[\w\[\]?]+)(?P<alias>\([a-z]!\))?(?P<optional>\?)?\s+(?P<name>\w+)"
                   r"(?:\s*=\s*(?P<default>\S+))?\s*$")
 
@@ -59,6 +62,9 @@ class OpDecl:
         self.mutates = tuple(n for n, _, w in self.args if w)
         # the positions of the number arguments (int, float, Scalar; optional or not)
         self.numbers = tuple(i for i, (_, t, _) in enumerate(self.args) if t.rstrip("?") in NUMBER_TYPES)
+        # those of them that are integers (int, or a Scalar not named in FLOAT_SCALARS)
+        self.ints = frozenset(i for i in self.numbers if self.args[i][1].rstrip("?") in INT_TYPES
+                              and self.args[i][0] not in FLOAT_SCALARS)
         # the positions of the tensor arguments (optional or not)
         self.tensors = tuple(i for i, (_, t, _) in enumerate(self.args) if t.rstrip("?") == "Tensor")
         if not self.mutates:

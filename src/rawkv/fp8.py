@@ -239,7 +239,9 @@ class Fp8Activation(NamedTuple):
 # ---- the block format's rules, shared with the fused producers' FP8 outputs -------------------
 def check_block(block) -> None:
     """block: one of BLOCKS (a Python int, as the op's body gets a NumPy
-    one: rawkv._op; a bool or float is refused)."""
+    one: rawkv._op; a bool is a TypeError, A.refuse_bool; a float is
+    refused)."""
+    A.refuse_bool(block, "block", "an int")
     if block.__class__ is not int or block not in BLOCKS:
         raise ValueError(f"block: expected one of {BLOCKS}, got {block!r}")
 
@@ -401,7 +403,7 @@ def plan_quantize_blocks(dev, x, codes, scales, rows, k, block, fmt) -> list:
                    dict(x=x, codes=codes, scales=scales, s_row=s_row, s_blk=s_blk, rows=rows, K=k))]
 
 
-@op("fp8_quantize_blocks", "Tensor x, int block, str scale_format, Tensor(a!) codes, Tensor(b!) scales")
+@op("fp8_quantize_blocks", "Tensor x, Scalar block, str scale_format, Tensor(a!) codes, Tensor(b!) scales")
 def _quantize_blocks(x, block, scale_format, codes, scales, stream=None):
     """rawkv::fp8_quantize_blocks: the codes and scales of x into codes and scales."""
     where, x, rows, k, codes, scales, fmt = _quantize_blocks_args(x, block, scale_format, codes, scales)
@@ -438,7 +440,7 @@ def plan_dequantize_blocks(dev, codes, scales, out, rows, k, block) -> list:
                    dict(codes=codes, scales=scales, s_row=s_row, s_blk=s_blk, out=out, rows=rows, K=k, blk=block))]
 
 
-@op("fp8_dequantize_blocks", "Tensor codes, Tensor scales, int block, Tensor(a!) out")
+@op("fp8_dequantize_blocks", "Tensor codes, Tensor scales, Scalar block, Tensor(a!) out")
 def _dequantize_blocks(codes, scales, block, out, stream=None, dtype=None):
     """rawkv::fp8_dequantize_blocks: code * scale into out, in out's dtype
     (`dtype`, the public op's, when out is a numpy float32 array holding

@@ -191,7 +191,7 @@ u8 = dict(dtype=U8)
 # (id, exception, argument named first, call)
 REFUSED = [
     ("block-96", ValueError, "block", lambda a: _rms(a.x, a.w, block=96)),
-    ("block-True", ValueError, "block", lambda a: _sw(a.h, block=True)),
+    ("block-True", TypeError, "block", lambda a: _sw(a.h, block=True)),
     ("block-128.0", ValueError, "block", lambda a: _moe(a.hid, a.ids, a.wts, block=128.0)),
     ("scale_format-e8m0", ValueError, "scale_format", lambda a: _rms(a.x, a.w, scale_format="e8m0")),
     ("scale_format-None", ValueError, "scale_format", lambda a: _moe(a.hid, a.ids, a.wts, scale_format=None)),

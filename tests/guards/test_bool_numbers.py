@@ -11,6 +11,7 @@ fullgraph=True torch reports the wrapper's TypeError naming the argument."""
 from __future__ import annotations
 
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -269,10 +270,11 @@ KV_IDS = [f"{o}-{a}" for o, a, _ in KV_INT_CASES]
 
 
 def test_the_cases_are_every_kvcache_integer_argument():
-    """Every int / Scalar argument of a kv_* operator is a case here (a new
-    one is a Scalar, refused as a bool, and tested)."""
-    want = {(n, a) for n, d in rawkv._opdecl.declared().items() if n.startswith("kv_")
-            for a, t, _ in d.args if t.rstrip("?") in ("int", "Scalar")}
+    """Every integer argument of a kv_* operator is a case here (a new
+    one is a Scalar, refused as a bool, and tested; eps and theta are float
+    Scalars, rawkv._opdecl.FLOAT_SCALARS: below)."""
+    want = {(n, d.args[i][0]) for n, d in rawkv._opdecl.declared().items() if n.startswith("kv_")
+            for i in d.ints}
     assert want == {(o, a) for o, a, _ in KV_INT_CASES}
 
 
@@ -328,3 +330,189 @@ def test_a_compiled_kvcache_op_refuses_a_float_integer_and_takes_a_given_int32()
     torch._dynamo.reset()
     got = torch.compile(public, fullgraph=True, backend="eager")(np.int32(1))
     assert np.array_equal(got.float().numpy(), public(1))       # (eager: the CPU pool's numpy rows)
+
+
+
+
+# ---- the other operators' numbers through the operator ------------------------------------
+# Every number argument of an operator is a `Scalar` (kvcache's yarn `Scalar[]?`), as
+# kvcache's integers above: torch's parser keeps a bool a bool, and the body refuses it with a
+# TypeError naming the argument, on CPU and CUDA alike, before anything is written. As `int` /
+# `float` the parser made it 1 or 1.0 first: fp8_quantize_blocks(x, True, ...) was `block:
+# expected one of (32, 64, 128), got 1`, nvfp4_dequantize(q, sf, None, True, out) decoded with
+# gs 1.0 (docs/runtime.md, "Numbers").
+_SAMPLES: dict = {}
+
+
+def _samples() -> dict:
+    """The opcheck samples (tests/support/library.py), built once here."""
+    if not _SAMPLES:
+        from support.library import samples
+        _SAMPLES.update(samples(np.random.default_rng(7)))
+    return _SAMPLES
+
+
+def _decl(name):
+    return rawkv._opdecl.declared()[name]
+
+
+def _with(name, args, **values) -> tuple:
+    """`args` of operator `name` with the arguments named in `values` replaced."""
+    names = [a for a, _, _ in _decl(name).args]
+    args = list(args)
+    for k, v in values.items():
+        args[names.index(k)] = v
+    return tuple(args)
+
+
+def _sample(name, arg) -> tuple:
+    """A sample of `name` whose `arg` holds a value (mhc_rmsnorm_quantize has
+    no number gs: its 'row' sample with a given one)."""
+    i = [a for a, _, _ in _decl(name).args].index(arg)
+    for args in _samples()[name]:
+        if args[i] is not None:
+            return args
+    assert (name, arg) == ("mhc_rmsnorm_quantize", "gs_value")
+    return _with(name, _samples()[name][0], scope="given", gs=None, gs_value=0.05, gs_out=torch.empty(()))
+
+
+def _raw(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _wrapped(name):
+    """The op wrapper's function of operator `name` (rawkv._op.op: what the
+    public op calls), which passes a NumPy number on as the number it holds."""
+    body = _decl(name).body
+    return getattr(sys.modules[body.__module__], body.__name__)
+
+
+def _written(name, args) -> list:
+    """The tensors `name` may write, filled with a sentinel (0xAB bytes; a
+    kvcache pool's buffers as they are: the pool reads them first)."""
+    d = _decl(name)
+    out = [args[i] for i, (a, _, w) in enumerate(d.args) if w and args[i] is not None]
+    if not name.startswith("kv_"):
+        for t in out:
+            _raw(t).fill_(0xAB)
+    return out
+
+
+_INT, _NUM = "expected an int, got bool", "expected a number, got bool"
+
+
+# (operator, argument, the TypeError's message for a bool there)
+NUMBER_CASES = [
+    ("fp8_quantize_blocks", "block", f"^block: {_INT}$"),
+    ("fp8_dequantize_blocks", "block", f"^block: {_INT}$"),
+    ("nvfp4_quantize", "gs_value", f"^gs_value: {_NUM}$"),
+    ("nvfp4_dequantize", "gs_value", f"^gs_value: {_NUM}$"),
+    ("nvfp4_gather", "gs_value", f"^gs_value: {_NUM}$"),
+]
+NUMBER_IDS = [f"{o}-{a}" for o, a, _ in NUMBER_CASES]
+
+
+def _types() -> dict:
+    return {(n, a): t for n, d in rawkv._opdecl.declared().items() for a, t, _ in d.args}
+
+
+def test_every_scalar_number_argument_is_a_case():
+    """Every `Scalar` argument of an operator is a case here or with
+    kvcache's integers above (a new one: refused as a bool, and tested)."""
+    scalars = {k for k, t in _types().items() if t.rstrip("?") == "Scalar"}
+    assert scalars == {(o, a) for o, a, _ in NUMBER_CASES} | {(o, a) for o, a, _ in KV_INT_CASES}
+
+
+def _cuda_view(v):
+    """A tensor seen as a CUDA tensor (tests/support/fake_cuda.py), anything else as it is."""
+    from support.fake_cuda import fake
+    return fake(v) if isinstance(v, torch.Tensor) else v
+
+
+@pytest.mark.parametrize("value", [True, False, np.True_])
+@pytest.mark.parametrize("name,arg,msg", NUMBER_CASES, ids=NUMBER_IDS)
+def test_an_operator_refuses_a_bool_number_by_name_and_writes_nothing(monkeypatch, name, arg, msg, value):
+    """torch.ops.rawkv.<name> with True / False where a number goes: a
+    TypeError naming it, before anything is written (the outputs keep their
+    sentinel), on CPU tensors and on the same memory seen as CUDA tensors
+    (the CUDA path's rules, up to its launches). A NumPy bool is torch's
+    error in a `Scalar`; through the op wrapper (the public op) it is the
+    same TypeError."""
+    args = _with(name, _sample(name, arg), **{arg: value})
+    written = _written(name, args)
+    before = [_raw(t).clone() for t in written]
+    op = getattr(OPS, name)
+    if isinstance(value, np.bool_):
+        with pytest.raises(RuntimeError, match=f"argument '{arg}'"):
+            op(*args)
+        with pytest.raises(TypeError, match=msg):
+            _wrapped(name)(*args)
+        return
+    with pytest.raises(TypeError, match=msg):
+        op(*args)
+    if not name.startswith("kv_"):      # (kvcache's CUDA path: tests/support/agreement_cases_kvcache.py)
+        from support.fake_cuda import install
+        from rawkv import fp8, gemm
+        from rawkv.fused import moe, rms, swiglu
+        from rawkv.nvfp4 import activation, decode, encode
+        install(monkeypatch, (fp8, encode, activation, decode, rms, swiglu, moe, gemm.linear, gemm.w4a8))
+        with pytest.raises(TypeError, match=msg):
+            op(*map(_cuda_view, args))
+    assert all(torch.equal(_raw(t), b) for t, b in zip(written, before))
+
+
+@pytest.mark.parametrize("name,arg,msg", NUMBER_CASES, ids=NUMBER_IDS)
+def test_an_operator_takes_an_ordinary_number(name, arg, msg):
+    """A Python number runs through the operator as before: an int where an
+    integer goes, a float or an int where a float goes (eps=1, theta=160000,
+    gs_value=1 are numbers their rules take), NumPy's float64 (a Python
+    float's subclass) too, with the float's result."""
+    args = _sample(name, arg)
+    v = args[[a for a, _, _ in _decl(name).args].index(arg)]
+    op = getattr(OPS, name)
+    written = _written(name, args)
+    op(*args)
+    if arg not in rawkv._opdecl.FLOAT_SCALARS:
+        assert type(v) is int
+        return
+    want = [_raw(t).clone() for t in written]
+    if not name.startswith("kv_"):      # (a pool's entries move on: the compressor's own tests compare values)
+        _written(name, args)
+    op(*_with(name, args, **{arg: np.float64(v)}))
+    if not name.startswith("kv_"):
+        assert all(torch.equal(_raw(t), w) for t, w in zip(written, want))
+    op(*_with(name, args, **{arg: round(v) or 1}))
+
+
+@pytest.mark.parametrize("name,arg,msg", NUMBER_CASES, ids=NUMBER_IDS)
+def test_a_numpy_number_through_an_operator_is_torchs_error(name, arg, msg):
+    """The price of `Scalar`: torch's parser refuses a NumPy integer (and any
+    NumPy float but float64, a Python float's subclass), naming the argument,
+    where `int` / `float` took it; pass int(v) / float(v). The public ops
+    take NumPy numbers (the op wrapper passes the number it holds)."""
+    args = _sample(name, arg)
+    v = args[[a for a, _, _ in _decl(name).args].index(arg)]
+    given = np.float32(v) if arg in rawkv._opdecl.FLOAT_SCALARS else np.int64(v)
+    with pytest.raises(RuntimeError, match=f"argument '{arg}'"):
+        getattr(OPS, name)(*_with(name, args, **{arg: given}))
+    _wrapped(name)(*_with(name, args, **{arg: given}))     # (the op wrapper: the number it holds)
+
+
+_CODES = rawkv.fp8.quantize_blocks(X, block=64, scale_format="ue8m0")
+# (argument, the public op with v there, a NumPy number it takes: the operators' cases' public side)
+PUBLIC = [
+    ("block", lambda v: rawkv.fp8.quantize_blocks(X, block=v), np.int64(64)),
+    ("block", lambda v: rawkv.fp8.dequantize_blocks(*_CODES, block=v), np.int64(64)),
+]
+
+
+@pytest.mark.parametrize("value", [True, False, np.True_])
+@pytest.mark.parametrize("arg,call,good", PUBLIC, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(PUBLIC)])
+def test_a_public_op_refuses_a_bool_number_as_its_operator(arg, call, good, value):
+    """The public op's error for a bool is its operator's (one rule: a
+    TypeError naming the argument, A.refuse_bool; theta's check_rope), and
+    it takes a NumPy number as before."""
+    msg = {"eps": f"^eps: {_NUM}$", "theta": "^theta: expected a real number, got bool$"}.get(arg, f"^{arg}: {_INT}$")
+    with pytest.raises(TypeError, match=msg):
+        call(value)
+    call(good)

@@ -1,9 +1,12 @@
 """A NumPy scalar where a number goes (gs, eps, granularity, block,
-page_size, slot, n_entries, ...) is the number it holds, eagerly, through
-torch.ops.rawkv.* and under torch.compile, and the op checks that value by
-the rule a Python number meets (docs/runtime.md, "Numbers";
-rawkv._args.as_number, which the op wrapper applies to every int and float
-argument of a schema). Before, the op wrapper passed NumPy scalars on as
+page_size, slot, n_entries, ...) is the number it holds, eagerly and under
+torch.compile, and the op checks that value by the rule a Python number
+meets (docs/runtime.md, "Numbers"; rawkv._args.as_number, which the op
+wrapper applies to every number argument of a schema). Through
+torch.ops.rawkv.* itself torch's parser decides: every number argument is
+a `Scalar` (a bool stays a bool, refused by name), which takes a NumPy
+float64 (a Python float) and refuses other NumPy numbers, naming the
+argument (tests/guards/test_bool_numbers.py). Before, the op wrapper passed NumPy scalars on as
 they were: the FP8 ops refused block=np.int64(64), and under torch.compile,
 which traces a NumPy scalar as a 0-d array, they reached the operator as a
 tensor (a gs of np.float32(0.0) decoded zeros where the eager op refused it)
@@ -46,7 +49,9 @@ def test_eager_ops_and_operators_take_a_numpy_scalar_as_its_number():
     got = rawkv.fused.rmsnorm_quantize_fp8(xb, w, np.float32(1e-5), block=np.int64(64))
     assert same_bits(got, rawkv.fused.rmsnorm_quantize_fp8(xb, w, float(np.float32(1e-5)), block=64))
     codes, scales = torch.empty(4, 128, dtype=torch.uint8), torch.empty(4, 2)
-    torch.ops.rawkv.fp8_quantize_blocks(X, np.int64(64), "fp32", codes, scales)
+    with pytest.raises(RuntimeError, match="argument 'block'"):     # (a Scalar's price: pass int(v))
+        torch.ops.rawkv.fp8_quantize_blocks(X, np.int64(64), "fp32", codes, scales)
+    torch.ops.rawkv.fp8_quantize_blocks(X, int(np.int64(64)), "fp32", codes, scales)
     assert torch.equal(scales, rawkv.fp8.quantize_blocks(X, block=64)[1])
     # refused by the value's rule, naming the argument, on every path
     q, sf, _ = rawkv.nvfp4.quantize(X)
@@ -54,7 +59,9 @@ def test_eager_ops_and_operators_take_a_numpy_scalar_as_its_number():
     with pytest.raises(ValueError, match=GS_RULE):
         rawkv.nvfp4.dequantize(q, sf, np.float32(0.0), out=out)
     with pytest.raises(ValueError, match=GS_RULE):
-        torch.ops.rawkv.nvfp4_dequantize(q, sf, None, np.float32(0.0), out)
+        torch.ops.rawkv.nvfp4_dequantize(q, sf, None, np.float64(0.0), out)
+    with pytest.raises(RuntimeError, match="argument 'gs_value'"):      # (float32 is no Python float)
+        torch.ops.rawkv.nvfp4_dequantize(q, sf, None, np.float32(0.5), out)
     assert (out == 7).all()
 
 
@@ -75,7 +82,7 @@ def test_compiled_ops_take_a_numpy_scalar_as_eagerly():
         _compiled(decode, q, sf, np.float64(0.0))                           # given: a guarded value
     with pytest.raises(ValueError, match=GS_RULE):
         _compiled(lambda q, sf: decode(q, sf, np.float32(0.0)), q, sf)     # made while tracing: a constant
-    with pytest.raises(Exception, match="gs_value"):     # given float32: torch has no value of it to pass
+    with pytest.raises(ValueError, match=GS_RULE):       # given float32: a symbol the `Scalar` takes
         _compiled(decode, q, sf, np.float32(0.0))
     assert (out == 7).all()
     # block, eps and n_entries (which sizes the new output) failed the operator call or sized no rows

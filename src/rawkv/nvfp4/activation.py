@@ -50,7 +50,7 @@ def dequantize(q, sf=None, gs=None, *, dtype=None, out=None, stream=None):
     return out
 
 
-@op("nvfp4_dequantize", "Tensor q, Tensor sf, Tensor? gs, float? gs_value, Tensor(a!) out",
+@op("nvfp4_dequantize", "Tensor q, Tensor sf, Tensor? gs, Scalar? gs_value, Tensor(a!) out",
     host=C.decode_scalars)
 def _dequantize(q, sf, gs, gs_value, out, stream=None, dtype=None):
     """rawkv::nvfp4_dequantize: (q, sf) decoded into out, in out's dtype

@@ -53,7 +53,7 @@ def gather(q, sf, gs, indices, *, dtype=None, out=None, errors=None, stream=None
     return out
 
 
-@op("nvfp4_gather", "Tensor q, Tensor sf, Tensor? gs, float? gs_value, Tensor indices, Tensor(a!) out, "
+@op("nvfp4_gather", "Tensor q, Tensor sf, Tensor? gs, Scalar? gs_value, Tensor indices, Tensor(a!) out, "
                     "Tensor(b!)? errors", host=C.decode_scalars)
 def _gather(q, sf, gs, gs_value, indices, out, errors, stream=None, dtype=None):
     """rawkv::nvfp4_gather: the rows `indices` of (q, sf) decoded into out,

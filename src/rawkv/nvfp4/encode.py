@@ -86,7 +86,7 @@ def _scalars(a):
     A.check_scope_gs(a["scope"], A.op_gs(a["gs"], a["gs_value"]), SCOPES, "tensor")
 
 
-@op("nvfp4_quantize", "Tensor x, str scope, Tensor? gs, float? gs_value, Tensor(a!) q, Tensor(b!) sf, "
+@op("nvfp4_quantize", "Tensor x, str scope, Tensor? gs, Scalar? gs_value, Tensor(a!) q, Tensor(b!) sf, "
                       "Tensor(c!)? gs_out, Tensor(d!)? errors", host=_scalars)
 def _quantize(x, scope, gs, gs_value, q, sf, gs_out, errors, stream=None):
     """rawkv::nvfp4_quantize: writes q, sf and gs_out (which may be None
