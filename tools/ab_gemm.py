@@ -89,67 +89,55 @@ def worker(rows: tuple[str, ...]) -> dict:
     def row(name, fn):
         res[name] = (round(warm_cuda_time_us(fn), 2), _digest(torch, fn(0)))
 
-    w8 = "w4a8" in rows
-    if "wo_a" in rows or w8:
-        for shape in WO_A_SHAPES:
+    def wo_a_rows(prefix, shapes, ms, w16, w8):
+        """The wo_a shapes at ms tokens, W4A16 (w16) and / or W4A8 (w8),
+        each over four rotated weight copies."""
+        for shape in shapes:
             g, k, n = WO_A[shape]
             torch.manual_seed(1)
-            ws = [_rawkv_weight(torch, *_checkpoint(torch, g, n, k, "cuda")) for _ in range(4)] \
-                if "wo_a" in rows else None
+            ws = [_rawkv_weight(torch, *_checkpoint(torch, g, n, k, "cuda")) for _ in range(4)] if w16 else None
             w8s = [_w4a8_weight(torch, g, n, k, "cuda") for _ in range(4)] if w8 else None
-            for m in WO_A_MS:
+            for m in ms:
                 torch.manual_seed(2)
                 x = torch.randn(m, g, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(m, g, n, device="cuda", dtype=torch.bfloat16)
                 if ws:
-                    row(f"wo_a {shape} {m}", lambda i: rawkv.gemm.grouped_linear(x, ws[i % 4], out=out))
+                    row(f"{prefix}wo_a {shape} {m}", lambda i: rawkv.gemm.grouped_linear(x, ws[i % 4], out=out))
                 if w8s:
                     xa = rawkv.fp8.quantize_blocks(x)
                     row(f"w4a8 wo_a {shape} {m}", lambda i: rawkv.gemm.grouped_linear(xa, w8s[i % 4], out=out))
             ws = w8s = None
-    if "moe" in rows or w8:
+
+    def moe_rows(prefix, token_counts, w16, w8):
+        """MOE_MODEL's MoE layers at each token count (the benchmark's
+        routing), W4A16 (w16) and / or W4A8 (w8)."""
         experts, top_k, layers = MOE[MOE_MODEL]
         for layer, (n, k) in layers.items():
             torch.manual_seed(3)
-            w = _rawkv_weight(torch, *_checkpoint(torch, experts, n, k, "cuda")) if "moe" in rows else None
+            w = _rawkv_weight(torch, *_checkpoint(torch, experts, n, k, "cuda")) if w16 else None
             wa = _w4a8_weight(torch, experts, n, k, "cuda") if w8 else None
-            for tokens in MOE_TOKENS:
+            for tokens in token_counts:
                 _, offs = _routing(torch, torch.Generator().manual_seed(0), experts, top_k, tokens)
                 offs = offs.cuda()
                 torch.manual_seed(4)
                 x = torch.randn(tokens * top_k, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(tokens * top_k, n, device="cuda", dtype=torch.bfloat16)
                 if w is not None:
-                    row(f"moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(x, w, offs, out=out))
+                    row(f"{prefix}moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(x, w, offs, out=out))
                 if wa is not None:
                     xa = rawkv.fp8.quantize_blocks(x)
                     row(f"w4a8 moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(xa, wa, offs, out=out))
             w = wa = None
             torch.cuda.empty_cache()
+
+    w8 = "w4a8" in rows
+    if "wo_a" in rows or w8:
+        wo_a_rows("", WO_A_SHAPES, WO_A_MS, "wo_a" in rows, w8)
+    if "moe" in rows or w8:
+        moe_rows("", MOE_TOKENS, "moe" in rows, w8)
     if "decode" in rows:
-        for shape in DECODE_SHAPES:
-            g, k, n = WO_A[shape]
-            torch.manual_seed(1)
-            ws = [_rawkv_weight(torch, *_checkpoint(torch, g, n, k, "cuda")) for _ in range(4)]
-            for m in DECODE_MS:
-                torch.manual_seed(2)
-                x = torch.randn(m, g, k, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty(m, g, n, device="cuda", dtype=torch.bfloat16)
-                row(f"dec wo_a {shape} {m}", lambda i: rawkv.gemm.grouped_linear(x, ws[i % 4], out=out))
-            ws = None
-        experts, top_k, layers = MOE[MOE_MODEL]
-        for layer, (n, k) in layers.items():
-            torch.manual_seed(3)
-            w = _rawkv_weight(torch, *_checkpoint(torch, experts, n, k, "cuda"))
-            for tokens in DECODE_MOE_TOKENS:
-                _, offs = _routing(torch, torch.Generator().manual_seed(0), experts, top_k, tokens)
-                offs = offs.cuda()
-                torch.manual_seed(4)
-                x = torch.randn(tokens * top_k, k, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty(tokens * top_k, n, device="cuda", dtype=torch.bfloat16)
-                row(f"dec moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(x, w, offs, out=out))
-            w = None
-            torch.cuda.empty_cache()
+        wo_a_rows("dec ", DECODE_SHAPES, DECODE_MS, True, False)
+        moe_rows("dec ", DECODE_MOE_TOKENS, True, False)
     return {"rawkv": rawkv.__file__, "rows": res}
 
 
