@@ -676,8 +676,9 @@ def check_gs_number(gs, name: str = "gs") -> float:
 
 def check_eps(eps, name: str = "eps") -> float:
     """An RMSNorm epsilon: a real number (Python or numpy, not a bool), finite
-    and > 0 as a float32 (eps = 0 would give NaN on an all-zero row).
-    Anything else is a ValueError naming it."""
+    and > 0 as a float32 (eps = 0 would give NaN on an all-zero row). A bool
+    is a TypeError naming it (refuse_bool); anything else a ValueError."""
+    refuse_bool(eps, name, "a number")
     if not is_number(eps):
         raise ValueError(f"{name}: expected a positive finite number, got {eps!r}")
     return _positive_float32(eps, name, "epsilon")

@@ -68,8 +68,9 @@ REFUSED = [
     ("topk_weights-int32", TypeError, "topk_weights", lambda a: _moe(a.hid, a.ids, a.wts.int())),
     # eps: a finite number > 0 as a float32 (0 gives NaN scales on an all-zero row)
     *[(f"eps-{v!r}", ValueError, "eps", lambda a, v=v: _rms(a.x, a.w, eps=v))
-      for v in (0.0, 0, -0.0, -1e-6, float("nan"), float("inf"), 1e39, 1e-50, True, None, "1e-6",
-                np.float32(0.0))],
+      for v in (0.0, 0, -0.0, -1e-6, float("nan"), float("inf"), 1e39, 1e-50, None, "1e-6", np.float32(0.0))],
+    # a bool: a TypeError (A.refuse_bool, torch.ops.rawkv.*'s `Scalar eps` too)
+    *[(f"eps-{v!r}", TypeError, "eps", lambda a, v=v: _rms(a.x, a.w, eps=v)) for v in (True, False, np.True_)],
     ("eps-0-mhc", ValueError, "eps", lambda a: _mhc(a.X, a.mix, a.w, eps=0.0)),
     ("eps-tensor", ValueError, "eps", lambda a: _rms(a.x, a.w, eps=a.t(1, fill=1e-6))),
     # a number gs: finite and > 0 as a float32, not a bool
@@ -132,7 +133,7 @@ REFUSED = [
     ("h-I-not-16", ValueError, "h", lambda a: _sw(a.h[:, :40])),
     ("granularity-3", ValueError, "granularity", lambda a: _sw(a.h, 3)),
     ("granularity-0", ValueError, "granularity", lambda a: _sw(a.h, 0)),
-    ("granularity-bool", ValueError, "granularity", lambda a: _sw(a.h, True)),
+    ("granularity-bool", TypeError, "granularity", lambda a: _sw(a.h, True)),
     ("hidden-K192", ValueError, "hidden", lambda a: _moe(a.t(2, 192, dtype=BF16), a.ids, a.wts)),
     ("hidden-3d", ValueError, "hidden", lambda a: _moe(a.hid.view(2, 1, 128), a.ids, a.wts)),
     ("topk_ids-rows", ValueError, "topk_ids", lambda a: _moe(a.hid, a.ids[:1], a.wts[:1])),

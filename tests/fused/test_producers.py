@@ -217,9 +217,11 @@ def test_numpy_scalar_gs_and_eps_accepted(op):
         a = F.rmsnorm_quantize(np.ones((2, 32), F32) * 1e-3, np.ones(32, F32), eps=np.float32(1e-6))
         b = F.rmsnorm_quantize(np.ones((2, 32), F32) * 1e-3, np.ones(32, F32), eps=float(F32(1e-6)))
         assert np.array_equal(a.inv_rms, b.inv_rms) and np.array_equal(a.q, b.q)
-        for bad in (True, np.float32(np.nan), -1e-6, 1e39, 0.0, 0, np.float64(0.0)):
+        for bad in (np.float32(np.nan), -1e-6, 1e39, 0.0, 0, np.float64(0.0)):
             with pytest.raises(ValueError, match="^eps"):
                 F.rmsnorm_quantize(np.ones((2, 32), F32), np.ones(32, F32), eps=bad)
+        with pytest.raises(TypeError, match="^eps: expected a number, got bool$"):
+            F.rmsnorm_quantize(np.ones((2, 32), F32), np.ones(32, F32), eps=True)
 
 
 @pytest.mark.parametrize("call, arg", [

@@ -408,6 +408,19 @@ NUMBER_CASES = [
     ("nvfp4_quantize", "gs_value", f"^gs_value: {_NUM}$"),
     ("nvfp4_dequantize", "gs_value", f"^gs_value: {_NUM}$"),
     ("nvfp4_gather", "gs_value", f"^gs_value: {_NUM}$"),
+    ("rmsnorm_quantize", "eps", f"^eps: {_NUM}$"),
+    ("rmsnorm_quantize", "gs_value", f"^gs_value: {_NUM}$"),
+    ("mhc_rmsnorm_quantize", "eps", f"^eps: {_NUM}$"),
+    ("mhc_rmsnorm_quantize", "gs_value", f"^gs_value: {_NUM}$"),
+    ("swiglu_quantize", "granularity", f"^granularity: {_INT}$"),
+    ("swiglu_quantize", "gs_value", f"^gs_value: {_NUM}$"),
+    ("rmsnorm_quantize_fp8", "eps", f"^eps: {_NUM}$"),
+    ("rmsnorm_quantize_fp8", "block", f"^block: {_INT}$"),
+    ("mhc_rmsnorm_quantize_fp8", "eps", f"^eps: {_NUM}$"),
+    ("mhc_rmsnorm_quantize_fp8", "block", f"^block: {_INT}$"),
+    ("swiglu_quantize_fp8", "granularity", f"^granularity: {_INT}$"),
+    ("swiglu_quantize_fp8", "block", f"^block: {_INT}$"),
+    ("moe_stage_fp8", "block", f"^block: {_INT}$"),
 ]
 NUMBER_IDS = [f"{o}-{a}" for o, a, _ in NUMBER_CASES]
 
@@ -499,10 +512,21 @@ def test_a_numpy_number_through_an_operator_is_torchs_error(name, arg, msg):
 
 
 _CODES = rawkv.fp8.quantize_blocks(X, block=64, scale_format="ue8m0")
+_H = torch.ones(4, 64, dtype=BF16)
+_MOE = (torch.ones(4, 128, dtype=BF16), torch.zeros(4, 2, dtype=torch.int32), torch.ones(4, 2))
 # (argument, the public op with v there, a NumPy number it takes: the operators' cases' public side)
 PUBLIC = [
     ("block", lambda v: rawkv.fp8.quantize_blocks(X, block=v), np.int64(64)),
     ("block", lambda v: rawkv.fp8.dequantize_blocks(*_CODES, block=v), np.int64(64)),
+    ("eps", lambda v: rawkv.fused.rmsnorm_quantize(X.to(BF16), torch.ones(128), v), np.float32(1e-5)),
+    ("eps", lambda v: rawkv.fused.mhc_rmsnorm_quantize(X.to(BF16).reshape(2, 2, 128), torch.ones(2, 2),
+                                                        torch.ones(128), v), np.float32(1e-5)),
+    ("eps", lambda v: rawkv.fused.rmsnorm_quantize_fp8(X.to(BF16), torch.ones(128), v), np.float32(1e-5)),
+    ("block", lambda v: rawkv.fused.rmsnorm_quantize_fp8(X.to(BF16), torch.ones(128), block=v), np.int64(32)),
+    ("granularity", lambda v: rawkv.fused.swiglu_quantize(_H, v), np.int64(8)),
+    ("granularity", lambda v: rawkv.fused.swiglu_quantize_fp8(_H, v), np.int64(8)),
+    ("block", lambda v: rawkv.fused.swiglu_quantize_fp8(_H, block=v), np.int64(32)),
+    ("block", lambda v: rawkv.fused.moe_stage_fp8(*_MOE, block=v), np.int64(64)),
 ]
 
 

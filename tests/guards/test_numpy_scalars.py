@@ -97,3 +97,18 @@ def test_compiled_ops_take_a_numpy_scalar_as_eagerly():
     want = step(X, 64, 1e-5, 0, 8)
     assert same_bits(got[:3], want[:3]) and got[0][1].shape == (4, 2)
     assert np.array_equal(got[3].float().numpy(), want[3])     # (eager: the CPU pool's numpy rows)
+
+
+def test_a_compiled_function_given_numpy_float32_and_int32_numbers_runs_as_eagerly():
+    """Every number argument is a `Scalar`, which takes the symbol dynamo makes
+    of a given NumPy float32 / int32 (an `int` or `float` took none: with
+    fullgraph the trace failed, naming the argument), so the compiled step
+    gives the eager bits. (A given int32 block, which sizes a new output, is
+    still data-dependent for dynamo: pass an int.)"""
+    def step(x, eps, g, gs):
+        return (rawkv.fused.rmsnorm_quantize(x.bfloat16(), torch.ones(128), eps),
+                rawkv.fused.swiglu_quantize(torch.ones(4, 64, dtype=torch.bfloat16), g),
+                rawkv.nvfp4.quantize(x, scope="given", gs=gs)[:2])
+    got = _compiled(step, X, np.float32(1e-5), np.int32(8), np.float32(0.5))
+    want = step(X, float(np.float32(1e-5)), 8, float(np.float32(0.5)))
+    assert same_bits(got, want)

@@ -22,7 +22,8 @@ from support.kvcache_compress import M, _arr, _inputs, _pool, _t
 def test_eps_follows_the_one_rule(rng, op):
     """eps goes through rawkv._args.check_eps: <= 0 (eps = 0 would give NaN on
     an all-zero window), non-finite, not a float32 > 0, or not a number is a
-    ValueError naming eps, before anything is written; numpy scalars count."""
+    ValueError naming eps (a bool a TypeError), before anything is written;
+    numpy scalars count."""
     kind = "hca"
     m = M[kind]
     pool = _pool(kind, "cpu")
@@ -39,9 +40,12 @@ def test_eps_follows_the_one_rule(rng, op):
             return compress_prefill(pool, kv, z, ape, nw, s, eps=eps)
         return compress_decode(pool, st, nw, v, sl, pos, eps=eps)
 
-    for bad in (0, 0.0, -1e-6, float("inf"), float("nan"), 1e39, 1e-46, True, "1e-6", None,
+    for bad in (0, 0.0, -1e-6, float("inf"), float("nan"), 1e39, 1e-46, "1e-6", None,
                 np.zeros(1, np.float32)):
         with pytest.raises(ValueError, match="^eps"):
+            call(bad)
+    for bad in (True, np.False_):       # (a bool: A.refuse_bool's TypeError)
+        with pytest.raises(TypeError, match="^eps: expected a number, got bool$"):
             call(bad)
     assert not pool.fp8.any() and not pool.written.any() and pool.read_errors() == 0
     for good in (np.float32(1e-6), 1e-5, 1):

@@ -187,7 +187,9 @@ is_int = A.is_int
 
 
 def granularity(g) -> int:
-    """SwiGLU's interleave: a positive int (Python or numpy, not a bool)."""
+    """SwiGLU's interleave: a positive int (Python or numpy; a bool is a
+    TypeError, A.refuse_bool)."""
+    A.refuse_bool(g, "granularity", "an int")
     if not is_int(g) or g < 1:
         raise ValueError(f"granularity: expected a positive int, got {g!r}")
     return int(g)

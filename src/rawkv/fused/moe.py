@@ -108,7 +108,7 @@ def moe_stage_fp8(hidden, topk_ids, topk_weights, *, block=128, scale_format="fp
     return MoEStagedFp8(codes, FP8.as_e8m0(scales) if new_bytes else scales, ids, w)
 
 
-@op("moe_stage_fp8", "Tensor hidden, Tensor topk_ids, Tensor topk_weights, int block, str scale_format, "
+@op("moe_stage_fp8", "Tensor hidden, Tensor topk_ids, Tensor topk_weights, Scalar block, str scale_format, "
                      "Tensor(a!) codes, Tensor(b!) scales, Tensor(c!) topk_ids_out, Tensor(d!) topk_weights_out")
 def _moe_stage_fp8(hidden, topk_ids, topk_weights, block, scale_format, codes, scales, topk_ids_out,
                    topk_weights_out, stream=None, fresh=False):

@@ -124,7 +124,7 @@ def fp8_activation(call, like, lead, n, block, scale_format, out, stream, *input
 _OUTS = "Tensor(a!) q, Tensor(b!) sf, Tensor(c!) gs_out, Tensor(d!) inv_rms"
 
 
-@op("rmsnorm_quantize", f"Tensor x, Tensor weight, float eps, str scope, Tensor? gs, float? gs_value, {_OUTS}",
+@op("rmsnorm_quantize", f"Tensor x, Tensor weight, Scalar eps, str scope, Tensor? gs, Scalar? gs_value, {_OUTS}",
     host=R.rms_scalars)
 def _rmsnorm_quantize(x, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, stream=None, fresh=False):
     """rawkv::rmsnorm_quantize: writes q, sf, gs_out and inv_rms; a gs is a
@@ -134,7 +134,7 @@ def _rmsnorm_quantize(x, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rm
 
 
 @op("mhc_rmsnorm_quantize",
-    f"Tensor x, Tensor mix, Tensor weight, float eps, str scope, Tensor? gs, float? gs_value, {_OUTS}",
+    f"Tensor x, Tensor mix, Tensor weight, Scalar eps, str scope, Tensor? gs, Scalar? gs_value, {_OUTS}",
     host=R.rms_scalars)
 def _mhc_rmsnorm_quantize(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, stream=None,
                           fresh=False):
@@ -145,17 +145,17 @@ def _mhc_rmsnorm_quantize(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_ou
     _run(R.rms(x, mix, weight, eps, scope, gs, gs_value, q, sf, gs_out, inv_rms, fresh), stream)
 
 
-_FP8_OUTS = "int block, str scale_format, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!) inv_rms"
+_FP8_OUTS = "Scalar block, str scale_format, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!) inv_rms"
 
 
-@op("rmsnorm_quantize_fp8", f"Tensor x, Tensor weight, float eps, {_FP8_OUTS}")
+@op("rmsnorm_quantize_fp8", f"Tensor x, Tensor weight, Scalar eps, {_FP8_OUTS}")
 def _rmsnorm_quantize_fp8(x, weight, eps, block, scale_format, codes, scales, inv_rms, stream=None, fresh=False):
     """rawkv::rmsnorm_quantize_fp8: writes codes, scales and inv_rms; fresh
     as for rmsnorm_quantize."""
     _run_fp8(R.rms_fp8(x, None, weight, eps, block, scale_format, codes, scales, inv_rms, fresh), stream)
 
 
-@op("mhc_rmsnorm_quantize_fp8", f"Tensor x, Tensor mix, Tensor weight, float eps, {_FP8_OUTS}")
+@op("mhc_rmsnorm_quantize_fp8", f"Tensor x, Tensor mix, Tensor weight, Scalar eps, {_FP8_OUTS}")
 def _mhc_rmsnorm_quantize_fp8(x, mix, weight, eps, block, scale_format, codes, scales, inv_rms, stream=None,
                               fresh=False):
     """rawkv::mhc_rmsnorm_quantize_fp8: as rmsnorm_quantize_fp8, of the mix

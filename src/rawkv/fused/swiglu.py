@@ -24,7 +24,7 @@ def swiglu_quantize(h, granularity=8, *, scope=None, gs=None, out=None, stream=N
                       h, g, inv=False)
 
 
-@op("swiglu_quantize", "Tensor h, int granularity, str scope, Tensor? gs, float? gs_value, Tensor(a!) q, "
+@op("swiglu_quantize", "Tensor h, Scalar granularity, str scope, Tensor? gs, Scalar? gs_value, Tensor(a!) q, "
                        "Tensor(b!) sf, Tensor(c!) gs_out", host=R.swiglu_scalars)
 def _swiglu_quantize(h, granularity, scope, gs, gs_value, q, sf, gs_out, stream=None, fresh=False):
     """rawkv::swiglu_quantize: writes q, sf and gs_out; a gs is a tensor
@@ -49,7 +49,7 @@ def swiglu_quantize_fp8(h, granularity=8, *, block=128, scale_format="fp32", out
                           out, stream, h, g, inv=False)
 
 
-@op("swiglu_quantize_fp8", "Tensor h, int granularity, int block, str scale_format, Tensor(a!) codes, "
+@op("swiglu_quantize_fp8", "Tensor h, Scalar granularity, Scalar block, str scale_format, Tensor(a!) codes, "
                            "Tensor(b!) scales")
 def _swiglu_quantize_fp8(h, granularity, block, scale_format, codes, scales, stream=None, fresh=False):
     """rawkv::swiglu_quantize_fp8: writes codes and scales; fresh as for
