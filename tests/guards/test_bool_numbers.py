@@ -421,6 +421,10 @@ NUMBER_CASES = [
     ("swiglu_quantize_fp8", "granularity", f"^granularity: {_INT}$"),
     ("swiglu_quantize_fp8", "block", f"^block: {_INT}$"),
     ("moe_stage_fp8", "block", f"^block: {_INT}$"),
+    ("kv_compress_prefill", "eps", f"^eps: {_NUM}$"),
+    ("kv_compress_prefill", "theta", "^theta: expected a real number, got bool$"),
+    ("kv_compress_decode", "eps", f"^eps: {_NUM}$"),
+    ("kv_compress_decode", "theta", "^theta: expected a real number, got bool$"),
 ]
 NUMBER_IDS = [f"{o}-{a}" for o, a, _ in NUMBER_CASES]
 
@@ -511,6 +515,41 @@ def test_a_numpy_number_through_an_operator_is_torchs_error(name, arg, msg):
     _wrapped(name)(*_with(name, args, **{arg: given}))     # (the op wrapper: the number it holds)
 
 
+@pytest.mark.parametrize("name", ["kv_compress_prefill", "kv_compress_decode"])
+def test_a_kvcache_compressor_refuses_a_bool_in_yarn_and_takes_its_ints(name):
+    """yarn is `Scalar[]?`: a bool among its values is refused by its field's
+    name (the public op's check_rope rule); as `float[]?` torch made it 1.0
+    (original_seq_len True was a YaRN context of 1). Its integers (65536) are
+    taken as the floats yarn_list passes."""
+    assert _types()[(name, "yarn")] == "Scalar[]?"
+    args = _sample(name, "yarn")
+    buffers = [t for t in args if isinstance(t, torch.Tensor)]
+    before = [_raw(t).clone() for t in buffers]
+    for values, msg in (([True, 65536, 32, 1], "^yarn.factor: expected a real number, got bool$"),
+                        ([16.0, True, 32.0, 1.0], "^yarn.original_seq_len: expected an int, got bool$"),
+                        ([16.0, 65536.0, 32.0, False], "^yarn.beta_slow: expected a real number, got bool$")):
+        with pytest.raises(TypeError, match=msg):
+            getattr(OPS, name)(*_with(name, args, yarn=values))
+    assert all(torch.equal(_raw(t), b) for t, b in zip(buffers, before))
+    getattr(OPS, name)(*_with(name, args, yarn=[16, 65536, 32, 1]))
+
+
+def _prefill_call(arg):
+    p = _kv_pool("hca")
+    rows, nw = torch.ones(2 * p.m, p.head_dim), torch.ones(p.head_dim)
+    return lambda v: kvc.compress_prefill(p, rows, rows, None, nw, 0, **{arg: v})
+
+
+def _decode_call(arg):
+    st = kvc.DecodeState("hca", 2, device="cpu")
+    p = _kv_pool("hca")
+    p.attach(st)
+    st.count[0] = p.m
+    nw, valid, slots = torch.ones(p.head_dim), torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.int32)
+    return lambda v: kvc.compress_decode(p, st, nw, valid, slots, torch.tensor([p.m - 1], dtype=torch.int32),
+                                         **{arg: v})
+
+
 _CODES = rawkv.fp8.quantize_blocks(X, block=64, scale_format="ue8m0")
 _H = torch.ones(4, 64, dtype=BF16)
 _MOE = (torch.ones(4, 128, dtype=BF16), torch.zeros(4, 2, dtype=torch.int32), torch.ones(4, 2))
@@ -527,6 +566,10 @@ PUBLIC = [
     ("granularity", lambda v: rawkv.fused.swiglu_quantize_fp8(_H, v), np.int64(8)),
     ("block", lambda v: rawkv.fused.swiglu_quantize_fp8(_H, block=v), np.int64(32)),
     ("block", lambda v: rawkv.fused.moe_stage_fp8(*_MOE, block=v), np.int64(64)),
+    ("eps", lambda v: _prefill_call("eps")(v), np.float32(1e-5)),
+    ("theta", lambda v: _prefill_call("theta")(v), np.float32(10000.0)),
+    ("eps", lambda v: _decode_call("eps")(v), np.float32(1e-5)),
+    ("theta", lambda v: _decode_call("theta")(v), np.int64(10000)),
 ]
 
 

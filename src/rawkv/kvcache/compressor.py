@@ -62,7 +62,7 @@ def rope_table(pool, *, theta: float = ref.COMPRESS_ROPE_THETA, yarn=ref.DSV4_YA
 
 
 def yarn_list(yarn):
-    """A YarnConfig as the operators' `float[]? yarn`: [factor,
+    """A YarnConfig as the operators' `Scalar[]? yarn`: [factor,
     original_seq_len, beta_fast, beta_slow] (None stays None)."""
     if yarn is None:
         return None
@@ -71,14 +71,18 @@ def yarn_list(yarn):
 
 def yarn_of(values):
     """The YarnConfig of an operator's `yarn` (yarn_list's inverse; its
-    values are checked by ref.check_rope, with the public op's theta)."""
+    values are checked by ref.check_rope, with the public op's theta: a
+    bool, which the operator's `Scalar[]?` keeps, is refused there by its
+    field's name, never read as 1 or 0)."""
     if values is None:
         return None
     if len(values) != 4:
         raise ValueError(f"yarn: expected [factor, original_seq_len, beta_fast, beta_slow], got "
                          f"{len(values)} values")
     factor, n, fast, slow = values
-    return ref.YarnConfig(factor, int(n) if float(n).is_integer() else n, fast, slow)
+    if isinstance(n, float) and n.is_integer():     # (yarn_list's float of the int; an int is kept)
+        n = int(n)
+    return ref.YarnConfig(factor, n, fast, slow)
 
 
 def part(d, kv=None, z=None, kvb=None, zb=None, ape=None, w=None, count=None) -> dict:

@@ -57,7 +57,7 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
     V.pool_schema(True), V.state_schema(False, counter=False),
     "Tensor norm_weight, Tensor valid_mask, Tensor slots, Tensor positions",
     V.state_schema(False, "index_", counter=False, optional=True),
-    "Tensor? index_norm_weight, float eps, float theta, float[]? yarn"))
+    "Tensor? index_norm_weight, Scalar eps, Scalar theta, Scalar[]? yarn"))
 def _compress_decode(*args, stream=None, pool=None, state=None, index=None, rope=None):
     """rawkv::kv_compress_decode: the pool's and the state's buffers, the
     step's rows, the indexer state's buffers (all None: none) and its

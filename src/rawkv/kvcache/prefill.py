@@ -49,7 +49,7 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
 @op("kv_compress_prefill", V.schema(
     V.pool_schema(True), "Tensor kv, Tensor z, Tensor? ape, Tensor norm_weight, Scalar slot, Scalar start_entry",
     "Tensor? index_kv, Tensor? index_z, Tensor? index_ape, Tensor? index_norm_weight",
-    "float eps, float theta, float[]? yarn"))
+    "Scalar eps, Scalar theta, Scalar[]? yarn"))
 def _compress_prefill(*args, stream=None, pool=None, rope=None):
     """rawkv::kv_compress_prefill: the pool's buffers (V.pool_of; `pool`
     the object of an eager call), then the prompt's rows, the indexer's
