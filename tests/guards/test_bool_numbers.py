@@ -401,6 +401,13 @@ def _written(name, args) -> list:
 _INT, _NUM = "expected an int, got bool", "expected a number, got bool"
 
 
+def _n_k(arg):
+    """GEMM's weight rule (gemm._rules.weight / weight8 / mx_span): its TypeError names the sizes."""
+    if arg in ("n", "k"):
+        return r"^weight: N = [\w.]+, K = [\w.]+: expected integers$"
+    return r"^weight: exp_range \([\w.]+, [\w.]+\): expected integers$"
+
+
 # (operator, argument, the TypeError's message for a bool there)
 NUMBER_CASES = [
     ("fp8_quantize_blocks", "block", f"^block: {_INT}$"),
@@ -425,6 +432,8 @@ NUMBER_CASES = [
     ("kv_compress_prefill", "theta", "^theta: expected a real number, got bool$"),
     ("kv_compress_decode", "eps", f"^eps: {_NUM}$"),
     ("kv_compress_decode", "theta", "^theta: expected a real number, got bool$"),
+    *[(op, a, _n_k(a)) for op in ("gemm_grouped_linear", "gemm_moe_linear") for a in ("n", "k", "exp_lo", "exp_hi")],
+    *[(op, a, _n_k(a)) for op in ("gemm_grouped_linear_w4a8", "gemm_moe_linear_w4a8") for a in ("n", "k")],
 ]
 NUMBER_IDS = [f"{o}-{a}" for o, a, _ in NUMBER_CASES]
 
@@ -438,6 +447,12 @@ def test_every_scalar_number_argument_is_a_case():
     kvcache's integers above (a new one: refused as a bool, and tested)."""
     scalars = {k for k, t in _types().items() if t.rstrip("?") == "Scalar"}
     assert scalars == {(o, a) for o, a, _ in NUMBER_CASES} | {(o, a) for o, a, _ in KV_INT_CASES}
+
+
+def test_no_operator_takes_an_int_or_a_float():
+    """An `int` or `float` argument (or a list of them) makes a bool 1 or 1.0
+    before the op's rule sees it: every number is a `Scalar` (yarn `Scalar[]?`)."""
+    assert not {k for k, t in _types().items() if t.rstrip("?") in ("int", "float", "int[]", "float[]")}
 
 
 def _cuda_view(v):
@@ -583,3 +598,35 @@ def test_a_public_op_refuses_a_bool_number_as_its_operator(arg, call, good, valu
     with pytest.raises(TypeError, match=msg):
         call(value)
     call(good)
+
+
+def test_the_gemm_fast_path_takes_no_bool_size():
+    """rawkv.gemm.fast keys a remembered launch by the call's sizes, where
+    True == 1 and False == 0: a bool n / k / exp_lo / exp_hi (which the
+    operators' `Scalar` keeps) goes to the checked path, which refuses it by
+    name, instead of launching the kept call of 1 / 0 (an NVFP4 weight's
+    exp_range is (0, 0))."""
+    from rawkv._plan import Launch
+    from rawkv.gemm import fast
+    from support.fake_cuda import fake
+
+    class Kernel:
+        smem = 0
+        calls = 0
+
+        def launch(self, *a, **k):
+            Kernel.calls += 1
+
+    w, x, out = torch.zeros(4, dtype=torch.uint8), fake(torch.zeros(8)), fake(torch.zeros(8))
+    sizes = ("nvfp4", 24, 64, 0, 0)
+    try:
+        fast.remember(fast.key("probe", (out, x), (w,), sizes), (w,), Launch(Kernel(), (1,), (1,), {}),
+                      ("out", "x"), (out, x), ("w",))
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(fast, "get_runtime", lambda d: None)
+            assert fast.launched("probe", (out, x), 1, (w,), sizes, ("out", "x"), ("w",))
+            for bad in (("nvfp4", 24, 64, False, False), ("nvfp4", 24, 64, np.False_, 0), ("nvfp4", 24, 64, 0, False)):
+                assert not fast.launched("probe", (out, x), 1, (w,), bad, ("out", "x"), ("w",))
+        assert Kernel.calls == 1
+    finally:
+        fast.forget()

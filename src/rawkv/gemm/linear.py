@@ -135,7 +135,7 @@ def operator_args(x, weight) -> dict:
 # The weight travels as its tensors and sizes (exp_lo / exp_hi: an MXFP4
 # weight's scale-byte range, which must lie in MX_WINDOW (0, 0: unknown,
 # refused); 0 for NVFP4); an NVFP4 activation as q (in x), sf and gs.
-_WEIGHT_SCHEMA = "Tensor codes, Tensor scales, Tensor gs, str fmt, int n, int k, int exp_lo, int exp_hi"
+_WEIGHT_SCHEMA = "Tensor codes, Tensor scales, Tensor gs, str fmt, Scalar n, Scalar k, Scalar exp_lo, Scalar exp_hi"
 # The kernels' arguments of the weight's tensors and of the call's others,
 # outputs first, in the order the fast path (rawkv.gemm.fast) takes them.
 _WEIGHT_ARGS = ("wq", "wsf", "wgs")

@@ -141,7 +141,7 @@ def operator_args8(x, weight: W4a8Weight) -> dict:
 
 
 # ---- the operators -------------------------------------------------------------------------
-_SCHEMA = "Tensor x, Tensor x_sf, Tensor codes, Tensor shifts, Tensor row_scale, Tensor gs, int n, int k"
+_SCHEMA = "Tensor x, Tensor x_sf, Tensor codes, Tensor shifts, Tensor row_scale, Tensor gs, Scalar n, Scalar k"
 # The kernels' arguments of the weight's tensors and of the call's others,
 # outputs first (rawkv.gemm.fast).
 _WEIGHT_ARGS = ("wq", "wsh", "wrow", "wgs")
