@@ -21,6 +21,7 @@ Inputs are drawn from fixed seeds, the same in every process. Rows:
   w4a8  the same wo_a and MoE rows with W4A8 weights and FP8 block activations
   decode  the three wo_a shapes at 1, 8 and 16 tokens and Flash's MoE gate_up and
         down at 1, 16 and 64 tokens (W4A16: the mma.sync kernel's rows)
+  w4a8dec the decode rows with W4A8 weights and FP8 block activations
 The weights are random NVFP4 checkpoint bytes through the loaders
 (rawkv.bench.gemm), rotated over four copies for the wo_a rows."""
 from __future__ import annotations
@@ -33,7 +34,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROW_SETS = ("wo_a", "moe", "w4a8", "decode")
+ROW_SETS = ("wo_a", "moe", "w4a8", "decode", "w4a8dec")
 # The benchmark's shapes (rawkv.bench.gemm, read in the worker from its own
 # tree): these of them are timed.
 WO_A_SHAPES = ("flash", "pro")
@@ -105,7 +106,7 @@ def worker(rows: tuple[str, ...]) -> dict:
                     row(f"{prefix}wo_a {shape} {m}", lambda i: rawkv.gemm.grouped_linear(x, ws[i % 4], out=out))
                 if w8s:
                     xa = rawkv.fp8.quantize_blocks(x)
-                    row(f"w4a8 wo_a {shape} {m}", lambda i: rawkv.gemm.grouped_linear(xa, w8s[i % 4], out=out))
+                    row(f"{prefix}w4a8 wo_a {shape} {m}", lambda i: rawkv.gemm.grouped_linear(xa, w8s[i % 4], out=out))
             ws = w8s = None
 
     def moe_rows(prefix, token_counts, w16, w8):
@@ -126,7 +127,7 @@ def worker(rows: tuple[str, ...]) -> dict:
                     row(f"{prefix}moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(x, w, offs, out=out))
                 if wa is not None:
                     xa = rawkv.fp8.quantize_blocks(x)
-                    row(f"w4a8 moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(xa, wa, offs, out=out))
+                    row(f"{prefix}w4a8 moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(xa, wa, offs, out=out))
             w = wa = None
             torch.cuda.empty_cache()
 
@@ -135,9 +136,9 @@ def worker(rows: tuple[str, ...]) -> dict:
         wo_a_rows("", WO_A_SHAPES, WO_A_MS, "wo_a" in rows, w8)
     if "moe" in rows or w8:
         moe_rows("", MOE_TOKENS, "moe" in rows, w8)
-    if "decode" in rows:
-        wo_a_rows("dec ", DECODE_SHAPES, DECODE_MS, True, False)
-        moe_rows("dec ", DECODE_MOE_TOKENS, True, False)
+    if "decode" in rows or "w4a8dec" in rows:
+        wo_a_rows("dec ", DECODE_SHAPES, DECODE_MS, "decode" in rows, "w4a8dec" in rows)
+        moe_rows("dec ", DECODE_MOE_TOKENS, "decode" in rows, "w4a8dec" in rows)
     return {"rawkv": rawkv.__file__, "rows": res}
 
 

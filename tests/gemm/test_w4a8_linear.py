@@ -1024,37 +1024,65 @@ def test_cpu_mn_major_scales_give_the_row_major_bits(rng):
     assert torch.equal(rawkv.gemm.moe_linear((rc, mn_major(rs)), w8, offsets).view(torch.int16), want)
 
 
+@pytest.mark.parametrize("op", ["grouped", "ragged"])
+def test_strided_scale_blocks_reach_the_wgmma_kernel_alone(monkeypatch, rng, op):
+    """The CUDA path on a CPU (tests/support/fake_cuda.py: launches recorded
+    through their declarations): MN-major scales go to the wgmma kernel as
+    they lie (ss_b its block stride) and are copied once for the mma.sync
+    kernel, which reads a token's blocks adjacent (docs/gemm.md, "Scale
+    layouts"); row-major scales are never copied."""
+    from rawkv.gemm import w4a8 as w4a8_op
+    from support.fake_cuda import fake, install
+    rt = install(monkeypatch, (w4a8_op,))
+    _, _, _, w8 = mx_weight(rng, 2, 200, 1056)
+    w = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(fake(t) for t in w8[2:]))
+    for tokens, kernel in ((1, "rkv_gemm_w4a8_mma"), (200, "rkv_gemm_w4a8_sm90")):
+        lead = (tokens, 2) if op == "grouped" else (2 * tokens,)
+        xc, xs = fp8_act(rng, (*lead, 1056))
+        out = fake(torch.empty(*lead, 200, dtype=bf))
+        offs = fake(torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32))
+        for sf in (xs, mn_major(xs)):
+            rt.calls.clear()
+            xa = (fake(xc), fake(sf))
+            if op == "grouped":
+                rawkv.gemm.grouped_linear(xa, w, out=out)
+            else:
+                rawkv.gemm.moe_linear(xa, w, offs, out=out)
+            (fn, _, _, args), = [c for c in rt.calls if c[0] != "memset"]
+            assert fn.startswith(kernel), (op, tokens, fn)
+            in_place = args["xsf"] == sf.data_ptr()
+            assert in_place == (sf.stride(-1) == 1 or kernel.endswith("sm90")), (op, tokens, sf.stride())
+            assert args.get("ss_b") == (sf.stride(-1) if kernel.endswith("sm90") else None)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["grouped", "ragged"])
 @pytest.mark.parametrize("tokens", [1, 12, 64, 200])
 def test_mn_major_scales_are_read_in_place(sm90, path, rng, op, tokens):
-    # DeepGEMM's MN-major scale layout (mn_major) is read where it lies, by
-    # every kernel and token tile: the bits of the same scales row-major,
-    # FP32 and E8M0 bytes (uint8 and float8_e8m0fnu), and the launch gets
-    # the caller's buffer, not a copy. K = 1,056: eight full 128-column
-    # chunks and a partial one (the scales' block stride steps nine times).
+    # DeepGEMM's MN-major scale layout (mn_major) gives the bits of the same
+    # scales row-major through every kernel and token tile, FP32 and E8M0
+    # bytes (uint8 and float8_e8m0fnu): the wgmma kernel reads it where it
+    # lies, the mma.sync kernel a copy (which launch takes which:
+    # test_strided_scale_blocks_reach_the_wgmma_kernel_alone). K = 1,056:
+    # eight full 128-column chunks and a partial one (the scales' block
+    # stride steps nine times).
     g, n, k = 2, 200, 1056
     _, _, _, w8 = mx_weight(rng, g, n, k)
     w8c = rawkv.gemm.W4a8Weight(w8.n, w8.k, *(t.cuda() for t in w8[2:]))
     if op == "grouped":
         xc, xb, xf = (t.cuda() for t in e8m0_act(rng, (tokens, g, k)))
         run = lambda sf: rawkv.gemm.grouped_linear((xc, sf), w8c)  # noqa: E731
-        out = torch.empty(tokens, g, n, dtype=bf, device="cuda")
-        plan = lambda sf: R.w4a8_grouped(xc, sf, *w8c[2:], n, k, out, None)  # noqa: E731
     else:
         rows = tokens * g
         xc, xb, xf = (t.cuda() for t in e8m0_act(rng, (rows, k)))
         offs = torch.tensor([0, rows // 3, rows], dtype=torch.int32, device="cuda")
         run = lambda sf: rawkv.gemm.moe_linear((xc, sf), w8c, offs)  # noqa: E731
-        out = torch.empty(rows, n, dtype=bf, device="cuda")
-        plan = lambda sf: R.w4a8_moe(xc, sf, *w8c[2:], n, k, offs, out, None)  # noqa: E731
     for sf in (xf, xb.view(torch.uint8)):
         want = run(sf).view(torch.int16)
         mn = mn_major(sf)
         forms = (mn, mn.view(torch.float8_e8m0fnu)) if sf.dtype == torch.uint8 else (mn,)
         for form in forms:
             assert torch.equal(run(form).view(torch.int16), want), (op, tokens, form.dtype)
-        assert plan(mn)[1].sf.data_ptr() == mn.data_ptr()
 
 
 @pytest.mark.gpu

@@ -99,7 +99,7 @@ template <int MT, int NT, int KS, int RW, int S, bool SB>
 __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
     const u8* __restrict__ wq, const u8* __restrict__ wsh, const float* __restrict__ wrow,
     const float* __restrict__ wgs, const u8* __restrict__ x, const u8* __restrict__ xsf, i64 xs_t, i64 xs_g,
-    i64 ss_t, i64 ss_g, i64 ss_b, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g, int n, int k, int tokens,
+    i64 ss_t, i64 ss_g, __nv_bfloat16* __restrict__ out, i64 os_t, i64 os_g, int n, int k, int tokens,
     const int* __restrict__ offsets, int experts, int* __restrict__ errors) {
     constexpr int TT = 8 * NT;  // tokens per block
     __shared__ float s_red[KS > 1 ? (KS - 1) * RW * 32 * MT * NT * 4 : 1];
@@ -142,8 +142,7 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int st = min(t0 + 8 * j + 2 * t + h, t1 - 1);
-            srow[j][h] = reinterpret_cast<const typename Scale::T*>(xsf) + (i64)st * ss_t + (i64)g * ss_g
-                         + c_beg * ss_b;    // (ss_b: the scales' stride between 128-column blocks)
+            srow[j][h] = reinterpret_cast<const typename Scale::T*>(xsf) + (i64)st * ss_t + (i64)g * ss_g + c_beg;
         }
     }
 
@@ -229,7 +228,7 @@ __global__ void __launch_bounds__(32 * KS * RW) rkv_gemm_w4a8_mma(
             for (int h = 0; h < 2; ++h) sc[j][h] = full || live ? Scale::load(srow[j][h]) : 0u;
             xrow[j] += 128;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) srow[j][h] += ss_b;
+            for (int h = 0; h < 2; ++h) ++srow[j][h];
         }
     };
     u32 bx[NT][8];

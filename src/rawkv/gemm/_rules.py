@@ -422,8 +422,10 @@ def activation8(x, x_sf, ndim, k, where, device) -> Act8:
     bytes (uint8 / float8_e8m0fnu, 'ue8m0'), which the kernels read as
     their float32 powers of two. On CUDA, codes whose rows are not 16-byte
     aligned and contiguous are copied once (as for the W4A16 activations);
-    the scales are read in place at any strides (DeepGEMM's MN-major,
-    TMA-aligned layout included: docs/gemm.md, "Scale layouts")."""
+    the scales are taken at any strides (DeepGEMM's MN-major, TMA-aligned
+    layout included): the wgmma kernel reads them in place, and
+    plans.w4a8_scales_read copies a view with non-adjacent blocks for the
+    mma.sync kernel (docs/gemm.md, "Scale layouts")."""
     x = A.tensor(x, "x.codes", FP8_CODES, where, dense=False)
     s = tuple(x.shape)
     if len(s) != ndim or s[-1] != k:

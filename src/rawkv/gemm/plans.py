@@ -546,16 +546,41 @@ def w4a8_splits(dev, w, tokens: int, bn: int, tuning=TUNED) -> int:
         and chunks >= sp * tuning.W4A8_MIN_SPLIT_CHUNKS else 1
 
 
+def _w4a8_kernel(dev, w, tokens, ragged, experts, tuning) -> tuple:
+    """(tokens per group, ragged: per expert on average; the call's mma.sync
+    tile, plans.w4a8_mma_config, or None for the wgmma kernel)."""
+    if dev.arch != "sm_90":
+        raise ValueError(f"weight: the W4A8 GEMM runs on sm_90 (Hopper) devices, this one is {dev.arch}; "
+                         "use the W4A16 path (an Fp4Weight and BF16 activations)")
+    per = -(-tokens // max(1, min(experts, tokens))) if ragged else tokens
+    return per, w4a8_mma_config(w, per, ragged, tokens, dev, tuning)
+
+
+def w4a8_scales_read(dev, act, w, offsets, tuning=TUNED):
+    """act with the scales the call's kernel reads: the wgmma kernel takes
+    them at any strides (its ss_b), the mma.sync kernel (few tokens) with
+    their 128-column blocks adjacent, so a view whose blocks are not is
+    copied once for it (docs/gemm.md, "Scale layouts": with a run-time block
+    stride that kernel measured 5-37% slower on its decode rows). A copy
+    is a new tensor, so the fast path does not keep such a call."""
+    sf = act.sf
+    if sf.shape[-1] < 2 or sf.stride(-1) == 1 or w.n == 0:
+        return act
+    tokens = act.lead[0]                        # (per group, or the ragged call's rows)
+    if 0 in act.lead or _w4a8_kernel(dev, w, tokens, offsets is not None, w.groups, tuning)[1] is None:
+        return act
+    return act._replace(sf=sf.contiguous())
+
+
 def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> Launch:
     """The launch of either W4A8 kernel: its tile from the tokens per group
     (ragged: per expert on average), a grid of (feature blocks, token tiles
     or slots, groups)."""
-    if dev.arch != "sm_90":
-        raise ValueError(f"weight: the W4A8 GEMM runs on sm_90 (Hopper) devices, this one is {dev.arch}; "
-                         "use the W4A16 path (an Fp4Weight and BF16 activations)")
     ragged = offsets is not None
-    per = -(-tokens // max(1, min(experts, tokens))) if ragged else tokens
-    cfg = w4a8_mma_config(w, per, ragged, tokens, dev, tuning)
+    per, cfg = _w4a8_kernel(dev, w, tokens, ragged, experts, tuning)
+    if cfg is not None and act.sf.shape[-1] > 1 and act.sf.stride(-1) != 1:
+        raise RuntimeError("x.scales: the W4A8 mma.sync kernel reads adjacent blocks; "
+                           "rawkv.gemm.plans.w4a8_scales_read copies such a view first")
     sb = A.itemsize(act.sf) == 1                # (E8M0 bytes, else float32 scales: K8.SCALE_BYTES)
     if cfg is None:
         bn, stages = w4a8_tile(per)
@@ -580,10 +605,11 @@ def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> 
     xs_t, xs_g = _lead_strides(act.x)
     ss_t, ss_g = _lead_strides(act.sf)
     os_t, os_g = _lead_strides(out)
+    block_stride = {} if cfg is not None else dict(ss_b=act.sf.stride(-1))    # (the wgmma kernel's alone)
     return Launch(inst, grid, block, dict(
         wq=w.codes, wsh=w.shifts, wrow=w.row_scale, wgs=w.gs, x=act.x, xsf=act.sf, xs_t=xs_t, xs_g=xs_g,
-        ss_t=ss_t, ss_g=ss_g, ss_b=act.sf.stride(-1), out=out, os_t=os_t, os_g=os_g, n=w.n, k=w.k, tokens=tokens, offsets=offsets,
-        experts=experts, errors=errors))
+        ss_t=ss_t, ss_g=ss_g, **block_stride, out=out, os_t=os_t, os_g=os_g, n=w.n, k=w.k, tokens=tokens,
+        offsets=offsets, experts=experts, errors=errors))
 
 
 def w4a8_grouped(dev, act, w, out, errors=None, tuning=TUNED) -> list[Launch]:

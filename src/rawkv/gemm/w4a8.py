@@ -166,6 +166,7 @@ def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors, stream=N
         count_cpu(errors, bad)
         write_bf16(y, out)
         return
+    act = P.w4a8_scales_read(get_runtime(act.device), act, w, None, _tuning())
     plan = run_counted(get_runtime(act.device), act, w, errors, stream,
                        lambda rt, e: P.w4a8_grouped(rt, act, w, out, e, _tuning()))
     if stream is None and fast.as_given(given, (act.x, act.sf, errors), out, weight):
@@ -191,6 +192,7 @@ def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, str
         count_cpu(errors, bad)
         write_bf16(y, out)
         return
+    act = P.w4a8_scales_read(get_runtime(act.device), act, w, offsets, _tuning())
     plan = run_counted(get_runtime(act.device), act, w, errors, stream,
                        lambda rt, e: P.w4a8_moe(rt, act, w, offsets, out, e, _tuning()))
     if stream is None and fast.as_given(given, (act.x, act.sf, errors, offsets), out, weight):
