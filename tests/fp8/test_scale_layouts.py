@@ -82,7 +82,8 @@ def test_scales_that_cannot_be_written_once_each_are_refused(dev, rng, case):
     else:
         store = torch.full((2, 2, 4), 9.0, device=dev)
         view = store.permute(2, 0, 1)[:4]                            # (4, 2, 2): T stride 1, G stride 8
-    with pytest.raises(ValueError, match="scales"):
+    message = "share memory" if case == "overlapping" else "not one evenly strided row index"
+    with pytest.raises(ValueError, match=f"scales: .*{message}"):
         fp8.quantize_blocks(x, out=(None, view))
     assert (store == 9).all(), "nothing is written"
 
@@ -122,3 +123,53 @@ def test_producers_write_mn_major_scales(dev, rng, fmt, sdtype, m):
             ws = torch.from_numpy(rawkv.reference.gemm_w4a8.ue8m0_value(ws.cpu().numpy())).to(dev)
         assert torch.equal(bits(view), bits(ws)), name
         assert (store[:, m:] == 7).all(), name
+
+
+def test_scale_strides_are_the_views_row_and_block_steps():
+    """rawkv.fp8.scale_strides, the two strides every FP8 kernel takes: the
+    innermost non-1 leading dimension's stride, the last dimension's."""
+    _, mn = mn_major_buffer(6, 3, torch.float32, "cpu")
+    assert fp8.scale_strides(mn) == (1, 8)
+    assert fp8.scale_strides(torch.empty(3, 2, 5)[..., 1:3]) == (5, 1)
+    assert fp8.scale_strides(torch.empty(4, 3)) == (3, 1)
+    assert fp8.scale_strides(torch.empty(1, 3)) == (3, 1)            # (one row: a stride nothing steps by)
+    assert fp8.scale_strides(torch.empty(2, 1, 4).expand(2, 1, 4)) == (4, 1)
+
+
+def test_kernels_get_the_views_strides(monkeypatch, rng):
+    """The CUDA path on a CPU (tests/support/fake_cuda.py: launches recorded
+    through the kernels' declarations): quantize_blocks, dequantize_blocks
+    and every FP8 producer launch with the out= / given scales' buffer and
+    their (s_row, s_blk), row-major (nb, 1) or MN-major (1, align(M, 4))."""
+    from rawkv.fused import moe, rms, swiglu
+    from support.fake_cuda import fake, install
+    rt = install(monkeypatch, (fp8, rms, swiglu, moe))
+    m, n = 6, 512
+
+    def launched(call):
+        rt.calls.clear()
+        call()
+        (_, _, _, args), = [c for c in rt.calls if c[0] != "memset"]
+        return args
+
+    def t(shape, dtype=torch.bfloat16):
+        return fake(torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(dtype))
+    x, w, h = t((m, n)), t((n,)), t((m, 2 * n))
+    X, mix = t((m, 4, n)), fake(torch.rand(m, 4))
+    ids, wts = fake(torch.zeros(m, 2, dtype=torch.int32)), fake(torch.rand(m, 2))
+    for form in ("row-major", "mn-major"):
+        sf = fake(torch.empty(m, n // 128)) if form == "row-major" else fake(mn_major_buffer(m, n // 128,
+                                                                                           torch.float32, "cpu")[1])
+        want = (n // 128, 1) if form == "row-major" else (1, 8)
+        codes = fake(torch.empty(m, n, dtype=torch.uint8))
+        calls = [lambda: fp8.quantize_blocks(x, out=(codes, sf)),
+                 lambda: fp8.dequantize_blocks(codes, sf, dtype=torch.bfloat16),
+                 lambda: fused.rmsnorm_quantize_fp8(x, w, out=(codes, sf)),
+                 lambda: fused.mhc_rmsnorm_quantize_fp8(X, mix, w, out=(codes, sf)),
+                 lambda: fused.swiglu_quantize_fp8(h, out=(codes, sf)),
+                 lambda: fused.moe_stage_fp8(x, ids, wts, out=(codes, sf, fake(torch.empty(m, 2, dtype=torch.int64)),
+                                                              fake(torch.empty(m, 2)))),
+                 ]
+        for i, call in enumerate(calls):
+            args = launched(call)
+            assert args["scales"] == sf.data_ptr() and (args["s_row"], args["s_blk"]) == want, (form, i, args)
