@@ -22,6 +22,9 @@ Inputs are drawn from fixed seeds, the same in every process. Rows:
   decode  the three wo_a shapes at 1, 8 and 16 tokens and Flash's MoE gate_up and
         down at 1, 16 and 64 tokens (W4A16: the mma.sync kernel's rows)
   w4a8dec the decode rows with W4A8 weights and FP8 block activations
+  fp8   the FP8 block quantizer and producers that feed the W4A8 GEMM
+        (quantize_blocks, rmsnorm / swiglu _quantize_fp8, moe_stage_fp8; UE8M0
+        bytes into out= buffers) at 1, 64 and 16,384 rows of 7,168
 The weights are random NVFP4 checkpoint bytes through the loaders
 (rawkv.bench.gemm), rotated over four copies for the wo_a rows."""
 from __future__ import annotations
@@ -34,7 +37,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROW_SETS = ("wo_a", "moe", "w4a8", "decode", "w4a8dec")
+ROW_SETS = ("wo_a", "moe", "w4a8", "decode", "w4a8dec", "fp8")
 # The benchmark's shapes (rawkv.bench.gemm, read in the worker from its own
 # tree): these of them are timed.
 WO_A_SHAPES = ("flash", "pro")
@@ -44,6 +47,7 @@ MOE_TOKENS = (256, 4096)
 DECODE_SHAPES = ("flash", "pro", "seed004")
 DECODE_MS = (1, 8, 16)
 DECODE_MOE_TOKENS = (1, 16, 64)
+FP8_ROWS, FP8_WIDTH = (1, 64, 16384), 7168
 
 
 def parse_rows(text: str) -> tuple[str, ...]:
@@ -73,8 +77,14 @@ def summary(base: list[dict], new: list[dict]) -> list[str]:
 
 
 def _digest(torch, t) -> str:
+    """SHA-1 of a tensor's bytes, or of a tuple's tensors' in turn (an
+    Fp8Activation: codes, scales, inv_rms; None entries skipped)."""
     import hashlib
-    return hashlib.sha1(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:12]
+    h = hashlib.sha1()
+    for x in (t if isinstance(t, tuple) else (t,)):
+        if x is not None:
+            h.update(x.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:12]
 
 
 def worker(rows: tuple[str, ...]) -> dict:
@@ -136,9 +146,35 @@ def worker(rows: tuple[str, ...]) -> dict:
         wo_a_rows("", WO_A_SHAPES, WO_A_MS, "wo_a" in rows, w8)
     if "moe" in rows or w8:
         moe_rows("", MOE_TOKENS, "moe" in rows, w8)
+    def fp8_rows():
+        """The FP8 producers of the W4A8 GEMM's activations, UE8M0 bytes into
+        out= buffers (the same calls a captured step makes)."""
+        n = FP8_WIDTH
+        for m in FP8_ROWS:
+            torch.manual_seed(5)
+            x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            h = torch.randn(m, 2 * n, device="cuda", dtype=torch.bfloat16)
+            w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+            ids, wts = torch.zeros(m, 8, dtype=torch.int32, device="cuda"), torch.rand(m, 8, device="cuda")
+            codes = torch.empty(m, n, dtype=torch.uint8, device="cuda")
+            sf = torch.empty(m, n // 128, dtype=torch.uint8, device="cuda")
+            inv, ids_out = torch.empty(m, device="cuda"), torch.empty(m, 8, dtype=torch.int64, device="cuda")
+            w_out = torch.empty(m, 8, device="cuda")
+            fmt = "ue8m0"
+            row(f"fp8 quantize_blocks {m}", lambda i: rawkv.fp8.quantize_blocks(x, scale_format=fmt, out=(codes, sf)))
+            row(f"fp8 rmsnorm {m}", lambda i: rawkv.fused.rmsnorm_quantize_fp8(x, w, scale_format=fmt,
+                                                                              out=(codes, sf, inv)))
+            row(f"fp8 swiglu {m}", lambda i: rawkv.fused.swiglu_quantize_fp8(h, scale_format=fmt, out=(codes, sf)))
+            row(f"fp8 moe_stage {m}", lambda i: rawkv.fused.moe_stage_fp8(x, ids, wts, scale_format=fmt,
+                                                                         out=(codes, sf, ids_out, w_out)))
+            x = h = None
+            torch.cuda.empty_cache()
+
     if "decode" in rows or "w4a8dec" in rows:
         wo_a_rows("dec ", DECODE_SHAPES, DECODE_MS, "decode" in rows, "w4a8dec" in rows)
         moe_rows("dec ", DECODE_MOE_TOKENS, "decode" in rows, "w4a8dec" in rows)
+    if "fp8" in rows:
+        fp8_rows()
     return {"rawkv": rawkv.__file__, "rows": res}
 
 

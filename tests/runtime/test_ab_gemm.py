@@ -22,9 +22,21 @@ def test_rows_are_named_sets_in_order_once():
     assert ab.parse_rows("moe, wo_a,moe") == ("moe", "wo_a")
     assert ab.parse_rows("w4a8") == ("w4a8",)
     assert ab.parse_rows("decode,moe") == ("decode", "moe")
+    assert ab.parse_rows("w4a8dec,fp8") == ("w4a8dec", "fp8")
     for bad in ("", "moe,dense", " , "):
         with pytest.raises(ValueError, match="--rows"):
             ab.parse_rows(bad)
+
+
+def test_digest_covers_every_tensor_of_a_result():
+    """An FP8 producer's result is a tuple (codes, scales[, inv_rms]): its
+    digest changes with any of them and skips a None entry."""
+    torch = pytest.importorskip("torch")
+    ab = _tool()
+    codes, scales = torch.arange(8, dtype=torch.uint8), torch.ones(2)
+    d = ab._digest(torch, (codes, scales, None))
+    assert d == ab._digest(torch, (codes, scales)) != ab._digest(torch, codes)
+    assert d != ab._digest(torch, (codes, scales * 2)) and d != ab._digest(torch, (codes + 1, scales))
 
 
 def test_summary_compares_fastest_and_bytes():
