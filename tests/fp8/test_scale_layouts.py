@@ -12,8 +12,8 @@ writing, with nothing written."""
 import numpy as np
 import pytest
 
-import rawkv
 from rawkv import fp8, fused
+from rawkv.reference.fp8_blocks import ue8m0_value
 
 torch = pytest.importorskip("torch")
 
@@ -34,6 +34,16 @@ def mn_major_buffer(rows: int, blocks: int, dtype, device):
     return store, view
 
 
+def as_stored(scales, dtype):
+    """Row-major scales as a buffer of `dtype` holds them: E8M0 bytes as
+    uint8, or as their float32 powers of two (reference ue8m0_value) when
+    the buffer is float32."""
+    b = scales.view(torch.uint8) if scales.dtype == torch.float8_e8m0fnu else scales
+    if dtype == torch.float32 and b.dtype == torch.uint8:
+        return torch.from_numpy(ue8m0_value(b.cpu().numpy())).to(scales.device)
+    return b
+
+
 def bits(t):
     t = t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t
     return t.cpu().view(torch.int32 if t.element_size() == 4 else torch.uint8)
@@ -51,10 +61,7 @@ def test_quantize_blocks_writes_mn_major_scales(dev, rng, fmt, sdtype, m, k, blo
     store, view = mn_major_buffer(m, nb, sdtype, dev)
     codes, scales = fp8.quantize_blocks(x, block=block, scale_format=fmt, out=(None, view))
     assert scales is view and torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
-    want = want_scales.view(torch.uint8) if sdtype == torch.uint8 else want_scales
-    if sdtype == torch.float32 and want_scales.dtype != torch.float32:          # (ue8m0 bytes as float32)
-        want = torch.from_numpy(rawkv.reference.gemm_w4a8.ue8m0_value(want_scales.view(torch.uint8).cpu().numpy()))
-    assert torch.equal(bits(view), bits(want.to(dev)))
+    assert torch.equal(bits(view), bits(as_stored(want_scales, sdtype)))
     pad = store[:, m:]
     assert (pad == 7).all(), "the padding tokens are not written"
     # read back in place: the values the row-major scales give
@@ -118,10 +125,7 @@ def test_producers_write_mn_major_scales(dev, rng, fmt, sdtype, m):
         got = call(block=block, scale_format=fmt, out=(codes, view, *rest))
         assert got.scales is view, name
         assert torch.equal(codes.view(torch.uint8), want.codes.view(torch.uint8)), name
-        ws = want.scales.view(torch.uint8) if want.scales.dtype == torch.float8_e8m0fnu else want.scales
-        if sdtype == torch.float32 and ws.dtype == torch.uint8:
-            ws = torch.from_numpy(rawkv.reference.gemm_w4a8.ue8m0_value(ws.cpu().numpy())).to(dev)
-        assert torch.equal(bits(view), bits(ws)), name
+        assert torch.equal(bits(view), bits(as_stored(want.scales, sdtype))), name
         assert (store[:, m:] == 7).all(), name
 
 
