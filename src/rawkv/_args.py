@@ -654,14 +654,17 @@ def _positive_float32(v, name: str, what: str) -> float:
     return f
 
 
+#: the classes of a bool, Python's and NumPy's (never a number here)
+BOOLS = (bool, np.bool_)
+
+
 def refuse_bool(v, name: str, what: str) -> None:
     """A bool (Python or NumPy) where a number goes is a TypeError naming the
     argument, in the words the op wrapper uses for a traced one
     (`eps: expected a number, got bool`, `block: expected an int, got
     bool`): never 1 or 0 (docs/runtime.md, "Numbers"; the operators take it
     as a `Scalar`, which keeps it a bool)."""
-    c = v.__class__
-    if c is bool or c is np.bool_:
+    if v.__class__ in BOOLS:
         raise TypeError(f"{name}: expected {what}, got bool")
 
 

@@ -34,8 +34,6 @@ from __future__ import annotations
 import weakref
 from typing import NamedTuple
 
-import numpy as np
-
 from .. import _args as A
 from .._plan import Launch
 from ..runtime import get_runtime
@@ -47,9 +45,6 @@ _version = [0]
 #: cleared when it grows past _MAX.
 LAUNCHES: dict = {}
 _MAX = 1024
-#: what a size never is (the operators' `Scalar` sizes keep a bool, which
-#: would find the key of 1 or 0)
-_BOOLS = frozenset((bool, np.bool_))
 
 
 class _Entry(NamedTuple):
@@ -148,8 +143,10 @@ def launched(op: str, call: tuple, outputs: int, weight: tuple, sizes: tuple, na
         if not all(t is None or t.is_cuda is True for t in call):
             return False
         for s in sizes:
-            if s.__class__ in _BOOLS:
-                return False        # (True == 1 in a key: the checked path refuses the bool by name)
+            if s.__class__ in A.BOOLS:
+                # (the operators' `Scalar` sizes keep a bool, and True == 1 in
+                # a key: the checked path refuses it by name)
+                return False
         return try_launch(key(op, call, weight, sizes), weight, weight_names, names, call, outputs, get_runtime)
     except AttributeError:
         return False

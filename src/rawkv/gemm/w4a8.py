@@ -166,9 +166,9 @@ def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors, stream=N
         count_cpu(errors, bad)
         write_bf16(y, out)
         return
-    act = P.w4a8_scales_read(get_runtime(act.device), act, w, None, _tuning())
-    plan = run_counted(get_runtime(act.device), act, w, errors, stream,
-                       lambda rt, e: P.w4a8_grouped(rt, act, w, out, e, _tuning()))
+    rt = get_runtime(act.device)
+    act = P.w4a8_scales_read(rt, act, w, None, _tuning())
+    plan = run_counted(rt, act, w, errors, stream, lambda rt, e: P.w4a8_grouped(rt, act, w, out, e, _tuning()))
     if stream is None and fast.as_given(given, (act.x, act.sf, errors), out, weight):
         fast.keep("grouped8", call, weight, (n, k), plan, _GROUPED_ARGS, _WEIGHT_ARGS)
 
@@ -192,9 +192,9 @@ def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, str
         count_cpu(errors, bad)
         write_bf16(y, out)
         return
-    act = P.w4a8_scales_read(get_runtime(act.device), act, w, offsets, _tuning())
-    plan = run_counted(get_runtime(act.device), act, w, errors, stream,
-                       lambda rt, e: P.w4a8_moe(rt, act, w, offsets, out, e, _tuning()))
+    rt = get_runtime(act.device)
+    act = P.w4a8_scales_read(rt, act, w, offsets, _tuning())
+    plan = run_counted(rt, act, w, errors, stream, lambda rt, e: P.w4a8_moe(rt, act, w, offsets, out, e, _tuning()))
     if stream is None and fast.as_given(given, (act.x, act.sf, errors, offsets), out, weight):
         fast.keep("moe8", call, weight, (n, k), plan, _MOE_ARGS, _WEIGHT_ARGS)
 

@@ -338,7 +338,8 @@ def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:
     st.device = a.device if cuda else "cpu"
     st.kv_a, st.z_a, st.kv_b, st.z_b, st.count = a, za, kb, zb, c
     st.errors = None if errors is None else _counter(errors, at)
-    st._owner = check_one_owner(st, "state", "kv_a")    # over a state's own buffers: that state (its pool, if attached)
+    # over a state's own buffers: that state (its pool, if attached)
+    st._owner = check_one_owner(st, "state", "kv_a")
     st._seal()
     _counter_apart(st, "state")
     check_counter_owner(st)
