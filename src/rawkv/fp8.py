@@ -178,8 +178,9 @@ def _decode(codes, out, stream=None, dtype=None):
 # ---- FP8 block activations ----------------------------------------------------------------------
 BLOCKS = bref.BLOCKS
 SCALE_FORMATS = bref.SCALE_FORMATS
-#: x's last dimension must be a multiple of this: whole 16-byte vectors of x
-#: and of the codes, so a partial last block is a whole number of vectors.
+#: x's last dimension must be a multiple of this: the quantizer's lanes hold
+#: 16 channels each (whole 16-byte vectors of x and of the codes), so a
+#: partial last block is a whole number of lanes.
 K_MULTIPLE = 16
 UE8M0_SCALES = ("uint8", "float8_e8m0fnu", "float32")     # bytes, or the power of two as float32
 
@@ -393,11 +394,9 @@ def _quantize_blocks_args(x, block, scale_format, codes, scales):
 
 def plan_quantize_blocks(dev, x, codes, scales, rows, k, block, fmt) -> list:
     """The launch of a quantize_blocks of rows x K > 0 elements on device
-    `dev` (rawkv._plan.Device or a Runtime): one thread per 16-byte vector
-    of a unit (row, block), the units of a warp consecutive."""
-    per_vec = 16 // x.element_size()
-    units = rows * bref.block_count(k, block)
-    grid, threads = grid_stride(dev, units * (block // per_vec), _BLOCK)
+    `dev` (rawkv._plan.Device or a Runtime): one thread per 16 channels of
+    a unit (row, block), the units of a warp consecutive."""
+    grid, threads = grid_stride(dev, KB.quantize_threads(rows, k, block), _BLOCK)
     s_row, s_blk = scale_strides(scales)
     return [Launch(KB.QUANTIZE.instance(x.dtype, block, *fmt), (grid,), (threads,),
                    dict(x=x, codes=codes, scales=scales, s_row=s_row, s_blk=s_blk, rows=rows, K=k))]

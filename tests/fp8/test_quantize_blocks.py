@@ -364,9 +364,11 @@ class _Meta:
         return self.dtype.itemsize
 
 
-@pytest.mark.parametrize("dtype,block,per_unit", [(torch.bfloat16, 128, 16), (torch.float32, 128, 32),
-                                                  (torch.float16, 32, 4), (torch.float32, 64, 16)])
-def test_plan_is_one_thread_per_vector_of_each_unit(dtype, block, per_unit):
+@pytest.mark.parametrize("dtype,block,per_unit", [(torch.bfloat16, 128, 8), (torch.float32, 128, 8),
+                                                  (torch.float16, 32, 2), (torch.float32, 64, 4)])
+def test_plan_is_one_thread_per_16_channels_of_each_unit(dtype, block, per_unit):
+    """fp8_blocks.cuh's fp8_quantize_rows: a lane holds 16 channels (one or
+    more 16-byte loads), whatever the input's dtype."""
     x, c = _Meta(dtype), object()
     for rows, k in ((1, 128), (7, 144), (4096, 7168)):
         s = torch.empty(rows, -(-k // block), dtype=torch.uint8)

@@ -434,12 +434,12 @@ def test_row_plans_with_no_rows_launch_nothing():
 
 @pytest.mark.parametrize("rows, k, top", [(1, 7168, 8), (4096, 7168, 8), (0, 256, 4), (3, 128, 0)])
 def test_moe_plan_is_one_grid_stride_launch(rows, k, top):
-    """A thread per 16-byte vector of hidden (fp8_blocks.cuh's quantizer) or
+    """A thread per 16 channels of hidden (fp8_blocks.cuh's quantizer) or
     per id / weight byte, whichever is more; nothing to do: no launch."""
     hid, ids, wts = _meta(rows, k), _meta(rows, top, dtype=torch.int32), _meta(rows, top, dtype=torch.float32)
     c, s, io, wo = _meta(rows, k, dtype=U8), _meta(rows, k // 128), _meta(rows, top, dtype=torch.int64), _meta(rows, top)
     plan = plans.moe_stage_fp8(H100, hid, ids, wts, c, s, io, wo, 128, KB.SCALE_FP32)
-    work = max(rows * k // 8, rows * top, rows * top * 4)
+    work = max(rows * k // 16, rows * top, rows * top * 4)
     if not work:
         assert plan == []
         return

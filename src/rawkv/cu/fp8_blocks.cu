@@ -13,8 +13,8 @@ template <typename T, int BLOCK, bool UE8M0, bool SBYTE>
 __global__ void rkv_fp8_quantize_blocks(const T* __restrict__ x, u8* __restrict__ codes,
                                         void* __restrict__ scales, i64 s_row, i64 s_blk, i64 rows, i64 K) {
     static_assert(UE8M0 || !SBYTE, "an E8M0 byte holds a power of two only");
-    constexpr int TPB = BLOCK / Vec16<T>::N;
-    static_assert(TPB >= 1 && TPB <= 32 && (TPB & (TPB - 1)) == 0, "BLOCK / N must be a power of two <= 32");
+    constexpr int TPB = BLOCK / 16;                  // lanes per (row, block) unit
+    static_assert(TPB >= 1 && TPB <= 32 && (TPB & (TPB - 1)) == 0, "BLOCK / 16 must be a power of two <= 32");
     pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     fp8_quantize_rows<T>(x, codes, scales, s_row, s_blk, rows, K, BLOCK, UE8M0, SBYTE);
 }
@@ -22,15 +22,20 @@ __global__ void rkv_fp8_quantize_blocks(const T* __restrict__ x, u8* __restrict_
 // Dequantize: one thread per 8 codes (K % 16 == 0: a unit never crosses a
 // row or a block); out = FP32(decode(code) * scale), rounded to OutT, stored
 // 16 bytes at a time (out 16-byte aligned). Scale (row, b) at row * s_row +
-// b * s_blk.
+// b * s_blk. A thread steps its unit's (row, column) by the grid's units per
+// iteration (an add and a compare, no 64-bit division: fp8_quantize_rows).
 template <typename OutT, bool UE8M0>
 __global__ void rkv_fp8_dequantize_blocks(const u8* __restrict__ codes, const void* __restrict__ scales,
                                           i64 s_row, i64 s_blk, OutT* __restrict__ out, i64 rows, i64 K, int blk) {
     const i64 upr = K / 8;
     const i64 units = rows * upr;
-    for (i64 u = global_thread(); u < units; u += grid_threads()) {
-        const i64 row = u / upr, col = (u - row * upr) * 8;
-        const i64 si = row * s_row + col / blk * s_blk;
+    const i64 step = grid_threads(), step_rows = step / upr, step_units = step - step_rows * upr;
+    const i64 first = global_thread();
+    const int blk_shift = __ffs(blk) - 1;                 // (blk: 32, 64 or 128, rawkv.fp8.BLOCKS)
+    i64 row = first / upr, c = first - row * upr;        // c: the unit within its row
+    for (i64 u = first; u < units; u += step) {
+        const i64 col = c * 8;
+        const i64 si = row * s_row + (col >> blk_shift) * s_blk;
         float s;
         if (UE8M0) {
             s = ue8m0_value(static_cast<const u8*>(scales)[si]);
@@ -46,6 +51,12 @@ __global__ void rkv_fp8_dequantize_blocks(const u8* __restrict__ codes, const vo
 #pragma unroll
             for (int j = 0; j < N; ++j) o.v[j] = from_f32<OutT>(__fmul_rn(e4m3_decode(in.c[h * N + j]), s));
             store16(out + row * K + col + h * N, o);
+        }
+        c += step_units;
+        row += step_rows;
+        if (c >= upr) {
+            c -= upr;
+            ++row;
         }
     }
 }

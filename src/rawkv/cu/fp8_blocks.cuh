@@ -38,9 +38,35 @@ __device__ __forceinline__ float fp8_block_scale(float amax, bool ue8m0, u32& by
     return s;
 }
 
-// The code of v in a block of scale s (0 in a flagged block).
-__device__ __forceinline__ u8 fp8_block_code(float v, float s, bool flag) {
-    return flag ? (u8)0 : e4m3_encode(__fdiv_rn(v, s));
+// The 16 codes of v[0..15] in a block of scale s (E8M0 byte `byte` when
+// ue8m0), little-endian in a uint4; zeros in a flagged block. A code is
+// E4M3(v / s), the IEEE quotient:
+// * Where s is a power of two (ue8m0: s = 2^(byte - 127), byte 105 .. 247
+//   from the amax floor to FLT_MAX), v times 2^(127 - byte), an exact normal
+//   float, is that same correctly rounded quotient (subnormal results
+//   included: --ftz=false), so one multiply replaces the division's
+//   reciprocal, refinement and slow-path test.
+// * An unflagged block's quotients are finite (|v| <= amax <= 448 s up to
+//   s's rounding), so one satfinite conversion per pair gives
+//   e4m3_encode's bytes (its NaN test and clamp to +-448 are what satfinite
+//   does for them), and a flagged block is zeroed once, not per code.
+__device__ __forceinline__ uint4 fp8_block_codes16(const float (&v)[16], float s, u32 byte, bool ue8m0,
+                                                   bool flag) {
+    const float inv = __uint_as_float((254u - byte) << 23);
+    u32 w[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        u32 pair[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float a = v[4 * p + 2 * h], b = v[4 * p + 2 * h + 1];
+            const float2 q = ue8m0 ? make_float2(__fmul_rn(a, inv), __fmul_rn(b, inv))
+                                   : make_float2(__fdiv_rn(a, s), __fdiv_rn(b, s));
+            pair[h] = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
+        }
+        w[p] = pair[0] | (pair[1] << 16);
+    }
+    return flag ? make_uint4(0u, 0u, 0u, 0u) : make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // Scale i of `scales`: its E8M0 byte (sbyte) or its float32, the NaN of
@@ -62,48 +88,51 @@ __device__ __forceinline__ void fp8_group_reduce(float& amax, int& flag, int lan
     }
 }
 
-// The N codes of one thread, stored as one word.
-template <int N> struct CodesWord;
-template <> struct CodesWord<8> { typedef uint2 type; };
-template <> struct CodesWord<4> { typedef u32 type; };
-
 // Quantize rows x K of contiguous x (K % 16 == 0) into codes and one scale
 // per row per `block` channels, the last block partial. A grid-stride loop:
-// one thread per 16-byte vector of x (Vec16<T>::N channels); tpb = block / N
-// consecutive lanes hold one (row, block) unit and reduce its amax with
-// shuffles (block / N must be a power of two <= 32). Every lane of a warp
-// runs the same number of iterations (the shuffles need them all), each with
-// the warp's next 32 / tpb units. Rows are K elements apart (contiguous x
-// and codes); K % 16 == 0, so every vector is whole and a partial last block
-// is a whole number of vectors. Scale (row, b) is element row * s_row +
-// b * s_blk of `scales` (any layout: DeepSeek's row-major, DeepGEMM's
-// MN-major).
+// one lane per 16 consecutive channels of a row (16 / Vec16<T>::N 16-byte
+// loads, one 16-byte store of codes), so a lane's channels are wholly inside
+// K or wholly past it; block / 16 consecutive lanes hold one (row, block)
+// unit and reduce its amax with shuffles. Every lane of a warp runs the same
+// number of iterations (the shuffles need them all), each with the warp's
+// next 32 / (block / 16) units. Rows are K elements apart (contiguous x and
+// codes). Scale (row, b) is element row * s_row + b * s_blk of `scales` (any
+// layout: DeepSeek's row-major, DeepGEMM's MN-major).
+// A lane steps its unit (row, b) by the grid's units per iteration with an
+// add and a compare: one 64-bit division per iteration (a call of ~70
+// instructions) and one load of 16 bytes per lane held it near half the copy
+// bandwidth (docs/fused.md, "FP8 block quantizer: at copy speed").
 template <typename T>
 __device__ __forceinline__ void fp8_quantize_rows(const T* __restrict__ x, u8* __restrict__ codes,
                                                   void* __restrict__ scales, i64 s_row, i64 s_blk, i64 rows,
                                                   i64 K, int block, bool ue8m0, bool sbyte) {
     constexpr int N = Vec16<T>::N;
-    const int tpb = block / N;
+    constexpr int V = 16 / N;                       // 16-byte loads per lane
+    const int tpb = block / 16;                     // lanes per unit
     const int upw = 32 / tpb;                       // units per warp per iteration
     const i64 nb = (K + block - 1) / block;
     const i64 units = rows * nb;
     const int lane = threadIdx.x & 31;
     const int t = lane % tpb;
-    const i64 warps = grid_threads() / 32;
-    for (i64 base = global_thread() / 32 * upw; base < units; base += warps * upw) {
-        const i64 u = base + lane / tpb;
-        const i64 row = u / nb, b = u - row * nb;
-        const i64 col = b * block + (i64)t * N;
-        const bool has = u < units && col < K;
-        Vec16<T> in;
-        in.raw = make_uint4(0u, 0u, 0u, 0u);
-        if (has) in = load16(x + row * K + col);
-        float v[N];
+    const i64 warp = global_thread() / 32, step = grid_threads() / 32 * upw;
+    const i64 step_rows = step / nb, step_blocks = step - step_rows * nb;
+    const i64 first = warp * upw + lane / tpb;
+    i64 row = first / nb, b = first - row * nb;
+    for (i64 base = warp * upw; base < units; base += step) {
+        const i64 col = b * block + 16 * t;
+        const bool has = row < rows && col < K;
+        Vec16<T> in[V];
+#pragma unroll
+        for (int h = 0; h < V; ++h) {
+            in[h].raw = make_uint4(0u, 0u, 0u, 0u);
+            if (has) in[h] = load16(x + row * K + col + h * N);
+        }
+        float v[16];
         float amax = 0.0f;
         bool bad = false;
 #pragma unroll
-        for (int j = 0; j < N; ++j) {
-            v[j] = to_f32(in.v[j]);
+        for (int j = 0; j < 16; ++j) {
+            v[j] = to_f32(in[j / N].v[j % N]);
             bad |= !isfinite(v[j]);
             amax = fmaxf(amax, fabsf(v[j]));
         }
@@ -111,13 +140,16 @@ __device__ __forceinline__ void fp8_quantize_rows(const T* __restrict__ x, u8* _
         fp8_group_reduce(amax, flag, tpb);
         u32 byte;
         const float s = fp8_block_scale(amax, ue8m0, byte);
-        if (!has) continue;
-        typedef typename CodesWord<N>::type W;
-        union { u8 b[N]; W w; } out;
-#pragma unroll
-        for (int j = 0; j < N; ++j) out.b[j] = fp8_block_code(v[j], s, flag);
-        *reinterpret_cast<W*>(codes + row * K + col) = out.w;
-        if (t == 0) fp8_store_scale(scales, row * s_row + b * s_blk, s, byte, flag, sbyte);
+        if (has) {
+            *reinterpret_cast<uint4*>(codes + row * K + col) = fp8_block_codes16(v, s, byte, ue8m0, flag);
+            if (t == 0) fp8_store_scale(scales, row * s_row + b * s_blk, s, byte, flag, sbyte);
+        }
+        b += step_blocks;
+        row += step_rows;
+        if (b >= nb) {
+            b -= nb;
+            ++row;
+        }
     }
 }
 

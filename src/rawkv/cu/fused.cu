@@ -423,10 +423,7 @@ __device__ __forceinline__ void fp8_chunk(const u32 (&w)[8], bool has, i64 c, in
     if (!has) return;
     float v[16];
     unpack_chunk<T>(w, v);
-    union { u8 b[16]; uint4 w; } out;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) out.b[j] = fp8_block_code(v[j], s, flag);
-    *reinterpret_cast<uint4*>(crow + c * 16) = out.w;
+    *reinterpret_cast<uint4*>(crow + c * 16) = fp8_block_codes16(v, s, byte, ue8m0, flag);
     if (c % lanes == 0) fp8_store_scale(scales, srow + c / lanes * s_blk, s, byte, flag, sbyte);
 }
 
@@ -610,7 +607,7 @@ __global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeMinBlocks) rkv_moe_st
 
 // MoE input staging with an FP8 block output: hidden (M, K) -> codes (M, K)
 // and scales (M, ceil(K / blk), at strides (s_row, s_blk)) by fp8_blocks.cuh's grid-stride quantizer
-// (a thread per 16-byte vector of x; every warp whole), then the top-k copy.
+// (a thread per 16 channels of x; every warp whole), then the top-k copy.
 template <typename T, typename ID>
 __global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK) rkv_moe_stage_fp8(
         const T* __restrict__ x, long long rows, long long K, long long blk, long long ue8m0, long long sbyte,

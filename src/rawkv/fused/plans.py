@@ -10,6 +10,7 @@ from __future__ import annotations
 from .. import _args as A
 from .. import fp8 as FP8
 from .._plan import Launch, grid_stride
+from ..kernels import fp8_blocks as KB
 from ..kernels import fused as K
 from ..nvfp4.encode import Gs, Passes, empty_gs, plan_scope
 
@@ -135,8 +136,8 @@ def swiglu_fp8(dev, a, g, vec) -> list:
 
 
 def moe_stage_fp8(dev, hidden, topk_ids, topk_weights, codes, scales, ids_out, w_out, block, fmt) -> list:
-    """moe_stage_fp8: a thread per 16-byte vector of hidden (fp8_blocks.cuh's
-    quantizer), the top-k copy in the same launch."""
+    """moe_stage_fp8: fp8_blocks.cuh's quantizer (a thread per 16 channels
+    of hidden), the top-k copy in the same launch."""
     rows, k = hidden.shape
-    return _moe(dev, K.MOE_STAGE_FP8, rows * k * hidden.element_size() // 16, hidden, topk_ids, topk_weights,
+    return _moe(dev, K.MOE_STAGE_FP8, KB.quantize_threads(rows, k, block), hidden, topk_ids, topk_weights,
                 ids_out, w_out, dict(x=hidden, rows=rows, K=k, **_fp8(block, fmt, codes, scales)))

@@ -24,5 +24,17 @@ QUANTIZE = FILE.kernel(
     pdl=True)    # (a producer: common.cuh's pdl_producer_start)
 DEQUANTIZE = FILE.kernel(
     "rkv_fp8_dequantize_blocks", (TParam("typename", "OutT", _FLOATS), TParam("bool", "UE8M0", (False, True))))
+#: Channels per lane of the quantizer (fp8_blocks.cuh's fp8_quantize_rows,
+#: also moe_stage_fp8's): a unit (row, block) is BLOCK / QUANTIZE_LANE lanes.
+QUANTIZE_LANE = 16
+
+
+def quantize_threads(rows: int, k: int, block: int) -> int:
+    """Threads of fp8_quantize_rows' grid-stride loop with nothing to stride:
+    one per QUANTIZE_LANE channels of each unit (row, block), the last
+    block's lanes past K included (they idle)."""
+    return rows * -(-k // block) * (block // QUANTIZE_LANE)
+
+
 #: Codes per thread of rkv_fp8_dequantize_blocks.
 DEQUANTIZE_UNIT = 8
