@@ -99,9 +99,10 @@ __device__ __forceinline__ void fp8_group_reduce(float& amax, int& flag, int lan
 // codes). Scale (row, b) is element row * s_row + b * s_blk of `scales` (any
 // layout: DeepSeek's row-major, DeepGEMM's MN-major).
 // A lane steps its unit (row, b) by the grid's units per iteration with an
-// add and a compare: one 64-bit division per iteration (a call of ~70
-// instructions) and one load of 16 bytes per lane held it near half the copy
-// bandwidth (docs/fused.md, "FP8 block quantizer: at copy speed").
+// add and a compare. (It used to divide a 64-bit unit index every iteration,
+// a call of ~70 instructions, and to load 16 bytes per lane: that held the
+// loop near half the copy bandwidth; docs/fused.md, "FP8 block quantizer: at
+// copy speed".)
 template <typename T>
 __device__ __forceinline__ void fp8_quantize_rows(const T* __restrict__ x, u8* __restrict__ codes,
                                                   void* __restrict__ scales, i64 s_row, i64 s_blk, i64 rows,
