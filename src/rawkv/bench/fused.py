@@ -8,6 +8,19 @@ mhc_rmsnorm_quantize, swiglu_quantize (row and tensor scope), moe_stage, at
 * torch_baseline: all-torch, the same math op by op (pre-op, then docs/format.md's
   quantize steps as torch operations).
 
+And the FP8 block activations that feed the W4A8 GEMM (E4M3 codes, one
+scale per row per 128 channels, scale_format 'ue8m0' unless named), at the
+same sizes:
+
+* quantize_blocks, quantize_blocks/fp32 (float32 scales): rawkv.fp8.quantize_blocks
+  of BF16 x; baseline and torch_baseline both torch_act_quant, DeepSeek-V4's
+  act_quant rule as torch operations ("torch act_quant (DeepSeek's rule)",
+  timed once);
+* rmsnorm_quantize_fp8, swiglu_quantize_fp8, moe_stage_fp8: baseline the torch
+  pre-op (nothing for moe_stage_fp8; its top-k copies in torch) followed by
+  rawkv.fp8.quantize_blocks; torch_baseline the pre-op followed by
+  torch_act_quant.
+
 GBps counts the fewest bytes: inputs read once, outputs written once.
 'launches' is the number of kernel launches (+ memsets) of one fused call.
 At decode sizes (M <= 64) a call is host-bound (Python argument checks), so
@@ -19,6 +32,8 @@ goal: ratio <= 1.5).
 Entry point: run(rt, results, quick=False) (called by rawkv.bench.cli).
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from .timing import copy_GBps, cuda_time_us, latency, rotation
 
@@ -42,13 +57,14 @@ def _graph_us(fn, nbytes):
     return latency(fn, nbytes)
 
 
-def _entry(op, shape, dtype, us, nbytes, copy, base_name, base_us, torch_us, launches):
+def _entry(op, shape, dtype, us, nbytes, copy, base_name, base_us, torch_us, launches,
+           torch_name="all-torch, same math"):
     gbps = nbytes / (us * 1e-6) / 1e9 if us > 0 else 0.0
     return {"op": op, "shape": list(shape), "dtype": dtype, "us": round(us, 2), "GBps": round(gbps, 1),
             "frac_of_copy": round(gbps / copy, 3) if copy else None,
             "baseline": base_name, "baseline_us": round(base_us, 2),
             "speedup": round(base_us / us, 2) if us > 0 else None,
-            "torch_baseline": "all-torch, same math", "torch_us": round(torch_us, 2),
+            "torch_baseline": torch_name, "torch_us": round(torch_us, 2),
             "torch_speedup": round(torch_us / us, 2) if us > 0 else None,
             "launches": launches}
 
@@ -98,6 +114,37 @@ def torch_swiglu(h, g=8):
     return (torch.nn.functional.silu(gate) * up).to(h.dtype)
 
 
+def torch_act_quant(x, block=128, ue8m0=True):
+    """DeepSeek-V4's act_quant as torch operations (rawkv.reference.fp8_blocks
+    states the rule and its source): x (..., K), K % block == 0 (V4's own
+    assert) -> (codes float8_e4m3fn (..., K), scales (..., K/block): float32,
+    or for ue8m0 the E8M0 bytes as uint8). The bytes of
+    rawkv.reference.fp8_blocks.quantize_blocks for finite x; a block holding
+    NaN or Inf is not flagged here (the reference's codes 0 and NaN scale are
+    not reproduced: a NaN code and a NaN or infinite scale come out instead)."""
+    import torch
+    k = x.shape[-1]
+    if k % block:
+        raise ValueError(f"x: the last dimension ({k}) must be a multiple of block ({block})")
+    xb = x.float().unflatten(-1, (k // block, block))
+    # Python scalars meet a float32 tensor as float32: FP32(1e-4) and
+    # FP32(1/448), the reference's constants; s is a product, not amax / 448
+    amax = xb.abs().amax(-1).clamp(min=1e-4)
+    s = amax * (1.0 / 448.0)
+    scales = s
+    if ue8m0:
+        # 2^ceil(log2 s) from s's bits, exactly: s is normal and positive, so
+        # its biased exponent, plus one when any mantissa bit is set
+        bits = s.view(torch.int32)
+        byte = (bits >> 23) + ((bits & 0x7FFFFF) != 0).int()
+        s = (byte << 23).view(torch.float32)
+        scales = byte.to(torch.uint8)
+    # the rule's clamp (the reference's satfinite): torch's float8 conversion
+    # would make NaN of a value past E4M3's range rather than saturate it
+    codes = (xb / s.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return codes.flatten(-2), scales
+
+
 def _rawkv_quantize():
     import rawkv
     q = getattr(rawkv.nvfp4, "quantize", None)
@@ -118,6 +165,7 @@ def run(rt, results, quick=False):
     dev = "cuda"
     l2 = rt.l2_bytes
     bf = torch.bfloat16
+    bench = SimpleNamespace(copy=copy, reps=reps, l2=l2, dev=dev)
 
     def unfused_q(y, scope):
         if rq is not None:
@@ -206,5 +254,131 @@ def run(rt, results, quick=False):
         if m <= 64:
             results[-1].update(_graph_us(lambda: F.moe_stage(hid[0], ids, wts, out=out), nbytes))
         del hid
+        results.extend(_fp8_rows(m, n, bench))
         torch.cuda.empty_cache()
     return results
+
+
+# ---- the FP8 block-activation rows ---------------------------------------------------
+_ACT_QUANT = "torch act_quant (DeepSeek's rule)"
+_FP8_BASE = "torch pre-op + rawkv.fp8.quantize_blocks"
+_FP8_TORCH = "torch pre-op + " + _ACT_QUANT
+_FP8_BLOCK = 128
+
+
+def _fp8_rows(m, n, bench):
+    """The FP8 rows of size (m, n), each input set freed before the next is made."""
+    return [*_quantize_blocks_rows(m, n, bench), _rmsnorm_fp8_row(m, n, bench), _swiglu_fp8_row(m, n, bench),
+            _moe_stage_fp8_row(m, n, bench)]
+
+
+def _fp8_out_bytes(m, n, scale_bytes=1):
+    """What an FP8 block output of m rows of n channels writes: a byte per
+    code, a scale (1 byte E8M0, 4 float32) per row per 128 channels."""
+    return m * n + m * -(-n // _FP8_BLOCK) * scale_bytes
+
+
+def _bf16_inputs(shape, bench):
+    """Random BF16 inputs of `shape`, as many as make a rotation through
+    them miss in L2 (timing.rotation)."""
+    import math
+    import torch
+    k = _rotation(math.prod(shape) * 2, bench.l2)
+    return [torch.randn(*shape, device=bench.dev, dtype=torch.bfloat16) for _ in range(k)]
+
+
+def _fp8_baselines(pre, after=None):
+    """(baseline, torch baseline) of an FP8 producer, each f(i): pre(i) (the
+    torch pre-op on input set i), then rawkv.fp8.quantize_blocks or
+    torch_act_quant of it, then after() (moe_stage's top-k copies)."""
+    from rawkv import fp8
+
+    def unfused(i):
+        fp8.quantize_blocks(pre(i), scale_format="ue8m0")
+        if after is not None:
+            after()
+
+    def all_torch(i):
+        torch_act_quant(pre(i))
+        if after is not None:
+            after()
+    return unfused, all_torch
+
+
+def _fp8_row(op, shape, calls, names, nbytes, bench):
+    """A result row of an FP8 op: calls (fused, baseline, torch baseline),
+    each f(i) on input set i, timed; names (baseline, torch baseline). A
+    torch baseline that is the baseline is timed once. Decode sizes also
+    carry _graph_us of the fused call."""
+    fused, base, all_torch = calls
+    us = _time_us(fused, bench.reps)
+    base_us = _time_us(base, bench.reps)
+    torch_us = base_us if all_torch is base else _time_us(all_torch, bench.reps)
+    row = _entry(op, shape, "bfloat16", us, nbytes, bench.copy, names[0], base_us, torch_us, 1,
+                 torch_name=names[1])
+    if shape[0] <= 64:
+        row.update(_graph_us(lambda: fused(0), nbytes))
+    return row
+
+
+def _quantize_blocks_rows(m, n, bench):
+    """quantize_blocks (E8M0 byte scales) and quantize_blocks/fp32 (float32 scales)."""
+    from rawkv import fp8
+    xs = _bf16_inputs((m, n), bench)
+    rows = []
+    for fmt, op, scale_bytes in (("ue8m0", "quantize_blocks", 1), ("fp32", "quantize_blocks/fp32", 4)):
+        out = fp8.quantize_blocks(xs[0], scale_format=fmt)
+
+        def act_quant(i, ue8m0=fmt == "ue8m0"):
+            return torch_act_quant(xs[i % len(xs)], ue8m0=ue8m0)
+        calls = (lambda i: fp8.quantize_blocks(xs[i % len(xs)], scale_format=fmt, out=out), act_quant, act_quant)
+        rows.append(_fp8_row(op, (m, n), calls, (_ACT_QUANT, _ACT_QUANT),
+                             m * n * 2 + _fp8_out_bytes(m, n, scale_bytes), bench))
+    return rows
+
+
+def _rmsnorm_fp8_row(m, n, bench):
+    """rmsnorm_quantize_fp8: reads x and the float32 weight, writes the FP8
+    output and inv_rms (float32 per row)."""
+    import torch
+    from rawkv import fused as F
+    xs = _bf16_inputs((m, n), bench)
+    w = torch.rand(n, device=bench.dev) + 0.5
+    out = F.rmsnorm_quantize_fp8(xs[0], w, scale_format="ue8m0")
+    calls = (lambda i: F.rmsnorm_quantize_fp8(xs[i % len(xs)], w, scale_format="ue8m0", out=out),
+             *_fp8_baselines(lambda i: torch_rmsnorm(xs[i % len(xs)], w)[0]))
+    nbytes = m * n * 2 + n * 4 + _fp8_out_bytes(m, n) + 4 * m
+    return _fp8_row("rmsnorm_quantize_fp8", (m, n), calls, (_FP8_BASE, _FP8_TORCH), nbytes, bench)
+
+
+def _swiglu_fp8_row(m, n, bench):
+    """swiglu_quantize_fp8 of h (m, n), the fused gate/up interleaved by 8
+    columns: an FP8 output of I = n / 2 channels (no scope: FP8 scales are
+    per block, so the row is the NVFP4 row-scope row's sibling)."""
+    from rawkv import fused as F
+    hs = _bf16_inputs((m, n), bench)
+    out = F.swiglu_quantize_fp8(hs[0], scale_format="ue8m0")
+    calls = (lambda i: F.swiglu_quantize_fp8(hs[i % len(hs)], scale_format="ue8m0", out=out),
+             *_fp8_baselines(lambda i: torch_swiglu(hs[i % len(hs)])))
+    nbytes = m * n * 2 + _fp8_out_bytes(m, n // 2)
+    return _fp8_row("swiglu_quantize_fp8", (m, n), calls, (_FP8_BASE, _FP8_TORCH), nbytes, bench)
+
+
+def _moe_stage_fp8_row(m, n, bench):
+    """moe_stage_fp8 (top-k 8): the FP8 output and, as moe_stage counts
+    them, int32 ids read and int64 written, float32 weights read and written."""
+    import torch
+    from rawkv import fused as F
+    hid = _bf16_inputs((m, n), bench)
+    ids = torch.randint(0, 256, (m, 8), device=bench.dev, dtype=torch.int32)
+    wts = torch.rand(m, 8, device=bench.dev)
+    out = F.moe_stage_fp8(hid[0], ids, wts, scale_format="ue8m0")
+
+    def topk_copies():
+        ids.long()
+        wts.clone()
+    calls = (lambda i: F.moe_stage_fp8(hid[i % len(hid)], ids, wts, scale_format="ue8m0", out=out),
+             *_fp8_baselines(lambda i: hid[i % len(hid)], topk_copies))
+    names = ("rawkv.fp8.quantize_blocks + torch copies", _ACT_QUANT + " + torch copies")
+    nbytes = m * n * 2 + _fp8_out_bytes(m, n) + m * 8 * (4 + 8 + 4 + 4)
+    return _fp8_row("moe_stage_fp8", (m, n), calls, names, nbytes, bench)
