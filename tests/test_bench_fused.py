@@ -141,3 +141,36 @@ def test_fp8_rows_have_the_fused_rows_shape(monkeypatch):
     assert rows[0]["baseline"] == rows[0]["torch_baseline"] == "torch act_quant (DeepSeek's rule)"
     assert rows[2]["baseline"] == "torch pre-op + rawkv.fp8.quantize_blocks"
     assert rows[2]["torch_baseline"] == "torch pre-op + torch act_quant (DeepSeek's rule)"
+
+
+def test_timed_fp8_calls_write_into_buffers_made_before(monkeypatch):
+    """Every rawkv FP8 call the timer runs (the op and the unfused baseline's
+    quantize_blocks) passes out=: rawkv refuses to allocate while a CUDA graph
+    is captured, and the timing would fall back to eager calls, their host
+    time (the first H200 run of these rows timed the baselines so)."""
+    from types import SimpleNamespace
+
+    import rawkv
+    from rawkv.bench import fused as bench_fused
+    timing, outs = [False], []
+
+    def spy(real):
+        def call(*args, **kwargs):
+            if timing[0]:
+                outs.append(kwargs.get("out") is not None)
+            return real(*args, **kwargs)
+        return call
+    for mod, name in ((rawkv.fp8, "quantize_blocks"), (rawkv.fused, "rmsnorm_quantize_fp8"),
+                      (rawkv.fused, "swiglu_quantize_fp8"), (rawkv.fused, "moe_stage_fp8")):
+        monkeypatch.setattr(mod, name, spy(getattr(mod, name)))
+
+    def time_us(fn, reps, warmup=5):
+        timing[0] = True
+        fn(0)
+        timing[0] = False
+        return 1.0
+    monkeypatch.setattr(bench_fused, "_time_us", time_us)
+    monkeypatch.setattr(bench_fused, "_rotation", lambda nbytes, l2: 1)
+    monkeypatch.setattr(bench_fused, "_graph_us", lambda fn, nbytes: {})
+    bench_fused._fp8_rows(2, 256, SimpleNamespace(copy=1000.0, reps=1, l2=0, dev="cpu"))
+    assert len(outs) == 2 + 3 * 2 and all(outs), outs

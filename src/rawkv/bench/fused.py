@@ -292,9 +292,13 @@ def _fp8_baselines(pre, after=None):
     torch pre-op on input set i), then rawkv.fp8.quantize_blocks or
     torch_act_quant of it, then after() (moe_stage's top-k copies)."""
     from rawkv import fp8
+    # the baseline's output buffers, made before any capture: rawkv refuses to
+    # allocate while a graph is being captured, and the timing would fall back
+    # to eager calls (their host time)
+    out = fp8.quantize_blocks(pre(0), scale_format="ue8m0")
 
     def unfused(i):
-        fp8.quantize_blocks(pre(i), scale_format="ue8m0")
+        fp8.quantize_blocks(pre(i), scale_format="ue8m0", out=out)
         if after is not None:
             after()
 
