@@ -605,11 +605,16 @@ __global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeMinBlocks) rkv_moe_st
     moe_copy_topk(ids, n_ids, ids_out, wts, w_bytes, wts_out);
 }
 
+// Four CTAs of 256 threads per SM (64 registers: 80 unbounded gave three,
+// and 17% more time than quantize_blocks + torch's copies of the top-k at
+// 16,384 x 7,168 on the H200; 48 spills).
+constexpr int kMoeFp8MinBlocks = 4;
+
 // MoE input staging with an FP8 block output: hidden (M, K) -> codes (M, K)
 // and scales (M, ceil(K / blk), at strides (s_row, s_blk)) by fp8_blocks.cuh's grid-stride quantizer
 // (a thread per 16 channels of x; every warp whole), then the top-k copy.
 template <typename T, typename ID>
-__global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK) rkv_moe_stage_fp8(
+__global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeFp8MinBlocks) rkv_moe_stage_fp8(
         const T* __restrict__ x, long long rows, long long K, long long blk, long long ue8m0, long long sbyte,
         u8* __restrict__ codes, void* __restrict__ scales, long long s_row, long long s_blk,
         const ID* __restrict__ ids, long long n_ids, long long* __restrict__ ids_out,
