@@ -379,7 +379,7 @@ def test_fused_cu_reads_every_shared_constant_from_the_declarations():
     # the launch bounds are the declared ones, not literals (four row kernels: NVFP4 and FP8)
     assert src.count("__launch_bounds__(kMaxThreads / REG, 1)") == 4
     assert "__launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeMinBlocks)" in src
-    assert "__launch_bounds__(RKV_FUSED_MOE_BLOCK) rkv_moe_stage_fp8(" in src
+    assert "__launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeFp8MinBlocks) rkv_moe_stage_fp8(" in src
     assert len({K.MODE_ROW, K.MODE_AMAX, K.MODE_TENSOR, K.MODE_FIXED}) == 4
     assert sorted(K.PARAM_KIND.values()) == [0, 1, 2]
 
