@@ -174,3 +174,40 @@ def test_timed_fp8_calls_write_into_buffers_made_before(monkeypatch):
     monkeypatch.setattr(bench_fused, "_graph_us", lambda fn, nbytes: {})
     bench_fused._fp8_rows(2, 256, SimpleNamespace(copy=1000.0, reps=1, l2=0, dev="cpu"))
     assert len(outs) == 2 + 3 * 2 and all(outs), outs
+
+
+@pytest.mark.parametrize("scope", ["row", "tensor", "none"])
+def test_nvfp4_unfused_baseline_writes_into_buffers_made_before(monkeypatch, scope):
+    """The NVFP4 rows' unfused baseline (rawkv.nvfp4.quantize after the torch
+    pre-op) passes out= on every timed call, the same buffers each time, and
+    gives quantize's own bytes (its first H200 and H100 runs timed it eagerly:
+    the allocation refused under capture)."""
+    import rawkv
+    from rawkv.bench import fused as bench_fused
+    xs = [torch.randn(4, 64).bfloat16() for _ in range(2)]
+    calls = []
+    real = rawkv.nvfp4.quantize
+
+    def spy(x, **kw):
+        calls.append(kw.get("out"))
+        return real(x, **kw)
+    f = bench_fused.unfused_nvfp4(spy, lambda i: xs[i], scope)
+    f(0)
+    q, sf, gs = f(1)
+    assert calls[0] is None and calls[1] is not None and calls[2] is calls[1] and len(calls) == 3
+    want = real(xs[1], scope=scope)
+    assert np.array_equal(np.asarray(q.view(torch.uint8)), np.asarray(want[0].view(torch.uint8)))
+    assert np.array_equal(np.asarray(sf.view(torch.uint8)), np.asarray(want[1].view(torch.uint8)))
+
+
+def test_torch_quantize_flags_a_non_finite_block_with_a_nan_scale():
+    """torch_quantize (the NVFP4 rows' all-torch baseline) writes the NaN
+    scale of a flagged block without a host tensor (a capture cannot copy one
+    to the GPU): the E4M3 NaN byte, codes 0, as the reference."""
+    from rawkv.bench.fused import torch_quantize
+    y = torch.randn(2, 32).bfloat16()
+    y[1, 3] = float("inf")
+    q, sf, gs = torch_quantize(y, per_row=True)
+    sfb = sf.view(torch.uint8)
+    assert sfb[1, 0] == 0x7F and (q.view(torch.uint8)[1, :8] == 0).all()
+    assert sfb[0, 0] != 0x7F and sfb[1, 1] != 0x7F
