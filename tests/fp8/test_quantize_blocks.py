@@ -516,3 +516,58 @@ def test_an_e8m0_out_scales_reaches_the_operator_as_bytes(monkeypatch):
     # for FP32 scales the same buffer is refused naming its own dtype, not the bytes the operator sees
     with pytest.raises(TypeError, match="^scales: dtype float8_e8m0fnu is not supported for scale_format 'fp32'"):
         rawkv.fp8.quantize_blocks(x, out=(None, buf))
+
+
+# Grids far smaller than the work: every lane's grid-stride loop takes many
+# steps, so the (row, block) / (row, column) stepping and its carry into the
+# next row run on every shape (at the ops' own grids the GPU tests above take
+# one pass: their grids cover the work).
+SMALL_GRIDS = [Device(sm_count=1, max_threads_per_sm=256), Device(sm_count=1, max_threads_per_sm=512),
+               Device(sm_count=3, max_threads_per_sm=256)]
+
+
+@pytest.mark.parametrize("dev", SMALL_GRIDS, ids=["grid2", "grid4", "grid6"])
+@pytest.mark.parametrize("block", B.BLOCKS)
+def test_gpu_small_grids_quantize_and_dequantize_every_unit_once(cuda, rng, seed, dev, block):
+    """Outputs filled with a byte no result has first (0xAA: a code of
+    -0.0625 only where the reference writes it), so a unit skipped or
+    written twice elsewhere shows."""
+    print("seed", seed)
+    run = rawkv.get_runtime().run
+    for rows, k, dtype in ((37, 2064, "bfloat16"), (29, 1040, "float32"), (130, 7168, "float16")):
+        x32 = _inputs(rng, rows, k, "outliers")
+        if dtype == "float16":
+            x32 = x32.astype(np.float16).astype(np.float32)
+            x32[~np.isfinite(x32)] = 0
+        x = torch.from_numpy(x32).to(DTYPES[dtype]).cuda()
+        nb = -(-k // block)
+        for fmt, kind in (("ue8m0", KB.SCALE_UE8M0), ("fp32", KB.SCALE_FP32)):
+            codes = torch.full((rows, k), 0xAA, dtype=torch.uint8, device="cuda")
+            scales = (torch.full((rows, nb), 0xAA, dtype=torch.uint8, device="cuda") if fmt == "ue8m0"
+                      else torch.full((rows, nb), -7.0, device="cuda"))
+            (launch,) = fp8.plan_quantize_blocks(dev, x, codes, scales, rows, k, block, kind)
+            assert launch.grid[0] * launch.block[0] < KB.quantize_threads(rows, k, block)
+            run([launch])
+            rc, rs = B.quantize_blocks(x.float().cpu().numpy(), block, fmt)
+            s = scales.cpu()
+            assert _same(_u8(codes.cpu()), rc), (rows, k, dtype, fmt, seed)
+            assert _same(s.numpy() if fmt == "fp32" else _u8(s), rs), (rows, k, dtype, fmt, seed)
+            out = torch.full((rows, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+            (launch,) = fp8.plan_dequantize_blocks(dev, codes, scales, out, rows, k, block)
+            assert launch.grid[0] * launch.block[0] < rows * k // KB.DEQUANTIZE_UNIT
+            run([launch])
+            want = F.round_to_dtype(B.dequantize_blocks(rc, rs, block), "bfloat16")
+            assert np.array_equal(out.float().cpu().numpy(), want, equal_nan=True), (rows, k, dtype, fmt, seed)
+
+
+def test_the_lane_width_is_the_kernels():
+    """rawkv.kernels.fp8_blocks.QUANTIZE_LANE (the plans' threads per unit)
+    is the channels per lane fp8_blocks.cuh's loop and fp8_blocks.cu's
+    instance assert use."""
+    import pathlib
+    import re
+    cu = pathlib.Path(fp8.__file__).parent / "cu"
+    cuh, src = (cu / "fp8_blocks.cuh").read_text(), (cu / "fp8_blocks.cu").read_text()
+    assert re.findall(r"const int tpb = block / (\d+);", cuh) == [str(KB.QUANTIZE_LANE)]
+    assert re.findall(r"constexpr int V = (\d+) / N;", cuh) == [str(KB.QUANTIZE_LANE)]
+    assert re.findall(r"constexpr int TPB = BLOCK / (\d+);", src) == [str(KB.QUANTIZE_LANE)]

@@ -151,3 +151,29 @@ def test_gpu_is_bit_reproducible_and_graph_capturable(cuda, rng):
     torch.cuda.synchronize()
     for (_, o), wl in zip(calls, want):
         assert all(torch.equal(t, wt) for t, wt in zip(o, wl))
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_gpu_moe_stage_on_small_grids_writes_every_unit_once(cuda, rng, seed, block):
+    """moe_stage_fp8 launched on grids far smaller than its work (a few
+    CTAs: every lane's grid-stride loop steps its (row, block) many times,
+    carrying into the next rows), outputs prefilled with bytes no result has
+    there: the reference's codes, scales and top-k copies exactly."""
+    from rawkv._plan import Device
+    from rawkv.fused import plans
+    from rawkv.kernels import fp8_blocks as KB
+    print("seed", seed)
+    rows, width = 37, 2048
+    args = _inputs(rng, "moe", rows, width, "bfloat16", 3.0)
+    hidden, ids, wts = (a.cuda() for a in _torch(args, "bfloat16"))
+    rc, rs, rids, rwts = R.moe_stage_fp8(*args, block, "ue8m0")
+    for dev in (Device(sm_count=1, max_threads_per_sm=256), Device(sm_count=3, max_threads_per_sm=256)):
+        codes = torch.full((rows, width), 0xAA, dtype=torch.uint8, device="cuda")
+        scales = torch.full((rows, width // block), 0xAA, dtype=torch.uint8, device="cuda")
+        ids_out = torch.full((rows, 4), -5, dtype=torch.int64, device="cuda")
+        w_out = torch.full((rows, 4), -5.0, device="cuda")
+        (launch,) = plans.moe_stage_fp8(dev, hidden, ids, wts, codes, scales, ids_out, w_out, block, KB.SCALE_UE8M0)
+        assert launch.grid[0] * launch.block[0] < KB.quantize_threads(rows, width, block)
+        rawkv.get_runtime().run([launch])
+        assert np.array_equal(_u8(codes.cpu()), rc) and np.array_equal(_u8(scales.cpu()), rs), (dev, block, seed)
+        assert np.array_equal(ids_out.cpu().numpy(), rids) and np.array_equal(w_out.cpu().numpy(), rwts)
