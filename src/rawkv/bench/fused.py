@@ -121,8 +121,10 @@ def torch_act_quant(x, block=128, ue8m0=True):
     assert) -> (codes float8_e4m3fn (..., K), scales (..., K/block): float32,
     or for ue8m0 the E8M0 bytes as uint8). The bytes of
     rawkv.reference.fp8_blocks.quantize_blocks for finite x; a block holding
-    NaN or Inf is not flagged here (the reference's codes 0 and NaN scale are
-    not reproduced: a NaN code and a NaN or infinite scale come out instead)."""
+    NaN or Inf is not flagged here and its bytes are not the reference's
+    (codes 0 and a NaN scale there; here whatever the torch steps give, e.g.
+    an E8M0 byte 0x00 and codes -448 for a NaN block: a timing baseline,
+    not a quantizer)."""
     import torch
     k = x.shape[-1]
     if k % block:

@@ -24,6 +24,8 @@ __global__ void rkv_fp8_quantize_blocks(const T* __restrict__ x, u8* __restrict_
 // 16 bytes at a time (out 16-byte aligned). Scale (row, b) at row * s_row +
 // b * s_blk. A thread steps its unit's (row, column) by the grid's units per
 // iteration (an add and a compare, no 64-bit division: fp8_quantize_rows).
+// K > 0 (rawkv.fp8 launches only then); blk a power of two (the block is
+// found by a shift).
 template <typename OutT, bool UE8M0>
 __global__ void rkv_fp8_dequantize_blocks(const u8* __restrict__ codes, const void* __restrict__ scales,
                                           i64 s_row, i64 s_blk, OutT* __restrict__ out, i64 rows, i64 K, int blk) {

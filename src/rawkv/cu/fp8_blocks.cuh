@@ -97,7 +97,8 @@ __device__ __forceinline__ void fp8_group_reduce(float& amax, int& flag, int lan
 // number of iterations (the shuffles need them all), each with the warp's
 // next 32 / (block / 16) units. Rows are K elements apart (contiguous x and
 // codes). Scale (row, b) is element row * s_row + b * s_blk of `scales` (any
-// layout: DeepSeek's row-major, DeepGEMM's MN-major).
+// layout: DeepSeek's row-major, DeepGEMM's MN-major). K > 0 (the blocks per
+// row divide the stepping; every caller launches only then).
 // A lane steps its unit (row, b) by the grid's units per iteration with an
 // add and a compare. (It used to divide a 64-bit unit index every iteration,
 // a call of ~70 instructions, and to load 16 bytes per lane: that held the
