@@ -556,6 +556,12 @@ def _w4a8_kernel(dev, w, tokens, ragged, experts, tuning) -> tuple:
     return per, w4a8_mma_config(w, per, ragged, tokens, dev, tuning)
 
 
+def _blocks_apart(sf) -> bool:
+    """Whether a scales view's 128-column blocks are not adjacent (what the
+    mma.sync kernel cannot read)."""
+    return sf.shape[-1] > 1 and sf.stride(-1) != 1
+
+
 def w4a8_scales_read(dev, act, w, offsets, tuning=TUNED):
     """act with the scales the call's kernel reads: the wgmma kernel takes
     them at any strides (its ss_b), the mma.sync kernel (few tokens) with
@@ -564,7 +570,7 @@ def w4a8_scales_read(dev, act, w, offsets, tuning=TUNED):
     stride that kernel measured 5-37% slower on its decode rows). A copy
     is a new tensor, so the fast path does not keep such a call."""
     sf = act.sf
-    if sf.shape[-1] < 2 or sf.stride(-1) == 1 or w.n == 0:
+    if not _blocks_apart(sf) or w.n == 0:
         return act
     tokens = act.lead[0]                        # (per group, or the ragged call's rows)
     if 0 in act.lead or _w4a8_kernel(dev, w, tokens, offsets is not None, w.groups, tuning)[1] is None:
@@ -578,7 +584,7 @@ def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> 
     or slots, groups)."""
     ragged = offsets is not None
     per, cfg = _w4a8_kernel(dev, w, tokens, ragged, experts, tuning)
-    if cfg is not None and act.sf.shape[-1] > 1 and act.sf.stride(-1) != 1:
+    if cfg is not None and _blocks_apart(act.sf):
         raise RuntimeError("x.scales: the W4A8 mma.sync kernel reads adjacent blocks; "
                            "rawkv.gemm.plans.w4a8_scales_read copies such a view first")
     sb = A.itemsize(act.sf) == 1                # (E8M0 bytes, else float32 scales: K8.SCALE_BYTES)
