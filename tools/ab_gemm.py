@@ -141,11 +141,6 @@ def worker(rows: tuple[str, ...]) -> dict:
             w = wa = None
             torch.cuda.empty_cache()
 
-    w8 = "w4a8" in rows
-    if "wo_a" in rows or w8:
-        wo_a_rows("", WO_A_SHAPES, WO_A_MS, "wo_a" in rows, w8)
-    if "moe" in rows or w8:
-        moe_rows("", MOE_TOKENS, "moe" in rows, w8)
     def fp8_rows():
         """The FP8 producers of the W4A8 GEMM's activations, UE8M0 bytes into
         out= buffers (the same calls a captured step makes)."""
@@ -170,6 +165,11 @@ def worker(rows: tuple[str, ...]) -> dict:
             x = h = None
             torch.cuda.empty_cache()
 
+    w8 = "w4a8" in rows
+    if "wo_a" in rows or w8:
+        wo_a_rows("", WO_A_SHAPES, WO_A_MS, "wo_a" in rows, w8)
+    if "moe" in rows or w8:
+        moe_rows("", MOE_TOKENS, "moe" in rows, w8)
     if "decode" in rows or "w4a8dec" in rows:
         wo_a_rows("dec ", DECODE_SHAPES, DECODE_MS, "decode" in rows, "w4a8dec" in rows)
         moe_rows("dec ", DECODE_MOE_TOKENS, "decode" in rows, "w4a8dec" in rows)
