@@ -123,16 +123,19 @@ def test_an_undeclared_or_missing_kernel_fails_the_check():
     assert any("rkv_e4m3_decode is declared but" in p for p in problems)
 
 
-def test_parser_reads_launch_bounds_comments_and_templates():
+def test_parser_reads_launch_attributes_comments_and_templates():
     src = """
     // __global__ void commented_out(int x) {}
     template <typename T, int R = 2>
     __global__ void __launch_bounds__(kMax / (R + 1), 1) k(const T* __restrict__ a, /* note */ long long n,
                                                      double eps) {}
     __global__ void plain(void) {}
+    template <typename T, bool M>
+    __global__ void __maxnreg__((kRegs<T, M>)) capped(const T* x, int m) {}
     """
     sigs = _abi.global_signatures(src)
-    assert set(sigs) == {"k", "plain"}
+    assert set(sigs) == {"k", "plain", "capped"}
+    assert sigs["capped"]["params"] == (("const T*", "x"), ("int", "m"))
     assert sigs["k"]["template"] == (("typename", "T"), ("int", "R"))
     assert sigs["k"]["params"] == (("const T*", "a"), ("long long", "n"), ("double", "eps"))
     assert sigs["plain"] == {"template": (), "params": ()}

@@ -72,8 +72,8 @@ def global_signatures(source: str) -> dict[str, dict]:
     for m in re.finditer(r"__global__\s+void\s+", src):
         i = m.end()
         # Launch attributes between `void` and the name: __launch_bounds__(..),
-        # __cluster_dims__(..), in any order.
-        while lb := re.match(r"\s*(__launch_bounds__|__cluster_dims__)\s*", src[i:]):
+        # __cluster_dims__(..), __maxnreg__(..), in any order.
+        while lb := re.match(r"\s*(__launch_bounds__|__cluster_dims__|__maxnreg__)\s*", src[i:]):
             i = _balanced(src, i + lb.end())
         name = re.match(r"\s*(\w+)\s*", src[i:])
         i += name.end()
