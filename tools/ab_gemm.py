@@ -143,7 +143,8 @@ def worker(rows: tuple[str, ...]) -> dict:
 
     def fp8_rows():
         """The FP8 producers of the W4A8 GEMM's activations, UE8M0 bytes into
-        out= buffers (the same calls a captured step makes)."""
+        out= buffers (the same calls a captured step makes), and the
+        quantizer and RMSNorm producer with FP32 scales."""
         n = FP8_WIDTH
         for m in FP8_ROWS:
             torch.manual_seed(5)
@@ -162,6 +163,11 @@ def worker(rows: tuple[str, ...]) -> dict:
             row(f"fp8 swiglu {m}", lambda i: rawkv.fused.swiglu_quantize_fp8(h, scale_format=fmt, out=(codes, sf)))
             row(f"fp8 moe_stage {m}", lambda i: rawkv.fused.moe_stage_fp8(x, ids, wts, scale_format=fmt,
                                                                          out=(codes, sf, ids_out, w_out)))
+            sf32 = torch.empty(m, n // 128, device="cuda")      # FP32 scales: the quotient path apart
+            row(f"fp8 quantize_blocks/fp32 {m}",
+                lambda i: rawkv.fp8.quantize_blocks(x, scale_format="fp32", out=(codes, sf32)))
+            row(f"fp8 rmsnorm/fp32 {m}", lambda i: rawkv.fused.rmsnorm_quantize_fp8(x, w, scale_format="fp32",
+                                                                                   out=(codes, sf32, inv)))
             x = h = None
             torch.cuda.empty_cache()
 
