@@ -431,6 +431,50 @@ def test_gpu_quantize_equals_the_reference(cuda, rng, seed, dtype, block, fmt, s
             assert _same(c, rc) and _same(s, rs), (kind, rows, k, seed)
 
 
+def _e4m3_targets():
+    """Every positive finite E4M3 value, the midpoints between neighbours and
+    464 (where satfinite's 448 meets the next binade's first step), float64."""
+    vals = np.array(sorted({float(torch.tensor(i, dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+                            for i in range(1, 0x7F)}))
+    return np.concatenate([vals, (vals[1:] + vals[:-1]) / 2, [464.0]])
+
+
+def _quotients_near_codes(rng, rows):
+    """Float32 blocks of 128 whose quotients x / s lie within three float32
+    ulps of an E4M3 value or rounding midpoint, for scales s across the
+    range (amax from below the 1e-4 floor to 2^60), with -0, subnormals and
+    the amax itself in every row: the cases where a quotient computed other
+    than by IEEE division could round to another code."""
+    targets = _e4m3_targets()
+    amax = (np.exp2(rng.uniform(-20, 60, rows)) * (1 + rng.random(rows))).astype(np.float32)
+    s = (np.maximum(amax, np.float32(1e-4)) * np.float32(1 / 448)).astype(np.float32)
+    t = targets[rng.integers(0, targets.size, (rows, 128))]
+    x = (t * s[:, None].astype(np.float64)).astype(np.float32)
+    steps = rng.integers(-3, 4, (rows, 128))
+    x = np.where(steps > 0, np.nextafter(x, np.float32(np.inf)), np.where(steps < 0, np.nextafter(x, np.float32(0)), x))
+    for _ in range(2):
+        x = np.where(steps > 1, np.nextafter(x, np.float32(np.inf)), np.where(steps < -1, np.nextafter(x, np.float32(0)), x))
+        steps = steps - np.sign(steps)
+    x = np.minimum(x, amax[:, None]) * np.where(rng.random((rows, 128)) < 0.5, -1, 1).astype(np.float32)
+    x[:, 0] = amax
+    x[:, 1] = -0.0
+    x[:, 2] = np.float32(-1e-45)
+    x[:, 3] = np.float32(3e-39)
+    return x.astype(np.float32)
+
+
+def test_gpu_fp32_scales_at_e4m3_rounding_edges(cuda, rng, seed):
+    """FP32 scales: the kernels' quotient (Markstein's correction of a
+    reciprocal, fp8_blocks.cuh) gives the IEEE division's codes where that
+    matters most, next to every E4M3 value and rounding midpoint."""
+    print("seed", seed)
+    x = _quotients_near_codes(rng, 2048)
+    c, s, rc, rs = _gpu_case(x, "float32", 128, "fp32")
+    assert _same(s, rs), seed
+    bad = np.argwhere(c != rc)
+    assert bad.size == 0, (seed, bad[:5], x[tuple(bad[0])] if bad.size else None)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_gpu_every_bf16_value_and_the_specials(cuda, dtype):
     x = np.zeros((FINITE_BF16.size // 64, 128), np.float32)

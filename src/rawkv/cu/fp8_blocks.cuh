@@ -5,7 +5,9 @@
 // V3.2-Exp act_quant):
 //   amax = max(max|x|, FP32(1e-4)); s = amax * FP32(1/448) (a product, not a
 //   quotient); ue8m0: s = 2^(exponent + (mantissa != 0)) from s's bits;
-//   code = E4M3_rne_satfinite(FP32(x / s)) with IEEE division.
+//   code = E4M3_rne_satfinite(FP32(x / s)) with IEEE division (the kernels
+//   get the same quotient by a multiply or Markstein's correction:
+//   fp8_block_codes16).
 // A block holding NaN or Inf is flagged: codes 0, scale NaN (E8M0 0xFF).
 // Formats: `ue8m0` rounds the scale up to a power of two; `sbyte` stores it as
 // its E8M0 byte (else as float32; sbyte needs ue8m0). Callers pass them (and
@@ -50,23 +52,40 @@ __device__ __forceinline__ float fp8_block_scale(float amax, bool ue8m0, u32& by
 //   s's rounding), so one satfinite conversion per pair gives
 //   e4m3_encode's bytes (its NaN test and clamp to +-448 are what satfinite
 //   does for them), and a flagged block is zeroed once, not per code.
+// * Where s is any float32 (FP32 scales), the quotient is Markstein's
+//   correction of RN(v * y) with y = RN(1 / s), one reciprocal per block:
+//   q = RN(v * y), r = v - q * s (exact, one FMA), q' = RN(q + r * y) is
+//   RN(v / s) whenever q, s and y are normal and r is exact. Here
+//   s >= FP32(1e-4) / 448 > 2^-22, so every v whose quotient codes to
+//   anything but a signed zero (|v| > 2^-32) meets that; below it q' may be
+//   an ulp off inside the zero code's range. The sign is v's, as the
+//   division's (q' of v = -0 is +0, whose code 0x00 is not -0's 0x80): a
+//   copysign restores it. Checked against the division in exact arithmetic
+//   on 16.6 million pairs (docs/fused.md, "FP32 scales by Markstein's
+//   correction") and bit for bit by the GPU tests against the reference.
 __device__ __forceinline__ uint4 fp8_block_codes16(const float (&v)[16], float s, u32 byte, bool ue8m0,
                                                    bool flag) {
-    const float inv = __uint_as_float((254u - byte) << 23);
-    u32 w[4];
+    // (ue8m0 is a run-time value in the fused producers: one branch, two loops.)
+    u32 h[8];                                     // the codes of pairs 0..7
+    if (ue8m0) {
+        const float inv = __uint_as_float((254u - byte) << 23);
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        u32 pair[2];
+        for (int p = 0; p < 8; ++p)
+            h[p] = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v[2 * p], inv), __fmul_rn(v[2 * p + 1], inv)),
+                                            __NV_SATFINITE, __NV_E4M3);
+    } else {
+        const float y = __frcp_rn(s);
+        auto quotient = [&](float a) {
+            const float q = __fmul_rn(a, y);
+            return copysignf(__fmaf_rn(__fmaf_rn(-q, s, a), y, q), a);
+        };
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float a = v[4 * p + 2 * h], b = v[4 * p + 2 * h + 1];
-            const float2 q = ue8m0 ? make_float2(__fmul_rn(a, inv), __fmul_rn(b, inv))
-                                   : make_float2(__fdiv_rn(a, s), __fdiv_rn(b, s));
-            pair[h] = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
-        }
-        w[p] = pair[0] | (pair[1] << 16);
+        for (int p = 0; p < 8; ++p)
+            h[p] = __nv_cvt_float2_to_fp8x2(make_float2(quotient(v[2 * p]), quotient(v[2 * p + 1])),
+                                            __NV_SATFINITE, __NV_E4M3);
     }
-    return flag ? make_uint4(0u, 0u, 0u, 0u) : make_uint4(w[0], w[1], w[2], w[3]);
+    return flag ? make_uint4(0u, 0u, 0u, 0u)
+                : make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
 }
 
 // Scale i of `scales`: its E8M0 byte (sbyte) or its float32, the NaN of
