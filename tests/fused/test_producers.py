@@ -376,8 +376,12 @@ def test_fused_cu_reads_every_shared_constant_from_the_declarations():
                         ("MAX_HC", K.MAX_HC), ("MOE_BLOCK", K.MOE_BLOCK), ("MODE_TENSOR", K.MODE_TENSOR),
                         ("KIND_BF16", K.PARAM_KIND["bfloat16"])):
         assert f"-DRKV_FUSED_{name}={value}" in opts
-    # the launch bounds are the declared ones, not literals (four row kernels: NVFP4 and FP8)
-    assert src.count("__launch_bounds__(kMaxThreads / REG, 1)") == 4
+    # the four row kernels (NVFP4 and FP8) are capped by the named register caps, not
+    # literals, and the widest cap leaves room for a CTA of MAX_THREADS / REG threads
+    caps = re.findall(r"__global__ void __maxnreg__\((.+?)\) rkv_fused_(\w+)\(", src)
+    assert sorted(k for _, k in caps) == ["rms", "rms_fp8", "swiglu", "swiglu_fp8"], caps
+    assert all(re.fullmatch(r"[\w<>(),?: ]*kRow\w*[\w<>(),?: ]*|\(kRmsRegs<T, MIX>\)", c) for c, _ in caps), caps
+    assert "static_assert(kRowRegsWide * (kMaxThreads / 2) <= 65536" in src and K.REG == 2
     assert "__launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeMinBlocks)" in src
     assert "__launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeFp8MinBlocks) rkv_moe_stage_fp8(" in src
     assert len({K.MODE_ROW, K.MODE_AMAX, K.MODE_TENSOR, K.MODE_FIXED}) == 4

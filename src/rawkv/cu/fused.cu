@@ -43,17 +43,32 @@ using namespace rkv;
 namespace {
 
 // REG (template): register-held chunks per thread. A row CTA has at most
-// kMaxThreads / REG threads, the launch bound that sets the register budget:
-// 64 registers per thread for REG = 2 up to sm_90; sm_100 / sm_120 code
-// needs a few more (ptxas spills in 64), so there the bound is 768 threads
-// (80 registers). The host launches at most rawkv.kernels.fused.MAX_BLOCK
-// threads on every arch, within both bounds. The mHC kernel fits
-// only with its rare Inf/NaN path as a call (CALL_SLOW_PATH).
+// kMaxThreads / REG threads (the host launches at most
+// rawkv.kernels.fused.MAX_BLOCK on every arch, within it). The registers per
+// thread are capped by __maxnreg__ (NVRTC 12.4 or newer; it cannot be
+// combined with __launch_bounds__), below what that many threads allow:
+// * below sm_100, 56 (kRowRegs): at N = 7,168 a CTA of 224 threads then
+//   leaves room for five CTAs per SM, not four at 64 (H200, 16,384 rows:
+//   rmsnorm_quantize 183.6 -> 170.1 us, rmsnorm_quantize_fp8 153.6 -> 140.3;
+//   docs/fused.md, "Row kernels: five CTAs per SM"); the instances that
+//   spill in 56 keep 64 (kRowRegsWide: the mHC FP8 producer, the NVFP4
+//   SwiGLU, and kRmsRegs' cases);
+// * sm_100 / sm_120 code needs about 80 (ptxas spills in 64): both caps 80.
+// The mHC kernel fits only with its rare Inf/NaN path as a call
+// (CALL_SLOW_PATH).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 constexpr int kMaxThreads = RKV_FUSED_MAX_THREADS_SM100;
+constexpr int kRowRegs = 80, kRowRegsWide = 80;
 #else
 constexpr int kMaxThreads = RKV_FUSED_MAX_THREADS;
+constexpr int kRowRegs = 56, kRowRegsWide = 64;
 #endif
+static_assert(kRowRegsWide * (kMaxThreads / 2) <= 65536, "a CTA of the largest block fits an SM at REG = 2");
+// The RMSNorm NVFP4 producer takes 56 on BF16 input only: on FP16 input it
+// spills in 56 (32 bytes), and the mHC form measured 3% slower in 56 than
+// in 64 (H200, 4,096 x 4 x 7,168: 101.0 -> 103.9 us).
+template <typename T, bool MIX> constexpr int kRmsRegs = kRowRegsWide;
+template <> constexpr int kRmsRegs<__nv_bfloat16, false> = kRowRegs;
 constexpr int MODE_ROW = RKV_FUSED_MODE_ROW;        // gs per row, from the row amax
 constexpr int MODE_AMAX = RKV_FUSED_MODE_AMAX;      // tensor scope, launch 1: atomicMax of the amax
 constexpr int MODE_TENSOR = RKV_FUSED_MODE_TENSOR;  // tensor scope, launch 2: quantize with it
@@ -482,7 +497,7 @@ __device__ __forceinline__ void set_rms_producer(RmsProducer<T, MIX>& p, const T
 // gs_in: a device float (MODE_FIXED) or null, then gs_val; errors: where an
 // unusable gs_in is counted (rawkv.nvfp4's GIVEN_GS counter) or null. One CTA per row.
 template <typename T, bool MIX, int REG>
-__global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms(
+__global__ void __maxnreg__((kRmsRegs<T, MIX>)) rkv_fused_rms(
         const T* __restrict__ x, const void* __restrict__ mix, long long mix_kind, long long n_hc,
         const void* __restrict__ w, long long w_kind, double eps, long long n,
         u8* __restrict__ q, u8* __restrict__ sf, float* gs_out, float* __restrict__ inv_out,
@@ -500,7 +515,7 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms(
 // h: (M, 2I) with columns alternating g gate and g up; q (M, I/2), sf (M, I/16);
 // gs_out, gs_in, gs_val, errors as rkv_fused_rms's.
 template <typename T, bool VEC, int REG>
-__global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu(
+__global__ void __maxnreg__(kRowRegsWide) rkv_fused_swiglu(
         const T* __restrict__ h, long long inter, long long g,
         u8* __restrict__ q, u8* __restrict__ sf, float* gs_out,
         const float* gs_in, double gs_val, long long mode, int* errors) {
@@ -521,7 +536,7 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu(
 // inv_out (M,) or null; the other arguments as rkv_fused_rms's /
 // rkv_fused_swiglu's. One CTA per row, blockDim a multiple of 32.
 template <typename T, bool MIX, int REG>
-__global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms_fp8(
+__global__ void __maxnreg__(MIX ? kRowRegsWide : kRowRegs) rkv_fused_rms_fp8(
         const T* __restrict__ x, const void* __restrict__ mix, long long mix_kind, long long n_hc,
         const void* __restrict__ w, long long w_kind, double eps, long long n, long long blk, long long ue8m0,
         long long sbyte, u8* __restrict__ codes, void* __restrict__ scales, long long s_row, long long s_blk,
@@ -537,7 +552,7 @@ __global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_rms_fp8(
 }
 
 template <typename T, bool VEC, int REG>
-__global__ void __launch_bounds__(kMaxThreads / REG, 1) rkv_fused_swiglu_fp8(
+__global__ void __maxnreg__(kRowRegs) rkv_fused_swiglu_fp8(
         const T* __restrict__ h, long long inter, long long g, long long blk, long long ue8m0, long long sbyte,
         u8* __restrict__ codes, void* __restrict__ scales, long long s_row, long long s_blk) {
     pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
