@@ -409,20 +409,21 @@ def _fp8_rows(rows, x, n, block=128, fmt=KB.SCALE_UE8M0, inv=True):
 def test_row_plans_are_one_launch_of_one_cta_per_row(rows, n, block, fmt):
     """One CTA per row whose thread count is block_for's (the NVFP4 kernels'
     layout: a multiple of 32, so a block's chunks are on consecutive lanes
-    of one warp), the format as run-time flags, no global-scale pass."""
+    of one warp), UE8M0 the instance's template
+    constant and SBYTE a run-time flag, no global-scale pass."""
     w = _meta(n, dtype=torch.float32)
     a = _fp8_rows(rows, _meta(rows, n), n, block, fmt)
     (launch,) = plans.rms_fp8(H100, a, None, w, 1e-6, 1)
     threads = plans.block_for(H100, rows, n // 16)
-    assert launch.kernel is K.RMS_FP8.instance(BF16, False, K.REG)
+    assert launch.kernel is K.RMS_FP8.instance(BF16, False, K.REG, bool(fmt[0]))
     assert launch.grid == (rows,) and launch.block == (threads,) and threads % 32 == 0
     assert launch.args == dict(x=a.x, mix=None, mix_kind=0, n_hc=1, w=w, w_kind=K.PARAM_KIND["float32"], eps=1e-6,
-                               n=n, inv_out=a.inv, blk=block, ue8m0=int(fmt[0]), sbyte=int(fmt[1]),
+                               n=n, inv_out=a.inv, blk=block, sbyte=int(fmt[1]),
                                codes=a.codes, scales=a.scales, s_row=-(-n // block), s_blk=1)
     h = _fp8_rows(rows, _meta(rows, 2 * n), n, block, fmt, inv=False)
     (launch,) = plans.swiglu_fp8(H100, h, 4, False)
-    assert launch.kernel is K.SWIGLU_FP8.instance(BF16, False, K.REG) and launch.grid == (rows,)
-    assert launch.args == dict(h=h.x, inter=n, g=4, blk=block, ue8m0=int(fmt[0]), sbyte=int(fmt[1]),
+    assert launch.kernel is K.SWIGLU_FP8.instance(BF16, False, K.REG, bool(fmt[0])) and launch.grid == (rows,)
+    assert launch.args == dict(h=h.x, inter=n, g=4, blk=block, sbyte=int(fmt[1]),
                                codes=h.codes, scales=h.scales, s_row=-(-n // block), s_blk=1)
 
 
@@ -444,10 +445,10 @@ def test_moe_plan_is_one_grid_stride_launch(rows, k, top):
         assert plan == []
         return
     (launch,) = plan
-    assert launch.kernel is K.MOE_STAGE_FP8.instance(BF16, torch.int32)
+    assert launch.kernel is K.MOE_STAGE_FP8.instance(BF16, torch.int32, False)
     grid, block = grid_stride(H100, work, block=K.MOE_BLOCK)
     assert launch.grid == (grid,) and launch.block == (block,)
-    assert launch.args == dict(x=hid, rows=rows, K=k, blk=128, ue8m0=0, sbyte=0, codes=c, scales=s,
+    assert launch.args == dict(x=hid, rows=rows, K=k, blk=128, sbyte=0, codes=c, scales=s,
                                s_row=k // 128, s_blk=1, ids=ids,
                                n_ids=rows * top, ids_out=io, wts=wts, w_bytes=rows * top * 4, wts_out=wo)
 
@@ -461,12 +462,12 @@ def test_ops_launch_their_plans(rt):
     F.mhc_rmsnorm_quantize_fp8(fake(torch.ones(3, 2, 256, dtype=BF16)), fake(torch.ones(3, 2)), w, block=32)
     F.swiglu_quantize_fp8(fake(torch.ones(3, 512, dtype=torch.float16)), 4)
     F.moe_stage_fp8(x, fake(torch.zeros(3, 2, dtype=torch.int64)), fake(torch.ones(3, 2)))
-    got = [(fn, c["blk"], c["ue8m0"], c["sbyte"]) for fn, _, _, c in rt.calls]
-    assert got == [("rkv_fused_rms_fp8<__nv_bfloat16, false, 2>", 64, 1, 1),
-                   ("rkv_fused_rms_fp8<__nv_bfloat16, false, 2>", 128, 1, 0),
-                   ("rkv_fused_rms_fp8<__nv_bfloat16, true, 2>", 32, 0, 0),
-                   ("rkv_fused_swiglu_fp8<__half, false, 2>", 128, 0, 0),
-                   ("rkv_moe_stage_fp8<__nv_bfloat16, long long>", 128, 0, 0)]
+    got = [(fn, c["blk"], c["sbyte"]) for fn, _, _, c in rt.calls]
+    assert got == [("rkv_fused_rms_fp8<__nv_bfloat16, false, 2, true>", 64, 1),
+                   ("rkv_fused_rms_fp8<__nv_bfloat16, false, 2, true>", 128, 0),
+                   ("rkv_fused_rms_fp8<__nv_bfloat16, true, 2, false>", 32, 0),
+                   ("rkv_fused_swiglu_fp8<__half, false, 2, false>", 128, 0),
+                   ("rkv_moe_stage_fp8<__nv_bfloat16, long long, false>", 128, 0)]
 
 
 # ---- the operators ------------------------------------------------------------------------------

@@ -532,14 +532,15 @@ __global__ void __maxnreg__(kRowRegsWide) rkv_fused_swiglu(
 
 // FP8 block outputs of the row producers: codes (M, N) / (M, I), scales
 // (M, ceil(N / blk)) at strides (s_row, s_blk) of E8M0 bytes (sbyte) or
-// float32 (ue8m0: powers of two),
+// float32 (UE8M0: powers of two; a template constant, so an instance holds
+// one quotient path: with both, a run-time flag cost the UE8M0 producers
+// registers and 2-5% of their time, docs/fused.md),
 // inv_out (M,) or null; the other arguments as rkv_fused_rms's /
 // rkv_fused_swiglu's. One CTA per row, blockDim a multiple of 32.
-template <typename T, bool MIX, int REG>
+template <typename T, bool MIX, int REG, bool UE8M0>
 __global__ void __maxnreg__(MIX ? kRowRegsWide : kRowRegs) rkv_fused_rms_fp8(
         const T* __restrict__ x, const void* __restrict__ mix, long long mix_kind, long long n_hc,
-        const void* __restrict__ w, long long w_kind, double eps, long long n, long long blk, long long ue8m0,
-        long long sbyte, u8* __restrict__ codes, void* __restrict__ scales, long long s_row, long long s_blk,
+        const void* __restrict__ w, long long w_kind, double eps, long long n, long long blk, long long sbyte, u8* __restrict__ codes, void* __restrict__ scales, long long s_row, long long s_blk,
         float* __restrict__ inv_out) {
     pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     const i64 row = blockIdx.x;
@@ -548,12 +549,12 @@ __global__ void __maxnreg__(MIX ? kRowRegsWide : kRowRegs) rkv_fused_rms_fp8(
     u32 st[REG][8];
     load_row<REG>(p, n / 16, st);
     row_quantize_fp8<T, REG>(p, st, row, n / 16, (float)eps, n, codes, scales, s_row, s_blk, inv_out, (int)blk,
-                             ue8m0 != 0, sbyte != 0);
+                             UE8M0, sbyte != 0);
 }
 
-template <typename T, bool VEC, int REG>
+template <typename T, bool VEC, int REG, bool UE8M0>
 __global__ void __maxnreg__(kRowRegs) rkv_fused_swiglu_fp8(
-        const T* __restrict__ h, long long inter, long long g, long long blk, long long ue8m0, long long sbyte,
+        const T* __restrict__ h, long long inter, long long g, long long blk, long long sbyte,
         u8* __restrict__ codes, void* __restrict__ scales, long long s_row, long long s_blk) {
     pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     const i64 row = blockIdx.x;
@@ -563,7 +564,7 @@ __global__ void __maxnreg__(kRowRegs) rkv_fused_swiglu_fp8(
     u32 st[REG][8];
     load_row<REG>(p, inter / 16, st);
     row_quantize_fp8<T, REG>(p, st, row, inter / 16, 0.0f, inter, codes, scales, s_row, s_blk, nullptr, (int)blk,
-                             ue8m0 != 0, sbyte != 0);
+                             UE8M0, sbyte != 0);
 }
 
 // Scope tensor / given / none with no rows: no row CTA runs, and those are
@@ -628,13 +629,13 @@ constexpr int kMoeFp8MinBlocks = 4;
 // MoE input staging with an FP8 block output: hidden (M, K) -> codes (M, K)
 // and scales (M, ceil(K / blk), at strides (s_row, s_blk)) by fp8_blocks.cuh's grid-stride quantizer
 // (a thread per 16 channels of x; every warp whole), then the top-k copy.
-template <typename T, typename ID>
+template <typename T, typename ID, bool UE8M0>
 __global__ void __launch_bounds__(RKV_FUSED_MOE_BLOCK, kMoeFp8MinBlocks) rkv_moe_stage_fp8(
-        const T* __restrict__ x, long long rows, long long K, long long blk, long long ue8m0, long long sbyte,
+        const T* __restrict__ x, long long rows, long long K, long long blk, long long sbyte,
         u8* __restrict__ codes, void* __restrict__ scales, long long s_row, long long s_blk,
         const ID* __restrict__ ids, long long n_ids, long long* __restrict__ ids_out,
         const u8* __restrict__ wts, long long w_bytes, u8* __restrict__ wts_out) {
     pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
-    fp8_quantize_rows<T>(x, codes, scales, s_row, s_blk, rows, K, (int)blk, ue8m0 != 0, sbyte != 0);
+    fp8_quantize_rows<T>(x, codes, scales, s_row, s_blk, rows, K, (int)blk, UE8M0, sbyte != 0);
     moe_copy_topk(ids, n_ids, ids_out, wts, w_bytes, wts_out);
 }

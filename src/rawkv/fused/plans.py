@@ -93,28 +93,29 @@ def moe_stage(dev, hidden, topk_ids, topk_weights, q, sf, ids_out, w_out) -> lis
                 dict(x=hidden, n_units=n_units, q=q, sf=sf))
 
 
-def _moe(dev, kernel, units, hidden, topk_ids, topk_weights, ids_out, w_out, args) -> list:
+def _moe(dev, kernel, units, hidden, topk_ids, topk_weights, ids_out, w_out, args, *targs) -> list:
     """A MoE staging launch of `kernel` (its quantizer's other arguments
-    `args`): one grid-stride launch over the larger of the quantizer's
-    `units` (one per thread), the ids and the weight bytes."""
+    `args`, template arguments past the dtypes `targs`): one grid-stride
+    launch over the larger of the quantizer's `units` (one per thread), the
+    ids and the weight bytes."""
     n_ids = topk_ids.numel()
     w_bytes = topk_weights.numel() * topk_weights.element_size()
     work = max(units, n_ids, w_bytes)
     if not work:
         return []
     grid, block = grid_stride(dev, work, block=K.MOE_BLOCK)
-    return [Launch(kernel.instance(hidden.dtype, topk_ids.dtype), (grid,), (block,), dict(
+    return [Launch(kernel.instance(hidden.dtype, topk_ids.dtype, *targs), (grid,), (block,), dict(
         args, ids=topk_ids, n_ids=n_ids, ids_out=ids_out, wts=topk_weights, w_bytes=w_bytes, wts_out=w_out))]
 
 
 # ---- the FP8 block outputs (one launch; no global scale, so no pass of an amax) --------------------
 def _fp8(block, fmt, codes, scales) -> dict:
-    """An FP8 kernel's output arguments: the block, the scale format
-    (UE8M0, SBYTE) as run-time flags, codes, and scales at their row and
-    block strides (rawkv.fp8.scale_strides: any layout check_scales takes)."""
+    """An FP8 kernel's output arguments: the block, SBYTE of the scale
+    format (UE8M0, SBYTE) as a run-time flag (UE8M0 is the instance's
+    template constant), codes, and scales at their row and block strides
+    (rawkv.fp8.scale_strides: any layout check_scales takes)."""
     s_row, s_blk = FP8.scale_strides(scales)
-    return dict(blk=block, ue8m0=int(fmt[0]), sbyte=int(fmt[1]), codes=codes, scales=scales, s_row=s_row,
-                s_blk=s_blk)
+    return dict(blk=block, sbyte=int(fmt[1]), codes=codes, scales=scales, s_row=s_row, s_blk=s_blk)
 
 
 def _row_launch(dev, inst, a, args) -> list:
@@ -126,13 +127,14 @@ def _row_launch(dev, inst, a, args) -> list:
 
 def rms_fp8(dev, a, mix, weight, eps, n_hc) -> list:
     """rmsnorm_quantize_fp8 / mhc_rmsnorm_quantize_fp8 (mix None: the plain form)."""
-    inst = K.RMS_FP8.instance(a.x.dtype, mix is not None, K.REG)
+    inst = K.RMS_FP8.instance(a.x.dtype, mix is not None, K.REG, bool(a.fmt[0]))
     return _row_launch(dev, inst, a, dict(_rms_inputs(a, mix, weight, eps, n_hc), inv_out=a.inv))
 
 
 def swiglu_fp8(dev, a, g, vec) -> list:
     """swiglu_quantize_fp8, granularity g (vec: runs of 8 columns, 16-byte loads)."""
-    return _row_launch(dev, K.SWIGLU_FP8.instance(a.x.dtype, vec, K.REG), a, dict(h=a.x, inter=a.n, g=g))
+    return _row_launch(dev, K.SWIGLU_FP8.instance(a.x.dtype, vec, K.REG, bool(a.fmt[0])), a,
+                       dict(h=a.x, inter=a.n, g=g))
 
 
 def moe_stage_fp8(dev, hidden, topk_ids, topk_weights, codes, scales, ids_out, w_out, block, fmt) -> list:
@@ -140,4 +142,4 @@ def moe_stage_fp8(dev, hidden, topk_ids, topk_weights, codes, scales, ids_out, w
     of hidden), the top-k copy in the same launch."""
     rows, k = hidden.shape
     return _moe(dev, K.MOE_STAGE_FP8, KB.quantize_threads(rows, k, block), hidden, topk_ids, topk_weights,
-                ids_out, w_out, dict(x=hidden, rows=rows, K=k, **_fp8(block, fmt, codes, scales)))
+                ids_out, w_out, dict(x=hidden, rows=rows, K=k, **_fp8(block, fmt, codes, scales)), bool(fmt[0]))

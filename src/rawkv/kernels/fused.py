@@ -73,14 +73,17 @@ MOE_STAGE = FILE.kernel(
     (_T, TParam("typename", "ID", ("int32", "int64"))), pdl=True)
 
 # The FP8 block outputs (fp8_blocks.cuh's rule on the T-rounded y): the block
-# (32, 64, 128) and the scale format (ue8m0, sbyte: rawkv.kernels.fp8_blocks's
-# SCALE_* pairs) are run-time arguments, so one instance serves them all.
+# (32, 64, 128) and sbyte (E8M0 bytes or float32 scales) are run-time
+# arguments; UE8M0 (power-of-two scales, or any float32 scale: the first of
+# rawkv.kernels.fp8_blocks's SCALE_* pairs) is a template constant, so an
+# instance holds one quotient path (the multiply or Markstein's correction).
+_UE8M0 = TParam("bool", "UE8M0", (True, False))
 RMS_FP8 = FILE.kernel(
     "rkv_fused_rms_fp8",
-    (_T, TParam("bool", "MIX", (False, True)), _REG), pdl=True)
+    (_T, TParam("bool", "MIX", (False, True)), _REG, _UE8M0), pdl=True)
 SWIGLU_FP8 = FILE.kernel(
     "rkv_fused_swiglu_fp8",
-    (_T, TParam("bool", "VEC", (True, False)), _REG), pdl=True)
+    (_T, TParam("bool", "VEC", (True, False)), _REG, _UE8M0), pdl=True)
 MOE_STAGE_FP8 = FILE.kernel(
     "rkv_moe_stage_fp8",
-    (_T, TParam("typename", "ID", ("int32", "int64"))), pdl=True)
+    (_T, TParam("typename", "ID", ("int32", "int64")), _UE8M0), pdl=True)
