@@ -450,10 +450,10 @@ def _quotients_near_codes(rng, rows):
     s = (np.maximum(amax, np.float32(1e-4)) * np.float32(1 / 448)).astype(np.float32)
     t = targets[rng.integers(0, targets.size, (rows, 128))]
     x = (t * s[:, None].astype(np.float64)).astype(np.float32)
-    steps = rng.integers(-3, 4, (rows, 128))
-    x = np.where(steps > 0, np.nextafter(x, np.float32(np.inf)), np.where(steps < 0, np.nextafter(x, np.float32(0)), x))
-    for _ in range(2):
-        x = np.where(steps > 1, np.nextafter(x, np.float32(np.inf)), np.where(steps < -1, np.nextafter(x, np.float32(0)), x))
+    steps = rng.integers(-3, 4, (rows, 128))               # ulps away from the target, either way
+    up, down = np.float32(np.inf), np.float32(0)
+    for _ in range(3):
+        x = np.where(steps > 0, np.nextafter(x, up), np.where(steps < 0, np.nextafter(x, down), x))
         steps = steps - np.sign(steps)
     x = np.minimum(x, amax[:, None]) * np.where(rng.random((rows, 128)) < 0.5, -1, 1).astype(np.float32)
     x[:, 0] = amax

@@ -65,7 +65,8 @@ __device__ __forceinline__ float fp8_block_scale(float amax, bool ue8m0, u32& by
 //   correction") and bit for bit by the GPU tests against the reference.
 __device__ __forceinline__ uint4 fp8_block_codes16(const float (&v)[16], float s, u32 byte, bool ue8m0,
                                                    bool flag) {
-    // (ue8m0 is a run-time value in the fused producers: one branch, two loops.)
+    // (One branch, two loops: every caller passes ue8m0 as a template
+    // constant, so the other loop folds away.)
     u32 h[8];                                     // the codes of pairs 0..7
     if (ue8m0) {
         const float inv = __uint_as_float((254u - byte) << 23);
