@@ -56,8 +56,9 @@ __device__ __forceinline__ float fp8_block_scale(float amax, bool ue8m0, u32& by
 //   correction of RN(v * y) with y = RN(1 / s), one reciprocal per block:
 //   q = RN(v * y), r = v - q * s (exact, one FMA), q' = RN(q + r * y) is
 //   RN(v / s) whenever q, s and y are normal and r is exact. Here
-//   s >= FP32(1e-4) / 448 > 2^-22, so every v whose quotient codes to
-//   anything but a signed zero (|v| > 2^-32) meets that; below it q' may be
+//   s >= FP32(1e-4) / 448 = 2^-22.1, so every v whose quotient codes to
+//   anything but a signed zero (|v / s| > 2^-10: |v| > 2^-32.1) meets that;
+//   below it q' may be
 //   an ulp off inside the zero code's range. The sign is v's, as the
 //   division's (q' of v = -0 is +0, whose code 0x00 is not -0's 0x80): a
 //   copysign restores it. Checked against the division in exact arithmetic

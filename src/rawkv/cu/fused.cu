@@ -49,7 +49,7 @@ namespace {
 // combined with __launch_bounds__), below what that many threads allow:
 // * below sm_100, 56 (kRowRegs): at N = 7,168 a CTA of 224 threads then
 //   leaves room for five CTAs per SM, not four at 64 (H200, 16,384 rows:
-//   rmsnorm_quantize 183.6 -> 170.1 us, rmsnorm_quantize_fp8 153.6 -> 140.3;
+//   rmsnorm_quantize 184.0 -> 170.1 us, rmsnorm_quantize_fp8 154.2 -> 140.7;
 //   docs/fused.md, "Row kernels: five CTAs per SM"); the instances that
 //   spill in 56 keep 64 (kRowRegsWide: the mHC FP8 producer, the NVFP4
 //   SwiGLU, and kRmsRegs' cases);
@@ -533,8 +533,8 @@ __global__ void __maxnreg__(kRowRegsWide) rkv_fused_swiglu(
 // FP8 block outputs of the row producers: codes (M, N) / (M, I), scales
 // (M, ceil(N / blk)) at strides (s_row, s_blk) of E8M0 bytes (sbyte) or
 // float32 (UE8M0: powers of two; a template constant, so an instance holds
-// one quotient path: with both, a run-time flag cost the UE8M0 producers
-// registers and 2-5% of their time, docs/fused.md),
+// one quotient path: with both behind a run-time flag, the UE8M0 producers
+// carried the FP32 path's registers, docs/fused.md "FP8 block outputs"),
 // inv_out (M,) or null; the other arguments as rkv_fused_rms's /
 // rkv_fused_swiglu's. One CTA per row, blockDim a multiple of 32.
 template <typename T, bool MIX, int REG, bool UE8M0>

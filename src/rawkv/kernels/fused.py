@@ -25,11 +25,11 @@ MAX_HC = 4
 #: RMSNorm and 28% slower for SwiGLU.
 REG = 2
 
-#: The largest row CTA each arch's register caps allow (MAX_THREADS / REG
-#: threads): below sm_100 the row kernels are capped at 56 or 64 registers a
-#: thread (fused.cu's __maxnreg__, kRowRegs / kRowRegsWide), so 1024 threads
-#: at REG 2; sm_100 / sm_120 code needs about 80 registers (ptxas spills in
-#: 64), hence 768 threads there.
+#: A row CTA of MAX_THREADS / REG threads fits an SM at each arch's register
+#: caps (fused.cu asserts it): below sm_100 the row kernels are capped at 56
+#: or 64 registers a thread (fused.cu's __maxnreg__, kRowRegs /
+#: kRowRegsWide), so 1024 threads at REG 2; sm_100 / sm_120 code needs about
+#: 80 registers (ptxas spills in 64), hence 768 threads there.
 MAX_THREADS = 2048
 MAX_THREADS_SM100 = 1536
 
