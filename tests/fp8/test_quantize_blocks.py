@@ -432,24 +432,27 @@ def test_gpu_quantize_equals_the_reference(cuda, rng, seed, dtype, block, fmt, s
 
 
 def _e4m3_targets():
-    """Every positive finite E4M3 value, the midpoints between neighbours and
-    464 (where satfinite's 448 meets the next binade's first step), float64."""
+    """Every finite E4M3 magnitude, the midpoints between neighbours (2^-10,
+    between 0 and the least subnormal, included) and 464 (where satfinite's
+    448 meets the next binade's first step), float64."""
     vals = np.array(sorted({float(torch.tensor(i, dtype=torch.uint8).view(torch.float8_e4m3fn).float())
-                            for i in range(1, 0x7F)}))
+                            for i in range(0, 0x7F)}))
     return np.concatenate([vals, (vals[1:] + vals[:-1]) / 2, [464.0]])
 
 
 def _quotients_near_codes(rng, rows):
     """Float32 blocks of 128 whose quotients x / s lie within three float32
     ulps of an E4M3 value or rounding midpoint, for scales s across the
-    range (amax from below the 1e-4 floor to 2^60), with -0, subnormals and
+    range (amax from below the 1e-4 floor to FLT_MAX), with -0, subnormals and
     the amax itself in every row: the cases where a quotient computed other
     than by IEEE division could round to another code."""
     targets = _e4m3_targets()
-    amax = (np.exp2(rng.uniform(-20, 60, rows)) * (1 + rng.random(rows))).astype(np.float32)
+    amax = np.minimum(np.exp2(rng.uniform(-20, 127, rows)) * (1 + rng.random(rows)), np.finfo(np.float32).max)
+    amax = amax.astype(np.float32)
     s = (np.maximum(amax, np.float32(1e-4)) * np.float32(1 / 448)).astype(np.float32)
     t = targets[rng.integers(0, targets.size, (rows, 128))]
-    x = (t * s[:, None].astype(np.float64)).astype(np.float32)
+    with np.errstate(over="ignore"):                       # (past FLT_MAX: Inf, then amax below)
+        x = (t * s[:, None].astype(np.float64)).astype(np.float32)
     steps = rng.integers(-3, 4, (rows, 128))               # ulps away from the target, either way
     up, down = np.float32(np.inf), np.float32(0)
     for _ in range(3):
