@@ -20,6 +20,11 @@ CU_DIR = Path(__file__).resolve().parent / "cu"
 # approximate division / square root.
 NUMERIC_OPTIONS = ("--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
 
+# The oldest NVRTC that compiles every kernel (fused.cu's per-kernel
+# register caps, __maxnreg__, came in 12.4): an older one is refused by name
+# before it reports a syntax error inside a kernel.
+MIN_NVRTC = (12, 4)
+
 
 @dataclass
 class CompileResult:
@@ -115,8 +120,13 @@ def compile_cu(source: str, filename: str, arch: str, name_expressions,
                ) -> CompileResult:
     """Compile one translation unit to a cubin for `arch` (e.g. 'sm_90').
 
-    Raises CompileError with the full log (file and line of each error)."""
+    Raises CompileError with the full log (file and line of each error), or
+    naming the NVRTC version where it is older than MIN_NVRTC."""
     nvrtc = _nvrtc()
+    if nvrtc_version() < MIN_NVRTC:
+        raise CompileError(f"rawkv needs NVRTC {MIN_NVRTC[0]}.{MIN_NVRTC[1]} or newer to compile its kernels; "
+                           f"this process loaded {nvrtc_version()[0]}.{nvrtc_version()[1]} "
+                           "(pip install 'nvidia-cuda-nvrtc-cu12>=12.4', or the cu13 extra)")
     extra = tuple(extra_options) + (("-Xptxas=-v",) if verbose_ptxas else ())
     options = compile_options(arch, extra)
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), filename.encode(), 0, [], [])

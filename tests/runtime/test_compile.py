@@ -313,3 +313,15 @@ def test_key_names_the_nvrtc_library(monkeypatch):
 def test_declared_instances_are_the_runtimes():
     """warmup() builds exactly the instances the declarations name."""
     assert runtime.instances_for("sm_90", [FILE]) == [(FILE, n) for n in kernels.files()[FILE].name_expressions()]
+
+
+# ---- the NVRTC version ----------------------------------------------------------------------
+def test_an_nvrtc_older_than_the_minimum_is_refused_by_name(monkeypatch):
+    """fused.cu's __maxnreg__ needs NVRTC 12.4: an older library is named in
+    the error before any source is handed to it; the minimum itself compiles."""
+    src = 'extern "C" __global__ void k(int* p) { *p = 1; }'
+    monkeypatch.setattr(_nvrtc, "nvrtc_version", lambda: (12, 3))
+    with pytest.raises(CompileError, match=r"^rawkv needs NVRTC 12\.4 or newer .* loaded 12\.3 "):
+        _nvrtc.compile_cu(src, "k.cu", "sm_90", ["k"])
+    monkeypatch.setattr(_nvrtc, "nvrtc_version", lambda: _nvrtc.MIN_NVRTC)
+    assert _nvrtc.compile_cu(src, "k.cu", "sm_90", ["k"]).cubin
