@@ -24,7 +24,11 @@ Inputs are drawn from fixed seeds, the same in every process. Rows:
   w4a8dec the decode rows with W4A8 weights and FP8 block activations
   fp8   the FP8 block quantizer and producers that feed the W4A8 GEMM
         (quantize_blocks, rmsnorm / swiglu _quantize_fp8, moe_stage_fp8; UE8M0
-        bytes into out= buffers) at 1, 64 and 16,384 rows of 7,168
+        bytes into out= buffers; quantize_blocks and rmsnorm_quantize_fp8 with FP32
+        scales too) at 1, 64 and 16,384 rows of 7,168
+  fused the NVFP4 fused producers (rmsnorm_quantize: row scope with a float32
+        and a BF16 weight, tensor scope; mhc_rmsnorm_quantize of four streams;
+        swiglu_quantize; moe_stage) at the same sizes
 The weights are random NVFP4 checkpoint bytes through the loaders
 (rawkv.bench.gemm), rotated over four copies for the wo_a rows."""
 from __future__ import annotations
@@ -37,7 +41,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROW_SETS = ("wo_a", "moe", "w4a8", "decode", "w4a8dec", "fp8")
+ROW_SETS = ("wo_a", "moe", "w4a8", "decode", "w4a8dec", "fp8", "fused")
 # The benchmark's shapes (rawkv.bench.gemm, read in the worker from its own
 # tree): these of them are timed.
 WO_A_SHAPES = ("flash", "pro")
@@ -171,6 +175,32 @@ def worker(rows: tuple[str, ...]) -> dict:
             x = h = None
             torch.cuda.empty_cache()
 
+    def fused_rows():
+        """The NVFP4 fused producers (rawkv.fused) at the FP8 rows' sizes,
+        into out= buffers made by a first call: RMSNorm (row scope, float32
+        and BF16 weight; tensor scope: three launches), the mHC form (four
+        streams), SwiGLU (row scope) and MoE staging."""
+        F, n = rawkv.fused, FP8_WIDTH
+        for m in FP8_ROWS:
+            torch.manual_seed(6)
+            x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            xs = torch.randn(m, 4, n, device="cuda", dtype=torch.bfloat16)
+            mix = torch.rand(m, 4, device="cuda")
+            w = torch.rand(n, device="cuda") + 0.5
+            wb = w.bfloat16()
+            ids, wts = torch.zeros(m, 8, dtype=torch.int32, device="cuda"), torch.rand(m, 8, device="cuda")
+            calls = {"rmsnorm": lambda o: F.rmsnorm_quantize(x, w, out=o),
+                     "rmsnorm/bf16w": lambda o: F.rmsnorm_quantize(x, wb, out=o),
+                     "rmsnorm/tensor": lambda o: F.rmsnorm_quantize(x, w, scope="tensor", out=o),
+                     "mhc_rmsnorm": lambda o: F.mhc_rmsnorm_quantize(xs, mix, w, out=o),
+                     "swiglu": lambda o: F.swiglu_quantize(x, out=o),
+                     "moe_stage": lambda o: F.moe_stage(x, ids, wts, out=o)}
+            for name, call in calls.items():
+                out = call(None)
+                row(f"nvfp4 {name} {m}", lambda i, call=call, out=out: call(out))
+            x = xs = None
+            torch.cuda.empty_cache()
+
     w8 = "w4a8" in rows
     if "wo_a" in rows or w8:
         wo_a_rows("", WO_A_SHAPES, WO_A_MS, "wo_a" in rows, w8)
@@ -181,6 +211,8 @@ def worker(rows: tuple[str, ...]) -> dict:
         moe_rows("dec ", DECODE_MOE_TOKENS, "decode" in rows, "w4a8dec" in rows)
     if "fp8" in rows:
         fp8_rows()
+    if "fused" in rows:
+        fused_rows()
     return {"rawkv": rawkv.__file__, "rows": res}
 
 

@@ -23,6 +23,7 @@ def test_rows_are_named_sets_in_order_once():
     assert ab.parse_rows("w4a8") == ("w4a8",)
     assert ab.parse_rows("decode,moe") == ("decode", "moe")
     assert ab.parse_rows("w4a8dec,fp8") == ("w4a8dec", "fp8")
+    assert ab.parse_rows("fused, fp8") == ("fused", "fp8")
     for bad in ("", "moe,dense", " , "):
         with pytest.raises(ValueError, match="--rows"):
             ab.parse_rows(bad)
