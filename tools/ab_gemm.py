@@ -82,12 +82,13 @@ def summary(base: list[dict], new: list[dict]) -> list[str]:
 
 def _digest(torch, t) -> str:
     """SHA-1 of a tensor's bytes, or of a tuple's tensors' in turn (an
-    Fp8Activation: codes, scales, inv_rms; None entries skipped)."""
+    Fp8Activation: codes, scales, inv_rms; a QuantizedActivation, whose gs
+    may have no dimension; None entries skipped)."""
     import hashlib
     h = hashlib.sha1()
     for x in (t if isinstance(t, tuple) else (t,)):
         if x is not None:
-            h.update(x.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            h.update(x.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()[:12]
 
 

@@ -38,6 +38,8 @@ def test_digest_covers_every_tensor_of_a_result():
     d = ab._digest(torch, (codes, scales, None))
     assert d == ab._digest(torch, (codes, scales)) != ab._digest(torch, codes)
     assert d != ab._digest(torch, (codes, scales * 2)) and d != ab._digest(torch, (codes + 1, scales))
+    gs = torch.tensor(2.0)                                          # NVFP4 tensor scope: a 0-dim gs
+    assert ab._digest(torch, (codes, gs)) != ab._digest(torch, (codes, gs * 2))
 
 
 def test_summary_compares_fastest_and_bytes():
