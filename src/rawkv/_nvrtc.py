@@ -123,9 +123,10 @@ def compile_cu(source: str, filename: str, arch: str, name_expressions,
     Raises CompileError with the full log (file and line of each error), or
     naming the NVRTC version where it is older than MIN_NVRTC."""
     nvrtc = _nvrtc()
-    if nvrtc_version() < MIN_NVRTC:
+    version = nvrtc_version()
+    if version < MIN_NVRTC:
         raise CompileError(f"rawkv needs NVRTC {MIN_NVRTC[0]}.{MIN_NVRTC[1]} or newer to compile its kernels; "
-                           f"this process loaded {nvrtc_version()[0]}.{nvrtc_version()[1]} "
+                           f"this process loaded {version[0]}.{version[1]} "
                            "(pip install 'nvidia-cuda-nvrtc-cu12>=12.4', or the cu13 extra)")
     extra = tuple(extra_options) + (("-Xptxas=-v",) if verbose_ptxas else ())
     options = compile_options(arch, extra)

@@ -58,12 +58,12 @@ __device__ __forceinline__ float fp8_block_scale(float amax, bool ue8m0, u32& by
 //   RN(v / s) whenever q, s and y are normal and r is exact. Here
 //   s >= FP32(1e-4) / 448 = 2^-22.1, so every v whose quotient codes to
 //   anything but a signed zero (|v / s| > 2^-10: |v| > 2^-32.1) meets that;
-//   below it q' may be
-//   an ulp off inside the zero code's range. The sign is v's, as the
-//   division's (q' of v = -0 is +0, whose code 0x00 is not -0's 0x80): a
-//   copysign restores it. Checked against the division in exact arithmetic
-//   on 16.6 million pairs (docs/fused.md, "FP32 scales by Markstein's
-//   correction") and bit for bit by the GPU tests against the reference.
+//   below it q' may be an ulp off inside the zero code's range. The sign is
+//   v's, as the division's (q' of v = -0 is +0, whose code 0x00 is not
+//   -0's 0x80): a copysign restores it. Checked against the division in
+//   exact arithmetic on 16.6 million pairs (docs/fused.md, "FP32 scales by
+//   Markstein's correction") and bit for bit by the GPU tests against the
+//   reference.
 __device__ __forceinline__ uint4 fp8_block_codes16(const float (&v)[16], float s, u32 byte, bool ue8m0,
                                                    bool flag) {
     // (One branch, two loops: every caller passes ue8m0 as a template

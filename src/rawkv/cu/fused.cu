@@ -541,7 +541,8 @@ template <typename T, bool MIX, int REG, bool UE8M0>
 __global__ void __maxnreg__(MIX ? kRowRegsWide : kRowRegs) rkv_fused_rms_fp8(
         const T* __restrict__ x, const void* __restrict__ mix, long long mix_kind, long long n_hc,
         const void* __restrict__ w, long long w_kind, double eps, long long n, long long blk, long long sbyte,
-        u8* __restrict__ codes, void* __restrict__ scales, long long s_row, long long s_blk, float* __restrict__ inv_out) {
+        u8* __restrict__ codes, void* __restrict__ scales, long long s_row, long long s_blk,
+        float* __restrict__ inv_out) {
     pdl_producer_start();    // (common.cuh: the programmatic dependent launch)
     const i64 row = blockIdx.x;
     RmsProducer<T, MIX> p;
