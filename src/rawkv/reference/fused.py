@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import fp8_blocks
+from .fma import fma_f32
 from .formats import round_to_dtype
 from .nvfp4 import check_last_dim, dequantize, quantize
 
@@ -42,9 +43,12 @@ F32 = np.float32
 DTYPES = ("bfloat16", "float16", "float32")
 
 # ---- deterministic float32 exp ------------------------------------------------
-# Cody-Waite range reduction + degree-7 Taylor polynomial (Horner), every step a
-# single IEEE float32 operation (no FMA), so rawkv/cu/fused.cu computes the same
-# bits. Error <= 2 ulp against the float32-rounded exact exp (what
+# Cody-Waite range reduction + degree-7 Taylor polynomial (Horner), every step
+# one IEEE float32 operation or one correctly rounded float32 fused
+# multiply-add (reference.fma.fma_f32, CUDA's fmaf), so rawkv/cu/fused.cu
+# computes the same bits. (Until session 56 every multiply and add rounded
+# apart: nine more operations an element in the kernel, docs/fused.md.)
+# Error <= 2 ulp against the float32-rounded exact exp (what
 # tests/fused/test_swiglu_quantize.py asserts; measured: 1 ulp over [-87, 88.7]).
 _U = lambda bits: np.array(bits, dtype=np.uint32).view(np.float32)[()]  # noqa: E731
 EXP_LOG2E = _U(0x3FB8AA3B)      # f32(log2(e))
@@ -53,6 +57,7 @@ EXP_LN2_LO = _U(0x35BFBE8E)     # f32(ln2 - hi)
 EXP_COEF = tuple(_U(b) for b in (0x39500D01, 0x3AB60B61, 0x3C088889, 0x3D2AAAAB,
                                  0x3E2AAAAB))  # f32(1/7!), 1/6!, 1/5!, 1/4!, 1/3!
 EXP_LO, EXP_HI = F32(-104.0), F32(89.0)
+EXP_MAGIC = F32(1.5 * 2**23)     # adding it rounds to an integer (|y| < 2^22)
 
 
 def _pow2(n: np.ndarray) -> np.ndarray:
@@ -68,15 +73,15 @@ def exp_f32(x) -> np.ndarray:
     by it and stays NaN. exp(89) overflows to +inf, exp(-104) is 0."""
     x = np.asarray(x, dtype=F32)
     xc = np.fmin(np.fmax(x, EXP_LO), EXP_HI)
-    n = np.rint(xc * EXP_LOG2E)                      # in [-150, 128]
-    r = xc - n * EXP_LN2_HI
-    r = r - n * EXP_LN2_LO
+    # n = rint(xc * log2(e)) by the magic number 1.5 * 2^23: the fma rounds
+    # the exact product to an integer (ties to even), in [-150, 128]
+    t = fma_f32(xc, EXP_LOG2E, EXP_MAGIC)
+    n = (t - EXP_MAGIC).astype(F32)
+    r = fma_f32(-n, EXP_LN2_HI, xc)
+    r = fma_f32(-n, EXP_LN2_LO, r)
     p = EXP_COEF[0]
-    for c in EXP_COEF[1:]:
-        p = p * r + c
-    p = p * r + F32(0.5)
-    p = p * r + F32(1.0)
-    p = p * r + F32(1.0)
+    for c in (*EXP_COEF[1:], F32(0.5), F32(1.0), F32(1.0)):
+        p = fma_f32(p, r, c)
     ni = n.astype(np.int64)
     n1 = np.trunc(ni / 2).astype(np.int64)           # C integer division (toward zero)
     n2 = ni - n1
