@@ -26,8 +26,15 @@ def test_ceiling_kernels_compile_unserialized(name):
     res = _nvrtc.compile_cu(tool.source(), "ceiling.cu", "sm_90a", tool.INSTANCES,
                             ("-std=c++17", f"-I{tool.ceiling_program.CU}"), verbose_ptxas=True)
     assert "C7514" not in res.log, res.log
-    # (An H200 machine's NVRTC returned no log at all here in session 55, not understood: say which.)
-    assert res.log, f"NVRTC {_nvrtc.nvrtc_version()} ({_nvrtc.nvrtc_library()}) gave no ptxas report"
+    # (An H200 machine's NVRTC 13.0 returned no log at all here, now and then: in session 55 twice,
+    # in session 56 once of four runs, each time after other tests in the same process, and never
+    # when this file ran alone; not understood. Say which NVRTC, and whether a second compile of
+    # the same program in the same process gets its report.)
+    if not res.log:
+        again = _nvrtc.compile_cu(tool.source(), "ceiling.cu", "sm_90a", tool.INSTANCES,
+                                  ("-std=c++17", f"-I{tool.ceiling_program.CU}"), verbose_ptxas=True)
+        pytest.fail(f"NVRTC {_nvrtc.nvrtc_version()} ({_nvrtc.nvrtc_library()}) gave no ptxas report; "
+                    f"compiled again in this process: {len(again.log)} bytes of log")
     assert " 0 bytes spill stores" in res.log
     assert "bytes spill stores" not in res.log.replace(" 0 bytes spill stores", "")
     assert res.log.count("Compiling entry function") == len(tool.INSTANCES)
