@@ -53,6 +53,16 @@ __device__ __forceinline__ float ue8m0_value(u32 e) {
     return __uint_as_float((e << 23) | (((e + 1u) & 0xFEu) == 0u ? 0x00400000u : 0u));
 }
 
+// RN(a / s) from y = RN(1 / s) by Markstein's correction: q = RN(a * y),
+// r = a - q * s (exact, one FMA), RN(q + r * y). It is the division's
+// result whenever q, s and y are normal and r is exact; each caller says why
+// its operands are (or takes the division where they may not be). Three
+// instructions per quotient after one reciprocal per divisor.
+__device__ __forceinline__ float markstein_quotient(float a, float s, float y) {
+    const float q = __fmul_rn(a, y);
+    return __fmaf_rn(__fmaf_rn(-q, s, a), y, q);
+}
+
 // ---- E2M1 ------------------------------------------------------------------
 // RNE with saturation at 6; alternating strict/non-strict thresholds send the
 // ties 0.25, 1.25, 2.5, 5 down and 0.75, 1.75, 3.5 up: always to the even code.

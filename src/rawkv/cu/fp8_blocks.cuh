@@ -77,10 +77,7 @@ __device__ __forceinline__ uint4 fp8_block_codes16(const float (&v)[16], float s
                                             __NV_SATFINITE, __NV_E4M3);
     } else {
         const float y = __frcp_rn(s);
-        auto quotient = [&](float a) {
-            const float q = __fmul_rn(a, y);
-            return copysignf(__fmaf_rn(__fmaf_rn(-q, s, a), y, q), a);
-        };
+        auto quotient = [&](float a) { return copysignf(markstein_quotient(a, s, y), a); };
 #pragma unroll
         for (int p = 0; p < 8; ++p)
             h[p] = __nv_cvt_float2_to_fp8x2(make_float2(quotient(v[2 * p]), quotient(v[2 * p + 1])),

@@ -202,8 +202,7 @@ __device__ __forceinline__ void load_row_span(const Src<T>& s, int r, int mb, in
 // IEEE division. Three instructions instead of a division per weight.
 __device__ __forceinline__ float softmax_weight(float e, float s, float y) {
     if (!(e >= 0x1p-100f)) return e / s;
-    const float q = __fmul_rn(e, y);
-    return __fmaf_rn(__fmaf_rn(-q, s, e), y, q);
+    return markstein_quotient(e, s, y);
 }
 
 // ---- block reductions (all threads of the CTA call them) -----------------------

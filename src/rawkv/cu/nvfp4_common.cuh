@@ -139,9 +139,7 @@ __device__ __forceinline__ u8 nvfp4_quantize_block_max(const float (&v)[16], flo
         const float neg_bound = -__fmul_rz(__fmul_rn(es, 0x1p-24f), 0x1p-126f);
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
-            float q = __fmul_rn(v[i], y);
-            const float r = __fmaf_rn(-q, es, v[i]);
-            q = __fmaf_rn(r, y, q);
+            const float q = markstein_quotient(v[i], es, y);
             w[i >> 3] |= e2m1_code(q, v[i] < neg_bound) << ((i & 7) * 4);
         }
     } else {
