@@ -96,14 +96,20 @@ __device__ __forceinline__ void fp8_store_scale(void* scales, i64 i, float s, u3
         static_cast<float*>(scales)[i] = flag ? __uint_as_float(0x7FC00000u) : s;
 }
 
-// The amax and the non-finite flag of a block held by `lanes` consecutive
-// lanes (a power of two <= 32, aligned; every lane of the warp calls this).
-__device__ __forceinline__ void fp8_group_reduce(float& amax, int& flag, int lanes) {
+// The amax of a block held by `lanes` consecutive lanes (2, 4 or 8: blocks
+// of 32, 64 or 128 channels; aligned; every lane of the warp calls this),
+// each lane's `amax` +Inf where it holds a NaN or an Inf: the result is +Inf
+// exactly when the block holds one (a finite element's |x| is finite), so
+// one max reduction carries the flag too (two reductions did until session
+// 57). Three shuffles whatever `lanes`, the steps past it masked out (no
+// loop over a run-time count: the fused producers pass it at run time).
+__device__ __forceinline__ float fp8_group_max(float amax, int lanes) {
 #pragma unroll
-    for (int o = lanes / 2; o > 0; o >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        flag |= __shfl_xor_sync(0xffffffffu, flag, o);
+    for (int o = 4; o > 0; o >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, amax, o);
+        if (o < lanes) amax = fmaxf(amax, other);
     }
+    return amax;
 }
 
 // Quantize rows x K of contiguous x (K % 16 == 0) into codes and one scale
@@ -156,8 +162,8 @@ __device__ __forceinline__ void fp8_quantize_rows(const T* __restrict__ x, u8* _
             bad |= !isfinite(v[j]);
             amax = fmaxf(amax, fabsf(v[j]));
         }
-        int flag = bad;
-        fp8_group_reduce(amax, flag, tpb);
+        amax = fp8_group_max(bad ? __uint_as_float(0x7F800000u) : amax, tpb);
+        const bool flag = amax == __uint_as_float(0x7F800000u);
         u32 byte;
         const float s = fp8_block_scale(amax, ue8m0, byte);
         if (has) {
