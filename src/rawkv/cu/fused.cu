@@ -141,7 +141,51 @@ __device__ __forceinline__ float exp_f32(float x) {
     return (p * __uint_as_float((u32)(n1 + 127) << 23)) * __uint_as_float((u32)(n2 + 127) << 23);
 }
 
-__device__ __forceinline__ float silu_f32(float a) { return a / (1.0f + exp_f32(-a)); }
+// silu(a) = a / (1 + exp_f32(-a)) (rawkv.reference.fused.silu) of N values
+// at once, with no check and branch per value. Compiled per value, an IEEE
+// quotient is a check (FCHK) and a branch to its slow path around the fast
+// sequence, so ptxas schedules the N exps and quotients one after another
+// and the kernel's code holds N copies of the branch. Here:
+// * silu_quotient: the quotient by the division's fast sequence (y ~ 1/d by
+//   MUFU.RCP, one Newton step, q = a y, the remainder r = d q - a exact in
+//   one fma, q - y r), r taken with that sign so that a = -0 gives -0. On
+//   the GPU it is the IEEE quotient a / (1 + exp_f32(-a)) for every float32
+//   a but +Inf (NaN for Inf) and a <= -87.33 (d > 2^126: y flushes to 0),
+//   NaN for NaN (tests/fused/test_silu_quotient.py: every bit pattern);
+// * one range test for the N values, their min and max, sends a group
+//   holding an a < -87 or a +Inf through the division (a loop: N divisions
+//   inline lengthened the kernel's code and slowed it; docs/fused.md).
+__device__ __forceinline__ float silu_quotient(float a, float d) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d));
+    y = __fmaf_rn(y, __fmaf_rn(-d, y, 1.0f), y);
+    const float q = __fmul_rn(a, y);
+    return __fmaf_rn(-y, __fmaf_rn(d, q, -a), q);
+}
+
+constexpr float kSiluQuotientMin = -87.0f;
+
+template <int N>
+__device__ __forceinline__ void silu_f32_n(float (&v)[N]) {
+    float lo = v[0], hi = v[0];
+#pragma unroll
+    for (int j = 1; j < N; ++j) {
+        lo = fminf(lo, v[j]);       // (NaN ignored: its quotient is NaN)
+        hi = fmaxf(hi, v[j]);
+    }
+    if (lo < kSiluQuotientMin || hi == __uint_as_float(0x7F800000u)) {
+#pragma unroll 1
+        for (int i = 0; i < N; ++i) {   // (the values shift through one division)
+            const float q = __fdiv_rn(v[0], __fadd_rn(1.0f, exp_f32(-v[0])));
+#pragma unroll
+            for (int j = 0; j + 1 < N; ++j) v[j] = v[j + 1];
+            v[N - 1] = q;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < N; ++j) v[j] = silu_quotient(v[j], __fadd_rn(1.0f, exp_f32(-v[j])));
+    }
+}
 
 // ---- block reductions (all threads get the result) ---------------------------
 __device__ __forceinline__ double block_sum(double v, double* sh) {
@@ -237,17 +281,26 @@ struct SwigluProducer {
                 const u32 col = grp * 2u * g + off;
                 load8(h + col, gt);
                 load8(h + col + g, up);
+                silu_f32_n(gt);
 #pragma unroll
-                for (int j = 0; j < 8; ++j) v[k * 8 + j] = silu_f32(gt[j]) * up[j];
+                for (int j = 0; j < 8; ++j) v[k * 8 + j] = gt[j] * up[j];
                 off += 8u;
                 if (off == g) { off = 0u; ++grp; }
             }
         } else {
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const u32 col = grp * 2u * g + off;
-                v[j] = silu_f32(to_f32(h[col])) * to_f32(h[col + g]);
-                if (++off == g) { off = 0u; ++grp; }
+            for (int k = 0; k < 2; ++k) {
+                float gt[8], up[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const u32 col = grp * 2u * g + off;
+                    gt[j] = to_f32(h[col]);
+                    up[j] = to_f32(h[col + g]);
+                    if (++off == g) { off = 0u; ++grp; }
+                }
+                silu_f32_n(gt);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[k * 8 + j] = gt[j] * up[j];
             }
         }
         pack_chunk<T>(w, v);
