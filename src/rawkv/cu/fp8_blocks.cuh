@@ -97,18 +97,22 @@ __device__ __forceinline__ void fp8_store_scale(void* scales, i64 i, float s, u3
 }
 
 // The amax of a block held by `lanes` consecutive lanes (2, 4 or 8: blocks
-// of 32, 64 or 128 channels; aligned; every lane of the warp calls this),
-// each lane's `amax` +Inf where it holds a NaN or an Inf: the result is +Inf
-// exactly when the block holds one (a finite element's |x| is finite), so
+// of 32, 64 or 128 channels; aligned; every lane of the warp calls this)
+// from each lane's `amax` and whether it holds a NaN or an Inf (`bad`), and
+// in `flag` whether the block does. A bad lane enters +Inf, so the result is
+// +Inf exactly when the block holds one (a finite element's |x| is finite):
 // one max reduction carries the flag too (two reductions did until session
 // 57). Three shuffles whatever `lanes`, the steps past it masked out (no
 // loop over a run-time count: the fused producers pass it at run time).
-__device__ __forceinline__ float fp8_group_max(float amax, int lanes) {
+__device__ __forceinline__ float fp8_group_max(float amax, bool bad, int lanes, bool& flag) {
+    constexpr u32 kPosInf = 0x7F800000u;
+    if (bad) amax = __uint_as_float(kPosInf);
 #pragma unroll
     for (int o = 4; o > 0; o >>= 1) {
         const float other = __shfl_xor_sync(0xffffffffu, amax, o);
         if (o < lanes) amax = fmaxf(amax, other);
     }
+    flag = amax == __uint_as_float(kPosInf);
     return amax;
 }
 
@@ -162,8 +166,8 @@ __device__ __forceinline__ void fp8_quantize_rows(const T* __restrict__ x, u8* _
             bad |= !isfinite(v[j]);
             amax = fmaxf(amax, fabsf(v[j]));
         }
-        amax = fp8_group_max(bad ? __uint_as_float(0x7F800000u) : amax, tpb);
-        const bool flag = amax == __uint_as_float(0x7F800000u);
+        bool flag;
+        amax = fp8_group_max(amax, bad, tpb, flag);
         u32 byte;
         const float s = fp8_block_scale(amax, ue8m0, byte);
         if (has) {

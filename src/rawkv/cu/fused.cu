@@ -489,8 +489,8 @@ template <typename T>
 __device__ __forceinline__ void fp8_chunk(const u32 (&w)[8], bool has, i64 c, int lanes, u8* __restrict__ crow,
                                           void* __restrict__ scales, i64 srow, i64 s_blk, bool ue8m0, bool sbyte) {
     const u32 m = has ? chunk_absmax_bits(w) : 0u;
-    const float amax = fp8_group_max(m >= Bits<T>::kInf ? __uint_as_float(0x7F800000u) : bits_f32<T>(m), lanes);
-    const bool flag = amax == __uint_as_float(0x7F800000u);
+    bool flag;
+    const float amax = fp8_group_max(bits_f32<T>(m), m >= Bits<T>::kInf, lanes, flag);
     u32 byte;
     const float s = fp8_block_scale(amax, ue8m0, byte);
     if (!has) return;
