@@ -150,8 +150,8 @@ __device__ __forceinline__ float exp_f32(float x) {
 //   MUFU.RCP, one Newton step, q = a y, the remainder r = d q - a exact in
 //   one fma, q - y r), r taken with that sign so that a = -0 gives -0. On
 //   the GPU it is the IEEE quotient a / (1 + exp_f32(-a)) for every float32
-//   a but +Inf (NaN for Inf) and a <= -87.33 (d > 2^126: y flushes to 0),
-//   NaN for NaN (tests/fused/test_silu_quotient.py: every bit pattern);
+//   a but +Inf (NaN for Inf) and a below about -87.3 (d > 2^126: y flushes
+//   to 0), NaN for NaN (tests/fused/test_silu_quotient.py: every pattern);
 // * one range test for the N values, their min and max, sends a group
 //   holding an a < -87 or a +Inf through the division (a loop: N divisions
 //   inline lengthened the kernel's code and slowed it; docs/fused.md).
