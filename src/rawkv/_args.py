@@ -375,7 +375,8 @@ def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, d
                          "call .contiguous() first")
     if align > 1 and v.data_ptr() % align and v.numel():
         raise ValueError(f"{name}: data must be {align}-byte aligned for this kernel "
-                         f"(address {v.data_ptr():#x}); pass a fresh or .contiguous() tensor")
+                         f"(address {v.data_ptr():#x}); pass a fresh copy (.clone(): .contiguous() "
+                         "returns a contiguous view as it is)")
     return a
 
 

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import rawkv  # noqa: E402
-from support.gemm import check_bad_argument_cases, random_weight, _weight  # noqa: E402
+from support.gemm import check_bad_argument_cases, misaligned, random_weight, _weight  # noqa: E402
 from support.outputs import _refused, _ro  # noqa: E402
 
 
@@ -329,7 +329,9 @@ def test_the_operators_check_the_weight_tensors(rng):
                                ("codes", w.codes.view(torch.int8), TypeError, "weight.codes: dtype int8"),
                                ("scales", w.scales[..., :1], ValueError, "weight.scales: expected shape"),
                                ("fmt", "fp4", ValueError, "weight: format 'fp4'"),
-                               ("k", 72, ValueError, "weight: N = 16, K = 72")):
+                               ("k", 72, ValueError, "weight: N = 16, K = 72"),
+                               ("codes", misaligned(w.codes, 4), ValueError,
+                                "weight.codes: data must be 16-byte aligned")):
         with pytest.raises(exc, match="^" + re.escape(msg)):
             torch.ops.rawkv.gemm_grouped_linear(**{**args, key: bad}, out=out)
     torch.ops.rawkv.gemm_grouped_linear(**args, out=out)

@@ -143,6 +143,25 @@ def _weight(rng, g, n, k):
     return rawkv.gemm.Fp4Weight.from_float(torch.from_numpy(rng.standard_normal((g, n, k)).astype(np.float32)))
 
 
+def misaligned(t, offset):
+    """A contiguous copy of t starting `offset` bytes past a 16-byte aligned
+    address (as a tensor sliced out of one blob of packed tensors may)."""
+    nbytes = t.numel() * t.element_size()
+    blob = torch.zeros(nbytes + 16 + offset, dtype=torch.uint8, device=t.device)
+    start = (-blob.data_ptr()) % 16 + offset
+    v = blob[start:start + nbytes].view(t.dtype).view(t.shape)
+    v.copy_(t)
+    assert v.data_ptr() % 16 == offset % 16
+    return v
+
+
+def repacked(w, **tensors):
+    """w with some of its packed tensors replaced (the constructor as a
+    loader calls it)."""
+    t = {**dict(codes=w.codes, scales=w.scales, gs=w.gs), **tensors}
+    return rawkv.gemm.Fp4Weight(w.fmt, w.n, w.k, t["codes"], t["scales"], t["gs"], exp_range=w.exp_range)
+
+
 def bad_argument_cases(rng, device):
     """(what, call, exception, message prefix): arguments the ops refuse,
     on `device`. The CPU path accepted several that CUDA refuses (int64
@@ -161,6 +180,11 @@ def bad_argument_cases(rng, device):
     return [
         ("weight None", lambda: gl(x, None), TypeError, "weight: expected a rawkv.gemm.Fp4Weight"),
         ("weight a tensor", lambda: gl(x, w.codes), TypeError, "weight: expected a rawkv.gemm.Fp4Weight"),
+        # (both kernels copy them 16 bytes at a time; the CPU path took such views, which CUDA would fault on)
+        ("weight codes misaligned", lambda: gl(x, repacked(w, codes=misaligned(w.codes, 8))), ValueError,
+         "weight.codes: data must be 16-byte aligned"),
+        ("weight scales misaligned", lambda: ml(xm, repacked(w, scales=misaligned(w.scales, 2)), offs), ValueError,
+         "weight.scales: data must be 16-byte aligned"),
         ("moe weight None", lambda: ml(xm, None, offs), TypeError, "weight: expected a rawkv.gemm.Fp4Weight"),
         ("x float32", lambda: gl(x.float(), w), TypeError, "x: dtype float32"),
         ("x None", lambda: gl(None, w), TypeError, "x: expected a tensor"),

@@ -219,13 +219,16 @@ def weight(codes, scales, gs, fmt, n, k, where) -> Weight:
     if n < 0 or k < 0 or k % ref.BLOCKS[fmt]:
         raise ValueError(f"weight: N = {n}, K = {k}: expected sizes >= 0, K a multiple of "
                          f"{ref.BLOCKS[fmt]} for {fmt}")
-    codes = A.tensor(codes, "weight.codes", _BYTE, where, min_ndim=1)
+    # (16-byte aligned: both kernels copy codes and scales 16 bytes at a time,
+    # which a misaligned view, e.g. sliced out of one blob of packed tensors,
+    # would fault on the GPU where the CPU path gave the product)
+    codes = A.tensor(codes, "weight.codes", _BYTE, where, min_ndim=1, align=16)
     g, dev = codes.shape[0], A.device_of(codes)
     tile = (g, -(-n // ref.ROWS), -(-k // ref.CHUNK), ref.LANES)
     if tuple(codes.shape) != (*tile, 16):
         raise ValueError(f"weight.codes: expected shape {(*tile, 16)} for N = {n}, K = {k}, "
                          f"got {tuple(codes.shape)}")
-    scales = A.tensor(scales, "weight.scales", _BYTE, where, shape=(*tile, 2), device=dev)
+    scales = A.tensor(scales, "weight.scales", _BYTE, where, shape=(*tile, 2), device=dev, align=16)
     gs = A.tensor(gs, "weight.gs", _F32, where, shape=(g,), device=dev)
     spans = A.detached_spans((("weight.codes", codes), ("weight.scales", scales), ("weight.gs", gs)))
     _remember(given, what, (g, dev, spans))
