@@ -70,6 +70,37 @@ def test_extent_is_the_bytes_a_view_addresses():
         assert lo == starts.min() and hi == starts.max() + 2, (t.shape, t.stride())
 
 
+def test_a_tensor_map_the_driver_cannot_encode_sends_the_call_to_the_checked_path(monkeypatch):
+    """A kept launch with an activation tensor map (the 256-token tile takes
+    its activations no other way, and traps without one) is not launched
+    when the map cannot be encoded at the new address: the checked path
+    plans the call again. (It was launched with act_tma = 0.)"""
+    from rawkv._plan import Launch
+
+    class Kernel:
+        smem = 0
+        launched = 0
+
+        def launch(self, *args, **kw):
+            Kernel.launched += 1
+
+    w = torch.zeros(4, dtype=torch.uint8)
+    out, x = torch.zeros(8), torch.zeros(8)
+    ln = Launch(Kernel(), (1, 1, 1), (384, 1, 1), {"wq": None, "xmap": None, "act_tma": 1}, ("geometry",))
+    k = ("test", 0)
+    fast.LAUNCHES[k] = fast._Entry((weakref.ref(w),), ((w.data_ptr(), rawkv._args.version(w)),),
+                                   ((w.data_ptr(), w.data_ptr() + 4),), ln, ((0, 32), (0, 32)))
+    try:
+        monkeypatch.setattr(fast.tma, "encode", lambda ptr, *geo: None)
+        assert not fast.try_launch(k, (w,), ("wq",), ("out", "x"), (out, x), 1, lambda d: None)
+        assert Kernel.launched == 0
+        monkeypatch.setattr(fast.tma, "encode", lambda ptr, *geo: {"map": ptr})
+        assert fast.try_launch(k, (w,), ("wq",), ("out", "x"), (out, x), 1, lambda d: None)
+        assert Kernel.launched == 1
+    finally:
+        fast.LAUNCHES.pop(k, None)
+
+
 # ---- GPU: the same launch, and nothing the checked path refuses ------------------------------
 ROUTES = [  # (name, T or rows, G, N, K, tunables): every kernel and tile family the plan takes
     ("mma decode", 1, 4, 96, 256, {}),

@@ -21,7 +21,8 @@ tensors, after what depends on their addresses alone:
   test (interleaved views may touch no common byte) and names the
   arguments when they do overlap;
 * the activation's tensor map (TMA, rawkv.gemm.tma), encoded for its
-  address (Launch.tma: the same geometry).
+  address (Launch.tma: the same geometry); where the driver cannot encode
+  it, the checked path plans the call again.
 
 Anything else (CPU tensors, NVFP4 activations, a stream argument, a view
 the rules copy, a combination not seen yet) takes the checked path, which
@@ -127,7 +128,11 @@ def try_launch(k: tuple, weight: tuple, weight_names: tuple, names: tuple, tenso
             args[n] = t
     if ln.tma is not None:
         m = tma.encode(tensors[outputs].data_ptr(), *ln.tma)     # the activation: the first input
-        args["xmap"], args["act_tma"] = (m, 1) if m is not None else (tma.NONE, 0)
+        if m is None:
+            # (the checked path plans again: its 256-token tile has no way but
+            # the map to bring the activations, and traps without one)
+            return False
+        args["xmap"], args["act_tma"] = m, 1
     kernel = ln.kernel
     kernel.launch(rt_of(tensors[0].get_device()), ln.grid, ln.block, stream=None, shared_mem=kernel.smem, **args)
     return True
