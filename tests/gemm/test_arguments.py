@@ -12,8 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import rawkv  # noqa: E402
-from support.gemm import check_bad_argument_cases, misaligned, random_weight, _weight  # noqa: E402
+from support.gemm import check_bad_argument_cases, random_weight, _weight  # noqa: E402
 from support.outputs import _refused, _ro  # noqa: E402
+from support.views import misaligned  # noqa: E402
 
 
 def test_bad_out_and_offsets_name_the_argument(rng):

@@ -19,6 +19,7 @@ from rawkv.kvcache import views as V  # noqa: E402
 from rawkv.reference import kvcache as ref  # noqa: E402
 from support.kvcache import D, DI, _small_hca_pool  # noqa: E402
 from support.outputs import _refused  # noqa: E402
+from support.views import misaligned  # noqa: E402
 
 
 OPS = torch.ops.rawkv
@@ -170,16 +171,6 @@ def test_views_refuse_what_a_pool_cannot_be():
         assert str(e.value).startswith(lead), e.value
 
 
-def _misaligned(t):
-    """A copy of `t` whose first byte is one element past a 16-byte boundary."""
-    item = t.element_size()
-    raw = torch.zeros(t.numel() * item + 32, dtype=torch.uint8)
-    base = (-raw.data_ptr()) % 16 + item
-    out = raw[base:base + t.numel() * item].view(t.dtype).view(t.shape)
-    out.copy_(t)
-    return out
-
-
 @pytest.mark.parametrize("layout", ["rawkv", "model1"])
 def test_views_refuse_misaligned_data_buffers(layout):
     """The kernels move a pool's entries, pages and keys and a state's rows 16
@@ -189,11 +180,11 @@ def test_views_refuse_misaligned_data_buffers(layout):
     names = ("pages", "index_pages") if layout == "model1" else ("fp8", "scale", "rope", "index_q", "index_sf")
     for name in names:
         with pytest.raises(ValueError, match=rf"^{name}: .*aligned"):
-            V.pool_view(**_bad(good, name, _misaligned(good[name])))
+            V.pool_view(**_bad(good, name, misaligned(good[name], good[name].element_size())))
     st = V.state_args(kvc.DecodeState("csa", 2, device="cpu"))
     for name in ("kv_a", "z_a", "kv_b", "z_b"):
         with pytest.raises(ValueError, match=rf"^{name}: .*aligned"):
-            V.state_view(**_bad(st, name, _misaligned(st[name])))
+            V.state_view(**_bad(st, name, misaligned(st[name], st[name].element_size())))
 
 
 def _decode_layer(rng, kind):

@@ -29,6 +29,7 @@ torch = pytest.importorskip("torch")
 import rawkv  # noqa: E402
 from rawkv.reference import gemm as ref  # noqa: E402
 from rawkv.reference import formats as F  # noqa: E402
+from support.views import misaligned  # noqa: E402
 
 
 def assert_within_bound(got, exact, absolute, k, what=""):
@@ -141,18 +142,6 @@ def check_ragged(rng, offsets, act, n, k, rows):
 
 def _weight(rng, g, n, k):
     return rawkv.gemm.Fp4Weight.from_float(torch.from_numpy(rng.standard_normal((g, n, k)).astype(np.float32)))
-
-
-def misaligned(t, offset):
-    """A contiguous copy of t starting `offset` bytes past a 16-byte aligned
-    address (as a tensor sliced out of one blob of packed tensors may)."""
-    nbytes = t.numel() * t.element_size()
-    blob = torch.zeros(nbytes + 16 + offset, dtype=torch.uint8, device=t.device)
-    start = (-blob.data_ptr()) % 16 + offset
-    v = blob[start:start + nbytes].view(t.dtype).view(t.shape)
-    v.copy_(t)
-    assert v.data_ptr() % 16 == offset % 16
-    return v
 
 
 def repacked(w, **tensors):
