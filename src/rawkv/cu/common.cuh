@@ -18,6 +18,11 @@ typedef long long i64;
 
 constexpr float kE4M3Max = 448.0f;
 constexpr u8 kE4M3NaN = 0x7F;
+// +Inf's float32 bits: a magnitude's bits at or above it are an Inf or a NaN
+// (finite magnitudes order like their bits).
+constexpr u32 kF32InfBits = 0x7F800000u;
+
+__device__ __forceinline__ float f32_qnan() { return __int_as_float(0x7FC00000); }
 
 // ---- E4M3 ------------------------------------------------------------------
 // RNE, satfinite (+-Inf and |x| > 448 -> +-448), subnormals kept, NaN -> 0x7F.

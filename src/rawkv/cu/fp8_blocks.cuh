@@ -93,7 +93,7 @@ __device__ __forceinline__ void fp8_store_scale(void* scales, i64 i, float s, u3
     if (sbyte)
         static_cast<u8*>(scales)[i] = flag ? (u8)0xFF : (u8)byte;
     else
-        static_cast<float*>(scales)[i] = flag ? __uint_as_float(0x7FC00000u) : s;
+        static_cast<float*>(scales)[i] = flag ? f32_qnan() : s;
 }
 
 // The amax of a block held by `lanes` consecutive lanes (2, 4 or 8: blocks
@@ -105,14 +105,13 @@ __device__ __forceinline__ void fp8_store_scale(void* scales, i64 i, float s, u3
 // 57). Three shuffles whatever `lanes`, the steps past it masked out (no
 // loop over a run-time count: the fused producers pass it at run time).
 __device__ __forceinline__ float fp8_group_max(float amax, bool bad, int lanes, bool& flag) {
-    constexpr u32 kPosInf = 0x7F800000u;
-    if (bad) amax = __uint_as_float(kPosInf);
+    if (bad) amax = __uint_as_float(kF32InfBits);
 #pragma unroll
     for (int o = 4; o > 0; o >>= 1) {
         const float other = __shfl_xor_sync(0xffffffffu, amax, o);
         if (o < lanes) amax = fmaxf(amax, other);
     }
-    flag = amax == __uint_as_float(kPosInf);
+    flag = amax == __uint_as_float(kF32InfBits);
     return amax;
 }
 

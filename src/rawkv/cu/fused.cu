@@ -173,7 +173,7 @@ __device__ __forceinline__ void silu_f32_n(float (&v)[N]) {
         lo = fminf(lo, v[j]);       // (NaN ignored: its quotient is NaN)
         hi = fmaxf(hi, v[j]);
     }
-    if (lo < kSiluQuotientMin || hi == __uint_as_float(0x7F800000u)) {
+    if (lo < kSiluQuotientMin || hi == __uint_as_float(kF32InfBits)) {
 #pragma unroll 1
         for (int i = 0; i < N; ++i) {   // (the values shift through one division)
             const float q = __fdiv_rn(v[0], __fadd_rn(1.0f, exp_f32(-v[0])));
@@ -454,7 +454,7 @@ __device__ __forceinline__ void row_quantize(const P& p, u32 (&st)[REG][8], cons
             gs_out[0] = gs;
             if (!ok && errors != nullptr) atomicAdd(errors, 1);
         }
-        if (!ok) gs = __uint_as_float(0x7FC00000u);
+        if (!ok) gs = f32_qnan();
     }
 
     // phase 3: quantize and store

@@ -59,7 +59,6 @@ namespace {
 
 constexpr u32 kFull = 0xffffffffu;
 
-__device__ __forceinline__ float f32_qnan() { return __int_as_float(0x7FC00000); }
 __device__ __forceinline__ float f32_neg_inf() { return __int_as_float((int)0xFF800000u); }
 
 // Physical entry row (block * epb + slot in block) of entry `e` of the

@@ -31,6 +31,8 @@ using rkv::u8;
 using rkv::u32;
 using rkv::i64;
 using rkv::ue8m0_value;
+using rkv::kF32InfBits;
+using rkv::f32_qnan;
 
 constexpr u32 kFull = 0xffffffffu;
 constexpr int kEntry = RKV_LAY_NOPE + RKV_LAY_ROPE;
@@ -47,14 +49,12 @@ static_assert(RKV_LAY_MX_BLOCK == 8 * 4, "an MXFP4 block is 8 lanes");
 // Data bytes of an indexer-key record.
 template <bool MXFP4> struct KeyBytes { static constexpr int kData = MXFP4 ? RKV_LAY_INDEX_DIM / 2 : RKV_LAY_INDEX_DIM; };
 
-__device__ __forceinline__ float f32_qnan() { return __int_as_float(0x7FC00000); }
-
 // float32 -> BF16 bits, RNE; NaN stays NaN with its quiet bit set, sign and
 // top payload kept (reference formats.bf16_bits; the conversion instruction
 // would return the canonical NaN instead).
 __device__ __forceinline__ u32 bf16_bits_rne(float x) {
     const u32 u = __float_as_uint(x);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 16) | 0x40u;
+    if ((u & 0x7FFFFFFFu) > kF32InfBits) return (u >> 16) | 0x40u;
     return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 

@@ -155,11 +155,11 @@ __device__ __forceinline__ u8 nvfp4_quantize_block_max(const float (&v)[16], flo
 
 __device__ __forceinline__ u8 nvfp4_quantize_block(const float (&v)[16], float gs, uint2& packed) {
     // max of the magnitude bits: finite magnitudes order like their bits, and
-    // anything >= 0x7F800000 is an Inf or a NaN.
+    // anything >= kF32InfBits is an Inf or a NaN.
     u32 umax = 0u;
 #pragma unroll
     for (int i = 0; i < 16; ++i) umax = max(umax, __float_as_uint(v[i]) & 0x7FFFFFFFu);
-    return nvfp4_quantize_block_max(v, __uint_as_float(umax), umax >= 0x7F800000u, gs, packed);
+    return nvfp4_quantize_block_max(v, __uint_as_float(umax), umax >= kF32InfBits, gs, packed);
 }
 
 // Decode one block: out[i] = lut[code_i] * (float(sf) * gs), float32.
