@@ -187,6 +187,14 @@ __device__ __forceinline__ void silu_f32_n(float (&v)[N]) {
     }
 }
 
+// One run of 8 SwiGLU outputs: silu(gate) * up, each rounded once in float32
+// (the reference's order), into v[0..7]. The gate values are overwritten.
+__device__ __forceinline__ void silu_times_up(float (&gt)[8], const float (&up)[8], float* v) {
+    silu_f32_n(gt);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = gt[j] * up[j];
+}
+
 // ---- block reductions (all threads get the result) ---------------------------
 __device__ __forceinline__ double block_sum(double v, double* sh) {
 #pragma unroll
@@ -281,9 +289,7 @@ struct SwigluProducer {
                 const u32 col = grp * 2u * g + off;
                 load8(h + col, gt);
                 load8(h + col + g, up);
-                silu_f32_n(gt);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) v[k * 8 + j] = gt[j] * up[j];
+                silu_times_up(gt, up, v + k * 8);
                 off += 8u;
                 if (off == g) { off = 0u; ++grp; }
             }
@@ -298,9 +304,7 @@ struct SwigluProducer {
                     up[j] = to_f32(h[col + g]);
                     if (++off == g) { off = 0u; ++grp; }
                 }
-                silu_f32_n(gt);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) v[k * 8 + j] = gt[j] * up[j];
+                silu_times_up(gt, up, v + k * 8);
             }
         }
         pack_chunk<T>(w, v);
