@@ -79,12 +79,13 @@ BAD_ROPE = [
 ]
 
 
-def _one_window_case(rng, kind, device="cpu"):
-    """A pool with one request prepared for 2 windows, its prompt rows and a
-    decode state holding one complete window: call(op, theta, yarn) runs
-    compress_prefill / compress_decode with those RoPE parameters."""
+def _one_window_case(rng, kind, device="cpu", **pool_kw):
+    """A pool with one request prepared for 2 windows (pool_kw: more
+    PagedKVPool arguments), its prompt rows and a decode state holding one
+    complete window: call(op, theta, yarn) runs compress_prefill /
+    compress_decode with those RoPE parameters."""
     m = M[kind]
-    pool = _pool(kind, device)
+    pool = _pool(kind, device, **pool_kw)
     st = DecodeState(kind, 4, device=device)
     ist = DecodeState("csa", 4, DI, device=device) if kind == "csa" else None
     pool.attach(*(x for x in (st, ist) if x is not None))
@@ -141,6 +142,28 @@ def test_rope_parameters_are_checked_in_the_reference():
         with pytest.raises(exc, match=f"^{name}: "):
             ref.rope_inv_freq(64, theta, yarn)
     assert np.isfinite(ref.rope_inv_freq(64, 1e4, ref.YarnConfig(1.0, 1, 2.0, 2.0))).all()
+
+
+def _rope_dim_is_64(rng, device):
+    """A pool whose rope_dim is not DeepSeek-V4's 64 (the PagedKVPool takes
+    any multiple of 8) is refused by both compress ops with a ValueError
+    naming rope_dim, before the RoPE table is built or anything written:
+    the reference rotated the last 64 dims whatever the pool's rope_dim and
+    the kernel the pool's rope_dim, so CPU and CUDA gave different entries."""
+    from rawkv.kvcache import compressor
+    tables = len(compressor._TABLES)
+    for kind in ("csa", "hca"):
+        for rope_dim in (32, 128):
+            pool, call = _one_window_case(rng, kind, device, rope_dim=rope_dim)
+            for op in ("prefill", "decode"):
+                with pytest.raises(ValueError, match=f"^pool: rope_dim must be 64 .*got {rope_dim}$"):
+                    call(op, ref.COMPRESS_ROPE_THETA, ref.DSV4_YARN)
+            assert _untouched(pool)
+    assert len(compressor._TABLES) == tables
+
+
+def test_rope_dim_is_64(rng):
+    _rope_dim_is_64(rng, "cpu")
 
 
 @pytest.mark.parametrize("op", ["prefill", "decode"])
@@ -200,3 +223,7 @@ def test_gpu_rope_parameters_are_checked(cuda, rng, kind, op):
     call(op, 1e4, ref.YarnConfig(1.0, 1, 2.0, 2.0))
     assert pool.read_errors() == 0 and int(pool.written.max()) > 0
     assert np.isfinite(_arr(pool.rope)).all()
+
+
+def test_gpu_rope_dim_is_64(cuda, rng):
+    _rope_dim_is_64(rng, "cuda")

@@ -45,8 +45,8 @@ def _inputs(rng, kind, T, dtype=np.float32):
     return kv, z, ape, nw, idx
 
 
-def _pool(kind, device, R=4, nb=64, epb=4, mb=16):
-    return PagedKVPool(kind, nb, epb, R, mb, layout="rawkv", device=device)
+def _pool(kind, device, R=4, nb=64, epb=4, mb=16, **kw):
+    return PagedKVPool(kind, nb, epb, R, mb, layout="rawkv", device=device, **kw)
 
 
 def _t(a, dtype=None):

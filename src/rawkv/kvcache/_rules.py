@@ -19,6 +19,7 @@ import numpy as np
 from .. import _args as A
 from ..kernels import kv_compress as KC
 from ..reference.kvcache import layouts as RL
+from ..reference.kvcache.constants import ROPE_DIM
 from .pool import PagedKVPool
 from .state import DecodeState
 
@@ -517,9 +518,13 @@ def compressible(p) -> None:
     if d % KC.CHANNEL_THREADS or d > KC.MAX_HEAD_DIM:
         raise ValueError(f"pool: head_dim must be a multiple of {KC.CHANNEL_THREADS} and "
                          f"<= {KC.MAX_HEAD_DIM} for the compressor, got {d}")
-    if p.rope_dim % 2 or p.rope_dim <= 0:
-        raise ValueError(f"pool: rope_dim must be even and positive for the compressor, "
-                         f"got {p.rope_dim}")
+    # DeepSeek-V4's compressor ropes exactly the last 64 dims of the entry
+    # and of the indexer key (qk_rope_head_dim; docs/kvcache.md section 2,
+    # "RoPE"): the reference is that definition, while the kernel would
+    # rotate the pool's rope_dim, so any other value gave CPU != CUDA
+    if p.rope_dim != ROPE_DIM:
+        raise ValueError(f"pool: rope_dim must be {ROPE_DIM} for the compressor (DeepSeek-V4 ropes "
+                         f"the last {ROPE_DIM} dims of each entry and indexer key), got {p.rope_dim}")
     if p.has_index and p.index_head_dim != KC.INDEX_HEAD_DIM:
         raise ValueError(f"pool: the compressor supports index_head_dim {KC.INDEX_HEAD_DIM} only, "
                          f"got {p.index_head_dim}")
