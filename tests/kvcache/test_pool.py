@@ -149,6 +149,36 @@ def test_prepare_errors_and_repeats():
         p.free_request("0")
 
 
+def _prepare_keeps_rows_written_in_place(device):
+    """prepare_step writes only the block-table cells it allocates: an
+    engine's in-place writes survive, in a row of a slot between two stepped
+    slots (the upload of the host rows [min slot, max slot] set it back to
+    the host's record) and in a stepped slot's cell the step does not
+    allocate. The allocated blocks still get their owner."""
+    dv = _Dev(device)
+    p = kc.PagedKVPool("csa", 8, 2, 3, 3, layout="rawkv", device=device)    # m=4, epb=2: 8 tokens per block
+    a, b, c = p.add_request(), p.add_request(), p.add_request()
+    assert p.prepare_step([a, b, c], [0, 0, 0]) == 3                         # blocks 0, 1, 2
+    p.block_table[b, 0], p.block_table[b, 1] = 5, 6                          # an engine's writes, in place
+    p.block_table[a, 0] = 7
+    assert p.prepare_step([a, c], [8, 8]) == 2                               # logical block 1 of a and c
+    table = dv.buf(p.block_table)
+    np.testing.assert_array_equal(table[b], [5, 6, -1], err_msg="the row of a slot not in the step")
+    np.testing.assert_array_equal(table[a], [7, 3, -1], err_msg="a stepped slot's other cells")
+    np.testing.assert_array_equal(table[c], [2, 4, -1])
+    assert p.blocks_of(a) == [0, 3] and p.blocks_of(c) == [2, 4]               # the host's record
+    owners, ids = dv.buf(p.owners), dv.buf(p.request_ids)
+    assert owners[3] == ids[a] and owners[4] == ids[c]
+
+
+def test_cpu_prepare_step_keeps_rows_written_in_place():
+    _prepare_keeps_rows_written_in_place("cpu")
+
+
+def test_gpu_prepare_step_keeps_rows_written_in_place(cuda):
+    _prepare_keeps_rows_written_in_place("cuda")
+
+
 def _cpu_only_torch():
     try:
         import torch

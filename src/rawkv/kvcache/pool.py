@@ -632,8 +632,10 @@ class PagedKVPool(ErrorCounter):
         """Host side, before a (captured) step runs: for every (slot, position)
         that the step will process, make sure entry position // m has a
         physical block (every logical block up to it is allocated), and
-        record n_entries. New block-table rows go to the device in ONE
-        host->device copy on the current stream (none when nothing changed).
+        record n_entries. The block-table cells of the blocks allocated (and
+        no other cell: an engine may have written the table in place) go to
+        the device in ONE host->device copy on the current stream (none when
+        nothing was allocated).
 
         slots, positions: host ints (lists, numpy arrays, CPU tensors) of one
         shape; a slot may repeat (a prefill chunk: its highest position
@@ -671,8 +673,7 @@ class PagedKVPool(ErrorCounter):
                 raise RuntimeError(f"PagedKVPool: out of blocks: slot {s} needs {k} more block(s) "
                                    f"({total} for this step) but only {avail} of {self.num_blocks} "
                                    "are free; nothing was allocated")
-        lo, hi = self.max_requests, -1
-        new, to = [], []
+        new, to, at = [], [], []
         for s, k in need.items():
             if k:
                 n0 = int(self._nblocks[s])
@@ -680,36 +681,43 @@ class PagedKVPool(ErrorCounter):
                     self._table[s, n0 + i] = self._free.pop()
                 new.extend(self._table[s, n0:n0 + k].tolist())
                 to.extend([s] * k)
+                at.extend(range(n0, n0 + k))
                 self._nblocks[s] = n0 + k
-                lo, hi = min(lo, s), max(hi, s)
         for s, p in last.items():
             self._n_entries[s] = max(int(self._n_entries[s]), (p + 1) // self.m)
-        if hi >= 0:
-            self._new_owner(lo, hi, new, to)
+        if new:
+            self._new_owner(to, at, new)
         return total
 
-    def _new_owner(self, lo: int, hi: int, blocks: list, slots: list) -> None:
-        """Blocks `blocks` were just allocated to the requests of `slots`
-        (all in lo..hi): upload those block-table rows, stamp each block
-        with its request's id and clear its marks (its bytes are a previous
-        owner's): reference.assign_pages, in stream order before any op of
-        the step. CUDA: one host->device copy of the rows, the block ids and
-        the request ids, then index_fill_ (marks) and index_copy_ (owners)."""
+    def _new_owner(self, slots: list, cols: list, blocks: list) -> None:
+        """Blocks `blocks` were just allocated to the requests of `slots`, as
+        their logical blocks `cols`: write exactly those block-table cells,
+        stamp each block with its request's id and clear its marks (its
+        bytes are a previous owner's): reference.assign_pages, in stream
+        order before any op of the step. Only the cells: every other cell,
+        of these slots' rows or any other row, may hold an engine's in-place
+        write, which an upload of whole host rows would undo. CUDA: one
+        host->device copy of the cells' flat indices, the block ids and the
+        request ids, one cast to int32, then index_copy_ (the cells),
+        index_fill_ (marks) and index_copy_ (owners): no host sync, no copy
+        per row."""
         if not self.is_cuda:
-            self.block_table[lo:hi + 1] = self._table[lo:hi + 1]
+            self.block_table[slots, cols] = blocks
             ref.assign_pages(self.reference_view(), slots, blocks)
             return
         import torch
-        rows = self._table[lo:hi + 1]
-        # int64: the index dtype of index_fill_ / index_copy_; copy_ narrows the rows to int32
-        staged = np.concatenate([rows.ravel(), blocks, self._ids[slots]])
+        k = len(blocks)
+        cells = np.asarray(slots, np.int64) * self.max_blocks_per_request + np.asarray(cols, np.int64)
+        # int64: the index dtype of index_copy_ / index_fill_; the values are cast to int32 on the device
+        staged = np.concatenate([cells, blocks, self._ids[slots]])
         self._staging = torch.from_numpy(staged.astype(np.int64))
         dev = self._staging.to(self.device, non_blocking=True)
-        n, k = rows.size, len(blocks)
-        self.block_table[lo:hi + 1].copy_(dev[:n].view(rows.shape))
-        idx = dev[n:n + k]
+        vals = dev[k:].to(torch.int32)                  # the block ids, then their requests' ids
+        # (the pool's own table, allocated contiguous and never replaced: view(-1) is the table)
+        self.block_table.view(-1).index_copy_(0, dev[:k], vals[:k])
+        idx = dev[k:2 * k]
         self.marks.index_fill_(0, idx, 0)
-        self.owners.index_copy_(0, idx, dev[n + k:].to(torch.int32))
+        self.owners.index_copy_(0, idx, vals[k:])
 
     # -- reference views ------------------------------------------------------
     def to_reference(self) -> ref.PagedPoolRef:
