@@ -203,7 +203,7 @@ class Decoder:
     torch.compile traces, tests/support/library_samples_kvcache.py)."""
 
     def __init__(self, rng, prompts, steps, topk, epb, *, device="cpu", tensors=False, layout=DEFAULT_LAYOUT,
-                 index_layout="fp8", step_rows=True):
+                 index_layout=None, step_rows=True):
         """step_rows: also draw the decode steps' token rows (False: only the
         prompts'; the caller writes each step's rows into x_kv / x_z / xi_kv /
         xi_z itself, as the layer demo does from its projection)."""
@@ -362,7 +362,7 @@ def _run(a, rt) -> int:
           f"(indexer keys {index_layout}, {epb} entries per page)")
 
     dec = Decoder(rng, prompts, steps, topk, epb, device="cuda" if gpu else "cpu", layout=a.layout,
-                  index_layout=a.index_layout or "fp8")
+                  index_layout=a.index_layout)
     kvc, layers, toks, itoks = dec.kvc, dec.layers, dec.toks, dec.itoks
     slots, total = dec.slots, dec.total
     pools, states, istate = dec.pools, dec.states, dec.istate

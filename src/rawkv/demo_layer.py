@@ -243,7 +243,7 @@ def kernel_instances(dev, shape: Shape, batch: int, layout: str, context: int = 
     # the weights: Fp4Weight.from_float quantizes each group's (N, K) BF16 with scope 'tensor'
     for g, n, k in ws.values():
         take(encode.plan(dev, meta(n, k), None, None, None, n, k, k, "tensor"))
-    pools = {kind: kvc.PagedKVPool(kind, 1, shape.epb, 1, 1, device="cpu", layout=layout, index_layout="fp8")
+    pools = {kind: kvc.PagedKVPool(kind, 1, shape.epb, 1, 1, device="cpu", layout=layout)
              for kind in ("csa", "hca")}
     # prefill: compress_prefill of float32 token rows (CSA with its indexer keys), the window insert
     for kind, pool in pools.items():
@@ -456,7 +456,7 @@ class LayerDemo:
         # Flash size) that a cold start overlaps with compiling; no rawkv launch
         say(f"caches: {batch} requests x {context} tokens (pools, states, window)")
         self.dec = cache_demo.Decoder(self.rng, [context] * batch, steps, shape.topk, shape.epb, device=dev,
-                                      tensors=True, layout=a.layout, index_layout="fp8", step_rows=False)
+                                      tensors=True, layout=a.layout, step_rows=False)
         if ready is not None:
             ready()
         gen = torch.Generator(device=dev).manual_seed(a.seed)

@@ -113,7 +113,7 @@ def test_operators_do_what_the_public_ops_do(rng, kind):
     assert pub.written[1] == 4 and pub.read_errors() == 4
 
 
-@pytest.mark.parametrize("layout, index_layout", [("rawkv", "fp8"), ("model1", "fp8"), ("model1", "mxfp4")])
+@pytest.mark.parametrize("layout, index_layout", [("rawkv", "nvfp4"), ("model1", "fp8"), ("model1", "mxfp4")])
 def test_views_share_the_buffers_and_keep_the_geometry(layout, index_layout):
     p = _pool("csa", layout=layout, index_layout=index_layout)
     v = V.pool_view(**V.pool_args(p))

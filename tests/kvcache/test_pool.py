@@ -6,6 +6,8 @@ buffers fixed after construction and the pool views the operators build
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -72,6 +74,26 @@ def test_pool_constructor_errors():
             kc.PagedKVPool("csa", 4, 4, 2, 2, layout="rawkv", device="meta")
     p = kc.PagedKVPool("csa", 4, 4, 2, 2, index_head_dim=None, layout="rawkv", device="cpu")
     assert not p.has_index
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_index_layout_is_checked_for_every_layout(kind):
+    """index_layout names how the layout stores its indexer keys: 'nvfp4'
+    for 'rawkv', 'fp8' / 'mxfp4' for 'model1', or None for the layout's own
+    (nvfp4 / fp8). Anything else is a ValueError naming index_layout and
+    listing what the layout takes, also for an HCA pool (no keys: the
+    engine's one setting for its layers): 'rawkv' accepted any value and
+    stored NVFP4 keys whatever was asked."""
+    keys = kind == "csa"
+    for layout, good in (("rawkv", ["nvfp4"]), ("model1", ["fp8", "mxfp4"])):
+        for il in [None] + good:
+            p = kc.PagedKVPool(kind, 4, 4, 2, 2, layout=layout, index_layout=il, device="cpu")
+            assert p.index_layout == ((il or good[0]) if keys else None)
+        bad = {"rawkv": ["fp8", "mxfp4"], "model1": ["nvfp4"]}[layout] + ["bogus", "FP8", 7, True, ["fp8"]]
+        for il in bad:
+            want = f"index_layout: the '{layout}' layout takes {good} (or None), got {il!r}"
+            with pytest.raises(ValueError, match=f"^{re.escape(want)}$"):
+                kc.PagedKVPool(kind, 4, 4, 2, 2, layout=layout, index_layout=il, device="cpu")
 
 
 def test_add_free_prepare_reuse():

@@ -76,6 +76,9 @@ KINDS = {"csa": ref.CSA_RATIO, "hca": ref.HCA_RATIO}
 #: by field; "model1": FlashMLA MODEL1_FP8Sparse pages and DeepGEMM key pages
 #: (docs/kvcache.md, "Pool layouts")
 LAYOUTS = ("rawkv", "model1")
+#: the indexer-key formats each layout stores (index_layout=), its own first:
+#: what None picks
+INDEX_LAYOUTS = {"rawkv": ("nvfp4",), "model1": tuple(ref.INDEX_LAYOUTS)}
 _DEFAULT = object()
 #: the largest request id (request_ids and owners are int32)
 _MAX_ID = 2 ** 31 - 1
@@ -344,8 +347,9 @@ class PagedKVPool(ErrorCounter):
     kind: 'csa' (m = 4, with a CSA indexer key per entry unless
     index_head_dim=None) or 'hca' (m = 128, no indexer key). layout:
     'model1' (default; FlashMLA / DeepGEMM pages, indexer keys of
-    index_layout 'fp8' or 'mxfp4') or 'rawkv'. entries_per_block is the
-    page size (vLLM: 64 for CSA, 2 for HCA: 256 tokens per page).
+    index_layout 'fp8' or 'mxfp4') or 'rawkv' (index_layout 'nvfp4');
+    index_layout None: the layout's own ('fp8' / 'nvfp4'). entries_per_block
+    is the page size (vLLM: 64 for CSA, 2 for HCA: 256 tokens per page).
     """
 
     # Every layout's buffers (a pool holds its layout's; the others are None):
@@ -357,7 +361,7 @@ class PagedKVPool(ErrorCounter):
 
     def __init__(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
                  *, head_dim=ref.HEAD_DIM, rope_dim=ref.ROPE_DIM, index_head_dim=_DEFAULT,
-                 layout="model1", index_layout="fp8", device="cuda"):
+                 layout="model1", index_layout=None, device="cuda"):
         if index_head_dim is _DEFAULT:
             index_head_dim = ref.INDEX_HEAD_DIM if kind == "csa" else None
         self._set_geometry(kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
@@ -421,7 +425,7 @@ class PagedKVPool(ErrorCounter):
         register_buffers(self)
 
     def _set_geometry(self, kind, num_blocks, entries_per_block, max_requests, max_blocks_per_request,
-                      head_dim, rope_dim, index_head_dim, layout="rawkv", index_layout="fp8") -> None:
+                      head_dim, rope_dim, index_head_dim, layout="rawkv", index_layout=None) -> None:
         """The pool's sizes, checked: the constructor's rules, which
         views.pool_view applies to the sizes of its buffers' shapes."""
         if layout not in LAYOUTS:
@@ -450,8 +454,18 @@ class PagedKVPool(ErrorCounter):
             if index_head_dim % ref.NVFP4_BLOCK:
                 raise ValueError(f"index_head_dim: expected a multiple of 16, got {index_head_dim}")
         self.index_head_dim = index_head_dim
-        # the indexer keys' format: rawkv's one-level NVFP4, or DeepGEMM's FP8 / MXFP4 pages
-        self.index_layout = None if index_head_dim is None else "nvfp4" if layout == "rawkv" else index_layout
+        # the indexer keys' format: rawkv's one-level NVFP4, or DeepGEMM's FP8 /
+        # MXFP4 pages. Checked for every kind and layout: a format the layout
+        # does not store (rawkv with 'mxfp4') would be silently replaced by
+        # the layout's own; an HCA pool has no keys but takes the engine's one
+        # setting for its layers, so the same values
+        takes = INDEX_LAYOUTS[layout]
+        if index_layout is None:
+            index_layout = takes[0]
+        elif not isinstance(index_layout, str) or index_layout not in takes:
+            raise ValueError(f"index_layout: the {layout!r} layout takes {list(takes)} (or None), "
+                             f"got {index_layout!r}")
+        self.index_layout = None if index_head_dim is None else index_layout
         self.page_bytes = self.index_page_bytes = None
         if layout == "model1":
             ref.check_model1_geometry(self.head_dim, self.rope_dim, index_head_dim, index_layout)
