@@ -152,8 +152,9 @@ __device__ __forceinline__ float exp_f32(float x) {
 //   the GPU it is the IEEE quotient a / (1 + exp_f32(-a)) for every float32
 //   a but +Inf (NaN for Inf) and a below about -87.3 (d > 2^126: y flushes
 //   to 0), NaN for NaN (tests/fused/test_silu_quotient.py: every pattern);
-// * one range test for the N values, their min and max, sends a group
-//   holding an a < -87 or a +Inf through the division (a loop: N divisions
+// * one range test for the N values, the max of their |a|, sends a group
+//   holding an |a| > 87 (a < -87, an Inf, or a rare a > 87, whose quotient
+//   the division gives the same) through the division (a loop: N divisions
 //   inline lengthened the kernel's code and slowed it; docs/fused.md).
 __device__ __forceinline__ float silu_quotient(float a, float d) {
     float y;
@@ -163,17 +164,16 @@ __device__ __forceinline__ float silu_quotient(float a, float d) {
     return __fmaf_rn(-y, __fmaf_rn(d, q, -a), q);
 }
 
-constexpr float kSiluQuotientMin = -87.0f;
+// The range test's bound on |a|: one max of |a| (FMNMX takes |x| as an
+// operand) is half the instructions of a min and a max.
+constexpr float kSiluQuotientMax = 87.0f;
 
 template <int N>
 __device__ __forceinline__ void silu_f32_n(float (&v)[N]) {
-    float lo = v[0], hi = v[0];
+    float m = fabsf(v[0]);
 #pragma unroll
-    for (int j = 1; j < N; ++j) {
-        lo = fminf(lo, v[j]);       // (NaN ignored: its quotient is NaN)
-        hi = fmaxf(hi, v[j]);
-    }
-    if (lo < kSiluQuotientMin || hi == __uint_as_float(kF32InfBits)) {
+    for (int j = 1; j < N; ++j) m = fmaxf(m, fabsf(v[j]));   // (NaN ignored: its quotient is NaN)
+    if (m > kSiluQuotientMax) {
 #pragma unroll 1
         for (int i = 0; i < N; ++i) {   // (the values shift through one division)
             const float q = __fdiv_rn(v[0], __fadd_rn(1.0f, exp_f32(-v[0])));
