@@ -1,6 +1,7 @@
 """The SwiGLU producers' silu (fused.cu, silu_f32_n): the quotient a / (1 +
-exp_f32(-a)) without a check and a branch per value, against the IEEE
-division on the GPU for every float32 its range test lets through, and
+exp_f32(-a)) without a check and a branch per value, and with 1 + exp_f32's
+one-fma form for |x| <= 87, against the IEEE division by the
+reference's exp_f32 on the GPU for every float32 its range test lets through, and
 against the reference (rawkv.reference.fused.silu) for every BF16 and FP16
 input, bit for bit. Exhaustive: the domain is small enough (2^32 float32
 patterns take about a second on an H200)."""
@@ -16,8 +17,9 @@ F32 = np.float32
 # (appended to fused.cu, compiled with its constants and numeric options)
 _TEST_KERNELS = r"""
 // Every float32 bit pattern with |a| <= 87 or a NaN (what silu_f32_n's range
-// test lets through to silu_quotient): the quotient against the division (NaN
-// against NaN), mismatches counted and the least bits of one kept.
+// test lets through to its fast path): silu_quotient of one_plus_exp_f32_normal(-a)
+// against the division by 1 + exp_f32(-a), the reference's (NaN against NaN),
+// mismatches counted and the least bits of one kept.
 __global__ void rkv_test_silu_quotient_sweep(unsigned long long* bad, u32* first) {
     const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
     unsigned long long mine = 0;
@@ -26,8 +28,8 @@ __global__ void rkv_test_silu_quotient_sweep(unsigned long long* bad, u32* first
         const u32 bits = (u32)i;
         const float a = __uint_as_float(bits);
         if (fabsf(a) > kSiluQuotientMax) continue;
-        const float d = __fadd_rn(1.0f, exp_f32(-a));
-        const float got = silu_quotient(a, d), want = __fdiv_rn(a, d);
+        const float got = silu_quotient(a, one_plus_exp_f32_normal(-a));
+        const float want = __fdiv_rn(a, __fadd_rn(1.0f, exp_f32(-a)));
         if (__float_as_uint(got) != __float_as_uint(want) && !(got != got && want != want)) {
             ++mine;
             least = min(least, bits);
@@ -60,6 +62,7 @@ def test_range_test_is_the_kernels():
     assert "constexpr float kSiluQuotientMax = 87.0f;" in src
     assert "for (int j = 1; j < N; ++j) m = fmaxf(m, fabsf(v[j]));" in src
     assert "if (m > kSiluQuotientMax) {" in src
+    assert "v[j] = silu_quotient(v[j], one_plus_exp_f32_normal(-v[j]));" in src
 
 
 @pytest.fixture
@@ -78,7 +81,8 @@ def silu_module(cuda):
 
 def test_quotient_is_the_division_for_every_float32_it_takes(silu_module):
     """Every float32 bit pattern (2^32: those the range test passes, about
-    2.25e9, NaNs included): not one bit differs from the IEEE quotient."""
+    2.25e9, NaNs included): not one bit differs from the IEEE quotient by
+    the reference's exp_f32."""
     cupy, fns = silu_module
     bad = cupy.zeros(1, cupy.uint64)
     first = cupy.full(1, 0xFFFFFFFF, cupy.uint32)
