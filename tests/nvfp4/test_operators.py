@@ -94,6 +94,25 @@ def test_cpu_results_are_what_cuda_returns(rng):
     assert qa.dtype == np.uint8 and ga.shape == () and np.array_equal(qa, rq)
 
 
+@pytest.mark.parametrize("gs_given", [False, True])
+def test_scope_none_with_every_output_given_compiles_as_eager(rng, gs_given):
+    """scope=None is the default scope whether or not the op allocates: with
+    every output given (or a gs tensor and no out gs) it reached the
+    operator as None, which its schema (`str scope`) refuses, so eager ran
+    and torch.compile failed (found by a review)."""
+    torch._dynamo.reset()
+    x = _x(rng, (2, 32))
+    gs = torch.tensor(0.25) if gs_given else None
+    outs = (_u8(2, 16), _u8(2, 2), None if gs_given else torch.full((), 7.0))
+    want = [t.clone() for t in nv.quantize(x, scope=None, gs=gs, out=outs)]
+
+    def step(x):
+        return nv.quantize(x, scope=None, gs=gs, out=outs)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    assert all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+               for a, b in zip(got, want))
+
+
 def test_compiled_number_gs_is_checked_when_it_runs(rng):
     """A number gs of a compiled function is a symbolic float while tracing:
     the operator checks it when it runs, raising before anything is written."""

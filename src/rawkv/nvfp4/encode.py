@@ -65,9 +65,11 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
         raise TypeError("out: expected a tuple (q, sf, gs) of buffers (entries may be None)")
     q, sf, g = out if out is not None else (None, None, None)
     gs_t, gs_v = A.split_number(gs)
+    # (resolved before any branch: the operator's schema takes a str, and
+    # scope=None must reach it as the eager op reads it, whatever out= holds)
+    scope = A.default_scope(scope, gs, "tensor")
     # a gs tensor given without an out gs is the gs
     if q is None or sf is None or (g is None and gs_t is None):
-        scope = A.default_scope(scope, gs, "tensor")
         s = A.out_rows(x, "x")      # (no shape, or a layout the op refuses: the op names x)
         lead, n = s[:-1], (s[-1] if s else 0)
         if q is None:
