@@ -370,6 +370,8 @@ def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, d
         # rules below count elements)
         raise ValueError(f"{name}: strides {a.strides} (bytes) are not whole {a.itemsize}-byte elements; "
                          "pass a copy (numpy.ascontiguousarray)")
+    if v is a:
+        unaddressable(a, name)
     if dense and not v.is_contiguous():
         raise ValueError(f"{name}: must be contiguous (got strides {tuple(v.stride())}); "
                          "call .contiguous() first")
@@ -378,6 +380,22 @@ def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, d
                          f"(address {v.data_ptr():#x}); pass a fresh copy (.clone(): .contiguous() "
                          "returns a contiguous view as it is)")
     return a
+
+
+def unaddressable(t, name: str) -> None:
+    """Refuse a torch tensor whose memory is not its values: one with the
+    negative bit set (a lazily negated view, such as z.conj().imag: its
+    storage holds the values' negation, which a kernel would read or write
+    through the data pointer) or one with no memory (data pointer 0 while it
+    holds elements: a ZeroTensor, a tensor whose storage was freed: a kernel
+    would access address 0). The CPU path refused both too, by an unnamed
+    error from numpy()."""
+    if t.is_neg():
+        raise TypeError(f"{name}: has its negative bit set (a lazily negated view such as "
+                        "z.conj().imag: its memory holds the negated values); call .resolve_neg() first")
+    if t.data_ptr() == 0 and t.numel():
+        raise ValueError(f"{name}: has no memory (data pointer 0 with {t.numel()} element(s): a "
+                         "ZeroTensor, or a tensor whose storage was freed); pass a materialized tensor")
 
 
 def row_stride(a):
@@ -779,6 +797,8 @@ def check_outputs(outputs, inputs=(), owned=(), reads_apart: bool = False) -> No
             # written; a kernel would write behind autograd's back)
             raise ValueError(f"{name}: requires grad; rawkv's ops write their outputs in place, which "
                              "autograd does not track: pass a tensor without requires_grad")
+        if is_torch(a):
+            unaddressable(a, name)      # (outputs some op checks no further)
         if is_torch(a) and not writable_here((a,)):
             # (the same: torch lets nothing change an inference tensor outside
             # inference_mode; the CPU path raised after writing, a kernel wrote)

@@ -100,7 +100,10 @@ _DECODE_FAST: dict = {}
 
 
 def _fast_key(a, out, n, ap, op_, dtype=None) -> tuple:
-    return a.get_device(), out.get_device(), a.dtype, out.dtype, n, (ap | op_) & 15 == 0, dtype
+    # (a negative bit or a zero pointer holding elements is a key the checked
+    # path, which refuses them, never remembers: such a call takes it)
+    return (a.get_device(), out.get_device(), a.dtype, out.dtype, n, (ap | op_) & 15 == 0, dtype,
+            a.is_neg() or out.is_neg() or (n > 0 and not (ap and op_)))
 
 
 def _remember(cache: dict, key: tuple, inst, rt, n) -> None:

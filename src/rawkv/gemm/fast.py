@@ -79,9 +79,17 @@ def as_given(given: tuple, checked: tuple, out, weight: tuple) -> bool:
 def key(op: str, tensors: tuple, weight: tuple, sizes: tuple) -> tuple:
     """The key of a call of `op`: its per-call tensors' (CUDA tensors or
     None) metadata, its weight tensors' identities, its other arguments."""
-    return (op, _version[0], *map(id, weight), *sizes,
-            *(None if t is None else (t.dtype, t.shape, t.stride(), t.get_device(), t.data_ptr() & 15,
-                                      t.requires_grad) for t in tensors))
+    return (op, _version[0], *map(id, weight), *sizes, *(None if t is None else _meta(t) for t in tensors))
+
+
+def _meta(t) -> tuple:
+    """A call tensor's part of the key. A set negative bit and a zero
+    pointer (a tensor with no memory) are parts the checked path, which
+    refuses them (rawkv._args.unaddressable), never remembers: such a call
+    takes it."""
+    p = t.data_ptr()
+    return (t.dtype, t.shape, t.stride(), t.get_device(), p & 15 if p or not t.numel() else -1,
+            t.requires_grad, t.is_neg())
 
 
 def remember(k: tuple, weight: tuple, launch: Launch, names: tuple, tensors: tuple, weight_names: tuple) -> None:
