@@ -828,6 +828,12 @@ def check_reads_apart(inputs, owned) -> None:
     _reads_apart(spans(inputs), owned)
 
 
+def check_spans_apart(read: tuple, owned) -> None:
+    """check_reads_apart of inputs already spanned (spans(): e.g. a decode
+    state's buffers, spanned once per object)."""
+    _reads_apart(read, owned)
+
+
 def _reads_apart(read: tuple, owned) -> None:
     for name, s in read:
         for other, t in owned:

@@ -205,6 +205,45 @@ def test_rope_parameters_are_checked_through_the_operators(rng, op):
     assert _untouched(pool)
 
 
+def _decode_reads_apart_from_the_pool(rng, device):
+    """compress_decode writes the pool's entries, written[] and counter: a
+    row input in the pool's buffers (positions=pool.written, slots in
+    pool.owners), or on the operators' path a counter that is a view of
+    positions, is refused by name before anything is written, as the other
+    writing ops refuse theirs (it was taken: the op read what it overwrote,
+    and added its count into the caller's positions)."""
+    torch = pytest.importorskip("torch")
+    import rawkv.library  # noqa: F401
+    from rawkv.kvcache import views as V
+    kind, m = "csa", M["csa"]
+    pool, case = _one_window_case(rng, kind, device)
+    st, ist = case.states
+    t = (lambda a: a) if device == "cpu" else _t
+    kv, z, ape, nw, idx = _inputs(rng, kind, 2 * m)
+    dix = kvc.DecodeIndex(ist, t(idx[3]))
+    v, sl = t(np.ones(1, bool)), t(np.array([0], np.int32))
+    written, owners = pool.written, pool.owners
+    before = np.array(_arr(written)).copy()
+    with pytest.raises(ValueError, match="^positions: overlaps pool.written in memory"):
+        compress_decode(pool, st, t(nw), v, sl, written[:1], index=dix)
+    with pytest.raises(ValueError, match="^slots: overlaps pool.owners in memory"):
+        compress_decode(pool, st, t(nw), v, owners[:1], t(np.array([m - 1], np.int32)), index=dix)
+    tt = (lambda a: torch.from_numpy(np.asarray(a))) if device == "cpu" else _t    # (the operators take tensors)
+    positions = tt(np.array([m - 1], np.int32))
+    with pytest.raises(ValueError, match="^positions: overlaps pool.errors in memory"):
+        torch.ops.rawkv.kv_compress_decode(
+            **V.pool_args(pool, errors=positions), **V.state_args(st, counter=False),
+            **V.state_args(ist, prefix="index_", counter=False), norm_weight=tt(nw),
+            valid_mask=tt(np.ones(1, bool)), slots=tt(np.array([0], np.int32)), positions=positions,
+            index_norm_weight=tt(idx[3]), eps=1e-6, theta=1e4, yarn=None)
+    assert int(positions[0]) == m - 1
+    assert np.array_equal(np.array(_arr(written)), before) and _untouched(pool)
+
+
+def test_decode_reads_apart_from_the_pool(rng):
+    _decode_reads_apart_from_the_pool(rng, "cpu")
+
+
 # ---------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------
@@ -227,3 +266,7 @@ def test_gpu_rope_parameters_are_checked(cuda, rng, kind, op):
 
 def test_gpu_rope_dim_is_64(cuda, rng):
     _rope_dim_is_64(rng, "cuda")
+
+
+def test_gpu_decode_reads_apart_from_the_pool(cuda, rng):
+    _decode_reads_apart_from_the_pool(rng, "cuda")

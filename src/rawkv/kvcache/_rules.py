@@ -658,12 +658,15 @@ def decode_states(p, st, index_state, index_norm_weight, index_cls):
     return index
 
 
-def compress_decode(p, index, norm_weight, valid_mask, slots, positions, eps):
+def compress_decode(p, state, index, norm_weight, valid_mask, slots, positions, eps):
     """(where, eps, norm_weight, valid_mask, slots, positions, index
     norm_weight or None) of compress_decode (its objects and index:
     decode_states): valid_mask (B,) bool, slots and positions (B,) int32 or
     int64 (one dtype), norm_weight (head_dim,) float32, the index's
-    (128,) float32."""
+    (128,) float32. The op writes the pool (its entries, written and
+    counter): none of these, nor the states it reads, may lie in the pool's
+    buffers (positions=pool.written, or on the operators' path a counter
+    that is a view of positions, would read what the op overwrites)."""
     compressible(p)
     eps = A.check_eps(eps)
     inw = None if index is None else index.norm_weight
@@ -676,4 +679,9 @@ def compress_decode(p, index, norm_weight, valid_mask, slots, positions, eps):
     nw = arg(norm_weight, "norm_weight", F32, where, dev, shape=(p.head_dim,))
     if index is not None:
         inw = arg(inw, "index.norm_weight", F32, where, dev, shape=(KC.INDEX_HEAD_DIM,))
+    read = A.spans((("valid_mask", v), ("slots", s), ("positions", pos), ("norm_weight", nw),
+                    ("index.norm_weight", inw))) + owned(state, "state")
+    if index is not None:
+        read += owned(index.state, "index.state")
+    A.check_spans_apart(read, owned(p, "pool"))
     return where, eps, nw, v, s, pos, inw

@@ -73,7 +73,7 @@ def _compress_decode(*args, stream=None, pool=None, state=None, index=None, rope
     if not checked:
         index = C.decode_states(pool, state, ist, inw, DecodeIndex)
     theta, yarn = rope if rope is not None else ref.check_rope(theta, yarn_of(yarn))
-    where, eps, nw, v, s, p, inw = C.compress_decode(pool, index, norm_weight, valid_mask, slots, positions, eps)
+    where, eps, nw, v, s, p, inw = C.compress_decode(pool, state, index, norm_weight, valid_mask, slots, positions, eps)
     ist = None if index is None else index.state
     if where == "cpu":
         ix = None if index is None else (ist.reference_view(), *A.host(inw))
