@@ -160,6 +160,38 @@ DENSE_OPS = {"dense": (kc.gather_dense, False), "index_keys": (kc.gather_index_k
 OUT_DTYPES = [None, None, "bfloat16", "float16", "float32"]
 
 
+def test_outputs_in_another_objects_buffers_are_refused():
+    """An out= or errors= in the buffers of another pool or decode state than
+    the one the op works on is refused by name before anything is written:
+    the eager ops took one (gather_topk(a, ..., errors=b.request_ids) added
+    its count to b's request ids), where the operators' path refused it
+    (pool.check_counter_owner). Another object's counter, whole, is a
+    counter; the layout ops, which work on no object, refuse any buffer."""
+    a, s = _small_hca_pool()
+    b, _ = _small_hca_pool()
+    st = kc.DecodeState("hca", 2, device="cpu")
+    kc.flush_write(a, np.ones((1, a.head_dim), np.float32), np.ones(1, bool), np.array([s], np.int32),
+                   np.array([0], np.int32))
+    ids, slots = np.zeros((1, 2), np.int32), np.array([s], np.int32)
+    before = [np.array(x).copy() for x in (b.request_ids, b.written, st.count, b.block_table)]
+    for errors, role in ((b.request_ids, "request_ids"), (b.written[:1], "written"), (st.count[:1], "count")):
+        with pytest.raises(ValueError, match=rf"^errors: lies in the {role} buffer of another "):
+            kc.gather_topk(a, slots, ids, dtype="float32", errors=errors)
+    with pytest.raises(ValueError, match=r"^out: lies in the block_table buffer of another PagedKVPool"):
+        kc.kvcache_indices(a, slots, ids, out=b.block_table[:1, :2])
+    with pytest.raises(ValueError, match=r"^out: lies in the block_table buffer of a PagedKVPool"):
+        kc.topk_to_kvcache_indices(ids, a.block_table, page_size=a.entries_per_block, num_pages=a.num_blocks,
+                                   out=b.block_table[:1, :2])
+    with pytest.raises(ValueError, match=r"^errors: lies in the written buffer of a PagedKVPool"):
+        kc.topk_to_kvcache_indices(ids, a.block_table, page_size=a.entries_per_block, num_pages=a.num_blocks,
+                                   errors=b.written[:1])
+    assert all(np.array_equal(np.array(x), y) for x, y in
+               zip((b.request_ids, b.written, st.count, b.block_table), before))
+    e = b.read_errors()
+    kc.gather_topk(a, slots, ids, dtype="float32", errors=b.errors)    # another pool's counter: taken
+    assert b.read_errors() == e
+
+
 def _out(fault, i, seed, shape, name, lib, ok, pool):
     """A gather's out=: None, or (ok) one of `shape` and dtype `name` (a
     numpy float32 for bfloat16 when lib is numpy); fault 'out': of another

@@ -20,7 +20,7 @@ from .. import _args as A
 from ..kernels import kv_compress as KC
 from ..reference.kvcache import layouts as RL
 from ..reference.kvcache.constants import ROPE_DIM
-from .pool import PagedKVPool
+from .pool import PagedKVPool, check_not_anothers
 from .state import DecodeState
 
 BOOL = ("bool",)
@@ -137,6 +137,7 @@ def outputs(obj, name: str, errors, where: str, dev: int, outs=(), inputs=(), wr
     mine = own_counter(obj, errors)
     own = owned_but_counter(obj, name) if mine else owned(obj, name)
     A.check_outputs(((*outs, ("errors", errors))), inputs, own, reads_apart=writes)
+    check_not_anothers((*outs, ("errors", None if mine else errors)), obj)
     return errors if mine else A.counter(errors, where, dev)
 
 
@@ -275,6 +276,7 @@ def store(lay, cache_, rows, slots, page_size, offsets, errors, width: int, name
     where = A.placement(("cache", cache_), *inputs, ("errors", errors))
     c, n = cache(cache_, lay, p, where)
     A.check_outputs((("cache", whole_pages(c, n, lay.page_bytes(p))), ("errors", errors)), inputs)
+    check_not_anothers((("errors", errors),))       # (the cache may be a pool's pages: what it stores into)
     dev = A.device_of(c)
     x = arg(rows, name, ROWS, where, dev, ndim=2, align=16)
     N = x.shape[0]
@@ -295,6 +297,7 @@ def model1_gather(cache_, indices, page_size, out, errors, dtype):
     c, n = cache(cache_, RL.MODEL1, p, where)
     A.check_outputs((("out", out), ("errors", errors)),
                     (("cache", whole_pages(c, n, RL.MODEL1.page_bytes(p))), ("indices", indices)))
+    check_not_anothers((("out", out), ("errors", errors)))
     dev = A.device_of(c)
     idx = arg(indices, "indices", I32, where, dev)
     out, name = out_arg(out, dtype, where, dev, shape=(*idx.shape, RL.ENTRY_DIM))
@@ -315,6 +318,7 @@ def topk_bridge(topk_ids, block_table, page_size, num_pages, slots, n_entries, o
     inputs = (("topk_ids", topk_ids), ("block_table", block_table), ("slots", slots), ("n_entries", n_entries))
     where = A.placement(*inputs, ("out", out), ("errors", errors))
     A.check_outputs((("out", out), ("errors", errors)), inputs)
+    check_not_anothers((("out", out), ("errors", errors)))
     ids = arg(topk_ids, "topk_ids", IDS, where, None)
     if ids.ndim not in (2, 3):
         raise ValueError(f"topk_ids: expected (B, K) or (B, S, K), got shape {tuple(ids.shape)}")

@@ -135,16 +135,11 @@ def _index() -> dict:
     return _SPANS
 
 
-def _registered(buf, name: str):
-    """(object, role) when `buf` is exactly a pool's or decode state's
-    buffer (its memory, shape and strides), None when it shares no byte
-    with any (an engine's own buffer, a copy). A buffer whose memory
-    overlaps one of theirs without being it (a slice such as
-    block_table[1:] or count[:1], a reshape, a span across two of them) is
-    a ValueError naming `name` and the buffer: a view over it would skip
-    the rules a view over the object's own buffers keeps (its attached
-    states, its prepared entries, one object per view) while reading and
-    writing that object's rows. One bisection per buffer, not a scan."""
+def _lookup(buf):
+    """(object, role, whole) of the pool's or decode state's buffer `buf`
+    shares memory with (whole: it is that buffer, its memory, shape and
+    strides), None when it shares no byte with any (an engine's own buffer,
+    a copy). One bisection, not a scan."""
     sp = A._span(buf)
     if sp is None:
         return None
@@ -159,12 +154,50 @@ def _registered(buf, name: str):
     o = ref_o()
     if end <= sp[1] or o is None:
         return None
-    if starts[i] == sp[1] and A._geometry(sp) == geometry:
+    return o, role, starts[i] == sp[1] and A._geometry(sp) == geometry
+
+
+def _registered(buf, name: str):
+    """(object, role) when `buf` is exactly a pool's or decode state's
+    buffer, None when it shares no byte with any (_lookup). A buffer whose
+    memory overlaps one of theirs without being it (a slice such as
+    block_table[1:] or count[:1], a reshape, a span across two of them) is
+    a ValueError naming `name` and the buffer: a view over it would skip
+    the rules a view over the object's own buffers keeps (its attached
+    states, its prepared entries, one object per view) while reading and
+    writing that object's rows."""
+    found = _lookup(buf)
+    if found is None:
+        return None
+    o, role, whole = found
+    if whole:
         return o, role
     raise ValueError(f"{name}: overlaps the {role} buffer of a {type(o).__name__} without being it (a slice "
                      f"or another shape of its memory); an operator takes a pool's or decode state's "
                      f"buffer whole, or a buffer of the engine's own that shares no memory with one "
                      f"(otherwise its slots and request ids would escape the object's checks)")
+
+
+def check_not_anothers(outputs, obj=None) -> None:
+    """The arrays an op writes ((name, array or None) pairs) may not lie in
+    the buffers of a pool or decode state other than `obj`, the one the op
+    works on (check_outputs decides against obj's own buffers): the op
+    would write that object's rows (an errors= that is another pool's
+    request_ids added its count to a request's id). An `errors` that is an
+    object's counter, whole, is a counter (check_counter_owner's rule on
+    the operators' path). ValueError naming the argument and the buffer."""
+    for name, a in outputs:
+        if a is None or A.is_number(a):
+            continue
+        found = _lookup(a)
+        if found is None or found[0] is obj:
+            continue
+        o, role, whole = found
+        if name == "errors" and role == "errors" and whole:
+            continue
+        raise ValueError(f"{name}: lies in the {role} buffer of {'another' if obj is not None else 'a'} "
+                         f"{type(o).__name__}; the op would write that object's {role} (pass a buffer of "
+                         f"your own)")
 
 
 def check_one_owner(view, what: str, anchor: str) -> None:
