@@ -96,6 +96,22 @@ def test_index_layout_is_checked_for_every_layout(kind):
                 kc.PagedKVPool(kind, 4, 4, 2, 2, layout=layout, index_layout=il, device="cpu")
 
 
+def test_the_reference_pool_checks_index_layout_as_the_pool_does():
+    """reference.PagedPoolRef.create takes index_layout by the same rule
+    (reference.INDEX_LAYOUTS_OF): it ignored the value for 'rawkv'."""
+    from rawkv.reference import kvcache as ref
+    for layout, good in (("rawkv", ["nvfp4"]), ("model1", ["fp8", "mxfp4"])):
+        d = 512 if layout == "model1" else 128
+        for il in [None] + good:
+            ref.PagedPoolRef.create(4, 4, 4, head_dim=d, index_head_dim=128, layout=layout, index_layout=il)
+        for il in {"rawkv": ["fp8", "mxfp4"], "model1": ["nvfp4"]}[layout] + ["bogus", 7]:
+            want = f"index_layout: the '{layout}' layout takes {good} (or None), got {il!r}"
+            with pytest.raises(ValueError, match=f"^{re.escape(want)}$"):
+                ref.PagedPoolRef.create(4, 4, 4, head_dim=d, index_head_dim=128, layout=layout, index_layout=il)
+    p = ref.PagedPoolRef.create(4, 4, 4, head_dim=512, index_head_dim=128, layout="model1")
+    assert p.index_layout == "fp8"
+
+
 def test_add_free_prepare_reuse():
     p = kc.PagedKVPool("csa", 8, 2, 3, 4, layout="rawkv", device="cpu")     # m=4, epb=2: 8 tokens per block
     a, b = p.add_request(), p.add_request()

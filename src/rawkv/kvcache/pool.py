@@ -78,7 +78,7 @@ KINDS = {"csa": ref.CSA_RATIO, "hca": ref.HCA_RATIO}
 LAYOUTS = ("rawkv", "model1")
 #: the indexer-key formats each layout stores (index_layout=), its own first:
 #: what None picks
-INDEX_LAYOUTS = {"rawkv": ("nvfp4",), "model1": tuple(ref.INDEX_LAYOUTS)}
+INDEX_LAYOUTS = ref.INDEX_LAYOUTS_OF
 _DEFAULT = object()
 #: the largest request id (request_ids and owners are int32)
 _MAX_ID = 2 ** 31 - 1
@@ -441,7 +441,7 @@ class PagedKVPool(ErrorCounter):
             self.device = "cpu"
             r = ref.PagedPoolRef.create(nb, epb, self.m, self.head_dim, self.rope_dim,
                                         self.index_head_dim, layout=self.layout,
-                                        index_layout=self.index_layout or "fp8")
+                                        index_layout=self.index_layout)
             self.fp8, self.scale, self.rope = r.kv_fp8, r.kv_scale, r.kv_rope
             self.index_q, self.index_sf, self.marks = r.idx_q, r.idx_sf, r.marks
             self.pages, self.index_pages = r.pages, r.index_pages

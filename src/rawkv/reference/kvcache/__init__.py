@@ -41,8 +41,8 @@ from .quant import (  # noqa: F401
     fp8_entry_dequantize, fp8_entry_quantize, indexer_key_dequantize, indexer_key_quantize,
 )
 from .pool import (  # noqa: F401
-    INDEX_LAYOUTS, PagedPoolRef, check_model1_geometry, flush_write, gather_dense, gather_index_keys,
-    gather_topk, reset_marks,
+    INDEX_LAYOUTS, INDEX_LAYOUTS_OF, PagedPoolRef, check_model1_geometry, flush_write, gather_dense,
+    gather_index_keys, gather_topk, reset_marks,
 )
 from .state import (  # noqa: F401
     DecodeStateRef, csa_rotate, hca_reset, state_append, state_clear, state_pool, state_seed,

@@ -83,14 +83,25 @@ class PagedPoolRef:
                head_dim: int = HEAD_DIM, rope_dim: int = ROPE_DIM,
                index_head_dim: int | None = None, *, max_requests: int | None = None,
                max_blocks_per_request: int | None = None, layout: str = "rawkv",
-               index_layout: str = "fp8") -> "PagedPoolRef":
+               index_layout: str | None = None) -> "PagedPoolRef":
         """Zero-filled pool; pass index_head_dim=128 for a CSA layer, and
         max_requests, max_blocks_per_request for a request table (every
         block-table entry -1, written 0). layout 'model1': MODEL1 pages
         (head_dim 512, rope_dim 64) and, with index_head_dim 128, indexer-key
-        pages of `index_layout` ('fp8' or 'mxfp4')."""
+        pages of `index_layout` ('fp8' or 'mxfp4'); 'rawkv': NVFP4 keys
+        (index_layout 'nvfp4'). index_layout None: the layout's own (the
+        first of INDEX_LAYOUTS_OF[layout]); another value is a ValueError
+        naming it, as PagedKVPool's (it was ignored for 'rawkv')."""
         if num_blocks <= 0 or entries_per_block <= 0 or m <= 0:
             raise ValueError("num_blocks, entries_per_block, m: expected positive sizes")
+        if layout not in INDEX_LAYOUTS_OF:
+            raise ValueError(f"layout: expected 'rawkv' or 'model1', got {layout!r}")
+        takes = INDEX_LAYOUTS_OF[layout]
+        if index_layout is None:
+            index_layout = takes[0]
+        elif not isinstance(index_layout, str) or index_layout not in takes:
+            raise ValueError(f"index_layout: the {layout!r} layout takes {list(takes)} (or None), "
+                             f"got {index_layout!r}")
         shp = (num_blocks, entries_per_block)
         if layout == "model1":
             check_model1_geometry(head_dim, rope_dim, index_head_dim, index_layout)
@@ -100,8 +111,6 @@ class PagedPoolRef:
             if index_head_dim is not None:
                 pool.index_layout = index_layout
                 pool.index_pages = L.new_cache(INDEX_LAYOUTS[index_layout], num_blocks, entries_per_block)
-        elif layout != "rawkv":
-            raise ValueError(f"layout: expected 'rawkv' or 'model1', got {layout!r}")
         else:
             pool = cls(m=m,
                        kv_fp8=np.zeros(shp + (head_dim - rope_dim,), np.uint8),
@@ -159,6 +168,8 @@ class PagedPoolRef:
 
 #: the indexer-key page layouts of a 'model1' pool, by index_layout
 INDEX_LAYOUTS = {"fp8": L.INDEX_FP8, "mxfp4": L.INDEX_MXFP4}
+#: the index_layout values each pool layout takes, its own first
+INDEX_LAYOUTS_OF = {"rawkv": ("nvfp4",), "model1": tuple(INDEX_LAYOUTS)}
 
 
 def check_model1_geometry(head_dim, rope_dim, index_head_dim, index_layout) -> None:
