@@ -11,7 +11,7 @@ import pytest
 import rawkv.kvcache as kvc
 from rawkv.kvcache import DecodeState, compress_decode, compress_prefill
 from rawkv.reference import kvcache as ref
-from support.kvcache import DI
+from support.kvcache import D, DI
 from support.kvcache_compress import M, _arr, _inputs, _pool, _t
 
 
@@ -160,6 +160,24 @@ def _rope_dim_is_64(rng, device):
                     call(op, ref.COMPRESS_ROPE_THETA, ref.DSV4_YARN)
             assert _untouched(pool)
     assert len(compressor._TABLES) == tables
+
+
+def test_the_reference_compressor_takes_rope_dim_64_only(rng):
+    """reference.paged_compress_* called directly with a pool of another
+    RoPE width are refused by the same rule as the public ops (they roped
+    64 dims and stored the pool's width)."""
+    for kind in ("csa", "hca"):
+        m = M[kind]
+        pool = ref.PagedPoolRef.create(4, 2, m, head_dim=D, rope_dim=32, max_requests=1,
+                                       max_blocks_per_request=2)
+        st = ref.DecodeStateRef.create(kind, 1, D)
+        kv, z, ape, nw, _ = _inputs(rng, kind, 2 * m)
+        with pytest.raises(ValueError, match="^pool: rope_dim must be 64 .*got 32$"):
+            ref.paged_compress_prefill(pool, kind, 0, kv, z, ape, nw)
+        with pytest.raises(ValueError, match="^pool: rope_dim must be 64 .*got 32$"):
+            ref.paged_compress_decode(pool, st, nw, np.ones(1, bool), np.zeros(1, np.int32),
+                                      np.full(1, m - 1, np.int32))
+        assert not pool.written.any() and not pool.kv_rope.any()
 
 
 def test_rope_dim_is_64(rng):

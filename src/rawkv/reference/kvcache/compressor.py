@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import _f32, _ints, _mask
-from .constants import COMPRESS_ROPE_THETA, CSA_RATIO, DSV4_YARN, HCA_RATIO, RMS_EPS
+from .constants import COMPRESS_ROPE_THETA, CSA_RATIO, DSV4_YARN, HCA_RATIO, RMS_EPS, ROPE_DIM
 from .finish import finish_entry, finish_index_key
 from .paged import paged_flush_write
 from .pool import PagedPoolRef
@@ -40,6 +40,17 @@ def reference_prefill(kind, kv, z, ape, norm_weight, *, start_entry=0, index=Non
     return ids, ent, keys
 
 
+def _rope_width(pool: PagedPoolRef) -> None:
+    """The compressor ropes DeepSeek-V4's last 64 dims (finish_entry): a
+    rawkv-layout pool storing another RoPE width would take entries of
+    another layout than it holds (the public ops refuse such a pool by the
+    same rule: rawkv.kvcache._rules.compressible; a model1 pool's pages
+    hold 64)."""
+    if pool.kv_rope is not None and pool.kv_rope.shape[-1] != ROPE_DIM:
+        raise ValueError(f"pool: rope_dim must be {ROPE_DIM} for the compressor (DeepSeek-V4 ropes the last "
+                         f"{ROPE_DIM} dims of each entry and indexer key), got {pool.kv_rope.shape[-1]}")
+
+
 def paged_compress_prefill(pool: PagedPoolRef, kind: str, slot: int, kv, z, ape, norm_weight, *,
                            start_entry=0, index=None, eps=RMS_EPS, theta=COMPRESS_ROPE_THETA,
                            yarn=DSV4_YARN):
@@ -48,6 +59,7 @@ def paged_compress_prefill(pool: PagedPoolRef, kind: str, slot: int, kv, z, ape,
     `slot` (paged_flush_write: an entry past the block table or on a bad
     block is skipped and counted; written[slot] is raised).
     Returns (n entries, errors)."""
+    _rope_width(pool)
     ids, ent, keys = reference_prefill(kind, kv, z, ape, norm_weight, start_entry=start_entry,
                                        index=index, m=pool.m, eps=eps, theta=theta, yarn=yarn)
     n = ids.shape[0]
@@ -85,6 +97,7 @@ def paged_compress_decode(pool: PagedPoolRef, state: DecodeStateRef, norm_weight
     entries. Among the owners, paged_flush_write's rule for rows aimed at
     one pool entry (the lowest writes, the others are counted) still holds.
     Returns the rows counted."""
+    _rope_width(pool)
     ist, iw = (None, None) if index is None else index
     slots = _ints("slots", slots, ndim=1)
     B = slots.shape[0]
