@@ -178,6 +178,14 @@ def _registered(buf, name: str):
                      f"(otherwise its slots and request ids would escape the object's checks)")
 
 
+def own_allocations(obj) -> bool:
+    """Whether obj's buffers are a pool's or decode state's own allocations
+    (obj is one, or a view over one: check_one_owner found it), which lie
+    apart from any other object's; False for a view over an engine's own
+    buffers, which may lie anywhere."""
+    return obj in _OBJECTS or obj._owner is not None
+
+
 def check_not_anothers(outputs, obj=None) -> None:
     """The arrays an op writes ((name, array or None) pairs) may not lie in
     the buffers of a pool or decode state other than `obj`, the one the op
