@@ -7,6 +7,8 @@ errors: its test file."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -273,6 +275,117 @@ def test_the_objects_own_counter_given_explicitly_is_the_default():
     assert st.read_errors() == 1
 
 
+def _other_objects_outputs(device):
+    """(objects, [(call, refusal)], accepted) of ops given an out= / errors=
+    in the buffers of a pool or decode state the op does not work on:
+    another pool's request_ids, written, block_table, rope, owners, a
+    state's count, eagerly and through the rawkv:: operators, the pool,
+    state and layout ops alike. `accepted()` runs the calls that stay
+    allowed (another object's counter whole, the engine's own arrays) and
+    returns the count they added to pool B's counter."""
+    import torch
+    import rawkv.library  # noqa: F401
+    from rawkv.kvcache import layouts
+    from rawkv.kvcache import views as V
+    ops = torch.ops.rawkv
+    new = lambda: kc.PagedKVPool("hca", 8, 2, 2, 4, layout="rawkv", device=device)  # noqa: E731
+    a, b = new(), new()
+    for p in (a, b):
+        p.prepare_step([p.add_request()], [2 * p.m - 1])
+    st, st2 = (kc.DecodeState("hca", 2, head_dim=8, device=device) for _ in range(2))
+    tb, ts2 = V.pool_args(b), V.state_args(st2)        # torch tensors over a CPU object's arrays too
+    t = lambda x: torch.as_tensor(x).to(device)        # noqa: E731
+    sl, ids = t(np.array([0], np.int32)), t(np.array([[0, 99]], np.int32))
+    D = a.head_dim
+    rope = tb["rope"].reshape(-1)[:D].view(1, D)       # (float32 on a CPU pool, bfloat16 on CUDA)
+    cache = layouts.new_layout_cache("model1", 2, 4, device=device)
+    rows, one = t(np.zeros((1, D), np.float32)), t(np.ones(1, bool))
+    cases = [
+        (lambda: kc.gather_topk(a, sl, ids, errors=tb["request_ids"]),
+         "errors: is the request_ids buffer of a PagedKVPool, not an error counter"),
+        (lambda: kc.gather_topk(a, sl, ids, errors=tb["written"][:1]),
+         "errors: overlaps the written buffer of a PagedKVPool"),
+        (lambda: kc.kvcache_indices(a, sl, ids, out=tb["block_table"][:1, :2]),
+         "out: overlaps the block_table buffer of a PagedKVPool"),
+        (lambda: kc.gather_dense(a, 0, 1, out=rope), "out: overlaps the rope buffer of a PagedKVPool"),
+        (lambda: kc.flush_write(a, rows.bfloat16(), one, sl, t(np.zeros(1, np.int32)), errors=ts2["count"][:1]),
+         "errors: overlaps the count buffer of a DecodeState"),
+        (lambda: kc.assign_pages(a, sl, sl, errors=tb["owners"][:1]),
+         "errors: overlaps the owners buffer of a PagedKVPool"),
+        (lambda: kc.state_clear(st, sl, errors=tb["written"]), "errors: is the written buffer of a PagedKVPool"),
+        (lambda: kc.state_append(st, rows[:, :8], rows[:, :8], one, sl, errors=ts2["count"]),
+         "errors: is the count buffer of a DecodeState"),
+        (lambda: layouts.model1_store(cache, rows, t(np.array([99], np.int32)), page_size=4, errors=tb["written"][:1]),
+         "errors: overlaps the written buffer of a PagedKVPool"),
+        (lambda: layouts.model1_gather(cache, sl, page_size=4, errors=tb["written"]),
+         "errors: is the written buffer of a PagedKVPool"),
+        (lambda: layouts.model1_gather(cache, sl, page_size=4, out=rope),
+         "out: overlaps the rope buffer of a PagedKVPool"),
+        (lambda: layouts.topk_to_kvcache_indices(ids, tb["block_table"].clone(), page_size=4, num_pages=2,
+                                                 out=tb["block_table"][:1, :2]),
+         "out: overlaps the block_table buffer of a PagedKVPool"),
+        (lambda: layouts.topk_to_kvcache_indices(ids, tb["block_table"].clone(), page_size=4, num_pages=2,
+                                                 errors=tb["owners"][:1]),
+         "errors: overlaps the owners buffer of a PagedKVPool"),
+        # the operators: the view refused such a counter already (check_counter_owner), not an out=
+        (lambda: ops.kv_kvcache_indices(**V.pool_args(a), slots=sl, topk_ids=ids, n_entries=None, valid_mask=None,
+                                        out=tb["block_table"][:1, :2]),
+         "out: overlaps the block_table buffer of a PagedKVPool"),
+        (lambda: ops.kv_gather_dense(**V.pool_args(a), slot=0, n_entries=1, out=rope),
+         "out: overlaps the rope buffer of a PagedKVPool"),
+        (lambda: ops.kv_model1_gather(cache, sl, 4, rope, None), "out: overlaps the rope buffer of a PagedKVPool"),
+        (lambda: ops.kv_topk_to_kvcache_indices(ids, tb["block_table"].clone(), 4, 2, None, None,
+                                                torch.empty_like(ids), tb["owners"][:1]),
+         "errors: overlaps the owners buffer of a PagedKVPool"),
+    ]
+
+    def accepted():
+        kc.gather_topk(a, sl, ids, errors=tb["errors"])                # another pool's counter, whole
+        ops.kv_gather_topk(**V.pool_args(a, tb["errors"]), slots=sl, topk_ids=ids, n_entries=None,
+                           valid_mask=None, out=kc.gather_topk(a, sl, ids, errors=t(np.zeros(1, np.int32))))
+        layouts.model1_gather(cache, t(np.array([99], np.int32)), page_size=4, errors=tb["errors"])
+        kc.state_clear(st, sl, errors=ts2["errors"])
+        return b.read_errors()
+
+    return (a, b, st, st2), cases, accepted
+
+
+def _refuses_other_objects_outputs(device):
+    objs, cases, accepted = _other_objects_outputs(device)
+    before = [{n: None if x is None else x.clone() for n, x in o.torch_buffers().items()} for o in objs]
+    for call, msg in cases:
+        # (the argument first, then the buffer it lies in; the words differ
+        # by path: the operators' view checks name some first)
+        name, buffer = msg.split(":")[0], re.search(r"the \w+ buffer of", msg).group(0)
+        with pytest.raises(ValueError, match=f"^{name}: .*{buffer}"):
+            call()
+    for o, was in zip(objs, before):            # nothing written into any object
+        now = o.torch_buffers()
+        for n, x in was.items():
+            assert (x is None and now[n] is None) or bool((now[n] == x).all()), (o, n)
+    # gather_topk's id 99 twice and entry 0 (never written) twice; model1_gather's index 99
+    assert accepted() == 5
+    assert objs[0].read_errors() == 0 and objs[3].read_errors() == 0
+
+
+def test_outputs_in_another_objects_buffers_are_refused():
+    """An out= / errors= in a buffer of a pool or decode state other than
+    the op's own was accepted eagerly (and an out= on the operators' path
+    too): gather_topk(A, ..., errors=B.request_ids) added A's skipped ids
+    into B's request id (B's request then read none of its blocks), an
+    out= over B.block_table took A's indices, the layout ops alike. Now
+    each is refused naming the argument and the buffer, before anything is
+    written, on every path; another object's counter whole stays a
+    counter, as the operators' check_counter_owner allows. (The cases are
+    a review helper's, written against its own fix of the same finding.)"""
+    pytest.importorskip("torch")
+    _refuses_other_objects_outputs("cpu")
+
+
+# ---------------------------------------------------------------------------
+# GPU
+
+
 # ---------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------
@@ -330,3 +443,9 @@ def test_gpu_argument_errors_write_nothing(cuda, rng):
     assert_pool_equal(p.to_reference(), before)
     assert_state_equal(st.to_reference(), sbefore)
     assert p.read_errors() == 0 and st.read_errors() == 0
+
+
+def test_gpu_outputs_in_another_objects_buffers_are_refused(cuda):
+    """The CUDA path refuses the same outputs, before anything is launched
+    (the cases of a review helper's test, on both paths)."""
+    _refuses_other_objects_outputs("cuda")
