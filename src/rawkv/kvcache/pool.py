@@ -76,9 +76,6 @@ KINDS = {"csa": ref.CSA_RATIO, "hca": ref.HCA_RATIO}
 #: by field; "model1": FlashMLA MODEL1_FP8Sparse pages and DeepGEMM key pages
 #: (docs/kvcache.md, "Pool layouts")
 LAYOUTS = ("rawkv", "model1")
-#: the indexer-key formats each layout stores (index_layout=), its own first:
-#: what None picks
-INDEX_LAYOUTS = ref.INDEX_LAYOUTS_OF
 _DEFAULT = object()
 #: the largest request id (request_ids and owners are int32)
 _MAX_ID = 2 ** 31 - 1
@@ -500,12 +497,7 @@ class PagedKVPool(ErrorCounter):
         # does not store (rawkv with 'mxfp4') would be silently replaced by
         # the layout's own; an HCA pool has no keys but takes the engine's one
         # setting for its layers, so the same values
-        takes = INDEX_LAYOUTS[layout]
-        if index_layout is None:
-            index_layout = takes[0]
-        elif not isinstance(index_layout, str) or index_layout not in takes:
-            raise ValueError(f"index_layout: the {layout!r} layout takes {list(takes)} (or None), "
-                             f"got {index_layout!r}")
+        index_layout = ref.index_layout_of(layout, index_layout)
         self.index_layout = None if index_head_dim is None else index_layout
         self.page_bytes = self.index_page_bytes = None
         if layout == "model1":

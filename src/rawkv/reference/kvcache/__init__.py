@@ -42,7 +42,7 @@ from .quant import (  # noqa: F401
 )
 from .pool import (  # noqa: F401
     INDEX_LAYOUTS, INDEX_LAYOUTS_OF, PagedPoolRef, check_model1_geometry, flush_write, gather_dense,
-    gather_index_keys, gather_topk, reset_marks,
+    gather_index_keys, gather_topk, index_layout_of, reset_marks,
 )
 from .state import (  # noqa: F401
     DecodeStateRef, csa_rotate, hca_reset, state_append, state_clear, state_pool, state_seed,

@@ -96,12 +96,7 @@ class PagedPoolRef:
             raise ValueError("num_blocks, entries_per_block, m: expected positive sizes")
         if layout not in INDEX_LAYOUTS_OF:
             raise ValueError(f"layout: expected 'rawkv' or 'model1', got {layout!r}")
-        takes = INDEX_LAYOUTS_OF[layout]
-        if index_layout is None:
-            index_layout = takes[0]
-        elif not isinstance(index_layout, str) or index_layout not in takes:
-            raise ValueError(f"index_layout: the {layout!r} layout takes {list(takes)} (or None), "
-                             f"got {index_layout!r}")
+        index_layout = index_layout_of(layout, index_layout)
         shp = (num_blocks, entries_per_block)
         if layout == "model1":
             check_model1_geometry(head_dim, rope_dim, index_head_dim, index_layout)
@@ -170,6 +165,21 @@ class PagedPoolRef:
 INDEX_LAYOUTS = {"fp8": L.INDEX_FP8, "mxfp4": L.INDEX_MXFP4}
 #: the index_layout values each pool layout takes, its own first
 INDEX_LAYOUTS_OF = {"rawkv": ("nvfp4",), "model1": tuple(INDEX_LAYOUTS)}
+
+
+def index_layout_of(layout: str, index_layout) -> str:
+    """The indexer keys' format of a pool of `layout` ('rawkv' or
+    'model1'): `index_layout` when the layout stores it, None the layout's
+    own (INDEX_LAYOUTS_OF's first); anything else a ValueError naming
+    index_layout and what the layout takes (a format the layout does not
+    store was silently replaced by its own)."""
+    takes = INDEX_LAYOUTS_OF[layout]
+    if index_layout is None:
+        return takes[0]
+    if not isinstance(index_layout, str) or index_layout not in takes:
+        raise ValueError(f"index_layout: the {layout!r} layout takes {list(takes)} (or None), "
+                         f"got {index_layout!r}")
+    return index_layout
 
 
 def check_model1_geometry(head_dim, rope_dim, index_head_dim, index_layout) -> None:
