@@ -147,7 +147,8 @@ def test_rope_parameters_are_checked_in_the_reference():
 def _rope_dim_is_64(rng, device):
     """A pool whose rope_dim is not DeepSeek-V4's 64 (the PagedKVPool takes
     any multiple of 8) is refused by both compress ops with a ValueError
-    naming rope_dim, before the RoPE table is built or anything written:
+    naming rope_dim, before the RoPE table is built or anything written
+    (and so is rope_table(pool)):
     the reference rotated the last 64 dims whatever the pool's rope_dim and
     the kernel the pool's rope_dim, so CPU and CUDA gave different entries."""
     from rawkv.kvcache import compressor
@@ -158,6 +159,10 @@ def _rope_dim_is_64(rng, device):
             for op in ("prefill", "decode"):
                 with pytest.raises(ValueError, match=f"^pool: rope_dim must be 64 .*got {rope_dim}$"):
                     call(op, ref.COMPRESS_ROPE_THETA, ref.DSV4_YARN)
+            # the compressor's table refuses the pools the compressor does
+            # (it built a table of the pool's rope_dim, which no op reads)
+            with pytest.raises(ValueError, match=f"^pool: rope_dim must be 64 .*got {rope_dim}$"):
+                kvc.rope_table(pool)
             assert _untouched(pool)
     assert len(compressor._TABLES) == tables
 

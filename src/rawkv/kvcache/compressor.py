@@ -12,6 +12,7 @@ from ..errors import CaptureError
 from ..kernels import kv_compress as K
 from ..reference import kvcache as ref
 from ..runtime import get_runtime
+from ._rules import compressible
 from ._rules import pool as check_pool
 
 
@@ -43,6 +44,7 @@ def rope_table(pool, *, theta: float = ref.COMPRESS_ROPE_THETA, yarn=ref.DSV4_YA
     compress_* op) before capturing a CUDA graph. `stream`: the op's stream
     (building the table is refused while it, or the current stream, captures)."""
     check_pool(pool)
+    compressible(pool)      # the compressor's pools only (rope_dim 64): no op reads another table
     if not pool.is_cuda:
         raise ValueError("pool: rope_table is the kernel's table; a CPU pool runs the reference")
     theta, yarn = ref.check_rope(theta, yarn)
