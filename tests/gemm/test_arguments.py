@@ -360,3 +360,53 @@ def test_a_launch_grid_past_the_limit_is_refused_on_cpu_as_on_cuda():
     with pytest.raises(ValueError, match=r"^x: 1 tokens x 65536 groups"):
         R.grid_fits(1, top + 1, False)
     R.grid_fits(top, 1023, True)          # a ragged call of few rows has at most one slot a row
+
+
+@pytest.mark.parametrize("case", ["grouped rows", "moe rows", "nvfp4 scales", "w4a8 grouped rows", "w4a8 moe rows"])
+def test_a_view_the_rules_copy_is_copied_on_the_stream_argument(cuda, rng, case):
+    """A call with stream=s whose activation view the rules copy (rows not
+    16-byte aligned, an NVFP4 activation's strided scales): s first sleeps,
+    then writes the view's new values; the op must read them. The copy was
+    made on torch's current stream, at once, so the kernel on s multiplied
+    the old values (zeros), and the copy's memory went back to the current
+    stream while the kernel still read it."""
+    g, n, k = 2, 48, 256
+    i32 = dict(dtype=torch.int32, device="cuda")
+    if case.startswith("w4a8"):
+        if cuda.arch != "sm_90":
+            pytest.skip(f"the W4A8 GEMM runs on sm_90 devices; this one is {cuda.arch}")
+        codes = torch.from_numpy(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8))
+        w = rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(codes, torch.full((g, n, k // 32), 127,
+                                                                   dtype=torch.uint8), groups=g).to("cuda"))
+    else:
+        w, _ = random_weight(rng, g, n, k, "nvfp4")
+    lead = (5, g) if "grouped" in case or "nvfp4" in case else (10,)
+    if case.startswith("w4a8"):
+        new = tuple(t.cuda() for t in rawkv.fp8.quantize_blocks(torch.randn(*lead, k)))
+        base = torch.zeros(*lead, k + 1, dtype=torch.uint8, device="cuda")
+        view = base[..., 1:]                                 # rows not 16-byte aligned: copied
+        x, fill = (view.view(new[0].dtype), new[1]), lambda: view.copy_(new[0].view(torch.uint8))
+    elif case == "nvfp4 scales":
+        q, sf, gs = rawkv.nvfp4.quantize(torch.randn(*lead, k, device="cuda"), scope="row")
+        new = rawkv.nvfp4.QuantizedActivation(q, sf, gs)
+        base = torch.zeros(*lead, 2 * sf.shape[-1], dtype=torch.uint8, device="cuda")
+        view = base[..., ::2]                                # a strided last dimension: copied
+        x, fill = rawkv.nvfp4.QuantizedActivation(q, view, gs), lambda: view.copy_(sf.view(torch.uint8))
+    else:
+        new = torch.randn(*lead, k, device="cuda").bfloat16()
+        base = torch.zeros(*lead, k + 1, dtype=torch.bfloat16, device="cuda")
+        view = base[..., 1:]                                 # rows not 16-byte aligned: copied
+        x, fill = view, lambda: view.copy_(new)
+    offsets = torch.tensor([0, 4, 10], **i32)
+    run = (lambda a, **kw: rawkv.gemm.moe_linear(a, w, offsets, **kw)) if "moe" in case else \
+        (lambda a, **kw: rawkv.gemm.grouped_linear(a, w, **kw))
+    want = run(new)                                          # (and the kernel compiled before s sleeps)
+    run(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(100_000_000)                       # tens of milliseconds of GPU time
+        fill()
+    got = run(x, stream=s)
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), case
