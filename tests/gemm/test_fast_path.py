@@ -314,3 +314,33 @@ def test_w4a8_errors_overlapping_the_activation_scales_is_refused(cuda, calls, r
     assert calls["w4a8_grouped"] == 1
     with pytest.raises(ValueError, match="errors: overlaps x.scales"):
         rawkv.gemm.grouped_linear((codes, sc), w8, errors=flat[4:8].view(torch.int32))
+
+
+def test_a_float_size_on_a_known_call_is_refused(cuda, calls, rng):
+    """The operators' sizes are `Scalar`s, which keep a float: 48.0 == 48
+    (and hashes the same) in a key, so a call the checked path refuses by
+    name ("weight: N = 48.0 ...: expected integers") was launched by the
+    fast path once the same call with ints had been made. Every size that
+    is not an int goes to the checked path (bools were already sent there)."""
+    g, n, k, t = 2, 64, 256, 3
+    w, _ = random_weight(rng, g, n, k, "mxfp4")
+    x = torch.randn(t, g, k, dtype=torch.bfloat16, device="cuda")
+    args = rawkv.gemm.operator_args(x, w)
+    out = torch.empty(t, g, n, dtype=torch.bfloat16, device="cuda")
+    for _ in range(2):
+        torch.ops.rawkv.gemm_grouped_linear(**args, out=out)
+    assert calls["grouped"] == 1 and len(_kept("grouped")) == 1
+    for key in ("n", "k", "exp_lo", "exp_hi"):
+        with pytest.raises(TypeError, match="^weight: .*expected integers"):
+            torch.ops.rawkv.gemm_grouped_linear(**{**args, key: float(args[key])}, out=out)
+    if cuda.arch != "sm_90":
+        return
+    w8 = _w4a8_weight(rng, g, n, k)
+    codes, scales = _fp8(t, g, k)
+    args8 = rawkv.gemm.w4a8.operator_args8((codes, scales), w8)
+    for _ in range(2):
+        torch.ops.rawkv.gemm_grouped_linear_w4a8(**args8, out=out, errors=None)
+    assert calls["w4a8_grouped"] == 1
+    for key in ("n", "k"):
+        with pytest.raises(TypeError, match="^weight: N = .*expected integers"):
+            torch.ops.rawkv.gemm_grouped_linear_w4a8(**{**args8, key: float(args8[key])}, out=out, errors=None)

@@ -156,9 +156,10 @@ def launched(op: str, call: tuple, outputs: int, weight: tuple, sizes: tuple, na
         if not all(t is None or t.is_cuda is True for t in call):
             return False
         for s in sizes:
-            if s.__class__ in A.BOOLS:
-                # (the operators' `Scalar` sizes keep a bool, and True == 1 in
-                # a key: the checked path refuses it by name)
+            if s.__class__ is not int and s.__class__ is not str:
+                # (the operators' `Scalar` sizes keep a bool or a float, and
+                # True == 1, 48.0 == 48 in a key: the checked path refuses
+                # them by name; the op wrapper makes a NumPy integer an int)
                 return False
         return try_launch(key(op, call, weight, sizes), weight, weight_names, names, call, outputs, get_runtime)
     except AttributeError:
