@@ -250,6 +250,41 @@ def test_decode_step_ops_on_the_other_device(cuda, seed, tensors, current):
     assert torch.equal(got.cpu(), want), f"the decode step on cuda:{tensors} differs from cuda:0"
 
 
+@pytest.mark.parametrize("tensors", [0, 1])
+def test_a_stream_of_the_other_device_is_refused_nothing_written(cuda, tensors):
+    """stream= a stream of the other device than the tensors', whichever
+    device is current: a ValueError naming stream before anything is
+    allocated, launched or written. (It went to the driver: a launch in the
+    tensors' device's context on another device's stream fails, and
+    quantize's memset of gs, which does not, had run before it.) A stream
+    of the tensors' own device is taken."""
+    _warm()
+    other = 1 - tensors
+    dev = f"cuda:{tensors}"
+    s = torch.cuda.Stream(device=other)
+    x = torch.randn(256, 4096, device=dev)         # > SMALL_NUMEL: gs zeroed, amax, quantize
+    q = torch.full((256, 2048), 0xAB, dtype=torch.uint8, device=dev)
+    sf = torch.full((256, 256), 0xAB, dtype=torch.uint8, device=dev)
+    g = torch.full((), 7.0, device=dev)
+    codes = torch.full(x.shape, 0xAB, dtype=torch.uint8, device=dev)
+    _sync()
+    for current in (0, 1):
+        with torch.cuda.device(current):
+            with pytest.raises(ValueError, match=rf"^stream: is a stream of cuda:{other} but the op runs on "
+                                                 rf"cuda:{tensors}"):
+                rawkv.nvfp4.quantize(x, out=(q, sf, g), stream=s)
+            with pytest.raises(ValueError, match="^stream: "):
+                rawkv.fp8.e4m3_encode(x, out=codes, stream=s)
+            with pytest.raises(ValueError, match="^stream: "):
+                rawkv.fp8.e4m3_encode(x, stream=s)          # no out=: nothing allocated either
+    _sync()
+    assert (q == 0xAB).all() and (sf == 0xAB).all() and g.item() == 7.0 and (codes == 0xAB).all()
+    mine = torch.cuda.Stream(device=tensors)
+    rawkv.fp8.e4m3_encode(x, out=codes, stream=mine)
+    torch.cuda.synchronize(tensors)
+    assert torch.equal(codes.cpu(), rawkv.fp8.e4m3_encode(x.cpu()).view(torch.uint8))
+
+
 # ---------------------------------------------------------------------------
 # (b) a worker of GPU 1 leaves GPU 0 alone
 # ---------------------------------------------------------------------------

@@ -169,6 +169,30 @@ def _cupy_stream(cupy, ptr: int):
     return cupy.cuda.ExternalStream(ptr)  # CuPy < 14
 
 
+def stream_device(stream):
+    """The device index of a torch stream (its `device_index`) or CuPy
+    stream (its `device_id`), None where it names none (an int handle,
+    CuPy's null stream: device_id -1)."""
+    d = getattr(stream, "device_index", None)
+    if d is None:
+        d = getattr(stream, "device_id", None)
+    return d if d.__class__ is int and d >= 0 else None
+
+
+def refuse_other_device(d, device_index: int) -> None:
+    """A stream given to an op on cuda:N must be a stream of cuda:N (`d`:
+    stream_device's, None taken): a kernel launched in cuda:N's context on
+    another device's stream fails at the driver, after the plan's earlier
+    memsets ran (a memset on another device's stream succeeds), and the
+    torch work an op runs on its stream (`torch.cuda.stream(...)`) went to
+    the tensors' device's current stream instead. A ValueError naming
+    stream, before anything is launched or written. (An int handle carries
+    no device: it is the caller's to match.)"""
+    if d is not None and d != device_index:
+        raise ValueError(f"stream: is a stream of cuda:{d} but the op runs on cuda:{device_index} (its "
+                         f"tensors' device); pass a stream of cuda:{device_index}")
+
+
 _runtimes: dict[int, "Runtime"] = {}
 _runtimes_lock = threading.Lock()
 
@@ -393,11 +417,17 @@ class Runtime:
     # -- streams and capture ------------------------------------------------
     def stream_ptr(self, stream=None) -> int:
         """Raw cudaStream_t of `stream` (a torch/CuPy stream or an int), or of
-        torch's current stream on this device."""
+        torch's current stream on this device. A torch or CuPy stream of
+        another device is a ValueError naming stream (refuse_other_device)."""
         if stream is None:
             return self._current_stream_ptr()
         attr = check_stream(stream)         # (the rule the ops apply on CPU too: a bool is refused)
-        return stream if attr is None else int(getattr(stream, attr))
+        if attr is None:
+            return stream
+        d = stream_device(stream)
+        if d is not None:
+            refuse_other_device(d, self.device_index)
+        return int(getattr(stream, attr))
 
     def torch_stream(self, stream=None):
         """`stream` as a torch stream, for torch ops that must run on an op's
@@ -405,7 +435,10 @@ class Runtime:
         current stream), a torch stream as it is, a CuPy stream or raw handle
         wrapped as a torch.cuda.ExternalStream of this device."""
         torch = self._torch
-        if stream is None or isinstance(stream, torch.cuda.Stream):
+        if stream is None:
+            return stream
+        if isinstance(stream, torch.cuda.Stream):
+            refuse_other_device(stream_device(stream), self.device_index)
             return stream
         return torch.cuda.ExternalStream(self.stream_ptr(stream), device=f"cuda:{self.device_index}")
 

@@ -139,6 +139,51 @@ def test_memset_and_launch_make_their_device_current():
         assert calls == [*on, ("memsetAsync", 0x1000, 0, 64, 77), *off, *on, ("launch", 77), *off]
 
 
+def test_a_stream_of_another_device_is_refused_before_anything_runs():
+    """stream= a torch stream (device_index) or CuPy stream (device_id) of
+    another device than the op's: a ValueError naming stream before any
+    memset or launch (a kernel launched on another device's stream fails at
+    the driver, after a plan's memsets ran; a Fill or state_seed's torch
+    work went to the tensors' device's current stream). The op's device's
+    streams, CuPy's null stream (device_id -1) and int handles are taken."""
+    import torch
+
+    from rawkv._plan import Launch, Memset
+    from rawkv.runtime import Runtime
+    calls = []
+    rt = Runtime.__new__(Runtime)            # no GPU: only the attributes these use
+    rt.device_index, rt._torch = 1, torch
+    rt._cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
+        memsetAsync=lambda *a: calls.append(("memsetAsync", *a)))))
+    rt._launcher = rt._launch_call = lambda fn, grid, block, st, args, shm, stream, what: calls.append(("launch", stream))
+    rt._get_device = lambda: 1
+
+    class K:                                  # a plan's kernel instance: launches through rt.launch
+        smem = 0
+
+        @staticmethod
+        def launch(rt, grid, block, stream=None, shared_mem=0):
+            rt.launch(None, grid, block, struct.Struct("<"), (), stream, shared_mem)
+    dst = types.SimpleNamespace(data_ptr=lambda: 0x1000)
+    plan = [Memset(dst, 4), Launch(K, (1,), (32,), {})]
+    for other in (types.SimpleNamespace(cuda_stream=77, device_index=0),     # torch's
+                  types.SimpleNamespace(ptr=77, device_id=2)):               # CuPy's
+        d = getattr(other, "device_index", getattr(other, "device_id", None))
+        with pytest.raises(ValueError, match=rf"^stream: is a stream of cuda:{d} but the op runs on cuda:1"):
+            rt.run(plan, stream=other)
+        for call in (lambda: rt.memset(0x1000, 0, 4, stream=other), lambda: rt.torch_stream(other),
+                     lambda: rt.launch(None, (1,), (32,), struct.Struct("<"), (), stream=other)):
+            with pytest.raises(ValueError, match="^stream: "):
+                call()
+        assert not calls
+    for mine in (types.SimpleNamespace(cuda_stream=78, device_index=1), types.SimpleNamespace(ptr=78, device_id=1),
+                 types.SimpleNamespace(ptr=0, device_id=-1), 78):
+        calls.clear()
+        rt.run(plan, stream=mine)
+        want = 0 if getattr(mine, "device_id", None) == -1 else 78
+        assert calls == [("memsetAsync", 0x1000, 0, 4, want), ("launch", want)]
+
+
 # ---- GPU ---------------------------------------------------------------------------
 def test_launch_same_bits_eager_and_in_a_graph(cuda, rng):
     import torch
