@@ -10,12 +10,16 @@ numpy reference) and the CUDA path accept and refuse the same things.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+import threading
 
 import numpy as np
 
 from .errors import GpuUnavailableError
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 # ---- placement: where the arguments live, and the CPU path's conversions -----------------------
@@ -73,6 +77,61 @@ def check_stream(stream):
         if hasattr(stream, attr):
             return attr
     raise TypeError(f"stream: expected a torch.cuda.Stream, cupy Stream or int, got {type(stream).__name__}")
+
+
+def stream_current(stream):
+    """The context an op body runs in when it is given a stream (not None,
+    checked by check_stream): that stream made torch's current one on its
+    device (torch.cuda.stream), so that the CUDA work a body does beside its
+    kernels is ordered on the stream they run on: a DLPack import of a CuPy
+    or JAX array (the producer orders its pending writes before the
+    consumer's current stream), the copies the rules make of views a kernel
+    cannot read as they are, and their memory, which the caching allocator
+    ties to the stream current at allocation. On torch's current stream they
+    ran unordered with the kernels: a kernel read an array or a copy before
+    it was written. An int handle names no device, and a CuPy null stream
+    (device_id -1) none either: nothing (the caller orders that work)."""
+    torch = sys.modules.get("torch")
+    if torch is None or stream.__class__ is int:
+        return _NO_CONTEXT
+    if isinstance(stream, torch.cuda.Stream):
+        return _OnStream(torch, stream)
+    dev = getattr(stream, "device_id", None)
+    if dev.__class__ is not int or dev < 0:
+        return _NO_CONTEXT
+    return _OnStream(torch, torch.cuda.ExternalStream(int(stream.ptr), device=f"cuda:{dev}"))
+
+
+_CALLER = threading.local()     # .stream: the caller's current stream while a body runs on another
+
+
+class _OnStream:
+    """torch.cuda.stream(s), remembering the caller's current stream of s's
+    device (callers_stream) while the body runs: the capture rules look at
+    the stream an op runs on and at the caller's current one
+    (Runtime.capturing), which this context has replaced."""
+    __slots__ = ("torch", "s", "ctx", "prev")
+
+    def __init__(self, torch, s):
+        self.torch, self.s = torch, s
+
+    def __enter__(self):
+        self.prev = getattr(_CALLER, "stream", None)
+        _CALLER.stream = self.torch.cuda.current_stream(self.s.device)
+        self.ctx = self.torch.cuda.stream(self.s)
+        self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return self.ctx.__exit__(*exc)
+        finally:
+            _CALLER.stream = self.prev
+
+
+def callers_stream():
+    """The caller's current stream (of the op's stream's device) while an
+    op's body runs on its stream= (stream_current), else None."""
+    return getattr(_CALLER, "stream", None)
 
 
 def placement(*named) -> str:

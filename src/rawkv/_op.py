@@ -158,6 +158,8 @@ def op(name: str, schema: str, *, host=None):
                         break
             if len(args) > si and args[si] is not None:
                 A.check_stream(args[si])        # (on CPU as the CUDA runtime would)
+                with A.stream_current(args[si]):    # (the body's other CUDA work on that stream too)
+                    return body(*args)
             return body(*args)
 
         def call_variadic(*args, **extras):
@@ -170,6 +172,8 @@ def op(name: str, schema: str, *, host=None):
                         break
             if extras.get("stream") is not None:
                 A.check_stream(extras["stream"])
+                with A.stream_current(extras["stream"]):
+                    return body(*args, **extras)
             return body(*args, **extras)
         # the schema's arguments in order (and the extras by position), or a
         # *args body's (its extras by keyword)

@@ -36,7 +36,7 @@ import threading
 from typing import Iterable
 
 from . import _cache, _compile, _launch, _plan, _version, kernels
-from ._args import check_stream
+from ._args import callers_stream, check_stream
 from ._plan import Launch, Memset
 from .errors import CaptureError, GpuUnavailableError
 
@@ -454,8 +454,15 @@ class Runtime:
 
     def capturing(self, stream=None) -> bool:
         """True if torch's current stream or `stream` (the one an op was
-        given) is capturing a CUDA graph: the capture rules look at both."""
+        given) is capturing a CUDA graph: the capture rules look at both.
+        While an op's body runs on its stream= (made torch's current one:
+        _args.stream_current), "torch's current stream" is the caller's,
+        which that context remembers."""
         if self.is_capturing():
+            return True
+        caller = callers_stream()
+        if caller is not None and caller.device.index == self.device_index and \
+                self.is_capturing(caller.cuda_stream):
             return True
         return stream is not None and self.is_capturing(stream)
 

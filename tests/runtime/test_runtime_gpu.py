@@ -92,6 +92,24 @@ def test_unloaded_kernel_on_a_capturing_side_stream_is_refused(cuda, monkeypatch
             g.capture_end()
 
 
+def test_unloaded_kernel_with_a_stream_while_the_current_stream_captures_is_refused(cuda, monkeypatch):
+    """The reverse: torch's current stream captures and the op is given
+    another stream s. The body runs with s made current (for the DLPack
+    imports and copies it makes: _args.stream_current), and the capture
+    rules still see the caller's capture, which loading a module would
+    break (a global-mode capture forbids it in this thread)."""
+    rawkv.warmup()
+    x = torch.randn(1024, device="cuda")
+    out = torch.empty(1024, dtype=torch.uint8, device="cuda")
+    monkeypatch.setattr(cuda, "_functions", {})   # as if warmup() had never run
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(rawkv.CaptureError, match="warmup"):
+        with torch.cuda.graph(g):
+            assert torch.cuda.is_current_stream_capturing()
+            rawkv.fp8.e4m3_encode(x, out=out, stream=s)
+
+
 def test_many_processes_warm_up_one_empty_cache_at_once(cuda, tmp_path):
     """N processes (as an engine's tensor-parallel workers start) import
     rawkv and warm up against one empty cache directory at the same moment:

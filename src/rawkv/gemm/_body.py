@@ -3,38 +3,14 @@ CPU output (the reference's float64 result rounded once to BF16, written
 into out: a bfloat16 tensor, or a numpy float32 array holding the BF16
 values), the CPU count of bad inputs (offsets clamped, W4A8 shift bytes
 past the table), the ragged product's CPU branch with its clamp count, and
-the launch of an op that counts (run_counted), with its error counter,
-and the stream the CUDA work before a launch runs on (on_stream)."""
+the launch of an op that counts (run_counted), with its error counter."""
 from __future__ import annotations
-
-import contextlib
 
 import numpy as np
 
 from .. import _args as A
 from ..nvfp4 import counters
 from ..reference import gemm as ref
-from ..runtime import get_runtime
-
-_NO_STREAM = contextlib.nullcontext()
-
-
-def on_stream(x, stream):
-    """The context an op body's rules, plans and launches run in: with a
-    stream argument and a CUDA tensor x, that stream made torch's current
-    one (Runtime.torch_stream), so that the copies the rules and plans make
-    of views the kernels cannot read as they are (_rules.rows_aligned, an
-    NVFP4 activation's strided scales, plans.w4a8_scales_read) are ordered
-    before the launch that reads them, after the work on that stream that
-    wrote the view, and their memory goes back to the caching allocator
-    only behind that launch (it ties a block to the stream current at its
-    allocation, as Runtime.empty does for outputs). Made on torch's current
-    stream, a copy read the view before the stream's last writes and could
-    be handed to other work while the kernel still read it. Otherwise
-    (no stream, a host x: the rules refuse what they must) nothing."""
-    if stream is None or getattr(x, "is_cuda", False) is not True:
-        return _NO_STREAM
-    return A._torch_or_none().cuda.stream(get_runtime(x.get_device()).torch_stream(stream))
 
 
 def write_bf16(y: np.ndarray, out) -> None:

@@ -23,7 +23,7 @@ from ..reference import formats as F
 from ..reference import gemm as ref
 from ..runtime import get_runtime
 from . import _rules as R
-from ._body import on_stream, ragged_bf16, run_counted, write_bf16
+from ._body import ragged_bf16, run_counted, write_bf16
 from . import fast
 from . import pack
 from . import plans as P
@@ -155,14 +155,13 @@ def _grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out, s
     fastable = stream is None and x_sf is None and x_gs is None
     if fastable and fast.launched("grouped", call, 1, weight, sizes, _GROUPED_ARGS, _WEIGHT_ARGS):
         return
-    with on_stream(x, stream):              # (a view the rules copy: copied on the launch's stream)
-        where, act, w, out = R.grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out)
-        if where == "cpu":
-            write_bf16(ref.grouped(_values(act), _weight_values(w)), out)
-            return
-        rt = get_runtime(act.device)
-        plan = P.grouped(rt, act, w, out, _TUNING)
-        rt.run(plan, stream)
+    where, act, w, out = R.grouped(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, out)
+    if where == "cpu":
+        write_bf16(ref.grouped(_values(act), _weight_values(w)), out)
+        return
+    rt = get_runtime(act.device)
+    plan = P.grouped(rt, act, w, out, _TUNING)
+    rt.run(plan, stream)
     if fastable and fast.as_given((x,), (act.x,), out, weight):
         fast.keep("grouped", call, weight, sizes, plan, _GROUPED_ARGS, _WEIGHT_ARGS)
 
@@ -178,14 +177,13 @@ def _moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi, offsets, o
     if fastable and fast.launched("moe", call, 2, weight, sizes, _MOE_ARGS, _WEIGHT_ARGS):
         return
     given = (offsets, errors)
-    with on_stream(x, stream):              # (as _grouped's)
-        where, act, w, offsets, out, errors = R.moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi,
-                                                    offsets, out, errors)
-        if where == "cpu":
-            ragged_bf16(_values(act), _weight_values(w), offsets, errors, out)
-            return
-        plan = run_counted(get_runtime(act.device), act, w, errors, stream,
-                           lambda rt, e: P.moe(rt, act, w, offsets, out, e, _TUNING))
+    where, act, w, offsets, out, errors = R.moe(x, x_sf, x_gs, codes, scales, gs, fmt, n, k, exp_lo, exp_hi,
+                                                offsets, out, errors)
+    if where == "cpu":
+        ragged_bf16(_values(act), _weight_values(w), offsets, errors, out)
+        return
+    plan = run_counted(get_runtime(act.device), act, w, errors, stream,
+                       lambda rt, e: P.moe(rt, act, w, offsets, out, e, _TUNING))
     if fastable and fast.as_given((x, *given), (act.x, offsets, errors), out, weight):
         fast.keep("moe", call, weight, sizes, plan, _MOE_ARGS, _WEIGHT_ARGS)
 

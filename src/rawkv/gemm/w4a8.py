@@ -34,7 +34,7 @@ from .._op import empty, op
 from ..reference import gemm_w4a8 as ref8
 from ..runtime import get_runtime
 from . import _rules as R
-from ._body import count_cpu, on_stream, run_counted, write_bf16
+from ._body import count_cpu, run_counted, write_bf16
 from . import fast
 from . import plans as P
 from .weights import Fp4Weight
@@ -160,16 +160,15 @@ def _grouped8(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors, stream=N
     if stream is None and fast.launched("grouped8", call, 2, weight, (n, k), _GROUPED_ARGS, _WEIGHT_ARGS):
         return                                  # the fast path (rawkv.gemm.fast), as W4A16's
     given = (x, x_sf, errors)
-    with on_stream(x, stream):              # (a view the rules or the plan copy: copied on the launch's stream)
-        where, act, w, out, errors = R.w4a8_grouped(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors)
-        if where == "cpu":
-            y, bad = ref8.form_grouped(*_activation(act), *_form(w))
-            count_cpu(errors, bad)
-            write_bf16(y, out)
-            return
-        rt = get_runtime(act.device)
-        act = P.w4a8_scales_read(rt, act, w, None, _tuning())
-        plan = run_counted(rt, act, w, errors, stream, lambda rt, e: P.w4a8_grouped(rt, act, w, out, e, _tuning()))
+    where, act, w, out, errors = R.w4a8_grouped(x, x_sf, codes, shifts, row_scale, gs, n, k, out, errors)
+    if where == "cpu":
+        y, bad = ref8.form_grouped(*_activation(act), *_form(w))
+        count_cpu(errors, bad)
+        write_bf16(y, out)
+        return
+    rt = get_runtime(act.device)
+    act = P.w4a8_scales_read(rt, act, w, None, _tuning())
+    plan = run_counted(rt, act, w, errors, stream, lambda rt, e: P.w4a8_grouped(rt, act, w, out, e, _tuning()))
     if stream is None and fast.as_given(given, (act.x, act.sf, errors), out, weight):
         fast.keep("grouped8", call, weight, (n, k), plan, _GROUPED_ARGS, _WEIGHT_ARGS)
 
@@ -185,19 +184,17 @@ def _moe8(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out, errors, str
     if stream is None and fast.launched("moe8", call, 2, weight, (n, k), _MOE_ARGS, _WEIGHT_ARGS):
         return                                  # the fast path, as the batched op's
     given = (x, x_sf, errors, offsets)
-    with on_stream(x, stream):              # (as _grouped8's)
-        where, act, w, offsets, out, errors = R.w4a8_moe(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out,
-                                                         errors)
-        if where == "cpu":
-            offs = A.to_numpy(offsets, "offsets").astype(np.int64)
-            y, bad = ref8.form_ragged(*_activation(act), *_form(w), offs)
-            count_cpu(errors, bad)
-            write_bf16(y, out)
-            return
-        rt = get_runtime(act.device)
-        act = P.w4a8_scales_read(rt, act, w, offsets, _tuning())
-        plan = run_counted(rt, act, w, errors, stream,
-                           lambda rt, e: P.w4a8_moe(rt, act, w, offsets, out, e, _tuning()))
+    where, act, w, offsets, out, errors = R.w4a8_moe(x, x_sf, codes, shifts, row_scale, gs, n, k, offsets, out,
+                                                     errors)
+    if where == "cpu":
+        offs = A.to_numpy(offsets, "offsets").astype(np.int64)
+        y, bad = ref8.form_ragged(*_activation(act), *_form(w), offs)
+        count_cpu(errors, bad)
+        write_bf16(y, out)
+        return
+    rt = get_runtime(act.device)
+    act = P.w4a8_scales_read(rt, act, w, offsets, _tuning())
+    plan = run_counted(rt, act, w, errors, stream, lambda rt, e: P.w4a8_moe(rt, act, w, offsets, out, e, _tuning()))
     if stream is None and fast.as_given(given, (act.x, act.sf, errors, offsets), out, weight):
         fast.keep("moe8", call, weight, (n, k), plan, _MOE_ARGS, _WEIGHT_ARGS)
 
