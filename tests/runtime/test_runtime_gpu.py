@@ -60,13 +60,18 @@ def test_allocation_during_capture_is_refused(cuda):
             rawkv.fp8.e4m3_encode(x)      # no out=: would allocate
 
 
-def test_unloaded_kernel_during_capture_is_refused(cuda, monkeypatch):
-    rt = rawkv.get_runtime(0)
+def _unloaded(cuda, monkeypatch):
+    """An encode's input and out=, every kernel then forgotten (as if
+    warmup() had never run), and a graph to capture."""
     rawkv.warmup()
-    monkeypatch.setattr(rt, "_functions", {})   # as if warmup() had never run
     x = torch.randn(1024, device="cuda")
     out = torch.empty(1024, dtype=torch.uint8, device="cuda")
-    g = torch.cuda.CUDAGraph()
+    monkeypatch.setattr(cuda, "_functions", {})
+    return x, out, torch.cuda.CUDAGraph()
+
+
+def test_unloaded_kernel_during_capture_is_refused(cuda, monkeypatch):
+    x, out, g = _unloaded(cuda, monkeypatch)
     with pytest.raises(rawkv.CaptureError, match="warmup"):
         with torch.cuda.graph(g):
             rawkv.fp8.e4m3_encode(x, out=out)
@@ -75,12 +80,8 @@ def test_unloaded_kernel_during_capture_is_refused(cuda, monkeypatch):
 def test_unloaded_kernel_on_a_capturing_side_stream_is_refused(cuda, monkeypatch):
     """stream=s while s (not the current stream) is capturing: the capture
     rules look at the op's stream too."""
-    rawkv.warmup()
-    x = torch.randn(1024, device="cuda")
-    out = torch.empty(1024, dtype=torch.uint8, device="cuda")
-    monkeypatch.setattr(cuda, "_functions", {})   # as if warmup() had never run
+    x, out, g = _unloaded(cuda, monkeypatch)
     s = torch.cuda.Stream()
-    g = torch.cuda.CUDAGraph()
     with torch.cuda.stream(s):
         g.capture_begin()
     try:
@@ -98,12 +99,8 @@ def test_unloaded_kernel_with_a_stream_while_the_current_stream_captures_is_refu
     imports and copies it makes: _args.stream_current), and the capture
     rules still see the caller's capture, which loading a module would
     break (a global-mode capture forbids it in this thread)."""
-    rawkv.warmup()
-    x = torch.randn(1024, device="cuda")
-    out = torch.empty(1024, dtype=torch.uint8, device="cuda")
-    monkeypatch.setattr(cuda, "_functions", {})   # as if warmup() had never run
+    x, out, g = _unloaded(cuda, monkeypatch)
     s = torch.cuda.Stream()
-    g = torch.cuda.CUDAGraph()
     with pytest.raises(rawkv.CaptureError, match="warmup"):
         with torch.cuda.graph(g):
             assert torch.cuda.is_current_stream_capturing()
