@@ -410,3 +410,22 @@ def test_a_view_the_rules_copy_is_copied_on_the_stream_argument(cuda, rng, case)
     got = run(x, stream=s)
     torch.cuda.synchronize()
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), case
+
+
+def test_weight_sizes_past_the_kernels_32_bit_arithmetic_are_refused():
+    """N and K reach the GEMM kernels as int and their 32-bit arithmetic:
+    the W4A8 wgmma producer stepped two row tiles (2 * ceil(K / 128) * 1024
+    bytes) in 32 bits, which wrapped past K = 2^28 - 128 and copied another
+    tile's weights (no error), and the W4A16 split-K offsets (2 K bytes)
+    overflowed near K = 2^30. Sizes from 2^27 on are refused naming the
+    weight, on every placement, before any tensor of the weight is read."""
+    from rawkv.gemm import _rules as R
+    tiny = torch.zeros(16, dtype=torch.uint8)
+    for n, k in ((48, 2 ** 28), (2 ** 27, 128), (48, 2 ** 27)):
+        with pytest.raises(ValueError, match=rf"^weight: N = {n}, K = {k}: each must be below 2\^27"):
+            R.weight8(tiny, tiny, tiny, tiny, n, k, "cpu")
+        with pytest.raises(ValueError, match=rf"^weight: N = {n}, K = {k}: each must be below 2\^27"):
+            R.weight(tiny, tiny, tiny, "nvfp4", n, k, "cpu")
+    # just below: the sizes pass, and the tensors' shapes are what is refused
+    with pytest.raises(ValueError, match=r"^weight.codes: expected shape"):
+        R.weight8(tiny, tiny, tiny, tiny, 48, 2 ** 27 - 128, "cpu")

@@ -65,6 +65,13 @@ MAX_GRID_YZ = 65535
 #: The fewest tokens a tile of any kernel and GPU takes once a call has more
 #: than 64 tokens per group or expert (the mma.sync kernel's CONFIGS["large"]).
 _LARGE_TILE_TOKENS = 32
+#: N and K of a weight (both forms) stay below this: the kernels take them as
+#: int and do 32-bit arithmetic on them. The W4A8 wgmma producer's step of two
+#: row tiles, 2 * ceil(K / 128) * 1024 bytes, is held in 32 bits: past
+#: K = 2^28 - 128 it wraps and the producer copies another row tile's weights.
+#: The W4A16 split-K column offsets (2 K bytes) pass 2^31 near K = 2^30, the
+#: epilogue's row + 128 near N = 2^31. 2^27 leaves a margin past any layer.
+MAX_NK = 2 ** 27
 
 
 def grid_fits(tokens: int, groups: int, ragged: bool) -> None:
@@ -219,6 +226,7 @@ def weight(codes, scales, gs, fmt, n, k, where) -> Weight:
     if n < 0 or k < 0 or k % ref.BLOCKS[fmt]:
         raise ValueError(f"weight: N = {n}, K = {k}: expected sizes >= 0, K a multiple of "
                          f"{ref.BLOCKS[fmt]} for {fmt}")
+    _below_limit(n, k)
     # (16-byte aligned: both kernels copy codes and scales 16 bytes at a time,
     # which a misaligned view, e.g. sliced out of one blob of packed tensors,
     # would fault on the GPU where the CPU path gave the product)
@@ -233,6 +241,13 @@ def weight(codes, scales, gs, fmt, n, k, where) -> Weight:
     spans = A.detached_spans((("weight.codes", codes), ("weight.scales", scales), ("weight.gs", gs)))
     _remember(given, what, (g, dev, spans))
     return Weight(fmt, g, n, k, codes, scales, gs, dev, spans)
+
+
+def _below_limit(n: int, k: int) -> None:
+    """N and K below MAX_NK (the kernels' 32-bit arithmetic), on every placement."""
+    if n >= MAX_NK or k >= MAX_NK:
+        raise ValueError(f"weight: N = {n}, K = {k}: each must be below 2^27 = {MAX_NK} (the GEMM "
+                         "kernels' 32-bit index arithmetic)")
 
 
 # ---- the activation --------------------------------------------------------------------------
@@ -401,6 +416,7 @@ def weight8(codes, shifts, row_scale, gs, n, k, where) -> Weight8:
         return Weight8(hit[0], n, k, codes, shifts, row_scale, gs, hit[1], hit[2])
     if n < 0 or k < 0 or k % ref8.W_BLOCK:
         raise ValueError(f"weight: N = {n}, K = {k}: expected sizes >= 0, K a multiple of {ref8.W_BLOCK}")
+    _below_limit(n, k)
     # (16-byte aligned: the kernel copies them 16 bytes at a time)
     codes = A.tensor(codes, "weight.codes", _BYTE, where, min_ndim=1, align=16)
     g, dev = codes.shape[0], A.device_of(codes)
