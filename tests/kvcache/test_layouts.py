@@ -174,6 +174,43 @@ def test_a_view_of_part_of_each_page_is_checked_as_the_whole_pages():
     assert full[0].any()
 
 
+def test_a_store_into_a_pools_bookkeeping_is_refused():
+    """A layout store's cache may be a pool's pages (MODEL1) or index_pages
+    (keys): that is what an engine stores into. Any other buffer of a pool or
+    decode state, viewed as pages of bytes, was accepted: a store into
+    pool.marks marked entries a request never wrote (a previous owner's
+    bytes then read as its own, no error), one into pool.owners forged a
+    block's owner. Refused naming cache, nothing written; the same rule runs
+    before the CUDA launch (_rules.store)."""
+    pool = kc.PagedKVPool("csa", 33, 132, 288, 1, layout="rawkv", device="cpu")   # marks (33, 132)
+    state = kc.DecodeState("hca", 288, device="cpu")
+    slot = pool.add_request()
+    pool.prepare_step([slot], [0])
+    keys = np.ones((1, 128), np.float32)
+    ent = np.ones((1, 512), np.float32)
+    one = np.zeros(1, np.int32)
+    cases = [
+        ("marks", lambda: kc.index_fp8_store(pool.marks, keys, one, page_size=1)),
+        ("owners", lambda: kc.index_fp8_store(pool.owners.view(np.uint8).reshape(1, 132), keys, one,
+                                              page_size=1)),
+        ("request_ids", lambda: kc.model1_store(pool.request_ids.view(np.uint8).reshape(1, 1152), ent, one,
+                                                page_size=1)),
+        ("count", lambda: kc.model1_window_insert(state.count.view(np.uint8).reshape(1, 1152), ent, one,
+                                                  page_size=1)),
+    ]
+    for role, call in cases:
+        before = [np.array(b).copy() for b in (pool.marks, pool.owners, pool.request_ids, state.count)]
+        with pytest.raises(ValueError, match=f"^cache: lies in the {role} buffer of a "):
+            call()
+        assert all(np.array_equal(np.array(b), a)
+                   for b, a in zip((pool.marks, pool.owners, pool.request_ids, state.count), before))
+    # a model1 pool's own pages / index_pages take their layout's records
+    m1 = kc.PagedKVPool("csa", 2, 4, 1, 1, device="cpu")
+    kc.model1_store(m1.pages, ent, one, page_size=4)
+    kc.index_fp8_store(m1.index_pages, keys, one, page_size=4)
+    assert m1.pages[0].any() and m1.index_pages[0].any()
+
+
 # ---------------------------------------------------------------------------
 # properties (hypothesis): the op against the reference, at most one wrong argument
 # ---------------------------------------------------------------------------

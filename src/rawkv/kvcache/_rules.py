@@ -20,7 +20,7 @@ from .. import _args as A
 from ..kernels import kv_compress as KC
 from ..reference.kvcache import layouts as RL
 from ..reference.kvcache.constants import ROPE_DIM
-from .pool import PagedKVPool, check_not_anothers, own_allocations
+from .pool import PagedKVPool, check_not_anothers, check_store_cache, own_allocations
 from .state import DecodeState
 
 BOOL = ("bool",)
@@ -275,8 +275,11 @@ def store(lay, cache_, rows, slots, page_size, offsets, errors, width: int, name
     inputs = ((name, rows), (slots_name, slots), ("offsets", offsets))
     where = A.placement(("cache", cache_), *inputs, ("errors", errors))
     c, n = cache(cache_, lay, p, where)
-    A.check_outputs((("cache", whole_pages(c, n, lay.page_bytes(p))), ("errors", errors)), inputs)
-    check_not_anothers((("errors", errors),))       # (the cache may be a pool's pages: what it stores into)
+    pages = whole_pages(c, n, lay.page_bytes(p))
+    A.check_outputs((("cache", pages), ("errors", errors)), inputs)
+    # the cache may be a pool's pages (index_pages for the keys): what it stores into; no other buffer
+    check_store_cache(pages, "pages" if lay is RL.MODEL1 else "index_pages")
+    check_not_anothers((("errors", errors),))
     dev = A.device_of(c)
     x = arg(rows, name, ROWS, where, dev, ndim=2, align=16)
     N = x.shape[0]

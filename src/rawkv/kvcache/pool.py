@@ -205,6 +205,26 @@ def check_not_anothers(outputs, obj=None) -> None:
                          f"your own)")
 
 
+def check_store_cache(cache, role: str) -> None:
+    """A layout store's cache (every byte of its pages) may lie in a pool's
+    buffer only when that buffer is the one holding the store's records,
+    `role` ('pages' for MODEL1, 'index_pages' for the indexer keys): that is
+    what an engine stores into. In any other buffer of a pool or decode
+    state (marks, owners, request_ids, written, the block table, a state's
+    rows or count, viewed as bytes) the store would overwrite the metadata
+    every gather trusts, e.g. set marks of entries a request never wrote or
+    forge a block's owner, so one request would read another's entries with
+    no error. ValueError naming cache."""
+    found = _lookup(cache)
+    if found is None:
+        return
+    o, r, _ = found
+    if r != role:
+        raise ValueError(f"cache: lies in the {r} buffer of a {type(o).__name__}; a layout store writes "
+                         f"its records only into a pool's {role} (or a cache of the engine's own), never "
+                         f"into the {r} the pool's ops trust")
+
+
 def check_one_owner(view, what: str, anchor: str) -> None:
     """A view's buffers (all but its counter, the caller's errors=) that
     are a pool's or decode state's are each that object's buffer of the
