@@ -310,6 +310,43 @@ def test_gpu_free_request_empties_the_attached_states_slot(cuda):
     _free_empties_slot("cuda")
 
 
+def _add_empties_slot(device):
+    """A row appended into a free slot (a stale step still naming the slot
+    after free_request: the state ops do not know which slots hold a
+    request, so it is accepted and not counted) does not reach the next
+    request in that slot: add_request empties the slot of every attached
+    state, as free_request does. Before, the new request's first window
+    started with the freed request's row, and its first entry pooled it."""
+    dv = _Dev(device)
+    pool = kc.PagedKVPool("csa", 8, 4, 2, 2, layout="rawkv", device=device)
+    st, ist = kc.DecodeState("csa", 2, device=device), kc.DecodeState("csa", 2, DI, device=device)
+    pool.attach(st, ist)
+    keep = pool.add_request()
+    s = pool.add_request()
+    pool.free_request(s)
+    for state in (st, ist):
+        x = np.ones((2, state.width), F32)
+        kc.state_append(state, dv.t(x), dv.t(x), dv.t(np.ones(2, bool)), dv.t(np.array([s, keep], np.int32)))
+        x6 = np.ones((6, state.width), F32)
+        kc.state_seed(state, keep, dv.t(x6), dv.t(x6))      # the other slot: a b-stream and 2 rows
+        assert list(state.to_reference().count) == [2, 1]
+    assert pool.add_request() == s
+    for state in (st, ist):
+        r = state.to_reference()
+        assert list(r.count) == [2, 0]
+        assert not r.a_kv[s].any() and np.isneginf(r.a_z[s]).all()
+        assert not r.b_kv[s].any() and np.isneginf(r.b_z[s]).all()
+        assert r.b_kv[keep].all() and r.a_kv[keep, :2].all()      # no other slot
+
+
+def test_cpu_add_request_empties_the_attached_states_slot():
+    _add_empties_slot("cpu")
+
+
+def test_gpu_add_request_empties_the_attached_states_slot(cuda):
+    _add_empties_slot("cuda")
+
+
 # ---------------------------------------------------------------------------
 # the pool's buffers are checked once and fixed (issue 21, item 5)
 # ---------------------------------------------------------------------------

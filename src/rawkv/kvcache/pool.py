@@ -560,13 +560,19 @@ class PagedKVPool(ErrorCounter):
         """A free request slot (the lowest); its block-table row is all -1 and
         it holds no entries. The slot gets a fresh request id
         (request_ids[slot], a device fill on the current stream), so no
-        block of an earlier request is its own. RuntimeError when every
-        slot is taken; CaptureError while capturing."""
+        block of an earlier request is its own, and the slot is emptied in
+        every attached decode state (free_request did, but the state ops do
+        not know which slots hold a request: a stale step may have appended
+        rows to the free slot since, which the new request's first entry
+        would pool). RuntimeError when every slot is taken; CaptureError
+        while capturing."""
         free = np.flatnonzero(~self._active)
         if free.size == 0:
             raise RuntimeError(f"PagedKVPool: all {self.max_requests} request slots are taken")
         self._check_host_time("add_request")
         s = int(free[0])
+        for st in self._states:
+            st._empty(s)
         self._set_id(s, self._fresh_id())
         self._active[s] = True
         self._nblocks[s] = 0
