@@ -63,6 +63,15 @@ def version(t):
     return None if t.is_inference() else t._version
 
 
+def stamp(t) -> tuple:
+    """What a remembered check of torch tensor t read that its identity
+    does not fix: (address, version, dtype, shape, contiguous, negative
+    bit). The version counts in-place changes; an assignment to `t.data`
+    (a dtype view, a slice, another layout of the same memory) is none, so
+    the rest is compared too (rawkv.gemm._rules' memo, rawkv.gemm.fast)."""
+    return t.data_ptr(), version(t), t.dtype, t.shape, t.is_contiguous(), t.is_neg()
+
+
 def check_stream(stream):
     """The one rule for what a stream argument (not None) may be: an int
     handle (not a bool), a torch stream (its handle in `cuda_stream`) or a

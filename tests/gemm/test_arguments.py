@@ -160,6 +160,45 @@ def test_a_weights_tensors_are_checked_again_when_they_change(rng):
         rawkv.gemm.grouped_linear(x, w)
 
 
+def test_a_weights_tensor_whose_data_is_reassigned_is_checked_again(rng):
+    # `t.data = ...` gives the same tensor object another dtype, shape,
+    # strides or negative bit at the same address without a new version
+    # (torch counts in-place ops, not .data): the remembered check held the
+    # weight's old G and took int32 gs, a negated gs and a cut codes tensor
+    x = torch.randn(3, 2, 64).bfloat16()
+    w = _weight(rng, 2, 16, 64)
+    rawkv.gemm.grouped_linear(x, w)
+    w.gs.data = w.gs.data.view(torch.int32)
+    with pytest.raises(TypeError, match=r"^weight.gs: dtype int32"):
+        rawkv.gemm.grouped_linear(x, w)
+    w = _weight(rng, 2, 16, 64)
+    rawkv.gemm.grouped_linear(x, w)
+    w.gs.data = w.gs.data._neg_view()
+    with pytest.raises(TypeError, match=r"^weight.gs: has its negative bit set"):
+        rawkv.gemm.grouped_linear(x, w)
+    w = _weight(rng, 2, 16, 64)
+    rawkv.gemm.grouped_linear(x, w)
+    w.codes.data = w.codes.data[:1]                       # one group of two, at the same address
+    with pytest.raises(ValueError, match=r"^weight.scales: expected shape"):
+        rawkv.gemm.grouped_linear(x, w)
+    w = _weight(rng, 2, 16, 64)
+    rawkv.gemm.grouped_linear(x, w)
+    st = w.scales.stride()                                # the same shape, transposed in its last (32, 2)
+    w.scales.data = w.scales.data.as_strided(w.scales.shape, (*st[:-2], 1, 32))
+    with pytest.raises(ValueError, match=r"^weight.scales: must be contiguous"):
+        rawkv.gemm.grouped_linear(x, w)
+    # the W4A8 form's memo too
+    g, n, k = 2, 24, 160
+    w8 = rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(
+        torch.full((g, n, k // 2), 0x25, dtype=torch.uint8), torch.full((g, n, k // 32), 127, dtype=torch.uint8),
+        groups=g))
+    xa = (torch.zeros(3, g, k, dtype=torch.uint8), torch.ones(3, g, 2))
+    rawkv.gemm.grouped_linear(xa, w8)
+    w8.row_scale.data = w8.row_scale.data.view(torch.int32)
+    with pytest.raises(TypeError, match=r"^weight.row_scale: dtype int32"):
+        rawkv.gemm.grouped_linear(xa, w8)
+
+
 def test_a_w4a8_weights_tensors_are_checked_again_when_they_change():
     # the same memo for the W4A8 form (rawkv.gemm._rules.weight8)
     g, n, k = 2, 24, 160

@@ -88,7 +88,7 @@ def test_a_tensor_map_the_driver_cannot_encode_sends_the_call_to_the_checked_pat
     out, x = torch.zeros(8), torch.zeros(8)
     ln = Launch(Kernel(), (1, 1, 1), (384, 1, 1), {"wq": None, "xmap": None, "act_tma": 1}, ("geometry",))
     k = ("test", 0)
-    fast.LAUNCHES[k] = fast._Entry((weakref.ref(w),), ((w.data_ptr(), rawkv._args.version(w)),),
+    fast.LAUNCHES[k] = fast._Entry((weakref.ref(w),), (rawkv._args.stamp(w),),
                                    ((w.data_ptr(), w.data_ptr() + 4),), ln, ((0, 32), (0, 32)))
     try:
         monkeypatch.setattr(fast.tma, "encode", lambda ptr, *geo: None)
@@ -99,6 +99,38 @@ def test_a_tensor_map_the_driver_cannot_encode_sends_the_call_to_the_checked_pat
         assert Kernel.launched == 1
     finally:
         fast.LAUNCHES.pop(k, None)
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape", "layout", "negative"])
+def test_a_weight_whose_data_is_reassigned_is_not_launched(change):
+    """`t.data = ...` gives a weight tensor another dtype, shape, layout or
+    negative bit at the same address with no new version (torch counts
+    in-place ops only): the kept launch, planned for the old tensor (its
+    groups, its bytes), is not reused; the checked path decides."""
+    from rawkv._plan import Launch
+
+    class Kernel:
+        smem = 0
+        launched = 0
+
+        def launch(self, *args, **kw):
+            Kernel.launched += 1
+
+    w = torch.zeros(2, 8, dtype=torch.float32)
+    out, x = torch.zeros(8), torch.zeros(8)
+    k = ("probe", id(w))
+    try:
+        fast.remember(k, (w,), Launch(Kernel(), (1,), (1,), {"w": w, "x": x, "out": out}), ("out", "x"),
+                      (out, x), ("w",))
+        assert fast.try_launch(k, (w,), ("w",), ("out", "x"), (out, x), 1, lambda d: None)
+        before, p = w._version, w.data_ptr()
+        w.data = {"dtype": lambda d: d.view(torch.int32), "shape": lambda d: d[:1],
+                  "layout": lambda d: d.as_strided((2, 8), (1, 2)), "negative": lambda d: d._neg_view()}[change](w.data)
+        assert (w._version, w.data_ptr()) == (before, p)
+        assert not fast.try_launch(k, (w,), ("w",), ("out", "x"), (out, x), 1, lambda d: None)
+        assert Kernel.launched == 1
+    finally:
+        fast.forget()
 
 
 # ---- GPU: the same launch, and nothing the checked path refuses ------------------------------

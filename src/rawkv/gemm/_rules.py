@@ -174,22 +174,22 @@ def _parts(x, x_sf, x_gs) -> tuple:
 # ---- the weight ------------------------------------------------------------------------------
 # Weights whose tensors passed the checks, by id of their first tensor:
 # (weak references to the tensors, what else was checked (the form and
-# sizes), their data pointers, (G, device, detached spans)): nothing that
-# keeps a tensor alive. A weight's packed tensors are fixed once it is
-# loaded and an op sees the same ones on every step (the public ops from an
+# sizes), their stamps, (G, device, detached spans)): nothing that keeps
+# a tensor alive. A weight's packed tensors are fixed once it is loaded and
+# an op sees the same ones on every step (the public ops from an
 # Fp4Weight / W4a8Weight, an engine's graph through the operator): a call
 # with the same live tensors at the same addresses, of the same versions
 # (torch counts every in-place change, of the data or of the shape and
-# strides: an unsqueeze_ or resize_ of a weight tensor is checked again) and
-# the same sizes skips their checks.
+# strides: an unsqueeze_ or resize_ of a weight tensor is checked again),
+# dtypes, shapes, contiguity and negative bits (A.stamp: `t.data = ...`
+# changes those with no new version) and the same sizes skips their checks.
 _CHECKED: dict = {}
 _CHECKED_MAX = 1024
 
 
 def _stamp(given: tuple) -> tuple:
-    """What must not have changed since the check: each tensor's address
-    and version."""
-    return tuple((t.data_ptr(), A.version(t)) for t in given)
+    """What must not have changed since the check: each tensor's A.stamp."""
+    return tuple(map(A.stamp, given))
 
 
 def _checked_before(given: tuple, what: tuple):

@@ -13,7 +13,9 @@ one is set). A later call with the same key reuses the launch with its own
 tensors, after what depends on their addresses alone:
 
 * the weight's tensors are the same objects, at the same addresses, of the
-  same versions (torch counts every in-place change);
+  same versions (torch counts every in-place change), dtypes, shapes,
+  contiguity and negative bits (rawkv._args.stamp: an assignment to
+  `t.data` changes those at the same address with no new version);
 * no output is an inference tensor outside torch.inference_mode (the
   checked path refuses it by name; the key does not tell the mode);
 * no output's byte range meets an input's or another output's. Ranges that
@@ -50,7 +52,7 @@ _MAX = 1024
 
 class _Entry(NamedTuple):
     weights: tuple          # weak references to the weight's tensors
-    stamp: tuple            # their (address, version)
+    stamp: tuple            # their rawkv._args.stamp (address, version, dtype, shape, contiguous, neg)
     weight_ranges: tuple    # their byte ranges [lo, hi)
     launch: Launch          # the checked path's launch less the call's tensors
     extents: tuple          # each call tensor's byte range relative to its address (None: absent)
@@ -102,7 +104,7 @@ def remember(k: tuple, weight: tuple, launch: Launch, names: tuple, tensors: tup
         LAUNCHES.clear()
     drop = {*weight_names, *(n for n, t in zip(names, tensors) if t is not None)}
     args = {n: v for n, v in launch.args.items() if n not in drop}
-    LAUNCHES[k] = _Entry(tuple(weakref.ref(t) for t in weight), tuple((t.data_ptr(), A.version(t)) for t in weight),
+    LAUNCHES[k] = _Entry(tuple(weakref.ref(t) for t in weight), tuple(map(A.stamp, weight)),
                          tuple((t.data_ptr() + e[0], t.data_ptr() + e[1]) for t, e in zip(weight, map(extent, weight))),
                          launch._replace(args=args), tuple(None if t is None else extent(t) for t in tensors))
 
@@ -118,7 +120,8 @@ def try_launch(k: tuple, weight: tuple, weight_names: tuple, names: tuple, tenso
         return False
     refs, stamp = entry.weights, entry.stamp
     for r, t, s in zip(refs, weight, stamp):
-        if r() is not t or s[0] != t.data_ptr() or (s[1] is not None and s[1] != t._version):
+        if r() is not t or s[0] != t.data_ptr() or (s[1] is not None and s[1] != t._version) \
+                or s[2] is not t.dtype or s[3] != t.shape or s[4] != t.is_contiguous() or s[5] != t.is_neg():
             return False
     ranges = [None if t is None else (t.data_ptr() + e[0], t.data_ptr() + e[1])
               for t, e in zip(tensors, entry.extents)]
