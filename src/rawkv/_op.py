@@ -150,6 +150,8 @@ def op(name: str, schema: str, *, host=None):
 
         def call_fixed(*args):
             if _compiler.is_dynamo_compiling() or _compiler._is_compiling_flag:     # _is_compiling(), inlined
+                if len(args) > si:
+                    _traced_stream(args[si])
                 return _traced(decl, args[:n])
             if nums:
                 for i in nums:
@@ -164,6 +166,7 @@ def op(name: str, schema: str, *, host=None):
 
         def call_variadic(*args, **extras):
             if _compiler.is_dynamo_compiling() or _compiler._is_compiling_flag:
+                _traced_stream(extras.get("stream"))
                 return _traced(decl, args)
             if nums:
                 for i in nums:
@@ -201,6 +204,20 @@ def _numbers(decl: Op, args: tuple) -> tuple:
             if w is not v:
                 args = (*args[:i], w, *args[i + 1:])
     return args
+
+
+def _traced_stream(stream) -> None:
+    """A stream given to an op under torch.compile: the operator has no
+    stream argument and runs on torch's current stream (docs/kvcache.md,
+    "Custom operators"), but what the eager op refuses as a stream (a bool,
+    a string, a float: A.check_stream) is refused here too; until the
+    session 60 the compiled call took it. A torch stream is not looked
+    into (dynamo traces it as its own variable)."""
+    if stream is None:
+        return
+    torch = A._torch_or_none()      # (not sys.modules[...] under dynamo: its guards iterate that dict)
+    if not isinstance(stream, (torch.Stream, torch.cuda.Stream)):
+        A.check_stream(stream)
 
 
 def _traced(decl: Op, args):

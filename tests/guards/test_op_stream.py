@@ -54,3 +54,46 @@ def test_an_int_stream_handle_leaves_torchs_current_stream_alone(cuda):
     with A.stream_current(s):
         seen.append(torch.cuda.current_stream())
     assert seen[0] == cur and seen[1] == s and torch.cuda.current_stream() == cur
+
+
+# ---- under torch.compile ---------------------------------------------------------------------
+def _compiled_error(fn, fullgraph):
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as ei:
+        torch.compile(fn, fullgraph=fullgraph, backend="eager")()
+    return ei.value
+
+
+@pytest.mark.parametrize("stream", [True, "s", 1.5], ids=["bool", "str", "float"])
+@pytest.mark.parametrize("op", ["fixed", "variadic"])
+def test_a_compiled_op_refuses_a_stream_the_eager_op_refuses(op, stream):
+    """The operator has no stream argument: compiled, an op runs on torch's
+    current stream whatever stream= was (docs/kvcache.md), but a value the
+    eager op refuses as a stream (a bool, a string, a float) is refused
+    compiled too. The compiled call took it and ran."""
+    import rawkv.kvcache as kc
+    if op == "fixed":
+        x = torch.ones(32)
+        call = lambda: rawkv.fp8.e4m3_encode(x, stream=stream)         # noqa: E731
+    else:
+        pool = kc.PagedKVPool("hca", 8, 2, 2, 4, layout="rawkv", device="cpu")
+        slot = pool.add_request()
+        blocks = torch.tensor([0], dtype=torch.int32)
+        slots = torch.tensor([slot], dtype=torch.int32)
+        call = lambda: kc.assign_pages(pool, slots, blocks, stream=stream)    # noqa: E731
+    with pytest.raises(TypeError, match="^stream: expected") as eager:
+        call()
+    assert str(_compiled_error(call, False)) == str(eager.value)
+    assert str(eager.value) in str(_compiled_error(call, True))
+
+
+def test_gpu_a_compiled_op_takes_a_torch_stream(cuda):
+    """A torch stream given under torch.compile is not looked into (the
+    check above leaves it to dynamo): fullgraph compiles, the op runs on
+    torch's current stream, the same bits as eagerly."""
+    x = torch.randn(4096, device="cuda")
+    s = torch.cuda.Stream()
+    torch._dynamo.reset()
+    got = torch.compile(lambda x: rawkv.fp8.e4m3_encode(x, stream=s), fullgraph=True, backend="eager")(x)
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.uint8), rawkv.fp8.e4m3_encode(x).view(torch.uint8))
