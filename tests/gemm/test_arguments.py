@@ -468,3 +468,42 @@ def test_weight_sizes_past_the_kernels_32_bit_arithmetic_are_refused():
     # just below: the sizes pass, and the tensors' shapes are what is refused
     with pytest.raises(ValueError, match=r"^weight.codes: expected shape"):
         R.weight8(tiny, tiny, tiny, tiny, 48, 2 ** 27 - 128, "cpu")
+
+
+@pytest.mark.parametrize("case", ["x rows", "x.sf strided", "w4a8 x.codes rows", "w4a8 x.scales blocks"])
+def test_a_view_the_rules_would_copy_is_refused_during_capture(cuda, rng, case):
+    """A view a kernel cannot read as it is is copied (an allocation), and no
+    op allocates while a CUDA graph is captured (docs/format.md): under a
+    capture the call is a CaptureError naming the view, and nothing is
+    written. (Under a capture torch does not manage, the copy's block went
+    back to the caching pool after the call while replays still read it.)"""
+    g, n, k = 2, 48, 256
+    if case.startswith("w4a8"):
+        if cuda.arch != "sm_90":
+            pytest.skip(f"the W4A8 GEMM runs on sm_90 devices; this one is {cuda.arch}")
+        codes = torch.from_numpy(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8))
+        w = rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(codes, torch.full((g, n, k // 32), 127,
+                                                                   dtype=torch.uint8), groups=g).to("cuda"))
+        c, sc = (t.cuda() for t in rawkv.fp8.quantize_blocks(torch.randn(1, g, k)))   # one token: mma.sync
+        if case.endswith("rows"):
+            base = torch.zeros(1, g, k + 1, dtype=torch.uint8, device="cuda")
+            x, name = (base[..., 1:].view(c.dtype), sc), "x.codes"
+        else:
+            wide = torch.zeros(1, g, 2 * sc.shape[-1], dtype=sc.dtype, device="cuda")
+            x, name = (c, wide[..., ::2]), "x.scales"
+    else:
+        w, _ = random_weight(rng, g, n, k, "nvfp4")
+        if case == "x rows":
+            x, name = torch.zeros(3, g, k + 1, dtype=torch.bfloat16, device="cuda")[..., 1:], "x"
+        else:
+            q, sf, gs = rawkv.nvfp4.quantize(torch.randn(3, g, k, device="cuda"), scope="row")
+            wide = torch.zeros(3, g, 2 * sf.shape[-1], dtype=torch.uint8, device="cuda")
+            x, name = rawkv.nvfp4.QuantizedActivation(q, wide[..., ::2], gs), "x.sf"
+    out = torch.full((x[0].shape[0] if isinstance(x, tuple) else 3, g, n), 7.0, dtype=torch.bfloat16,
+                     device="cuda")
+    rawkv.gemm.grouped_linear(x, w, out=out.clone())          # (compiled and copied outside capture)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(rawkv.CaptureError, match=f"^{re.escape(name)}: would be copied"):
+        with torch.cuda.graph(graph):
+            rawkv.gemm.grouped_linear(x, w, out=out)
+    assert bool((out == 7.0).all())

@@ -14,10 +14,12 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import _args as A
+from ..errors import CaptureError
 from ..fp8 import UE8M0_SCALES      # (the W4A8 activations' scales: E8M0 bytes or float32)
 from ..kernels import gemm_fp4 as K
 from ..reference import gemm as ref
 from ..reference import gemm_w4a8 as ref8
+from ..runtime import get_runtime
 from .weights import FORMATS, MX_WINDOW, MX_WINDOW_FP16
 
 X_DTYPES = ("bfloat16", "float16")
@@ -285,7 +287,7 @@ def _dense(x, ndim, k, fmt, exp_lo, exp_hi, where) -> Act:
                          f"(this weight's span [{exp_lo}, {exp_hi}]); pass BF16 activations")
     dev = A.device_of(x)
     if where == "cuda":
-        x = rows_aligned(x, 16)
+        x = rows_aligned(x, 16, "x")
     return Act(FP16 if d == "float16" else BF16, x, None, None, tuple(s[:-1]), dev)
 
 
@@ -300,8 +302,10 @@ def _nvfp4(q, sf, gs, ndim, k, where) -> Act:
     if A.numel(gs) != 1 and tuple(gs.shape) != lead:
         raise ValueError(f"x.gs: expected one value or shape {lead}, got {tuple(gs.shape)}")
     if where == "cuda":
-        q = rows_aligned(q, 8)
-        sf = sf if sf.stride(-1) == 1 else sf.contiguous()
+        q = rows_aligned(q, 8, "x.q")
+        if sf.stride(-1) != 1:
+            copy_outside_capture(sf, "x.sf", "a strided last dimension")
+            sf = sf.contiguous()
     return Act(NVFP4, q, sf, gs, lead, dev)
 
 
@@ -316,15 +320,38 @@ def _check_bf16_values(x: np.ndarray) -> None:
                          f"BF16 values; x{list(at)} = {x[at]!r} is not one")
 
 
-def rows_aligned(x, align: int):
+def rows_aligned(x, align: int, name: str):
     """x itself when each row (last dimension) is contiguous and starts
     `align`-byte aligned; else a fresh contiguous copy (a clone: .contiguous()
-    would keep a misaligned start)."""
+    would keep a misaligned start), refused while a graph is captured
+    (copy_outside_capture)."""
     es = x.element_size()
     st = x.stride()
     if st[-1] == 1 and x.data_ptr() % align == 0 and all((s * es) % align == 0 for s in st[:-1]):
         return x
+    copy_outside_capture(x, name, f"rows not contiguous and {align}-byte aligned")
     return x.clone(memory_format=A._torch.contiguous_format)
+
+
+def copy_outside_capture(x, name: str, why: str, rt=None) -> None:
+    """A view a kernel cannot read as it is is copied (rows_aligned, an
+    NVFP4 activation's strided scales, plans.w4a8_scales_read), which is an
+    allocation: refused while torch's current stream, the op's stream
+    (made current: _args.stream_current) or the caller's is capturing a
+    CUDA graph, as every op's allocations are (docs/format.md: no op
+    allocates during capture). Under a capture torch does not manage the
+    copy's block went back to the caching pool after the call while the
+    graph's replays still read it. A CaptureError naming the argument.
+    `rt`: x's device's runtime, if the caller holds it. (A host tensor, the
+    CUDA path's stand-in in tests, allocates no device memory.)"""
+    if rt is None:
+        if x.get_device() < 0:
+            return
+        rt = get_runtime(x.get_device())
+    if rt.capturing():
+        raise CaptureError(f"{name}: would be copied ({why}: the kernel cannot read it as it is) while "
+                           "the stream is capturing a CUDA graph, and no op allocates during capture; pass "
+                           "a contiguous, 16-byte-aligned tensor (or copy it before capture)")
 
 
 # ---- out ---------------------------------------------------------------------------------------
@@ -455,5 +482,5 @@ def activation8(x, x_sf, ndim, k, where, device) -> Act8:
     if dev != device:
         raise ValueError(f"weight: is on {_device_name(device)}, x on {_device_name(dev)}; rawkv does not move data")
     if where == "cuda":
-        x = rows_aligned(x, 16)
+        x = rows_aligned(x, 16, "x.codes")
     return Act8(x, x_sf, s[:-1], dev)

@@ -17,6 +17,7 @@ from .. import _args as A
 from .._plan import Launch
 from ..kernels import gemm_fp4 as K
 from ..kernels import gemm_w4a8 as K8
+from . import _rules as R
 from . import tma
 from ._rules import MAX_GRID_YZ     # (the grid's y and z: token tiles or slots, groups)
 
@@ -575,6 +576,7 @@ def w4a8_scales_read(dev, act, w, offsets, tuning=TUNED):
     tokens = act.lead[0]                        # (per group, or the ragged call's rows)
     if 0 in act.lead or _w4a8_kernel(dev, w, tokens, offsets is not None, w.groups, tuning)[1] is None:
         return act
+    R.copy_outside_capture(sf, "x.scales", "128-column blocks not adjacent, for the few-token kernel", dev)
     return act._replace(sf=sf.contiguous())
 
 
