@@ -401,6 +401,15 @@ def test_a_launch_grid_past_the_limit_is_refused_on_cpu_as_on_cuda():
     R.grid_fits(top, 1023, True)          # a ragged call of few rows has at most one slot a row
 
 
+def _cuda_w4a8_weight(cuda, rng, g, n, k):
+    """A random W4A8 weight on the GPU (every MXFP4 scale 2^0); skips off sm_90."""
+    if cuda.arch != "sm_90":
+        pytest.skip(f"the W4A8 GEMM runs on sm_90 devices; this one is {cuda.arch}")
+    codes = torch.from_numpy(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8))
+    return rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(codes, torch.full((g, n, k // 32), 127,
+                                                                  dtype=torch.uint8), groups=g).to("cuda"))
+
+
 @pytest.mark.parametrize("case", ["grouped rows", "moe rows", "nvfp4 scales", "w4a8 grouped rows", "w4a8 moe rows"])
 def test_a_view_the_rules_copy_is_copied_on_the_stream_argument(cuda, rng, case):
     """A call with stream=s whose activation view the rules copy (rows not
@@ -412,11 +421,7 @@ def test_a_view_the_rules_copy_is_copied_on_the_stream_argument(cuda, rng, case)
     g, n, k = 2, 48, 256
     i32 = dict(dtype=torch.int32, device="cuda")
     if case.startswith("w4a8"):
-        if cuda.arch != "sm_90":
-            pytest.skip(f"the W4A8 GEMM runs on sm_90 devices; this one is {cuda.arch}")
-        codes = torch.from_numpy(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8))
-        w = rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(codes, torch.full((g, n, k // 32), 127,
-                                                                   dtype=torch.uint8), groups=g).to("cuda"))
+        w = _cuda_w4a8_weight(cuda, rng, g, n, k)
     else:
         w, _ = random_weight(rng, g, n, k, "nvfp4")
     lead = (5, g) if "grouped" in case or "nvfp4" in case else (10,)
@@ -479,11 +484,7 @@ def test_a_view_the_rules_would_copy_is_refused_during_capture(cuda, rng, case):
     back to the caching pool after the call while replays still read it.)"""
     g, n, k = 2, 48, 256
     if case.startswith("w4a8"):
-        if cuda.arch != "sm_90":
-            pytest.skip(f"the W4A8 GEMM runs on sm_90 devices; this one is {cuda.arch}")
-        codes = torch.from_numpy(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8))
-        w = rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(codes, torch.full((g, n, k // 32), 127,
-                                                                   dtype=torch.uint8), groups=g).to("cuda"))
+        w = _cuda_w4a8_weight(cuda, rng, g, n, k)
         c, sc = (t.cuda() for t in rawkv.fp8.quantize_blocks(torch.randn(1, g, k)))   # one token: mma.sync
         if case.endswith("rows"):
             base = torch.zeros(1, g, k + 1, dtype=torch.uint8, device="cuda")
