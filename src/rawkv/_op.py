@@ -210,8 +210,8 @@ def _traced_stream(stream) -> None:
     """A stream given to an op under torch.compile: the operator has no
     stream argument and runs on torch's current stream (docs/kvcache.md,
     "Custom operators"), but what the eager op refuses as a stream (a bool,
-    a string, a float: A.check_stream) is refused here too; until the
-    session 60 the compiled call took it. A torch stream is not looked
+    a string, a float: A.check_stream) is refused here too (until
+    session 60 the compiled call took it). A torch stream is not looked
     into (dynamo traces it as its own variable)."""
     if stream is None:
         return

@@ -351,7 +351,7 @@ def copy_outside_capture(x, name: str, why: str, rt=None) -> None:
     if rt.capturing():
         raise CaptureError(f"{name}: would be copied ({why}: the kernel cannot read it as it is) while "
                            "the stream is capturing a CUDA graph, and no op allocates during capture; pass "
-                           "a contiguous, 16-byte-aligned tensor (or copy it before capture)")
+                           "a layout the kernel reads as it is (docs/gemm.md, \"Ops\"), or copy it before capture")
 
 
 # ---- out ---------------------------------------------------------------------------------------
