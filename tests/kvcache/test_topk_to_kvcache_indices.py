@@ -118,3 +118,34 @@ def test_gpu_bridge_bit_exact(cuda, rng, id_dtype):
         assert got.dtype == torch.int32 and tuple(got.shape) == shape
         np.testing.assert_array_equal(got.cpu().numpy(), want)
         assert int(err.item()) == nerr and nerr > 0
+
+
+def _bare_bridge_on_a_pools_table(device):
+    """topk_to_kvcache_indices checks neither the blocks' owners nor the
+    entries' written marks (docs/kvcache.md, "The bridge"): on a pool's
+    block table it could give a request rows of a block another request
+    owns (a stale cell an engine left) or entries never written, with no
+    error. A pool's table (or a view of it) is refused naming block_table,
+    before anything is written; kvcache_indices(pool, ...) is the bridge on
+    a pool. An engine's own table is its business."""
+    pool = kc.PagedKVPool("hca", 4, 2, 2, 2, layout="rawkv", device=device)
+    a, b = pool.add_request(), pool.add_request()
+    pool.prepare_step([a, b], [300, 10])                # a: blocks 0, 1; b: block 2
+    ids = torch.zeros(2, 1, dtype=torch.int32, device=device)
+    out = torch.full((2, 1), 7, dtype=torch.int32, device=device)
+    for table in (pool.block_table, pool.block_table[:, :1]):
+        with pytest.raises(ValueError, match="^block_table: lies in the block_table buffer of a PagedKVPool; "):
+            kc.topk_to_kvcache_indices(ids, table, page_size=2, num_pages=4, slots=torch.tensor(
+                [a, b], dtype=torch.int32, device=device), out=out)
+        assert bool((out == 7).all())
+    t = pool.block_table
+    own = t.copy() if isinstance(t, np.ndarray) else t.clone()     # an engine's own copy: its business
+    kc.topk_to_kvcache_indices(ids, own, page_size=2, num_pages=4, out=out)
+
+
+def test_the_bare_bridge_refuses_a_pools_table():
+    _bare_bridge_on_a_pools_table("cpu")
+
+
+def test_gpu_the_bare_bridge_refuses_a_pools_table(cuda):
+    _bare_bridge_on_a_pools_table("cuda")

@@ -20,7 +20,7 @@ from .. import _args as A
 from ..kernels import kv_compress as KC
 from ..reference.kvcache import layouts as RL
 from ..reference.kvcache.constants import ROPE_DIM
-from .pool import PagedKVPool, check_not_anothers, check_store_cache, own_allocations
+from .pool import PagedKVPool, check_bare_table, check_not_anothers, check_store_cache, own_allocations
 from .state import DecodeState
 
 BOOL = ("bool",)
@@ -322,6 +322,8 @@ def topk_bridge(topk_ids, block_table, page_size, num_pages, slots, n_entries, o
     where = A.placement(*inputs, ("out", out), ("errors", errors))
     A.check_outputs((("out", out), ("errors", errors)), inputs)
     check_not_anothers((("out", out), ("errors", errors)))
+    if block_table is not None and not A.is_number(block_table):
+        check_bare_table(block_table)       # (a pool's table: kvcache_indices is its bridge)
     ids = arg(topk_ids, "topk_ids", IDS, where, None)
     if ids.ndim not in (2, 3):
         raise ValueError(f"topk_ids: expected (B, K) or (B, S, K), got shape {tuple(ids.shape)}")

@@ -225,6 +225,21 @@ def check_store_cache(cache, role: str) -> None:
                          f"into the {r} the pool's ops trust")
 
 
+def check_bare_table(table) -> None:
+    """The bare bridge's block table (topk_to_kvcache_indices) may not be
+    a pool's: that bridge checks neither the blocks' owners nor the
+    entries' written marks, so on a pool's table it turned a request's
+    top-k ids into rows of blocks another request owns, or of entries it
+    never wrote, with no error. kvcache_indices(pool, ...) is the bridge
+    on a pool. ValueError naming block_table."""
+    found = _lookup(table)
+    if found is not None:
+        o, r, _ = found
+        raise ValueError(f"block_table: lies in the {r} buffer of a {type(o).__name__}; "
+                         "topk_to_kvcache_indices checks neither owners nor written marks, so on a pool it "
+                         "could give a request another's entries: use rawkv.kvcache.kvcache_indices(pool, ...)")
+
+
 def check_one_owner(view, what: str, anchor: str) -> None:
     """A view's buffers (all but its counter, the caller's errors=) that
     are a pool's or decode state's are each that object's buffer of the
