@@ -151,6 +151,25 @@ def test_from_nvfp4_forms(rng, g, n, k):
     assert torch.equal(wt.gs, torch.full((g,), 0.5)) and torch.equal(wt.input_scale, torch.full((g,), 0.25))
 
 
+def test_from_nvfp4_copies_the_global_scales(rng):
+    # weight_scale_2 / input_scale of shape (G,) or (G, 1) were held as they
+    # were (.contiguous() of the caller's tensor): a later in-place change of
+    # the checkpoint tensor (a loader's reused buffer, a weight update copied
+    # into the checkpoint parameters) changed the weight's global scales and
+    # so the GEMM's output, while its packed codes and scales stayed
+    g, n, k = 2, 8, 32
+    c2, s2, gs = _stacked(rng, g, n, k)
+    x = torch.randn(3, g, k).bfloat16()
+    for shape in ((g,), (g, 1)):
+        ws2, inp = gs.reshape(shape).clone(), torch.full(shape, 0.25)
+        layer = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=3, device="cpu").load_nvfp4(c2, s2, ws2, inp)
+        y = layer(x).clone()
+        ws2.fill_(1.0)
+        inp.zero_()
+        assert torch.equal(layer.weight.gs, gs) and torch.equal(layer.weight.input_scale, torch.full((g,), 0.25))
+        assert torch.equal(layer(x), y)
+
+
 def test_from_nvfp4_errors(rng):
     g, n, k = 2, 8, 32
     _, codes, scales, gs = _checkpoint(rng, g, n, k)

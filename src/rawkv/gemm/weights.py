@@ -141,7 +141,7 @@ def _checkpoint(weight, scale, scale_name: str, scale_view: str, groups, fmt: st
 def _per_group(v, name: str, g: int, device):
     """A float32 scale per group: a number or a float32 tensor of shape (),
     (1,), (G,) or (G, 1) on `device` -> float32 (G,) (one value: every
-    group). Each value must be a finite positive float32 (the rule of
+    group), a copy. Each value must be a finite positive float32 (the rule of
     from_float's gs: check_gs_number), since 0, a negative, NaN or Inf would
     load as zero, sign-flipped or NaN weights. Reads the values (a host sync
     for a CUDA tensor: load time)."""
@@ -158,7 +158,10 @@ def _per_group(v, name: str, g: int, device):
     _same_device(v, name, device)
     for f in v.reshape(-1).tolist():
         check_gs_number(f, name)
-    return v.reshape(-1).expand(g).contiguous()
+    # (a copy: a (G,) or (G, 1) tensor's .contiguous() was the caller's own
+    # memory, so a later in-place change of the checkpoint tensor changed
+    # the weight's global scales, not its codes)
+    return v.reshape(-1).expand(g).clone(memory_format=torch.contiguous_format)
 
 
 def _group_gs_list(gs, g: int) -> list[float]:
