@@ -254,6 +254,19 @@ def test_unpack_dequantize_to(rng, g, n, k):
     assert moved is not wt and torch.equal(moved.codes, wt.codes) and moved.k == wt.k
 
 
+def test_to_and_unpack_copy(rng):
+    # w.to(its own device) gave the weight's own tensors (t.to(device) is t
+    # there) and unpack() its own gs, where both document copies: a change
+    # of the "copy" or of the checkpoint form changed the weight
+    wt = Fp4Weight.from_nvfp4(*_stacked(rng), torch.tensor([0.5, 0.25]), groups=2)
+    want = wt.dequantize()
+    moved = wt.to("cpu")
+    for t in (moved.codes, moved.scales, moved.gs, moved.input_scale):
+        t.zero_()
+    wt.unpack()[2].mul_(4)
+    assert torch.equal(wt.dequantize(), want) and torch.equal(wt.input_scale, torch.tensor([0.5, 0.25]))
+
+
 # -- NVIDIA ModelOpt (the `peers` extra; skipped when absent) ------------------------
 
 def _modelopt():

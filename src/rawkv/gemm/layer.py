@@ -54,7 +54,7 @@ class Fp4GroupedLinear:
         """A ModelOpt NVFP4 checkpoint's tensors, stacked (G*N, ...) or (G, N, ...)."""
         self._check_codes(weight)
         w = Fp4Weight.from_nvfp4(weight, weight_scale, weight_scale_2, input_scale, groups=self.groups)
-        self._set(w.to(self.out.device), "weight")
+        self._set(self._here(w), "weight")
         return self
 
     def load_mxfp4(self, weight, scale, *, w4a8: bool = False) -> "Fp4GroupedLinear":
@@ -64,11 +64,16 @@ class Fp4GroupedLinear:
         take FP8 block activations, (codes, scales) from
         rawkv.fp8.quantize_blocks, on the W4A8 GEMM (sm_90; docs/gemm.md)."""
         self._check_codes(weight)
-        w = Fp4Weight.from_mxfp4(weight, scale, groups=self.groups).to(self.out.device)
+        w = self._here(Fp4Weight.from_mxfp4(weight, scale, groups=self.groups))
         # (every check, the W4A8 form's included, before the weight is
         # replaced: a refused load leaves the layer as it was)
         self._set(w, "weight", w4a8_weight(w) if w4a8 else w)
         return self
+
+    def _here(self, w: Fp4Weight) -> Fp4Weight:
+        """w, built by a loader, on the layer's device (Fp4Weight.to copies:
+        not when w is there already)."""
+        return w if w.device == self.out.device else w.to(self.out.device)
 
     def _check_sizes(self, name: str, got: tuple) -> None:
         """The (groups, out_features, in_features) `got` of the weight the

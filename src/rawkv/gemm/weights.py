@@ -398,8 +398,10 @@ class Fp4Weight:
         float32) on the weight's device: the checkpoint form, exactly, but
         for the codes of NVFP4 blocks whose scale is zero, which come back
         as zeros (the same values)."""
+        # (gs a copy as the others are: it was the weight's own tensor, so a
+        # change of the returned checkpoint form changed the weight)
         return (pack.unpack_codes(self.codes, self.n, self.k),
-                pack.unpack_scales(self.scales, self.n, self.k, self.block), self.gs)
+                pack.unpack_scales(self.scales, self.n, self.k, self.block), self.gs.clone())
 
     def dequantize(self):
         """float32 (G, N, K) on the weight's device: the reference's exact
@@ -416,6 +418,8 @@ class Fp4Weight:
         index or a torch.device (checked_device: no GPU stack is a
         rawkv.GpuUnavailableError)."""
         device = checked_device(device)
-        mv = (lambda t: None if t is None else t.to(device))
+        # (copy=True: on the weight's own device t.to gave t itself, so the
+        # "copy" shared every tensor with the weight)
+        mv = (lambda t: None if t is None else t.to(device, copy=True))
         return Fp4Weight(self.fmt, self.n, self.k, mv(self.codes), mv(self.scales), mv(self.gs),
                          mv(self.input_scale), self.exp_range, checked=True)
