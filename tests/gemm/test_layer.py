@@ -156,3 +156,63 @@ def test_layer_in_a_cuda_graph(cuda, rng):
     torch.cuda.synchronize()
     assert torch.equal(y, layer(x))
     assert not torch.equal(y, first)
+
+
+def _ptrs(w):
+    return [t.data_ptr() for t in (w.codes, w.scales, w.gs)]
+
+
+def test_a_reload_of_the_same_form_is_copied_in_place(rng):
+    """A reload (set_weight / load_nvfp4 / load_mxfp4) whose weight has the
+    held one's form is copied into the held tensors: the same object and
+    addresses, the new values (a captured graph reads those addresses: the
+    GPU test below). Another form (format, MXFP4 exp_range, input_scale
+    given or not) replaces the weight."""
+    g, n, k = 2, 16, 64
+    layer = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=3, device="cpu")
+    fresh = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=3, device="cpu")
+    x = torch.randn(3, g, k).bfloat16()
+    layer.set_weight(torch.randn(g, n, k))
+    held, ptrs = layer.weight, _ptrs(layer.weight)
+    for _ in range(2):
+        wf = torch.randn(g, n, k)
+        layer.set_weight(wf)
+        assert layer.weight is held and _ptrs(layer.weight) == ptrs
+        assert torch.equal(layer(x).clone(), fresh.set_weight(wf)(x))
+        codes, sf, gs = fresh.weight.unpack()
+        layer.load_nvfp4(codes.reshape(g * n, k // 2), sf.reshape(g * n, k // 16), gs)
+        assert layer.weight is held and torch.equal(layer(x).clone(), fresh(x))
+    layer.load_nvfp4(codes.reshape(g * n, k // 2), sf.reshape(g * n, k // 16), gs, torch.ones(g))
+    assert layer.weight is not held                      # input_scale now given: another form
+    mx = rng.integers(0, 256, (g * n, k // 2), dtype=np.uint8)
+    layer.load_mxfp4(torch.from_numpy(mx), torch.full((g * n, k // 32), 127, dtype=torch.uint8))
+    held = layer.weight
+    layer.load_mxfp4(torch.from_numpy(mx[::-1].copy()), torch.full((g * n, k // 32), 127, dtype=torch.uint8))
+    assert layer.weight is held                          # the same exp_range (127, 127)
+    layer.load_mxfp4(torch.from_numpy(mx), torch.full((g * n, k // 32), 126, dtype=torch.uint8))
+    assert layer.weight is not held                      # another exp_range: replaced
+
+
+def test_layer_reloaded_after_capture(cuda, rng):
+    """A graph captured with the layer, then a reload of the same form: the
+    replay reads the new weight (the reload swapped in new tensors, and the
+    replays read the old ones' freed memory)."""
+    g, n, k = 4, 64, 256
+    layer = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=8).set_weight(torch.randn(g, n, k).cuda())
+    x = torch.randn(3, g, k, dtype=torch.bfloat16, device="cuda")
+    layer(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            y = layer(x)
+    wf = torch.randn(g, n, k).cuda()
+    layer.set_weight(wf)
+    torch.cuda.empty_cache()
+    junk = torch.full((1 << 22,), 3.0, device="cuda")    # (the freed weight's memory, reused)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=8).set_weight(wf)(x)
+    assert torch.equal(y, want)
+    del junk

@@ -101,9 +101,19 @@ class Fp4GroupedLinear:
 
     def _set(self, w: Fp4Weight, name: str, keep=None) -> None:
         """Hold `keep` (w itself by default; its W4A8 form for
-        load_mxfp4(w4a8=True)), w's sizes checked against the layer's."""
+        load_mxfp4(w4a8=True)), w's sizes checked against the layer's. A
+        weight of the held one's form (same_form) is copied into the held
+        tensors, in place: a CUDA graph captured with the layer keeps
+        reading the addresses it was captured with, so a reload that
+        swapped in new tensors left its replays reading the old weight's
+        freed memory. Any other form replaces the weight (re-capture)."""
         self._check_sizes(name, (w.groups, w.n, w.k))
-        self.weight = w if keep is None else keep
+        new = w if keep is None else keep
+        if same_form(self.weight, new):
+            for old_t, new_t in zip(_tensors(self.weight), _tensors(new)):
+                old_t.copy_(new_t)
+            return
+        self.weight = new
 
     def __call__(self, x, *, out=None, stream=None):
         if self.weight is None:
@@ -118,3 +128,32 @@ class Fp4GroupedLinear:
                 raise ValueError(f"x: {tokens} tokens, the layer was built for max_tokens={self.max_tokens}")
             out = self.out[:tokens]
         return grouped_linear(x, self.weight, out=out, stream=stream)
+
+
+def _fields(w) -> dict:
+    return w._asdict() if isinstance(w, tuple) else vars(w)
+
+
+def _tensors(w) -> list:
+    return [v for v in _fields(w).values() if is_torch(v)]
+
+
+def same_form(old, new) -> bool:
+    """Whether `new` can be copied into `old`'s tensors: the same class and
+    the same non-tensor fields (format, sizes, MXFP4 exp_range), and in each
+    tensor field either None in both or tensors of one shape, dtype,
+    strides and device."""
+    if old is None or type(old) is not type(new):
+        return False
+    a, b = _fields(old), _fields(new)
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if is_torch(x) or is_torch(y):
+            if not (is_torch(x) and is_torch(y) and x.shape == y.shape and x.dtype == y.dtype
+                    and x.stride() == y.stride() and x.device == y.device):
+                return False
+        elif x != y:
+            return False
+    return True
