@@ -139,18 +139,24 @@ def test_layer_checkpoint_equals_set_weight(cuda, rng):
     assert torch.equal(a(x), b(x))
 
 
-def test_layer_in_a_cuda_graph(cuda, rng):
-    g, n, k = 4, 64, 256
-    wf = torch.randn(g, n, k).cuda()
-    layer = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=8).set_weight(wf)
-    x = torch.randn(3, g, k, dtype=torch.bfloat16, device="cuda")
-    first = layer(x).clone()
+def _captured(layer, x):
+    """(graph, y): layer(x) captured on a side stream; y the graph's output."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         with torch.cuda.graph(graph, stream=stream):
             y = layer(x)
+    return graph, y
+
+
+def test_layer_in_a_cuda_graph(cuda, rng):
+    g, n, k = 4, 64, 256
+    wf = torch.randn(g, n, k).cuda()
+    layer = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=8).set_weight(wf)
+    x = torch.randn(3, g, k, dtype=torch.bfloat16, device="cuda")
+    first = layer(x).clone()
+    graph, y = _captured(layer, x)
     x.copy_(torch.randn(3, g, k, dtype=torch.bfloat16, device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
@@ -201,12 +207,7 @@ def test_layer_reloaded_after_capture(cuda, rng):
     layer = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=8).set_weight(torch.randn(g, n, k).cuda())
     x = torch.randn(3, g, k, dtype=torch.bfloat16, device="cuda")
     layer(x)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            y = layer(x)
+    graph, y = _captured(layer, x)
     wf = torch.randn(g, n, k).cuda()
     layer.set_weight(wf)
     torch.cuda.empty_cache()
