@@ -88,6 +88,16 @@ def check_stream(stream):
     raise TypeError(f"stream: expected a torch.cuda.Stream, cupy Stream or int, got {type(stream).__name__}")
 
 
+def stream_device(stream):
+    """The device index of a torch stream (its `device_index`) or CuPy
+    stream (its `device_id`), None where it names none (an int handle,
+    CuPy's null stream: device_id -1)."""
+    d = getattr(stream, "device_index", None)
+    if d is None:
+        d = getattr(stream, "device_id", None)
+    return d if d.__class__ is int and d >= 0 else None
+
+
 def stream_current(stream):
     """The context an op body runs in when it is given a stream (not None,
     checked by check_stream): that stream made torch's current one on its
@@ -100,13 +110,13 @@ def stream_current(stream):
     ran unordered with the kernels: a kernel read an array or a copy before
     it was written. An int handle names no device, and a CuPy null stream
     (device_id -1) none either: nothing (the caller orders that work)."""
-    torch = sys.modules.get("torch")
+    torch = _torch_or_none()
     if torch is None or stream.__class__ is int:
         return _NO_CONTEXT
     if isinstance(stream, torch.cuda.Stream):
         return _OnStream(torch, stream)
-    dev = getattr(stream, "device_id", None)
-    if dev.__class__ is not int or dev < 0:
+    dev = stream_device(stream)
+    if dev is None:
         return _NO_CONTEXT
     return _OnStream(torch, torch.cuda.ExternalStream(int(stream.ptr), device=f"cuda:{dev}"))
 

@@ -36,7 +36,7 @@ import threading
 from typing import Iterable
 
 from . import _cache, _compile, _launch, _plan, _version, kernels
-from ._args import callers_stream, check_stream
+from ._args import callers_stream, check_stream, stream_device
 from ._plan import Launch, Memset
 from .errors import CaptureError, GpuUnavailableError
 
@@ -167,16 +167,6 @@ def _cupy_stream(cupy, ptr: int):
     if from_external is not None:
         return from_external(_StreamHandle(ptr))
     return cupy.cuda.ExternalStream(ptr)  # CuPy < 14
-
-
-def stream_device(stream):
-    """The device index of a torch stream (its `device_index`) or CuPy
-    stream (its `device_id`), None where it names none (an int handle,
-    CuPy's null stream: device_id -1)."""
-    d = getattr(stream, "device_index", None)
-    if d is None:
-        d = getattr(stream, "device_id", None)
-    return d if d.__class__ is int and d >= 0 else None
 
 
 def refuse_other_device(d, device_index: int) -> None:
