@@ -347,6 +347,50 @@ def test_gpu_add_request_empties_the_attached_states_slot(cuda):
     _add_empties_slot("cuda")
 
 
+def _built_under_inference_mode(device):
+    """A layer's pool and decode states built under torch.inference_mode (as
+    serving code builds its layers), then used outside it: their buffers are
+    plain tensors, as Fp4GroupedLinear's output is (torch lets nothing write
+    an inference tensor outside inference_mode). Before, every op counting
+    into the pool's or state's own counter was refused (`errors: is an
+    inference tensor`, an argument the caller never passed), and
+    compress_prefill, which does not check its counter, wrote its entries
+    and then raised torch's RuntimeError adding its count; on CUDA the
+    lifecycle calls (prepare_step, free_request) raised it after changing
+    the host's bookkeeping."""
+    torch = pytest.importorskip("torch")
+    dv = _Dev(device)
+    with torch.inference_mode():
+        pool = kc.PagedKVPool("hca", 8, 2, 2, 2, layout="rawkv", device=device)
+        st = kc.DecodeState("hca", 2, device=device)
+        pool.attach(st)
+    for obj in (pool, st):
+        assert not any(t is not None and t.is_inference() for t in obj.torch_buffers().values())
+    s = pool.add_request()
+    pool.prepare_step([s], [4 * 128 - 1])                   # 2 blocks: entries 0..3
+    x = np.ones((1, D), F32)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)   # noqa: E731
+    kc.state_append(st, t(x), t(x), t(np.ones(1, bool)), t(np.array([s], np.int32)))
+    kc.state_append(st, t(x), t(x), t(np.ones(1, bool)), t(np.array([5], np.int32)))    # counted
+    assert st.read_errors() == 1
+    rows = np.ones((5 * 128, D), F32)
+    assert kc.compress_prefill(pool, t(rows), t(rows), None, t(np.ones(D, F32)), s) == 5   # entry 4: counted
+    assert pool.read_errors() == 1
+    assert dv.buf(pool.written)[s] == 4
+    out = kc.gather_dense(pool, s, 4, dtype="float32")
+    assert pool.read_errors() == 1 and dv.host(out).all()
+    pool.free_request(s)
+    assert pool.add_request() == s and pool.free_blocks() == 8
+
+
+def test_cpu_pool_built_under_inference_mode_is_used_outside_it():
+    _built_under_inference_mode("cpu")
+
+
+def test_gpu_pool_built_under_inference_mode_is_used_outside_it(cuda):
+    _built_under_inference_mode("cuda")
+
+
 # ---------------------------------------------------------------------------
 # the pool's buffers are checked once and fixed (issue 21, item 5)
 # ---------------------------------------------------------------------------

@@ -332,6 +332,21 @@ def host_ints(name: str, x) -> np.ndarray:
     return a.astype(np.int64)
 
 
+def plain_tensors():
+    """A context in which torch makes plain tensors, never inference tensors
+    (torch.inference_mode(False)): what a pool or decode state allocates,
+    and the torch views of a CPU one's arrays. Serving code builds its
+    layers under torch.inference_mode and runs them outside it too, while
+    torch lets nothing write an inference tensor outside it: a pool built
+    there had its own counter refused by every op (`errors: is an inference
+    tensor`), compress_prefill raised torch's error after writing its
+    entries, and on CUDA prepare_step / free_request raised it after
+    changing the host's bookkeeping (as Fp4GroupedLinear keeps a plain
+    output buffer)."""
+    import torch
+    return torch.inference_mode(False)
+
+
 def capturing(device_index) -> bool:
     return get_runtime(device_index).is_capturing()
 
@@ -366,13 +381,15 @@ class ErrorCounter:
         """{name: torch tensor or None} of BUFFERS: what a public op passes to
         its rawkv:: operator under torch.compile. A CPU object's tensors are
         torch views of its numpy arrays (shared memory, no copy), made once:
-        at construction when torch is already imported, else here."""
+        at construction when torch is already imported, else here. They are
+        plain tensors even when made under torch.inference_mode (plain_tensors)."""
         t = self._torch
         if t is None:
             t = {n: getattr(self, n) for n in self.BUFFERS}
             if not self.is_cuda:
                 import torch
-                t = {n: None if a is None else torch.from_numpy(a) for n, a in t.items()}
+                with plain_tensors():
+                    t = {n: None if a is None else torch.from_numpy(a) for n, a in t.items()}
             self._torch = t
         return t
 
@@ -455,28 +472,29 @@ class PagedKVPool(ErrorCounter):
         self._states = []
         if self.is_cuda:
             import torch
-            dev = torch.device("cuda", self.device_index)
-            self.device = dev
-            self.fp8 = self.scale = self.rope = self.index_q = self.index_sf = None
-            self.pages = self.index_pages = None
-            if self.layout == "model1":
-                self.pages = torch.zeros((nb, self.page_bytes), dtype=torch.uint8, device=dev)
-                if self.index_head_dim is not None:
-                    self.index_pages = torch.zeros((nb, self.index_page_bytes), dtype=torch.uint8, device=dev)
-            else:
-                self.fp8 = torch.zeros((nb, epb, self.nope_dim), dtype=torch.uint8, device=dev)
-                self.scale = torch.zeros((nb, epb), dtype=torch.float32, device=dev)
-                self.rope = torch.zeros((nb, epb, self.rope_dim), dtype=torch.bfloat16, device=dev)
-                if self.index_head_dim is not None:
-                    ih = self.index_head_dim
-                    self.index_q = torch.zeros((nb, epb, ih // 2), dtype=torch.uint8, device=dev)
-                    self.index_sf = torch.zeros((nb, epb, ih // 16), dtype=torch.uint8, device=dev)
-            self.block_table = torch.full((R, MB), -1, dtype=torch.int32, device=dev)
-            self.request_ids = torch.zeros(R, dtype=torch.int32, device=dev)
-            self.owners = torch.zeros(nb, dtype=torch.int32, device=dev)
-            self.written = torch.zeros(R, dtype=torch.int32, device=dev)
-            self.marks = torch.zeros((nb, epb), dtype=torch.uint8, device=dev)
-            self.errors = torch.zeros(1, dtype=torch.int32, device=dev)
+            with plain_tensors():
+                dev = torch.device("cuda", self.device_index)
+                self.device = dev
+                self.fp8 = self.scale = self.rope = self.index_q = self.index_sf = None
+                self.pages = self.index_pages = None
+                if self.layout == "model1":
+                    self.pages = torch.zeros((nb, self.page_bytes), dtype=torch.uint8, device=dev)
+                    if self.index_head_dim is not None:
+                        self.index_pages = torch.zeros((nb, self.index_page_bytes), dtype=torch.uint8, device=dev)
+                else:
+                    self.fp8 = torch.zeros((nb, epb, self.nope_dim), dtype=torch.uint8, device=dev)
+                    self.scale = torch.zeros((nb, epb), dtype=torch.float32, device=dev)
+                    self.rope = torch.zeros((nb, epb, self.rope_dim), dtype=torch.bfloat16, device=dev)
+                    if self.index_head_dim is not None:
+                        ih = self.index_head_dim
+                        self.index_q = torch.zeros((nb, epb, ih // 2), dtype=torch.uint8, device=dev)
+                        self.index_sf = torch.zeros((nb, epb, ih // 16), dtype=torch.uint8, device=dev)
+                self.block_table = torch.full((R, MB), -1, dtype=torch.int32, device=dev)
+                self.request_ids = torch.zeros(R, dtype=torch.int32, device=dev)
+                self.owners = torch.zeros(nb, dtype=torch.int32, device=dev)
+                self.written = torch.zeros(R, dtype=torch.int32, device=dev)
+                self.marks = torch.zeros((nb, epb), dtype=torch.uint8, device=dev)
+                self.errors = torch.zeros(1, dtype=torch.int32, device=dev)
         else:
             self.device = "cpu"
             r = ref.PagedPoolRef.create(nb, epb, self.m, self.head_dim, self.rope_dim,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..reference import kvcache as ref
-from .pool import ErrorCounter, _kind, _pos_int, register_buffers, resolve_device
+from .pool import ErrorCounter, _kind, _pos_int, plain_tensors, register_buffers, resolve_device
 
 
 class DecodeState(ErrorCounter):
@@ -42,18 +42,19 @@ class DecodeState(ErrorCounter):
         R, m, w, d = self.max_requests, self.m, self.width, self.head_dim
         if self.is_cuda:
             import torch
-            dev = torch.device("cuda", self.device_index)
-            self.device = dev
-            f32 = torch.float32
-            self.kv_a = torch.zeros((R, m, w), dtype=f32, device=dev)
-            self.z_a = torch.full((R, m, w), float("-inf"), dtype=f32, device=dev)
-            if kind == "csa":
-                self.kv_b = torch.zeros((R, m, d), dtype=f32, device=dev)
-                self.z_b = torch.full((R, m, d), float("-inf"), dtype=f32, device=dev)
-            else:
-                self.kv_b = self.z_b = None
-            self.count = torch.zeros(R, dtype=torch.int32, device=dev)
-            self.errors = torch.zeros(1, dtype=torch.int32, device=dev)
+            with plain_tensors():      # (pool.plain_tensors: a layer built under inference_mode)
+                dev = torch.device("cuda", self.device_index)
+                self.device = dev
+                f32 = torch.float32
+                self.kv_a = torch.zeros((R, m, w), dtype=f32, device=dev)
+                self.z_a = torch.full((R, m, w), float("-inf"), dtype=f32, device=dev)
+                if kind == "csa":
+                    self.kv_b = torch.zeros((R, m, d), dtype=f32, device=dev)
+                    self.z_b = torch.full((R, m, d), float("-inf"), dtype=f32, device=dev)
+                else:
+                    self.kv_b = self.z_b = None
+                self.count = torch.zeros(R, dtype=torch.int32, device=dev)
+                self.errors = torch.zeros(1, dtype=torch.int32, device=dev)
         else:
             self.device = "cpu"
             st = ref.DecodeStateRef.create(kind, R, d)
