@@ -282,6 +282,44 @@ def test_attach_rules():
     assert pool.read_errors() == 0 and not pool.written.any()
 
 
+def test_a_view_of_another_pools_state_is_not_attached():
+    """A view over a DecodeState's own buffers (views.state_view) is that
+    state for attach and compress_decode, as on the operators' path: a view
+    of pool Q's attached state is refused by pool P (a state belongs to one
+    pool), and a view of P's own attached state is taken. Before, P.attach
+    took the view, compress_decode(P, view) pooled Q's request's window into
+    P's request's entry with no error, and P.free_request emptied Q's
+    request's window."""
+    from rawkv.kvcache import views
+    pool = kc.PagedKVPool("hca", 8, 4, 2, 2, layout="rawkv", device="cpu")
+    other = kc.PagedKVPool("hca", 8, 4, 2, 2, layout="rawkv", device="cpu")
+    theirs, mine = kc.DecodeState("hca", 2, device="cpu"), kc.DecodeState("hca", 2, device="cpu")
+    other.attach(theirs)
+    view = views.state_view(**views.state_args(theirs))
+    with pytest.raises(ValueError, match="^state: is attached to another pool"):
+        pool.attach(view)
+    assert pool._states == [] and view._pool is None
+    a, b = pool.add_request(), other.add_request()
+    pool.prepare_step([a], [127])
+    kc.state_seed(theirs, b, np.ones((127, D), F32), np.ones((127, D), F32))
+    kc.state_append(theirs, np.ones((1, D), F32), np.ones((1, D), F32), np.ones(1, bool), np.array([b], np.int32))
+    args = (np.ones(D, F32), np.ones(1, bool), np.array([a], np.int32), np.array([127], np.int32))
+    with pytest.raises(ValueError, match="^state: is not attached to this pool"):
+        kc.compress_decode(pool, view, *args)
+    assert pool.read_errors() == 0 and not pool.written.any() and not pool.marks.any()
+    pool.free_request(a)
+    assert list(theirs.count) == [128, 0]                # Q's request keeps its window
+    pool.attach(mine)
+    a = pool.add_request()
+    pool.prepare_step([a], [127])
+    kc.state_seed(mine, a, np.ones((127, D), F32), np.ones((127, D), F32))
+    kc.state_append(mine, np.ones((1, D), F32), np.ones((1, D), F32), np.ones(1, bool), np.array([a], np.int32))
+    pool.attach(views.state_view(**views.state_args(mine)))          # its own state again: nothing changes
+    assert pool._states == [mine]
+    kc.compress_decode(pool, views.state_view(**views.state_args(mine)), *args)
+    assert pool.read_errors() == 0 and list(pool.written) == [1, 0]
+
+
 def _free_empties_slot(device):
     """free_request empties the freed slot of every attached state (both
     streams, count) and no other slot."""

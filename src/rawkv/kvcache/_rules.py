@@ -639,11 +639,15 @@ def _attached(p, st, name: str) -> None:
     attached to that pool (an unattached state, another pool's, or buffers
     that are no state's are refused, as eagerly). Over an engine's own pool
     buffers no pool object exists: its engine owns admission
-    (docs/kvcache.md, "Admission", "What a view cannot check")."""
+    (docs/kvcache.md, "Admission", "What a view cannot check"). A state
+    view over a DecodeState's own buffers given with a pool object is that
+    state (pool.attach's rule)."""
     if p._states is None:           # a view: the objects its buffers are
         p, st = p._owner, st._owner
         if p is None:
             return
+    elif st._owner is not None:     # a view over a state's own buffers: that state
+        st = st._owner
     if st is None or st._pool is not p:
         raise ValueError(f"{name}: is not attached to this pool; call pool.attach(state) when the layer "
                          "is built (the pool then empties a slot's decode state when the slot changes "

@@ -621,12 +621,18 @@ class PagedKVPool(ErrorCounter):
         has max_requests rows and the pool's device, belongs to one pool,
         and is attached empty (no count, no CSA b-stream: rows already there
         could be anyone's), else ValueError naming state. Reads the states'
-        counts (a host synchronization on CUDA): a build-time call."""
+        counts (a host synchronization on CUDA): a build-time call. A view
+        over a DecodeState's own buffers (views.state_view) is that state
+        (its _owner), as on the operators' path: otherwise a view of
+        another pool's state was attached here, and compress_decode pooled
+        that pool's request's window into this pool's entry."""
         self._check_host_time("attach")
         for st in states:
             # a DecodeState: the ErrorCounter that is not a pool (state.py imports this module)
             if not isinstance(st, ErrorCounter) or isinstance(st, PagedKVPool):
                 raise TypeError(f"state: expected a rawkv.kvcache.DecodeState, got {type(st).__name__}")
+        states = [st if st._owner is None else st._owner for st in states]
+        for st in states:
             if st.max_requests != self.max_requests or st.device_index != self.device_index:
                 raise ValueError(f"state: has {st.max_requests} slots on {st.device}; this pool needs "
                                  f"{self.max_requests} (max_requests) on {self.device}")
