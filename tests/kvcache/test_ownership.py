@@ -238,6 +238,80 @@ def test_gpu_compressor_writes_only_assigned_blocks(cuda, seed, layout):
         np.testing.assert_array_equal(x, y, err_msg=name)
 
 
+def _duplicate_block_case(device, seed, layout, has_index, start_entry, dup):
+    """compress_prefill of entries start_entry .. start_entry + 7 of request
+    A, which holds blocks 0..2 (4 entries each); with `dup`, logical block
+    1 names A's block 0 too (an engine's write in place), so two entries of
+    the launch aim at each record of block 0 that both reach. Returns
+    (errors, written, marks, block bytes (blk, name) -> array)."""
+    rng = np.random.default_rng(seed)
+    m = ref.CSA_RATIO
+    pool = kc.PagedKVPool("csa", 4, 4, 2, 3, index_head_dim=DI if has_index else None, layout=layout,
+                          device=device)
+    a = pool.add_request()
+    pool.prepare_step([a], [12 * m - 1])
+    blocks = pool.blocks_of(a)
+    if dup:
+        pool.block_table[a, 1] = blocks[0]
+    rows = (8 + (1 if start_entry else 0)) * m       # CSA: the window before the first entry too
+    t = (lambda x: _t(x, device))
+    kv, z = (t(rng.standard_normal((rows, 2 * D)).astype(F32)) for _ in range(2))
+    nw = t((1 + 0.1 * rng.standard_normal(D)).astype(F32))
+    idx = None
+    if has_index:
+        idx = kc.PrefillIndex(t(rng.standard_normal((rows, 2 * DI)).astype(F32)),
+                              t(rng.standard_normal((rows, 2 * DI)).astype(F32)), None,
+                              t((1 + 0.1 * rng.standard_normal(DI)).astype(F32)))
+    kc.compress_prefill(pool, kv, z, None, nw, a, start_entry=start_entry, index=idx)
+    errors = _errors(pool)
+    state = _state(pool)
+    data = {(i, n): v[b] for n, v in state.items() if n not in ("written", "marks", "owners", "request_ids",
+                                                             "block_table") for i, b in enumerate(blocks)}
+    return errors, state["written"][a], state["marks"][blocks], data
+
+
+@pytest.mark.parametrize("has_index", [False, True])
+@pytest.mark.parametrize("layout", ["rawkv", "model1"])
+@pytest.mark.parametrize("start_entry", [0, 2])
+def test_cpu_prefill_into_a_block_named_twice(seed, layout, has_index, start_entry):
+    """Entries 4..7 (logical block 1) aim at block 0's records: the lowest
+    entry of the launch at a record writes it, the other is counted
+    (reference.paged_flush_write's rule). From entry 2, entries 4 and 5 are
+    the lowest at records 0 and 1 (entries 0, 1 are not in the launch)."""
+    errors, written, marks, _ = _duplicate_block_case("cpu", seed, layout, has_index, start_entry, True)
+    assert errors == (4 if start_entry == 0 else 2)
+    assert written == (4 if start_entry == 0 else 10)     # the highest entry written, + 1
+    np.testing.assert_array_equal(marks, [[1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0] if start_entry else
+                                          [0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("has_index", [False, True])
+@pytest.mark.parametrize("layout", ["rawkv", "model1"])
+@pytest.mark.parametrize("start_entry", [0, 2])
+def test_gpu_prefill_into_a_block_named_twice(cuda, seed, layout, has_index, start_entry):
+    """The kernel counts and skips as the reference does (before: both
+    entries wrote the record, nothing counted, written[] past them), and a
+    record of block 0 holds the bytes of its lowest entry: those the same
+    launch writes into A's own blocks 0 and 1 with logical block 1 not
+    named twice."""
+    want = _duplicate_block_case("cpu", seed, layout, has_index, start_entry, True)
+    got = _duplicate_block_case("cuda", seed, layout, has_index, start_entry, True)
+    assert got[:2] == want[:2]
+    np.testing.assert_array_equal(got[2], want[2])
+    clean = _duplicate_block_case("cuda", seed, layout, has_index, start_entry, False)
+    for (blk, name), v in got[3].items():
+        if blk == 2:
+            np.testing.assert_array_equal(v, clean[3][(2, name)], err_msg=name)
+        elif blk == 0 and name in ("kv_fp8", "kv_scale", "kv_rope", "idx_q", "idx_sf"):
+            # (the rawkv layout's arrays are per record: row r's lowest entry is r from entry 0,
+            # else entry 4 + r of logical block 1)
+            for r in range(4):
+                np.testing.assert_array_equal(v[r], clean[3][(0 if r >= start_entry else 1, name)][r],
+                                              err_msg=f"{name} record {r}")
+        elif blk == 0 and start_entry == 0:
+            np.testing.assert_array_equal(v, clean[3][(0, name)], err_msg=name)
+
+
 # ---------------------------------------------------------------------------
 # request ids: fresh per admission, renumbered when they run out
 # ---------------------------------------------------------------------------
