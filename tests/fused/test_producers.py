@@ -338,6 +338,63 @@ def test_number_gs_over_the_dtype_bound_refused_before_launch(rt, op):
             _calls(rt, op, torch.float16, gs=limit - 1e-9)
 
 
+_NP = {torch.float16: np.float16, torch.float32: np.float32, torch.uint8: np.uint8}
+
+
+def _virtual(shape, dtype, like=None):
+    """A contiguous tensor of `shape` over 64 bytes (a fake CUDA one where
+    `like` is): the sizes a rule reads, memory nothing may read."""
+    d = dtype if dtype in _NP else torch.uint8        # (an FP8 buffer: its bytes, viewed)
+    item = np.dtype(_NP[d]).itemsize
+    st = tuple(int(np.prod(shape[i + 1:])) * item for i in range(len(shape)))
+    t = torch.from_numpy(np.lib.stride_tricks.as_strided(np.zeros(64 // item, _NP[d]), shape, st)).view(dtype)
+    return fake(t) if isinstance(like, type(fake(torch.zeros(1)))) else t
+
+
+@pytest.mark.parametrize("placement", ["cpu", "cuda"])
+@pytest.mark.parametrize("op", ["rms", "mhc", "swiglu", "rms_fp8", "mhc_fp8", "swiglu_fp8"])
+def test_rows_past_the_launch_grid_refused_before_anything(rt, monkeypatch, placement, op):
+    """The row kernels run one CTA per row (grid (rows,)), and a grid's x
+    dimension holds at most 2^31 - 1 blocks: 2^31 rows of 16 FP16 values
+    (64 GiB) were accepted on CPU and CUDA alike, and the launch failed on
+    the GPU after the memset of scope 'tensor' had written out.gs. Refused (a
+    ValueError naming x / h) on both, before anything is launched; the
+    memory behind these tensors is never read (64 bytes)."""
+    from rawkv import fp8
+    from rawkv.fused import rms, swiglu
+    move = fake if placement == "cuda" else (lambda t: t)
+    virt = lambda s, d, like: _virtual(s, getattr(torch, d) if isinstance(d, str) else d, like)  # noqa: E731
+    monkeypatch.setattr(rms, "empties", lambda like, stream, *specs: [
+        None if s is None else virt(s[0], s[1], like) for s in specs])
+    monkeypatch.setattr(fp8, "new_scales", lambda like, s, block, fmt, stream=None: virt(
+        (*s[:-1], -(-s[-1] // block)), "float32", like))
+
+    class _NotRead:
+        def __getattr__(self, name):
+            raise AssertionError("the reference ran on rows past the launch grid")
+    monkeypatch.setattr(rms, "ref", _NotRead())
+    monkeypatch.setattr(swiglu, "ref", _NotRead())
+    monkeypatch.setattr(rms, "_reference", lambda *a: _NotRead().run)
+    rows, w = 2 ** 31, move(torch.ones(16))
+    x, mix = move(_virtual((rows, 16), torch.float16)), move(_virtual((rows, 1), torch.float32))
+    X, h = move(_virtual((rows, 1, 16), torch.float16)), move(_virtual((rows, 32), torch.float16))
+    call, name = {
+        "rms": (lambda: F.rmsnorm_quantize(x, w, scope="tensor"), "x"),
+        "mhc": (lambda: F.mhc_rmsnorm_quantize(X, mix, w, scope="tensor"), "x"),
+        "swiglu": (lambda: F.swiglu_quantize(h, scope="tensor"), "h"),
+        "rms_fp8": (lambda: F.rmsnorm_quantize_fp8(x, w), "x"),
+        "mhc_fp8": (lambda: F.mhc_rmsnorm_quantize_fp8(X, mix, w), "x"),
+        "swiglu_fp8": (lambda: F.swiglu_quantize_fp8(h), "h"),
+    }[op]
+    rt.calls.clear()
+    with pytest.raises(ValueError, match=rf"^{name}: {rows} rows"):
+        call()
+    assert rt.calls == []
+    # (2^31 - 1 rows still plan one CTA per row)
+    a = rawkv.fused._rules.rms(fake(_virtual((rows - 1, 16), torch.float16)), None, fake(torch.ones(16)), 1e-6,
+                               "row", None, None, None, None, None, None, fresh=True)[0]
+    assert a.rows == rows - 1
+
 class _FakeRt:
     def __init__(self, sm_count):
         self.sm_count = sm_count

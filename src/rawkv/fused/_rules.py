@@ -27,6 +27,7 @@ IDS = ("int32", "int64")                       # topk_ids
 OUT_Q = ("uint8", "float4_e2m1fn_x2")          # what out.q may be (the result: float4_e2m1fn_x2)
 OUT_SF = ("uint8", "float8_e4m3fn")            # what out.sf may be (the result: float8_e4m3fn)
 F32 = ("float32",)
+MAX_ROWS = 2 ** 31 - 1     # a launch grid's x dimension: the row producers' rows (one CTA each)
 
 
 class Rows(NamedTuple):
@@ -95,6 +96,17 @@ def _x(x, name, where, min_ndim, align):
     return A.tensor(x, name, CPU_X if where == "cpu" else X, where, min_ndim=min_ndim, align=align)
 
 
+def _rows(lead: tuple, name: str) -> int:
+    """The rows of a row producer's input: the row kernels run one CTA per
+    row, and a launch grid's x dimension holds at most MAX_ROWS blocks (past
+    it the launch failed on the GPU, after the memset of scope 'tensor' had
+    written out.gs; the CPU took it): refused on CPU and CUDA alike."""
+    rows = math.prod(lead)
+    if rows > MAX_ROWS:
+        raise ValueError(f"{name}: {rows} rows; at most 2^31 - 1 (the row kernels run one CTA per row)")
+    return rows
+
+
 def _width(n: int, name: str) -> None:
     """The quantized width: a positive multiple of 16 (N == 0 has no row to
     normalize and would leave gs / inv_rms unwritten on CUDA)."""
@@ -158,6 +170,7 @@ def _rms_inputs(x, mix, weight, where):
     if not 1 <= n_hc <= K.MAX_HC:
         raise ValueError(f"x: n_hc = x.shape[-2] = {n_hc} must be in 1..{K.MAX_HC}")
     _width(n, "x")
+    _rows(lead, "x")
     weight = A.tensor(weight, "weight", PARAM, where, shape=(n,), device=dev, align=16)
     if mixed:
         mix = A.tensor(mix, "mix", PARAM, where, shape=(*lead, n_hc), device=dev)
@@ -212,6 +225,7 @@ def _swiglu_input(h, granularity_, where):
         raise ValueError(f"granularity: {g} must divide the intermediate width {inter}")
     if two_i >= 2 ** 31:
         raise ValueError(f"h: the fused width {two_i} must be < 2^31")
+    _rows(h.shape[:-1], "h")
     return h, g, vec, tuple(h.shape[:-1]), inter, A.device_of(h)
 
 
