@@ -364,3 +364,38 @@ def test_a_dlpack_input_without_shape_or_dtype_is_read_as_its_tensor():
         got = [None if t is None else torch.as_tensor(t).to(w.dtype) if w.element_size() > 1 else
                torch.as_tensor(t).view(w.dtype) for t, w in zip(got, want)]
         assert _same(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("n", [0, 2])
+def test_a_dlpack_gs_without_shape_of_other_than_one_element_is_named(monkeypatch, n):
+    """A given gs is a 1-element tensor; a DLPack gs without .shape slipped
+    past that check (check_scope_gs reads .shape): on CPU the reference
+    failed with numpy's unnamed 'cannot reshape array of size 2 into shape
+    ()', and on CUDA the kernel read the first of 2 floats, or past an
+    empty one. Refused on both, naming gs, before anything is launched."""
+    from rawkv import _args
+    from rawkv.fused import moe, rms, swiglu
+    from support.fake_cuda import fake, install
+
+    class OnDevice(Bare):
+        """A bare CUDA DLPack producer (wrapped as a fake CUDA tensor)."""
+        def __dlpack_device__(self):
+            return (2, 0)
+    a = Args("cpu")
+    g = torch.full((n,), 0.5)
+    for call in (lambda: _rms(a.x, a.w, gs=Bare(g)), lambda: _sw(a.h, gs=Bare(g)),
+                 lambda: _mhc(a.X, a.mix, a.w, gs=Bare(g))):
+        with pytest.raises(ValueError, match=rf"^gs: expected a float or a 1-element tensor, got shape \({n},\)"):
+            call()
+    rt = install(monkeypatch, (rms, swiglu, moe))
+    monkeypatch.setattr(_args, "as_cuda_tensor", lambda x, name: fake(x.a) if isinstance(x, OnDevice) else fake(x))
+    x, w, h = fake(a.x), fake(a.w), fake(a.h)
+    for call in (lambda: _rms(x, w, gs=OnDevice(g)), lambda: _sw(h, gs=OnDevice(g)),
+                 lambda: _mhc(fake(a.X), fake(a.mix), w, gs=OnDevice(g))):
+        rt.calls.clear()
+        with pytest.raises(ValueError, match=rf"^gs: expected a float or a 1-element tensor, got shape \({n},\)"):
+            call()
+        assert rt.calls == []
+    one = torch.full((1,), 0.5)
+    _rms(x, w, gs=OnDevice(one))                # (one element: taken, read on the device)
+    assert [c[3]["gs_in"] for c in rt.calls] == [one.data_ptr()]

@@ -125,7 +125,13 @@ def _gs(gs, xdt, where, dev):
     if gs.__class__ is float:
         ref_nvfp4.check_given_gs(gs, xdt)
         return gs
-    return A.tensor(gs, "gs", F32, where, device=dev, dense=False)
+    gs = A.tensor(gs, "gs", F32, where, device=dev, dense=False)
+    if A.numel(gs) != 1:
+        # (A.check_scope_gs reads .shape, which a DLPack array need not have:
+        # the CPU failed in numpy unnamed, a kernel read one float of two or
+        # past an empty gs)
+        raise ValueError(f"gs: expected a float or a 1-element tensor, got shape {tuple(gs.shape)}")
+    return gs
 
 
 def _outputs(where, dev, lead, n, scope, q, sf, gs_out, inv, fresh):
