@@ -399,3 +399,19 @@ def test_a_dlpack_gs_without_shape_of_other_than_one_element_is_named(monkeypatc
     one = torch.full((1,), 0.5)
     _rms(x, w, gs=OnDevice(one))                # (one element: taken, read on the device)
     assert [c[3]["gs_in"] for c in rt.calls] == [one.data_ptr()]
+
+
+def test_a_dlpack_out_gs_without_shape_of_one_element_is_taken():
+    """For scopes other than 'row' out.gs may have shape () or (1,); the
+    shape it was held to was read from out.gs's .shape, which a DLPack array
+    need not have, so a bare producer's (1,) buffer was refused ('out.gs:
+    expected shape (), got (1,)') where the same memory as a tensor is
+    taken. Read from the array the rules wrap (rawkv._args.as_read)."""
+    a = Args("cpu")
+    for op in (lambda o: _rms(a.x, a.w, scope="tensor", out=o), lambda o: _sw(a.h, scope="none", out=o),
+               lambda o: _mhc(a.X, a.mix, a.w, gs=0.5, out=o)):
+        for shape in ((1,), ()):
+            g, want = torch.zeros(shape), torch.zeros(shape)
+            op((None, None, Bare(g)))
+            op((None, None, want))
+            assert torch.equal(g, want) and float(g) != 0

@@ -83,10 +83,11 @@ def split_out(out, names=("q", "sf", "gs", "inv_rms"), least: int = 3):
 
 def gs_shape(scope: str, lead: tuple, out_gs) -> tuple:
     """Shape of the gs output: `lead` for scope 'row', else () (a given
-    out.gs of shape (1,) is filled as it is)."""
+    out.gs of shape (1,) is filled as it is; its shape read as the rules
+    read it, A.as_read: a DLPack array need not have .shape)."""
     if scope == "row":
         return lead
-    return (1,) if out_gs is not None and tuple(getattr(out_gs, "shape", ())) == (1,) else ()
+    return (1,) if out_gs is not None and A.dims(A.as_read(out_gs, "out.gs")) == (1,) else ()
 
 
 # ---- shared by the row producers ---------------------------------------------------------
