@@ -51,7 +51,8 @@ class Progress:
     `delay` seconds: `rawkv: compiling N kernels for ARCH (T threads): d/N`,
     rewritten in place on a terminal; elsewhere (a log file, a pipe) one
     line when it appears and one at the end, so a log holds no carriage
-    returns. Nothing at all for a build that ends sooner."""
+    returns. Nothing at all for a build that ends sooner, or in a process
+    with no stderr (sys.stderr None)."""
 
     def __init__(self, total: int, arch: str, threads: int, out=None, delay: float = PROGRESS_DELAY_S,
                  clock=time.monotonic):
@@ -78,6 +79,8 @@ class Progress:
 
     def _write(self, text: str) -> None:
         out = self._stream()
+        if out is None:            # no stderr at all (started without fd 2, pythonw): no line
+            return
         try:
             out.write(text)
             out.flush()

@@ -325,3 +325,15 @@ def test_an_nvrtc_older_than_the_minimum_is_refused_by_name(monkeypatch):
         _nvrtc.compile_cu(src, "k.cu", "sm_90", ["k"])
     monkeypatch.setattr(_nvrtc, "nvrtc_version", lambda: _nvrtc.MIN_NVRTC)
     assert _nvrtc.compile_cu(src, "k.cu", "sm_90", ["k"]).cubin
+
+
+def test_a_slow_build_without_a_stderr_still_builds(monkeypatch):
+    """Python sets sys.stderr to None when the process starts without a file
+    descriptor 2 (a service started with 2>&-, pythonw): the progress line
+    is skipped. It raised AttributeError ('NoneType' has no 'write') out of
+    the build once the delay had passed, after every module compiled."""
+    monkeypatch.setenv("RAWKV_CACHE_DIR", "off")
+    _slow(monkeypatch, 0.3)
+    monkeypatch.setattr(sys, "stderr", None)
+    res = _compile.build(_entries(_names()[:2]), "sm_90", threads=1, delay=0.1)
+    assert [r.cubin for r in res] == [b"\x7fELF"] * 2
