@@ -33,8 +33,8 @@ guarded: an unusable cache directory only costs a recompile.
 A file larger than MAX_FILE_BYTES is damaged without being read (its size
 is checked on the open descriptor first), and a header that cannot be parsed
 (however deeply nested) is damaged too: the cache never raises. A directory
-where the temporary file cannot be created (read-only, full) costs a
-recompile on every call and one warning per directory and process. Once
+where the temporary file cannot be created or written (read-only, full)
+costs a recompile on every call and one warning per directory and process. Once
 per directory and process, temporary files of ours older than STALE_TMP_S
 (left by a writer that was killed mid-write) are removed.
 
@@ -299,12 +299,7 @@ def _atomic_write(dir_fd: int, name: str, data: bytes, d: Path) -> bool:
     fails, with a warning (once) when the directory takes no new file."""
     tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
     try:
-        try:
-            fd = os.open(tmp, _O_NEW, 0o600, dir_fd=dir_fd)
-        except OSError as exc:
-            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, _EDQUOT):
-                _warn_unwritable(d, exc)
-            raise
+        fd = os.open(tmp, _O_NEW, 0o600, dir_fd=dir_fd)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -318,9 +313,13 @@ def _atomic_write(dir_fd: int, name: str, data: bytes, d: Path) -> bool:
                 pass
             raise
         return True
-    except OSError:
+    except OSError as exc:
         # A read-only or full cache directory (or a directory where the file
-        # should be) costs a recompile next time, never a failure now.
+        # should be) costs a recompile next time, never a failure now. A full
+        # one usually fails the write or the fsync, not the create (an empty
+        # file takes no block).
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, _EDQUOT):
+            _warn_unwritable(d, exc)
         return False
 
 

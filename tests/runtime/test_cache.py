@@ -357,6 +357,47 @@ def test_read_only_directory_warns_once(cache_dir, monkeypatch):
     assert path is None and stats == {"compiles": 1} and os.listdir(cache_dir) == []
 
 
+@pytest.mark.parametrize("step", ["write", "fsync"])
+def test_full_directory_warns_once(cache_dir, monkeypatch, step):
+    """A full disk or quota: creating the empty temporary file succeeds (it
+    needs an inode, not a block), its write or fsync fails with ENOSPC /
+    EDQUOT. That costs a recompile on every start like a read-only
+    directory, and warns the same way, once; it was silent (only a failed
+    create warned)."""
+    import errno
+    cache_dir.mkdir(mode=0o700)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    if step == "write":
+        real_fdopen = os.fdopen
+
+        class _Full:
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def write(self, data):
+                raise full
+
+        monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: _Full(real_fdopen(fd, *a, **k)))
+    else:
+        def fsync(fd):
+            raise full
+        monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(_cache, "_WARNED_UNWRITABLE", set())
+    with pytest.warns(RuntimeWarning, match="cannot be written .No space left on device"):
+        _, path = _cache.load_or_compile(FILE, "sm_90", _names())
+    assert path is None and os.listdir(cache_dir) == []            # the temporary file is gone
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, path = _cache.load_or_compile(FILE, "sm_90", _names())
+    assert path is None
+
+
 def test_stale_temporary_files_are_removed(cache_dir, monkeypatch):
     """A writer killed between its write and its rename leaves a .tmp file:
     ours and over an hour old, it goes; a fresh one (a live writer), a file
