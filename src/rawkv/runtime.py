@@ -162,11 +162,13 @@ class _StreamHandle:
         return (0, self.ptr)
 
 
-def _cupy_stream(cupy, ptr: int):
+def _cupy_stream(cupy, ptr: int, device_id: int):
+    """A CuPy stream of handle `ptr` on device `device_id`, which must be
+    current: Stream.from_external takes its device from the current one."""
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:
         return from_external(_StreamHandle(ptr))
-    return cupy.cuda.ExternalStream(ptr)  # CuPy < 14
+    return cupy.cuda.ExternalStream(ptr, device_id)  # CuPy < 14
 
 
 def refuse_other_device(d, device_index: int) -> None:
@@ -437,9 +439,15 @@ class Runtime:
         return self.cupy_stream(self.stream_ptr(stream))
 
     def cupy_stream(self, ptr: int):
+        """The CuPy stream of handle `ptr` of this device (cached): made
+        with this device current, which CuPy takes as the stream's device."""
         s = self._streams.get(ptr)
         if s is None:
-            s = self._streams[ptr] = _cupy_stream(self._cupy, ptr)
+            prev = self._make_current()
+            try:
+                s = self._streams[ptr] = _cupy_stream(self._cupy, ptr, self.device_index)
+            finally:
+                self._restore_current(prev)
         return s
 
     def capturing(self, stream=None) -> bool:

@@ -282,3 +282,34 @@ def test_no_driver_means_no_programmatic_launch(monkeypatch):
         raise OSError(f"{name}: cannot open shared object file")
     monkeypatch.setattr(_launch.ctypes, "CDLL", missing)
     assert _launch.pdl_launch() is None
+
+
+@pytest.mark.parametrize("cupy_14", [True, False])
+def test_cupy_stream_of_a_runtime_is_a_stream_of_its_device(cupy_14):
+    """Runtime.stream() / cupy_stream(ptr) wrap a handle of this runtime's
+    device. CuPy's Stream.from_external takes the device from the current
+    one (ExternalStream from its argument, default -1: unknown), so
+    warmup(1) or rt.stream() on cuda:1 with cuda:0 current gave a CuPy
+    stream of device 0, kept for that handle, which CuPy then refuses
+    ('with s:', s.use()) or uses on the wrong device."""
+    from rawkv.runtime import Runtime
+    current = [0]
+
+    class Stream:
+        @staticmethod
+        def from_external(obj):
+            return types.SimpleNamespace(ptr=obj.__cuda_stream__()[1], device_id=current[0])
+
+    def external(ptr, device_id=-1):
+        return types.SimpleNamespace(ptr=ptr, device_id=device_id)
+    cuda = types.SimpleNamespace(Stream=Stream if cupy_14 else types.SimpleNamespace(), ExternalStream=external)
+    rt = Runtime.__new__(Runtime)            # no GPU: only the attributes cupy_stream uses
+    rt.device_index, rt._streams, rt._cupy = 1, {}, types.SimpleNamespace(cuda=cuda)
+
+    def exchange(d):
+        prev, current[0] = current[0], d
+        return prev
+    rt._exchange_device = rt._maybe_exchange_device = exchange
+    s = rt.cupy_stream(0x77)
+    assert (s.ptr, s.device_id) == (0x77, 1) and current == [0]       # the caller's device back
+    assert rt.cupy_stream(0x77) is s
