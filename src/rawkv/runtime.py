@@ -250,6 +250,21 @@ def warmup(device=None, files: Iterable[str] | None = None, instances: Iterable 
 # programmatic dependent launch as a graph edge.
 PDL_MIN_DRIVER = 12030
 
+_SWITCH = {"0": False, "false": False, "off": False, "no": False,
+           "": True, "1": True, "true": True, "on": True, "yes": True}
+
+
+def pdl_allowed() -> bool:
+    """$RAWKV_PDL as a switch (docs/runtime.md): unset, 1 / true / on / yes
+    allow the programmatic dependent launch, 0 / false / off / no turn it
+    off (any case, spaces around); anything else is a ValueError naming it,
+    not a launch mode chosen for a typo."""
+    env = os.environ.get("RAWKV_PDL", "")
+    on = _SWITCH.get(env.strip().lower())
+    if on is None:
+        raise ValueError(f"RAWKV_PDL: expected 0 or 1 (false / true, off / on, no / yes), got {env!r}")
+    return on
+
 
 class Runtime:
     """Compilation, module cache, streams, capture rules and launch geometry
@@ -282,8 +297,9 @@ class Runtime:
             lambda d: (self._get_device(), set_device(d))[0])
         # Programmatic dependent launch for the kernels declared `pdl`, on
         # sm_90+ devices with a driver whose graph capture records it (CUDA
-        # 12.3+); RAWKV_PDL=0 turns it off (docs/runtime.md).
-        pdl = (self.compute_capability >= (9, 0) and os.environ.get("RAWKV_PDL", "1") != "0"
+        # 12.3+); RAWKV_PDL=0 turns it off (docs/runtime.md; read on every
+        # device, so a bad value is refused wherever it is set).
+        pdl = (pdl_allowed() and self.compute_capability >= (9, 0)
                and cupy.cuda.runtime.driverGetVersion() >= PDL_MIN_DRIVER)
         self._launcher = _launch.Launcher(pdl=_launch.pdl_launch() if pdl else None)
         self._launch_call = self._plain_launch_call = self._launcher.__call__   # bound method: cheaper than calling the instance

@@ -313,3 +313,55 @@ def test_cupy_stream_of_a_runtime_is_a_stream_of_its_device(cupy_14):
     s = rt.cupy_stream(0x77)
     assert (s.ptr, s.device_id) == (0x77, 1) and current == [0]       # the caller's device back
     assert rt.cupy_stream(0x77) is s
+
+
+def _runtime_on_a_stand_in(monkeypatch, cc=(9, 0), driver=12080):
+    """A Runtime created through its __init__ on stand-ins of CuPy and torch
+    (a device of compute capability `cc`, a driver of version `driver`): its
+    launcher records the programmatic launch it is given."""
+    from rawkv import runtime
+    props = {"name": b"stand-in", "major": cc[0], "minor": cc[1], "multiProcessorCount": 132,
+             "maxThreadsPerMultiProcessor": 2048, "l2CacheSize": 50 << 20}
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
+        getDeviceProperties=lambda i: props, getDevice=lambda: 0, setDevice=lambda d: None,
+        driverGetVersion=lambda: driver)))
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(),
+                                  _C=types.SimpleNamespace(_cuda_getCurrentRawStream=lambda i: 0))
+    monkeypatch.setattr(runtime, "_gpu_stack", lambda: (cupy, torch))
+    monkeypatch.setattr(_launch, "pdl_launch", lambda: "programmatic")
+
+    class Launcher:
+        def __init__(self, pdl=None):
+            self.pdl = pdl
+
+        def __call__(self, *a):
+            raise AssertionError("no launch here")
+    monkeypatch.setattr(_launch, "Launcher", Launcher)
+    return runtime.Runtime(0)
+
+
+@pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("", True), ("true", True), ("On", True),
+                                      ("0", False), (" 0 ", False), ("false", False), ("OFF", False),
+                                      ("no", False)])
+def test_rawkv_pdl_is_read_as_a_switch(monkeypatch, value, on):
+    """RAWKV_PDL=0 turns the programmatic launch off (docs/runtime.md); so
+    do false / off / no, any case, spaces around. Only "0" exactly did:
+    RAWKV_PDL=off or false left it on, silently."""
+    if value is None:
+        monkeypatch.delenv("RAWKV_PDL", raising=False)
+    else:
+        monkeypatch.setenv("RAWKV_PDL", value)
+    assert _runtime_on_a_stand_in(monkeypatch)._launcher.pdl == ("programmatic" if on else None)
+    # the device and the driver decide as before
+    assert _runtime_on_a_stand_in(monkeypatch, cc=(8, 0))._launcher.pdl is None
+    assert _runtime_on_a_stand_in(monkeypatch, driver=12020)._launcher.pdl is None
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "disable"])
+def test_rawkv_pdl_of_another_value_is_refused_by_name(monkeypatch, value):
+    """A value that is no switch is a ValueError naming RAWKV_PDL (as
+    RAWKV_COMPILE_JOBS's), on any device, not a launch mode chosen for it."""
+    monkeypatch.setenv("RAWKV_PDL", value)
+    for cc in ((9, 0), (8, 0)):
+        with pytest.raises(ValueError, match=rf"^RAWKV_PDL: .*got {value!r}"):
+            _runtime_on_a_stand_in(monkeypatch, cc=cc)
