@@ -8,7 +8,6 @@ the W4A8 one where plans' W4A8_MMA_PDL rule takes it; the wgmma kernels,
 which launch the plain way), and with the producers between them
 (quantize_blocks, rmsnorm_quantize: programmatic too, waiting first); the
 outputs start as NaN, so a read before the first GEMM's writes would show."""
-import os
 import types
 
 import numpy as np
@@ -93,7 +92,7 @@ def test_dependent_gemms_same_bits_in_a_graph(cuda, rng, tokens, k):
     # tokens take the mma.sync kernel (weights streamed before the wait; at
     # K = 2,048 its small-grid tiles on sm_90, eight warps along K), 300 the
     # wgmma kernel on sm_90
-    if cuda.compute_capability >= (9, 0) and os.environ.get("RAWKV_PDL", "1") != "0":
+    if cuda.compute_capability >= (9, 0) and rawkv.runtime.pdl_allowed():
         assert cuda._launcher._pdl is not None          # (so the chain below is programmatic)
     g = 4
     ws = [random_weight(rng, g, k, k, "nvfp4")[0] for _ in range(4)]
