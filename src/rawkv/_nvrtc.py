@@ -146,7 +146,10 @@ def compile_cu(source: str, filename: str, arch: str, name_expressions,
         nvrtc.nvrtcGetProgramLog(prog, log_buf)
         log = bytes(log_buf).decode(errors="replace").rstrip("\x00 \n")
         if int(res[0]) != 0:
-            raise CompileError(f"{filename} failed to compile for {arch}:\n{log}")
+            # NVRTC's result too: some failures (its builtins library missing
+            # or of another release, out of memory) leave the log empty.
+            raise CompileError(f"{filename} failed to compile for {arch} "
+                               f"({getattr(res[0], 'name', res[0])}):\n{log}")
         lowered = {}
         for n in names:
             err, sym = nvrtc.nvrtcGetLoweredName(prog, n.encode())

@@ -337,3 +337,22 @@ def test_a_slow_build_without_a_stderr_still_builds(monkeypatch):
     monkeypatch.setattr(sys, "stderr", None)
     res = _compile.build(_entries(_names()[:2]), "sm_90", threads=1, delay=0.1)
     assert [r.cubin for r in res] == [b"\x7fELF"] * 2
+
+
+def test_a_compile_failure_names_nvrtcs_result(monkeypatch):
+    """NVRTC can fail with nothing in its log: NVRTC_ERROR_BUILTIN_OPERATION_FAILURE
+    (its builtins library missing or of another release, what
+    cuda.pathfinder preloads against), out of memory. The CompileError said
+    only 'k.cu failed to compile for sm_90:' then; it names the result."""
+    real = _nvrtc._nvrtc()
+    stand_in = types.SimpleNamespace(**{n: getattr(real, n) for n in dir(real) if n.startswith("nvrtc")})
+    failure = real.nvrtcResult.NVRTC_ERROR_BUILTIN_OPERATION_FAILURE
+
+    def compile_program(prog, n, opts):
+        real.nvrtcCompileProgram(prog, n, opts)          # a clean compile: an empty log
+        return (failure,)
+    stand_in.nvrtcCompileProgram = compile_program
+    monkeypatch.setattr(_nvrtc, "_nvrtc", lambda: stand_in)
+    src = 'extern "C" __global__ void k(int* p) { *p = 1; }'
+    with pytest.raises(CompileError, match=r"^k\.cu failed to compile for sm_90 \(NVRTC_ERROR_BUILTIN_OPERATION_FAILURE\)"):
+        _nvrtc.compile_cu(src, "k.cu", "sm_90", ["k"])
