@@ -50,6 +50,33 @@ class LaunchError(RuntimeError):
     pass
 
 
+# What the driver takes of a launch's geometry on every CUDA GPU: grid x up
+# to 2^31 - 1, y and z up to 65535; a block of at most 1024 threads (z at
+# most 64); no dimension 0.
+GRID_MAX = (2 ** 31 - 1, 65535, 65535)
+BLOCK_MAX = (1024, 1024, 64)
+BLOCK_THREADS = 1024
+
+
+def launch_failure(what, grid, block, shared_mem, err) -> str:
+    """The message of a launch the driver refused (`err`: its error): the
+    kernel (`what`, an Instance, names it), the geometry, and any dimension
+    outside what every GPU takes (the usual cause of CUDA_ERROR_INVALID_VALUE)."""
+    name = getattr(what, "expr", None) or "a kernel"
+    out = []
+    try:
+        g, b = dim3(grid), dim3(block)
+        for kind, dims, limits in (("grid", g, GRID_MAX), ("block", b, BLOCK_MAX)):
+            out += [f"{kind} {axis} {v} is outside 1..{m}" for axis, v, m in zip("xyz", dims, limits)
+                    if not 1 <= v <= m]
+        if b[0] * b[1] * b[2] > BLOCK_THREADS:
+            out.append(f"a block of {b[0] * b[1] * b[2]} threads is more than {BLOCK_THREADS}")
+    except (TypeError, ValueError):
+        g, b = grid, block
+    return (f"launch of {name} failed (grid {g}, block {b}, {shared_mem} bytes of dynamic shared "
+            f"memory): {err}" + "".join(f"; {p}" for p in out))
+
+
 def dim3(d) -> tuple[int, int, int]:
     """(x, y, z) of a grid/block given as an int or a 1-3 tuple."""
     if isinstance(d, int):
@@ -192,13 +219,19 @@ class Launcher:
         params = slots[1] if st.__class__ is not WideStruct else self._params_at(slots, st.starts)
         raw = self.raw_for(what)
         if type(grid) is tuple and type(block) is tuple and len(grid) == 1 and len(block) == 1:
-            err = raw(fn.ptr, grid[0], 1, 1, block[0], 1, 1, shared_mem, stream_ptr, params, 0)
+            try:
+                err = raw(fn.ptr, grid[0], 1, 1, block[0], 1, 1, shared_mem, stream_ptr, params, 0)
+            except Exception as exc:        # CuPy's binding raises CUDADriverError itself
+                raise LaunchError(launch_failure(what, grid, block, shared_mem, exc)) from exc
         else:
             gx, gy, gz = dim3(grid)
             bx, by, bz = dim3(block)
-            err = raw(fn.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr, params, 0)
-        if err:
-            raise LaunchError(f"cuLaunchKernel failed: error {err}")
+            try:
+                err = raw(fn.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr, params, 0)
+            except Exception as exc:
+                raise LaunchError(launch_failure(what, grid, block, shared_mem, exc)) from exc
+        if err:                             # cuLaunchKernelEx's CUresult
+            raise LaunchError(launch_failure(what, grid, block, shared_mem, f"error {err}"))
 
 
 def bound_launch(rt, fn, grid, block, st, shared_mem: int, what):
@@ -234,8 +267,11 @@ def bound_launch(rt, fn, grid, block, st, shared_mem: int, what):
             pack(slots[0], 0, *values)
         except struct.error as exc:
             raise TypeError(describe_bad_argument(what, values, exc)) from None
-        err = raw(fptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr(), slots[1], 0)
+        try:
+            err = raw(fptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr(), slots[1], 0)
+        except Exception as exc:
+            raise LaunchError(launch_failure(what, grid, block, shared_mem, exc)) from exc
         if err:
-            raise LaunchError(f"cuLaunchKernel failed: error {err}")
+            raise LaunchError(launch_failure(what, grid, block, shared_mem, f"error {err}"))
     go.fn = fn          # holds the module: its address stays valid while go lives
     return go

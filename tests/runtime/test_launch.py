@@ -365,3 +365,33 @@ def test_rawkv_pdl_of_another_value_is_refused_by_name(monkeypatch, value):
     for cc in ((9, 0), (8, 0)):
         with pytest.raises(ValueError, match=rf"^RAWKV_PDL: .*got {value!r}"):
             _runtime_on_a_stand_in(monkeypatch, cc=cc)
+
+
+def test_a_failed_launch_names_its_kernel_geometry_and_what_is_out_of_range():
+    """A launch the driver refuses (a grid's y past 65535, a zero
+    dimension, a block of more than 1024 threads) said 'cuLaunchKernel
+    failed: error 1' (cuLaunchKernelEx) or CuPy's bare 'CUDA_ERROR_INVALID_VALUE:
+    invalid argument': no kernel, no geometry. It is a LaunchError naming
+    both and the dimension out of range, the driver's error kept as its cause."""
+    enc = kernels.fp8.ENCODE.instance("float32", True)
+    gemm = kernels.gemm_fp4.GEMM.instance(*kernels.gemm_fp4.GEMM._instance_args[0])
+    zeros = tuple(0 for _ in range(gemm.struct.size // 8))
+
+    def cupy_raw(*a):
+        raise RuntimeError("CUDA_ERROR_INVALID_VALUE: invalid argument")
+    launcher = _launch.Launcher(raw=cupy_raw, pdl=lambda *a: 1)
+    with pytest.raises(_launch.LaunchError, match=r"rkv_e4m3_encode<float, true>.*grid \(3, 70000, 1\), block "
+                       r"\(128, 1, 1\).*CUDA_ERROR_INVALID_VALUE.*grid y 70000 is outside 1\.\.65535") as e:
+        launcher(_Fn(), (3, 70000, 1), (128,), enc.struct, (0, 0, 5), 0, 77, enc)
+    assert isinstance(e.value.__cause__, RuntimeError)
+    with pytest.raises(_launch.LaunchError, match=r"grid \(0, 1, 1\).*grid x 0 is outside 1\.\."):
+        launcher(_Fn(), (0,), (128,), enc.struct, (0, 0, 5), 0, 77, enc)
+    with pytest.raises(_launch.LaunchError, match=rf"{gemm.kernel.name}<.*block \(2048, 1, 1\).*error 1.*"
+                       r"block of 2048 threads is more than 1024"):
+        launcher(_Fn(), (3, 2, 1), (2048,), gemm.struct, zeros, 0, 77, gemm)
+    rt = _BoundRuntime()
+    rt._launcher = _launch.Launcher(raw=cupy_raw)
+    rt._launch_call = rt._plain_launch_call = rt._launcher.__call__
+    go = _launch.bound_launch(rt, _Fn(), (1, 1, 65536), (32,), enc.struct, 0, enc)
+    with pytest.raises(_launch.LaunchError, match=r"rkv_e4m3_encode<float, true>.*grid z 65536 is outside"):
+        go(0, 0, 5)
