@@ -7,7 +7,8 @@ the full cache key it was compiled for:
     | sha256 of all before
 
 The key covers everything that changes the binary: rawkv's version, the NVRTC
-version and the identity (path, size, mtime) of the NVRTC library, the full compile options (architecture, numeric flags, -D constants,
+version and the identity (path, size, mtime) of the NVRTC library (of each
+one mapped), the full compile options (architecture, numeric flags, -D constants,
 -I include directories), the identity (path, size, mtime) of the CUDA headers
 rawkv includes, the name expressions and the text of every file under rawkv/cu
 (so editing a shared header invalidates every module that might include it).

@@ -67,7 +67,10 @@ def nvrtc_library() -> str:
     """Path, size and mtime of the NVRTC library this process loaded (read
     from /proc/self/maps once nvrtc_version() has loaded it), or "" where
     that cannot be read: nvrtcVersion() names only major.minor, and another
-    release of the same minor (12.9.41 -> 12.9.86) may compile other code."""
+    release of the same minor (12.9.41 -> 12.9.86) may compile other code.
+    Every libnvrtc mapped, one a line, where there are several (a conda
+    torch's beside cuda-python's pip one): the maps do not say which one
+    cuda-python compiles with, and the first by path need not be it."""
     nvrtc_version()
     try:
         with open("/proc/self/maps") as maps:
@@ -75,14 +78,15 @@ def nvrtc_library() -> str:
             paths = {f[5].strip() for f in (line.split(None, 5) for line in maps) if len(f) == 6}
     except OSError:
         return ""
+    found = []
     for path in sorted(paths):
         if os.path.basename(path).startswith("libnvrtc.so"):
             try:
                 st = os.stat(path)
             except OSError:
                 continue
-            return f"{path}:{st.st_size}:{st.st_mtime_ns}"
-    return ""
+            found.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
+    return "\n".join(found)
 
 
 @functools.lru_cache(maxsize=None)

@@ -356,3 +356,25 @@ def test_a_compile_failure_names_nvrtcs_result(monkeypatch):
     src = 'extern "C" __global__ void k(int* p) { *p = 1; }'
     with pytest.raises(CompileError, match=r"^k\.cu failed to compile for sm_90 \(NVRTC_ERROR_BUILTIN_OPERATION_FAILURE\)"):
         _nvrtc.compile_cu(src, "k.cu", "sm_90", ["k"])
+
+
+def test_key_names_every_nvrtc_library_the_process_has_loaded(tmp_path, monkeypatch):
+    """Two libnvrtc files mapped at once (a conda torch's and cuda-python's
+    pip one): the identity took the first by path, which need not be the
+    one compiling, so a patch release of the other kept the key. Each
+    loaded library is in it."""
+    libs = []
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        lib = tmp_path / d / "libnvrtc.so.12"
+        lib.write_bytes(b"\x7fELF " + d.encode())
+        libs.append(lib)
+    maps = "".join(f"7f00-7f10 r-xp 00000000 08:01 {i} {p}\n" for i, p in enumerate(libs))
+    maps += "7f20-7f30 r-xp 00000000 08:01 9 /usr/lib/libc.so.6\n"
+    real_open = open
+    monkeypatch.setattr(_nvrtc, "open", lambda p, *a, **k: io.StringIO(maps) if p == "/proc/self/maps"
+                        else real_open(p, *a, **k), raising=False)
+    before = _nvrtc.nvrtc_library.__wrapped__()
+    assert str(libs[0]) in before
+    libs[1].write_bytes(b"\x7fELF b, another patch release")
+    assert _nvrtc.nvrtc_library.__wrapped__() != before
