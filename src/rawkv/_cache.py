@@ -39,8 +39,9 @@ costs a recompile on every call and one warning per directory and process. Once
 per directory and process, temporary files of ours older than STALE_TMP_S
 (left by a writer that was killed mid-write) are removed.
 
-The directory is $RAWKV_CACHE_DIR, else $XDG_CACHE_HOME/rawkv, else
-~/.cache/rawkv (a leading ~ is expanded). RAWKV_CACHE_DIR=off disables the
+The directory is $RAWKV_CACHE_DIR, else $XDG_CACHE_HOME/rawkv (an absolute
+path: a relative one is ignored, as the XDG spec says), else ~/.cache/rawkv
+(a leading ~ is expanded). RAWKV_CACHE_DIR=off disables the
 disk cache.
 """
 from __future__ import annotations
@@ -72,8 +73,10 @@ def cache_dir() -> Path | None:
     env = os.environ.get("RAWKV_CACHE_DIR")
     if env is not None:
         return None if env.strip().lower() in ("", "off", "0", "none") else Path(os.path.expanduser(env))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    return Path(os.path.expanduser(base)) / "rawkv"
+    base = os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or "")
+    if not os.path.isabs(base):         # unset, or relative: invalid (the XDG spec)
+        base = os.path.expanduser(os.path.join("~", ".cache"))
+    return Path(base) / "rawkv"
 
 
 def sources_digest() -> str:

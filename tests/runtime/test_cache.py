@@ -502,3 +502,17 @@ print(json.dumps([s, str(path), res.cubin.hex()]))
         os.unlink(gate / f)
     second = run_all()
     assert [s for s, _, _ in second] == [{"disk_hits": 1}] * n
+
+
+def test_relative_xdg_cache_home_is_ignored(tmp_path, monkeypatch):
+    """The XDG base directory spec: a relative XDG_CACHE_HOME is invalid and
+    ignored. It was taken relative to the working directory, so each
+    directory a program started in got a cache of its own (a project's
+    checkout one too)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAWKV_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert _cache.cache_dir() == home / ".cache" / "rawkv"
