@@ -415,6 +415,15 @@ def _as_array(a, name: str, where: str):
     return _dlpack_array(a, name)
 
 
+#: tensor()'s `align` for an argument a kernel loads, stores or atomically
+#: adds to element by element (a float32 gs or scale, an int32 counter, int64
+#: indices): its first element aligned to its own size. A misaligned 4- or
+#: 8-byte access faults on the GPU (a sticky error), where numpy on the host
+#: reads it; torch's views never make one, a DLPack array (CuPy, numpy) or
+#: torch.frombuffer at an odd byte offset may.
+ELEMENT = -1
+
+
 def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, device=None,
            dense: bool = True, align: int = 1):
     """The check of one tensor argument, the same for every op on CPU and
@@ -422,8 +431,8 @@ def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, d
     spells them), at least `min_ndim` dimensions, of `shape` if given, on
     CUDA device `device` (an index; -1 is the host) if given, C-contiguous
     unless `dense` is False (the op then checks the strides it takes
-    itself), its first element `align`-byte aligned when it holds any.
-    `where` is the op's placement (placement). Numpy arrays
+    itself), its first element `align`-byte aligned when it holds any
+    (ELEMENT: aligned to its element size). `where` is the op's placement (placement). Numpy arrays
     and CPU tensors are held to the rules the kernels need, so code that
     runs on CPU runs on the GPU. Returns the array: a torch tensor or numpy
     array as given, another DLPack array wrapped (as_cuda_tensor)."""
@@ -453,6 +462,8 @@ def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, d
     if dense and not v.is_contiguous():
         raise ValueError(f"{name}: must be contiguous (got strides {tuple(v.stride())}); "
                          "call .contiguous() first")
+    if align == ELEMENT:
+        align = v.element_size()
     if align > 1 and v.data_ptr() % align and v.numel():
         raise ValueError(f"{name}: data must be {align}-byte aligned for this kernel "
                          f"(address {v.data_ptr():#x}); pass a fresh copy (.clone(): .contiguous() "
@@ -544,8 +555,9 @@ def _device_name(index: int) -> str:
 
 def counter(errors, where: str, device: int, name: str = "errors"):
     """An error counter the op adds to: an int32 tensor of at least one
-    element (the kernels add to its first), on the op's device."""
-    errors = tensor(errors, name, ("int32",), where, device=device)
+    element (the kernels add to its first, atomically: 4-byte aligned), on
+    the op's device."""
+    errors = tensor(errors, name, ("int32",), where, device=device, align=ELEMENT)
     if numel(errors) < 1:
         raise ValueError(f"{name}: expected an int32 tensor with at least 1 element")
     return errors

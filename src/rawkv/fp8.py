@@ -58,7 +58,7 @@ def _encode_args(x, out):
     """(placement, x, out) of an encode, checked."""
     where = A.placement(("x", x), ("out", out))
     A.check_outputs((("out", out),), (("x", x),))
-    x = A.tensor(x, "x", A.FLOATS, where)
+    x = A.tensor(x, "x", A.FLOATS, where, align=A.ELEMENT)
     out = A.tensor(out, "out", CODES, where, shape=x.shape, device=A.device_of(x))
     return where, x, out
 
@@ -68,7 +68,7 @@ def _decode_args(codes, out, dtype):
     where = A.placement(("codes", codes), ("out", out))
     A.check_outputs((("out", out),), (("codes", codes),))
     codes = A.tensor(codes, "codes", CODES, where)
-    out, name = A.decoded(out, dtype, where, codes.shape, A.device_of(codes))
+    out, name = A.decoded(out, dtype, where, codes.shape, A.device_of(codes), align=A.ELEMENT)
     return where, codes, out, name
 
 
@@ -100,10 +100,12 @@ _DECODE_FAST: dict = {}
 
 
 def _fast_key(a, out, n, ap, op_, dtype=None) -> tuple:
-    # (a negative bit or a zero pointer holding elements is a key the checked
-    # path, which refuses them, never remembers: such a call takes it)
+    # (a negative bit, a zero pointer holding elements or a pointer not
+    # aligned to its elements is a key the checked path, which refuses them,
+    # never remembers: such a call takes it)
     return (a.get_device(), out.get_device(), a.dtype, out.dtype, n, (ap | op_) & 15 == 0, dtype,
-            a.is_neg() or out.is_neg() or (n > 0 and not (ap and op_)))
+            a.is_neg() or out.is_neg() or (n > 0 and not (ap and op_))
+            or (ap % a.element_size() or op_ % out.element_size()) != 0)
 
 
 def _remember(cache: dict, key: tuple, inst, rt, n) -> None:
@@ -261,7 +263,7 @@ def check_scales(scales, name: str, scale_format: str, where: str, shape, device
     values; any layout check_scale_layout takes), and the kernels' scale
     format (rawkv.kernels.fp8_blocks SCALE_*) it asks for."""
     scales = A.tensor(scales, name, ("float32",) if scale_format == "fp32" else UE8M0_SCALES, where, shape=shape,
-                      device=device, dense=False)
+                      device=device, dense=False, align=A.ELEMENT)
     check_scale_layout(scales, name, write=True)
     return scales, scales_kind(scale_format, scales)
 
@@ -427,7 +429,8 @@ def _dequantize_blocks_args(codes, scales, block, out, dtype):
     rows, k = _block_rows(codes, "codes", block)
     dev = A.device_of(codes)
     scales = A.tensor(scales, "scales", UE8M0_SCALES, where,
-                      shape=(*codes.shape[:-1], bref.block_count(k, block)), device=dev, dense=False)
+                      shape=(*codes.shape[:-1], bref.block_count(k, block)), device=dev, dense=False,
+                      align=A.ELEMENT)
     check_scale_layout(scales, "scales", write=False)
     out, name = A.decoded(out, dtype, where, codes.shape, dev, align=16)
     return where, codes, scales, rows, k, out, name

@@ -15,3 +15,18 @@ def misaligned(t, offset):
     v.copy_(t)
     assert v.data_ptr() % 16 == offset % 16
     return v
+
+
+def off_element(t):
+    """A contiguous copy of CPU tensor t starting one byte past a 16-byte
+    aligned address: not aligned to its own elements (2, 4 or 8 bytes), as
+    a DLPack array (CuPy, numpy) viewed at an odd offset of a byte blob may
+    be; torch's own views never are (view(dtype) refuses the offset)."""
+    import numpy as np
+    nbytes = t.numel() * t.element_size()
+    raw = np.zeros(nbytes + 32, np.uint8)
+    start = (-raw.ctypes.data) % 16 + 1
+    v = torch.frombuffer(raw[start:start + nbytes], dtype=t.dtype).view(t.shape)
+    v.copy_(t)
+    assert v.data_ptr() % 16 == 1
+    return v

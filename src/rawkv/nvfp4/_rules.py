@@ -60,7 +60,7 @@ def decode_gs(gs, lead, where, device):
     tensor) | ('row', contiguous float32 tensor of shape `lead`)."""
     if isinstance(gs, float):
         return "value", gs
-    gs = A.tensor(gs, "gs", ("float32",), where, device=device, dense=False)
+    gs = A.tensor(gs, "gs", ("float32",), where, device=device, dense=False, align=A.ELEMENT)
     one = A.numel(gs) == 1
     if not one and tuple(gs.shape) != tuple(lead):
         raise ValueError(f"gs: expected a scalar (1 element) or one scale per row, shape "

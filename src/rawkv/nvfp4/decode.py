@@ -82,7 +82,7 @@ def _arguments(q, sf, gs, gs_value, indices, out, errors, dtype):
     q, sf, n = C.q_sf(q, sf, where)
     dev, lead = A.device_of(q), tuple(q.shape[:-1])
     kind, gs = C.decode_gs(gs, lead, where, dev)
-    idx = A.tensor(indices, "indices", A.INDEX, where, device=dev)
+    idx = A.tensor(indices, "indices", A.INDEX, where, device=dev, align=A.ELEMENT)
     out, name = A.decoded(out, dtype, where, (*idx.shape, n), dev, align=16)
     if errors is not None:
         errors = A.counter(errors, where, dev)

@@ -124,14 +124,14 @@ def _arguments(x, scope, gs, gs_value, q, sf, gs_out, errors):
     x, m, n, ldx = A.rows(x, "x", A.FLOATS, where, align=16)
     xdt, dev, lead = A.dtype_name(x), A.device_of(x), tuple(x.shape[:-1])
     if gs is not None and gs.__class__ is not float:
-        gs = A.tensor(gs, "gs", ("float32",), where, device=dev, dense=False)
+        gs = A.tensor(gs, "gs", ("float32",), where, device=dev, dense=False, align=A.ELEMENT)
     q = A.tensor(q, "out[0]", A.BYTES, where, shape=(*lead, n // 2), device=dev, align=16)
     sf = A.tensor(sf, "out[1]", A.BYTES, where, shape=(*lead, n // BLOCK), device=dev, align=16)
     if gs_out is None and (gs is None or gs.__class__ is float):
         raise ValueError("gs_out: required unless gs is a tensor (scope 'given'), which is then the gs")
     if gs_out is not None:
         gs_out = A.tensor(gs_out, "out[2]", ("float32",), where, shape=lead if scope == "row" else (),
-                          device=dev)
+                          device=dev, align=A.ELEMENT)
     if errors is not None:
         errors = A.counter(errors, where, dev)
     if where == "cpu":
@@ -174,7 +174,7 @@ def _global_scale_arguments(x, gs_out):
     where = A.placement(("x", x), ("out", gs_out))
     A.check_outputs((("out", gs_out),), (("x", x),))
     x, m, n, ldx = A.rows(x, "x", A.FLOATS, where, align=16)
-    gs_out = A.tensor(gs_out, "out", ("float32",), where, shape=(), device=A.device_of(x))
+    gs_out = A.tensor(gs_out, "out", ("float32",), where, shape=(), device=A.device_of(x), align=A.ELEMENT)
     if where == "cpu":
         x, gs_out = A.host(x, gs_out)
     ref.check_last_dim(n, "x")
