@@ -807,7 +807,7 @@ def check_scope_gs(scope, gs, scopes, default: str):
     (require_array) of one element, returned as it is: its dtype, device and
     value are the family's to check."""
     scope = default_scope(scope, gs, default)
-    if scope not in scopes:
+    if not isinstance(scope, str) or scope not in scopes:     # (an array compares elementwise)
         raise ValueError(f"scope: expected one of {tuple(scopes)}, got {scope!r}")
     if scope != "given":
         if gs is not None:

@@ -72,6 +72,27 @@ def test_other_non_arrays_refused():
         nv.unswizzle_scales(np.zeros(512, np.uint8), None)
 
 
+
+@pytest.mark.parametrize("scope", [np.array(["row", "tensor"]), np.array("row"), ["row"], 1])
+def test_a_scope_that_is_not_a_string_is_named(scope):
+    """The operator takes a `str scope`, and so does the public op. (Found
+    by a review: an array scope reached `scope == "row"` and `scope not in
+    SCOPES`, whose elementwise comparison raised numpy's 'truth value of an
+    array ... is ambiguous', naming nothing, or took a 0-d one as 'row'.)"""
+    x = _parts()[0]
+    for call in (lambda: nv.quantize(x, scope=scope), lambda: nv.quantize(x, scope=scope, out=(None, None, None)),
+                 lambda: nv.quantize(x, scope=scope, gs=0.5)):
+        with pytest.raises(ValueError, match="^scope: expected one of"):
+            call()
+
+
+@pytest.mark.parametrize("shape", [np.array(4), torch.tensor(4)])
+def test_an_unswizzle_shape_that_is_no_sequence_is_named(shape):
+    """(Found by a review: a 0-d array or tensor passed the `__iter__` test,
+    and iterating it raised 'iteration over a 0-d array', naming nothing.)"""
+    with pytest.raises(TypeError, match="^shape: expected a sequence of ints"):
+        nv.unswizzle_scales(np.zeros(512, np.uint8), shape)
+
 def test_zero_d_inputs():
     x, q, sf, gs = _parts()
     assert gs.shape == () and nv.quantize(x)[2].shape == ()

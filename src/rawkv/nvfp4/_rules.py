@@ -90,7 +90,11 @@ def linear_shape(shape, out) -> tuple:
     an out= given must have (the operator takes the shape from out)."""
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
         raise TypeError(f"shape: expected a sequence of ints, got {shape!r}")
-    shape = tuple(size(s, "shape") for s in shape)         # 2.5 was taken as 2
+    try:
+        items = tuple(shape)          # (a 0-d array or tensor has __iter__ and raises here)
+    except TypeError:
+        raise TypeError(f"shape: expected a sequence of ints, got {shape!r}") from None
+    shape = tuple(size(s, "shape") for s in items)         # 2.5 was taken as 2
     if not shape:
         raise ValueError("shape: expected at least 1 dimension")
     if getattr(out, "shape", None) is not None and tuple(out.shape) != shape:

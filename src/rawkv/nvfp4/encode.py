@@ -77,7 +77,8 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
         if sf is None:
             sf = empty(x, (*lead, n // BLOCK), "uint8", stream)
         if g is None and gs_t is None:
-            g = empty(x, lead if scope == "row" else (), "float32", stream)
+            # (a str first: an array scope compares elementwise; the op names it)
+            g = empty(x, lead if isinstance(scope, str) and scope == "row" else (), "float32", stream)
     _quantize(x, scope, gs_t, gs_v, q, sf, g, errors, stream)
     return A.as_q(q), A.as_sf(sf), g if g is not None else gs_t.reshape(())
 
