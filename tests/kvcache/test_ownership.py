@@ -270,6 +270,23 @@ def _duplicate_block_case(device, seed, layout, has_index, start_entry, dup):
     return errors, state["written"][a], state["marks"][blocks], data
 
 
+def _assert_lowest_entries(got, clean, start_entry):
+    """Each record of block 0 of a named-twice case holds the bytes of the
+    launch's lowest entry at it, as the clean case (logical block 1 on A's
+    block 1) wrote them; block 2 the same bytes."""
+    for (blk, name), v in got[3].items():
+        if blk == 2:
+            np.testing.assert_array_equal(v, clean[3][(2, name)], err_msg=name)
+        elif blk == 0 and name in ("kv_fp8", "kv_scale", "kv_rope", "idx_q", "idx_sf"):
+            # (the rawkv layout's arrays hold a block's records in order, as bytes: record r's
+            # lowest entry is r from entry 0, else entry 4 + r of logical block 1)
+            for r in range(4):
+                mine = clean[3][(0 if r >= start_entry else 1, name)].reshape(4, -1)[r]
+                np.testing.assert_array_equal(v.reshape(4, -1)[r], mine, err_msg=f"{name} record {r}")
+        elif blk == 0 and start_entry == 0:
+            np.testing.assert_array_equal(v, clean[3][(0, name)], err_msg=name)
+
+
 @pytest.mark.parametrize("has_index", [False, True])
 @pytest.mark.parametrize("layout", ["rawkv", "model1"])
 @pytest.mark.parametrize("start_entry", [0, 2])
@@ -278,11 +295,14 @@ def test_cpu_prefill_into_a_block_named_twice(seed, layout, has_index, start_ent
     entry of the launch at a record writes it, the other is counted
     (reference.paged_flush_write's rule). From entry 2, entries 4 and 5 are
     the lowest at records 0 and 1 (entries 0, 1 are not in the launch)."""
-    errors, written, marks, _ = _duplicate_block_case("cpu", seed, layout, has_index, start_entry, True)
+    got = _duplicate_block_case("cpu", seed, layout, has_index, start_entry, True)
+    errors, written, marks, _ = got
     assert errors == (4 if start_entry == 0 else 2)
     assert written == (4 if start_entry == 0 else 10)     # the highest entry written, + 1
     np.testing.assert_array_equal(marks, [[1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0] if start_entry else
                                           [0, 0, 0, 0]])
+    _assert_lowest_entries(got, _duplicate_block_case("cpu", seed, layout, has_index, start_entry, False),
+                           start_entry)
 
 
 @pytest.mark.parametrize("has_index", [False, True])
@@ -298,18 +318,8 @@ def test_gpu_prefill_into_a_block_named_twice(cuda, seed, layout, has_index, sta
     got = _duplicate_block_case("cuda", seed, layout, has_index, start_entry, True)
     assert got[:2] == want[:2]
     np.testing.assert_array_equal(got[2], want[2])
-    clean = _duplicate_block_case("cuda", seed, layout, has_index, start_entry, False)
-    for (blk, name), v in got[3].items():
-        if blk == 2:
-            np.testing.assert_array_equal(v, clean[3][(2, name)], err_msg=name)
-        elif blk == 0 and name in ("kv_fp8", "kv_scale", "kv_rope", "idx_q", "idx_sf"):
-            # (the rawkv layout's arrays are per record: row r's lowest entry is r from entry 0,
-            # else entry 4 + r of logical block 1)
-            for r in range(4):
-                np.testing.assert_array_equal(v[r], clean[3][(0 if r >= start_entry else 1, name)][r],
-                                              err_msg=f"{name} record {r}")
-        elif blk == 0 and start_entry == 0:
-            np.testing.assert_array_equal(v, clean[3][(0, name)], err_msg=name)
+    _assert_lowest_entries(got, _duplicate_block_case("cuda", seed, layout, has_index, start_entry, False),
+                           start_entry)
 
 
 # ---------------------------------------------------------------------------
