@@ -827,6 +827,20 @@ def check_scope_gs(scope, gs, scopes, default: str):
     return scope, gs
 
 
+def gs_tensor(gs, where: str, device: int):
+    """A given gs that is an array (check_scope_gs let it through): float32,
+    one element, on `device`, its element aligned (the kernels load it as a
+    float, in place). check_scope_gs refuses a shape of other than ones on
+    the .shape it reads, which a DLPack array need not have (with 2
+    elements or none the CPU failed in numpy unnamed and a kernel read the
+    first float of two, or past an empty gs): the count is checked here, on
+    the array the rules read. Returns it (a DLPack array wrapped, tensor())."""
+    gs = tensor(gs, "gs", ("float32",), where, device=device, dense=False, align=ELEMENT)
+    if numel(gs) != 1:
+        raise ValueError(f"gs: expected a float or a 1-element tensor, got shape {tuple(gs.shape)}")
+    return gs
+
+
 def op_gs(gs, gs_value, required: bool = False):
     """A public op's gs from its custom operator's two arguments (a schema
     argument has one type, rawkv._opdecl): a tensor `gs` or a number

@@ -417,3 +417,57 @@ def test_a_dlpack_input_without_shape_is_sized_as_the_rules_read_it():
         for g, w in zip(got, want):         # (a host DLPack input gets numpy outputs: BF16 as float32)
             g, w = (t.view(torch.uint8) if t.element_size() == 1 else t.float() for t in (torch.as_tensor(g), w))
             assert torch.equal(g, w)
+
+
+class _OnDevice(Bare):
+    """A bare CUDA DLPack producer (read as a fake CUDA tensor)."""
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+@pytest.mark.parametrize("n", [0, 2])
+def test_a_dlpack_gs_without_shape_of_other_than_one_element_is_named(rt, monkeypatch, n):
+    """A given gs is one element; a DLPack gs without .shape slipped past
+    that check (check_scope_gs reads .shape): on CPU the reference failed
+    with numpy's unnamed 'cannot reshape array of size 2 into shape ()', on
+    CUDA the kernel read the first of 2 floats, or past an empty gs.
+    Refused on both, naming gs, before anything is launched or written."""
+    from rawkv import _args
+    x, g = torch.randn(4, 32), torch.full((n,), 0.5)
+    q, sf, gout = torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8), torch.zeros(())
+    msg = rf"^gs: expected a float or a 1-element tensor, got shape \({n},\)"
+    for out in (None, (q, sf, gout)):
+        with pytest.raises(ValueError, match=msg):
+            nv.quantize(x, scope="given", gs=Bare(g), out=out)
+    monkeypatch.setattr(_args, "as_cuda_tensor", lambda a, name: fake(a.a) if isinstance(a, _OnDevice) else fake(a))
+    for out in (None, tuple(map(fake, (q, sf, gout)))):
+        with pytest.raises(ValueError, match=msg):
+            nv.quantize(fake(x), scope="given", gs=_OnDevice(g), out=out)
+    assert rt.calls == [] and not q.any() and not sf.any() and not gout.any()
+
+
+def test_a_dlpack_gs_without_reshape_is_returned_as_the_gs_it_is():
+    """With no out gs the given gs is the result's gs, reshaped to (): a
+    DLPack array need not have .reshape (AttributeError: 'Bare' object has
+    no attribute 'reshape' after the encode ran); it comes back as the view
+    of its memory the rules read, shape ()."""
+    x, g = torch.randn(4, 32), torch.full((1,), 0.5)
+    q, sf, gs = nv.quantize(x, scope="given", gs=Bare(g))
+    want = nv.quantize(x, scope="given", gs=g)
+    assert torch.is_tensor(gs) and gs.shape == () and gs.data_ptr() == g.data_ptr()
+    assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(gs, want[2])
+    a = np.full((1,), 0.5, np.float32)
+    assert nv.quantize(x.numpy(), scope="given", gs=Bare(a))[2].shape == ()
+
+
+def test_a_device_dlpack_gs_of_one_element_is_read_on_the_device(rt, monkeypatch):
+    """The one-element bare device gs is taken: the kernel reads it in place,
+    and it is the result's gs (the view the rules read)."""
+    from rawkv import _args
+    monkeypatch.setattr(_args, "as_cuda_tensor", lambda a, name: fake(a.a) if isinstance(a, _OnDevice) else fake(a))
+    monkeypatch.setattr(_args, "_dlpack_view", lambda a: fake(a.a))
+    g = torch.full((1,), 0.5)
+    _, _, gs = nv.quantize(fake(torch.randn(4, 32)), scope="given", gs=_OnDevice(g))
+    assert [c[3]["gs_ptr"] for c in rt.calls] == [g.data_ptr()]
+    assert gs.shape == () and gs.data_ptr() == g.data_ptr()

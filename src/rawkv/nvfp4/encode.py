@@ -60,7 +60,8 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
     contiguous, q and sf 16-byte aligned; gs float32) are written and
     returned (all three are checked before any is written); for scope
     'given' with a gs tensor and no out gs, the given tensor itself
-    (reshaped to ()) is returned as gs."""
+    (reshaped to (); a DLPack array as the torch view of it) is returned
+    as gs."""
     if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 3):
         raise TypeError("out: expected a tuple (q, sf, gs) of buffers (entries may be None)")
     q, sf, g = out if out is not None else (None, None, None)
@@ -80,7 +81,14 @@ def quantize(x, *, scope: str = "tensor", gs=None, out=None, errors=None, stream
             # (a str first: an array scope compares elementwise; the op names it)
             g = empty(x, lead if isinstance(scope, str) and scope == "row" else (), "float32", stream)
     _quantize(x, scope, gs_t, gs_v, q, sf, g, errors, stream)
-    return A.as_q(q), A.as_sf(sf), g if g is not None else gs_t.reshape(())
+    return A.as_q(q), A.as_sf(sf), g if g is not None else _given(gs_t)
+
+
+def _given(gs):
+    """The given gs tensor as the result's gs, shape (): a DLPack array as the
+    view of it the rules read (A.as_read), the protocol promising no
+    .reshape (a bare producer's raised AttributeError after the encode)."""
+    return A.as_read(gs, "gs").reshape(())
 
 
 def _scalars(a):
@@ -125,7 +133,7 @@ def _arguments(x, scope, gs, gs_value, q, sf, gs_out, errors):
     x, m, n, ldx = A.rows(x, "x", A.FLOATS, where, align=16)
     xdt, dev, lead = A.dtype_name(x), A.device_of(x), tuple(x.shape[:-1])
     if gs is not None and gs.__class__ is not float:
-        gs = A.tensor(gs, "gs", ("float32",), where, device=dev, dense=False, align=A.ELEMENT)
+        gs = A.gs_tensor(gs, where, dev)
     q = A.tensor(q, "out[0]", A.BYTES, where, shape=(*lead, n // 2), device=dev, align=16)
     sf = A.tensor(sf, "out[1]", A.BYTES, where, shape=(*lead, n // BLOCK), device=dev, align=16)
     if gs_out is None and (gs is None or gs.__class__ is float):
