@@ -119,20 +119,15 @@ def _width(n: int, name: str) -> None:
 def _gs(gs, xdt, where, dev):
     """A given gs: a Python float checked under the bound of `xdt` inputs
     (rawkv.nvfp4's rule), or a float32 array of one element on the op's
-    device (its value is the CPU branch's to check, rms.host_gs, or the
-    kernel's)."""
+    device, aligned to its element (A.gs_tensor, quantize's rule: the
+    kernels load it in place; its value is the CPU branch's to check,
+    rms.host_gs, or the kernel's)."""
     if gs is None:
         return None
     if gs.__class__ is float:
         ref_nvfp4.check_given_gs(gs, xdt)
         return gs
-    gs = A.tensor(gs, "gs", F32, where, device=dev, dense=False)
-    if A.numel(gs) != 1:
-        # (A.check_scope_gs reads .shape, which a DLPack array need not have:
-        # the CPU failed in numpy unnamed, a kernel read one float of two or
-        # past an empty gs)
-        raise ValueError(f"gs: expected a float or a 1-element tensor, got shape {tuple(gs.shape)}")
-    return gs
+    return A.gs_tensor(gs, where, dev)
 
 
 def _outputs(where, dev, lead, n, scope, q, sf, gs_out, inv, fresh):
@@ -180,7 +175,8 @@ def _rms_inputs(x, mix, weight, where):
     _rows(lead, "x")
     weight = A.tensor(weight, "weight", PARAM, where, shape=(n,), device=dev, align=16)
     if mixed:
-        mix = A.tensor(mix, "mix", PARAM, where, shape=(*lead, n_hc), device=dev)
+        # (element-aligned: the kernel loads each weight as a float / half, in place)
+        mix = A.tensor(mix, "mix", PARAM, where, shape=(*lead, n_hc), device=dev, align=A.ELEMENT)
     return x, mix, weight, lead, n_hc, n, dev
 
 
@@ -264,7 +260,9 @@ def _moe_inputs(hidden, topk_ids, topk_weights, where):
     if k % 128 or k == 0:
         raise ValueError(f"hidden: K = {k} must be a positive multiple of 128 for MoE staging "
                          "(NVFP4 blocks of 16, scales packed four per int32, 128-wide tiles)")
-    topk_ids = A.tensor(topk_ids, "topk_ids", IDS, where, device=dev)
+    # (element-aligned: the kernel loads each id, 4 or 8 bytes, in place; the
+    # weights it copies byte by byte)
+    topk_ids = A.tensor(topk_ids, "topk_ids", IDS, where, device=dev, align=A.ELEMENT)
     ids_s = tuple(topk_ids.shape)
     if len(ids_s) != 2 or ids_s[0] != m:
         raise ValueError(f"topk_ids: expected shape ({m}, top_k), got {ids_s}")

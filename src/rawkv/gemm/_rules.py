@@ -159,7 +159,7 @@ def ragged(experts, offsets, out, errors, out_shape, where, device) -> tuple:
     if experts + 1 > K.MAX_SEGMENTS:
         raise ValueError(f"weight: {experts} experts; the ragged kernel takes at most {K.MAX_SEGMENTS - 1}")
     grid_fits(out_shape[0], experts, True)
-    offsets = A.tensor(offsets, "offsets", _I32, where, shape=(experts + 1,), device=device)
+    offsets = A.tensor(offsets, "offsets", _I32, where, shape=(experts + 1,), device=device, align=A.ELEMENT)
     if errors is not None:
         errors = A.counter(errors, where, device)
     return offsets, output(out, out_shape, where, device), errors
@@ -239,7 +239,8 @@ def weight(codes, scales, gs, fmt, n, k, where) -> Weight:
         raise ValueError(f"weight.codes: expected shape {(*tile, 16)} for N = {n}, K = {k}, "
                          f"got {tuple(codes.shape)}")
     scales = A.tensor(scales, "weight.scales", _BYTE, where, shape=(*tile, 2), device=dev, align=16)
-    gs = A.tensor(gs, "weight.gs", _F32, where, shape=(g,), device=dev)
+    # (element-aligned: the kernels load each group's float in place)
+    gs = A.tensor(gs, "weight.gs", _F32, where, shape=(g,), device=dev, align=A.ELEMENT)
     spans = A.detached_spans((("weight.codes", codes), ("weight.scales", scales), ("weight.gs", gs)))
     _remember(given, what, (g, dev, spans))
     return Weight(fmt, g, n, k, codes, scales, gs, dev, spans)
@@ -298,7 +299,10 @@ def _nvfp4(q, sf, gs, ndim, k, where) -> Act:
                          f"got {tuple(q.shape)}")
     lead, dev = tuple(q.shape[:-1]), A.device_of(q)
     sf = A.tensor(sf, "x.sf", A.BYTES, where, shape=(*lead, k // 16), device=dev, dense=False)
-    gs = A.tensor(gs, "x.gs", _F32, where, device=dev, dense=False)
+    # (read in place, a float per row or one for all, at any strides: element-
+    # aligned, or refused; the copies below are the rows' and the scales', and
+    # a kernel's misaligned 4-byte load faults)
+    gs = A.tensor(gs, "x.gs", _F32, where, device=dev, dense=False, align=A.ELEMENT)
     if A.numel(gs) != 1 and tuple(gs.shape) != lead:
         raise ValueError(f"x.gs: expected one value or shape {lead}, got {tuple(gs.shape)}")
     if where == "cuda":
@@ -361,9 +365,11 @@ def output(out, shape, where, device):
     strides; a last dimension of one feature has no step, so any stride
     there, as torch's contiguity has it) and no two rows in one place (an
     expanded view, or strides smaller than the rows they step over: the
-    kernel's blocks would race, the reference's copy write over itself)."""
+    kernel's blocks would race, the reference's copy write over itself),
+    starting element-aligned (a partial block or unaligned view is stored
+    value by value, 2 bytes each, which faults at an odd address)."""
     out = A.tensor(out, "out", OUT_DTYPES_NUMPY if isinstance(out, np.ndarray) else OUT_DTYPES, where,
-                   shape=shape, device=device, dense=False)
+                   shape=shape, device=device, dense=False, align=A.ELEMENT)
     st = A.strides(out)
     if st[-1] != 1 and shape[-1] > 1:
         raise ValueError("out: the last dimension must be contiguous")
@@ -454,8 +460,9 @@ def weight8(codes, shifts, row_scale, gs, n, k, where) -> Weight8:
         raise ValueError(f"weight.codes: expected shape {want} for N = {n}, K = {k}, got {tuple(codes.shape)}")
     shifts = A.tensor(shifts, "weight.shifts", _BYTE, where, shape=(*tile, 8, ref8.SHIFT_BYTES), device=dev,
                       align=16)
-    row_scale = A.tensor(row_scale, "weight.row_scale", _F32, where, shape=(g, npad), device=dev)
-    gs = A.tensor(gs, "weight.gs", _F32, where, shape=(g,), device=dev)
+    # (element-aligned: the kernels load each row's and group's float in place)
+    row_scale = A.tensor(row_scale, "weight.row_scale", _F32, where, shape=(g, npad), device=dev, align=A.ELEMENT)
+    gs = A.tensor(gs, "weight.gs", _F32, where, shape=(g,), device=dev, align=A.ELEMENT)
     spans = A.detached_spans((("weight.codes", codes), ("weight.shifts", shifts),
                               ("weight.row_scale", row_scale), ("weight.gs", gs)))
     _remember(given, what, (g, dev, spans))
@@ -478,7 +485,10 @@ def activation8(x, x_sf, ndim, k, where, device) -> Act8:
         raise ValueError(f"x.codes: expected shape (..., {k}) with {ndim} dimensions for K = {k}, got {s}")
     dev = A.device_of(x)
     nb = -(-k // 128)
-    x_sf = A.tensor(x_sf, "x.scales", UE8M0_SCALES, where, shape=(*s[:-1], nb), device=dev, dense=False)
+    # (float32 scales element-aligned: either kernel loads them in place, the
+    # few-token one from a copy only where the blocks are not adjacent)
+    x_sf = A.tensor(x_sf, "x.scales", UE8M0_SCALES, where, shape=(*s[:-1], nb), device=dev, dense=False,
+                    align=A.ELEMENT)
     if dev != device:
         raise ValueError(f"weight: is on {_device_name(device)}, x on {_device_name(dev)}; rawkv does not move data")
     if where == "cuda":
