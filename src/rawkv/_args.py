@@ -72,15 +72,25 @@ def stamp(t) -> tuple:
     return t.data_ptr(), version(t), t.dtype, t.shape, t.is_contiguous(), t.is_neg()
 
 
+#: An int stream handle is a CUstream, a pointer: below this (CuPy and the
+#: launch take it as a signed intptr_t; no real handle comes near).
+STREAM_END = 2 ** 63
+
+
 def check_stream(stream):
     """The one rule for what a stream argument (not None) may be: an int
-    handle (not a bool), a torch stream (its handle in `cuda_stream`) or a
-    CuPy stream (in `ptr`); anything else is a TypeError naming `stream`.
-    Returns the attribute holding the handle, None for an int. The CUDA
-    runtime reads a stream through it (runtime.Runtime.stream_ptr), and the
-    op wrapper applies it on CPU too: a CPU call took any object and a CUDA
-    one refused it."""
+    handle (not a bool) in [0, STREAM_END), a torch stream (its handle in
+    `cuda_stream`) or a CuPy stream (in `ptr`); anything else is a
+    TypeError naming `stream`, an int out of range a ValueError (2**70 or
+    -1 failed on CUDA later, in ctypes / CuPy or as the driver's invalid
+    handle, naming nothing). Returns the attribute holding the handle, None
+    for an int. The CUDA runtime reads a stream through it
+    (runtime.Runtime.stream_ptr), and the op wrapper applies it on CPU too:
+    a CPU call took any object and a CUDA one refused it."""
     if isinstance(stream, int) and not isinstance(stream, bool):
+        if not 0 <= stream < STREAM_END:
+            raise ValueError(f"stream: an int stream handle must be in [0, 2**63) (a CUstream is a "
+                             f"pointer, which CuPy and the launch take as a signed intptr_t), got {stream}")
         return None
     for attr in ("cuda_stream", "ptr"):
         if hasattr(stream, attr):

@@ -81,3 +81,52 @@ def test_the_runtime_takes_the_streams_the_cpu_check_takes(bad):
                                                 SimpleNamespace(ptr=12))] == [7, 5, 11, 12]
     with pytest.raises(TypeError, match="^stream: expected a torch.cuda.Stream, cupy Stream or int"):
         Runtime.stream_ptr(rt, bad)
+
+
+OUT_OF_RANGE = [-1, -2 ** 63, 2 ** 63, 2 ** 64, 2 ** 70]
+RANGE_MSG = r"^stream: an int stream handle must be in \[0, 2\*\*63\)"
+
+
+@pytest.mark.parametrize("bad", OUT_OF_RANGE)
+def test_an_int_stream_outside_a_pointer_is_refused_by_name_on_cpu_and_cuda(monkeypatch, bad):
+    """A CUstream is a pointer, which CuPy and the launch take as a signed
+    intptr_t: an int outside [0, 2**63) can be no handle. It was taken (the CPU path ignores the
+    stream) and on CUDA failed later, in ctypes or CuPy ('int too big to
+    convert') or as an invalid handle from the driver, naming nothing. A
+    ValueError naming stream, on CPU and CUDA, before anything runs; torch
+    and CuPy streams are not looked into."""
+    from types import SimpleNamespace
+
+    from rawkv.runtime import Runtime
+    from support.fake_cuda import fake, install
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match=RANGE_MSG):
+        rawkv.fp8.e4m3_encode(x, stream=bad)
+    layer = rawkv.gemm.Fp4GroupedLinear(2, 64, 16, max_tokens=4, device="cpu").set_weight(torch.zeros(2, 16, 64))
+    with pytest.raises(ValueError, match=RANGE_MSG):
+        layer(torch.randn(3, 2, 64).bfloat16(), stream=bad)
+    rt = install(monkeypatch, (rawkv.fp8,))
+    out = fake(torch.zeros(4, 64, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=RANGE_MSG):
+        rawkv.fp8.e4m3_encode(fake(x), out=out, stream=bad)
+    assert rt.calls == [] and not out.any()
+    rts = SimpleNamespace(_current_stream_ptr=lambda: 7)      # (what stream_ptr reads of a Runtime)
+    with pytest.raises(ValueError, match=RANGE_MSG):
+        Runtime.stream_ptr(rts, bad)
+    # the ends of the range, and the streams whose handle is an attribute, are taken
+    assert [Runtime.stream_ptr(rts, s) for s in (0, 2 ** 63 - 1, SimpleNamespace(cuda_stream=bad))] == \
+        [0, 2 ** 63 - 1, bad]
+    rawkv.fp8.e4m3_encode(x, stream=2 ** 63 - 1)
+
+
+def test_a_compiled_op_refuses_an_int_stream_outside_a_pointer():
+    """Under torch.compile the stream is no operator argument, but what the
+    eager op refuses as one is refused there too (_op._traced_stream)."""
+    x = torch.ones(32)
+    call = lambda: rawkv.fp8.e4m3_encode(x, stream=-1)        # noqa: E731
+    with pytest.raises(ValueError, match=RANGE_MSG) as eager:
+        call()
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as compiled:
+        torch.compile(call, backend="eager")()
+    assert str(compiled.value) == str(eager.value)
