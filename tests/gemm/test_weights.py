@@ -170,6 +170,23 @@ def test_from_nvfp4_copies_the_global_scales(rng):
         assert torch.equal(layer(x), y)
 
 
+def test_from_nvfp4_global_scales_held_without_autograd(rng):
+    # A model's checkpoint tensors are often nn.Parameters (requires_grad
+    # True): the weight held weight_scale_2 / input_scale as clones that kept
+    # requires_grad and a grad_fn, so dequantize() (and anything else that
+    # read them through numpy) raised "Can't call numpy() on Tensor that
+    # requires grad", and to() / unpack() handed autograd tensors on
+    g, n, k = 2, 8, 32
+    c2, s2, gs = _stacked(rng, g, n, k)
+    for ws2, inp in ((gs, gs * 2), (gs.reshape(g, 1), torch.tensor(0.25)), (torch.tensor(0.5), None)):
+        wp = Fp4Weight.from_nvfp4(c2, s2, torch.nn.Parameter(ws2.clone()),
+                                  None if inp is None else torch.nn.Parameter(inp.clone()), groups=g)
+        want = Fp4Weight.from_nvfp4(c2, s2, ws2, inp, groups=g)
+        for t in (wp.gs, wp.input_scale, wp.unpack()[2], wp.to("cpu").gs):
+            assert t is None or (not t.requires_grad and t.grad_fn is None)
+        assert torch.equal(wp.dequantize(), want.dequantize())
+
+
 def test_from_nvfp4_errors(rng):
     g, n, k = 2, 8, 32
     _, codes, scales, gs = _checkpoint(rng, g, n, k)

@@ -141,10 +141,10 @@ def _checkpoint(weight, scale, scale_name: str, scale_view: str, groups, fmt: st
 def _per_group(v, name: str, g: int, device):
     """A float32 scale per group: a number or a float32 tensor of shape (),
     (1,), (G,) or (G, 1) on `device` -> float32 (G,) (one value: every
-    group), a copy. Each value must be a finite positive float32 (the rule of
-    from_float's gs: check_gs_number), since 0, a negative, NaN or Inf would
-    load as zero, sign-flipped or NaN weights. Reads the values (a host sync
-    for a CUDA tensor: load time)."""
+    group), a copy, detached from autograd. Each value must be a finite
+    positive float32 (the rule of from_float's gs: check_gs_number), since
+    0, a negative, NaN or Inf would load as zero, sign-flipped or NaN
+    weights. Reads the values (a host sync for a CUDA tensor: load time)."""
     import torch
     if is_number(v) or isinstance(v, (bool, np.bool_)):
         return torch.full((g,), check_gs_number(v, name), dtype=torch.float32, device=device)
@@ -160,8 +160,9 @@ def _per_group(v, name: str, g: int, device):
         check_gs_number(f, name)
     # (a copy: a (G,) or (G, 1) tensor's .contiguous() was the caller's own
     # memory, so a later in-place change of the checkpoint tensor changed
-    # the weight's global scales, not its codes)
-    return v.reshape(-1).expand(g).clone(memory_format=torch.contiguous_format)
+    # the weight's global scales, not its codes; detached: an nn.Parameter's
+    # clone kept requires_grad and a grad_fn, and dequantize() raised)
+    return v.detach().reshape(-1).expand(g).clone(memory_format=torch.contiguous_format)
 
 
 def _group_gs_list(gs, g: int) -> list[float]:
