@@ -199,6 +199,35 @@ def test_a_reload_of_the_same_form_is_copied_in_place(rng):
     assert layer.weight is not held                      # another exp_range: replaced
 
 
+def test_a_reload_in_place_across_inference_mode(rng):
+    """Serving code loads under torch.inference_mode, so the held weight's
+    tensors are inference tensors; a reload of the same form outside it (a
+    weight update) copied into them and torch raised 'Inplace update to
+    inference tensor outside InferenceMode' (until the in-place reload the
+    tensors were replaced, which worked). Both ways round the reload is
+    copied in place and gives the new weight's output."""
+    g, n, k = 2, 16, 64
+    x = torch.randn(3, g, k).bfloat16()
+    codes = torch.from_numpy(rng.integers(0, 256, (2, g * n, k // 2), dtype=np.uint8))
+    mx = torch.full((g * n, k // 32), 127, dtype=torch.uint8)
+    fresh = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=3, device="cpu")
+    loads = [(lambda layer, w: layer.set_weight(w), (torch.randn(g, n, k), torch.randn(g, n, k))),
+             (lambda layer, c: layer.load_mxfp4(c, mx), tuple(codes)),
+             (lambda layer, c: layer.load_mxfp4(c, mx, w4a8=True), tuple(codes))]
+    for first_inference in (True, False):
+        for load, (a, b) in loads:
+            layer = rawkv.gemm.Fp4GroupedLinear(g, k, n, max_tokens=3, device="cpu")
+            with torch.inference_mode(first_inference):
+                load(layer, a)
+            held = layer.weight
+            with torch.inference_mode(not first_inference):
+                load(layer, b)
+            assert layer.weight is held
+            load(fresh, b)
+            xa = rawkv.fp8.quantize_blocks(x) if isinstance(held, rawkv.gemm.W4a8Weight) else x
+            assert torch.equal(layer(xa).clone(), fresh(xa))
+
+
 def test_layer_reloaded_after_capture(cuda, rng):
     """A graph captured with the layer, then a reload of the same form: the
     replay reads the new weight (the reload swapped in new tensors, and the

@@ -110,8 +110,12 @@ class Fp4GroupedLinear:
         self._check_sizes(name, (w.groups, w.n, w.k))
         new = w if keep is None else keep
         if same_form(self.weight, new):
-            for old_t, new_t in zip(_tensors(self.weight), _tensors(new)):
-                old_t.copy_(new_t)
+            # (under inference_mode: a weight loaded there has inference
+            # tensors, which torch lets nothing change in place outside it,
+            # so a reload outside raised; plain tensors take the copy either way)
+            with require_torch("rawkv.gemm.Fp4GroupedLinear").inference_mode():
+                for old_t, new_t in zip(_tensors(self.weight), _tensors(new)):
+                    old_t.copy_(new_t)
             return
         self.weight = new
 
