@@ -531,6 +531,31 @@ def test_constructor_refuses_packed_scales_the_kernels_read_otherwise(rng, fmt):
     assert Fp4Weight(fmt, n, k, w.codes, sc, w.gs, exp_range=w.exp_range).exp_range == (lo, hi)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_constructor_refuses_sizes_the_packed_form_cannot_have(rng, fmt):
+    # Fp4Weight(fmt, n, k, ...) took n, k as they were: a K off the format's
+    # blocks (48 for MXFP4, 24 for NVFP4), a negative n (padded to no row
+    # tiles), a float or a bool, when the packed shapes matched; the weight
+    # was built, and unpack / dequantize / w4a8_weight / the ops then failed
+    # naming `k` or `weight`, arguments of theirs the caller did not pass.
+    w = (Fp4Weight.from_nvfp4(_t(np.zeros((16, 32), np.uint8)), _t(np.full((16, 4), 0x38, np.uint8)), 1.0)
+         if fmt == "nvfp4" else Fp4Weight.from_mxfp4(_t(np.zeros((16, 32), np.uint8)),
+                                                     _t(np.full((16, 2), 127, np.uint8))))
+    assert (w.n, w.k) == (16, 64)
+    ctor = lambda n, k: Fp4Weight(fmt, n, k, w.codes, w.scales, w.gs, exp_range=w.exp_range)  # noqa: E731
+    assert (ctor(np.int64(9), 64).n, ctor(16, 64).k) == (9, 64) and type(ctor(np.int64(9), 64).n) is int
+    off = 48 if fmt == "mxfp4" else 56
+    with pytest.raises(ValueError, match=f"^k: K = {off} must be a multiple of {w.block}"):
+        ctor(16, off)
+    for n, k, exc, name in ((16.0, 64, TypeError, "n"), (True, 64, TypeError, "n"), (16, 64.0, TypeError, "k"),
+                            (16, -64, ValueError, "k")):
+        with pytest.raises(exc, match=f"^{name}:"):
+            ctor(n, k)
+    empty = Fp4Weight.from_nvfp4(_t(np.zeros((0, 32), np.uint8)), _t(np.zeros((0, 4), np.uint8)), 1.0)
+    with pytest.raises(ValueError, match="^n:"):
+        Fp4Weight("nvfp4", -1, 64, empty.codes, empty.scales, empty.gs)
+
+
 def test_nvfp4_constructor_refuses_packed_scales_off_the_rule(rng):
     # A packed NVFP4 weight built by hand: scale bytes that are no E4M3
     # scale's factor byte, or a zero scale over nonzero codes, are refused

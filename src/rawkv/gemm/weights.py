@@ -261,13 +261,20 @@ class Fp4Weight:
     not applied); exp_range (min, max) of the MXFP4 scale bytes (None for
     NVFP4; (127, 127) when there are none). Build one with from_float,
     from_nvfp4 or from_mxfp4; the constructor takes packed tensors as they
-    are and checks their shapes, and for NVFP4 the packed scales' rule
-    (check_nv_packed: a host sync, load time)."""
+    are and checks their sizes (n, k ints >= 0, K a multiple of the block)
+    and shapes, and for NVFP4 the packed scales' rule (check_nv_packed: a
+    host sync, load time)."""
 
     def __init__(self, fmt: str, n: int, k: int, codes, scales, gs, input_scale=None,
                  exp_range=None, *, checked=False):
         if fmt not in FORMATS:
             raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
+        # (sizes the packed form can have: a float, a bool, a negative or a K
+        # off the format's blocks was taken, and unpack / dequantize /
+        # w4a8_weight / the ops then failed naming an argument not passed)
+        n, k = ref.check_size(n, "n"), ref.check_size(k, "k")
+        if k % ref.BLOCKS[fmt]:
+            raise ValueError(f"k: K = {k} must be a multiple of {ref.BLOCKS[fmt]} for {fmt.upper()}")
         g = codes.shape[0]
         npad, chunks = ref.padded_sizes(n, k)
         tile = (g, npad // ref.ROWS, chunks, ref.LANES)
