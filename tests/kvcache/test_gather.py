@@ -429,3 +429,33 @@ def test_compiled_and_operator_dense_gathers_bound_n_entries_as_eagerly():
     out = torch.full((13, p.head_dim), 7.0, dtype=torch.bfloat16)
     torch.ops.rawkv.kv_gather_dense(p.kind, **mine, slot=0, n_entries=13, out=out)
     assert (out == 0).all() and int(mine["errors"][0]) == 13
+
+
+def test_compiled_batch_gathers_refuse_an_out_that_is_not_max_entries_wide():
+    """gather_dense_batch / gather_index_keys_batch with max_entries= and an
+    out= of another K are refused under torch.compile as eagerly, before
+    anything is written. The operator has no max_entries (the body's rule
+    saw it only from an eager call), so a compiled call took out's K: a
+    (2, 4, width) out with max_entries=3 gathered 4 entries per row where
+    the eager op refused it. Found by a review."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("rawkv.library")         # (torch.ops.rawkv.*)
+    p = kc.PagedKVPool("csa", 8, 4, 2, 4, device="cpu")
+    p.add_request()
+    p.prepare_step([0], [8 * p.m - 1])
+    sl, ne = torch.tensor([0, 0], dtype=torch.int32), torch.tensor([2, 5], dtype=torch.int32)
+    rule = r"out: expected shape \(2, 3, {}\), got \(2, 4, {}\)"
+    for fn, width in ((kc.gather_dense_batch, p.head_dim), (kc.gather_index_keys_batch, p.index_head_dim)):
+        out = torch.full((2, 4, width), 7.0, dtype=torch.bfloat16)
+        p.reset_errors()
+        with pytest.raises(ValueError, match="^" + rule.format(width, width)):
+            fn(p, sl, ne, max_entries=3, out=out)
+        torch._dynamo.reset()
+        step = torch.compile(lambda s, n, o: fn(p, s, n, max_entries=3, out=o), fullgraph=True,
+                             backend="aot_eager")
+        # (raised while dynamo traces: fullgraph reports it as an "Observed exception")
+        with pytest.raises(Exception, match=rule.format(width, width)):
+            step(sl, ne, out)
+        assert (out == 7).all() and p.read_errors() == 0
+        good = torch.empty((2, 3, width), dtype=torch.bfloat16)
+        assert torch.equal(step(sl, ne, good), fn(p, sl, ne, max_entries=3))

@@ -109,6 +109,12 @@ def _dense_batch(call, pool, slots, n_entries, max_entries, valid_mask, out, dty
     if max_entries is not None:
         max_entries = C.host_int("max_entries", max_entries, 0)
     width, s = _width(pool, index), A.dims(slots)
+    o = A.dims(out) if out is not None else ()
+    if max_entries is not None and len(o) == 3 and o[1] != max_entries:
+        # (the operator has no max_entries: the body's rule tying out's K to
+        # it sees it only from an eager call, so a compiled call took any K)
+        raise ValueError(f"out: expected shape ({s[0] if len(s) == 1 else 'B'}, {max_entries}, "
+                         f"{width if width is not None else 'width'}), got {o}")
     if out is None and width is not None and len(s) == 1:
         # before allocating (10**13 was a MemoryError): the op's own limit
         C.launch_rows("max_entries", s[0] * max_entries * (pool.index_head_dim // 16 if index else 1))
