@@ -108,6 +108,27 @@ def test_zero_d_input_keeps_its_shape():
     assert codes.shape == () and rawkv.fp8.e4m3_decode(codes).shape == ()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_zero_d_codes_decode_to_every_dtype(dtype):
+    """A 0-d codes tensor decodes to each dtype on the CPU path: eagerly, as
+    an operator and compiled. Before, bfloat16 failed there with numpy's
+    'expected np.ndarray (got numpy.float32)' (the reference's BF16 rounding
+    of a 0-d array gave a NumPy scalar), where the kernel decodes it. Found
+    by a review."""
+    codes = torch.tensor(0x38, dtype=torch.uint8)          # 1.0
+    tdt = getattr(torch, dtype)
+    got = rawkv.fp8.e4m3_decode(codes, dtype=tdt)
+    assert got.shape == () and got.dtype == tdt and got.item() == 1.0
+    out = torch.full((), 7.0, dtype=tdt)
+    torch.ops.rawkv.e4m3_decode(codes, out)
+    assert out.item() == 1.0
+    torch._dynamo.reset()
+    step = torch.compile(lambda c: rawkv.fp8.e4m3_decode(c, dtype=tdt), fullgraph=True, backend="aot_eager")
+    assert step(codes).item() == 1.0
+    host = rawkv.fp8.e4m3_decode(np.array(0x38, np.uint8), dtype=tdt)
+    assert isinstance(host, np.ndarray) and host.shape == () and float(host) == 1.0
+
+
 # ---- argument errors --------------------------------------------------------------------------------
 def test_cpu_out_shape_is_checked():
     with pytest.raises(ValueError, match="out"):

@@ -105,7 +105,7 @@ def round_to_dtype(x, dtype: str) -> np.ndarray:
     (returned as float32 holding BF16 values), 'float16' or 'float32'."""
     x = _f32(x)
     if dtype == "bfloat16":
-        return bf16_round(x)
+        return np.asarray(bf16_round(x))        # (a 0-d x: bf16_round's shift gives a NumPy scalar)
     if dtype == "float16":
         return x.astype(np.float16)
     if dtype == "float32":
