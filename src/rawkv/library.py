@@ -14,6 +14,7 @@ this module itself when torch is loaded, before or after it (rawkv._op).
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _op, _opdecl, ops  # noqa: F401  (ops: every op module declares its operators)
 
@@ -21,10 +22,55 @@ NAMESPACE = "rawkv"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
 
 
-def _fake(*args, **kwargs):
-    """Mutating ops return nothing: shapes and dtypes are the caller's
-    buffers, so the fake implementation has nothing to compute."""
-    return None
+def _make_fake(decl: _opdecl.OpDecl):
+    """The fake implementation of `decl`. Mutating ops return nothing:
+    shapes and dtypes are the caller's buffers, so it has nothing to
+    compute, but it checks the memory rule of the arguments it writes, which the implementation
+    cannot check once torch.compile has functionalized the call: each
+    written argument then reaches it as a fresh copy, so an out= or errors=
+    in another argument's memory (errors=pool.written[s:s+1], an out= that
+    is a view of pool.rope or of the op's input) was taken, and the copy
+    written back over that argument, where the eager op refuses it
+    (A.check_outputs). While dynamo traces, the fake tensors keep the
+    arguments' storages, so it is refused here, naming both, as eagerly."""
+    names = [n for n, _, _ in decl.args]
+    writes = frozenset(i for i, (_, _, w) in enumerate(decl.args) if w)
+    tensors = decl.tensors
+
+    def fake(*args, **kwargs):
+        if kwargs:
+            args = (*args, *(kwargs[n] for n in names[len(args):] if n in kwargs))
+        spans = [(names[i], _fake_span(args[i])) for i in tensors if i < len(args)]
+        for k, (name, s) in enumerate(spans):
+            if s is None or tensors[k] not in writes:
+                continue
+            for other, t in spans[:k] + spans[k + 1:]:
+                if t is not None and _op.A._overlap(s, t):
+                    raise ValueError(f"{name}: overlaps {other} in memory; the op would write one over "
+                                     "the other (pass separate buffers)")
+        return None
+    return fake
+
+
+_FAKE_BASE = 1 << 12
+
+
+def _fake_span(t):
+    """A._span of a fake tensor (its storage for the address space, offsets
+    within it for addresses); None for no tensor, an empty one, or one of
+    symbolic geometry (nothing to compare without specializing it)."""
+    if not isinstance(t, torch.Tensor) or isinstance(t.numel(), torch.SymInt) or t.numel() == 0:
+        return None
+    geo = (t.storage_offset(), *t.shape, *t.stride())
+    if any(isinstance(v, torch.SymInt) for v in geo):
+        return None
+    space = ("fake", StorageWeakRef(t.untyped_storage()).cdata)
+    item = t.element_size()
+    ptr = _FAKE_BASE + t.storage_offset() * item       # (an address numpy takes: not 0)
+    strides = tuple(s * item for s in t.stride())
+    lo = ptr + sum(s * (d - 1) for d, s in zip(t.shape, strides) if s < 0)
+    hi = ptr + sum(s * (d - 1) for d, s in zip(t.shape, strides) if s > 0) + item
+    return space, lo, hi, t.is_contiguous(), (space, ptr, tuple(t.shape), strides, item)
 
 
 def _make_impl(decl: _opdecl.OpDecl):
@@ -49,7 +95,7 @@ def _register(decl: _opdecl.OpDecl) -> None:
     fn = decl.body if decl.body is not None else _make_impl(decl)
     for key in ("CPU", "CUDA"):
         _LIB.impl(decl.name, fn, key)
-    torch.library.register_fake(f"{NAMESPACE}::{decl.name}", _fake, lib=_LIB)
+    torch.library.register_fake(f"{NAMESPACE}::{decl.name}", _make_fake(decl), lib=_LIB)
     decl.overload = getattr(torch.ops.rawkv, decl.name).default
 
 

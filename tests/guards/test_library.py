@@ -59,3 +59,54 @@ def test_schema_errors_are_caught_at_declaration():
     with pytest.raises(ValueError, match="cannot read schema argument"):
         _opdecl.OpDecl("test_bad_schema", print, "Tensor(a!)")
     assert "test_no_mutation" not in _opdecl.declared()
+
+
+def test_compiled_ops_refuse_outputs_in_another_arguments_memory():
+    """torch.compile functionalizes a mutating operator: each written
+    argument reaches the implementation as a fresh copy, which is then
+    written back. So the implementation's memory rule (A.check_outputs) saw
+    no overlap, and a compiled call took an out= or errors= in another
+    argument's memory where the eager op refuses it: errors=pool.written[s:s+1]
+    of a gather had its count added into written[s] (a request's entry
+    count), an out= over the op's own input was written. The fake
+    implementation refuses it while dynamo traces, naming both, as eagerly.
+    Found by a review."""
+    import numpy as np
+    import rawkv
+    import rawkv.kvcache as kvc
+    from rawkv.reference import layouts as RL
+    from support.kvcache import _small_hca_pool
+    n = RL.swizzled_size(4, 4)
+    buf = torch.arange(n + 16, dtype=torch.uint8)
+    before = buf.clone()
+
+    def swizzle(b):
+        return rawkv.nvfp4.swizzle_scales(b[:16].view(4, 4), out=b[:n])
+    for step in (swizzle, torch.compile(swizzle, fullgraph=True, backend="aot_eager")):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="out: overlaps sf in memory"):
+            step(buf)
+        assert torch.equal(buf, before)
+    p, s = _small_hca_pool()
+    written = p.torch_buffers()["written"]
+    was = p.written.copy()
+    slots, ids = torch.tensor([s], dtype=torch.int32), torch.tensor([[0, 5]], dtype=torch.int32)
+
+    def gather(e):
+        return kvc.gather_topk(p, slots, ids, errors=e)
+    for step in (gather, torch.compile(gather, fullgraph=True, backend="aot_eager")):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=r"errors: overlaps (pool\.)?written in memory"):
+            step(written[s:s + 1])
+        assert np.array_equal(p.written, was)
+    # apart, the same call compiles and gives the eager bits and count
+    e1, e2 = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    torch._dynamo.reset()
+    assert same_bits(torch.compile(gather, fullgraph=True, backend="aot_eager")(e1), gather(e2))
+    assert e1.item() == e2.item() > 0
+    # overlap is decided on the bytes: interleaved views of one storage touch none in common
+    from rawkv._args import _overlap
+    b = torch.zeros(64)
+    assert not _overlap(L._fake_span(b[0::2]), L._fake_span(b[1::2]))
+    assert _overlap(L._fake_span(b[0::2]), L._fake_span(b[:8]))
+    assert not _overlap(L._fake_span(b[:4]), L._fake_span(b[4:8]))
