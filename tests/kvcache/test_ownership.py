@@ -305,15 +305,21 @@ def test_cpu_prefill_into_a_block_named_twice(seed, layout, has_index, start_ent
                            start_entry)
 
 
+@pytest.mark.xfail(strict=True, reason="open defect: the CUDA prefill writes both entries (a torn record), "
+                   "counts neither and raises written[] past them; the fix measured 16-29% slower CSA "
+                   "prefill on the H200 (docs/kvcache.md, decision 9)")
 @pytest.mark.parametrize("has_index", [False, True])
 @pytest.mark.parametrize("layout", ["rawkv", "model1"])
 @pytest.mark.parametrize("start_entry", [0, 2])
 def test_gpu_prefill_into_a_block_named_twice(cuda, seed, layout, has_index, start_entry):
-    """The kernel counts and skips as the reference does (before: both
-    entries wrote the record, nothing counted, written[] past them), and a
-    record of block 0 holds the bytes of its lowest entry: those the same
-    launch writes into A's own blocks 0 and 1 with logical block 1 not
-    named twice."""
+    """What the kernel should do: count and skip as the reference does, each
+    record of block 0 holding the bytes of its lowest entry (those the
+    same launch writes into A's own blocks 0 and 1 with logical block 1 not
+    named twice). It does not (xfail, strict: a fix makes it pass, and the
+    mark must then go): both entries write the record, nothing is counted,
+    written[] goes past them. The fix tried (each CTA scans the row's lower
+    blocks, docs/attempts/2026-11-29-kv-compress-prefill-duplicate-blocks.patch)
+    passed this test on the H200 and cost CSA prefill 16-29%."""
     want = _duplicate_block_case("cpu", seed, layout, has_index, start_entry, True)
     got = _duplicate_block_case("cuda", seed, layout, has_index, start_entry, True)
     assert got[:2] == want[:2]

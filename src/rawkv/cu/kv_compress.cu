@@ -44,10 +44,6 @@
 //      *errors; written[row] = max(written[row], entry + 1) and
 //      marks[dest] = 1 (the entry is written by its block's owner: gathers
 //      read only marked entries).
-//      Prefill: two of the request's logical blocks naming one physical
-//      block put two of its entries on one record; the lower entry writes
-//      it, the other writes nothing and is counted (each CTA scans the
-//      block-table entries below its own).
 //      Decode: rows with valid_mask false are skipped silently (and own
 //      nothing); an out-of-range slot is counted. Duplicate slots
 //      (docs/kvcache.md decision 11, as the state ops): the lowest valid row
@@ -281,21 +277,6 @@ __device__ __forceinline__ i64 decode_target(i64 q, const u8* __restrict__ valid
     return blk * pool.epb + (e - lb * pool.epb);
 }
 
-// Prefill: whether one of this thread's share of the request's logical
-// blocks holding a lower entry of this launch at entry e's record (blocks
-// lb0 .. lb - 1, entries e - j * epb >= start_entry) names physical block
-// blk (lb < bt_stride, a block table's width: 32-bit steps). Not inlined:
-// inlined, ptxas spilled in the CSA prefill instances (the rawkv layout's
-// at 80 registers, the model1 ones at 64) wherever the scan was placed.
-__device__ __noinline__ bool names_block_below(const int* __restrict__ bt_row, i64 epb, i64 e, i64 lb,
-                                                  i64 blk, i64 start_entry) {
-    const i64 o = e - lb * epb;
-    const int lb0 = start_entry <= o ? 0 : (int)((start_entry - o + epb - 1) / epb);
-    bool hit = false;
-    for (int l = lb0 + (int)threadIdx.x; l < (int)lb; l += (int)blockDim.x) hit |= bt_row[l] == (int)blk;
-    return hit;
-}
-
 // The record of a finished entry (512 float32 in shared memory) / key (128,
 // already BF16) in the pool's "model1" layout, written by one warp. Not
 // inlined: the pooling registers of the kernel are dead here, and ptxas
@@ -427,22 +408,6 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
     } else {
         row = slot;
         e = start_entry + n;
-        // Two logical blocks of the row naming one physical block (an
-        // engine's in-place table write) put two entries of this launch on
-        // one record: the lower one writes it, this one writes nothing and
-        // is counted, as in the reference. Asked before the checks below:
-        // the lower entry passes or fails them as this one would (the same
-        // row and block, a smaller entry id), so either way this entry is
-        // counted once and writes nothing. Without it both CTAs wrote the
-        // record (torn) and neither counted.
-        const i64 lbe = e / pool.epb;
-        const bool dup = row >= 0 && row < pool.bt_rows && lbe < pool.bt_stride &&
-                         names_block_below(pool.block_table + row * pool.bt_stride, pool.epb, e, lbe,
-                                           pool.block_table[row * pool.bt_stride + lbe], start_entry);
-        if (block_any(dup)) {
-            if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
-            return;
-        }
         const T* kv = part == 0 ? p0.kv : p1.kv;
         const T* z = part == 0 ? p0.z : p1.z;
         const float* ape = part == 0 ? p0.ape : p1.ape;
