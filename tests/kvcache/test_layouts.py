@@ -131,6 +131,24 @@ def test_cpu_argument_errors_name_the_argument_and_write_nothing(rng, call, matc
     assert not c.any()
 
 
+def test_new_layout_cache_refuses_more_slots_than_int32_holds():
+    """new_layout_cache (and the reference's new_cache) made a cache of
+    num_pages * page_size >= 2^31 records, allocating it (146 GB for
+    2^25 MXFP4 pages of 64), which every op then refused ('cache: ... exceed
+    the int32 slot range'). Refused naming num_pages before anything is
+    allocated; the largest cache the ops take is still made."""
+    for layout in ("model1", "index_fp8", "index_mxfp4"):
+        for n, p in ((2 ** 25, 64), (1, 2 ** 31), (2 ** 31 - 1, 2)):
+            with pytest.raises(ValueError, match="^num_pages: .* int32 slot range"):
+                kc.new_layout_cache(layout, n, p, device="meta")
+            with pytest.raises(ValueError, match="^num_pages: .* int32 slot range"):
+                R.new_cache(R.LAYOUTS[layout], n, p)
+        c = kc.new_layout_cache(layout, 2 ** 31 - 1, 1, device="meta")
+        assert c.shape == (2 ** 31 - 1, R.LAYOUTS[layout].page_bytes(1))
+        with pytest.raises(TypeError, match="^page_size:"):
+            kc.new_layout_cache(layout, 2, 4.0, device="meta")
+
+
 def test_layout_ops_refuse_read_only_or_overlapping_outputs():
     """model1_store into a read-only cache raised numpy's message, naming no
     argument."""

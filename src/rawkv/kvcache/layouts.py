@@ -50,7 +50,11 @@ def new_layout_cache(layout, num_pages: int, page_size: int, *, device=None):
     """A zero-filled (num_pages, page_bytes) uint8 cache: a torch tensor on
     `device` (e.g. 'cuda'), or a numpy array when device is None."""
     lay = layout_of(layout)
-    shape = (C.host_int("num_pages", num_pages, 1), layout_page_bytes(lay, page_size))
+    n, p = C.host_int("num_pages", num_pages, 1), C.host_int("page_size", page_size, 1)
+    if n * p > R.INDEX_LIMIT:
+        # (every op refuses such a cache: its slots are int32, FlashMLA's indices)
+        raise ValueError(f"num_pages: {n} pages of {p} records exceed the int32 slot range (2^31 - 1)")
+    shape = (n, lay.page_bytes(p))
     if device is None:
         return np.zeros(shape, np.uint8)
     import torch

@@ -287,7 +287,11 @@ def new_cache(layout: SplitLayout, num_pages: int, page_size: int) -> np.ndarray
     if isinstance(num_pages, (bool, np.bool_)) or not isinstance(num_pages, (int, np.integer)) \
             or num_pages < 1:
         raise ValueError(f"num_pages: expected a positive int, got {num_pages!r}")
-    return np.zeros((int(num_pages), layout.page_bytes(page_size)), np.uint8)
+    pb = layout.page_bytes(page_size)
+    if int(num_pages) * int(page_size) > INDEX_LIMIT:
+        raise ValueError(f"num_pages: {num_pages} pages of {page_size} records exceed the int32 slot range "
+                         "(2^31 - 1)")
+    return np.zeros((int(num_pages), pb), np.uint8)
 
 
 def _cache(layout: SplitLayout, cache, page_size: int) -> np.ndarray:
