@@ -229,6 +229,44 @@ def test_a_store_into_a_pools_bookkeeping_is_refused():
     assert m1.pages[0].any() and m1.index_pages[0].any()
 
 
+def test_a_store_into_a_pools_pages_takes_the_pools_geometry():
+    """A store into a model1 pool's pages / index_pages checked only the
+    buffer's role and the bytes of a page: an FP8 key store of page size 17
+    into MXFP4 index pages of 33 entries (2,244 bytes a page both), an MXFP4
+    one of page size 11 into them seen as 3 times as many pages, or a
+    MODEL1 store of page size 31 into the pages of a pool of 63 entries seen
+    as twice as many pages, wrote records of another geometry over the
+    pool's entries, which its gathers then decoded as garbage, no error.
+    Refused naming cache (the other key layout) or page_size, nothing
+    written; the rule runs before the CUDA launch too (_rules.store)."""
+    keys = np.ones((1, 128), np.float32)
+    ent = np.ones((1, 512), np.float32)
+    one = np.zeros(1, np.int32)
+    mx = kc.PagedKVPool("csa", 2, 33, 1, 1, device="cpu", index_layout="mxfp4")
+    m1 = kc.PagedKVPool("csa", 2, 63, 1, 1, device="cpu")
+    fp8 = kc.PagedKVPool("csa", 17, 4, 1, 1, device="cpu")       # index_pages (17, 528): 33 pages of 272
+    cases = [
+        ("^cache: lies in the index_pages of a PagedKVPool with index_layout 'mxfp4'",
+         lambda: kc.index_fp8_store(mx.index_pages, keys, one, page_size=17)),
+        ("^page_size: ", lambda: kc.index_mxfp4_store(mx.index_pages.reshape(6, -1), keys, one, page_size=11)),
+        ("^page_size: ", lambda: kc.model1_store(m1.pages.reshape(4, -1), ent, one, page_size=31)),
+        ("^page_size: ", lambda: kc.model1_window_insert(m1.pages.reshape(4, -1), ent, one, page_size=31)),
+        # FP8 pages of 4 keys seen as MXFP4 pages of 4: the pool's page size, not its layout
+        ("^cache: lies in the index_pages of a PagedKVPool with index_layout 'fp8'",
+         lambda: kc.index_mxfp4_store(fp8.index_pages.reshape(33, -1), keys, one, page_size=4)),
+    ]
+    for match, call in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+    for p in (mx, m1, fp8):
+        assert not np.asarray(p.pages).any() and not np.asarray(p.index_pages).any()
+    # the pool's own geometry is taken
+    kc.index_mxfp4_store(mx.index_pages, keys, one, page_size=33)
+    kc.model1_store(m1.pages, ent, one, page_size=63)
+    kc.index_fp8_store(fp8.index_pages[1:], keys, one, page_size=4)
+    assert mx.index_pages[0].any() and m1.pages[0].any() and fp8.index_pages[1].any()
+
+
 # ---------------------------------------------------------------------------
 # properties (hypothesis): the op against the reference, at most one wrong argument
 # ---------------------------------------------------------------------------

@@ -278,7 +278,7 @@ def store(lay, cache_, rows, slots, page_size, offsets, errors, width: int, name
     pages = whole_pages(c, n, lay.page_bytes(p))
     A.check_outputs((("cache", pages), ("errors", errors)), inputs)
     # the cache may be a pool's pages (index_pages for the keys): what it stores into; no other buffer
-    check_store_cache(pages, "pages" if lay is RL.MODEL1 else "index_pages")
+    check_store_cache(pages, "pages" if lay is RL.MODEL1 else "index_pages", lay, p)
     check_not_anothers((("errors", errors),))
     dev = A.device_of(c)
     x = arg(rows, name, ROWS, where, dev, ndim=2, align=16)

@@ -205,7 +205,7 @@ def check_not_anothers(outputs, obj=None) -> None:
                          f"your own)")
 
 
-def check_store_cache(cache, role: str) -> None:
+def check_store_cache(cache, role: str, lay=None, page_size=None) -> None:
     """A layout store's cache (every byte of its pages) may lie in a pool's
     buffer only when that buffer is the one holding the store's records,
     `role` ('pages' for MODEL1, 'index_pages' for the indexer keys): that is
@@ -214,7 +214,12 @@ def check_store_cache(cache, role: str) -> None:
     rows or count, viewed as bytes) the store would overwrite the metadata
     every gather trusts, e.g. set marks of entries a request never wrote or
     forge a block's owner, so one request would read another's entries with
-    no error. ValueError naming cache."""
+    no error. In the pool's pages the store's layout `lay` and `page_size`
+    must be the pool's (its index_layout, entries_per_block): pages of
+    another geometry of the same bytes (an FP8 key store of page size 17
+    into MXFP4 pages of 33 entries, 2,244 bytes both) would write records
+    every gather of the pool decodes as garbage. ValueError naming cache,
+    or page_size."""
     found = _lookup(cache)
     if found is None:
         return
@@ -223,6 +228,13 @@ def check_store_cache(cache, role: str) -> None:
         raise ValueError(f"cache: lies in the {r} buffer of a {type(o).__name__}; a layout store writes "
                          f"its records only into a pool's {role} (or a cache of the engine's own), never "
                          f"into the {r} the pool's ops trust")
+    if lay is not None and role == "index_pages" and ref.INDEX_LAYOUTS.get(o.index_layout) is not lay:
+        raise ValueError(f"cache: lies in the index_pages of a PagedKVPool with index_layout "
+                         f"{o.index_layout!r}; an {lay.name} store would write records its gathers misread")
+    if page_size is not None and page_size != o.entries_per_block:
+        raise ValueError(f"page_size: the cache lies in the {role} of a PagedKVPool of {o.entries_per_block} "
+                         f"entries per block (its page size), got {page_size}; the store would write "
+                         "records of another page geometry over its pages")
 
 
 def check_bare_table(table) -> None:
