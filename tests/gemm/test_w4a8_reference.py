@@ -398,7 +398,11 @@ def test_w4a8_weight_is_the_reference_rule_packed(rng):
     assert (w8.row_scale.numpy()[:, n:] == 1).all()
     # padding blocks take a row of the table whose entry 0 is 0
     assert (w8.shifts.numpy() <= W.SHIFT_MAX + W.SHIFT_BIAS).all()
-    assert (w8.n, w8.k, w8.groups) == (n, k, g) and w8.gs is w.gs
+    assert (w8.n, w8.k, w8.groups) == (n, k, g) and torch.equal(w8.gs, w.gs)
+    # the global scales are the form's own (they were the Fp4Weight's tensor): a later change
+    # of the Fp4Weight's leaves them
+    w.gs.fill_(2.0)
+    assert torch.equal(w8.gs, torch.ones(g))
 
 
 # -- the W4A8 kernel's packed layout ----------------------------------------------------------

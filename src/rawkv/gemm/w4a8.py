@@ -48,8 +48,8 @@ class W4a8Weight(NamedTuple):
     biased shift, the row of SHIFT_TABLE that turns its codes into E4M3;
     a byte past the table, which w4a8_weight never writes, makes its block
     zeros and is counted by the ops);
-    row_scale float32 (G, NP), 2^r of each row (padding rows 1); gs the
-    Fp4Weight's float32 (G,) global scales (ones for MXFP4)."""
+    row_scale float32 (G, NP), 2^r of each row (padding rows 1); gs a copy
+    of the Fp4Weight's float32 (G,) global scales (ones for MXFP4)."""
     n: int
     k: int
     codes: object
@@ -87,7 +87,7 @@ def w4a8_weight(weight) -> W4a8Weight:
     row[:, :weight.n] = np.ldexp(np.float32(1.0), rebase)     # 2^r >= 2^-136: an FP32 value exactly
     return W4a8Weight(weight.n, weight.k, torch.from_numpy(ref8.pack_codes8(codes)).to(dev),
                       torch.from_numpy(ref8.pack_shifts8(shifts)).to(dev), torch.from_numpy(row).to(dev),
-                      weight.gs)
+                      weight.gs.clone())   # (a copy: it was the Fp4Weight's own tensor, as unpack()'s was)
 
 
 # ---- the public ops (rawkv.gemm.grouped_linear / moe_linear with a W4a8Weight) --------------
