@@ -32,6 +32,12 @@ def test_layer_loads_mxfp4_and_nvfp4_checkpoints(rng):
     assert np.array_equal(_bits(layer(x)), ref.round_to_bf16(ref.grouped(x.double().numpy(), w64)))
     with pytest.raises(ValueError, match=r"^weight"):
         layer.load_mxfp4(torch.from_numpy(codes[:, :16]), torch.from_numpy(scales[:, :1]))
+    # w4a8 is a bool: 'False' (a truthy string) chose the W4A8 form; refused, the layer unchanged
+    held = layer.weight
+    for bad in ("False", 1, None):
+        with pytest.raises(TypeError, match=r"^w4a8: expected a bool"):
+            layer.load_mxfp4(torch.from_numpy(codes), torch.from_numpy(scales), w4a8=bad)
+        assert layer.weight is held
 
 
 def test_layer_w4a8_takes_fp8_activations(rng):

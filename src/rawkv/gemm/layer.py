@@ -62,7 +62,11 @@ class Fp4GroupedLinear:
         w4a8=True the layer keeps the weight's W4A8 form (rawkv.gemm.w4a8_weight:
         a ValueError naming the blocks E4M3 cannot hold exactly) and its calls
         take FP8 block activations, (codes, scales) from
-        rawkv.fp8.quantize_blocks, on the W4A8 GEMM (sm_90; docs/gemm.md)."""
+        rawkv.fp8.quantize_blocks, on the W4A8 GEMM (sm_90; docs/gemm.md).
+        w4a8 is a bool (a TypeError naming it before anything is read: any
+        truthy value chose the form, and a string 'False' the W4A8 one)."""
+        if not isinstance(w4a8, bool):
+            raise TypeError(f"w4a8: expected a bool, got {type(w4a8).__name__}")
         self._check_codes(weight)
         w = self._here(Fp4Weight.from_mxfp4(weight, scale, groups=self.groups))
         # (every check, the W4A8 form's included, before the weight is
