@@ -67,6 +67,30 @@ def test_compress_decode_flush_rule(rng):
     np.testing.assert_array_equal(hp.written, [1, 0])
 
 
+def test_reference_decode_refuses_a_state_of_another_window(rng):
+    """paged_compress_decode pools a state's window into an entry of the
+    pool's m: a state (or indexer state) of another window size (an HCA
+    state, m = 128, given a CSA pool, m = 4) had its first 4 rows pooled
+    into entry 0 as if they were a full window, with no error. Refused,
+    naming it, before anything is written (the public op's rule)."""
+    pool = ref.PagedPoolRef.create(4, 4, 4, index_head_dim=128, max_requests=2, max_blocks_per_request=2)
+    pool.block_table[0, 0] = 0
+    hca = ref.DecodeStateRef.create("hca", 2, 512)
+    hca.count[0] = 4                                  # 4 of its 128 rows: a CSA pool's full window
+    csa, ist = _random_state(rng, "csa", 2, 512), _random_state(rng, "csa", 2, 128)
+    csa.count[0] = ist.count[0] = 4
+    ihca = ref.DecodeStateRef.create("hca", 2, 128)
+    ihca.count[0] = 4
+    nw, iw = np.ones(512, np.float32), np.ones(128, np.float32)
+    args = (nw, np.ones(1, bool), np.zeros(1, np.int32), np.array([3], np.int32))
+    before = pool.copy()
+    with pytest.raises(ValueError, match="^state: "):
+        ref.paged_compress_decode(pool, hca, *args, index=(ist, iw))
+    with pytest.raises(ValueError, match="^index.state: "):
+        ref.paged_compress_decode(pool, csa, *args, index=(ihca, iw))
+    assert not _changed(before, pool) and not pool.written.any()
+
+
 def _slot_rule_batch(rng, B, R, m):
     """(valid, slots, positions) of B rows over R slots: slots repeated
     often, some out of range; positions of entries 0..4 (4: past the

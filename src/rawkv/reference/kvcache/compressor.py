@@ -106,6 +106,13 @@ def paged_compress_decode(pool: PagedPoolRef, state: DecodeStateRef, norm_weight
     if pos.shape != (B,):
         raise ValueError(f"positions: expected shape ({B},), got {pos.shape}")
     m = pool.m
+    # a state pools its own window: one of another m (an HCA state given a
+    # CSA pool) would have rows of a partial window pooled as a full one
+    if state.m != m:
+        raise ValueError(f"state: has a window of m = {state.m} rows but the pool's m is {m}")
+    if ist is not None and (ist.m != m or not ist.overlap):
+        raise ValueError(f"index.state: expected a CSA (overlap) state of m = {m}, got m = {ist.m}"
+                         f"{'' if ist.overlap else ' without overlap'}")
     n_rows = min(state.num_slots, pool.block_table.shape[0])
     owners, errors = _owner_rows(valid, slots, lambda s: 0 <= s < n_rows)
     rows = []
