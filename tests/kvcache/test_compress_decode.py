@@ -314,6 +314,26 @@ def test_decode_argument_errors(kind):
             compress_decode(pool, st, nw, v, s, p, index=(bad, np.ones(DI, np.float32)))
 
 
+def test_decode_refuses_misaligned_slots_and_positions():
+    """The compressor loads slots[b] / positions[b] as int32 or int64: one
+    not aligned to its element size faults on the GPU (a sticky error).
+    Taken on CPU and launched on CUDA before; now refused by name."""
+    torch = pytest.importorskip("torch")
+    from support.views import off_element
+    pool = _pool("hca", "cpu")
+    st = DecodeState("hca", 4, device="cpu")
+    pool.attach(st)
+    nw, v = np.ones(D, np.float32), torch.ones(2, dtype=torch.bool)
+    for dt in (torch.int32, torch.int64):
+        good = torch.zeros(2, dtype=dt)
+        bad = off_element(good)
+        with pytest.raises(ValueError, match="^slots: data must be .-byte aligned"):
+            compress_decode(pool, st, nw, v, bad, good)
+        with pytest.raises(ValueError, match="^positions: data must be .-byte aligned"):
+            compress_decode(pool, st, nw, v, good, bad)
+    assert not pool.errors.any() and not pool.written.any()
+
+
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 def test_decode_state_rows_must_equal_pool_rows(kind):
     """Slots index the decode state AND the pool's block table: a state with

@@ -194,6 +194,25 @@ def test_state_ops_refuse_errors_in_the_states_buffers():
     assert not st.count.any() and np.isneginf(st.z_a).all()
 
 
+def test_state_ops_refuse_misaligned_slots():
+    """The state kernels load slots[b] as an int32: a slots array not
+    aligned to 4 bytes (a DLPack array or torch.frombuffer at an odd byte
+    offset) faults on the GPU (a sticky error). It was taken on CPU and
+    launched on CUDA; now refused by name on both, nothing written."""
+    torch = pytest.importorskip("torch")
+    from support.views import off_element
+    st = kc.DecodeState("csa", 2, head_dim=128, device="cpu")
+    rows = torch.ones((2, st.width))
+    valid = torch.ones(2, dtype=torch.bool)
+    slots = off_element(torch.tensor([0, 1], dtype=torch.int32))
+    for call in (lambda: kc.state_append(st, rows, rows, valid, slots),
+                 lambda: kc.csa_rotate(st, valid, slots),
+                 lambda: kc.state_clear(st, slots)):
+        with pytest.raises(ValueError, match="^slots: data must be 4-byte aligned"):
+            call()
+    assert not st.count.any() and np.isneginf(st.z_a).all()
+
+
 # ---------------------------------------------------------------------------
 # properties (hypothesis): the op against the reference, at most one wrong argument
 # ---------------------------------------------------------------------------

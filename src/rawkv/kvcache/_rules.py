@@ -371,7 +371,7 @@ def state_append(st, errors, kv, z, valid_mask, slots, ape):
         raise ValueError(f"kv: expected shape ({B}, {w}), got {tuple(k.shape)}")
     zz = arg(z, "z", ROWS, where, dev, shape=(B, w), align=16)
     v = arg(valid_mask, "valid_mask", BOOL, where, dev, shape=(B,))
-    s = arg(slots, "slots", I32, where, dev, shape=(B,))
+    s = arg(slots, "slots", I32, where, dev, shape=(B,), align=A.ELEMENT)     # (int32 loads)
     a = opt(ape, "ape", F32, where, dev, shape=(st.m, w), align=16)
     errors = outputs(st, "state", errors, where, dev,
                      inputs=(("kv", k), ("z", zz), ("valid_mask", v), ("slots", s), ("ape", a)), writes=True)
@@ -391,7 +391,7 @@ def state_reset(st, mode_name: str, errors, valid_mask, slots):
         raise TypeError("valid_mask: is required")
     inputs = (("slots", slots), ("valid_mask", valid_mask))
     where, dev = placed(st, "state", *inputs, ("errors", errors))
-    s = arg(slots, "slots", I32, where, dev, ndim=1)
+    s = arg(slots, "slots", I32, where, dev, ndim=1, align=A.ELEMENT)         # (int32 loads)
     v = opt(valid_mask, "valid_mask", BOOL, where, dev, shape=(s.shape[0],))
     errors = outputs(st, "state", errors, where, dev, inputs=(("slots", s), ("valid_mask", v)), writes=True)
     return where, v, s, errors
@@ -687,8 +687,9 @@ def compress_decode(p, state, index, norm_weight, valid_mask, slots, positions, 
                         ("norm_weight", norm_weight), ("index.norm_weight", inw))
     v = arg(valid_mask, "valid_mask", BOOL, where, dev, ndim=1)
     B = v.shape[0]
-    s = arg(slots, "slots", IDS, where, dev, shape=(B,))
-    pos = arg(positions, "positions", (A.dtype_name(s),), where, dev, shape=(B,))
+    # (loaded element by element: aligned to their own size, A.ELEMENT)
+    s = arg(slots, "slots", IDS, where, dev, shape=(B,), align=A.ELEMENT)
+    pos = arg(positions, "positions", (A.dtype_name(s),), where, dev, shape=(B,), align=A.ELEMENT)
     nw = arg(norm_weight, "norm_weight", F32, where, dev, shape=(p.head_dim,))
     if index is not None:
         inw = arg(inw, "index.norm_weight", F32, where, dev, shape=(KC.INDEX_HEAD_DIM,))
