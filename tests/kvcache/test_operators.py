@@ -187,6 +187,17 @@ def test_views_refuse_misaligned_data_buffers(layout):
             V.state_view(**_bad(st, name, misaligned(st[name], st[name].element_size())))
 
 
+def test_state_view_refuses_a_misaligned_count():
+    """The state kernels load and store count[s] as an int32: a view whose
+    count is not 4-byte aligned (a DLPack array or torch.frombuffer at an
+    odd byte offset) faults on CUDA, a sticky error. It was taken; now
+    refused naming count."""
+    from support.views import off_element
+    st = V.state_args(kvc.DecodeState("csa", 2, device="cpu"))
+    with pytest.raises(ValueError, match=r"^count: data must be 4-byte aligned"):
+        V.state_view(**_bad(st, "count", off_element(torch.as_tensor(st["count"]))))
+
+
 def _decode_layer(rng, kind):
     """A pool with its decode states (and, for CSA, the indexer's) attached,
     slot 0 of each holding a complete window: a compress_decode of slot 0

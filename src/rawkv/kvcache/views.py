@@ -332,7 +332,7 @@ def state_view(kv_a, z_a, kv_b, z_b, count, errors=None) -> DecodeState:
     if kv_b is not None:
         kb = _buf(kv_b, "kv_b", C.F32, at, shape=(R, m, st.head_dim), align=DATA_ALIGN)
         zb = _buf(z_b, "z_b", C.F32, at, shape=(R, m, st.head_dim), align=DATA_ALIGN)
-    c = _buf(count, "count", C.I32, at, shape=(R,))
+    c = _buf(count, "count", C.I32, at, shape=(R,), align=A.ELEMENT)    # (the kernels' int32 loads / stores)
     cuda = at[0] == "cuda"
     st.is_cuda, st.device_index = cuda, (at[1] if cuda else None)
     st.device = a.device if cuda else "cpu"
