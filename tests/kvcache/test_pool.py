@@ -521,3 +521,45 @@ def test_gpu_pool_view_refuses_buffers_on_another_device(cuda):
     args["block_table"] = args["block_table"].long()
     with pytest.raises(TypeError, match="^block_table: "):
         V.pool_view(**args)
+
+
+def test_pool_and_layout_ops_refuse_element_misaligned_indices():
+    """The pool's and the layout ops' kernels load (or store) their int32 /
+    int64 indices one element at a time: an index array at an odd byte
+    offset (a DLPack array or torch.frombuffer) faults on the GPU (a sticky
+    error). It was taken on CPU and launched on CUDA (the state ops' and
+    compress_decode's were mended first); each is refused by name, nothing
+    written."""
+    torch = pytest.importorskip("torch")
+    from support.views import off_element
+    pool = kc.PagedKVPool("csa", 4, 4, 2, 2, index_head_dim=None, layout="model1", device="cpu")
+    a = pool.add_request()
+    pool.prepare_step([a], [3])
+    i32 = (lambda v: torch.tensor(v, dtype=torch.int32))
+    bad = (lambda v: off_element(i32(v)))
+    rows = torch.ones((1, pool.head_dim), dtype=torch.bfloat16)
+    one = torch.ones(1, dtype=torch.bool)
+    cache = kc.new_layout_cache("model1", 2, 4, device="cpu")
+    before = {n: np.copy(getattr(pool.to_reference(), n)) for n in ("pages", "written", "marks", "owners")}
+    calls = [
+        ("slots", lambda: kc.flush_write(pool, rows, one, bad([a]), i32([0]))),
+        ("positions", lambda: kc.flush_write(pool, rows, one, i32([a]), bad([0]))),
+        ("slots", lambda: kc.assign_pages(pool, bad([a]), i32([2]))),
+        ("blocks", lambda: kc.assign_pages(pool, i32([a]), bad([2]))),
+        ("slots", lambda: kc.gather_topk(pool, bad([a]), i32([[0]]))),
+        ("topk_ids", lambda: kc.gather_topk(pool, i32([a]), bad([[0]]))),
+        ("n_entries", lambda: kc.gather_topk(pool, i32([a]), i32([[0]]), n_entries=bad([1]))),
+        ("slots", lambda: kc.gather_dense_batch(pool, bad([a]), i32([1]), max_entries=1)),
+        ("n_entries", lambda: kc.gather_dense_batch(pool, i32([a]), bad([1]), max_entries=1)),
+        ("slots", lambda: kc.model1_store(cache, rows, bad([0]), page_size=4)),
+        ("indices", lambda: kc.model1_gather(cache, bad([0]), page_size=4)),
+        ("topk_ids", lambda: kc.topk_to_kvcache_indices(bad([[0]]), i32([[0]]), page_size=4, num_pages=2)),
+        ("block_table", lambda: kc.topk_to_kvcache_indices(i32([[0]]), bad([[0]]), page_size=4, num_pages=2)),
+    ]
+    for name, call in calls:
+        with pytest.raises(ValueError, match=rf"^{name}: data must be \d-byte aligned"):
+            call()
+    after = pool.to_reference()
+    for n, v in before.items():
+        np.testing.assert_array_equal(getattr(after, n), v, err_msg=n)
+    assert not cache.any() and pool.read_errors() == 0

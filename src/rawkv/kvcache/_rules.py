@@ -285,8 +285,8 @@ def store(lay, cache_, rows, slots, page_size, offsets, errors, width: int, name
     N = x.shape[0]
     if x.shape[1] != width:
         raise ValueError(f"{name}: expected shape ({N}, {width}), got {tuple(x.shape)}")
-    s = arg(slots, slots_name, IDS, where, dev, shape=(N,))
-    o = opt(offsets, "offsets", I32, where, dev, shape=(N,))
+    s = arg(slots, slots_name, IDS, where, dev, shape=(N,), align=A.ELEMENT)
+    o = opt(offsets, "offsets", I32, where, dev, shape=(N,), align=A.ELEMENT)
     err = None if errors is None else A.counter(errors, where, dev)
     return where, c, n, p, x, s, o, err
 
@@ -302,7 +302,7 @@ def model1_gather(cache_, indices, page_size, out, errors, dtype):
                     (("cache", whole_pages(c, n, RL.MODEL1.page_bytes(p))), ("indices", indices)))
     check_not_anothers((("out", out), ("errors", errors)))
     dev = A.device_of(c)
-    idx = arg(indices, "indices", I32, where, dev)
+    idx = arg(indices, "indices", I32, where, dev, align=A.ELEMENT)
     out, name = out_arg(out, dtype, where, dev, shape=(*idx.shape, RL.ENTRY_DIM))
     err = None if errors is None else A.counter(errors, where, dev)
     launch_rows("indices", A.numel(idx))
@@ -324,19 +324,19 @@ def topk_bridge(topk_ids, block_table, page_size, num_pages, slots, n_entries, o
     check_not_anothers((("out", out), ("errors", errors)))
     if block_table is not None and not A.is_number(block_table):
         check_bare_table(block_table)       # (a pool's table: kvcache_indices is its bridge)
-    ids = arg(topk_ids, "topk_ids", IDS, where, None)
+    ids = arg(topk_ids, "topk_ids", IDS, where, None, align=A.ELEMENT)
     if ids.ndim not in (2, 3):
         raise ValueError(f"topk_ids: expected (B, K) or (B, S, K), got shape {tuple(ids.shape)}")
     dev = A.device_of(ids)
-    table = arg(block_table, "block_table", I32, where, dev, ndim=2)
+    table = arg(block_table, "block_table", I32, where, dev, ndim=2, align=A.ELEMENT)
     B = ids.shape[0]
-    s = opt(slots, "slots", I32, where, dev, shape=(B,))
-    ne = opt(n_entries, "n_entries", I32, where, dev, shape=(B,))
+    s = opt(slots, "slots", I32, where, dev, shape=(B,), align=A.ELEMENT)
+    ne = opt(n_entries, "n_entries", I32, where, dev, shape=(B,), align=A.ELEMENT)
     if s is None and table.shape[0] < B:
         raise ValueError(f"block_table: {table.shape[0]} rows for {B} requests; pass slots=")
     if table.shape[1] * p >= 2 ** 31:
         raise ValueError(f"block_table: {table.shape[1]} blocks of {p} entries exceed the int32 id range")
-    out = arg(out, "out", I32, where, dev, shape=tuple(ids.shape))
+    out = arg(out, "out", I32, where, dev, shape=tuple(ids.shape), align=A.ELEMENT)
     err = None if errors is None else A.counter(errors, where, dev)
     launch_rows("topk_ids", A.numel(ids))
     return where, ids, table, p, npg, s, ne, out, err
@@ -411,8 +411,8 @@ def flush_write(p, errors, entries, valid_mask, slots, positions, index_keys):
     if e.shape[1] != p.head_dim:
         raise ValueError(f"entries: expected shape ({B}, {p.head_dim}), got {tuple(e.shape)}")
     v = arg(valid_mask, "valid_mask", BOOL, where, dev, shape=(B,))
-    s = arg(slots, "slots", I32, where, dev, shape=(B,))
-    pos = arg(positions, "positions", I32, where, dev, shape=(B,))
+    s = arg(slots, "slots", I32, where, dev, shape=(B,), align=A.ELEMENT)
+    pos = arg(positions, "positions", I32, where, dev, shape=(B,), align=A.ELEMENT)
     if p.has_index:
         if index_keys is None:
             raise ValueError("index_keys: required for a CSA pool with indexer keys")
@@ -429,8 +429,8 @@ def flush_write(p, errors, entries, valid_mask, slots, positions, index_keys):
 def assign_pages(p, errors, slots, blocks):
     """(where, slots, blocks, errors) of assign_pages: slots, blocks (B,) int32."""
     where, dev = placed(p, "pool", ("slots", slots), ("blocks", blocks), ("errors", errors))
-    s = arg(slots, "slots", I32, where, dev, ndim=1)
-    b = arg(blocks, "blocks", I32, where, dev, shape=(s.shape[0],))
+    s = arg(slots, "slots", I32, where, dev, ndim=1, align=A.ELEMENT)
+    b = arg(blocks, "blocks", I32, where, dev, shape=(s.shape[0],), align=A.ELEMENT)
     errors = outputs(p, "pool", errors, where, dev, inputs=(("slots", s), ("blocks", b)), writes=True)
     launch_rows("blocks", s.shape[0])
     return where, s, b, errors
@@ -444,15 +444,15 @@ def topk(p, errors, slots, topk_ids, n_entries, valid_mask, out, dtype=None, row
     or None."""
     inputs = (("slots", slots), ("topk_ids", topk_ids), ("n_entries", n_entries), ("valid_mask", valid_mask))
     where, dev = placed(p, "pool", *inputs, ("out", out), ("errors", errors))
-    ids = arg(topk_ids, "topk_ids", IDS, where, dev, ndim=2)
+    ids = arg(topk_ids, "topk_ids", IDS, where, dev, ndim=2, align=A.ELEMENT)
     B, k = ids.shape
-    s = arg(slots, "slots", I32, where, dev, shape=(B,))
-    ne = opt(n_entries, "n_entries", I32, where, dev, shape=(B,))
+    s = arg(slots, "slots", I32, where, dev, shape=(B,), align=A.ELEMENT)
+    ne = opt(n_entries, "n_entries", I32, where, dev, shape=(B,), align=A.ELEMENT)
     v = opt(valid_mask, "valid_mask", BOOL, where, dev, shape=(B,))
     if rows:
         out, name = out_arg(out, dtype, where, dev, shape=(B, k, p.head_dim))
     else:
-        out, name = arg(out, "out", I32, where, dev, shape=(B, k)), "int32"
+        out, name = arg(out, "out", I32, where, dev, shape=(B, k), align=A.ELEMENT), "int32"
     errors = outputs(p, "pool", errors, where, dev, (("out", out),), (
         ("slots", s), ("topk_ids", ids), ("n_entries", ne), ("valid_mask", v)))
     launch_rows("topk_ids", B * k)
@@ -500,9 +500,9 @@ def dense_batch(p, errors, slots, n_entries, valid_mask, out, dtype, index: bool
     width = index_width(p, index)
     inputs = (("slots", slots), ("n_entries", n_entries), ("valid_mask", valid_mask))
     where, dev = placed(p, "pool", *inputs, ("out", out), ("errors", errors))
-    s = arg(slots, "slots", I32, where, dev, ndim=1)
+    s = arg(slots, "slots", I32, where, dev, ndim=1, align=A.ELEMENT)
     B = s.shape[0]
-    ne = arg(n_entries, "n_entries", I32, where, dev, shape=(B,))
+    ne = arg(n_entries, "n_entries", I32, where, dev, shape=(B,), align=A.ELEMENT)
     v = opt(valid_mask, "valid_mask", BOOL, where, dev, shape=(B,))
     out, name = out_arg(out, dtype, where, dev, ndim=3)
     k = out.shape[1]

@@ -213,10 +213,10 @@ def pool_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, blo
 def _table_args(block_table, request_ids, owners, written, marks, errors, at, marks_shape):
     """The request table, the page owners, the marks and the counter of a
     view, checked."""
-    bt = _buf(block_table, "block_table", C.I32, at, ndim=2)
-    ids = _buf(request_ids, "request_ids", C.I32, at, shape=(bt.shape[0],))
-    own = _buf(owners, "owners", C.I32, at, shape=(marks_shape[0],))
-    wr = _buf(written, "written", C.I32, at, shape=(bt.shape[0],))
+    bt = _buf(block_table, "block_table", C.I32, at, ndim=2, align=A.ELEMENT)
+    ids = _buf(request_ids, "request_ids", C.I32, at, shape=(bt.shape[0],), align=A.ELEMENT)
+    own = _buf(owners, "owners", C.I32, at, shape=(marks_shape[0],), align=A.ELEMENT)
+    wr = _buf(written, "written", C.I32, at, shape=(bt.shape[0],), align=A.ELEMENT)
     mk = _buf(marks, "marks", U8, at, shape=marks_shape)
     return bt, ids, own, wr, mk, _counter(errors, at)
 
