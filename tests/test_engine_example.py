@@ -45,3 +45,18 @@ def test_example_on_gpu(cuda):
     rows = env["rows"]
     assert torch.allclose(rows[:, 0].float().cpu(), env["entries"].float().cpu(), rtol=0.07, atol=0.07)
     assert not rows[:, 1:].any()
+
+
+def test_instance_counts_the_docs_state():
+    """What docs/engines.md, docs/runtime.md and the demo's --help say a full
+    warmup() compiles on an H100 (sm_90) is rawkv's count now, and the cache
+    demo's three files hold the instances engines.md names."""
+    from rawkv import demo, demo_layer
+    from rawkv.runtime import instances_for
+    every, cache = len(instances_for("sm_90")), len(instances_for("sm_90", demo.CACHE_FILES))
+    text = " ".join(DOC.read_text().split())
+    assert f"(21 of the {every} on an H100 at the defaults" in text
+    assert f"compiles its three kernel files: {cache} instances" in text
+    runtime_md = " ".join((DOC.parent / "runtime.md").read_text().split())
+    assert f"not all {every}:" in runtime_md
+    assert f"21 of rawkv's {every} on an H100" in " ".join(demo_layer.__doc__.split())
