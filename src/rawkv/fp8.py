@@ -100,12 +100,12 @@ _DECODE_FAST: dict = {}
 
 
 def _fast_key(a, out, n, ap, op_, dtype=None) -> tuple:
-    # (a negative bit, a zero pointer holding elements or a pointer not
-    # aligned to its elements is a key the checked path, which refuses them,
-    # never remembers: such a call takes it)
-    return (a.get_device(), out.get_device(), a.dtype, out.dtype, n, (ap | op_) & 15 == 0, dtype,
-            a.is_neg() or out.is_neg() or (n > 0 and not (ap and op_))
-            or (ap % a.element_size() or op_ % out.element_size()) != 0)
+    # (the pointers' low four bits: their 16-byte alignment, which picks the
+    # instance, and their element alignment; a negative bit, a zero pointer
+    # holding elements or a pointer not aligned to its elements is a key the
+    # checked path, which refuses them, never remembers: such a call takes it)
+    return (a.get_device(), out.get_device(), a.dtype, out.dtype, n, ap & 15, op_ & 15, dtype,
+            a.is_neg() or out.is_neg() or (n > 0 and not (ap and op_)))
 
 
 def _remember(cache: dict, key: tuple, inst, rt, n) -> None:
