@@ -305,27 +305,112 @@ def test_cpu_prefill_into_a_block_named_twice(seed, layout, has_index, start_ent
                            start_entry)
 
 
-@pytest.mark.xfail(strict=True, reason="open defect: the CUDA prefill writes both entries (a torn record), "
-                   "counts neither and raises written[] past them; the fix measured 16-29% slower CSA "
-                   "prefill on the H200 (docs/kvcache.md, decision 9)")
 @pytest.mark.parametrize("has_index", [False, True])
 @pytest.mark.parametrize("layout", ["rawkv", "model1"])
 @pytest.mark.parametrize("start_entry", [0, 2])
 def test_gpu_prefill_into_a_block_named_twice(cuda, seed, layout, has_index, start_entry):
-    """What the kernel should do: count and skip as the reference does, each
-    record of block 0 holding the bytes of its lowest entry (those the
-    same launch writes into A's own blocks 0 and 1 with logical block 1 not
-    named twice). It does not (xfail, strict: a fix makes it pass, and the
-    mark must then go): both entries write the record, nothing is counted,
-    written[] goes past them. The fix tried (each CTA scans the row's lower
-    blocks, docs/attempts/2026-11-29-kv-compress-prefill-duplicate-blocks.patch)
-    passed this test on the H200 and cost CSA prefill 16-29%."""
+    """The kernel counts and skips as the reference does, each record of
+    block 0 holding the bytes of its lowest entry (those the same launch
+    writes into A's own blocks 0 and 1 with logical block 1 not named
+    twice). Until session 62 both entries wrote the record (torn), nothing
+    was counted and written[] went past them."""
     want = _duplicate_block_case("cpu", seed, layout, has_index, start_entry, True)
     got = _duplicate_block_case("cuda", seed, layout, has_index, start_entry, True)
     assert got[:2] == want[:2]
     np.testing.assert_array_equal(got[2], want[2])
     _assert_lowest_entries(got, _duplicate_block_case("cuda", seed, layout, has_index, start_entry, False),
                            start_entry)
+
+
+def _many_blocks_case(device, seed, kind, layout, n, dups, start_entry):
+    """compress_prefill of entries start_entry .. n - 1 of a request holding
+    n blocks of one entry each; for each (lo, hi) of `dups`, logical block hi
+    names A's block lo too. Far more blocks than a CTA has threads lie below
+    the highest ones (the kernel's scan past its first round). Returns
+    (errors, written, marks, block bytes (blk, name) -> array)."""
+    rng = np.random.default_rng(seed)
+    m = ref.CSA_RATIO if kind == "csa" else ref.HCA_RATIO
+    pool = kc.PagedKVPool(kind, n, 1, 1, n, layout=layout, device=device)
+    a = pool.add_request()
+    pool.prepare_step([a], [n * m - 1])
+    blocks = pool.blocks_of(a)
+    for lo, hi in dups:
+        pool.block_table[a, hi] = blocks[lo]
+    pre = 1 if kind == "csa" and start_entry else 0     # CSA: the window before the first entry too
+    rows = (n - start_entry + pre) * m
+    t = (lambda x: _t(x, device))
+    w = 2 * D if kind == "csa" else D
+    kv, z = (t(rng.standard_normal((rows, w)).astype(F32)) for _ in range(2))
+    idx = None
+    if kind == "csa":
+        idx = kc.PrefillIndex(t(rng.standard_normal((rows, 2 * DI)).astype(F32)),
+                              t(rng.standard_normal((rows, 2 * DI)).astype(F32)), None,
+                              t((1 + 0.1 * rng.standard_normal(DI)).astype(F32)))
+    nw = t((1 + 0.1 * rng.standard_normal(D)).astype(F32))
+    kc.compress_prefill(pool, kv, z, None, nw, a, start_entry=start_entry, index=idx)
+    errors = _errors(pool)
+    state = _state(pool)
+    data = {(i, nm): v[b] for nm, v in state.items() if nm not in ("written", "marks", "owners", "request_ids",
+                                                               "block_table") for i, b in enumerate(blocks)}
+    return errors, state["written"][a], state["marks"][blocks].reshape(n), data
+
+
+# (kind, entries, start entry, (lo, hi) pairs): lower blocks past a CTA's
+# threads (CSA: 128, HCA: 512) and past the 512 words the kernel copies to
+# shared memory ahead (its loop over the rest), a block named three times, a
+# pair whose lower entry is not in the launch (lo < start entry: hi writes)
+_MANY_BLOCK_CASES = [
+    ("csa", 300, 0, [(5, 7), (3, 140), (150, 290), (150, 299), (0, 130)]),
+    ("csa", 300, 9, [(2, 200), (10, 11), (10, 270), (139, 268)]),
+    ("csa", 700, 3, [(20, 690), (530, 699), (600, 640), (1, 650)]),
+    ("hca", 40, 0, [(1, 39), (2, 3), (2, 30)]),
+    ("hca", 40, 5, [(4, 6), (20, 21)]),
+]
+# the GPU's only (the reference takes long on 600 HCA entries of 128 rows)
+_MANY_BLOCK_GPU_CASES = _MANY_BLOCK_CASES + [("hca", 600, 2, [(3, 599), (540, 560), (100, 580)])]
+
+
+def _many_blocks_want(n, dups, start_entry):
+    """(errors, written, marks) the reference's rule gives: an entry whose
+    block a lower entry of the launch names writes nothing and is counted."""
+    named = {hi: lo for lo, hi in dups}
+    counted = [hi for hi, lo in named.items() if lo >= start_entry]
+    marks = np.zeros(n, np.uint8)
+    kept = [e for e in range(start_entry, n) if e not in counted]
+    marks[[named.get(e, e) for e in kept]] = 1
+    return len(counted), max(kept) + 1, marks       # written: the highest entry written, + 1
+
+
+@pytest.mark.parametrize("layout", ["rawkv", "model1"])
+@pytest.mark.parametrize("case", range(len(_MANY_BLOCK_CASES)))
+def test_cpu_prefill_into_blocks_named_twice_far_apart(seed, layout, case):
+    kind, n, s0, dups = _MANY_BLOCK_CASES[case]
+    errors, written, marks, _ = _many_blocks_case("cpu", seed, kind, layout, n, dups, s0)
+    want = _many_blocks_want(n, dups, s0)
+    assert (errors, written) == want[:2]
+    np.testing.assert_array_equal(marks, want[2])
+
+
+@pytest.mark.parametrize("layout", ["rawkv", "model1"])
+@pytest.mark.parametrize("case", range(len(_MANY_BLOCK_GPU_CASES)))
+def test_gpu_prefill_into_blocks_named_twice_far_apart(cuda, seed, layout, case):
+    """The reference's counts and marks, and each named-twice record holds
+    its lowest entry's bytes (as the same launch writes them with no block
+    named twice)."""
+    kind, n, s0, dups = _MANY_BLOCK_GPU_CASES[case]
+    got = _many_blocks_case("cuda", seed, kind, layout, n, dups, s0)
+    want = _many_blocks_want(n, dups, s0)
+    assert got[:2] == want[:2]
+    np.testing.assert_array_equal(got[2], want[2])
+    clean = _many_blocks_case("cuda", seed, kind, layout, n, [], s0)
+    named = {hi: lo for lo, hi in dups}
+    for (blk, name), v in got[3].items():
+        if blk in named:                                # not named by the table: never written
+            assert not v.any(), (blk, name)
+            continue
+        hi = [h for h, lo in named.items() if lo == blk]
+        src = blk if blk >= s0 or not hi else min(hi)     # below the launch: its lowest namer writes it
+        np.testing.assert_array_equal(v, clean[3][(src, name)], err_msg=f"{name} of block {blk}")
 
 
 # ---------------------------------------------------------------------------

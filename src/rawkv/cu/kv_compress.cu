@@ -44,6 +44,10 @@
 //      *errors; written[row] = max(written[row], entry + 1) and
 //      marks[dest] = 1 (the entry is written by its block's owner: gathers
 //      read only marked entries).
+//      Prefill: two of the row's logical blocks naming one physical block put
+//      two entries of the launch on one record; the lower entry writes it,
+//      the other writes nothing and is counted (each CTA scans the row's
+//      blocks below its own that hold an entry of the launch).
 //      Decode: rows with valid_mask false are skipped silently (and own
 //      nothing); an out-of-range slot is counted. Duplicate slots
 //      (docs/kvcache.md decision 11, as the state ops): the lowest valid row
@@ -206,11 +210,13 @@ __device__ __forceinline__ float softmax_weight(float e, float s, float y) {
 }
 
 // ---- block reductions (all threads of the CTA call them) -----------------------
-__device__ __forceinline__ double block_sum_d(double v, double* sh) {
+// (any: in, this thread's flag; out, whether any thread's was set: the
+// first barrier's reduction, no barrier of its own)
+__device__ __forceinline__ double block_sum_d(double v, double* sh, bool& any) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     const int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    __syncthreads();
+    any = __syncthreads_or(any ? 1 : 0) != 0;
     if ((threadIdx.x & 31) == 0) sh[w] = v;
     __syncthreads();
     double t = 0.0;
@@ -277,6 +283,41 @@ __device__ __forceinline__ i64 decode_target(i64 q, const u8* __restrict__ valid
     return blk * pool.epb + (e - lb * pool.epb);
 }
 
+// Prefill: the lowest logical block of the row that holds an entry of this
+// launch (entries start_entry ...) at the offset of entry e (in block lb).
+__device__ __forceinline__ i64 lowest_block_of_launch(i64 e, i64 lb, i64 epb, i64 start_entry) {
+    const i64 in_block = e - lb * epb;
+    return start_entry <= in_block ? 0 : (start_entry - in_block + epb - 1) / epb;
+}
+
+// One 4-byte word global -> shared memory, in flight until
+// wait_async_copies (no register holds it meanwhile).
+__device__ __forceinline__ void copy_word_async(int* dst, const int* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Prefill: whether one of this thread's share of the block-table entries
+// lb_lo .. lb - 1 of `row` names block blk: thread t's first one (lb_lo + t)
+// came ahead by copy_word_async into sh_below[t], the next three are loaded
+// together now (one round trip), the rest (past 4 x blockDim.x blocks) in
+// turn.
+__device__ __forceinline__ bool names_a_lower_block(const PoolGeometry& pool, i64 row, i64 lb, i64 lb_lo, int blk,
+                                                    const int* sh_below) {
+    const int* bt = pool.block_table + row * pool.bt_stride;
+    const i64 l0 = lb_lo + threadIdx.x, n = blockDim.x;
+    wait_async_copies();
+    bool hit = l0 < lb && sh_below[threadIdx.x] == blk;
+    int v[3];
+#pragma unroll
+    for (int j = 0; j < 3; ++j) v[j] = l0 + (j + 1) * n < lb ? __ldg(bt + l0 + (j + 1) * n) : -1;
+#pragma unroll
+    for (int j = 0; j < 3; ++j) hit |= v[j] == blk;
+    for (i64 l = l0 + 4 * n; l < lb; l += n) hit |= __ldg(bt + l) == blk;
+    return hit;
+}
+
 // The record of a finished entry (512 float32 in shared memory) / key (128,
 // already BF16) in the pool's "model1" layout, written by one warp. Not
 // inlined: the pooling registers of the kernel are dead here, and ptxas
@@ -340,6 +381,7 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
     __shared__ double sh_had[kCT];
     __shared__ float sh_key[kCT];
     __shared__ float sh_ent[LAYOUT != 0 ? kMaxD : 1];
+    __shared__ int sh_below[DECODE ? 1 : kCT * RG];   // prefill: a block-table entry below this entry's
 
     const int part = blockIdx.y;
     const bool count_errors = part == 0;
@@ -439,6 +481,21 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
     const u64 ape_bits = (u64)src.ape_a | (u64)src.ape_b;
     const bool vec = cpt == 4 && (align_bits & (4 * sizeof(T) - 1)) == 0 && (ape_bits & 15) == 0 &&
                      ((src.a_stride | (OVERLAP ? src.b_stride : 0) | src.ape_stride) & 3) == 0;
+    // Prefill: two logical blocks of the row naming one physical block (an
+    // engine's in-place table write) put two entries of this launch on one
+    // record; the lower one writes it, this one writes nothing and is counted,
+    // as in the reference. The blocks to look at are those below this entry's
+    // that hold an entry of this launch at its offset. Each thread's first
+    // one is copied to shared memory now, in flight with the pooling's loads
+    // and holding no register; the comparison waits for the RMSNorm's
+    // barrier, which reduces it (names_a_lower_block). Loaded and compared
+    // before the pooling, the scan cost CSA prefill 16-29%
+    // (docs/attempts/2026-11-29-kv-compress-prefill-duplicate-blocks.patch);
+    // this way 3-5% at 128K tokens in one launch (docs/kvcache.md, decision 9).
+    if constexpr (!DECODE) {
+        const i64 l0 = lowest_block_of_launch(e, lb, pool.epb, start_entry) + threadIdx.x;
+        if (l0 < lb) copy_word_async(&sh_below[threadIdx.x], pool.block_table + row * pool.bt_stride + l0);
+    }
     if constexpr (DECODE) {
         bool hit = false;
         for (i64 q = threadIdx.x; q < n; q += blockDim.x)
@@ -565,7 +622,16 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
 #pragma unroll
     for (int k = 0; k < kMaxCPT; ++k)
         if (rg == 0 && k < cpt) ss += (double)x[k] * (double)x[k];
-    ss = block_sum_d(ss, sh_red);
+    // (the duplicate-block question's answer comes with the sum's barrier)
+    bool dup = false;
+    if constexpr (!DECODE) dup = names_a_lower_block(pool, row, lb, lowest_block_of_launch(e, lb, pool.epb,
+                                                                                          start_entry),
+                                                     (int)blk, sh_below);
+    ss = block_sum_d(ss, sh_red, dup);
+    if (dup) {                                      // a lower entry of this launch owns the record
+        if (count_errors && threadIdx.x == 0) atomicAdd(errors, 1);
+        return;
+    }
     const float r = (float)(1.0 / sqrt(ss / (double)d + eps));
 #pragma unroll
     for (int k = 0; k < kMaxCPT; ++k)
