@@ -324,13 +324,17 @@ def test_gpu_prefill_into_a_block_named_twice(cuda, seed, layout, has_index, sta
 
 def _many_blocks_case(device, seed, kind, layout, n, dups, start_entry):
     """compress_prefill of entries start_entry .. n - 1 of a request holding
-    n blocks of one entry each; for each (lo, hi) of `dups`, logical block hi
-    names A's block lo too. Far more blocks than a CTA has threads lie below
-    the highest ones (the kernel's scan past its first round). Returns
-    (errors, written, marks, block bytes (blk, name) -> array)."""
+    n blocks of one entry each, in the block table's second row (n words
+    from the table's start: its vectors of four words do not start at the
+    row's start unless n is a multiple of 4); for each (lo, hi) of `dups`,
+    logical block hi names the request's block lo too. Far more blocks than
+    a CTA has threads lie below the highest ones. Returns (errors, written,
+    marks, block bytes (i, name) -> array) for the request's blocks in
+    logical order."""
     rng = np.random.default_rng(seed)
     m = ref.CSA_RATIO if kind == "csa" else ref.HCA_RATIO
-    pool = kc.PagedKVPool(kind, n, 1, 1, n, layout=layout, device=device)
+    pool = kc.PagedKVPool(kind, n, 1, 2, n, layout=layout, device=device)
+    pool.add_request()                                   # row 0: no blocks
     a = pool.add_request()
     pool.prepare_step([a], [n * m - 1])
     blocks = pool.blocks_of(a)
@@ -338,15 +342,20 @@ def _many_blocks_case(device, seed, kind, layout, n, dups, start_entry):
         pool.block_table[a, hi] = blocks[lo]
     pre = 1 if kind == "csa" and start_entry else 0     # CSA: the window before the first entry too
     rows = (n - start_entry + pre) * m
-    t = (lambda x: _t(x, device))
     w = 2 * D if kind == "csa" else D
-    kv, z = (t(rng.standard_normal((rows, w)).astype(F32)) for _ in range(2))
+    if device == "cpu":
+        def normal(*shape):
+            return _t(rng.standard_normal(shape).astype(F32), device)
+    else:                                                # (GB of rows: drawn on the device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def normal(*shape):
+            return torch.randn(shape, generator=gen, device=device)
+    kv, z = normal(rows, w), normal(rows, w)
     idx = None
     if kind == "csa":
-        idx = kc.PrefillIndex(t(rng.standard_normal((rows, 2 * DI)).astype(F32)),
-                              t(rng.standard_normal((rows, 2 * DI)).astype(F32)), None,
-                              t((1 + 0.1 * rng.standard_normal(DI)).astype(F32)))
-    nw = t((1 + 0.1 * rng.standard_normal(D)).astype(F32))
+        idx = kc.PrefillIndex(normal(rows, 2 * DI), normal(rows, 2 * DI), None, 1 + 0.1 * normal(DI))
+    nw = 1 + 0.1 * normal(D)
     kc.compress_prefill(pool, kv, z, None, nw, a, start_entry=start_entry, index=idx)
     errors = _errors(pool)
     state = _state(pool)
@@ -355,30 +364,40 @@ def _many_blocks_case(device, seed, kind, layout, n, dups, start_entry):
     return errors, state["written"][a], state["marks"][blocks].reshape(n), data
 
 
-# (kind, entries, start entry, (lo, hi) pairs): lower blocks past a CTA's
-# threads (CSA: 128, HCA: 512) and past the 512 words the kernel copies to
-# shared memory ahead (its loop over the rest), a block named three times, a
-# pair whose lower entry is not in the launch (lo < start entry: hi writes)
-_MANY_BLOCK_CASES = [
-    ("csa", 300, 0, [(5, 7), (3, 140), (150, 290), (150, 299), (0, 130)]),
-    ("csa", 300, 9, [(2, 200), (10, 11), (10, 270), (139, 268)]),
-    ("csa", 700, 3, [(20, 690), (530, 699), (600, 640), (1, 650)]),
-    ("hca", 40, 0, [(1, 39), (2, 3), (2, 30)]),
-    ("hca", 40, 5, [(4, 6), (20, 21)]),
-]
-# the GPU's only (the reference takes long on 600 HCA entries of 128 rows)
-_MANY_BLOCK_GPU_CASES = _MANY_BLOCK_CASES + [("hca", 600, 2, [(3, 599), (540, 560), (100, 580)])]
-
-
 def _many_blocks_want(n, dups, start_entry):
-    """(errors, written, marks) the reference's rule gives: an entry whose
-    block a lower entry of the launch names writes nothing and is counted."""
-    named = {hi: lo for lo, hi in dups}
-    counted = [hi for hi, lo in named.items() if lo >= start_entry]
+    """The reference's rule, simulated: (errors, written, marks, writer)
+    where writer[i] is the entry whose bytes the request's block i holds (the
+    lowest entry of the launch naming it), every other entry of the launch
+    naming a taken block counted."""
+    table = list(range(n))
+    for lo, hi in dups:
+        table[hi] = lo
+    writer = {}
+    for e in range(start_entry, n):
+        writer.setdefault(table[e], e)
     marks = np.zeros(n, np.uint8)
-    kept = [e for e in range(start_entry, n) if e not in counted]
-    marks[[named.get(e, e) for e in kept]] = 1
-    return len(counted), max(kept) + 1, marks       # written: the highest entry written, + 1
+    marks[list(writer)] = 1
+    return n - start_entry - len(writer), max(writer.values()) + 1, marks, writer
+
+
+# (kind, entries, start entry, (lo, hi) pairs). The lower blocks lie at every
+# range the kernel's scan treats apart, counted from the launch's lowest block
+# at the offset: CSA (128 threads) 0-127, 128-255, 256-383, 384-511, 512 and
+# past; HCA (512 threads) 0-511, ..., 1,536-2,047, 2,048 and past. Also a
+# block named three times, a chain (7 names 5's block, 9 names 7's), a lower
+# namesake not in the launch (below the start entry: the higher ones decide
+# among themselves), and n not a multiple of 4 (the scan's vectors at the
+# table's end).
+_MANY_BLOCK_CASES = [
+    ("csa", 301, 0, [(5, 7), (7, 9), (3, 140), (150, 290), (150, 299), (0, 130)]),
+    ("csa", 301, 9, [(2, 200), (2, 250), (10, 11), (10, 270), (139, 268)]),
+    ("csa", 703, 3, [(20, 690), (530, 702), (600, 640), (1, 650), (300, 660), (450, 680)]),
+    ("hca", 41, 0, [(1, 40), (2, 3), (2, 30)]),
+    ("hca", 41, 5, [(4, 6), (4, 7), (20, 21)]),
+]
+# the GPU's only (the reference takes long on thousands of HCA entries of 128 rows)
+_MANY_BLOCK_GPU_CASES = _MANY_BLOCK_CASES + [
+    ("hca", 2101, 1, [(3, 2100), (700, 1300), (1100, 1900), (1600, 2000), (2060, 2090)])]
 
 
 @pytest.mark.parametrize("layout", ["rawkv", "model1"])
@@ -394,23 +413,20 @@ def test_cpu_prefill_into_blocks_named_twice_far_apart(seed, layout, case):
 @pytest.mark.parametrize("layout", ["rawkv", "model1"])
 @pytest.mark.parametrize("case", range(len(_MANY_BLOCK_GPU_CASES)))
 def test_gpu_prefill_into_blocks_named_twice_far_apart(cuda, seed, layout, case):
-    """The reference's counts and marks, and each named-twice record holds
-    its lowest entry's bytes (as the same launch writes them with no block
-    named twice)."""
+    """The reference's counts and marks, and each block holds its writer's
+    bytes (as the same launch writes them with no block named twice) or
+    nothing."""
     kind, n, s0, dups = _MANY_BLOCK_GPU_CASES[case]
     got = _many_blocks_case("cuda", seed, kind, layout, n, dups, s0)
-    want = _many_blocks_want(n, dups, s0)
-    assert got[:2] == want[:2]
+    *want, writer = _many_blocks_want(n, dups, s0)
+    assert got[:2] == tuple(want[:2])
     np.testing.assert_array_equal(got[2], want[2])
     clean = _many_blocks_case("cuda", seed, kind, layout, n, [], s0)
-    named = {hi: lo for lo, hi in dups}
-    for (blk, name), v in got[3].items():
-        if blk in named:                                # not named by the table: never written
-            assert not v.any(), (blk, name)
-            continue
-        hi = [h for h, lo in named.items() if lo == blk]
-        src = blk if blk >= s0 or not hi else min(hi)     # below the launch: its lowest namer writes it
-        np.testing.assert_array_equal(v, clean[3][(src, name)], err_msg=f"{name} of block {blk}")
+    for (i, name), v in got[3].items():
+        if i in writer:
+            np.testing.assert_array_equal(v, clean[3][(writer[i], name)], err_msg=f"{name} of block {i}")
+        else:
+            assert not v.any(), (i, name)
 
 
 # ---------------------------------------------------------------------------

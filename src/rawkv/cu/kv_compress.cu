@@ -44,10 +44,11 @@
 //      *errors; written[row] = max(written[row], entry + 1) and
 //      marks[dest] = 1 (the entry is written by its block's owner: gathers
 //      read only marked entries).
-//      Prefill: two of the row's logical blocks naming one physical block put
-//      two entries of the launch on one record; the lower entry writes it,
-//      the other writes nothing and is counted (each CTA scans the row's
-//      blocks below its own that hold an entry of the launch).
+//      Prefill: two (or more) of the row's logical blocks naming one physical
+//      block put entries of the launch on one record; the lowest entry of the
+//      launch at that record writes it, every other writes nothing and is
+//      counted (each CTA scans the row's blocks below its own that hold an
+//      entry of the launch).
 //      Decode: rows with valid_mask false are skipped silently (and own
 //      nothing); an out-of-range slot is counted. Duplicate slots
 //      (docs/kvcache.md decision 11, as the state ops): the lowest valid row
