@@ -267,6 +267,47 @@ def test_a_store_into_a_pools_pages_takes_the_pools_geometry():
     assert mx.index_pages[0].any() and m1.pages[0].any() and fp8.index_pages[1].any()
 
 
+def test_an_engine_view_of_a_pools_pages_takes_the_pools_geometry():
+    """flashmla_view / deepgemm_view of a pool's buffer checked only the
+    bytes of a page, so the same memory seen as pages of another layout or
+    page size was returned: a MODEL1 pool of 10 entries' pages as FP8 keys
+    of 48 (6,336 bytes a page both), its FP8 index pages of 48 as MODEL1
+    pages of 10, MXFP4 index pages of 33 as FP8 keys of 17 (2,244 bytes),
+    the pages of 63 entries reshaped to pages of 31, a pool's marks as
+    bytes. FlashMLA / DeepGEMM would read every entry as garbage. Refused
+    naming cache, layout or page_size, on numpy and torch (and a CUDA
+    tensor's path, faked) alike; the pool's own geometry is taken, and a
+    cache of the engine's own is still only its shape."""
+    m1 = kc.PagedKVPool("csa", 2, 10, 1, 1, device="cpu")                    # pages (2, 6336)
+    fp8 = kc.PagedKVPool("csa", 2, 48, 1, 1, device="cpu")                   # index_pages (2, 6336)
+    mx = kc.PagedKVPool("csa", 2, 33, 1, 1, device="cpu", index_layout="mxfp4")
+    m63 = kc.PagedKVPool("csa", 2, 63, 1, 1, device="cpu")
+    m68 = kc.PagedKVPool("csa", 2, 68, 1, 1, device="cpu")
+    assert m1.pages.shape == fp8.index_pages.shape
+    cases = [
+        ("^cache: lies in the pages buffer of a PagedKVPool", lambda c: kc.deepgemm_view(c(m1.pages), 48)),
+        ("^cache: lies in the index_pages buffer of a PagedKVPool",
+         lambda c: kc.flashmla_view(c(fp8.index_pages), 10)),
+        ("^layout: the cache lies in the index_pages of a PagedKVPool with index_layout 'mxfp4'",
+         lambda c: kc.deepgemm_view(c(mx.index_pages), 17, "index_fp8")),
+        ("^page_size: ", lambda c: kc.flashmla_view(c(m63.pages.reshape(4, -1)), 31)),
+        ("^page_size: ", lambda c: kc.deepgemm_view(c(mx.index_pages.reshape(6, -1)), 11, "index_mxfp4")),
+        # marks (2, 68) as MXFP4 pages of one key
+        ("^cache: lies in the marks buffer of a PagedKVPool",
+         lambda c: kc.deepgemm_view(c(m68.marks), 1, "index_mxfp4")),
+    ]
+    for conv in (lambda a: a, torch.from_numpy, lambda a: fake(torch.from_numpy(a))):
+        for match, call in cases:
+            with pytest.raises(ValueError, match=match):
+                call(conv)
+        # the pool's own geometry
+        assert tuple(kc.flashmla_view(conv(m1.pages), 10).shape) == (2, 10, 1, 584)
+        assert tuple(kc.deepgemm_view(conv(fp8.index_pages), 48).shape) == (2, 48, 1, 132)
+        assert tuple(kc.deepgemm_view(conv(mx.index_pages[1:]), 33, "index_mxfp4").shape) == (1, 33, 1, 68)
+        # a cache of the engine's own of those bytes is not a pool's: any geometry its shape fits
+        assert tuple(kc.deepgemm_view(conv(m1.pages.copy()), 48).shape) == (2, 48, 1, 132)
+
+
 # ---------------------------------------------------------------------------
 # properties (hypothesis): the op against the reference, at most one wrong argument
 # ---------------------------------------------------------------------------

@@ -20,7 +20,9 @@ from .. import _args as A
 from ..kernels import kv_compress as KC
 from ..reference.kvcache import layouts as RL
 from ..reference.kvcache.constants import ROPE_DIM
-from .pool import PagedKVPool, check_bare_table, check_not_anothers, check_store_cache, own_allocations
+from .pool import (
+    PagedKVPool, check_bare_table, check_not_anothers, check_store_cache, check_view_cache, own_allocations,
+)
 from .state import DecodeState
 
 BOOL = ("bool",)

@@ -64,7 +64,7 @@ def new_layout_cache(layout, num_pages: int, page_size: int, *, device=None):
 def flashmla_view(cache, page_size: int):
     """FlashMLA's view of a MODEL1 cache: (num_pages, P, 1, 584) bytes with
     page stride page_bytes (what flash_mla's sparse decode takes as k_cache)."""
-    return _record_view(cache, R.MODEL1, page_size)
+    return _record_view(cache, R.MODEL1, page_size, "flashmla_view")
 
 
 def deepgemm_view(cache, page_size: int, layout="index_fp8"):
@@ -73,12 +73,15 @@ def deepgemm_view(cache, page_size: int, layout="index_fp8"):
     lay = layout_of(layout)
     if lay is R.MODEL1:
         raise ValueError("layout: deepgemm_view is for the indexer-key layouts")
-    return _record_view(cache, lay, page_size)
+    return _record_view(cache, lay, page_size, "deepgemm_view")
 
 
-def _record_view(cache, lay: R.SplitLayout, page_size: int):
+def _record_view(cache, lay: R.SplitLayout, page_size: int, fn: str):
     p = C.host_int("page_size", page_size, 1)
     c, n = C.cache(cache, lay, p, A.placement(("cache", cache)))
+    # a pool's pages are viewed only in the pool's geometry: the same bytes
+    # fit pages of another layout or page size (C.check_view_cache)
+    C.check_view_cache(C.whole_pages(c, n, lay.page_bytes(p)), lay, p, fn)
     rec = lay.data_bytes + lay.scale_bytes
     shape, strides = (n, p, 1, rec), (lay.page_bytes(p), rec, rec, 1)
     if A.is_torch(c):

@@ -237,6 +237,38 @@ def check_store_cache(cache, role: str, lay=None, page_size=None) -> None:
                          "records of another page geometry over its pages")
 
 
+def check_view_cache(cache, lay, page_size: int, fn: str) -> None:
+    """An engine's view of a layout cache (`fn`: flashmla_view,
+    deepgemm_view) whose memory lies in a pool's buffer is a view of that
+    pool's records in the pool's geometry, as check_store_cache requires of
+    a store: MODEL1 records only in its pages, indexer keys only in its
+    index_pages and of its index_layout, the page size its
+    entries_per_block. The view launches nothing, but FlashMLA or DeepGEMM
+    reads what it shows: a view of another geometry over the same bytes
+    (deepgemm_view(pool.pages, 48) of a pool of 10 entries: 6,336-byte pages
+    both; the MXFP4 index pages of 33 entries as FP8 keys of 17) was
+    returned, and its kernels read entries as garbage, no error. A cache
+    the pools do not hold (the engine's own) is only what its shape and
+    strides say. ValueError naming cache, layout or page_size."""
+    found = _lookup(cache)
+    if found is None:
+        return
+    o, r, _ = found
+    role = "pages" if lay is R.MODEL1 else "index_pages"
+    if r != role:
+        holds = {"pages": "MODEL1 entries", "index_pages": "indexer keys"}.get(r, "no layout records")
+        raise ValueError(f"cache: lies in the {r} buffer of a {type(o).__name__} ({holds}); {fn} views "
+                         f"{lay.name} records, which a pool keeps in its {role}")
+    if role == "index_pages" and ref.INDEX_LAYOUTS.get(o.index_layout) is not lay:
+        raise ValueError(f"layout: the cache lies in the index_pages of a PagedKVPool with index_layout "
+                         f"{o.index_layout!r}, got {lay.name!r}; the view would show its keys as another "
+                         "layout's records")
+    if page_size != o.entries_per_block:
+        raise ValueError(f"page_size: the cache lies in the {role} of a PagedKVPool of {o.entries_per_block} "
+                         f"entries per block (its page size), got {page_size}; the view would show its "
+                         "records in another page geometry")
+
+
 def check_bare_table(table) -> None:
     """The bare bridge's block table (topk_to_kvcache_indices) may not be
     a pool's: that bridge checks neither the blocks' owners nor the
