@@ -174,22 +174,36 @@ def test_layout_ops_refuse_read_only_or_overlapping_outputs():
     assert R.MODEL1.page_bytes(p) == cache.shape[1]
 
 
-def test_a_view_of_part_of_each_page_is_checked_as_the_whole_pages():
+def test_a_cache_shows_every_record_of_its_pages():
     """A torch cache given as a slice of each page (pages along dimension 0,
-    page_bytes apart: accepted) is written whole by the op, so an errors= in
-    a page's bytes past the slice is refused, not overwritten by a record."""
+    page_bytes apart) was accepted and written whole by the op, past the
+    bytes it shows; compiled, the op gets a copy of those bytes only
+    (functionalization), so the records past the slice could not land.
+    Refused naming cache, eagerly as compiled (test_layout_compile.py),
+    nothing written. The overlap checks compare the records of every page
+    (what the ops move: an errors= in a record is refused, even through
+    flashmla_view's shape), not a page's padding, which no op touches."""
     torch = pytest.importorskip("torch")
     p = 4
     full = kc.new_layout_cache("model1", 2, p, device="cpu")
-    err = full[0, 16:20].view(torch.int32)
     rows = torch.randn(2, 512)
     slots = torch.tensor([0, 99], dtype=torch.int32)
-    _refused("errors", "cache", lambda: kc.model1_store(full[:, :8], rows, slots, page_size=p, errors=err))
+    out = torch.empty(1, 512)
+    for part in (full[:, :8], full[:, :p * 584 - 1], kc.flashmla_view(full, p)[:, :p - 1]):
+        with pytest.raises(ValueError, match=r"^cache: a model1 page of 4 records holds them in its first 2336 "):
+            kc.model1_store(part, rows, slots, page_size=p)
+        with pytest.raises(ValueError, match="^cache: "):
+            kc.model1_gather(part, slots[:1], page_size=p, out=out)
     assert not full.any()
-    out = full[1, 64:64 + 512 * 4].view(torch.float32).view(1, 512)
-    _refused("out", "cache", lambda: kc.model1_gather(full[:, :8], slots[:1], page_size=p, out=out))
-    kc.model1_store(full[:, :8], rows, slots, page_size=p, errors=torch.zeros(1, dtype=torch.int32))
-    assert full[0].any()
+    err = full[0, 16:20].view(torch.int32)
+    _refused("errors", "cache", lambda: kc.model1_store(kc.flashmla_view(full, p), rows, slots, page_size=p,
+                                                        errors=err))
+    assert not full.any()
+    rec = full[1, 64:64 + 512 * 4].view(torch.float32).view(1, 512)
+    _refused("out", "cache", lambda: kc.model1_gather(full[:, :p * 584], slots[:1], page_size=p, out=rec))
+    pad = full[0, 2336:2340].view(torch.int32)                      # page 0's padding: the op's bytes apart
+    kc.model1_store(kc.flashmla_view(full, p), rows, slots, page_size=p, errors=pad)
+    assert full[0, :2336].any() and int(pad) == 1 and not full[0, 2340:].any()
 
 
 def test_a_store_into_a_pools_bookkeeping_is_refused():

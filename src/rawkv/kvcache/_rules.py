@@ -219,11 +219,21 @@ def layout_of(layout) -> RL.SplitLayout:
 
 def cache(c, lay: RL.SplitLayout, page_size: int, where: str):
     """(cache, num_pages) of a layout cache: uint8 (or float8_e4m3fn)
-    bytes whose first dimension is the page, page_bytes apart, bytes
-    contiguous (a (num_pages, page_bytes) array or an engine's view of one,
-    flashmla_view / deepgemm_view), its memory holding every page, its
-    first byte aligned as the layout's kernel loads it. A numpy cache is
-    C-contiguous (numpy does not say how far its memory reaches)."""
+    bytes whose first dimension is the page, page_bytes apart, each page
+    showing its records (records_bytes: every byte of the page but its
+    padding) contiguously, its first byte aligned as the layout's kernel
+    loads it: a (num_pages, page_bytes) array or an engine's view of one
+    (flashmla_view / deepgemm_view). A numpy cache is C-contiguous (numpy
+    does not say how far its memory reaches).
+
+    A torch cache must show its records, not merely lie in memory holding
+    them: under torch.compile a written cache reaches the op as a copy of
+    the bytes it shows (functionalization's clone, copied back over the
+    cache after the op), so a slice of each page (cache[:, :8]) lost the
+    records past it, and flashmla_view, which shows no padding, came as a
+    copy ending at the last page's records, which the rule of the whole
+    last page (until helper 81) refused ('... over 8096 bytes') where the
+    eager op took it. The padding is never read or written by an op."""
     c = A.tensor(c, "cache", CACHE, where, min_ndim=1, dense=isinstance(c, np.ndarray),
                  align=CACHE_ALIGN[lay.name])
     pb = lay.page_bytes(page_size)
@@ -237,34 +247,67 @@ def cache(c, lay: RL.SplitLayout, page_size: int, where: str):
         if st[-1] != 1:
             raise ValueError(f"cache: expected pages along dimension 0 and bytes contiguous, got shape "
                              f"{tuple(c.shape)} strides {st}")
-        have = c.untyped_storage().nbytes() - c.storage_offset()
-        if st[0] != pb or have < n * pb:
+        if st[0] != pb:
             raise ValueError(f"cache: a {lay.name} page of {page_size} records is {pb} bytes (the page "
-                             f"stride); got shape {tuple(c.shape)} strides {st} over {have} bytes")
+                             f"stride); got shape {tuple(c.shape)} strides {st}")
+        rec = records_bytes(lay, page_size)
+        shown = _page_shown(tuple(c.shape), st)
+        if n and (shown is None or shown < rec):
+            raise ValueError(f"cache: a {lay.name} page of {page_size} records holds them in its first {rec} "
+                             f"bytes, which a cache shows contiguously (the op writes whole records: a "
+                             f"compiled op only the bytes its cache shows); got shape {tuple(c.shape)} "
+                             f"strides {st}: pass the pages, flashmla_view or deepgemm_view")
     if n * page_size > RL.INDEX_LIMIT:
         raise ValueError(f"cache: {n} pages of {page_size} records exceed the int32 slot range "
                          "(2^31 - 1)")
     return c, n
 
 
-def whole_pages(c, n: int, pb: int):
-    """A checked cache as the memory its op reads or writes: every byte of
-    its n pages. An engine's view of the pages (flashmla_view, or a slice of
-    each page) shows only part of each, but the kernels move whole records;
-    the overlap checks (check_outputs) compare this, not the view's bytes."""
+def records_bytes(lay: RL.SplitLayout, page_size: int) -> int:
+    """The bytes of a page holding its records (data, then scales): all
+    of page_bytes but the padding (MODEL1's, to a multiple of 576)."""
+    return page_size * (lay.data_bytes + lay.scale_bytes)
+
+
+def _page_shown(shape: tuple, strides: tuple):
+    """Elements one page of a cache shows (its dimensions after the first),
+    when they are C-contiguous (size-1 dimensions' strides aside, as
+    torch's is_contiguous: flashmla_view's (P, 1, 584)); None otherwise."""
+    want = 1
+    for d, s in zip(reversed(shape[1:]), reversed(strides[1:])):
+        if d != 1 and s != want:
+            return None
+        want *= d
+    return want
+
+
+def whole_pages(c, n: int, lay: RL.SplitLayout, page_size: int):
+    """A checked cache as the memory its op reads or writes: the records of
+    its n pages, page_bytes apart. A view of the pages may show a page's
+    records in any shape (flashmla_view); the kernels move whole records;
+    the overlap checks (check_outputs) compare this. A page's padding is
+    not compared: no op reads or writes it (and a compiled op's copy of a
+    view may end before the last page's)."""
     if isinstance(c, np.ndarray) or n == 0:
         return c                    # (a numpy cache is C-contiguous: its bytes are the pages)
-    return c.as_strided((n, pb), (pb, 1))
+    return c.as_strided((n, records_bytes(lay, page_size)), (lay.page_bytes(page_size), 1))
 
 
-def cache_pages(c, n: int, pb: int) -> np.ndarray:
+def cache_pages(c, n: int, lay: RL.SplitLayout, page_size: int) -> np.ndarray:
     """A checked host cache as the numpy (num_pages, page_bytes) array the
-    reference writes, sharing its memory."""
+    reference writes, sharing its memory. A torch cache's memory may end
+    at its last page's records (a compiled op's copy of flashmla_view):
+    the array is made over its records with numpy's unchecked as_strided,
+    so the last page's padding may lie past the memory, where the
+    reference, which reads and writes records only (page_write /
+    page_read), never goes."""
+    pb = lay.page_bytes(page_size)
     if isinstance(c, np.ndarray):
         return c.reshape(n, pb)
     import torch
     flat = c.view(torch.uint8) if c.dtype != torch.uint8 else c
-    return flat.as_strided((n, pb), (pb, 1)).numpy()
+    recs = flat.as_strided((n, records_bytes(lay, page_size)), (pb, 1)).numpy()
+    return np.lib.stride_tricks.as_strided(recs, (n, pb), (pb, 1))
 
 
 # ---- one function per layout op ------------------------------------------------------------------
@@ -277,7 +320,7 @@ def store(lay, cache_, rows, slots, page_size, offsets, errors, width: int, name
     inputs = ((name, rows), (slots_name, slots), ("offsets", offsets))
     where = A.placement(("cache", cache_), *inputs, ("errors", errors))
     c, n = cache(cache_, lay, p, where)
-    pages = whole_pages(c, n, lay.page_bytes(p))
+    pages = whole_pages(c, n, lay, p)
     A.check_outputs((("cache", pages), ("errors", errors)), inputs)
     # the cache may be a pool's pages (index_pages for the keys): what it stores into; no other buffer
     check_store_cache(pages, "pages" if lay is RL.MODEL1 else "index_pages", lay, p)
@@ -301,7 +344,7 @@ def model1_gather(cache_, indices, page_size, out, errors, dtype):
     where = A.placement(("cache", cache_), ("indices", indices), ("out", out), ("errors", errors))
     c, n = cache(cache_, RL.MODEL1, p, where)
     A.check_outputs((("out", out), ("errors", errors)),
-                    (("cache", whole_pages(c, n, RL.MODEL1.page_bytes(p))), ("indices", indices)))
+                    (("cache", whole_pages(c, n, RL.MODEL1, p)), ("indices", indices)))
     check_not_anothers((("out", out), ("errors", errors)))
     dev = A.device_of(c)
     idx = arg(indices, "indices", I32, where, dev, align=A.ELEMENT)

@@ -11,9 +11,10 @@ FlashMLA indices and the top-k -> indices_in_kvcache bridge.
     rows = model1_gather(cache, idx, page_size=64, out=rows_buf)       # without FlashMLA
 
 A cache is a uint8 (or float8_e4m3fn) tensor whose first dimension is the
-page and whose page stride is the layout's page bytes: (num_pages,
-page_bytes) as new_layout_cache makes it, or the engines' views of it
-(flashmla_view, deepgemm_view). On CUDA every op is one kernel launch
+page and whose page stride is the layout's page bytes, showing every record
+of each page (_rules.cache: not a slice of each page, which a compiled op
+could not write past): (num_pages, page_bytes) as new_layout_cache makes
+it, or the engines' views of it (flashmla_view, deepgemm_view). On CUDA every op is one kernel launch
 (rawkv.kernels.kv_layouts) on torch's current stream (or `stream`), with
 no allocation when out= is given and no host synchronization, so it
 captures into a CUDA graph; on CPU arrays it runs the numpy reference
@@ -81,7 +82,7 @@ def _record_view(cache, lay: R.SplitLayout, page_size: int, fn: str):
     c, n = C.cache(cache, lay, p, A.placement(("cache", cache)))
     # a pool's pages are viewed only in the pool's geometry: the same bytes
     # fit pages of another layout or page size (C.check_view_cache)
-    C.check_view_cache(C.whole_pages(c, n, lay.page_bytes(p)), lay, p, fn)
+    C.check_view_cache(C.whole_pages(c, n, lay, p), lay, p, fn)
     rec = lay.data_bytes + lay.scale_bytes
     shape, strides = (n, p, 1, rec), (lay.page_bytes(p), rec, rec, 1)
     if A.is_torch(c):
@@ -195,7 +196,7 @@ def _store(lay, kernel, targs, write, checked, stream):
     on the host, or one launch (one warp per row)."""
     where, c, n, p, x, s, o, err = checked
     if where == "cpu":
-        bad = write(C.cache_pages(c, n, lay.page_bytes(p)), p, *A.host(x, s, o))
+        bad = write(C.cache_pages(c, n, lay, p), p, *A.host(x, s, o))
         if err is not None:
             C.add_errors(err, bad)
         return
@@ -214,7 +215,7 @@ def _model1_gather(cache, indices, page_size, out, errors, stream=None, dtype=No
     `dtype` (the public op's; None: out's own)."""
     where, c, n, p, idx, out, name, err = C.model1_gather(cache, indices, page_size, out, errors, dtype)
     if where == "cpu":
-        rows, bad = R.model1_gather(C.cache_pages(c, n, R.MODEL1.page_bytes(p)), p, *A.host(idx), name)
+        rows, bad = R.model1_gather(C.cache_pages(c, n, R.MODEL1, p), p, *A.host(idx), name)
         if err is not None:
             C.add_errors(err, bad)
         A.from_numpy(rows, out, torch_dtype=name, out=out)
