@@ -285,7 +285,11 @@ def _is_scalar(v) -> bool:
 
 def dims(a) -> tuple:
     """The shape of an array argument as a tuple; () for anything without
-    one (the op's argument checks then refuse it)."""
+    one, or a tensor the rules refuse as not strided (unstrided: a nested
+    tensor has no sizes, or a ragged one; the op's argument checks then
+    refuse it, naming it)."""
+    if is_torch(a) and not_strided(a):
+        return ()
     s = getattr(a, "shape", None)
     return tuple(s) if s is not None else ()
 
@@ -403,6 +407,8 @@ def out_lead(ids, name: str) -> tuple:
     stride-0 view of 2^32 ids sized terabytes of output before it was
     named."""
     ids = as_read(ids, name)
+    if is_torch(ids) and not_strided(ids):
+        return (0,)             # (a sparse or nested tensor: the rules refuse it, unstrided)
     if (is_torch(ids) or isinstance(ids, np.ndarray)) and not is_dense(ids):
         return (0,)
     return dims(ids)
@@ -450,6 +456,8 @@ def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, d
     if t is None or not isinstance(a, t.Tensor):            # (a torch tensor: the hot path)
         if not isinstance(a, np.ndarray):
             a = _as_array(require_array(a, name), name, where)
+    elif a.layout is not t.strided or a.is_nested:
+        unstrided(a, name)
     v = _seen(a)
     d = _TORCH_NAMES.get(v.dtype) or _dtype_named(v.dtype)   # (a torch dtype first: the hot path)
     if d not in dtypes:
@@ -479,6 +487,30 @@ def tensor(a, name: str, dtypes, where: str, *, shape=None, min_ndim: int = 0, d
                          f"(address {v.data_ptr():#x}); pass a fresh copy (.clone(): .contiguous() "
                          "returns a contiguous view as it is)")
     return a
+
+
+def not_strided(t) -> bool:
+    """A torch tensor that is not one block of strided memory (unstrided)."""
+    return t.layout is not _torch.strided or t.is_nested
+
+
+def unstrided(t, name: str) -> None:
+    """Refuse a torch tensor that is not one block of strided memory: a
+    sparse one (COO, CSR, CSC, BSR, BSC), an MKL-DNN one, a nested one
+    (strided or jagged). The kernels and the reference address an argument
+    through its data pointer, sizes and strides: a sparse or MKL-DNN tensor
+    has no data pointer, a nested one no sizes (strided) or a ragged one
+    (jagged), and each failed inside the op with torch's RuntimeError
+    ('Cannot access data pointer of Tensor that doesn't have storage',
+    'NestedTensorImpl doesn't support sizes'), naming no argument; a jagged
+    one was 'has no memory'. A TypeError naming the argument (before
+    anything is sized, launched or written: tensor() checks it first)."""
+    if t.is_nested:
+        raise TypeError(f"{name}: is a nested tensor (layout {t.layout}); rawkv's ops take dense, strided "
+                        "tensors: pad it (.to_padded_tensor(0)) or call the op per component")
+    sparse = "sparse" in str(t.layout)
+    raise TypeError(f"{name}: is {'a sparse' if sparse else 'an unstrided'} tensor (layout {t.layout}); rawkv's "
+                    "ops take dense, strided tensors: call .to_dense() first")
 
 
 def unaddressable(t, name: str) -> None:
@@ -522,6 +554,8 @@ def out_rows(x, name: str) -> tuple:
     its outputs (a stride-0 view of 2^34 rows sized terabytes of output
     before it was named)."""
     x = as_read(x, name)
+    if is_torch(x) and not_strided(x):
+        return (0,)             # (a sparse or nested tensor: the rules refuse it, unstrided)
     s = dims(x)
     if s and (is_torch(x) or isinstance(x, np.ndarray)) and row_stride(x) is None:
         return (0,)
@@ -829,6 +863,8 @@ def check_scope_gs(scope, gs, scopes, default: str):
         if is_number(gs) or isinstance(gs, (bool, np.bool_)):
             return scope, check_gs_number(gs, "gs")
         require_array(gs, "gs")
+    if is_torch(gs) and not_strided(gs):
+        unstrided(gs, "gs")         # (a nested tensor has no .shape to read)
     shape = getattr(gs, "shape", None)
     if shape is not None:
         shape = shape if isinstance(shape, tuple) else tuple(shape)
@@ -903,6 +939,8 @@ def check_outputs(outputs, inputs=(), owned=(), reads_apart: bool = False) -> No
             check_reads_apart(inputs, owned)
         return
     for name, a in outs:
+        if is_torch(a) and not_strided(a):
+            unstrided(a, name)          # (before anything reads its data pointer or sizes)
         if isinstance(a, np.ndarray) and not a.flags.writeable:
             raise ValueError(f"{name}: is read-only (a numpy array with flags.writeable False); "
                              "pass a writable array")

@@ -125,16 +125,21 @@ def _encode(x, out, stream=None):
     # path has launched before): the same checks, inlined; whatever fails
     # them takes the checked path, which raises the error naming the argument.
     if stream is None:
+        go = None
         try:
             if x.is_cuda is out.is_cuda is True and out.shape == x.shape and x.is_contiguous() \
                     and out.is_contiguous() and not out.requires_grad and A.writable_here((out,)):
                 xp, op_, n = x.data_ptr(), out.data_ptr(), x.numel()
                 go = _ENCODE_FAST.get(_fast_key(x, out, n, xp, op_))
-                if go is not None and (op_ + n <= xp or xp + n * x.element_size() <= op_):    # apart
-                    go(xp, op_, n)
-                    return
-        except AttributeError:
-            pass
+                if go is not None and not (op_ + n <= xp or xp + n * x.element_size() <= op_):   # apart
+                    go = None
+        except (AttributeError, RuntimeError):
+            # (not a tensor, or a sparse / nested one: no sizes, strides or data
+            # pointer to read, torch's RuntimeError; the checked path names it)
+            go = None
+        if go is not None:
+            go(xp, op_, n)
+            return
     where, x, out = _encode_args(x, out)
     if where == "cpu":
         A.from_numpy(ref.e4m3_encode(A.to_numpy(x, "x")), x, torch_dtype="float8_e4m3fn", out=out)
@@ -156,16 +161,19 @@ def _decode(codes, out, stream=None, dtype=None):
     # Fast path: as the encode's; `dtype` is part of the combination (the
     # checked path refuses one out's dtype contradicts).
     if stream is None:
+        go = None
         try:
             if codes.is_cuda is out.is_cuda is True and out.shape == codes.shape and codes.is_contiguous() \
                     and out.is_contiguous() and not out.requires_grad and A.writable_here((out,)):
                 cp, op_, n = codes.data_ptr(), out.data_ptr(), codes.numel()
                 go = _DECODE_FAST.get(_fast_key(codes, out, n, cp, op_, dtype))
-                if go is not None and (op_ + n * out.element_size() <= cp or cp + n <= op_):  # apart
-                    go(cp, op_, n)
-                    return
-        except AttributeError:
-            pass
+                if go is not None and not (op_ + n * out.element_size() <= cp or cp + n <= op_):  # apart
+                    go = None
+        except (AttributeError, RuntimeError):      # (as the encode's)
+            go = None
+        if go is not None:
+            go(cp, op_, n)
+            return
     where, codes, out, name = _decode_args(codes, out, dtype)
     if where == "cpu":
         A.from_numpy(ref.round_to_dtype(ref.e4m3_decode(A.to_numpy(codes, "codes")), name), codes,

@@ -164,7 +164,13 @@ def launched(op: str, call: tuple, outputs: int, weight: tuple, sizes: tuple, na
                 # True == 1, 48.0 == 48 in a key: the checked path refuses
                 # them by name; the op wrapper makes a NumPy integer an int)
                 return False
-        return try_launch(key(op, call, weight, sizes), weight, weight_names, names, call, outputs, get_runtime)
+        try:
+            k = key(op, call, weight, sizes)
+        except RuntimeError:
+            # (a sparse or nested tensor: no data pointer or sizes to key it
+            # by; the checked path names it, rawkv._args.unstrided)
+            return False
+        return try_launch(k, weight, weight_names, names, call, outputs, get_runtime)
     except AttributeError:
         return False
 
