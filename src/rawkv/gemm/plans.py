@@ -19,7 +19,6 @@ from ..kernels import gemm_fp4 as K
 from ..kernels import gemm_w4a8 as K8
 from . import _rules as R
 from . import tma
-from ._rules import MAX_GRID_YZ     # (the grid's y and z: token tiles or slots, groups)
 
 
 class Tuning(NamedTuple):
@@ -457,7 +456,7 @@ def _act_map(tl: Tile, act, ragged: bool, tuning) -> tuple[dict, tuple | None]:
 
 
 def _launch(tl: Tile, act, w, out, grid, tokens, offsets, experts, errors, pf: tuple, tuning=TUNED) -> Launch:
-    if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
+    if grid[1] > R.MAX_GRID_YZ or grid[2] > R.MAX_GRID_YZ:     # (y, z: token tiles or slots, groups)
         raise ValueError(f"x: {tokens} tokens x {w.groups} groups is past the launch grid's limit")
     xs_t, xs_g = _lead_strides(act.x)
     ss_t, ss_g = (0, 0) if act.sf is None else _lead_strides(act.sf)
@@ -601,7 +600,7 @@ def _w4a8_launch(dev, act, w, out, tokens, offsets, experts, errors, tuning) -> 
         grid = (-(-w.n // rows_per_block), ragged_slots(tokens, experts, bn), 1)
     else:
         grid = (-(-w.n // rows_per_block) * splits, -(-tokens // bn), act.lead[1])
-    if grid[1] > MAX_GRID_YZ or grid[2] > MAX_GRID_YZ:
+    if grid[1] > R.MAX_GRID_YZ or grid[2] > R.MAX_GRID_YZ:     # (y, z: token tiles or slots, groups)
         raise ValueError(f"x: {tokens} tokens x {w.groups} groups is past the launch grid's limit")
     if cfg is None:
         inst = K8.GEMM_SPLITK.instance(bn, stages, splits, sb) if splits > 1 else K8.GEMM.instance(bn, stages, sb)
