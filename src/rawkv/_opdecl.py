@@ -46,6 +46,9 @@ class OpDecl:
     # torch.ops.rawkv.<name>.default, once rawkv.library has run.
     body = None
     overload = None
+    # Whether the body takes `checks_only=True` to check its arguments and
+    # write nothing (rawkv._op.Op; the KV-cache ops, rawkv.kvcache.traced).
+    checks_only = False
 
     def __init__(self, name: str, impl: Callable, schema: str):
         self.name, self.impl, self.schema = name, impl, schema

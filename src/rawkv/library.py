@@ -32,14 +32,23 @@ def _make_fake(decl: _opdecl.OpDecl):
     is a view of pool.rope or of the op's input) was taken, and the copy
     written back over that argument, where the eager op refuses it
     (A.check_outputs). While dynamo traces, the fake tensors keep the
-    arguments' storages, so it is refused here, naming both, as eagerly."""
+    arguments' storages, so it is refused here, naming both, as eagerly.
+    Memory shared without a storage, and the rules of the KV-cache ops that
+    find a tensor by its memory (a pool's buffers), need the real tensors:
+    an op whose body can check without writing (decl.checks_only) is
+    checked on them while dynamo traces (rawkv.kvcache.traced)."""
     names = [n for n, _, _ in decl.args]
     writes = frozenset(i for i, (_, _, w) in enumerate(decl.args) if w)
     tensors = decl.tensors
+    traced = None
+    if decl.checks_only:
+        from .kvcache import traced
 
     def fake(*args, **kwargs):
         if kwargs:
             args = (*args, *(kwargs[n] for n in names[len(args):] if n in kwargs))
+        if traced is not None:
+            traced.check(decl, args)
         spans = [(names[i], _fake_span(args[i])) for i in tensors if i < len(args)]
         for k, (name, s) in enumerate(spans):
             if s is None or tensors[k] not in writes:

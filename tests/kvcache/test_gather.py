@@ -411,7 +411,9 @@ def test_compiled_and_operator_dense_gathers_bound_n_entries_as_eagerly():
         torch._dynamo.reset()
         step = torch.compile(lambda n: fn(p, 0, n), fullgraph=True, backend="eager")
         assert np.array_equal(step(8).float().numpy(), fn(p, 0, 8))
-        with pytest.raises(ValueError, match=rule):
+        # (refused while dynamo traces the call, n now symbolic: the eager error
+        # inside torch's TorchRuntimeError; rawkv.kvcache.traced)
+        with pytest.raises(Exception, match=rule[1:]):
             step(9)
         op = getattr(torch.ops.rawkv, "kv_gather_index_keys" if fn is kc.gather_index_keys else "kv_gather_dense")
         out = torch.full((9, width), 7.0, dtype=torch.bfloat16)

@@ -29,8 +29,9 @@ Modules: pool, state (the objects); flush, gather, state_ops (format ops);
 prefill, decode, compressor (the compressor); bridge (top-k ids -> the
 pool's FlashMLA indices); assign (page ownership: blocks handed to
 requests); _rules (the argument rules); views (the operators' schemas and the
-pool / state views they run on); layouts (the ecosystem layouts as
-standalone ops).
+pool / state views they run on); traced (the memory rules of a call
+torch.compile traces: checked on its real tensors, guarded); layouts (the
+ecosystem layouts as standalone ops).
 
 A pool stores its entries in one of two layouts (PagedKVPool(layout=)):
 "model1" (the default), the pages FlashMLA / DeepGEMM read (MODEL1_FP8Sparse entries,

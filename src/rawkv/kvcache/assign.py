@@ -39,10 +39,13 @@ def assign_pages(pool, slots, blocks, *, errors=None, stream=None):
 
 
 @op("kv_assign_pages", V.schema(V.pool_schema(False, owners=True), "Tensor slots, Tensor blocks"))
-def _assign_pages(*args, stream=None, pool=None):
-    """rawkv::kv_assign_pages: the pool's buffers (V.pool_of), then slots and blocks."""
+def _assign_pages(*args, stream=None, pool=None, checks_only=False):
+    """rawkv::kv_assign_pages: the pool's buffers (V.pool_of), then slots
+    and blocks (`checks_only`: the checks alone, rawkv.kvcache.traced)."""
     pool, errors, (slots, blocks) = V.pool_of(args, pool)
     where, s, b, err = C.assign_pages(pool, errors, slots, blocks)
+    if checks_only:
+        return
     if where == "cpu":
         C.add_errors(err, ref.assign_pages(pool.reference_view(), *A.host(s, b)))
         return

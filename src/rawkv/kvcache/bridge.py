@@ -44,12 +44,15 @@ def kvcache_indices(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, o
 
 @op("kv_kvcache_indices", V.schema(V.pool_schema(False), "Tensor slots, Tensor topk_ids, Tensor? n_entries, "
                                                         "Tensor? valid_mask, Tensor(!) out"))
-def _kvcache_indices(*args, stream=None, pool=None):
+def _kvcache_indices(*args, stream=None, pool=None, checks_only=False):
     """rawkv::kv_kvcache_indices: the pool's buffers (V.pool_of), then the
-    top-k arguments; the rows into out."""
+    top-k arguments; the rows into out (`checks_only`: the checks alone,
+    rawkv.kvcache.traced)."""
     pool, errors, (slots, topk_ids, n_entries, valid_mask, out) = V.pool_of(args, pool)
     where, ids, s, ne, v, out, _, err = C.topk(pool, errors, slots, topk_ids, n_entries, valid_mask, out,
                                                rows=False)
+    if checks_only:
+        return
     if where == "cpu":
         res, n = ref.paged_kvcache_indices(pool.reference_view(), *A.host(s, ids, ne, v))
         C.add_errors(err, n)

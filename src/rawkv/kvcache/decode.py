@@ -58,12 +58,13 @@ def compress_decode(pool, state, norm_weight, valid_mask, slots, positions, *, i
     "Tensor norm_weight, Tensor valid_mask, Tensor slots, Tensor positions",
     V.state_schema(False, "index_", counter=False, optional=True),
     "Tensor? index_norm_weight, Scalar eps, Scalar theta, Scalar[]? yarn"))
-def _compress_decode(*args, stream=None, pool=None, state=None, index=None, rope=None):
+def _compress_decode(*args, stream=None, pool=None, state=None, index=None, rope=None, checks_only=False):
     """rawkv::kv_compress_decode: the pool's and the state's buffers, the
     step's rows, the indexer state's buffers (all None: none) and its
     norm_weight, the RoPE parameters. An eager call passes the objects, the
     index and `rope`, the public op checked them (C.decode_states); the
-    operator checks its views the same way."""
+    operator checks its views the same way (`checks_only`: the checks
+    alone, rawkv.kvcache.traced)."""
     checked = pool is not None
     pool, errors, rest = V.pool_of(args, pool)
     state, _, rest = V.state_of(rest, state, counter=False)
@@ -74,6 +75,8 @@ def _compress_decode(*args, stream=None, pool=None, state=None, index=None, rope
         index = C.decode_states(pool, state, ist, inw, DecodeIndex)
     theta, yarn = rope if rope is not None else ref.check_rope(theta, yarn_of(yarn))
     where, eps, nw, v, s, p, inw = C.compress_decode(pool, state, index, norm_weight, valid_mask, slots, positions, eps)
+    if checks_only:
+        return
     ist = None if index is None else index.state
     if where == "cpu":
         ix = None if index is None else (ist.reference_view(), *A.host(inw))

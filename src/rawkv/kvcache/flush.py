@@ -36,11 +36,15 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
 
 @op("kv_flush_write", V.schema(V.pool_schema(True), "Tensor entries, Tensor valid_mask, Tensor slots, "
                                                     "Tensor positions", "Tensor? index_keys"))
-def _flush_write(*args, stream=None, pool=None):
+def _flush_write(*args, stream=None, pool=None, checks_only=False):
     """rawkv::kv_flush_write: the pool's buffers (V.pool_of; `pool`: the
-    object of an eager call), then the entries and their addresses."""
+    object of an eager call), then the entries and their addresses.
+    `checks_only`: the checks alone (rawkv.kvcache.traced: a traced call's
+    real tensors, which the operator's fake implementation checks)."""
     pool, errors, (entries, valid_mask, slots, positions, index_keys) = V.pool_of(args, pool)
     where, e, v, s, p, k, err = C.flush_write(pool, errors, entries, valid_mask, slots, positions, index_keys)
+    if checks_only:
+        return
     if where == "cpu":
         C.add_errors(err, ref.paged_flush_write(pool.reference_view(), *A.host(e, v, s, p, k)))
         return

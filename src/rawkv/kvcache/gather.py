@@ -127,17 +127,21 @@ def _dense_batch(call, pool, slots, n_entries, max_entries, valid_mask, out, dty
 # ---- the ops ----------------------------------------------------------------------------------
 # A body takes the schema's arguments as *args (the pool's buffers first:
 # V.pool_of) and, from an eager call, the pool itself and the public op's
-# dtype name (a numpy float32 out holds bfloat16).
+# dtype name (a numpy float32 out holds bfloat16); with checks_only it
+# checks them and stops (rawkv.kvcache.traced: the operator's fake
+# implementation checks a traced call's real tensors that way).
 _READ = V.pool_schema(False)
 
 
 @op("kv_gather_topk", V.schema(_READ, "Tensor slots, Tensor topk_ids, Tensor? n_entries, Tensor? valid_mask, "
                                       "Tensor(!) out"))
-def _gather_topk(*args, stream=None, pool=None, dtype=None):
+def _gather_topk(*args, stream=None, pool=None, dtype=None, checks_only=False):
     """rawkv::kv_gather_topk: the selected entries into out."""
     pool, errors, (slots, topk_ids, n_entries, valid_mask, out) = V.pool_of(args, pool)
     where, ids, s, ne, v, out, name, err = C.topk(pool, errors, slots, topk_ids, n_entries, valid_mask, out,
                                                   dtype)
+    if checks_only:
+        return
     if where == "cpu":
         rows, n = ref.paged_gather_topk(pool.reference_view(), *A.host(s, ids, ne, v), dtype=name)
         C.add_errors(err, n)
@@ -163,9 +167,11 @@ def _dense_op(name: str, index: bool):
     """rawkv::kv_gather_dense / kv_gather_index_keys: one body, the entries'
     or (index) the indexer keys' rows."""
     @op(name, V.schema(_READ, "Scalar slot, Scalar n_entries, Tensor(!) out"))
-    def body(*args, stream=None, pool=None, dtype=None):
+    def body(*args, stream=None, pool=None, dtype=None, checks_only=False):
         pool, errors, (slot, n_entries, out) = V.pool_of(args, pool)
         where, slot, n, out, dname, err = C.dense(pool, errors, slot, n_entries, out, dtype, index)
+        if checks_only:
+            return
         if where == "cpu":
             rows, ne = ref.paged_gather_dense(pool.reference_view(), slot, n, dname, index=index)
             C.add_errors(err, ne)
@@ -179,10 +185,12 @@ def _dense_op(name: str, index: bool):
 def _batch_op(name: str, index: bool):
     """rawkv::kv_gather_dense_batch / kv_gather_index_keys_batch."""
     @op(name, V.schema(_READ, "Tensor slots, Tensor n_entries, Tensor? valid_mask, Tensor(!) out"))
-    def body(*args, stream=None, pool=None, dtype=None, max_entries=None):
+    def body(*args, stream=None, pool=None, dtype=None, max_entries=None, checks_only=False):
         pool, errors, (slots, n_entries, valid_mask, out) = V.pool_of(args, pool)
         where, s, ne, v, out, Kk, dname, err = C.dense_batch(pool, errors, slots, n_entries, valid_mask, out,
                                                             dtype, index, max_entries)
+        if checks_only:
+            return
         if where == "cpu":
             rows, n = ref.paged_gather_dense_batch(pool.reference_view(), *A.host(s, ne), Kk, *A.host(v), dname,
                                                    index=index)

@@ -164,36 +164,40 @@ _STORE = "Tensor(a!) cache, Tensor {rows}, Tensor {slots}, Scalar page_size, {of
 
 
 @op("kv_model1_store", _STORE.format(rows="entries", slots="slots", offsets="Tensor? offsets, "))
-def _model1_store(cache, entries, slots, page_size, offsets, errors, stream=None):
+def _model1_store(cache, entries, slots, page_size, offsets, errors, stream=None, checks_only=False):
     """rawkv::kv_model1_store: entries into MODEL1 records of cache."""
-    _store(R.MODEL1, K.MODEL1_STORE, (), R.model1_write, C.store(
-        R.MODEL1, cache, entries, slots, page_size, offsets, errors, R.ENTRY_DIM, "entries", "slots"), stream)
+    checked = C.store(R.MODEL1, cache, entries, slots, page_size, offsets, errors, R.ENTRY_DIM, "entries", "slots")
+    _store(R.MODEL1, K.MODEL1_STORE, (), R.model1_write, checked, stream, checks_only)
 
 
 @op("kv_model1_window_insert", _STORE.format(rows="rows", slots="slot_mapping", offsets=""))
-def _model1_window_insert(cache, rows, slot_mapping, page_size, errors, stream=None):
+def _model1_window_insert(cache, rows, slot_mapping, page_size, errors, stream=None, checks_only=False):
     """rawkv::kv_model1_window_insert: token rows into MODEL1 window pages."""
-    _store(R.MODEL1, K.MODEL1_STORE, (), R.model1_write, C.store(
-        R.MODEL1, cache, rows, slot_mapping, page_size, None, errors, R.ENTRY_DIM, "rows", "slot_mapping"), stream)
+    checked = C.store(R.MODEL1, cache, rows, slot_mapping, page_size, None, errors, R.ENTRY_DIM, "rows", "slot_mapping")
+    _store(R.MODEL1, K.MODEL1_STORE, (), R.model1_write, checked, stream, checks_only)
 
 
 @op("kv_index_fp8_store", _STORE.format(rows="keys", slots="slots", offsets="Tensor? offsets, "))
-def _index_fp8_store(cache, keys, slots, page_size, offsets, errors, stream=None):
+def _index_fp8_store(cache, keys, slots, page_size, offsets, errors, stream=None, checks_only=False):
     """rawkv::kv_index_fp8_store: indexer keys into DeepGEMM's FP8 key pages."""
-    _store(R.INDEX_FP8, K.INDEX_STORE, (False,), R.index_fp8_write, C.store(
-        R.INDEX_FP8, cache, keys, slots, page_size, offsets, errors, R.INDEX_DIM, "keys", "slots"), stream)
+    checked = C.store(R.INDEX_FP8, cache, keys, slots, page_size, offsets, errors, R.INDEX_DIM, "keys", "slots")
+    _store(R.INDEX_FP8, K.INDEX_STORE, (False,), R.index_fp8_write, checked, stream, checks_only)
 
 
 @op("kv_index_mxfp4_store", _STORE.format(rows="keys", slots="slots", offsets="Tensor? offsets, "))
-def _index_mxfp4_store(cache, keys, slots, page_size, offsets, errors, stream=None):
+def _index_mxfp4_store(cache, keys, slots, page_size, offsets, errors, stream=None, checks_only=False):
     """rawkv::kv_index_mxfp4_store: indexer keys into DeepGEMM's MXFP4 key pages."""
-    _store(R.INDEX_MXFP4, K.INDEX_STORE, (True,), R.index_mxfp4_write, C.store(
-        R.INDEX_MXFP4, cache, keys, slots, page_size, offsets, errors, R.INDEX_DIM, "keys", "slots"), stream)
+    checked = C.store(R.INDEX_MXFP4, cache, keys, slots, page_size, offsets, errors, R.INDEX_DIM, "keys", "slots")
+    _store(R.INDEX_MXFP4, K.INDEX_STORE, (True,), R.index_mxfp4_write, checked, stream, checks_only)
 
 
-def _store(lay, kernel, targs, write, checked, stream):
+def _store(lay, kernel, targs, write, checked, stream, checks_only=False):
     """A store's checked arguments (C.store) through the reference `write`
-    on the host, or one launch (one warp per row)."""
+    on the host, or one launch (one warp per row); nothing with
+    `checks_only` (the operator's fake implementation checks a traced
+    call's real tensors that way: rawkv.kvcache.traced)."""
+    if checks_only:
+        return
     where, c, n, p, x, s, o, err = checked
     if where == "cpu":
         bad = write(C.cache_pages(c, n, lay, p), p, *A.host(x, s, o))
@@ -210,10 +214,12 @@ def _store(lay, kernel, targs, write, checked, stream):
 
 
 @op("kv_model1_gather", "Tensor cache, Tensor indices, Scalar page_size, Tensor(a!) out, Tensor(b!)? errors")
-def _model1_gather(cache, indices, page_size, out, errors, stream=None, dtype=None):
+def _model1_gather(cache, indices, page_size, out, errors, stream=None, dtype=None, checks_only=False):
     """rawkv::kv_model1_gather: the MODEL1 entries at indices into out, in
     `dtype` (the public op's; None: out's own)."""
     where, c, n, p, idx, out, name, err = C.model1_gather(cache, indices, page_size, out, errors, dtype)
+    if checks_only:
+        return
     if where == "cpu":
         rows, bad = R.model1_gather(C.cache_pages(c, n, R.MODEL1, p), p, *A.host(idx), name)
         if err is not None:
@@ -232,10 +238,12 @@ def _model1_gather(cache, indices, page_size, out, errors, stream=None, dtype=No
 @op("kv_topk_to_kvcache_indices", "Tensor topk_ids, Tensor block_table, Scalar page_size, Scalar num_pages, "
                                   "Tensor? slots, Tensor? n_entries, Tensor(a!) out, Tensor(b!)? errors")
 def _topk_to_kvcache_indices(topk_ids, block_table, page_size, num_pages, slots, n_entries, out, errors,
-                             stream=None):
+                             stream=None, checks_only=False):
     """rawkv::kv_topk_to_kvcache_indices: FlashMLA's indices of the top-k ids into out."""
     where, ids, table, p, npg, s, ne, out, err = C.topk_bridge(
         topk_ids, block_table, page_size, num_pages, slots, n_entries, out, errors)
+    if checks_only:
+        return
     if where == "cpu":
         res, bad = R.topk_to_kvcache_indices(*A.host(ids, table), p, npg, *A.host(s, ne))
         if err is not None:

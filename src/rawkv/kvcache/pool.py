@@ -132,26 +132,48 @@ def _index() -> dict:
     return _SPANS
 
 
-def _lookup(buf):
-    """(object, role, whole) of the pool's or decode state's buffer `buf`
-    shares memory with (whole: it is that buffer, its memory, shape and
-    strides), None when it shares no byte with any (an engine's own buffer,
-    a copy). One bisection, not a scan."""
-    sp = A._span(buf)
-    if sp is None:
-        return None
+def _row(sp):
+    """(first byte, end, geometry, role, weak ref to the object) of the
+    registered buffer the span `sp` (A._span) shares memory with, None
+    when it shares no byte with any. One bisection, not a scan."""
     index = _index().get(sp[0])
     if index is None:
         return None
     starts, rows = index
     i = bisect.bisect_left(starts, sp[2]) - 1          # the last buffer starting before buf ends
-    if i < 0:
+    if i < 0 or rows[i][0] <= sp[1]:
         return None
-    end, geometry, role, ref_o = rows[i]
+    return (starts[i], *rows[i])
+
+
+def _lookup(buf):
+    """(object, role, whole) of the pool's or decode state's buffer `buf`
+    shares memory with (whole: it is that buffer, its memory, shape and
+    strides), None when it shares no byte with any (an engine's own buffer,
+    a copy)."""
+    sp = A._span(buf)
+    row = None if sp is None else _row(sp)
+    if row is None:
+        return None
+    start, _, geometry, role, ref_o = row
     o = ref_o()
-    if end <= sp[1] or o is None:
+    if o is None:
         return None
-    return o, role, starts[i] == sp[1] and A._geometry(sp) == geometry
+    return o, role, start == sp[1] and A._geometry(sp) == geometry
+
+
+def placement(buf):
+    """Where `buf` lies among the registered buffers: None when it shares
+    no byte with any, else (weak ref to the object, role, first and end
+    byte from that buffer's first byte). The rules here decide on it and
+    on buf's geometry, so a compiled call is guarded on it (kvcache.traced:
+    a later call on memory placed otherwise is traced, and checked, again)."""
+    sp = A._span(buf)
+    row = None if sp is None else _row(sp)
+    if row is None:
+        return None
+    start, _, _, role, ref_o = row
+    return ref_o, role, sp[1] - start, sp[2] - start
 
 
 def _registered(buf, name: str):

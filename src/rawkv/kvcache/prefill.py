@@ -50,16 +50,18 @@ def compress_prefill(pool, kv, z, ape, norm_weight, slot, *, start_entry: int = 
     V.pool_schema(True), "Tensor kv, Tensor z, Tensor? ape, Tensor norm_weight, Scalar slot, Scalar start_entry",
     "Tensor? index_kv, Tensor? index_z, Tensor? index_ape, Tensor? index_norm_weight",
     "Scalar eps, Scalar theta, Scalar[]? yarn"))
-def _compress_prefill(*args, stream=None, pool=None, rope=None):
+def _compress_prefill(*args, stream=None, pool=None, rope=None, checks_only=False):
     """rawkv::kv_compress_prefill: the pool's buffers (V.pool_of; `pool`
     the object of an eager call), then the prompt's rows, the indexer's
     (all None: none) and the RoPE parameters (`rope`: the public op's,
-    checked)."""
+    checked; `checks_only`: the checks alone, rawkv.kvcache.traced)."""
     pool, errors, rest = V.pool_of(args, pool)
     kv, z, ape, norm_weight, slot, start_entry, *parts, eps, theta, yarn = rest
     theta, yarn = rope if rope is not None else ref.check_rope(theta, yarn_of(yarn))
     where, slot, start_entry, eps, k, zz, a, nw, index = C.compress_prefill(
         pool, kv, z, ape, norm_weight, slot, start_entry, tuple(parts), eps, PrefillIndex)
+    if checks_only:
+        return
     if where == "cpu":
         _, bad = ref.paged_compress_prefill(
             pool.reference_view(), pool.kind, slot, *A.host(k, zz, a, nw), start_entry=start_entry,

@@ -76,12 +76,16 @@ def state_clear(state, slots, *, valid_mask=None, errors=None, stream=None):
 
 # ---- the ops ----------------------------------------------------------------------------------
 # A body takes the schema's arguments as *args (the state's buffers first:
-# V.state_of) and, from an eager call, the state itself.
+# V.state_of) and, from an eager call, the state itself; with checks_only
+# it checks them and stops (rawkv.kvcache.traced).
 @op("kv_state_seed", V.schema(V.state_schema(True, counter=False), "Scalar slot, Tensor kv, Tensor z, Tensor? ape"))
-def _state_seed(*args, stream=None, state=None):
-    """rawkv::kv_state_seed: the prompt's tail into a slot of the state."""
+def _state_seed(*args, stream=None, state=None, checks_only=False):
+    """rawkv::kv_state_seed: the prompt's tail into a slot of the state
+    (`checks_only`: the checks alone, rawkv.kvcache.traced)."""
     state, _, (slot, kv, z, ape) = V.state_of(args, state, counter=False)
     where, slot, k, zz, a = C.state_seed(state, slot, kv, z, ape)
+    if checks_only:
+        return
     if where == "cpu":
         ref.state_seed(state.reference_view(), slot, *A.host(k, zz, a))
         return
@@ -112,10 +116,13 @@ def _state_seed(*args, stream=None, state=None):
 
 @op("kv_state_append", V.schema(V.state_schema(True, b_writes=False), "Tensor kv, Tensor z, Tensor valid_mask, "
                                                                       "Tensor slots", "Tensor? ape"))
-def _state_append(*args, stream=None, state=None):
-    """rawkv::kv_state_append: one token row per batch row into its slot's a-stream."""
+def _state_append(*args, stream=None, state=None, checks_only=False):
+    """rawkv::kv_state_append: one token row per batch row into its slot's
+    a-stream (`checks_only`: the checks alone)."""
     state, errors, (kv, z, valid_mask, slots, ape) = V.state_of(args, state)
     where, k, zz, v, s, a, err = C.state_append(state, errors, kv, z, valid_mask, slots, ape)
+    if checks_only:
+        return
     if where == "cpu":
         C.add_errors(err, ref.state_append(state.reference_view(), *A.host(k, zz, v, s), ape=A.host(a)[0]))
         return
@@ -127,9 +134,11 @@ def _reset_op(name: str, mode: int, optional_mask: str):
     """csa_rotate / hca_reset / state_clear (`mode`, K.RESET_*): one body,
     rkv_kv_state_reset's mode; state_clear's valid_mask is optional."""
     @op("kv_" + name, V.schema(V.state_schema(True), f"Tensor{optional_mask} valid_mask, Tensor slots"))
-    def body(*args, stream=None, state=None):
+    def body(*args, stream=None, state=None, checks_only=False):
         state, errors, (valid_mask, slots) = V.state_of(args, state)
         where, v, s, err = C.state_reset(state, name, errors, valid_mask, slots)
+        if checks_only:
+            return
         if where == "cpu":
             st, (s, v) = state.reference_view(), A.host(s, v)
             if mode == K.RESET_CLEAR:

@@ -1,0 +1,201 @@
+"""The pools' and decode states' protection rules under torch.compile
+(rawkv/kvcache/traced.py; docs/kvcache.md, "Under torch.compile").
+
+torch.compile functionalizes a mutating operator: each argument it writes
+reaches the implementation as a fresh copy (aot_eager always; inductor
+where it cannot write in place), written back over the argument after the
+call. The rules that find a tensor by its memory (the registry of the
+pools' and states' buffers: pool.check_store_cache, check_not_anothers,
+check_one_owner, ...) saw the copy, an engine's own memory, and a compiled
+call took what eager refuses: a store whose cache was pool.marks, a gather
+whose errors= lay in pool.request_ids, a flush into another pool's
+`written`. Each is now refused while dynamo traces, with the eager error,
+and a later call of the compiled function on other memory retraces
+(guards), so it is refused too. Nothing is written either way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import rawkv.library  # noqa: E402,F401
+from rawkv import _opdecl  # noqa: E402
+from rawkv import kvcache as kc  # noqa: E402
+from rawkv.kvcache import views as V  # noqa: E402
+from rawkv.reference import kvcache as ref  # noqa: E402
+from support.kvcache import _small_hca_pool  # noqa: E402
+from support.library import samples  # noqa: E402
+
+OPS = torch.ops.rawkv
+
+
+def _compiled(fn):
+    """fn under torch.compile with functionalization and no in-place
+    rewrite (aot_eager), counting its traces."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    return torch.compile(fn, fullgraph=True, backend=counter), counter
+
+
+def _t(a):
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def test_compiled_store_into_a_pools_bookkeeping_is_refused(rng):
+    """A layout store whose cache is pool.marks (FP8 key pages of one
+    record: 132 bytes, marks' row) or pool.request_ids seen as bytes (a
+    MODEL1 page of one record): eager refuses it naming cache; compiled,
+    the store wrote the copy of the cache, which torch then copied over
+    marks / request_ids. Through the public op and the operator, traced on
+    it or traced on a cache of the engine's own and then called with it."""
+    pool = kc.PagedKVPool("csa", 33, 132, 288, 1, layout="rawkv", device="cpu")    # marks (33, 132)
+    pool.prepare_step([pool.add_request()], [0])
+    keys = _t(rng.standard_normal((1, 128)).astype(np.float32))
+    ents = _t(rng.standard_normal((1, 512)).astype(np.float32))
+    one = torch.zeros(1, dtype=torch.int32)
+    marks = _t(pool.marks)                       # (a storage of its own: not the pool's torch view)
+    ids_bytes = _t(pool.request_ids).view(torch.uint8).reshape(1, 1152)
+    cases = [
+        ("marks", marks, lambda c: kc.index_fp8_store(c, keys, one, page_size=1)),
+        ("marks", pool.torch_buffers()["marks"], lambda c: OPS.kv_index_fp8_store(c, keys, one, 1, None, None)),
+        ("request_ids", ids_bytes, lambda c: kc.model1_store(c, ents, one, page_size=1)),
+        ("request_ids", ids_bytes, lambda c: OPS.kv_model1_store(c, ents, one, 1, None, None)),
+    ]
+    before = (pool.marks.copy(), pool.request_ids.copy())
+    for role, cache, store in cases:
+        match = f"cache: lies in the {role} buffer of a PagedKVPool"
+        with pytest.raises(ValueError, match="^" + match):
+            store(cache)
+        step, _ = _compiled(store)
+        with pytest.raises(Exception, match=match):
+            step(cache)
+        # traced on the engine's own cache (written), then given the pool's buffer
+        step, counter = _compiled(store)
+        own = torch.zeros_like(cache)
+        step(own)
+        assert own.any() and counter.frame_count == 1
+        with pytest.raises(Exception, match=match):
+            step(cache)
+        assert np.array_equal(pool.marks, before[0]) and np.array_equal(pool.request_ids, before[1]), role
+
+
+def test_compiled_gather_counter_in_request_ids_is_refused():
+    """gather_topk(pool, ..., errors=request_ids[:1]): eager refuses it
+    (errors: overlaps pool.request_ids); compiled, the count of the bad id
+    was added to the slot's request id (1 -> 2: the request then read
+    blocks owned by another id). The counter a view of a tensor of its own
+    over the pool's request_ids (torch.from_numpy: another storage, so the
+    fake tensors' storages did not show it either)."""
+    p, s = _small_hca_pool()
+    rid = _t(p.request_ids)
+    slots, ids = torch.tensor([s], dtype=torch.int32), torch.tensor([[0, 99]], dtype=torch.int32)
+    was = p.request_ids.copy()
+
+    def gather(e):
+        return kc.gather_topk(p, slots, ids, errors=e)
+
+    match = "errors: overlaps pool.request_ids in memory"
+    with pytest.raises(ValueError, match="^" + match):
+        gather(rid[:1])
+    step, _ = _compiled(gather)
+    with pytest.raises(Exception, match=match):
+        step(rid[:1])
+    step, counter = _compiled(gather)
+    own = torch.zeros(1, dtype=torch.int32)
+    step(own)
+    assert int(own[0]) == 2             # (id 99 out of range, and entry 0 never written)
+    with pytest.raises(Exception, match=match):
+        step(rid[:1])
+    # the view made inside the compiled function; the pool's numpy array itself
+    step, _ = _compiled(lambda r: kc.gather_topk(p, slots, ids, errors=r[:1]))
+    with pytest.raises(Exception, match=match):
+        step(rid)
+    step, _ = _compiled(gather)
+    with pytest.raises(Exception, match=match):
+        step(p.request_ids[:1])
+    assert np.array_equal(p.request_ids, was)
+
+
+def _pool():
+    p = kc.PagedKVPool("csa", 8, 4, 2, 4, device="cpu", layout="rawkv")
+    for _ in range(2):
+        p.add_request()
+    p.prepare_step([0, 1], [8 * p.m - 1, 5 * p.m - 1])
+    return p
+
+
+def test_compiled_operator_over_two_pools_buffers_is_refused(rng):
+    """kv_flush_write over pool A's buffers but pool B's `written`: eager
+    refuses it (check_one_owner); compiled, the view saw a copy of B's
+    `written` (an engine's own buffer beside A's) and the flush raised B's
+    entry counts from A's table. A compiled function traced on A's buffers
+    whole and called with B's block table (read, not copied) refused
+    nothing either: the guards cover every tensor the op takes."""
+    a, b = _pool(), _pool()
+    B = 2
+    ents = _t(rng.standard_normal((B, ref.HEAD_DIM)).astype(np.float32)).bfloat16()
+    keys = _t(rng.standard_normal((B, ref.INDEX_HEAD_DIM)).astype(np.float32)).bfloat16()
+    valid, slots = torch.ones(B, dtype=torch.bool), torch.tensor([0, 1], dtype=torch.int32)
+    pos = torch.tensor([0, ref.CSA_RATIO], dtype=torch.int32)
+    before = {n: t.clone() for n, t in b.torch_buffers().items() if t is not None}
+
+    def flush(args):
+        OPS.kv_flush_write(**args, entries=ents, valid_mask=valid, slots=slots, positions=pos, index_keys=keys)
+
+    mixed = {**V.pool_args(a), "written": V.pool_args(b)["written"]}
+    match = "written: belongs to another PagedKVPool than block_table"
+    with pytest.raises(ValueError, match="^" + match):
+        flush(mixed)
+    step, _ = _compiled(flush)
+    with pytest.raises(Exception, match=match):
+        step(mixed)
+    step, counter = _compiled(flush)
+    step(V.pool_args(a))                               # A's buffers whole: accepted
+    assert counter.frame_count == 1 and a.read_errors() == 0
+    other_table = {**V.pool_args(a), "block_table": V.pool_args(b)["block_table"]}
+    match = "fp8: belongs to another PagedKVPool than block_table"
+    with pytest.raises(ValueError, match="^" + match):
+        flush(other_table)
+    with pytest.raises(Exception, match=match):
+        step(other_table)
+    for n, t in b.torch_buffers().items():
+        assert t is None or torch.equal(t, before[n]), n
+
+
+def test_compiled_calls_on_other_memory_of_the_same_kind_do_not_retrace():
+    """The guards compare where a tensor lies (no pool's buffer, or which
+    pool buffer and where in it), not which tensor it is: a compiled
+    gather given a fresh counter of its own at every call traces once."""
+    p, s = _small_hca_pool()
+    p.operator_buffers()        # (made at the first call otherwise, which dynamo's guards see as a change)
+    slots, ids = torch.tensor([s], dtype=torch.int32), torch.tensor([[0, 99]], dtype=torch.int32)
+    step, counter = _compiled(lambda e: kc.gather_topk(p, slots, ids, errors=e))
+    for _ in range(4):
+        e = torch.zeros(1, dtype=torch.int32)
+        step(e)
+        assert int(e[0]) == 2           # (id 99 out of range, and entry 0 never written)
+    assert counter.frame_count == 1
+
+
+def test_every_kvcache_operator_checks_without_writing(rng):
+    """The check the fake implementation runs (the body with
+    checks_only=True, on the real tensors) writes nothing: on every
+    operator sample of the KV-cache ops, every tensor argument is
+    unchanged."""
+    kv = {n: d for n, d in _opdecl.declared().items() if n.startswith("kv_")}
+    assert kv and all(d.checks_only for d in kv.values()), [n for n, d in kv.items() if not d.checks_only]
+    for name, cases in samples(rng).items():
+        if name not in kv:
+            continue
+        for args in cases:
+            before = [_bits(a) for a in args]
+            kv[name].body(*args, checks_only=True)
+            for i, (x, y) in enumerate(zip(args, before)):
+                assert not isinstance(x, torch.Tensor) or torch.equal(_bits(x), y), (name, kv[name].args[i][0])
+
+
+def _bits(a):
+    """A tensor's bytes (an empty() out holds NaNs, never equal to themselves)."""
+    return a.contiguous().view(-1).view(torch.uint8).clone() if isinstance(a, torch.Tensor) else a
