@@ -199,3 +199,22 @@ def test_every_kvcache_operator_checks_without_writing(rng):
 def _bits(a):
     """A tensor's bytes (an empty() out holds NaNs, never equal to themselves)."""
     return a.contiguous().view(-1).view(torch.uint8).clone() if isinstance(a, torch.Tensor) else a
+
+
+@pytest.mark.parametrize("part", ["_inputs", "_real", "_guard"])
+def test_a_torch_with_other_dynamo_internals_still_compiles(monkeypatch, rng, part):
+    """Where dynamo's internals that rawkv.kvcache.traced reads differ (an
+    AttributeError there: another torch), a compiled KV-cache operator is
+    traced and runs as before, unchecked, instead of failing to compile."""
+    from rawkv.kvcache import traced
+
+    def broken(*a, **k):
+        raise AttributeError("'GraphArg' object has no attribute '_example'")
+
+    monkeypatch.setattr(traced, part, broken)
+    keys = _t(rng.standard_normal((1, 128)).astype(np.float32))
+    one = torch.zeros(1, dtype=torch.int32)
+    cache = torch.zeros(1, 132, dtype=torch.uint8)
+    step, counter = _compiled(lambda c: kc.index_fp8_store(c, keys, one, page_size=1))
+    step(cache)
+    assert counter.frame_count == 1 and cache.any()

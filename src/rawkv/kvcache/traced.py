@@ -54,6 +54,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import pool as _pool
 
 
+# What a torch whose dynamo internals differ from those this module reads
+# (GraphArg's example and fake tensor, the translator's output graph, the
+# guard builder; torch 2.11 and 2.13 tested) raises there: such a torch
+# compiles rawkv's operators as before, without this check.
+_INTERNALS = (AttributeError, ImportError, TypeError, KeyError)
+
+
 class _NoHint(Exception):
     """A symbolic value without a hint: nothing concrete to check."""
 
@@ -65,27 +72,36 @@ def check(decl, args: tuple) -> None:
     tx = _tracer()
     if tx is None:
         return
-    inputs = _inputs(tx)
-    found = {}
-    for i in decl.tensors:
-        a = args[i] if i < len(args) else None
-        if isinstance(a, torch.Tensor):
-            gas = inputs.get(_storage(a))
-            if gas is not None:
-                found[i] = gas
-    if not any(i in found for i, (_, _, w) in enumerate(decl.args) if w):
-        return
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    try:
+        inputs = _inputs(tx)
+        found = {}
+        for i in decl.tensors:
+            a = args[i] if i < len(args) else None
+            if isinstance(a, torch.Tensor):
+                gas = inputs.get(_storage(a))
+                if gas is not None:
+                    found[i] = gas
+        if not any(i in found for i, (_, _, w) in enumerate(decl.args) if w):
+            return
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except _INTERNALS:
+        return                  # (dynamo's internals changed: not checked, never a failed compile)
     try:
         with unset_fake_temporarily():
-            real = [_real(a, found.get(i)) if isinstance(a, torch.Tensor) else _concrete(a)
-                    for i, a in enumerate(args)]
-            decl.body(*real, checks_only=True)
+            try:
+                real = [_real(a, found.get(i)) if isinstance(a, torch.Tensor) else _concrete(a)
+                        for i, a in enumerate(args)]
+            except _INTERNALS:
+                return
+            decl.body(*real, checks_only=True)      # (the eager refusal, naming the argument)
     except _NoHint:
         return
     for gas in found.values():
         for ga in gas:
-            _guard(tx, ga)
+            try:
+                _guard(tx, ga)
+            except _INTERNALS:
+                return
 
 
 def _tracer():
