@@ -39,11 +39,18 @@ def _views(layout):
 
 
 def _run(call):
-    """(error text or None)"""
+    """(error text or None). A refusal found while dynamo traces comes
+    wrapped (torch's TorchRuntimeError, rawkv.kvcache.traced): the eager
+    error it carries is the one compared."""
     try:
         call()
-    except (TypeError, ValueError) as e:
-        return f"{type(e).__name__}: {e}"
+    except Exception as e:
+        inner = e
+        while not isinstance(inner, (TypeError, ValueError)) and (inner.__cause__ or inner.__context__):
+            inner = inner.__cause__ or inner.__context__
+        if not isinstance(inner, (TypeError, ValueError)):
+            raise
+        return f"{type(inner).__name__}: {inner}"
     return None
 
 
