@@ -317,7 +317,7 @@ def test_gpu_fast_path_writes_the_references_bytes_and_is_captured(cuda, offset)
     n = 4096 + 16
 
     def tensors():
-        x = torch.randn(n + offset, device="cuda")[offset:] * 300
+        x = (torch.randn(n + offset, device="cuda") * 300)[offset:]
         return x, torch.empty(n + offset, dtype=torch.uint8, device="cuda")[offset:], \
             torch.empty(n, dtype=torch.bfloat16, device="cuda")
 
