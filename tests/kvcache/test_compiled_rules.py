@@ -155,7 +155,10 @@ def test_compiled_operator_over_two_pools_buffers_is_refused(rng):
     step(V.pool_args(a))                               # A's buffers whole: accepted
     assert counter.frame_count == 1 and a.read_errors() == 0
     other_table = {**V.pool_args(a), "block_table": V.pool_args(b)["block_table"]}
-    match = "fp8: belongs to another PagedKVPool than block_table"
+    # (not traced again: the guards look at where each input lies, not in
+    # whose buffer; the call is refused when it runs, by the read arguments
+    # it gets whole: request_ids against B's block_table)
+    match = r"\w+: belongs to another PagedKVPool than block_table"
     with pytest.raises(ValueError, match="^" + match):
         flush(other_table)
     with pytest.raises(Exception, match=match):
@@ -218,3 +221,31 @@ def test_a_torch_with_other_dynamo_internals_still_compiles(monkeypatch, rng, pa
     step, counter = _compiled(lambda c: kc.index_fp8_store(c, keys, one, page_size=1))
     step(cache)
     assert counter.frame_count == 1 and cache.any()
+
+
+def test_one_compiled_layer_over_many_pools_is_traced_once(rng):
+    """A model compiles one layer function and calls it with each layer's
+    own pool: the guards compare where each input lies in its object's
+    buffers, not which object, so it is traced once (per pool it was traced
+    again, and dynamo stopped compiling after its recompile limit of 8),
+    and each pool gets its own entries."""
+    pools = []
+    for _ in range(12):
+        p = kc.PagedKVPool("hca", 8, 4, 2, 4, device="cpu", layout="rawkv")
+        p.add_request(), p.add_request()
+        p.prepare_step([0, 1], [8 * p.m - 1, 5 * p.m - 1])
+        p.operator_buffers()            # (made before compiling, as docs/kvcache.md says)
+        pools.append(p)
+    B = 2
+    valid, slots = torch.ones(B, dtype=torch.bool), torch.tensor([0, 1], dtype=torch.int32)
+    pos = torch.tensor([0, ref.HCA_RATIO], dtype=torch.int32)
+
+    def layer(p, e):
+        kc.flush_write(p, e, valid, slots, pos)
+
+    step, counter = _compiled(layer)
+    for _ in range(2):
+        for p in pools:
+            step(p, _t(rng.standard_normal((B, ref.HEAD_DIM)).astype(np.float32)).bfloat16())
+    assert counter.frame_count == 1
+    assert all((p.written[:2] == [1, 2]).all() and p.read_errors() == 0 for p in pools)

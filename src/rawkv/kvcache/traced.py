@@ -178,7 +178,22 @@ def _guard(tx, ga) -> None:
     seen.add(name)
     real = ga.example
     install_guard(Guard(ga.source, functools.partial(
-        _placement_guard, ref=weakref.ref(real), where=_pool.placement(real))))
+        _placement_guard, ref=weakref.ref(real), where=_where(real))))
+
+
+def _where(t):
+    """pool.placement without the object: None (no object's buffer) or
+    (the object's class, role, first and end byte in that buffer). Not
+    which object: a model's one compiled layer function, called with each
+    layer's own pool, must not be traced again per pool (dynamo stops
+    compiling after its recompile limit: 8 layers). So a later call whose
+    inputs mix two objects' buffers, each in the role traced, is not traced
+    again (docs/kvcache.md, "Not covered"); the first trace checks it."""
+    p = _pool.placement(t)
+    if p is None:
+        return None
+    o = p[0]()
+    return (None if o is None else type(o).__name__, *p[1:])
 
 
 def _placement_guard(builder, guard, *, ref, where) -> None:
@@ -186,9 +201,8 @@ def _placement_guard(builder, guard, *, ref, where) -> None:
     traced (its memory cannot have moved into an object's buffer: a pool
     allocates its own) or lies where that one did."""
     from torch._dynamo.guards import get_verbose_code_parts
-    placement = _pool.placement
 
     def same_place(t) -> bool:
-        return t is ref() or placement(t) == where
+        return t is ref() or _where(t) == where
     builder.get_guard_manager(guard).add_lambda_guard(
         same_place, get_verbose_code_parts(f"rawkv_kvcache_placement({guard.name})", guard), guard.user_stack)
