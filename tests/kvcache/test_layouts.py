@@ -550,3 +550,39 @@ def test_gpu_graph_capture(cuda, rng):
         torch.cuda.synchronize()
         for b, e in zip(bufs, eager):
             assert torch.equal(b.view(torch.uint8), e.view(torch.uint8))
+
+
+def test_a_cache_in_a_pools_pages_starts_on_a_page():
+    """A cache over a pool's pages (index_pages) with the pool's page
+    stride but starting inside a page (pages.view(-1)[16:]) passed the
+    geometry checks of flashmla_view / deepgemm_view and of the stores:
+    the view showed records straddling the pool's records and scales, the
+    store wrote scale bytes over the next page's codes. Refused naming
+    cache, nothing written; the same memory from a page's first byte is
+    taken."""
+    torch = pytest.importorskip("torch")
+    pool = kc.PagedKVPool("csa", 4, 4, 1, 1, device="cpu")
+    pages, ipages = pool.torch_buffers()["pages"], pool.torch_buffers()["index_pages"]
+    before = (pool.pages.copy(), pool.index_pages.copy())
+
+    def shifted(buf, by):
+        n, pb = buf.shape
+        return buf.view(-1)[by:by + (n - 1) * pb].view(n - 1, pb)
+
+    one = torch.zeros(1, dtype=torch.int32)
+    for by in (16, 576):
+        c = shifted(pages, by)
+        with pytest.raises(ValueError, match=f"^cache: starts {by} bytes into the pages of a PagedKVPool"):
+            kc.flashmla_view(c, 4)
+        with pytest.raises(ValueError, match=f"^cache: starts {by} bytes into the pages of a PagedKVPool"):
+            kc.model1_store(c, torch.randn(1, 512), one, page_size=4)
+    c = shifted(ipages, 4)
+    with pytest.raises(ValueError, match="^cache: starts 4 bytes into the index_pages of a PagedKVPool"):
+        kc.deepgemm_view(c, 4)
+    with pytest.raises(ValueError, match="^cache: starts 4 bytes into the index_pages of a PagedKVPool"):
+        kc.index_fp8_store(c, torch.randn(1, 128), one, page_size=4)
+    assert np.array_equal(pool.pages, before[0]) and np.array_equal(pool.index_pages, before[1])
+    # from a page's first byte: the pool's pages
+    assert tuple(kc.flashmla_view(shifted(pages, pages.shape[1]), 4).shape) == (3, 4, 1, 584)
+    kc.model1_store(pages[1:], torch.randn(1, 512), one, page_size=4)
+    assert pool.pages[1].any()

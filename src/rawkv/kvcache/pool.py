@@ -257,6 +257,7 @@ def check_store_cache(cache, role: str, lay=None, page_size=None) -> None:
         raise ValueError(f"page_size: the cache lies in the {role} of a PagedKVPool of {o.entries_per_block} "
                          f"entries per block (its page size), got {page_size}; the store would write "
                          "records of another page geometry over its pages")
+    _check_page_start(cache, o, role)
 
 
 def check_view_cache(cache, lay, page_size: int, fn: str) -> None:
@@ -289,6 +290,21 @@ def check_view_cache(cache, lay, page_size: int, fn: str) -> None:
         raise ValueError(f"page_size: the cache lies in the {role} of a PagedKVPool of {o.entries_per_block} "
                          f"entries per block (its page size), got {page_size}; the view would show its "
                          "records in another page geometry")
+    _check_page_start(cache, o, role)
+
+
+def _check_page_start(cache, o, role: str) -> None:
+    """A cache in pool `o`'s `role` buffer (pages / index_pages, of the
+    pool's layout and page size: checked before) starts on one of its
+    pages: the same page stride from a byte inside a page (pages.view(-1)[16:])
+    puts every record across the pool's records and scales, which its
+    gathers (and FlashMLA / DeepGEMM through a view) read as garbage.
+    ValueError naming cache."""
+    at = placement(cache)
+    pb = o.page_bytes if role == "pages" else o.index_page_bytes
+    if at is not None and pb and at[2] % pb:
+        raise ValueError(f"cache: starts {at[2]} bytes into the {role} of a PagedKVPool, inside a page of "
+                         f"{pb} bytes; a cache in a pool's {role} starts on one of its pages")
 
 
 def check_bare_table(table) -> None:
