@@ -290,6 +290,11 @@ def dims(a) -> tuple:
     refuse it, naming it)."""
     if is_torch(a) and not_strided(a):
         return ()
+    return _shape(a)
+
+
+def _shape(a) -> tuple:
+    """dims of an argument already known not to be an unstrided tensor."""
     s = getattr(a, "shape", None)
     return tuple(s) if s is not None else ()
 
@@ -411,7 +416,7 @@ def out_lead(ids, name: str) -> tuple:
         return (0,)             # (a sparse or nested tensor: the rules refuse it, unstrided)
     if (is_torch(ids) or isinstance(ids, np.ndarray)) and not is_dense(ids):
         return (0,)
-    return dims(ids)
+    return _shape(ids)
 
 
 def is_dense(a) -> bool:
@@ -556,7 +561,7 @@ def out_rows(x, name: str) -> tuple:
     x = as_read(x, name)
     if is_torch(x) and not_strided(x):
         return (0,)             # (a sparse or nested tensor: the rules refuse it, unstrided)
-    s = dims(x)
+    s = _shape(x)
     if s and (is_torch(x) or isinstance(x, np.ndarray)) and row_stride(x) is None:
         return (0,)
     return s
