@@ -322,6 +322,50 @@ def test_an_engine_view_of_a_pools_pages_takes_the_pools_geometry():
         assert tuple(kc.deepgemm_view(conv(m1.pages.copy()), 48).shape) == (2, 48, 1, 132)
 
 
+def test_model1_gather_reads_a_pools_pages_only_in_the_pools_geometry():
+    """model1_gather decodes MODEL1 records itself, as FlashMLA does
+    through flashmla_view, but its cache was checked only for its page
+    stride: a pool's FP8 index_pages of 48 keys (6,336-byte pages, a
+    MODEL1 page of 10 records) and the pool's pages seen from a byte
+    inside a page (pages.view(-1)[16:]) were decoded as rows of garbage,
+    with no error, where flashmla_view refuses both. Refused naming
+    cache, as the view is, nothing written (numpy, torch, a CUDA tensor's
+    path faked); the pool's pages, from a page's first byte, are read."""
+    fp8 = kc.PagedKVPool("csa", 2, 48, 1, 1, device="cpu")                   # index_pages (2, 6336)
+    m1 = kc.PagedKVPool("csa", 4, 4, 1, 1, device="cpu")                     # pages (4, 2880)
+    keys = np.linspace(-3, 3, 2 * 128, dtype=np.float32).reshape(2, 128)
+    kc.index_fp8_store(fp8.index_pages, keys, np.array([0, 48], np.int32), page_size=48)
+    kc.model1_store(m1.pages, np.linspace(-2, 2, 4 * 512, dtype=np.float32).reshape(4, 512),
+                    np.array([0, 4, 8, 12], np.int32), page_size=4)
+    assert fp8.index_pages.any() and m1.pages.any()
+
+    def shifted(buf, by):
+        n, pb = buf.shape
+        return buf.reshape(-1)[by:by + (n - 1) * pb].reshape(n - 1, pb)
+
+    idx = np.array([0, 1, 4], np.int32)
+    cases = [
+        ("^cache: lies in the index_pages buffer of a PagedKVPool \\(indexer keys\\); model1_gather reads",
+         lambda c: (c(fp8.index_pages), 10)),
+        ("^cache: starts 16 bytes into the pages of a PagedKVPool", lambda c: (c(shifted(m1.pages, 16)), 4)),
+        ("^cache: starts 576 bytes into the pages of a PagedKVPool", lambda c: (c(shifted(m1.pages, 576)), 4)),
+    ]
+    for conv in (lambda a: a, torch.from_numpy, lambda a: fake(torch.from_numpy(a))):
+        for match, make_cache in cases:
+            cache, page_size = make_cache(conv)
+            out, err = conv(np.full((3, 512), 7, np.float32)), conv(np.zeros(1, np.int32))
+            with pytest.raises(ValueError, match=match):
+                kc.model1_gather(cache, conv(idx), page_size=page_size, out=out, dtype="float32", errors=err)
+            assert (np.asarray(out) == 7).all() and not np.asarray(err).any()
+    # the pool's own pages, from any page's first byte, in its page size
+    want = kc.model1_gather(m1.pages, idx, page_size=4, dtype="float32")
+    assert want[0].any() and want[2].any()
+    got = kc.model1_gather(shifted(m1.pages, m1.pages.shape[1]), idx, page_size=4, dtype="float32")
+    assert np.array_equal(got[0], want[2])
+    # the same bytes copied are the engine's own cache: only its shape counts
+    kc.model1_gather(fp8.index_pages.copy(), idx, page_size=10)
+
+
 # ---------------------------------------------------------------------------
 # properties (hypothesis): the op against the reference, at most one wrong argument
 # ---------------------------------------------------------------------------

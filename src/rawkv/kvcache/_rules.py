@@ -339,12 +339,18 @@ def store(lay, cache_, rows, slots, page_size, offsets, errors, width: int, name
 def model1_gather(cache_, indices, page_size, out, errors, dtype):
     """(where, cache, num_pages, page_size, indices, out, dtype name,
     errors) of model1_gather: indices int32 of any shape, out
-    (*indices.shape, 512)."""
+    (*indices.shape, 512); a cache in a pool's buffer is its pages, in its
+    geometry (check_view_cache)."""
     p = host_int("page_size", page_size, 1)
     where = A.placement(("cache", cache_), ("indices", indices), ("out", out), ("errors", errors))
     c, n = cache(cache_, RL.MODEL1, p, where)
-    A.check_outputs((("out", out), ("errors", errors)),
-                    (("cache", whole_pages(c, n, RL.MODEL1, p)), ("indices", indices)))
+    pages = whole_pages(c, n, RL.MODEL1, p)
+    # a cache in a pool's buffer is its pages, from a page's first byte (the
+    # rule of flashmla_view, whose records FlashMLA reads as this op does):
+    # its index_pages or marks as MODEL1 pages, or its pages from a byte
+    # inside a page, were decoded as garbage rows with no error
+    check_view_cache(pages, RL.MODEL1, p, "model1_gather", "reads")
+    A.check_outputs((("out", out), ("errors", errors)), (("cache", pages), ("indices", indices)))
     check_not_anothers((("out", out), ("errors", errors)))
     dev = A.device_of(c)
     idx = arg(indices, "indices", I32, where, dev, align=A.ELEMENT)

@@ -260,7 +260,7 @@ def check_store_cache(cache, role: str, lay=None, page_size=None) -> None:
     _check_page_start(cache, o, role)
 
 
-def check_view_cache(cache, lay, page_size: int, fn: str) -> None:
+def check_view_cache(cache, lay, page_size: int, fn: str, verb: str = "views") -> None:
     """An engine's view of a layout cache (`fn`: flashmla_view,
     deepgemm_view) whose memory lies in a pool's buffer is a view of that
     pool's records in the pool's geometry, as check_store_cache requires of
@@ -272,7 +272,9 @@ def check_view_cache(cache, lay, page_size: int, fn: str) -> None:
     both; the MXFP4 index pages of 33 entries as FP8 keys of 17) was
     returned, and its kernels read entries as garbage, no error. A cache
     the pools do not hold (the engine's own) is only what its shape and
-    strides say. ValueError naming cache, layout or page_size."""
+    strides say. model1_gather, which decodes the records itself, holds
+    its cache to the same rule (`verb` 'reads' in its messages).
+    ValueError naming cache, layout or page_size."""
     found = _lookup(cache)
     if found is None:
         return
@@ -280,7 +282,7 @@ def check_view_cache(cache, lay, page_size: int, fn: str) -> None:
     role = "pages" if lay is R.MODEL1 else "index_pages"
     if r != role:
         holds = {"pages": "MODEL1 entries", "index_pages": "indexer keys"}.get(r, "no layout records")
-        raise ValueError(f"cache: lies in the {r} buffer of a {type(o).__name__} ({holds}); {fn} views "
+        raise ValueError(f"cache: lies in the {r} buffer of a {type(o).__name__} ({holds}); {fn} {verb} "
                          f"{lay.name} records, which a pool keeps in its {role}")
     if role == "index_pages" and ref.INDEX_LAYOUTS.get(o.index_layout) is not lay:
         raise ValueError(f"layout: the cache lies in the index_pages of a PagedKVPool with index_layout "
@@ -288,8 +290,8 @@ def check_view_cache(cache, lay, page_size: int, fn: str) -> None:
                          "layout's records")
     if page_size != o.entries_per_block:
         raise ValueError(f"page_size: the cache lies in the {role} of a PagedKVPool of {o.entries_per_block} "
-                         f"entries per block (its page size), got {page_size}; the view would show its "
-                         "records in another page geometry")
+                         f"entries per block (its page size), got {page_size}; {fn} would {'read' if verb == 'reads' else 'show'} "
+                         "its records in another page geometry")
     _check_page_start(cache, o, role)
 
 
