@@ -320,6 +320,49 @@ def test_a_view_of_another_pools_state_is_not_attached():
     assert pool.read_errors() == 0 and list(pool.written) == [1, 0]
 
 
+def test_a_pool_view_is_its_pool_for_host_bookkeeping():
+    """A pool view (views.pool_view) has no host bookkeeping of its own.
+    Over a pool's own buffers it is that pool (as for compress_decode's
+    attachment rule and gather_dense's count): attach, add_request,
+    prepare_step, free_request and the host queries act on the pool. Over
+    an engine's own buffers each is a ValueError naming pool, before
+    anything changes. Before, every one raised a bare TypeError /
+    AttributeError, and attach did so after binding the state to the view:
+    the pool then refused that state as attached to another pool, and no
+    free_request ever emptied its slots."""
+    torch = pytest.importorskip("torch")
+    from rawkv.kvcache import views
+    pool = kc.PagedKVPool("hca", 8, 4, 2, 2, layout="rawkv", device="cpu")
+    view = views.pool_view(**views.pool_args(pool))
+    st = kc.DecodeState("hca", 2, device="cpu")
+    view.attach(st)
+    assert st._pool is pool and pool._states == [st]
+    pool.attach(st)                                     # its own pool: nothing changes
+    s = view.add_request()
+    assert pool.active_slots() == view.active_slots() == [s]
+    assert view.prepare_step([s], [4 * 128 - 1]) == 1
+    assert view.n_entries(s) == pool.n_entries(s) == 4 and view.blocks_of(s) == pool.blocks_of(s) == [0]
+    assert view.free_blocks() == pool.free_blocks() == 7
+    assert (view.block_table_host() == pool.block_table_host()).all()
+    kc.state_seed(st, s, np.ones((5, D), F32), np.ones((5, D), F32))
+    view.free_request(s)
+    assert pool.active_slots() == [] and pool.free_blocks() == 8 and list(st.count) == [0, 0]
+
+    own = {n: (t.clone() if hasattr(t, "clone") else t) for n, t in views.pool_args(pool).items()}
+    engines = views.pool_view(**own)
+    other = kc.DecodeState("hca", 2, device="cpu")
+    calls = {"attach": lambda: engines.attach(other), "add_request": engines.add_request,
+             "free_request": lambda: engines.free_request(0), "prepare_step": lambda: engines.prepare_step([0], [0]),
+             "n_entries": lambda: engines.n_entries(0), "blocks_of": lambda: engines.blocks_of(0),
+             "free_blocks": engines.free_blocks, "active_slots": engines.active_slots,
+             "block_table_host": engines.block_table_host}
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="^pool: is a view over an engine's own buffers"):
+            call()
+    assert other._pool is None
+    kc.PagedKVPool("hca", 8, 4, 2, 2, layout="rawkv", device="cpu").attach(other)     # still attachable
+
+
 def _free_empties_slot(device):
     """free_request empties the freed slot of every attached state (both
     streams, count) and no other slot."""

@@ -664,6 +664,25 @@ class PagedKVPool(ErrorCounter):
             raise CaptureError(f"PagedKVPool.{what}: host-side bookkeeping with a host->device copy; "
                                "call it before capturing / replaying the step, not during capture")
 
+    def _bookkeeper(self):
+        """The pool whose host bookkeeping (slots, free list, attached
+        states, prepared entries) a host method of this one uses: itself;
+        for a view (views.pool_view) over a pool's own block table, that
+        pool (the view is that pool, as for compress_decode's attachment
+        rule and gather_dense's count of prepared entries). A view over an
+        engine's own buffers has none: ValueError naming pool, before
+        anything changes. (Before, such a call on any view raised a bare
+        TypeError / AttributeError, and attach did so after binding the
+        state to the view: the state was then refused by its own pool as
+        attached to another, and no free_request ever emptied its slots.)"""
+        if self._states is not None:
+            return self
+        if self._owner is not None:
+            return self._owner
+        raise ValueError("pool: is a view over an engine's own buffers (views.pool_view), which has no host "
+                         "bookkeeping (request slots, free blocks, attached states): the engine that owns "
+                         "the buffers manages its requests (docs/kvcache.md, \"The operators' path\")")
+
     def _slot(self, slot, active: bool = True) -> int:
         if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
             raise TypeError(f"slot: expected an int, got {type(slot).__name__}")
@@ -683,6 +702,8 @@ class PagedKVPool(ErrorCounter):
         rows to the free slot since, which the new request's first entry
         would pool). RuntimeError when every slot is taken; CaptureError
         while capturing."""
+        if self._states is None:
+            return self._bookkeeper().add_request()
         free = np.flatnonzero(~self._active)
         if free.size == 0:
             raise RuntimeError(f"PagedKVPool: all {self.max_requests} request slots are taken")
@@ -710,6 +731,8 @@ class PagedKVPool(ErrorCounter):
         (its _owner), as on the operators' path: otherwise a view of
         another pool's state was attached here, and compress_decode pooled
         that pool's request's window into this pool's entry."""
+        if self._states is None:
+            return self._bookkeeper().attach(*states)
         self._check_host_time("attach")
         for st in states:
             # a DecodeState: the ErrorCounter that is not a pool (state.py imports this module)
@@ -742,6 +765,8 @@ class PagedKVPool(ErrorCounter):
         state_seed (its prompt's tail). The device fills run on torch's
         current stream, like prepare_step's table upload: an engine whose
         kernels run on another stream must order that stream after them."""
+        if self._states is None:
+            return self._bookkeeper().free_request(slot)
         s = self._slot(slot)
         self._check_host_time("free_request")
         n = int(self._nblocks[s])
@@ -802,10 +827,14 @@ class PagedKVPool(ErrorCounter):
     def n_entries(self, slot) -> int:
         """Complete entries of `slot` once the steps prepared so far have run:
         (highest prepared position + 1) // m."""
+        if self._states is None:
+            return self._bookkeeper().n_entries(slot)
         return int(self._n_entries[self._slot(slot)])
 
     def blocks_of(self, slot) -> list:
         """Physical blocks of `slot`, in logical order (host copy)."""
+        if self._states is None:
+            return self._bookkeeper().blocks_of(slot)
         s = self._slot(slot)
         return self._table[s, : int(self._nblocks[s])].tolist()
 
@@ -814,13 +843,19 @@ class PagedKVPool(ErrorCounter):
         return self.num_blocks * self.entries_per_block
 
     def free_blocks(self) -> int:
+        if self._states is None:
+            return self._bookkeeper().free_blocks()
         return len(self._free)
 
     def active_slots(self) -> list:
+        if self._states is None:
+            return self._bookkeeper().active_slots()
         return np.flatnonzero(self._active).tolist()
 
     def block_table_host(self) -> np.ndarray:
         """Copy of the host mirror of block_table (no device access)."""
+        if self._states is None:
+            return self._bookkeeper().block_table_host()
         return self._table.copy()
 
     # -- step preparation -----------------------------------------------------
@@ -841,6 +876,8 @@ class PagedKVPool(ErrorCounter):
         anything is written. Refused (CaptureError) while capturing. An
         empty step (no slots: [] or a 0-length array) changes nothing.
         Returns the number of blocks allocated."""
+        if self._states is None:
+            return self._bookkeeper().prepare_step(slots, positions)
         sl = host_ints("slots", slots)
         ps = host_ints("positions", positions)
         if sl.shape != ps.shape:
