@@ -320,6 +320,37 @@ def test_a_view_of_another_pools_state_is_not_attached():
     assert pool.read_errors() == 0 and list(pool.written) == [1, 0]
 
 
+def test_compress_decode_takes_a_pool_view_with_its_pools_state_object():
+    """compress_decode over a view of pool P's own buffers is P: the
+    DecodeState object attached to P is taken with it, as with P itself or
+    with a view of that state, and writes the same entry; another pool's
+    attached state is refused. Before, the view with the state object was
+    refused (`state: is not attached to this pool`)."""
+    pytest.importorskip("torch")
+    from rawkv.kvcache import views
+    pools, states = [], []
+    for _ in range(2):
+        pool = kc.PagedKVPool("hca", 8, 4, 2, 2, layout="rawkv", device="cpu")
+        st = kc.DecodeState("hca", 2, device="cpu")
+        pool.attach(st)
+        s = pool.add_request()
+        pool.prepare_step([s], [127])
+        kc.state_seed(st, s, np.ones((127, D), F32), np.ones((127, D), F32))
+        kc.state_append(st, np.ones((1, D), F32), np.ones((1, D), F32), np.ones(1, bool), np.array([s], np.int32))
+        pools.append(pool)
+        states.append(st)
+    args = (np.ones(D, F32), np.ones(1, bool), np.array([0], np.int32), np.array([127], np.int32))
+    view = views.pool_view(**views.pool_args(pools[1]))
+    with pytest.raises(ValueError, match="^state: is not attached to this pool"):
+        kc.compress_decode(view, states[0], *args)
+    assert not pools[1].written.any()
+    kc.compress_decode(pools[0], states[0], *args)
+    kc.compress_decode(view, states[1], *args)
+    assert pools[1].read_errors() == 0 and list(pools[1].written) == [1, 0]
+    assert (pools[1].fp8 == pools[0].fp8).all() and (pools[1].scale == pools[0].scale).all()
+    assert pools[1].marks[0, 0] == 1
+
+
 def test_a_pool_view_is_its_pool_for_host_bookkeeping():
     """A pool view (views.pool_view) has no host bookkeeping of its own.
     Over a pool's own buffers it is that pool (as for compress_decode's

@@ -691,15 +691,18 @@ def _attached(p, st, name: str) -> None:
     that are no state's are refused, as eagerly). Over an engine's own pool
     buffers no pool object exists: its engine owns admission
     (docs/kvcache.md, "Admission", "What a view cannot check"). A state
-    view over a DecodeState's own buffers given with a pool object is that
-    state (pool.attach's rule)."""
-    if p._states is None:           # a view: the objects its buffers are
-        p, st = p._owner, st._owner
+    view over a DecodeState's own buffers is that state (pool.attach's rule)
+    and a pool view over a pool's own buffers that pool, whatever the other
+    argument is (until a review, a pool view of P given with the
+    DecodeState object attached to P was refused as not attached, while P
+    with that state, or the two views, were taken)."""
+    if p._states is None:           # a pool view: the pool its buffers are, if any
+        p = p._owner
         if p is None:
             return
-    elif st._owner is not None:     # a view over a state's own buffers: that state
+    if st._owner is not None:       # a view over a state's own buffers: that state
         st = st._owner
-    if st is None or st._pool is not p:
+    if st._pool is not p:
         raise ValueError(f"{name}: is not attached to this pool; call pool.attach(state) when the layer "
                          "is built (the pool then empties a slot's decode state when the slot changes "
                          "owner, so no request's entry is pooled from another's rows)")
