@@ -358,6 +358,42 @@ def test_decode_state_rows_must_equal_pool_rows(kind):
     assert not pool.fp8.any() and pool.read_errors() == 0 and not pool.written.any()
 
 
+def test_one_state_as_entry_and_key_state_is_refused():
+    """The entry's and the key's decode states must be two states. A CSA
+    pool of head_dim 128 (the key's width) takes a state of head_dim 128 as
+    either; given as both (the object, a view of it, or views over the
+    same engine buffers), the key was pooled from the entry's rows and
+    written as the entry's key, no error. Refused naming index.state
+    before anything is written; two states are taken."""
+    pytest.importorskip("torch")
+    from rawkv.kvcache import views
+    rng = np.random.default_rng(87)
+    print("seed 87")
+    pool = kc.PagedKVPool("csa", 8, 4, 2, 2, head_dim=DI, layout="rawkv", device="cpu")
+    st, ist = DecodeState("csa", 2, DI, device="cpu"), DecodeState("csa", 2, DI, device="cpu")
+    pool.attach(st, ist)
+    s = pool.add_request()
+    pool.prepare_step([s], [3])
+    for state in (st, ist):                             # a complete window in slot s
+        x = rng.standard_normal((4, 2 * DI)).astype(F32)
+        kc.state_seed(state, s, x[:3], x[:3])
+        kc.state_append(state, x[3:], x[3:], np.ones(1, bool), np.array([s], np.int32))
+    nw = np.ones(DI, F32)
+    args = (nw, np.ones(1, bool), np.array([s], np.int32), np.array([3], np.int32))
+    same = [(st, st), (st, views.state_view(**views.state_args(st))), (views.state_view(**views.state_args(ist)), ist)]
+    for a, b in same:
+        with pytest.raises(ValueError, match="^index.state: is the state's memory"):
+            compress_decode(pool, a, *args, index=kc.DecodeIndex(b, nw))
+    pv = views.pool_view(**{n: (t.clone() if hasattr(t, "clone") else t) for n, t in views.pool_args(pool).items()})
+    rows = {n: t.clone() for n, t in views.state_args(st, counter=False).items() if t is not None}
+    sv1, sv2 = views.state_view(**rows), views.state_view(**rows)
+    with pytest.raises(ValueError, match="^index.state: is the state's memory"):
+        compress_decode(pv, sv1, *args, index=kc.DecodeIndex(sv2, nw))
+    assert not pool.written.any() and not pool.marks.any() and pool.read_errors() == 0
+    compress_decode(pool, st, *args, index=kc.DecodeIndex(ist, nw))
+    assert list(pool.written) == [1, 0] and pool.read_errors() == 0
+
+
 # ---------------------------------------------------------------------------
 # properties (hypothesis): the op against the reference, at most one wrong argument
 # ---------------------------------------------------------------------------

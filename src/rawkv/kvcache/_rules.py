@@ -722,7 +722,28 @@ def decode_states(p, st, index_state, index_norm_weight, index_cls):
     _attached(p, st, "state")
     if index is not None:
         _attached(p, index.state, "index.state")
+        _two_states(st, index.state)
     return index
+
+
+def _two_states(st, ist) -> None:
+    """The entry's and the indexer key's decode states are two states. One
+    state given as both (a pool whose head_dim is the key's 128 passes
+    every other check) had the key pooled from the entry's rows, written
+    as the entry's key with no error. The same object (or a view of it)
+    is refused, and views over an engine's own buffers are compared by
+    their rows' and counts' memory (a pool's or state's own allocations lie
+    apart). ValueError naming index.state."""
+    a = st if st._owner is None else st._owner
+    b = ist if ist._owner is None else ist._owner
+    same = a is b
+    if not same and not (own_allocations(st) and own_allocations(ist)):
+        mine = [t for n, t in owned(st, "state") if n != "state.errors"]
+        same = any(A._overlap(s, t) for n, s in owned(ist, "index.state") if n != "index.state.errors"
+                   for t in mine)
+    if same:
+        raise ValueError("index.state: is the state's memory (the entry's decode state); the indexer's key "
+                         "is pooled from its own DecodeState, which its own state_append fills")
 
 
 def compress_decode(p, state, index, norm_weight, valid_mask, slots, positions, eps):
