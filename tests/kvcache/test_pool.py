@@ -209,6 +209,21 @@ def _prepare_keeps_rows_written_in_place(device):
     assert owners[3] == ids[a] and owners[4] == ids[c]
 
 
+def test_prepare_step_names_an_unsigned_value_past_int64():
+    """A uint64 host position or slot past the int64 range is refused with
+    its own value. Before, the cast to int64 wrapped it: position 2^64 - 1
+    was refused as "position -1 of slot 0 is negative", slot 2^64 - 1 as
+    slot -1."""
+    p = kc.PagedKVPool("csa", 4, 2, 3, 2, layout="rawkv", device="cpu")
+    a = p.add_request()
+    big = np.array([2 ** 64 - 1], np.uint64)
+    with pytest.raises(ValueError, match=r"^positions: 18446744073709551615 is past the int64 range"):
+        p.prepare_step(np.array([a], np.uint64), big)
+    with pytest.raises(ValueError, match=r"^slots: 18446744073709551615 is past the int64 range"):
+        p.prepare_step(big, np.array([0], np.uint64))
+    assert p.prepare_step(np.array([a], np.uint64), np.array([3], np.uint64)) == 1
+
+
 def test_cpu_prepare_step_keeps_rows_written_in_place():
     _prepare_keeps_rows_written_in_place("cpu")
 

@@ -413,6 +413,9 @@ def host_ints(name: str, x) -> np.ndarray:
         a = a.reshape(1)
     if a.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D sequence, got shape {a.shape}")
+    if a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max:
+        # (the cast below wrapped it: 2^64 - 1 was refused as the position -1)
+        raise ValueError(f"{name}: {int(a.max())} is past the int64 range")
     return a.astype(np.int64)
 
 
