@@ -297,6 +297,24 @@ def test_attach_rules():
     assert pool.read_errors() == 0 and not pool.written.any()
 
 
+def test_attach_refuses_a_state_of_another_kind_or_width():
+    """attach takes only the states compress_decode can use with the pool:
+    its kind, and the head_dim of its entries or (CSA) indexer keys. Before,
+    an HCA state (or a CSA state of head_dim 256) was bound to a CSA pool,
+    which compress_decode then refused by kind, and the state's own pool
+    refused it as attached to another pool."""
+    csa = kc.PagedKVPool("csa", 8, 4, 2, 2, layout="rawkv", device="cpu")
+    hca = kc.PagedKVPool("hca", 8, 4, 2, 2, layout="rawkv", device="cpu")
+    for pool, bad in ((csa, kc.DecodeState("hca", 2, device="cpu")), (csa, kc.DecodeState("csa", 2, 256, device="cpu")),
+                      (hca, kc.DecodeState("csa", 2, device="cpu")), (hca, kc.DecodeState("hca", 2, DI, device="cpu"))):
+        with pytest.raises(ValueError, match="^state: is a '(csa|hca)' state of head_dim"):
+            pool.attach(bad)
+        assert bad._pool is None and pool._states == []
+    hca.attach(kc.DecodeState("hca", 2, device="cpu"))
+    csa.attach(kc.DecodeState("csa", 2, device="cpu"), kc.DecodeState("csa", 2, DI, device="cpu"))
+    assert len(csa._states) == 2 and len(hca._states) == 1
+
+
 def test_a_view_of_another_pools_state_is_not_attached():
     """A view over a DecodeState's own buffers (views.state_view) is that
     state for attach and compress_decode, as on the operators' path: a view

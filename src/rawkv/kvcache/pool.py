@@ -726,7 +726,8 @@ class PagedKVPool(ErrorCounter):
         free_request empties the slot in every attached state, so a request
         never starts from the rows its slot's previous request left;
         compress_decode refuses a state not attached to its pool. A state
-        has max_requests rows and the pool's device, belongs to one pool,
+        has max_requests rows, the pool's device and kind, the head_dim of
+        the pool's entries or (CSA) indexer keys, belongs to one pool,
         and is attached empty (no count, no CSA b-stream: rows already there
         could be anyone's), else ValueError naming state. Reads the states'
         counts (a host synchronization on CUDA): a build-time call. A view
@@ -746,6 +747,13 @@ class PagedKVPool(ErrorCounter):
             if st.max_requests != self.max_requests or st.device_index != self.device_index:
                 raise ValueError(f"state: has {st.max_requests} slots on {st.device}; this pool needs "
                                  f"{self.max_requests} (max_requests) on {self.device}")
+            # (compress_decode takes only these: a state of another kind or width,
+            # once bound, was refused by its own pool as attached to another)
+            widths = (self.head_dim,) + ((self.index_head_dim,) if self.has_index else ())
+            if st.kind != self.kind or st.head_dim not in widths:
+                raise ValueError(f"state: is a {st.kind!r} state of head_dim {st.head_dim}; this {self.kind!r} "
+                                 f"pool's decode states have head_dim {' or '.join(map(str, widths))} "
+                                 "(the entry's, the indexer key's)")
             if st._pool is not None and st._pool is not self:
                 raise ValueError("state: is attached to another pool (a decode state belongs to one "
                                  "layer's pool)")
