@@ -6,7 +6,9 @@ the full cache key it was compiled for:
     b"RAWKV-CUBIN-2\\n" | u32 header length | JSON header {key, lowered, arch} | cubin
     | sha256 of all before
 
-The key covers everything that changes the binary: rawkv's version, the NVRTC
+The key covers everything that changes the binary: rawkv's version, the
+program's name (its path in rawkv/cu: NVRTC's first directory for a quoted
+#include), the NVRTC
 version and the identity (path, size, mtime) of the NVRTC library (of each
 one mapped), the full compile options (architecture, numeric flags, -D constants,
 -I include directories), the identity (path, size, mtime) of the CUDA headers
@@ -114,7 +116,10 @@ def cache_key(filename: str, arch: str, names, extra_options=(), version: str = 
     imports nothing of rawkv beyond NVRTC). `sources`: sources_digest(),
     computed here when not given."""
     h = hashlib.sha256()
-    parts = [version, repr(_nvrtc.nvrtc_version()), _nvrtc.nvrtc_library(), arch, filename,
+    # (the program's name: the directory NVRTC searches first for a quoted
+    # #include; keys made before it was a path are never read again)
+    parts = [version, repr(_nvrtc.nvrtc_version()), _nvrtc.nvrtc_library(), arch,
+             _nvrtc.program_name(filename),
              repr(_nvrtc.compile_options(arch, tuple(extra_options))), _headers_identity(),
              repr(tuple(names)), sources if sources is not None else sources_digest()]
     for part in parts:

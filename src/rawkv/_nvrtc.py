@@ -113,6 +113,15 @@ def cuda_include_dirs() -> tuple[str, ...]:
     return tuple(dict.fromkeys(good))
 
 
+def program_name(filename: str) -> str:
+    """The name NVRTC is given for a translation unit: its path in CU_DIR.
+    NVRTC searches the directory of the file it compiles first for a quoted
+    #include ("common.cuh"), and a bare "fp8.cu" names the process's
+    working directory: a common.cuh there was compiled in instead of
+    rawkv's, under rawkv's cache key (docs/runtime.md, "Compilation")."""
+    return filename if os.path.isabs(filename) else os.path.join(str(CU_DIR), filename)
+
+
 def compile_options(arch: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     incs = tuple(f"-I{d}" for d in (str(CU_DIR), *cuda_include_dirs()))
     return (f"--gpu-architecture={arch}", "--std=c++17", "-default-device",
@@ -134,7 +143,7 @@ def compile_cu(source: str, filename: str, arch: str, name_expressions,
                            "(pip install 'nvidia-cuda-nvrtc-cu12>=12.4', or the cu13 extra)")
     extra = tuple(extra_options) + (("-Xptxas=-v",) if verbose_ptxas else ())
     options = compile_options(arch, extra)
-    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), filename.encode(), 0, [], [])
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), program_name(filename).encode(), 0, [], [])
     _ok(err, "create")
     try:
         names = list(name_expressions)

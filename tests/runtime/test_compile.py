@@ -378,3 +378,17 @@ def test_key_names_every_nvrtc_library_the_process_has_loaded(tmp_path, monkeypa
     assert str(libs[0]) in before
     libs[1].write_bytes(b"\x7fELF b, another patch release")
     assert _nvrtc.nvrtc_library.__wrapped__() != before
+
+
+def test_a_header_in_the_working_directory_is_not_compiled_in(tmp_path, monkeypatch):
+    """NVRTC searches the directory of the file it compiles first for a
+    quoted #include; the program was named "fp8.cu", the process's working
+    directory, so a common.cuh there was compiled in instead of rawkv's (and
+    cached under rawkv's key). The program is named by its path in rawkv/cu."""
+    (tmp_path / "common.cuh").write_text('#error "the working directory\'s common.cuh"\n')
+    monkeypatch.chdir(tmp_path)
+    name = _names()[0]
+    source = (_nvrtc.CU_DIR / FILE).read_text()
+    res = _nvrtc.compile_cu(source, FILE, "sm_90", (name,), runtime.kernel_options(FILE))
+    assert res.cubin[:4] == b"\x7fELF" and set(res.lowered) == {name}
+    assert _nvrtc.program_name(FILE) == str(_nvrtc.CU_DIR / FILE)
