@@ -43,8 +43,10 @@ per directory and process, temporary files of ours older than STALE_TMP_S
 
 The directory is $RAWKV_CACHE_DIR, else $XDG_CACHE_HOME/rawkv (an absolute
 path: a relative one is ignored, as the XDG spec says), else ~/.cache/rawkv
-(a leading ~ is expanded). RAWKV_CACHE_DIR=off disables the
-disk cache.
+(a leading ~ is expanded; where it cannot be, with no $HOME and no password
+database entry for this user, the disk cache is not used, with a warning,
+rather than a directory named ~ made in the working directory).
+RAWKV_CACHE_DIR=off disables the disk cache.
 """
 from __future__ import annotations
 
@@ -214,6 +216,12 @@ def _open_dir(d: Path) -> int | None:
     it cannot be used."""
     if not _SUPPORTED:
         reason = "cannot be opened safely on this platform (no O_NOFOLLOW / dir_fd)"
+    elif d.parts[:1] and d.parts[0].startswith("~"):
+        # expanduser leaves ~ as it is without $HOME and a password database
+        # entry (a container's arbitrary uid): a relative "~/.cache/rawkv"
+        # made a directory named ~ in the working directory.
+        reason = ("names a home directory that cannot be found (no $HOME, and no password "
+                  "database entry for this user)")
     else:
         try:
             _make_dirs(str(d))

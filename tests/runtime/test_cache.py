@@ -432,6 +432,31 @@ def test_tilde_in_cache_dir_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", "~/xdg")
     assert _cache.cache_dir() == home / "xdg" / "rawkv"
 
+
+@pytest.mark.parametrize("env", [None, "~/kc"])
+def test_a_home_that_cannot_be_found_is_not_a_directory_named_tilde(tmp_path, monkeypatch, env):
+    """Without $HOME and a password database entry (a container's arbitrary
+    uid) expanduser leaves ~ as it is: the default ~/.cache/rawkv (or a
+    RAWKV_CACHE_DIR of ~/kc) was a relative path, and a directory named ~
+    was made in the working directory. Now the disk cache is not used, with
+    the warning of an unusable directory, and the module is compiled."""
+    import pwd
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    if env is None:
+        monkeypatch.delenv("RAWKV_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("RAWKV_CACHE_DIR", env)
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(RuntimeWarning, match="home directory that cannot be found"):
+        res, path = _cache.load_or_compile(FILE, "sm_90", _names())
+    assert path is None and set(res.lowered) == set(_names())
+    assert list(tmp_path.iterdir()) == []
+
 def test_cache_module_imports_nothing_of_rawkv_but_nvrtc():
     tree = ast.parse(open(_cache.__file__).read())
     ours = set()
