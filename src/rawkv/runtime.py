@@ -86,8 +86,18 @@ def instances_for(arch: str, files: Iterable[str] | None = None,
     instead (rawkv.kernels instances, or (filename, name expression)
     pairs; with `files` too, both), in order, each once: one that is not
     declared, or whose file is not built for `arch`, is a KeyError naming
-    it (a caller's list must name what it launches, not be cut silently)."""
+    it (a caller's list must name what it launches, not be cut silently).
+    A str (or path) for `files`, one instance or pair for `instances`, or
+    an element of `instances` that is neither (a Kernel) is a TypeError
+    naming the argument."""
     registry = registered_kernels()
+    if isinstance(files, (str, bytes, os.PathLike)):
+        # (iterated, "fp8.cu" was the files "f", "p", ...: a KeyError naming "f")
+        raise TypeError(f"files: expected a list of .cu file names, got {files!r} (pass [{files!r}])")
+    if instances is not None and (isinstance(instances, (str, bytes)) or hasattr(instances, "key")
+                                  or _is_pair(instances)):
+        raise TypeError(f"instances: expected a list of kernel instances or (file, name expression) "
+                        f"pairs, got one: {instances!r} (pass [{instances!r}])")
     out = []
     if files is not None or instances is None:
         for filename in (registry if files is None else files):
@@ -96,13 +106,22 @@ def instances_for(arch: str, files: Iterable[str] | None = None,
             if compile_arch(filename, arch) is not None:   # else: another architecture's instructions
                 out.extend((filename, name) for name in registry[filename])
     for inst in instances or ():
-        filename, name = getattr(inst, "key", inst)
+        pair = getattr(inst, "key", inst)
+        if not _is_pair(pair):
+            raise TypeError(f"instances: expected kernel instances (Kernel.instance(...)) or (file, name "
+                            f"expression) pairs, got {inst!r}")
+        filename, name = pair
         if name not in registry.get(filename, ()):
             raise KeyError(f"rawkv: kernel instance {name!r} is not registered for {filename}")
         if compile_arch(filename, arch) is None:
             raise KeyError(f"rawkv: kernel instance {name!r}: {filename} is not built for {arch}")
         out.append((filename, name))
     return list(dict.fromkeys(out))
+
+
+def _is_pair(v) -> bool:
+    """A (filename, name expression) pair of strings."""
+    return isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, str) for x in v)
 
 
 # Shared memory (static and dynamic) a launch may take without raising the

@@ -124,6 +124,22 @@ def test_warmup_builds_the_devices_instances_only(monkeypatch):
     assert built == [sm80]
 
 
+def test_warmup_lists_of_the_wrong_shape_are_refused_by_name():
+    """warmup(files="fp8.cu") iterated the string: a KeyError for the file
+    "f"; one instance or pair for `instances` failed to unpack, naming
+    nothing. Each is a TypeError naming the argument; lists are taken."""
+    inst = kernels.fp8.ENCODE.instance("float32", True)
+    with pytest.raises(TypeError, match=r"^files: expected a list of \.cu file names, got 'fp8.cu'"):
+        runtime.instances_for("sm_90", "fp8.cu")
+    for one in (inst, inst.key):
+        with pytest.raises(TypeError, match="^instances: expected a list of kernel instances"):
+            runtime.instances_for("sm_90", instances=one)
+    with pytest.raises(TypeError, match="^instances: expected kernel instances .* got <kernel fp8.cu"):
+        runtime.instances_for("sm_90", instances=[kernels.fp8.ENCODE])
+    assert runtime.instances_for("sm_90", instances=(inst, inst.key)) == [inst.key]
+    assert runtime.instances_for("sm_90", ("fp8.cu",)) == runtime.instances_for("sm_90", ["fp8.cu"])
+
+
 def test_warmup_refuses_to_compile_while_capturing(monkeypatch):
     rt = _runtime(monkeypatch, capturing=True)
     monkeypatch.setattr(_compile, "build", lambda *a, **k: pytest.fail("compiled while capturing"))
