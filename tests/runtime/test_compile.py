@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -408,3 +409,12 @@ def test_a_header_in_the_working_directory_is_not_compiled_in(tmp_path, monkeypa
     res = _nvrtc.compile_cu(source, FILE, "sm_90", (name,), runtime.kernel_options(FILE))
     assert res.cubin[:4] == b"\x7fELF" and set(res.lowered) == {name}
     assert _nvrtc.program_name(FILE) == str(_nvrtc.CU_DIR / FILE)
+
+
+def test_the_docs_count_the_instances_warmup_builds():
+    """docs/runtime.md states how many instances warmup() builds on sm_90
+    and the other architectures; it said 194 after the count had grown."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "runtime.md").read_text()
+    m = re.search(r"`warmup\(\)` builds every instance the device runs \((\d+) on\s+sm_90, (\d+) on sm_80", text)
+    assert m, "the sentence in docs/runtime.md, 'Compiling per instance, in parallel'"
+    assert (int(m[1]), int(m[2])) == (len(runtime.instances_for("sm_90")), len(runtime.instances_for("sm_80")))
