@@ -577,3 +577,34 @@ def test_nvfp4_constructor_refuses_packed_scales_off_the_rule(rng):
     cz = w.codes.clone()
     cz[0, 0, 0, R.SLOT_OF_LANE[5]] &= _t(np.tile(R.R0_BITS_OF_BYTE, 4).astype(np.uint8))   # lane 5's r1 codes zero
     Fp4Weight("nvfp4", n, k, cz, sc, w.gs)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_constructor_names_packed_arguments_of_the_wrong_type(rng, fmt):
+    # Fp4Weight(fmt, n, k, codes, scales, gs, input_scale, exp_range) read
+    # its tensors before checking what they were: a numpy array, a list or
+    # None failed with AttributeError ('numpy.ndarray' object has no
+    # attribute 'numel'), scales viewed as float8_e4m3fn with torch's
+    # NotImplementedError ('"bincount_cpu" not implemented'), an exp_range
+    # of one number or one value with TypeError / IndexError, none naming
+    # the argument. Now a TypeError naming it, before anything is read.
+    codes = _t(rng.integers(0, 256, (2, 16, 32), dtype=np.uint8))
+    if fmt == "nvfp4":
+        w = Fp4Weight.from_nvfp4(codes, _t(rng.integers(0x08, 0x7F, (2, 16, 4), dtype=np.uint8)), 1.0, groups=2)
+    else:
+        w = Fp4Weight.from_mxfp4(codes, _t(rng.integers(120, 131, (2, 16, 2), dtype=np.uint8)), groups=2)
+    args = dict(codes=w.codes, scales=w.scales, gs=w.gs, input_scale=None, exp_range=w.exp_range)
+    Fp4Weight(fmt, 16, 64, **args)                                              # as packed: taken
+    bad = [("codes", w.codes.numpy()), ("codes", None), ("codes", w.codes.view(torch.int8)),
+           ("scales", w.scales.numpy()), ("scales", w.scales.view(torch.float8_e4m3fn)), ("scales", [1, 2]),
+           ("gs", None), ("gs", [1.0, 1.0]), ("gs", w.gs.numpy()), ("input_scale", [1.0, 1.0]),
+           ("exp_range", 5), ("exp_range", (4,)), ("exp_range", (4.0, 137)), ("exp_range", (True, 137)),
+           ("exp_range", "ab")]
+    for name, value in bad:
+        with pytest.raises(TypeError, match=f"^{name}:"):
+            Fp4Weight(fmt, 16, 64, **{**args, name: value})
+    with pytest.raises(ValueError, match="^codes: expected shape"):
+        Fp4Weight(fmt, 16, 64, **{**args, "codes": w.codes[0, 0, 0, 0, 0]})     # 0-d: no groups to read
+    if fmt == "mxfp4":                                                          # NumPy ints: ints
+        assert Fp4Weight(fmt, 16, 64, **{**args, "exp_range": tuple(map(np.int64, w.exp_range))}).exp_range \
+            == w.exp_range

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._args import check_gs_number, is_number, is_torch, require_array
+from .._args import check_gs_number, is_int, is_number, is_torch, require_array
 from ..reference import gemm as ref
 from ..runtime import get_runtime
 from . import pack
@@ -88,6 +88,27 @@ def _byte_tensor(t, name: str, view: str):
         raise TypeError(f"{name}: dtype {_dtype_name(t.dtype)} is not supported "
                         f"(expected {', '.join(_dtype_name(d) for d in allowed)})")
     return t.view(torch.uint8)
+
+
+def _packed_bytes(t, name: str):
+    """`t`, a packed weight's codes or scales: a torch tensor of uint8 (the
+    packed form's bytes; the scales' rules read them as bytes), else a
+    TypeError naming it."""
+    _torch_tensor(t, name)
+    if _dtype_name(t.dtype) != "uint8":
+        raise TypeError(f"{name}: dtype {_dtype_name(t.dtype)} is not supported (expected uint8: the packed "
+                        "form's bytes)")
+    return t
+
+
+def _exp_range(v):
+    """An exp_range argument: None or a pair of ints (NumPy ints as theirs),
+    else a TypeError naming it."""
+    if v is None:
+        return None
+    if not (isinstance(v, (tuple, list)) and len(v) == 2 and all(map(is_int, v))):
+        raise TypeError(f"exp_range: expected None or (min, max) scale bytes as two ints, got {v!r}")
+    return int(v[0]), int(v[1])
 
 
 def _check_groups(groups) -> int:
@@ -261,8 +282,9 @@ class Fp4Weight:
     not applied); exp_range (min, max) of the MXFP4 scale bytes (None for
     NVFP4; (127, 127) when there are none). Build one with from_float,
     from_nvfp4 or from_mxfp4; the constructor takes packed tensors as they
-    are and checks their sizes (n, k ints >= 0, K a multiple of the block)
-    and shapes, and for NVFP4 the packed scales' rule (check_nv_packed: a
+    are and checks their sizes (n, k ints >= 0, K a multiple of the block),
+    types (torch tensors, codes and scales uint8; exp_range None or two
+    ints) and shapes, and for NVFP4 the packed scales' rule (check_nv_packed: a
     host sync, load time)."""
 
     def __init__(self, fmt: str, n: int, k: int, codes, scales, gs, input_scale=None,
@@ -275,6 +297,16 @@ class Fp4Weight:
         n, k = ref.check_size(n, "n"), ref.check_size(k, "k")
         if k % ref.BLOCKS[fmt]:
             raise ValueError(f"k: K = {k} must be a multiple of {ref.BLOCKS[fmt]} for {fmt.upper()}")
+        # (what the tensors are, before anything reads them: a numpy array, a
+        # list or None failed with an AttributeError, float8 scales in torch's
+        # bincount, a malformed exp_range with an IndexError, naming nothing)
+        codes, scales = _packed_bytes(codes, "codes"), _packed_bytes(scales, "scales")
+        _torch_tensor(gs, "gs")
+        if input_scale is not None:
+            _torch_tensor(input_scale, "input_scale")
+        exp_range = _exp_range(exp_range)
+        if codes.dim() == 0:
+            raise ValueError("codes: expected shape (G, NP/16, C, 32, 16), got ()")
         g = codes.shape[0]
         npad, chunks = ref.padded_sizes(n, k)
         tile = (g, npad // ref.ROWS, chunks, ref.LANES)
