@@ -608,3 +608,25 @@ def test_constructor_names_packed_arguments_of_the_wrong_type(rng, fmt):
     if fmt == "mxfp4":                                                          # NumPy ints: ints
         assert Fp4Weight(fmt, 16, 64, **{**args, "exp_range": tuple(map(np.int64, w.exp_range))}).exp_range \
             == w.exp_range
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_constructor_refuses_global_scales_the_loaders_refuse(rng, fmt):
+    # A packed weight built by hand took any gs: with gs[g] = inf the CPU
+    # (the reference dequantizes e2m1 * scale * gs, so a zero code is
+    # 0 * inf = NaN) gave NaN in every output of group g, where the kernels,
+    # which apply gs to the FP32 sum in the epilogue, give +-inf: the two
+    # placements differed without an error. The loaders refuse a global
+    # scale that is not a finite positive float32 (0, a negative, NaN or
+    # inf); the constructor now holds gs to the same rule, by name.
+    codes = _t(rng.integers(0, 256, (2, 16, 32), dtype=np.uint8))
+    if fmt == "nvfp4":
+        w = Fp4Weight.from_nvfp4(codes, _t(rng.integers(0x30, 0x40, (2, 16, 4), dtype=np.uint8)), 1.0, groups=2)
+    else:
+        w = Fp4Weight.from_mxfp4(codes, _t(rng.integers(120, 131, (2, 16, 2), dtype=np.uint8)), groups=2)
+    for v in (float("inf"), float("-inf"), float("nan"), 0.0, -1.0):
+        gs = torch.tensor([1.0, v])
+        with pytest.raises(ValueError, match="^gs: a global scale must be a finite positive float32"):
+            Fp4Weight(fmt, 16, 64, w.codes, w.scales, gs, exp_range=w.exp_range)
+    ok = Fp4Weight(fmt, 16, 64, w.codes, w.scales, torch.tensor([0.5, 3.0]), exp_range=w.exp_range)
+    assert torch.equal(ok.gs, torch.tensor([0.5, 3.0]))

@@ -284,7 +284,8 @@ class Fp4Weight:
     from_nvfp4 or from_mxfp4; the constructor takes packed tensors as they
     are and checks their sizes (n, k ints >= 0, K a multiple of the block),
     types (torch tensors, codes and scales uint8; exp_range None or two
-    ints) and shapes, and for NVFP4 the packed scales' rule (check_nv_packed: a
+    ints) and shapes, gs's values (finite positive float32s, the loaders'
+    rule), and for NVFP4 the packed scales' rule (check_nv_packed: a
     host sync, load time)."""
 
     def __init__(self, fmt: str, n: int, k: int, codes, scales, gs, input_scale=None,
@@ -317,6 +318,12 @@ class Fp4Weight:
         if input_scale is not None and tuple(input_scale.shape) != (g,):
             raise ValueError(f"input_scale: expected shape {(g,)}, got {tuple(input_scale.shape)}")
         if not checked:
+            # (the loaders' rule for a global scale, _per_group: with gs = inf
+            # the CPU's dequantized zero codes were 0 * inf = NaN in every
+            # output of the group, where the kernels, applying gs to the FP32
+            # sum, give +-inf; a host sync, load time)
+            for f in gs.detach().reshape(-1).tolist():
+                check_gs_number(f, "gs")
             exp_range = check_packed_scales(fmt, n, k, scales, exp_range)
             if fmt == "nvfp4":
                 check_nv_packed(codes, scales)
