@@ -508,3 +508,18 @@ def test_a_view_the_rules_would_copy_is_refused_during_capture(cuda, rng, case):
         with torch.cuda.graph(graph):
             rawkv.gemm.grouped_linear(x, w, out=out)
     assert bool((out == 7.0).all())
+
+
+def test_operator_args_names_a_weight_it_cannot_take(rng):
+    # rawkv.gemm.operator_args(x, w) read w.exp_range first: a W4a8Weight
+    # (whose operators take other arguments: rawkv.gemm.w4a8.operator_args8)
+    # or None failed with AttributeError ("'W4a8Weight' object has no
+    # attribute 'exp_range'"), naming nothing. Now a TypeError naming weight.
+    x = torch.randn(3, 2, 64).bfloat16()
+    mx = rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(rng.integers(0, 256, (2, 16, 32), dtype=np.uint8)),
+                                         torch.full((2, 16, 2), 127, dtype=torch.uint8), groups=2)
+    assert rawkv.gemm.operator_args(x, mx)["exp_lo"] == 127
+    with pytest.raises(TypeError, match=r"^weight: .*W4a8Weight.*operator_args8"):
+        rawkv.gemm.operator_args(x, rawkv.gemm.w4a8_weight(mx))
+    with pytest.raises(TypeError, match=r"^weight: expected a rawkv.gemm.Fp4Weight"):
+        rawkv.gemm.operator_args(x, None)

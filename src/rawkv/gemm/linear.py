@@ -125,6 +125,10 @@ def operator_args(x, weight) -> dict:
     """The keyword arguments of torch.ops.rawkv.gemm_grouped_linear /
     gemm_moe_linear for activation x and weight (add out=, and offsets= /
     errors= for the MoE operator)."""
+    if weight.__class__ is W4a8Weight:       # (an AttributeError on exp_range before)
+        raise TypeError("weight: a W4a8Weight's operators take other arguments: "
+                        "rawkv.gemm.w4a8.operator_args8(x, weight)")
+    _check_weight(weight)
     x, x_sf, x_gs = _split(x)
     lo, hi = weight.exp_range or (0, 0)
     return dict(x=x, x_sf=x_sf, x_gs=x_gs, codes=weight.codes, scales=weight.scales, gs=weight.gs,
