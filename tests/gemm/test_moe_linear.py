@@ -209,3 +209,28 @@ def test_ragged_many_experts_and_the_default_counter(cuda, rng):
     rawkv.gemm.moe_linear(xt.cuda(), w, torch.from_numpy(bad).cuda())
     _, nbad = ref.clamp_offsets(bad, rows)
     assert int(counter[rawkv.nvfp4.GEMM_OFFSETS]) - before == nbad
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4", "w4a8"])
+@pytest.mark.parametrize("last", [0, 2, 5, 7, -1])
+def test_a_weight_of_no_experts_writes_zero_rows_and_counts_as_the_cpu(cuda, rng, kind, last):
+    # E = 0 (offsets of one entry): no expert owns a row, so every row of out
+    # is zero; an offset past the rows or below zero is clamped and counted,
+    # on CUDA as on CPU (the ragged launch plans a grid over no experts).
+    fmt = "nvfp4" if kind == "nvfp4" else "mxfp4"
+    w, _ = random_weight(rng, 2, 24, 64, fmt, device="cpu")
+    kw = {} if fmt == "nvfp4" else {"exp_range": w.exp_range}
+    w0 = rawkv.gemm.Fp4Weight(fmt, 24, 64, w.codes[:0], w.scales[:0], w.gs[:0], **kw)
+    x = torch.randn(5, 64).bfloat16()
+    wd = w0.to("cuda")
+    if kind == "w4a8":
+        w0, wd, x = rawkv.gemm.w4a8_weight(w0), rawkv.gemm.w4a8_weight(wd), rawkv.fp8.quantize_blocks(x)
+    offs = torch.tensor([last], dtype=torch.int32)
+    want_err = np.zeros(1, np.int32)
+    want = rawkv.gemm.moe_linear(x, w0, offs, errors=want_err)
+    xd = tuple(t.cuda() for t in x) if kind == "w4a8" else x.cuda()
+    out = torch.full((5, 24), float("nan"), dtype=torch.bfloat16, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    rawkv.gemm.moe_linear(xd, wd, offs.cuda(), out=out, errors=err)
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+    assert int(err[0]) == int(want_err[0])
