@@ -579,6 +579,15 @@ def test_nvfp4_constructor_refuses_packed_scales_off_the_rule(rng):
     Fp4Weight("nvfp4", n, k, cz, sc, w.gs)
 
 
+def _two_groups(rng, fmt, nvfp4_scales=(0x08, 0x7F)):
+    """A 2-group, 16 x 64 weight of random codes and block scales (NVFP4
+    scale bytes drawn from nvfp4_scales, MXFP4 exponents 120..130)."""
+    codes = _t(rng.integers(0, 256, (2, 16, 32), dtype=np.uint8))
+    if fmt == "nvfp4":
+        return Fp4Weight.from_nvfp4(codes, _t(rng.integers(*nvfp4_scales, (2, 16, 4), dtype=np.uint8)), 1.0, groups=2)
+    return Fp4Weight.from_mxfp4(codes, _t(rng.integers(120, 131, (2, 16, 2), dtype=np.uint8)), groups=2)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_constructor_names_packed_arguments_of_the_wrong_type(rng, fmt):
     # Fp4Weight(fmt, n, k, codes, scales, gs, input_scale, exp_range) read
@@ -588,11 +597,7 @@ def test_constructor_names_packed_arguments_of_the_wrong_type(rng, fmt):
     # NotImplementedError ('"bincount_cpu" not implemented'), an exp_range
     # of one number or one value with TypeError / IndexError, none naming
     # the argument. Now a TypeError naming it, before anything is read.
-    codes = _t(rng.integers(0, 256, (2, 16, 32), dtype=np.uint8))
-    if fmt == "nvfp4":
-        w = Fp4Weight.from_nvfp4(codes, _t(rng.integers(0x08, 0x7F, (2, 16, 4), dtype=np.uint8)), 1.0, groups=2)
-    else:
-        w = Fp4Weight.from_mxfp4(codes, _t(rng.integers(120, 131, (2, 16, 2), dtype=np.uint8)), groups=2)
+    w = _two_groups(rng, fmt)
     args = dict(codes=w.codes, scales=w.scales, gs=w.gs, input_scale=None, exp_range=w.exp_range)
     Fp4Weight(fmt, 16, 64, **args)                                              # as packed: taken
     bad = [("codes", w.codes.numpy()), ("codes", None), ("codes", w.codes.view(torch.int8)),
@@ -619,11 +624,7 @@ def test_constructor_refuses_global_scales_the_loaders_refuse(rng, fmt):
     # placements differed without an error. The loaders refuse a global
     # scale that is not a finite positive float32 (0, a negative, NaN or
     # inf); the constructor now holds gs to the same rule, by name.
-    codes = _t(rng.integers(0, 256, (2, 16, 32), dtype=np.uint8))
-    if fmt == "nvfp4":
-        w = Fp4Weight.from_nvfp4(codes, _t(rng.integers(0x30, 0x40, (2, 16, 4), dtype=np.uint8)), 1.0, groups=2)
-    else:
-        w = Fp4Weight.from_mxfp4(codes, _t(rng.integers(120, 131, (2, 16, 2), dtype=np.uint8)), groups=2)
+    w = _two_groups(rng, fmt, (0x30, 0x40))
     for v in (float("inf"), float("-inf"), float("nan"), 0.0, -1.0):
         gs = torch.tensor([1.0, v])
         with pytest.raises(ValueError, match="^gs: a global scale must be a finite positive float32"):
