@@ -335,7 +335,7 @@ def test_the_peer_is_loaded_only_when_asked_for(bg, monkeypatch):
     peer is touched and every row gets peer: null."""
     loads, seen = [], []
     monkeypatch.setattr(gp.Humming, "load", classmethod(lambda cls, torch, dev: loads.append(dev)))
-    monkeypatch.setattr(timing, "copy_bandwidth_GBps", lambda: 1.0)
+    monkeypatch.setitem(timing.COPY, "GBps", 1.0)
     monkeypatch.setattr(bg, "_wo_a", lambda rt, results, peer, quick, reps, copy: seen.append(peer))
     monkeypatch.setattr(bg, "_moe", lambda rt, results, peer, quick, reps, copy: seen.append(peer))
     pytest.importorskip("torch")
@@ -344,6 +344,21 @@ def test_the_peer_is_loaded_only_when_asked_for(bg, monkeypatch):
     bg.run(None, [], quick=True, peers=True)
     assert loads == ["cuda"] and seen[2:] == [None, None]       # load found no humming: None
     assert bg.PEERS == ("humming-kernels",)
+
+
+def test_the_floor_is_taken_at_the_copy_bandwidth_the_file_records(bg, monkeypatch):
+    """The rows' floor_us and frac_of_copy use the run's copy bandwidth
+    (timing.COPY, which the driver measures once and writes as the JSON's
+    copy_GBps), not a second measurement of the group's own: the committed
+    GEMM files' rows were taken at a copy 0.2-1.9% below their copy_GBps."""
+    pytest.importorskip("torch")
+    seen = []
+    monkeypatch.setitem(timing.COPY, "GBps", 4173.2)
+    monkeypatch.setattr(timing, "copy_bandwidth_GBps", lambda nbytes=1 << 30: 4155.5)
+    monkeypatch.setattr(bg, "_wo_a", lambda rt, results, peer, quick, reps, copy: seen.append(copy))
+    monkeypatch.setattr(bg, "_moe", lambda rt, results, peer, quick, reps, copy: seen.append(copy))
+    bg.run(None, [], quick=True)
+    assert seen == [4173.2, 4173.2]
 
 
 def test_moe_rows_rotate_weights_whose_token_experts_fit_in_l2(bg):

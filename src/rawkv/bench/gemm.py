@@ -419,8 +419,11 @@ def run(rt, results, quick=False, peers=False):
     """The wo_a and MoE rows; peers: time humming beside rawkv when it is
     installed (without it, or with peers False, every row has peer: null)."""
     import torch
-    from .timing import copy_bandwidth_GBps
-    copy = copy_bandwidth_GBps()
+    from .timing import copy_GBps
+    # the run's copy bandwidth (timing.COPY, measured once by the driver and
+    # written as the JSON's copy_GBps): the floor and frac_of_copy are taken
+    # of the figure the file records, as every other group's fractions are
+    copy = copy_GBps()
     reps = 10 if quick else 40
     peer = Humming.load(torch, "cuda") if peers else None
     if peer:
