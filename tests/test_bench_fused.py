@@ -211,3 +211,23 @@ def test_torch_quantize_flags_a_non_finite_block_with_a_nan_scale():
     sfb = sf.view(torch.uint8)
     assert sfb[1, 0] == 0x7F and (q.view(torch.uint8)[1, :8] == 0).all()
     assert sfb[0, 0] != 0x7F and sfb[1, 1] != 0x7F
+
+
+def test_the_moe_stage_all_torch_baseline_is_the_ops_work():
+    """The moe_stage row's all-torch baseline (torch_moe_stage) writes the
+    op's bytes: one-level NVFP4 with gs = 1, as rawkv.fused.moe_stage. It
+    quantized with a gs per row before (an amax pass and a division the op
+    does not make: more work in the baseline, a flattered torch_speedup)."""
+    import rawkv
+    from rawkv.bench.fused import torch_moe_stage, torch_quantize
+    torch.manual_seed(0)
+    hidden = (torch.randn(8, 256) * 3).bfloat16()     # (no all-zero block: torch_quantize writes
+                                                       # scale 0 there, the op 1.0; the same work)
+    ids, wts = torch.randint(0, 256, (8, 8), dtype=torch.int32), torch.rand(8, 8)
+    got = torch_moe_stage(hidden, ids, wts)
+    want = rawkv.fused.moe_stage(hidden, ids, wts)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert np.array_equal(g.numpy(), np.asarray(w)), (g, w)
+    q, sf, gs = torch_quantize(hidden, None)
+    assert gs.numel() == 1 and float(gs) == 1.0

@@ -71,13 +71,18 @@ def _entry(op, shape, dtype, us, nbytes, copy, base_name, base_us, torch_us, lau
 
 # ---- torch versions of the same math (for the baselines) ---------------------------
 def torch_quantize(y, per_row=True):
-    """The NVFP4 steps of docs/format.md as torch operations (gs per row or per tensor)."""
+    """The NVFP4 steps of docs/format.md as torch operations: gs per row
+    (per_row True), per tensor (False) or, per_row None, gs = 1 without an
+    amax pass (scope 'none': one-level NVFP4, what moe_stage writes)."""
     import torch
     yf = y.float()
     m, n = yf.shape
-    a = torch.where(torch.isfinite(yf), yf.abs(), 0.0)
-    amax = a.amax(-1, keepdim=True) if per_row else a.amax().reshape(1, 1)
-    gs = torch.where(amax == 0, 1.0, amax / 2688.0)
+    if per_row is None:
+        gs = torch.ones((1, 1), device=yf.device)
+    else:
+        a = torch.where(torch.isfinite(yf), yf.abs(), 0.0)
+        amax = a.amax(-1, keepdim=True) if per_row else a.amax().reshape(1, 1)
+        gs = torch.where(amax == 0, 1.0, amax / 2688.0)
     b = yf.view(m, n // 16, 16)
     bmax = b.abs().amax(-1)
     sf = (bmax / (gs * 6.0)).clamp(max=448.0).to(torch.float8_e4m3fn)
@@ -146,6 +151,17 @@ def torch_act_quant(x, block=128, ue8m0=True):
     # would make NaN of a value past E4M3's range rather than saturate it
     codes = (xb / s.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return codes.flatten(-2), scales
+
+
+def torch_moe_stage(hidden, ids, wts):
+    """moe_stage as torch operations (the moe_stage row's all-torch
+    baseline): one-level NVFP4 of hidden (gs = 1, as the op: no amax pass),
+    the scales packed four per int32, the top-k ids widened to int64 and the
+    weights copied. The op's bytes for finite hidden without an all-zero
+    block (torch_quantize writes scale 0 there, the op 1.0)."""
+    import torch
+    q, sf, _ = torch_quantize(hidden, None)
+    return q, sf.view(torch.uint8).view(torch.int32), ids.long(), wts.clone()
 
 
 def unfused_nvfp4(rq, pre, scope):
@@ -250,10 +266,7 @@ def run(rt, results, quick=False):
             wts.clone()
 
         def torch_moe(i):
-            q, sf, _ = torch_quantize(hid[i % k], True)
-            sf.view(torch.uint8).view(torch.int32)
-            ids.long()
-            wts.clone()
+            torch_moe_stage(hid[i % k], ids, wts)
         us = _time_us(lambda i: F.moe_stage(hid[i % k], ids, wts, out=out), reps)
         base = _time_us(unfused_moe, reps)
         tus = _time_us(torch_moe, reps)
