@@ -30,7 +30,11 @@ Inputs are drawn from fixed seeds, the same in every process. Rows:
         and a BF16 weight, tensor scope; mhc_rmsnorm_quantize of four streams;
         swiglu_quantize; moe_stage) at the same sizes
 The weights are random NVFP4 checkpoint bytes through the loaders
-(rawkv.bench.gemm), rotated over four copies for the wo_a rows."""
+(rawkv.bench.gemm), rotated over four copies for the wo_a rows and, for the
+MoE rows, over as many copies as the benchmark's rule gives (moe_copies:
+rawkv.bench.gemm.moe_sets' rule; Flash 3 of gate_up, 4 of down), so that a
+token's experts are read from DRAM as in the benchmark's rows (one copy of
+Flash's down weights, 28 MB at one token, stayed in L2 between calls)."""
 from __future__ import annotations
 
 import argparse
@@ -52,6 +56,22 @@ DECODE_SHAPES = ("flash", "pro", "seed004")
 DECODE_MS = (1, 8, 16)
 DECODE_MOE_TOKENS = (1, 16, 64)
 FP8_ROWS, FP8_WIDTH = (1, 64, 16384), 7168
+#: the MoE rows' weight copies: at most MOE_MAX_COPIES, as many as fit
+#: MOE_COPY_BYTES (rawkv.bench.gemm's MOE_MAX_SETS and MOE_SET_BYTES)
+MOE_MAX_COPIES, MOE_COPY_BYTES = 4, 8 << 30
+
+
+def moe_copies(experts: int, top_k: int, n: int, k: int, l2_bytes: int) -> int:
+    """How many copies of an MoE weight the rows rotate over: the
+    benchmark's rule (rawkv.bench.gemm.moe_sets), written here so that a
+    base tree without it runs the same rows: enough copies that one token's
+    top_k experts of all of them are 4x L2, at most MOE_MAX_COPIES and as
+    many as fit MOE_COPY_BYTES."""
+    per_expert = n * k // 2 + n * k // 16
+    per_token = top_k * per_expert
+    want = 1 if per_token >= 4 * l2_bytes else max(2, -(-4 * l2_bytes // max(per_token, 1)))
+    fit = max(1, MOE_COPY_BYTES // max(1, experts * per_expert))
+    return max(1, min(MOE_MAX_COPIES, fit, want))
 
 
 def parse_rows(text: str) -> tuple[str, ...]:
@@ -128,22 +148,26 @@ def worker(rows: tuple[str, ...]) -> dict:
         """MOE_MODEL's MoE layers at each token count (the benchmark's
         routing), W4A16 (w16) and / or W4A8 (w8)."""
         experts, top_k, layers = MOE[MOE_MODEL]
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
         for layer, (n, k) in layers.items():
+            c = moe_copies(experts, top_k, n, k, l2)
             torch.manual_seed(3)
-            w = _rawkv_weight(torch, *_checkpoint(torch, experts, n, k, "cuda")) if w16 else None
-            wa = _w4a8_weight(torch, experts, n, k, "cuda") if w8 else None
+            ws = [_rawkv_weight(torch, *_checkpoint(torch, experts, n, k, "cuda")) for _ in range(c)] if w16 else None
+            was = [_w4a8_weight(torch, experts, n, k, "cuda") for _ in range(c)] if w8 else None
             for tokens in token_counts:
                 _, offs = _routing(torch, torch.Generator().manual_seed(0), experts, top_k, tokens)
                 offs = offs.cuda()
                 torch.manual_seed(4)
                 x = torch.randn(tokens * top_k, k, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty(tokens * top_k, n, device="cuda", dtype=torch.bfloat16)
-                if w is not None:
-                    row(f"{prefix}moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(x, w, offs, out=out))
-                if wa is not None:
+                if ws:
+                    row(f"{prefix}moe {layer} {tokens}",
+                        lambda i: rawkv.gemm.moe_linear(x, ws[i % c], offs, out=out))
+                if was:
                     xa = rawkv.fp8.quantize_blocks(x)
-                    row(f"{prefix}w4a8 moe {layer} {tokens}", lambda i: rawkv.gemm.moe_linear(xa, wa, offs, out=out))
-            w = wa = None
+                    row(f"{prefix}w4a8 moe {layer} {tokens}",
+                        lambda i: rawkv.gemm.moe_linear(xa, was[i % c], offs, out=out))
+            ws = was = None
             torch.cuda.empty_cache()
 
     def fp8_rows():

@@ -101,3 +101,20 @@ def test_driver_takes_a_base_source_directory(monkeypatch, capsys, tmp_path):
         ab.main(["--base-src", str(tmp_path), "--base", "HEAD"])
     with pytest.raises(SystemExit):                                  # a directory without the package
         ab.main(["--base-src", str(tmp_path / "src")])
+
+
+@pytest.mark.parametrize("l2", [50 << 20, 60 << 20])
+def test_moe_rows_rotate_weight_copies_as_the_benchmark(l2):
+    """The MoE rows rotate weight copies by the benchmark's rule
+    (rawkv.bench.gemm.moe_sets): one copy of DeepSeek-V4-Flash's down
+    weights, six experts of 4.7 MB at one token, stayed in L2 between calls
+    (the A/B's decode rows timed L2 reads where the benchmark times DRAM)."""
+    from rawkv.bench import gemm
+    ab = _tool()
+    for experts, top_k, layers in gemm.MOE.values():
+        for n, k in layers.values():
+            assert ab.moe_copies(experts, top_k, n, k, l2) == gemm.moe_sets(experts, top_k, n, k, l2)
+    experts, top_k, layers = gemm.MOE[ab.MOE_MODEL]
+    n, k = layers["down"]
+    per_token = top_k * (n * k // 2 + n * k // 16)
+    assert per_token < l2 and ab.moe_copies(experts, top_k, n, k, l2) * per_token > l2
