@@ -300,3 +300,12 @@ def test_a_timing_after_a_pause_warms_the_gpu_first(monkeypatch):
     assert not timing.keep_warm(warmed.append) and len(warmed) == 1
     now[0] += timing.IDLE_S
     assert timing.keep_warm(warmed.append) and len(warmed) == 2
+
+
+def test_the_document_names_its_eager_timings_only_when_there_are_some():
+    """A group's file lists why any of its timings fell back to eager calls
+    (timing.EAGER: not CUDA-graph replays, host time counted)."""
+    from rawkv.bench import cli
+    doc = cli.document("NVIDIA H200", "2.11", "14.2", "abc", 4173.24, [], ["RuntimeError: x"])
+    assert doc["eager_timings"] == ["RuntimeError: x"] and list(doc)[-1] == "results"
+    assert "eager_timings" not in cli.document("NVIDIA H200", "2.11", "14.2", "abc", 4173.24, [], [])

@@ -434,3 +434,19 @@ def test_read_weight_us_rotates_buffers_and_keeps_the_faster_grid(bg, monkeypatc
     assert [(g, b) for g, b, _, _ in launches] == [(4 * 132, 512)] * 3 + [(16 * 132, 256)] * 3
     assert [p for _, _, p, _ in launches[:3]] == [made[0].data_ptr(), made[1].data_ptr(), made[0].data_ptr()]
     assert {n for _, _, _, n in launches} == {62}
+
+
+def test_a_timing_that_fell_back_to_eager_calls_is_named_in_the_row(bg, monkeypatch):
+    """A timing whose calls could not be captured in a CUDA graph is timed
+    eagerly (host time between launches counted: timing.cuda_time_us); the
+    row names it (eager_timings) instead of passing it off as a graph
+    replay beside the others."""
+    monkeypatch.setattr(timing, "EAGER", [])
+
+    def eager_baseline():
+        timing.EAGER.append("RuntimeError: not capturable")
+        return 9.0
+    best, failed, row = gp.timed_row({"rawkv": lambda: 5.0, "baseline": eager_baseline}, None, None, None, 10, 1)
+    assert best == {"rawkv": 5.0, "baseline": 9.0}
+    assert row["eager_timings"] == ["baseline"]
+    assert "eager_timings" not in gp.timed_row({"rawkv": lambda: 5.0}, None, None, None, 10, 1)[2]

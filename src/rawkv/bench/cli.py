@@ -88,10 +88,17 @@ def device_short(name: str) -> str:
 
 
 def document(device: str, torch_version: str, cupy_version: str, commit_: str, copy_GBps: float,
-             results: list) -> dict:
-    """One group's JSON document (docs/benchmarks.md, "How to read them")."""
-    return {"device": device, "torch": torch_version, "cupy": cupy_version, "commit": commit_,
-            "copy_GBps": round(copy_GBps, 1), "results": results}
+             results: list, eager=None) -> dict:
+    """One group's JSON document (docs/benchmarks.md, "How to read them");
+    eager: why the group's timings that could not be captured in a CUDA
+    graph fell back to eager calls (timing.EAGER), written as eager_timings
+    when there are any."""
+    doc = {"device": device, "torch": torch_version, "cupy": cupy_version, "commit": commit_,
+           "copy_GBps": round(copy_GBps, 1)}
+    if eager:
+        doc["eager_timings"] = list(eager)
+    doc["results"] = results
+    return doc
 
 
 def write_json(folder: str, date: str, device: str, group: str, doc: dict) -> str:
@@ -198,6 +205,7 @@ def run(a) -> int:
     for group in a.groups:
         results: list = []
         mod = None
+        eager0 = len(timing.EAGER)
         try:
             mod = importlib.import_module(f"{__package__}.{group}")
             _run_group(mod, rt, results, a)
@@ -209,7 +217,8 @@ def run(a) -> int:
             traceback.print_exc()
             results.append({"op": f"{group}/error", "error": repr(exc)})
             status = 1
-        doc = document(dev, torch.__version__, cupy.__version__, commit_, timing.COPY["GBps"], results)
+        doc = document(dev, torch.__version__, cupy.__version__, commit_, timing.COPY["GBps"], results,
+                       timing.EAGER[eager0:])
         path = write_json(a.out, date, short, group, doc)
         print(f"[bench] {group} -> {path}")
         png = write_plot(mod, results, path)

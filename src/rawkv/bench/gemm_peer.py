@@ -416,13 +416,33 @@ def timed_row(timers: dict, peer, peer_calls, ref, reps: int, flops: int,
     fails the run, as a single timing of it did."""
     ptimers, errs, notes = peer_timers(peer, peer_calls, ref, reps)
     p8 = peer_timers(peer, w4a8[0], w4a8[1], reps, PEER8_TIMER) if w4a8 else ({}, {}, {})
-    best, failed = best_of({**timers, **ptimers, **p8[0]})
+    eager: set = set()
+    best, failed = best_of({name: _noting_eager(name, run, eager)
+                            for name, run in {**timers, **ptimers, **p8[0]}.items()})
     if "rawkv" in failed:
         raise RuntimeError(f"rawkv's timing failed: {failed['rawkv']}")
     row = peer_row_fields(peer, best, failed, errs, notes, flops)
     if w4a8 and peer is not None:
         row.update(w4a8_fields(peer_row_fields(peer, best, failed, p8[1], p8[2], flops, PEER8_TIMER)))
+    if eager:
+        # the timings that could not be captured in a CUDA graph: eager calls,
+        # host time between launches included (not comparable with the others)
+        row["eager_timings"] = sorted(eager)
     return best, failed, row
+
+
+def _noting_eager(name: str, run, eager: set):
+    """run(), adding `name` to `eager` when its timing fell back to eager
+    calls (timing.EAGER grew)."""
+    from . import timing
+
+    def timed():
+        before = len(timing.EAGER)
+        us = run()
+        if len(timing.EAGER) > before:
+            eager.add(name)
+        return us
+    return timed
 
 
 def w4a8_fields(peer_row: dict) -> dict:

@@ -52,6 +52,12 @@ def _timed() -> None:
     _LAST_TIMED[0] = time.perf_counter()
 
 
+#: Why each cuda_time_us of the run fell back to eager calls (host time
+#: between launches counted), in order: the driver writes a group's as its
+#: file's eager_timings, the GEMM rows name theirs (gemm_peer.timed_row).
+EAGER: list = []
+
+
 def cuda_time_us(fn, reps: int = 50, warmup: int = 5, per_graph: int = 20, warm_after_idle: bool = False) -> float:
     """Device time of one fn(i) call in microseconds (i = call index, for
     rotating buffers).
@@ -91,6 +97,7 @@ def cuda_time_us(fn, reps: int = 50, warmup: int = 5, per_graph: int = 20, warm_
         return statistics.median(times)
     except Exception as exc:  # noqa: BLE001 - not capturable: time eagerly
         print(f"[bench] graph capture failed ({type(exc).__name__}: {exc}); timing eagerly")
+        EAGER.append(f"{type(exc).__name__}: {str(exc)[:120]}")
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
