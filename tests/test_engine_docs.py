@@ -1,5 +1,5 @@
 """The indented snippets an engine developer copies from docs/engines.md (the
-block-table call, the FP4 weights, the FP8 activations in DeepGEMM's scale
+block-table call, the admission call, the FP4 weights, the FP8 activations in DeepGEMM's scale
 layout), README.md's GPU example and docs/gemm.md's "Ops" run as written on
 CPU tensors: "cuda" becomes "cpu", sizes shrink, and the names a snippet
 takes from its surroundings are supplied here."""
@@ -50,6 +50,60 @@ def test_engines_assign_pages_call():
     assert int(owners[3]) == int(pool.request_ids[slots[0]]) > 0
     assert int((torch.as_tensor(owners) != 0).sum()) == 1
     assert pool.read_errors() == 0
+
+
+def test_engines_admission_with_own_buffers_empties_the_decode_states():
+    """docs/engines.md's admission by an engine that writes the pool's ids
+    itself: a slot whose previous request left rows of an unfinished window
+    in the decode states gives the new request the entries a fresh slot
+    gives, once the documented state call has run (without it, the old rows
+    are pooled into the new request's first entry with no pool error)."""
+    import rawkv
+    from rawkv.kvcache import DecodeState, PagedKVPool
+    from rawkv.kvcache.views import pool_args, state_args
+    code = _indented_block("docs/engines.md", "torch.ops.rawkv.kv_state_clear(")
+    D, DI = 512, 128
+
+    def first_entry(leftover, admit):
+        pool = PagedKVPool("csa", num_blocks=4, entries_per_block=16, max_requests=1, max_blocks_per_request=1,
+                           device="cpu")
+        states = DecodeState("csa", 1, device="cpu"), DecodeState("csa", 1, DI, device="cpu")
+        pool.attach(*states)
+        slot = pool.add_request()
+        slot_t, one = torch.tensor([slot], dtype=torch.int32), torch.ones(1, dtype=torch.bool)
+
+        def append(g):
+            for st, w in zip(states, (2 * D, 2 * DI)):
+                rawkv.kvcache.state_append(st, torch.randn(1, w, generator=g), torch.randn(1, w, generator=g),
+                                           one, slot_t)
+        if leftover:                     # the previous request: two rows of a window, then it leaves
+            append(torch.Generator().manual_seed(0))
+            pool.request_ids[slot] = 0
+        # the engine admits the next request with its own id and block
+        pool.request_ids[slot] = 77
+        pool.written[slot] = 0
+        pool.block_table[slot, 0] = 2
+        torch.ops.rawkv.kv_assign_pages(**pool_args(pool), slots=slot_t, blocks=torch.tensor([2], dtype=torch.int32))
+        if admit:
+            for state in states:
+                exec(code, {"torch": torch, "state_args": state_args, "state": state,  # noqa: S102
+                            "slot_t": slot_t})
+        g = torch.Generator().manual_seed(1)
+        for p in range(4):               # its first window: entry 0
+            append(g)
+            rawkv.kvcache.compress_decode(pool, states[0], torch.ones(D), one, slot_t,
+                                          torch.tensor([p], dtype=torch.int32), index=(states[1], torch.ones(DI)))
+            for st in states:
+                rawkv.kvcache.csa_rotate(st, torch.tensor([p == 3]), slot_t)
+        out = torch.empty(1, 1, D, dtype=torch.bfloat16)
+        torch.ops.rawkv.kv_gather_topk(**pool_args(pool), slots=slot_t, topk_ids=torch.zeros(1, 1, dtype=torch.int32),
+                                       n_entries=None, valid_mask=None, out=out)
+        assert pool.read_errors() == 0
+        return out
+
+    fresh = first_entry(leftover=False, admit=False)
+    assert not torch.equal(first_entry(leftover=True, admit=False), fresh)    # what the call prevents
+    assert torch.equal(first_entry(leftover=True, admit=True), fresh)
 
 
 def test_engines_fp4_weights_snippet():
