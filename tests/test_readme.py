@@ -6,6 +6,7 @@
   glossary, the runtime page) lead to files and headings that exist.
 - The command for the CPU tests (`python -m pytest -q -m "not gpu"`) selects
   every CPU test and no GPU test: its collection is checked item by item.
+- CI (.ci/run) runs the README's test command verbatim (checked line for line).
 - The first command ("Main job") ends in the layer demo, which on a machine
   without a GPU runs the numpy reference and prints its accuracy and time
   lines, the ones the README names.
@@ -186,3 +187,19 @@ def test_main_job_runs_the_layer_demo_and_prints_its_time_and_accuracy():
         assert f"`{start.strip()}" in said, f"README.md no longer names the line {start!r}"
     assert lines[-2].startswith("accuracy vs the float64 step: cosine of the layer output min ")
     assert re.match(r"time: rawkv [0-9.]+ us per step, float64 [0-9.]+ us per step \(wall clock", lines[-1])
+
+
+def test_ci_runs_the_readmes_test_command_verbatim():
+    # .ci/run says it runs the README's test command verbatim (after making
+    # the venv the command's first two steps make): the two may not drift.
+    # The README's command is the indented line after "Tests (what CI runs";
+    # CI's is the line after its "verbatim" marker.
+    text = README.read_text()
+    at = text.index("Tests (what CI runs")
+    readme_cmd = next(line.strip() for line in text[at:].splitlines() if line.startswith("    python3 -m venv"))
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    mark = next(i for i, line in enumerate(ci) if "the README's test command, verbatim" in line)
+    prefix = "python3 -m venv .venv && . .venv/bin/activate && "
+    assert readme_cmd.startswith(prefix), readme_cmd
+    assert ci[mark + 1].strip() == readme_cmd[len(prefix):]
+    assert any(line.strip() == "python3 -m venv .venv" for line in ci[:mark])
