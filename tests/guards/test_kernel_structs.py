@@ -17,14 +17,16 @@ from .test_kernel_abi import _STRUCTS, declare  # noqa: F401  (the fixture)
 
 
 def _ptx(filename, source, options=()) -> str:
-    """PTX of `source` for compute_90, through NVRTC (no GPU)."""
+    """PTX of `source` for compute_90, through NVRTC (no GPU). The program
+    is named as the runtime names it (_nvrtc.program_name: its path in
+    rawkv/cu), so a quoted #include never reads the working directory."""
     pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-python is not installed")
     try:
         opts = _nvrtc.compile_options("compute_90", tuple(options))
     except GpuUnavailableError as exc:
         pytest.skip(str(exc))
     nvrtc = _nvrtc._nvrtc()
-    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), filename.encode(), 0, [], [])
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), _nvrtc.program_name(filename).encode(), 0, [], [])
     try:
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)
@@ -104,3 +106,14 @@ def test_the_layout_check_finds_a_wrong_offset(declare):  # noqa: F811
         "Small.b: packed at 4 of 24 bytes, the compiler's [8] of 24",
         "Small.p: packed at 8 of 24 bytes, the compiler's [16] of 24",
         "Small.c: packed at 16 of 24 bytes, the compiler's [0] of 24"]
+
+
+def test_a_header_in_the_working_directory_is_not_compiled_in(tmp_path, monkeypatch):
+    """_ptx named the NVRTC program by its bare file name ("kv_compress.cu"),
+    which NVRTC reads as the working directory: a common.cuh there was
+    compiled in instead of rawkv's. It uses the runtime's rule
+    (_nvrtc.program_name: the file's path in rawkv/cu)."""
+    (tmp_path / "common.cuh").write_text('#error "the working directory\'s common.cuh"\n')
+    monkeypatch.chdir(tmp_path)
+    kf = kernels.files()["kv_compress.cu"]
+    assert _mismatches(kf.filename, kf.source(), kf, kernel_options(kf.filename)) == []
