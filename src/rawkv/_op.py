@@ -31,11 +31,14 @@ takes them apart.
 Registration (rawkv.library) needs torch, which `import rawkv` never
 imports: it runs when `import rawkv` finds torch loaded, else when torch
 is imported later (`when_torch_loads`, an import hook removed once it has
-run), so `torch.ops.rawkv.*` exist whatever the import order.
+run), else, when rawkv is imported from inside `import torch`, once that
+import has finished (_ThenCallSpec), so `torch.ops.rawkv.*` exist whatever
+the import order.
 """
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import inspect
 import sys
 import warnings
@@ -368,13 +371,73 @@ class _ThenCall(importlib.abc.Loader):
                           "`import rawkv.library` raises the error", RuntimeWarning, stacklevel=2)
 
 
+class _ThenCallSpec(importlib.machinery.ModuleSpec):
+    """torch's spec while `import torch` runs, when rawkv was imported from
+    inside that import (a torch.backends autoload plugin, a module torch's
+    import runs): the import system sets `spec._initializing = False` once
+    torch's module has executed (importlib._bootstrap._load_unlocked, in a
+    finally), and that assignment runs the callbacks, after the spec has
+    become a plain ModuleSpec again. Nothing runs if torch's import failed
+    (its module is no longer sys.modules[name])."""
+
+    @property
+    def _initializing(self):
+        return self.__dict__.get("_initializing", False)
+
+    @_initializing.setter
+    def _initializing(self, value):
+        self.__dict__["_initializing"] = value
+        if value:
+            return
+        self.__class__ = importlib.machinery.ModuleSpec
+        callbacks = self.__dict__.pop("_rawkv_callbacks", ())
+        module = sys.modules.get(self.name)
+        if module is None or getattr(module, "__spec__", None) is not self:
+            return      # torch's import failed: nothing to register with
+        for callback in callbacks:
+            _call_after_torch(callback)
+
+
+def _call_after_torch(callback) -> None:
+    try:
+        callback()
+    except Exception as exc:  # noqa: BLE001 - `import torch` must not fail because of rawkv
+        warnings.warn(f"rawkv: registering torch.ops.rawkv.* after `import torch` failed ({exc!r}); "
+                      "`import rawkv.library` raises the error", RuntimeWarning, stacklevel=3)
+
+
+def _after_initializing(spec, callback) -> bool:
+    """Run `callback` once the import of the module whose spec is `spec`
+    (initializing) has finished (_ThenCallSpec); False where its spec is
+    not a plain ModuleSpec this can hook."""
+    if type(spec) is _ThenCallSpec:
+        spec.__dict__.setdefault("_rawkv_callbacks", []).append(callback)
+        return True
+    if type(spec) is not importlib.machinery.ModuleSpec:
+        return False
+    spec.__dict__["_rawkv_callbacks"] = [callback]
+    init = spec.__dict__.pop("_initializing", True)
+    spec.__class__ = _ThenCallSpec
+    spec.__dict__["_initializing"] = init
+    return True
+
+
 def when_torch_loads(callback) -> None:
     """Call `callback` now if torch is loaded, else as soon as `import
-    torch` has run (`import rawkv` registers the operators this way)."""
+    torch` has run (`import rawkv` registers the operators this way),
+    including when rawkv is imported from inside `import torch` (torch is
+    in sys.modules but not usable yet: _ThenCallSpec)."""
     t = sys.modules.get("torch")
     if t is not None:
-        if getattr(getattr(t, "__spec__", None), "_initializing", False):
-            return      # rawkv imported from inside torch's own import: torch is not usable yet
+        spec = getattr(t, "__spec__", None)
+        if getattr(spec, "_initializing", False):
+            # rawkv imported from inside torch's own import: torch is not
+            # usable yet, so register once its import has finished.
+            if not _after_initializing(spec, callback):
+                warnings.warn("rawkv: imported while `import torch` runs, and torch's import cannot be "
+                              "followed; `import rawkv.library` after it registers torch.ops.rawkv.*",
+                              RuntimeWarning, stacklevel=2)
+            return
         callback()
         return
     if not any(isinstance(f, _AfterTorch) for f in sys.meta_path):

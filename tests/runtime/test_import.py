@@ -136,3 +136,88 @@ def test_a_failing_registration_does_not_break_import_torch():
     """)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+_AUTOLOAD_PLUGIN = """
+    import rawkv            # imported by torch's backend autoload, while `import torch` runs
+
+    def init():
+        pass
+"""
+
+# rawkv imported from inside torch's import, before torch has defined most of
+# its modules: when torch's import looks up torch.nn.
+_MID_IMPORT = """
+    import importlib.abc, sys
+    class Mid(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == 'torch.nn':
+                sys.meta_path.remove(self)
+                assert getattr(sys.modules['torch'].__spec__, '_initializing', False)
+                import rawkv
+    sys.meta_path.insert(0, Mid())
+"""
+
+
+@pytest.mark.parametrize("how", ["backend-autoload", "mid-import"])
+def test_operators_exist_when_rawkv_is_imported_during_import_torch(tmp_path, how):
+    """`import rawkv` while `import torch` is still running (a torch backend
+    autoload plugin, an entry point of the torch.backends group, importing
+    it; or any module torch's import runs) found torch in sys.modules with
+    its spec initializing, registered nothing and installed no hook:
+    torch.ops.rawkv.* never appeared. They are registered once torch's
+    import has finished, and torch's spec is left as it was."""
+    pytest.importorskip("torch")
+    import os
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
+    prelude = ""
+    if how == "backend-autoload":
+        (tmp_path / "rawkv_probe_plugin.py").write_text(textwrap.dedent(_AUTOLOAD_PLUGIN))
+        info = tmp_path / "rawkv_probe_plugin-0.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rawkv-probe-plugin\nVersion: 0.0\n")
+        (info / "entry_points.txt").write_text("[torch.backends]\nrawkv_probe = rawkv_probe_plugin:init\n")
+    else:
+        prelude = _MID_IMPORT
+    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", textwrap.dedent(prelude) +
+                        textwrap.dedent("""
+        import importlib.machinery, sys
+        assert 'rawkv' not in sys.modules and 'torch' not in sys.modules
+        import torch
+        assert 'rawkv' in sys.modules, 'rawkv was not imported during import torch'
+        from rawkv import _opdecl
+        missing = [n for n in _opdecl.declared() if not hasattr(torch.ops.rawkv, n)]
+        assert not missing, f'not registered: {missing[:3]}...'
+        assert type(torch.__spec__) is importlib.machinery.ModuleSpec, type(torch.__spec__)
+        assert torch.__spec__._initializing is False
+        x = torch.linspace(-500, 500, 64)
+        out = torch.empty(64, dtype=torch.uint8)
+        torch.ops.rawkv.e4m3_encode(x, out)
+        import rawkv
+        assert torch.equal(rawkv.fp8.e4m3_encode(x).view(torch.uint8), out)
+        print('ok')
+    """)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_a_failing_registration_during_import_torch_is_a_warning():
+    """The registration that runs when an `import torch` rawkv was imported
+    from has finished: an error of rawkv's is a warning there, never a
+    failed torch import."""
+    pytest.importorskip("torch")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_MID_IMPORT).replace(
+        "import rawkv\n", "import rawkv; rawkv._register_ops = fail\n") + textwrap.dedent("""
+        import warnings
+        def fail():
+            raise RuntimeError('planted')
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always')
+            import torch
+        assert torch.ones(1).item() == 1.0 and not torch.__spec__._initializing
+        assert any('planted' in str(m.message) for m in w), [str(m.message) for m in w]
+        print('ok')
+    """)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
