@@ -45,8 +45,10 @@ The directory is $RAWKV_CACHE_DIR, else $XDG_CACHE_HOME/rawkv (an absolute
 path: a relative one is ignored, as the XDG spec says), else ~/.cache/rawkv
 (a leading ~ is expanded; where it cannot be, with no $HOME and no password
 database entry for this user, the disk cache is not used, with a warning,
-rather than a directory named ~ made in the working directory).
-RAWKV_CACHE_DIR=off disables the disk cache.
+rather than a directory named ~ made in the working directory). A relative
+RAWKV_CACHE_DIR is resolved against the working directory when rawkv was
+imported, once for the process. RAWKV_CACHE_DIR=off, 0, none (any case) or
+an empty value disables the disk cache.
 """
 from __future__ import annotations
 
@@ -73,10 +75,40 @@ MAX_FILE_BYTES = 256 << 20
 STALE_TMP_S = 3600
 
 
+# The values of RAWKV_CACHE_DIR that turn the disk cache off (any case,
+# spaces around ignored): each is a usual way to say "no cache", none a
+# directory anyone means to make in the working directory.
+OFF_VALUES = ("off", "0", "none", "")
+
+
+def _getcwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:         # the working directory was removed
+        return None
+
+
+# The working directory when rawkv was imported: a relative RAWKV_CACHE_DIR
+# is resolved against it, once for the process (resolved on every compile, a
+# process that changed directory made a cache in each). Where it could not be
+# read, the working directory of the first compile that resolves one.
+_START_CWD = _getcwd()
+
+
 def cache_dir() -> Path | None:
+    global _START_CWD
     env = os.environ.get("RAWKV_CACHE_DIR")
     if env is not None:
-        return None if env.strip().lower() in ("", "off", "0", "none") else Path(os.path.expanduser(env))
+        if env.strip().lower() in OFF_VALUES:
+            return None
+        path = os.path.expanduser(env)
+        # (a ~ left unexpanded stays as it is: _open_dir refuses it by name)
+        if not os.path.isabs(path) and not path.startswith("~"):
+            if _START_CWD is None:
+                _START_CWD = _getcwd()
+            if _START_CWD is not None:
+                path = os.path.join(_START_CWD, path)
+        return Path(path)
     base = os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or "")
     if not os.path.isabs(base):         # unset, or relative: invalid (the XDG spec)
         base = os.path.expanduser(os.path.join("~", ".cache"))

@@ -541,3 +541,45 @@ def test_relative_xdg_cache_home_is_ignored(tmp_path, monkeypatch):
     monkeypatch.delenv("RAWKV_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
     assert _cache.cache_dir() == home / ".cache" / "rawkv"
+
+
+def test_a_relative_cache_dir_is_resolved_once_against_the_start_directory(tmp_path):
+    """A relative RAWKV_CACHE_DIR was resolved against the working directory
+    of every compile, so a process that changed directory made (and filled) a
+    cache in each one. It is resolved against the working directory when
+    rawkv was imported, for the life of the process."""
+    for d in ("start", "a", "b"):
+        (tmp_path / d).mkdir()
+    env = dict(os.environ, RAWKV_CACHE_DIR="rel/kc")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(_nvrtc.CU_DIR.parent.parent), *filter(None, [env.get("PYTHONPATH")])])
+    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", (
+        "import os\n"
+        "from rawkv import _cache\n"
+        "for d in ('../a', '../b'):\n"
+        "    os.chdir(d)\n"
+        "    with _cache.CacheDir() as c:\n"
+        "        print(c.path, c.fd is not None)\n")],
+        cwd=tmp_path / "start", env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    want = f"{tmp_path / 'start' / 'rel' / 'kc'} True"
+    assert r.stdout.split("\n")[:2] == [want, want], r.stdout
+    assert (tmp_path / "start" / "rel" / "kc").is_dir()
+    assert not (tmp_path / "a" / "rel").exists() and not (tmp_path / "b" / "rel").exists()
+
+
+@pytest.mark.parametrize("value", ["off", "OFF", " off ", "", "  ", "0", "none", "None"])
+def test_the_values_that_turn_the_disk_cache_off(monkeypatch, value):
+    """off, 0, none (any case, spaces around ignored) and an empty value turn
+    the disk cache off; docs/runtime.md names each (it named only off)."""
+    monkeypatch.setenv("RAWKV_CACHE_DIR", value)
+    assert _cache.cache_dir() is None
+    with _cache.CacheDir() as d:
+        assert d.fd is None and d.path is None
+
+
+def test_the_docs_name_every_value_that_turns_the_disk_cache_off():
+    text = (_nvrtc.CU_DIR.parents[2] / "docs" / "runtime.md").read_text()
+    section = text[text.index("## The disk cache"):text.index("## Streams and launches")]
+    for value in _cache.OFF_VALUES:
+        assert f"`{value}`" in section or (value == "" and "an empty value" in section), value
