@@ -110,3 +110,26 @@ def test_compiled_ops_refuse_outputs_in_another_arguments_memory():
     assert not _overlap(L._fake_span(b[0::2]), L._fake_span(b[1::2]))
     assert _overlap(L._fake_span(b[0::2]), L._fake_span(b[:8]))
     assert not _overlap(L._fake_span(b[:4]), L._fake_span(b[4:8]))
+
+
+def test_the_docs_list_the_ops_that_write_the_device_counters():
+    """The device's error counters (rawkv.nvfp4.error_counts) are written by
+    ops whose schemas do not name them, so a read inside a compiled region is
+    not ordered after the op: docs/runtime.md says so and lists the ops, those
+    with an errors= the schema declares written (the ordered way to count)
+    and those without one."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "runtime.md").read_text()
+    start = text.index("## Error counters and torch.compile")
+    section = text[start:text.index("\n## ", start + 1)]
+    with_errors = ("nvfp4_gather", "nvfp4_quantize", "gemm_moe_linear", "gemm_grouped_linear_w4a8",
+                   "gemm_moe_linear_w4a8")
+    without = ("rmsnorm_quantize", "mhc_rmsnorm_quantize", "swiglu_quantize")
+    declared = _opdecl.declared()
+    for name in with_errors + without:
+        assert f"`{name}`" in section, name
+    for name in with_errors:
+        assert ("errors", "Tensor?", True) in declared[name].args, name       # a declared write
+    for name in without:
+        assert not [a for a in declared[name].args if a[0] == "errors"], name
+    assert "outside\ncompiled regions" in section or "outside compiled regions" in section
