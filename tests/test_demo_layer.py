@@ -40,7 +40,13 @@ def test_layer_cpu_end_to_end(layer, capsys):
     assert lines[3].startswith("baseline: the same step in plain torch, float64")
     assert re.match(r"bytes read per step \(weights \+ KV rows, activations not counted\): rawkv [0-9.]+ MiB, "
                     r"BF16 [0-9.]+ MiB \([0-9.]+x\)$", lines[4])
-    acc = lines[5]
+    rows = lines[5]
+    assert rows.startswith("KV rows attended vs the float64 step's (cosine per source, the rows the attention "
+                           "mask lets through): CSA top-k min ") and f"(ok: each mean >= {L.ROWS_FLOOR})" in rows
+    # the FP8 entries of the prompt, and (step 0) one window row from the FP4 projection
+    for name in ("CSA top-k", "HCA", "window"):
+        assert _num(rows, f"{name} min") >= 0.99 and _num(rows, f"{name} min [0-9.]+ mean") >= 0.99, (name, rows)
+    acc = lines[6]
     assert acc.startswith("accuracy vs the float64 step: cosine of the layer output") and "(ok: mean >=" in acc
     # the layer's output, and its update (without the residual), against float64: FP4 weights and
     # activations, the FP8 cache, and (seed 0, step 0) no routing difference (where a token's
@@ -48,9 +54,9 @@ def test_layer_cpu_end_to_end(layer, capsys):
     assert _num(acc, "layer output min") >= 0.96
     assert _num(acc, r"\(output - input\) min") >= 0.95
     assert "routing: 0 of 4 expert choices differ" in acc
-    assert re.match(r"time: rawkv [0-9.]+ us per step, float64 [0-9.]+ us per step \(wall clock", lines[6])
-    assert lines[6].endswith("skipped rows 0 (counted by the numpy reference ops)")
-    assert len(lines) == 7
+    assert re.match(r"time: rawkv [0-9.]+ us per step, float64 [0-9.]+ us per step \(wall clock", lines[7])
+    assert lines[7].endswith("skipped rows 0 (counted by the numpy reference ops)")
+    assert len(lines) == 8
     # progress lines on stderr, one per phase that can take a second
     assert err and all(ln.startswith("  ... ") for ln in err.rstrip().splitlines())
     assert any("prefill" in ln for ln in err.splitlines()) and any("running 1 steps" in ln for ln in err.splitlines())
@@ -195,9 +201,11 @@ def test_layer_gpu(cuda, batch, capsys):
                         "CUDA graph replay")
     assert lines[1].startswith("config: DeepSeek-V4-Flash shapes: hidden 4096, 64 heads x 512, wo_a 8 groups "
                                "K 4096 N 1024")
-    assert "(ok: mean >=" in lines[5] and _num(lines[5], "layer output min") >= 0.9
-    assert re.match(r"time: rawkv [0-9.]+ us per step, BF16 [0-9.]+ us per step \(one CUDA graph replay each", lines[6])
-    assert lines[6].endswith("kernel errors 0")
+    assert lines[5].startswith("KV rows attended vs the BF16 step's") and "(ok: each mean >=" in lines[5]
+    assert all(_num(lines[5], f"{name} min") >= 0.98 for name in ("CSA top-k", "HCA", "window")), lines[5]
+    assert "(ok: mean >=" in lines[6] and _num(lines[6], "layer output min") >= 0.9
+    assert re.match(r"time: rawkv [0-9.]+ us per step, BF16 [0-9.]+ us per step \(one CUDA graph replay each", lines[7])
+    assert lines[7].endswith("kernel errors 0")
 
 
 def test_engines_doc_shows_the_layer_step():

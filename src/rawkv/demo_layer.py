@@ -28,8 +28,11 @@ The baseline step does the same in plain torch with BF16 weights (the values
 rawkv quantized to NVFP4), BF16 activations and a BF16 cache (its compressor
 in torch, float32 state), and is captured and timed the same way. Printed:
 time per step of both, the bytes each reads per step (weights and KV rows),
+the cosine of the KV rows attention reads against the baseline's, per
+source (CSA top-k, HCA, window; the rows the attention mask lets through),
 and the cosine of the layer's output (and of its update, output - input)
-against the baseline's, from the same inputs.
+against the baseline's, from the same inputs. A mean under its floor
+(ROWS_FLOOR per source, COS_FLOOR for the update) fails the run.
 
 Without a GPU (or with --cpu) the same step runs at a tiny size on CPU
 tensors, where every rawkv op runs its numpy reference, against the same
@@ -68,6 +71,19 @@ MAX_BATCH, MAX_CONTEXT = 4096, 1 << 20
 #: differs from the baseline's (top-k logits within the FP4 noise of each
 #: other), its update differs by a whole expert; the line counts those.
 COS_FLOOR = 0.8
+#: the sources of the KV rows a step attends to, in the attention mask's
+#: column order, with their names in the report line
+SOURCES = {"csa": "CSA top-k", "hca": "HCA", "win": "window"}
+#: a run where one source's rows (those the mask lets through, rawkv's
+#: against the baseline's: rows_cos) have a mean cosine below this fails
+#: (exit status 1): the update's cosine cannot see a broken source whose
+#: rows are few of those attended (HCA rows all noise: 2 of 34 at the CPU
+#: size: the update's cosine stays about 0.85). Healthy, the FP8 entries of the prompt give
+#: 0.9997 and the rows the steps write (from the FP4 projection) 0.990 at
+#: the least (CPU, 2 to 40 steps, contexts 5 to 1000: each source's mean
+#: 0.993 or more); a source's rows all noise give |cosine| < 0.02, one row
+#: in ten noise about 0.93.
+ROWS_FLOOR = 0.95
 
 
 @dataclass(frozen=True)
@@ -581,6 +597,7 @@ class LayerDemo:
                              errors=self.errors[:1])
         csa, hca = dec.step()
         win = model1_gather(self.win_cache, self.win_idx, page_size=s.window, out=o["win"], errors=self.errors[:1])
+        self.rows_rawkv = {"csa": csa, "hca": hca, "win": win}
         q = G.grouped_linear(p["q_a"].unsqueeze(1), w.fp4["wq_b"], out=o["q"])
         att = self._attention(q, torch.cat([csa, hca, win], 1))
         oa = G.grouped_linear(att.reshape(B, s.groups, -1), w.fp4["wo_a"], out=o["oa"])
@@ -610,6 +627,7 @@ class LayerDemo:
         ids = dec.ids.to(torch.int64).clamp(min=0)
         csa = tc["csa"].gather(1, ids.unsqueeze(-1).expand(B, s.topk, D))
         q = p["q_a"] @ w["wq_b"][0].t()
+        self.rows_base = {"csa": csa, "hca": tc["hca"][:, : self.k_hca], "win": tc["win"]}   # rows_cos's
         att = self._attention(q, torch.cat([csa, tc["hca"][:, : self.k_hca], tc["win"]], 1))
         oa = torch.einsum("bgk,gnk->bgn", att.reshape(B, s.groups, -1), w["wo_a"])
         h1 = x + oa.reshape(B, -1) @ w["wo_b"][0].t()
@@ -683,6 +701,45 @@ def _seeded(kind, d, kv, z, ape):
     st = ref.DecodeStateRef.create(kind, 1, d)
     ref.state_seed(st, 0, kv, z, ape=ape)
     return st
+
+
+def rows_cos(torch, demo) -> dict:
+    """source (SOURCES) -> the cosine of the KV rows rawkv's last step
+    gathered (demo.rows_rawkv) against the baseline's (demo.rows_base), over
+    the rows the step's attention mask lets through, all of them flattened
+    (None where it lets none through). On a GPU both are the graphs' static
+    tensors: read after the replays."""
+    mask = demo.mask.view(demo.B, -1)
+    out, at = {}, 0
+    for k in SOURCES:
+        got, want = demo.rows_rawkv[k], demo.rows_base[k]
+        n = want.shape[1]
+        assert got.shape == want.shape, (k, got.shape, want.shape)
+        sel = mask[:, at: at + n]
+        at += n
+        out[k] = _cos(torch, got[sel], want[sel]) if bool(sel.any()) else None
+    assert at == mask.shape[1]
+    return out
+
+
+def rows_line(base: str, steps: int, cos: dict) -> tuple:
+    """(ok, the report line) of the per-source row cosines `cos` (source ->
+    the steps' values): ok when each source's mean is >= ROWS_FLOOR (NaN
+    is not; a source no step attended to has nothing to hold)."""
+    parts, bad = [], []
+    for k, name in SOURCES.items():
+        cs = cos[k]
+        if not cs:
+            parts.append(f"{name} no rows")
+            continue
+        mean = float(np.mean(cs))
+        if not mean >= ROWS_FLOOR:
+            bad.append(name)
+        of = "" if len(cs) == steps else f" ({len(cs)} of {steps} steps)"
+        parts.append(f"{name} min {float(np.min(cs)):.6f} mean {mean:.6f}{of}")
+    tag = "ok: each mean" if not bad else f"BELOW: {', '.join(bad)}; each mean must be"
+    return not bad, (f"KV rows attended vs the {base} step's (cosine per source, the rows the attention mask lets "
+                     f"through): {', '.join(parts)} ({tag} >= {ROWS_FLOOR}) over {steps} steps")
 
 
 def _routing_differs(a, b) -> int:
@@ -768,6 +825,7 @@ def _steps(a, shape, batch, context, steps, gpu, base, ready) -> int:
     demo.prefill()
     times = {"rawkv": [], base: []}
     cos_out, cos_upd, differ = [], [], 0
+    cos_rows = {k: [] for k in SOURCES}
     if gpu:
         steps_fn = _captured(demo, base)
     else:
@@ -784,11 +842,16 @@ def _steps(a, shape, batch, context, steps, gpu, base, ready) -> int:
         cos_out.append(_cos(torch, got, want))
         cos_upd.append(_cos(torch, got.double() - x.double(), want.double() - x.double()))
         differ += _routing_differs(demo.ids_rawkv, demo.ids_base)
+        for k, c in rows_cos(torch, demo).items():
+            if c is not None:
+                cos_rows[k].append(c)
     errs = demo.errors_total()
     mb = {n: demo.bytes_read(ids, n == "rawkv", a.layout) / 2 ** 20
           for n, ids in (("rawkv", demo.ids_rawkv), (base, demo.ids_base))}
     print(f"bytes read per step (weights + KV rows, activations not counted): rawkv {mb['rawkv']:.1f} MiB, "
           f"BF16 {mb[base]:.1f} MiB ({mb[base] / mb['rawkv']:.2f}x)")
+    rows_ok, line = rows_line(base, steps, cos_rows)
+    print(line)
     ok = bool(np.mean(cos_upd) >= COS_FLOOR)       # False for NaN too
     print(f"accuracy vs the {base} step: cosine of the layer output min {min(cos_out):.6f} mean "
           f"{np.mean(cos_out):.6f}; of its update (output - input) min {min(cos_upd):.6f} mean "
@@ -798,7 +861,7 @@ def _steps(a, shape, batch, context, steps, gpu, base, ready) -> int:
     how = "one CUDA graph replay each, CUDA events" if gpu else "wall clock, the numpy reference: not a speed"
     counted = f"kernel errors {errs}" if gpu else f"skipped rows {errs} (counted by the numpy reference ops)"
     print(f"time: rawkv {r:.1f} us per step, {base} {b:.1f} us per step ({how}; median of {steps}); {counted}")
-    return 0 if ok and errs == 0 else 1
+    return 0 if ok and rows_ok and errs == 0 else 1
 
 
 def _timed(torch, fn, gpu):
