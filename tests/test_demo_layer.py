@@ -62,6 +62,72 @@ def test_layer_cpu_end_to_end(layer, capsys):
     assert any("prefill" in ln for ln in err.splitlines()) and any("running 1 steps" in ln for ln in err.splitlines())
 
 
+#: each source's gather in the rawkv step (rawkv.kvcache's, looked up at each call)
+GATHERS = {"csa": ("gather_topk", "CSA top-k"), "hca": ("gather_dense_batch", "HCA"),
+           "win": ("model1_gather", "window")}
+
+
+@pytest.mark.parametrize("source", list(GATHERS))
+def test_layer_cpu_fails_a_broken_source(source, monkeypatch, capsys):
+    """A source's gathered rows replaced by noise (the gather of that source
+    broken, the others as they are) fail the run: its line says BELOW for
+    that source alone and the exit status is 1. HCA's 2 rows of the 34
+    attended at the CPU size leave the update's cosine above its floor:
+    only the per-source check sees them."""
+    import rawkv.kvcache as K
+    fn, name = GATHERS[source]
+    gather, g = getattr(K, fn), torch.Generator().manual_seed(1)
+
+    def noise(*args, **kw):
+        out = gather(*args, **kw)
+        return out.copy_(torch.randn(out.shape, generator=g).to(out.dtype))
+
+    monkeypatch.setattr(K, fn, noise)
+    assert main(["demo", "--cpu", "--steps", "2"]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = next(ln for ln in lines if ln.startswith("KV rows attended"))
+    assert f"(BELOW: {name}; each mean must be >= {L.ROWS_FLOOR})" in rows, rows
+    for _, label in GATHERS.values():
+        mean = float(re.search(label + r" min -?[0-9.]+ mean (-?[0-9.]+)", rows).group(1))
+        assert (abs(mean) < 0.1) if label == name else (mean >= 0.99), (label, rows)
+    if source == "hca":
+        assert "(ok: mean >=" in next(ln for ln in lines if ln.startswith("accuracy vs"))
+
+
+def test_rows_line():
+    """Each source's min and mean over the steps; a source the mask never
+    let through has no rows (and nothing to fail); NaN is below."""
+    ok, line = L.rows_line("BF16", 3, {"csa": [0.99, 0.97, 0.98], "hca": [], "win": [0.999]})
+    assert ok and line == ("KV rows attended vs the BF16 step's (cosine per source, the rows the attention mask "
+                           "lets through): CSA top-k min 0.970000 mean 0.980000, HCA no rows, window min 0.999000 "
+                           f"mean 0.999000 (1 of 3 steps) (ok: each mean >= {L.ROWS_FLOOR}) over 3 steps")
+    ok, line = L.rows_line("BF16", 1, {"csa": [0.2], "hca": [float("nan")], "win": [0.99]})
+    assert not ok and f"(BELOW: CSA top-k, HCA; each mean must be >= {L.ROWS_FLOOR})" in line
+
+
+@pytest.mark.parametrize("context, steps, masked", [(5, 2, {"csa", "win"}), (250, 10, {"hca"})])
+def test_rows_cos_reads_only_the_rows_the_mask_lets_through(context, steps, masked):
+    """rows_cos compares rawkv's rows with the baseline's of the same source
+    over the mask's rows only: what is outside it (invalid CSA ids, HCA
+    entries not written yet, window slots not filled: `masked`, the sources
+    with such rows at this context) does not count."""
+    d = _demo(context=context, steps=steps)
+    d.prepare(0)
+    d.step_rawkv()
+    d.step_base()
+    healthy = L.rows_cos(torch, d)
+    assert all(c is None or c > 0.99 for c in healthy.values()), healthy
+    m, s, at, seen = d.mask.view(d.B, -1), d.shape, 0, set()
+    for k, n in (("csa", s.topk), ("hca", d.k_hca), ("win", s.window)):
+        off = ~m[:, at: at + n]
+        at += n
+        if off.any() and m[:, at - n: at].any():
+            seen.add(k)
+            d.rows_rawkv[k][off] = 1e3
+    assert seen == masked
+    assert L.rows_cos(torch, d) == healthy
+
+
 def _args(**kw):
     a = dict(seed=0, layout="model1", steps=None, batch=None, context=None)
     a.update(kw)
