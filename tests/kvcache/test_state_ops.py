@@ -498,3 +498,41 @@ def test_gpu_state_seed_bit_exact_and_capturable(cuda, kind, rng):
     g.replay()
     torch.cuda.synchronize()
     assert_state_equal(st.to_reference(), want, "replayed state_seed")
+
+
+@pytest.mark.parametrize("placement", ["cpu", "cuda"])
+@pytest.mark.parametrize("op", ["state_append", "csa_rotate", "hca_reset", "state_clear"])
+def test_state_rows_past_the_launch_grid_refused_before_anything(monkeypatch, placement, op):
+    """rkv_kv_state_append and rkv_kv_state_reset run one CTA per batch row
+    (grid (B,)), and a grid's x dimension holds at most 2^31 - 1 blocks:
+    2^31 rows (slots of 8 GiB, kv of 4 HCA channels in 16 GiB) were accepted
+    on CPU and CUDA alike, and the launch failed on the GPU with CUDA's
+    error, not the argument's. Refused (a ValueError naming kv / slots)
+    before anything is launched or run. The 2^31-row tensors are
+    torch.empty's, never touched (address space, no memory)."""
+    torch = pytest.importorskip("torch")
+    from rawkv.kvcache import state_ops
+    from support.fake_cuda import fake, install
+    rt = install(monkeypatch, [state_ops])
+    kind = "csa" if op == "csa_rotate" else "hca"
+
+    class _NotRun:
+        def __getattr__(self, name):
+            raise AssertionError("the reference ran on rows past the launch grid")
+    monkeypatch.setattr(state_ops, "ref", _NotRun())
+    move = fake if placement == "cuda" else (lambda t: t)
+    st = kc.DecodeState(kind, 2, 4, device="cpu")
+    bufs = [None if b is None else move(torch.from_numpy(b.copy())) for b in
+            (st.kv_a, st.z_a, st.kv_b, st.z_b, st.count, st.errors)]
+    rows = 2 ** 31
+    valid, slots = move(torch.empty(rows, dtype=torch.bool)), move(torch.empty(rows, dtype=torch.int32))
+    if op == "state_append":
+        kv, z = (move(torch.empty((rows, st.width), dtype=torch.bfloat16)) for _ in range(2))
+        call, name = (lambda: state_ops._state_append(*bufs, kv, z, valid, slots, None)), "kv"
+    else:
+        body = {"csa_rotate": state_ops._csa_rotate, "hca_reset": state_ops._hca_reset,
+                "state_clear": state_ops._state_clear}[op]
+        call, name = (lambda: body(*bufs, valid, slots)), "slots"
+    with pytest.raises(ValueError, match=rf"^{name}: {rows} "):
+        call()
+    assert rt.calls == []

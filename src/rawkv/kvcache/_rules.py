@@ -420,6 +420,7 @@ def state_append(st, errors, kv, z, valid_mask, slots, ape):
     B = k.shape[0]
     if k.shape[1] != w:
         raise ValueError(f"kv: expected shape ({B}, {w}), got {tuple(k.shape)}")
+    launch_rows("kv", B)            # (one CTA per row: the grid's x dimension)
     zz = arg(z, "z", ROWS, where, dev, shape=(B, w), align=16)
     v = arg(valid_mask, "valid_mask", BOOL, where, dev, shape=(B,))
     s = arg(slots, "slots", I32, where, dev, shape=(B,), align=A.ELEMENT)     # (int32 loads)
@@ -443,6 +444,7 @@ def state_reset(st, mode_name: str, errors, valid_mask, slots):
     inputs = (("slots", slots), ("valid_mask", valid_mask))
     where, dev = placed(st, "state", *inputs, ("errors", errors))
     s = arg(slots, "slots", I32, where, dev, ndim=1, align=A.ELEMENT)         # (int32 loads)
+    launch_rows("slots", s.shape[0])    # (one CTA per row: the grid's x dimension)
     v = opt(valid_mask, "valid_mask", BOOL, where, dev, shape=(s.shape[0],))
     errors = outputs(st, "state", errors, where, dev, inputs=(("slots", s), ("valid_mask", v)), writes=True)
     return where, v, s, errors
