@@ -267,6 +267,29 @@ def test_decode_reads_apart_from_the_pool(rng):
     _decode_reads_apart_from_the_pool(rng, "cpu")
 
 
+def test_decode_rows_past_the_launch_grid_refused_before_anything(monkeypatch):
+    """rkv_kv_compress_decode runs one CTA per batch row on the grid's x
+    dimension ((B, 2): at most 2^31 - 1 blocks), and the rules had no bound
+    on B: 2^31 rows passed every check, ran the reference on CPU and planned
+    a launch CUDA refuses. A ValueError naming valid_mask now, before the
+    reference runs (the rule is the CUDA path's too: kvcache._rules). The
+    2^31-row tensors are torch.empty's, never touched (address space, no
+    memory)."""
+    torch = pytest.importorskip("torch")
+    from rawkv.kvcache import decode
+    pool = _pool("hca", "cpu", R=2)
+    st = DecodeState("hca", 2, D, device="cpu")
+    pool.attach(st)
+
+    def not_run(*a, **k):
+        raise AssertionError("the reference ran on rows past the launch grid")
+    monkeypatch.setattr(decode.ref, "paged_compress_decode", not_run)
+    rows = 2 ** 31
+    with pytest.raises(ValueError, match=rf"^valid_mask: {rows} "):
+        compress_decode(pool, st, torch.ones(D), torch.empty(rows, dtype=torch.bool),
+                        torch.empty(rows, dtype=torch.int32), torch.empty(rows, dtype=torch.int32))
+
+
 # ---------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------

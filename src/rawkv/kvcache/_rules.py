@@ -764,6 +764,7 @@ def compress_decode(p, state, index, norm_weight, valid_mask, slots, positions, 
                         ("norm_weight", norm_weight), ("index.norm_weight", inw))
     v = arg(valid_mask, "valid_mask", BOOL, where, dev, ndim=1)
     B = v.shape[0]
+    launch_rows("valid_mask", B)    # (one CTA per row: the grid's x dimension)
     # (loaded element by element: aligned to their own size, A.ELEMENT)
     s = arg(slots, "slots", IDS, where, dev, shape=(B,), align=A.ELEMENT)
     pos = arg(positions, "positions", (A.dtype_name(s),), where, dev, shape=(B,), align=A.ELEMENT)
