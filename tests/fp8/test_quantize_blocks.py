@@ -5,8 +5,11 @@ CUDA kernels against the reference bit for bit (GPU tests skip without one).
 
 The rule followed is DeepSeek-V4's act_quant (inference/kernel.py, tilelang;
 git blob ea7976fa1b4a549306ce57d7a1a78f4798b222b8 of the Hugging Face file,
-the same act_quant as github.com/deepseek-ai/DeepSeek-V3.2-Exp
-inference/kernel.py at 2305c7ec3bf4b357dc0aee8dd97e0a1cbc0ea0e1):
+committed as text in github.com/Mockingjay1316/deepseek-v4-flash-spark at
+0825add42734731a285e30f657b0ccfc5bad74c9 -- that repository's first commit,
+135f0266, holds only a symlink to the blob -- the same act_quant as
+github.com/deepseek-ai/DeepSeek-V3.2-Exp inference/kernel.py at
+2305c7ec3bf4b357dc0aee8dd97e0a1cbc0ea0e1):
     amax = max(max|x|, FP32(1e-4)); s = amax * FP32(1/448);
     ue8m0: s = 2^(exponent(s) + (mantissa(s) != 0));
     code = E4M3_rne_satfinite(clamp(FP32(x / s), -448, 448)).

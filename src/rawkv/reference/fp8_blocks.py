@@ -7,11 +7,15 @@ official `act_quant`, which this follows rule for rule:
 
   source: DeepSeek-V4 inference/kernel.py `act_quant_kernel` (tilelang 0.1.8),
           published on Hugging Face (deepseek-ai/DeepSeek-V4-Flash); read here
-          as git blob ea7976fa1b4a549306ce57d7a1a78f4798b222b8 (the file as
-          first copied from the Hub into github.com/Mockingjay1316/
-          deepseek-v4-flash-spark, commit 135f0266). The same `act_quant` rule
-          is in the official github.com/deepseek-ai/DeepSeek-V3.2-Exp,
-          inference/kernel.py at commit 2305c7ec3bf4b357dc0aee8dd97e0a1cbc0ea0e1.
+          as git blob ea7976fa1b4a549306ce57d7a1a78f4798b222b8, whose text is
+          committed in github.com/Mockingjay1316/deepseek-v4-flash-spark at
+          0825add42734731a285e30f657b0ccfc5bad74c9 (at that repository's
+          first commit, 135f0266e58f5ab72037c5d7a800179ae23b2226,
+          inference/kernel.py is only a symlink to the Hub cache's
+          blobs/ea7976fa...; its later 1795ef7 edits sparse_attn for GB10, not
+          act_quant). The same `act_quant` rule is in the official
+          github.com/deepseek-ai/DeepSeek-V3.2-Exp, inference/kernel.py at
+          commit 2305c7ec3bf4b357dc0aee8dd97e0a1cbc0ea0e1.
 
   1. amax = max |x| over the block, in FP32 (reduce_absmax; |bf16| is exact).
   2. amax = max(amax, 1e-4): the constant is FP32(1e-4) = 0x1.a36e2ep-14
@@ -32,7 +36,8 @@ official `act_quant`, which this follows rule for rule:
 
 DeepSeek-V3's Triton act_quant (github.com/deepseek-ai/DeepSeek-V3,
 inference/kernel.py at adecc0efbe2fda18945734168fce6e0df0d804c3) has the same
-steps 1, 2 and 5 but computes s = amax / 448 and x / s with Triton's FP32
+steps 1 and 2, and step 5 without the clamp (it casts x / s to float8_e4m3fn
+as it is), but computes s = amax / 448 and x / s with Triton's FP32
 division, which lowers to PTX div.full.f32 (approximate, up to 2 ulp), and
 the ue8m0 power with lg2/ex2 approximations: its bytes are not reproducible
 off the GPU, and this module does not follow them.
