@@ -32,11 +32,14 @@ KEY_LAYOUTS = {
 @pytest.mark.parametrize("name,page_size", [("index_fp8", 64), ("index_fp8", 32), ("index_fp8", 5),
                                             ("index_mxfp4", 64), ("index_mxfp4", 128), ("index_mxfp4", 7)])
 def test_index_key_pages_match_the_sources(rng, name, page_size):
-    """index_fp8: vLLM's fused FP8 indexer insert (the scale rule) in
-    DeepGEMM csrc/apis/attention.hpp's SM90 paged layout ((pages, P, 1, 132):
-    P x 128 codes, then P float32 scales). index_mxfp4: DeepSeek
-    fp4_act_quant / vLLM's fused MXFP4 insert (scale rule, E2M1 rounding,
-    nibble order) in DeepGEMM's SM100 paged layout (P x 64 code bytes, then
+    """index_fp8: vLLM's fused FP8 indexer insert (the scale rule;
+    fused_compress_quant_cache.py at e8f3d1e27521ae42f2e602a6b7bc2c083e89f9dc) in
+    the SM90 paged layout of DeepGEMM csrc/apis/attention.hpp at
+    0274ad7b911b99b4eb6f8d796403811cf1e18f3d ((pages, P, 1, 132): P x 128
+    codes, then P float32 scales). index_mxfp4: DeepSeek fp4_act_quant
+    (inference/kernel.py blob ea7976fa1b4a549306ce57d7a1a78f4798b222b8) / vLLM's
+    fused MXFP4 insert (scale rule, E2M1 rounding, nibble order) in DeepGEMM's
+    SM100 paged layout (P x 64 code bytes, then
     P int32 of 4 UE8M0 bytes). Every page byte is equal."""
     lay, write, build, block, fmax = KEY_LAYOUTS[name]
     n = 3
@@ -49,7 +52,10 @@ def test_index_key_pages_match_the_sources(rng, name, page_size):
 
 
 def test_index_mxfp4_scale_word_byte_order(rng):
-    """DeepGEMM reads MXFP4 block k's scale from byte k of the key's int32."""
+    """DeepGEMM reads MXFP4 block k's scale from byte k of the key's int32
+    (deep_gemm/utils/math.py at 54e22612409371d6364144b69086735beb54e98b,
+    pack_ue8m0_to_int: the UE8M0 bytes as uint8 viewed as int32, little-endian;
+    attention.hpp at 0274ad7b: kv_cache_sf an int32 per key)."""
     p = 16
     keys = tile_scaled(rng, p, 128, 32)
     cache = R.new_cache(R.INDEX_MXFP4, 1, p)

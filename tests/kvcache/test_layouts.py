@@ -29,7 +29,11 @@ from support.properties import SETTINGS, host, judge, libs, make, same, seeds  #
 # geometry
 # ---------------------------------------------------------------------------
 def test_page_bytes_follow_the_sources():
-    # FlashMLA quant.py: (P * bytes_per_token + 575) // 576 * 576, bytes_per_token = 448 + 128 + 7 + 1
+    # FlashMLA tests/quant.py at 520fec6a7fd98028705ccad373b7f0e3e2ae75fb, quantize_k_cache (MODEL1):
+    # (P * bytes_per_token + 575) // 576 * 576, bytes_per_token = 448 + 2*64 + 7 + 1 (csrc/api/
+    # sparse_decode.h at 4855c772bacb4d2cca413d6fb73cce396256a3c1: 448 + 64*2 + (448/64)*1 + 1);
+    # DeepGEMM csrc/apis/attention.hpp at 0274ad7b911b99b4eb6f8d796403811cf1e18f3d,
+    # fp8_fp4_paged_mqa_logits: head_dim_with_sf == kv_head_dim + sf_bytes (128 + 4, 64 + 4)
     for p in (1, 2, 3, 16, 63, 64, 65, 256):
         assert R.MODEL1.page_bytes(p) == (p * 584 + 575) // 576 * 576
         assert R.INDEX_FP8.page_bytes(p) == p * (128 + 4)        # DeepGEMM head_dim_with_sf 132
@@ -62,8 +66,9 @@ def _exact_exponent(a, fmax):
 def test_ue8m0_exponent_is_exact_on_a_whole_binade(fmax, floor, binade):
     """Every float32 amax of a binade: the reference exponent (ceil_log2 of
     the IEEE quotient, as the kernels compute it) is the exact ceiling; so
-    is DeepSeek's form amax * fp8_max_inv with the bit-level ceil (kernel.py
-    fast_round_scale)."""
+    is DeepSeek's form amax * fp8_max_inv with the bit-level ceil (DeepSeek-V4
+    inference/kernel.py fast_log2_ceil / fast_round_scale, blob ea7976fa1b4a549306ce57d7a1a78f4798b222b8
+    at Mockingjay1316/deepseek-v4-flash-spark 0825add42734731a285e30f657b0ccfc5bad74c9)."""
     bits = np.arange(2 ** 23, dtype=np.uint32) + np.uint32((127 + binade) << 23)
     a = np.maximum(bits.view(F32), F32(floor))
     want = _exact_exponent(a, fmax)
@@ -74,8 +79,9 @@ def test_ue8m0_exponent_is_exact_on_a_whole_binade(fmax, floor, binade):
 def test_ue8m0_exponent_on_every_bf16_value():
     """Every positive finite BF16 amax (the layouts quantize BF16 values):
     the exponent is exact and equals ceil(log2(.)) taken in float32 (the
-    form vLLM's Triton kernels use) and DeepSeek's bit-level ceil of
-    amax * fl(1/fmax); the range is [-22, 120] for FP8 and [-126, 126] for
+    form vLLM's Triton kernels use: fused_compress_quant_cache.py at
+    e8f3d1e27521ae42f2e602a6b7bc2c083e89f9dc) and DeepSeek's bit-level ceil of
+    amax * fl(1/fmax) (kernel.py blob ea7976fa, fast_round_scale); the range is [-22, 120] for FP8 and [-126, 126] for
     MXFP4, so 2^-e is always a normal float32."""
     a = (np.arange(1, 0x7F80, dtype=np.uint32) << 16).view(F32)
     for fmax, floor, lo, hi in ((448.0, R.FP8_AMAX_FLOOR, -22, 120), (6.0, R.MXFP4_AMAX_FLOOR, -126, 126)):

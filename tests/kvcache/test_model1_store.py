@@ -27,12 +27,15 @@ def e8m0_byte(scale):
 
 
 def flashmla_pages(x, page_size, rule="deepseek"):
-    """MODEL1_FP8Sparse pages built the way FlashMLA tests/quant.py
+    """MODEL1_FP8Sparse pages built the way FlashMLA tests/quant.py at 520fec6a7fd98028705ccad373b7f0e3e2ae75fb
     quantize_k_cache lays them out (a page of P tokens: [P x (448 FP8 +
     128 B BF16)] [P x 8 B: 7 e8m0 scales + 1], padded to a multiple of 576),
     with the scale rule of DeepSeek act_quant / vLLM (rule 'deepseek': amax
-    clamped to 1e-4) or FlashMLA's own test quantizer (rule 'flashmla': the
-    scale clamped to 1e-4). x: (num_pages, P, 512) BF16 values."""
+    clamped to 1e-4; DeepSeek-V4 inference/kernel.py blob ea7976fa1b4a549306ce57d7a1a78f4798b222b8
+    at Mockingjay1316/deepseek-v4-flash-spark 0825add42734731a285e30f657b0ccfc5bad74c9, called by
+    its model.py as act_quant(kv[..., :-rd], 64, "ue8m0", ..., True); vLLM cache_utils.py at
+    4fec5ad6fd00f5128c6a797e9536ae1939c3bbe6) or FlashMLA's own test quantizer (rule 'flashmla':
+    the scale clamped to 1e-4, _cast_scale_inv_to_ue8m0 at 520fec6a). x: (num_pages, P, 512) BF16 values."""
     n, p, _ = x.shape
     size = (p * 584 + 575) // 576 * 576
     buf = torch.zeros((n, size), dtype=torch.uint8)
@@ -54,7 +57,8 @@ def flashmla_pages(x, page_size, rule="deepseek"):
 
 @pytest.mark.parametrize("page_size", [64, 2, 3])
 def test_model1_pages_match_flashmla_layout_with_deepseek_scales(rng, page_size):
-    """Source: FlashMLA tests/quant.py (layout of a page) with the scale rule
+    """Source: FlashMLA tests/quant.py at 520fec6a7fd98028705ccad373b7f0e3e2ae75fb
+    (layout of a page) with the scale rule
     of DeepSeek act_quant / vLLM (amax clamped to 1e-4). Every page byte,
     padding included, is equal."""
     n = 3
@@ -66,7 +70,7 @@ def test_model1_pages_match_flashmla_layout_with_deepseek_scales(rng, page_size)
 
 
 def flashmla_dequantize(pages, page_size):
-    """FlashMLA tests/quant.py dequantize_k_cache (MODEL1): nope codes and
+    """FlashMLA tests/quant.py at 520fec6a7fd98028705ccad373b7f0e3e2ae75fb dequantize_k_cache (MODEL1): nope codes and
     e8m0 scales to BF16, multiplied in BF16; RoPE dims as stored."""
     n = pages.shape[0]
     q = tt(pages)
@@ -84,7 +88,8 @@ def flashmla_dequantize(pages, page_size):
 
 
 def test_model1_flashmla_scale_rule_differs_only_for_tiles_below_0_0448(rng):
-    """FlashMLA's test quantizer clamps the scale (amax / 448 >= 1e-4)
+    """FlashMLA's test quantizer (FlashMLA tests/quant.py at 520fec6a7fd98028705ccad373b7f0e3e2ae75fb,
+    _cast_scale_inv_to_ue8m0) clamps the scale (amax / 448 >= 1e-4)
     instead of amax. Only tiles with amax below 448e-4 = 0.0448 can differ,
     and they do exactly when amax <= 448 * 2^-14 (then FlashMLA's scale byte
     is 114 = 2^-13, ours is lower; up to 0.0448 both round up to 2^-13).

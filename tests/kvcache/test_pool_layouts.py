@@ -6,7 +6,8 @@ CPU tests: the pool's pages are byte-identical to pages built independently
 with the sources' rules (vLLM's quantize_and_insert_k_cache for the entries,
 vLLM's fused FP8 indexer insert / DeepSeek's fp4_act_quant for the keys,
 FlashMLA's abs_indices2indices_in_kvcache for the bridge: the constructions
-of tests/support/kvcache_layouts.py); the compressor writes what the layout
+of tests/support/kvcache_layouts.py, whose docstring names each source's file
+and commit); the compressor writes what the layout
 store writes from the reference's finished entries; the request rules
 (written[], marks, lowest row wins) hold. GPU tests (fixture `cuda`): a CUDA
 pool driven by the same calls as a CPU pool holds the same bytes and counts

@@ -22,7 +22,7 @@ from support.properties import SETTINGS, host, judge, libs, make, seeds  # noqa:
 # reference
 # ---------------------------------------------------------------------------
 def test_bridge_matches_flashmla_and_counts_errors(rng):
-    """Source: FlashMLA tests/quant.py abs_indices2indices_in_kvcache, on
+    """Source: FlashMLA tests/quant.py at 520fec6a7fd98028705ccad373b7f0e3e2ae75fb abs_indices2indices_in_kvcache, on
     valid ids (and -1); then every kind of bad id is -1 and counted."""
     P, B, S, Kk, mb, npg = 8, 4, 3, 10, 6, 40
     table = rng.permutation(npg)[:B * mb].reshape(B, mb).astype(np.int32)

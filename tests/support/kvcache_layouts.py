@@ -3,7 +3,33 @@ test_model1_store.py, test_index_store.py, ..., test_pool_layouts.py): FlashMLA
 tests/quant.py's pages and dequantizer, DeepSeek act_quant / fp4_act_quant's
 scales, vLLM's quantize_and_insert_k_cache and fused indexer kernels,
 DeepGEMM's paged layouts, FlashMLA's abs_indices2indices_in_kvcache; rows
-with the edge cases of the scales."""
+with the edge cases of the scales.
+
+The sources and the commits each construction restates (docs/kvcache.md,
+"Ecosystem layouts", L-S1..L-S4):
+- deepseek-ai/FlashMLA tests/quant.py at 520fec6a7fd98028705ccad373b7f0e3e2ae75fb
+  (MODEL1 page layout, 576-byte padding, abs_indices2indices_in_kvcache;
+  unchanged but for a comment up to 9241ae3ef9bac614dd25e45e507e089f888280e0)
+  and csrc/api/sparse_decode.h at 4855c772bacb4d2cca413d6fb73cce396256a3c1
+  (bytes_per_token = 448 + 64*2 + 448/64 + 1, kv.stride(1) == 584);
+- deepseek-ai/DeepGEMM csrc/apis/attention.hpp at
+  0274ad7b911b99b4eb6f8d796403811cf1e18f3d (fp8_fp4_paged_mqa_logits: values
+  at page + j * kv_head_dim, scales at page + block_kv * kv_head_dim + j *
+  sf_bytes) and deep_gemm/utils/math.py at
+  54e22612409371d6364144b69086735beb54e98b (per_token_cast_to_fp4: element 2j
+  in the low nibble; pack_ue8m0_to_int: block k's UE8M0 in byte k);
+- DeepSeek-V4 inference/kernel.py, blob ea7976fa1b4a549306ce57d7a1a78f4798b222b8
+  (github.com/Mockingjay1316/deepseek-v4-flash-spark at
+  0825add42734731a285e30f657b0ccfc5bad74c9; the same kernels in
+  Anshler/deepseek-v4-with-attention-residuals at
+  082a891c46f3e668c76d278c112b9de0d7f44e13): act_quant_kernel (amax floor
+  FP32(1e-4), fast_round_scale(amax, 1/448)) and fp4_quant_kernel (floor
+  6 * 2^-126, fast_round_scale(amax, 1/6), clamp to +-6); its model.py there
+  quantizes the entry with act_quant(kv[..., :-rd], 64, "ue8m0", ...) and the
+  indexer keys with fp4_act_quant(kv, 32, True);
+- vllm-project/vllm vllm/models/deepseek_v4/common/ops/cache_utils.py at
+  4fec5ad6fd00f5128c6a797e9536ae1939c3bbe6 and
+  .../fused_compress_quant_cache.py at e8f3d1e27521ae42f2e602a6b7bc2c083e89f9dc."""
 
 from __future__ import annotations
 
@@ -50,8 +76,8 @@ def edge_rows(rng, n, width, tile, fmax, finite_only=True):
 
 
 def flashmla_abs_indices(abs_indices, block_table, page_size):
-    """FlashMLA tests/quant.py abs_indices2indices_in_kvcache (its
-    documented per-request equivalent): block_table[i][id // P] * P + id % P,
+    """FlashMLA tests/quant.py at 520fec6a7fd98028705ccad373b7f0e3e2ae75fb
+    abs_indices2indices_in_kvcache (its documented per-request equivalent): block_table[i][id // P] * P + id % P,
     -1 stays -1."""
     out = torch.empty_like(abs_indices)
     for i in range(abs_indices.shape[0]):
@@ -75,7 +101,8 @@ def fp8_codes(v):
 
 
 def vllm_insert(cache, page_size, rows, slot_mapping):
-    """vLLM quantize_and_insert_k_cache (deepseek_v4 cache_utils.py), token by
+    """vLLM quantize_and_insert_k_cache (vllm/models/deepseek_v4/common/ops/
+    cache_utils.py at 4fec5ad6fd00f5128c6a797e9536ae1939c3bbe6), token by
     token: UE8M0 scale 2^ceil(log2(max(block_max, 1e-4) / 448)), codes
     fp8(clamp(x / scale)), byte exponent + 127, pad byte 7 = 0; token data at
     block * stride + pos * 576, scales at block * stride + P * 576 + pos * 8."""
@@ -99,10 +126,13 @@ def vllm_insert(cache, page_size, rows, slot_mapping):
 
 
 def vllm_fp8_key_pages(keys, page_size, num_pages, slots):
-    """vLLM's fused FP8 indexer-key insert (fused_compress_quant_cache.py):
+    """vLLM's fused FP8 indexer-key insert (fused_compress_quant_cache.py at
+    e8f3d1e27521ae42f2e602a6b7bc2c083e89f9dc,
+    _fused_kv_compress_norm_rope_insert_indexer_attn):
     absmax of the BF16 key, max(., 1e-4), exponent ceil(log2(absmax *
     (1/448))), codes fp8(clamp(x * 2^-exponent)), scale 2^exponent as FP32;
-    placed per DeepGEMM csrc/apis/attention.hpp: kv at page + j * 128,
+    placed per DeepGEMM csrc/apis/attention.hpp at
+    0274ad7b911b99b4eb6f8d796403811cf1e18f3d: kv at page + j * 128,
     kv_sf (float32) at page + P * 128 + j * 4."""
     buf = torch.zeros((num_pages, page_size * 132), dtype=torch.uint8)
     kv = buf[:, :page_size * 128].view(num_pages, page_size, 128)
@@ -136,11 +166,14 @@ def e2m1_nearest_even(v):
 
 
 def vllm_mxfp4_key_pages(keys, page_size, num_pages, slots):
-    """vLLM's fused MXFP4 indexer-key insert / DeepSeek fp4_act_quant: per
+    """vLLM's fused MXFP4 indexer-key insert (fused_compress_quant_cache.py at
+    e8f3d1e2) / DeepSeek fp4_act_quant (kernel.py blob ea7976fa,
+    fp4_quant_kernel): per
     block of 32, amax of the BF16 values, max(., 6 * 2^-126), exponent
     ceil(log2(amax * (1/6))) clamped to [-127, 127], byte exponent + 127,
-    codes e2m1(x * 2^-exponent), low nibble = even element; placed per
-    DeepGEMM (is_fp4: 64 code bytes per key, is_mx_sf: one int32 of 4 UE8M0
+    codes e2m1(x * 2^-exponent), low nibble = even element (DeepGEMM
+    deep_gemm/utils/math.py at 54e22612 per_token_cast_to_fp4); placed per
+    DeepGEMM attention.hpp at 0274ad7b (is_fp4: 64 code bytes per key, is_mx_sf: one int32 of 4 UE8M0
     bytes per key at page + P * 64 + j * 4)."""
     buf = np.zeros((num_pages, page_size * 68), np.uint8)
     xb = bf16_round(np.asarray(keys, F32)).reshape(len(keys), 4, 32)
