@@ -297,7 +297,9 @@ def test_indexer_nvfp4_matches_brute_force(rng):
     assert q.shape == (n, 64) and sf.shape == (n, 8)
     blk = x.reshape(n, 8, 16)
     bmax = np.abs(blk).max(-1)
-    # ModelOpt's scale rule: r == 0 -> 1.0 (0x38), else at least 2^-9
+    # ModelOpt's scale rule: r == 0 -> 1.0 (0x38), else at least 2^-9 (NVIDIA/Model-Optimizer
+    # modelopt/torch/quantization/qtensor/nvfp4_tensor.py at d0c01a4e9615eaaf0015ec0a5c7c54c5e41eda90,
+    # get_weights_scaling_factor and _cast_per_block_scale_to_fp8; the rules of nvidia-modelopt 0.47.0)
     r = bmax / F32(6.0)
     want_sf = np.where(r == 0, np.uint8(0x38), _e4m3_brute(np.maximum(r, F32(2.0**-9))))
     assert np.array_equal(sf, want_sf)

@@ -17,6 +17,15 @@ modelopt/torch/quantization/qtensor/nvfp4_tensor.py unless said otherwise):
   quotient underflows to -0, give code 0);
 - nibble order (element 2j low): `quantize`'s `packed_weight`.
 
+The same rules in the source repository: github.com/NVIDIA/Model-Optimizer
+(formerly TensorRT-Model-Optimizer), main at
+a2fbac7bad8ab446d3f8783dadb0c3366eb0ad73, where nvfp4_tensor.py was last
+changed by d0c01a4e9615eaaf0015ec0a5c7c54c5e41eda90. The 0.47.0 wheel's file
+is no commit of main (the release branch was not in the copy read); it
+differs from d0c01a4e's only by a `staticmethod` alias of
+`_cast_per_block_scale_to_fp8` and the order of `quantize`'s try_tensorrt
+conditions, none of the rules above.
+
 Where rawkv keeps its own rule (docs/format.md says why), the last tests pin
 what each library writes, so a change on either side shows up here.
 

@@ -27,8 +27,10 @@ from support.properties import BYTES, SETTINGS, host, judge, libs, make, seeds  
 
 # ---- the reference ----------------------------------------------------------------------------------
 def swizzle_by_reshape(sf: np.ndarray) -> np.ndarray:
-    """The block rearrangement written as reshapes (torchao to_blocked /
-    cuBLAS 'block scaling factors layout'): pad to (128k, 4l), view as
+    """The block rearrangement written as reshapes (torchao to_blocked,
+    github.com/pytorch/ao torchao/prototype/mx_formats/utils.py at
+    d3a0add9bacaac7afa7dcc4e8d2b16fd817deb5d; cuBLAS 'block scaling factors
+    layout'): pad to (128k, 4l), view as
     (rb, 128, cb, 4) -> (rb, cb, 128, 4) -> (tiles, 4, 32, 4) -> swap the
     4- and 32- axes -> flatten."""
     rows, cols = sf.shape
