@@ -523,3 +523,21 @@ def test_operator_args_names_a_weight_it_cannot_take(rng):
         rawkv.gemm.operator_args(x, rawkv.gemm.w4a8_weight(mx))
     with pytest.raises(TypeError, match=r"^weight: expected a rawkv.gemm.Fp4Weight"):
         rawkv.gemm.operator_args(x, None)
+
+
+def test_operator_args8_names_a_weight_it_cannot_take(rng):
+    # The W4A8 sibling of operator_args: rawkv.gemm.w4a8.operator_args8(x, w)
+    # read w.shifts after splitting x, so an Fp4Weight (whose operators take
+    # rawkv.gemm.operator_args's arguments; w4a8_weight turns an MXFP4 one
+    # into a W4a8Weight) or None failed with AttributeError ("'Fp4Weight'
+    # object has no attribute 'shifts'"), naming nothing. A TypeError naming
+    # weight, as operator_args gives for a W4a8Weight.
+    from rawkv.gemm.w4a8 import operator_args8
+    mx = rawkv.gemm.Fp4Weight.from_mxfp4(torch.from_numpy(rng.integers(0, 256, (2, 16, 32), dtype=np.uint8)),
+                                         torch.full((2, 16, 2), 127, dtype=torch.uint8), groups=2)
+    xa = rawkv.fp8.quantize_blocks(torch.randn(3, 2, 64))
+    assert operator_args8(xa, rawkv.gemm.w4a8_weight(mx))["n"] == 16
+    with pytest.raises(TypeError, match=r"^weight: an Fp4Weight's operators take other arguments: .*operator_args"):
+        operator_args8(xa, mx)
+    with pytest.raises(TypeError, match=r"^weight: expected a rawkv.gemm.W4a8Weight, got NoneType"):
+        operator_args8(xa, None)

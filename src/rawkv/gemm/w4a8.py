@@ -134,7 +134,14 @@ def moe_linear8(x, weight: W4a8Weight, offsets, out=None, errors=None, stream=No
 
 def operator_args8(x, weight: W4a8Weight) -> dict:
     """The keyword arguments of torch.ops.rawkv.gemm_grouped_linear_w4a8 /
-    gemm_moe_linear_w4a8 (add out= and errors=, and offsets= for MoE)."""
+    gemm_moe_linear_w4a8 (add out= and errors=, and offsets= for MoE).
+    A weight other than a W4a8Weight is a TypeError naming weight (an
+    Fp4Weight's operators take rawkv.gemm.operator_args's arguments)."""
+    if isinstance(weight, Fp4Weight):       # (an AttributeError on shifts before)
+        raise TypeError("weight: an Fp4Weight's operators take other arguments: rawkv.gemm.operator_args(x, "
+                        "weight); rawkv.gemm.w4a8_weight(weight) gives an MXFP4 weight's W4A8 form")
+    if not isinstance(weight, W4a8Weight):
+        raise TypeError(f"weight: expected a rawkv.gemm.W4a8Weight, got {type(weight).__name__}")
     codes, scales = split8(x)
     return dict(x=codes, x_sf=scales, codes=weight.codes, shifts=weight.shifts, row_scale=weight.row_scale,
                 gs=weight.gs, n=weight.n, k=weight.k)
