@@ -110,7 +110,7 @@ def instances_for(arch: str, files: Iterable[str] | None = None,
         if not _is_pair(pair):
             raise TypeError(f"instances: expected kernel instances (Kernel.instance(...)) or (file, name "
                             f"expression) pairs, got {inst!r}")
-        filename, name = pair
+        filename, name = pair                   # (a list pair, as from JSON, as a tuple below)
         if name not in registry.get(filename, ()):
             raise KeyError(f"rawkv: kernel instance {name!r} is not registered for {filename}")
         if compile_arch(filename, arch) is None:
@@ -120,8 +120,10 @@ def instances_for(arch: str, files: Iterable[str] | None = None,
 
 
 def _is_pair(v) -> bool:
-    """A (filename, name expression) pair of strings."""
-    return isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, str) for x in v)
+    """A (filename, name expression) pair of strings: a tuple, or a list
+    (a JSON round trip of instances_for's list gives lists; taken before
+    the wrong-shape checks, as any two-item iterable was unpacked)."""
+    return isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(x, str) for x in v)
 
 
 # Shared memory (static and dynamic) a launch may take without raising the

@@ -6,6 +6,7 @@ stand-in that checks each loaded cubin holds the symbol it is asked for.
 What only a GPU shows (the cold start's wall time, the modules really
 loading): tests/runtime/test_runtime_gpu.py and the demo."""
 import io
+import json
 import os
 import re
 import sys
@@ -418,3 +419,17 @@ def test_the_docs_count_the_instances_warmup_builds():
     m = re.search(r"`warmup\(\)` builds every instance the device runs \((\d+) on\s+sm_90, (\d+) on sm_80", text)
     assert m, "the sentence in docs/runtime.md, 'Compiling per instance, in parallel'"
     assert (int(m[1]), int(m[2])) == (len(runtime.instances_for("sm_90")), len(runtime.instances_for("sm_80")))
+
+
+def test_warmup_takes_a_pair_given_as_a_list():
+    """A (file, name expression) pair given as a two-string list (as a JSON
+    round trip of instances_for's or Runtime.recording()'s list gives it)
+    was taken and normalized before the wrong-shape checks (eb8cc66); those
+    checks kept only tuples, refusing it with a TypeError. Taken again; one
+    pair alone, as a list, is still refused by name."""
+    inst = kernels.fp8.ENCODE.instance("float32", True)
+    pairs = json.loads(json.dumps(runtime.instances_for("sm_90", instances=[inst])))
+    assert pairs == [list(inst.key)]
+    assert runtime.instances_for("sm_90", instances=pairs) == [inst.key]
+    with pytest.raises(TypeError, match="^instances: expected a list of kernel instances"):
+        runtime.instances_for("sm_90", instances=list(inst.key))
