@@ -541,3 +541,22 @@ def test_operator_args8_names_a_weight_it_cannot_take(rng):
         operator_args8(xa, mx)
     with pytest.raises(TypeError, match=r"^weight: expected a rawkv.gemm.W4a8Weight, got NoneType"):
         operator_args8(xa, None)
+
+
+def test_numpy_activations_of_no_rows_are_taken_as_torch_ones(rng):
+    """numpy gives an array of no elements strides of 0 (np.empty((0, 3, 24)).strides is (0, 0, 0)):
+    the GEMM's rule on out's last stride refused the op's own output for a numpy x of no rows
+    ('out: the last dimension must be contiguous'), and an empty numpy out, where torch's were taken."""
+    g, n, k = 3, 24, 64
+    w = _weight(rng, g, n, k)
+    got = rawkv.gemm.grouped_linear(np.ones((0, g, k), np.float32), w)
+    assert isinstance(got, np.ndarray) and got.shape == (0, g, n)
+    out = np.empty((0, g, n), np.float32)
+    assert rawkv.gemm.grouped_linear(np.ones((0, g, k), np.float32), w, out=out) is out
+    got = rawkv.gemm.moe_linear(np.ones((0, k), np.float32), w, np.zeros(g + 1, np.int32))
+    assert isinstance(got, np.ndarray) and got.shape == (0, n)
+    codes = np.zeros((0, g, 160), np.uint8)
+    w8 = rawkv.gemm.w4a8_weight(rawkv.gemm.Fp4Weight.from_mxfp4(torch.full((g, n, 80), 0x25, dtype=torch.uint8),
+                                                                torch.full((g, n, 5), 127, dtype=torch.uint8), groups=g))
+    got = rawkv.gemm.grouped_linear((codes, np.ones((0, g, 2), np.float32)), w8)
+    assert isinstance(got, np.ndarray) and got.shape == (0, g, n)
