@@ -131,6 +131,28 @@ def test_layer_arguments_are_refused_by_name(rng):
             layer(bad)
 
 
+def test_layer_sizes_past_the_kernels_are_named_and_numpy_ints_taken():
+    """A size no weight or call could have is a ValueError naming it before the buffer is allocated
+    (max_tokens=2**63 failed in torch.empty unnamed, 2**62 as an allocation error; in_features=2**64
+    made a layer that refused every weight); a NumPy int is the size it holds, as PagedKVPool and the
+    ops take it (it was a TypeError), a NumPy bool none."""
+    L = rawkv.gemm.Fp4GroupedLinear
+    for kw, name in ((dict(max_tokens=2 ** 62), "max_tokens"), (dict(max_tokens=2 ** 63), "max_tokens"),
+                     (dict(max_tokens=2 ** 64), "max_tokens"), (dict(groups=2 ** 63), "groups"),
+                     (dict(groups=65536), "groups"), (dict(in_features=2 ** 64), "in_features"),
+                     (dict(in_features=2 ** 27), "in_features"), (dict(out_features=2 ** 40), "out_features")):
+        args = {"groups": 2, "in_features": 64, "out_features": 16, "max_tokens": 4, **kw}
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            L(args["groups"], args["in_features"], args["out_features"], max_tokens=args["max_tokens"],
+              device="cpu")
+    layer = L(np.int64(2), np.int32(64), np.uint16(16), max_tokens=np.int64(4), device="cpu")
+    assert (layer.groups, layer.in_features, layer.out_features, layer.max_tokens) == (2, 64, 16, 4)
+    assert all(type(v) is int for v in (layer.groups, layer.in_features, layer.out_features, layer.max_tokens))
+    assert layer.out.shape == (4, 2, 16)
+    with pytest.raises(TypeError, match="^groups"):
+        L(np.True_, 64, 16, max_tokens=4, device="cpu")
+
+
 # ---------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------

@@ -5,7 +5,8 @@ allocated once, at construction, so a call allocates nothing and can be
 captured in a CUDA graph."""
 from __future__ import annotations
 
-from .._args import is_torch
+from .._args import is_int, is_torch
+from ._rules import _LARGE_TILE_TOKENS, MAX_GRID_YZ, MAX_NK
 from .linear import grouped_linear
 from .w4a8 import W4a8Weight, w4a8_weight
 from .weights import Fp4Weight, checked_device, require_torch
@@ -21,14 +22,23 @@ class Fp4GroupedLinear:
     def __init__(self, groups: int, in_features: int, out_features: int, *, max_tokens: int,
                  device="cuda"):
         torch = require_torch("rawkv.gemm.Fp4GroupedLinear")
-        for name, v in (("groups", groups), ("in_features", in_features), ("out_features", out_features),
-                        ("max_tokens", max_tokens)):
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"{name}: expected a positive int, got {v!r}")
-            if v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        groups, in_features, out_features, max_tokens = (
+            _size(name, v) for name, v in (("groups", groups), ("in_features", in_features),
+                                           ("out_features", out_features), ("max_tokens", max_tokens)))
         if in_features % 16:
             raise ValueError(f"in_features: {in_features} is not a multiple of 16 (NVFP4 blocks)")
+        # (sizes no weight or call could have, named before the buffer is
+        # allocated: torch's overflow / allocation error named nothing, and
+        # an in_features of 2**64 made a layer that refused every weight)
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if v >= MAX_NK:
+                raise ValueError(f"{name}: {v} is not below 2^27 = {MAX_NK} (the GEMM kernels' 32-bit "
+                                 "arithmetic; no weight of that size is taken)")
+        if groups > MAX_GRID_YZ:
+            raise ValueError(f"groups: {groups} is past the launch grid's limit of {MAX_GRID_YZ} groups")
+        if -(-max_tokens // _LARGE_TILE_TOKENS) > MAX_GRID_YZ:
+            raise ValueError(f"max_tokens: {max_tokens} is past the launch grid's limit of "
+                             f"{MAX_GRID_YZ * _LARGE_TILE_TOKENS} tokens a call")
         self.groups, self.in_features, self.out_features = groups, in_features, out_features
         self.max_tokens = max_tokens
         self.weight: Fp4Weight | W4a8Weight | None = None
@@ -136,6 +146,17 @@ class Fp4GroupedLinear:
                 raise ValueError(f"x: {tokens} tokens, the layer was built for max_tokens={self.max_tokens}")
             out = self.out[:tokens]
         return grouped_linear(x, self.weight, out=out, stream=stream)
+
+
+def _size(name: str, v) -> int:
+    """A layer size: a positive int, Python's or NumPy's (the number it
+    holds, as the ops and PagedKVPool take one; a bool is no size), as a
+    Python int; else a TypeError / ValueError naming it."""
+    if not is_int(v):
+        raise TypeError(f"{name}: expected a positive int, got {v!r}")
+    if v < 1:
+        raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    return int(v)
 
 
 def _fields(w) -> dict:
