@@ -670,3 +670,14 @@ def test_pool_and_layout_ops_refuse_element_misaligned_indices():
     for n, v in before.items():
         np.testing.assert_array_equal(getattr(after, n), v, err_msg=n)
     assert not cache.any() and pool.read_errors() == 0
+
+
+def test_max_requests_past_int32_slots_is_named_before_allocating():
+    """max_requests past 2^31 (the ops take slots as int32) is a ValueError naming it, for a pool and
+    a decode state, before anything is allocated: 2**63 failed in numpy's allocation ('Maximum allowed
+    dimension exceeded'), 2**31 + 1 as a MemoryError, naming nothing."""
+    for R in (2 ** 31 + 1, 2 ** 63, 2 ** 64):
+        with pytest.raises(ValueError, match="^max_requests: "):
+            kc.PagedKVPool("csa", 8, 4, R, 4, device="cpu")
+        with pytest.raises(ValueError, match="^max_requests: "):
+            kc.DecodeState("hca", R, device="cpu")

@@ -379,6 +379,22 @@ def _pos_int(name: str, v) -> int:
     return int(v)
 
 
+#: request slots a pool or decode state may have: the ops take slots as int32
+#: (the kernels read `const int* slots`), so slot 2^31 could never be named.
+MAX_REQUESTS = 2 ** 31
+
+
+def _max_requests(v) -> int:
+    """max_requests: a positive int (_pos_int) of at most MAX_REQUESTS slots;
+    a ValueError naming it before anything is allocated (2**63 failed in
+    numpy's allocation naming nothing: 'Maximum allowed dimension
+    exceeded')."""
+    v = _pos_int("max_requests", v)
+    if v > MAX_REQUESTS:
+        raise ValueError(f"max_requests: {v} is past 2^31 request slots (the ops take slots as int32)")
+    return v
+
+
 def _kind(kind) -> int:
     if kind not in KINDS:
         raise ValueError(f"kind: expected 'csa' or 'hca', got {kind!r}")
@@ -613,7 +629,7 @@ class PagedKVPool(ErrorCounter):
         self.m = _kind(kind)
         self.num_blocks = _pos_int("num_blocks", num_blocks)
         self.entries_per_block = _pos_int("entries_per_block", entries_per_block)
-        self.max_requests = _pos_int("max_requests", max_requests)
+        self.max_requests = _max_requests(max_requests)
         self.max_blocks_per_request = _pos_int("max_blocks_per_request", max_blocks_per_request)
         self.head_dim = _pos_int("head_dim", head_dim)
         if isinstance(rope_dim, bool) or not isinstance(rope_dim, (int, np.integer)):

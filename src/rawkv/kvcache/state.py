@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..reference import kvcache as ref
-from .pool import ErrorCounter, _kind, _pos_int, plain_tensors, register_buffers, resolve_device
+from .pool import ErrorCounter, _kind, _max_requests, _pos_int, plain_tensors, register_buffers, resolve_device
 
 
 class DecodeState(ErrorCounter):
@@ -70,7 +70,7 @@ class DecodeState(ErrorCounter):
         views.state_view's)."""
         self.kind = kind
         self.m = _kind(kind)
-        self.max_requests = _pos_int("max_requests", max_requests)
+        self.max_requests = _max_requests(max_requests)
         self.head_dim = _pos_int("head_dim", head_dim)
         if self.head_dim % 4:
             raise ValueError(f"head_dim: expected a multiple of 4, got {head_dim}")
