@@ -611,3 +611,28 @@ def test_docs_list_the_operators_buffer_prefixes():
         assert m, name
         found[name] = " ".join(m.group(1).split())
     assert found == {"POOL": V.pool_schema(True), "POOL_R": V.pool_schema(False), "STATE": V.state_schema(True)}
+
+
+def test_a_view_over_read_only_numpy_buffers_is_refused_naming_the_buffer():
+    """Every buffer of a pool or decode state is one some op writes: a view over a read-only numpy
+    array is refused, naming it, before any op runs. It was taken, and flush_write on a view whose
+    `written` was read-only wrote pages, index_pages and marks, then failed in numpy unnamed
+    ('assignment destination is read-only')."""
+    p = kc.PagedKVPool("csa", 8, 4, 2, 4, device="cpu")
+    args = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in V.pool_args(p).items()}
+    for name in ("pages", "index_pages", "block_table", "request_ids", "owners", "written", "marks"):
+        bad = dict(args)
+        bad[name] = args[name].view()
+        bad[name].setflags(write=False)
+        with pytest.raises(ValueError, match=f"^{name}: is read-only"):
+            V.pool_view(**bad)
+    st = kc.DecodeState("csa", 2, device="cpu")
+    sargs = {k: v.numpy() for k, v in V.state_args(st).items()}
+    for name in ("kv_a", "z_a", "kv_b", "z_b", "count"):
+        bad = dict(sargs)
+        bad[name] = sargs[name].view()
+        bad[name].setflags(write=False)
+        with pytest.raises(ValueError, match=f"^{name}: is read-only"):
+            V.state_view(**bad)
+    V.pool_view(**args)
+    V.state_view(**sargs)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 import string
 
+import numpy as np
+
 from .. import _args as A
 from ..reference import kvcache as ref
 from ..reference.kvcache import layouts as R
@@ -159,7 +161,15 @@ DATA_ALIGN = 16
 
 def _buf(x, name: str, dtypes: tuple, at: tuple, **kw):
     """A view's buffer, checked (C.arg); on the host as numpy (the
-    reference's), sharing the memory."""
+    reference's), sharing the memory. A read-only numpy array is refused,
+    naming it: every buffer of a pool or decode state is one some op
+    writes, and a view over one was taken, then an op failed part way
+    through with numpy's unnamed 'assignment destination is read-only'
+    after writing the others (flush_write on a read-only `written` had
+    written pages and marks)."""
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"{name}: is read-only (a numpy array with flags.writeable False); a view's buffers "
+                         "are its pool's or decode state's, which the ops write: pass writable arrays")
     x = C.arg(x, name, dtypes, *at, **kw)
     return x if at[0] == "cuda" else A.to_numpy(x, name)
 
