@@ -40,7 +40,9 @@ def _real(name: str, v) -> float:
 
 def _finite_at_least(name: str, v, lo: float, strict: bool, why: str) -> float:
     f = _real(name, v)
-    if not math.isfinite(f) or f < lo or (strict and f == lo):
+    # (comparisons only, NaN failing them: under torch.compile(dynamic=True)
+    # a number is a SymFloat, which math.isfinite cannot take, a graph break)
+    if not (lo <= f < math.inf) or (strict and f == lo):
         raise ValueError(f"{name}: expected a finite number {'>' if strict else '>='} {lo:g} ({why}), "
                          f"got {v!r}")
     return f
