@@ -23,3 +23,76 @@ def test_steps_compile_with_dynamic_shapes(rng, name, make):
     step, args = make(rng, "cpu")
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True)
     assert same_bits(compiled(*args), step(*args))
+
+
+def _t(rng, shape, dtype=torch.float32, lo=None):
+    a = rng.standard_normal(shape).astype(np.float32)
+    return torch.from_numpy(np.abs(a) + lo if lo is not None else a).to(dtype)
+
+
+def _ints(rng, shape, hi, lo=0, dtype=torch.int32):
+    return torch.from_numpy(rng.integers(lo, hi, shape)).to(dtype)
+
+
+def _cases():
+    """{name: (function, make(rng, M) -> its arguments)}: dimension 0 of each
+    tensor argument of size M is the token (row, batch) dimension."""
+    nv, fu, f8, kvc = rawkv.nvfp4, rawkv.fused, rawkv.fp8, rawkv.kvcache
+    bf = torch.bfloat16
+
+    def swizzle(x):
+        q, sf, gs = nv.quantize(x, scope="row")
+        sw = nv.swizzle_scales(sf)
+        sf2 = nv.unswizzle_scales(sw, sf.shape)
+        return sw, sf2, nv.dequantize(q, sf2, gs)
+
+    w = rawkv.gemm.Fp4Weight.from_float(torch.linspace(-2, 2, 3 * 24 * 64).reshape(3, 24, 64))
+
+    def gemm(x):
+        return rawkv.gemm.grouped_linear(x, w)
+
+    def store_gather(e, s):
+        c = kvc.new_layout_cache("model1", 8, 4, device="cpu")
+        kvc.model1_store(c, e, s, page_size=4)
+        return c, kvc.model1_gather(c, s, page_size=4)
+    return {
+        "fp8": (lambda x: f8.dequantize_blocks(*f8.quantize_blocks(x, block=32, scale_format="ue8m0"), block=32),
+                lambda r, M: (_t(r, (M, 96)),)),
+        "nvfp4_swizzle": (swizzle, lambda r, M: (_t(r, (M, 64), bf),)),
+        "nvfp4_gather": (lambda i, x: nv.gather(*nv.quantize(x), i), lambda r, M: (_ints(r, (M,), 16), _t(r, (16, 64)))),
+        "rmsnorm": (lambda x, w: fu.rmsnorm_quantize(x, w), lambda r, M: (_t(r, (M, 128), bf), _t(r, (128,), lo=0.5))),
+        "mhc_fp8": (lambda X, m, w: fu.mhc_rmsnorm_quantize_fp8(X, m, w, block=64),
+                    lambda r, M: (_t(r, (M, 4, 128), bf), _t(r, (M, 4), lo=0.0), _t(r, (128,), lo=0.5))),
+        "swiglu": (lambda h: fu.swiglu_quantize(h, 8, scope="row"), lambda r, M: (_t(r, (M, 256), bf),)),
+        "moe_stage": (lambda h, i, w: tuple(fu.moe_stage(h, i, w)),
+                      lambda r, M: (_t(r, (M, 128), bf), _ints(r, (M, 4), 64), _t(r, (M, 4), lo=0.0))),
+        "grouped_linear": (gemm, lambda r, M: (_t(r, (M, 3, 64), bf),)),
+        "model1_store_gather": (store_gather, lambda r, M: (_t(r, (M, 512), bf), _ints(r, (M,), 40, -1))),
+        "topk_bridge": (lambda i, b: kvc.topk_to_kvcache_indices(i, b, page_size=4, num_pages=4),
+                        lambda r, M: (_ints(r, (M, 4), 8, -1), _ints(r, (M, 2), 4))),
+    }
+
+
+def _meta(x):
+    if isinstance(x, (tuple, list)):
+        return tuple(_meta(y) for y in x)
+    return (tuple(x.shape), x.dtype, x.stride(), x.device) if isinstance(x, torch.Tensor) else x
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_token_count_marked_dynamic_compiles_once(rng, name):
+    from torch._dynamo.testing import CompileCounterWithBackend
+    fn, make = _cases()[name]
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fn, fullgraph=True, backend=counter)
+    frames = None
+    for m in (5, 11, 23):
+        args = make(rng, m)
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.shape[0] == m:
+                torch._dynamo.mark_dynamic(a, 0)
+        got, want = compiled(*args), fn(*args)
+        assert _meta(got) == _meta(want) and same_bits(got, want), m
+        frames = counter.frame_count if frames is None else frames
+    assert counter.frame_count == frames, "a new compile for a new token count"

@@ -76,10 +76,16 @@ def size(v, name: str) -> int:
     not a bool) >= 0, as a Python int."""
     if isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{name}: expected an int, got {v!r}")
-    try:
-        v = operator.index(v)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int, got {v!r}") from None
+    t = A._torch_or_none()
+    if type(v) is not int and not (t is not None and isinstance(v, t.SymInt)):
+        # (an int as it is: a dynamic size while torch.compile traces, e.g.
+        # sf.shape of a token count marked dynamic, which dynamo takes for
+        # an int, would be specialized to its value by operator.index, one
+        # compile per token count; mark_dynamic: an error)
+        try:
+            v = operator.index(v)
+        except TypeError:
+            raise TypeError(f"{name}: expected an int, got {v!r}") from None
     if v < 0:
         raise ValueError(f"{name}: expected a size >= 0, got {v}")
     return v
