@@ -491,7 +491,9 @@ def opcheck_samples(rng, device="cpu"):
     return {
         "rmsnorm_quantize_fp8": [(x, w, 1e-6, 128, "fp32", e(3, 64, dtype=U8), e(3, 1), e(3)),
                                  (x3, w128, 1e-5, 32, "ue8m0", e(2, 3, 128, dtype=U8), e(2, 3, 4, dtype=U8), e(2, 3))],
-        "mhc_rmsnorm_quantize_fp8": [(X, mix, w, 1e-6, 64, "ue8m0", e(3, 64, dtype=U8), e(3, 1), e(3))],
+        "mhc_rmsnorm_quantize_fp8": [(X, mix, w, 1e-6, 64, "ue8m0", e(3, 64, dtype=U8), e(3, 1), e(3)),
+                                     (X, mix.bfloat16(), w, 1e-5, 32, "fp32", e(3, 64, dtype=U8), e(3, 2), e(3)),
+                                     (X[:0], mix[:0], w, 1e-6, 64, "fp32", e(0, 64, dtype=U8), e(0, 1), e(0))],
         "swiglu_quantize_fp8": [(h, 8, 128, "ue8m0", e(3, 64, dtype=U8), e(3, 1, dtype=U8)),
                                 (h16, 6, 32, "fp32", e(2, 2, 96, dtype=U8), e(2, 2, 3))],
         "moe_stage_fp8": [(hid, ids, wts, 128, "ue8m0", e(4, 256, dtype=U8), e(4, 2, dtype=U8), e(4, 2, dtype=I64),

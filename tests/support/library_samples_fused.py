@@ -42,11 +42,14 @@ def samples(rng, device="cpu"):
             (x3, _t(rng, (128,), bf, device, lo=0.5), 1e-6, "given", None, 0.05, *_outs((2, 3), 128, (), device)),
             (x, w, 1e-6, "given", gs_t, None, *_outs((3,), 64, (1,), device)),
             (x, w.half(), 1e-6, "none", None, None, *_outs((3,), 64, (), device)),
+            (x[:0], w, 1e-6, "tensor", None, None, *_outs((0,), 64, (), device)),
         ],
         "mhc_rmsnorm_quantize": [
             (X, mix, w, 1e-6, "row", None, None, *_outs((3,), 64, (3,), device)),
             (X, mix.bfloat16(), w, 1e-6, "tensor", None, None, *_outs((3,), 64, (), device)),
             (X, mix, w, 1e-6, "given", gs_t, None, *_outs((3,), 64, (), device)),
+            (X, mix, w, 1e-6, "none", None, None, *_outs((3,), 64, (), device)),
+            (X[:0], mix[:0], w, 1e-6, "row", None, None, *_outs((0,), 64, (0,), device)),
         ],
         "swiglu_quantize": [
             (h, 8, "row", None, None, *_outs((3,), 64, (3,), device, False)),

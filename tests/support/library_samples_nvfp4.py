@@ -34,12 +34,17 @@ def samples(rng, device="cpu"):
             (x, "given", g1, None, empty(4, 32), empty(4, 4), None, errors.clone()),
             (x.half(), "given", g1, None, empty(4, 32), empty(4, 4), empty(dtype=torch.float32), None),
             (x, "none", None, None, empty(4, 32), empty(4, 4), empty(dtype=torch.float32), None),
+            # no rows; rows 128 floats apart (a strided x the op reads in place)
+            (x[:0], "row", None, None, empty(0, 32), empty(0, 4), empty(0, dtype=torch.float32), None),
+            (t(rng.standard_normal((4, 128)).astype(np.float32))[:, :64], "tensor", None, None, empty(4, 32),
+             empty(4, 4), empty(dtype=torch.float32), errors.clone()),
         ],
         # q, sf, gs, gs_value, out
         "nvfp4_dequantize": [
             (q, sf, g, None, empty(4, 64, dtype=torch.float32)),
             (q, sf, None, 0.5, empty(4, 64, dtype=torch.bfloat16)),
             (q, sf, torch.tensor(0.25, device=device), None, empty(4, 64, dtype=torch.float16)),
+            (q[:0], sf[:0], g[:0], None, empty(0, 64, dtype=torch.float32)),
         ],
         # q, sf, gs, gs_value, indices, out, errors
         "nvfp4_gather": [
