@@ -39,6 +39,17 @@ def _compiled(fn):
     return torch.compile(fn, fullgraph=True, backend=counter), counter
 
 
+def _refused_eager_and_compiled(fn, arg, match):
+    """fn(arg) refused eagerly (the ValueError naming the argument) and,
+    compiled fresh, while dynamo traces it (the same message, as torch's
+    TorchRuntimeError carrying it)."""
+    with pytest.raises(ValueError, match="^" + match):
+        fn(arg)
+    step, _ = _compiled(fn)
+    with pytest.raises(Exception, match=match):
+        step(arg)
+
+
 def _t(a):
     return torch.from_numpy(np.ascontiguousarray(a))
 
@@ -66,11 +77,7 @@ def test_compiled_store_into_a_pools_bookkeeping_is_refused(rng):
     before = (pool.marks.copy(), pool.request_ids.copy())
     for role, cache, store in cases:
         match = f"cache: lies in the {role} buffer of a PagedKVPool"
-        with pytest.raises(ValueError, match="^" + match):
-            store(cache)
-        step, _ = _compiled(store)
-        with pytest.raises(Exception, match=match):
-            step(cache)
+        _refused_eager_and_compiled(store, cache, match)
         # traced on the engine's own cache (written), then given the pool's buffer
         step, counter = _compiled(store)
         own = torch.zeros_like(cache)
@@ -97,11 +104,7 @@ def test_compiled_gather_counter_in_request_ids_is_refused():
         return kc.gather_topk(p, slots, ids, errors=e)
 
     match = "errors: overlaps pool.request_ids in memory"
-    with pytest.raises(ValueError, match="^" + match):
-        gather(rid[:1])
-    step, _ = _compiled(gather)
-    with pytest.raises(Exception, match=match):
-        step(rid[:1])
+    _refused_eager_and_compiled(gather, rid[:1], match)
     step, counter = _compiled(gather)
     own = torch.zeros(1, dtype=torch.int32)
     step(own)
@@ -146,11 +149,7 @@ def test_compiled_operator_over_two_pools_buffers_is_refused(rng):
 
     mixed = {**V.pool_args(a), "written": V.pool_args(b)["written"]}
     match = "written: belongs to another PagedKVPool than block_table"
-    with pytest.raises(ValueError, match="^" + match):
-        flush(mixed)
-    step, _ = _compiled(flush)
-    with pytest.raises(Exception, match=match):
-        step(mixed)
+    _refused_eager_and_compiled(flush, mixed, match)
     step, counter = _compiled(flush)
     step(V.pool_args(a))                               # A's buffers whole: accepted
     assert counter.frame_count == 1 and a.read_errors() == 0
