@@ -60,6 +60,7 @@ numpy reference on it.
 from __future__ import annotations
 
 import bisect
+import functools
 import sys
 import weakref
 
@@ -382,6 +383,17 @@ def _pos_int(name: str, v) -> int:
 #: request slots a pool or decode state may have: the ops take slots as int32
 #: (the kernels read `const int* slots`), so slot 2^31 could never be named.
 MAX_REQUESTS = 2 ** 31
+
+
+def _on_bookkeeper(method):
+    """A host method of PagedKVPool that a view (no bookkeeping of its own)
+    runs on the pool its _bookkeeper names: one rule for every such method."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self._states is None:
+            return getattr(self._bookkeeper(), method.__name__)(*args, **kwargs)
+        return method(self, *args, **kwargs)
+    return run
 
 
 def _max_requests(v) -> int:
@@ -711,6 +723,7 @@ class PagedKVPool(ErrorCounter):
             raise ValueError(f"slot: {slot} holds no request (add_request() first)")
         return int(slot)
 
+    @_on_bookkeeper
     def add_request(self) -> int:
         """A free request slot (the lowest); its block-table row is all -1 and
         it holds no entries. The slot gets a fresh request id
@@ -721,8 +734,6 @@ class PagedKVPool(ErrorCounter):
         rows to the free slot since, which the new request's first entry
         would pool). RuntimeError when every slot is taken; CaptureError
         while capturing."""
-        if self._states is None:
-            return self._bookkeeper().add_request()
         free = np.flatnonzero(~self._active)
         if free.size == 0:
             raise RuntimeError(f"PagedKVPool: all {self.max_requests} request slots are taken")
@@ -736,6 +747,7 @@ class PagedKVPool(ErrorCounter):
         self._n_entries[s] = 0
         return s
 
+    @_on_bookkeeper
     def attach(self, *states) -> None:
         """Attach this layer's decode states (the compressor's and, for CSA,
         the indexer's), once, when the layer is built. From then on
@@ -751,8 +763,6 @@ class PagedKVPool(ErrorCounter):
         (its _owner), as on the operators' path: otherwise a view of
         another pool's state was attached here, and compress_decode pooled
         that pool's request's window into this pool's entry."""
-        if self._states is None:
-            return self._bookkeeper().attach(*states)
         self._check_host_time("attach")
         for st in states:
             # a DecodeState: the ErrorCounter that is not a pool (state.py imports this module)
@@ -781,6 +791,7 @@ class PagedKVPool(ErrorCounter):
                 st._pool = self
                 self._states.append(st)
 
+    @_on_bookkeeper
     def free_request(self, slot) -> None:
         """Return the blocks of `slot` to the free list, set its block-table
         row to -1 and its `written` count and request id to 0 (device fills
@@ -792,8 +803,6 @@ class PagedKVPool(ErrorCounter):
         state_seed (its prompt's tail). The device fills run on torch's
         current stream, like prepare_step's table upload: an engine whose
         kernels run on another stream must order that stream after them."""
-        if self._states is None:
-            return self._bookkeeper().free_request(slot)
         s = self._slot(slot)
         self._check_host_time("free_request")
         n = int(self._nblocks[s])
@@ -851,17 +860,15 @@ class PagedKVPool(ErrorCounter):
             self.request_ids[:] = self._ids
         self._next_id = act.size + 1
 
+    @_on_bookkeeper
     def n_entries(self, slot) -> int:
         """Complete entries of `slot` once the steps prepared so far have run:
         (highest prepared position + 1) // m."""
-        if self._states is None:
-            return self._bookkeeper().n_entries(slot)
         return int(self._n_entries[self._slot(slot)])
 
+    @_on_bookkeeper
     def blocks_of(self, slot) -> list:
         """Physical blocks of `slot`, in logical order (host copy)."""
-        if self._states is None:
-            return self._bookkeeper().blocks_of(slot)
         s = self._slot(slot)
         return self._table[s, : int(self._nblocks[s])].tolist()
 
@@ -869,23 +876,21 @@ class PagedKVPool(ErrorCounter):
         """Entries the pool holds in all: num_blocks * entries_per_block."""
         return self.num_blocks * self.entries_per_block
 
+    @_on_bookkeeper
     def free_blocks(self) -> int:
-        if self._states is None:
-            return self._bookkeeper().free_blocks()
         return len(self._free)
 
+    @_on_bookkeeper
     def active_slots(self) -> list:
-        if self._states is None:
-            return self._bookkeeper().active_slots()
         return np.flatnonzero(self._active).tolist()
 
+    @_on_bookkeeper
     def block_table_host(self) -> np.ndarray:
         """Copy of the host mirror of block_table (no device access)."""
-        if self._states is None:
-            return self._bookkeeper().block_table_host()
         return self._table.copy()
 
     # -- step preparation -----------------------------------------------------
+    @_on_bookkeeper
     def prepare_step(self, slots, positions) -> int:
         """Host side, before a (captured) step runs: for every (slot, position)
         that the step will process, make sure entry position // m has a
@@ -903,8 +908,6 @@ class PagedKVPool(ErrorCounter):
         anything is written. Refused (CaptureError) while capturing. An
         empty step (no slots: [] or a 0-length array) changes nothing.
         Returns the number of blocks allocated."""
-        if self._states is None:
-            return self._bookkeeper().prepare_step(slots, positions)
         sl = host_ints("slots", slots)
         ps = host_ints("positions", positions)
         if sl.shape != ps.shape:
