@@ -761,6 +761,19 @@ def is_number(v) -> bool:
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
 
 
+def positive_int(name: str, v) -> int:
+    """A size an object is built with (a layer's groups, a pool's blocks):
+    a Python or NumPy int >= 1, as a Python int; a bool, float or anything
+    else a TypeError, 0 or less a ValueError, each naming the argument.
+    (One rule: until session 64 the GEMM layer, the weight loaders and the
+    KV-cache pool each had their own copy, in three wordings.)"""
+    if not is_int(v):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if v < 1:
+        raise ValueError(f"{name}: expected a positive int, got {v}")
+    return int(v)
+
+
 def as_number(v):
     """`v`, an argument where a number goes, with a NumPy integer or float
     scalar as the Python int or float it holds (np.int64(64) is 64,

@@ -5,7 +5,7 @@ allocated once, at construction, so a call allocates nothing and can be
 captured in a CUDA graph."""
 from __future__ import annotations
 
-from .._args import is_int, is_torch
+from .._args import is_torch, positive_int
 from ._rules import _LARGE_TILE_TOKENS, MAX_GRID_YZ, MAX_NK
 from .linear import grouped_linear
 from .w4a8 import W4a8Weight, w4a8_weight
@@ -23,7 +23,7 @@ class Fp4GroupedLinear:
                  device="cuda"):
         torch = require_torch("rawkv.gemm.Fp4GroupedLinear")
         groups, in_features, out_features, max_tokens = (
-            _size(name, v) for name, v in (("groups", groups), ("in_features", in_features),
+            positive_int(name, v) for name, v in (("groups", groups), ("in_features", in_features),
                                            ("out_features", out_features), ("max_tokens", max_tokens)))
         if in_features % 16:
             raise ValueError(f"in_features: {in_features} is not a multiple of 16 (NVFP4 blocks)")
@@ -146,17 +146,6 @@ class Fp4GroupedLinear:
                 raise ValueError(f"x: {tokens} tokens, the layer was built for max_tokens={self.max_tokens}")
             out = self.out[:tokens]
         return grouped_linear(x, self.weight, out=out, stream=stream)
-
-
-def _size(name: str, v) -> int:
-    """A layer size: a positive int, Python's or NumPy's (the number it
-    holds, as the ops and PagedKVPool take one; a bool is no size), as a
-    Python int; else a TypeError / ValueError naming it."""
-    if not is_int(v):
-        raise TypeError(f"{name}: expected a positive int, got {v!r}")
-    if v < 1:
-        raise ValueError(f"{name}: expected a positive int, got {v!r}")
-    return int(v)
 
 
 def _fields(w) -> dict:

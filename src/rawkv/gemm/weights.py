@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._args import check_gs_number, is_int, is_number, is_torch, require_array
+from .._args import check_gs_number, is_int, is_number, is_torch, positive_int, require_array
 from ..reference import gemm as ref
 from ..runtime import get_runtime
 from . import pack
@@ -111,14 +111,6 @@ def _exp_range(v):
     return int(v[0]), int(v[1])
 
 
-def _check_groups(groups) -> int:
-    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)):
-        raise TypeError(f"groups: expected an int, got {groups!r}")
-    if groups < 1:
-        raise ValueError(f"groups: must be >= 1, got {groups}")
-    return int(groups)
-
-
 def _rows_of(weight, groups: int, name: str = "weight") -> tuple[int, int]:
     """(G, N) of a (G*N, .) or (G, N, .) weight stacked over `groups`."""
     if weight.dim() == 2:
@@ -149,7 +141,7 @@ def _checkpoint(weight, scale, scale_name: str, scale_view: str, groups, fmt: st
     3-D) -> uint8 (G, N, K/2), (G, N, K/block), checked."""
     block = ref.BLOCKS[fmt]
     weight = _byte_tensor(weight, "weight", "float4_e2m1fn_x2")
-    g, n = _rows_of(weight, _check_groups(groups))
+    g, n = _rows_of(weight, positive_int("groups", groups))
     k = 2 * weight.shape[-1]
     if k % block:
         raise ValueError(f"weight: K = {k} (2 x {weight.shape[-1]} bytes per row) must be a "

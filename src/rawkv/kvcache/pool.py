@@ -372,14 +372,6 @@ def check_counter_owner(view) -> None:
                          f"counter (the op would add its count into that object's {found[1]})")
 
 
-def _pos_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
-    if v <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {v}")
-    return int(v)
-
-
 #: request slots a pool or decode state may have: the ops take slots as int32
 #: (the kernels read `const int* slots`), so slot 2^31 could never be named.
 MAX_REQUESTS = 2 ** 31
@@ -397,11 +389,11 @@ def _on_bookkeeper(method):
 
 
 def _max_requests(v) -> int:
-    """max_requests: a positive int (_pos_int) of at most MAX_REQUESTS slots;
+    """max_requests: a positive int (rawkv._args.positive_int) of at most MAX_REQUESTS slots;
     a ValueError naming it before anything is allocated (2**63 failed in
     numpy's allocation naming nothing: 'Maximum allowed dimension
     exceeded')."""
-    v = _pos_int("max_requests", v)
+    v = A.positive_int("max_requests", v)
     if v > MAX_REQUESTS:
         raise ValueError(f"max_requests: {v} is past 2^31 request slots (the ops take slots as int32)")
     return v
@@ -639,11 +631,11 @@ class PagedKVPool(ErrorCounter):
         self.layout = layout
         self.kind = kind
         self.m = _kind(kind)
-        self.num_blocks = _pos_int("num_blocks", num_blocks)
-        self.entries_per_block = _pos_int("entries_per_block", entries_per_block)
+        self.num_blocks = A.positive_int("num_blocks", num_blocks)
+        self.entries_per_block = A.positive_int("entries_per_block", entries_per_block)
         self.max_requests = _max_requests(max_requests)
-        self.max_blocks_per_request = _pos_int("max_blocks_per_request", max_blocks_per_request)
-        self.head_dim = _pos_int("head_dim", head_dim)
+        self.max_blocks_per_request = A.positive_int("max_blocks_per_request", max_blocks_per_request)
+        self.head_dim = A.positive_int("head_dim", head_dim)
         if isinstance(rope_dim, bool) or not isinstance(rope_dim, (int, np.integer)):
             raise TypeError(f"rope_dim: expected an int, got {type(rope_dim).__name__}")
         self.rope_dim = int(rope_dim)
@@ -656,7 +648,7 @@ class PagedKVPool(ErrorCounter):
         if index_head_dim is not None:
             if kind != "csa":
                 raise ValueError("index_head_dim: only a CSA pool has indexer keys (pass None for HCA)")
-            index_head_dim = _pos_int("index_head_dim", index_head_dim)
+            index_head_dim = A.positive_int("index_head_dim", index_head_dim)
             if index_head_dim % ref.NVFP4_BLOCK:
                 raise ValueError(f"index_head_dim: expected a multiple of 16, got {index_head_dim}")
         self.index_head_dim = index_head_dim

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _args as A
 from ..reference import kvcache as ref
-from .pool import ErrorCounter, _kind, _max_requests, _pos_int, plain_tensors, register_buffers, resolve_device
+from .pool import ErrorCounter, _kind, _max_requests, plain_tensors, register_buffers, resolve_device
 
 
 class DecodeState(ErrorCounter):
@@ -71,7 +72,7 @@ class DecodeState(ErrorCounter):
         self.kind = kind
         self.m = _kind(kind)
         self.max_requests = _max_requests(max_requests)
-        self.head_dim = _pos_int("head_dim", head_dim)
+        self.head_dim = A.positive_int("head_dim", head_dim)
         if self.head_dim % 4:
             raise ValueError(f"head_dim: expected a multiple of 4, got {head_dim}")
         self.coff = 2 if kind == "csa" else 1
