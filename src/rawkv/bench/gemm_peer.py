@@ -2,7 +2,7 @@
 as the peer, the check of its output, the alternation in which a row's timings are
 taken (best_of), and its W4A8 mode's weights and reference.
 
-The peer: humming-kernels 0.1.19 (the vLLM project's JIT W4A16 / FP4 GEMM
+The peer: humming-kernels 0.1.20 (0.1.19 until session 64: the calls below are the same in both; the vLLM project's JIT W4A16 / FP4 GEMM
 library; `pip install rawkv[bench]`; it compiles its kernels with NVRTC at run
 time). Optional: timed only with --peer (run(..., peers=True)) and when
 installed; otherwise every row has peer: null and the run goes on.
