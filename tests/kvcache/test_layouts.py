@@ -328,6 +328,78 @@ def test_an_engine_view_of_a_pools_pages_takes_the_pools_geometry():
         assert tuple(kc.deepgemm_view(conv(m1.pages.copy()), 48).shape) == (2, 48, 1, 132)
 
 
+# DeepGEMM deepseek-ai/DeepGEMM at 54e22612409371d6364144b69086735beb54e98b, csrc/apis/attention.hpp,
+# fp8_fp4_paged_mqa_logits (fp8_paged_mqa_logits, lines 418-430, calls it with q's scale None):
+# line 278 (MXFP4 keys) and line 312 (FP8 keys) assert fused_kv_cache.scalar_type() == torch::kByte,
+# and nothing else (uint8 only; 1c9fa43e's fp8_paged_mqa_logits asserts the same). FlashMLA
+# deepseek-ai/FlashMLA at 9241ae3ef9bac614dd25e45e507e089f888280e0 (and 520fec6a), csrc/api/sparse_decode.h
+# line 260: kv.dtype() is kFloat8_e4m3fn, kInt8 or kUInt8.
+DEEPGEMM_KV_DTYPES = ("uint8",)
+FLASHMLA_KV_DTYPES = ("float8_e4m3fn", "int8", "uint8")
+
+
+def _cache_forms(layout, p, dtype, conv):
+    """A layout cache of `dtype` (a torch name) in the forms a view takes:
+    the (num_pages, page_bytes) pages, pages from the second page on, and
+    the engine's own 4-d view of them."""
+    lay = R.LAYOUTS[layout]
+    rec = lay.data_bytes + lay.scale_bytes
+    pages = conv(kc.new_layout_cache(layout, 3, p, device="cpu").view(getattr(torch, dtype)))
+    return (pages, pages[1:], pages.as_strided((3, p, 1, rec), (lay.page_bytes(p), rec, rec, 1)))
+
+
+@pytest.mark.parametrize("layout", ["index_fp8", "index_mxfp4"])
+def test_deepgemm_view_is_the_uint8_view_deepgemm_takes(layout):
+    """deepgemm_view of a float8_e4m3fn cache (a dtype every layout op
+    takes) was a float8 view, which DeepGEMM's fp8_paged_mqa_logits /
+    fp8_fp4_paged_mqa_logits refuse (kByte only: DEEPGEMM_KV_DTYPES). The
+    view of a cache of each accepted dtype (C.CACHE), torch and a CUDA
+    tensor's path (faked) alike, is uint8 over the cache's own memory: its
+    first byte, DeepGEMM's shape and strides in bytes, writes through it
+    land in the cache. A numpy cache is a uint8 array likewise."""
+    from rawkv.kvcache import _rules as C
+    p = 32
+    lay = R.LAYOUTS[layout]
+    rec = lay.data_bytes + lay.scale_bytes
+    for dtype in C.CACHE:
+        for conv in (lambda t: t, fake):
+            for cache in _cache_forms(layout, p, dtype, conv):
+                v = kc.deepgemm_view(cache, p, layout)
+                assert isinstance(v, torch.Tensor) and str(v.dtype).replace("torch.", "") in DEEPGEMM_KV_DTYPES
+                assert v.dtype == torch.uint8
+                assert tuple(v.shape) == (cache.shape[0], p, 1, rec)
+                assert v.stride() == (lay.page_bytes(p), rec, rec, 1)
+                assert v.data_ptr() == cache.data_ptr()
+                v[-1, p - 1, 0, rec - 1] = 0x5A                                   # the cache's memory
+                assert cache.view(torch.uint8).reshape(-1)[-(lay.page_bytes(p) - p * rec) - 1] == 0x5A
+    n = kc.new_layout_cache(layout, 3, p)
+    for cache in (n, n[1:]):
+        v = kc.deepgemm_view(cache, p, layout)
+        assert isinstance(v, np.ndarray) and v.dtype == np.uint8
+        assert v.shape == (cache.shape[0], p, 1, rec) and v.strides == (lay.page_bytes(p), rec, rec, 1)
+        assert v.__array_interface__["data"][0] == cache.__array_interface__["data"][0]
+
+
+def test_flashmla_view_keeps_a_dtype_flashmla_takes():
+    """FlashMLA's sparse decode takes a float8_e4m3fn, int8 or uint8 kv
+    (FLASHMLA_KV_DTYPES), so flashmla_view keeps the cache's dtype: every
+    dtype a cache may have (C.CACHE) is one of them. Shape, strides and
+    first byte are the cache's pages'."""
+    from rawkv.kvcache import _rules as C
+    p = 4
+    pb = R.MODEL1.page_bytes(p)
+    assert set(C.CACHE) <= set(FLASHMLA_KV_DTYPES)
+    for dtype in C.CACHE:
+        for conv in (lambda t: t, fake):
+            for cache in _cache_forms("model1", p, dtype, conv):
+                v = kc.flashmla_view(cache, p)
+                assert v.dtype == cache.dtype == getattr(torch, dtype)
+                assert tuple(v.shape) == (cache.shape[0], p, 1, 584) and v.stride() == (pb, 584, 584, 1)
+                assert v.data_ptr() == cache.data_ptr()
+    v = kc.flashmla_view(kc.new_layout_cache("model1", 3, p), p)
+    assert v.dtype == np.uint8 and v.shape == (3, p, 1, 584) and v.strides == (pb, 584, 584, 1)
+
+
 def test_model1_gather_reads_a_pools_pages_only_in_the_pools_geometry():
     """model1_gather decodes MODEL1 records itself, as FlashMLA does
     through flashmla_view, but its cache was checked only for its page

@@ -64,20 +64,27 @@ def new_layout_cache(layout, num_pages: int, page_size: int, *, device=None):
 
 def flashmla_view(cache, page_size: int):
     """FlashMLA's view of a MODEL1 cache: (num_pages, P, 1, 584) bytes with
-    page stride page_bytes (what flash_mla's sparse decode takes as k_cache)."""
-    return _record_view(cache, R.MODEL1, page_size, "flashmla_view")
+    page stride page_bytes (what flash_mla's sparse decode takes as k_cache),
+    of the cache's own dtype: FlashMLA takes float8_e4m3fn, int8 or uint8
+    (csrc/api/sparse_decode.h line 260 at 9241ae3e), so both of a cache's
+    dtypes pass."""
+    return _record_view(cache, R.MODEL1, page_size, "flashmla_view", as_bytes=False)
 
 
 def deepgemm_view(cache, page_size: int, layout="index_fp8"):
     """DeepGEMM's view of an indexer-key cache: (num_pages, P, 1, 132) for
-    FP8 keys (fp8_paged_mqa_logits), (num_pages, P, 1, 68) for MXFP4 keys."""
+    FP8 keys (fp8_paged_mqa_logits), (num_pages, P, 1, 68) for MXFP4 keys,
+    uint8 whatever the cache's dtype: both of DeepGEMM's entry points assert
+    fused_kv_cache.scalar_type() == kByte (csrc/apis/attention.hpp lines
+    278 and 312 at 54e22612), so a float8_e4m3fn cache is viewed as its
+    bytes (no copy)."""
     lay = layout_of(layout)
     if lay is R.MODEL1:
         raise ValueError("layout: deepgemm_view is for the indexer-key layouts")
-    return _record_view(cache, lay, page_size, "deepgemm_view")
+    return _record_view(cache, lay, page_size, "deepgemm_view", as_bytes=True)
 
 
-def _record_view(cache, lay: R.SplitLayout, page_size: int, fn: str):
+def _record_view(cache, lay: R.SplitLayout, page_size: int, fn: str, as_bytes: bool):
     p = C.host_int("page_size", page_size, 1)
     c, n = C.cache(cache, lay, p, A.placement(("cache", cache)))
     # a pool's pages are viewed only in the pool's geometry: the same bytes
@@ -86,7 +93,12 @@ def _record_view(cache, lay: R.SplitLayout, page_size: int, fn: str):
     rec = lay.data_bytes + lay.scale_bytes
     shape, strides = (n, p, 1, rec), (lay.page_bytes(p), rec, rec, 1)
     if A.is_torch(c):
+        if as_bytes:
+            import torch
+            c = c.view(torch.uint8)             # (1-byte elements both: the same memory, no copy)
         return c.as_strided(shape, strides)
+    if as_bytes:
+        c = c.view(np.uint8)
     return np.lib.stride_tricks.as_strided(c, shape, strides)
 
 
