@@ -377,6 +377,11 @@ def device_of(a) -> int:
     return -1 if isinstance(a, np.ndarray) else a.get_device()
 
 
+def address(a) -> int:
+    """The address of the first element of a numpy array or torch tensor."""
+    return _seen(a).data_ptr()
+
+
 def strides(a) -> tuple:
     """Strides in elements (numpy's are in bytes)."""
     return tuple(_seen(a).stride())

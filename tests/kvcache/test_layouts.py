@@ -9,6 +9,8 @@ test_topk_to_kvcache_indices.py; the sources' pages: tests/support/kvcache_layou
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -323,7 +325,12 @@ def test_an_engine_view_of_a_pools_pages_takes_the_pools_geometry():
         # the pool's own geometry
         assert tuple(kc.flashmla_view(conv(m1.pages), 10).shape) == (2, 10, 1, 584)
         assert tuple(kc.deepgemm_view(conv(fp8.index_pages), 48).shape) == (2, 48, 1, 132)
-        assert tuple(kc.deepgemm_view(conv(mx.index_pages[1:]), 33, "index_mxfp4").shape) == (1, 33, 1, 68)
+        assert tuple(kc.deepgemm_view(conv(mx.index_pages), 33, "index_mxfp4").shape) == (2, 33, 1, 68)
+        # (its second page starts 2,244 bytes in, not on a 16-byte boundary: DeepGEMM cannot read it in
+        # place, test_an_engine_view_refuses_a_cache_its_engine_cannot_read_in_place)
+        with pytest.raises(ValueError, match=r"^cache: starts at .*, not 16-byte aligned \(address % 16 == 4\)"):
+            kc.deepgemm_view(conv(mx.index_pages[1:]), 33, "index_mxfp4")
+        assert tuple(kc.deepgemm_view(conv(fp8.index_pages[1:]), 48).shape) == (1, 48, 1, 132)
         # a cache of the engine's own of those bytes is not a pool's: any geometry its shape fits
         assert tuple(kc.deepgemm_view(conv(m1.pages.copy()), 48).shape) == (2, 48, 1, 132)
 
@@ -398,6 +405,100 @@ def test_flashmla_view_keeps_a_dtype_flashmla_takes():
                 assert v.data_ptr() == cache.data_ptr()
     v = kc.flashmla_view(kc.new_layout_cache("model1", 3, p), p)
     assert v.dtype == np.uint8 and v.shape == (3, p, 1, 584) and v.strides == (pb, 584, 584, 1)
+
+
+# What each engine loads a cache's first byte as (docs/kvcache.md, "DeepGEMM compatibility per
+# architecture"). DeepGEMM at 54e22612409371d6364144b69086735beb54e98b: fp8_fp4_paged_mqa_logits
+# (csrc/apis/attention.hpp lines 283-294 / 317-328) hands fused_kv_cache.data_ptr() and data_ptr() +
+# block_kv * kv_head_bytes to make_tma_3d_desc / make_tma_2d_desc (csrc/jit_kernels/impls/
+# sm90_fp8_mqa_logits.hpp lines 340-347, sm100_mqa_logits.hpp lines 415-436), i.e. to
+# cuTensorMapEncodeTiled (csrc/jit_kernels/impls/runtime_utils.hpp lines 144-148 / 182-186), whose
+# globalAddress must be 16-byte aligned (CUDA driver API); DeepGEMM asserts no alignment itself, the
+# driver's error surfaces through DG_CUDA_DRIVER_CHECK. FlashMLA at
+# 9241ae3ef9bac614dd25e45e507e089f888280e0: csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh lines 554-584
+# load each record's codes with load_128b_from_gmem (16 bytes) from kv + page * stride + row * 576;
+# csrc/sm100/decode/head64/kernel.cuh line 911 asserts k_ptr % 16 == 0.
+ENGINE_ALIGN = 16
+VIEWS = [(lambda c, p: kc.flashmla_view(c, p), "model1", "FlashMLA's sparse decode loads"),
+         (lambda c, p: kc.deepgemm_view(c, p, "index_fp8"), "index_fp8", "DeepGEMM's paged MQA logits read"),
+         (lambda c, p: kc.deepgemm_view(c, p, "index_mxfp4"), "index_mxfp4", "DeepGEMM's paged MQA logits read")]
+
+
+def _at(lib, n, pb, by):
+    """A (n, pb) uint8 cache (numpy, or torch on CPU) starting `by` bytes
+    past a 16-byte boundary."""
+    whole = np.zeros(n * pb + 32, np.uint8) if lib == "numpy" else torch.zeros(n * pb + 32, dtype=torch.uint8)
+    addr = whole.__array_interface__["data"][0] if lib == "numpy" else whole.data_ptr()
+    start = (-addr) % ENGINE_ALIGN + by
+    return whole[start:start + n * pb].reshape(n, pb)
+
+
+def _outcome(call):
+    try:
+        v = call()
+    except (TypeError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+    return "accepted", tuple(v.shape)
+
+
+@pytest.mark.parametrize("view,layout,why", VIEWS)
+def test_an_engine_view_refuses_a_cache_its_engine_cannot_read_in_place(view, layout, why):
+    """deepgemm_view took a key cache whose first byte was only 4-byte
+    aligned (the key stores' rule, CACHE_ALIGN), and DeepGEMM's TMA
+    descriptor over it fails in the driver (ENGINE_ALIGN). Now an engine's
+    view refuses a cache not 16-byte aligned with a ValueError naming cache
+    and saying why, numpy, torch, float8 and a CUDA tensor's path (faked)
+    alike, the same message; flashmla_view's rule was already 16 bytes (the
+    MODEL1 kernels' own) and now says why too. An aligned cache, one of no
+    pages, and a fresh copy of a refused one are taken. The key stores still
+    take a 4-byte aligned cache (their kernels write 4-byte words; a copy
+    hands the bytes to DeepGEMM), and its copy's view shows them."""
+    p, n = 32, 2
+    pb = R.LAYOUTS[layout].page_bytes(p)
+    assert pb % ENGINE_ALIGN == 0                     # every page of an aligned cache is aligned
+    for lib in ("numpy", "torch"):
+        for by in (1, 2, 4, 8, 12, 0, ENGINE_ALIGN):
+            c = _at(lib, n, pb, by)
+            forms = [c] if lib == "numpy" else [c, c.view(torch.float8_e4m3fn)]
+            for cache in forms:
+                got = _outcome(lambda: view(cache, p))
+                if by % ENGINE_ALIGN:
+                    assert got[0] == "ValueError", (lib, by)
+                    assert re.match(rf"^cache: starts at address 0x[0-9a-f]+, not 16-byte aligned "
+                                    rf"\(address % 16 == {by}\); {why} ", got[1]), got[1]
+                    copy = cache.copy() if lib == "numpy" else cache.clone()
+                    assert _outcome(lambda: view(copy, p)) == ("accepted", (n, p, 1, R.LAYOUTS[layout].data_bytes
+                                                                            + R.LAYOUTS[layout].scale_bytes))
+                else:
+                    assert got[0] == "accepted", (lib, by, got)
+                if lib == "torch":                   # the CUDA path (faked): the same memory, the same outcome
+                    assert _outcome(lambda: view(fake(cache), p)) == got
+        empty = _at(lib, 0, pb, 4)                   # no pages: no byte an engine reads
+        assert _outcome(lambda: view(empty, p))[0] == "accepted"
+    if layout != "model1":
+        store = kc.index_fp8_store if layout == "index_fp8" else kc.index_mxfp4_store
+        c = _at("torch", n, pb, 4)
+        keys = torch.randn(3, 128)
+        store(c, keys, torch.tensor([0, 33, 63], dtype=torch.int32), page_size=p)
+        want = kc.new_layout_cache(layout, n, p, device="cpu")
+        store(want, keys, torch.tensor([0, 33, 63], dtype=torch.int32), page_size=p)
+        assert torch.equal(c, want)
+        assert torch.equal(kc.deepgemm_view(c.clone(), p, layout), kc.deepgemm_view(want, p, layout))
+
+
+@pytest.mark.parametrize("view,layout,why", VIEWS)
+def test_gpu_an_engine_view_refuses_a_cache_as_the_cpu(cuda, view, layout, why):
+    """The same caches on CUDA: refused and taken as on the CPU (the
+    messages' addresses aside)."""
+    p, n = 32, 2
+    pb = R.LAYOUTS[layout].page_bytes(p)
+    whole = torch.zeros(n * pb + 32, dtype=torch.uint8, device="cuda")
+    for by in (1, 4, 8, 0, ENGINE_ALIGN):
+        c = whole[by:by + n * pb].view(n, pb)          # (a CUDA allocation is 256-byte aligned)
+        cpu = _outcome(lambda: view(_at("torch", n, pb, by), p))
+        gpu = _outcome(lambda: view(c, p))
+        assert (cpu[0], re.sub("0x[0-9a-f]+", "A", str(cpu[1]))) == (gpu[0], re.sub("0x[0-9a-f]+", "A", str(gpu[1])))
+        assert (gpu[0] == "accepted") == (by % ENGINE_ALIGN == 0)
 
 
 def test_model1_gather_reads_a_pools_pages_only_in_the_pools_geometry():

@@ -36,6 +36,11 @@ U8 = ("uint8",)
 CACHE = ("uint8", "float8_e4m3fn")             # a layout cache's bytes
 # the first byte of a layout cache, as its kernel loads it
 CACHE_ALIGN = {"model1": 16, "index_fp8": 4, "index_mxfp4": 4}
+# the first byte of a cache an engine's view shows, as the engine loads it (docs/kvcache.md, "DeepGEMM
+# compatibility per architecture"): DeepGEMM reads key pages through TMA descriptors (cuTensorMapEncodeTiled
+# takes a 16-byte-aligned global address), FlashMLA MODEL1 records by 16-byte loads (SM90) and TMA (SM100,
+# which asserts the 16-byte base); the stores' own rule (CACHE_ALIGN) is the kernels' need only
+VIEW_ALIGN = 16
 
 
 # ---- the objects and host ints --------------------------------------------------------------
@@ -217,13 +222,14 @@ def layout_of(layout) -> RL.SplitLayout:
         raise ValueError(f"layout: expected one of {sorted(RL.LAYOUTS)}, got {layout!r}") from None
 
 
-def cache(c, lay: RL.SplitLayout, page_size: int, where: str):
+def cache(c, lay: RL.SplitLayout, page_size: int, where: str, align: int | None = None):
     """(cache, num_pages) of a layout cache: uint8 (or float8_e4m3fn)
     bytes whose first dimension is the page, page_bytes apart, each page
     showing its records (records_bytes: every byte of the page but its
     padding) contiguously, its first byte aligned as the layout's kernel
-    loads it: a (num_pages, page_bytes) array or an engine's view of one
-    (flashmla_view / deepgemm_view). A numpy cache is C-contiguous (numpy
+    loads it (or to `align` bytes: an engine's view checks its engine's
+    alignment itself, view_aligned): a (num_pages, page_bytes) array or
+    an engine's view of one (flashmla_view / deepgemm_view). A numpy cache is C-contiguous (numpy
     does not say how far its memory reaches).
 
     A torch cache must show its records, not merely lie in memory holding
@@ -235,7 +241,7 @@ def cache(c, lay: RL.SplitLayout, page_size: int, where: str):
     last page (until helper 81) refused ('... over 8096 bytes') where the
     eager op took it. The padding is never read or written by an op."""
     c = A.tensor(c, "cache", CACHE, where, min_ndim=1, dense=isinstance(c, np.ndarray),
-                 align=CACHE_ALIGN[lay.name])
+                 align=CACHE_ALIGN[lay.name] if align is None else align)
     pb = lay.page_bytes(page_size)
     n = c.shape[0]
     if isinstance(c, np.ndarray):
@@ -261,6 +267,21 @@ def cache(c, lay: RL.SplitLayout, page_size: int, where: str):
         raise ValueError(f"cache: {n} pages of {page_size} records exceed the int32 slot range "
                          "(2^31 - 1)")
     return c, n
+
+
+def view_aligned(c, engine: str) -> None:
+    """The first byte of a checked cache an engine's view shows lies on a
+    VIEW_ALIGN boundary (`engine`: why that engine needs it), on CPU and
+    CUDA alike, a numpy cache's address as a tensor's; a cache of no bytes
+    is not checked (no engine reads it; A.tensor's rule). The stores take
+    the cache their kernels can write (CACHE_ALIGN: 4 bytes for the keys),
+    whose bytes a fresh copy hands to the engine; the view is what the
+    engine reads in place. ValueError naming cache."""
+    addr = A.address(c)
+    if addr % VIEW_ALIGN and A.numel(c):
+        raise ValueError(f"cache: starts at address {addr:#x}, not {VIEW_ALIGN}-byte aligned (address % {VIEW_ALIGN} "
+                         f"== {addr % VIEW_ALIGN}); {engine}: pass a {VIEW_ALIGN}-byte-aligned cache "
+                         "(new_layout_cache, a pool's buffers, or a fresh copy: .clone(), numpy .copy())")
 
 
 def records_bytes(lay: RL.SplitLayout, page_size: int) -> int:

@@ -67,8 +67,18 @@ def flashmla_view(cache, page_size: int):
     page stride page_bytes (what flash_mla's sparse decode takes as k_cache),
     of the cache's own dtype: FlashMLA takes float8_e4m3fn, int8 or uint8
     (csrc/api/sparse_decode.h line 260 at 9241ae3e), so both of a cache's
-    dtypes pass."""
+    dtypes pass. A cache whose first byte is not 16-byte aligned is refused
+    naming cache (FlashMLA's 16-byte loads; docs/kvcache.md, "DeepGEMM
+    compatibility per architecture")."""
     return _record_view(cache, R.MODEL1, page_size, "flashmla_view", as_bytes=False)
+
+
+# why each engine's view needs a 16-byte-aligned cache (C.view_aligned; docs/kvcache.md, "DeepGEMM
+# compatibility per architecture")
+_FLASHMLA_ALIGN = ("FlashMLA's sparse decode loads the MODEL1 records 16 bytes at a time (SM90) and asserts "
+                   "a 16-byte-aligned kv base (SM100)")
+_DEEPGEMM_ALIGN = ("DeepGEMM's paged MQA logits read the key pages through TMA descriptors, whose base "
+                   "address (cuTensorMapEncodeTiled's globalAddress) must be 16-byte aligned")
 
 
 def deepgemm_view(cache, page_size: int, layout="index_fp8"):
@@ -77,7 +87,10 @@ def deepgemm_view(cache, page_size: int, layout="index_fp8"):
     uint8 whatever the cache's dtype: both of DeepGEMM's entry points assert
     fused_kv_cache.scalar_type() == kByte (csrc/apis/attention.hpp lines
     278 and 312 at 54e22612), so a float8_e4m3fn cache is viewed as its
-    bytes (no copy)."""
+    bytes (no copy). A cache whose first byte is not 16-byte aligned is
+    refused naming cache (DeepGEMM reads the pages through TMA, whose base
+    must be 16-byte aligned), though the key stores take a 4-byte aligned
+    one."""
     lay = layout_of(layout)
     if lay is R.MODEL1:
         raise ValueError("layout: deepgemm_view is for the indexer-key layouts")
@@ -86,10 +99,13 @@ def deepgemm_view(cache, page_size: int, layout="index_fp8"):
 
 def _record_view(cache, lay: R.SplitLayout, page_size: int, fn: str, as_bytes: bool):
     p = C.host_int("page_size", page_size, 1)
-    c, n = C.cache(cache, lay, p, A.placement(("cache", cache)))
+    c, n = C.cache(cache, lay, p, A.placement(("cache", cache)), align=1)
     # a pool's pages are viewed only in the pool's geometry: the same bytes
     # fit pages of another layout or page size (C.check_view_cache)
     C.check_view_cache(C.whole_pages(c, n, lay, p), lay, p, fn)
+    # the engine reads the pages in place from their first byte (after the
+    # pool check: a view starting inside a pool's page is named as that)
+    C.view_aligned(c, _FLASHMLA_ALIGN if lay is R.MODEL1 else _DEEPGEMM_ALIGN)
     rec = lay.data_bytes + lay.scale_bytes
     shape, strides = (n, p, 1, rec), (lay.page_bytes(p), rec, rec, 1)
     if A.is_torch(c):
