@@ -32,10 +32,11 @@ def gather_topk(pool, slots, topk_ids, *, n_entries=None, valid_mask=None, out=N
     errors (reference.paged_gather_topk). One launch."""
     C.pool(pool)
     name = C.out_dtype(dtype, out)
+    operands = V.pool_operands(pool, errors)
     if out is None:
-        out = empty(topk_ids, (*A.out_lead(topk_ids, "topk_ids"), pool.head_dim), name, stream)
-    _gather_topk(*V.pool_operands(pool, errors), slots, topk_ids, n_entries, valid_mask, out,
-                 stream=stream, pool=pool, dtype=name)
+        # (the width of the pool's buffers, not pool.head_dim: V.widths)
+        out = empty(topk_ids, (*A.out_lead(topk_ids, "topk_ids"), V.widths(operands)[0]), name, stream)
+    _gather_topk(*operands, slots, topk_ids, n_entries, valid_mask, out, stream=stream, pool=pool, dtype=name)
     return out
 
 
@@ -76,10 +77,10 @@ def gather_index_keys_batch(pool, slots, n_entries, *, max_entries=None, out=Non
                         errors, stream, True)
 
 
-def _width(pool, index: bool):
-    """The row width of a dense gather (None: the pool has no indexer keys,
-    which the op refuses by name)."""
-    return pool.index_head_dim if index else pool.head_dim
+def _width(operands, index: bool):
+    """The row width of a dense gather, from the pool's buffers (V.widths;
+    None: the pool has no indexer keys, which the op refuses by name)."""
+    return V.widths(operands)[1 if index else 0]
 
 
 def _dense_one(call, pool, slot, n_entries, out, dtype, errors, stream, index):
@@ -87,7 +88,8 @@ def _dense_one(call, pool, slot, n_entries, out, dtype, errors, stream, index):
     numpy array for a CPU pool, as the reference returns) unless given."""
     C.pool(pool)
     name = C.out_dtype(dtype, out)
-    width = _width(pool, index)
+    operands = V.pool_operands(pool, errors)
+    width = _width(operands, index)
     n_entries = A.as_number(n_entries)     # (a NumPy int sizes out as the int it holds)
     if out is None and width is not None and C.is_size(n_entries):
         # before allocating (10**8 was a MemoryError): at most what a request
@@ -95,7 +97,7 @@ def _dense_one(call, pool, slot, n_entries, out, dtype, errors, stream, index):
         # the slot's entries, a tensor, would be data-dependent; the op checks it)
         C.host_int("n_entries", n_entries, 0, pool.max_blocks_per_request * pool.entries_per_block + 1)
         out = empty(pool.block_table, (n_entries, width), name, stream)
-    call(*V.pool_operands(pool, errors), slot, n_entries, out, stream=stream, pool=pool, dtype=name)
+    call(*operands, slot, n_entries, out, stream=stream, pool=pool, dtype=name)
     return out
 
 
@@ -108,7 +110,8 @@ def _dense_batch(call, pool, slots, n_entries, max_entries, valid_mask, out, dty
     name = C.out_dtype(dtype, out)
     if max_entries is not None:
         max_entries = C.host_int("max_entries", max_entries, 0)
-    width, s = _width(pool, index), A.dims(slots)
+    operands = V.pool_operands(pool, errors)
+    width, s = _width(operands, index), A.dims(slots)
     o = A.dims(out) if out is not None else ()
     if max_entries is not None and len(o) == 3 and o[1] != max_entries:
         # (the operator has no max_entries: the body's rule tying out's K to
@@ -117,10 +120,9 @@ def _dense_batch(call, pool, slots, n_entries, max_entries, valid_mask, out, dty
                          f"{width if width is not None else 'width'}), got {o}")
     if out is None and width is not None and len(s) == 1:
         # before allocating (10**13 was a MemoryError): the op's own limit
-        C.launch_rows("max_entries", s[0] * max_entries * (pool.index_head_dim // 16 if index else 1))
+        C.launch_rows("max_entries", s[0] * max_entries * (width // 16 if index else 1))
         out = empty(slots, (s[0], max_entries, width), name, stream)
-    call(*V.pool_operands(pool, errors), slots, n_entries, valid_mask, out, stream=stream, pool=pool, dtype=name,
-         max_entries=max_entries)
+    call(*operands, slots, n_entries, valid_mask, out, stream=stream, pool=pool, dtype=name, max_entries=max_entries)
     return out
 
 

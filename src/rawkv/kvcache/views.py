@@ -107,6 +107,25 @@ def pool_operands(pool, errors=None) -> tuple:
     return (pool.kind, *b[:-1], b[-1] if errors is None else errors)
 
 
+def widths(operands: tuple) -> tuple:
+    """(head_dim, index_head_dim or None) of a pool's operands
+    (pool_operands), as pool_view reads them: fp8's plus rope's last
+    dimension and twice index_q's ("rawkv"), the layout's fixed sizes
+    ("model1"). A public op sizes a new output with these, never with the
+    pool's host ints: under torch.compile(dynamic=True) dynamo makes an
+    object's int a graph input of its own, which the rules' comparisons
+    (compress_decode's state.head_dim == pool.head_dim) equate with another
+    object's; torch 2.13's inductor then binds the input under its own
+    symbol while the size is written with the other one's, an input dynamo
+    pruned as unused (`NameError: name 's16' is not defined` in the
+    generated code; docs/engines.md). A buffer's dimension is always bound."""
+    b = dict(zip(PagedKVPool.BUFFERS, operands[1:]))
+    if b["pages"] is not None:
+        return ref.HEAD_DIM, (None if b["index_pages"] is None else ref.INDEX_HEAD_DIM)
+    iq = b["index_q"]
+    return A.dims(b["fp8"])[2] + A.dims(b["rope"])[2], (None if iq is None else 2 * A.dims(iq)[2])
+
+
 def state_operands(state, errors=None, *, counter: bool = True) -> tuple:
     """state_args' values in schema order (a None state: all None), as a
     public op passes them to its op."""
