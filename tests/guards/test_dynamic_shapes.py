@@ -7,7 +7,10 @@ and strides. Found by a review (helper 97): dynamic=True made a float a
 SymFloat, which the RoPE check's math.isfinite cannot take (a graph break
 in every compress_prefill / compress_decode); unswizzle_scales' shape
 check specialized the rows of sf.shape (one compile per token count, and
-a ConstraintViolationError under mark_dynamic)."""
+a ConstraintViolationError under mark_dynamic). The KV-cache decode steps
+also compile with inductor and dynamic=True (helper 99: the gathers sized
+a new out with the pool's head_dim, a host int, which failed inductor's
+generated code; docs/engines.md)."""
 import numpy as np
 import pytest
 
@@ -96,3 +99,60 @@ def test_token_count_marked_dynamic_compiles_once(rng, name):
         assert _meta(got) == _meta(want) and same_bits(got, want), m
         frames = counter.frame_count if frames is None else frames
     assert counter.frame_count == frames, "a new compile for a new token count"
+
+
+def _decode_steps():
+    return [(n, m) for n, m in steps() if n.startswith("kvcache_decode_step")]
+
+
+@pytest.mark.parametrize("name,make", _decode_steps(), ids=[n for n, _ in _decode_steps()])
+def test_kvcache_decode_steps_compile_with_inductor_dynamic(rng, name, make):
+    """The demo's decode step (rawkv/demo.py: state_append, compress_decode,
+    csa_rotate, hca_reset, gather_topk, gather_dense_batch) under inductor
+    with dynamic=True: the eager bits. Before, the generated code failed
+    (`NameError: name 's16' is not defined`): gather_topk sized its new out
+    with pool.head_dim, a host int dynamo makes a graph input, which
+    compress_decode's rules had equated with the state's head_dim; torch
+    2.13's inductor binds that input under its own symbol while the size
+    is written with the state's, which dynamo had pruned as unused
+    (docs/engines.md). Sizes now come from the pool's buffers' shapes."""
+    torch._dynamo.reset()
+    step, args = make(rng, "cpu")
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    assert same_bits(compiled(*args), step(*args))
+
+
+def test_kvcache_gathers_after_compress_decode_compile_with_inductor_dynamic(rng):
+    """Every gather sizing its own out (gather_topk, gather_dense,
+    gather_dense_batch, gather_index_keys, gather_index_keys_batch), after
+    compress_decode has equated the pool's head_dim and index_head_dim with
+    its states': compiled by inductor with dynamic=True, the eager bits,
+    shapes and strides (before, gather_topk's and the dense gathers' widths
+    were the pool's host ints: `name 's..' is not defined`)."""
+    from rawkv.demo import Decoder
+    kvc = rawkv.kvcache
+    dec = Decoder(rng, [127, 134], 2, 8, 4, device="cpu", tensors=True)
+    dec.prefill()
+    dec.prepare(0)
+    pool, state, istate = dec.pools["csa"], dec.states["csa"], dec.istate
+    bufs = [t for o in (pool, state, istate) for t in o.torch_buffers().values() if t is not None]
+    saved = [t.clone() for t in bufs]
+
+    def step(pool, state, istate, w, iw, valid, sl, pos, ids, n):
+        for dst, src in zip(bufs, saved):
+            dst.copy_(src)
+        kvc.compress_decode(pool, state, w, valid, sl, pos, index=(istate, iw))
+        got = (kvc.gather_topk(pool, sl, ids, n_entries=n),
+               kvc.gather_dense(pool, 0, 3, dtype="float32"),
+               kvc.gather_index_keys(pool, 1, 2, dtype="float16"),
+               kvc.gather_dense_batch(pool, sl, n, max_entries=5),
+               kvc.gather_index_keys_batch(pool, sl, n, max_entries=5, dtype="float16"))
+        return (*got, *(t.clone() for t in bufs))
+    args = (pool, state, istate, dec.W["csa"], dec.IW, dec.valid, dec.sl, dec.pos, dec.ids, dec.n_csa)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    got = compiled(*args)
+    # (eagerly, a CPU pool's gather_dense / gather_index_keys return numpy
+    # when no argument is a tensor, compiled a tensor: dtypes numpy has)
+    want = tuple(torch.from_numpy(w) if isinstance(w, np.ndarray) else w for w in step(*args))
+    assert _meta(got) == _meta(want) and same_bits(got, want)
