@@ -10,6 +10,8 @@
 - The first command ("Main job") ends in the layer demo, which on a machine
   without a GPU runs the numpy reference and prints its accuracy and time
   lines, the ones the README names.
+- The runtime page's table of declared versions, and the benchmarks page's
+  --peer sentence, name the versions pyproject.toml pins.
 """
 from __future__ import annotations
 
@@ -203,3 +205,34 @@ def test_ci_runs_the_readmes_test_command_verbatim():
     assert readme_cmd.startswith(prefix), readme_cmd
     assert ci[mark + 1].strip() == readme_cmd[len(prefix):]
     assert any(line.strip() == "python3 -m venv .venv" for line in ci[:mark])
+
+
+def _pins() -> dict:
+    """{extra: [(package, version), ...]} of the exact pins (==) in
+    pyproject.toml's optional dependencies (read as text: tomllib is 3.11+)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    section = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    section = "\n".join(line for line in section.splitlines() if not line.lstrip().startswith("#"))
+    pins = {}
+    for name, body in re.findall(r"^(\w+) = \[(.*?)\]", section, re.M | re.S):
+        pins[name] = [tuple(req.split("==")) for req in re.findall(r'"([^"]+)"', body) if "==" in req]
+    assert pins.get("bench"), "pyproject.toml: no pinned bench extra found (the parse above is stale)"
+    return pins
+
+
+def test_docs_name_the_versions_pyproject_pins():
+    """The runtime page's "Versions declared" table gives each extra's exact
+    pins as pyproject.toml declares them, and docs/benchmarks.md's --peer
+    sentence (what `pip install 'rawkv[bench]'` brings) the bench extra's:
+    session 64 pinned humming-kernels 0.1.20 and both still said 0.1.19."""
+    runtime = (ROOT / "docs" / "runtime.md").read_text()
+    for extra, pins in _pins().items():
+        for package, version in pins:
+            row = re.search(rf"^\| `{extra}` extra[^|]*\|([^|]*)\|", runtime, re.M)
+            assert row, f"docs/runtime.md: no row for the {extra} extra, which pins {package}"
+            assert f"{package} == {version}" in row.group(1), (extra, row.group(1))
+    bench = dict(_pins()["bench"])
+    said = re.search(r"humming-kernels\s+(\S+)\s+beside the GEMM \(`pip install 'rawkv\[bench\]'`",
+                     (ROOT / "docs" / "benchmarks.md").read_text())
+    assert said, "docs/benchmarks.md no longer says which humming-kernels `rawkv[bench]` installs"
+    assert said.group(1) == bench["humming-kernels"]
