@@ -1,6 +1,7 @@
 """The indented snippets an engine developer copies from docs/engines.md (the
 block-table call, the admission call, the FP4 weights, the FP8 activations in DeepGEMM's scale
-layout), README.md's GPU example and docs/gemm.md's "Ops" run as written on
+layout), README.md's GPU example, docs/gemm.md's "Ops" and its engine module holding
+a layer run as written on
 CPU tensors: "cuda" becomes "cpu", sizes shrink, and the names a snippet
 takes from its surroundings are supplied here."""
 import re
@@ -195,3 +196,32 @@ def test_gemm_ops_snippet_on_cpu():
     layer, y = env["layer"], env["y"]
     assert isinstance(layer, rawkv.gemm.Fp4GroupedLinear)
     assert y.shape == (T, G, N) and y.untyped_storage().data_ptr() == layer.out.untyped_storage().data_ptr()
+
+
+def test_gemm_layer_state_dict_snippet():
+    """docs/gemm.md's module holding an Fp4GroupedLinear (which is no
+    torch.nn.Module): its buffers are the layer's packed tensors, in
+    state_dict (the page said non-persistent buffers, which state_dict
+    leaves out), and load_state_dict of another layer's weights copies
+    into the layer's own tensors, in place, after which the layer
+    computes what that other layer does."""
+    import rawkv
+    code = _indented_block("docs/gemm.md", "class Experts(torch.nn.Module):")
+    env = {"torch": torch}
+    exec(code, env)  # noqa: S102 - the documented snippet
+    g = torch.Generator().manual_seed(0)
+    G, K, N, T = 2, 64, 16, 3
+
+    def layer():
+        return rawkv.gemm.Fp4GroupedLinear(G, K, N, max_tokens=T, device="cpu").set_weight(
+            torch.randn(G, N, K, dtype=torch.bfloat16, generator=g))
+    mine, theirs = layer(), layer()
+    m = env["Experts"](mine)
+    held = [t.data_ptr() for t in (mine.weight.codes, mine.weight.scales, mine.weight.gs)]
+    assert set(m.state_dict()) == {"codes", "scales", "gs"}
+    x = torch.randn(T, G, K, dtype=torch.bfloat16, generator=g)
+    want = theirs(x).clone()
+    assert not torch.equal(mine(x), want)
+    m.load_state_dict(env["Experts"](theirs).state_dict())
+    assert [t.data_ptr() for t in (mine.weight.codes, mine.weight.scales, mine.weight.gs)] == held
+    assert torch.equal(mine(x), want)
