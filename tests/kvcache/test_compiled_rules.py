@@ -199,8 +199,14 @@ def test_every_kvcache_operator_checks_without_writing(rng):
 
 
 def _bits(a):
-    """A tensor's bytes (an empty() out holds NaNs, never equal to themselves)."""
-    return a.contiguous().view(-1).view(torch.uint8).clone() if isinstance(a, torch.Tensor) else a
+    """A tensor's bytes (an empty() out holds NaNs, never equal to themselves);
+    none for a tensor of no elements, whatever its strides (torch.from_numpy
+    gives an empty array stride 0, which a byte view refuses)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    if a.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return a.contiguous().view(-1).view(torch.uint8).clone()
 
 
 @pytest.mark.parametrize("part", ["_inputs", "_real", "_guard"])
