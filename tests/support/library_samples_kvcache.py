@@ -43,6 +43,10 @@ class _Data:
     def mask(self, values):
         return self.t(np.asarray(values, bool))
 
+    def counter(self):
+        """A caller's errors= counter."""
+        return torch.zeros(1, dtype=torch.int32, device=self.device)
+
     def layer(self, kind, w):
         """ape (m, w) and norm_weight (w / coff)."""
         return self.rows(M[kind], w, scale=0.5), self.t((1 + 0.1 * self.rng.standard_normal(
@@ -125,8 +129,17 @@ def samples(rng, device="cpu"):
                   valid_mask=d.mask([1, 1]), slots=d.ints([1, 0]), ape=d.rows(M["csa"], csa_w)),
             _args("state_append", **S["hca"], kv=d.rows(1, hca_w, dtype=bf16), z=d.rows(1, hca_w),
                   valid_mask=d.mask([1]), slots=d.ints([1]), ape=None)],
-        "csa_rotate": [_args("csa_rotate", **S["csa"], valid_mask=d.mask([1, 1]), slots=d.ints([0, 5]))],
-        "hca_reset": [_args("hca_reset", **S["hca"], valid_mask=d.mask([0, 1]), slots=sl)],
+        # a caller's errors= counter (the public op's errors=: the view's counter), the indexer's
+        # state (a CSA state of another head_dim), a duplicate slot and an out-of-range one (counted),
+        # and no rows at all
+        "csa_rotate": [_args("csa_rotate", **S["csa"], valid_mask=d.mask([1, 1]), slots=d.ints([0, 5])),
+                       _args("csa_rotate", **V.state_args(states["index"], d.counter()),
+                             valid_mask=d.mask([1, 0, 1]), slots=d.ints([1, 0, 1])),
+                       _args("csa_rotate", **S["csa"], valid_mask=d.mask([]), slots=d.ints([]))],
+        "hca_reset": [_args("hca_reset", **S["hca"], valid_mask=d.mask([0, 1]), slots=sl),
+                      _args("hca_reset", **V.state_args(states["hca"], d.counter()), valid_mask=d.mask([1, 1, 1]),
+                            slots=d.ints([1, 4, 0])),
+                      _args("hca_reset", **S["hca"], valid_mask=d.mask([]), slots=d.ints([]))],
         "state_clear": [_args("state_clear", **S["index"], valid_mask=None, slots=d.ints([1])),
                         _args("state_clear", **S["hca"], valid_mask=d.mask([1]), slots=d.ints([0]))],
         "state_seed": [
