@@ -128,7 +128,13 @@ def samples(rng, device="cpu"):
             _args("state_append", **S["csa"], kv=d.rows(2, csa_w), z=d.rows(2, csa_w, dtype=bf16),
                   valid_mask=d.mask([1, 1]), slots=d.ints([1, 0]), ape=d.rows(M["csa"], csa_w)),
             _args("state_append", **S["hca"], kv=d.rows(1, hca_w, dtype=bf16), z=d.rows(1, hca_w),
-                  valid_mask=d.mask([1]), slots=d.ints([1]), ape=None)],
+                  valid_mask=d.mask([1]), slots=d.ints([1]), ape=None),
+            # the indexer's state, a caller's counter: an out-of-range slot and a duplicate (counted)
+            _args("state_append", **V.state_args(states["index"], d.counter()), kv=d.rows(3, 2 * DI),
+                  z=d.rows(3, 2 * DI), valid_mask=d.mask([1, 1, 1]), slots=d.ints([1, 2, 1]),
+                  ape=d.rows(M["csa"], 2 * DI)),
+            _args("state_append", **S["csa"], kv=d.rows(0, csa_w), z=d.rows(0, csa_w), valid_mask=d.mask([]),
+                  slots=d.ints([]), ape=None)],
         # a caller's errors= counter (the public op's errors=: the view's counter), the indexer's
         # state (a CSA state of another head_dim), a duplicate slot and an out-of-range one (counted),
         # and no rows at all
@@ -141,12 +147,20 @@ def samples(rng, device="cpu"):
                             slots=d.ints([1, 4, 0])),
                       _args("hca_reset", **S["hca"], valid_mask=d.mask([]), slots=d.ints([]))],
         "state_clear": [_args("state_clear", **S["index"], valid_mask=None, slots=d.ints([1])),
-                        _args("state_clear", **S["hca"], valid_mask=d.mask([1]), slots=d.ints([0]))],
+                        _args("state_clear", **S["hca"], valid_mask=d.mask([1]), slots=d.ints([0])),
+                        _args("state_clear", **V.state_args(states["csa"], d.counter()), valid_mask=d.mask([0, 1]),
+                              slots=d.ints([0, 3])),
+                        _args("state_clear", **S["csa"], valid_mask=None, slots=d.ints([]))],
         "state_seed": [
             _args("state_seed", **V.state_args(states["csa"], counter=False), slot=1, kv=d.rows(10, csa_w),
                   z=d.rows(10, csa_w), ape=d.rows(M["csa"], csa_w)),
             _args("state_seed", **V.state_args(states["hca"], counter=False), slot=0,
-                  kv=d.rows(5, hca_w, dtype=bf16), z=d.rows(5, hca_w, dtype=bf16), ape=None)],
+                  kv=d.rows(5, hca_w, dtype=bf16), z=d.rows(5, hca_w, dtype=bf16), ape=None),
+            # the indexer's state; a request with no prompt (T = 0: the slot emptied)
+            _args("state_seed", **V.state_args(states["index"], counter=False), slot=0, kv=d.rows(9, 2 * DI),
+                  z=d.rows(9, 2 * DI, dtype=bf16), ape=d.rows(M["csa"], 2 * DI)),
+            _args("state_seed", **V.state_args(states["csa"], counter=False), slot=0, kv=d.rows(0, csa_w),
+                  z=d.rows(0, csa_w), ape=None)],
     }
     yarn = [16.0, 65536.0, 32.0, 1.0]
     ape, nw = d.layer("csa", csa_w)
