@@ -208,6 +208,11 @@ def samples(rng, device="cpu"):
             _args("gather_index_keys_batch", **Q["csa"], slots=sl, n_entries=d.ints([7, 2]),
                   valid_mask=d.mask([0, 1]), out=empty(2, 7, DI, dtype=f32)))
         out["gather_index_keys"].append(_args("gather_index_keys", **Q["csa"], slot=0, n_entries=7, out=empty(7, DI)))
+        # entries read from the MODEL1 pages (the "rawkv" samples read fp8 / scale / rope): the HCA
+        # pool's, and the CSA pool's slot 1 past its 3 written entries (zero rows, counted)
+        out["gather_dense"].append(
+            _args("gather_dense", **Q["hca"], slot=0, n_entries=4, out=empty(4, D)) if il == "fp8" else
+            _args("gather_dense", **Q["csa"], slot=1, n_entries=5, out=empty(5, D, dtype=torch.float16)))
         out["gather_dense_batch"].append(
             _args("gather_dense_batch", **Q["hca"], slots=sl, n_entries=d.ints([4, 3]), valid_mask=None,
                   out=empty(2, 4, D)))
