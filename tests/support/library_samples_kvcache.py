@@ -66,7 +66,7 @@ def _pools(d: _Data, layout="rawkv", **index_layout):
         sl = sum(([s] * k for s, k in zip(slots, n)), []) + [-1]
         pos = sum(([e * M[kind] for e in range(k)] for k in n), []) + [0]
         B = len(sl)
-        keys = d.rows(B, DI, dtype=torch.bfloat16) if kind == "csa" else None
+        keys = d.rows(B, DI, dtype=torch.bfloat16) if p.has_index else None
         kvc.flush_write(p, d.rows(B, D, dtype=torch.bfloat16), d.mask([True] * B), d.ints(sl), d.ints(pos),
                         index_keys=keys)
         pools[kind] = p
@@ -257,6 +257,33 @@ def samples(rng, device="cpu"):
               norm_weight=d.layer("hca", hca_w)[1], valid_mask=d.mask([1, 1]), slots=sl,
               positions=d.ints([639, 300]), index_norm_weight=None, eps=1e-6, theta=ref.COMPRESS_ROPE_THETA,
               yarn=None))
+    # the writers on a "model1" HCA pool (its pages, no index_pages)
+    out["flush_write"].append(
+        _args("flush_write", **Q["hca"], entries=d.rows(2, D, dtype=bf16), valid_mask=d.mask([1, 1]),
+              slots=d.ints([0, 1]), positions=d.ints([512, 3 * 128]), index_keys=None))
+    hca_ape, hca_nw = d.layer("hca", hca_w)
+    out["compress_prefill"].append(
+        _args("compress_prefill", **Q["hca"], kv=d.rows(130, hca_w), z=d.rows(130, hca_w), ape=hca_ape,
+              norm_weight=hca_nw, slot=0, start_entry=4, index_kv=None, index_z=None,
+              index_ape=None, index_norm_weight=None, eps=1e-6, theta=ref.COMPRESS_ROPE_THETA, yarn=yarn))
+    # block 5 (free) to slot 1; its duplicate (the lowest row wins) counted in a caller's counter
+    out["assign_pages"].append(_args("assign_pages", **V.pool_args(pm["hca"], d.counter()), slots=d.ints([1, 0, 0]),
+                                     blocks=d.ints([5, -1, 5])))
+    # a CSA pool without indexer keys (index_head_dim=None: index_q / index_sf None, no index inputs)
+    nk = _pools(d, index_head_dim=None)["csa"]
+    nk.prepare_step([1], [23])
+    N = V.pool_args(nk)
+    out["flush_write"].append(
+        _args("flush_write", **N, entries=d.rows(2, D, dtype=bf16), valid_mask=d.mask([1, 1]), slots=d.ints([1, 0]),
+              positions=d.ints([16, 8]), index_keys=None))
+    out["compress_prefill"].append(
+        _args("compress_prefill", **N, kv=d.rows(9, csa_w, dtype=bf16), z=d.rows(9, csa_w, dtype=bf16), ape=None,
+              norm_weight=nw, slot=1, start_entry=3, index_kv=None, index_z=None, index_ape=None,
+              index_norm_weight=None, eps=1e-6, theta=ref.COMPRESS_ROPE_THETA, yarn=None))
+    out["compress_decode"].append(
+        _args("compress_decode", **N, **V.state_args(states["csa"], counter=False), **no_index, norm_weight=nw,
+              valid_mask=d.mask([1, 1]), slots=sl, positions=d.ints([31, 13]), index_norm_weight=None, eps=1e-6,
+              theta=ref.COMPRESS_ROPE_THETA, yarn=yarn))
     return {"kv_" + k: v for k, v in out.items()}
 
 
