@@ -284,6 +284,24 @@ def samples(rng, device="cpu"):
         _args("compress_decode", **N, **V.state_args(states["csa"], counter=False), **no_index, norm_weight=nw,
               valid_mask=d.mask([1, 1]), slots=sl, positions=d.ints([31, 13]), index_norm_weight=None, eps=1e-6,
               theta=ref.COMPRESS_ROPE_THETA, yarn=yarn))
+    # no rows: a step of no requests, a prompt of no tokens
+    none, empty_ids = d.ints([]), d.ints(np.zeros((0, 4)))
+    out["flush_write"].append(
+        _args("flush_write", **P["csa"], entries=d.rows(0, D, dtype=bf16), valid_mask=d.mask([]), slots=none,
+              positions=none, index_keys=d.rows(0, DI, dtype=bf16)))
+    out["assign_pages"].append(_args("assign_pages", **P["hca"], slots=none, blocks=none))
+    out["kvcache_indices"].append(
+        _args("kvcache_indices", **P["csa"], slots=none, topk_ids=empty_ids, n_entries=none, valid_mask=d.mask([]),
+              out=empty(0, 4, dtype=torch.int32)))
+    out["compress_prefill"].append(
+        _args("compress_prefill", **P["hca"], kv=d.rows(0, hca_w), z=d.rows(0, hca_w), ape=None, norm_weight=hca_nw,
+              slot=0, start_entry=0, index_kv=None, index_z=None, index_ape=None, index_norm_weight=None, eps=1e-6,
+              theta=ref.COMPRESS_ROPE_THETA, yarn=None))
+    out["compress_decode"].append(
+        _args("compress_decode", **P["csa"], **V.state_args(states["csa"], counter=False),
+              **V.state_args(states["index"], prefix="index_", counter=False), norm_weight=nw,
+              valid_mask=d.mask([]), slots=none, positions=none, index_norm_weight=inw, eps=1e-6,
+              theta=ref.COMPRESS_ROPE_THETA, yarn=yarn))
     return {"kv_" + k: v for k, v in out.items()}
 
 
