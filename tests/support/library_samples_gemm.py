@@ -31,10 +31,15 @@ def samples(rng, device="cpu"):
     offsets = torch.tensor([0, 2, 1, 5], dtype=torch.int32, device=device)   # 1 < 2: clamped
     errors = torch.zeros(1, dtype=torch.int32, device=device)
     outr = torch.empty(5, 24, dtype=torch.bfloat16, device=device)
+    # NVFP4 activations of the rows (x_sf, x_gs given): a gs per row, and one for all (scope 'tensor')
+    rq = [rawkv.nvfp4.QuantizedActivation(q.view(torch.uint8), sf.view(torch.uint8), gs)
+          for q, sf, gs in (rawkv.nvfp4.quantize(xr, scope=sc) for sc in ("row", "tensor"))]
     return {
         "gemm_grouped_linear": [_args(x, w, out=out), _args(qa, mx, out=out.clone())],
         "gemm_moe_linear": [_args(xr, w, offsets=offsets, out=outr, errors=errors),
-                            _args(xr, mx, offsets=offsets, out=outr.clone(), errors=None)],
+                            _args(xr, mx, offsets=offsets, out=outr.clone(), errors=None),
+                            _args(rq[0], w, offsets=offsets, out=outr.clone(), errors=errors.clone()),
+                            _args(rq[1], mx, offsets=offsets, out=outr.clone(), errors=None)],
     }
 
 
