@@ -34,12 +34,23 @@ def samples(rng, device="cpu"):
     # NVFP4 activations of the rows (x_sf, x_gs given): a gs per row, and one for all (scope 'tensor')
     rq = [rawkv.nvfp4.QuantizedActivation(q.view(torch.uint8), sf.view(torch.uint8), gs)
           for q, sf, gs in (rawkv.nvfp4.quantize(xr, scope=sc) for sc in ("row", "tensor"))]
+    q, sf, gs = rawkv.nvfp4.quantize(x)                                       # one gs for all
+    qt = rawkv.nvfp4.QuantizedActivation(q.view(torch.uint8), sf.view(torch.uint8), gs)
+    # FP16 activations; rows 128 channels apart (a strided x, read in place on CPU, copied once on CUDA)
+    x16 = x.half()
+    xs = torch.from_numpy(rng.standard_normal((5, 3, 128)).astype(np.float32)).bfloat16().to(device)[..., 64:]
+    none = torch.zeros(4, dtype=torch.int32, device=device)                   # offsets of no rows
     return {
-        "gemm_grouped_linear": [_args(x, w, out=out), _args(qa, mx, out=out.clone())],
+        "gemm_grouped_linear": [_args(x, w, out=out), _args(qa, mx, out=out.clone()),
+                                _args(qt, w, out=out.clone()), _args(x16, w, out=out.clone()),
+                                _args(xs, mx, out=out.clone()), _args(x[:0], w, out=out[:0].clone())],
         "gemm_moe_linear": [_args(xr, w, offsets=offsets, out=outr, errors=errors),
                             _args(xr, mx, offsets=offsets, out=outr.clone(), errors=None),
                             _args(rq[0], w, offsets=offsets, out=outr.clone(), errors=errors.clone()),
-                            _args(rq[1], mx, offsets=offsets, out=outr.clone(), errors=None)],
+                            _args(rq[1], mx, offsets=offsets, out=outr.clone(), errors=None),
+                            _args(xr.half(), w, offsets=offsets, out=outr.clone(), errors=None),
+                            _args(xs[:, 1], mx, offsets=offsets, out=outr.clone(), errors=errors.clone()),
+                            _args(xr[:0], w, offsets=none, out=outr[:0].clone(), errors=errors.clone())],
     }
 
 
