@@ -1149,8 +1149,20 @@ def opcheck_samples(rng, device="cpu"):
             tuple((operator_args8(xa, w8) | {"out": torch.empty(5, 3, 24, dtype=bf, device=device),
                                              "errors": None}).values()),
             tuple((operator_args8((xc.to(device), e8m0_act(rng, (5, 3, 160))[1].to(device)), w8)
-                   | {"out": torch.empty(5, 3, 24, dtype=bf, device=device), "errors": None}).values())],
+                   | {"out": torch.empty(5, 3, 24, dtype=bf, device=device), "errors": None}).values()),
+            tuple((operator_args8((xa[0], mn_major(xa[1])), w8)
+                   | {"out": torch.empty(5, 3, 24, dtype=bf, device=device),
+                      "errors": torch.zeros(1, dtype=torch.int32, device=device)}).values())],
         "gemm_moe_linear_w4a8": [
             tuple((operator_args8(xr, w8) | {"offsets": offsets, "out": torch.empty(5, 24, dtype=bf, device=device),
-                                             "errors": torch.zeros(1, dtype=torch.int32, device=device)}).values())],
+                                             "errors": torch.zeros(1, dtype=torch.int32, device=device)}).values()),
+            # E8M0 bytes in DeepGEMM's MN-major, TMA-aligned layout (mn_major), the device's counter;
+            # no rows
+            tuple((operator_args8((xr[0], mn_major(e8m0_act(rng, (5, 160))[1].view(torch.uint8).to(device))), w8)
+                   | {"offsets": offsets, "out": torch.empty(5, 24, dtype=bf, device=device),
+                      "errors": None}).values()),
+            tuple((operator_args8((xr[0][:0], xr[1][:0]), w8)
+                   | {"offsets": torch.zeros(4, dtype=torch.int32, device=device),
+                      "out": torch.empty(0, 24, dtype=bf, device=device),
+                      "errors": torch.zeros(1, dtype=torch.int32, device=device)}).values())],
     }
