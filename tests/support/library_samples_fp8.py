@@ -10,18 +10,37 @@ def samples(rng, device="cpu"):
     xb = torch.from_numpy(rng.standard_normal((3, 144)).astype(np.float32)).to(device)
     u8 = dict(dtype=torch.uint8, device=device)
     bcodes = torch.from_numpy(rng.integers(0, 256, (3, 144), dtype=np.uint8)).to(device)
+    x3 = torch.from_numpy(rng.standard_normal((2, 3, 64)).astype(np.float32)).to(device).half()
     return {
         "fp8_quantize_blocks": [(xb, 128, "fp32", torch.empty(3, 144, **u8), torch.empty(3, 2, device=device)),
                                 (xb.bfloat16(), 64, "ue8m0", torch.empty(3, 144, **u8), torch.empty(3, 3, **u8)),
-                                (xb, 32, "ue8m0", torch.empty(3, 144, **u8), torch.empty(3, 5, device=device))],
+                                (xb, 32, "ue8m0", torch.empty(3, 144, **u8), torch.empty(3, 5, device=device)),
+                                # float16 (..., K) x, scales written in DeepGEMM's MN-major layout (each
+                                # block's column of rows contiguous); no rows
+                                (x3, 32, "fp32", torch.empty(2, 3, 64, **u8), _mn_major((2, 3, 2), device)),
+                                (xb[:0], 128, "ue8m0", torch.empty(0, 144, **u8), torch.empty(0, 2, **u8))],
         "fp8_dequantize_blocks": [(bcodes, torch.rand(3, 2, device=device), 128, torch.empty(3, 144, device=device)),
                                   (bcodes, torch.full((3, 5), 120, **u8), 32,
-                                   torch.empty(3, 144, dtype=torch.bfloat16, device=device))],
+                                   torch.empty(3, 144, dtype=torch.bfloat16, device=device)),
+                                  (bcodes, _mn_major((3, 3), device).copy_(torch.rand(3, 3)), 64,
+                                   torch.empty(3, 144, dtype=torch.float16, device=device)),
+                                  (bcodes[:0], torch.full((0, 2), 127, **u8), 128, torch.empty(0, 144, device=device))],
         "e4m3_encode": [(x, torch.empty(x.shape, dtype=torch.uint8, device=device)),
-                        (x.bfloat16(), torch.empty(x.shape, dtype=torch.uint8, device=device))],
+                        (x.bfloat16(), torch.empty(x.shape, dtype=torch.uint8, device=device)),
+                        (x3, torch.empty(x3.shape, dtype=torch.uint8, device=device)),
+                        (x[:0], torch.empty(0, 37, dtype=torch.uint8, device=device))],
         "e4m3_decode": [(codes, torch.empty(codes.shape, device=device)),
-                        (codes, torch.empty(codes.shape, dtype=torch.float16, device=device))],
+                        (codes, torch.empty(codes.shape, dtype=torch.float16, device=device)),
+                        (codes.view(37, 3), torch.empty(37, 3, dtype=torch.bfloat16, device=device)),
+                        (codes[:0], torch.empty(0, 37, device=device))],
     }
+
+
+def _mn_major(shape, device):
+    """A float32 scales buffer of `shape` (..., nb) in DeepGEMM's MN-major
+    layout: the rows (the leading dimensions as one index) adjacent."""
+    rows = int(np.prod(shape[:-1]))
+    return torch.empty(shape[-1], rows, device=device).t().reshape(shape)
 
 
 def _encode_decode(rng, device):
