@@ -24,6 +24,8 @@ def samples(rng, device="cpu"):
     idx = torch.tensor([[3, 0], [7, 1]], dtype=torch.int32, device=device)     # 7: not a row
     sf3 = t(rng.integers(0, 0x7F, (2, 3, 5), dtype=np.uint8))
     sw = t(RL.swizzle_scales(sf.cpu().numpy()))
+    x3 = t(rng.standard_normal((2, 3, 32)).astype(np.float32)).half()
+    q3, sf3q, g3 = (t(a) for a in R.quantize(x3.float().cpu().numpy(), "row"))   # (2, 3) rows, a gs each
     return {
         # x, scope, gs, gs_value, q, sf, gs_out, errors
         "nvfp4_quantize": [
@@ -38,6 +40,9 @@ def samples(rng, device="cpu"):
             (x[:0], "row", None, None, empty(0, 32), empty(0, 4), empty(0, dtype=torch.float32), None),
             (t(rng.standard_normal((4, 128)).astype(np.float32))[:, :64], "tensor", None, None, empty(4, 32),
              empty(4, 4), empty(dtype=torch.float32), errors.clone()),
+            # (..., K) x of two leading dimensions (a gs per row: (2, 3)); a given gs of shape ()
+            (x3, "row", None, None, empty(2, 3, 16), empty(2, 3, 2), empty(2, 3, dtype=torch.float32), None),
+            (x3, "given", g1.reshape(()), None, empty(2, 3, 16), empty(2, 3, 2), None, errors.clone()),
         ],
         # q, sf, gs, gs_value, out
         "nvfp4_dequantize": [
@@ -45,11 +50,15 @@ def samples(rng, device="cpu"):
             (q, sf, None, 0.5, empty(4, 64, dtype=torch.bfloat16)),
             (q, sf, torch.tensor(0.25, device=device), None, empty(4, 64, dtype=torch.float16)),
             (q[:0], sf[:0], g[:0], None, empty(0, 64, dtype=torch.float32)),
+            (q3, sf3q, g3, None, empty(2, 3, 32, dtype=torch.bfloat16)),
         ],
         # q, sf, gs, gs_value, indices, out, errors
         "nvfp4_gather": [
             (q, sf, g, None, idx, empty(2, 2, 64, dtype=torch.float32), errors.clone()),
             (q, sf, None, 0.5, idx[:, 1].long(), empty(2, 64, dtype=torch.bfloat16), None),
+            # rows of a 3-D q (leading dimensions flattened: 6 rows), one gs tensor for all, a float16 out
+            (q3, sf3q, g1, None, t(np.array([[5, -1, 0]], np.int64)), empty(1, 3, 32, dtype=torch.float16),
+             errors.clone()),
         ],
         "nvfp4_swizzle_scales": [(sf, empty(RL.swizzled_size(4, 4))),
                                  (sf3, empty(RL.swizzled_size(6, 5)))],
