@@ -83,7 +83,9 @@ def opcheck_samples(rng, device="cpu"):
     """opcheck argument tuples of rawkv::nvfp4_global_scale (x, gs_out)."""
     x = torch.from_numpy(rng.standard_normal((4, 64)).astype(np.float32)).to(device)
     return {"nvfp4_global_scale": [(x, torch.empty((), device=device)),
-                                   (x.bfloat16()[:, :32], torch.empty((), device=device))]}
+                                   (x.bfloat16()[:, :32], torch.empty((), device=device)),
+                                   (x.half().view(2, 2, 64), torch.empty((), device=device)),     # (..., K)
+                                   (x[:0], torch.empty((), device=device))]}                      # no rows
 
 
 def _ones(*shape, dtype=torch.float32):
