@@ -57,6 +57,7 @@ def samples(rng, device="cpu"):
             (h16, 6, "given", None, 0.02, *_outs((2, 2), 96, (), device, False)),
             (h, 8, "given", gs_t, None, *_outs((3,), 64, (1,), device, False)),
             (h, 16, "none", None, None, *_outs((3,), 64, (), device, False)),
+            (h[:0], 8, "row", None, None, *_outs((0,), 64, (0,), device, False)),          # no rows
         ],
         "moe_stage": [
             (hid, ids, wts, torch.empty((4, 128), dtype=U8, device=device),
@@ -66,6 +67,10 @@ def samples(rng, device="cpu"):
              torch.empty((4, 4), dtype=torch.int32, device=device),
              torch.empty((4, 2), dtype=torch.int64, device=device),
              torch.empty((4, 2), dtype=torch.bfloat16, device=device)),
+            # no tokens
+            (hid[:0], ids[:0], wts[:0], torch.empty((0, 128), dtype=U8, device=device),
+             torch.empty((0, 4), dtype=torch.int32, device=device),
+             torch.empty((0, 2), dtype=torch.int64, device=device), torch.empty((0, 2), dtype=F32, device=device)),
         ],
     }
 
