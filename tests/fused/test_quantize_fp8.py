@@ -9,6 +9,8 @@ compiled step is tests/support/library_samples_fused.py's). The CUDA
 kernels against the reference: test_quantize_fp8_gpu.py."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -488,18 +490,30 @@ def opcheck_samples(rng, device="cpu"):
     h, h16 = t(3, 128), t(2, 2, 192, dtype=F16)
     hid, wts = t(4, 256), t(4, 2, dtype=torch.float32, lo=0.0)
     ids = torch.from_numpy(rng.integers(0, 64, (4, 2), dtype=np.int32)).to(device)
+    def mn_major(*shape):
+        """float32 scales (..., nb) in DeepGEMM's MN-major layout (the rows adjacent)."""
+        return e(shape[-1], math.prod(shape[:-1])).t().reshape(shape)
     return {
         "rmsnorm_quantize_fp8": [(x, w, 1e-6, 128, "fp32", e(3, 64, dtype=U8), e(3, 1), e(3)),
-                                 (x3, w128, 1e-5, 32, "ue8m0", e(2, 3, 128, dtype=U8), e(2, 3, 4, dtype=U8), e(2, 3))],
+                                 (x3, w128, 1e-5, 32, "ue8m0", e(2, 3, 128, dtype=U8), e(2, 3, 4, dtype=U8), e(2, 3)),
+                                 # scales written MN-major (E8M0 values as float32); no rows
+                                 (x3, w128, 1e-6, 64, "ue8m0", e(2, 3, 128, dtype=U8), mn_major(2, 3, 2), e(2, 3)),
+                                 (x[:0], w, 1e-6, 128, "fp32", e(0, 64, dtype=U8), e(0, 1), e(0))],
         "mhc_rmsnorm_quantize_fp8": [(X, mix, w, 1e-6, 64, "ue8m0", e(3, 64, dtype=U8), e(3, 1), e(3)),
                                      (X, mix.bfloat16(), w, 1e-5, 32, "fp32", e(3, 64, dtype=U8), e(3, 2), e(3)),
                                      (X[:0], mix[:0], w, 1e-6, 64, "fp32", e(0, 64, dtype=U8), e(0, 1), e(0))],
         "swiglu_quantize_fp8": [(h, 8, 128, "ue8m0", e(3, 64, dtype=U8), e(3, 1, dtype=U8)),
-                                (h16, 6, 32, "fp32", e(2, 2, 96, dtype=U8), e(2, 2, 3))],
+                                (h16, 6, 32, "fp32", e(2, 2, 96, dtype=U8), e(2, 2, 3)),
+                                (h16, 6, 32, "fp32", e(2, 2, 96, dtype=U8), mn_major(2, 2, 3)),
+                                (h[:0], 8, 128, "ue8m0", e(0, 64, dtype=U8), e(0, 1, dtype=U8))],
         "moe_stage_fp8": [(hid, ids, wts, 128, "ue8m0", e(4, 256, dtype=U8), e(4, 2, dtype=U8), e(4, 2, dtype=I64),
                            e(4, 2)),
                           (hid.half(), ids.long(), wts.bfloat16(), 64, "fp32", e(4, 256, dtype=U8), e(4, 4),
-                           e(4, 2, dtype=I64), e(4, 2, dtype=BF16))],
+                           e(4, 2, dtype=I64), e(4, 2, dtype=BF16)),
+                          (hid, ids, wts, 32, "ue8m0", e(4, 256, dtype=U8), mn_major(4, 8), e(4, 2, dtype=I64),
+                           e(4, 2)),
+                          (hid[:0], ids[:0], wts[:0], 128, "fp32", e(0, 256, dtype=U8), e(0, 2), e(0, 2, dtype=I64),
+                           e(0, 2))],
     }
 
 
