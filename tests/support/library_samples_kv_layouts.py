@@ -59,15 +59,24 @@ def samples(rng, device="cpu"):
             _args("model1_store", cache=d.cache("model1", 3), entries=d.rows(4, R.ENTRY_DIM),
                   slots=d.ints([0, 5, -1, 12]), page_size=P, offsets=None, errors=d.errors()),
             _args("model1_store", cache=d.cache("model1", 2), entries=d.rows(3, R.ENTRY_DIM, torch.bfloat16),
-                  slots=d.ints([1, 0, 7], torch.int64), page_size=P, offsets=d.ints([3, 2, 0]), errors=None)],
+                  slots=d.ints([1, 0, 7], torch.int64), page_size=P, offsets=d.ints([3, 2, 0]), errors=None),
+            _args("model1_store", cache=d.cache("model1", 2), entries=d.rows(0, R.ENTRY_DIM), slots=d.ints([]),
+                  page_size=P, offsets=d.ints([]), errors=d.errors())],                  # no rows
         "model1_window_insert": [
             _args("model1_window_insert", cache=d.cache("model1", 2), rows=d.rows(3, R.ENTRY_DIM, torch.bfloat16),
-                  slot_mapping=d.ints([6, -1, 8]), page_size=P, errors=d.errors())],
+                  slot_mapping=d.ints([6, -1, 8]), page_size=P, errors=d.errors()),
+            # float32 rows, int64 slots (vLLM's slot_mapping), the device's counter; no rows
+            _args("model1_window_insert", cache=d.cache("model1", 3), rows=d.rows(2, R.ENTRY_DIM),
+                  slot_mapping=d.ints([9, 2], torch.int64), page_size=P, errors=None),
+            _args("model1_window_insert", cache=d.cache("model1", 1), rows=d.rows(0, R.ENTRY_DIM),
+                  slot_mapping=d.ints([], torch.int64), page_size=P, errors=None)],
         "index_fp8_store": [
             _args("index_fp8_store", cache=d.cache("index_fp8", 2), keys=d.rows(4, R.INDEX_DIM),
                   slots=d.ints([7, 0, -1, 9]), page_size=P, offsets=None, errors=d.errors()),
             _args("index_fp8_store", cache=d.cache("index_fp8", 2), keys=d.rows(2, R.INDEX_DIM, torch.bfloat16),
-                  slots=d.ints([1, 0], torch.int64), page_size=P, offsets=d.ints([2, 3]), errors=None)],
+                  slots=d.ints([1, 0], torch.int64), page_size=P, offsets=d.ints([2, 3]), errors=None),
+            _args("index_fp8_store", cache=d.cache("index_fp8", 1), keys=d.rows(0, R.INDEX_DIM), slots=d.ints([]),
+                  page_size=P, offsets=None, errors=None)],
         "index_mxfp4_store": [
             _args("index_mxfp4_store", cache=d.cache("index_mxfp4", 2), keys=d.rows(3, R.INDEX_DIM),
                   slots=d.ints([3, 4, 20]), page_size=P, offsets=None, errors=d.errors()),
@@ -78,7 +87,12 @@ def samples(rng, device="cpu"):
             _args("model1_gather", cache=m1, indices=d.ints([[0, 5, -1], [7, 3, 40]]), page_size=P,
                   out=torch.empty((2, 3, R.ENTRY_DIM), dtype=torch.bfloat16, device=device), errors=d.errors()),
             _args("model1_gather", cache=m1, indices=d.ints([6, 1]), page_size=P,
-                  out=torch.empty((2, R.ENTRY_DIM), dtype=torch.float32, device=device), errors=None)],
+                  out=torch.empty((2, R.ENTRY_DIM), dtype=torch.float32, device=device), errors=None),
+            # indices of three dimensions into a float16 out; no indices
+            _args("model1_gather", cache=m1, indices=d.ints([[[2], [-1]], [[12], [4]]]), page_size=P,
+                  out=torch.empty((2, 2, 1, R.ENTRY_DIM), dtype=torch.float16, device=device), errors=d.errors()),
+            _args("model1_gather", cache=m1, indices=d.ints(np.zeros((0, 3))), page_size=P,
+                  out=torch.empty((0, 3, R.ENTRY_DIM), dtype=torch.bfloat16, device=device), errors=d.errors())],
         "topk_to_kvcache_indices": [
             _args("topk_to_kvcache_indices", topk_ids=d.ints([[0, 5, -1, 9], [3, 12, 2, 1]]),
                   block_table=d.ints([[4, 1, 7], [2, 0, 9]]), page_size=P, num_pages=8, slots=None,
@@ -86,7 +100,10 @@ def samples(rng, device="cpu"):
                   errors=d.errors()),
             _args("topk_to_kvcache_indices", topk_ids=d.ints([[[1, -1], [6, 2]]], torch.int64),
                   block_table=d.ints([[0, 0], [5, 3]]), page_size=P, num_pages=6, slots=d.ints([1]),
-                  n_entries=None, out=torch.empty((1, 2, 2), dtype=torch.int32, device=device), errors=None)],
+                  n_entries=None, out=torch.empty((1, 2, 2), dtype=torch.int32, device=device), errors=None),
+            _args("topk_to_kvcache_indices", topk_ids=d.ints(np.zeros((0, 4))), block_table=d.ints([[4, 1, 7]]),
+                  page_size=P, num_pages=8, slots=d.ints([]), n_entries=d.ints([]),
+                  out=torch.empty((0, 4), dtype=torch.int32, device=device), errors=d.errors())],    # no rows
     }
     return {"kv_" + k: v for k, v in out.items()}
 
