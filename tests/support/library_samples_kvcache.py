@@ -236,7 +236,9 @@ def samples(rng, device="cpu"):
             _args("gather_dense", **Q["csa"], slot=1, n_entries=5, out=empty(5, D, dtype=torch.float16)))
         out["gather_dense_batch"].append(
             _args("gather_dense_batch", **Q["hca"], slots=sl, n_entries=d.ints([4, 3]), valid_mask=None,
-                  out=empty(2, 4, D)))
+                  out=empty(2, 4, D)) if il == "fp8" else
+            _args("gather_dense_batch", **Q["csa"], slots=sl, n_entries=d.ints([7, 5]), valid_mask=d.mask([1, 1]),
+                  out=empty(2, 7, D, dtype=f32)))
         out["assign_pages"].append(
             _args("assign_pages", **Q["csa"], slots=d.ints([1, 0]), blocks=d.ints([6, 6])))
         out["kvcache_indices"].append(
@@ -262,6 +264,12 @@ def samples(rng, device="cpu"):
         _args("flush_write", **Q["hca"], entries=d.rows(2, D, dtype=bf16), valid_mask=d.mask([1, 1]),
               slots=d.ints([0, 1]), positions=d.ints([512, 3 * 128]), index_keys=None))
     hca_ape, hca_nw = d.layer("hca", hca_w)
+    # bfloat16 rows for the entry and the indexer key (the index rows take kv's dtype), no ape
+    out["compress_prefill"].append(
+        _args("compress_prefill", **P["csa"], kv=d.rows(16, csa_w, dtype=bf16), z=d.rows(16, csa_w, dtype=bf16),
+              ape=None, norm_weight=nw, slot=1, start_entry=2, index_kv=d.rows(16, 2 * DI, dtype=bf16),
+              index_z=d.rows(16, 2 * DI, dtype=bf16), index_ape=None, index_norm_weight=inw, eps=1e-5,
+              theta=ref.COMPRESS_ROPE_THETA, yarn=yarn))
     out["compress_prefill"].append(
         _args("compress_prefill", **Q["hca"], kv=d.rows(130, hca_w), z=d.rows(130, hca_w), ape=hca_ape,
               norm_weight=hca_nw, slot=0, start_entry=4, index_kv=None, index_z=None,
