@@ -82,7 +82,9 @@ def samples(rng, device="cpu"):
                   slots=d.ints([3, 4, 20]), page_size=P, offsets=None, errors=d.errors()),
             _args("index_mxfp4_store", cache=d.cache("index_mxfp4", 2),
                   keys=d.rows(2, R.INDEX_DIM, torch.bfloat16), slots=d.ints([1, -1]), page_size=P,
-                  offsets=d.ints([1, 0]), errors=None)],
+                  offsets=d.ints([1, 0]), errors=None),
+            _args("index_mxfp4_store", cache=d.cache("index_mxfp4", 3), keys=d.rows(2, R.INDEX_DIM),
+                  slots=d.ints([11, 4], torch.int64), page_size=P, offsets=None, errors=None)],
         "model1_gather": [
             _args("model1_gather", cache=m1, indices=d.ints([[0, 5, -1], [7, 3, 40]]), page_size=P,
                   out=torch.empty((2, 3, R.ENTRY_DIM), dtype=torch.bfloat16, device=device), errors=d.errors()),
