@@ -50,6 +50,9 @@ def samples(rng, device="cpu"):
             (X, mix, w, 1e-6, "given", gs_t, None, *_outs((3,), 64, (), device)),
             (X, mix, w, 1e-6, "none", None, None, *_outs((3,), 64, (), device)),
             (X[:0], mix[:0], w, 1e-6, "row", None, None, *_outs((0,), 64, (0,), device)),
+            # a number gs (gs_value); float16 streams with a float16 weight
+            (X, mix, w, 1e-6, "given", None, 0.05, *_outs((3,), 64, (), device)),
+            (X.half(), mix, w.half(), 1e-5, "tensor", None, None, *_outs((3,), 64, (), device)),
         ],
         "swiglu_quantize": [
             (h, 8, "row", None, None, *_outs((3,), 64, (3,), device, False)),
