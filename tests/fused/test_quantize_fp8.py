@@ -501,7 +501,10 @@ def opcheck_samples(rng, device="cpu"):
                                  (x[:0], w, 1e-6, 128, "fp32", e(0, 64, dtype=U8), e(0, 1), e(0))],
         "mhc_rmsnorm_quantize_fp8": [(X, mix, w, 1e-6, 64, "ue8m0", e(3, 64, dtype=U8), e(3, 1), e(3)),
                                      (X, mix.bfloat16(), w, 1e-5, 32, "fp32", e(3, 64, dtype=U8), e(3, 2), e(3)),
-                                     (X[:0], mix[:0], w, 1e-6, 64, "fp32", e(0, 64, dtype=U8), e(0, 1), e(0))],
+                                     (X[:0], mix[:0], w, 1e-6, 64, "fp32", e(0, 64, dtype=U8), e(0, 1), e(0)),
+                                     # float16 streams and weight, E8M0 bytes
+                                     (X.half(), mix, w.half(), 1e-6, 32, "ue8m0", e(3, 64, dtype=U8),
+                                      e(3, 2, dtype=U8), e(3))],
         "swiglu_quantize_fp8": [(h, 8, 128, "ue8m0", e(3, 64, dtype=U8), e(3, 1, dtype=U8)),
                                 (h16, 6, 32, "fp32", e(2, 2, 96, dtype=U8), e(2, 2, 3)),
                                 (h16, 6, 32, "fp32", e(2, 2, 96, dtype=U8), mn_major(2, 2, 3)),
