@@ -40,17 +40,22 @@ def samples(rng, device="cpu"):
     x16 = x.half()
     xs = torch.from_numpy(rng.standard_normal((5, 3, 128)).astype(np.float32)).bfloat16().to(device)[..., 64:]
     none = torch.zeros(4, dtype=torch.int32, device=device)                   # offsets of no rows
+    # outs the kernels write at their strides: (T, G, N) over a (G, T, N) buffer, rows 32 apart
+    out_gt = torch.empty(3, 5, 24, dtype=torch.bfloat16, device=device).transpose(0, 1)
+    out_pad = torch.empty(5, 32, dtype=torch.bfloat16, device=device)[:, :24]
     return {
         "gemm_grouped_linear": [_args(x, w, out=out), _args(qa, mx, out=out.clone()),
                                 _args(qt, w, out=out.clone()), _args(x16, w, out=out.clone()),
-                                _args(xs, mx, out=out.clone()), _args(x[:0], w, out=out[:0].clone())],
+                                _args(xs, mx, out=out.clone()), _args(x[:0], w, out=out[:0].clone()),
+                                _args(qa, w, out=out_gt)],
         "gemm_moe_linear": [_args(xr, w, offsets=offsets, out=outr, errors=errors),
                             _args(xr, mx, offsets=offsets, out=outr.clone(), errors=None),
                             _args(rq[0], w, offsets=offsets, out=outr.clone(), errors=errors.clone()),
                             _args(rq[1], mx, offsets=offsets, out=outr.clone(), errors=None),
                             _args(xr.half(), w, offsets=offsets, out=outr.clone(), errors=None),
                             _args(xs[:, 1], mx, offsets=offsets, out=outr.clone(), errors=errors.clone()),
-                            _args(xr[:0], w, offsets=none, out=outr[:0].clone(), errors=errors.clone())],
+                            _args(xr[:0], w, offsets=none, out=outr[:0].clone(), errors=errors.clone()),
+                            _args(xr, mx, offsets=offsets, out=out_pad, errors=errors.clone())],
     }
 
 
