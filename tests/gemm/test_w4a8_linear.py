@@ -1150,8 +1150,9 @@ def opcheck_samples(rng, device="cpu"):
                                              "errors": None}).values()),
             tuple((operator_args8((xc.to(device), e8m0_act(rng, (5, 3, 160))[1].to(device)), w8)
                    | {"out": torch.empty(5, 3, 24, dtype=bf, device=device), "errors": None}).values()),
+            # scales MN-major, out (T, G, N) over a (G, T, N) buffer: both at strides the kernels take
             tuple((operator_args8((xa[0], mn_major(xa[1])), w8)
-                   | {"out": torch.empty(5, 3, 24, dtype=bf, device=device),
+                   | {"out": torch.empty(3, 5, 24, dtype=bf, device=device).transpose(0, 1),
                       "errors": torch.zeros(1, dtype=torch.int32, device=device)}).values())],
         "gemm_moe_linear_w4a8": [
             tuple((operator_args8(xr, w8) | {"offsets": offsets, "out": torch.empty(5, 24, dtype=bf, device=device),
