@@ -56,6 +56,7 @@ from .compressor import (  # noqa: F401
 )
 from .layouts import (  # noqa: F401,E402
     index_fp8_dequantize, index_fp8_gather, index_fp8_quantize, index_fp8_write, index_mxfp4_dequantize,
-    index_mxfp4_gather, index_mxfp4_quantize, index_mxfp4_write, model1_dequantize, model1_gather,
+    index_mxfp4_gather, index_mxfp4_quantize, index_mxfp4_write, index_mxfp8_dequantize, index_mxfp8_gather,
+    index_mxfp8_quantize, index_mxfp8_write, model1_dequantize, model1_gather,
     model1_quantize, model1_write, topk_to_kvcache_indices,
 )

@@ -9,11 +9,15 @@
   FP32 scale (a power of two) per key: 132 bytes.
 * MXFP4 indexer key (DeepSeek's trained format, SM100): 128 dims as E2M1 in
   4 blocks of 32, each with a UE8M0 scale: 64 code bytes + 4 scale bytes.
+* MXFP8 indexer key (DeepGEMM's SM100 paged MQA logits with an int32 UE8M0
+  query scale, and its SM100 sparse paged logits): 128 E4M3 codes in 4
+  blocks of 32, each with a UE8M0 scale: 128 code bytes + 4 scale bytes.
 
 Every layout is "split": a page of P records holds the P data records
 [P x data_bytes] then the P scale records [P x scale_bytes], then zero padding
-up to a multiple of the layout's alignment (576 for MODEL1, none for the
-indexer keys). A cache is a (num_pages, page_bytes) uint8 array; record
+up to a multiple of the layout's alignment (576 for MODEL1, 512 for the
+MXFP8 key, whose sparse reader wants 512-byte page strides; none for the
+FP8 and MXFP4 keys). A cache is a (num_pages, page_bytes) uint8 array; record
 `o` of page `p` is slot p * P + o (the slot mapping engines use).
 
 Quantization rules (the sources and the decisions are in docs/kvcache.md):
@@ -53,6 +57,12 @@ FP8_TILES = NOPE_DIM // FP8_TILE
 INDEX_DIM = 128            # indexer key
 MXFP4_BLOCK = 32
 MXFP4_BLOCKS = INDEX_DIM // MXFP4_BLOCK
+MXFP8_BLOCK = 32           # DeepGEMM per_token_cast_to_fp8(gran_k=32)
+MXFP8_BLOCKS = INDEX_DIM // MXFP8_BLOCK
+#: DeepGEMM's SM100 paged sparse MQA logits asserts fused_kv_cache.stride(0)
+#: % 512 == 0 (csrc/apis/attention.hpp at e824173): the MXFP8 key page is
+#: padded to it (P = 64: 8,448 -> 8,704 bytes; P = 128: no padding)
+MXFP8_PAGE_ALIGN = 512
 
 FP8_MAX = F32(448.0)
 E2M1_MAX = F32(6.0)
@@ -91,8 +101,11 @@ MODEL1 = SplitLayout("model1", NOPE_DIM + 2 * ROPE_DIM, FP8_TILES + 1, 576)
 INDEX_FP8 = SplitLayout("index_fp8", INDEX_DIM, 4)
 #: DeepGEMM SM100 paged MXFP4 key: 64 B of E2M1 pairs | 4 UE8M0 (one int32)
 INDEX_MXFP4 = SplitLayout("index_mxfp4", INDEX_DIM // 2, MXFP4_BLOCKS)
+#: DeepGEMM SM100 paged MXFP8 key: 128 E4M3 | 4 UE8M0 (one int32), the page
+#: padded to a multiple of 512 bytes
+INDEX_MXFP8 = SplitLayout("index_mxfp8", INDEX_DIM, MXFP8_BLOCKS, MXFP8_PAGE_ALIGN)
 
-LAYOUTS = {lay.name: lay for lay in (MODEL1, INDEX_FP8, INDEX_MXFP4)}
+LAYOUTS = {lay.name: lay for lay in (MODEL1, INDEX_FP8, INDEX_MXFP4, INDEX_MXFP8)}
 
 
 def _page_size(page_size) -> int:
@@ -253,17 +266,46 @@ def index_mxfp4_dequantize(codes, scales, dtype: str = "float32") -> np.ndarray:
     return round_to_dtype(v.reshape(*codes.shape[:-1], INDEX_DIM), dtype)
 
 
+def index_mxfp8_quantize(keys):
+    """Keys (..., 128) (rounded to BF16 first) -> (codes (..., 128) uint8,
+    scales (..., 4) uint8): DeepGEMM's per_token_cast_to_fp8(use_ue8m0=True,
+    gran_k=32, use_packed_ue8m0=True): per block of 32
+    e = ceil(log2(max(amax, 1e-4) / 448)), byte e + 127 (block k in byte k
+    of the key's int32), codes e4m3(x * 2^-e) (RNE). A block holding NaN/Inf
+    stores codes 0 and byte 0xFF (rawkv's rule; DeepGEMM's test quantizer
+    writes byte 0xFE and NaN codes there: docs/kvcache.md decision 3)."""
+    x = bf16_round(_f32("keys", keys, last=INDEX_DIM))
+    y, e, bad = _pow2_blocks(x, MXFP8_BLOCK, FP8_MAX, FP8_AMAX_FLOOR)
+    codes = np.where(bad[..., None], np.uint8(0), e4m3_encode(y)).reshape(*x.shape[:-1], INDEX_DIM)
+    return codes.astype(np.uint8), _scale_bytes(e, bad)
+
+
+def index_mxfp8_dequantize(codes, scales, dtype: str = "float32") -> np.ndarray:
+    """e4m3(code) * 2^(byte - 127) in float32 (byte 0xFF: NaN), rounded to `dtype`."""
+    codes = _bytes("codes", codes, INDEX_DIM)
+    scales = _bytes("scales", scales, MXFP8_BLOCKS)
+    if scales.shape[:-1] != codes.shape[:-1]:
+        raise ValueError(f"scales: expected leading shape {codes.shape[:-1]}, got {scales.shape}")
+    c = codes.reshape(*codes.shape[:-1], MXFP8_BLOCKS, MXFP8_BLOCK)
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = e4m3_decode(c) * ue8m0_value(scales)[..., None]
+    return round_to_dtype(v.reshape(*codes.shape[:-1], INDEX_DIM), dtype)
+
+
 # ---------------------------------------------------------------------------
 # Records of any layout
 # ---------------------------------------------------------------------------
 def records(layout: SplitLayout, rows):
     """Rows (N, 512) for MODEL1, (N, 128) for the keys -> their records
     (data (N, data_bytes), scales (N, scale_bytes)) uint8; the FP8 key's
-    scale record is its float32 scale, little-endian."""
+    scale record is its float32 scale, little-endian; the MX keys' their 4
+    UE8M0 bytes (block k in byte k)."""
     if layout is MODEL1:
         return model1_quantize(rows)
     if layout is INDEX_MXFP4:
         return index_mxfp4_quantize(rows)
+    if layout is INDEX_MXFP8:
+        return index_mxfp8_quantize(rows)
     codes, scale = index_fp8_quantize(rows)
     return codes, np.ascontiguousarray(scale.astype("<f4")).view(np.uint8).reshape(*scale.shape, 4)
 
@@ -275,6 +317,8 @@ def decode_records(layout: SplitLayout, data, scales, dtype: str = "float32") ->
         return model1_dequantize(data, scales, dtype)
     if layout is INDEX_MXFP4:
         return index_mxfp4_dequantize(data, scales, dtype)
+    if layout is INDEX_MXFP8:
+        return index_mxfp8_dequantize(data, scales, dtype)
     scale = np.ascontiguousarray(_bytes("scales", scales, 4)).view("<f4")[..., 0].astype(F32)
     return index_fp8_dequantize(data, scale, dtype)
 
@@ -409,6 +453,22 @@ def index_mxfp4_gather(cache, page_size: int, slots, dtype: str = "float32"):
     """MXFP4 indexer keys at slot ids (any shape) -> (keys (..., 128), errors)."""
     codes, scales, ok, errors = page_read(INDEX_MXFP4, cache, page_size, slots)
     keys = index_mxfp4_dequantize(codes, scales, dtype)
+    keys[~ok] = 0
+    return keys, errors
+
+
+def index_mxfp8_write(cache, page_size: int, keys, slots, offsets=None) -> int:
+    """Quantize keys (N, 128) into MXFP8 indexer pages (DeepGEMM SM100 paged
+    layout with UE8M0 scales packed in one int32, the page padded to a
+    multiple of 512 bytes); returns the rows skipped and counted."""
+    codes, scales = index_mxfp8_quantize(keys)
+    return page_write(INDEX_MXFP8, cache, page_size, codes, scales, slots, offsets)
+
+
+def index_mxfp8_gather(cache, page_size: int, slots, dtype: str = "float32"):
+    """MXFP8 indexer keys at slot ids (any shape) -> (keys (..., 128), errors)."""
+    codes, scales, ok, errors = page_read(INDEX_MXFP8, cache, page_size, slots)
+    keys = index_mxfp8_dequantize(codes, scales, dtype)
     keys[~ok] = 0
     return keys, errors
 
