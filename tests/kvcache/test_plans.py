@@ -83,7 +83,7 @@ def test_flush_write_rawkv_layout(kind):
     assert (f.args["index_dim"], f.args["m"], f.args["B"]) == (128 if kind == "csa" else 0, pool.m, 6)
 
 
-@pytest.mark.parametrize("index_layout, targs", [("fp8", "true, false"), ("mxfp4", "true, true")])
+@pytest.mark.parametrize("index_layout, targs", [("fp8", "true, 0"), ("mxfp4", "true, 1")])
 def test_flush_write_model1_layout(index_layout, targs):
     pool = _pool("csa", "model1", index_layout=index_layout)
     e, k = _t((9, 512), torch.bfloat16), _t((9, 128), torch.bfloat16)
@@ -119,7 +119,7 @@ def test_index_key_gathers():
     assert g.grid == (-(-2 * 40 * 8 // 256),) and g.args["index_dim"] == 128   # a thread per 16 dims
     m1 = _pool("csa", "model1", index_layout="mxfp4")
     p = _one(P.gather_index(H100, m1, None, None, None, out, err, 1, 40, 1, 40))
-    assert p.kernel.expr == "rkv_kv_gather_index_pages<__half, true>" and p.grid == (-(-40 * 32 // 256),)
+    assert p.kernel.expr == "rkv_kv_gather_index_pages<__half, 1>" and p.grid == (-(-40 * 32 // 256),)
     assert p.args["index_pages"] is m1.index_pages and (p.args["slot0"], p.args["n0"]) == (1, 40)
 
 

@@ -579,8 +579,8 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index(
 // ===========================================================================
 // The pool in the "model1" layout (docs/kvcache.md "Pool layouts"): block
 // blk is page blk of `pages` (MODEL1_FP8Sparse records, page stride
-// page_bytes) and, for a CSA pool, of `index_pages` (DeepGEMM's paged FP8
-// keys, or MXFP4 keys with MXFP4, page stride index_page_bytes); pool row
+// page_bytes) and, for a CSA pool, of `index_pages` (DeepGEMM's paged FP8,
+// MXFP4 or MXFP8 keys, template KEY, page stride index_page_bytes); pool row
 // r = blk * epb + o is record o of both (FlashMLA's indices_in_kvcache).
 // The record code is kv_layouts.cuh's, as in the standalone layout ops; the
 // request rules (written[], marks[], duplicates, error counts) are the
@@ -591,8 +591,8 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index(
 
 // flush_write into pages: one warp per batch row (flush_claim), lane l
 // quantizes dims 16l .. 16l+15 of the entry (model1_store_lane) and, with
-// HAS_INDEX, dims 4l .. 4l+3 of the key (index_store_lane<MXFP4>).
-template <bool HAS_INDEX, bool MXFP4>
+// HAS_INDEX, dims 4l .. 4l+3 of the key (index_store_lane<KEY>).
+template <bool HAS_INDEX, int KEY>
 __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_pages(
         const __nv_bfloat16* __restrict__ entries, const __nv_bfloat16* __restrict__ index_keys,
         const bool* __restrict__ valid, const int* __restrict__ slots,
@@ -615,7 +615,7 @@ __global__ void __launch_bounds__(32 * RKV_KV_FLUSH_ROWS, 8) rkv_kv_flush_pages(
     if (HAS_INDEX) {
         float k[4];
         rkvlay::load_bf16_rounded<4>(index_keys + b * RKV_LAY_INDEX_DIM + lane * 4, k);
-        rkvlay::index_store_lane<MXFP4>(k, lane, index_pages + blk * index_page_bytes, off, epb);
+        rkvlay::index_store_lane<KEY>(k, lane, index_pages + blk * index_page_bytes, off, epb);
     }
 }
 
@@ -648,7 +648,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_pages(
 
 // Indexer-key gather from index pages (DENSE rules of rkv_kv_gather): one
 // warp per output row, lane l decodes dims 4l .. 4l+3 (index_load_lane).
-template <typename TO, bool MXFP4>
+template <typename TO, int KEY>
 __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index_pages(
         const u8* __restrict__ index_pages, const int* __restrict__ table,
         const int* __restrict__ request_ids, const int* __restrict__ owners, const int* __restrict__ slots,
@@ -665,7 +665,7 @@ __global__ void __launch_bounds__(RKV_KV_BLOCK, 4) rkv_kv_gather_index_pages(
             for (int i = 0; i < 4; ++i) v[i] = 0.0f;
         } else {
             const i64 blk = (u32)r / (u32)epb;
-            rkvlay::index_load_lane<MXFP4>(index_pages + blk * index_page_bytes, r - blk * epb, epb, lane, v);
+            rkvlay::index_load_lane<KEY>(index_pages + blk * index_page_bytes, r - blk * epb, epb, lane, v);
         }
         rkvlay::store4_as(out + row * RKV_LAY_INDEX_DIM + lane * 4, v);
     });

@@ -34,7 +34,7 @@
 //      pool's "model1" layout): the CTA puts the finished entry (key) in
 //      shared memory and its first warp writes the record exactly as the
 //      layout ops do (kv_layouts.cuh: model1_store_lane, index_store_lane,
-//      LAYOUT 1 FP8 keys, 2 MXFP4 keys) into page blk of out_pages
+//      LAYOUT 1 FP8 keys, 2 MXFP4 keys, 3 MXFP8 keys) into page blk of out_pages
 //      (out_index_pages), record entry % epb.
 //   6. scatter through block_table[row][entry / epb]; a row outside the
 //      block table, an entry id past the table or the RoPE table, a
@@ -331,13 +331,13 @@ __device__ __noinline__ void model1_record(const float* sh, u8* page, i64 off, i
     rkvlay::model1_store_lane(v, lane, page, off, page_size);
 }
 
-template <bool MXFP4>
+template <int KEY>
 __device__ __noinline__ void key_record(const float* sh, u8* page, i64 off, i64 page_size) {
     const int lane = threadIdx.x & 31;
     float v[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] = sh[lane * 4 + i];
-    rkvlay::index_store_lane<MXFP4>(v, lane, page, off, page_size);
+    rkvlay::index_store_lane<KEY>(v, lane, page, off, page_size);
 }
 
 // CTAs per SM the register budget is set for (CSA, one row group): prefill is
@@ -734,11 +734,11 @@ __global__ void __launch_bounds__(kCT * RG, compress_min_blocks(DECODE, RG, LAYO
         }
         const float y = (float)(sh_had[tc] * (1.0 / sqrt((double)kCT)));
         if (LAYOUT != 0) {
-            // -> the key's record (FP8 or MXFP4), one warp, 4 dims per lane
+            // -> the key's record (FP8, MXFP4 or MXFP8: KEY = LAYOUT - 1), one warp, 4 dims per lane
             sh_key[tc] = rkvlay::bf16_round(y);
             __syncthreads();
             if (tc < 32)
-                key_record<LAYOUT == 2>(sh_key, out_index_pages + blk * index_page_bytes, e - lb * pool.epb, pool.epb);
+                key_record<LAYOUT == 0 ? 0 : LAYOUT - 1>(sh_key, out_index_pages + blk * index_page_bytes, e - lb * pool.epb, pool.epb);
             return;
         }
         sh_key[tc] = __bfloat162float(__float2bfloat16_rn(y));

@@ -1,6 +1,6 @@
 // kv_layouts.cu: the byte layouts the ecosystem's DeepSeek-V4 kernels read:
 // FlashMLA's MODEL1_FP8Sparse attention entries (also the sliding-window
-// tokens), DeepGEMM's paged FP8 and MXFP4 indexer keys, the gather of MODEL1
+// tokens), DeepGEMM's paged FP8, MXFP4 and MXFP8 indexer keys, the gather of MODEL1
 // entries by FlashMLA indices and the top-k -> indices_in_kvcache bridge.
 //
 // rawkv/reference/kvcache/layouts.py defines every byte; docs/kvcache.md
@@ -11,11 +11,12 @@
 // other out-of-range index skips its row and adds 1 to errors[0] (errors may
 // be null: nothing is counted).
 //
-// Split page of P records (all three layouts):
+// Split page of P records (all four layouts):
 //   [P x DATA bytes][P x SCALE bytes][zero pad], page stride page_bytes
 //   MODEL1     DATA 576 = 448 E4M3 codes + 64 BF16,  SCALE 8 = 7 UE8M0 + 0
 //   FP8 key    DATA 128 E4M3 codes,                  SCALE 4 = float32
 //   MXFP4 key  DATA 64 = 128 E2M1 (2j low nibble),   SCALE 4 = 4 UE8M0
+//   MXFP8 key  DATA 128 E4M3 codes,                  SCALE 4 = 4 UE8M0
 // Host-side checks guarantee: the cache base is 16-byte aligned (MODEL1) or
 // 4-byte aligned (keys), rows are 16-byte aligned, num_pages * P < 2^31.
 #include "kv_layouts.cuh"
@@ -87,10 +88,10 @@ __global__ void __launch_bounds__(RKV_LAY_BLOCK) rkv_model1_store(
 
 // ===========================================================================
 // Indexer key store, one warp per key, 4 dims per lane (index_store_lane,
-// kv_layouts.cuh): MXFP4 false is DeepGEMM's SM90 paged FP8 key, true its
-// SM100 paged MXFP4 key.
+// kv_layouts.cuh): KEY kKeyFP8 is DeepGEMM's paged FP8 key (SM90, SM100),
+// kKeyMXFP4 / kKeyMXFP8 its SM100 paged MXFP4 / MXFP8 key.
 // ===========================================================================
-template <typename TIN, typename TID, bool MXFP4>
+template <typename TIN, typename TID, int KEY>
 __global__ void __launch_bounds__(RKV_LAY_BLOCK) rkv_index_store(
         const TIN* __restrict__ rows, const TID* __restrict__ slots, const int* __restrict__ offsets,
         u8* __restrict__ cache, int* __restrict__ errors,
@@ -101,7 +102,7 @@ __global__ void __launch_bounds__(RKV_LAY_BLOCK) rkv_index_store(
         if (!row_record(slots, offsets, errors, r, num_pages, page_size, lane, page, off)) continue;
         float v[4];
         load_bf16_rounded<4>(rows + r * RKV_LAY_INDEX_DIM + lane * 4, v);
-        index_store_lane<MXFP4>(v, lane, cache + page * page_bytes, off, page_size);
+        index_store_lane<KEY>(v, lane, cache + page * page_bytes, off, page_size);
     }
 }
 

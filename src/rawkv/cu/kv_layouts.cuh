@@ -1,5 +1,6 @@
 // kv_layouts.cuh: the per-record device code of the ecosystem byte layouts
-// (FlashMLA MODEL1_FP8Sparse entries, DeepGEMM FP8 / MXFP4 indexer keys),
+// (FlashMLA MODEL1_FP8Sparse entries, DeepGEMM FP8 / MXFP4 / MXFP8 indexer
+// keys),
 // shared by every kernel that writes or reads them: the standalone layout ops
 // (kv_layouts.cu), the paged pool's flush and gathers (kv_cache.cu) and the
 // compressor (kv_compress.cu). rawkv/reference/kvcache/layouts.py defines
@@ -9,6 +10,8 @@
 //   MODEL1     DATA 576 = 448 E4M3 codes + 64 BF16,  SCALE 8 = 7 UE8M0 + 0
 //   FP8 key    DATA 128 E4M3 codes,                  SCALE 4 = float32
 //   MXFP4 key  DATA 64 = 128 E2M1 (2j low nibble),   SCALE 4 = 4 UE8M0
+//   MXFP8 key  DATA 128 E4M3 codes,                  SCALE 4 = 4 UE8M0
+//              (the page padded to a multiple of 512 bytes)
 // The *_lane functions are called by every lane of one warp for one record
 // (they shuffle): MODEL1 maps dims 16l .. 16l+15 to lane l, the keys 4l .. 4l+3.
 // Beside the layouts, at the end: slot_taken_below, the duplicate-slot rule
@@ -21,7 +24,8 @@
 #if !defined(RKV_LAY_BLOCK) || !defined(RKV_LAY_NOPE) || !defined(RKV_LAY_ROPE) || \
     !defined(RKV_LAY_TILE) || !defined(RKV_LAY_M1_DATA) || !defined(RKV_LAY_M1_SCALE) || \
     !defined(RKV_LAY_INDEX_DIM) || !defined(RKV_LAY_MX_BLOCK) || !defined(RKV_LAY_FP8_FLOOR) || \
-    !defined(RKV_LAY_MX_FLOOR) || !defined(RKV_LAY_UE8M0_BIAS)
+    !defined(RKV_LAY_MX_FLOOR) || !defined(RKV_LAY_UE8M0_BIAS) || !defined(RKV_LAY_KEY_FP8) || \
+    !defined(RKV_LAY_KEY_MXFP4) || !defined(RKV_LAY_KEY_MXFP8)
 #error "kv_layouts.cuh needs the -D constants of rawkv/kernels/kv_layouts.py"
 #endif
 
@@ -44,10 +48,23 @@ static_assert(RKV_LAY_TILE == 4 * 16, "a MODEL1 tile is 4 lanes");
 static_assert(RKV_LAY_M1_DATA == RKV_LAY_NOPE + 2 * RKV_LAY_ROPE, "MODEL1 data record");
 static_assert(RKV_LAY_M1_SCALE == RKV_LAY_NOPE / RKV_LAY_TILE + 1, "MODEL1 scale record");
 static_assert(RKV_LAY_INDEX_DIM == 32 * 4, "indexer kernels map 4 dims to each lane");
-static_assert(RKV_LAY_MX_BLOCK == 8 * 4, "an MXFP4 block is 8 lanes");
+static_assert(RKV_LAY_MX_BLOCK == 8 * 4, "an MX block (MXFP4, MXFP8) is 8 lanes");
 
-// Data bytes of an indexer-key record.
-template <bool MXFP4> struct KeyBytes { static constexpr int kData = MXFP4 ? RKV_LAY_INDEX_DIM / 2 : RKV_LAY_INDEX_DIM; };
+// The indexer-key records (template KEY of the key kernels; the values are
+// rawkv/kernels/kv_layouts.py's KEYS): DeepGEMM's FP8 key (one float32
+// scale), MXFP4 key and MXFP8 key (a UE8M0 byte per block of 32).
+constexpr int kKeyFP8 = RKV_LAY_KEY_FP8;
+constexpr int kKeyMXFP4 = RKV_LAY_KEY_MXFP4;
+constexpr int kKeyMXFP8 = RKV_LAY_KEY_MXFP8;
+
+// An indexer-key kind: its data bytes, and whether its scale record is 4
+// UE8M0 bytes (one per block of 32) rather than one float32.
+template <int KEY> struct Key {
+    static_assert(KEY == kKeyFP8 || KEY == kKeyMXFP4 || KEY == kKeyMXFP8, "an indexer-key kind");
+    static constexpr bool kFP4 = KEY == kKeyMXFP4;
+    static constexpr bool kMX = KEY != kKeyFP8;
+    static constexpr int kData = kFP4 ? RKV_LAY_INDEX_DIM / 2 : RKV_LAY_INDEX_DIM;
+};
 
 // float32 -> BF16 bits, RNE; NaN stays NaN with its quiet bit set, sign and
 // top payload kept (reference formats.bf16_bits; the conversion instruction
@@ -236,61 +253,68 @@ __device__ __forceinline__ void model1_load_lane(const u8* page_base, i64 off, i
 // ---------------------------------------------------------------------------
 // Indexer-key record `off`, one warp, lane l holding dims 4l .. 4l+3 already
 // rounded to BF16.
-//   MXFP4 false (DeepGEMM SM90 paged FP8): amax over the key's finite values
-//     (warp reduction), e = ue8m0_exponent(amax, 1e-4, 448), codes
-//     e4m3(x * 2^-e) (one 4-byte store per lane), scale 2^e as float32.
-//   MXFP4 true (DeepGEMM SM100 paged MXFP4): a block of 32 is 8 lanes; per
+//   KEY kKeyFP8 (DeepGEMM paged FP8, SM90 and SM100): amax over the key's
+//     finite values (warp reduction), e = ue8m0_exponent(amax, 1e-4, 448),
+//     codes e4m3(x * 2^-e) (one 4-byte store per lane), scale 2^e as float32.
+//   KEY kKeyMXFP4 (DeepGEMM SM100 paged MXFP4): a block of 32 is 8 lanes; per
 //     block e = ue8m0_exponent(amax, 6 * 2^-126, 6), codes e2m1(x * 2^-e)
-//     (element 2j in the low nibble: one 2-byte store per lane), scale byte
-//     e + 127; lane 0 stores the 4 scale bytes as one int32 (block k in byte k).
+//     (element 2j in the low nibble: one 2-byte store per lane).
+//   KEY kKeyMXFP8 (DeepGEMM SM100 paged MXFP8): per block of 32 (8 lanes)
+//     e = ue8m0_exponent(amax, 1e-4, 448), codes e4m3(x * 2^-e) (one 4-byte
+//     store per lane).
+//   The MX keys' scale byte is e + 127; lane 0 stores the 4 scale bytes as
+//   one int32 (block k in byte k).
 // A NaN/Inf key (block) stores codes 0 and a NaN scale (byte 0xFF).
 // ---------------------------------------------------------------------------
-template <bool MXFP4>
+template <int KEY>
 __device__ __forceinline__ void index_store_lane(const float (&v)[4], int lane, u8* page_base, i64 off,
                                                  i64 page_size) {
-    constexpr int kGroup = MXFP4 ? RKV_LAY_MX_BLOCK / 4 : 32;       // lanes per scale
-    constexpr int kData = KeyBytes<MXFP4>::kData;
+    using K = Key<KEY>;
+    constexpr int kGroup = K::kMX ? RKV_LAY_MX_BLOCK / 4 : 32;      // lanes per scale
     int bad = 0;
     const float amax = group_amax(finite_amax(v, bad), bad, kGroup);
-    const int e = MXFP4 ? ue8m0_exponent(amax, RKV_LAY_MX_FLOOR, 6.0f)
-                        : ue8m0_exponent(amax, RKV_LAY_FP8_FLOOR, rkv::kE4M3Max);
+    const int e = K::kFP4 ? ue8m0_exponent(amax, RKV_LAY_MX_FLOOR, 6.0f)
+                          : ue8m0_exponent(amax, RKV_LAY_FP8_FLOOR, rkv::kE4M3Max);
     u32 packed = 0u;
     if (!bad) {
         const float inv = pow2_normal(-e);
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            packed |= MXFP4 ? rkv::e2m1_encode(v[i] * inv) << (4 * i) : (u32)rkv::e4m3_encode(v[i] * inv) << (8 * i);
+            packed |= K::kFP4 ? rkv::e2m1_encode(v[i] * inv) << (4 * i) : (u32)rkv::e4m3_encode(v[i] * inv) << (8 * i);
     }
-    u8* scale = page_base + page_size * kData + off * 4;
-    if (MXFP4) {
-        *reinterpret_cast<unsigned short*>(page_base + off * kData + lane * 2) = (unsigned short)packed;
+    u8* scale = page_base + page_size * K::kData + off * 4;
+    if constexpr (K::kFP4)
+        *reinterpret_cast<unsigned short*>(page_base + off * K::kData + lane * 2) = (unsigned short)packed;
+    else
+        *reinterpret_cast<u32*>(page_base + off * K::kData + lane * 4) = packed;
+    if constexpr (K::kMX) {
         const u32 byte = bad ? 0xFFu : (u32)(e + RKV_LAY_UE8M0_BIAS);
         u32 word = byte;
 #pragma unroll
         for (int k = 1; k < 32 / kGroup; ++k) word |= __shfl_sync(kFull, byte, k * kGroup) << (8 * k);
         if (lane == 0) *reinterpret_cast<u32*>(scale) = word;
     } else {
-        *reinterpret_cast<u32*>(page_base + off * kData + lane * 4) = packed;
         if (lane == 0) *reinterpret_cast<float*>(scale) = bad ? f32_qnan() : pow2_normal(e);
     }
 }
 
 // The 4 dims of lane l of indexer-key record `off` as float32, decoded in
-// float32 (exact): FP8 e4m3(code) * scale; MXFP4 e2m1(code) * 2^(byte - 127)
-// with the byte of block l / 8. No shuffles.
-template <bool MXFP4>
+// float32 (exact): FP8 e4m3(code) * scale; MXFP4 e2m1(code) * 2^(byte - 127),
+// MXFP8 e4m3(code) * 2^(byte - 127), with the byte of block l / 8. No shuffles.
+template <int KEY>
 __device__ __forceinline__ void index_load_lane(const u8* page_base, i64 off, i64 page_size, int lane,
                                                 float (&v)[4]) {
-    constexpr int kData = KeyBytes<MXFP4>::kData;
-    const u8* scale = page_base + page_size * kData + off * 4;
-    if (MXFP4) {
-        const u32 c = *reinterpret_cast<const unsigned short*>(page_base + off * kData + lane * 2);
+    using K = Key<KEY>;
+    const u8* scale = page_base + page_size * K::kData + off * 4;
+    if constexpr (K::kFP4) {
+        const u32 c = *reinterpret_cast<const unsigned short*>(page_base + off * K::kData + lane * 2);
         const float s = ue8m0_value(scale[lane / (RKV_LAY_MX_BLOCK / 4)]);
 #pragma unroll
         for (int i = 0; i < 4; ++i) v[i] = rkv::e2m1_decode((c >> (4 * i)) & 0xFu) * s;
     } else {
-        const u32 c = *reinterpret_cast<const u32*>(page_base + off * kData + lane * 4);
-        const float s = *reinterpret_cast<const float*>(scale);
+        const u32 c = *reinterpret_cast<const u32*>(page_base + off * K::kData + lane * 4);
+        const float s = K::kMX ? ue8m0_value(scale[lane / (RKV_LAY_MX_BLOCK / 4)])
+                               : *reinterpret_cast<const float*>(scale);
 #pragma unroll
         for (int i = 0; i < 4; ++i) v[i] = rkv::e4m3_decode((u8)((c >> (8 * i)) & 0xFFu)) * s;
     }

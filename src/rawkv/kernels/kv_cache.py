@@ -2,7 +2,7 @@
 cache (flush into the paged pool, gathers out of it, decode-state append and
 reset). Launched by rawkv.kvcache (flush.py, gather.py, state_ops.py)."""
 from ._decl import KernelFile, TParam
-from .kv_layouts import LAYOUT_CONSTANTS
+from .kv_layouts import KEY, KEY_FP8, KEYS, LAYOUT_CONSTANTS
 
 # Threads per CTA of the gathers and the state kernels (their
 # __launch_bounds__): the ops launch at most this many.
@@ -38,19 +38,26 @@ GATHER = FILE.kernel(
 
 GATHER_INDEX = FILE.kernel("rkv_kv_gather_index", (_TO,))
 
-# The pool's "model1" layout (MODEL1 pages, DeepGEMM key pages).
-_MXFP4 = TParam("bool", "MXFP4", (False, True))
+# The pool's "model1" layout (MODEL1 pages, DeepGEMM key pages of template
+# KEY: kv_layouts.KEYS, a pool's by its index_layout in pool_key).
 FLUSH_PAGES = FILE.kernel(
     "rkv_kv_flush_pages",
-    (TParam("bool", "HAS_INDEX", (True, False)), _MXFP4),
-    instances=[(False, False), (True, False), (True, True)])
+    (TParam("bool", "HAS_INDEX", (True, False)), KEY),
+    instances=[(False, KEY_FP8)] + [(True, k) for k in KEY.values])
 
 GATHER_PAGES = FILE.kernel(
     "rkv_kv_gather_pages",
     (_TO, TParam("typename", "TID", _IDS), TParam("bool", "DENSE", (False, True))),
     instances=[(o, i, False) for o in _TO.values for i in _IDS] + [(o, "int32", True) for o in _TO.values])
 
-GATHER_INDEX_PAGES = FILE.kernel("rkv_kv_gather_index_pages", (_TO, _MXFP4))
+GATHER_INDEX_PAGES = FILE.kernel("rkv_kv_gather_index_pages", (_TO, KEY))
+
+
+def pool_key(index_layout) -> int:
+    """Template KEY of a "model1" pool's key kernels from its index_layout
+    ('fp8', 'mxfp4', 'mxfp8'); a pool without keys (None) instantiates the
+    FP8 one, which writes no key."""
+    return KEY_FP8 if index_layout is None else KEYS["index_" + index_layout]
 
 # The bridge on a pool (either layout): top-k ids -> pool rows.
 TOPK_INDICES = FILE.kernel("rkv_kv_topk_indices", (TParam("typename", "TID", _IDS),))

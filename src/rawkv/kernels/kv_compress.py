@@ -2,7 +2,7 @@
 token rows (prefill) or the decode tail state (decode) to quantized entries
 in the paged pool. Launched by rawkv.kvcache (prefill.py, decode.py)."""
 from ._decl import KernelFile, TParam
-from .kv_layouts import LAYOUT_CONSTANTS
+from .kv_layouts import KEYS, LAYOUT_CONSTANTS
 
 # Channel threads per row group; the CSA indexer part runs one channel per
 # thread, so the indexer key width is this too.
@@ -30,9 +30,10 @@ _IDX = ("int32", "int64")           # decode slots / positions
 
 # Template LAYOUT: what the launch writes. The pool's "rawkv" layout (FP8
 # entry with an FP32 scale, NVFP4 key), or its "model1" layout (MODEL1
-# records; the CSA indexer key as DeepGEMM's FP8 or MXFP4 key).
-LAYOUTS = {("rawkv", None): 0, ("rawkv", "nvfp4"): 0, ("model1", None): 1, ("model1", "fp8"): 1,
-           ("model1", "mxfp4"): 2}
+# records; the CSA indexer key as DeepGEMM's FP8, MXFP4 or MXFP8 key: LAYOUT
+# is 1 + the key kernels' KEY, kv_layouts.KEYS).
+LAYOUTS = {("rawkv", None): 0, ("rawkv", "nvfp4"): 0, ("model1", None): 1,
+           **{("model1", name.removeprefix("index_")): 1 + k for name, k in KEYS.items()}}
 
 
 def targs(kind: str, rows_dtype, decode: bool, index_dtype="int32", layout: int = 0) -> tuple:
@@ -48,9 +49,9 @@ COMPRESS = FILE.kernel(
     "rkv_kv_compress",
     (TParam("typename", "T", _ROWS), TParam("typename", "I", _IDX), TParam("bool", "DECODE", (False, True)),
      TParam("bool", "OVERLAP", (True, False)), TParam("int", "RG", tuple(sorted(set(ROW_GROUPS.values())))),
-     TParam("int", "LAYOUT", (0, 1, 2))),
-    # MXFP4 keys (LAYOUT 2) exist for CSA only
-    instances=[targs(k, t, False, layout=lay) for lay in (0, 1, 2) for t in _ROWS for k in ROW_GROUPS
+     TParam("int", "LAYOUT", (0, 1, 2, 3))),
+    # MXFP4 and MXFP8 keys (LAYOUT 2, 3) exist for CSA only
+    instances=[targs(k, t, False, layout=lay) for lay in (0, 1, 2, 3) for t in _ROWS for k in ROW_GROUPS
                if lay < 2 or k == "csa"]
-    + [targs(k, "float32", True, i, lay) for lay in (0, 1, 2) for i in _IDX for k in ROW_GROUPS
+    + [targs(k, "float32", True, i, lay) for lay in (0, 1, 2, 3) for i in _IDX for k in ROW_GROUPS
        if lay < 2 or k == "csa"])

@@ -209,14 +209,14 @@ def _model1_window_insert(cache, rows, slot_mapping, page_size, errors, stream=N
 def _index_fp8_store(cache, keys, slots, page_size, offsets, errors, stream=None, checks_only=False):
     """rawkv::kv_index_fp8_store: indexer keys into DeepGEMM's FP8 key pages."""
     checked = C.store(R.INDEX_FP8, cache, keys, slots, page_size, offsets, errors, R.INDEX_DIM, "keys", "slots")
-    _store(R.INDEX_FP8, K.INDEX_STORE, (False,), R.index_fp8_write, checked, stream, checks_only)
+    _store(R.INDEX_FP8, K.INDEX_STORE, (K.KEY_FP8,), R.index_fp8_write, checked, stream, checks_only)
 
 
 @op("kv_index_mxfp4_store", _STORE.format(rows="keys", slots="slots", offsets="Tensor? offsets, "))
 def _index_mxfp4_store(cache, keys, slots, page_size, offsets, errors, stream=None, checks_only=False):
     """rawkv::kv_index_mxfp4_store: indexer keys into DeepGEMM's MXFP4 key pages."""
     checked = C.store(R.INDEX_MXFP4, cache, keys, slots, page_size, offsets, errors, R.INDEX_DIM, "keys", "slots")
-    _store(R.INDEX_MXFP4, K.INDEX_STORE, (True,), R.index_mxfp4_write, checked, stream, checks_only)
+    _store(R.INDEX_MXFP4, K.INDEX_STORE, (K.KEY_MXFP4,), R.index_mxfp4_write, checked, stream, checks_only)
 
 
 def _store(lay, kernel, targs, write, checked, stream, checks_only=False):

@@ -50,7 +50,7 @@ def flush_write(pool, entries, index_keys, valid, slots, positions, errors) -> l
     rows = dict(entries=entries, index_keys=index_keys, valid=valid, slots=slots, positions=positions,
                 table=pool.block_table, errors=errors, B=B, m=pool.m, **_table(pool))
     if pool.layout == "model1":
-        return [Launch(K.FLUSH_PAGES.instance(pool.has_index, pool.index_layout == "mxfp4"), grid, block, dict(
+        return [Launch(K.FLUSH_PAGES.instance(pool.has_index, K.pool_key(pool.index_layout)), grid, block, dict(
             rows, pages=pool.pages, index_pages=pool.index_pages, page_bytes=pool.page_bytes,
             index_page_bytes=pool.index_page_bytes or 0))]
     return [Launch(K.FLUSH_WRITE.instance(pool.has_index), grid, block, dict(
@@ -86,7 +86,7 @@ def gather_index(dev, pool, slots, n_entries, valid, out, errors, B, Kk, slot0=0
                   errors=errors, B=B, K=Kk, slot0=slot0, n0=n0, **_table(pool))
     if pool.layout == "model1":
         grid, block = _warp_rows(dev, B * Kk)
-        return [Launch(K.GATHER_INDEX_PAGES.instance(out.dtype, pool.index_layout == "mxfp4"), grid, block,
+        return [Launch(K.GATHER_INDEX_PAGES.instance(out.dtype, K.pool_key(pool.index_layout)), grid, block,
                        dict(common, index_pages=pool.index_pages, index_page_bytes=pool.index_page_bytes))]
     grid, block = grid_stride(dev, B * Kk * (pool.index_head_dim // 16), K.BLOCK)
     return [Launch(K.GATHER_INDEX.instance(out.dtype), (grid,), (block,), dict(
