@@ -20,7 +20,7 @@ entries + 128-dim indexer keys) and one HCA layer (m = 128):
 
 The pools hold the entries in --layout: "model1" (the pages FlashMLA's
 sparse decode and DeepGEMM's paged indexer logits read: MODEL1_FP8Sparse
-entries, FP8 or MXFP4 indexer keys: --index-layout, fp8 by default) or
+entries, FP8, MXFP4 or MXFP8 indexer keys: --index-layout, fp8 by default) or
 "rawkv" (rawkv's own: an FP32 scale per entry, NVFP4 indexer keys; giving
 --index-layout with it is a usage error, not ignored).
 
@@ -148,7 +148,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the pools' layout: model1 (FlashMLA MODEL1_FP8Sparse entries, DeepGEMM indexer "
                         "keys) or rawkv (FP32 scale per entry, NVFP4 keys); default %(default)s")
     p.add_argument("--index-layout", choices=tuple(ref.INDEX_LAYOUTS), default=None,
-                   help="--cache: model1's indexer keys: fp8 (Hopper) or mxfp4 (Blackwell); default fp8. "
+                   help="--cache: model1's indexer keys: fp8 (Hopper and Blackwell), mxfp4 or mxfp8 "
+                        "(Blackwell); default fp8. "
                         "Only with --layout model1 (the rawkv layout's keys are NVFP4)")
 
 

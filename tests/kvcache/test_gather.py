@@ -426,7 +426,7 @@ def test_compiled_and_operator_dense_gathers_bound_n_entries_as_eagerly():
     with pytest.raises(ValueError, match="^n_entries: 13 entries asked of slot 0, which holds 12"):
         step(13)
     # a view over an engine's own buffers (no pool's) has no host count: the kernel's bound alone
-    mine = {k: None if t is None else t.clone() for k, t in V.pool_args(p).items() if k != "kind"}
+    mine = {k: t.clone() if hasattr(t, "clone") else t for k, t in V.pool_args(p).items() if k != "kind"}
     mine["errors"].zero_()
     out = torch.full((13, p.head_dim), 7.0, dtype=torch.bfloat16)
     torch.ops.rawkv.kv_gather_dense(p.kind, **mine, slot=0, n_entries=13, out=out)

@@ -649,13 +649,15 @@ def test_launch_plan_of_the_stores(rec):
     (name, _, _, a), = rec.calls
     assert name == "rkv_model1_store<float, int>" and a["offsets"] == offs.data_ptr()
     assert a["cache"] == cache.data_ptr() and a["errors"] == 0
-    for store, lay, mx in ((kc.index_fp8_store, R.INDEX_FP8, "false"), (kc.index_mxfp4_store, R.INDEX_MXFP4, "true")):
+    for store, lay, key in ((kc.index_fp8_store, R.INDEX_FP8, 0), (kc.index_mxfp4_store, R.INDEX_MXFP4, 1),
+                            (kc.index_mxfp8_store, R.INDEX_MXFP8, 2)):
         rec.calls.clear()
-        c = fake(torch.zeros((n, p, 1, lay.data_bytes + lay.scale_bytes), dtype=torch.uint8))
+        # DeepGEMM's view of the pages (the MXFP8 key's page stride padded: 8,704 bytes at P = 64)
+        c = kc.deepgemm_view(fake(torch.zeros((n, lay.page_bytes(p)), dtype=torch.uint8)), p, lay.name)
         keys = fake(torch.zeros((N, 128), dtype=torch.bfloat16))
         store(c, keys, slots, page_size=p)
         (name, _, _, a), = rec.calls
-        assert name == f"rkv_index_store<__nv_bfloat16, long long, {mx}>"
+        assert name == f"rkv_index_store<__nv_bfloat16, long long, {key}>"
         assert (a["rows"], a["cache"], a["page_bytes"], a["num_pages"]) == (keys.data_ptr(), c.data_ptr(),
                                                                             lay.page_bytes(p), n)
     rec.calls.clear()

@@ -79,17 +79,17 @@ def test_pool_constructor_errors():
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 def test_index_layout_is_checked_for_every_layout(kind):
     """index_layout names how the layout stores its indexer keys: 'nvfp4'
-    for 'rawkv', 'fp8' / 'mxfp4' for 'model1', or None for the layout's own
+    for 'rawkv', 'fp8' / 'mxfp4' / 'mxfp8' for 'model1', or None for the layout's own
     (nvfp4 / fp8). Anything else is a ValueError naming index_layout and
     listing what the layout takes, also for an HCA pool (no keys: the
     engine's one setting for its layers): 'rawkv' accepted any value and
     stored NVFP4 keys whatever was asked."""
     keys = kind == "csa"
-    for layout, good in (("rawkv", ["nvfp4"]), ("model1", ["fp8", "mxfp4"])):
+    for layout, good in (("rawkv", ["nvfp4"]), ("model1", ["fp8", "mxfp4", "mxfp8"])):
         for il in [None] + good:
             p = kc.PagedKVPool(kind, 4, 4, 2, 2, layout=layout, index_layout=il, device="cpu")
             assert p.index_layout == ((il or good[0]) if keys else None)
-        bad = {"rawkv": ["fp8", "mxfp4"], "model1": ["nvfp4"]}[layout] + ["bogus", "FP8", 7, True, ["fp8"]]
+        bad = {"rawkv": ["fp8", "mxfp4", "mxfp8"], "model1": ["nvfp4"]}[layout] + ["bogus", "FP8", 7, True, ["fp8"]]
         for il in bad:
             want = f"index_layout: the '{layout}' layout takes {good} (or None), got {il!r}"
             with pytest.raises(ValueError, match=f"^{re.escape(want)}$"):
@@ -100,11 +100,11 @@ def test_the_reference_pool_checks_index_layout_as_the_pool_does():
     """reference.PagedPoolRef.create takes index_layout by the same rule
     (reference.INDEX_LAYOUTS_OF): it ignored the value for 'rawkv'."""
     from rawkv.reference import kvcache as ref
-    for layout, good in (("rawkv", ["nvfp4"]), ("model1", ["fp8", "mxfp4"])):
+    for layout, good in (("rawkv", ["nvfp4"]), ("model1", ["fp8", "mxfp4", "mxfp8"])):
         d = 512 if layout == "model1" else 128
         for il in [None] + good:
             ref.PagedPoolRef.create(4, 4, 4, head_dim=d, index_head_dim=128, layout=layout, index_layout=il)
-        for il in {"rawkv": ["fp8", "mxfp4"], "model1": ["nvfp4"]}[layout] + ["bogus", 7]:
+        for il in {"rawkv": ["fp8", "mxfp4", "mxfp8"], "model1": ["nvfp4"]}[layout] + ["bogus", 7]:
             want = f"index_layout: the '{layout}' layout takes {good} (or None), got {il!r}"
             with pytest.raises(ValueError, match=f"^{re.escape(want)}$"):
                 ref.PagedPoolRef.create(4, 4, 4, head_dim=d, index_head_dim=128, layout=layout, index_layout=il)

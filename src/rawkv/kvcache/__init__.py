@@ -35,7 +35,7 @@ ecosystem layouts as standalone ops).
 
 A pool stores its entries in one of two layouts (PagedKVPool(layout=)):
 "model1" (the default), the pages FlashMLA / DeepGEMM read (MODEL1_FP8Sparse entries,
-FP8 or MXFP4 indexer keys), or "rawkv", rawkv's own field-by-field layout
+FP8, MXFP4 or MXFP8 indexer keys), or "rawkv", rawkv's own field-by-field layout
 (an FP32 scale per entry, NVFP4 keys); every op above works on both.
 """
 from .pool import PagedKVPool
@@ -52,8 +52,8 @@ from .bridge import kvcache_indices
 from .assign import assign_pages
 from ..reference.kvcache import reference_prefill
 from .layouts import (  # noqa: F401  (ecosystem layouts: FlashMLA MODEL1, DeepGEMM indexer keys)
-    deepgemm_view, flashmla_view, index_fp8_store, index_mxfp4_store, layout_page_bytes, model1_gather,
-    model1_store, model1_window_insert, new_layout_cache, topk_to_kvcache_indices,
+    deepgemm_view, flashmla_view, index_fp8_store, index_mxfp4_store, index_mxfp8_store, layout_page_bytes,
+    model1_gather, model1_store, model1_window_insert, new_layout_cache, topk_to_kvcache_indices,
 )
 
 __all__ = ["PagedKVPool", "DecodeState", "flush_write", "gather_topk", "gather_dense",

@@ -35,7 +35,7 @@ OUT = ("bfloat16", "float16", "float32")
 U8 = ("uint8",)
 CACHE = ("uint8", "float8_e4m3fn")             # a layout cache's bytes
 # the first byte of a layout cache, as its kernel loads it
-CACHE_ALIGN = {"model1": 16, "index_fp8": 4, "index_mxfp4": 4}
+CACHE_ALIGN = {"model1": 16, "index_fp8": 4, "index_mxfp4": 4, "index_mxfp8": 4}
 # the first byte of a cache an engine's view shows, as the engine loads it (docs/kvcache.md, "DeepGEMM
 # compatibility per architecture"): DeepGEMM reads key pages through TMA descriptors (cuTensorMapEncodeTiled
 # takes a 16-byte-aligned global address), FlashMLA MODEL1 records by 16-byte loads (SM90) and TMA (SM100,
@@ -213,7 +213,7 @@ def out_arg(out, dtype, where: str, dev: int, shape=None, ndim=None):
 
 # ---- layout caches -------------------------------------------------------------------------------
 def layout_of(layout) -> RL.SplitLayout:
-    """A layout by name ('model1', 'index_fp8', 'index_mxfp4') or itself."""
+    """A layout by name ('model1', 'index_fp8', 'index_mxfp4', 'index_mxfp8') or itself."""
     if isinstance(layout, RL.SplitLayout):
         return layout
     try:
@@ -286,7 +286,8 @@ def view_aligned(c, engine: str) -> None:
 
 def records_bytes(lay: RL.SplitLayout, page_size: int) -> int:
     """The bytes of a page holding its records (data, then scales): all
-    of page_bytes but the padding (MODEL1's, to a multiple of 576)."""
+    of page_bytes but the padding (MODEL1's, to a multiple of 576; the
+    MXFP8 key's, to a multiple of 512)."""
     return page_size * (lay.data_bytes + lay.scale_bytes)
 
 

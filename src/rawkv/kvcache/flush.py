@@ -23,7 +23,7 @@ def flush_write(pool, entries, valid_mask, slots, positions, *, index_keys=None,
     decode scale (docs/format.md; NaN/Inf -> scale NaN, codes 0), the RoPE
     dims are stored as BF16, the indexer key as one-level NVFP4. Layout
     "model1": a MODEL1_FP8Sparse record in pool.pages and the key as
-    DeepGEMM's FP8 / MXFP4 record in pool.index_pages (the rules of
+    DeepGEMM's FP8 / MXFP4 / MXFP8 record in pool.index_pages (the rules of
     layouts.model1_store / index_*_store). pool.written[slot]
     becomes at least e + 1 and the entry is marked written (pool.marks). A
     valid row whose slot, position or block is out of range writes nothing

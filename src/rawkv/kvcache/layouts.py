@@ -1,6 +1,6 @@
 """The ecosystem byte layouts of the DeepSeek-V4 KV cache (docs/kvcache.md,
 "Ecosystem layouts"): FlashMLA MODEL1_FP8Sparse entries (and the sliding
-window), DeepGEMM's paged FP8 / MXFP4 indexer keys, the MODEL1 gather by
+window), DeepGEMM's paged FP8 / MXFP4 / MXFP8 indexer keys, the MODEL1 gather by
 FlashMLA indices and the top-k -> indices_in_kvcache bridge.
 
     cache = new_layout_cache("model1", num_pages, 64, device="cuda")
@@ -84,7 +84,9 @@ _DEEPGEMM_ALIGN = ("DeepGEMM's paged MQA logits read the key pages through TMA d
 def deepgemm_view(cache, page_size: int, layout="index_fp8"):
     """DeepGEMM's view of an indexer-key cache: (num_pages, P, 1, 132) for
     FP8 keys (fp8_paged_mqa_logits), (num_pages, P, 1, 68) for MXFP4 keys,
-    uint8 whatever the cache's dtype: both of DeepGEMM's entry points assert
+    (num_pages, P, 1, 132) for MXFP8 keys ("index_mxfp8", its page stride
+    padded to a multiple of 512), uint8 whatever the cache's dtype: both of
+    DeepGEMM's entry points assert
     fused_kv_cache.scalar_type() == kByte (csrc/apis/attention.hpp lines
     278 and 312 at 54e22612), so a float8_e4m3fn cache is viewed as its
     bytes (no copy). A cache whose first byte is not 16-byte aligned is
@@ -156,6 +158,17 @@ def index_mxfp4_store(cache, keys, slots, *, page_size: int, offsets=None, error
     _index_mxfp4_store(cache, keys, slots, page_size, offsets, errors, stream)
 
 
+def index_mxfp8_store(cache, keys, slots, *, page_size: int, offsets=None, errors=None, stream=None):
+    """Quantize indexer keys (N, 128) float32/bfloat16 into DeepGEMM's SM100
+    paged MXFP8 layout (reference.index_mxfp8_write): E4M3 in blocks of 32
+    with UE8M0 scales 2^ceil(log2(max(amax, 1e-4) / 448)) (DeepGEMM's
+    per_token_cast_to_fp8(use_ue8m0=True, gran_k=32, use_packed_ue8m0=True)),
+    4 scale bytes per key in one int32, the page padded to a multiple of 512
+    bytes. Addressing and errors as model1_store; a NaN/Inf block stores
+    codes 0, scale 0xFF."""
+    _index_mxfp8_store(cache, keys, slots, page_size, offsets, errors, stream)
+
+
 def model1_gather(cache, indices, *, page_size: int, out=None, dtype=None, errors=None, stream=None):
     """MODEL1 entries at FlashMLA indices (any shape, int32: page *
     page_size + offset) back to rows (*indices.shape, 512) of `dtype`
@@ -217,6 +230,13 @@ def _index_mxfp4_store(cache, keys, slots, page_size, offsets, errors, stream=No
     """rawkv::kv_index_mxfp4_store: indexer keys into DeepGEMM's MXFP4 key pages."""
     checked = C.store(R.INDEX_MXFP4, cache, keys, slots, page_size, offsets, errors, R.INDEX_DIM, "keys", "slots")
     _store(R.INDEX_MXFP4, K.INDEX_STORE, (K.KEY_MXFP4,), R.index_mxfp4_write, checked, stream, checks_only)
+
+
+@op("kv_index_mxfp8_store", _STORE.format(rows="keys", slots="slots", offsets="Tensor? offsets, "))
+def _index_mxfp8_store(cache, keys, slots, page_size, offsets, errors, stream=None, checks_only=False):
+    """rawkv::kv_index_mxfp8_store: indexer keys into DeepGEMM's MXFP8 key pages."""
+    checked = C.store(R.INDEX_MXFP8, cache, keys, slots, page_size, offsets, errors, R.INDEX_DIM, "keys", "slots")
+    _store(R.INDEX_MXFP8, K.INDEX_STORE, (K.KEY_MXFP8,), R.index_mxfp8_write, checked, stream, checks_only)
 
 
 def _store(lay, kernel, targs, write, checked, stream, checks_only=False):

@@ -24,8 +24,9 @@ epb records):
                 entries (flashmla_view(pool.pages, epb) is FlashMLA's k_cache;
                 entry row r = block * epb + o is its indices_in_kvcache)
     index_pages (num_blocks, index_page_bytes) uint8  CSA only: DeepGEMM's
-                paged indexer keys, index_layout "fp8" (SM90, 132 B) or
-                "mxfp4" (SM100, 68 B)
+                paged indexer keys, index_layout "fp8" (SM90 and SM100,
+                132 B), "mxfp4" (SM100, 68 B) or "mxfp8" (SM100, 132 B, the
+                page padded to a multiple of 512 bytes)
 
 Both layouts:
 
@@ -544,7 +545,7 @@ class PagedKVPool(ErrorCounter):
     kind: 'csa' (m = 4, with a CSA indexer key per entry unless
     index_head_dim=None) or 'hca' (m = 128, no indexer key). layout:
     'model1' (default; FlashMLA / DeepGEMM pages, indexer keys of
-    index_layout 'fp8' or 'mxfp4') or 'rawkv' (index_layout 'nvfp4');
+    index_layout 'fp8', 'mxfp4' or 'mxfp8') or 'rawkv' (index_layout 'nvfp4');
     index_layout None: the layout's own ('fp8' / 'nvfp4'). entries_per_block
     is the page size (vLLM: 64 for CSA, 2 for HCA: 256 tokens per page).
     """
@@ -653,7 +654,7 @@ class PagedKVPool(ErrorCounter):
                 raise ValueError(f"index_head_dim: expected a multiple of 16, got {index_head_dim}")
         self.index_head_dim = index_head_dim
         # the indexer keys' format: rawkv's one-level NVFP4, or DeepGEMM's FP8 /
-        # MXFP4 pages. Checked for every kind and layout: a format the layout
+        # MXFP4 / MXFP8 pages. Checked for every kind and layout: a format the layout
         # does not store (rawkv with 'mxfp4') would be silently replaced by
         # the layout's own; an HCA pool has no keys but takes the engine's one
         # setting for its layers, so the same values

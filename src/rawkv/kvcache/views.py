@@ -2,8 +2,9 @@
 
 A torch operator takes tensors and scalars, not a PagedKVPool / DecodeState,
 so each op's schema lists the object's buffers (torch_buffers(): the ones
-the op writes marked `(!)`) and the one geometry value their shapes do not
-hold (the pool's `kind`). A public op passes its object's buffers
+the op writes marked `(!)`) and the geometry their shapes do not hold (the
+pool's `kind`, and its `index_layout`: FP8 and MXFP8 key pages have the
+same bytes when the page size is a multiple of 128). A public op passes its object's buffers
 (pool_operands / state_operands) and, in eager mode, the object itself;
 its body (written with rawkv._op.op, taking the schema's arguments as
 *args) takes them apart with pool_of / state_of: the object given, or,
@@ -48,10 +49,11 @@ def pool_schema(writes: bool, owners: bool = False) -> str:
     The entry buffers of the layout the pool does not use are None: fp8,
     scale, rope (and index_q, index_sf) for "rawkv", pages (and index_pages)
     for "model1". `owners` (and `marks`) are written by assign_pages
-    (`owners=True`); every other op reads them."""
+    (`owners=True`); every other op reads them. `index_layout` is the pool's
+    (None: inferred from the key pages' bytes where they tell it)."""
     w = "(!)" if writes else ""
     o = "(!)" if owners else ""
-    return (f"str kind, Tensor{w}? fp8, Tensor{w}? scale, Tensor{w}? rope, Tensor{w}? index_q, "
+    return (f"str kind, str? index_layout, Tensor{w}? fp8, Tensor{w}? scale, Tensor{w}? rope, Tensor{w}? index_q, "
             f"Tensor{w}? index_sf, Tensor{w}? pages, Tensor{w}? index_pages, Tensor block_table, "
             f"Tensor request_ids, Tensor{o} owners, Tensor{w} written, Tensor{w or o} marks, "
             "Tensor(!) errors")
@@ -77,7 +79,7 @@ def state_schema(writes: bool, prefix: str = "", counter: bool = True, optional:
 def pool_args(pool, errors=None) -> dict:
     """The pool's operator arguments (pool_schema); `errors` replaces the
     pool's counter when given."""
-    args = {"kind": pool.kind, **pool.torch_buffers()}
+    args = {"kind": pool.kind, "index_layout": pool.index_layout, **pool.torch_buffers()}
     if errors is not None:
         args["errors"] = errors
     return args
@@ -96,7 +98,7 @@ def state_args(state, errors=None, *, prefix: str = "", counter: bool = True) ->
     return args
 
 
-POOL_ARITY = len(PagedKVPool.BUFFERS) + 1       # pool_schema's arguments: kind, then the buffers
+POOL_ARITY = len(PagedKVPool.BUFFERS) + 2       # pool_schema's arguments: kind, index_layout, the buffers
 
 
 def pool_operands(pool, errors=None) -> tuple:
@@ -104,7 +106,7 @@ def pool_operands(pool, errors=None) -> tuple:
     op (positionally): the pool's operator_buffers, `errors` replacing its
     counter when given."""
     b = pool.operator_buffers()
-    return (pool.kind, *b[:-1], b[-1] if errors is None else errors)
+    return (pool.kind, pool.index_layout, *b[:-1], b[-1] if errors is None else errors)
 
 
 def widths(operands: tuple) -> tuple:
@@ -119,7 +121,7 @@ def widths(operands: tuple) -> tuple:
     symbol while the size is written with the other one's, an input dynamo
     pruned as unused (`NameError: name 's16' is not defined` in the
     generated code; docs/engines.md). A buffer's dimension is always bound."""
-    b = dict(zip(PagedKVPool.BUFFERS, operands[1:]))
+    b = dict(zip(PagedKVPool.BUFFERS, operands[POOL_ARITY - len(PagedKVPool.BUFFERS):]))   # (after kind, index_layout)
     if b["pages"] is not None:
         return ref.HEAD_DIM, (None if b["index_pages"] is None else ref.INDEX_HEAD_DIM)
     iq = b["index_q"]
@@ -199,19 +201,24 @@ def _blocks_of(x, name: str, nb: int, epb: int) -> None:
         raise ValueError(f"{name}: expected shape ({nb}, {epb}, n) (fp8's blocks), got {tuple(x.shape)}")
 
 
-def pool_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table, request_ids, owners,
-              written, marks, errors) -> PagedKVPool:
+def pool_view(kind, index_layout, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table,
+              request_ids, owners, written, marks, errors) -> PagedKVPool:
     """A PagedKVPool over these buffers (a CUDA pool's tensors, or host
-    arrays: a CPU pool's, as numpy views), geometry from their shapes and
-    `kind`, checked as the constructor checks its sizes. The layout is
-    "model1" when `pages` is given (then fp8, scale, rope, index_q and
-    index_sf are None), else "rawkv". rope is bfloat16 on CUDA and float32
-    (holding BF16 values) on the host, as in a pool."""
+    arrays: a CPU pool's, as numpy views), geometry from their shapes,
+    `kind` and `index_layout`, checked as the constructor checks its sizes.
+    The layout is "model1" when `pages` is given (then fp8, scale, rope,
+    index_q and index_sf are None), else "rawkv". rope is bfloat16 on CUDA
+    and float32 (holding BF16 values) on the host, as in a pool.
+    index_layout is the pool's ('fp8', 'mxfp4', 'mxfp8' for "model1" key
+    pages, 'nvfp4' for "rawkv" keys, None without keys) or None: then
+    "model1" key pages' layout follows from their page bytes, and pages
+    two layouts share (FP8 and MXFP8 keys at a page size that is a multiple
+    of 128) are refused, naming index_layout."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected 'csa' or 'hca', got {kind!r}")
     if pages is not None:
-        return _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table,
-                           request_ids, owners, written, marks, errors)
+        return _pages_view(kind, index_layout, fp8, scale, rope, index_q, index_sf, pages, index_pages,
+                           block_table, request_ids, owners, written, marks, errors)
     if index_pages is not None:
         raise ValueError("index_pages: given without pages (a 'model1' pool has both)")
     at = _where(fp8)
@@ -223,6 +230,7 @@ def pool_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, blo
     if (index_q is None) != (index_sf is None):
         raise ValueError("index_q: index_q and index_sf are given together (a pool with indexer "
                          "keys) or both None")
+    _key_layout(index_layout, "rawkv")
     ih = None
     iq = isf = None
     if index_q is not None:
@@ -306,10 +314,19 @@ def _buffers_apart(spans: tuple, name: str) -> None:
                                  "other): pass separate buffers")
 
 
-def _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table, request_ids,
-                owners, written, marks, errors) -> PagedKVPool:
+def _key_layout(index_layout, layout: str) -> None:
+    """A view's index_layout: None, or one of what its layout takes, by the
+    constructor's rule and error (reference index_layout_of; a pool without
+    keys takes the engine's one setting too)."""
+    if index_layout is not None:
+        ref.index_layout_of(layout, index_layout)
+
+
+def _pages_view(kind, index_layout, fp8, scale, rope, index_q, index_sf, pages, index_pages, block_table,
+                request_ids, owners, written, marks, errors) -> PagedKVPool:
     """pool_view of a "model1" pool: the page size is marks' second
-    dimension; the indexer-key layout follows from index_pages' page bytes."""
+    dimension; the indexer-key layout is index_layout, or (None) the one
+    index_pages' page bytes fit, refused where two layouts fit them."""
     for name, x in (("fp8", fp8), ("scale", scale), ("rope", rope), ("index_q", index_q),
                     ("index_sf", index_sf)):
         if x is not None:
@@ -322,13 +339,20 @@ def _pages_view(kind, fp8, scale, rope, index_q, index_sf, pages, index_pages, b
         raise ValueError(f"pages: expected shape ({nb}, {R.MODEL1.page_bytes(epb)}) (marks' blocks, "
                          f"MODEL1 pages of {epb} entries), got {tuple(pg.shape)}")
     ih, il, ip = None, "fp8", None
+    _key_layout(index_layout, "model1")
     if index_pages is not None:
         ip = _buf(index_pages, "index_pages", U8, at, ndim=2, align=DATA_ALIGN)
-        by_bytes = {lay.page_bytes(epb): name for name, lay in ref.INDEX_LAYOUTS.items()}
-        if ip.shape[0] != nb or ip.shape[1] not in by_bytes:
-            raise ValueError(f"index_pages: expected shape ({nb}, one of {sorted(by_bytes)}) (FP8 or MXFP4 "
-                             f"key pages of {epb} entries), got {tuple(ip.shape)}")
-        ih, il = ref.INDEX_HEAD_DIM, by_bytes[ip.shape[1]]
+        names = (index_layout,) if index_layout is not None else tuple(ref.INDEX_LAYOUTS)
+        fits = [n for n in names if ref.INDEX_LAYOUTS[n].page_bytes(epb) == ip.shape[1]]
+        if ip.shape[0] != nb or not fits:
+            want = sorted({ref.INDEX_LAYOUTS[n].page_bytes(epb) for n in names})
+            what = f"{index_layout!r} key pages" if index_layout is not None else "FP8, MXFP4 or MXFP8 key pages"
+            raise ValueError(f"index_pages: expected shape ({nb}, {want[0] if len(want) == 1 else f'one of {want}'}) "
+                             f"({what} of {epb} entries), got {tuple(ip.shape)}")
+        if len(fits) > 1:
+            raise ValueError(f"index_layout: index_pages of {ip.shape[1]} bytes are {' or '.join(fits)} key pages "
+                             f"of {epb} entries alike (the same page bytes); pass the pool's index_layout")
+        ih, il = ref.INDEX_HEAD_DIM, fits[0]
     bt, ids, own, wr, mk, err = _table_args(block_table, request_ids, owners, written, mk, errors, at,
                                             (nb, epb))
     p = PagedKVPool.__new__(PagedKVPool)

@@ -59,8 +59,8 @@ class PagedPoolRef:
                 entries: entry (blk, o) is record o of page blk, i.e.
                 FlashMLA index blk * epb + o
     index_pages (num_blocks, key page bytes) uint8  CSA only: the indexer
-                keys in DeepGEMM's paged layout, `index_layout` 'fp8' (SM90)
-                or 'mxfp4' (SM100), record o of page blk
+                keys in DeepGEMM's paged layout, `index_layout` 'fp8' (SM90
+                and SM100), 'mxfp4' or 'mxfp8' (SM100), record o of page blk
     """
     m: int
     kv_fp8: np.ndarray | None
@@ -88,7 +88,7 @@ class PagedPoolRef:
         max_requests, max_blocks_per_request for a request table (every
         block-table entry -1, written 0). layout 'model1': MODEL1 pages
         (head_dim 512, rope_dim 64) and, with index_head_dim 128, indexer-key
-        pages of `index_layout` ('fp8' or 'mxfp4'); 'rawkv': NVFP4 keys
+        pages of `index_layout` ('fp8', 'mxfp4' or 'mxfp8'); 'rawkv': NVFP4 keys
         (index_layout 'nvfp4'). index_layout None: the layout's own (the
         first of INDEX_LAYOUTS_OF[layout]); another value is a ValueError
         naming it, as PagedKVPool's (it was ignored for 'rawkv')."""
@@ -162,7 +162,7 @@ class PagedPoolRef:
 
 
 #: the indexer-key page layouts of a 'model1' pool, by index_layout
-INDEX_LAYOUTS = {"fp8": L.INDEX_FP8, "mxfp4": L.INDEX_MXFP4}
+INDEX_LAYOUTS = {"fp8": L.INDEX_FP8, "mxfp4": L.INDEX_MXFP4, "mxfp8": L.INDEX_MXFP8}
 #: the index_layout values each pool layout takes, its own first
 INDEX_LAYOUTS_OF = {"rawkv": ("nvfp4",), "model1": tuple(INDEX_LAYOUTS)}
 
