@@ -358,6 +358,23 @@ def check_one_owner(view, what: str, anchor: str) -> None:
     return anchored
 
 
+def check_view_key_layout(view) -> None:
+    """A "model1" pool view over a pool's own index_pages takes them in that
+    pool's index_layout: FP8 and MXFP8 key pages have the same bytes at page
+    sizes that are multiples of 128, so a view told the other layout
+    (views.pool_view's index_layout) would write records the pool's
+    gathers, and DeepGEMM, misread. ValueError naming index_layout. (Called
+    after check_one_owner, which refuses a part of a pool's buffer.)"""
+    found = None if view.index_pages is None else _lookup(view.index_pages)
+    if found is None or found[1] != "index_pages":
+        return
+    o = found[0]
+    if o.index_layout != view.index_layout:
+        raise ValueError(f"index_layout: index_pages are the key pages of a PagedKVPool with index_layout "
+                         f"{o.index_layout!r}, got {view.index_layout!r}; the op would write or read its keys "
+                         "as another layout's records")
+
+
 def check_counter_owner(view) -> None:
     """A view's counter (the caller's errors=) may be any object's counter
     or the engine's own tensor, but no other buffer of a pool or decode

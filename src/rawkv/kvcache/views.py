@@ -30,7 +30,7 @@ from .. import _args as A
 from ..reference import kvcache as ref
 from ..reference.kvcache import layouts as R
 from . import _rules as C
-from .pool import KINDS, PagedKVPool, check_counter_owner, check_one_owner
+from .pool import KINDS, PagedKVPool, check_counter_owner, check_one_owner, check_view_key_layout
 from .state import DecodeState
 
 U8 = ("uint8",)
@@ -276,6 +276,7 @@ def _finish_view(p, at, first, bt, ids, own, wr, mk, err) -> PagedKVPool:
     # (gather_dense's bound of n_entries, as eagerly), and the pool itself
     # (compress_decode's states must be attached to it)
     owner = check_one_owner(p, "pool", "block_table")
+    check_view_key_layout(p)
     p._owner = owner
     p._n_entries = None if owner is None else owner._n_entries
     p._seal()
