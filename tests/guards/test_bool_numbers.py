@@ -262,6 +262,7 @@ KV_INT_CASES = [
     ("kv_model1_window_insert", "page_size", lambda: _layout_case("model1_window_insert")),
     ("kv_index_fp8_store", "page_size", lambda: _layout_case("index_fp8_store")),
     ("kv_index_mxfp4_store", "page_size", lambda: _layout_case("index_mxfp4_store")),
+    ("kv_index_mxfp8_store", "page_size", lambda: _layout_case("index_mxfp8_store")),
     ("kv_model1_gather", "page_size", lambda: _layout_case("model1_gather")),
     ("kv_topk_to_kvcache_indices", "page_size", lambda: _bridge_case("page_size")),
     ("kv_topk_to_kvcache_indices", "num_pages", lambda: _bridge_case("num_pages")),

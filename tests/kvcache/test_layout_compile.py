@@ -24,7 +24,7 @@ from rawkv.reference.kvcache import layouts as R  # noqa: E402
 
 P, PAGES = 4, 3
 STORES = {"model1": (kc.model1_store, R.ENTRY_DIM), "index_fp8": (kc.index_fp8_store, R.INDEX_DIM),
-          "index_mxfp4": (kc.index_mxfp4_store, R.INDEX_DIM)}
+          "index_mxfp4": (kc.index_mxfp4_store, R.INDEX_DIM), "index_mxfp8": (kc.index_mxfp8_store, R.INDEX_DIM)}
 
 
 def _views(layout):

@@ -40,6 +40,10 @@ def test_page_bytes_follow_the_sources():
         assert R.MODEL1.page_bytes(p) == (p * 584 + 575) // 576 * 576
         assert R.INDEX_FP8.page_bytes(p) == p * (128 + 4)        # DeepGEMM head_dim_with_sf 132
         assert R.INDEX_MXFP4.page_bytes(p) == p * (64 + 4)       # 64 packed bytes + one int32
+        # 128 codes + one int32 (attention.hpp at e824173623a7458bd813e71b04a32eb67b2562dc, is_mx_sf), the
+        # page stride a multiple of 512 (fp8_fp4_paged_sparse_mqa_logits: stride(0) % 512 == 0)
+        assert R.INDEX_MXFP8.page_bytes(p) == (p * (128 + 4) + 511) // 512 * 512
+    assert R.INDEX_MXFP8.page_bytes(64) == 8704 and R.INDEX_MXFP8.page_bytes(128) == 16896 == 128 * 132
     assert R.MODEL1.page_bytes(64) == 37440 and R.MODEL1.page_bytes(2) == 1728
     assert R.MODEL1.data_bytes + R.MODEL1.scale_bytes == 584
     for bad in (0, -1):
@@ -287,6 +291,35 @@ def test_a_store_into_a_pools_pages_takes_the_pools_geometry():
     kc.model1_store(m1.pages, ent, one, page_size=63)
     kc.index_fp8_store(fp8.index_pages[1:], keys, one, page_size=4)
     assert mx.index_pages[0].any() and m1.pages[0].any() and fp8.index_pages[1].any()
+
+
+def test_fp8_and_mxfp8_key_pages_of_one_size_keep_their_pools_layout():
+    """FP8 and MXFP8 key pages of 128 entries have the same bytes (16,896):
+    a store or a view of the other key layout into a pool's index_pages is
+    refused naming cache / layout (the pool's index_layout decides), nothing
+    written; the pool's own layout is taken."""
+    keys = np.ones((1, 128), np.float32)
+    one = np.zeros(1, np.int32)
+    f8 = kc.PagedKVPool("csa", 2, 128, 1, 1, device="cpu", index_layout="fp8")
+    m8 = kc.PagedKVPool("csa", 2, 128, 1, 1, device="cpu", index_layout="mxfp8")
+    assert f8.index_pages.shape == m8.index_pages.shape == (2, 16896)
+    with pytest.raises(ValueError, match="^cache: lies in the index_pages of a PagedKVPool with index_layout 'fp8'"):
+        kc.index_mxfp8_store(f8.index_pages, keys, one, page_size=128)
+    with pytest.raises(ValueError, match="^cache: lies in the index_pages of a PagedKVPool with index_layout 'mxfp8'"):
+        kc.index_fp8_store(m8.index_pages, keys, one, page_size=128)
+    with pytest.raises(ValueError, match="^layout: the cache lies in the index_pages of a PagedKVPool with "
+                                         "index_layout 'mxfp8', got 'index_fp8'"):
+        kc.deepgemm_view(m8.index_pages, 128, "index_fp8")
+    with pytest.raises(ValueError, match="^layout: the cache lies in the index_pages of a PagedKVPool with "
+                                         "index_layout 'fp8', got 'index_mxfp8'"):
+        kc.deepgemm_view(f8.index_pages, 128, "index_mxfp8")
+    assert not f8.index_pages.any() and not m8.index_pages.any()
+    kc.index_mxfp8_store(m8.index_pages, keys, one, page_size=128)
+    kc.index_fp8_store(f8.index_pages, keys, one, page_size=128)
+    assert kc.deepgemm_view(m8.index_pages, 128, "index_mxfp8").shape == (2, 128, 1, 132)
+    # one key of ones: FP8 scale 2^-8 (one float32), MXFP8 scale byte 127 - 8 for each of its 4 blocks
+    assert f8.index_pages[0, 128 * 128:128 * 128 + 4].view(np.float32)[0] == 2.0 ** -8
+    assert list(m8.index_pages[0, 128 * 128:128 * 128 + 4]) == [119, 119, 119, 119]
 
 
 def test_an_engine_view_of_a_pools_pages_takes_the_pools_geometry():
@@ -551,7 +584,8 @@ def test_model1_gather_reads_a_pools_pages_only_in_the_pools_geometry():
 STORES = {"model1": (kc.model1_store, R.model1_write, R.MODEL1, 512, "entries"),
           "window": (kc.model1_window_insert, R.model1_write, R.MODEL1, 512, "rows"),
           "index_fp8": (kc.index_fp8_store, R.index_fp8_write, R.INDEX_FP8, 128, "keys"),
-          "index_mxfp4": (kc.index_mxfp4_store, R.index_mxfp4_write, R.INDEX_MXFP4, 128, "keys")}
+          "index_mxfp4": (kc.index_mxfp4_store, R.index_mxfp4_write, R.INDEX_MXFP4, 128, "keys"),
+          "index_mxfp8": (kc.index_mxfp8_store, R.index_mxfp8_write, R.INDEX_MXFP8, 128, "keys")}
 
 
 @settings(SETTINGS, max_examples=60)

@@ -113,7 +113,8 @@ def test_operators_do_what_the_public_ops_do(rng, kind):
     assert pub.written[1] == 4 and pub.read_errors() == 4
 
 
-@pytest.mark.parametrize("layout, index_layout", [("rawkv", "nvfp4"), ("model1", "fp8"), ("model1", "mxfp4")])
+@pytest.mark.parametrize("layout, index_layout", [("rawkv", "nvfp4"), ("model1", "fp8"), ("model1", "mxfp4"),
+                                                  ("model1", "mxfp8")])
 def test_views_share_the_buffers_and_keep_the_geometry(layout, index_layout):
     p = _pool("csa", layout=layout, index_layout=index_layout)
     v = V.pool_view(**V.pool_args(p))
@@ -137,6 +138,45 @@ def test_views_share_the_buffers_and_keep_the_geometry(layout, index_layout):
 
 def _bad(args, name, value):
     return {**args, name: value}
+
+
+def test_a_views_key_layout_is_the_pools_where_page_bytes_cannot_tell_it():
+    """FP8 and MXFP8 key pages of 128 entries are both 16,896 bytes (132 x
+    128 = 33 x 512: no MXFP8 padding), so a view cannot take the key layout
+    from index_pages' shape there: the operators pass the pool's
+    index_layout (pool_schema's `str? index_layout`). Without it (None) such
+    pages are refused naming index_layout, not guessed; where the bytes tell
+    (64 entries: 8,448 against 8,704) None still infers it. A layout the
+    bytes do not fit is refused naming index_pages, one the layout does not
+    take naming index_layout (the constructor's message), and a view over a
+    pool's own index_pages in the other layout naming index_layout (it would
+    write records the pool reads as the other layout's)."""
+    pools = {il: kvc.PagedKVPool("csa", 2, 128, 1, 2, device="cpu", index_layout=il) for il in ("fp8", "mxfp8")}
+    for il, p in pools.items():
+        args = V.pool_args(p)
+        assert args["index_layout"] == il and V.pool_view(**args).index_layout == il
+        with pytest.raises(ValueError, match=r"^index_layout: index_pages of 16896 bytes are fp8 or mxfp8 key pages "
+                                             r"of 128 entries alike"):
+            V.pool_view(**_bad(args, "index_layout", None))
+        other = "fp8" if il == "mxfp8" else "mxfp8"
+        with pytest.raises(ValueError, match=rf"^index_layout: index_pages are the key pages of a PagedKVPool "
+                                             rf"with index_layout '{il}', got '{other}'"):
+            V.pool_view(**_bad(args, "index_layout", other))
+        with pytest.raises(ValueError, match=r"^index_pages: expected shape \(2, 8704\) \('mxfp4' key pages"):
+            V.pool_view(**_bad(args, "index_layout", "mxfp4"))
+        with pytest.raises(ValueError, match=r"^index_layout: the 'model1' layout takes \['fp8', 'mxfp4', 'mxfp8'\]"):
+            V.pool_view(**_bad(args, "index_layout", "nvfp4"))
+        # an engine's own copy of the pages: the index_layout it names is what the view takes
+        own = {k: v.clone() if hasattr(v, "clone") else v for k, v in args.items()}
+        assert V.pool_view(**_bad(own, "index_layout", other)).index_layout == other
+    for il in ("fp8", "mxfp4", "mxfp8"):
+        p = kvc.PagedKVPool("csa", 2, 64, 1, 2, device="cpu", index_layout=il)
+        assert V.pool_view(**_bad(V.pool_args(p), "index_layout", None)).index_layout == il
+    # the rawkv layout's keys are NVFP4: another value is refused naming index_layout
+    args = V.pool_args(_pool("csa"))
+    with pytest.raises(ValueError, match=r"^index_layout: the 'rawkv' layout takes \['nvfp4'\]"):
+        V.pool_view(**_bad(args, "index_layout", "mxfp8"))
+    assert V.pool_view(**_bad(args, "index_layout", None)).index_layout == "nvfp4"
 
 
 def test_views_refuse_what_a_pool_cannot_be():

@@ -83,7 +83,7 @@ def test_flush_write_rawkv_layout(kind):
     assert (f.args["index_dim"], f.args["m"], f.args["B"]) == (128 if kind == "csa" else 0, pool.m, 6)
 
 
-@pytest.mark.parametrize("index_layout, targs", [("fp8", "true, 0"), ("mxfp4", "true, 1")])
+@pytest.mark.parametrize("index_layout, targs", [("fp8", "true, 0"), ("mxfp4", "true, 1"), ("mxfp8", "true, 2")])
 def test_flush_write_model1_layout(index_layout, targs):
     pool = _pool("csa", "model1", index_layout=index_layout)
     e, k = _t((9, 512), torch.bfloat16), _t((9, 128), torch.bfloat16)
@@ -121,6 +121,10 @@ def test_index_key_gathers():
     p = _one(P.gather_index(H100, m1, None, None, None, out, err, 1, 40, 1, 40))
     assert p.kernel.expr == "rkv_kv_gather_index_pages<__half, 1>" and p.grid == (-(-40 * 32 // 256),)
     assert p.args["index_pages"] is m1.index_pages and (p.args["slot0"], p.args["n0"]) == (1, 40)
+    m8 = _pool("csa", "model1", index_layout="mxfp8")
+    p = _one(P.gather_index(H100, m8, None, None, None, out, err, 1, 40, 1, 40))
+    assert p.kernel.expr == "rkv_kv_gather_index_pages<__half, 2>"
+    assert p.args["index_page_bytes"] == m8.index_page_bytes == kvc.layout_page_bytes("index_mxfp8", 4)
 
 
 def test_kvcache_indices():
@@ -188,3 +192,8 @@ def test_compress_decode():
     assert c.args["p1"]["count"] is ist.count and c.args["p1"]["zb"] is ist.z_b and c.args["n_slots"] == 2
     assert c.args["out_pages"] is pool.pages and c.args["slots"] is s
     assert P.compress_decode(pool, st, None, None, None, v[:0], s[:0], p[:0], tab, 1e-6) == []
+    # MXFP8 keys: LAYOUT 3 (1 + the key kernels' KEY), the pool's padded key pages
+    m8 = _pool("csa", "model1", index_layout="mxfp8")
+    c = _one(P.compress_decode(m8, st, _t(512, torch.float32), ist, _t(128, torch.float32), v, s, p, tab, 1e-6))
+    assert c.kernel.expr == "rkv_kv_compress<float, long long, true, true, 1, 3>"
+    assert c.args["out_index_pages"] is m8.index_pages and c.args["index_page_bytes"] == m8.index_page_bytes

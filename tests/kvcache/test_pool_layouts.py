@@ -1,10 +1,11 @@
 """The paged pool in the ecosystem layout (PagedKVPool(layout="model1"):
-FlashMLA MODEL1_FP8Sparse pages, DeepGEMM FP8 / MXFP4 indexer-key pages;
+FlashMLA MODEL1_FP8Sparse pages, DeepGEMM FP8 / MXFP4 / MXFP8 indexer-key pages;
 docs/kvcache.md "Pool layouts").
 
 CPU tests: the pool's pages are byte-identical to pages built independently
 with the sources' rules (vLLM's quantize_and_insert_k_cache for the entries,
-vLLM's fused FP8 indexer insert / DeepSeek's fp4_act_quant for the keys,
+vLLM's fused FP8 indexer insert / DeepSeek's fp4_act_quant / DeepGEMM's
+per_token_cast_to_fp8 (MXFP8, pages padded to 512 bytes) for the keys,
 FlashMLA's abs_indices2indices_in_kvcache for the bridge: the constructions
 of tests/support/kvcache_layouts.py, whose docstring names each source's file
 and commit); the compressor writes what the layout
@@ -28,7 +29,8 @@ from rawkv.reference.formats import bf16_bits  # noqa: E402
 from rawkv.reference.kvcache import layouts as R  # noqa: E402
 from support.kvcache import _Dev, _bf16_rows, _churn_step, _dup_flush_case  # noqa: E402
 from support.kvcache_layouts import (  # noqa: E402
-    edge_rows, flashmla_abs_indices, vllm_fp8_key_pages, vllm_insert, vllm_mxfp4_key_pages,
+    deepgemm_mxfp8_key_pages, edge_rows, flashmla_abs_indices, vllm_fp8_key_pages, vllm_insert,
+    vllm_mxfp4_key_pages,
 )
 
 
@@ -46,6 +48,10 @@ def test_model1_pool_geometry_and_bytes():
     assert p.fp8 is None and p.scale is None and p.rope is None and p.index_q is None
     q = _pool("cpu", index_layout="mxfp4", epb=64)
     assert q.index_pages.shape == (12, 68 * 64) and q.index_layout == "mxfp4"
+    # MXFP8 keys: 132 bytes a key, the page padded to a multiple of 512 (8,448 -> 8,704 at 64; none at 128)
+    for epb, pb in ((64, 8704), (128, 16896), (4, 1024)):
+        x = _pool("cpu", index_layout="mxfp8", epb=epb)
+        assert x.index_pages.shape == (12, pb) and x.index_page_bytes == pb and x.index_layout == "mxfp8"
     h = _pool("cpu", "hca", epb=2)                    # vLLM's HCA page: 2 entries per 256 tokens
     assert h.pages.shape == (12, 1728) and h.index_pages is None and h.index_layout is None
     for bad, match in (({"layout": "flash"}, "^layout: "), ({"layout": "model1", "head_dim": 256}, "^head_dim: "),
@@ -58,10 +64,13 @@ def test_model1_pool_geometry_and_bytes():
 D, DI = ref.HEAD_DIM, ref.INDEX_HEAD_DIM
 
 
-KEY_PAGES = {"fp8": vllm_fp8_key_pages, "mxfp4": vllm_mxfp4_key_pages}
+KEY_PAGES = {"fp8": vllm_fp8_key_pages, "mxfp4": vllm_mxfp4_key_pages, "mxfp8": deepgemm_mxfp8_key_pages}
+KEY_WRITES = {"fp8": R.index_fp8_write, "mxfp4": R.index_mxfp4_write, "mxfp8": R.index_mxfp8_write}
+# the edge keys of each key layout: (block of one scale, fmax)
+KEY_EDGES = {"fp8": (32, 6.0), "mxfp4": (32, 6.0), "mxfp8": (32, 448.0)}
 
 
-LAYOUTS = [("csa", "fp8"), ("csa", "mxfp4"), ("hca", "fp8")]
+LAYOUTS = [("csa", "fp8"), ("csa", "mxfp4"), ("csa", "mxfp8"), ("hca", "fp8")]
 
 
 def _full(device, kind="csa", index_layout="fp8", **kw):
@@ -89,9 +98,11 @@ def _slot_ids(pool, slots, entries):
 def test_flush_pages_are_the_sources_pages(rng, kind, index_layout):
     """flush_write into a 'model1' pool: entry pages as vLLM's
     quantize_and_insert_k_cache builds them (DeepSeek / vLLM UE8M0 rule),
-    key pages as vLLM's fused FP8 insert (FP32 power-of-two scale) or
-    DeepSeek's fp4_act_quant (MXFP4, scales in one int32) over DeepGEMM's
-    paged layout; written[] and marks as for the rawkv layout."""
+    key pages as vLLM's fused FP8 insert (FP32 power-of-two scale),
+    DeepSeek's fp4_act_quant (MXFP4, scales in one int32) or DeepGEMM's
+    per_token_cast_to_fp8 (MXFP8, scales in one int32, the page padded)
+    over DeepGEMM's paged layout; written[] and marks as for the rawkv
+    layout."""
     p = _full("cpu", kind, index_layout)
     m, epb = p.m, p.entries_per_block
     slots = np.array([0, 2, 1, 0, 2, 1, 0], np.int32)
@@ -196,7 +207,7 @@ def test_compressor_writes_the_layout_store_of_its_entries(rng, kind, index_layo
     np.testing.assert_array_equal(p.pages, want)
     if kind == "csa":
         wk = np.zeros_like(p.index_pages)
-        (R.index_fp8_write if index_layout == "fp8" else R.index_mxfp4_write)(wk, p.entries_per_block, keys, at)
+        KEY_WRITES[index_layout](wk, p.entries_per_block, keys, at)
         np.testing.assert_array_equal(p.index_pages, wk)
     # decode, token by token, into a second pool
     q = _pool("cpu", kind, index_layout, nb=16, epb=2, mb=8)
@@ -295,7 +306,7 @@ def _reuse_run(device, rng, index_layout, steps=16):
     return out
 
 
-@pytest.mark.parametrize("index_layout", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("index_layout", ["fp8", "mxfp4", "mxfp8"])
 def test_reuse_reads_no_stale_entry(rng, index_layout):
     steps = _reuse_run("cpu", rng, index_layout)
     for st in steps:
@@ -307,7 +318,7 @@ def test_reuse_reads_no_stale_entry(rng, index_layout):
 # ---------------------------------------------------------------------------
 # GPU: the kernels against the CPU pool, byte for byte
 # ---------------------------------------------------------------------------
-@pytest.mark.parametrize("index_layout", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("index_layout", ["fp8", "mxfp4", "mxfp8"])
 def test_gpu_reuse_run_matches_the_cpu_pool(cuda, rng, index_layout):
     """flush_write (rkv_kv_flush_pages), every gather (rkv_kv_gather_pages,
     rkv_kv_gather_index_pages) and kvcache_indices (rkv_kv_topk_indices) on a
@@ -335,7 +346,7 @@ def test_gpu_flush_edge_entries_bit_exact(cuda, rng, kind, index_layout):
     ents = np.arange(B) // 3 * 3 + np.arange(B) % 3
     pos = (ents * m).astype(np.int32)
     rows = edge_rows(rng, B, D, 64, 448.0, finite_only=False)
-    keys = edge_rows(rng, B, DI, 32, 6.0, finite_only=False) if kind == "csa" else None
+    keys = edge_rows(rng, B, DI, *KEY_EDGES[index_layout], finite_only=False) if kind == "csa" else None
     dv = _Dev("cuda")
     import torch
 

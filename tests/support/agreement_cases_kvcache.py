@@ -270,6 +270,16 @@ KV_CASES = {
         ("cache-int32", lambda: (kvc.index_mxfp4_store, (buf(2, RL.INDEX_MXFP4.page_bytes(4) // 4, dtype=i32),
                                                          bones(2, 128), ints(1, -1)), {"page_size": 4})),
     ],
+    "kv_index_mxfp8_store": [
+        ("ok", lambda: (kvc.index_mxfp8_store, (page("index_mxfp8"), bones(2, 128), ints(1, -1)), {"page_size": 4})),
+        ("ok-deepgemm-view", lambda: (kvc.index_mxfp8_store,
+                                      (kvc.deepgemm_view(page("index_mxfp8"), 4, "index_mxfp8"), ones(2, 128),
+                                       ints(7, 0)), {"page_size": 4})),
+        ("cache-unpadded-stride", lambda: (kvc.index_mxfp8_store, (buf(2, 4, 1, 132), bones(2, 128), ints(7, 1)),
+                                           {"page_size": 4})),
+        ("slots-float", lambda: (kvc.index_mxfp8_store, (page("index_mxfp8"), ones(2, 128), ones(2)),
+                                 {"page_size": 4})),
+    ],
     "kv_model1_gather": [
         ("ok", lambda: (kvc.model1_gather, (page("model1"), ints(0, 5, -1)), {"page_size": 4})),
         ("ok-out-f32", lambda: (kvc.model1_gather, (page("model1"), ints(0, 5)), {"page_size": 4, "out": ones(2, 512)})),

@@ -17,7 +17,15 @@ The sources and the commits each construction restates (docs/kvcache.md,
   at page + j * kv_head_dim, scales at page + block_kv * kv_head_dim + j *
   sf_bytes) and deep_gemm/utils/math.py at
   54e22612409371d6364144b69086735beb54e98b (per_token_cast_to_fp4: element 2j
-  in the low nibble; pack_ue8m0_to_int: block k's UE8M0 in byte k);
+  in the low nibble; pack_ue8m0_to_int: block k's UE8M0 in byte k;
+  per_token_cast_to_fp8(use_ue8m0=True, gran_k=32, use_packed_ue8m0=True):
+  the MXFP8 key, the same function in 38939a4c494ce6e904b54da94a1183955a5e9497);
+  csrc/apis/attention.hpp at e824173623a7458bd813e71b04a32eb67b2562dc
+  (fp8_fp4_paged_mqa_logits with an int32 q scale: FP8 keys with 4 UE8M0
+  bytes per token; fp8_fp4_paged_sparse_mqa_logits: fused_kv_cache.stride(0)
+  % 512 == 0) and csrc/jit_kernels/impls/sm100_sparse_mqa_logits.hpp there
+  (the page stride passed to the kernel, which finds the scales at page +
+  PAGE_KV * 128);
 - DeepSeek-V4 inference/kernel.py, blob ea7976fa1b4a549306ce57d7a1a78f4798b222b8
   (github.com/Mockingjay1316/deepseek-v4-flash-spark at
   0825add42734731a285e30f657b0ccfc5bad74c9; the same kernels in
@@ -188,6 +196,49 @@ def vllm_mxfp4_key_pages(keys, page_size, num_pages, slots):
         word = sum(int(b + 127) << (8 * k) for k, b in enumerate(r.astype(np.int64)))
         at = page_size * 64 + 4 * j
         buf[pg, at:at + 4].view(np.uint32)[0] = np.uint32(word)
+    return buf
+
+
+def deepgemm_per_token_cast_to_fp8_mx(x):
+    """DeepGEMM deep_gemm/utils/math.py at 54e22612409371d6364144b69086735beb54e98b,
+    per_token_cast_to_fp8(x, use_ue8m0=True, gran_k=32, use_packed_ue8m0=True),
+    restated in torch for x (m, n), n a multiple of 32 (no padding):
+    x_amax = |x|.float().amax per block of 32, clamp(1e-4); sf = x_amax / 448;
+    ceil_to_ue8m0(sf): bits = sf.view(int), exponent field + (mantissa != 0),
+    clamped to [1, 254], << 23; codes (x * (1.0 / sf)).to(float8_e4m3fn);
+    pack_ue8m0_to_int(sf): (sf.view(int) >> 23) as uint8, the 4 bytes of a
+    token viewed as one int32. Returns (codes (m, n) uint8, scale bytes
+    (m, n / 32) uint8), as numpy."""
+    m, n = x.shape
+    x_view = x.view(m, n // 32, 32)
+    x_amax = x_view.abs().float().amax(dim=2).view(m, n // 32).clamp(1e-4)
+    sf = x_amax / 448.0
+    bits = sf.abs().float().view(torch.int)
+    exp = ((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).bool().int()
+    sf = (exp.clamp(1, 254) << 23).view(torch.float)
+    x_fp8 = (x_view * (1.0 / sf.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, n)
+    packed = (sf.view(torch.int) >> 23).to(torch.uint8).view(torch.int)        # (m, n / 128) int32
+    return x_fp8.view(torch.uint8).numpy(), packed.view(torch.uint8).numpy()
+
+
+def deepgemm_mxfp8_key_pages(keys, page_size, num_pages, slots):
+    """DeepGEMM's MXFP8 key pages: keys as BF16 (the input of DeepGEMM's
+    test, torch.bfloat16 x) through deepgemm_per_token_cast_to_fp8_mx, placed
+    per attention.hpp at e824173623a7458bd813e71b04a32eb67b2562dc
+    (fp8_fp4_paged_mqa_logits, is_mx_sf: kv at page + j * 128, kv_sf int32 at
+    page + P * 128 + j * 4) in pages whose stride is padded to a multiple of
+    512 bytes (fp8_fp4_paged_sparse_mqa_logits' fused_kv_cache.stride(0) %
+    512 == 0), the padding zero."""
+    stride = -(-page_size * 132 // 512) * 512
+    buf = np.zeros((num_pages, stride), np.uint8)
+    codes, sf = deepgemm_per_token_cast_to_fp8_mx(tt(np.asarray(keys, F32)).bfloat16())
+    for i, s in enumerate(slots):
+        if s == -1:
+            continue
+        pg, j = divmod(int(s), page_size)
+        buf[pg, j * 128:j * 128 + 128] = codes[i]
+        at = page_size * 128 + 4 * j
+        buf[pg, at:at + 4] = sf[i]
     return buf
 
 

@@ -85,6 +85,12 @@ def samples(rng, device="cpu"):
                   offsets=d.ints([1, 0]), errors=None),
             _args("index_mxfp4_store", cache=d.cache("index_mxfp4", 3), keys=d.rows(2, R.INDEX_DIM),
                   slots=d.ints([11, 4], torch.int64), page_size=P, offsets=None, errors=None)],
+        "index_mxfp8_store": [
+            _args("index_mxfp8_store", cache=d.cache("index_mxfp8", 2), keys=d.rows(3, R.INDEX_DIM),
+                  slots=d.ints([6, -1, 11]), page_size=P, offsets=None, errors=d.errors()),
+            _args("index_mxfp8_store", cache=d.cache("index_mxfp8", 3),
+                  keys=d.rows(2, R.INDEX_DIM, torch.bfloat16), slots=d.ints([2, 0], torch.int64), page_size=P,
+                  offsets=d.ints([3, 1]), errors=None)],
         "model1_gather": [
             _args("model1_gather", cache=m1, indices=d.ints([[0, 5, -1], [7, 3, 40]]), page_size=P,
                   out=torch.empty((2, 3, R.ENTRY_DIM), dtype=torch.bfloat16, device=device), errors=d.errors()),
@@ -113,10 +119,11 @@ def samples(rng, device="cpu"):
 def _sparse_step(rng, device):
     """A DeepSeek-V4 sparse-attention step on the ecosystem layouts: the
     compressed entries and the window tokens into MODEL1 pages, the indexer
-    keys into both DeepGEMM layouts, the top-k bridge and the MODEL1 gather
+    keys into the three DeepGEMM layouts, the top-k bridge and the MODEL1 gather
     at its indices (what an engine without FlashMLA reads)."""
     d = _Data(rng, device)
-    caches = [d.cache("model1", 4), d.cache("model1", 2), d.cache("index_fp8", 4), d.cache("index_mxfp4", 4)]
+    caches = [d.cache("model1", 4), d.cache("model1", 2), d.cache("index_fp8", 4), d.cache("index_mxfp4", 4),
+              d.cache("index_mxfp8", 4)]
     errors = [d.errors() for _ in range(3)]
     ents, win, keys = d.rows(6, R.ENTRY_DIM, torch.bfloat16), d.rows(3, R.ENTRY_DIM), d.rows(6, R.INDEX_DIM)
     pages, offs = d.ints([3, 1, 3, 0, -1, 2]), d.ints([0, 2, 1, 3, 0, 9])       # offset 9: an error
@@ -132,11 +139,12 @@ def _sparse_step(rng, device):
     def step():
         for t in (*caches, *errors):
             t.zero_()
-        m1, mw, kf, k4 = caches
+        m1, mw, kf, k4, k8 = caches
         kvc.model1_store(m1, ents, pages, page_size=P, offsets=offs, errors=errors[0])
         kvc.model1_window_insert(mw, win, slot_mapping, page_size=P, errors=errors[0])
         kvc.index_fp8_store(kf, keys, pages, page_size=P, offsets=offs)
         kvc.index_mxfp4_store(k4, keys, pages, page_size=P, offsets=offs, errors=errors[1])
+        kvc.index_mxfp8_store(k8, keys, pages, page_size=P, offsets=offs, errors=errors[1])
         idx = kvc.topk_to_kvcache_indices(topk, table, page_size=P, num_pages=4, n_entries=n_entries,
                                           errors=errors[2])
         rows = kvc.model1_gather(m1, idx, page_size=P, errors=errors[2])

@@ -213,8 +213,8 @@ def samples(rng, device="cpu"):
     out["assign_pages"] = [
         _args("assign_pages", **P["csa"], slots=d.ints([1, 0, 0, 9]), blocks=d.ints([5, -1, 6, 7])),
         _args("assign_pages", **P["hca"], slots=d.ints([0]), blocks=d.ints([5]))]
-    # the pool's "model1" layout (MODEL1 pages; FP8 / MXFP4 indexer-key pages)
-    for il in ("fp8", "mxfp4"):
+    # the pool's "model1" layout (MODEL1 pages; FP8 / MXFP4 / MXFP8 indexer-key pages)
+    for il in ("fp8", "mxfp4", "mxfp8"):
         pm = _pools(d, layout="model1", index_layout=il)
         pm["csa"].prepare_step([1], [23])
         pm["hca"].prepare_step([0], [639])
@@ -394,10 +394,15 @@ def _prefill_step_model1(rng, device):
     return _prefill_step(rng, device, layout="model1", index_layout="mxfp4")
 
 
+def _prefill_step_mxfp8(rng, device):
+    return _prefill_step(rng, device, layout="model1", index_layout="mxfp8")
+
+
 def _decode_step_model1(rng, device):
     return _decode_step(rng, device, layout="model1")
 
 
 STEPS = [("kvcache_decode_step", _decode_step), ("kvcache_decode_step_model1", _decode_step_model1),
          ("kvcache_prefill_admission", _prefill_step),
-         ("kvcache_prefill_admission_model1", _prefill_step_model1)]
+         ("kvcache_prefill_admission_model1", _prefill_step_model1),
+         ("kvcache_prefill_admission_mxfp8", _prefill_step_mxfp8)]
