@@ -39,7 +39,7 @@ tensors, where every rawkv op runs its numpy reference, against the same
 torch step in float64; the first line says so (a few seconds in all). A
 size that does not fit the device (or the host) is refused before anything
 is allocated or compiled. On a GPU only the kernel instances the run
-launches are compiled (kernel_instances: 21 of rawkv's 373 on an H100 at
+launches are compiled (kernel_instances: 21 of rawkv's 385 on an H100 at
 the defaults), in parallel threads while the caches' rows are drawn, with a
 progress line when that takes more than a second.
 
