@@ -4,7 +4,8 @@ GPU tests take the `cuda` fixture (or use the `gpu` marker with it): they are
 skipped, with the reason, when torch has no CUDA device or CuPy / cuda-python
 is missing. Every test that takes `cuda` carries the `gpu` marker, so
 `pytest -m "not gpu"` runs the CPU tests only (README). Random tests take `rng`: a fresh seed each run, printed on failure
-so a failing case can be replayed with RAWKV_TEST_SEED=<seed>.
+so a failing case can be replayed with RAWKV_TEST_SEED=<seed>. A test that
+compiles with inductor takes `fresh_inductor`.
 """
 from __future__ import annotations
 
@@ -53,6 +54,26 @@ def pytest_collection_modifyitems(items):
     # a test marked `last` reads what the others recorded (the property tests'
     # calls, tests/guards/test_properties.py), wherever its file sorts
     items.sort(key=lambda item: item.get_closest_marker("last") is not None)
+
+
+def _has_cxx() -> bool:
+    import shutil
+    return any(shutil.which(c) for c in ("g++", "clang++", "c++"))
+
+
+@pytest.fixture
+def fresh_inductor():
+    """Inductor's CPU backend with its caches off, for a test that compiles
+    with it (tests/guards/test_dynamic_shapes.py, tests/kvcache/
+    test_compiled_rules.py): it compiles C++ (skipped where the machine has
+    no compiler), and a warm cache could hand back code compiled from an
+    identical graph before, so a test could pass without compiling (helper
+    99 saw it do so)."""
+    if not _has_cxx():
+        pytest.skip("inductor's CPU backend needs a C++ compiler (g++ / clang++ / c++ on PATH)")
+    import torch._inductor.config as config
+    with config.patch(force_disable_caches=True):
+        yield
 
 
 @pytest.fixture

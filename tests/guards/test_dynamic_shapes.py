@@ -105,24 +105,6 @@ def _decode_steps():
     return [(n, m) for n, m in steps() if n.startswith("kvcache_decode_step")]
 
 
-def _has_cxx() -> bool:
-    import shutil
-    return any(shutil.which(c) for c in ("g++", "clang++", "c++"))
-
-
-@pytest.fixture
-def fresh_inductor():
-    """Inductor's CPU backend with its caches off: it compiles C++ (skipped
-    where the machine has no compiler), and a warm cache could hand back
-    code compiled from an identical graph before, so a test could pass
-    without compiling (helper 99 saw it do so)."""
-    if not _has_cxx():
-        pytest.skip("inductor's CPU backend needs a C++ compiler (g++ / clang++ / c++ on PATH)")
-    import torch._inductor.config as config
-    with config.patch(force_disable_caches=True):
-        yield
-
-
 @pytest.mark.parametrize("name,make", _decode_steps(), ids=[n for n, _ in _decode_steps()])
 def test_kvcache_decode_steps_compile_with_inductor_dynamic(rng, name, make, fresh_inductor):
     """The demo's decode step (rawkv/demo.py: state_append, compress_decode,
