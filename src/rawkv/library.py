@@ -97,11 +97,27 @@ def _make_impl(decl: _opdecl.OpDecl):
     return env[decl.name]
 
 
+def _noting_copies(body):
+    """A KV-cache operator's kernel: its body, after recording the copies
+    torch made of the tensors a compiled graph writes when its
+    auto_functionalized runs the call (rawkv.kvcache.traced.note_copies:
+    the body's memory rules then decide on the tensors those copies stand
+    for, as eagerly). The public ops call the body itself, eagerly."""
+    from .kvcache.traced import call_noting_copies
+
+    def kernel(*args):
+        return call_noting_copies(body, args)
+    kernel.__name__ = kernel.__qualname__ = body.__name__
+    return kernel
+
+
 def _register(decl: _opdecl.OpDecl) -> None:
     _LIB.define(f"{decl.name}({decl.schema}) -> ()")
     # An op written with rawkv._op.op: its body takes the schema's arguments
     # positionally, defaults included, so it is the implementation itself.
     fn = decl.body if decl.body is not None else _make_impl(decl)
+    if decl.checks_only:
+        fn = _noting_copies(fn)
     for key in ("CPU", "CUDA"):
         _LIB.impl(decl.name, fn, key)
     torch.library.register_fake(f"{NAMESPACE}::{decl.name}", _make_fake(decl), lib=_LIB)

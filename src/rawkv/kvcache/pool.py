@@ -63,6 +63,7 @@ from __future__ import annotations
 import bisect
 import functools
 import sys
+import threading
 import weakref
 
 import numpy as np
@@ -134,6 +135,49 @@ def _index() -> dict:
     return _SPANS
 
 
+# Copies torch made of tensors a compiled graph writes (auto_functionalized,
+# where the graph does not write in place: backend="aot_eager"), recorded
+# by kvcache.traced.note_copies when a KV-cache operator runs on them:
+# [(space, first byte, end byte, alive, delta)]. While such an operator
+# runs (IN_COPIES.on, this thread), a span inside a live copy's bytes is
+# that of the tensor the copy stands for, `delta` bytes on (the first
+# operator's argument: a pool's or state's buffer, or an engine's own
+# tensor), so the rules below decide on what the eager call would pass
+# them (docs/kvcache.md, "The memory rules under torch.compile"); never
+# in an eager call. An entry is dropped once its copy (or the tensor it
+# stands for) is freed.
+COPIES: list = []
+IN_COPIES = threading.local()
+
+
+def copy_entry(sp):
+    """The COPIES entry of the live copy whose bytes hold the span `sp`
+    (A._span), None when it lies in none; entries found freed on the way
+    are dropped."""
+    for e in tuple(COPIES):
+        if not e[3]():
+            try:
+                COPIES.remove(e)
+            except ValueError:
+                pass
+        elif e[0] == sp[0] and e[1] <= sp[1] and sp[2] <= e[2]:
+            return e
+    return None
+
+
+def original_span(sp):
+    """The span (A._span) `sp` stands for: in a live recorded copy's bytes,
+    the same geometry `delta` bytes on, in the tensor the copy stands for;
+    else `sp` itself."""
+    if sp is None or not COPIES or not getattr(IN_COPIES, "on", False):
+        return sp
+    e = copy_entry(sp)
+    if e is None:
+        return sp
+    space, delta, g = sp[0], e[4], A._geometry(sp)
+    return space, sp[1] + delta, sp[2] + delta, sp[3], (space, g[1] + delta, *g[2:])
+
+
 def _row(sp):
     """(first byte, end, geometry, role, weak ref to the object) of the
     registered buffer the span `sp` (A._span) shares memory with, None
@@ -153,7 +197,7 @@ def _lookup(buf):
     shares memory with (whole: it is that buffer, its memory, shape and
     strides), None when it shares no byte with any (an engine's own buffer,
     a copy)."""
-    sp = A._span(buf)
+    sp = original_span(A._span(buf))
     row = None if sp is None else _row(sp)
     if row is None:
         return None
@@ -170,7 +214,7 @@ def placement(buf):
     byte from that buffer's first byte). The rules here decide on it and
     on buf's geometry, so a compiled call is guarded on it (kvcache.traced:
     a later call on memory placed otherwise is traced, and checked, again)."""
-    sp = A._span(buf)
+    sp = original_span(A._span(buf))
     row = None if sp is None else _row(sp)
     if row is None:
         return None

@@ -30,27 +30,45 @@ still the caller's tensor, a view of one, or memory the graph allocates:
   on the copies. dynamo's own guards cover shapes, strides, dtypes and
   which inputs share a storage.
 
-Rejected: checking when the op runs (the copies are all it gets; the
-originals are not reachable from it), and guarding a tensor's identity
-(a freed tensor's id is reused, and an engine's fresh `out=` each step
-would retrace every call).
+Rejected: checking only when the op runs (under inductor the copies it
+makes, and under every backend a buffer a torch op of the graph wrote,
+are all it gets; the originals are not reachable from it), and guarding
+a tensor's identity (a freed tensor's id is reused, and an engine's
+fresh `out=` each step would retrace every call).
+
+When the op runs under torch's auto_functionalized (aot_eager), the
+copies are reachable: its frame holds each copy beside the tensor it was
+made of. The kernel records them (note_copies, pool.COPIES), and while
+the body runs its registry lookups read a copy, or a copy an earlier
+operator of the graph wrote, as the tensor it stands for: the runtime
+rules then decide as eagerly. Before, they saw memory of nobody's there
+too, and refused what eager takes (the demo's decode step: compress_decode
+given state_append's copies of the decode states, "state: is not attached
+to this pool") or took what it refuses on a later call not traced again
+(a flush given another pool's `written`, which lies where the traced one
+did).
 
 A call is checked only when it writes a graph input's memory: aot's own
 trace of the graph passes the copies again (nothing to learn from them),
 and a call that writes only memory the graph allocates has no rule the
 copies hide. Not covered (docs/kvcache.md): a symbolic size without a
-hint (unbacked), and, on a later call, memory shared between two tensors
+hint (unbacked); on a later call, memory shared between two tensors
 that torch sees as separate storages of which neither lies in a pool's or
-state's buffer (two torch.from_numpy views of an engine's own array).
+state's buffer (two torch.from_numpy views of an engine's own array); and
+when the op runs, a pool's or state's buffer that a torch op of the graph
+(not a rawkv operator) wrote, or a copy inductor's code made, which is a
+buffer of torch's own there (docs/engines.md).
 """
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .. import _args as A
 from . import pool as _pool
 
 
@@ -102,6 +120,127 @@ def check(decl, args: tuple) -> None:
                 _guard(tx, ga)
             except _INTERNALS:
                 return
+
+
+def call_noting_copies(body, args):
+    """A KV-cache operator's kernel (rawkv.library): body(*args), its rules
+    deciding on the tensors torch's copies stand for when the call runs
+    under auto_functionalized (note_copies)."""
+    if not note_copies():
+        return body(*args)
+    flag = _pool.IN_COPIES
+    was = getattr(flag, "on", False)
+    flag.on = True
+    try:
+        return body(*args)
+    finally:
+        flag.on = was
+
+
+def note_copies() -> bool:
+    """Whether torch's auto_functionalized runs the calling operator (a
+    compiled graph that does not write in place: backend="aot_eager"); its
+    copies are then recorded. The arguments the operator writes are copies
+    torch just made of the graph's tensors, and an argument it only reads
+    may be such a copy an earlier operator of the graph wrote
+    (compress_decode reads the decode state state_append wrote). Each copy
+    is recorded with the tensor it stands for (pool.COPIES; a copy of a
+    copy with the first tensor), so the body's rules that find a tensor by
+    its memory (a pool's or state's buffers: pool._lookup, pool.placement)
+    decide on what the eager call passes them: before, the demo's decode
+    step was refused ("state: is not attached to this pool": compress_decode
+    saw state_append's copies, memory of no state), and a flush given
+    another pool's `written` (its copy) was taken. False outside
+    auto_functionalized (an eager call, inductor's code), and where torch's
+    internals differ (_INTERNALS): the rules then see what they are given,
+    as before."""
+    codes = _CODES or _af_codes()
+    if not codes:
+        return False            # (nothing functionalized in this process yet)
+    try:
+        pairs = _functional_copies(codes)
+    except (ValueError, *_INTERNALS):     # (ValueError: a stack shallower than the kernel's caller)
+        return False
+    if pairs is None:
+        return False
+    if _pool.COPIES:
+        _pool.COPIES[:] = [e for e in _pool.COPIES if e[3]()]     # (the copies freed since)
+    for orig, new in pairs:
+        _note(orig, new)
+    return True
+
+
+# the code objects of torch's auto_functionalized_v2_dense and
+# auto_functionalized_dense, once torch has imported their module
+_CODES: tuple = ()
+
+
+def _af_codes() -> tuple:
+    global _CODES
+    af = sys.modules.get("torch._higher_order_ops.auto_functionalize")
+    if af is None:
+        return ()
+    try:
+        _CODES = (af.auto_functionalized_v2_dense.__code__, af.auto_functionalized_dense.__code__)
+    except _INTERNALS:
+        _CODES = (None, None)       # (another torch: nothing recorded)
+    return _CODES
+
+
+def _functional_copies(codes) -> list:
+    """[(tensor, its copy)] of the auto_functionalized call that runs the
+    calling operator (its frame's originals and the copies it passes:
+    `_all_bases` / `all_bases_new` in auto_functionalized_v2_dense,
+    `kwargs` / `new_kwargs` in auto_functionalized_dense: torch 2.13's
+    names, read by name, so another torch's are a KeyError, _INTERNALS),
+    None when none does."""
+    v2, v1 = codes
+    f = sys._getframe(4)        # (note_copies, call_noting_copies, the kernel, then OpOverload.__call__)
+    for _ in range(3):
+        if f is None:
+            return None
+        c = f.f_code
+        if c is v2:
+            loc = f.f_locals
+            return list(zip(loc["_all_bases"], loc["all_bases_new"]))
+        if c is v1:
+            loc = f.f_locals
+            out = []
+            for name in loc["_mutable_args_names"]:
+                o, n = loc["kwargs"][name], loc["new_kwargs"][name]
+                out += zip(o, n) if isinstance(o, (list, tuple)) else [(o, n)]
+            return out
+        f = f.f_back
+    return None
+
+
+def _note(orig, new) -> None:
+    """Record `new`, torch's copy of `orig` (the same dtype, shape and
+    strides), as standing for orig's memory, or for what orig stands for
+    when orig is itself a recorded copy (an earlier operator's)."""
+    if orig is new or not isinstance(orig, torch.Tensor) or not isinstance(new, torch.Tensor):
+        return
+    if (orig.dtype != new.dtype or orig.shape != new.shape or orig.stride() != new.stride()
+            or orig.device != new.device):
+        return                  # (not a copy this can read as one: nothing recorded)
+    sn, so = A._span(new), A._span(orig)
+    if sn is None or so is None:
+        return                  # (empty: no memory to stand for)
+    delta, alive_orig = so[1] - sn[1], None
+    e = _pool.copy_entry(so) if _pool.COPIES else None
+    if e is not None:
+        delta, alive_orig = delta + e[4], e[3]
+    else:
+        alive_orig = _alive(orig)
+    alive_new = _alive(new)
+    _pool.COPIES.append((sn[0], sn[1], sn[2], lambda: alive_new() and alive_orig(), delta))
+
+
+def _alive(t):
+    """Whether t's storage is still alive (a weak reference: a freed copy's
+    bytes may be another tensor's)."""
+    ref = StorageWeakRef(t.untyped_storage())
+    return lambda: not ref.expired()
 
 
 def _tracer():
