@@ -11,7 +11,11 @@ call took what eager refuses: a store whose cache was pool.marks, a gather
 whose errors= lay in pool.request_ids, a flush into another pool's
 `written`. Each is now refused while dynamo traces, with the eager error,
 and a later call of the compiled function on other memory retraces
-(guards), so it is refused too. Nothing is written either way."""
+(guards), so it is refused too. Nothing is written either way. Under
+aot_eager the copies are read as the tensors they stand for when the
+operator runs (kvcache.traced.note_copies), so the demo's decode step,
+refused there before, runs as eagerly, and a later call not traced again
+is held to the eager rules."""
 
 from __future__ import annotations
 
@@ -135,7 +139,9 @@ def test_compiled_operator_over_two_pools_buffers_is_refused(rng):
     `written` (an engine's own buffer beside A's) and the flush raised B's
     entry counts from A's table. A compiled function traced on A's buffers
     whole and called with B's block table (read, not copied) refused
-    nothing either: the guards cover every tensor the op takes."""
+    nothing either: the guards cover every tensor the op takes. Called
+    with B's `written`, it is refused when it runs (the copy read as what
+    it stands for)."""
     a, b = _pool(), _pool()
     B = 2
     ents = _t(rng.standard_normal((B, ref.HEAD_DIM)).astype(np.float32)).bfloat16()
@@ -153,6 +159,14 @@ def test_compiled_operator_over_two_pools_buffers_is_refused(rng):
     step, counter = _compiled(flush)
     step(V.pool_args(a))                               # A's buffers whole: accepted
     assert counter.frame_count == 1 and a.read_errors() == 0
+    # then B's `written` (not traced again: it lies where A's did, in the
+    # same role): refused when it runs, where the operator gets torch's
+    # copy of it, which rawkv reads as B's `written` (kvcache.traced.
+    # note_copies). Before, the copy was an engine's own buffer and the
+    # flush raised B's entry counts from A's table.
+    with pytest.raises(ValueError, match="^" + match):
+        step(mixed)
+    assert counter.frame_count == 1
     other_table = {**V.pool_args(a), "block_table": V.pool_args(b)["block_table"]}
     # (not traced again: the guards look at where each input lies, not in
     # whose buffer; the call is refused when it runs, by the read arguments
@@ -209,11 +223,13 @@ def _bits(a):
     return a.contiguous().view(-1).view(torch.uint8).clone()
 
 
-@pytest.mark.parametrize("part", ["_inputs", "_real", "_guard"])
+@pytest.mark.parametrize("part", ["_inputs", "_real", "_guard", "_functional_copies"])
 def test_a_torch_with_other_dynamo_internals_still_compiles(monkeypatch, rng, part):
-    """Where dynamo's internals that rawkv.kvcache.traced reads differ (an
-    AttributeError there: another torch), a compiled KV-cache operator is
-    traced and runs as before, unchecked, instead of failing to compile."""
+    """Where torch's internals that rawkv.kvcache.traced reads differ (an
+    AttributeError there: another torch; dynamo's while it traces,
+    auto_functionalized's frame when the graph runs), a compiled KV-cache
+    operator is traced and runs as before, unchecked, instead of failing
+    to compile or to run."""
     from rawkv.kvcache import traced
 
     def broken(*a, **k):
@@ -254,3 +270,99 @@ def test_one_compiled_layer_over_many_pools_is_traced_once(rng):
             step(p, _t(rng.standard_normal((B, ref.HEAD_DIM)).astype(np.float32)).bfloat16())
     assert counter.frame_count == 1
     assert all((p.written[:2] == [1, 2]).all() and p.read_errors() == 0 for p in pools)
+
+
+def _demo(layout, seed):
+    from rawkv.demo import Decoder
+    dec = Decoder(np.random.default_rng(seed), [127, 134], 2, 8, 4, device="cpu", tensors=True, layout=layout)
+    dec.prefill()
+    dec.prepare(0)
+    return dec
+
+
+def _buffers(dec):
+    return [t for o in (*dec.pools.values(), *dec.states.values(), dec.istate)
+            for t in o.torch_buffers().values() if t is not None]
+
+
+@pytest.mark.parametrize("layout", ["rawkv", "model1"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_demo_decode_step_is_the_eager_step(request, rng, backend, dynamic, layout):
+    """The demo's decode step (rawkv.demo.Decoder.step: state_append,
+    compress_decode, csa_rotate, hca_reset, gather_topk, gather_dense_batch
+    on attached states, as the demo runs it, with no buffer written before
+    it) compiled with fullgraph=True gives the eager step's rows and leaves
+    the pools and states as the eager step does. Under aot_eager it was
+    refused when it ran: `state: is not attached to this pool`,
+    compress_decode's views seeing the copies torch made of the states for
+    state_append (memory of no state, beside the pool's own block table);
+    they are now read as the states' buffers (kvcache.traced.note_copies).
+    (tests/support/library_samples_kvcache.py's step first copies a
+    snapshot into every buffer, the block tables too, so its pools were
+    buffers of no pool there and its step passed.) No copy is held once
+    the step has run."""
+    if backend == "inductor":
+        request.getfixturevalue("fresh_inductor")      # (C++ compiled, caches off: tests/conftest.py)
+    from rawkv.kvcache import pool as P
+    seed = int(rng.integers(1 << 31))
+    dec, twin = _demo(layout, seed), _demo(layout, seed)
+    torch._dynamo.reset()
+    got = torch.compile(dec.step, backend=backend, fullgraph=True, dynamic=dynamic)()
+    want = twin.step()
+    assert len(got) == len(want) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(g, w) for g, w in zip(_buffers(dec), _buffers(twin)))
+    assert sum(x.read_errors() for x in (*dec.pools.values(), *dec.states.values(), dec.istate)) == 0
+    assert not [e for e in getattr(P, "COPIES", ()) if e[3]()]
+
+
+def _hca_layer(rng):
+    """An HCA pool with an attached decode state whose slot 0 holds m - 1
+    rows: appending one row completes the window, and compress_decode of
+    slot 0 at position m - 1 writes entry 0."""
+    p = kc.PagedKVPool("hca", 8, 4, 2, 4, device="cpu", layout="rawkv")
+    p.add_request(), p.add_request()
+    p.prepare_step([0, 1], [p.m - 1, p.m - 1])
+    st = kc.DecodeState("hca", 2, device="cpu")
+    p.attach(st)
+    rows = _t(rng.standard_normal((p.m - 1, st.width)).astype(np.float32))
+    kc.state_seed(st, 0, rows, rows)
+    p.operator_buffers(), st.operator_buffers()
+    return p, st
+
+
+def test_compiled_operator_decode_step_refuses_another_pools_state_when_it_runs(rng):
+    """The decode step on the operators (kv_state_append, then
+    kv_compress_decode reading the state it wrote) over a pool's and its
+    attached state's buffers, compiled with aot_eager: it writes entry 0
+    as eagerly (before, refused: `state: is not attached to this pool`,
+    the state's buffers being torch's copies). Called again with another
+    pool's buffers and the same state (not attached to that pool; not
+    traced again, every buffer lying where the traced one did, in its
+    role), it is refused when it runs, with the eager error, as compress_
+    decode gets the state's copies read as the state's buffers; that pool
+    is unchanged."""
+    (a, sa), (b, _) = _hca_layer(rng), _hca_layer(rng)
+    row = _t(rng.standard_normal((1, sa.width)).astype(np.float32))
+    one, slot = torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.int32)
+    pos, nw = torch.full((1,), a.m - 1, dtype=torch.int32), torch.ones(ref.HEAD_DIM)
+
+    def step(pool_args, st):
+        OPS.kv_state_append(**V.state_args(st), kv=row, z=row, valid_mask=one, slots=slot, ape=None)
+        OPS.kv_compress_decode(**pool_args, **V.state_args(st, counter=False),
+                               **V.state_args(None, prefix="index_", counter=False), norm_weight=nw,
+                               valid_mask=one, slots=slot, positions=pos, index_norm_weight=None,
+                               eps=ref.RMS_EPS, theta=ref.COMPRESS_ROPE_THETA, yarn=None)
+
+    compiled, counter = _compiled(step)
+    compiled(V.pool_args(a), sa)
+    assert a.written[0] == 1 and a.read_errors() == sa.read_errors() == 0
+    match = "state: is not attached to this pool"
+    twin_b, _ = _hca_layer(rng)
+    with pytest.raises(ValueError, match="^" + match):
+        step(V.pool_args(twin_b), sa)
+    before = {n: t.clone() for n, t in b.torch_buffers().items() if t is not None}
+    with pytest.raises(ValueError, match="^" + match):
+        compiled(V.pool_args(b), sa)
+    assert counter.frame_count == 1
+    assert all(torch.equal(t, before[n]) for n, t in b.torch_buffers().items() if t is not None)
