@@ -366,3 +366,37 @@ def test_compiled_operator_decode_step_refuses_another_pools_state_when_it_runs(
         compiled(V.pool_args(b), sa)
     assert counter.frame_count == 1
     assert all(torch.equal(t, before[n]) for n, t in b.torch_buffers().items() if t is not None)
+
+
+def test_compiled_state_written_by_two_operators_before_compress_decode(rng):
+    """kv_state_clear (another slot), then kv_state_append, then
+    kv_compress_decode reading the state: under aot_eager the state's
+    buffers reach compress_decode as the copy state_append made of
+    state_clear's copy, which the graph has freed by then; it stands for
+    the state's buffers all the same, and the step writes entry 0 as
+    eagerly (refused while a copy of a copy was tied to the first copy's
+    life: `state: is not attached to this pool`)."""
+    (a, sa), (b, sb) = _hca_layer(rng), _hca_layer(rng)
+    for o, t in zip((*b.torch_buffers().values(), *sb.torch_buffers().values()),
+                    (*a.torch_buffers().values(), *sa.torch_buffers().values())):
+        if o is not None:
+            o.copy_(t)              # (b, sb: a twin of a, sa for the eager step)
+    row = _t(rng.standard_normal((1, sa.width)).astype(np.float32))
+    one, slot, other = torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    pos, nw = torch.full((1,), a.m - 1, dtype=torch.int32), torch.ones(ref.HEAD_DIM)
+
+    def step(pool, st):
+        OPS.kv_state_clear(**V.state_args(st), valid_mask=None, slots=other)
+        OPS.kv_state_append(**V.state_args(st), kv=row, z=row, valid_mask=one, slots=slot, ape=None)
+        OPS.kv_compress_decode(**V.pool_args(pool), **V.state_args(st, counter=False),
+                               **V.state_args(None, prefix="index_", counter=False), norm_weight=nw,
+                               valid_mask=one, slots=slot, positions=pos, index_norm_weight=None,
+                               eps=ref.RMS_EPS, theta=ref.COMPRESS_ROPE_THETA, yarn=None)
+
+    compiled, _ = _compiled(step)
+    compiled(a, sa)
+    step(b, sb)
+    assert a.written[0] == 1 and a.read_errors() == sa.read_errors() == 0
+    for x, y in ((a, b), (sa, sb)):
+        for n, t in x.torch_buffers().items():
+            assert t is None or torch.equal(t, y.torch_buffers()[n]), n

@@ -138,14 +138,15 @@ def _index() -> dict:
 # Copies torch made of tensors a compiled graph writes (auto_functionalized,
 # where the graph does not write in place: backend="aot_eager"), recorded
 # by kvcache.traced.note_copies when a KV-cache operator runs on them:
-# [(space, first byte, end byte, alive, delta)]. While such an operator
-# runs (IN_COPIES.on, this thread), a span inside a live copy's bytes is
-# that of the tensor the copy stands for, `delta` bytes on (the first
-# operator's argument: a pool's or state's buffer, or an engine's own
-# tensor), so the rules below decide on what the eager call would pass
-# them (docs/kvcache.md, "The memory rules under torch.compile"); never
-# in an eager call. An entry is dropped once its copy (or the tensor it
-# stands for) is freed.
+# [(space, first byte, end byte, alive, delta, root)], alive() while the
+# copy and the tensor it stands for are (root(): the latter). While such
+# an operator runs (IN_COPIES.on, this thread), a span inside a live
+# copy's bytes is that of the tensor the copy stands for, `delta` bytes
+# on (the first operator's argument: a pool's or state's buffer, or an
+# engine's own tensor), so the rules below decide on what the eager call
+# would pass them (docs/kvcache.md, "The memory rules under
+# torch.compile"); never in an eager call. An entry is dropped once it is
+# not alive.
 COPIES: list = []
 IN_COPIES = threading.local()
 

@@ -226,14 +226,16 @@ def _note(orig, new) -> None:
     sn, so = A._span(new), A._span(orig)
     if sn is None or so is None:
         return                  # (empty: no memory to stand for)
-    delta, alive_orig = so[1] - sn[1], None
+    delta = so[1] - sn[1]
     e = _pool.copy_entry(so) if _pool.COPIES else None
     if e is not None:
-        delta, alive_orig = delta + e[4], e[3]
+        # (orig is an earlier copy: new stands for what it stands for,
+        # which outlives it; the graph frees orig once new is made)
+        delta, root = delta + e[4], e[5]
     else:
-        alive_orig = _alive(orig)
-    alive_new = _alive(new)
-    _pool.COPIES.append((sn[0], sn[1], sn[2], lambda: alive_new() and alive_orig(), delta))
+        root = _alive(orig)
+    copy = _alive(new)
+    _pool.COPIES.append((sn[0], sn[1], sn[2], lambda: copy() and root(), delta, root))
 
 
 def _alive(t):
