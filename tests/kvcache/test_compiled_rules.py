@@ -400,3 +400,32 @@ def test_compiled_state_written_by_two_operators_before_compress_decode(rng):
     for x, y in ((a, b), (sa, sb)):
         for n, t in x.torch_buffers().items():
             assert t is None or torch.equal(t, y.torch_buffers()[n]), n
+
+
+def test_a_compiled_step_is_not_compiled_again_when_another_pool_is_built_or_dropped(rng):
+    """The demo's decode step compiled once keeps serving after an unrelated
+    pool and decode state are built and dropped. Before, the rules' test
+    of whether an object owns its buffers (pool.own_allocations) read
+    `obj in _OBJECTS`, a WeakSet of every live pool and state, which dynamo
+    traced: its guards held the set's length and each member by position,
+    so any pool built or collected anywhere compiled every step again, and
+    one collected while a compile built its guards failed that compile
+    (IndexError: list index out of range; seen in the full suite)."""
+    import gc
+    from torch._dynamo.testing import CompileCounter
+    seed = int(rng.integers(1 << 31))
+    dec = _demo("rawkv", seed)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    step = torch.compile(dec.step, backend=counter, fullgraph=True)
+    step()
+    assert counter.frame_count == 1
+    other = kc.PagedKVPool("hca", 4, 8, 2, 2, device="cpu")
+    state = kc.DecodeState("hca", 2, device="cpu")
+    dec.prepare(1)
+    step()
+    assert counter.frame_count == 1, "compiled again after another pool was built"
+    del other, state
+    gc.collect()
+    step()
+    assert counter.frame_count == 1, "compiled again after another pool was built or dropped"

@@ -110,6 +110,12 @@ def register_buffers(obj) -> None:
     """Record obj (a pool or decode state) so views find its buffers
     (_registered: its BUFFERS that are not None, by their memory)."""
     _OBJECTS.add(obj)
+    # (own_allocations reads this flag, not `obj in _OBJECTS`: under
+    # torch.compile dynamo traced the WeakSet's __contains__ and guarded on
+    # its length and each member by position, so creating or dropping any
+    # pool or state recompiled every compiled step, and a member collected
+    # while a compile built its guards failed it with an IndexError)
+    object.__setattr__(obj, "_registered_object", True)
     _STALE[0] = True
 
 
@@ -249,7 +255,7 @@ def own_allocations(obj) -> bool:
     (obj is one, or a view over one: check_one_owner found it), which lie
     apart from any other object's; False for a view over an engine's own
     buffers, which may lie anywhere."""
-    return obj in _OBJECTS or obj._owner is not None
+    return getattr(obj, "_registered_object", False) or obj._owner is not None
 
 
 def check_not_anothers(outputs, obj=None) -> None:
