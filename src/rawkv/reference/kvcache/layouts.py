@@ -410,67 +410,69 @@ def page_read(layout: SplitLayout, cache, page_size: int, slots):
     return data, scales, ok, errors
 
 
+def layout_write(layout: SplitLayout, cache, page_size: int, rows, slots, offsets=None) -> int:
+    """Quantize rows (records) into `layout`'s pages at their slots (slot
+    mapping, or pages + offsets: locate); returns the rows skipped and
+    counted. Every layout's write is this."""
+    return page_write(layout, cache, page_size, *records(layout, rows), slots, offsets)
+
+
+def layout_gather(layout: SplitLayout, cache, page_size: int, slots, dtype: str):
+    """`layout`'s rows at slot ids / indices (any shape; -1 = none) ->
+    (rows (..., dim) of `dtype`, errors): -1 gives a zero row, not counted;
+    an id outside the pages a zero row, counted (decode_records decodes)."""
+    data, scales, ok, errors = page_read(layout, cache, page_size, slots)
+    rows = decode_records(layout, data, scales, dtype)
+    rows[~ok] = 0
+    return rows, errors
+
+
 def model1_write(cache, page_size: int, entries, slots, offsets=None) -> int:
     """Quantize entries (N, 512) into MODEL1 pages at their slots (slot
     mapping, or pages + offsets: locate). The window insert is this with
     the tokens' slot mapping. Returns the rows skipped and counted."""
-    data, scales = model1_quantize(entries)
-    return page_write(MODEL1, cache, page_size, data, scales, slots, offsets)
+    return layout_write(MODEL1, cache, page_size, entries, slots, offsets)
 
 
 def model1_gather(cache, page_size: int, indices, dtype: str = "bfloat16"):
     """MODEL1 records at FlashMLA indices (any shape; page * P + offset,
     -1 = none) -> (rows (..., 512) of `dtype`, errors): -1 gives a zero row,
     not counted; an index outside [0, num_pages * P) a zero row, counted."""
-    data, scales, ok, errors = page_read(MODEL1, cache, page_size, indices)
-    rows = model1_dequantize(data, scales, dtype)
-    rows[~ok] = 0
-    return rows, errors
+    return layout_gather(MODEL1, cache, page_size, indices, dtype)
 
 
 def index_fp8_write(cache, page_size: int, keys, slots, offsets=None) -> int:
-    """Quantize keys (N, 128) into FP8 indexer pages (DeepGEMM SM90 paged
-    layout); returns the rows skipped and counted."""
-    return page_write(INDEX_FP8, cache, page_size, *records(INDEX_FP8, keys), slots, offsets)
+    """Quantize keys (N, 128) into FP8 indexer pages (DeepGEMM paged FP8,
+    SM90 and SM100); returns the rows skipped and counted."""
+    return layout_write(INDEX_FP8, cache, page_size, keys, slots, offsets)
 
 
 def index_fp8_gather(cache, page_size: int, slots, dtype: str = "float32"):
     """FP8 indexer keys at slot ids (any shape) -> (keys (..., 128), errors)."""
-    codes, sb, ok, errors = page_read(INDEX_FP8, cache, page_size, slots)
-    keys = decode_records(INDEX_FP8, codes, sb, dtype)
-    keys[~ok] = 0
-    return keys, errors
+    return layout_gather(INDEX_FP8, cache, page_size, slots, dtype)
 
 
 def index_mxfp4_write(cache, page_size: int, keys, slots, offsets=None) -> int:
     """Quantize keys (N, 128) into MXFP4 indexer pages (DeepGEMM SM100 paged
     layout, scales packed in one int32); returns the rows skipped and counted."""
-    codes, scales = index_mxfp4_quantize(keys)
-    return page_write(INDEX_MXFP4, cache, page_size, codes, scales, slots, offsets)
+    return layout_write(INDEX_MXFP4, cache, page_size, keys, slots, offsets)
 
 
 def index_mxfp4_gather(cache, page_size: int, slots, dtype: str = "float32"):
     """MXFP4 indexer keys at slot ids (any shape) -> (keys (..., 128), errors)."""
-    codes, scales, ok, errors = page_read(INDEX_MXFP4, cache, page_size, slots)
-    keys = index_mxfp4_dequantize(codes, scales, dtype)
-    keys[~ok] = 0
-    return keys, errors
+    return layout_gather(INDEX_MXFP4, cache, page_size, slots, dtype)
 
 
 def index_mxfp8_write(cache, page_size: int, keys, slots, offsets=None) -> int:
     """Quantize keys (N, 128) into MXFP8 indexer pages (DeepGEMM SM100 paged
     layout with UE8M0 scales packed in one int32, the page padded to a
     multiple of 512 bytes); returns the rows skipped and counted."""
-    codes, scales = index_mxfp8_quantize(keys)
-    return page_write(INDEX_MXFP8, cache, page_size, codes, scales, slots, offsets)
+    return layout_write(INDEX_MXFP8, cache, page_size, keys, slots, offsets)
 
 
 def index_mxfp8_gather(cache, page_size: int, slots, dtype: str = "float32"):
     """MXFP8 indexer keys at slot ids (any shape) -> (keys (..., 128), errors)."""
-    codes, scales, ok, errors = page_read(INDEX_MXFP8, cache, page_size, slots)
-    keys = index_mxfp8_dequantize(codes, scales, dtype)
-    keys[~ok] = 0
-    return keys, errors
+    return layout_gather(INDEX_MXFP8, cache, page_size, slots, dtype)
 
 
 # ---------------------------------------------------------------------------
